@@ -1,0 +1,299 @@
+"""The cpu backend: convolutions as BLAS GEMMs over a row-lowered, channels-last input.
+
+Plain im2col copies every input value kh*kw times and then runs one GEMM. Here the input is
+lowered only along the width (each position keeps its kw neighbouring columns, kw times the
+input instead of kh*kw times), and the kh kernel rows become kh GEMMs that accumulate into the
+same output with BLAS's ``beta = 1``. A lowered row block shifted by one image row is again a
+contiguous matrix, so no GEMM operand is ever copied. The images of a chunk are stacked along
+the height with ``max(pad_top, pad_bottom)`` zero rows between them, so one GEMM covers the
+whole chunk; the output rows that fall in those gaps are computed and discarded (for 16x16
+images with 5x5 'same' kernels that is 2 rows in 18).
+
+Layers with few input channels (the first layer of a CNN: 3 channels) lower fully instead
+(classic im2col, kh*kw copies), because a GEMM with 15 terms per dot product is inefficient.
+
+All three operations use the same lowered layout, so they share one plan per geometry.
+Scratch memory is bounded: a batch is processed in chunks of images whose buffers fit
+``scratch_bytes`` (at least one image per chunk).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+from scipy.linalg import blas
+
+from .base import Backend, ConvShape, DeviceInfo
+
+DEFAULT_SCRATCH_BYTES = 256 * 2**20
+# Below this many values per GEMM term group (kw * C) the full im2col lowering is used.
+_FULL_LOWERING_BELOW = 64
+
+
+def _gemm(
+    a: np.ndarray,
+    b: np.ndarray,
+    out: np.ndarray,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    beta: float = 0.0,
+) -> None:
+    """``out = op(a) @ op(b) + beta * out`` in place, for C-contiguous float32 2-D arrays.
+
+    BLAS is column-major: a C-ordered matrix is the Fortran-ordered transpose, so
+    ``out.T = op(b).T @ op(a).T`` is what is handed to sgemm; no operand is copied.
+    """
+    result = blas.sgemm(
+        1.0, b.T, a.T, beta=beta, c=out.T, trans_a=trans_b, trans_b=trans_a, overwrite_c=1
+    )
+    if result.ctypes.data != out.ctypes.data:  # pragma: no cover - only if scipy copied
+        np.copyto(out, result.T)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The lowered layout of one chunk of ``images`` images of a convolution geometry."""
+
+    shape: ConvShape
+    images: int
+    rows_per_group: int  # L: kernel rows folded into one GEMM (1, or kh for full im2col)
+
+    @property
+    def groups(self) -> int:
+        return self.shape.kh // self.rows_per_group
+
+    @property
+    def gap(self) -> int:
+        return max(self.shape.padding.top, self.shape.padding.bottom)
+
+    @property
+    def block_rows(self) -> int:  # rows one stacked image occupies, gap included
+        return self.shape.h + self.gap
+
+    @property
+    def out_rows(self) -> int:  # output rows of the stacked chunk, gaps included
+        return (self.images - 1) * self.block_rows + self.shape.out_hw[0]
+
+    @property
+    def in_rows(self) -> int:
+        return self.out_rows + self.shape.kh - 1
+
+    @property
+    def lowered_rows(self) -> int:
+        return self.in_rows - self.rows_per_group + 1
+
+    @property
+    def padded_width(self) -> int:
+        p = self.shape.padding
+        return self.shape.w + p.left + p.right
+
+    @property
+    def terms(self) -> int:  # inner GEMM dimension: L * kw * C
+        return self.rows_per_group * self.shape.kw * self.shape.c
+
+    @property
+    def positions(self) -> int:  # GEMM rows: output positions of the chunk, gaps included
+        return self.out_rows * self.shape.out_hw[1]
+
+    def scratch_bytes(self) -> int:
+        s = self.shape
+        padded = self.in_rows * self.padded_width * s.c
+        lowered = self.lowered_rows * s.out_hw[1] * self.terms
+        output = s.k * self.positions
+        return 4 * (2 * padded + lowered + output)
+
+
+@lru_cache(maxsize=256)
+def _plan(shape: ConvShape, scratch_bytes: int) -> _Plan:
+    rows_per_group = shape.kh if shape.kw * shape.c < _FULL_LOWERING_BELOW else 1
+    images = shape.n
+    plan = _Plan(shape, images, rows_per_group)
+    while images > 1 and plan.scratch_bytes() > scratch_bytes:
+        images = max(1, images * scratch_bytes // plan.scratch_bytes())
+        plan = _Plan(shape, images, rows_per_group)
+    return plan
+
+
+class _Scratch(threading.local):
+    """Per-thread reusable buffers: re-faulting fresh pages costs as much as a lowering copy."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], zero: bool = False) -> np.ndarray:
+        size = int(np.prod(shape))
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < size:
+            buf = np.empty(size, np.float32)
+            self.buffers[name] = buf
+        view = buf[:size].reshape(shape)
+        if zero:
+            view.fill(0.0)
+        return view
+
+
+class CpuBackend(Backend):
+    """Convolutions on the host CPU with BLAS (see the module docstring for the method).
+
+    Args:
+        scratch_bytes: upper bound on the scratch buffers one call keeps per thread.
+    """
+
+    name = "cpu"
+
+    def __init__(self, scratch_bytes: int = DEFAULT_SCRATCH_BYTES):
+        if scratch_bytes < 1:
+            raise ValueError(f"scratch_bytes must be positive, got {scratch_bytes}")
+        self.scratch_bytes = int(scratch_bytes)
+        self._scratch = _Scratch()
+
+    def describe(self) -> DeviceInfo:
+        return DeviceInfo(
+            backend=self.name,
+            kind="cpu",
+            name=_cpu_model(),
+            memory_bytes=_physical_memory(),
+            cores=os.cpu_count() or 1,
+        )
+
+    # -- shared steps ------------------------------------------------------------------------
+
+    def _lower(self, plan: _Plan, x: np.ndarray, first: int, count: int) -> np.ndarray:
+        """Stack images ``first .. first+count-1`` and lower them: (lowered_rows, Wo * terms)."""
+        s = plan.shape
+        p = s.padding
+        padded = self._scratch.get("padded", (plan.in_rows, plan.padded_width, s.c), zero=True)
+        for i in range(count):
+            top = i * plan.block_rows + p.top
+            padded[top : top + s.h, p.left : p.left + s.w] = x[first + i].transpose(1, 2, 0)
+        lowered = self._scratch.get(
+            "lowered", (plan.lowered_rows, s.out_hw[1], plan.rows_per_group, s.kw, s.c)
+        )
+        windows = sliding_window_view(padded, (plan.rows_per_group, s.kw), axis=(0, 1))
+        # windows: (rows, Wo, C, L, kw) -> lowered order (rows, Wo, L, kw, C)
+        np.copyto(lowered, windows.transpose(0, 1, 3, 4, 2))
+        return lowered.reshape(plan.lowered_rows, s.out_hw[1] * plan.terms)
+
+    def _group_rows(self, plan: _Plan, lowered: np.ndarray, group: int) -> np.ndarray:
+        """The (positions, terms) GEMM operand of kernel-row group ``group``."""
+        start = group * plan.rows_per_group
+        return lowered[start : start + plan.out_rows].reshape(plan.positions, plan.terms)
+
+    def _grouped_kernels(self, plan: _Plan, w: np.ndarray) -> np.ndarray:
+        """Kernels as (groups, K, L*kw*C) matching the lowered column order."""
+        s = plan.shape
+        taps = plan.rows_per_group * s.kw
+        flat = w.reshape(s.k, s.c, s.kh * s.kw)
+        grouped = self._scratch.get("kernels", (plan.groups, s.k, taps, s.c))
+        for g in range(plan.groups):
+            np.copyto(grouped[g], flat[:, :, g * taps : (g + 1) * taps].transpose(0, 2, 1))
+        return grouped.reshape(plan.groups, s.k, plan.terms)
+
+    def _stack_output_grad(self, plan: _Plan, dy: np.ndarray, first: int, count: int):
+        """dy of a chunk as (K, positions) with zeros in the gap rows."""
+        s = plan.shape
+        ho, wo = s.out_hw
+        stacked = self._scratch.get("dy", (s.k, plan.positions), zero=True)
+        block = plan.block_rows * wo
+        for i in range(count):
+            stacked[:, i * block : i * block + ho * wo] = dy[first + i].reshape(s.k, ho * wo)
+        return stacked
+
+    def _chunks(self, plan: _Plan):
+        for first in range(0, plan.shape.n, plan.images):
+            count = min(plan.images, plan.shape.n - first)
+            chunk = plan if count == plan.images else _Plan(plan.shape, count, plan.rows_per_group)
+            yield chunk, first, count
+
+    # -- the three operations ----------------------------------------------------------------
+
+    def _forward(self, x, w, b, shape):
+        ho, wo = shape.out_hw
+        plan = _plan(shape, self.scratch_bytes)
+        kernels = self._grouped_kernels(plan, w)
+        y = np.empty((shape.n, shape.k, ho, wo), np.float32)
+        for chunk, first, count in self._chunks(plan):
+            lowered = self._lower(chunk, x, first, count)
+            out = self._scratch.get("out", (shape.k, chunk.positions))
+            for g in range(chunk.groups):
+                rows = self._group_rows(chunk, lowered, g)
+                _gemm(kernels[g], rows, out, trans_b=True, beta=0.0 if g == 0 else 1.0)
+            block = chunk.block_rows * wo
+            for i in range(count):
+                image = out[:, i * block : i * block + ho * wo].reshape(shape.k, ho, wo)
+                if b is None:
+                    y[first + i] = image
+                else:
+                    np.add(image, b[:, None, None], out=y[first + i])
+        return y
+
+    def _grad_kernels(self, x, dy, shape):
+        plan = _plan(shape, self.scratch_bytes)
+        taps = plan.rows_per_group * shape.kw
+        grouped = np.empty((plan.groups, shape.k, plan.terms), np.float32)
+        for index, (chunk, first, count) in enumerate(self._chunks(plan)):
+            lowered = self._lower(chunk, x, first, count)
+            stacked = self._stack_output_grad(chunk, dy, first, count)
+            for g in range(chunk.groups):
+                rows = self._group_rows(chunk, lowered, g)
+                _gemm(stacked, rows, grouped[g], beta=0.0 if index == 0 else 1.0)
+        dw = np.empty((shape.k, shape.c, shape.kh * shape.kw), np.float32)
+        grouped = grouped.reshape(plan.groups, shape.k, taps, shape.c)
+        for g in range(plan.groups):
+            np.copyto(dw[:, :, g * taps : (g + 1) * taps], grouped[g].transpose(0, 2, 1))
+        db = dy.sum(axis=(0, 2, 3), dtype=np.float32)
+        return dw.reshape(shape.k, shape.c, shape.kh, shape.kw), db
+
+    def _grad_input(self, dy, w, shape):
+        plan = _plan(shape, self.scratch_bytes)
+        p = shape.padding
+        wo = shape.out_hw[1]
+        kernels = self._grouped_kernels(plan, w)
+        dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
+        for chunk, first, count in self._chunks(plan):
+            stacked = self._stack_output_grad(chunk, dy, first, count)
+            lowered = self._scratch.get(
+                "lowered",
+                (chunk.lowered_rows, wo, chunk.rows_per_group, shape.kw, shape.c),
+                zero=True,
+            )
+            flat = lowered.reshape(chunk.lowered_rows, wo * chunk.terms)
+            for g in range(chunk.groups):
+                _gemm(stacked, kernels[g], self._group_rows(chunk, flat, g), True, False, 1.0)
+            # Fold the lowered gradient back onto the padded image (col2im, L*kw adds).
+            padded = self._scratch.get(
+                "padded", (chunk.in_rows, chunk.padded_width, shape.c), zero=True
+            )
+            for row in range(chunk.rows_per_group):
+                for col in range(shape.kw):
+                    padded[row : row + chunk.lowered_rows, col : col + wo] += lowered[
+                        :, :, row, col
+                    ]
+            for i in range(count):
+                top = i * chunk.block_rows + p.top
+                image = padded[top : top + shape.h, p.left : p.left + shape.w]
+                dx[first + i] = image.transpose(2, 0, 1)
+        return dx
+
+
+def _cpu_model() -> str:
+    cpuinfo = "/proc/cpuinfo"
+    if os.path.exists(cpuinfo):
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # Windows has no sysconf
+        return 0

@@ -1,0 +1,1 @@
+"""The coordinator: the training loop today; the worker pool, probing and dispatch build on it."""

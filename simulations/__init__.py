@@ -1,0 +1,1 @@
+"""Cluster simulator: predicts step time of larger clusters from measured speeds and bandwidth."""

@@ -1,0 +1,255 @@
+"""Tests for hetconv.data: CIFAR-10 loading, synthetic data, batching and epoch order."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetconv.data import (
+    CIFAR_MEAN,
+    CIFAR_STD,
+    DatasetError,
+    ImageDataset,
+    epoch_order,
+    load_cifar10,
+    synthetic_cifar,
+)
+
+TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
+
+
+def _official_batch(n: int, seed: int, label: bytes = b"training batch") -> dict:
+    """A batch dict in the official CIFAR-10 python-version layout."""
+    rng = np.random.default_rng(seed)
+    return {
+        b"batch_label": label,
+        b"labels": [int(v) for v in rng.integers(0, 10, size=n)],
+        b"data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
+        b"filenames": [f"img_{seed}_{i}.png".encode() for i in range(n)],
+    }
+
+
+def _write(path: Path, obj: object) -> None:
+    with path.open("wb") as f:
+        pickle.dump(obj, f, protocol=2)
+
+
+def _write_cifar(folder: Path, n_per_batch: int = 4) -> dict[str, dict]:
+    folder.mkdir(parents=True, exist_ok=True)
+    batches = {name: _official_batch(n_per_batch, i) for i, name in enumerate(TRAIN_FILES)}
+    batches["test_batch"] = _official_batch(3, 99, b"testing batch 1 of 1")
+    for name, batch in batches.items():
+        _write(folder / name, batch)
+    return batches
+
+
+# ---------------------------------------------------------------------------- CIFAR-10 loading
+
+
+def test_load_train_round_trip(tmp_path: Path) -> None:
+    batches = _write_cifar(tmp_path)
+    ds = load_cifar10(tmp_path, "train")
+    assert len(ds) == 20 and ds.num_classes == 10
+    assert ds.images.dtype == np.uint8 and ds.images.shape == (20, 3, 32, 32)
+    assert ds.images.flags.c_contiguous
+    assert ds.labels.dtype == np.int64 and ds.labels.shape == (20,)
+    expected_labels = sum((batches[f][b"labels"] for f in TRAIN_FILES), [])
+    np.testing.assert_array_equal(ds.labels, expected_labels)
+
+    # Pixel ordering: row = 1024 R, 1024 G, 1024 B, each 32x32 row-major.
+    data = batches["data_batch_3"][b"data"]
+    i, y, x = 1, 7, 19
+    row = data[i]
+    j = 2 * 4 + i  # batches 1 and 2 come first, 4 images each
+    for c in range(3):
+        assert ds.images[j, c, y, x] == row[c * 1024 + y * 32 + x]
+    all_data = np.concatenate([batches[f][b"data"] for f in TRAIN_FILES])
+    np.testing.assert_array_equal(ds.images.reshape(20, -1), all_data)
+
+
+def test_load_test_split_and_parent_folder(tmp_path: Path) -> None:
+    batches = _write_cifar(tmp_path / "cifar-10-batches-py")
+    ds = load_cifar10(str(tmp_path), split="test")
+    assert len(ds) == 3
+    np.testing.assert_array_equal(ds.labels, batches["test_batch"][b"labels"])
+    np.testing.assert_array_equal(ds.images.reshape(3, -1), batches["test_batch"][b"data"])
+    assert len(load_cifar10(tmp_path)) == 20
+
+
+def test_missing_dir_and_files(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_cifar10(tmp_path / "nope")
+    _write_cifar(tmp_path)
+    (tmp_path / "data_batch_2").unlink()
+    (tmp_path / "data_batch_5").unlink()
+    with pytest.raises(DatasetError, match="data_batch_2, data_batch_5"):
+        load_cifar10(tmp_path)
+    with pytest.raises(DatasetError, match="test_batch"):
+        (tmp_path / "test_batch").unlink()
+        load_cifar10(tmp_path, "test")
+
+
+def test_bad_split(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'validation'"):
+        load_cifar10(tmp_path, "validation")
+
+
+def _corrupt(tmp_path: Path, obj: object) -> None:
+    _write_cifar(tmp_path)
+    _write(tmp_path / "data_batch_4", obj)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b.pop(b"labels"), "missing key"),
+        (lambda b: b.pop(b"data"), "missing key"),
+        (lambda b: b.__setitem__(b"data", b[b"data"].astype(np.int32)), "uint8"),
+        (lambda b: b.__setitem__(b"data", b[b"data"][:, :3000]), r"\(N, 3072\)"),
+        (lambda b: b.__setitem__(b"data", b[b"data"].reshape(4, 3, 32, 32)), r"\(N, 3072\)"),
+        (lambda b: b.__setitem__(b"labels", b[b"labels"][:-1]), "3 labels for 4 images"),
+        (lambda b: b.__setitem__(b"labels", [0, 1, 10, 2]), r"0\.\.9"),
+        (lambda b: b.__setitem__(b"labels", [0, -1, 3, 2]), r"0\.\.9"),
+        (lambda b: b.__setitem__(b"labels", ["a", "b", "c", "d"]), "list of ints"),
+    ],
+)
+def test_malformed_batch(tmp_path: Path, mutate, message: str) -> None:
+    batch = _official_batch(4, 3)
+    mutate(batch)
+    _corrupt(tmp_path, batch)
+    with pytest.raises(DatasetError, match=message) as info:
+        load_cifar10(tmp_path)
+    assert "data_batch_4" in str(info.value)
+
+
+def test_not_a_dict(tmp_path: Path) -> None:
+    _corrupt(tmp_path, [1, 2, 3])
+    with pytest.raises(DatasetError, match="data_batch_4.*dict"):
+        load_cifar10(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"this is not a pickle", b"", b"\x80\x02}q\x00(X"])
+def test_garbage_bytes(tmp_path: Path, content: bytes) -> None:
+    _write_cifar(tmp_path)
+    (tmp_path / "data_batch_1").write_bytes(content)
+    with pytest.raises(DatasetError, match="data_batch_1.*unpickle"):
+        load_cifar10(tmp_path)
+
+
+# ---------------------------------------------------------------------------- ImageDataset
+
+
+def test_batch_normalisation() -> None:
+    images = np.zeros((3, 3, 32, 32), dtype=np.uint8)
+    images[0] = 255
+    images[1, 0, 0, 0], images[1, 1, 5, 6], images[1, 2, 31, 31] = 10, 128, 200
+    ds = ImageDataset(images, np.array([2, 0, 1], dtype=np.int64))
+    x, y = ds.batch(np.array([1, 0]))
+    assert x.dtype == np.float32 and x.shape == (2, 3, 32, 32) and x.flags.c_contiguous
+    assert y.dtype == np.int64
+    np.testing.assert_array_equal(y, [0, 2])
+    mean, std = np.float32(CIFAR_MEAN), np.float32(CIFAR_STD)
+    for c in range(3):
+        expected_white = (np.float32(1.0) - mean[c]) / std[c]
+        assert np.all(x[1, c] == expected_white)
+    expected = (np.float32(128) / np.float32(255) - mean[1]) / std[1]
+    assert x[0, 1, 5, 6] == expected
+    assert x[0, 0, 0, 0] == (np.float32(10) / np.float32(255) - mean[0]) / std[0]
+    assert x[0, 2, 0, 0] == -mean[2] / std[2]
+    assert np.isclose(x[0, 2, 31, 31], (200 / 255 - CIFAR_MEAN[2]) / CIFAR_STD[2], atol=1e-6)
+
+    empty_x, empty_y = ds.batch(np.array([], dtype=np.int64))
+    assert empty_x.shape == (0, 3, 32, 32) and empty_y.shape == (0,)
+    with pytest.raises(IndexError, match="3"):
+        ds.batch(np.array([3]))
+    with pytest.raises(ValueError, match="integer"):
+        ds.batch(np.array([0.0, 1.0]))
+
+
+def test_split_and_validation() -> None:
+    ds = synthetic_cifar(10, seed=3)
+    a, b = ds.split(7)
+    assert (len(a), len(b)) == (7, 3)
+    np.testing.assert_array_equal(np.concatenate([a.images, b.images]), ds.images)
+    np.testing.assert_array_equal(np.concatenate([a.labels, b.labels]), ds.labels)
+    assert len(ds.split(0)[0]) == 0 and len(ds.split(10)[1]) == 0
+    with pytest.raises(ValueError, match="11"):
+        ds.split(11)
+    with pytest.raises(ValueError, match="uint8"):
+        ImageDataset(np.zeros((1, 3, 32, 32), np.float32), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match=r"\(1, 32, 32, 3\)"):
+        ImageDataset(np.zeros((1, 32, 32, 3), np.uint8), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match=r"0\.\.9"):
+        ImageDataset(np.zeros((1, 3, 32, 32), np.uint8), np.array([10], np.int64))
+
+
+# ---------------------------------------------------------------------------- synthetic data
+
+
+def test_synthetic_shapes_determinism_balance() -> None:
+    a = synthetic_cifar(105, seed=5)
+    b = synthetic_cifar(105, seed=5)
+    c = synthetic_cifar(105, seed=6)
+    assert a.images.dtype == np.uint8 and a.images.shape == (105, 3, 32, 32)
+    assert a.images.flags.c_contiguous
+    assert a.labels.dtype == np.int64 and a.labels.shape == (105,)
+    np.testing.assert_array_equal(a.images, b.images)
+    np.testing.assert_array_equal(a.labels, b.labels)
+    assert not np.array_equal(a.images, c.images)
+    assert not np.array_equal(a.labels, c.labels)
+    counts = np.bincount(a.labels, minlength=10)
+    assert counts.min() == 10 and counts.max() == 11
+    assert not np.array_equal(a.labels[:10], np.arange(10))  # shuffled, not round-robin
+    assert 20 < a.images.std() < 120  # neither flat nor saturated
+    three = synthetic_cifar(30, num_classes=3)
+    np.testing.assert_array_equal(np.bincount(three.labels), [10, 10, 10])
+
+
+@pytest.mark.parametrize("n", [0, -5])
+def test_synthetic_bad_n(n: int) -> None:
+    with pytest.raises(ValueError, match=str(n)):
+        synthetic_cifar(n)
+
+
+def _pixels(ds: ImageDataset) -> np.ndarray:
+    return ds.images.reshape(len(ds), -1).astype(np.float32) / np.float32(255)
+
+
+def test_synthetic_is_learnable_but_not_trivial() -> None:
+    train, test = synthetic_cifar(2000, seed=1), synthetic_cifar(1000, seed=2)
+    x, xt = _pixels(train), _pixels(test)
+
+    # Nearest class mean on raw pixels: far above chance (0.1) but far from perfect.
+    means = np.stack([x[train.labels == k].mean(axis=0) for k in range(10)])
+    scores = 2 * xt @ means.T - (means * means).sum(axis=1)
+    nm_acc = float((scores.argmax(axis=1) == test.labels).mean())
+    print(f"nearest-class-mean held-out accuracy: {nm_acc:.3f}")
+    assert 0.4 < nm_acc < 0.85
+
+    # Ridge least-squares linear classifier (dual form, 2000x2000 system).
+    mu = x.mean(axis=0)
+    xc = x - mu
+    targets = np.eye(10, dtype=np.float32)[train.labels]
+    gram = xc @ xc.T + 10.0 * np.eye(len(xc), dtype=np.float32)
+    weights = xc.T @ np.linalg.solve(gram, targets - targets.mean(axis=0))
+    ridge_acc = float((((xt - mu) @ weights).argmax(axis=1) == test.labels).mean())
+    print(f"ridge linear held-out accuracy: {ridge_acc:.3f}")
+    assert ridge_acc > 0.6
+
+
+# ---------------------------------------------------------------------------- epoch order
+
+
+def test_epoch_order() -> None:
+    p = epoch_order(50, seed=3, epoch=0)
+    assert p.dtype == np.int64 and p.shape == (50,)
+    np.testing.assert_array_equal(np.sort(p), np.arange(50))
+    np.testing.assert_array_equal(p, epoch_order(50, seed=3, epoch=0))
+    assert not np.array_equal(p, epoch_order(50, seed=3, epoch=1))
+    assert not np.array_equal(p, epoch_order(50, seed=4, epoch=0))
+    assert epoch_order(0, 0, 0).shape == (0,)
+    with pytest.raises(ValueError, match="epoch"):
+        epoch_order(5, 0, -1)

@@ -1,0 +1,1 @@
+"""The gRPC convolution service a worker runs (see the distributed-offload work)."""
