@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from .base import Backend, ConvShape, DeviceInfo, Padding, conv_shape
+from .base import Backend, ConvShape, DeviceInfo, Padding, PaddingSpec, conv_shape
 from .cpu import CpuBackend
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "CpuBackend",
     "DeviceInfo",
     "Padding",
+    "PaddingSpec",
     "available_backends",
     "conv_shape",
     "get_backend",

@@ -40,7 +40,9 @@ class Padding:
             if spec == "valid":
                 return cls(0, 0, 0, 0)
             if spec == "same":
-                return cls((kh - 1) // 2, kh - 1 - (kh - 1) // 2, (kw - 1) // 2, kw - 1 - (kw - 1) // 2)
+                return cls(
+                    (kh - 1) // 2, kh - 1 - (kh - 1) // 2, (kw - 1) // 2, kw - 1 - (kw - 1) // 2
+                )
             raise ValueError(f"padding {spec!r} is not 'same', 'valid', an int or a tuple")
         if isinstance(spec, (int, np.integer)):
             sides = (int(spec),) * 4

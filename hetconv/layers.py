@@ -1,0 +1,271 @@
+"""Layers with forward and backward passes: numpy, float32, NCHW.
+
+Semantics follow PyTorch's modules of the same name (``nn.Conv2d`` with stride 1,
+``nn.ReLU``, ``nn.LocalResponseNorm``, ``nn.MaxPool2d``, ``nn.Linear``) so that weights move
+between the two unchanged. Each layer keeps what its backward pass needs from the last
+forward pass; ``backward`` stores parameter gradients in ``grads`` and returns the input
+gradient.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .backends import PaddingSpec
+from .conv import ConvExecutor, LocalConv
+
+
+class Layer:
+    """Base class: a named step of the network with optional parameters."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.params: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray] = {}
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def backward(self, dy: np.ndarray) -> np.ndarray | None:
+        raise NotImplementedError
+
+    def output_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Per-sample output shape (no batch axis) for a per-sample input shape."""
+        return input_shape
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class Conv2d(Layer):
+    """Stride-1 convolution with bias; the arithmetic runs on a :class:`ConvExecutor`.
+
+    Parameters: ``weight`` float32 (K, C, kh, kw), ``bias`` float32 (K,).
+    ``need_input_grad`` is False for a network's first layer: nothing consumes that gradient.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        padding: PaddingSpec = 0,
+        executor: ConvExecutor | None = None,
+    ):
+        super().__init__(name)
+        kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size = (int(kh), int(kw))
+        self.padding = padding
+        self.executor: ConvExecutor = executor if executor is not None else LocalConv()
+        self.need_input_grad = True
+        self.params = {
+            "weight": np.zeros((out_channels, in_channels, kh, kw), np.float32),
+            "bias": np.zeros(out_channels, np.float32),
+        }
+        self.seconds = 0.0  # time spent in the executor since the owner last reset it
+        self._x: np.ndarray | None = None
+
+    def forward(self, x):
+        self._x = x
+        start = time.perf_counter()
+        y = self.executor.forward(
+            self.name, x, self.params["weight"], self.params["bias"], self.padding
+        )
+        self.seconds += time.perf_counter() - start
+        return y
+
+    def backward(self, dy):
+        if self._x is None:
+            raise RuntimeError(f"{self.name}: backward before forward")
+        start = time.perf_counter()
+        dx, dw, db = self.executor.backward(
+            self.name, self._x, self.params["weight"], dy, self.padding, self.need_input_grad
+        )
+        self.seconds += time.perf_counter() - start
+        self.grads = {"weight": dw, "bias": db}
+        return dx
+
+    def output_shape(self, input_shape):
+        from .backends import conv_shape
+
+        shape = conv_shape((1, *input_shape), self.params["weight"].shape, self.padding)
+        return (self.out_channels, *shape.out_hw)
+
+
+class ReLU(Layer):
+    """max(x, 0); the gradient at 0 is 0, as in PyTorch."""
+
+    def forward(self, x):
+        self._mask = x > 0
+        return np.maximum(x, 0, dtype=np.float32)
+
+    def backward(self, dy):
+        return dy * self._mask
+
+
+class LocalResponseNorm(Layer):
+    """Normalisation across nearby channels, ``torch.nn.LocalResponseNorm`` semantics.
+
+    ``y_c = x_c / (k + alpha / size * sum_{c' in window(c)} x_{c'}^2) ** beta`` where the window
+    spans channels ``c - size // 2 .. c + (size - 1) // 2`` clipped to the tensor, and the sum is
+    always divided by ``size`` (as PyTorch's average pooling with zero padding does).
+
+    .. note:: The window sums are ``size`` shifted slice-adds, not a pooling call: the same
+       maths as PyTorch's, several times cheaper on a CPU.
+    """
+
+    def __init__(
+        self, name: str, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
+    ):
+        super().__init__(name)
+        if size < 1:
+            raise ValueError(f"LRN size must be >= 1, got {size}")
+        self.size, self.alpha, self.beta, self.k = size, alpha, beta, k
+
+    def _window_sum(self, a: np.ndarray, before: int, after: int) -> np.ndarray:
+        """out[:, c] = sum of a[:, c - before .. c + after] (clipped to the channel range)."""
+        out = a.copy()
+        channels = a.shape[1]
+        for shift in range(1, before + 1):
+            if shift < channels:
+                out[:, shift:] += a[:, :-shift]
+        for shift in range(1, after + 1):
+            if shift < channels:
+                out[:, :-shift] += a[:, shift:]
+        return out
+
+    def forward(self, x):
+        before, after = self.size // 2, (self.size - 1) // 2
+        scale = self._window_sum(x * x, before, after)
+        scale *= np.float32(self.alpha / self.size)
+        scale += np.float32(self.k)
+        inv = np.power(scale, np.float32(-self.beta), dtype=np.float32)
+        self._x, self._scale, self._inv = x, scale, inv
+        return x * inv
+
+    def backward(self, dy):
+        x, scale, inv = self._x, self._scale, self._inv
+        # d y_c / d x_j = inv_c [c == j] - 2 alpha beta / size * x_c x_j inv_c / scale_c
+        # for every c whose window holds j; the transpose window swaps before and after.
+        t = dy * x
+        t *= inv
+        t /= scale
+        before, after = self.size // 2, (self.size - 1) // 2
+        back = self._window_sum(t, after, before)
+        back *= x
+        back *= np.float32(2.0 * self.alpha * self.beta / self.size)
+        dx = dy * inv
+        dx -= back
+        return dx
+
+
+class MaxPool2d(Layer):
+    """Max pooling (no padding, floor mode), ``torch.nn.MaxPool2d`` semantics.
+
+    Ties go to the first maximum in row-major window order, as in PyTorch, so gradients
+    match even where ReLU makes whole windows zero.
+    """
+
+    def __init__(self, name: str, kernel_size: int = 2, stride: int | None = None):
+        super().__init__(name)
+        self.kernel_size = int(kernel_size)
+        self.stride = int(stride) if stride is not None else self.kernel_size
+        if self.kernel_size < 1 or self.stride < 1:
+            raise ValueError(f"pool kernel {kernel_size} and stride {stride} must be >= 1")
+
+    def output_shape(self, input_shape):
+        c, h, w = input_shape
+        k, s = self.kernel_size, self.stride
+        if h < k or w < k:
+            raise ValueError(f"{self.name}: pool window {k} larger than input {h}x{w}")
+        return (c, (h - k) // s + 1, (w - k) // s + 1)
+
+    def _tap(self, a: np.ndarray, i: int, j: int, ho: int, wo: int) -> np.ndarray:
+        s = self.stride
+        return a[:, :, i : i + s * (ho - 1) + 1 : s, j : j + s * (wo - 1) + 1 : s]
+
+    def forward(self, x):
+        _, ho, wo = self.output_shape(x.shape[1:])
+        k = self.kernel_size
+        y = self._tap(x, 0, 0, ho, wo).copy()
+        index = np.zeros(y.shape, np.int8 if k * k < 128 else np.int32)
+        for t in range(1, k * k):
+            v = self._tap(x, t // k, t % k, ho, wo)
+            greater = v > y
+            np.copyto(y, v, where=greater)
+            index[greater] = t
+        self._index, self._input_shape = index, x.shape
+        return y
+
+    def backward(self, dy):
+        k = self.kernel_size
+        ho, wo = dy.shape[2:]
+        dx = np.zeros(self._input_shape, np.float32)
+        for t in range(k * k):
+            # Overlapping windows (stride < kernel) add up, as they must.
+            self._tap(dx, t // k, t % k, ho, wo)[...] += np.where(self._index == t, dy, 0)
+        return dx
+
+
+class Linear(Layer):
+    """Fully connected layer on the flattened input: ``y = x @ weight.T + bias``.
+
+    Parameters: ``weight`` float32 (out, in) as in PyTorch, ``bias`` float32 (out,).
+    """
+
+    def __init__(self, name: str, in_features: int, out_features: int):
+        super().__init__(name)
+        self.in_features, self.out_features = in_features, out_features
+        self.params = {
+            "weight": np.zeros((out_features, in_features), np.float32),
+            "bias": np.zeros(out_features, np.float32),
+        }
+
+    def output_shape(self, input_shape):
+        if int(np.prod(input_shape)) != self.in_features:
+            raise ValueError(
+                f"{self.name}: input {input_shape} has {int(np.prod(input_shape))} features, "
+                f"expected {self.in_features}"
+            )
+        return (self.out_features,)
+
+    def forward(self, x):
+        self._input_shape = x.shape
+        self._x = x.reshape(x.shape[0], -1)
+        return self._x @ self.params["weight"].T + self.params["bias"]
+
+    def backward(self, dy):
+        self.grads = {"weight": dy.T @ self._x, "bias": dy.sum(axis=0, dtype=np.float32)}
+        return (dy @ self.params["weight"]).reshape(self._input_shape)
+
+
+def softmax_cross_entropy(
+    logits: np.ndarray, labels: np.ndarray
+) -> tuple[float, np.ndarray, np.ndarray]:
+    """Mean softmax cross-entropy over the batch.
+
+    Args:
+        logits: float32 (N, classes).
+        labels: int (N,) class indices.
+
+    Returns:
+        (loss, float32 (N, classes) gradient of the loss w.r.t. the logits,
+        bool (N,) whether each sample's top logit is its label).
+    """
+    n = logits.shape[0]
+    if labels.shape != (n,):
+        raise ValueError(f"labels have shape {labels.shape}, expected ({n},)")
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    total = exp.sum(axis=1, keepdims=True)
+    log_prob = shifted - np.log(total)
+    rows = np.arange(n)
+    loss = float(-log_prob[rows, labels].mean())
+    grad = exp / total
+    grad[rows, labels] -= 1.0
+    grad /= np.float32(n)
+    return loss, grad.astype(np.float32, copy=False), logits.argmax(axis=1) == labels
