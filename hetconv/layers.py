@@ -138,21 +138,30 @@ class LocalResponseNorm(Layer):
                 out[:, :-shift] += a[:, shift:]
         return out
 
+    def _inverse_power(self, scale: np.ndarray) -> np.ndarray:
+        """scale ** -beta; two square roots instead of a pow for the usual beta = 0.75."""
+        if self.beta == 0.75:
+            root = np.sqrt(scale)
+            inv = np.sqrt(root)
+            inv *= root
+            return np.reciprocal(inv, out=inv)
+        return np.power(scale, np.float32(-self.beta), dtype=np.float32)
+
     def forward(self, x):
         before, after = self.size // 2, (self.size - 1) // 2
         scale = self._window_sum(x * x, before, after)
         scale *= np.float32(self.alpha / self.size)
         scale += np.float32(self.k)
-        inv = np.power(scale, np.float32(-self.beta), dtype=np.float32)
-        self._x, self._scale, self._inv = x, scale, inv
-        return x * inv
+        inv = self._inverse_power(scale)
+        y = x * inv
+        self._x, self._y, self._scale, self._inv = x, y, scale, inv
+        return y
 
     def backward(self, dy):
-        x, scale, inv = self._x, self._scale, self._inv
-        # d y_c / d x_j = inv_c [c == j] - 2 alpha beta / size * x_c x_j inv_c / scale_c
+        x, y, scale, inv = self._x, self._y, self._scale, self._inv
+        # d y_c / d x_j = inv_c [c == j] - 2 alpha beta / size * x_j * y_c / scale_c
         # for every c whose window holds j; the transpose window swaps before and after.
-        t = dy * x
-        t *= inv
+        t = dy * y
         t /= scale
         before, after = self.size // 2, (self.size - 1) // 2
         back = self._window_sum(t, after, before)
@@ -192,22 +201,27 @@ class MaxPool2d(Layer):
         _, ho, wo = self.output_shape(x.shape[1:])
         k = self.kernel_size
         y = self._tap(x, 0, 0, ho, wo).copy()
-        index = np.zeros(y.shape, np.int8 if k * k < 128 else np.int32)
         for t in range(1, k * k):
-            v = self._tap(x, t // k, t % k, ho, wo)
-            greater = v > y
-            np.copyto(y, v, where=greater)
-            index[greater] = t
-        self._index, self._input_shape = index, x.shape
+            np.maximum(y, self._tap(x, t // k, t % k, ho, wo), out=y)
+        self._x, self._y = x, y
         return y
 
     def backward(self, dy):
         k = self.kernel_size
         ho, wo = dy.shape[2:]
-        dx = np.zeros(self._input_shape, np.float32)
+        x, y = self._x, self._y
+        dx = np.zeros(x.shape, np.float32)
+        taken = np.zeros(y.shape, bool)
+        hit = np.empty(y.shape, bool)
         for t in range(k * k):
+            i, j = t // k, t % k
+            # The first tap in window order that equals the maximum takes the gradient.
+            np.equal(self._tap(x, i, j, ho, wo), y, out=hit)
+            if t:
+                hit &= ~taken
+            taken |= hit
             # Overlapping windows (stride < kernel) add up, as they must.
-            self._tap(dx, t // k, t % k, ho, wo)[...] += np.where(self._index == t, dy, 0)
+            self._tap(dx, i, j, ho, wo)[...] += dy * hit
         return dx
 
 

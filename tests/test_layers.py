@@ -1,0 +1,362 @@
+"""Numerical gradient checks for every layer in hetconv.layers, plus their edge cases.
+
+Each check compares the analytic gradient of the scalar ``f = sum(layer(x) * r)`` (``r`` a fixed
+random tensor, so ``df/dy = r``) against central differences of ``f``. The maths runs in float32,
+so the step is large (1e-2 .. 5e-2 on values of order 1) and the tolerance is float32-sized:
+rtol 1e-2, atol 1e-3. ``f`` itself is accumulated in float64 from the float32 outputs, and the
+step actually taken (after float32 rounding of ``x +- eps``) is used as the divisor.
+
+A check that cannot fail is worthless, so every comparison also asserts that the analytic
+gradient is well above the tolerance and that a 10% error in it would be caught.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetconv.layers import (
+    Conv2d,
+    Linear,
+    LocalResponseNorm,
+    MaxPool2d,
+    ReLU,
+    softmax_cross_entropy,
+)
+
+RTOL = 1e-2
+ATOL = 1e-3
+MAX_COORDS = 48  # coordinates checked per array; arrays at most this large are checked fully
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _coords(shape: tuple[int, ...], rng: np.random.Generator) -> list[tuple[int, ...]]:
+    size = int(np.prod(shape))
+    flat = np.arange(size) if size <= MAX_COORDS else rng.choice(size, MAX_COORDS, replace=False)
+    return [tuple(int(v) for v in np.unravel_index(i, shape)) for i in flat]
+
+
+def _numeric(f, a: np.ndarray, coords, eps: float) -> np.ndarray:
+    """Central differences of scalar ``f()`` w.r.t. ``a[c]`` for each c (``a`` edited in place)."""
+    out = np.empty(len(coords))
+    for i, c in enumerate(coords):
+        old = a[c].copy()
+        a[c] = old + np.float32(eps)
+        hi = float(a[c])
+        f_plus = f()
+        a[c] = old - np.float32(eps)
+        lo = float(a[c])
+        f_minus = f()
+        a[c] = old
+        out[i] = (f_plus - f_minus) / (hi - lo)
+    return out
+
+
+def _assert_gradient(what: str, analytic: np.ndarray, numeric: np.ndarray) -> None:
+    np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL, err_msg=what)
+    # The check must be able to fail: a non-trivial gradient, and a 10% error is detected.
+    assert np.abs(analytic).max() > 20 * ATOL, f"{what}: gradient too small to be checked"
+    assert not np.allclose(analytic * 1.1, numeric, rtol=RTOL, atol=ATOL), what
+
+
+def check_layer(layer, x: np.ndarray, rng: np.random.Generator, params=(), eps: float = 1e-2):
+    """Gradient-check ``layer`` at ``x`` w.r.t. its input and the named parameters."""
+    y = layer.forward(x)
+    assert y.dtype == np.float32
+    r = rng.standard_normal(y.shape).astype(np.float32)
+    dy = r.copy()
+    dx = layer.backward(dy)
+    assert np.array_equal(dy, r), "backward modified its output-gradient argument"
+    grads = {name: layer.grads[name].copy() for name in params}
+
+    def f() -> float:
+        return float(np.sum(layer.forward(x).astype(np.float64) * r))
+
+    targets = [("input", x, dx)] + [(n, layer.params[n], grads[n]) for n in params]
+    for name, array, grad in targets:
+        assert grad.shape == array.shape, name
+        assert grad.dtype == np.float32, name
+        coords = _coords(array.shape, rng)
+        numeric = _numeric(f, array, coords, eps)
+        analytic = np.array([grad[c] for c in coords], np.float64)
+        _assert_gradient(f"{layer!r} d/d{name}", analytic, numeric)
+    return y, dx
+
+
+def _randn(rng, *shape, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------- Conv2d
+
+CONV_CASES = [
+    # (N, C, H, W, K, kernel, padding)
+    pytest.param(2, 2, 5, 6, 3, 3, 1, id="3x3-pad1"),
+    pytest.param(2, 2, 5, 5, 2, 3, "same", id="3x3-same"),
+    pytest.param(2, 2, 6, 5, 3, 4, "same", id="4x4-same-even"),
+    pytest.param(1, 3, 5, 6, 2, 2, "same", id="2x2-same-even"),
+    pytest.param(2, 2, 5, 6, 2, (2, 3), "valid", id="2x3-valid"),
+    pytest.param(2, 2, 6, 6, 2, 5, (2, 1, 0, 3), id="5x5-asym4"),
+    pytest.param(2, 3, 4, 5, 2, 3, (1, 2), id="3x3-pad-tuple2"),
+    pytest.param(2, 3, 4, 4, 3, 1, 0, id="1x1"),
+    pytest.param(1, 2, 3, 3, 2, 5, 2, id="kernel-larger-than-input"),
+    pytest.param(1, 24, 4, 4, 2, 3, 1, id="3x3-row-lowering"),  # kw * C >= 64
+    pytest.param(2, 1, 4, 4, 1, 3, (3, 0, 0, 3), id="pad-exceeds-kernel"),
+]
+
+
+@pytest.mark.parametrize("n, c, h, w, k, kernel, padding", CONV_CASES)
+def test_conv2d_gradients(rng, n, c, h, w, k, kernel, padding):
+    layer = Conv2d("conv", c, k, kernel, padding)
+    layer.params["weight"][...] = _randn(rng, *layer.params["weight"].shape)
+    layer.params["bias"][...] = _randn(rng, k)
+    x = _randn(rng, n, c, h, w)
+    # The convolution is linear in each argument: a large step costs no truncation error.
+    y, _ = check_layer(layer, x, rng, params=("weight", "bias"), eps=5e-2)
+    assert y.shape == (n, *layer.output_shape((c, h, w)))
+
+
+def test_conv2d_same_keeps_size_for_even_and_odd_kernels(rng):
+    for kernel in (1, 2, 3, 4, 5, (2, 5), (4, 1)):
+        layer = Conv2d("conv", 2, 3, kernel, "same")
+        assert layer.output_shape((2, 7, 6)) == (3, 7, 6)
+        assert layer.forward(_randn(rng, 1, 2, 7, 6)).shape == (1, 3, 7, 6)
+
+
+def test_conv2d_first_layer_skips_input_gradient(rng):
+    layer = Conv2d("conv1", 3, 4, 3, 1)
+    layer.params["weight"][...] = _randn(rng, 4, 3, 3, 3)
+    layer.need_input_grad = False
+    y = layer.forward(_randn(rng, 2, 3, 5, 5))
+    assert layer.backward(np.ones_like(y)) is None
+    assert layer.grads["weight"].shape == (4, 3, 3, 3)
+    np.testing.assert_allclose(layer.grads["bias"], np.full(4, y[0, 0].size * 2.0))
+
+
+def test_conv2d_backward_before_forward_raises():
+    layer = Conv2d("conv7", 1, 1, 3)
+    with pytest.raises(RuntimeError, match="conv7"):
+        layer.backward(np.zeros((1, 1, 1, 1), np.float32))
+
+
+def test_conv2d_counts_executor_seconds(rng):
+    layer = Conv2d("conv", 1, 1, 3, 1)
+    y = layer.forward(_randn(rng, 1, 1, 4, 4))
+    layer.backward(y)
+    assert layer.seconds > 0.0
+
+
+# --------------------------------------------------------------------------------------- ReLU
+
+
+def test_relu_gradient(rng):
+    # Keep every input at least 5 steps away from the kink at 0.
+    magnitude = rng.uniform(0.05, 2.0, size=(2, 3, 4, 5))
+    x = (magnitude * rng.choice([-1.0, 1.0], size=magnitude.shape)).astype(np.float32)
+    y, dx = check_layer(ReLU("relu"), x, rng)
+    np.testing.assert_array_equal(y, np.maximum(x, 0))
+    assert np.any(dx == 0) and np.any(dx != 0)
+
+
+def test_relu_gradient_at_zero_is_zero():
+    layer = ReLU("relu")
+    x = np.array([[-1.0, 0.0, 2.0]], np.float32)
+    layer.forward(x)
+    np.testing.assert_array_equal(layer.backward(np.ones_like(x)), [[0.0, 0.0, 1.0]])
+
+
+# -------------------------------------------------------------------------- LocalResponseNorm
+
+LRN_CASES = [
+    # (size, channels, alpha, beta, k, input scale)
+    pytest.param(5, 7, 1.0, 0.75, 1.0, 1.0, id="size5"),
+    pytest.param(4, 6, 1.0, 0.75, 1.0, 1.0, id="size4-even"),
+    pytest.param(5, 3, 0.5, 0.6, 2.0, 1.0, id="size5-fewer-channels"),
+    pytest.param(4, 2, 1.0, 0.75, 1.0, 1.0, id="size4-fewer-channels"),
+    pytest.param(6, 1, 1.0, 0.75, 1.0, 1.0, id="size6-one-channel"),
+    pytest.param(3, 5, 2.0, 1.5, 0.5, 1.0, id="size3"),
+    pytest.param(5, 6, 1e-4, 0.75, 1.0, 30.0, id="size5-default-params"),
+]
+
+
+@pytest.mark.parametrize("size, c, alpha, beta, k, scale", LRN_CASES)
+def test_lrn_gradient(rng, size, c, alpha, beta, k, scale):
+    layer = LocalResponseNorm("lrn", size=size, alpha=alpha, beta=beta, k=k)
+    x = _randn(rng, 2, c, 3, 3, scale=scale)
+    eps = 1e-2 * scale
+    check_layer(layer, x, rng, eps=eps)
+    if c > 1 or True:
+        # The cross-channel term must matter at this tolerance, or a backward pass that
+        # drops it (dx = dy * inv) would pass unnoticed.
+        r = rng.standard_normal(x.shape).astype(np.float32)
+        layer.forward(x)
+        diag_only = r * layer._inv
+        coords = _coords(x.shape, rng)
+
+        def f() -> float:
+            return float(np.sum(layer.forward(x).astype(np.float64) * r))
+
+        numeric = _numeric(f, x, coords, eps)
+        assert not np.allclose([diag_only[i] for i in coords], numeric, rtol=RTOL, atol=ATOL)
+
+
+def _lrn_reference(x: np.ndarray, size: int, alpha: float, beta: float, k: float) -> np.ndarray:
+    """Direct float64 LRN: channel window c - size//2 .. c + (size-1)//2, divided by size."""
+    x = x.astype(np.float64)
+    c = x.shape[1]
+    out = np.empty_like(x)
+    for ch in range(c):
+        lo, hi = max(0, ch - size // 2), min(c - 1, ch + (size - 1) // 2)
+        s = (x[:, lo : hi + 1] ** 2).sum(axis=1)
+        out[:, ch] = x[:, ch] / (k + alpha / size * s) ** beta
+    return out
+
+
+@pytest.mark.parametrize("size, c", [(5, 7), (4, 6), (5, 2), (2, 3), (1, 4)])
+def test_lrn_forward_matches_direct_formula(rng, size, c):
+    x = _randn(rng, 2, c, 3, 4, scale=3.0)
+    layer = LocalResponseNorm("lrn", size=size, alpha=0.3, beta=0.75, k=1.5)
+    np.testing.assert_allclose(
+        layer.forward(x), _lrn_reference(x, size, 0.3, 0.75, 1.5), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_lrn_rejects_size_zero():
+    with pytest.raises(ValueError, match="size"):
+        LocalResponseNorm("lrn", size=0)
+
+
+# ---------------------------------------------------------------------------------- MaxPool2d
+
+
+def _distinct(rng, *shape, spacing: float = 0.1) -> np.ndarray:
+    """Distinct values at least ``spacing`` apart, so a small step never changes an argmax."""
+    size = int(np.prod(shape))
+    return ((rng.permutation(size) - size / 2) * spacing).astype(np.float32).reshape(shape)
+
+
+POOL_CASES = [
+    # (kernel, stride, H, W)
+    pytest.param(2, 2, 6, 6, id="2x2s2"),
+    pytest.param(2, 2, 7, 5, id="2x2s2-odd"),
+    pytest.param(3, 2, 7, 7, id="3x3s2-overlap"),
+    pytest.param(3, 2, 8, 9, id="3x3s2-overlap-even-odd"),
+    pytest.param(3, 3, 9, 9, id="3x3s3"),
+    pytest.param(3, 3, 10, 11, id="3x3s3-leftover"),
+    pytest.param(2, 1, 4, 5, id="2x2s1"),
+    pytest.param(2, 3, 8, 8, id="2x2s3-gaps"),
+]
+
+
+@pytest.mark.parametrize("kernel, stride, h, w", POOL_CASES)
+def test_maxpool_gradient(rng, kernel, stride, h, w):
+    layer = MaxPool2d("pool", kernel, stride)
+    x = _distinct(rng, 2, 2, h, w)
+    y, dx = check_layer(layer, x, rng)
+    ho, wo = (h - kernel) // stride + 1, (w - kernel) // stride + 1
+    assert y.shape == (2, 2, ho, wo)
+    assert layer.output_shape((2, h, w)) == (2, ho, wo)
+    # Forward against the direct definition.
+    for i in range(ho):
+        for j in range(wo):
+            window = x[:, :, i * stride : i * stride + kernel, j * stride : j * stride + kernel]
+            np.testing.assert_array_equal(y[:, :, i, j], window.max(axis=(2, 3)))
+    # Rows/columns no window covers get no gradient.
+    np.testing.assert_array_equal(dx[:, :, (ho - 1) * stride + kernel :], 0)
+    np.testing.assert_array_equal(dx[:, :, :, (wo - 1) * stride + kernel :], 0)
+
+
+def test_maxpool_ties_go_to_first_in_row_major_order():
+    layer = MaxPool2d("pool", 2, 2)
+    x = np.array([[[[0, 0, 1, 3], [0, 0, 3, 0]]]], np.float32)
+    y = layer.forward(x)
+    np.testing.assert_array_equal(y, [[[[0, 3]]]])
+    dx = layer.backward(np.array([[[[5, 7]]]], np.float32))
+    np.testing.assert_array_equal(dx, [[[[5, 0, 0, 7], [0, 0, 0, 0]]]])
+
+
+def test_maxpool_overlapping_windows_accumulate():
+    layer = MaxPool2d("pool", 3, 1)
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    x[0, 0, 1, 1] = 1.0  # the maximum of all 4 windows
+    layer.forward(x)
+    dx = layer.backward(np.ones((1, 1, 2, 2), np.float32))
+    assert dx[0, 0, 1, 1] == 4.0
+    assert dx.sum() == 4.0
+
+
+def test_maxpool_bad_arguments():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        MaxPool2d("pool", 0)
+    with pytest.raises(ValueError, match="larger than input"):
+        MaxPool2d("pool7", 3).output_shape((1, 2, 5))
+
+
+# ------------------------------------------------------------------------------------- Linear
+
+
+@pytest.mark.parametrize("in_shape", [(7,), (2, 3, 3)], ids=["flat", "nchw"])
+def test_linear_gradients(rng, in_shape):
+    features = int(np.prod(in_shape))
+    layer = Linear("fc", features, 5)
+    layer.params["weight"][...] = _randn(rng, 5, features)
+    layer.params["bias"][...] = _randn(rng, 5)
+    x = _randn(rng, 3, *in_shape)
+    y, dx = check_layer(layer, x, rng, params=("weight", "bias"), eps=5e-2)
+    assert y.shape == (3, 5)
+    assert dx.shape == x.shape
+    np.testing.assert_allclose(
+        y,
+        x.reshape(3, -1) @ layer.params["weight"].T + layer.params["bias"],
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def test_linear_output_shape_checks_features():
+    layer = Linear("fc9", 12, 4)
+    assert layer.output_shape((3, 2, 2)) == (4,)
+    with pytest.raises(ValueError, match="fc9"):
+        layer.output_shape((3, 3, 3))
+
+
+# ---------------------------------------------------------------------- softmax_cross_entropy
+
+
+def test_softmax_cross_entropy_gradient(rng):
+    logits = _randn(rng, 4, 6, scale=2.0)
+    labels = rng.integers(0, 6, size=4)
+    loss, grad, _ = softmax_cross_entropy(logits, labels)
+    assert grad.dtype == np.float32 and grad.shape == logits.shape
+    coords = _coords(logits.shape, rng)
+    numeric = _numeric(lambda: softmax_cross_entropy(logits, labels)[0], logits, coords, 1e-2)
+    _assert_gradient("softmax_cross_entropy", np.array([grad[c] for c in coords]), numeric)
+    np.testing.assert_allclose(grad.sum(axis=1), 0.0, atol=1e-6)
+
+
+def test_softmax_cross_entropy_value_and_correct(rng):
+    logits = _randn(rng, 5, 4, scale=2.0)
+    labels = np.array([0, 1, 2, 3, 0])
+    loss, _, correct = softmax_cross_entropy(logits, labels)
+    z = logits.astype(np.float64)
+    log_prob = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    assert isinstance(loss, float)
+    assert loss == pytest.approx(-log_prob[np.arange(5), labels].mean(), rel=1e-6)
+    np.testing.assert_array_equal(correct, logits.argmax(axis=1) == labels)
+    assert correct.dtype == np.bool_
+
+
+def test_softmax_cross_entropy_is_stable_for_large_logits():
+    logits = np.array([[1000.0, 0.0, -1000.0], [-500.0, 500.0, 0.0]], np.float32)
+    loss, grad, correct = softmax_cross_entropy(logits, np.array([0, 2]))
+    assert np.isfinite(loss) and np.all(np.isfinite(grad))
+    assert loss == pytest.approx(250.0, rel=1e-6)  # (0 + 500) / 2
+    np.testing.assert_allclose(grad, [[0, 0, 0], [0, 0.5, -0.5]], atol=1e-6)
+    np.testing.assert_array_equal(correct, [True, False])
+
+
+def test_softmax_cross_entropy_rejects_bad_labels(rng):
+    with pytest.raises(ValueError, match="labels"):
+        softmax_cross_entropy(_randn(rng, 3, 4), np.zeros(4, np.int64))
