@@ -1,13 +1,12 @@
 """The cpu backend: convolutions as BLAS GEMMs over a row-lowered, channels-last input.
 
 Plain im2col copies every input value kh*kw times and then runs one GEMM. Here the input is
-lowered only along the width (each position keeps its kw neighbouring columns, kw times the
+lowered only along the width (each position keeps its kw neighbouring columns: kw times the
 input instead of kh*kw times), and the kh kernel rows become kh GEMMs that accumulate into the
-same output with BLAS's ``beta = 1``. A lowered row block shifted by one image row is again a
-contiguous matrix, so no GEMM operand is ever copied. The images of a chunk are stacked along
-the height with ``max(pad_top, pad_bottom)`` zero rows between them, so one GEMM covers the
-whole chunk; the output rows that fall in those gaps are computed and discarded (for 16x16
-images with 5x5 'same' kernels that is 2 rows in 18).
+same output with BLAS's ``beta = 1``. The lowered input is laid out as (padded row, image,
+column, kernel column, channel), so the operand of kernel row i -- output rows 0..Ho-1 of every
+image of a chunk, read from padded rows i..i+Ho-1 -- is one contiguous block: no GEMM operand
+is ever copied and no output position is computed twice or thrown away.
 
 Layers with few input channels (the first layer of a CNN: 3 channels) lower fully instead
 (classic im2col, kh*kw copies), because a GEMM with 15 terms per dot product is inefficient.
@@ -69,20 +68,9 @@ class _Plan:
         return self.shape.kh // self.rows_per_group
 
     @property
-    def gap(self) -> int:
-        return max(self.shape.padding.top, self.shape.padding.bottom)
-
-    @property
-    def block_rows(self) -> int:  # rows one stacked image occupies, gap included
-        return self.shape.h + self.gap
-
-    @property
-    def out_rows(self) -> int:  # output rows of the stacked chunk, gaps included
-        return (self.images - 1) * self.block_rows + self.shape.out_hw[0]
-
-    @property
-    def in_rows(self) -> int:
-        return self.out_rows + self.shape.kh - 1
+    def in_rows(self) -> int:  # padded image height
+        p = self.shape.padding
+        return self.shape.h + p.top + p.bottom
 
     @property
     def lowered_rows(self) -> int:
@@ -98,13 +86,14 @@ class _Plan:
         return self.rows_per_group * self.shape.kw * self.shape.c
 
     @property
-    def positions(self) -> int:  # GEMM rows: output positions of the chunk, gaps included
-        return self.out_rows * self.shape.out_hw[1]
+    def positions(self) -> int:  # GEMM rows: output positions of the chunk
+        ho, wo = self.shape.out_hw
+        return ho * self.images * wo
 
     def scratch_bytes(self) -> int:
         s = self.shape
-        padded = self.in_rows * self.padded_width * s.c
-        lowered = self.lowered_rows * s.out_hw[1] * self.terms
+        padded = self.in_rows * self.images * self.padded_width * s.c
+        lowered = self.lowered_rows * self.images * s.out_hw[1] * self.terms
         output = s.k * self.positions
         return 4 * (2 * padded + lowered + output)
 
@@ -164,26 +153,29 @@ class CpuBackend(Backend):
 
     # -- shared steps ------------------------------------------------------------------------
 
-    def _lower(self, plan: _Plan, x: np.ndarray, first: int, count: int) -> np.ndarray:
-        """Stack images ``first .. first+count-1`` and lower them: (lowered_rows, Wo * terms)."""
+    def _lower(self, plan: _Plan, x: np.ndarray, first: int) -> np.ndarray:
+        """Lower images ``first .. first + plan.images - 1``: (lowered rows, images*Wo*terms)."""
         s = plan.shape
         p = s.padding
-        padded = self._scratch.get("padded", (plan.in_rows, plan.padded_width, s.c), zero=True)
-        for i in range(count):
-            top = i * plan.block_rows + p.top
-            padded[top : top + s.h, p.left : p.left + s.w] = x[first + i].transpose(1, 2, 0)
-        lowered = self._scratch.get(
-            "lowered", (plan.lowered_rows, s.out_hw[1], plan.rows_per_group, s.kw, s.c)
+        padded = self._scratch.get(
+            "padded", (plan.in_rows, plan.images, plan.padded_width, s.c), zero=True
         )
-        windows = sliding_window_view(padded, (plan.rows_per_group, s.kw), axis=(0, 1))
-        # windows: (rows, Wo, C, L, kw) -> lowered order (rows, Wo, L, kw, C)
-        np.copyto(lowered, windows.transpose(0, 1, 3, 4, 2))
-        return lowered.reshape(plan.lowered_rows, s.out_hw[1] * plan.terms)
+        padded[p.top : p.top + s.h, :, p.left : p.left + s.w] = x[
+            first : first + plan.images
+        ].transpose(2, 0, 3, 1)
+        lowered = self._scratch.get(
+            "lowered",
+            (plan.lowered_rows, plan.images, s.out_hw[1], plan.rows_per_group, s.kw, s.c),
+        )
+        windows = sliding_window_view(padded, (plan.rows_per_group, s.kw), axis=(0, 2))
+        # windows: (rows, images, Wo, C, L, kw) -> lowered order (rows, images, Wo, L, kw, C)
+        np.copyto(lowered, windows.transpose(0, 1, 2, 4, 5, 3))
+        return lowered.reshape(plan.lowered_rows, -1)
 
     def _group_rows(self, plan: _Plan, lowered: np.ndarray, group: int) -> np.ndarray:
         """The (positions, terms) GEMM operand of kernel-row group ``group``."""
         start = group * plan.rows_per_group
-        return lowered[start : start + plan.out_rows].reshape(plan.positions, plan.terms)
+        return lowered[start : start + plan.shape.out_hw[0]].reshape(plan.positions, plan.terms)
 
     def _grouped_kernels(self, plan: _Plan, w: np.ndarray) -> np.ndarray:
         """Kernels as (groups, K, L*kw*C) matching the lowered column order."""
@@ -195,21 +187,21 @@ class CpuBackend(Backend):
             np.copyto(grouped[g], flat[:, :, g * taps : (g + 1) * taps].transpose(0, 2, 1))
         return grouped.reshape(plan.groups, s.k, plan.terms)
 
-    def _stack_output_grad(self, plan: _Plan, dy: np.ndarray, first: int, count: int):
-        """dy of a chunk as (K, positions) with zeros in the gap rows."""
+    def _stack_output_grad(self, plan: _Plan, dy: np.ndarray, first: int) -> np.ndarray:
+        """dy of a chunk as (K, positions), positions ordered (row, image, column)."""
         s = plan.shape
         ho, wo = s.out_hw
-        stacked = self._scratch.get("dy", (s.k, plan.positions), zero=True)
-        block = plan.block_rows * wo
-        for i in range(count):
-            stacked[:, i * block : i * block + ho * wo] = dy[first + i].reshape(s.k, ho * wo)
-        return stacked
+        stacked = self._scratch.get("dy", (s.k, ho, plan.images, wo))
+        np.copyto(stacked, dy[first : first + plan.images].transpose(1, 2, 0, 3))
+        return stacked.reshape(s.k, plan.positions)
 
     def _chunks(self, plan: _Plan):
         for first in range(0, plan.shape.n, plan.images):
             count = min(plan.images, plan.shape.n - first)
-            chunk = plan if count == plan.images else _Plan(plan.shape, count, plan.rows_per_group)
-            yield chunk, first, count
+            yield (
+                (plan if count == plan.images else _Plan(plan.shape, count, plan.rows_per_group)),
+                first,
+            )
 
     # -- the three operations ----------------------------------------------------------------
 
@@ -218,28 +210,27 @@ class CpuBackend(Backend):
         plan = _plan(shape, self.scratch_bytes)
         kernels = self._grouped_kernels(plan, w)
         y = np.empty((shape.n, shape.k, ho, wo), np.float32)
-        for chunk, first, count in self._chunks(plan):
-            lowered = self._lower(chunk, x, first, count)
+        for chunk, first in self._chunks(plan):
+            lowered = self._lower(chunk, x, first)
             out = self._scratch.get("out", (shape.k, chunk.positions))
             for g in range(chunk.groups):
                 rows = self._group_rows(chunk, lowered, g)
                 _gemm(kernels[g], rows, out, trans_b=True, beta=0.0 if g == 0 else 1.0)
-            block = chunk.block_rows * wo
-            for i in range(count):
-                image = out[:, i * block : i * block + ho * wo].reshape(shape.k, ho, wo)
-                if b is None:
-                    y[first + i] = image
-                else:
-                    np.add(image, b[:, None, None], out=y[first + i])
+            images = out.reshape(shape.k, ho, chunk.images, wo).transpose(2, 0, 1, 3)
+            target = y[first : first + chunk.images]
+            if b is None:
+                np.copyto(target, images)
+            else:
+                np.add(images, b[:, None, None], out=target)
         return y
 
     def _grad_kernels(self, x, dy, shape):
         plan = _plan(shape, self.scratch_bytes)
         taps = plan.rows_per_group * shape.kw
         grouped = np.empty((plan.groups, shape.k, plan.terms), np.float32)
-        for index, (chunk, first, count) in enumerate(self._chunks(plan)):
-            lowered = self._lower(chunk, x, first, count)
-            stacked = self._stack_output_grad(chunk, dy, first, count)
+        for index, (chunk, first) in enumerate(self._chunks(plan)):
+            lowered = self._lower(chunk, x, first)
+            stacked = self._stack_output_grad(chunk, dy, first)
             for g in range(chunk.groups):
                 rows = self._group_rows(chunk, lowered, g)
                 _gemm(stacked, rows, grouped[g], beta=0.0 if index == 0 else 1.0)
@@ -256,29 +247,27 @@ class CpuBackend(Backend):
         wo = shape.out_hw[1]
         kernels = self._grouped_kernels(plan, w)
         dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
-        for chunk, first, count in self._chunks(plan):
-            stacked = self._stack_output_grad(chunk, dy, first, count)
+        for chunk, first in self._chunks(plan):
+            stacked = self._stack_output_grad(chunk, dy, first)
             lowered = self._scratch.get(
                 "lowered",
-                (chunk.lowered_rows, wo, chunk.rows_per_group, shape.kw, shape.c),
+                (chunk.lowered_rows, chunk.images, wo, chunk.rows_per_group, shape.kw, shape.c),
                 zero=True,
             )
-            flat = lowered.reshape(chunk.lowered_rows, wo * chunk.terms)
+            flat = lowered.reshape(chunk.lowered_rows, -1)
             for g in range(chunk.groups):
                 _gemm(stacked, kernels[g], self._group_rows(chunk, flat, g), True, False, 1.0)
-            # Fold the lowered gradient back onto the padded image (col2im, L*kw adds).
+            # Fold the lowered gradient back onto the padded images (col2im, L*kw adds).
             padded = self._scratch.get(
-                "padded", (chunk.in_rows, chunk.padded_width, shape.c), zero=True
+                "padded", (chunk.in_rows, chunk.images, chunk.padded_width, shape.c), zero=True
             )
             for row in range(chunk.rows_per_group):
                 for col in range(shape.kw):
-                    padded[row : row + chunk.lowered_rows, col : col + wo] += lowered[
-                        :, :, row, col
+                    padded[row : row + chunk.lowered_rows, :, col : col + wo] += lowered[
+                        :, :, :, row, col
                     ]
-            for i in range(count):
-                top = i * chunk.block_rows + p.top
-                image = padded[top : top + shape.h, p.left : p.left + shape.w]
-                dx[first + i] = image.transpose(2, 0, 1)
+            inner = padded[p.top : p.top + shape.h, :, p.left : p.left + shape.w]
+            np.copyto(dx[first : first + chunk.images], inner.transpose(1, 3, 0, 2))
         return dx
 
 
