@@ -132,15 +132,16 @@ def total_steps(config: TrainConfig, train_size: int) -> int:
 def train(
     config: TrainConfig,
     executor: ConvExecutor | None = None,
-    log: TextIO = sys.stderr,
+    log: TextIO | None = None,
 ) -> TrainResult:
     """Train ``config.preset`` and evaluate it on held-out data.
 
     Args:
         config: the run.
         executor: where convolutions run (default: the cpu backend in this process).
-        log: where progress and the summary go.
+        log: where progress and the summary go (default: standard error).
     """
+    log = log if log is not None else sys.stderr
     spec = load_spec(config.preset)
     train_set, test_set = load_datasets(config)
     if len(train_set) < config.batch:
