@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -96,7 +97,10 @@ class Model:
         counts: dict[str, int] = {}
         for index, entry in enumerate(self.spec):
             layer = self._build(entry, shape, counts, index)
-            shape = layer.output_shape(shape)
+            try:
+                shape = layer.output_shape(shape)
+            except ValueError as e:
+                raise ValueError(f"layer {index} ({layer.name}): {e}") from None
             self.layers.append(layer)
         first_conv = next((layer for layer in self.layers if isinstance(layer, Conv2d)), None)
         if first_conv is not None and first_conv is self.layers[0]:
@@ -191,9 +195,12 @@ class Model:
     def load(self, path: str | os.PathLike) -> None:
         """Read parameters saved by :meth:`save` (or by ``np.savez`` of a PyTorch state dict)."""
         try:
-            with np.load(path, allow_pickle=False) as data:
+            data = np.load(path, allow_pickle=False)
+            if not isinstance(data, np.lib.npyio.NpzFile):
+                raise ValueError("not an .npz archive of named arrays")
+            with data:
                 state = {k: data[k] for k in data.files}
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise ValueError(f"cannot read weights from {path}: {e}") from None
         self.load_state(state)
 

@@ -187,19 +187,18 @@ def test_lrn_gradient(rng, size, c, alpha, beta, k, scale):
     x = _randn(rng, 2, c, 3, 3, scale=scale)
     eps = 1e-2 * scale
     check_layer(layer, x, rng, eps=eps)
-    if c > 1 or True:
-        # The cross-channel term must matter at this tolerance, or a backward pass that
-        # drops it (dx = dy * inv) would pass unnoticed.
-        r = rng.standard_normal(x.shape).astype(np.float32)
-        layer.forward(x)
-        diag_only = r * layer._inv
-        coords = _coords(x.shape, rng)
+    # The normalisation term must matter at this tolerance, or a backward pass that drops
+    # it (dx = dy * inv, as if the denominator were constant) would pass unnoticed.
+    r = rng.standard_normal(x.shape).astype(np.float32)
+    y = layer.forward(x)
+    diag_only = r * (y / x)
+    coords = _coords(x.shape, rng)
 
-        def f() -> float:
-            return float(np.sum(layer.forward(x).astype(np.float64) * r))
+    def f() -> float:
+        return float(np.sum(layer.forward(x).astype(np.float64) * r))
 
-        numeric = _numeric(f, x, coords, eps)
-        assert not np.allclose([diag_only[i] for i in coords], numeric, rtol=RTOL, atol=ATOL)
+    numeric = _numeric(f, x, coords, eps)
+    assert not np.allclose([diag_only[i] for i in coords], numeric, rtol=RTOL, atol=ATOL)
 
 
 def _lrn_reference(x: np.ndarray, size: int, alpha: float, beta: float, k: float) -> np.ndarray:

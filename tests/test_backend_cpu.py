@@ -1,0 +1,451 @@
+"""The cpu backend against an independent float64 reference convolution, and its input checks.
+
+The reference below loops over the kernel taps and contracts channels with einsum: no
+lowering, no GEMM, no batching, so it shares nothing with the backend but the definition.
+
+Tolerance: the backend accumulates in float32, so each result is compared with the float64
+reference to ``1e-5 * max|reference|`` (the round-off of sums of a few thousand O(1) terms is
+~1e-6 relative). Chunked and unchunked runs of the backend only differ in summation order,
+so they must agree to ``1e-6 * max|result|``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from hetconv.backends import (
+    Backend,
+    ConvShape,
+    CpuBackend,
+    DeviceInfo,
+    Padding,
+    available_backends,
+    conv_shape,
+    get_backend,
+)
+
+try:  # white-box helpers, used only to size scratch_bytes for exact chunk sizes
+    from hetconv.backends.cpu import _Plan, _plan
+except ImportError:  # pragma: no cover - the black-box sweep below still runs
+    _Plan = _plan = None
+
+REF_RTOL = 1e-5
+CHUNK_RTOL = 1e-6
+
+# ------------------------------------------------------------------------ reference (float64)
+
+
+def _sides(padding, kh: int, kw: int) -> tuple[int, int, int, int]:
+    """Explicit (top, bottom, left, right), written out independently of Padding.resolve."""
+    if padding == "valid":
+        return 0, 0, 0, 0
+    if padding == "same":  # PyTorch: the odd extra row/column goes to the bottom/right
+        return (kh - 1) // 2, kh // 2, (kw - 1) // 2, kw // 2
+    if isinstance(padding, int):
+        return padding, padding, padding, padding
+    if len(padding) == 2:
+        return padding[0], padding[0], padding[1], padding[1]
+    return tuple(padding)
+
+
+def _pad(x: np.ndarray, sides) -> np.ndarray:
+    top, bottom, left, right = sides
+    return np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
+
+
+def ref_forward(x, w, b, padding):
+    kh, kw = w.shape[2:]
+    xp = _pad(x, _sides(padding, kh, kw))
+    ho, wo = xp.shape[2] - kh + 1, xp.shape[3] - kw + 1
+    y = np.zeros((x.shape[0], w.shape[0], ho, wo))
+    w64 = w.astype(np.float64)
+    for i in range(kh):
+        for j in range(kw):
+            y += np.einsum("nchw,kc->nkhw", xp[:, :, i : i + ho, j : j + wo], w64[:, :, i, j])
+    if b is not None:
+        y += b.astype(np.float64)[None, :, None, None]
+    return y
+
+
+def ref_grad_input(dy, w, input_hw, padding):
+    kh, kw = w.shape[2:]
+    top, bottom, left, right = _sides(padding, kh, kw)
+    h, wd = input_hw
+    ho, wo = dy.shape[2:]
+    dxp = np.zeros((dy.shape[0], w.shape[1], h + top + bottom, wd + left + right))
+    w64, dy64 = w.astype(np.float64), dy.astype(np.float64)
+    for i in range(kh):
+        for j in range(kw):
+            dxp[:, :, i : i + ho, j : j + wo] += np.einsum("nkhw,kc->nchw", dy64, w64[:, :, i, j])
+    return dxp[:, :, top : top + h, left : left + wd]
+
+
+def ref_grad_kernels(x, dy, kernel_hw, padding):
+    kh, kw = kernel_hw
+    xp = _pad(x, _sides(padding, kh, kw))
+    ho, wo = dy.shape[2:]
+    dy64 = dy.astype(np.float64)
+    dw = np.zeros((dy.shape[1], x.shape[1], kh, kw))
+    for i in range(kh):
+        for j in range(kw):
+            dw[:, :, i, j] = np.einsum("nkhw,nchw->kc", dy64, xp[:, :, i : i + ho, j : j + wo])
+    return dw, dy64.sum(axis=(0, 2, 3))
+
+
+def _out_hw(h, w, kh, kw, padding):
+    top, bottom, left, right = _sides(padding, kh, kw)
+    return h + top + bottom - kh + 1, w + left + right - kw + 1
+
+
+def _assert_close(got: np.ndarray, ref: np.ndarray, what: str, rtol: float = REF_RTOL):
+    assert got.dtype == np.float32, what
+    assert got.shape == ref.shape, what
+    assert got.flags.c_contiguous, what
+    scale = max(1.0, float(np.abs(ref).max()))
+    err = float(np.abs(got.astype(np.float64) - ref).max())
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def _run_all(backend: Backend, x, w, b, dy, padding):
+    kh, kw = w.shape[2:]
+    y = backend.conv_forward(x, w, b, padding)
+    dx = backend.conv_grad_input(dy, w, x.shape[2:], padding)
+    dw, db = backend.conv_grad_kernels(x, dy, (kh, kw), padding)
+    return y, dx, dw, db
+
+
+def check_against_reference(backend: Backend, rng, n, c, h, w, k, kh, kw, padding):
+    """All three operations of ``backend`` against the reference; returns the results."""
+    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
+    wt = rng.standard_normal((k, c, kh, kw), dtype=np.float32)
+    b = rng.standard_normal(k, dtype=np.float32)
+    ho, wo = _out_hw(h, w, kh, kw, padding)
+    dy = rng.standard_normal((n, k, ho, wo), dtype=np.float32)
+    originals = [a.copy() for a in (x, wt, b, dy)]
+    y, dx, dw, db = _run_all(backend, x, wt, b, dy, padding)
+    for before, after in zip(originals, (x, wt, b, dy), strict=True):
+        np.testing.assert_array_equal(before, after, err_msg="the backend modified an input")
+    _assert_close(y, ref_forward(x, wt, b, padding), "forward")
+    _assert_close(dx, ref_grad_input(dy, wt, (h, w), padding), "grad input")
+    ref_dw, ref_db = ref_grad_kernels(x, dy, (kh, kw), padding)
+    _assert_close(dw, ref_dw, "grad kernels")
+    _assert_close(db, ref_db, "grad bias")
+    # Without bias, the forward is the biased one minus the bias.
+    y0 = backend.conv_forward(x, wt, None, padding)
+    _assert_close(y0, ref_forward(x, wt, None, padding), "forward without bias")
+    return (x, wt, b, dy), (y, dx, dw, db)
+
+
+def _lowering_mode(c: int, kw: int) -> str:
+    return "row" if kw * c >= 64 else "full"
+
+
+# --------------------------------------------------------------------------------- the grid
+
+GRID = [
+    # (N, C, H, W, K, kh, kw, padding)
+    pytest.param(1, 1, 5, 5, 1, 3, 3, 0, id="all-ones"),
+    pytest.param(1, 3, 6, 6, 1, 3, 3, 1, id="one-kernel"),
+    pytest.param(1, 2, 6, 7, 4, 3, 3, 1, id="one-image"),
+    pytest.param(3, 1, 6, 6, 2, 3, 3, "same", id="one-channel"),
+    pytest.param(2, 3, 8, 8, 4, 5, 5, "same", id="5x5-full"),
+    pytest.param(2, 20, 8, 7, 3, 5, 5, "same", id="5x5-row"),
+    pytest.param(3, 2, 6, 6, 2, 1, 1, 0, id="1x1-full"),
+    pytest.param(2, 70, 4, 5, 3, 1, 1, 0, id="1x1-row"),
+    pytest.param(2, 70, 4, 5, 3, 1, 1, 1, id="1x1-row-pad1"),
+    pytest.param(2, 4, 7, 6, 3, 2, 3, (1, 0), id="2x3-full-tuple2"),
+    pytest.param(2, 40, 7, 6, 3, 2, 3, "same", id="2x3-row-same"),
+    pytest.param(2, 3, 6, 6, 2, 4, 4, "same", id="4x4-full-same"),
+    pytest.param(2, 20, 6, 6, 2, 4, 4, "same", id="4x4-row-same"),
+    pytest.param(3, 20, 6, 5, 2, 4, 4, "valid", id="4x4-row-valid"),
+    pytest.param(2, 2, 3, 3, 2, 5, 5, 2, id="kernel-larger-full"),
+    pytest.param(2, 16, 2, 3, 2, 5, 5, (2, 3, 1, 4), id="kernel-larger-row-asym"),
+    pytest.param(3, 5, 6, 5, 2, 3, 3, (0, 2, 1, 0), id="asym-full"),
+    pytest.param(3, 30, 5, 5, 2, 3, 3, (3, 0, 0, 3), id="asym-row-top-only"),
+    pytest.param(3, 30, 5, 5, 2, 3, 3, (0, 3, 2, 0), id="asym-row-bottom-only"),
+    pytest.param(4, 1, 9, 9, 1, 3, 3, "valid", id="valid"),
+    pytest.param(3, 3, 4, 4, 2, 3, 3, 4, id="pad-larger-than-kernel-full"),
+    pytest.param(3, 30, 4, 4, 2, 1, 1, 3, id="pad-larger-than-kernel-row"),
+    pytest.param(2, 2, 1, 1, 3, 1, 1, 0, id="1x1-image"),
+    pytest.param(2, 13, 5, 4, 2, 5, 5, "same", id="full-row-boundary"),  # 5 * 13 = 65
+    pytest.param(2, 12, 5, 4, 2, 5, 5, "same", id="full-row-boundary-below"),  # 60
+]
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuBackend:
+    # One backend for the module: its per-thread scratch buffers get reused across geometries.
+    return CpuBackend()
+
+
+@pytest.mark.parametrize("n, c, h, w, k, kh, kw, padding", GRID)
+def test_against_reference_grid(backend, rng, n, c, h, w, k, kh, kw, padding):
+    inputs, results = check_against_reference(backend, rng, n, c, h, w, k, kh, kw, padding)
+    # Batch chunking: scratch_bytes=1 forces one image per chunk.
+    chunked = _run_all(CpuBackend(scratch_bytes=1), *inputs, padding)
+    for name, a, b in zip(
+        ("forward", "grad input", "grad kernels", "grad bias"), results, chunked, strict=True
+    ):
+        _assert_close(b, a.astype(np.float64), f"chunked {name}", rtol=CHUNK_RTOL)
+
+
+def test_grid_covers_both_lowering_modes():
+    modes = {_lowering_mode(p.values[1], p.values[6]) for p in GRID}
+    assert modes == {"row", "full"}
+
+
+@pytest.mark.parametrize("scratch", [1, 2**12, 2**14, 2**15, 2**16, 2**17, 2**18])
+@pytest.mark.parametrize("c", [3, 30], ids=["full", "row"])
+def test_scratch_sweep(rng, c, scratch):
+    """Any scratch bound gives the reference results (5 images: chunks of 1, 2, 3, 5 ...)."""
+    check_against_reference(CpuBackend(scratch_bytes=scratch), rng, 5, c, 6, 6, 3, 3, 3, 1)
+
+
+@pytest.mark.skipif(_plan is None, reason="the cpu backend's private _plan/_Plan changed")
+@pytest.mark.parametrize("per_chunk", [1, 2, 3, 4])
+@pytest.mark.parametrize("c", [3, 30], ids=["full", "row"])
+def test_exact_chunk_sizes(rng, c, per_chunk):
+    """5 images in chunks of exactly 1 .. 4 (so the last chunk is smaller for 2, 3 and 4)."""
+    shape = conv_shape((5, c, 6, 6), (3, c, 3, 3), 1)
+    layout = _plan(shape, 2**40)
+    assert layout.images == 5
+    assert layout.rows_per_group == (3 if c * 3 < 64 else 1)
+    scratch = _Plan(shape, per_chunk, layout.rows_per_group).scratch_bytes()
+    assert _plan(shape, scratch).images == per_chunk
+    check_against_reference(CpuBackend(scratch_bytes=scratch), rng, 5, c, 6, 6, 3, 3, 3, 1)
+
+
+def test_scratch_reuse_across_geometries(rng):
+    backend = CpuBackend()
+    for shape in [(3, 30, 8, 8, 4, 5, 5, 2), (1, 2, 3, 3, 1, 3, 3, 0), (3, 30, 8, 8, 4, 5, 5, 2)]:
+        check_against_reference(backend, rng, *shape)
+
+
+def test_threads_get_their_own_scratch(rng):
+    backend = CpuBackend()
+    shapes = [(2, 20, 7, 7, 3, 3, 3, 1), (3, 4, 5, 6, 2, 5, 5, "same")]
+    errors: list[BaseException] = []
+
+    def work(shape, seed):
+        try:
+            local = np.random.default_rng(seed)
+            for _ in range(5):
+                check_against_reference(backend, local, *shape)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s, i)) for i, s in enumerate(shapes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+# ------------------------------------------------------------------------------ hypothesis
+
+
+@st.composite
+def conv_problems(draw):
+    n = draw(st.integers(1, 3))
+    c = draw(st.sampled_from([1, 2, 3, 5, 13, 24, 40, 70]))
+    h, w = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    k = draw(st.integers(1, 4))
+    kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    padding = draw(
+        st.one_of(
+            st.sampled_from(["same", "valid"]),
+            st.integers(0, 3),
+            st.tuples(st.integers(0, 3), st.integers(0, 3)),
+            st.tuples(*[st.integers(0, 3)] * 4),
+        )
+    )
+    return n, c, h, w, k, kh, kw, padding
+
+
+_HYPOTHESIS_BACKENDS = {"plain": CpuBackend(), "chunked": CpuBackend(scratch_bytes=1)}
+
+
+@settings(max_examples=75, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=conv_problems(), seed=st.integers(0, 2**32 - 1))
+def test_against_reference_hypothesis(problem, seed):
+    n, c, h, w, k, kh, kw, padding = problem
+    ho, wo = _out_hw(h, w, kh, kw, padding)
+    assume(ho >= 1 and wo >= 1)
+    for backend in _HYPOTHESIS_BACKENDS.values():
+        check_against_reference(backend, np.random.default_rng(seed), *problem)
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+def _ok(rng):
+    x = rng.standard_normal((2, 3, 5, 5), dtype=np.float32)
+    w = rng.standard_normal((4, 3, 3, 3), dtype=np.float32)
+    b = rng.standard_normal(4, dtype=np.float32)
+    dy = rng.standard_normal((2, 4, 5, 5), dtype=np.float32)
+    return x, w, b, dy
+
+
+def test_rejects_float64(backend, rng):
+    x, w, b, dy = _ok(rng)
+    with pytest.raises(TypeError, match="input has dtype float64"):
+        backend.conv_forward(x.astype(np.float64), w, b, 1)
+    with pytest.raises(TypeError, match="kernels has dtype float64"):
+        backend.conv_forward(x, w.astype(np.float64), b, 1)
+    with pytest.raises(TypeError, match="bias has dtype float64"):
+        backend.conv_forward(x, w, b.astype(np.float64), 1)
+    with pytest.raises(TypeError, match="output gradient has dtype float64"):
+        backend.conv_grad_input(dy.astype(np.float64), w, (5, 5), 1)
+    with pytest.raises(TypeError, match="output gradient has dtype float64"):
+        backend.conv_grad_kernels(x, dy.astype(np.float64), (3, 3), 1)
+
+
+def test_rejects_non_arrays(backend, rng):
+    x, w, b, _ = _ok(rng)
+    with pytest.raises(TypeError, match="numpy array"):
+        backend.conv_forward(x.tolist(), w, b, 1)
+
+
+def test_rejects_non_contiguous(backend, rng):
+    x, w, b, dy = _ok(rng)
+    with pytest.raises(ValueError, match="input is not C-contiguous"):
+        backend.conv_forward(x.transpose(0, 1, 3, 2), w, b, 1)
+    with pytest.raises(ValueError, match="kernels is not C-contiguous"):
+        backend.conv_forward(x, np.asfortranarray(w), b, 1)
+    with pytest.raises(ValueError, match="bias is not C-contiguous"):
+        backend.conv_forward(x, w, np.repeat(b, 2)[::2], 1)
+    with pytest.raises(ValueError, match="output gradient is not C-contiguous"):
+        backend.conv_grad_input(dy[:, :, :, ::-1], w, (5, 5), 1)
+    with pytest.raises(ValueError, match="input is not C-contiguous"):
+        backend.conv_grad_kernels(x[:, :, ::-1], dy, (3, 3), 1)
+
+
+def test_rejects_wrong_ndim(backend, rng):
+    x, w, b, _ = _ok(rng)
+    with pytest.raises(ValueError, match="dimensions"):
+        backend.conv_forward(x[0], w, b, 1)
+    with pytest.raises(ValueError, match="dimensions"):
+        backend.conv_forward(x, w, b[None], 1)
+
+
+def test_rejects_channel_mismatch(backend, rng):
+    x, w, b, dy = _ok(rng)
+    with pytest.raises(ValueError, match="channels"):
+        backend.conv_forward(x[:, :2].copy(), w, b, 1)
+    with pytest.raises(ValueError, match="channels"):
+        backend.conv_forward(x, w[:, :2].copy(), b, 1)
+
+
+def test_rejects_wrong_output_gradient_shape(backend, rng):
+    x, w, _, dy = _ok(rng)
+    with pytest.raises(ValueError, match="output gradient has shape"):
+        backend.conv_grad_input(dy, w, (6, 5), 1)  # expects Ho = 6
+    with pytest.raises(ValueError, match="output gradient has shape"):
+        backend.conv_grad_input(dy[:, :3].copy(), w, (5, 5), 1)  # 3 maps for 4 kernels
+    with pytest.raises(ValueError, match="output gradient has shape"):
+        backend.conv_grad_kernels(x, dy[:1].copy(), (3, 3), 1)  # 1 image for 2
+    with pytest.raises(ValueError, match="output gradient has shape"):
+        backend.conv_grad_kernels(x, dy, (3, 3), 0)  # valid output is 3x3
+
+
+def test_rejects_wrong_bias_length(backend, rng):
+    x, w, b, _ = _ok(rng)
+    with pytest.raises(ValueError, match="bias"):
+        backend.conv_forward(x, w, b[:3].copy(), 1)
+
+
+@pytest.mark.parametrize("padding", [-1, (1, -1), (0, 0, -2, 0)])
+def test_rejects_negative_padding(backend, rng, padding):
+    x, w, b, dy = _ok(rng)
+    with pytest.raises(ValueError, match="negative"):
+        backend.conv_forward(x, w, b, padding)
+    with pytest.raises(ValueError, match="negative"):
+        backend.conv_grad_kernels(x, dy, (3, 3), padding)
+
+
+@pytest.mark.parametrize("padding", ["full", "SAME", (1, 2, 3), [1, 1], 1.5, None])
+def test_rejects_bad_padding_spec(backend, rng, padding):
+    x, w, b, _ = _ok(rng)
+    with pytest.raises(ValueError, match="padding"):
+        backend.conv_forward(x, w, b, padding)
+
+
+def test_rejects_kernel_that_does_not_fit(backend, rng):
+    x, _, b, _ = _ok(rng)
+    w = rng.standard_normal((4, 3, 7, 3), dtype=np.float32)
+    with pytest.raises(ValueError, match="does not fit"):
+        backend.conv_forward(x, w, b, 0)
+
+
+def test_rejects_empty_arrays(backend):
+    x = np.zeros((0, 3, 5, 5), np.float32)
+    w = np.zeros((4, 3, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="empty"):
+        backend.conv_forward(x, w, None, 1)
+
+
+def test_rejects_non_positive_scratch():
+    with pytest.raises(ValueError, match="scratch_bytes"):
+        CpuBackend(scratch_bytes=0)
+
+
+# -------------------------------------------------------------------------- geometry helpers
+
+
+def test_padding_resolve():
+    assert Padding.resolve("valid", (5, 5)) == Padding(0, 0, 0, 0)
+    assert Padding.resolve("same", (5, 3)) == Padding(2, 2, 1, 1)
+    assert Padding.resolve("same", (4, 2)) == Padding(1, 2, 0, 1)
+    assert Padding.resolve(2, (3, 3)) == Padding(2, 2, 2, 2)
+    assert Padding.resolve(np.int64(1), (3, 3)) == Padding(1, 1, 1, 1)
+    assert Padding.resolve((1, 2), (3, 3)) == Padding(1, 1, 2, 2)
+    assert Padding.resolve((1, 2, 3, 4), (3, 3)) == Padding(1, 2, 3, 4)
+
+
+def test_conv_shape_geometry():
+    shape = conv_shape((2, 3, 8, 9), (4, 3, 5, 3), (2, 1, 0, 1))
+    assert isinstance(shape, ConvShape)
+    assert shape.out_hw == (8 + 3 - 5 + 1, 9 + 1 - 3 + 1)
+    assert shape.flops_forward == 2 * 2 * 7 * 8 * 4 * 3 * 5 * 3
+
+
+# ------------------------------------------------------------------------ describe, registry
+
+
+def test_describe():
+    info = CpuBackend().describe()
+    assert isinstance(info, DeviceInfo)
+    assert info.backend == "cpu" and info.kind == "cpu"
+    assert isinstance(info.name, str) and info.name.strip()
+    assert isinstance(info.memory_bytes, int) and info.memory_bytes > 0
+    assert isinstance(info.cores, int) and info.cores >= 1
+
+
+def test_get_backend():
+    assert "cpu" in available_backends()
+    assert isinstance(get_backend("cpu"), CpuBackend)
+    assert isinstance(get_backend(), CpuBackend)
+    assert isinstance(get_backend("auto"), CpuBackend)
+    assert get_backend("cpu", scratch_bytes=1234).scratch_bytes == 1234
+
+
+def test_get_backend_unknown_lists_available():
+    with pytest.raises(ValueError, match="nope") as info:
+        get_backend("nope")
+    for name in available_backends():
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("padding", [2, (0, 1, 2, 3), "same"])
+def test_time_step_positive(padding):
+    shape = conv_shape((2, 3, 8, 8), (4, 3, 5, 5), padding)
+    for with_grad_input in (True, False):
+        seconds = CpuBackend().time_step(shape, repeats=2, with_grad_input=with_grad_input)
+        assert isinstance(seconds, float)
+        assert 0.0 < seconds < 10.0
