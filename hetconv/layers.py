@@ -210,18 +210,23 @@ class MaxPool2d(Layer):
         k = self.kernel_size
         ho, wo = dy.shape[2:]
         x, y = self._x, self._y
+        overlapping = self.stride < k
         dx = np.zeros(x.shape, np.float32)
-        taken = np.zeros(y.shape, bool)
+        # The first tap in window order that equals the maximum takes the gradient: route
+        # what is left of dy to each tap in turn, then clear it where that tap took it.
+        left = dy.copy()
         hit = np.empty(y.shape, bool)
         for t in range(k * k):
             i, j = t // k, t % k
-            # The first tap in window order that equals the maximum takes the gradient.
             np.equal(self._tap(x, i, j, ho, wo), y, out=hit)
-            if t:
-                hit &= ~taken
-            taken |= hit
-            # Overlapping windows (stride < kernel) add up, as they must.
-            self._tap(dx, i, j, ho, wo)[...] += dy * hit
+            target = self._tap(dx, i, j, ho, wo)
+            if overlapping:  # windows share inputs: their gradients add up
+                target += left * hit
+            else:
+                np.multiply(left, hit, out=target)
+            if t < k * k - 1:
+                np.logical_not(hit, out=hit)
+                left *= hit
         return dx
 
 

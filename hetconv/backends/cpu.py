@@ -131,7 +131,9 @@ class CpuBackend(Backend):
     """Convolutions on the host CPU with BLAS (see the module docstring for the method).
 
     Args:
-        scratch_bytes: upper bound on the scratch buffers one call keeps per thread.
+        scratch_bytes: bound on the lowered-input and output scratch buffers one call keeps
+            per thread (kept between calls; a single image that needs more still runs). One
+            reordered copy of the kernels comes on top of it.
     """
 
     name = "cpu"
