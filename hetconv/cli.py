@@ -29,6 +29,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones that would only say 'None' or 'False'."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
@@ -38,7 +47,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
             "Today every convolution runs in this process on the cpu backend (--local); "
             "distributing them across workers builds on this command."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--local",
@@ -50,20 +59,29 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         default="tiny",
         help=f"network: one of {', '.join(PRESETS)}, or a .json spec file",
     )
-    p.add_argument("--dataset", choices=["synthetic", "cifar10"], default="synthetic")
+    p.add_argument(
+        "--dataset",
+        choices=["synthetic", "cifar10"],
+        default="synthetic",
+        help="offline synthetic CIFAR-shaped set, or the real CIFAR-10 files",
+    )
     p.add_argument(
         "--data-dir",
         help="folder with the CIFAR-10 python files (data_batch_1..5, test_batch) "
         "or its parent holding cifar-10-batches-py/",
     )
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=_positive_int, help="SGD steps (default 300)")
+    length.add_argument(
+        "--steps",
+        type=_positive_int,
+        help="SGD steps (300 when neither --steps nor --epochs is given)",
+    )
     length.add_argument("--epochs", type=_positive_float, help="passes over the training set")
     p.add_argument("--batch", type=_positive_int, default=32, help="images per step")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data and order")
     p.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay")
     p.add_argument(
         "--train-size", type=_positive_int, default=10_000, help="synthetic training images"
     )
