@@ -14,6 +14,18 @@ from hetconv.cli import main
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
 
+SMALL_RUN = [
+    "--steps",
+    "2",
+    "--batch",
+    "4",
+    "--train-size",
+    "16",
+    "--eval-size",
+    "8",
+    "--no-progress",
+]
+
 
 def write_cifar(folder, images_per_file: int = 40, seed: int = 0) -> None:
     """Small files in the official CIFAR-10 python format, with learnable labels."""
@@ -102,24 +114,7 @@ def test_cifar10_files_train_and_evaluate(tmp_path):
 
 
 def test_cli_trains_and_prints_held_out_accuracy(capsys):
-    assert (
-        main(
-            [
-                "train",
-                "--local",
-                "--steps",
-                "2",
-                "--batch",
-                "4",
-                "--train-size",
-                "16",
-                "--eval-size",
-                "8",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", "--local", *SMALL_RUN]) == 0
     assert "held-out accuracy" in capsys.readouterr().err
 
 
@@ -155,15 +150,7 @@ def test_console_script_runs_as_a_process(tmp_path):
             "-m",
             "hetconv.cli",
             "train",
-            "--steps",
-            "2",
-            "--batch",
-            "4",
-            "--train-size",
-            "16",
-            "--eval-size",
-            "8",
-            "--no-progress",
+            *SMALL_RUN,
             "--save",
             str(weights),
         ],
