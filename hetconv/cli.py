@@ -44,15 +44,42 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="train a network",
         description=(
             "Train a CNN preset on the synthetic set (offline, the default) or CIFAR-10. "
-            "Today every convolution runs in this process on the cpu backend (--local); "
-            "distributing them across workers builds on this command."
+            "The master (this process) trains every non-convolutional layer; each "
+            "convolution's kernels are split across the workers named with --worker or "
+            "--workers-file, and the master itself, in proportion to a probe of each one's "
+            "speed on the layer's real shape. With no worker named and no --local, two local "
+            "worker processes are started on loopback (the embedded default)."
         ),
         formatter_class=_HelpFormatter,
     )
-    p.add_argument(
-        "--local",
-        action="store_true",
-        help="run every convolution in this process (the only mode today)",
+    where = p.add_argument_group("where convolutions run")
+    where.add_argument(
+        "--local", action="store_true", help="run every convolution in this process, no workers"
+    )
+    where.add_argument(
+        "--worker",
+        action="append",
+        metavar="HOST:PORT",
+        default=[],
+        help="a running `hetconv worker` (repeat for more)",
+    )
+    where.add_argument(
+        "--workers-file",
+        metavar="PATH",
+        help="a file naming workers, one HOST:PORT per line (# starts a comment)",
+    )
+    where.add_argument(
+        "--local-workers",
+        type=_positive_int,
+        default=2,
+        metavar="N",
+        help="worker processes the embedded default starts on loopback",
+    )
+    where.add_argument(
+        "--master-compute",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the master computes a share of every layer too",
     )
     p.add_argument(
         "--preset",
@@ -95,7 +122,33 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_train)
 
 
+def read_workers_file(path: str) -> list[str]:
+    """Worker addresses from a file: one HOST:PORT per line, ``#`` comments, blank lines."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise OSError(f"cannot read workers file {path}: {e.strerror}") from None
+    addresses = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if line:
+            addresses.append(_address(line, f"{path}:{number}"))
+    if not addresses:
+        raise ValueError(f"workers file {path} names no worker")
+    return addresses
+
+
+def _address(text: str, where: str = "--worker") -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{where}: {text!r} is not HOST:PORT")
+    return text
+
+
 def _run_train(args: argparse.Namespace) -> int:
+    from hetconv.conv import LocalConv
+    from hetconv.master.cluster import Cluster, ClusterConfig
+    from hetconv.master.launch import LocalWorkers
     from hetconv.master.training import TrainConfig, train
 
     from .optim import SGDConfig
@@ -116,8 +169,67 @@ def _run_train(args: argparse.Namespace) -> int:
         load=args.load,
         progress=not args.no_progress,
     )
-    train(config)
+    addresses = [_address(a) for a in args.worker]
+    if args.workers_file:
+        addresses += read_workers_file(args.workers_file)
+    if args.local:
+        if addresses:
+            raise ValueError("--local runs no workers; drop --worker/--workers-file")
+        train(config, LocalConv())
+        return 0
+    cluster_config = ClusterConfig(master_compute=args.master_compute)
+    if addresses:
+        with Cluster(addresses, config=cluster_config) as cluster:
+            train(config, cluster)
+        return 0
+    print(
+        f"starting {args.local_workers} local worker processes on loopback "
+        "(name real ones with --worker HOST:PORT; --local for none)",
+        file=sys.stderr,
+    )
+    with LocalWorkers(args.local_workers) as workers:
+        with Cluster(workers.addresses, config=cluster_config) as cluster:
+            train(config, cluster)
     return 0
+
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="serve convolutions to a master",
+        description=(
+            "Serve convolutions over gRPC until Ctrl-C or SIGTERM. Prints the device, a probe "
+            "figure and the address it serves on. A master uses it with "
+            "`hetconv train --worker HOST:PORT`."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--listen",
+        default="0.0.0.0:50051",
+        metavar="HOST:PORT",
+        help="address to serve on; port 0 picks a free one",
+    )
+    p.add_argument("--backend", default="auto", help="cpu, or auto (the fastest present)")
+    p.add_argument(
+        "--max-request-mib",
+        type=_positive_int,
+        default=2048,
+        help="refuse convolution requests larger than this",
+    )
+    p.add_argument(
+        "--no-startup-probe", action="store_true", help="skip the probe printed at start"
+    )
+    p.set_defaults(func=_run_worker)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from hetconv.worker.main import run_worker
+    from hetconv.worker.service import WorkerConfig
+
+    _address(args.listen, "--listen")
+    config = WorkerConfig(max_request_bytes=args.max_request_mib << 20)
+    return run_worker(args.listen, args.backend, config, startup_probe=not args.no_startup_probe)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_train(sub)
+    _add_worker(sub)
     return parser
 
 
@@ -144,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input is the user's to fix: one line naming it, not a traceback.
         print(f"hetconv: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        # A worker that failed or could not be reached or started: named, no traceback.
+        print(f"hetconv: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

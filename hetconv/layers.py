@@ -24,6 +24,7 @@ class Layer:
         self.name = name
         self.params: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
+        self.input_shape: tuple[int, ...] | None = None  # per sample, set by the model
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError

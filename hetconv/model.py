@@ -97,6 +97,7 @@ class Model:
         counts: dict[str, int] = {}
         for index, entry in enumerate(self.spec):
             layer = self._build(entry, shape, counts, index)
+            layer.input_shape = shape
             try:
                 shape = layer.output_shape(shape)
             except ValueError as e:

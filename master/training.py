@@ -18,7 +18,7 @@ from typing import TextIO
 import numpy as np
 from tqdm import tqdm
 
-from hetconv.conv import ConvExecutor
+from hetconv.conv import ConvExecutor, LocalConv
 from hetconv.data import ImageDataset, epoch_order, load_cifar10, synthetic_cifar
 from hetconv.layers import softmax_cross_entropy
 from hetconv.model import Model, load_spec
@@ -146,9 +146,11 @@ def train(
     train_set, test_set = load_datasets(config)
     if len(train_set) < config.batch:
         raise ValueError(f"batch {config.batch} is larger than the training set ({len(train_set)})")
+    executor = executor if executor is not None else LocalConv()
     model = Model(spec, seed=config.seed, executor=executor)
     if config.load:
         model.load(config.load)
+    executor.prepare(model.conv_layers(), config.batch, log)
     optimizer = SGD(model.parameters(), config.sgd)
     steps = total_steps(config, len(train_set))
     steps_per_epoch = len(train_set) // config.batch
@@ -162,6 +164,7 @@ def train(
     losses: list[float] = []
     recent_hits: list[float] = []
     conv_total = 0.0
+    breakdown = np.zeros(3)  # comm, conv, comp summed over steps after the first
     start = time.perf_counter()
     bar = tqdm(total=steps, disable=not config.progress, file=log, unit="step", leave=True)
     try:
@@ -171,6 +174,7 @@ def train(
             if position == 0:
                 order = epoch_order(len(train_set), config.seed, epoch)
             indices = order[position * config.batch : (position + 1) * config.batch]
+            executor.begin_step(step)
             step_start = time.perf_counter()
             x, labels = train_set.batch(indices)
             loss, grad, hits = softmax_cross_entropy(model.forward(x), labels)
@@ -182,8 +186,14 @@ def train(
             model.backward(grad)
             optimizer.step(model.gradients())
             seconds = time.perf_counter() - step_start
-            conv_seconds = model.conv_seconds()
-            conv_total += conv_seconds
+            model.conv_seconds()  # reset the layers' own clocks
+            cluster = executor.end_step()
+            comm, conv = cluster.pop("comm_seconds"), cluster.pop("conv_seconds")
+            # The paper's terms: communication + convolution (slowest node) + the rest.
+            comp = max(seconds - comm - conv, 0.0)
+            conv_total += conv
+            if step > 0 or steps == 1:
+                breakdown += (comm, conv, comp)
             losses.append(loss)
             recent_hits = (recent_hits + [float(hits.mean())])[-min(50, steps_per_epoch) :]
             trace.write(
@@ -194,8 +204,10 @@ def train(
                     "accuracy": float(hits.mean()),
                     "batch": int(len(indices)),
                     "seconds": seconds,
-                    "conv_seconds": conv_seconds,
-                    "other_seconds": seconds - conv_seconds,
+                    "comm_seconds": comm,
+                    "conv_seconds": conv,
+                    "comp_seconds": comp,
+                    **cluster,
                 }
             )
             bar.update(1)
@@ -237,6 +249,13 @@ def train(
             f"(chance {100 / train_set.num_classes:.0f}%)"
         )
     print(summary, file=log)
+    timed = max(steps - 1, 1)
+    comm, conv, comp = 1e3 * breakdown / timed
+    print(
+        f"per step (mean of {timed}): communication {comm:.1f} ms, convolution "
+        f"(slowest node) {conv:.1f} ms, other computation {comp:.1f} ms",
+        file=log,
+    )
     if config.save:
         print(f"weights saved to {os.fspath(config.save)}", file=log)
     return result

@@ -72,7 +72,8 @@ def test_trace_has_one_object_per_step(tmp_path):
     for r in records:
         assert r["batch"] == 4 and np.isfinite(r["loss"])
         assert 0 < r["conv_seconds"] <= r["seconds"]
-        assert r["other_seconds"] == pytest.approx(r["seconds"] - r["conv_seconds"])
+        assert r["comm_seconds"] == 0.0
+        assert r["comp_seconds"] == pytest.approx(r["seconds"] - r["conv_seconds"])
 
 
 def test_save_then_load_continues_from_the_saved_weights(tmp_path):

@@ -1,0 +1,7 @@
+"""``python -m hetconv``: the same as the ``hetconv`` command."""
+
+import sys
+
+from hetconv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    FORWARD: _ClassVar[Phase]
+    BACKWARD: _ClassVar[Phase]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+PHASE_UNSPECIFIED: Phase
+FORWARD: Phase
+BACKWARD: Phase
+
+class TensorHeader(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ConvRequest(_message.Message):
+    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NEED_INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    phase: Phase
+    session: int
+    step: int
+    layer: str
+    padding: _containers.RepeatedScalarFieldContainer[int]
+    kernel_offset: int
+    need_input_grad: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
+
+class ConvResult(_message.Message):
+    __slots__ = ("compute_seconds", "receive_seconds", "tensors")
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    compute_seconds: float
+    receive_seconds: float
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
+    def __init__(self, compute_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
+
+class ConvMessage(_message.Message):
+    __slots__ = ("header", "data", "result")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    header: ConvRequest
+    data: bytes
+    result: ConvResult
+    def __init__(self, header: _Optional[_Union[ConvRequest, _Mapping]] = ..., data: _Optional[bytes] = ..., result: _Optional[_Union[ConvResult, _Mapping]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeviceDescription(_message.Message):
+    __slots__ = ("backend", "kind", "name", "memory_bytes", "cores", "hetconv_version", "max_request_bytes")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    HETCONV_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    kind: str
+    name: str
+    memory_bytes: int
+    cores: int
+    hetconv_version: str
+    max_request_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., cores: _Optional[int] = ..., hetconv_version: _Optional[str] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("n", "c", "h", "w", "k", "kh", "kw", "padding", "repeats", "with_grad_input")
+    N_FIELD_NUMBER: _ClassVar[int]
+    C_FIELD_NUMBER: _ClassVar[int]
+    H_FIELD_NUMBER: _ClassVar[int]
+    W_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    KH_FIELD_NUMBER: _ClassVar[int]
+    KW_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    WITH_GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int
+    kh: int
+    kw: int
+    padding: _containers.RepeatedScalarFieldContainer[int]
+    repeats: int
+    with_grad_input: bool
+    def __init__(self, n: _Optional[int] = ..., c: _Optional[int] = ..., h: _Optional[int] = ..., w: _Optional[int] = ..., k: _Optional[int] = ..., kh: _Optional[int] = ..., kw: _Optional[int] = ..., padding: _Optional[_Iterable[int]] = ..., repeats: _Optional[int] = ..., with_grad_input: _Optional[bool] = ...) -> None: ...
+
+class ProbeResult(_message.Message):
+    __slots__ = ("seconds", "gflops")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GFLOPS_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    gflops: float
+    def __init__(self, seconds: _Optional[float] = ..., gflops: _Optional[float] = ...) -> None: ...

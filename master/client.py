@@ -1,0 +1,241 @@
+"""The master's connection to one worker: describe, probe, forward, backward, echo.
+
+Each call streams its tensors with the codec in :mod:`hetconv.wire` and returns what it moved
+and how long each part took (:class:`CallStats`), which the cluster sums into the trace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from hetconv.backends import ConvShape
+from hetconv.proto import worker_pb2 as pb
+from hetconv.wire import (
+    TensorReceiver,
+    WireError,
+    channel_options,
+    check_headers,
+    data_chunks,
+    deserialize_message,
+    receive_stream,
+    serialize_message,
+    tensor_header,
+)
+from hetconv.worker.service import SERVICE_NAME
+
+
+class WorkerError(RuntimeError):
+    """A worker call failed. ``address`` names the worker, ``code`` the gRPC status if any."""
+
+    def __init__(self, address: str, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(f"worker {address}: {message}")
+        self.address = address
+        self.code = code
+
+
+class WorkerUnavailable(WorkerError):
+    """The worker cannot be reached, went away, or missed its deadline."""
+
+
+@dataclass
+class CallStats:
+    """What one call moved and where its time went (seconds, as the master saw them)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    send_seconds: float = 0.0  # call start until the last request byte was handed to gRPC
+    compute_seconds: float = 0.0  # as the worker measured it
+    receive_seconds: float = 0.0  # first response message until the last
+    wall_seconds: float = 0.0
+
+
+class WorkerClient:
+    """One worker, reached over a reusable gRPC channel.
+
+    Args:
+        address: ``HOST:PORT``.
+        connect_timeout: seconds to wait for the worker to answer :meth:`describe`.
+    """
+
+    def __init__(self, address: str, connect_timeout: float = 10.0):
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self._channel = grpc.insecure_channel(address, options=channel_options())
+
+        def unary(name, request_type, response_type):
+            return self._channel.unary_unary(
+                f"/{SERVICE_NAME}/{name}",
+                request_serializer=request_type.SerializeToString,
+                response_deserializer=response_type.FromString,
+            )
+
+        def stream(name):
+            return self._channel.stream_stream(
+                f"/{SERVICE_NAME}/{name}",
+                request_serializer=serialize_message,
+                response_deserializer=deserialize_message,
+            )
+
+        self._describe = unary("Describe", pb.DescribeRequest, pb.DeviceDescription)
+        self._probe = unary("Probe", pb.ProbeRequest, pb.ProbeResult)
+        self._forward = stream("Forward")
+        self._backward = stream("Backward")
+        self._echo = stream("Echo")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _error(self, e: grpc.RpcError, what: str) -> WorkerError:
+        code = e.code() if hasattr(e, "code") else None
+        detail = e.details() if hasattr(e, "details") else str(e)
+        gone = code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+        )
+        name = code.name if code is not None else "error"
+        cls = WorkerUnavailable if gone else WorkerError
+        return cls(self.address, f"{what} failed: {name}: {detail}", code)
+
+    def describe(self) -> pb.DeviceDescription:
+        """The worker's device; waits up to ``connect_timeout`` for it to come up."""
+        try:
+            return self._describe(
+                pb.DescribeRequest(), timeout=self.connect_timeout, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            raise self._error(e, "describe") from None
+
+    def probe(self, shape: ConvShape, repeats: int = 2, timeout: float = 300.0) -> float:
+        """Seconds the worker takes for forward + backward of ``shape`` on random data."""
+        p = shape.padding
+        request = pb.ProbeRequest(
+            n=shape.n, c=shape.c, h=shape.h, w=shape.w, k=shape.k, kh=shape.kh, kw=shape.kw,
+            padding=(p.top, p.bottom, p.left, p.right), repeats=repeats, with_grad_input=True,
+        )  # fmt: skip
+        try:
+            return self._probe(request, timeout=timeout).seconds
+        except grpc.RpcError as e:
+            raise self._error(e, "probe") from None
+
+    def _call(
+        self,
+        method,
+        what: str,
+        request: pb.ConvRequest,
+        arrays: Sequence[tuple[str, np.ndarray]],
+        expect: Sequence[str],
+        destinations: dict[str, np.ndarray],
+        timeout: float,
+    ) -> tuple[dict[str, np.ndarray], CallStats]:
+        stats = CallStats()
+        request.tensors.extend(tensor_header(name, a) for name, a in arrays)
+        head = pb.ConvMessage(header=request)
+        stats.bytes_sent = head.ByteSize() + sum(a.nbytes for _, a in arrays)
+        start = time.perf_counter()
+
+        def messages():
+            yield head
+            yield from data_chunks([a for _, a in arrays])
+            stats.send_seconds = time.perf_counter() - start
+
+        first_at = 0.0
+
+        def receiver_for(first: pb.ConvMessage) -> TensorReceiver:
+            nonlocal first_at
+            first_at = time.perf_counter()
+            if first.WhichOneof("kind") != "result":
+                raise WireError(f"answer started with {first.WhichOneof('kind')}, not a result")
+            shapes = check_headers(first.result.tensors, expect)
+            dests = []
+            for name, shape in zip(expect, shapes, strict=True):
+                dest = destinations.get(name)
+                if dest is None:
+                    dest = np.empty(shape, np.float32)
+                elif dest.shape != shape:
+                    raise WireError(f"{name} came back with shape {shape}, expected {dest.shape}")
+                dests.append(dest)
+            return TensorReceiver(shapes, dests)
+
+        try:
+            responses = method(messages(), timeout=timeout)
+            first, arrays_back = receive_stream(iter(responses), receiver_for)
+        except grpc.RpcError as e:
+            raise self._error(e, what) from None
+        except WireError as e:
+            raise WorkerError(self.address, f"{what}: bad answer: {e}") from None
+        end = time.perf_counter()
+        stats.receive_seconds = end - first_at
+        stats.wall_seconds = end - start
+        stats.compute_seconds = first.result.compute_seconds
+        stats.bytes_received = first.ByteSize() + sum(a.nbytes for a in arrays_back)
+        return dict(zip(expect, arrays_back, strict=True)), stats
+
+    def forward(
+        self,
+        session: int,
+        step: int,
+        layer: str,
+        x: np.ndarray,
+        w: np.ndarray,
+        b: np.ndarray,
+        padding: tuple[int, int, int, int],
+        out: np.ndarray | None = None,
+        timeout: float = 600.0,
+        kernel_offset: int = 0,
+    ) -> tuple[np.ndarray, CallStats]:
+        """Feature maps of kernels ``w`` (k, C, kh, kw) over ``x`` (N, C, H, W).
+
+        Args:
+            out: where to write them, (N, k, Ho, Wo); may be a channel slice of a larger array.
+        """
+        request = pb.ConvRequest(
+            phase=pb.FORWARD, session=session, step=step, layer=layer, padding=padding,
+            kernel_offset=kernel_offset,
+        )  # fmt: skip
+        got, stats = self._call(
+            self._forward, f"forward {layer}", request,
+            [("x", x), ("w", w), ("b", b)], ["y"], {"y": out} if out is not None else {}, timeout,
+        )  # fmt: skip
+        return got["y"], stats
+
+    def backward(
+        self,
+        session: int,
+        step: int,
+        layer: str,
+        dy: np.ndarray,
+        need_input_grad: bool,
+        dw_out: np.ndarray | None = None,
+        db_out: np.ndarray | None = None,
+        timeout: float = 600.0,
+        kernel_offset: int = 0,
+    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, CallStats]:
+        """(input-gradient part or None, dw, db) for the output-gradient slice ``dy``.
+
+        The worker uses the inputs and kernels of its Forward call of the same step.
+        """
+        request = pb.ConvRequest(
+            phase=pb.BACKWARD, session=session, step=step, layer=layer,
+            need_input_grad=need_input_grad, kernel_offset=kernel_offset,
+        )  # fmt: skip
+        expect = ["dw", "db", "dx"] if need_input_grad else ["dw", "db"]
+        dests = {k: v for k, v in (("dw", dw_out), ("db", db_out)) if v is not None}
+        got, stats = self._call(
+            self._backward, f"backward {layer}", request, [("dy", dy)], expect, dests, timeout
+        )
+        return got.get("dx"), got["dw"], got["db"], stats
+
+    def echo(
+        self, arrays: Sequence[tuple[str, np.ndarray]], timeout: float = 600.0
+    ) -> tuple[list[np.ndarray], CallStats]:
+        """Send tensors and get them back: a round trip over this worker's link."""
+        request = pb.ConvRequest(phase=pb.PHASE_UNSPECIFIED)
+        names = [name for name, _ in arrays]
+        got, stats = self._call(self._echo, "echo", request, arrays, names, {}, timeout)
+        return [got[n] for n in names], stats

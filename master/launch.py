@@ -1,0 +1,119 @@
+"""Start worker processes on this machine (the embedded default and the tests use this)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from hetconv.worker.main import READY
+
+
+class LocalWorkers:
+    """``count`` real ``hetconv worker`` processes listening on loopback ports.
+
+    Args:
+        count: how many.
+        backend: the backend each serves.
+        blas_threads: BLAS threads per worker; the workers share this machine's cores with the
+            master, so 1 keeps them from oversubscribing it.
+        startup_timeout: seconds to wait for each to say it is ready.
+
+    Use as a context manager; leaving it stops every process it started, also on Ctrl-C.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        backend: str = "cpu",
+        blas_threads: int | None = 1,
+        startup_timeout: float = 120.0,
+    ):
+        if count < 1:
+            raise ValueError(f"local worker count must be >= 1, got {count}")
+        self.count, self.backend = count, backend
+        self.blas_threads, self.startup_timeout = blas_threads, startup_timeout
+        self.processes: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+        self._output: list[collections.deque[str]] = []
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.blas_threads:
+            for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                env[name] = str(self.blas_threads)
+        return env
+
+    def start(self) -> list[str]:
+        """Start the processes and wait until each serves; returns their addresses."""
+        command = [
+            sys.executable, "-m", "hetconv", "worker", "--listen", "127.0.0.1:0",
+            "--backend", self.backend, "--no-startup-probe",
+        ]  # fmt: skip
+        ready: list[threading.Event] = []
+        found: list[str | None] = []
+        for i in range(self.count):
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                text=True,
+            )
+            self.processes.append(process)
+            lines: collections.deque[str] = collections.deque(maxlen=40)
+            self._output.append(lines)
+            event = threading.Event()
+            ready.append(event)
+            found.append(None)
+            threading.Thread(
+                target=self._drain, args=(process, lines, event, found, i), daemon=True
+            ).start()
+        deadline = time.monotonic() + self.startup_timeout
+        for i, event in enumerate(ready):
+            while not event.wait(0.1):
+                if self.processes[i].poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    why = (
+                        f"exited with status {self.processes[i].returncode}"
+                        if self.processes[i].returncode is not None
+                        else f"was not ready after {self.startup_timeout:.0f} s"
+                    )
+                    output = "\n".join(self._output[i]) or "(no output)"
+                    raise RuntimeError(f"local worker {i + 1} {why}:\n{output}")
+        self.addresses = [a for a in found if a is not None]
+        return self.addresses
+
+    @staticmethod
+    def _drain(process, lines, event, found, index) -> None:
+        # Keep reading so a chatty worker never blocks on a full pipe.
+        for line in process.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if line.startswith(READY):
+                found[index] = line[len(READY) :].strip()
+                event.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask every process to stop (SIGTERM: graceful), then kill what is left."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def __enter__(self) -> LocalWorkers:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
