@@ -76,6 +76,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="worker processes the embedded default starts on loopback",
     )
     where.add_argument(
+        "--connect-timeout",
+        type=_positive_float,
+        default=20.0,
+        metavar="SECONDS",
+        help="how long to wait for each worker to answer at start",
+    )
+    where.add_argument(
         "--master-compute",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -177,7 +184,9 @@ def _run_train(args: argparse.Namespace) -> int:
             raise ValueError("--local runs no workers; drop --worker/--workers-file")
         train(config, LocalConv())
         return 0
-    cluster_config = ClusterConfig(master_compute=args.master_compute)
+    cluster_config = ClusterConfig(
+        master_compute=args.master_compute, connect_timeout=args.connect_timeout
+    )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:
             train(config, cluster)

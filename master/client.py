@@ -109,6 +109,13 @@ class WorkerClient:
                 pb.DescribeRequest(), timeout=self.connect_timeout, wait_for_ready=True
             )
         except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise WorkerUnavailable(
+                    self.address,
+                    f"no answer within {self.connect_timeout:g} s; is `hetconv worker` running "
+                    "there and reachable?",
+                    e.code(),
+                ) from None
             raise self._error(e, "describe") from None
 
     def probe(self, shape: ConvShape, repeats: int = 2, timeout: float = 300.0) -> float:

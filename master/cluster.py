@@ -44,6 +44,8 @@ class ClusterConfig:
         deadline_factor: a call's deadline is the floor plus this many times what the probe and
             the measured link predict for it.
         connect_timeout: seconds to wait for each worker to answer at start.
+        shares: layer name -> kernels per node (master first), overriding what the probe gives;
+            for experiments and tests.
     """
 
     master_compute: bool = True
@@ -51,6 +53,7 @@ class ClusterConfig:
     deadline_floor: float = 30.0
     deadline_factor: float = 10.0
     connect_timeout: float = 20.0
+    shares: dict[str, tuple[int, ...]] | None = None
 
 
 @dataclass
@@ -163,9 +166,24 @@ class Cluster:
                 node.probe_seconds[layer.name] = t
                 seconds.append(t)
             shares = kernel_shares(k, seconds)
+            if self.config.shares and layer.name in self.config.shares:
+                shares = self._check_shares(layer.name, k, self.config.shares[layer.name])
             self.plans[layer.name] = LayerPlan(shape, tuple(shares), tuple(offsets(shares)))
         if log is not None:
             print(self.describe_shares(), file=log)
+
+    def _check_shares(self, layer: str, kernels: int, shares) -> list[int]:
+        shares = [int(s) for s in shares]
+        if len(shares) != len(self.nodes) or min(shares) < 0 or sum(shares) != kernels:
+            raise ValueError(
+                f"shares {shares} for {layer} must be {len(self.nodes)} non-negative counts "
+                f"(master first) summing to its {kernels} kernels"
+            )
+        if shares[0] and not self.config.master_compute:
+            raise ValueError(
+                f"shares {shares} for {layer} give the master kernels, but master compute is off"
+            )
+        return shares
 
     def describe_shares(self) -> str:
         """A table: per node, its device, link, and per layer its probe time and kernels."""

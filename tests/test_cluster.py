@@ -1,0 +1,261 @@
+"""The master's cluster against real worker processes on loopback.
+
+Exactness is the invariant: training through the cluster gives local training's losses step by
+step and its final weights, to float32 round-off. The tolerance: losses within rtol 1e-6 and
+weights within atol 1e-6 after the run (observed: losses identical, weights within ~1e-8; the
+only difference is the order in which the input-gradient parts are summed).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hetconv.conv import LocalConv
+from hetconv.master.cluster import Cluster, ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.training import TrainConfig, train
+from hetconv.model import Model, reference_spec
+
+SMALL = dict(steps=5, batch=8, train_size=64, eval_size=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(3) as launched:
+        yield launched.addresses
+
+
+def _train(tmp_path, name, executor, **overrides):
+    weights = tmp_path / f"{name}.npz"
+    config = TrainConfig(save=str(weights), **{**SMALL, **overrides})
+    result = train(config, executor, log=io.StringIO())
+    return result, dict(np.load(weights))
+
+
+def _assert_same_training(got, want):
+    (result, weights), (ref_result, ref_weights) = got, want
+    np.testing.assert_allclose(result.losses, ref_result.losses, rtol=1e-6)
+    assert weights.keys() == ref_weights.keys()
+    for name in weights:
+        np.testing.assert_allclose(weights[name], ref_weights[name], rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
+
+
+def test_two_workers_and_master_train_exactly_like_local(workers, local_run, tmp_path):
+    # Shares forced so every node certainly computes part of both layers (the probe might
+    # legitimately give a slow node nothing); the probe-driven split is tested below.
+    config = ClusterConfig(shares={"conv1": (3, 2, 3), "conv2": (5, 6, 5)})
+    with Cluster(workers[:2], config=config) as cluster:
+        got = _train(tmp_path, "cluster", cluster)
+        plans = {name: plan.shares for name, plan in cluster.plans.items()}
+    assert plans == {"conv1": (3, 2, 3), "conv2": (5, 6, 5)}
+    _assert_same_training(got, local_run)
+
+
+def test_probe_driven_shares_train_exactly_like_local(workers, local_run, tmp_path):
+    with Cluster(workers[:2]) as cluster:
+        got = _train(tmp_path, "probed", cluster)
+        for plan in cluster.plans.values():
+            assert sum(plan.shares) == plan.shape.k
+            assert plan.shape.n == SMALL["batch"]
+        for node in cluster.nodes:
+            assert set(node.probe_seconds) == {"conv1", "conv2"}
+            assert all(t > 0 for t in node.probe_seconds.values())
+    _assert_same_training(got, local_run)
+
+
+def test_worker_given_zero_kernels_and_master_off(workers, local_run, tmp_path):
+    config = ClusterConfig(master_compute=False, shares={"conv1": (0, 8, 0), "conv2": (0, 0, 16)})
+    with Cluster(workers[:2], config=config) as cluster:
+        got = _train(tmp_path, "zero", cluster)
+        assert cluster.nodes[0].probe_seconds["conv1"] == float("inf")
+    _assert_same_training(got, local_run)
+
+
+def test_more_workers_than_kernels(workers, tmp_path):
+    spec = [
+        {"type": "conv", "out": 2, "kernel": 3, "padding": "same"},
+        {"type": "relu"},
+        {"type": "conv", "out": 3, "kernel": 3, "padding": 1},
+        {"type": "relu"},
+        {"type": "maxpool", "kernel": 4},
+        {"type": "fc", "out": 10},
+    ]
+    preset = tmp_path / "narrow.json"
+    preset.write_text(json.dumps(spec))
+    local = _train(tmp_path, "narrow-local", LocalConv(), preset=str(preset))
+    with Cluster(workers) as cluster:  # 4 nodes, 2 and 3 kernels: someone gets none
+        got = _train(tmp_path, "narrow-cluster", cluster, preset=str(preset))
+        shares = [plan.shares for plan in cluster.plans.values()]
+    assert all(len(s) == 4 and sum(s) in (2, 3) for s in shares)
+    assert 0 in shares[0]
+    _assert_same_training(got, local)
+
+
+def test_trace_carries_per_node_and_layer_figures(workers, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(shares={"conv1": (2, 3, 3), "conv2": (4, 6, 6)})
+    with Cluster(workers[:2], config=config) as cluster:
+        train(TrainConfig(**{**SMALL, "steps": 3}, trace=str(trace)), cluster, log=io.StringIO())
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    x_bytes = 8 * 3 * 32 * 32 * 4  # conv1's input: batch 8 of 3 x 32 x 32 float32
+    for r in records:
+        assert r["comm_seconds"] > 0 and r["conv_seconds"] > 0 and r["comp_seconds"] >= 0
+        total = r["comm_seconds"] + r["conv_seconds"] + r["comp_seconds"]
+        assert total == pytest.approx(r["seconds"], rel=1e-6)
+        assert set(r["nodes"]) == {"master", *workers[:2]}
+        for address in workers[:2]:
+            conv1 = r["nodes"][address]["conv1"]
+            assert conv1["kernels"] == 3
+            fwd, bwd = conv1["forward"], conv1["backward"]
+            # Forward sends x and 3 kernels (+ biases + header), receives 3 feature maps.
+            assert x_bytes + 3 * 3 * 25 * 4 < fwd["bytes_sent"] < x_bytes + 3 * 3 * 25 * 4 + 1024
+            assert 8 * 3 * 32 * 32 * 4 <= fwd["bytes_received"] < 8 * 3 * 32 * 32 * 4 + 1024
+            # Backward sends only the gradient slice (the worker kept x) and gets no dx back
+            # for the first layer.
+            assert bwd["bytes_sent"] < 8 * 3 * 32 * 32 * 4 + 1024
+            assert bwd["bytes_received"] < 1024
+            for phase in (fwd, bwd):
+                assert phase["compute_seconds"] > 0
+                assert 0 < phase["send_seconds"] <= phase["wall_seconds"]
+                assert 0 < phase["receive_seconds"] <= phase["wall_seconds"]
+            assert r["nodes"][address]["conv2"]["backward"]["bytes_received"] > 8 * 8 * 16 * 16 * 4
+
+
+def test_unknown_layer_shape_is_split_by_mean_speed(workers):
+    # Evaluation batches differ from the probed batch; a layer never probed still works.
+    rng = np.random.default_rng(0)
+    with Cluster(workers[:2]) as cluster:
+        model = Model(reference_spec(4, 6), seed=0, executor=cluster)
+        cluster.prepare(model.conv_layers(), batch=2, log=None)
+        cluster.begin_step(0)
+        x = rng.standard_normal((5, 3, 32, 32), dtype=np.float32)
+        got = model.forward(x)
+    want = Model(reference_spec(4, 6), seed=0).forward(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_cluster_settings_are_refused(workers):
+    with pytest.raises(ValueError, match="named twice"):
+        Cluster([workers[0], workers[0]])
+    with pytest.raises(ValueError, match="nothing would compute"):
+        Cluster([], config=ClusterConfig(master_compute=False))
+    config = ClusterConfig(shares={"conv1": (1, 1, 1)})
+    with Cluster(workers[:2], config=config) as cluster:
+        model = Model(reference_spec(8, 16), seed=0, executor=cluster)
+        with pytest.raises(ValueError, match="summing to its 8 kernels"):
+            cluster.prepare(model.conv_layers(), batch=2, log=None)
+
+
+# -- the command line: the embedded default and named workers ------------------------------
+
+
+def _port_closed(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
+def _worker_addresses(output: str) -> list[str]:
+    return [
+        line.split()[0] for line in output.splitlines() if line.strip().startswith("127.0.0.1:")
+    ]
+
+
+def _hetconv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hetconv", *args]
+
+
+TINY_RUN = ["--steps", "3", "--batch", "8", "--train-size", "64", "--eval-size", "16"]
+
+
+def test_embedded_default_trains_with_two_local_workers_and_stops_them(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    run = subprocess.run(
+        _hetconv("train", *TINY_RUN, "--no-progress", "--trace", str(trace)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "starting 2 local worker processes" in run.stderr
+    assert "kernel shares" in run.stderr
+    assert "communication" in run.stderr and "convolution (slowest node)" in run.stderr
+    addresses = _worker_addresses(run.stderr)
+    assert len(addresses) == 2
+    assert all(_port_closed(a) for a in addresses)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(records) == 3 and set(records[0]["nodes"]) == {"master", *addresses}
+
+
+def test_named_workers_and_workers_file(workers, tmp_path):
+    listing = tmp_path / "workers.txt"
+    listing.write_text(f"# the lab\n{workers[1]}  # second\n\n")
+    run = subprocess.run(
+        _hetconv("train", *TINY_RUN, "--no-progress", "--worker", workers[0],
+                 "--workers-file", str(listing), "--no-master-compute"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "starting" not in run.stderr
+    assert _worker_addresses(run.stderr) == workers[:2]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--worker", "127.0.0.1:1", "--connect-timeout", "1"], "no answer within 1 s"),
+        (["--worker", "localhost"], "is not HOST:PORT"),
+        (["--workers-file", "/nonexistent/w.txt"], "cannot read workers file"),
+        (["--local", "--worker", "127.0.0.1:5"], "--local runs no workers"),
+    ],
+)
+def test_bad_worker_arguments_give_one_line_errors(args, message):
+    run = subprocess.run(
+        _hetconv("train", *TINY_RUN, "--no-progress", *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode in (1, 2)
+    assert message in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="sends SIGINT, a POSIX signal")
+def test_ctrl_c_stops_the_embedded_workers():
+    process = subprocess.Popen(
+        _hetconv("train", "--steps", "100000", "--batch", "8", "--train-size", "64",
+                 "--no-progress"),
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if line.startswith("training "):
+            break
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, "".join(lines) + rest
+    addresses = _worker_addresses("".join(lines))
+    assert len(addresses) == 2
+    assert all(_port_closed(a) for a in addresses)
