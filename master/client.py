@@ -118,12 +118,19 @@ class WorkerClient:
                 ) from None
             raise self._error(e, "describe") from None
 
-    def probe(self, shape: ConvShape, repeats: int = 2, timeout: float = 300.0) -> float:
+    def probe(
+        self,
+        shape: ConvShape,
+        repeats: int = 2,
+        with_grad_input: bool = True,
+        timeout: float = 300.0,
+    ) -> float:
         """Seconds the worker takes for forward + backward of ``shape`` on random data."""
         p = shape.padding
         request = pb.ProbeRequest(
             n=shape.n, c=shape.c, h=shape.h, w=shape.w, k=shape.k, kh=shape.kh, kw=shape.kw,
-            padding=(p.top, p.bottom, p.left, p.right), repeats=repeats, with_grad_input=True,
+            padding=(p.top, p.bottom, p.left, p.right), repeats=repeats,
+            with_grad_input=with_grad_input,
         )  # fmt: skip
         try:
             return self._probe(request, timeout=timeout).seconds

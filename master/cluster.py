@@ -155,14 +155,17 @@ class Cluster:
             seconds = []
             for node in self.nodes:
                 # One node at a time, so nodes on one machine do not slow each other's probe.
+                # The probe does what training does: no input gradient for a first layer.
                 if node.client is None:
                     t = (
-                        self.backend.time_step(shape, self.config.probe_repeats)
+                        self.backend.time_step(
+                            shape, self.config.probe_repeats, layer.need_input_grad
+                        )
                         if self.config.master_compute
                         else float("inf")
                     )
                 else:
-                    t = node.client.probe(shape, self.config.probe_repeats)
+                    t = node.client.probe(shape, self.config.probe_repeats, layer.need_input_grad)
                 node.probe_seconds[layer.name] = t
                 seconds.append(t)
             shares = kernel_shares(k, seconds)

@@ -1,0 +1,124 @@
+"""Step time of the master with K local workers vs local training, on the same machine.
+
+For each preset and worker count, the same training (same seed, data and batch) runs locally
+and through the cluster in alternating rounds, so drift on a shared machine hits both alike.
+Workers are real ``hetconv worker`` processes on loopback with one BLAS thread each; the master
+computes a share too unless ``--no-master-compute``. Figures are means over the steps after
+each run's first, with the cluster step split in the paper's terms: communication, convolution
+on the slowest node, and the rest ("comp").
+
+On one machine the workers share its cores with the master, so this measures what the
+distribution costs (bytes, calls, contention), not what separate machines would gain; the
+simulator answers that from these figures and measured links.
+
+    python benchmarks/cluster.py [--presets tiny paper-50-500] [--workers 1 2] [--batch 32]
+                                 [--steps 8] [--rounds 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from hetconv.conv import LocalConv
+from hetconv.master.cluster import Cluster, ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.training import TrainConfig, train
+
+
+def _run(config: TrainConfig, executor) -> list[dict]:
+    train(config, executor, log=io.StringIO())
+    records = [json.loads(line) for line in Path(config.trace).read_text().splitlines()]
+    return records[1:]  # the first step warms caches and connections
+
+
+def _mean(records: list[dict], key: str) -> float:
+    return float(np.mean([r[key] for r in records]))
+
+
+def _bytes(records: list[dict]) -> float:
+    totals = []
+    for r in records:
+        total = 0
+        for node in r.get("nodes", {}).values():
+            for layer in node.values():
+                for phase in ("forward", "backward"):
+                    if phase in layer:
+                        total += layer[phase]["bytes_sent"] + layer[phase]["bytes_received"]
+        totals.append(total)
+    return float(np.mean(totals))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny", "paper-50-500"])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=8, help="steps per run (first not counted)")
+    parser.add_argument("--rounds", type=int, default=2, help="local/cluster alternations")
+    parser.add_argument("--no-master-compute", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    args = parser.parse_args()
+
+    rows = []
+    header = (
+        f"{'preset':<14} {'K':>2} {'local ms':>9} {'cluster ms':>10} {'ratio':>6} "
+        f"{'comm ms':>8} {'conv ms':>8} {'comp ms':>8} {'MB/step':>8}  shares"
+    )
+    print(header)
+    with LocalWorkers(max(args.workers)) as workers, tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets:
+            for k in args.workers:
+                config = TrainConfig(
+                    preset=preset,
+                    steps=args.steps,
+                    batch=args.batch,
+                    train_size=max(256, args.batch * args.steps),
+                    eval_size=0,
+                    progress=False,
+                    trace=str(Path(tmp) / "trace.jsonl"),
+                )
+                cluster_config = ClusterConfig(master_compute=not args.no_master_compute)
+                local, remote, shares = [], [], {}
+                for _ in range(args.rounds):
+                    local += _run(config, LocalConv())
+                    with Cluster(workers.addresses[:k], config=cluster_config) as cluster:
+                        remote += _run(config, cluster)
+                        shares = {n: list(p.shares) for n, p in cluster.plans.items()}
+                row = {
+                    "preset": preset,
+                    "batch": args.batch,
+                    "workers": k,
+                    "master_compute": not args.no_master_compute,
+                    "local_step_s": _mean(local, "seconds"),
+                    "cluster_step_s": _mean(remote, "seconds"),
+                    "comm_s": _mean(remote, "comm_seconds"),
+                    "conv_s": _mean(remote, "conv_seconds"),
+                    "comp_s": _mean(remote, "comp_seconds"),
+                    "local_conv_s": _mean(local, "conv_seconds"),
+                    "bytes_per_step": _bytes(remote),
+                    "shares": shares,
+                }
+                row["ratio"] = row["local_step_s"] / row["cluster_step_s"]
+                rows.append(row)
+                print(
+                    f"{preset:<14} {k:>2} {1e3 * row['local_step_s']:>9.1f} "
+                    f"{1e3 * row['cluster_step_s']:>10.1f} {row['ratio']:>6.2f} "
+                    f"{1e3 * row['comm_s']:>8.1f} {1e3 * row['conv_s']:>8.1f} "
+                    f"{1e3 * row['comp_s']:>8.1f} {row['bytes_per_step'] / 1e6:>8.1f}  "
+                    + " ".join(f"{n}={s}" for n, s in shares.items()),
+                    flush=True,
+                )
+    print("ratio = local step time / cluster step time (above 1: the cluster is faster)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
