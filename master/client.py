@@ -16,13 +16,18 @@ import numpy as np
 from hetconv.backends import ConvShape
 from hetconv.proto import worker_pb2 as pb
 from hetconv.wire import (
+    BUNDLE_BYTES,
+    Bundle,
     TensorReceiver,
     WireError,
+    byte_segments,
     channel_options,
     check_headers,
     data_chunks,
+    deserialize_bundle,
     deserialize_message,
     receive_stream,
+    serialize_bundle,
     serialize_message,
     tensor_header,
 )
@@ -52,6 +57,9 @@ class CallStats:
     compute_seconds: float = 0.0  # as the worker measured it
     receive_seconds: float = 0.0  # first response message until the last
     wall_seconds: float = 0.0
+    # True when request and answer were each one message (tensors under BUNDLE_BYTES): then
+    # send_seconds spans the whole call and receive_seconds only the unpacking of the answer.
+    bundled: bool = False
 
 
 class WorkerClient:
@@ -83,9 +91,17 @@ class WorkerClient:
 
         self._describe = unary("Describe", pb.DescribeRequest, pb.DeviceDescription)
         self._probe = unary("Probe", pb.ProbeRequest, pb.ProbeResult)
-        self._forward = stream("Forward")
-        self._backward = stream("Backward")
-        self._echo = stream("Echo")
+
+        def bundle(name):
+            return self._channel.unary_unary(
+                f"/{SERVICE_NAME}/{name}",
+                request_serializer=serialize_bundle,
+                response_deserializer=deserialize_bundle,
+            )
+
+        self._forward = (stream("Forward"), bundle("ForwardBundle"))
+        self._backward = (stream("Backward"), bundle("BackwardBundle"))
+        self._echo = (stream("Echo"), bundle("EchoBundle"))
 
     def close(self) -> None:
         self._channel.close()
@@ -146,11 +162,14 @@ class WorkerClient:
         expect: Sequence[str],
         destinations: dict[str, np.ndarray],
         timeout: float,
+        answer_bytes: int,
     ) -> tuple[dict[str, np.ndarray], CallStats]:
         stats = CallStats()
         request.tensors.extend(tensor_header(name, a) for name, a in arrays)
         head = pb.ConvMessage(header=request)
-        stats.bytes_sent = head.ByteSize() + sum(a.nbytes for _, a in arrays)
+        payload = sum(a.nbytes for _, a in arrays)
+        stats.bytes_sent = head.ByteSize() + payload
+        stats.bundled = payload + answer_bytes <= BUNDLE_BYTES
         start = time.perf_counter()
 
         def messages():
@@ -177,8 +196,15 @@ class WorkerClient:
             return TensorReceiver(shapes, dests)
 
         try:
-            responses = method(messages(), timeout=timeout)
-            first, arrays_back = receive_stream(iter(responses), receiver_for)
+            if stats.bundled:
+                # Small: one message each way (a unary call costs a sixth of a stream here).
+                segments = [v for _, a in arrays for v in byte_segments(a)]
+                answer = method[1](Bundle(head, segments), timeout=timeout)
+                stats.send_seconds = time.perf_counter() - start
+                responses = iter([answer])
+            else:
+                responses = iter(method[0](messages(), timeout=timeout))
+            first, arrays_back = receive_stream(responses, receiver_for)
         except grpc.RpcError as e:
             raise self._error(e, what) from None
         except WireError as e:
@@ -212,9 +238,16 @@ class WorkerClient:
             phase=pb.FORWARD, session=session, step=step, layer=layer, padding=padding,
             kernel_offset=kernel_offset,
         )  # fmt: skip
+        top, bottom, left, right = padding
+        ho, wo = (
+            x.shape[2] + top + bottom - w.shape[2] + 1,
+            x.shape[3] + left + right - w.shape[3] + 1,
+        )
+        answer = 4 * x.shape[0] * w.shape[0] * ho * wo
         got, stats = self._call(
             self._forward, f"forward {layer}", request,
             [("x", x), ("w", w), ("b", b)], ["y"], {"y": out} if out is not None else {}, timeout,
+            answer,
         )  # fmt: skip
         return got["y"], stats
 
@@ -229,10 +262,13 @@ class WorkerClient:
         db_out: np.ndarray | None = None,
         timeout: float = 600.0,
         kernel_offset: int = 0,
+        answer_bytes: int | None = None,
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, CallStats]:
         """(input-gradient part or None, dw, db) for the output-gradient slice ``dy``.
 
         The worker uses the inputs and kernels of its Forward call of the same step.
+        ``answer_bytes`` (the size of dw, db and dx) lets a small call go as one message;
+        without it the call streams.
         """
         request = pb.ConvRequest(
             phase=pb.BACKWARD, session=session, step=step, layer=layer,
@@ -240,9 +276,11 @@ class WorkerClient:
         )  # fmt: skip
         expect = ["dw", "db", "dx"] if need_input_grad else ["dw", "db"]
         dests = {k: v for k, v in (("dw", dw_out), ("db", db_out)) if v is not None}
+        answer = answer_bytes if answer_bytes is not None else BUNDLE_BYTES + 1
         got, stats = self._call(
-            self._backward, f"backward {layer}", request, [("dy", dy)], expect, dests, timeout
-        )
+            self._backward, f"backward {layer}", request, [("dy", dy)], expect, dests, timeout,
+            answer,
+        )  # fmt: skip
         return got.get("dx"), got["dw"], got["db"], stats
 
     def echo(
@@ -251,5 +289,6 @@ class WorkerClient:
         """Send tensors and get them back: a round trip over this worker's link."""
         request = pb.ConvRequest(phase=pb.PHASE_UNSPECIFIED)
         names = [name for name, _ in arrays]
-        got, stats = self._call(self._echo, "echo", request, arrays, names, {}, timeout)
+        size = sum(a.nbytes for _, a in arrays)
+        got, stats = self._call(self._echo, "echo", request, arrays, names, {}, timeout, size)
         return [got[n] for n in names], stats

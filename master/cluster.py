@@ -85,6 +85,7 @@ def _phase_record(stats: CallStats) -> dict:
         "compute_seconds": stats.compute_seconds,
         "receive_seconds": stats.receive_seconds,
         "wall_seconds": stats.wall_seconds,
+        "bundled": stats.bundled,
     }
 
 
@@ -349,6 +350,8 @@ class Cluster:
                         self.session, self.step, layer, dy[:, sl], need_input_grad,
                         dw_out=dw[sl], db_out=db[sl],
                         timeout=self._deadline(node, layer, share, nbytes), kernel_offset=first,
+                        answer_bytes=dw[sl].nbytes + db[sl].nbytes
+                        + (x.nbytes if need_input_grad else 0),
                     ),
                 )
             )  # fmt: skip

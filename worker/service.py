@@ -22,15 +22,19 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hetconv import __version__
-from hetconv.backends import Backend, ConvShape, Padding, conv_shape
+from hetconv.backends import Backend, conv_shape
 from hetconv.proto import worker_pb2 as pb
 from hetconv.wire import (
+    Bundle,
     TensorReceiver,
     WireError,
+    byte_segments,
     channel_options,
     check_headers,
+    deserialize_bundle,
     deserialize_message,
     receive_stream,
+    serialize_bundle,
     serialize_message,
     tensor_header,
     tensor_stream,
@@ -191,68 +195,76 @@ class ConvWorkerService:
         elif len(shapes[0]) != 4:
             raise WireError(f"dy has shape {shapes[0]}, expected 4 dimensions (N, k, Ho, Wo)")
 
-    def _respond(
-        self, tensors: list[tuple[str, np.ndarray]], compute: float, receive: float
-    ) -> Iterator[pb.ConvMessage | memoryview]:
+    @staticmethod
+    def _result(tensors: list[tuple[str, np.ndarray]], compute: float, receive: float):
         result = pb.ConvResult(
             compute_seconds=compute,
             receive_seconds=receive,
             tensors=[tensor_header(name, a) for name, a in tensors],
         )
-        yield from tensor_stream(pb.ConvMessage(result=result), [a for _, a in tensors])
+        return pb.ConvMessage(result=result), [a for _, a in tensors]
 
-    def forward(self, messages: Iterator, context) -> Iterator:
+    def _run(self, call: str, core, messages: Iterator, context):
+        """Run ``core`` on the incoming messages; refuse bad requests with a named status."""
         try:
-            request, (x, w, b), receive = self._receive(messages, pb.FORWARD, _FORWARD_TENSORS)
-            padding = _padding(request)
-            start = time.perf_counter()
-            with self._device_lock:
-                y = self.backend.conv_forward(x, w, b, padding)
-                self.backend.synchronize()
-            compute = time.perf_counter() - start
-            self._save(request, _Saved(request.step, x, w, padding))
+            tensors, compute, receive = core(messages)
         except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Forward: {e}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{call}: {e}")
         except _Invalid as e:
-            context.abort(e.code, f"Forward: {e}")
+            context.abort(e.code, f"{call}: {e}")
         self.requests += 1
-        yield from self._respond([("y", y)], compute, receive)
+        return self._result(tensors, compute, receive)
 
-    def backward(self, messages: Iterator, context) -> Iterator:
-        try:
-            request, (dy,), receive = self._receive(messages, pb.BACKWARD, _BACKWARD_TENSORS)
-            saved = self._saved_for(request)
-            ho, wo = conv_shape(saved.x.shape, saved.w.shape, saved.padding).out_hw
-            expected = (saved.x.shape[0], saved.w.shape[0], ho, wo)
-            if dy.shape != expected:
-                raise WireError(f"dy has shape {dy.shape}, expected {expected}")
-            start = time.perf_counter()
-            with self._device_lock:
-                dw, db = self.backend.conv_grad_kernels(
-                    saved.x, dy, saved.w.shape[2:], saved.padding
-                )
-                out = [("dw", dw), ("db", db)]
-                if request.need_input_grad:
-                    dx = self.backend.conv_grad_input(dy, saved.w, saved.x.shape[2:], saved.padding)
-                    out.append(("dx", dx))
-                self.backend.synchronize()
-            compute = time.perf_counter() - start
-        except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Backward: {e}")
-        except _Invalid as e:
-            context.abort(e.code, f"Backward: {e}")
-        self.requests += 1
-        yield from self._respond(out, compute, receive)
+    def streamed(self, call: str, core):
+        """The handler of a streaming call: header and chunks in, header and chunks out."""
 
-    def echo(self, messages: Iterator, context) -> Iterator:
-        try:
-            request, arrays, receive = self._receive(messages, pb.PHASE_UNSPECIFIED, None)
-        except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Echo: {e}")
-        except _Invalid as e:
-            context.abort(e.code, f"Echo: {e}")
+        def handler(messages: Iterator, context) -> Iterator:
+            head, arrays = self._run(call, core, messages, context)
+            yield from tensor_stream(head, arrays)
+
+        return handler
+
+    def bundled(self, call: str, core):
+        """The handler of a call whose request and answer are each one ``ConvBundle``."""
+
+        def handler(bundle: Bundle, context) -> Bundle:
+            head, arrays = self._run(call, core, iter([bundle]), context)
+            return Bundle(head, [v for a in arrays for v in byte_segments(a)])
+
+        return handler
+
+    def forward(self, messages: Iterator):
+        request, (x, w, b), receive = self._receive(messages, pb.FORWARD, _FORWARD_TENSORS)
+        padding = _padding(request)
+        start = time.perf_counter()
+        with self._device_lock:
+            y = self.backend.conv_forward(x, w, b, padding)
+            self.backend.synchronize()
+        compute = time.perf_counter() - start
+        self._save(request, _Saved(request.step, x, w, padding))
+        return [("y", y)], compute, receive
+
+    def backward(self, messages: Iterator):
+        request, (dy,), receive = self._receive(messages, pb.BACKWARD, _BACKWARD_TENSORS)
+        saved = self._saved_for(request)
+        ho, wo = conv_shape(saved.x.shape, saved.w.shape, saved.padding).out_hw
+        expected = (saved.x.shape[0], saved.w.shape[0], ho, wo)
+        if dy.shape != expected:
+            raise WireError(f"dy has shape {dy.shape}, expected {expected}")
+        start = time.perf_counter()
+        with self._device_lock:
+            dw, db = self.backend.conv_grad_kernels(saved.x, dy, saved.w.shape[2:], saved.padding)
+            out = [("dw", dw), ("db", db)]
+            if request.need_input_grad:
+                dx = self.backend.conv_grad_input(dy, saved.w, saved.x.shape[2:], saved.padding)
+                out.append(("dx", dx))
+            self.backend.synchronize()
+        return out, time.perf_counter() - start, receive
+
+    def echo(self, messages: Iterator):
+        request, arrays, receive = self._receive(messages, pb.PHASE_UNSPECIFIED, None)
         names = [h.name for h in request.tensors]
-        yield from self._respond(list(zip(names, arrays, strict=True)), 0.0, receive)
+        return list(zip(names, arrays, strict=True)), 0.0, receive
 
     # -- the forward-input cache ------------------------------------------------------------
 
@@ -283,6 +295,11 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
             fn, request_deserializer=deserialize_message, response_serializer=serialize_message
         )
 
+    def bundle(fn):
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=deserialize_bundle, response_serializer=serialize_bundle
+        )
+
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
@@ -296,9 +313,12 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
                 request_deserializer=pb.ProbeRequest.FromString,
                 response_serializer=pb.ProbeResult.SerializeToString,
             ),
-            "Forward": stream(service.forward),
-            "Backward": stream(service.backward),
-            "Echo": stream(service.echo),
+            "Forward": stream(service.streamed("Forward", service.forward)),
+            "Backward": stream(service.streamed("Backward", service.backward)),
+            "Echo": stream(service.streamed("Echo", service.echo)),
+            "ForwardBundle": bundle(service.bundled("Forward", service.forward)),
+            "BackwardBundle": bundle(service.bundled("Backward", service.backward)),
+            "EchoBundle": bundle(service.bundled("Echo", service.echo)),
         },
     )
 
@@ -334,8 +354,4 @@ def start_server(
     return server, f"{host}:{port}"
 
 
-def describe_padding(padding: Padding) -> tuple[int, int, int, int]:
-    return (padding.top, padding.bottom, padding.left, padding.right)
-
-
-__all__ = ["ConvShape", "ConvWorkerService", "WorkerConfig", "start_server"]
+__all__ = ["ConvWorkerService", "WorkerConfig", "start_server"]

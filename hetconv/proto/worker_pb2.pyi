@@ -75,6 +75,16 @@ class ConvMessage(_message.Message):
     result: ConvResult
     def __init__(self, header: _Optional[_Union[ConvRequest, _Mapping]] = ..., data: _Optional[bytes] = ..., result: _Optional[_Union[ConvResult, _Mapping]] = ...) -> None: ...
 
+class ConvBundle(_message.Message):
+    __slots__ = ("header", "data", "result")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    header: ConvRequest
+    data: bytes
+    result: ConvResult
+    def __init__(self, header: _Optional[_Union[ConvRequest, _Mapping]] = ..., data: _Optional[bytes] = ..., result: _Optional[_Union[ConvResult, _Mapping]] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -59,6 +59,21 @@ class ConvWorkerStub:
                 request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
                 response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
                 _registered_method=True)
+        self.ForwardBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/ForwardBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
+        self.BackwardBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/BackwardBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
+        self.EchoBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/EchoBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
 
 
 class ConvWorkerServicer:
@@ -96,6 +111,25 @@ class ConvWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardBundle(self, request, context):
+        """The same three calls for small tensors, request and answer each in one message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BackwardBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EchoBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConvWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +157,21 @@ def add_ConvWorkerServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
                     response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'ForwardBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForwardBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'BackwardBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.BackwardBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'EchoBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.EchoBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +309,87 @@ class ConvWorker:
             '/hetconv.v1.ConvWorker/Echo',
             hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
             hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/ForwardBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BackwardBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/BackwardBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EchoBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/EchoBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
             options,
             channel_credentials,
             insecure,
