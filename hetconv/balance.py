@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 
 def kernel_shares(kernels: int, probe_seconds: Sequence[float]) -> list[int]:
@@ -33,7 +34,8 @@ def kernel_shares(kernels: int, probe_seconds: Sequence[float]) -> list[int]:
     for i, t in enumerate(probe_seconds):
         if not t > 0:  # also catches NaN
             raise ValueError(f"probe time of device {i} is {t}; it must be positive")
-    speeds = [0.0 if math.isinf(t) else 1.0 / t for t in probe_seconds]
+    # Exact rational arithmetic: no overflow for tiny times, and ties are real ties.
+    speeds = [Fraction(0) if math.isinf(t) else 1 / Fraction(t) for t in probe_seconds]
     total = sum(speeds)
     if total == 0:
         raise ValueError("every device is excluded (infinite probe time)")

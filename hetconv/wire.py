@@ -34,6 +34,7 @@ MAX_MESSAGE_BYTES = 16 << 20
 #: The one dtype on the wire: IEEE binary32, little-endian.
 WIRE_DTYPE = np.dtype("<f4")
 
+_MAX_DIMENSION = 1 << 31  # no real tensor axis is longer; bounds empty tensors' shapes too
 _DATA_TAG = 0x12  # field 2 (data), wire type 2 (length-delimited)
 
 
@@ -42,10 +43,11 @@ class WireError(ValueError):
 
 
 def channel_options() -> list[tuple[str, int]]:
-    """gRPC options for master channels and worker servers alike.
+    """gRPC options for the master's channels to its workers.
 
-    The 4 MiB default receive limit is raised deliberately; keepalives keep idle Wi-Fi links
-    from being dropped silently between steps.
+    The 4 MiB default message limit is raised deliberately (to :data:`MAX_MESSAGE_BYTES`);
+    keepalive pings every 30 s keep idle Wi-Fi links and NAT entries from being dropped
+    silently between steps, and notice a vanished worker within 40 s.
     """
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -54,6 +56,19 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options() -> list[tuple[str, int]]:
+    """gRPC options for a worker's server: the same message limits, and acceptance of the
+    master's 30 s keepalive pings (by default a server treats pings more often than every
+    5 minutes as abuse and drops the connection)."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
@@ -94,7 +109,10 @@ def deserialize_message(buffer: bytes) -> pb.ConvMessage | memoryview:
                     return memoryview(buffer)[pos:]
                 break
             shift += 7
-    message = pb.ConvMessage.FromString(buffer)
+    try:
+        message = pb.ConvMessage.FromString(buffer)
+    except Exception as e:  # protobuf's DecodeError
+        raise WireError(f"undecodable message: {e}") from None
     if message.WhichOneof("kind") == "data":
         return memoryview(message.data)
     return message
@@ -210,6 +228,8 @@ def byte_segments(array: np.ndarray) -> list[memoryview]:
     A channel slice ``y[:, a:b]`` of an NCHW array is contiguous within each image, which is all
     the wire needs: tensors are sent from, and received into, such slices without a copy.
     """
+    if array.size == 0:
+        return []
     if array.flags.c_contiguous:
         return [memoryview(array).cast("B")]
     if array.ndim > 1 and array[0].flags.c_contiguous:
@@ -258,6 +278,8 @@ def check_headers(
         shape = tuple(int(d) for d in h.shape)
         if any(d < 0 for d in shape):
             raise WireError(f"tensor {h.name} has a negative dimension in shape {shape}")
+        if any(d > _MAX_DIMENSION for d in shape):
+            raise WireError(f"tensor {h.name} has an absurd dimension in shape {shape}")
         expected = math.prod(shape) * WIRE_DTYPE.itemsize
         if h.nbytes != expected:
             raise WireError(

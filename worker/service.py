@@ -29,13 +29,13 @@ from hetconv.wire import (
     TensorReceiver,
     WireError,
     byte_segments,
-    channel_options,
     check_headers,
     deserialize_bundle,
     deserialize_message,
     receive_stream,
     serialize_bundle,
     serialize_message,
+    server_options,
     tensor_header,
     tensor_stream,
 )
@@ -335,7 +335,7 @@ def start_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=service.config.threads),
-        options=channel_options(),
+        options=server_options(),
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.HealthServicer()
