@@ -45,9 +45,7 @@ def run_worker(
             f"{STARTUP_PROBE.n} ({gflops:.0f} GFLOPS)",
             file=out,
         )
-    server, address = start_server(service, listen)
-    print(f"{READY} {address}", file=out, flush=True)
-
+    # Handlers first: a launcher may signal the moment it reads the ready line.
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -55,11 +53,15 @@ def run_worker(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not stop.wait(0.5):
-            pass
+        server, address = start_server(service, listen)
+        try:
+            print(f"{READY} {address}", file=out, flush=True)
+            while not stop.wait(0.5):
+                pass
+        finally:
+            service.health.enter_graceful_shutdown()
+            server.stop(grace=5).wait()
     finally:
-        service.health.enter_graceful_shutdown()
-        server.stop(grace=5).wait()
         for s, handler in previous.items():
             signal.signal(s, handler)
     print(f"hetconv worker on {address} stopped after {service.requests} requests", file=out)

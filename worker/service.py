@@ -335,17 +335,21 @@ def start_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=service.config.threads),
-        options=server_options(),
+        # No SO_REUSEPORT: a second worker on a serving port must fail, not silently share it
+        # (the kernel would split connections, and a Backward could miss its Forward's worker).
+        options=[*server_options(), ("grpc.so_reuseport", 0)],
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         port = server.add_insecure_port(listen)
-    except RuntimeError as e:
-        raise OSError(f"cannot listen on {listen}: {e}") from None
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {listen}: the address is taken or not local")
+        raise OSError(
+            f"cannot listen on {listen}: the port is in use or the address is not this machine's"
+        )
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
