@@ -155,7 +155,7 @@ def _address(text: str, where: str = "--worker") -> str:
 def _run_train(args: argparse.Namespace) -> int:
     from hetconv.conv import LocalConv
     from hetconv.master.cluster import Cluster, ClusterConfig
-    from hetconv.master.launch import LocalWorkers
+    from hetconv.master.launch import EmbeddedCluster
     from hetconv.master.training import TrainConfig, train
 
     from .optim import SGDConfig
@@ -191,14 +191,8 @@ def _run_train(args: argparse.Namespace) -> int:
         with Cluster(addresses, config=cluster_config) as cluster:
             train(config, cluster)
         return 0
-    print(
-        f"starting {args.local_workers} local worker processes on loopback "
-        "(name real ones with --worker HOST:PORT; --local for none)",
-        file=sys.stderr,
-    )
-    with LocalWorkers(args.local_workers) as workers:
-        with Cluster(workers.addresses, config=cluster_config) as cluster:
-            train(config, cluster)
+    with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
+        train(config, cluster)
     return 0
 
 

@@ -117,3 +117,56 @@ class LocalWorkers:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EmbeddedCluster:
+    """A :class:`~hetconv.master.cluster.Cluster` over local worker processes that it starts
+    when training is ready to begin (so bad arguments fail before any process starts) and
+    stops on :meth:`close`. The executor of ``hetconv train`` with no workers named.
+
+    Args:
+        count: worker processes to start.
+        config: the cluster's settings.
+    """
+
+    def __init__(self, count: int, config=None):
+        self.workers = LocalWorkers(count)
+        self.config = config
+        self.cluster = None
+
+    def prepare(self, layers, batch, log) -> None:
+        from hetconv.master.cluster import Cluster
+
+        if log is not None:
+            print(
+                f"starting {self.workers.count} local worker processes on loopback "
+                "(name real ones with --worker HOST:PORT; --local for none)",
+                file=log,
+            )
+        self.cluster = Cluster(self.workers.start(), config=self.config)
+        self.cluster.prepare(layers, batch, log)
+
+    def forward(self, layer, x, w, b, padding):
+        return self.cluster.forward(layer, x, w, b, padding)
+
+    def backward(self, layer, x, w, dy, padding, need_input_grad):
+        return self.cluster.backward(layer, x, w, dy, padding, need_input_grad)
+
+    def begin_step(self, step: int) -> None:
+        self.cluster.begin_step(step)
+
+    def end_step(self) -> dict:
+        return self.cluster.end_step()
+
+    def close(self) -> None:
+        try:
+            if self.cluster is not None:
+                self.cluster.close()
+        finally:
+            self.workers.stop()
+
+    def __enter__(self) -> EmbeddedCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
