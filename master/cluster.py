@@ -211,10 +211,11 @@ class Cluster:
         return "\n".join(lines)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Close every channel (cancelling calls in flight, e.g. after Ctrl-C) and the pool."""
         for node in self.nodes:
             if node.client is not None:
                 node.client.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- per step --------------------------------------------------------------------------
 

@@ -50,7 +50,9 @@ class LocalWorkers:
     def start(self) -> list[str]:
         """Start the processes and wait until each serves; returns their addresses."""
         command = [
-            sys.executable, "-m", "hetconv", "worker", "--listen", "127.0.0.1:0",
+            # -I: never import a source tree in the working directory instead of the installed
+            # package (cwd comes first on sys.path for -m).
+            sys.executable, "-I", "-m", "hetconv", "worker", "--listen", "127.0.0.1:0",
             "--backend", self.backend, "--no-startup-probe",
         ]  # fmt: skip
         ready: list[threading.Event] = []
