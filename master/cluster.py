@@ -286,6 +286,13 @@ class Cluster:
         self._comm += max(wall - conv, 0.0)
         self._wall += wall
 
+    def _worker_slices(self, plan: LayerPlan):
+        """(node, kernels, first kernel, kernel slice) of every worker with a share."""
+        for i, node in enumerate(self.nodes[1:], start=1):
+            share, first = plan.shares[i], plan.starts[i]
+            if share:
+                yield node, share, first, slice(first, first + share)
+
     def forward(self, layer, x, w, b, padding):
         start = time.perf_counter()
         plan = self._plan(layer, x.shape, w.shape, padding)
@@ -295,11 +302,7 @@ class Cluster:
         wo = x.shape[3] + pad.left + pad.right - w.shape[3] + 1
         y = np.empty((x.shape[0], w.shape[0], ho, wo), np.float32)
         futures = []
-        for i, node in enumerate(self.nodes[1:], start=1):
-            share, first = plan.shares[i], plan.starts[i]
-            if share == 0:
-                continue
-            sl = slice(first, first + share)
+        for node, share, first, sl in self._worker_slices(plan):
             w_part, b_part = w[sl], b[sl]
             nbytes = x.nbytes + w_part.nbytes + y[:, sl].nbytes
             futures.append(
@@ -336,11 +339,7 @@ class Cluster:
         dw = np.empty_like(w)
         db = np.empty(w.shape[0], np.float32)
         futures = []
-        for i, node in enumerate(self.nodes[1:], start=1):
-            share, first = plan.shares[i], plan.starts[i]
-            if share == 0:
-                continue
-            sl = slice(first, first + share)
+        for node, share, first, sl in self._worker_slices(plan):
             nbytes = dy[:, sl].nbytes + dw[sl].nbytes + (x.nbytes if need_input_grad else 0)
             futures.append(
                 (
