@@ -8,7 +8,9 @@ arrays). Rows interleave the two so drift on a shared machine hits both alike.
 
     python benchmarks/transport.py [--sizes 1 16 64 256] [--repeats 3] [--json PATH]
 
-The throughput counts the bytes of both directions over the round trip's wall time.
+The throughput counts the bytes of both directions over the round trip's wall time. A first
+line gives the per-call cost: the round trip of a 4-byte tensor through a raw socket, through
+the one-message (bundle) call ours uses up to 1 MiB, and through the streaming call.
 """
 
 from __future__ import annotations
@@ -100,6 +102,25 @@ def main() -> None:
     client = WorkerClient(address)
     client.describe()
 
+    # Call overhead: a 4-byte tensor's round trip, one message each way vs a stream vs raw.
+    tiny, tiny_back = np.ones(1, np.float32), np.empty(1, np.float32)
+    latency = {}
+    for name, call in (
+        ("raw", lambda: raw_round_trip(conn, tiny, tiny_back)),
+        ("bundle", lambda: client.echo([("t", tiny)])),
+        ("stream", lambda: client.echo([("t", tiny)], stream=True)),
+    ):
+        for _ in range(20):
+            call()
+        start = time.perf_counter()
+        for _ in range(200):
+            call()
+        latency[name] = (time.perf_counter() - start) / 200
+    print(
+        "call round trip of 4 bytes: "
+        + ", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in latency.items())
+    )
+
     rows = []
     print(f"{'MiB':>5} {'ours MB/s':>10} {'raw MB/s':>10} {'ours/raw':>9}")
     for mib in args.sizes:
@@ -121,6 +142,8 @@ def main() -> None:
             "ratio": raw_best / ours_best,
             "ours_seconds": ours_best,
             "raw_seconds": raw_best,
+            # per-call cost (4-byte round trip), the same in every row
+            **{f"{name}_call_ms": 1e3 * seconds for name, seconds in latency.items()},
         }
         rows.append(row)
         print(f"{mib:>5} {row['ours_mbps']:>10.0f} {row['raw_mbps']:>10.0f} {row['ratio']:>9.2f}")

@@ -284,11 +284,17 @@ class WorkerClient:
         return got.get("dx"), got["dw"], got["db"], stats
 
     def echo(
-        self, arrays: Sequence[tuple[str, np.ndarray]], timeout: float = 600.0
+        self,
+        arrays: Sequence[tuple[str, np.ndarray]],
+        timeout: float = 600.0,
+        stream: bool = False,
     ) -> tuple[list[np.ndarray], CallStats]:
-        """Send tensors and get them back: a round trip over this worker's link."""
+        """Send tensors and get them back: a round trip over this worker's link.
+
+        ``stream`` forces the streaming call even for small tensors (to measure it).
+        """
         request = pb.ConvRequest(phase=pb.PHASE_UNSPECIFIED)
         names = [name for name, _ in arrays]
-        size = sum(a.nbytes for _, a in arrays)
+        size = BUNDLE_BYTES + 1 if stream else sum(a.nbytes for _, a in arrays)
         got, stats = self._call(self._echo, "echo", request, arrays, names, {}, timeout, size)
         return [got[n] for n in names], stats
