@@ -1,41 +1,118 @@
 """Convolution backends behind one small contract (:class:`Backend`).
 
-``cpu`` is always present; device backends register here as they land.
+``cpu`` is always present. ``opencl`` (PyOpenCL, ``hetconv[opencl]``) and ``cuda`` (CuPy,
+``hetconv[cuda]``) are imported only when asked for, and say why when they cannot run.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from .base import Backend, ConvShape, DeviceInfo, Padding, PaddingSpec, conv_shape
 from .cpu import CpuBackend
 
 __all__ = [
     "Backend",
+    "BackendUnavailable",
     "ConvShape",
     "CpuBackend",
     "DeviceInfo",
     "Padding",
     "PaddingSpec",
     "available_backends",
+    "backend_class",
     "conv_shape",
     "get_backend",
+    "KNOWN_BACKENDS",
 ]
 
-_FACTORIES = {"cpu": CpuBackend}
+#: name -> "module:class", imported on first use.
+KNOWN_BACKENDS = {
+    "cpu": "hetconv.backends.cpu:CpuBackend",
+    "opencl": "hetconv.backends.opencl:OpenCLBackend",
+    "cuda": "hetconv.backends.cuda:CudaBackend",
+}
+
+#: The shape ``auto`` times each backend on: C2 of the paper's 50:500 network, batch 8.
+AUTO_PROBE = ConvShape(8, 50, 16, 16, 500, 5, 5, Padding(2, 2, 2, 2))
 
 
-def available_backends() -> list[str]:
-    """Names of the backends that can run on this machine."""
-    return list(_FACTORIES)
+class BackendUnavailable(RuntimeError):
+    """A known backend that cannot run on this machine (missing package, driver or device)."""
 
 
-def get_backend(name: str = "cpu", **options) -> Backend:
-    """Create the backend called ``name`` (``"cpu"``; ``"auto"`` picks the best present)."""
-    if name == "auto":
-        name = "cpu"
+def backend_class(name: str) -> type[Backend]:
+    """The class of backend ``name``; raises ValueError for an unknown name and
+    BackendUnavailable when its package cannot be imported or it has no device here."""
     try:
-        factory = _FACTORIES[name]
+        target = KNOWN_BACKENDS[name]
     except KeyError:
         raise ValueError(
-            f"unknown backend {name!r}; available here: {', '.join(available_backends())}"
+            f"unknown backend {name!r}; known: {', '.join(KNOWN_BACKENDS)} (or auto)"
         ) from None
-    return factory(**options)
+    module_name, class_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        extra = f" (pip install 'hetconv[{name}]')" if name != "cpu" else ""
+        raise BackendUnavailable(f"backend {name} cannot be imported: {e}{extra}") from None
+    cls = getattr(module, class_name)
+    ok, why = cls.is_available()
+    if not ok:
+        raise BackendUnavailable(f"backend {name} is not available here: {why}")
+    return cls
+
+
+def available_backends() -> dict[str, str]:
+    """Every known backend -> "" when it can run here, else the reason it cannot."""
+    status = {}
+    for name in KNOWN_BACKENDS:
+        try:
+            backend_class(name)
+            status[name] = ""
+        except BackendUnavailable as e:
+            status[name] = str(e)
+    return status
+
+
+def get_backend(
+    name: str = "cpu", device: int | None = None, memory_limit: int | None = None, **options
+) -> Backend:
+    """Create backend ``name`` on device number ``device`` (None: the backend's default).
+
+    ``"auto"`` times every available backend's default device on :data:`AUTO_PROBE` and
+    returns the fastest. ``memory_limit`` caps the bytes one call may use on the device
+    (larger calls run in chunks of images).
+    """
+    if name == "auto":
+        if device is not None:
+            raise ValueError("--device needs an explicit backend, not auto")
+        backend = fastest_backend(memory_limit=memory_limit)
+        return backend
+    cls = backend_class(name)
+    if device is not None:
+        options["device"] = device
+    backend = cls(**options)
+    if memory_limit is not None:
+        if memory_limit < 1:
+            raise ValueError(f"memory limit must be positive, got {memory_limit}")
+        backend.memory_limit = int(memory_limit)
+    return backend
+
+
+def fastest_backend(memory_limit: int | None = None, repeats: int = 2) -> Backend:
+    """The available backend whose default device runs :data:`AUTO_PROBE` fastest."""
+    best, best_seconds = None, float("inf")
+    for name, why in available_backends().items():
+        if why:
+            continue
+        try:
+            backend = get_backend(name, memory_limit=memory_limit)
+            seconds = backend.time_step(AUTO_PROBE, repeats)
+        except Exception:  # a device that fails its probe is not a candidate
+            continue
+        if seconds < best_seconds:
+            best, best_seconds = backend, seconds
+    if best is None:
+        best = get_backend("cpu", memory_limit=memory_limit)
+    return best

@@ -93,6 +93,10 @@ class DeviceInfo:
     cores: int
 
 
+def _with_images(shape: ConvShape, n: int) -> ConvShape:
+    return ConvShape(n, shape.c, shape.h, shape.w, shape.k, shape.kh, shape.kw, shape.padding)
+
+
 def _check_array(name: str, a: np.ndarray, ndim: int) -> None:
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
@@ -129,10 +133,56 @@ class Backend(ABC):
     """
 
     name: str = "abstract"
+    #: Bytes one call may use on the device; None: what :meth:`describe` reports. A call whose
+    #: working set (:meth:`working_set_bytes`) is larger runs in chunks of images.
+    memory_limit: int | None = None
 
     @abstractmethod
     def describe(self) -> DeviceInfo:
         """The device this backend computes on."""
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """(whether this backend can run here, why not if it cannot)."""
+        return True, ""
+
+    @classmethod
+    def devices(cls) -> list[DeviceInfo]:
+        """The devices this backend can compute on, in the order ``device=`` numbers them."""
+        return [cls().describe()]
+
+    def working_set_bytes(self, shape: ConvShape) -> int:
+        """Device bytes one call on ``shape`` needs: inputs, kernels, outputs and a full
+        lowering (im2col) of the input. Backends that need less may say so."""
+        ho, wo = shape.out_hw
+        values = (
+            shape.n * shape.c * shape.h * shape.w
+            + shape.k * shape.c * shape.kh * shape.kw
+            + shape.n * shape.k * ho * wo
+            + shape.n * ho * wo * shape.c * shape.kh * shape.kw
+        )
+        return 4 * values
+
+    def _images_per_call(self, shape: ConvShape) -> int:
+        """How many images one device call may take without exceeding the memory budget."""
+        budget = getattr(self, "_budget", None)
+        if budget is None:
+            budget = self.memory_limit or self.describe().memory_bytes
+            self._budget = budget
+        need = self.working_set_bytes(shape)
+        if need <= budget:
+            return shape.n
+        one = self.working_set_bytes(_with_images(shape, 1))
+        if one > budget:
+            raise MemoryError(
+                f"one image of {shape} needs {one / 2**20:.1f} MiB on {self.name}, more than "
+                f"its {budget / 2**20:.1f} MiB budget"
+            )
+        images = shape.n
+        while images > 1 and self.working_set_bytes(_with_images(shape, images)) > budget:
+            images = max(1, images * budget // self.working_set_bytes(_with_images(shape, images)))
+            images = min(images, shape.n - 1)
+        return int(images)
 
     def conv_forward(
         self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, padding: PaddingSpec
@@ -155,7 +205,15 @@ class Backend(ABC):
             _check_array("bias", b, 1)
             if b.shape[0] != shape.k:
                 raise ValueError(f"bias has {b.shape[0]} entries, kernels {shape.k}")
-        return self._forward(x, w, b, shape)
+        step = self._images_per_call(shape)
+        if step >= shape.n:
+            return self._forward(x, w, b, shape)
+        ho, wo = shape.out_hw
+        out = np.empty((shape.n, shape.k, ho, wo), np.float32)
+        for first in range(0, shape.n, step):
+            part = x[first : first + step]
+            out[first : first + step] = self._forward(part, w, b, _with_images(shape, len(part)))
+        return out
 
     def conv_grad_input(
         self, dy: np.ndarray, w: np.ndarray, input_hw: tuple[int, int], padding: PaddingSpec
@@ -175,7 +233,14 @@ class Backend(ABC):
         _check_array("kernels", w, 4)
         shape = conv_shape((dy.shape[0], w.shape[1], *input_hw), w.shape, padding)
         self._check_dy(dy, shape)
-        return self._grad_input(dy, w, shape)
+        step = self._images_per_call(shape)
+        if step >= shape.n:
+            return self._grad_input(dy, w, shape)
+        out = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
+        for first in range(0, shape.n, step):
+            part = dy[first : first + step]
+            out[first : first + step] = self._grad_input(part, w, _with_images(shape, len(part)))
+        return out
 
     def conv_grad_kernels(
         self, x: np.ndarray, dy: np.ndarray, kernel_hw: tuple[int, int], padding: PaddingSpec
@@ -195,7 +260,17 @@ class Backend(ABC):
         _check_array("output gradient", dy, 4)
         shape = conv_shape(x.shape, (dy.shape[1], x.shape[1], *kernel_hw), padding)
         self._check_dy(dy, shape)
-        return self._grad_kernels(x, dy, shape)
+        step = self._images_per_call(shape)
+        if step >= shape.n:
+            return self._grad_kernels(x, dy, shape)
+        dw = np.zeros((shape.k, shape.c, shape.kh, shape.kw), np.float32)
+        db = np.zeros(shape.k, np.float32)
+        for first in range(0, shape.n, step):
+            xs, dys = x[first : first + step], dy[first : first + step]
+            part_w, part_b = self._grad_kernels(xs, dys, _with_images(shape, len(xs)))
+            dw += part_w
+            db += part_b
+        return dw, db
 
     @staticmethod
     def _check_dy(dy: np.ndarray, shape: ConvShape) -> None:
