@@ -213,7 +213,24 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="address to serve on; port 0 picks a free one",
     )
-    p.add_argument("--backend", default="auto", help="cpu, or auto (the fastest present)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="cpu, opencl, cuda, or auto (the fastest present, by a probe)",
+    )
+    p.add_argument(
+        "--device",
+        type=int,
+        metavar="N",
+        help="device number within the backend (see `hetconv devices`); default: its best",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=_positive_int,
+        metavar="MIB",
+        help="device memory one call may use; larger calls run in chunks of images "
+        "(default: what the device reports)",
+    )
     p.add_argument(
         "--max-request-mib",
         type=_positive_int,
@@ -230,9 +247,57 @@ def _run_worker(args: argparse.Namespace) -> int:
     from hetconv.worker.main import run_worker
     from hetconv.worker.service import WorkerConfig
 
+    from .backends import get_backend
+
     _address(args.listen, "--listen")
     config = WorkerConfig(max_request_bytes=args.max_request_mib << 20)
-    return run_worker(args.listen, args.backend, config, startup_probe=not args.no_startup_probe)
+    memory = args.memory_limit << 20 if args.memory_limit else None
+    backend = get_backend(args.backend, device=args.device, memory_limit=memory)
+    return run_worker(args.listen, backend, config, startup_probe=not args.no_startup_probe)
+
+
+def _add_devices(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "devices",
+        help="list the devices this machine can compute on",
+        description=(
+            "List every backend (cpu, opencl, cuda), whether it can run here and why not, "
+            "its devices with the numbers `hetconv worker --backend B --device N` takes, "
+            "and a probe figure for each (the paper-50-500 C2 convolution at batch 8, "
+            "forward + backward)."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--no-probe", action="store_true", help="list only, do not time")
+    p.set_defaults(func=_run_devices)
+
+
+def _run_devices(args: argparse.Namespace) -> int:
+    from .backends import AUTO_PROBE, KNOWN_BACKENDS, BackendUnavailable, backend_class, get_backend
+
+    flops = 3 * AUTO_PROBE.flops_forward
+    for name in KNOWN_BACKENDS:
+        try:
+            cls = backend_class(name)
+        except BackendUnavailable as e:
+            print(f"{name}: not available: {e}")
+            continue
+        devices = cls.devices()
+        print(f"{name}: {len(devices)} device{'s' if len(devices) != 1 else ''}")
+        for number, info in enumerate(devices):
+            line = (
+                f"  {number}: {info.name} ({info.kind}, {info.cores} cores, "
+                f"{info.memory_bytes / 2**30:.1f} GiB)"
+            )
+            if not args.no_probe:
+                try:
+                    backend = get_backend(name) if name == "cpu" else get_backend(name, number)
+                    seconds = backend.time_step(AUTO_PROBE, repeats=2)
+                    line += f"  probe {1e3 * seconds:.1f} ms ({flops / seconds / 1e9:.1f} GFLOPS)"
+                except Exception as e:  # a device that cannot run the probe is still listed
+                    line += f"  probe failed: {e}"
+            print(line, flush=True)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_worker(sub)
+    _add_devices(sub)
     return parser
 
 

@@ -7,18 +7,18 @@ import sys
 import threading
 from typing import TextIO
 
-from hetconv.backends import ConvShape, Padding, get_backend
+from hetconv.backends import AUTO_PROBE, Backend, get_backend
 from hetconv.worker.service import ConvWorkerService, WorkerConfig, start_server
 
 #: The startup probe: C2 of the paper's 50:500 network on 8 images (16x16, 5x5 'same').
-STARTUP_PROBE = ConvShape(8, 50, 16, 16, 500, 5, 5, Padding(2, 2, 2, 2))
+STARTUP_PROBE = AUTO_PROBE
 
 READY = "hetconv worker ready on"
 
 
 def run_worker(
     listen: str,
-    backend_name: str = "cpu",
+    backend: Backend | str = "cpu",
     config: WorkerConfig | None = None,
     out: TextIO | None = None,
     startup_probe: bool = True,
@@ -29,7 +29,8 @@ def run_worker(
     (the line a launcher waits for).
     """
     out = out if out is not None else sys.stdout
-    backend = get_backend(backend_name)
+    if isinstance(backend, str):
+        backend = get_backend(backend)
     service = ConvWorkerService(backend, config)
     info = backend.describe()
     print(

@@ -151,6 +151,12 @@ class Backend(ABC):
         """The devices this backend can compute on, in the order ``device=`` numbers them."""
         return [cls().describe()]
 
+    def gemm_gflops(self, size: int = 2048, repeats: int = 3) -> float:
+        """This device's measured float32 GEMM speed on ``size``-square matrices (best of
+        ``repeats``): the peak convolution speeds are compared with. Backends without a GEMM
+        of their own raise NotImplementedError."""
+        raise NotImplementedError(f"backend {self.name} does not measure a GEMM peak")
+
     def working_set_bytes(self, shape: ConvShape) -> int:
         """Device bytes one call on ``shape`` needs: inputs, kernels, outputs and a full
         lowering (im2col) of the input. Backends that need less may say so."""
@@ -165,10 +171,11 @@ class Backend(ABC):
 
     def _images_per_call(self, shape: ConvShape) -> int:
         """How many images one device call may take without exceeding the memory budget."""
-        budget = getattr(self, "_budget", None)
+        budget = self.memory_limit
         if budget is None:
-            budget = self.memory_limit or self.describe().memory_bytes
-            self._budget = budget
+            budget = getattr(self, "_device_memory", None)
+            if budget is None:
+                budget = self._device_memory = self.describe().memory_bytes
         need = self.working_set_bytes(shape)
         if need <= budget:
             return shape.n

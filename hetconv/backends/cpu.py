@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -152,6 +153,18 @@ class CpuBackend(Backend):
             memory_bytes=_physical_memory(),
             cores=os.cpu_count() or 1,
         )
+
+    def gemm_gflops(self, size: int = 2048, repeats: int = 3) -> float:
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((size, size), dtype=np.float32)
+        b = rng.standard_normal((size, size), dtype=np.float32)
+        out = np.empty((size, size), np.float32)
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            np.matmul(a, b, out=out)
+            best = min(best, time.perf_counter() - start)
+        return 2 * size**3 / best / 1e9
 
     # -- shared steps ------------------------------------------------------------------------
 

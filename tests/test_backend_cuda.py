@@ -1,0 +1,513 @@
+"""The cuda backend: on a real GPU when there is one, and everywhere on a numpy-backed fake.
+
+Three groups:
+
+* **Everywhere:** ``is_available()`` answers (False, reason) without raising when CuPy is
+  missing, sees no GPU, cannot query the runtime or cannot run a kernel, and the registry
+  then raises ``BackendUnavailable`` naming that reason; the pure helpers (chunk bounds,
+  working set).
+* **Every backend body twice** -- ``gpu`` (skipped, with ``is_available()``'s reason, when
+  this machine has no usable CUDA GPU) and ``fake``: CuPy replaced by numpy plus a fake
+  ``cupy.cuda`` whose streams *defer* device->host copies until the host waits on the stream
+  (and poison the pinned target meanwhile), and check at that wait that a pinned input was
+  not overwritten while its upload could still be running. So the pipeline's bookkeeping --
+  chunk offsets, slot reuse, waits, delivery -- is proven here against host/device races;
+  what only the ``gpu`` run proves is CuPy itself, real asynchrony and the two one-line
+  transfer calls (``_to_device`` / ``_to_host``) the fake replaces.
+* Results are compared with the cpu backend to ``2e-5 * max(1, max|cpu result|)`` (float32,
+  different summation orders); pipelined and unpipelined runs to ``1e-6`` relative (they
+  differ only in how the kernel gradient's per-chunk sums are added).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetconv.backends import (
+    BackendUnavailable,
+    CpuBackend,
+    DeviceInfo,
+    available_backends,
+    conv_shape,
+    get_backend,
+)
+from hetconv.backends import cuda as cuda_module
+from hetconv.backends.cuda import CudaBackend, chunk_bounds, pipelined_working_set_bytes
+
+CUDA_OK, CUDA_WHY = CudaBackend.is_available()
+needs_gpu = pytest.mark.skipif(
+    not CUDA_OK, reason=f"CudaBackend.is_available() is False here: {CUDA_WHY}"
+)
+
+RTOL = 2e-5
+PIPELINE_RTOL = 1e-6
+
+
+# ----------------------------------------------------------------------- the fake device
+
+
+class _FakeEvent:
+    def __init__(self, stream: _FakeStream, mark: int):
+        self.stream, self.mark = stream, mark
+
+    def synchronize(self) -> None:
+        self.stream.run_until(self.mark)
+
+
+class _FakeStream:
+    """Queues the deferred parts of copies; runs them only when someone waits."""
+
+    def __init__(self, device: _FakeCuda, non_blocking: bool = False):
+        self.pending: list[tuple[int, object]] = []
+        self.queued = 0
+        device.streams.append(self)
+
+    def __enter__(self) -> _FakeStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def queue(self, work) -> None:
+        self.pending.append((self.queued, work))
+        self.queued += 1
+
+    def run_until(self, mark: int) -> None:
+        while self.pending and self.pending[0][0] < mark:
+            self.pending.pop(0)[1]()
+
+    def synchronize(self) -> None:
+        self.run_until(self.queued)
+
+    def record(self, event=None) -> _FakeEvent:
+        return _FakeEvent(self, self.queued)
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        pass  # computation is eager here; cross-stream order is the gpu run's to prove
+
+
+class _FakeDevice:
+    def __init__(self, cuda: _FakeCuda, number: int):
+        self.cuda = cuda
+        assert 0 <= number < cuda.count, f"fake device {number} used"
+
+    def __enter__(self) -> _FakeDevice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        for stream in self.cuda.streams:
+            stream.synchronize()
+
+
+class _FakeRuntime:
+    def __init__(self, cuda: _FakeCuda):
+        self.cuda = cuda
+
+    def getDeviceCount(self) -> int:  # noqa: N802 - cupy's name
+        return self.cuda.count
+
+    def getDeviceProperties(self, number: int) -> dict:  # noqa: N802 - cupy's name
+        assert 0 <= number < self.cuda.count
+        return {
+            "name": f"Fake GPU {number}".encode(),
+            "totalGlobalMem": 8 * 2**30,
+            "multiProcessorCount": 40 + number,
+        }
+
+    def memGetInfo(self) -> tuple[int, int]:  # noqa: N802 - cupy's name
+        return 6 * 2**30, 8 * 2**30
+
+
+class _FakeCuda:
+    def __init__(self, count: int = 2):
+        self.count = count
+        self.streams: list[_FakeStream] = []
+        self.runtime = _FakeRuntime(self)
+        self.pinned_allocations = 0
+
+    def is_available(self) -> bool:
+        return self.count > 0
+
+    def Device(self, number: int = 0) -> _FakeDevice:  # noqa: N802 - cupy's name
+        return _FakeDevice(self, number)
+
+    def Stream(self, non_blocking: bool = False) -> _FakeStream:  # noqa: N802 - cupy's name
+        return _FakeStream(self, non_blocking)
+
+    def alloc_pinned_memory(self, nbytes: int) -> bytearray:
+        self.pinned_allocations += 1
+        return bytearray(nbytes)
+
+
+class _FakePool:
+    def free_bytes(self) -> int:
+        return 0
+
+
+class FakeCupy:
+    """numpy as "cupy": arrays are host arrays; ``asarray`` copies as an upload would."""
+
+    __version__ = "0.0-fake"
+
+    def __init__(self, count: int = 2):
+        self.cuda = _FakeCuda(count)
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+    def asarray(self, a, dtype=None):
+        return np.array(a, dtype=dtype, copy=True)
+
+    def get_default_memory_pool(self) -> _FakePool:
+        return _FakePool()
+
+
+def _fake_to_device(device_array: np.ndarray, host: np.ndarray, stream: _FakeStream) -> None:
+    np.copyto(device_array, host)  # the data the kernels see: what the host staged by now
+    staged = host.copy()
+
+    def still_staged() -> None:
+        assert np.array_equal(host, staged, equal_nan=True), (
+            "a pinned input buffer was overwritten before the stream that uploads it was waited on"
+        )
+
+    stream.queue(still_staged)
+
+
+def _fake_to_host(device_array: np.ndarray, host: np.ndarray, stream: _FakeStream) -> None:
+    value = np.array(device_array, copy=True)  # the value at this point of the stream
+    host.fill(np.nan)  # reading before the wait must show
+
+    stream.queue(lambda: np.copyto(host, value))
+
+
+def _install_fake(monkeypatch, fake) -> None:
+    """Make the cuda module see ``fake`` as cupy (or a callable raising on import)."""
+    importer = fake if callable(fake) and not isinstance(fake, FakeCupy) else (lambda: fake)
+    monkeypatch.setattr(cuda_module, "_import_cupy", importer)
+    monkeypatch.setattr(cuda_module, "_to_device", _fake_to_device)
+    monkeypatch.setattr(cuda_module, "_to_host", _fake_to_host)
+    cuda_module._availability.cache_clear()
+
+
+@pytest.fixture
+def fresh_availability():
+    """Clear is_available()'s cache around a test that changes what it sees."""
+    cuda_module._availability.cache_clear()
+    yield
+    cuda_module._availability.cache_clear()
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch, fresh_availability) -> FakeCupy:
+    fake = FakeCupy(count=2)
+    _install_fake(monkeypatch, fake)
+    return fake
+
+
+@pytest.fixture(params=[pytest.param("gpu", marks=needs_gpu), "fake"])
+def device_kind(request) -> str:
+    """Every test taking this runs on the real GPU (when present) and on the fake."""
+    if request.param == "fake":
+        request.getfixturevalue("fake_cupy")
+    return request.param
+
+
+# -------------------------------------------------------------------------- helpers
+
+
+def _problem(rng, n, c, h, w, k, kh, kw, padding):
+    shape = conv_shape((n, c, h, w), (k, c, kh, kw), padding)
+    ho, wo = shape.out_hw
+    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
+    wt = rng.standard_normal((k, c, kh, kw), dtype=np.float32)
+    b = rng.standard_normal(k, dtype=np.float32)
+    dy = rng.standard_normal((n, k, ho, wo), dtype=np.float32)
+    return shape, x, wt, b, dy
+
+
+def _run_all(backend, x, wt, b, dy, padding):
+    kh, kw = wt.shape[2:]
+    y = backend.conv_forward(x, wt, b, padding)
+    dx = backend.conv_grad_input(dy, wt, x.shape[2:], padding)
+    dw, db = backend.conv_grad_kernels(x, dy, (kh, kw), padding)
+    return y, dx, dw, db
+
+
+NAMES = ("forward", "grad input", "grad kernels", "grad bias")
+
+
+def _assert_close(got, expected, what, rtol=RTOL):
+    assert isinstance(got, np.ndarray), what
+    assert got.dtype == np.float32, f"{what}: dtype {got.dtype}"
+    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
+    assert got.flags.c_contiguous, f"{what}: not C-contiguous"
+    assert np.isfinite(got).all(), f"{what}: non-finite values (read before the copy landed?)"
+    scale = max(1.0, float(np.abs(expected).max()))
+    err = float(np.abs(got.astype(np.float64) - expected.astype(np.float64)).max())
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def _check_against_cpu(backend, rng, n, c, h, w, k, kh, kw, padding):
+    shape, x, wt, b, dy = _problem(rng, n, c, h, w, k, kh, kw, padding)
+    originals = [a.copy() for a in (x, wt, b, dy)]
+    got = _run_all(backend, x, wt, b, dy, padding)
+    expected = _run_all(CpuBackend(), x, wt, b, dy, padding)
+    for name, g, e in zip(NAMES, got, expected, strict=True):
+        _assert_close(g, e, name)
+    _assert_close(
+        backend.conv_forward(x, wt, None, padding),
+        CpuBackend().conv_forward(x, wt, None, padding),
+        "forward without bias",
+    )
+    for before, after in zip(originals, (x, wt, b, dy), strict=True):
+        np.testing.assert_array_equal(before, after, err_msg="the backend modified an input")
+    return (x, wt, b, dy), got
+
+
+# ------------------------------------------------------------------ runs everywhere
+
+
+def test_is_available_answers_without_raising():
+    ok, why = CudaBackend.is_available()
+    assert isinstance(ok, bool) and isinstance(why, str)
+    assert ok == (why == ""), (ok, why)
+
+
+@pytest.mark.skipif(CUDA_OK, reason="this machine has a usable CUDA GPU")
+def test_unavailable_here_and_the_registry_names_why():
+    ok, why = CudaBackend.is_available()
+    assert ok is False
+    assert why.strip()
+    with pytest.raises(BackendUnavailable) as info:
+        get_backend("cuda")
+    assert why in str(info.value)
+    with pytest.raises(BackendUnavailable, match="cuda"):
+        get_backend("cuda", device=0)
+    with pytest.raises(BackendUnavailable):
+        CudaBackend()
+    assert why in available_backends()["cuda"]
+    assert CudaBackend.devices() == []
+
+
+def _raise_import_error():
+    raise ImportError("No module named 'cupy'")
+
+
+def _broken_runtime():
+    fake = FakeCupy()
+
+    def no_driver():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    fake.cuda.runtime.getDeviceCount = no_driver
+    return fake
+
+
+def _no_nvrtc():
+    fake = FakeCupy()
+
+    def arange(*args, **kwargs):
+        raise RuntimeError("CuPy failed to load libnvrtc.so.12")
+
+    fake.arange = arange
+    return fake
+
+
+@pytest.mark.parametrize(
+    "make_fake, expected",
+    [
+        pytest.param(lambda: _raise_import_error, "cupy cannot be imported", id="no-cupy"),
+        pytest.param(lambda: FakeCupy(count=0), "is_available() is False", id="no-gpu"),
+        pytest.param(_broken_runtime, "cudaErrorInsufficientDriver", id="no-driver"),
+        pytest.param(_no_nvrtc, "libnvrtc", id="no-nvrtc"),
+    ],
+)
+def test_unavailable_reasons_reach_the_registry(
+    monkeypatch, fresh_availability, make_fake, expected
+):
+    """Each way CuPy can be unusable gives (False, why) -- never an exception -- and
+    get_backend("cuda") raises BackendUnavailable carrying that why, on any machine."""
+    _install_fake(monkeypatch, make_fake())
+    ok, why = CudaBackend.is_available()
+    assert ok is False and expected in why
+    with pytest.raises(BackendUnavailable) as info:
+        get_backend("cuda")
+    assert why in str(info.value)
+    assert CudaBackend.devices() == []
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(5, 4) == [(0, 1), (1, 2), (2, 3), (3, 5)]
+    assert chunk_bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert chunk_bounds(2, 4) == [(0, 1), (1, 2)]
+    assert chunk_bounds(7, 1) == [(0, 7)]
+    for n in range(1, 30):
+        for chunks in range(1, 9):
+            bounds = chunk_bounds(n, chunks)
+            sizes = [stop - start for start, stop in bounds]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            assert len(bounds) == min(n, chunks) and max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="chunks=0"):
+        chunk_bounds(3, 0)
+
+
+def test_pipelined_working_set_bytes():
+    from hetconv.backends import xpconv
+
+    one_image = conv_shape((1, 50, 16, 16), (500, 50, 5, 5), 2)
+    per_image = xpconv.workspace_values(one_image)
+    kernel_values = 500 * 50 * 25 + 500
+    # One image: one chunk, one stream.
+    assert pipelined_working_set_bytes(one_image, 4) == 4 * (per_image + kernel_values)
+    # 8 images in 4 chunks of 2: two chunks of 2 images in flight.
+    eight = conv_shape((8, 50, 16, 16), (500, 50, 5, 5), 2)
+    two = conv_shape((2, 50, 16, 16), (500, 50, 5, 5), 2)
+    expected = 4 * (2 * xpconv.workspace_values(two) + 2 * kernel_values)
+    assert pipelined_working_set_bytes(eight, 4) == expected
+    # Unpipelined, the whole batch is one chunk.
+    assert pipelined_working_set_bytes(eight, 1) == 4 * (
+        xpconv.workspace_values(eight) + kernel_values
+    )
+    # More images never need less memory.
+    sizes = [
+        pipelined_working_set_bytes(conv_shape((n, 3, 8, 8), (4, 3, 3, 3), 1), 4)
+        for n in range(1, 40)
+    ]
+    assert sizes == sorted(sizes)
+
+
+# --------------------------------------------------- every backend body: gpu and fake
+
+
+GRID = [
+    # (N, C, H, W, K, kh, kw, padding)
+    pytest.param(1, 1, 5, 5, 1, 3, 3, 0, id="n1-c1-k1"),
+    pytest.param(5, 3, 8, 8, 4, 5, 5, "same", id="5x5-same-uneven-chunks"),
+    pytest.param(4, 16, 7, 6, 3, 3, 3, (0, 2, 1, 0), id="asym"),
+    pytest.param(3, 16, 6, 6, 2, 4, 4, "same", id="even-kernel"),
+    pytest.param(2, 3, 4, 4, 2, 1, 1, 2, id="1x1-pad2"),
+    pytest.param(6, 2, 3, 3, 2, 5, 5, (2, 3, 1, 4), id="kernel-larger-than-image"),
+]
+
+
+@pytest.mark.parametrize("n, c, h, w, k, kh, kw, padding", GRID)
+def test_against_cpu(device_kind, rng, n, c, h, w, k, kh, kw, padding):
+    _check_against_cpu(CudaBackend(), rng, n, c, h, w, k, kh, kw, padding)
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 4, 7])
+def test_pipelined_equals_unchunked(device_kind, rng, chunks):
+    """5 images in `chunks` pipeline chunks (uneven for 2, 3, 4; one image each for 7)
+    equal one unpipelined chunk."""
+    inputs, whole = _check_against_cpu(CudaBackend(pipeline_chunks=1), rng, 5, 8, 7, 7, 3, 3, 3, 1)
+    pipelined = _run_all(CudaBackend(pipeline_chunks=chunks), *inputs, 1)
+    for name, p, u in zip(NAMES, pipelined, whole, strict=True):
+        _assert_close(p, u, f"pipelined {name}", rtol=PIPELINE_RTOL)
+
+
+def test_repeated_calls_reuse_buffers(device_kind, rng):
+    """One backend, many geometries in turn: staging buffers grow and are reused safely."""
+    backend = CudaBackend(pipeline_chunks=3)
+    for problem in [(6, 4, 9, 9, 5, 3, 3, 1), (2, 2, 3, 3, 1, 1, 1, 0), (7, 4, 9, 9, 5, 3, 3, 1)]:
+        _check_against_cpu(backend, rng, *problem)
+
+
+def test_memory_limit_chunks_the_batch(device_kind, rng):
+    """A memory limit below the whole batch's working set makes the base class split the
+    batch into sub-batches (each pipelined); results still equal the cpu backend's."""
+    shape = conv_shape((9, 8, 10, 10), (6, 8, 3, 3), "same")
+    probe = CudaBackend(pipeline_chunks=2)
+    limit = probe.working_set_bytes(conv_shape((3, 8, 10, 10), (6, 8, 3, 3), "same"))
+    assert limit < probe.working_set_bytes(shape)
+    backend = get_backend("cuda", memory_limit=limit, pipeline_chunks=2)
+    seen: list[int] = []
+    original = backend._pipeline
+
+    def spy(call_shape, *args, **kwargs):
+        seen.append(call_shape.n)
+        assert backend.working_set_bytes(call_shape) <= limit
+        return original(call_shape, *args, **kwargs)
+
+    backend._pipeline = spy
+    _check_against_cpu(backend, rng, 9, 8, 10, 10, 6, 3, 3, "same")
+    assert seen and max(seen) < 9, f"sub-batches {seen}: the batch was not split"
+    tiny = get_backend("cuda", memory_limit=1024)
+    x, wt = np.zeros((1, 8, 10, 10), np.float32), np.zeros((6, 8, 3, 3), np.float32)
+    with pytest.raises(MemoryError, match="on cuda"):
+        tiny.conv_forward(x, wt, None, "same")
+
+
+def test_devices_and_describe(device_kind):
+    if device_kind == "fake":
+        count = 2
+    else:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    devices = CudaBackend.devices()
+    assert len(devices) == count
+    for info in devices:
+        assert isinstance(info, DeviceInfo)
+        assert info.backend == "cuda" and info.kind == "gpu"
+        assert info.name.strip() and info.memory_bytes > 0 and info.cores > 0
+    for number in range(count):
+        info = get_backend("cuda", device=number).describe()
+        assert info.name == devices[number].name and info.cores == devices[number].cores
+        assert 0 < info.memory_bytes <= devices[number].memory_bytes
+    if device_kind == "fake":
+        assert [d.name for d in devices] == ["Fake GPU 0", "Fake GPU 1"]
+        assert devices[1].cores == 41 and devices[0].memory_bytes == 8 * 2**30
+
+
+def test_bad_device_number(device_kind):
+    count = len(CudaBackend.devices())
+    with pytest.raises(ValueError, match=rf"CUDA device {count} does not exist.*has {count}"):
+        get_backend("cuda", device=count)
+    with pytest.raises(ValueError, match="CUDA device -1 does not exist"):
+        CudaBackend(device=-1)
+    with pytest.raises(ValueError, match="integer"):
+        CudaBackend(device="0")
+    with pytest.raises(ValueError, match="pipeline_chunks"):
+        CudaBackend(pipeline_chunks=0)
+
+
+def test_time_step(device_kind):
+    shape = conv_shape((4, 3, 8, 8), (4, 3, 5, 5), "same")
+    seconds = CudaBackend().time_step(shape, repeats=2)
+    assert isinstance(seconds, float) and 0.0 < seconds < 10.0
+
+
+# ----------------------------------------------------------- the fake catches races
+
+
+def test_fake_catches_a_pipeline_that_does_not_wait(fake_cupy, monkeypatch, rng):
+    """Proof that the fake would catch the races it is meant to: a pipeline that reuses a
+    slot without waiting on its stream reads poisoned (not yet copied) results."""
+
+    def settle_without_waiting(self, slot):
+        slot.done = None  # forgot the wait
+        if slot.deliver is not None:
+            pinned, target = slot.deliver
+            np.copyto(target, pinned)
+            slot.deliver = None
+
+    monkeypatch.setattr(CudaBackend, "_settle", settle_without_waiting)
+    shape, x, wt, b, _ = _problem(rng, 6, 3, 6, 6, 2, 3, 3, 1)
+    y = CudaBackend(pipeline_chunks=3).conv_forward(x, wt, b, 1)
+    assert np.isnan(y).any()
+
+
+def test_fake_pins_staging_buffers_once(fake_cupy, rng):
+    backend = CudaBackend(pipeline_chunks=4)
+    shape, x, wt, b, dy = _problem(rng, 8, 3, 6, 6, 2, 3, 3, 1)
+    _run_all(backend, x, wt, b, dy, 1)
+    allocated = fake_cupy.cuda.pinned_allocations
+    for _ in range(3):
+        _run_all(backend, x, wt, b, dy, 1)
+    assert fake_cupy.cuda.pinned_allocations == allocated, "pinned buffers were not reused"

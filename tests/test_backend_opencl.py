@@ -1,0 +1,379 @@
+"""The opencl backend's own behaviour: device listing and choice, the kernel cache, input
+checks, and its three operations against the cpu backend on a grid of geometries.
+
+Runs wherever an OpenCL device exists (``pip install pyopencl pocl-binary-distribution`` gives
+a CPU one); skipped with the reason otherwise.
+
+Tolerance: both backends sum in float32 in different orders, so results are compared with the
+cpu backend's to ``1e-5 * max|cpu result|`` (observed: below 2e-6 on the paper's C2 shape).
+Runs of the same backend that only split the batch differently agree to ``1e-6 * max``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from hetconv.backends import (
+    BackendUnavailable,
+    ConvShape,
+    CpuBackend,
+    DeviceInfo,
+    Padding,
+    conv_shape,
+    get_backend,
+)
+
+pytest.importorskip(
+    "pyopencl", reason="pyopencl is not installed (pip install pyopencl pocl-binary-distribution)"
+)
+opencl = pytest.importorskip("hetconv.backends.opencl")
+OpenCLBackend = opencl.OpenCLBackend
+
+_available, _why = OpenCLBackend.is_available()
+if not _available:
+    pytest.skip(f"opencl backend unavailable: {_why}", allow_module_level=True)
+
+CPU_RTOL = 1e-5
+CHUNK_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def backend() -> OpenCLBackend:
+    return OpenCLBackend()
+
+
+@pytest.fixture(scope="module")
+def cpu() -> CpuBackend:
+    return CpuBackend()
+
+
+def _close(result: np.ndarray, expected: np.ndarray, rtol: float, what: str) -> None:
+    assert result.dtype == np.float32 and result.flags.c_contiguous, what
+    assert result.shape == expected.shape, what
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    error = float(np.abs(result.astype(np.float64) - expected).max())
+    assert error <= rtol * scale, f"{what}: max error {error:.3g}, allowed {rtol * scale:.3g}"
+
+
+def _data(rng, n, c, h, w, k, kh, kw, padding):
+    shape = conv_shape((n, c, h, w), (k, c, kh, kw), padding)
+    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
+    kernels = rng.standard_normal((k, c, kh, kw), dtype=np.float32)
+    bias = rng.standard_normal(k, dtype=np.float32)
+    dy = rng.standard_normal((n, k, *shape.out_hw), dtype=np.float32)
+    return x, kernels, bias, dy
+
+
+def _compare_all(ocl, cpu, rng, n, c, h, w, k, kh, kw, padding, with_bias=True):
+    x, kernels, bias, dy = _data(rng, n, c, h, w, k, kh, kw, padding)
+    bias = bias if with_bias else None
+    what = f"N{n} C{c} {h}x{w} K{k} {kh}x{kw} pad {padding}"
+    _close(
+        ocl.conv_forward(x, kernels, bias, padding),
+        cpu.conv_forward(x, kernels, bias, padding),
+        CPU_RTOL,
+        f"forward {what}",
+    )
+    _close(
+        ocl.conv_grad_input(dy, kernels, (h, w), padding),
+        cpu.conv_grad_input(dy, kernels, (h, w), padding),
+        CPU_RTOL,
+        f"grad input {what}",
+    )
+    dw, db = ocl.conv_grad_kernels(x, dy, (kh, kw), padding)
+    dw_ref, db_ref = cpu.conv_grad_kernels(x, dy, (kh, kw), padding)
+    _close(dw, dw_ref, CPU_RTOL, f"grad kernels {what}")
+    _close(db, db_ref, CPU_RTOL, f"grad bias {what}")
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def test_devices_are_listed_stably_and_described():
+    listed = OpenCLBackend.devices()
+    assert listed, "is_available() said yes, so there is a device"
+    assert listed == OpenCLBackend.devices()
+    assert len({info.name for info in listed}) == len(listed)
+    for info in listed:
+        assert isinstance(info, DeviceInfo)
+        assert info.backend == "opencl"
+        assert info.kind in {"gpu", "cpu", "accelerator"}
+        assert info.memory_bytes > 0 and info.cores >= 1
+
+
+def test_each_device_number_selects_that_device():
+    listed = OpenCLBackend.devices()
+    for number, info in enumerate(listed):
+        chosen = OpenCLBackend(device=number)
+        assert chosen.device_index == number
+        assert chosen.describe() == info
+        assert chosen.describe().memory_bytes == chosen._device.global_mem_size
+    assert get_backend("opencl", device=len(listed) - 1).describe() == listed[-1]
+
+
+def test_default_device_prefers_gpu_then_accelerator_then_most_cores():
+    listed = OpenCLBackend.devices()
+    rank = {"gpu": 0, "accelerator": 1, "cpu": 2}
+    best = min(listed, key=lambda info: (rank[info.kind], -info.cores))
+    chosen = OpenCLBackend().describe()
+    assert (chosen.kind, chosen.cores) == (best.kind, best.cores)
+    assert chosen == get_backend("opencl").describe()
+
+    def info(kind, cores):
+        return DeviceInfo("opencl", kind, f"{kind}{cores}", 1, cores)
+
+    assert opencl._default_device([info("cpu", 64), info("gpu", 2)]) == 1
+    assert opencl._default_device([info("cpu", 64), info("accelerator", 2)]) == 1
+    assert opencl._default_device([info("gpu", 20), info("gpu", 40), info("gpu", 40)]) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, "count", 99, True, "0", 1.0])
+def test_bad_device_number_names_the_valid_range(bad):
+    count = len(OpenCLBackend.devices())
+    bad = count if bad == "count" else bad
+    with pytest.raises(ValueError, match="device") as raised:
+        OpenCLBackend(device=bad)
+    if isinstance(bad, int) and not isinstance(bad, bool):
+        assert f"0..{count - 1}" in str(raised.value)
+    with pytest.raises(ValueError):
+        get_backend("opencl", device=99)
+
+
+def test_unavailable_is_reported_never_raised(monkeypatch):
+    import pyopencl
+
+    def no_platform():
+        raise pyopencl.LogicError("clGetPlatformIDs failed: PLATFORM_NOT_FOUND_KHR")
+
+    monkeypatch.setattr(pyopencl, "get_platforms", no_platform)
+    ok, why = OpenCLBackend.is_available()
+    assert not ok and "platform" in why
+    assert OpenCLBackend.devices() == []
+    with pytest.raises(BackendUnavailable):
+        OpenCLBackend()
+
+    monkeypatch.setattr(pyopencl, "get_platforms", lambda: [])
+    assert OpenCLBackend.is_available() == (False, "no OpenCL device on any platform")
+
+    monkeypatch.setattr(opencl, "cl", None)
+    monkeypatch.setattr(opencl, "_IMPORT_ERROR", ImportError("No module named 'pyopencl'"))
+    ok, why = OpenCLBackend.is_available()
+    assert not ok and "pyopencl" in why
+
+
+# ----------------------------------------------------------------------------- kernel cache
+
+
+def test_second_backend_on_a_device_reuses_the_built_program(backend, monkeypatch):
+    builds = OpenCLBackend.builds
+    assert builds >= 1
+    again = OpenCLBackend(device=backend.device_index)
+    assert OpenCLBackend.builds == builds, "the program was built again"
+    assert again._context is backend._context
+
+    # From an empty cache the first backend builds and every later one reuses its build.
+    built = OpenCLBackend._compiled[(backend._platform.int_ptr, backend._device.int_ptr)]
+    calls = []
+
+    def counting_build(cls, device):
+        calls.append(device)
+        return built
+
+    monkeypatch.setattr(OpenCLBackend, "_compiled", {})
+    monkeypatch.setattr(OpenCLBackend, "_build", classmethod(counting_build))
+    first = OpenCLBackend(device=backend.device_index)
+    OpenCLBackend(device=backend.device_index)
+    OpenCLBackend(device=backend.device_index)
+    assert len(calls) == 1
+    x = np.ones((1, 1, 3, 3), np.float32)
+    assert first.conv_forward(x, np.ones((1, 1, 3, 3), np.float32), None, 0)[0, 0, 0, 0] == 9
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def test_float64_and_strided_inputs_are_rejected_before_any_buffer(backend, monkeypatch, rng):
+    import pyopencl
+
+    made = []
+    real_buffer = pyopencl.Buffer
+
+    def counting_buffer(*args, **kwargs):
+        made.append(args)
+        return real_buffer(*args, **kwargs)
+
+    monkeypatch.setattr(pyopencl, "Buffer", counting_buffer)
+    x, w, b, dy = _data(rng, 2, 3, 6, 6, 4, 3, 3, 1)
+    shape = conv_shape(x.shape, w.shape, 1)
+    wide = x.astype(np.float64)
+    with pytest.raises(TypeError, match="float32"):
+        backend.conv_forward(wide, w, b, 1)
+    with pytest.raises(TypeError, match="float32"):
+        backend.conv_forward(x, w, b.astype(np.float64), 1)
+    with pytest.raises(TypeError, match="float32"):
+        backend.conv_grad_input(dy.astype(np.float64), w, (6, 6), 1)
+    with pytest.raises(TypeError, match="float32"):
+        backend.conv_grad_kernels(x, dy.astype(np.float64), (3, 3), 1)
+    # The backend's own check, below the base class's: the last array is the bad one, so a
+    # check made array by array would already have made buffers for the others.
+    with pytest.raises(TypeError, match="kernels has dtype float64"):
+        backend._forward(x, w.astype(np.float64), None, shape)
+    with pytest.raises(TypeError, match="output gradient has dtype float64"):
+        backend._grad_kernels(x, dy.astype(np.float64), shape)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        backend._grad_input(dy, np.asfortranarray(w), shape)
+    assert made == []
+    backend.conv_forward(x, w, b, 1)
+    assert len(made) == 4  # input, kernels, bias and the output
+
+
+# ----------------------------------------------------------------------------- results
+
+GRID = [
+    # n, c, h, w, k, kh, kw, padding
+    (2, 3, 7, 9, 4, 1, 1, 0),  # 1x1 kernel
+    (2, 3, 7, 9, 4, 3, 3, 1),
+    (3, 1, 8, 8, 5, 5, 5, 2),  # C=1
+    (2, 3, 6, 5, 1, 3, 3, "same"),  # K=1
+    (1, 4, 9, 7, 6, 5, 5, "valid"),  # N=1
+    (2, 3, 6, 6, 5, 2, 2, "same"),  # even kernel: extra padding bottom/right
+    (2, 2, 7, 6, 3, 2, 4, (1, 0, 2, 1)),  # even, non-square kernel, asymmetric padding
+    (2, 3, 8, 6, 7, 5, 3, (1, 2, 0, 3)),  # asymmetric padding
+    (1, 3, 3, 3, 2, 5, 5, 2),  # kernel as large as the padded input
+    (2, 3, 9, 11, 70, 3, 3, 1),  # K beyond one 64-row tile, columns over several tiles
+    (4, 2, 12, 12, 4, 3, 3, 0),  # few kernel-gradient outputs: the depth is split (split-K)
+]
+
+
+@pytest.mark.parametrize("n,c,h,w,k,kh,kw,padding", GRID)
+def test_operations_match_cpu(backend, cpu, rng, n, c, h, w, k, kh, kw, padding):
+    _compare_all(backend, cpu, rng, n, c, h, w, k, kh, kw, padding)
+
+
+def test_forward_without_bias_and_split_kernel_gradient(backend, cpu, rng):
+    _compare_all(backend, cpu, rng, 2, 3, 7, 9, 4, 3, 3, 1, with_bias=False)
+    shape = conv_shape((4, 2, 12, 12), (4, 2, 3, 3), 0)
+    assert backend._grad_kernel_split(shape)[0] > 1, "the grid should exercise split-K"
+
+
+def test_paper_c2_shape_at_small_batch(backend, cpu, rng):
+    """C2 of the paper's 50:500 network (50 x 16 x 16 input, 500 kernels of 5 x 5), batch 2."""
+    _compare_all(backend, cpu, rng, 2, 50, 16, 16, 500, 5, 5, 2)
+
+
+# The GPU tiling is what GPUs run, and CI has none: test it here. The rarely used fallbacks cost
+# ~8 s of PoCL compilation each, so they run with -m slow.
+_TILINGS = [
+    opencl._GPU_TILING,
+    opencl._CPU_TILING,
+    *(pytest.param(t, marks=pytest.mark.slow) for t in opencl._FALLBACK_TILINGS),
+]
+
+
+@pytest.mark.parametrize("tiling", _TILINGS, ids=str)
+def test_every_tiling_matches_cpu(tiling, cpu, rng, monkeypatch):
+    """Each tiling the backend may pick runs correctly on this device."""
+    monkeypatch.setattr(OpenCLBackend, "_compiled", {})
+    monkeypatch.setattr(opencl, "_tilings", lambda kind: (tiling,))
+    ocl = OpenCLBackend()
+    assert ocl._tiling == tiling
+    _compare_all(ocl, cpu, rng, 3, 5, 9, 10, 70, 3, 3, (1, 2, 0, 1))
+    _compare_all(ocl, cpu, rng, 4, 2, 12, 12, 3, 3, 3, 0)
+
+
+def test_invalid_tiling_is_refused():
+    with pytest.raises(ValueError, match="evenly"):
+        opencl._Tiling(8, 8, 4, 4, 48)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_working_set_has_no_lowered_copy(backend):
+    shape = ConvShape(8, 50, 16, 16, 500, 5, 5, Padding(2, 2, 2, 2))
+    values = 8 * 50 * 256 + 8 * 500 * 256 + 500 * 50 * 25 + 500
+    assert backend._grad_kernel_split(shape)[0] == 1
+    assert backend.working_set_bytes(shape) == 4 * values
+
+
+@pytest.mark.parametrize("limit_images", [1, 3])
+def test_memory_limit_chunks_the_batch_with_equal_results(backend, rng, monkeypatch, limit_images):
+    n, c, h, w, k, kh, kw, padding = 7, 3, 8, 8, 5, 3, 3, 1
+    x, kernels, bias, dy = _data(rng, n, c, h, w, k, kh, kw, padding)
+    shape = conv_shape(x.shape, kernels.shape, padding)
+    one_chunk = (
+        backend.conv_forward(x, kernels, bias, padding),
+        backend.conv_grad_input(dy, kernels, (h, w), padding),
+        *backend.conv_grad_kernels(x, dy, (kh, kw), padding),
+    )
+    small = OpenCLBackend(device=backend.device_index)
+    small.memory_limit = small.working_set_bytes(opencl._with_images(shape, limit_images))
+    step = small._images_per_call(shape)
+    assert 1 <= step <= limit_images
+    calls = []
+    for name in ("_forward", "_grad_input", "_grad_kernels"):
+        real = getattr(small, name)
+        monkeypatch.setattr(
+            small, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a)
+        )
+    chunked = (
+        small.conv_forward(x, kernels, bias, padding),
+        small.conv_grad_input(dy, kernels, (h, w), padding),
+        *small.conv_grad_kernels(x, dy, (kh, kw), padding),
+    )
+    assert len(calls) == 3 * -(-n // step)
+    for part, whole, what in zip(chunked, one_chunk, ("y", "dx", "dw", "db"), strict=True):
+        _close(part, whole.astype(np.float64), CHUNK_RTOL, what)
+
+
+def test_allocation_limit_chunks_and_refuses_an_image_too_large(backend, rng):
+    n, c, h, w, k = 5, 2, 6, 6, 3
+    x, kernels, bias, _ = _data(rng, n, c, h, w, k, 3, 3, 1)
+    capped = OpenCLBackend(device=backend.device_index)
+    capped._max_alloc = 2 * 4 * k * h * w  # two images' outputs per buffer
+    assert capped._images_per_call(conv_shape(x.shape, kernels.shape, 1)) == 2
+    _close(
+        capped.conv_forward(x, kernels, bias, 1),
+        backend.conv_forward(x, kernels, bias, 1).astype(np.float64),
+        CHUNK_RTOL,
+        "forward in allocation-sized chunks",
+    )
+    capped._max_alloc = 16
+    with pytest.raises(MemoryError, match="allocation"):
+        capped.conv_forward(x, kernels, bias, 1)
+
+
+# ----------------------------------------------------------------------------- use
+
+
+def test_probe_and_device_time(backend):
+    before = backend.device_seconds
+    seconds = backend.time_step(ConvShape(2, 3, 8, 8, 4, 3, 3, Padding(1, 1, 1, 1)))
+    assert seconds > 0
+    assert backend.device_seconds > before
+
+
+def test_concurrent_calls_on_one_backend(backend, cpu, rng):
+    x, kernels, bias, _ = _data(rng, 3, 4, 10, 10, 6, 3, 3, 1)
+    expected = cpu.conv_forward(x, kernels, bias, 1)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(5):
+                results.append(backend.conv_forward(x, kernels, bias, 1))
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert len(results) == 15
+    for y in results:
+        _close(y, expected, CPU_RTOL, "concurrent forward")
