@@ -151,11 +151,28 @@ class Backend(ABC):
         """The devices this backend can compute on, in the order ``device=`` numbers them."""
         return [cls().describe()]
 
-    def gemm_gflops(self, size: int = 2048, repeats: int = 3) -> float:
+    def gemm_gflops(self, size: int = 1024, repeats: int = 3) -> float:
         """This device's measured float32 GEMM speed on ``size``-square matrices (best of
-        ``repeats``): the peak convolution speeds are compared with. Backends without a GEMM
-        of their own raise NotImplementedError."""
-        raise NotImplementedError(f"backend {self.name} does not measure a GEMM peak")
+        ``repeats``): what convolution speeds are compared with.
+
+        This default times a 1x1 convolution with ``size`` input channels, ``size`` kernels
+        and ``size`` pixels, which is exactly a ``size``-cube GEMM, through the backend's own
+        forward path; backends with a vendor GEMM (BLAS, cuBLAS) time that instead.
+        """
+        side = 32
+        shape = ConvShape(1, size, side, max(1, size // side), size, 1, 1, Padding(0, 0, 0, 0))
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((1, size, shape.h, shape.w), dtype=np.float32)
+        w = rng.standard_normal((size, size, 1, 1), dtype=np.float32)
+        self.conv_forward(x, w, None, 0)
+        self.synchronize()
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            self.conv_forward(x, w, None, 0)
+            self.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return shape.flops_forward / best / 1e9
 
     def working_set_bytes(self, shape: ConvShape) -> int:
         """Device bytes one call on ``shape`` needs: inputs, kernels, outputs and a full

@@ -236,6 +236,23 @@ class CudaBackend(Backend):
         their own results; this is for timing code that queues more)."""
         self._cp.cuda.Device(self.device).synchronize()
 
+    def gemm_gflops(self, size: int = 4096, repeats: int = 3) -> float:
+        """cuBLAS SGEMM speed (``cupy.matmul``) on ``size``-square matrices on this GPU."""
+        cp = self._cp
+        with cp.cuda.Device(self.device):
+            a = cp.random.standard_normal((size, size), dtype=cp.float32)
+            b = cp.random.standard_normal((size, size), dtype=cp.float32)
+            out = cp.matmul(a, b)
+            best = float("inf")
+            for _ in range(max(1, repeats)):
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record()
+                cp.matmul(a, b, out=out)
+                stop.record()
+                stop.synchronize()
+                best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3)
+        return 2 * size**3 / best / 1e9
+
     # -- the pipeline ------------------------------------------------------------------------
 
     def _staging(self, slot: _Slot, name: str, shape: tuple[int, ...]) -> np.ndarray:
