@@ -167,9 +167,14 @@ def test_describe_and_devices(backend):
     assert devices and all(d.backend == info.backend for d in devices)
 
 
-def test_memory_limit_runs_in_chunks_with_equal_results(backend):
-    if backend.name == "cpu":
-        pytest.skip("the cpu subject always runs chunked here")
+@pytest.fixture(params=sorted(set(KNOWN_BACKENDS) - {"cpu"}))
+def device_backend(request):
+    """The non-cpu backends (the cpu subject above always runs chunked)."""
+    return _backend(request.param)
+
+
+def test_memory_limit_runs_in_chunks_with_equal_results(device_backend):
+    backend = device_backend
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 4, 8, 8), dtype=np.float32)
     w = rng.standard_normal((5, 4, 3, 3), dtype=np.float32)

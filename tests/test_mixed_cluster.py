@@ -2,8 +2,8 @@
 
 Real worker processes on loopback, one per backend. The opencl worker runs wherever an OpenCL
 device exists (PoCL's CPU device in CI); without one the test is skipped with the reason.
-Tolerance as in test_cluster.py: losses rtol 1e-6... relaxed to 1e-5 here, weights atol 1e-5,
-because the opencl device sums in a different order than BLAS does.
+Tolerance: losses within rtol 1e-5 and weights within atol 1e-5 (test_cluster.py uses 1e-6:
+the opencl device sums in a different order than BLAS does).
 """
 
 from __future__ import annotations
