@@ -185,7 +185,9 @@ def _run_train(args: argparse.Namespace) -> int:
         train(config, LocalConv())
         return 0
     cluster_config = ClusterConfig(
-        master_compute=args.master_compute, connect_timeout=args.connect_timeout
+        master_compute=args.master_compute,
+        connect_timeout=args.connect_timeout,
+        workers_file=args.workers_file,  # re-read while training: workers added there join
     )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:

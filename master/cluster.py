@@ -13,11 +13,20 @@ its own share meanwhile.
 Shares come from probes (:meth:`Cluster.prepare`): each node times a forward + backward pass of
 the layer's real shape on random data, and :func:`~hetconv.balance.kernel_shares` gives kernels
 in proportion to 1/time.
+
+Nothing is lost when a worker fails. A call that errs, misses its deadline (derived from the
+probe and the measured link) or returns a malformed answer costs time only: the master computes
+that kernel slice itself, for the rest of the step too, and the step completes. The worker is
+dropped; from the next step the shares are recomputed without it. A monitor thread retries it
+with exponential backoff, probes it again when it answers, and it gets a share from the next
+step on. New workers named in the workers file (re-read while training) join the same way.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,12 +34,15 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 import numpy as np
+from tqdm import tqdm
 
 from hetconv.backends import Backend, ConvShape, Padding, PaddingSpec, get_backend
 from hetconv.balance import kernel_shares, offsets
-from hetconv.master.client import CallStats, WorkerClient, WorkerError
+from hetconv.master.client import CallStats, WorkerClient
 
 MASTER = "master"
+
+ACTIVE, LOST, READY = "active", "lost", "ready"
 
 
 @dataclass(frozen=True)
@@ -38,22 +50,33 @@ class ClusterConfig:
     """How the master splits and dispatches.
 
     Args:
-        master_compute: whether the master computes a share of every layer itself.
+        master_compute: whether the master computes a share of every layer itself (it always
+            computes the slices of workers that fail).
         probe_repeats: timed probe runs per node and layer (the best counts).
         deadline_floor: seconds every call may take at least.
         deadline_factor: a call's deadline is the floor plus this many times what the probe and
             the measured link predict for it.
         connect_timeout: seconds to wait for each worker to answer at start.
-        shares: layer name -> kernels per node (master first), overriding what the probe gives;
-            for experiments and tests.
+        shares: layer name -> kernels per node (master first), overriding what the probe gives
+            while every starting worker is active; for experiments and tests.
+        retry_min, retry_max: seconds between attempts to reach a lost worker: doubling from
+            the first to the second.
+        workers_file: a file naming workers, re-read during training: workers added to it join.
+        token, tls_ca: credentials for the workers (see
+            :class:`~hetconv.master.client.WorkerClient`).
     """
 
     master_compute: bool = True
     probe_repeats: int = 2
-    deadline_floor: float = 30.0
+    deadline_floor: float = 5.0
     deadline_factor: float = 10.0
     connect_timeout: float = 20.0
     shares: dict[str, tuple[int, ...]] | None = None
+    retry_min: float = 0.5
+    retry_max: float = 30.0
+    workers_file: str | None = None
+    token: str | None = None
+    tls_ca: str | None = None
 
 
 @dataclass
@@ -66,6 +89,11 @@ class Node:
     link_bytes_per_second: float = float("inf")  # measured round trip, both directions
     link_latency: float = 0.0
     probe_seconds: dict[str, float] = field(default_factory=dict)  # per layer
+    state: str = ACTIVE
+    failures: int = 0  # consecutive failed attempts to reach it since it was lost
+    losses: int = 0  # times it was lost: a worker that keeps failing is retried less often
+    retry_at: float = 0.0
+    joined: bool = False  # came from the workers file during training
 
 
 @dataclass(frozen=True)
@@ -75,6 +103,13 @@ class LayerPlan:
     shape: ConvShape
     shares: tuple[int, ...]
     starts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    name: str
+    shape: ConvShape
+    need_input_grad: bool
 
 
 def _phase_record(stats: CallStats) -> dict:
@@ -87,6 +122,11 @@ def _phase_record(stats: CallStats) -> dict:
         "wall_seconds": stats.wall_seconds,
         "bundled": stats.bundled,
     }
+
+
+def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
+    p = Padding.resolve(padding, kernel_hw)
+    return p.top, p.bottom, p.left, p.right
 
 
 class Cluster:
@@ -107,74 +147,106 @@ class Cluster:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"a worker is named twice in {list(addresses)}")
         self.config = config or ClusterConfig()
-        if not addresses and not self.config.master_compute:
+        if not addresses and not self.config.master_compute and not self.config.workers_file:
             raise ValueError("no workers and --no-master-compute: nothing would compute")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        self.nodes = [Node(MASTER, None)] + [
-            Node(a, WorkerClient(a, self.config.connect_timeout)) for a in addresses
-        ]
+        self.nodes = [Node(MASTER, None)] + [Node(a, self._client(a)) for a in addresses]
         self.session = secrets.randbits(64)
         self.plans: dict[str, LayerPlan] = {}
         self.step = 0
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)))
+        self.events: list[dict] = []  # everything that happened to the membership, in order
+        self._pool = ThreadPoolExecutor(max_workers=8)
         self._records: dict[str, dict] = {}
         self._comm = self._conv = self._wall = 0.0
+        self._lock = threading.Lock()  # node states, pending joiners, events
+        self._pending: list[Node] = []  # joiners being connected and probed
+        self._step_events: list[dict] = []
+        self._failed: set[str] = set()  # workers that failed during the current step
+        self._layers: list[_Layer] = []
+        self._log: TextIO | None = None
+        self._closed = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._file_mtime = 0.0
+        self._replan_needed = False
+
+    def _client(self, address: str) -> WorkerClient:
+        credentials = {}
+        if self.config.token:
+            credentials["token"] = self.config.token
+        if self.config.tls_ca:
+            credentials["tls_ca"] = self.config.tls_ca
+        return WorkerClient(address, self.config.connect_timeout, **credentials)
 
     # -- setting up ------------------------------------------------------------------------
+
+    def _connect(self, node: Node, timeout: float | None = None) -> None:
+        """Describe the worker and measure its link; raises WorkerError if it cannot."""
+        link_probe = np.zeros(1 << 18, np.float32)  # 1 MiB
+        tiny = np.zeros(1, np.float32)
+        if timeout is not None:
+            node.client.connect_timeout = timeout
+        d = node.client.describe()
+        node.client.connect_timeout = self.config.connect_timeout
+        node.description = f"{d.name} ({d.backend}, {d.cores} cores)"
+        deadline = max(self.config.deadline_floor, 10.0)
+        node.link_latency = min(
+            node.client.echo([("t", tiny)], timeout=deadline)[1].wall_seconds for _ in range(3)
+        )
+        seconds = min(
+            node.client.echo([("l", link_probe)], timeout=deadline)[1].wall_seconds
+            for _ in range(3)
+        )
+        node.link_bytes_per_second = 2 * link_probe.nbytes / max(seconds - node.link_latency, 1e-9)
 
     def connect(self) -> None:
         """Ask every worker what it runs on and measure its link; raises WorkerError if one
         cannot be reached."""
         self.nodes[0].description = f"{self.backend.describe().name} ({self.backend.name})"
-        link_probe = np.zeros(1 << 18, np.float32)  # 1 MiB
-        tiny = np.zeros(1, np.float32)
         for node in self.nodes[1:]:
-            d = node.client.describe()
-            node.description = f"{d.name} ({d.backend}, {d.cores} cores)"
-            node.link_latency = min(
-                node.client.echo([("t", tiny)])[1].wall_seconds for _ in range(3)
+            self._connect(node)
+
+    def _probe(self, node: Node, layer: _Layer) -> float:
+        # The probe does what training does: no input gradient for a first layer.
+        if node.client is None:
+            return self.backend.time_step(
+                layer.shape, self.config.probe_repeats, layer.need_input_grad
             )
-            seconds = min(node.client.echo([("l", link_probe)])[1].wall_seconds for _ in range(3))
-            node.link_bytes_per_second = (
-                2 * link_probe.nbytes / max(seconds - node.link_latency, 1e-9)
-            )
+        return node.client.probe(
+            layer.shape, self.config.probe_repeats, layer.need_input_grad, timeout=300.0
+        )
 
     def prepare(self, layers, batch: int, log: TextIO | None = None) -> None:
-        """Connect, probe every node on every layer's real shape, and set the shares.
+        """Connect, probe every node on every layer's real shape, set the shares, and start
+        watching for lost and new workers.
 
         Args:
             layers: the model's :class:`~hetconv.layers.Conv2d` layers, each with ``input_shape``
                 (C, H, W) known.
             batch: images per step.
-            log: where to print the probe table (None: nowhere).
+            log: where to print the probe table and membership events (None: nowhere).
         """
+        self._log = log
         self.connect()
         for layer in layers:
             c, h, w = layer.input_shape
             k, _, kh, kw = layer.params["weight"].shape
             shape = ConvShape(batch, c, h, w, k, kh, kw, Padding.resolve(layer.padding, (kh, kw)))
-            seconds = []
-            for node in self.nodes:
-                # One node at a time, so nodes on one machine do not slow each other's probe.
-                # The probe does what training does: no input gradient for a first layer.
-                if node.client is None:
-                    t = (
-                        self.backend.time_step(
-                            shape, self.config.probe_repeats, layer.need_input_grad
-                        )
-                        if self.config.master_compute
-                        else float("inf")
-                    )
-                else:
-                    t = node.client.probe(shape, self.config.probe_repeats, layer.need_input_grad)
-                node.probe_seconds[layer.name] = t
-                seconds.append(t)
-            shares = kernel_shares(k, seconds)
-            if self.config.shares and layer.name in self.config.shares:
-                shares = self._check_shares(layer.name, k, self.config.shares[layer.name])
-            self.plans[layer.name] = LayerPlan(shape, tuple(shares), tuple(offsets(shares)))
+            self._layers.append(_Layer(layer.name, shape, layer.need_input_grad))
+        for entry in self._layers:
+            for node in self.nodes:  # one node at a time: nodes on one machine must not collide
+                node.probe_seconds[entry.name] = self._probe(node, entry)
+        if self.config.shares:
+            for name, shares in self.config.shares.items():
+                entry = next((e for e in self._layers if e.name == name), None)
+                if entry is not None:
+                    self._check_shares(name, entry.shape.k, shares)
+        self._replan()
+        if self.config.workers_file:
+            self._file_mtime = self._workers_file_mtime()
         if log is not None:
             print(self.describe_shares(), file=log)
+        self._monitor = threading.Thread(target=self._watch, name="hetconv-monitor", daemon=True)
+        self._monitor.start()
 
     def _check_shares(self, layer: str, kernels: int, shares) -> list[int]:
         shares = [int(s) for s in shares]
@@ -189,6 +261,29 @@ class Cluster:
             )
         return shares
 
+    def _replan(self) -> None:
+        """Shares of every layer over the active nodes (called between steps)."""
+        everyone_active = all(n.state == ACTIVE for n in self.nodes) and not any(
+            n.joined for n in self.nodes
+        )
+        for entry in self._layers:
+            override = (self.config.shares or {}).get(entry.name)
+            if override is not None and everyone_active:
+                shares = list(override)
+            else:
+                seconds = []
+                for node in self.nodes:
+                    usable = node.state == ACTIVE and (
+                        node.client is not None or self.config.master_compute
+                    )
+                    seconds.append(node.probe_seconds.get(entry.name, 1.0) if usable else np.inf)
+                if all(np.isinf(seconds)):
+                    # No worker left and the master was told not to compute: it must, or
+                    # nothing would. (Said once in the events when it happens.)
+                    seconds[0] = self.nodes[0].probe_seconds.get(entry.name, 1.0)
+                shares = kernel_shares(entry.shape.k, seconds)
+            self.plans[entry.name] = LayerPlan(entry.shape, tuple(shares), tuple(offsets(shares)))
+
     def describe_shares(self) -> str:
         """A table: per node, its device, link, and per layer its probe time and kernels."""
         names = list(self.plans)
@@ -200,46 +295,179 @@ class Cluster:
                 else f", link {node.link_bytes_per_second / 1e6:.0f} MB/s "
                 f"rtt {1e3 * node.link_latency:.1f} ms"
             )
+            state = "" if node.state == ACTIVE else f" [{node.state}]"
             parts = []
             for name in names:
                 plan = self.plans[name]
                 t = node.probe_seconds.get(name, float("inf"))
-                probe = "off" if t == float("inf") else f"{1e3 * t:.1f} ms"
+                off = node.client is None and not self.config.master_compute
+                probe = "off" if off or t == float("inf") else f"{1e3 * t:.1f} ms"
                 parts.append(f"{name} {plan.shares[i]}/{plan.shape.k} (probe {probe})")
-            lines.append(f"  {node.name:<21} {node.description}{link}")
+            lines.append(f"  {node.name:<21} {node.description}{link}{state}")
             lines.append(f"  {'':<21} " + ", ".join(parts))
         return "\n".join(lines)
 
     def close(self) -> None:
-        """Close every channel (cancelling calls in flight, e.g. after Ctrl-C) and the pool."""
-        for node in self.nodes:
+        """Stop the monitor, close every channel (cancelling calls in flight, e.g. after
+        Ctrl-C) and the pool."""
+        self._closed.set()
+        for node in self.nodes + self._pending:
             if node.client is not None:
                 node.client.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- per step --------------------------------------------------------------------------
+    # -- membership ------------------------------------------------------------------------
+
+    def _event(self, kind: str, worker: str | None = None, **details) -> None:
+        record = {"event": kind, "step": self.step, "time": time.time(), **details}
+        if worker is not None:
+            record["worker"] = worker
+        with self._lock:
+            self.events.append(record)
+            self._step_events.append(record)
+        if self._log is not None:
+            text = ", ".join(f"{k} {v}" for k, v in details.items())
+            who = f" {worker}" if worker else ""
+            tqdm.write(f"[step {self.step}] {kind.replace('_', ' ')}{who}: {text}", file=self._log)
+
+    def _lose(self, node: Node, error: Exception) -> None:
+        with self._lock:
+            if node.state != ACTIVE:
+                return
+            node.state = LOST
+            node.failures = 0
+            node.losses += 1
+            node.retry_at = time.monotonic() + self._backoff(node)
+            self._failed.add(node.name)
+            self._replan_needed = True
+        self._event("worker_lost", node.name, reason=str(error))
+
+    def _backoff(self, node: Node) -> float:
+        """Seconds until the next attempt: doubling with every failed attempt and every loss."""
+        exponent = node.failures + max(node.losses - 1, 0)
+        return min(self.config.retry_max, self.config.retry_min * 2.0 ** min(exponent, 30))
+
+    def _watch(self) -> None:
+        """Monitor thread: retry lost workers with backoff, connect joiners, re-read the file."""
+        next_file_check = 0.0
+        while not self._closed.wait(0.2):
+            now = time.monotonic()
+            if self.config.workers_file and now >= next_file_check:
+                next_file_check = now + 1.0
+                self._read_workers_file()
+            with self._lock:
+                due = [
+                    n
+                    for n in self.nodes[1:] + self._pending
+                    if n.state == LOST and n.retry_at <= now
+                ]
+            for node in due:
+                if self._closed.is_set():
+                    return
+                self._try_rejoin(node)
+
+    def _try_rejoin(self, node: Node) -> None:
+        try:
+            self._connect(node, timeout=min(2.0, self.config.connect_timeout))
+            probes = {entry.name: self._probe(node, entry) for entry in self._layers}
+        except Exception as e:  # any failure: try again later, less often
+            with self._lock:
+                node.failures += 1
+                delay = self._backoff(node)
+                node.retry_at = time.monotonic() + delay
+            if node.failures == 1 or node.failures % 5 == 0:
+                self._event(
+                    "worker_unreachable", node.name, attempts=node.failures,
+                    retry_in=f"{delay:.1f} s", reason=str(e).splitlines()[0][:200],
+                )  # fmt: skip
+            return
+        with self._lock:
+            node.probe_seconds.update(probes)
+            node.state = READY
+
+    def _workers_file_mtime(self) -> float:
+        try:
+            return os.stat(self.config.workers_file).st_mtime
+        except OSError:
+            return 0.0
+
+    def _read_workers_file(self) -> None:
+        mtime = self._workers_file_mtime()
+        if mtime == self._file_mtime:
+            return
+        self._file_mtime = mtime
+        from hetconv.cli import read_workers_file
+
+        try:
+            addresses = read_workers_file(self.config.workers_file)
+        except (OSError, ValueError) as e:
+            self._event("workers_file_unreadable", reason=str(e))
+            return
+        with self._lock:
+            known = {n.name for n in self.nodes + self._pending}
+            for address in addresses:
+                if address not in known:
+                    node = Node(address, self._client(address), state=LOST, joined=True)
+                    node.retry_at = 0.0
+                    self._pending.append(node)
+                    known.add(address)
 
     def begin_step(self, step: int) -> None:
-        """Start a training step: calls until the next one belong to ``step``."""
+        """Start a training step: admit workers that came (back), re-plan if the membership
+        changed; calls until the next step belong to ``step``."""
         self.step = step
         self._records = {}
         self._comm = self._conv = self._wall = 0.0
+        self._failed = set()
+        admitted = []
+        with self._lock:
+            for node in self.nodes[1:]:
+                if node.state == READY:
+                    node.state = ACTIVE
+                    admitted.append((node, "worker_rejoined"))
+            for node in list(self._pending):
+                if node.state == READY:
+                    node.state = ACTIVE
+                    self._pending.remove(node)
+                    self.nodes.append(node)
+                    admitted.append((node, "worker_joined"))
+            changed = self._replan_needed or bool(admitted)
+            self._replan_needed = False
+        for node, kind in admitted:
+            self._event(kind, node.name, device=node.description)
+        if changed:
+            before = {name: plan.shares for name, plan in self.plans.items()}
+            self._replan()
+            shares = {
+                name: {n.name: plan.shares[i] for i, n in enumerate(self.nodes)}
+                for name, plan in self.plans.items()
+            }
+            if before != {name: plan.shares for name, plan in self.plans.items()}:
+                self._event("shares_changed", shares=shares)
 
     def end_step(self) -> dict:
-        """This step's trace fields: per node and layer what moved and took how long, and the
-        totals of the distributed calls (``cluster_wall_seconds`` = comm + conv)."""
-        return {
+        """This step's trace fields: per node and layer what moved and took how long, the
+        totals of the distributed calls (``cluster_wall_seconds`` = comm + conv), and the
+        membership events since the last step."""
+        with self._lock:
+            events, self._step_events = self._step_events, []
+        record = {
             "comm_seconds": self._comm,
             "conv_seconds": self._conv,
             "cluster_wall_seconds": self._wall,
             "nodes": self._records,
         }
+        if events:
+            record["events"] = events
+        return record
 
-    def _deadline(self, node: Node, layer: str, share: int, nbytes: int) -> float:
+    # -- dispatch --------------------------------------------------------------------------
+
+    def _deadline(self, node: Node, layer: str, share: int, nbytes: int, images: int) -> float:
         """Seconds a call may take: a floor plus a multiple of what probe and link predict."""
         plan = self.plans[layer]
         t = node.probe_seconds.get(layer, 0.0)
-        compute = t * share / max(plan.shape.k, 1)
+        compute = t * share / max(plan.shape.k, 1) * images / max(plan.shape.n, 1)
         transfer = nbytes / node.link_bytes_per_second + node.link_latency
         return self.config.deadline_floor + self.config.deadline_factor * (compute + transfer)
 
@@ -254,11 +482,13 @@ class Cluster:
             # A layer the probe did not see: split by the nodes' mean speed on the others.
             speeds = []
             for node in self.nodes:
-                times = [t for t in node.probe_seconds.values()]
-                usable = node.client is not None or self.config.master_compute
-                speeds.append(float(np.mean(times)) if times and usable else 1.0)
-            if not self.config.master_compute:
-                speeds[0] = float("inf")
+                times = list(node.probe_seconds.values())
+                usable = node.state == ACTIVE and (
+                    node.client is not None or self.config.master_compute
+                )
+                speeds.append(float(np.mean(times)) if times and usable else float("inf"))
+            if all(np.isinf(speeds)):
+                speeds[0] = 1.0
             shares = kernel_shares(k, speeds)
             n, c, h, w = x_shape
             shape = ConvShape(
@@ -268,24 +498,6 @@ class Cluster:
             self.plans[layer] = plan
         return plan
 
-    def _finish(self, futures: list[tuple[Node, int, Future]], layer: str, phase: str):
-        """Wait for every worker call; raise the first failure after all have ended."""
-        results, failure = [], None
-        for node, share, future in futures:
-            try:
-                results.append((node, share, future.result()))
-            except WorkerError as e:
-                failure = failure or e
-        if failure is not None:
-            raise failure
-        return results
-
-    def _account(self, wall: float, computes: list[float]) -> None:
-        conv = max(computes, default=0.0)
-        self._conv += conv
-        self._comm += max(wall - conv, 0.0)
-        self._wall += wall
-
     def _worker_slices(self, plan: LayerPlan):
         """(node, kernels, first kernel, kernel slice) of every worker with a share."""
         for i, node in enumerate(self.nodes[1:], start=1):
@@ -293,90 +505,117 @@ class Cluster:
             if share:
                 yield node, share, first, slice(first, first + share)
 
+    def _gather(self, futures: list[tuple[Node, int, slice, Future]]):
+        """Wait for every worker call; (successes, failed slices). A failed worker is lost."""
+        done, failed = [], []
+        for node, share, sl, future in futures:
+            try:
+                done.append((node, share, future.result()))
+            except Exception as e:  # WorkerError, or anything else a broken answer raises
+                self._lose(node, e)
+                failed.append(sl)
+        return done, failed
+
+    def _account(self, wall: float, computes: list[float]) -> None:
+        conv = max(computes, default=0.0)
+        self._conv += conv
+        self._comm += max(wall - conv, 0.0)
+        self._wall += wall
+
     def forward(self, layer, x, w, b, padding):
         start = time.perf_counter()
         plan = self._plan(layer, x.shape, w.shape, padding)
-        pad = Padding.resolve(padding, w.shape[2:])
-        sides = (pad.top, pad.bottom, pad.left, pad.right)
-        ho = x.shape[2] + pad.top + pad.bottom - w.shape[2] + 1
-        wo = x.shape[3] + pad.left + pad.right - w.shape[3] + 1
+        sides = _sides(padding, w.shape[2:])
+        ho = x.shape[2] + sides[0] + sides[1] - w.shape[2] + 1
+        wo = x.shape[3] + sides[2] + sides[3] - w.shape[3] + 1
         y = np.empty((x.shape[0], w.shape[0], ho, wo), np.float32)
-        futures = []
+        futures, local = [], []
         for node, share, first, sl in self._worker_slices(plan):
-            w_part, b_part = w[sl], b[sl]
-            nbytes = x.nbytes + w_part.nbytes + y[:, sl].nbytes
-            futures.append(
-                (
-                    node,
-                    share,
-                    self._pool.submit(
-                        node.client.forward,
-                        self.session, self.step, layer, x, w_part, b_part, sides,
-                        out=y[:, sl], timeout=self._deadline(node, layer, share, nbytes),
-                        kernel_offset=first,
-                    ),
-                )
+            if node.state != ACTIVE or node.name in self._failed:
+                local.append(sl)  # lost earlier in this step: the master covers it
+                continue
+            nbytes = x.nbytes + w[sl].nbytes + y[:, sl].nbytes
+            future = self._pool.submit(
+                node.client.forward,
+                self.session, self.step, layer, x, w[sl], b[sl], sides, out=y[:, sl],
+                timeout=self._deadline(node, layer, share, nbytes, x.shape[0]),
+                kernel_offset=first,
             )  # fmt: skip
-        computes = []
-        share = plan.shares[0]
-        if share:
-            t0 = time.perf_counter()
-            y[:, :share] = self.backend.conv_forward(x, w[:share], b[:share], sides)
-            seconds = time.perf_counter() - t0
-            computes.append(seconds)
-            self._record(self.nodes[0], layer, "forward", share, CallStats(compute_seconds=seconds))
-        for node, share, (_, stats) in self._finish(futures, layer, "forward"):
+            futures.append((node, share, sl, future))
+        t0 = time.perf_counter()
+        if plan.shares[0]:
+            mine = slice(0, plan.shares[0])
+            y[:, mine] = self.backend.conv_forward(x, w[mine], b[mine], sides)
+        master_seconds = time.perf_counter() - t0
+        done, failed = self._gather(futures)
+        t0 = time.perf_counter()
+        for sl in local + failed:
+            y[:, sl] = self.backend.conv_forward(x, w[sl], b[sl], sides)
+        master_seconds += time.perf_counter() - t0
+        computes = [master_seconds]
+        if plan.shares[0] or local or failed:
+            covered = plan.shares[0] + sum(s.stop - s.start for s in local + failed)
+            stats = CallStats(compute_seconds=master_seconds)
+            self._record(self.nodes[0], layer, "forward", covered, stats)
+        for node, share, (_, stats) in done:
             computes.append(stats.compute_seconds)
             self._record(node, layer, "forward", share, stats)
         self._account(time.perf_counter() - start, computes)
         return y
 
+    def _local_backward(self, x, w, dy, sides, sl, need_input_grad):
+        dy_part = np.ascontiguousarray(dy[:, sl])
+        dw, db = self.backend.conv_grad_kernels(x, dy_part, w.shape[2:], sides)
+        dx = None
+        if need_input_grad:
+            dx = self.backend.conv_grad_input(dy_part, w[sl], x.shape[2:], sides)
+        return dx, dw, db
+
     def backward(self, layer, x, w, dy, padding, need_input_grad):
         start = time.perf_counter()
         plan = self._plan(layer, x.shape, w.shape, padding)
-        pad = Padding.resolve(padding, w.shape[2:])
-        sides = (pad.top, pad.bottom, pad.left, pad.right)
+        sides = _sides(padding, w.shape[2:])
         dw = np.empty_like(w)
         db = np.empty(w.shape[0], np.float32)
-        futures = []
+        dx_bytes = x.nbytes if need_input_grad else 0
+        futures, local = [], []
         for node, share, first, sl in self._worker_slices(plan):
-            nbytes = dy[:, sl].nbytes + dw[sl].nbytes + (x.nbytes if need_input_grad else 0)
-            futures.append(
-                (
-                    node,
-                    share,
-                    self._pool.submit(
-                        node.client.backward,
-                        self.session, self.step, layer, dy[:, sl], need_input_grad,
-                        dw_out=dw[sl], db_out=db[sl],
-                        timeout=self._deadline(node, layer, share, nbytes), kernel_offset=first,
-                        answer_bytes=dw[sl].nbytes + db[sl].nbytes
-                        + (x.nbytes if need_input_grad else 0),
-                    ),
-                )
+            if node.state != ACTIVE or node.name in self._failed:
+                local.append(sl)
+                continue
+            future = self._pool.submit(
+                node.client.backward,
+                self.session, self.step, layer, dy[:, sl], need_input_grad,
+                dw_out=dw[sl], db_out=db[sl],
+                timeout=self._deadline(
+                    node, layer, share, dy[:, sl].nbytes + dw[sl].nbytes + dx_bytes, x.shape[0]
+                ),
+                kernel_offset=first, answer_bytes=dw[sl].nbytes + db[sl].nbytes + dx_bytes,
             )  # fmt: skip
-        computes = []
+            futures.append((node, share, sl, future))
         dx = None
-        share = plan.shares[0]
-        if share:
-            t0 = time.perf_counter()
-            dy_part = np.ascontiguousarray(dy[:, :share])
-            dw[:share], db[:share] = self.backend.conv_grad_kernels(x, dy_part, w.shape[2:], sides)
+        t0 = time.perf_counter()
+        if plan.shares[0]:
+            mine = slice(0, plan.shares[0])
+            dx, dw[mine], db[mine] = self._local_backward(x, w, dy, sides, mine, need_input_grad)
+        master_seconds = time.perf_counter() - t0
+        done, failed = self._gather(futures)
+        t0 = time.perf_counter()
+        for sl in local + failed:
+            part, dw[sl], db[sl] = self._local_backward(x, w, dy, sides, sl, need_input_grad)
             if need_input_grad:
-                dx = self.backend.conv_grad_input(dy_part, w[:share], x.shape[2:], sides)
-            seconds = time.perf_counter() - t0
-            computes.append(seconds)
-            self._record(
-                self.nodes[0], layer, "backward", share, CallStats(compute_seconds=seconds)
-            )
-        for node, share, (dx_part, _, _, stats) in self._finish(futures, layer, "backward"):
+                dx = part if dx is None else dx + part
+        master_seconds += time.perf_counter() - t0
+        computes = [master_seconds]
+        if plan.shares[0] or local or failed:
+            covered = plan.shares[0] + sum(s.stop - s.start for s in local + failed)
+            stats = CallStats(compute_seconds=master_seconds)
+            self._record(self.nodes[0], layer, "backward", covered, stats)
+        for node, share, (dx_part, _, _, stats) in done:
             computes.append(stats.compute_seconds)
             self._record(node, layer, "backward", share, stats)
             if need_input_grad:
-                if dx is None:
-                    dx = dx_part
-                else:
-                    dx += dx_part
+                dx = dx_part if dx is None else dx + dx_part
         self._account(time.perf_counter() - start, computes)
         return dx, dw, db
 
@@ -393,3 +632,6 @@ def shares_summary(cluster: Cluster) -> dict:
         name: {node.name: plan.shares[i] for i, node in enumerate(cluster.nodes)}
         for name, plan in cluster.plans.items()
     }
+
+
+__all__ = ["MASTER", "Cluster", "ClusterConfig", "LayerPlan", "Node", "shares_summary"]
