@@ -88,6 +88,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         default=True,
         help="the master computes a share of every layer too",
     )
+    security = p.add_argument_group("security")
+    security.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="shared secret sent with every call, as the workers were started with "
+        "(default: $HETCONV_TOKEN; the flag wins; the variable stays out of `ps`)",
+    )
+    security.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="talk TLS to the workers, trusting certificates signed by this CA "
+        "(or this self-signed certificate)",
+    )
     p.add_argument(
         "--preset",
         default="tiny",
@@ -126,6 +139,23 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load", metavar="NPZ", help="start from these weights")
     p.add_argument("--trace", metavar="JSONL", help="write one JSON object per step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    saving = p.add_argument_group("checkpoints")
+    saving.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="write checkpoints (weights, optimizer, data position) here; the last 3 are kept",
+    )
+    saving.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        metavar="N",
+        help="steps between checkpoints (default 100); one is always written at the end",
+    )
+    saving.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir (from scratch if none)",
+    )
     p.set_defaults(func=_run_train)
 
 
@@ -157,6 +187,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.master.launch import EmbeddedCluster
     from hetconv.master.training import TrainConfig, train
+    from hetconv.worker.auth import read_pem, resolve_token
 
     from .optim import SGDConfig
 
@@ -175,10 +206,18 @@ def _run_train(args: argparse.Namespace) -> int:
         save=args.save,
         load=args.load,
         progress=not args.no_progress,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
     )
     addresses = [_address(a) for a in args.worker]
     if args.workers_file:
         addresses += read_workers_file(args.workers_file)
+    token = resolve_token(args.token)  # --token, else $HETCONV_TOKEN
+    if args.tls_ca is not None:
+        read_pem(args.tls_ca, "TLS CA certificate (--tls-ca)")  # one line now, not mid-start
+        if not addresses and not args.local:
+            raise ValueError("--tls-ca needs --worker/--workers-file: local workers serve no TLS")
     if args.local:
         if addresses:
             raise ValueError("--local runs no workers; drop --worker/--workers-file")
@@ -188,6 +227,8 @@ def _run_train(args: argparse.Namespace) -> int:
         master_compute=args.master_compute,
         connect_timeout=args.connect_timeout,
         workers_file=args.workers_file,  # re-read while training: workers added there join
+        token=token,  # the embedded default's local workers are started with it too
+        tls_ca=args.tls_ca,
     )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:
@@ -236,26 +277,55 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-request-mib",
         type=_positive_int,
-        default=2048,
-        help="refuse convolution requests larger than this",
+        metavar="MIB",
+        help="refuse convolution requests larger than this (default: the smaller of 2048 and "
+        "half the memory available at start)",
     )
     p.add_argument(
         "--no-startup-probe", action="store_true", help="skip the probe printed at start"
     )
+    security = p.add_argument_group(
+        "security",
+        "Without a token, anyone who can reach --listen may use this worker (it warns unless "
+        "it listens on loopback only).",
+    )
+    security.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="refuse (UNAUTHENTICATED) every call, health checks included, that lacks this "
+        "shared secret (default: $HETCONV_TOKEN; the flag wins; the variable stays out of `ps`)",
+    )
+    security.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        help="serve TLS with this certificate (chain); masters then need --tls-ca",
+    )
+    security.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     p.set_defaults(func=_run_worker)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from hetconv.worker.auth import WorkerSecurity, resolve_token
     from hetconv.worker.main import run_worker
     from hetconv.worker.service import WorkerConfig
 
     from .backends import get_backend
 
     _address(args.listen, "--listen")
-    config = WorkerConfig(max_request_bytes=args.max_request_mib << 20)
+    # Before the backend (whose auto choice probes): a bad token or PEM file fails at once.
+    security = WorkerSecurity.from_files(resolve_token(args.token), args.tls_cert, args.tls_key)
+    # None: run_worker picks the limit from the memory available and says so.
+    limit = args.max_request_mib
+    config = WorkerConfig(max_request_bytes=limit << 20) if limit else None
     memory = args.memory_limit << 20 if args.memory_limit else None
     backend = get_backend(args.backend, device=args.device, memory_limit=memory)
-    return run_worker(args.listen, backend, config, startup_probe=not args.no_startup_probe)
+    return run_worker(
+        args.listen,
+        backend,
+        config,
+        startup_probe=not args.no_startup_probe,
+        security=security,
+    )
 
 
 def _add_devices(sub: argparse._SubParsersAction) -> None:
@@ -302,6 +372,19 @@ def _run_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from hetconv.simulations.cli import DESCRIPTION, add_arguments, run
+
+    p = sub.add_parser(
+        "simulate",
+        help="predict a larger cluster's step time and speedup",
+        description=DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetconv",
@@ -313,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_worker(sub)
     _add_devices(sub)
+    _add_simulate(sub)
     return parser
 
 

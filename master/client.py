@@ -2,10 +2,15 @@
 
 Each call streams its tensors with the codec in :mod:`hetconv.wire` and returns what it moved
 and how long each part took (:class:`CallStats`), which the cluster sums into the trace.
+
+With a token every call carries it as ``authorization: Bearer <token>`` metadata; with a CA
+certificate the channel is TLS and the worker must present a certificate that CA signed, for
+the host name or IP address in ``address`` (see :mod:`hetconv.worker.auth`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ from hetconv.wire import (
     serialize_message,
     tensor_header,
 )
+from hetconv.worker.auth import bearer_metadata, read_pem
 from hetconv.worker.service import SERVICE_NAME
 
 
@@ -45,6 +51,34 @@ class WorkerError(RuntimeError):
 
 class WorkerUnavailable(WorkerError):
     """The worker cannot be reached, went away, or missed its deadline."""
+
+
+class WorkerAuthError(WorkerError):
+    """The worker refused this master's token (UNAUTHENTICATED): a configuration error to
+    report, not a worker to retry or work around."""
+
+    def __init__(self, address: str, had_token: bool):
+        RuntimeError.__init__(
+            self,
+            f"worker {address} refused the token (UNAUTHENTICATED)"
+            if had_token
+            else f"worker {address} requires a token (UNAUTHENTICATED); give the master the "
+            "worker's: --token TOKEN or HETCONV_TOKEN",
+        )
+        self.address = address
+        self.code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text and text.strip() else ""
+
+
+def _handshake_failed(e: grpc.RpcError) -> bool:
+    """Whether an UNAVAILABLE came from a TLS handshake (which no retry fixes)."""
+    detail = (e.details() or "").lower() if hasattr(e, "details") else ""
+    return any(
+        word in detail for word in ("ssl", "handshake", "certificate", "tls", "verification")
+    )
 
 
 @dataclass
@@ -68,12 +102,34 @@ class WorkerClient:
     Args:
         address: ``HOST:PORT``.
         connect_timeout: seconds to wait for the worker to answer :meth:`describe`.
+        token: the shared secret the worker was started with; sent with every call.
+        tls_ca: PEM file of the CA (or the self-signed certificate) that signed the worker's
+            certificate; given, the channel is TLS, else plain gRPC.
+
+    Raises:
+        OSError, ValueError: ``tls_ca`` cannot be read or is not PEM; ``token`` cannot travel
+            as metadata (each a one-line message naming it).
     """
 
-    def __init__(self, address: str, connect_timeout: float = 10.0):
+    def __init__(
+        self,
+        address: str,
+        connect_timeout: float = 10.0,
+        *,
+        token: str | None = None,
+        tls_ca: str | os.PathLike | None = None,
+    ):
         self.address = address
         self.connect_timeout = connect_timeout
-        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self.tls_ca = tls_ca
+        self._metadata = bearer_metadata(token) if token is not None else None
+        if tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=read_pem(tls_ca, "TLS CA certificate (--tls-ca)")
+            )
+            self._channel = grpc.secure_channel(address, credentials, options=channel_options())
+        else:
+            self._channel = grpc.insecure_channel(address, options=channel_options())
 
         def unary(name, request_type, response_type):
             return self._channel.unary_unary(
@@ -108,6 +164,10 @@ class WorkerClient:
 
     def _error(self, e: grpc.RpcError, what: str) -> WorkerError:
         code = e.code() if hasattr(e, "code") else None
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return WorkerAuthError(self.address, self._metadata is not None)
+        if code == grpc.StatusCode.UNAVAILABLE and _handshake_failed(e):
+            return self._tls_error(e)
         detail = e.details() if hasattr(e, "details") else str(e)
         gone = code in (
             grpc.StatusCode.UNAVAILABLE,
@@ -118,21 +178,72 @@ class WorkerClient:
         cls = WorkerUnavailable if gone else WorkerError
         return cls(self.address, f"{what} failed: {name}: {detail}", code)
 
+    def _tls_error(self, e: grpc.RpcError) -> WorkerUnavailable:
+        host = self.address.rsplit(":", 1)[0]
+        detail = (e.details() or "").lower()
+        if self.tls_ca is None:
+            why = "the worker may serve TLS (started with --tls-cert): pass its CA with --tls-ca"
+        elif "certificate_verify_failed" in detail:
+            why = f"its certificate is not signed by the CA in {self.tls_ca}"
+        elif "hostname" in detail:
+            why = f"its certificate does not name {host}; connect by a name or IP it lists"
+        elif "wrong_version_number" in detail:
+            why = "the worker does not serve TLS (started without --tls-cert); drop --tls-ca"
+        else:
+            why = (
+                f"its certificate is not signed by the CA in {self.tls_ca}, does not name "
+                f"{host}, or the worker does not serve TLS"
+            )
+        return WorkerUnavailable(
+            self.address,
+            f"TLS handshake failed (UNAVAILABLE): {why} [{_first_line(e.details())}]",
+            grpc.StatusCode.UNAVAILABLE,
+        )
+
+    def _unreachable(self, e: grpc.RpcError) -> WorkerError:
+        """The error for a worker that did not answer :meth:`describe` in time."""
+        if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            return self._error(e, "describe")
+        if e.code() == grpc.StatusCode.UNAVAILABLE and _handshake_failed(e):
+            return self._tls_error(e)
+        hint = " (one started with --tls-cert needs --tls-ca here)" if self.tls_ca is None else ""
+        last = _first_line(e.details() or "") if hasattr(e, "details") else ""
+        return WorkerUnavailable(
+            self.address,
+            f"no answer within {self.connect_timeout:g} s; is `hetconv worker` running there "
+            f"and reachable?{hint}" + (f" [{last}]" if last else ""),
+            e.code(),
+        )
+
     def describe(self) -> pb.DeviceDescription:
-        """The worker's device; waits up to ``connect_timeout`` for it to come up."""
+        """The worker's device; waits up to ``connect_timeout`` for it to come up.
+
+        Raises:
+            WorkerAuthError: the worker refused the token (or wants one).
+            WorkerUnavailable: no answer in time, or the TLS handshake failed (at once: a
+                certificate problem does not go away by waiting).
+        """
+        request, start = pb.DescribeRequest(), time.monotonic()
         try:
+            # First without waiting for the channel: a worker that is up answers at once, and
+            # one whose TLS handshake fails says why now instead of after connect_timeout.
+            return self._describe(request, timeout=self.connect_timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or _handshake_failed(e):
+                raise self._unreachable(e) from None
+        remaining = max(self.connect_timeout - (time.monotonic() - start), 0.1)
+        try:
+            # Not listening (yet): wait for it to come up.
             return self._describe(
-                pb.DescribeRequest(), timeout=self.connect_timeout, wait_for_ready=True
+                request, timeout=remaining, wait_for_ready=True, metadata=self._metadata
             )
         except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                raise WorkerUnavailable(
-                    self.address,
-                    f"no answer within {self.connect_timeout:g} s; is `hetconv worker` running "
-                    "there and reachable?",
-                    e.code(),
-                ) from None
-            raise self._error(e, "describe") from None
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                try:  # the channel's last connection error says more than the deadline
+                    return self._describe(request, timeout=1.0, metadata=self._metadata)
+                except grpc.RpcError as last:
+                    e = last
+            raise self._unreachable(e) from None
 
     def probe(
         self,
@@ -149,7 +260,7 @@ class WorkerClient:
             with_grad_input=with_grad_input,
         )  # fmt: skip
         try:
-            return self._probe(request, timeout=timeout).seconds
+            return self._probe(request, timeout=timeout, metadata=self._metadata).seconds
         except grpc.RpcError as e:
             raise self._error(e, "probe") from None
 
@@ -199,11 +310,11 @@ class WorkerClient:
             if stats.bundled:
                 # Small: one message each way (a unary call costs a sixth of a stream here).
                 segments = [v for _, a in arrays for v in byte_segments(a)]
-                answer = method[1](Bundle(head, segments), timeout=timeout)
+                answer = method[1](Bundle(head, segments), timeout=timeout, metadata=self._metadata)
                 stats.send_seconds = time.perf_counter() - start
                 responses = iter([answer])
             else:
-                responses = iter(method[0](messages(), timeout=timeout))
+                responses = iter(method[0](messages(), timeout=timeout, metadata=self._metadata))
             first, arrays_back = receive_stream(responses, receiver_for)
         except grpc.RpcError as e:
             raise self._error(e, what) from None

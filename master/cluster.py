@@ -75,7 +75,7 @@ class ClusterConfig:
     retry_min: float = 0.5
     retry_max: float = 30.0
     workers_file: str | None = None
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
 
 

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+from hetconv.worker.auth import TOKEN_ENV, check_token
 from hetconv.worker.main import READY
 
 
@@ -21,6 +22,9 @@ class LocalWorkers:
         blas_threads: BLAS threads per worker; the workers share this machine's cores with the
             master, so 1 keeps them from oversubscribing it.
         startup_timeout: seconds to wait for each to say it is ready.
+        token: a shared secret the workers require of every call (None: none, even when
+            ``HETCONV_TOKEN`` is set here). It reaches them through ``HETCONV_TOKEN`` in their
+            environment, not their command line, which any user can read with ``ps``.
 
     Use as a context manager; leaving it stops every process it started, also on Ctrl-C.
     """
@@ -31,9 +35,11 @@ class LocalWorkers:
         backend: str = "cpu",
         blas_threads: int | None = 1,
         startup_timeout: float = 120.0,
+        token: str | None = None,
     ):
         if count < 1:
             raise ValueError(f"local worker count must be >= 1, got {count}")
+        self.token = check_token(token, "token") if token is not None else None
         self.count, self.backend = count, backend
         self.blas_threads, self.startup_timeout = blas_threads, startup_timeout
         self.processes: list[subprocess.Popen] = []
@@ -42,6 +48,9 @@ class LocalWorkers:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(TOKEN_ENV, None)  # only the token asked for, never one inherited by accident
+        if self.token is not None:
+            env[TOKEN_ENV] = self.token
         if self.blas_threads:
             for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
                 env[name] = str(self.blas_threads)
@@ -132,7 +141,8 @@ class EmbeddedCluster:
     """
 
     def __init__(self, count: int, config=None):
-        self.workers = LocalWorkers(count)
+        # The master sends config.token; its local workers require the same.
+        self.workers = LocalWorkers(count, token=config.token if config is not None else None)
         self.config = config
         self.cluster = None
 

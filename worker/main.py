@@ -2,18 +2,73 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import TextIO
 
 from hetconv.backends import AUTO_PROBE, Backend, get_backend
+from hetconv.worker.auth import WorkerSecurity, open_worker_warning
 from hetconv.worker.service import ConvWorkerService, WorkerConfig, start_server
 
 #: The startup probe: C2 of the paper's 50:500 network on 8 images (16x16, 5x5 'same').
 STARTUP_PROBE = AUTO_PROBE
 
 READY = "hetconv worker ready on"
+
+#: The most one request may hold by default, whatever the memory: 2 GiB.
+MAX_REQUEST_CAP = 2 << 30
+
+
+def available_memory_bytes(meminfo: str | os.PathLike = "/proc/meminfo") -> int | None:
+    """Memory the system can give a process now without swapping, or None if unknown.
+
+    Linux: ``MemAvailable`` of ``/proc/meminfo``; other POSIX systems: free physical pages
+    (``SC_AVPHYS_PAGES``, an underestimate: caches count as used); Windows: the available
+    physical memory of ``GlobalMemoryStatusEx``.
+    """
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the figure is in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # Windows has no sysconf; macOS no AVPHYS
+        pass
+    if sys.platform == "win32":
+        import ctypes
+
+        class MemoryStatus(ctypes.Structure):
+            _fields_ = [
+                ("dwLength", ctypes.c_ulong),
+                ("dwMemoryLoad", ctypes.c_ulong),
+                ("ullTotalPhys", ctypes.c_ulonglong),
+                ("ullAvailPhys", ctypes.c_ulonglong),
+                ("ullTotalPageFile", ctypes.c_ulonglong),
+                ("ullAvailPageFile", ctypes.c_ulonglong),
+                ("ullTotalVirtual", ctypes.c_ulonglong),
+                ("ullAvailVirtual", ctypes.c_ulonglong),
+                ("ullAvailExtendedVirtual", ctypes.c_ulonglong),
+            ]
+
+        status = MemoryStatus(dwLength=ctypes.sizeof(MemoryStatus))
+        if ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
+            return int(status.ullAvailPhys)
+    return None
+
+
+def default_max_request_bytes(available: int | None = None) -> int:
+    """A worker's default request limit: the smaller of 2 GiB and half of ``available``
+    (default: :func:`available_memory_bytes` now), so one request (kept until its Backward,
+    next to its answer) cannot push the machine into swap; 2 GiB when memory is unknown."""
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return MAX_REQUEST_CAP
+    return max(1 << 20, min(MAX_REQUEST_CAP, available // 2))
 
 
 def run_worker(
@@ -22,15 +77,36 @@ def run_worker(
     config: WorkerConfig | None = None,
     out: TextIO | None = None,
     startup_probe: bool = True,
+    security: WorkerSecurity | None = None,
+    err: TextIO | None = None,
 ) -> int:
     """Serve on ``listen`` until SIGINT or SIGTERM; returns the process exit status.
 
-    Prints, in this order: the device, the startup probe figure, and ``READY HOST:PORT``
-    (the line a launcher waits for).
+    Prints, in this order: the device, the startup probe figure, the request limit, the
+    security in force, and ``READY HOST:PORT`` (the line a launcher waits for). A worker that
+    the network can reach without a token also warns on ``err`` (default: stderr).
+
+    Args:
+        config: limits; None: the defaults, with the request limit from
+            :func:`default_max_request_bytes`.
+        security: token and TLS; None: neither.
     """
     out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    security = security or WorkerSecurity()
     if isinstance(backend, str):
         backend = get_backend(backend)
+    if config is None:
+        available = available_memory_bytes()
+        config = WorkerConfig(max_request_bytes=default_max_request_bytes(available))
+        why = (
+            f"the smaller of 2048 MiB and half the {available / 2**30:.1f} GiB available at start"
+            if available is not None
+            else "available memory unknown"
+        )
+        limit = f"{config.max_request_bytes >> 20} MiB ({why}; --max-request-mib sets it)"
+    else:
+        limit = f"{config.max_request_bytes >> 20} MiB"
     service = ConvWorkerService(backend, config)
     info = backend.describe()
     print(
@@ -46,6 +122,8 @@ def run_worker(
             f"{STARTUP_PROBE.n} ({gflops:.0f} GFLOPS)",
             file=out,
         )
+    print(f"max request: {limit}", file=out)
+    print(security.describe(), file=out)
     # Handlers first: a launcher may signal the moment it reads the ready line.
     stop = threading.Event()
 
@@ -54,8 +132,11 @@ def run_worker(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server, address = start_server(service, listen)
+        server, address = start_server(service, listen, security)
         try:
+            warning = open_worker_warning(address, security)  # names the port bound, not 0
+            if warning is not None:
+                print(warning, file=err, flush=True)
             print(f"{READY} {address}", file=out, flush=True)
             while not stop.wait(0.5):
                 pass

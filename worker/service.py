@@ -39,6 +39,7 @@ from hetconv.wire import (
     tensor_header,
     tensor_stream,
 )
+from hetconv.worker.auth import WorkerSecurity
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConvWorker"].full_name
 
@@ -324,17 +325,26 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
 
 
 def start_server(
-    service: ConvWorkerService, listen: str = "127.0.0.1:0"
+    service: ConvWorkerService,
+    listen: str = "127.0.0.1:0",
+    security: WorkerSecurity | None = None,
 ) -> tuple[grpc.Server, str]:
     """Start serving ``service`` (and grpc.health.v1) on ``listen``; returns (server, address).
 
     A port of 0 picks a free one; the address returned names the port bound.
 
+    Args:
+        security: a token every call must carry (health checks too) and TLS credentials;
+            None: plain gRPC, anyone who can connect may call.
+
     Raises:
         OSError: the address cannot be bound.
     """
+    security = security or WorkerSecurity()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=service.config.threads),
+        # The token check runs before any handler, for every method of every service here.
+        interceptors=security.interceptors(),
         # No SO_REUSEPORT: a second worker on a serving port must fail, not silently share it
         # (the kernel would split connections, and a Backward could miss its Forward's worker).
         options=[*server_options(), ("grpc.so_reuseport", 0)],
@@ -342,11 +352,20 @@ def start_server(
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    credentials = security.server_credentials()
     try:
-        port = server.add_insecure_port(listen)
+        if credentials is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, credentials)
     except RuntimeError:
         port = 0
     if port == 0:
+        if credentials is not None and not security.credentials_usable():
+            raise ValueError(
+                "TLS: the private key (--tls-key) does not belong to the certificate "
+                "(--tls-cert), or one of them is not a valid key or certificate"
+            )
         raise OSError(
             f"cannot listen on {listen}: the port is in use or the address is not this machine's"
         )

@@ -1,0 +1,421 @@
+"""Training checkpoints: everything the loop needs to continue a run as if it never stopped.
+
+A checkpoint directory holds::
+
+    ckpt-00000006.npz     the state after 6 completed steps
+    ckpt-00000008.npz
+    latest                one line naming the committed checkpoint: "ckpt-00000008.npz"
+
+Each ``ckpt-*.npz`` is a plain ``np.savez`` archive, readable with ``allow_pickle=False``:
+
+- ``model/<name>``: float32 parameters under PyTorch names (as :meth:`Model.save` writes them);
+- ``momentum/<name>``: float32 SGD momentum buffers (absent before the first step);
+- ``loop/losses``: float64 (step,), the loss of every completed step;
+- ``loop/recent_hits``: float64, the per-step training accuracies the progress bar averages;
+- ``loop/breakdown``: float64 (3,), communication, convolution and other seconds summed so far;
+- ``meta``: uint8, UTF-8 JSON: format and version, ``step`` (steps completed, the next step to
+  run), the data-order position (``seed``, ``epoch``, ``position`` = batches of that epoch
+  already used, ``steps_per_epoch``, ``order_sha256`` of that epoch's order), the clocks
+  (``conv_seconds``, ``train_seconds``) and the run's ``fingerprint``.
+
+**Data order and randomness.** The loop keeps no random generator between steps: the order of
+epoch ``e`` is :func:`hetconv.data.epoch_order` ``(n, seed, e)``, a fresh
+``default_rng([seed, e]).permutation(n)`` each time, so ``(seed, epoch, position)`` is the whole
+data-order state. The synthetic set and the initial weights are functions of the seed too.
+Resuming recomputes the epoch's order and refuses if its SHA-256 is not the one recorded (a
+NumPy that permutes differently would otherwise change the run silently).
+
+**Atomicity.** A checkpoint is written to a temporary name in the same directory, flushed and
+fsynced, then renamed over its final name with :func:`os.replace` (atomic on POSIX and
+Windows); the directory is fsynced where the platform allows. Only then is ``latest`` replaced
+the same way: that rename is the commit. A crash at any point leaves ``latest`` naming a
+complete, fsynced file, and files newer than ``latest`` (written but not committed) are
+ignored and later overwritten. The zip format's CRC-32 catches a damaged file on load; the
+loader then reports it by name and falls back to the next older checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from hetconv.data import ImageDataset
+from hetconv.optim import SGDConfig
+
+__all__ = [
+    "CheckpointDir",
+    "CheckpointError",
+    "TrainingState",
+    "compute_environment",
+    "fingerprint_differences",
+    "order_digest",
+    "run_fingerprint",
+]
+
+FORMAT = "hetconv-checkpoint"
+VERSION = 1
+DEFAULT_KEEP = 3
+POINTER_NAME = "latest"
+_NAME = re.compile(r"^ckpt-(\d{8,})\.npz$")
+_TEMPORARY_MARK = ".tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is unreadable, or belongs to a run this one cannot continue."""
+
+
+@dataclass
+class TrainingState:
+    """The training loop's state after ``step`` completed steps.
+
+    Attributes:
+        step: steps completed; the next step to run.
+        epoch, position: the next step reads batch ``position`` of epoch ``epoch``'s order.
+        seed: the run's seed (with ``epoch`` it defines the order).
+        steps_per_epoch: batches per epoch of the run that wrote it.
+        order_sha256: SHA-256 of ``epoch_order(n, seed, epoch)``'s int64 bytes.
+        model: parameter name -> float32 array.
+        momentum: parameter name -> float32 momentum buffer (empty before the first step).
+        losses: float64 (step,) loss of every completed step.
+        recent_hits: float64 training accuracies of the last steps (at most 50).
+        breakdown: float64 (3,) communication, convolution, other seconds summed so far.
+        conv_seconds: convolution seconds so far.
+        train_seconds: wall-clock training seconds so far.
+        fingerprint: :func:`run_fingerprint` of the run.
+        environment: :func:`compute_environment` of the process that wrote it.
+    """
+
+    step: int
+    epoch: int
+    position: int
+    seed: int
+    steps_per_epoch: int
+    order_sha256: str
+    model: dict[str, np.ndarray]
+    momentum: dict[str, np.ndarray]
+    losses: np.ndarray
+    recent_hits: np.ndarray
+    breakdown: np.ndarray
+    conv_seconds: float
+    train_seconds: float
+    fingerprint: dict
+    environment: dict = field(default_factory=dict)
+
+
+# -- run identity ---------------------------------------------------------------------------
+
+
+def _sha256(*arrays: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(np.ascontiguousarray(array).data)
+    return digest.hexdigest()
+
+
+def order_digest(order: np.ndarray) -> str:
+    """SHA-256 of an epoch order's little-endian int64 bytes."""
+    return _sha256(np.asarray(order, dtype="<i8"))
+
+
+def run_fingerprint(
+    *,
+    preset: str,
+    spec: list[dict],
+    dataset: str,
+    train_set: ImageDataset,
+    batch: int,
+    seed: int,
+    sgd: SGDConfig,
+    initial_weights: Mapping[str, np.ndarray],
+) -> dict:
+    """What a run must share with the run that wrote a checkpoint to continue it (JSON-ready).
+
+    ``preset`` is kept for messages only; the network is compared by its ``spec``. The
+    training images and the initial weights (seed or ``--load``) are compared by digest.
+    The length of the run (steps, epochs) and evaluation settings may change on resume.
+    """
+    return {
+        "preset": preset,
+        "spec": json.loads(json.dumps(spec)),
+        "dataset": dataset,
+        "train_size": len(train_set),
+        "batch": batch,
+        "seed": seed,
+        "lr": sgd.lr,
+        "momentum": sgd.momentum,
+        "weight_decay": sgd.weight_decay,
+        "train_data_sha256": _sha256(train_set.images, train_set.labels),
+        "initial_weights_sha256": _sha256(
+            *(np.asarray(initial_weights[k], "<f4") for k in sorted(initial_weights))
+        ),
+    }
+
+
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def compute_environment() -> dict:
+    """What decides the last bits of the arithmetic on this machine: BLAS splits its work by
+    thread count, and a different split rounds differently (float32 round-off, not a
+    different computation). Informational: a resume elsewhere is allowed, and noted."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "numpy": np.__version__,
+        **{name: os.environ.get(name) for name in _THREAD_VARIABLES},
+    }
+
+
+_SETTINGS = ("dataset", "train_size", "batch", "seed", "lr", "momentum", "weight_decay")
+_DIGESTS = {
+    "train_data_sha256": "training data",
+    "initial_weights_sha256": "initial weights (--load)",
+}
+
+
+def fingerprint_differences(saved: Mapping, current: Mapping) -> list[str]:
+    """Human-readable differences, e.g. ``["batch 8 there, 16 here"]``; empty if compatible.
+
+    A differing digest is named only when no setting explains it (a different seed changes
+    the synthetic data and the initial weights too).
+    """
+    differences = []
+    if saved.get("spec") != current.get("spec"):
+        differences.append(
+            f"network differs (preset {saved.get('preset')!r} there, {current.get('preset')!r} "
+            "here)"
+        )
+    for key in _SETTINGS:
+        if saved.get(key) != current.get(key):
+            differences.append(f"{key} {saved.get(key)!r} there, {current.get(key)!r} here")
+    if not differences:
+        for key, what in _DIGESTS.items():
+            if saved.get(key) != current.get(key):
+                differences.append(f"{what} differ")
+    return differences
+
+
+# -- the archive ----------------------------------------------------------------------------
+
+
+def _write_npz(file: BinaryIO, arrays: dict[str, np.ndarray]) -> None:
+    """Write the archive; the one place the bytes go out (tests replace it to simulate crashes)."""
+    np.savez(file, **arrays)
+
+
+def _to_arrays(state: TrainingState) -> dict[str, np.ndarray]:
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": state.step,
+        "epoch": state.epoch,
+        "position": state.position,
+        "seed": state.seed,
+        "steps_per_epoch": state.steps_per_epoch,
+        "order_sha256": state.order_sha256,
+        "conv_seconds": state.conv_seconds,
+        "train_seconds": state.train_seconds,
+        "fingerprint": state.fingerprint,
+        "environment": state.environment,
+    }
+    arrays: dict[str, np.ndarray] = {
+        "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode("utf-8"), np.uint8),
+        "loop/losses": np.asarray(state.losses, np.float64),
+        "loop/recent_hits": np.asarray(state.recent_hits, np.float64),
+        "loop/breakdown": np.asarray(state.breakdown, np.float64),
+    }
+    arrays.update({f"model/{k}": np.asarray(v, np.float32) for k, v in state.model.items()})
+    arrays.update({f"momentum/{k}": np.asarray(v, np.float32) for k, v in state.momentum.items()})
+    return arrays
+
+
+def read_checkpoint(path: str | os.PathLike) -> TrainingState:
+    """Load one checkpoint file, checking every member (zip CRC) and the metadata.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong with it.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}  # reads all: checks CRCs
+        meta = json.loads(arrays.pop("meta").tobytes().decode("utf-8"))
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise ValueError(
+                f"format {meta.get('format')!r} version {meta.get('version')!r}, "
+                f"expected {FORMAT!r} version {VERSION}"
+            )
+        losses = arrays.pop("loop/losses")
+        if losses.shape != (meta["step"],):
+            raise ValueError(f"{losses.shape[0]} losses for {meta['step']} steps")
+        state = TrainingState(
+            step=int(meta["step"]),
+            epoch=int(meta["epoch"]),
+            position=int(meta["position"]),
+            seed=int(meta["seed"]),
+            steps_per_epoch=int(meta["steps_per_epoch"]),
+            order_sha256=str(meta["order_sha256"]),
+            model={},
+            momentum={},
+            losses=losses,
+            recent_hits=arrays.pop("loop/recent_hits"),
+            breakdown=arrays.pop("loop/breakdown"),
+            conv_seconds=float(meta["conv_seconds"]),
+            train_seconds=float(meta["train_seconds"]),
+            fingerprint=dict(meta["fingerprint"]),
+            environment=dict(meta.get("environment") or {}),
+        )
+        for name, value in arrays.items():
+            group, _, key = name.partition("/")
+            if group not in ("model", "momentum") or value.dtype != np.float32:
+                raise ValueError(f"unexpected member {name} ({value.dtype})")
+            getattr(state, group)[key] = value
+        if not state.model:
+            raise ValueError("no model parameters")
+    except (OSError, EOFError, KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"checkpoint {os.fspath(path)} is unreadable: {e}") from None
+    return state
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable; not possible (nor needed) on every platform."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # Windows cannot open a directory; its renames are journaled
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write via ``write`` to a temporary file beside ``path``, fsync it, rename it over ``path``.
+
+    On any error the temporary file is removed and ``path`` is left as it was.
+    """
+    temporary = path.with_name(f"{path.name}{_TEMPORARY_MARK}{os.getpid()}")
+    try:
+        with open(temporary, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+# -- the directory --------------------------------------------------------------------------
+
+
+class CheckpointDir:
+    """A folder of numbered checkpoints and the ``latest`` pointer that commits them.
+
+    Args:
+        path: the folder (created on the first write).
+        keep: how many committed checkpoints to keep; older ones are deleted.
+    """
+
+    def __init__(self, path: str | os.PathLike, keep: int = DEFAULT_KEEP):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.path = Path(path)
+        self.keep = keep
+
+    def file_for(self, step: int) -> Path:
+        return self.path / f"ckpt-{step:08d}.npz"
+
+    def files(self) -> list[tuple[int, Path]]:
+        """(step, path) of every checkpoint file present, newest first."""
+        if not self.path.is_dir():
+            return []
+        found = []
+        for entry in self.path.iterdir():
+            match = _NAME.match(entry.name)
+            if match and entry.is_file():
+                found.append((int(match.group(1)), entry))
+        return sorted(found, reverse=True)
+
+    def pointer(self) -> Path | None:
+        """The file ``latest`` names, or None when there is no usable pointer."""
+        try:
+            name = (self.path / POINTER_NAME).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return self.path / name if _NAME.match(name) else None
+
+    def write(self, state: TrainingState) -> Path:
+        """Write ``state`` as ``ckpt-<step>.npz``, commit it in ``latest``, drop old ones."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        target = self.file_for(state.step)
+        arrays = _to_arrays(state)
+        _replace_atomically(target, lambda f: _write_npz(f, arrays))
+        _replace_atomically(
+            self.path / POINTER_NAME, lambda f: f.write(f"{target.name}\n".encode())
+        )
+        self._prune(state.step)
+        return target
+
+    def _prune(self, committed_step: int) -> None:
+        # Files past the committed step are from an attempt this run resumed before, or
+        # damaged: this run rewrites those steps. Beyond `keep`, older checkpoints go.
+        kept = 0
+        for step, path in self.files():
+            if step > committed_step or kept >= self.keep:
+                path.unlink(missing_ok=True)
+            else:
+                kept += 1
+
+    def remove_temporaries(self) -> None:
+        """Delete temporary files a killed writer left behind (call once, before writing)."""
+        if self.path.is_dir():
+            for entry in self.path.iterdir():
+                name = entry.name
+                if name.startswith(("ckpt-", POINTER_NAME)) and _TEMPORARY_MARK in name:
+                    entry.unlink(missing_ok=True)
+
+    def load_latest(
+        self, report: Callable[[str], None] = lambda message: None
+    ) -> tuple[TrainingState, Path] | None:
+        """The newest usable checkpoint and its path, or None when the folder holds none.
+
+        The file ``latest`` names comes first; if it is damaged, each older one in turn
+        (``report`` is told about each file skipped). Files newer than ``latest`` were never
+        committed and are ignored.
+
+        Raises:
+            CheckpointError: checkpoint files exist but none of them can be read.
+        """
+        files = self.files()
+        committed = self.pointer()
+        if committed is not None and committed.is_file():
+            committed_step = int(_NAME.match(committed.name).group(1))
+            candidates = [committed] + [p for s, p in files if s < committed_step]
+        else:
+            if files:
+                report(
+                    f"{self.path / POINTER_NAME} is missing or names no checkpoint file; "
+                    "using the newest checkpoint file"
+                )
+            candidates = [p for _, p in files]
+        failures = []
+        for path in candidates:
+            try:
+                return read_checkpoint(path), path
+            except CheckpointError as e:
+                failures.append(str(e))
+                report(f"{e}; trying the previous checkpoint")
+        if failures:
+            raise CheckpointError(f"no readable checkpoint in {self.path}: {failures[-1]}")
+        return None

@@ -1,0 +1,353 @@
+"""Calibrate a simulated cluster from the trace of a real run (``hetconv train --trace``).
+
+From the per-step records (the first step, which warms caches and connections, is left out
+when there are more):
+
+* **Which network** ran: the preset whose conv layers have the trace's names and kernel counts
+  *and* whose calls, computed by :func:`~hetconv.simulations.costmodel.call_bytes`, move exactly
+  the bytes the trace recorded (or the network given).
+* **Throughput** of every node on every layer: the FLOPs of its share (forward, kernel gradient,
+  input gradient where the layer needs it) over the ``compute_seconds`` it reported, the median
+  over steps of each phase (a shared machine's outliers would otherwise dominate).
+* **Links**: each worker's bytes per second over the ``send_seconds + receive_seconds`` of its
+  streamed calls; with no streamed call, a least-squares fit of bundled calls' wall time minus
+  compute against their bytes.
+* **Per-call costs**: what a call's wall time leaves after compute and transfer, median over
+  bundled and over streamed calls. A trace cannot tell the link's round trip from the software's
+  fixed cost, so both go into these.
+* **comp**: the mean ``comp_seconds`` per image.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hetconv.model import PRESETS
+
+from .costmodel import (
+    BACKWARD,
+    FORWARD,
+    MBIT,
+    PHASES,
+    SWITCHED,
+    Cluster,
+    ConvLayer,
+    Node,
+    WireCosts,
+    call_bytes,
+    network_layers,
+    simulate_step,
+)
+from .scenario import CompFigure, DeviceSpec, Scenario
+
+
+@dataclass
+class Calibration:
+    """What a trace says about the cluster that produced it."""
+
+    path: str
+    network: str
+    batch: int
+    steps: int  # records used
+    node_names: list[str]
+    layer_gflops: list[dict[str, float]]  # per node
+    link_mbps: list[float | None]  # per node (None for the master)
+    wire: WireCosts
+    comp_per_image_s: float
+    shares: dict[str, tuple[int, ...]]
+    measured: dict[str, float]  # mean step_s, comm_s, conv_s, comp_s
+    notes: list[str] = field(default_factory=list)
+
+    def devices(self) -> list[DeviceSpec]:
+        """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
+        main = max(network_layers(self.network, self.batch), key=lambda c: c.shape.flops_forward)
+        out = []
+        for name, per_layer, link in zip(
+            self.node_names, self.layer_gflops, self.link_mbps, strict=True
+        ):
+            gflops = per_layer.get(main.name) or float(np.mean(list(per_layer.values())))
+            out.append(DeviceSpec(name, gflops, dict(per_layer), link, 0.0))
+        return out
+
+    def traced_cluster(self) -> Cluster:
+        """The cluster that ran, as measured: each worker's own link, the master's port the sum
+        of them (the calls ran concurrently, so each measured rate was already shared)."""
+        devices = self.devices()
+        links = [MBIT * d.bandwidth_mbps for d in devices[1:]]
+        master = Node(devices[0].name, devices[0].gflops, devices[0].layer_gflops, sum(links))
+        workers = tuple(
+            Node(d.name, d.gflops, d.layer_gflops, link, 0.0)
+            for d, link in zip(devices[1:], links, strict=True)
+        )
+        wire = WireCosts(
+            self.wire.bundle_call_s,
+            self.wire.stream_call_s,
+            float("inf"),
+            self.wire.sum_bytes_per_s,
+        )
+        return Cluster(master, workers, SWITCHED, master_compute=True, wire=wire)
+
+    def check(self) -> dict[str, float]:
+        """The simulator's step for the traced cluster with the traced shares (compare with
+        :attr:`measured`)."""
+        layers = network_layers(self.network, self.batch)
+        result = simulate_step(
+            self.traced_cluster(), layers, self.shares, self.comp_per_image_s * self.batch
+        )
+        return {
+            "step_s": result.step_s,
+            "comm_s": result.comm_s,
+            "conv_s": result.conv_s,
+            "comp_s": result.comp_s,
+        }
+
+    def scenario(self, base: Scenario | None = None) -> Scenario:
+        """A scenario of the traced devices.
+
+        With ``base``, only the devices and comp come from the trace; the network, sweep and the
+        population that grows larger clusters come from ``base``. Without, the network is a
+        switched one at the mean measured worker link (the master's port at the sum of the
+        measured links), the sweep runs from 1 node to the traced cluster's size, and larger
+        clusters draw workers between the slowest and fastest traced worker, as the paper did.
+        """
+        from .scenario import Population
+
+        devices = self.devices()
+        comp = {self.network: CompFigure(per_image_s=self.comp_per_image_s)}
+        workers = tuple(
+            DeviceSpec(d.name, d.gflops, d.layer_gflops, None, None) for d in devices[1:]
+        )
+        if base is not None:
+            master = DeviceSpec(devices[0].name, devices[0].gflops, devices[0].layer_gflops)
+            return base.with_overrides(
+                name=f"{base.name}+trace",
+                master=master,
+                workers=workers,
+                comp={**base.comp, **comp},
+            )
+        links = [m for m in self.link_mbps[1:] if m is not None]
+        speeds = [d.gflops for d in devices[1:]] or [devices[0].gflops]
+        mean_link = float(np.mean(links)) if links else 1000.0
+        master = DeviceSpec(
+            devices[0].name, devices[0].gflops, devices[0].layer_gflops, sum(links) or None
+        )
+        return Scenario(
+            name=f"trace:{Path(self.path).name}",
+            description=f"calibrated from {self.path}",
+            fabric=SWITCHED,
+            bandwidth_mbps=mean_link,
+            latency_ms=0.0,
+            master=master,
+            nodes=tuple(range(1, len(devices) + 1)),
+            networks=(self.network,),
+            batches=(self.batch,),
+            workers=workers,
+            population=Population(min(speeds), max(speeds), seed=0, name="drawn"),
+            comp=comp,
+            wire=self.wire,
+            source=self.path,
+        )
+
+
+def read_trace(path: str) -> list[dict]:
+    """The step records of a trace file (JSON lines)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read trace {path}: {e.strerror or e}") from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{number}: not JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object per line")
+        records.append(record)
+    if not records:
+        raise ValueError(f"trace {path} holds no steps")
+    if not records[0].get("nodes"):
+        raise ValueError(
+            f"trace {path} has no per-node records: it comes from local training (--local); "
+            "calibrate from a run with workers"
+        )
+    return records
+
+
+def _layout(record: dict) -> tuple[list[str], dict[str, list[int]]]:
+    """(node names in order, per layer the kernels of each node) of one record."""
+    names = list(record["nodes"])
+    layers: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        for layer, entry in record["nodes"][name].items():
+            layers.setdefault(layer, [0] * len(names))[i] = int(entry["kernels"])
+    return names, layers
+
+
+def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
+    """None when every worker call of ``record`` moved what the simulator computes, else why."""
+    names, split = _layout(record)
+    by_name = {layer.name: layer for layer in layers}
+    if list(by_name) != list(split) or any(
+        by_name[name].kernels != sum(kernels) for name, kernels in split.items()
+    ):
+        shown = {layer.name: layer.kernels for layer in layers}
+        counts = {k: sum(v) for k, v in split.items()}
+        return f"its conv layers are {shown}, the trace's {counts}"
+    for layer_name, kernels in split.items():
+        layer, offset = by_name[layer_name], kernels[0]
+        for node, share in zip(names[1:], kernels[1:], strict=True):
+            entry = record["nodes"][node][layer_name]
+            for phase in PHASES:
+                if share and phase in entry:
+                    want = call_bytes(layer, phase, share, offset, int(record.get("step", 0)))
+                    got = (entry[phase]["bytes_sent"], entry[phase]["bytes_received"])
+                    if got != (want.sent, want.received):
+                        return (
+                            f"{node} {layer_name} {phase} moved {got} bytes, its shapes give "
+                            f"{(want.sent, want.received)}"
+                        )
+            offset += share
+    return None
+
+
+def _detect_network(records: list[dict], network: str | None, path: str) -> str:
+    batch = int(records[0]["batch"])
+    candidates = [network] if network else list(PRESETS)
+    reasons = []
+    for name in candidates:
+        why = _matches(network_layers(name, batch), records[0])
+        if why is None:
+            return name
+        reasons.append(f"{name}: {why}")
+    if network:
+        raise ValueError(f"trace {path} does not match network {network}: {reasons[0]}")
+    raise ValueError(
+        f"trace {path} matches no preset ({'; '.join(reasons)}); name its network "
+        "(a preset or .json spec) with --trace-network"
+    )
+
+
+def calibrate(path: str, network: str | None = None) -> Calibration:
+    """Read a trace and measure its cluster (see the module docstring).
+
+    Args:
+        network: the network the run trained (preset or .json spec); default: detected.
+
+    Raises:
+        ValueError: unreadable trace, a local run's trace, or no network that matches it.
+    """
+    records = read_trace(path)
+    name = _detect_network(records, network, path)
+    used = records[1:] if len(records) > 1 else records
+    batch = int(records[0]["batch"])
+    layers = {layer.name: layer for layer in network_layers(name, batch)}
+    node_names, split = _layout(records[0])
+    notes: list[str] = []
+
+    flops = np.zeros((len(node_names), len(layers)))
+    timings: dict[tuple[int, int, str], list[float]] = {}  # (node, layer, phase) -> seconds
+    streamed_bytes = np.zeros(len(node_names))
+    streamed_seconds = np.zeros(len(node_names))
+    bundled: list[list[tuple[float, float]]] = [[] for _ in node_names]  # (bytes, wall - compute)
+    streamed: list[list[tuple[float, float]]] = [[] for _ in node_names]
+    for record in used:
+        if _layout(record) != (node_names, split):
+            raise ValueError(f"trace {path}: shares change between steps; calibrate per layout")
+        for i, node in enumerate(node_names):
+            for j, layer_name in enumerate(layers):
+                entry = record["nodes"][node].get(layer_name)
+                if not entry or not entry["kernels"]:
+                    continue
+                for phase in (FORWARD, BACKWARD):
+                    call = entry.get(phase)
+                    if call is None:
+                        continue
+                    timings.setdefault((i, j, phase), []).append(call["compute_seconds"])
+                    if i == 0:
+                        continue
+                    moved = call["bytes_sent"] + call["bytes_received"]
+                    left = call["wall_seconds"] - call["compute_seconds"]
+                    if call["bundled"]:
+                        bundled[i].append((moved, left))
+                    else:
+                        streamed_bytes[i] += moved
+                        streamed_seconds[i] += call["send_seconds"] + call["receive_seconds"]
+                        streamed[i].append((moved, left))
+
+    seconds = np.zeros_like(flops)
+    for (i, j, phase), times in timings.items():
+        layer = list(layers.values())[j]
+        flops[i, j] += split[layer.name][i] * layer.passes(phase) * layer.flops_per_kernel
+        seconds[i, j] += statistics.median(times)
+    layer_gflops: list[dict[str, float]] = []
+    for i, node in enumerate(node_names):
+        per_layer = {
+            layer_name: flops[i, j] / seconds[i, j] / 1e9
+            for j, layer_name in enumerate(layers)
+            if seconds[i, j] > 0
+        }
+        if not per_layer:
+            notes.append(f"{node} computed nothing in the trace; given the others' median")
+        layer_gflops.append(per_layer)
+    for i, per_layer in enumerate(layer_gflops):
+        if not per_layer:
+            known = [g for p in layer_gflops for g in p.values()]
+            layer_gflops[i] = {n: float(np.median(known)) for n in layers} if known else {}
+
+    links: list[float | None] = [None]
+    bundle_costs, stream_costs = [], []
+    for i, node in enumerate(node_names[1:], start=1):
+        rate = None
+        if streamed_seconds[i] > 0:
+            rate = streamed_bytes[i] / streamed_seconds[i]
+        elif len({b for b, _ in bundled[i]}) >= 2:
+            sizes, left = np.array(bundled[i]).T
+            slope, _ = np.polyfit(sizes, left, 1)
+            rate = 1 / slope if slope > 0 else None
+        if rate is None:
+            notes.append(f"{node}: no call tells its bandwidth; 1000 Mbit/s assumed")
+            rate = 1000 * MBIT
+        links.append(rate / MBIT)
+        bundle_costs += [max(left - moved / rate, 0.0) for moved, left in bundled[i]]
+        stream_costs += [max(left - moved / rate, 0.0) for moved, left in streamed[i]]
+    defaults = WireCosts()
+    wire = WireCosts(
+        bundle_call_s=statistics.median(bundle_costs) if bundle_costs else defaults.bundle_call_s,
+        stream_call_s=statistics.median(stream_costs) if stream_costs else defaults.stream_call_s,
+    )
+    if not bundle_costs:
+        notes.append("no bundled call in the trace: default bundled-call cost")
+    if not stream_costs:
+        notes.append("no streamed call in the trace: default streamed-call cost")
+    measured = {
+        key: float(np.mean([r[field] for r in used]))
+        for key, field in (
+            ("step_s", "seconds"),
+            ("comm_s", "comm_seconds"),
+            ("conv_s", "conv_seconds"),
+            ("comp_s", "comp_seconds"),
+        )
+    }
+    return Calibration(
+        path=path,
+        network=name,
+        batch=batch,
+        steps=len(used),
+        node_names=node_names,
+        layer_gflops=layer_gflops,
+        link_mbps=links,
+        wire=wire,
+        comp_per_image_s=measured["comp_s"] / batch,
+        shares={k: tuple(v) for k, v in split.items()},
+        measured=measured,
+        notes=notes,
+    )

@@ -1,0 +1,277 @@
+"""``hetconv simulate``: predict a cluster's step time from a scenario or a real run's trace.
+
+Wired into the ``hetconv`` command as a subcommand through :func:`add_arguments` and
+:func:`run`; :func:`main` runs it alone (``python -m hetconv.simulations.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+# The simulator itself (protobuf, scipy) is imported when the command runs, not when the
+# ``hetconv`` parser is built for another subcommand.
+
+MAX_NODES = 4096
+POLICIES = ("compute", "link")  # hetconv.simulations.policies.POLICIES; a test keeps them equal
+
+DESCRIPTION = (
+    "Predict the step time of a cluster (communication, convolution on the slowest node, the "
+    "rest) and its speedup over training on the master alone, from a scenario file or from the "
+    "trace of a real run (`hetconv train --trace FILE`), under the paper's compute-only kernel "
+    "shares and under link-aware shares. SCENARIO is a shipped scenario's name (see --list) "
+    "or a .toml file."
+)
+
+
+def _nodes(text: str) -> list[int]:
+    """``8``, ``1..32`` (inclusive) or ``1,2,4``."""
+    out = []
+    for part in text.split(","):
+        lo, sep, hi = part.partition("..")
+        try:
+            values = range(int(lo), int(hi) + 1) if sep else [int(part)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not N, A..B or N,M,...") from None
+        for n in values:
+            if not 1 <= n <= MAX_NODES:
+                raise argparse.ArgumentTypeError(f"{n} nodes: must be 1..{MAX_NODES}")
+            out.append(n)
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r} names no cluster size")
+    return out
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} must be positive")
+        return value
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hetconv simulate``."""
+    parser.add_argument(
+        "scenario",
+        nargs="*",
+        metavar="SCENARIO",
+        help="shipped scenario name or .toml file (several run one after the other)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=_nodes,
+        nargs="+",
+        metavar="N",
+        help="cluster sizes, master included: N, A..B or N,M (replaces the scenario's)",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=_positive(float),
+        nargs="+",
+        metavar="MBIT",
+        help="network bandwidths in Mbit/s (Wi-Fi medium or switch ports); devices that name "
+        "their own link keep it",
+    )
+    parser.add_argument(
+        "--network", nargs="+", metavar="NAME", help="presets or .json spec files to simulate"
+    )
+    parser.add_argument("--batch", type=_positive(int), nargs="+", metavar="N", help="batch sizes")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        action="append",
+        help="kernel shares: compute (the paper: w ∝ 1/probe time) or link (link-aware); "
+        "default: both",
+    )
+    parser.add_argument("--plot", metavar="DIR", help="write figures (PNG) into DIR")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    parser.add_argument("--list", action="store_true", help="name the shipped scenarios")
+    parser.add_argument(
+        "--from-trace",
+        metavar="FILE",
+        help="calibrate devices (and, without SCENARIO, links) from a `hetconv train --trace` "
+        "file and check the simulator against it",
+    )
+    parser.add_argument(
+        "--trace-network",
+        metavar="NAME",
+        help="the network the traced run trained (default: detected from the trace)",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="print only the table, not the assumptions"
+    )
+
+
+def _mbit(value: float | None) -> str:
+    return f"{value:g} Mbit/s" if value else "the network's"
+
+
+def describe(scenario) -> str:
+    """The scenario's inputs in words: what the table rests on."""
+    from .costmodel import WIFI
+
+    lines = [f"scenario {scenario.name}: {scenario.description}".rstrip(": ")]
+    if scenario.source:
+        lines.append(f"  from {scenario.source}")
+    if scenario.fabric == WIFI:
+        lines.append(
+            f"  network: Wi-Fi, one shared half-duplex medium at {scenario.bandwidth_mbps:g} "
+            "Mbit/s end to end: every transfer, both directions, shares it"
+        )
+    else:
+        master_port = scenario.master.bandwidth_mbps or scenario.bandwidth_mbps
+        lines.append(
+            f"  network: switched, full duplex per port, {scenario.bandwidth_mbps:g} Mbit/s ports "
+            f"(master {master_port:g} Mbit/s): requests share the master's upstream, answers its "
+            "downstream"
+        )
+    lines.append(f"  round trip master <-> worker: {scenario.latency_ms:g} ms unless a device says")
+    m = scenario.master
+    lines.append(
+        f"  master: {m.name}, {m.gflops:.0f} GFLOPS"
+        + ("" if scenario.master_compute else ", computes no share")
+    )
+    if scenario.workers:
+        shown = ", ".join(
+            f"{d.name} {d.gflops:.0f}"
+            + (f" @{d.bandwidth_mbps:g} Mbit/s" if d.bandwidth_mbps else "")
+            for d in scenario.workers[:8]
+        )
+        more = f" and {len(scenario.workers) - 8} more" if len(scenario.workers) > 8 else ""
+        lines.append(f"  workers (GFLOPS): {shown}{more}")
+    p = scenario.population
+    if p is not None:
+        lines.append(
+            f"  then workers drawn ~ N(mid, {p.sigma:g} x range) clipped to "
+            f"{p.slowest_gflops:.0f}..{p.fastest_gflops:.0f} GFLOPS, seed {p.seed}, link "
+            f"{_mbit(p.bandwidth_mbps)}"
+        )
+    if scenario.layer_efficiency:
+        shown = ", ".join(f"{k} x{v:g}" for k, v in scenario.layer_efficiency.items())
+        lines.append(f"  layer throughput relative to a device's GFLOPS: {shown}")
+    w = scenario.wire
+    lines.append(
+        f"  per call: {1e3 * w.bundle_call_s:.2f} ms bundled, {1e3 * w.stream_call_s:.2f} ms "
+        f"streamed; master's software moves at most {w.software_bytes_per_s / 1e9:g} GB/s; "
+        f"dx parts summed at {w.sum_bytes_per_s / 1e9:g} GB/s"
+    )
+    return "\n".join(lines)
+
+
+def describe_calibration(cal) -> str:
+    """What a trace calibrated, and the simulator against the measured step."""
+    lines = [
+        f"calibrated from {cal.path}: network {cal.network}, batch {cal.batch}, "
+        f"{cal.steps} steps (first left out)"
+    ]
+    for name, per_layer, link in zip(cal.node_names, cal.layer_gflops, cal.link_mbps, strict=True):
+        gflops = ", ".join(f"{k} {v:.1f}" for k, v in per_layer.items())
+        where = f", link {link:.0f} Mbit/s" if link else ""
+        lines.append(f"  {name}: GFLOPS {gflops}{where}")
+    lines.append(
+        f"  per call (round trip + software): {1e3 * cal.wire.bundle_call_s:.2f} ms bundled, "
+        f"{1e3 * cal.wire.stream_call_s:.2f} ms streamed; comp "
+        f"{1e3 * cal.comp_per_image_s:.2f} ms per image"
+    )
+    for note in cal.notes:
+        lines.append(f"  note: {note}")
+    check = cal.check()
+    shown = "  ".join(
+        f"{key[:-2]} {1e3 * cal.measured[key]:.1f} / {1e3 * check[key]:.1f} ms" for key in check
+    )
+    lines.append(f"  check, traced shares, measured / simulated: {shown}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``hetconv simulate`` with parsed arguments; returns the exit status.
+
+    Raises:
+        ValueError: a bad scenario, trace or argument (the message names it).
+        RuntimeError: ``--plot`` without matplotlib installed (the message says how).
+    """
+    from .calibrate import calibrate
+    from .scenario import load_scenario, shipped_scenarios
+    from .sweep import format_table, run_scenario
+
+    if args.plot:
+        from .plots import require_matplotlib
+
+        require_matplotlib()  # before any work, not after it
+    if args.list:
+        scenarios = shipped_scenarios()
+        width = max(map(len, scenarios), default=0)
+        for name, description in scenarios.items():
+            print(f"{name:<{width}}  {description}")
+        return 0
+    if not args.scenario and not args.from_trace:
+        raise ValueError("name a SCENARIO (see --list) or give --from-trace FILE")
+    calibration = None
+    if args.from_trace:
+        calibration = calibrate(args.from_trace, args.trace_network)
+        if not args.quiet:
+            print(describe_calibration(calibration), end="\n\n")
+    scenarios = [load_scenario(name) for name in args.scenario]
+    if calibration is not None:
+        scenarios = [calibration.scenario(s) for s in scenarios] or [calibration.scenario()]
+    nodes = list(dict.fromkeys(n for group in args.nodes for n in group)) if args.nodes else None
+    rows = []
+    for scenario in scenarios:
+        got = run_scenario(
+            scenario,
+            nodes=nodes,
+            bandwidths_mbps=args.bandwidth,
+            networks=args.network,
+            batches=args.batch,
+            policies=args.policy,
+        )
+        if not args.quiet:
+            print(describe(scenario))
+        print(format_table(got), end="\n\n")
+        rows += got
+    if not args.quiet:
+        print(
+            "step = comm + conv + comp, in the trace's terms: conv is each call's slowest node, "
+            "comm the rest of its wall time; speedup is over local training on the master "
+            "alone; bound = Amdahl's (local step / comp); * = the faster policy"
+        )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps([r.as_dict() for r in rows], indent=1) + "\n", encoding="utf-8"
+        )
+    if args.plot:
+        from .plots import plot_all
+
+        written = plot_all(rows, args.plot)
+        print(f"{len(written)} figures written to {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetconv simulate", description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hetconv simulate`` alone: parse ``argv``, run, and turn bad input into one line."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"hetconv simulate: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,616 @@
+"""The cost of one training step on a simulated cluster: bytes, transfers, convolutions, the rest.
+
+The model follows what :class:`hetconv.master.cluster.Cluster` does, call by call:
+
+* **Shapes.** The network's convolution layers come from its spec (:func:`conv_layers`), with the
+  same geometry and the same "no input gradient for a first layer" rule as
+  :class:`hetconv.model.Model`.
+* **Bytes** (:func:`call_bytes`). A forward call sends ``x`` (N, C, H, W), the worker's kernels
+  ``w`` (k, C, kh, kw) and biases ``b`` (k,), and gets ``y`` (N, k, Ho, Wo) back; a backward call
+  sends only ``dy`` (N, k, Ho, Wo) (the worker kept ``x`` and ``w``) and gets ``dw``, ``db`` and,
+  except for a network's first layer, a full-size ``dx`` part back. Tensors are float32; each
+  direction also carries one header (or result) message whose size is computed with the real
+  protobuf messages. The counts equal the trace's ``bytes_sent`` / ``bytes_received``. A call
+  whose tensors, both directions together, total at most :data:`~hetconv.wire.BUNDLE_BYTES` goes
+  as one message each way (cheaper per call); a larger one streams.
+* **Time of one distributed call** (:func:`simulate_phase`). All worker calls start together
+  while the master computes its own share. Each call pays a fixed cost (software per call, plus
+  the link's round trip), moves its request, computes, moves its answer. Transfers are fluid
+  flows that share capacity max-min fairly: on a switched network (full duplex, one port per
+  node) requests share the master's upstream and answers its downstream; on Wi-Fi every transfer,
+  both directions, shares one medium. Each flow is also capped by its worker's own link. After the
+  last answer the master sums the input-gradient parts (memory bound).
+* **A step** (:func:`simulate_step`): forward then backward of every conv layer, one after the
+  other, plus the master's non-convolutional work ("comp"). As in the trace, a call's
+  convolution time is its slowest node's compute and its communication the rest of its wall
+  time.
+
+Convolution time of a node is its kernels' FLOPs over its throughput: forward 2·N·Ho·Wo·k·C·kh·kw,
+the kernel gradient as much again and the input gradient (when the layer needs it) as much again.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetconv.backends import ConvShape, conv_shape
+from hetconv.model import CIFAR_INPUT, load_spec
+from hetconv.proto import worker_pb2 as pb
+from hetconv.wire import BUNDLE_BYTES, WIRE_DTYPE
+
+FLOAT_BYTES = WIRE_DTYPE.itemsize
+FORWARD, BACKWARD = "forward", "backward"
+PHASES = (FORWARD, BACKWARD)
+WIFI, SWITCHED = "wifi", "switched"
+FABRICS = (WIFI, SWITCHED)
+
+# -- the network's convolutions ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvLayer:
+    """One convolution layer at a batch size: what a distributed call of it moves and computes.
+
+    ``shape`` includes the batch (``shape.n``); ``need_input_grad`` is False for a network's first
+    layer (nothing consumes that gradient, so the backward call neither computes nor returns it).
+    """
+
+    name: str
+    shape: ConvShape
+    need_input_grad: bool
+
+    @property
+    def kernels(self) -> int:
+        return self.shape.k
+
+    @property
+    def x_bytes(self) -> int:
+        """The layer's input (N, C, H, W), sent whole to every worker with a share."""
+        s = self.shape
+        return FLOAT_BYTES * s.n * s.c * s.h * s.w
+
+    @property
+    def kernel_bytes(self) -> int:
+        """One kernel and its bias: ``w`` (C, kh, kw) plus ``b`` (forward), ``dw`` + ``db``
+        (backward)."""
+        s = self.shape
+        return FLOAT_BYTES * (s.c * s.kh * s.kw + 1)
+
+    @property
+    def map_bytes(self) -> int:
+        """One kernel's feature maps (N, Ho, Wo): ``y`` forward, ``dy`` backward."""
+        ho, wo = self.shape.out_hw
+        return FLOAT_BYTES * self.shape.n * ho * wo
+
+    @property
+    def flops_per_kernel(self) -> float:
+        """Forward FLOPs of one kernel (the kernel gradient and input gradient cost as much)."""
+        return self.shape.flops_forward / self.shape.k
+
+    def passes(self, phase: str) -> int:
+        """Convolutions of forward's size a phase runs: 1 forward, 1 or 2 backward."""
+        if phase == FORWARD:
+            return 1
+        return 2 if self.need_input_grad else 1
+
+    @property
+    def step_passes(self) -> int:
+        """Forward + backward: 3, or 2 for a first layer (what the probe times)."""
+        return self.passes(FORWARD) + self.passes(BACKWARD)
+
+
+def conv_layers(
+    spec: Sequence[Mapping], batch: int, input_shape: tuple[int, int, int] = CIFAR_INPUT
+) -> list[ConvLayer]:
+    """The convolution layers of a model spec (see :mod:`hetconv.model`) at ``batch`` images.
+
+    Walks the spec with the model's own shape rules, without allocating any weights.
+
+    Raises:
+        ValueError: a layer type the model does not know, or shapes that do not fit.
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    layers: list[ConvLayer] = []
+    shape: tuple[int, ...] = tuple(input_shape)
+    counts: dict[str, int] = {}
+    for index, entry in enumerate(spec):
+        kind = entry.get("type")
+        counts[kind] = counts.get(kind, 0) + 1
+        name = entry.get("name", f"{kind}{counts[kind]}")
+        try:
+            if kind == "conv":
+                if len(shape) != 3:
+                    raise ValueError(f"needs a C x H x W input, gets {shape}")
+                kernel = entry.get("kernel", 3)
+                kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+                out = int(entry["out"])
+                geometry = conv_shape(
+                    (batch, *shape), (out, shape[0], kh, kw), entry.get("padding", 0)
+                )
+                layers.append(ConvLayer(name, geometry, need_input_grad=index > 0))
+                shape = (out, *geometry.out_hw)
+            elif kind in ("relu", "lrn"):
+                pass
+            elif kind == "maxpool":
+                k = int(entry.get("kernel", 2))
+                s = int(entry.get("stride") or k)
+                c, h, w = shape
+                if h < k or w < k:
+                    raise ValueError(f"pool window {k} larger than input {h}x{w}")
+                shape = (c, (h - k) // s + 1, (w - k) // s + 1)
+            elif kind == "fc":
+                shape = (int(entry["out"]),)
+            else:
+                raise ValueError(f"type {kind!r}; expected conv, relu, lrn, maxpool or fc")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"layer {index} ({entry}): {e}") from None
+    return layers
+
+
+def network_layers(network: str, batch: int) -> list[ConvLayer]:
+    """:func:`conv_layers` of a preset name (``paper-50-500``, ...) or a ``.json`` spec file."""
+    return conv_layers(load_spec(network), batch)
+
+
+# -- bytes on the wire ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallBytes:
+    """What one worker call moves, counted as the trace counts it.
+
+    ``sent`` / ``received`` are the request header (or answer result) message's protobuf size
+    plus the tensor bytes; ``bundled`` says whether the call went as one message each way.
+    """
+
+    sent: int
+    received: int
+    tensors_sent: int
+    tensors_received: int
+    bundled: bool
+
+    @property
+    def total(self) -> int:
+        return self.sent + self.received
+
+
+def _tensor(name: str, shape: tuple[int, ...]) -> pb.TensorHeader:
+    return pb.TensorHeader(
+        name=name, shape=shape, dtype=pb.FLOAT32, nbytes=FLOAT_BYTES * math.prod(shape)
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def call_bytes(
+    layer: ConvLayer, phase: str, kernels: int, kernel_offset: int = 0, step: int = 1000
+) -> CallBytes:
+    """Bytes of one worker call of ``layer`` computing ``kernels`` kernels from ``kernel_offset``.
+
+    Args:
+        phase: ``"forward"`` or ``"backward"``.
+        step: the training step the call belongs to; the header carries it as a varint, so it
+            changes the count by a byte or two (the default is a typical mid-run step).
+
+    The header sizes come from the real protobuf messages with the fields
+    :class:`~hetconv.master.client.WorkerClient` sets (a 64-bit session, the step, the layer
+    name, padding on forward, the kernel offset, ``need_input_grad`` on backward) and the
+    worker's result (its two timings and the tensor headers).
+    """
+    s = layer.shape
+    ho, wo = s.out_hw
+    x_shape, w_shape, b_shape = (s.n, s.c, s.h, s.w), (kernels, s.c, s.kh, s.kw), (kernels,)
+    map_shape = (s.n, kernels, ho, wo)
+    if phase == FORWARD:
+        request = pb.ConvRequest(
+            phase=pb.FORWARD,
+            padding=(s.padding.top, s.padding.bottom, s.padding.left, s.padding.right),
+            tensors=[_tensor("x", x_shape), _tensor("w", w_shape), _tensor("b", b_shape)],
+        )
+        answer = [_tensor("y", map_shape)]
+    elif phase == BACKWARD:
+        request = pb.ConvRequest(
+            phase=pb.BACKWARD,
+            need_input_grad=layer.need_input_grad,
+            tensors=[_tensor("dy", map_shape)],
+        )
+        answer = [_tensor("dw", w_shape), _tensor("db", b_shape)]
+        if layer.need_input_grad:
+            answer.append(_tensor("dx", x_shape))
+    else:
+        raise ValueError(f"phase {phase!r} is not 'forward' or 'backward'")
+    request.session = (1 << 64) - 1  # fixed64: any non-zero session has the same size
+    request.step = step
+    request.layer = layer.name
+    request.kernel_offset = kernel_offset
+    result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
+    tensors_sent = sum(t.nbytes for t in request.tensors)
+    tensors_received = sum(t.nbytes for t in answer)
+    return CallBytes(
+        sent=pb.ConvMessage(header=request).ByteSize() + tensors_sent,
+        received=pb.ConvMessage(result=result).ByteSize() + tensors_received,
+        tensors_sent=tensors_sent,
+        tensors_received=tensors_received,
+        bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
+    )
+
+
+# -- devices, links, the cluster -----------------------------------------------------------------
+
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+
+
+@dataclass(frozen=True)
+class WireCosts:
+    """Costs of the transport beyond the link's bandwidth and round trip.
+
+    Args:
+        bundle_call_s: fixed cost of a bundled (one message each way) call: gRPC, protobuf and
+            Python on both ends. Measured ~0.6-0.9 ms on loopback (benchmarks/transport.py).
+        stream_call_s: the same for a streamed call; measured ~2-3 ms on loopback.
+        software_bytes_per_s: how many tensor bytes per second the master's side of the wire
+            moves at most, all calls together (copies, (de)serialisation): streaming ran at ~0.3
+            of raw TCP's 2.3-3 GB/s on loopback here (MEASURED.md). Caps the master's link.
+        sum_bytes_per_s: bytes of input-gradient parts per second the master adds up
+            (``dx += part``, memory bound): ~5 GB/s measured here for 32 MB arrays.
+    """
+
+    bundle_call_s: float = 0.75e-3
+    stream_call_s: float = 2.5e-3
+    software_bytes_per_s: float = 0.75e9
+    sum_bytes_per_s: float = 5e9
+
+    def call_s(self, bundled: bool) -> float:
+        return self.bundle_call_s if bundled else self.stream_call_s
+
+
+@dataclass(frozen=True)
+class Node:
+    """A device in a simulated cluster.
+
+    Args:
+        name: for tables.
+        gflops: convolution throughput (forward and both gradients), GFLOP/s.
+        layer_gflops: per layer name, a throughput that replaces ``gflops`` for that layer
+            (a first layer with 3 input channels runs far below a deep one, for instance).
+        bytes_per_s: the node's own link, each direction (a worker's Wi-Fi rate, a switch port).
+        rtt_s: round trip between it and the master.
+    """
+
+    name: str
+    gflops: float
+    layer_gflops: Mapping[str, float] = field(default_factory=dict)
+    bytes_per_s: float = math.inf
+    rtt_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.gflops > 0:
+            raise ValueError(f"device {self.name}: gflops must be positive, got {self.gflops}")
+        for layer, value in self.layer_gflops.items():
+            if not value > 0:
+                raise ValueError(f"device {self.name}: {layer} gflops must be positive")
+        if not self.bytes_per_s > 0:
+            raise ValueError(f"device {self.name}: link must be positive, got {self.bytes_per_s}")
+        if not self.rtt_s >= 0:
+            raise ValueError(f"device {self.name}: latency must be >= 0, got {self.rtt_s}")
+
+    def throughput(self, layer: str) -> float:
+        """FLOP/s on ``layer``."""
+        return 1e9 * self.layer_gflops.get(layer, self.gflops)
+
+    def conv_seconds(self, layer: ConvLayer, kernels: int, passes: int) -> float:
+        """Seconds to run ``passes`` convolutions of forward's size for ``kernels`` kernels."""
+        return kernels * passes * layer.flops_per_kernel / self.throughput(layer.name)
+
+    def probe_seconds(self, layer: ConvLayer) -> float:
+        """What the probe of the reference method would time: forward + backward, all kernels."""
+        return self.conv_seconds(layer, layer.kernels, layer.step_passes)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A master and its workers on one network.
+
+    Args:
+        master: the master's device; ``master.bytes_per_s`` is its switch port (switched) or is
+            ignored (Wi-Fi, where ``medium_bytes_per_s`` counts).
+        workers: in order; each with its own link.
+        fabric: ``"switched"`` (full duplex, a port per node: requests share the master's
+            upstream, answers its downstream) or ``"wifi"`` (one shared half-duplex medium: every
+            transfer, both directions, shares its capacity).
+        medium_bytes_per_s: the Wi-Fi medium's capacity, end to end between two nodes.
+        master_compute: whether the master computes a share itself.
+        wire: per-call and software costs.
+    """
+
+    master: Node
+    workers: tuple[Node, ...]
+    fabric: str = SWITCHED
+    medium_bytes_per_s: float = math.inf
+    master_compute: bool = True
+    wire: WireCosts = field(default_factory=WireCosts)
+
+    def __post_init__(self) -> None:
+        if self.fabric not in FABRICS:
+            raise ValueError(f"network {self.fabric!r} is not one of {', '.join(FABRICS)}")
+        if not self.workers and not self.master_compute:
+            raise ValueError("no workers and the master does not compute: nothing would")
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return (self.master, *self.workers)
+
+    def shared_bytes_per_s(self) -> tuple[float, float]:
+        """(upstream, downstream) capacity that every transfer to / from the master shares.
+
+        On Wi-Fi both are the one medium (and :func:`simulate_phase` lets both directions share
+        it); on a switched network they are the master's port. Either is capped by what the
+        master's software moves (:attr:`WireCosts.software_bytes_per_s`).
+        """
+        link = self.medium_bytes_per_s if self.fabric == WIFI else self.master.bytes_per_s
+        cap = min(link, self.wire.software_bytes_per_s)
+        return cap, cap
+
+
+# -- one distributed call ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerCall:
+    """One worker's call in a distributed layer phase, as times and bytes.
+
+    ``before_s`` passes before the request moves (fixed call cost, half the round trip);
+    ``after_s`` after the answer has moved (the other half).
+    """
+
+    request_bytes: float
+    answer_bytes: float
+    compute_s: float
+    before_s: float
+    after_s: float
+    link_bytes_per_s: float
+
+
+def _waterfill(capacity: float, caps: np.ndarray) -> np.ndarray:
+    """Max-min fair rates of flows sharing ``capacity``, each at most its own cap."""
+    if caps.size == 0 or not math.isfinite(capacity):
+        return caps.copy()
+    order = np.argsort(caps)
+    ordered = caps[order]
+    before = np.concatenate(([0.0], np.cumsum(ordered)[:-1]))
+    fair = (capacity - before) / (caps.size - np.arange(caps.size))
+    above = ordered > fair
+    if not above.any():
+        return caps.copy()
+    return np.minimum(caps, fair[int(np.argmax(above))])
+
+
+# Stages of a worker call in simulate_phase.
+_BEFORE, _REQUEST, _COMPUTE, _ANSWER, _AFTER, _DONE = range(6)
+
+
+def simulate_phase(
+    calls: Sequence[WorkerCall],
+    fabric: str,
+    upstream_bytes_per_s: float,
+    downstream_bytes_per_s: float,
+) -> np.ndarray:
+    """When each worker call of one distributed phase ends, in seconds from its start.
+
+    A fluid simulation: between events every moving transfer gets its max-min fair share of
+    the capacity it competes for (see :class:`Cluster`), at most its worker's link.
+
+    Args:
+        calls: the worker calls, all started at time 0.
+        fabric: ``"switched"``: requests share ``upstream_bytes_per_s``, answers
+            ``downstream_bytes_per_s``; ``"wifi"``: all transfers share ``upstream_bytes_per_s``.
+    """
+    n = len(calls)
+    if n == 0:
+        return np.zeros(0)
+    request = np.array([c.request_bytes for c in calls], float)
+    answer = np.array([c.answer_bytes for c in calls], float)
+    compute = np.array([c.compute_s for c in calls], float)
+    after = np.array([c.after_s for c in calls], float)
+    caps = np.array([c.link_bytes_per_s for c in calls], float)
+    stage = np.full(n, _BEFORE)
+    timer = np.array([c.before_s for c in calls], float)  # end of a timed stage
+    left = np.zeros(n)  # bytes still to move in a transfer stage
+    end = np.zeros(n)
+    t = 0.0
+    for _ in range(6 * n + 6):
+        # Every stage that is over moves on, in stage order so zero-length stages chain.
+        tol = 1e-12 * max(t, 1e-9)
+        due = (stage == _BEFORE) & (timer <= t + tol)
+        stage[due], left[due] = _REQUEST, request[due]
+        due = (stage == _REQUEST) & (left <= 0)
+        stage[due], timer[due] = _COMPUTE, t + compute[due]
+        due = (stage == _COMPUTE) & (timer <= t + tol)
+        stage[due], left[due] = _ANSWER, answer[due]
+        due = (stage == _ANSWER) & (left <= 0)
+        stage[due], timer[due] = _AFTER, t + after[due]
+        due = (stage == _AFTER) & (timer <= t + tol)
+        stage[due], end[due] = _DONE, t
+        if (stage == _DONE).all():
+            return end
+        rates = np.zeros(n)
+        requests, answers = stage == _REQUEST, stage == _ANSWER
+        if fabric == WIFI:
+            moving = requests | answers
+            rates[moving] = _waterfill(upstream_bytes_per_s, caps[moving])
+        else:
+            rates[requests] = _waterfill(upstream_bytes_per_s, caps[requests])
+            rates[answers] = _waterfill(downstream_bytes_per_s, caps[answers])
+        moving = requests | answers
+        with np.errstate(divide="ignore"):
+            finish = np.where(moving, left / np.where(moving, rates, 1.0), math.inf)
+        timed = (stage == _BEFORE) | (stage == _COMPUTE) | (stage == _AFTER)
+        wake = np.where(timed, timer - t, math.inf)
+        dt = max(min(float(finish.min()), float(wake.min())), 0.0)
+        if not math.isfinite(dt):
+            raise ValueError("a transfer cannot move: some link has no capacity")
+        t += dt
+        done = moving & (finish <= dt * (1 + 1e-12))
+        with np.errstate(invalid="ignore"):  # an unlimited rate over dt = 0
+            left[moving] -= rates[moving] * dt
+        left[done] = 0.0
+    raise RuntimeError("phase simulation did not converge")  # pragma: no cover
+
+
+# -- a whole step --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One layer's forward or backward as the trace would record it."""
+
+    layer: str
+    phase: str
+    wall_s: float
+    conv_s: float  # slowest node's compute
+    comm_s: float  # wall - conv
+    bytes: int  # sent + received, all workers
+    worker_ends_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A simulated step, in the trace's terms, and the master's local step for comparison."""
+
+    step_s: float
+    comm_s: float
+    conv_s: float
+    comp_s: float
+    local_s: float
+    shares: dict[str, tuple[int, ...]]
+    bytes: int
+    phases: tuple[PhaseResult, ...]
+
+    @property
+    def speedup(self) -> float:
+        """Local training on the master alone / this step."""
+        return self.local_s / self.step_s
+
+    @property
+    def amdahl_bound(self) -> float:
+        """The speedup if convolutions and communication took no time at all."""
+        return self.local_s / self.comp_s if self.comp_s > 0 else math.inf
+
+    def workers_used(self) -> int:
+        """Workers with a share of at least one layer."""
+        if not self.shares:
+            return 0
+        width = len(next(iter(self.shares.values())))
+        return sum(any(s[i] for s in self.shares.values()) for i in range(1, width))
+
+
+def local_step_seconds(master: Node, layers: Sequence[ConvLayer], comp_s: float) -> float:
+    """The step of local training on ``master`` alone: every convolution, no transfers."""
+    # Summed phase by phase, as simulate_step sums, so one node gives exactly speedup 1.
+    conv = sum(
+        master.conv_seconds(layer, layer.kernels, layer.passes(phase))
+        for layer in layers
+        for phase in PHASES
+    )
+    return conv + comp_s
+
+
+def simulate_layer_phase(
+    cluster: Cluster, layer: ConvLayer, phase: str, shares: Sequence[int], step: int = 1000
+) -> PhaseResult:
+    """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
+    first), as :meth:`Cluster.forward` / ``backward`` runs it."""
+    passes = layer.passes(phase)
+    master_s = (
+        cluster.master.conv_seconds(layer, shares[0], passes) if cluster.master_compute else 0.0
+    )
+    calls, computes, moved, offset = [], [master_s], 0, shares[0]
+    for node, share in zip(cluster.workers, shares[1:], strict=True):
+        if share:
+            wire = call_bytes(layer, phase, share, offset, step)
+            compute = node.conv_seconds(layer, share, passes)
+            calls.append(
+                WorkerCall(
+                    wire.sent,
+                    wire.received,
+                    compute,
+                    cluster.wire.call_s(wire.bundled) + node.rtt_s / 2,
+                    node.rtt_s / 2,
+                    node.bytes_per_s,
+                )
+            )
+            computes.append(compute)
+            moved += wire.total
+        offset += share
+    up, down = cluster.shared_bytes_per_s()
+    ends = simulate_phase(calls, cluster.fabric, up, down)
+    wall = max(master_s, float(ends.max(initial=0.0)))
+    if phase == BACKWARD and layer.need_input_grad and calls:
+        # The master adds every worker's dx part to its own (or to the first part).
+        adds = len(calls) - (0 if shares[0] else 1)
+        wall += adds * layer.x_bytes / cluster.wire.sum_bytes_per_s
+    conv = max(computes)
+    return PhaseResult(layer.name, phase, wall, conv, wall - conv, moved, tuple(ends))
+
+
+def simulate_step(
+    cluster: Cluster,
+    layers: Sequence[ConvLayer],
+    shares: Mapping[str, Sequence[int]],
+    comp_s: float,
+) -> StepResult:
+    """One training step: forward and backward of every conv layer with ``shares`` (per layer
+    name, kernels per node, master first), plus ``comp_s`` of the master's other work."""
+    phases = []
+    for layer in layers:
+        split = tuple(int(s) for s in shares[layer.name])
+        if len(split) != len(cluster.nodes) or sum(split) != layer.kernels or min(split) < 0:
+            raise ValueError(
+                f"shares {split} for {layer.name} must be {len(cluster.nodes)} non-negative "
+                f"counts (master first) summing to its {layer.kernels} kernels"
+            )
+        if split[0] and not cluster.master_compute:
+            raise ValueError(f"shares {split} give the master kernels, but it does not compute")
+        for phase in PHASES:
+            phases.append(simulate_layer_phase(cluster, layer, phase, split))
+    comm = sum(p.comm_s for p in phases)
+    conv = sum(p.conv_s for p in phases)
+    return StepResult(
+        step_s=comm + conv + comp_s,
+        comm_s=comm,
+        conv_s=conv,
+        comp_s=comp_s,
+        local_s=local_step_seconds(cluster.master, layers, comp_s),
+        shares={name: tuple(int(v) for v in s) for name, s in shares.items()},
+        bytes=sum(p.bytes for p in phases),
+        phases=tuple(phases),
+    )
+
+
+__all__ = [
+    "BACKWARD",
+    "CallBytes",
+    "Cluster",
+    "ConvLayer",
+    "FORWARD",
+    "MBIT",
+    "Node",
+    "PhaseResult",
+    "StepResult",
+    "SWITCHED",
+    "WIFI",
+    "WireCosts",
+    "WorkerCall",
+    "call_bytes",
+    "conv_layers",
+    "local_step_seconds",
+    "network_layers",
+    "simulate_layer_phase",
+    "simulate_phase",
+    "simulate_step",
+]

@@ -1,0 +1,127 @@
+"""Run a scenario's grid: every network, batch, bandwidth, cluster size and share policy.
+
+Each point is one simulated step (:func:`~hetconv.simulations.costmodel.simulate_step`) and
+becomes a :class:`Row`: the step time and its breakdown in the trace's terms, and the speedup
+against local training on the master alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from .costmodel import local_step_seconds, network_layers, simulate_step
+from .policies import shares_for
+from .scenario import Scenario
+
+
+@dataclass(frozen=True)
+class Row:
+    """One simulated configuration (the ``--json`` output is a list of these)."""
+
+    scenario: str
+    network: str
+    batch: int
+    nodes: int
+    bandwidth_mbps: float
+    policy: str
+    step_s: float
+    comm_s: float
+    conv_s: float
+    comp_s: float
+    speedup: float
+    local_s: float
+    amdahl_bound: float
+    workers_used: int
+    mbytes_per_step: float
+    shares: dict[str, list[int]]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_scenario(
+    scenario: Scenario,
+    nodes: Sequence[int] | None = None,
+    bandwidths_mbps: Sequence[float] | None = None,
+    networks: Sequence[str] | None = None,
+    batches: Sequence[int] | None = None,
+    policies: Sequence[str] | None = None,
+) -> list[Row]:
+    """Simulate the scenario's grid (each argument, when given, replaces the scenario's)."""
+    rows = []
+    for network in networks or scenario.networks:
+        for batch in batches or scenario.batches:
+            layers = network_layers(network, batch)
+            master = scenario.cluster(1).master
+            local_conv = local_step_seconds(master, layers, 0.0)
+            comp = scenario.comp_seconds(network, batch, local_conv)
+            for bandwidth in bandwidths_mbps or scenario.sweep_bandwidths():
+                for size in nodes or scenario.nodes:
+                    cluster = scenario.cluster(size, bandwidth)
+                    for policy in policies or scenario.policies:
+                        shares = shares_for(cluster, layers, policy)
+                        result = simulate_step(cluster, layers, shares, comp)
+                        rows.append(
+                            Row(
+                                scenario=scenario.name,
+                                network=network,
+                                batch=batch,
+                                nodes=size,
+                                bandwidth_mbps=float(bandwidth),
+                                policy=policy,
+                                step_s=result.step_s,
+                                comm_s=result.comm_s,
+                                conv_s=result.conv_s,
+                                comp_s=result.comp_s,
+                                speedup=result.speedup,
+                                local_s=result.local_s,
+                                amdahl_bound=result.amdahl_bound,
+                                workers_used=result.workers_used(),
+                                mbytes_per_step=result.bytes / 1e6,
+                                shares={k: list(v) for k, v in result.shares.items()},
+                            )
+                        )
+    return rows
+
+
+def _seconds(value: float) -> str:
+    if value >= 3600:
+        return f"{value / 3600:.1f} h"
+    if value >= 60:
+        return f"{value / 60:.1f} min"
+    if value >= 1:
+        return f"{value:.2f} s"
+    return f"{1e3 * value:.1f} ms"
+
+
+def format_table(rows: Iterable[Row]) -> str:
+    """A plain-text table; ``*`` marks the faster policy where several were simulated."""
+    rows = list(rows)
+    best: dict[tuple, float] = {}
+    counts: dict[tuple, int] = {}
+    for r in rows:
+        key = (r.scenario, r.network, r.batch, r.nodes, r.bandwidth_mbps)
+        best[key] = min(best.get(key, float("inf")), r.step_s)
+        counts[key] = counts.get(key, 0) + 1
+    header = (
+        f"{'network':<16} {'batch':>5} {'nodes':>5} {'Mbit/s':>7} {'policy':<8} "
+        f"{'step':>9} {'comm':>9} {'conv':>9} {'comp':>9} {'speedup':>8} {'bound':>6} "
+        f"{'workers':>7} {'MB/step':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    previous = None
+    for r in rows:
+        key = (r.scenario, r.network, r.batch, r.nodes, r.bandwidth_mbps)
+        mark = "*" if counts[key] > 1 and r.step_s <= best[key] * (1 + 1e-9) else " "
+        group = (r.network, r.batch, r.bandwidth_mbps)
+        if previous is not None and group != previous:
+            lines.append("")
+        previous = group
+        lines.append(
+            f"{r.network:<16} {r.batch:>5} {r.nodes:>5} {r.bandwidth_mbps:>7g} {r.policy:<8} "
+            f"{_seconds(r.step_s):>9} {_seconds(r.comm_s):>9} {_seconds(r.conv_s):>9} "
+            f"{_seconds(r.comp_s):>9} {r.speedup:>7.2f}{mark} {r.amdahl_bound:>6.1f} "
+            f"{r.workers_used:>7} {r.mbytes_per_step:>9.1f}"
+        )
+    return "\n".join(lines)
