@@ -35,11 +35,22 @@ MAX_MESSAGE_BYTES = 16 << 20
 WIRE_DTYPE = np.dtype("<f4")
 
 _MAX_DIMENSION = 1 << 31  # no real tensor axis is longer; bounds empty tensors' shapes too
+_MAX_RANK = 8
+_MAX_ELEMENTS = 1 << 40
 _DATA_TAG = 0x12  # field 2 (data), wire type 2 (length-delimited)
 
 
 class WireError(ValueError):
     """A message that does not match its header or the protocol: the sender's fault."""
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What the deserializers return for bytes that are no valid message. gRPC would turn an
+    exception raised there into INTERNAL before any handler runs; returned instead, it reaches
+    :func:`receive_stream`, which raises :class:`WireError` (INVALID_ARGUMENT) naming it."""
+
+    reason: str
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -112,7 +123,7 @@ def deserialize_message(buffer: bytes) -> pb.ConvMessage | memoryview:
     try:
         message = pb.ConvMessage.FromString(buffer)
     except Exception as e:  # protobuf's DecodeError
-        raise WireError(f"undecodable message: {e}") from None
+        return Undecodable(f"undecodable message ({len(buffer)} bytes): {e}")
     if message.WhichOneof("kind") == "data":
         return memoryview(message.data)
     return message
@@ -186,17 +197,21 @@ def deserialize_bundle(buffer: bytes) -> Bundle:
     if simple:
         view = memoryview(buffer)
         data = view[slice(*fields[2])] if 2 in fields else view[:0]
-        if 1 in fields:
-            message = pb.ConvMessage(header=pb.ConvRequest.FromString(view[slice(*fields[1])]))
-        elif 3 in fields:
-            message = pb.ConvMessage(result=pb.ConvResult.FromString(view[slice(*fields[3])]))
-        else:
-            message = pb.ConvMessage()
+        try:
+            if 1 in fields:
+                head = pb.ConvRequest.FromString(view[slice(*fields[1])])
+                message = pb.ConvMessage(header=head)
+            elif 3 in fields:
+                message = pb.ConvMessage(result=pb.ConvResult.FromString(view[slice(*fields[3])]))
+            else:
+                message = pb.ConvMessage()
+        except Exception as e:  # protobuf's DecodeError
+            return Undecodable(f"undecodable bundle header ({len(buffer)} bytes): {e}")
         return Bundle(message, data)
     try:
         parsed = pb.ConvBundle.FromString(buffer)
     except Exception as e:  # protobuf's DecodeError
-        raise WireError(f"undecodable bundle: {e}") from None
+        return Undecodable(f"undecodable bundle ({len(buffer)} bytes): {e}")
     if parsed.HasField("header"):
         message = pb.ConvMessage(header=parsed.header)
     elif parsed.HasField("result"):
@@ -280,6 +295,11 @@ def check_headers(
             raise WireError(f"tensor {h.name} has a negative dimension in shape {shape}")
         if any(d > _MAX_DIMENSION for d in shape):
             raise WireError(f"tensor {h.name} has an absurd dimension in shape {shape}")
+        if len(shape) > _MAX_RANK or math.prod(max(d, 1) for d in shape) > _MAX_ELEMENTS:
+            raise WireError(
+                f"tensor {h.name} has shape {shape}: more than {_MAX_RANK} dimensions or "
+                "too many elements to hold, even when empty"
+            )
         expected = math.prod(shape) * WIRE_DTYPE.itemsize
         if h.nbytes != expected:
             raise WireError(
@@ -370,6 +390,8 @@ def receive_stream(
     first = next(messages, None)
     if first is None:
         raise WireError("stream ended before its header")
+    if isinstance(first, Undecodable):
+        raise WireError(first.reason)
     if isinstance(first, memoryview):
         raise WireError("stream started with tensor data instead of a header")
     if isinstance(first, Bundle):
@@ -378,6 +400,8 @@ def receive_stream(
         return first.message, receiver.finish()
     receiver = receiver_for(first)
     for message in messages:
+        if isinstance(message, Undecodable):
+            raise WireError(message.reason)
         if not isinstance(message, memoryview):
             raise WireError(
                 f"a second {message.WhichOneof('kind') or 'empty'} message arrived in the "

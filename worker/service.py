@@ -190,9 +190,19 @@ class ConvWorkerService:
             if b != (w[0],):
                 raise WireError(f"b has shape {b}, expected ({w[0]},) for {w[0]} kernels")
             try:
-                conv_shape(x, w, tuple(request.padding))
+                shape = conv_shape(x, w, tuple(request.padding))
             except ValueError as e:
                 raise WireError(str(e)) from None
+            # The request's size is bounded on arrival; what it implies must be too: a few bytes
+            # with a huge padding would otherwise ask for gigabytes of output.
+            ho, wo = shape.out_hw
+            answer = 4 * shape.n * shape.k * ho * wo
+            if answer + 4 * math.prod(x) > self.config.max_request_bytes:
+                raise _Invalid(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the feature maps would hold {answer} bytes: beyond this worker's limit "
+                    f"of {self.config.max_request_bytes} bytes per request",
+                )
         elif len(shapes[0]) != 4:
             raise WireError(f"dy has shape {shapes[0]}, expected 4 dimensions (N, k, Ho, Wo)")
 
@@ -213,6 +223,10 @@ class ConvWorkerService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{call}: {e}")
         except _Invalid as e:
             context.abort(e.code, f"{call}: {e}")
+        except MemoryError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{call}: out of memory: {e}")
+        except Exception as e:  # a bug, but the caller still gets a named status, not UNKNOWN
+            context.abort(grpc.StatusCode.INTERNAL, f"{call}: {type(e).__name__}: {e}")
         self.requests += 1
         return self._result(tensors, compute, receive)
 
