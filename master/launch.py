@@ -13,6 +13,21 @@ from hetconv.worker.auth import TOKEN_ENV, check_token
 from hetconv.worker.main import READY
 
 
+def stop_processes(processes, timeout: float = 10.0) -> None:
+    """Ask each process to stop (terminate: SIGTERM, graceful for a worker), wait up to
+    ``timeout`` seconds for all of them together, then kill what is left."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class LocalWorkers:
     """``count`` real ``hetconv worker`` processes listening on loopback ports.
 
@@ -111,16 +126,7 @@ class LocalWorkers:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask every process to stop (SIGTERM: graceful), then kill what is left."""
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + timeout
-        for process in self.processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes, timeout)
 
     def __enter__(self) -> LocalWorkers:
         self.start()

@@ -35,7 +35,7 @@ from hetconv.backends import ConvShape, Padding, get_backend
 from hetconv.conv import LocalConv
 from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerUnavailable
 from hetconv.master.cluster import Cluster, ClusterConfig
-from hetconv.master.launch import LocalWorkers
+from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.master.training import TrainConfig, train
 from hetconv.proto import worker_pb2 as pb
 from hetconv.worker.auth import (
@@ -125,13 +125,7 @@ class WorkerProcess:
 
     def stop(self) -> str:
         """Stop it (SIGTERM: graceful) and return its stdout."""
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_processes([self.popen])
         for reader in self._readers:
             reader.join(5)
         return "\n".join(self.stdout)

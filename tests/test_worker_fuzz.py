@@ -42,7 +42,7 @@ from threadpoolctl import threadpool_limits
 from hetconv import wire
 from hetconv.backends import get_backend
 from hetconv.master.client import WorkerClient
-from hetconv.master.launch import LocalWorkers
+from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.proto import worker_pb2 as pb
 from hetconv.worker.auth import TOKEN_ENV
 from hetconv.worker.main import READY
@@ -139,13 +139,7 @@ class LimitedWorker:
         return self.address
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_processes([self.popen])
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from threadpoolctl import threadpool_limits
 from hetconv import __version__, wire
 from hetconv.backends import ConvShape, Padding, get_backend
 from hetconv.master.client import WorkerClient
-from hetconv.master.launch import LocalWorkers
+from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.proto import worker_pb2 as pb
 from hetconv.worker.main import READY
 
@@ -106,13 +106,7 @@ class WorkerProcess:
         return "\n".join(self.lines)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_processes([self.popen])
         self._reader.join(5)
 
 
