@@ -29,7 +29,6 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -112,6 +111,38 @@ class _Layer:
     need_input_grad: bool
 
 
+class _Call:
+    """One worker call running on its own daemon thread.
+
+    Not a thread pool: after Ctrl-C interrupts the main thread while it waits, a pool's
+    non-daemon threads can be left blocked on a lock the interrupted wait still holds, and the
+    interpreter joins them at exit forever (seen here). Daemon threads never keep it alive; a
+    call costs a thread start (~0.1 ms) next to calls of milliseconds.
+    """
+
+    def __init__(self, fn, *args, **kwargs):
+        self._done = threading.Event()
+        self._value = self._error = None
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, args, kwargs), name="hetconv-call", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fn, args, kwargs) -> None:
+        try:
+            self._value = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the waiting thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def _phase_record(stats: CallStats) -> dict:
     return {
         "bytes_sent": stats.bytes_sent,
@@ -155,7 +186,6 @@ class Cluster:
         self.plans: dict[str, LayerPlan] = {}
         self.step = 0
         self.events: list[dict] = []  # everything that happened to the membership, in order
-        self._pool = ThreadPoolExecutor(max_workers=8)
         self._records: dict[str, dict] = {}
         self._comm = self._conv = self._wall = 0.0
         self._lock = threading.Lock()  # node states, pending joiners, events
@@ -308,13 +338,12 @@ class Cluster:
         return "\n".join(lines)
 
     def close(self) -> None:
-        """Stop the monitor, close every channel (cancelling calls in flight, e.g. after
-        Ctrl-C) and the pool."""
+        """Stop the monitor and close every channel (cancelling calls in flight, e.g. after
+        Ctrl-C)."""
         self._closed.set()
         for node in self.nodes + self._pending:
             if node.client is not None:
                 node.client.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- membership ------------------------------------------------------------------------
 
@@ -505,7 +534,7 @@ class Cluster:
             if share:
                 yield node, share, first, slice(first, first + share)
 
-    def _gather(self, futures: list[tuple[Node, int, slice, Future]]):
+    def _gather(self, futures: list[tuple[Node, int, slice, _Call]]):
         """Wait for every worker call; (successes, failed slices). A failed worker is lost."""
         done, failed = [], []
         for node, share, sl, future in futures:
@@ -535,7 +564,7 @@ class Cluster:
                 local.append(sl)  # lost earlier in this step: the master covers it
                 continue
             nbytes = x.nbytes + w[sl].nbytes + y[:, sl].nbytes
-            future = self._pool.submit(
+            future = _Call(
                 node.client.forward,
                 self.session, self.step, layer, x, w[sl], b[sl], sides, out=y[:, sl],
                 timeout=self._deadline(node, layer, share, nbytes, x.shape[0]),
@@ -583,7 +612,7 @@ class Cluster:
             if node.state != ACTIVE or node.name in self._failed:
                 local.append(sl)
                 continue
-            future = self._pool.submit(
+            future = _Call(
                 node.client.backward,
                 self.session, self.step, layer, dy[:, sl], need_input_grad,
                 dw_out=dw[sl], db_out=db[sl],

@@ -7,4 +7,5 @@
 * :mod:`.scenario`: scenario files (TOML) and the shipped ones in ``scenarios/``.
 * :mod:`.calibrate`: devices and links from the trace of a real run.
 * :mod:`.sweep`, :mod:`.plots`, :mod:`.cli`: the grid, the figures, ``hetconv simulate``.
+* :mod:`.validate`: the simulator against real runs over tc-shaped links (needs root).
 """

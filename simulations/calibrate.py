@@ -14,7 +14,8 @@ when there are more):
   compute against their bytes.
 * **Per-call costs**: what a call's wall time leaves after compute and transfer, median over
   bundled and over streamed calls. A trace cannot tell the link's round trip from the software's
-  fixed cost, so both go into these.
+  fixed cost, so both go into these, and so does any wait of a streamed call on the master's own
+  convolution (:attr:`~hetconv.simulations.costmodel.WireCosts.compute_stall` is 0 here).
 * **comp**: the mean ``comp_seconds`` per image.
 """
 
@@ -90,6 +91,7 @@ class Calibration:
             self.wire.stream_call_s,
             float("inf"),
             self.wire.sum_bytes_per_s,
+            compute_stall=self.wire.compute_stall,
         )
         return Cluster(master, workers, SWITCHED, master_compute=True, wire=wire)
 
@@ -182,12 +184,22 @@ def read_trace(path: str) -> list[dict]:
     return records
 
 
+#: The name the master's cluster gives itself in a trace (hetconv.master.cluster.MASTER).
+MASTER = "master"
+
+
 def _layout(record: dict) -> tuple[list[str], dict[str, list[int]]]:
-    """(node names in order, per layer the kernels of each node) of one record."""
+    """(node names in order, master first, per layer the kernels of each node) of one record.
+
+    A master that computed nothing (``--no-master-compute``) has no entry in the record; it
+    is put first with no kernels, so a worker is never taken for the master.
+    """
     names = list(record["nodes"])
+    if MASTER not in names:
+        names.insert(0, MASTER)
     layers: dict[str, list[int]] = {}
     for i, name in enumerate(names):
-        for layer, entry in record["nodes"][name].items():
+        for layer, entry in record["nodes"].get(name, {}).items():
             layers.setdefault(layer, [0] * len(names))[i] = int(entry["kernels"])
     return names, layers
 
@@ -264,7 +276,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
             raise ValueError(f"trace {path}: shares change between steps; calibrate per layout")
         for i, node in enumerate(node_names):
             for j, layer_name in enumerate(layers):
-                entry = record["nodes"][node].get(layer_name)
+                entry = record["nodes"].get(node, {}).get(layer_name)
                 if not entry or not entry["kernels"]:
                     continue
                 for phase in (FORWARD, BACKWARD):
@@ -323,6 +335,8 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
     wire = WireCosts(
         bundle_call_s=statistics.median(bundle_costs) if bundle_costs else defaults.bundle_call_s,
         stream_call_s=statistics.median(stream_costs) if stream_costs else defaults.stream_call_s,
+        # The measured per-call costs already hold the streamed calls' waits on the master.
+        compute_stall=0.0,
     )
     if not bundle_costs:
         notes.append("no bundled call in the trace: default bundled-call cost")

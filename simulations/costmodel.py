@@ -18,8 +18,10 @@ The model follows what :class:`hetconv.master.cluster.Cluster` does, call by cal
   the link's round trip), moves its request, computes, moves its answer. Transfers are fluid
   flows that share capacity max-min fairly: on a switched network (full duplex, one port per
   node) requests share the master's upstream and answers its downstream; on Wi-Fi every transfer,
-  both directions, shares one medium. Each flow is also capped by its worker's own link. After the
-  last answer the master sums the input-gradient parts (memory bound).
+  both directions, shares one medium. Each flow is also capped by its worker's own link. While the
+  master computes its own share, streamed transfers lose :attr:`WireCosts.compute_stall` of their
+  rate (its convolution holds the GIL that every chunk needs). After the last answer the master
+  sums the input-gradient parts (memory bound).
 * **A step** (:func:`simulate_step`): forward then backward of every conv layer, one after the
   other, plus the master's non-convolutional work ("comp"). As in the trace, a call's
   convolution time is its slowest node's compute and its communication the rest of its wall
@@ -258,12 +260,25 @@ class WireCosts:
             of raw TCP's 2.3-3 GB/s on loopback here (MEASURED.md). Caps the master's link.
         sum_bytes_per_s: bytes of input-gradient parts per second the master adds up
             (``dx += part``, memory bound): ~5 GB/s measured here for 32 MB arrays.
+        compute_stall: the fraction of its rate a streamed transfer loses while the master
+            computes its own share. A streamed call needs the master's Python to start and for
+            every chunk, and hetconv's cpu backend (the master's) runs its GEMMs through scipy's
+            ``sgemm``, which holds the GIL: the call waits for the gaps between GEMMs. Measured
+            0.33-0.57 with real runs over tc-shaped links at 20-1000 Mbit/s
+            (``python -m hetconv.simulations.validate``, paper-50-500 at batch 8), about the same
+            at every rate, because it is the call's start that waits; bundled calls, one
+            serialisation each, showed none. 0 for a master whose convolutions release the GIL.
     """
 
     bundle_call_s: float = 0.75e-3
     stream_call_s: float = 2.5e-3
     software_bytes_per_s: float = 0.75e9
     sum_bytes_per_s: float = 5e9
+    compute_stall: float = 0.4
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.compute_stall <= 1.0:
+            raise ValueError(f"compute stall must be in [0, 1], got {self.compute_stall}")
 
     def call_s(self, bundled: bool) -> float:
         return self.bundle_call_s if bundled else self.stream_call_s
@@ -365,7 +380,9 @@ class WorkerCall:
     """One worker's call in a distributed layer phase, as times and bytes.
 
     ``before_s`` passes before the request moves (fixed call cost, half the round trip);
-    ``after_s`` after the answer has moved (the other half).
+    ``after_s`` after the answer has moved (the other half). ``streamed``: the call goes in
+    chunks (its transfers slow down while the master computes, see
+    :attr:`WireCosts.compute_stall`).
     """
 
     request_bytes: float
@@ -374,6 +391,7 @@ class WorkerCall:
     before_s: float
     after_s: float
     link_bytes_per_s: float
+    streamed: bool = False
 
 
 def _waterfill(capacity: float, caps: np.ndarray) -> np.ndarray:
@@ -399,6 +417,8 @@ def simulate_phase(
     fabric: str,
     upstream_bytes_per_s: float,
     downstream_bytes_per_s: float,
+    master_busy_s: float = 0.0,
+    compute_stall: float = 0.0,
 ) -> np.ndarray:
     """When each worker call of one distributed phase ends, in seconds from its start.
 
@@ -409,6 +429,8 @@ def simulate_phase(
         calls: the worker calls, all started at time 0.
         fabric: ``"switched"``: requests share ``upstream_bytes_per_s``, answers
             ``downstream_bytes_per_s``; ``"wifi"``: all transfers share ``upstream_bytes_per_s``.
+        master_busy_s: how long the master computes its own share, from time 0.
+        compute_stall: the fraction of their rate streamed transfers lose meanwhile.
     """
     n = len(calls)
     if n == 0:
@@ -418,12 +440,13 @@ def simulate_phase(
     compute = np.array([c.compute_s for c in calls], float)
     after = np.array([c.after_s for c in calls], float)
     caps = np.array([c.link_bytes_per_s for c in calls], float)
+    streamed = np.array([c.streamed for c in calls], bool)
     stage = np.full(n, _BEFORE)
     timer = np.array([c.before_s for c in calls], float)  # end of a timed stage
     left = np.zeros(n)  # bytes still to move in a transfer stage
     end = np.zeros(n)
     t = 0.0
-    for _ in range(6 * n + 6):
+    for _ in range(6 * n + 7):
         # Every stage that is over moves on, in stage order so zero-length stages chain.
         tol = 1e-12 * max(t, 1e-9)
         due = (stage == _BEFORE) & (timer <= t + tol)
@@ -447,14 +470,19 @@ def simulate_phase(
             rates[requests] = _waterfill(upstream_bytes_per_s, caps[requests])
             rates[answers] = _waterfill(downstream_bytes_per_s, caps[answers])
         moving = requests | answers
+        stalling = compute_stall > 0 and t < master_busy_s
+        if stalling:  # (a full stall stops even an unlimited flow)
+            slowed = moving & streamed
+            rates[slowed] = rates[slowed] * (1.0 - compute_stall) if compute_stall < 1 else 0.0
         with np.errstate(divide="ignore"):
             finish = np.where(moving, left / np.where(moving, rates, 1.0), math.inf)
         timed = (stage == _BEFORE) | (stage == _COMPUTE) | (stage == _AFTER)
         wake = np.where(timed, timer - t, math.inf)
-        dt = max(min(float(finish.min()), float(wake.min())), 0.0)
+        busy_left = master_busy_s - t if stalling else math.inf
+        dt = max(min(float(finish.min()), float(wake.min()), busy_left), 0.0)
         if not math.isfinite(dt):
             raise ValueError("a transfer cannot move: some link has no capacity")
-        t += dt
+        t = master_busy_s if dt == busy_left else t + dt
         done = moving & (finish <= dt * (1 + 1e-12))
         with np.errstate(invalid="ignore"):  # an unlimited rate over dt = 0
             left[moving] -= rates[moving] * dt
@@ -542,13 +570,14 @@ def simulate_layer_phase(
                     cluster.wire.call_s(wire.bundled) + node.rtt_s / 2,
                     node.rtt_s / 2,
                     node.bytes_per_s,
+                    streamed=not wire.bundled,
                 )
             )
             computes.append(compute)
             moved += wire.total
         offset += share
     up, down = cluster.shared_bytes_per_s()
-    ends = simulate_phase(calls, cluster.fabric, up, down)
+    ends = simulate_phase(calls, cluster.fabric, up, down, master_s, cluster.wire.compute_stall)
     wall = max(master_s, float(ends.max(initial=0.0)))
     if phase == BACKWARD and layer.need_input_grad and calls:
         # The master adds every worker's dx part to its own (or to the first part).

@@ -54,6 +54,8 @@ comments where every number comes from. The format, every key optional unless ma
     stream_call_ms = 2.5                 # fixed cost of a streamed call
     software_gbytes_per_s = 0.75         # what the master's side of the wire moves at most
     sum_gbytes_per_s = 5.0               # the master's summing of input-gradient parts
+    compute_stall = 0.4                  # streamed transfers' rate lost while the master
+                                         # computes (0..1; see costmodel.WireCosts)
 
 Networks not listed in ``[comp]`` use :data:`DEFAULT_COMP_MS_PER_IMAGE` (measured here).
 """
@@ -449,9 +451,18 @@ def parse_scenario(data: dict, path: str = "<scenario>") -> Scenario:
         path,
         "wire",
         wire_table,
-        ("bundle_call_ms", "stream_call_ms", "software_gbytes_per_s", "sum_gbytes_per_s"),
+        (
+            "bundle_call_ms",
+            "stream_call_ms",
+            "software_gbytes_per_s",
+            "sum_gbytes_per_s",
+            "compute_stall",
+        ),
     )
     defaults = WireCosts()
+    stall = wire_reader.number("compute_stall", defaults.compute_stall, strict=False)
+    if stall > 1:
+        wire_reader.fail("compute_stall", f"must be at most 1, got {stall:g}")
     wire = WireCosts(
         bundle_call_s=1e-3 * wire_reader.number("bundle_call_ms", 1e3 * defaults.bundle_call_s),
         stream_call_s=1e-3 * wire_reader.number("stream_call_ms", 1e3 * defaults.stream_call_s),
@@ -459,6 +470,7 @@ def parse_scenario(data: dict, path: str = "<scenario>") -> Scenario:
         * wire_reader.number("software_gbytes_per_s", defaults.software_bytes_per_s / 1e9),
         sum_bytes_per_s=1e9
         * wire_reader.number("sum_gbytes_per_s", defaults.sum_bytes_per_s / 1e9),
+        compute_stall=stall,
     )
     comp_table = data.get("comp", {})
     if not isinstance(comp_table, dict):
