@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,6 +205,11 @@ def _layout(record: dict) -> tuple[list[str], dict[str, list[int]]]:
     return names, layers
 
 
+def _layout_key(record: dict) -> str:
+    names, split = _layout(record)
+    return json.dumps([names, split, record.get("batch")], sort_keys=True)
+
+
 def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     """None when every worker call of ``record`` moved what the simulator computes, else why."""
     names, split = _layout(record)
@@ -258,12 +264,22 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         ValueError: unreadable trace, a local run's trace, or no network that matches it.
     """
     records = read_trace(path)
-    name = _detect_network(records, network, path)
-    used = records[1:] if len(records) > 1 else records
-    batch = int(records[0]["batch"])
-    layers = {layer.name: layer for layer in network_layers(name, batch)}
-    node_names, split = _layout(records[0])
     notes: list[str] = []
+    # One simulated cluster has one split: calibrate from the steps of the most frequent one
+    # (a resumed run is probed again, and a lost or joining worker changes the shares).
+    candidates = records[1:] if len(records) > 1 else records
+    layouts = Counter(_layout_key(r) for r in candidates)
+    chosen, count = layouts.most_common(1)[0]
+    used = [r for r in candidates if _layout_key(r) == chosen]
+    if count < len(candidates):
+        notes.append(
+            f"used the {count} of {len(candidates)} steps that share the most frequent split "
+            "of kernels; the others (re-probed, or with workers lost or joining) are skipped"
+        )
+    name = _detect_network(used, network, path)
+    batch = int(used[0]["batch"])
+    layers = {layer.name: layer for layer in network_layers(name, batch)}
+    node_names, split = _layout(used[0])
 
     flops = np.zeros((len(node_names), len(layers)))
     timings: dict[tuple[int, int, str], list[float]] = {}  # (node, layer, phase) -> seconds
@@ -272,8 +288,6 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
     bundled: list[list[tuple[float, float]]] = [[] for _ in node_names]  # (bytes, wall - compute)
     streamed: list[list[tuple[float, float]]] = [[] for _ in node_names]
     for record in used:
-        if _layout(record) != (node_names, split):
-            raise ValueError(f"trace {path}: shares change between steps; calibrate per layout")
         for i, node in enumerate(node_names):
             for j, layer_name in enumerate(layers):
                 entry = record["nodes"].get(node, {}).get(layer_name)

@@ -371,6 +371,22 @@ def test_calibration_from_a_real_trace(real_trace):
     assert {r.nodes for r in rows} == {1, 3, 6}
 
 
+def test_calibration_uses_the_most_frequent_split(real_trace, tmp_path):
+    # A resumed run is probed again, and a lost or joining worker changes the split: such
+    # steps are skipped (with a note), not a reason to refuse the whole trace.
+    records = [json.loads(line) for line in real_trace.read_text().splitlines()]
+    odd = json.loads(json.dumps(records[-1]))
+    for node in odd["nodes"].values():
+        for entry in node.values():
+            entry["kernels"] += 1  # a split that occurs once
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join(json.dumps(r) for r in [*records, *records[1:], odd]) + "\n")
+    cal = calibrate(str(mixed))
+    assert cal.shares == TRACE_SHARES
+    assert cal.steps == 2 * (len(records) - 1)
+    assert any("most frequent split" in note for note in cal.notes)
+
+
 def test_a_local_runs_trace_is_refused(tmp_path):
     path = tmp_path / "local.jsonl"
     train(
