@@ -284,6 +284,12 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-startup-probe", action="store_true", help="skip the probe printed at start"
     )
+    p.add_argument(
+        "--exit-on-stdin-close",
+        action="store_true",
+        help="also stop when standard input closes (end of file): a launcher that pipes it "
+        "takes its workers down with it, even when killed (hetconv train's local workers)",
+    )
     security = p.add_argument_group(
         "security",
         "Without a token, anyone who can reach --listen may use this worker (it warns unless "
@@ -325,6 +331,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         config,
         startup_probe=not args.no_startup_probe,
         security=security,
+        exit_on_stdin_close=args.exit_on_stdin_close,
     )
 
 
@@ -405,7 +412,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from hetconv.master.training import TrainingInterrupted
+
+        if isinstance(e, TrainingInterrupted):
+            where = (
+                f"checkpoint {e.checkpoint}; the same command with --resume continues from it"
+                if e.checkpoint is not None
+                else "its checkpoint could not be written (see above); --resume continues from "
+                "the latest one"
+            )
+            print(f"hetconv: {e}: {where}", file=sys.stderr)
+            return 128 + e.signum
         print("hetconv: interrupted", file=sys.stderr)
         return 130
     except (ValueError, OSError, FloatingPointError) as e:

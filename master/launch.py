@@ -42,6 +42,8 @@ class LocalWorkers:
             environment, not their command line, which any user can read with ``ps``.
 
     Use as a context manager; leaving it stops every process it started, also on Ctrl-C.
+    The workers also stop by themselves when this process ends without stopping them (they
+    watch the pipe to their standard input).
     """
 
     def __init__(
@@ -77,18 +79,24 @@ class LocalWorkers:
             # -I: never import a source tree in the working directory instead of the installed
             # package (cwd comes first on sys.path for -m).
             sys.executable, "-I", "-m", "hetconv", "worker", "--listen", "127.0.0.1:0",
-            "--backend", self.backend, "--no-startup-probe",
+            "--backend", self.backend, "--no-startup-probe", "--exit-on-stdin-close",
         ]  # fmt: skip
         ready: list[threading.Event] = []
         found: list[str | None] = []
         for i in range(self.count):
             process = subprocess.Popen(
                 command,
-                stdin=subprocess.DEVNULL,
+                # Their stdin is a pipe only this process writes: when it ends, however it
+                # ends, the pipe closes and the workers stop (--exit-on-stdin-close).
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env=self._env(),
                 text=True,
+                # Their own session: a Ctrl-C at the terminal reaches only the master, which
+                # finishes its step (and checkpoint) with the workers still serving, then
+                # stops them itself.
+                start_new_session=True,
             )
             self.processes.append(process)
             lines: collections.deque[str] = collections.deque(maxlen=40)
@@ -127,6 +135,9 @@ class LocalWorkers:
     def stop(self, timeout: float = 10.0) -> None:
         """Ask every process to stop (SIGTERM: graceful), then kill what is left."""
         stop_processes(self.processes, timeout)
+        for process in self.processes:
+            if process.stdin is not None:
+                process.stdin.close()
 
     def __enter__(self) -> LocalWorkers:
         self.start()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +207,59 @@ def _cut_trace(path: Path, resume_step: int) -> tuple[int, int]:
     return kept, len(lines) - kept
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped at a step boundary on SIGINT or SIGTERM, after its checkpoint.
+
+    Attributes:
+        signum: the signal that asked for the stop.
+        step: the steps done (and checkpointed, unless ``checkpoint`` is None).
+        checkpoint: the file written, or None if writing it failed.
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        super().__init__(f"stopped after step {step} on {signal.Signals(signum).name}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+class _StopAtStepBoundary:
+    """While active, the first SIGINT or SIGTERM asks the loop to stop after its step (which
+    then writes a checkpoint); a second one interrupts at once, as Ctrl-C normally does.
+
+    Handlers can only be installed from the main thread; elsewhere this does nothing and
+    signals keep their usual effect.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, log: TextIO):
+        self.log = log
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopAtStepBoundary:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        try:
+            tqdm.write(
+                f"{signal.Signals(signum).name}: stopping after this step to write a "
+                "checkpoint (Ctrl-C again to stop at once, without one)",
+                file=self.log,
+            )
+        except RuntimeError:  # the main thread was inside a write to the same stream
+            pass
+
+
 def total_steps(config: TrainConfig, train_size: int) -> int:
     steps_per_epoch = max(1, train_size // config.batch)
     if config.steps is not None:
@@ -371,7 +426,12 @@ def train(
         unit="step",
         leave=True,
     )
+    # With checkpoints, Ctrl-C or SIGTERM (a laptop shutting down) finishes the step first and
+    # checkpoints it, so nothing computed is lost.
+    stop_request = _StopAtStepBoundary(log) if checkpoints is not None else None
     try:
+        if stop_request is not None:
+            stop_request.__enter__()
         order = np.empty(0, np.int64)
         for step in range(start_step, steps):
             epoch, position = divmod(step, steps_per_epoch)
@@ -413,9 +473,11 @@ def train(
                 **cluster,
             }
             done = step + 1
+            stopping = stop_request is not None and stop_request.signum is not None
             due = checkpoints is not None and (
-                done % config.checkpoint_interval == 0 or done == steps
+                done % config.checkpoint_interval == 0 or done == steps or stopping
             )
+            target = None
             if not due:
                 trace.write(record)
             else:
@@ -455,9 +517,14 @@ def train(
                     record.update(event="checkpoint_failed", checkpoint_error=str(e))
                     trace.replace_last(record)
                     tqdm.write(f"checkpoint at step {done} failed: {e}", file=log)
+                    target = None
                 else:
                     now = time.monotonic()
-                    if done == steps or now - last_message >= _CHECKPOINT_MESSAGE_SECONDS:
+                    if (
+                        done == steps
+                        or stopping
+                        or now - last_message >= _CHECKPOINT_MESSAGE_SECONDS
+                    ):
                         tqdm.write(f"checkpoint written: {target}", file=log)
                         last_message = now
             bar.update(1)
@@ -467,7 +534,11 @@ def train(
                 img_s=f"{len(indices) / seconds:.0f}",
                 refresh=False,
             )
+            if stopping and done < steps:  # at the last step the run is simply done
+                raise TrainingInterrupted(stop_request.signum, done, target)
     finally:
+        if stop_request is not None:
+            stop_request.__exit__(None, None, None)
         bar.close()
         trace.close()
     seconds = earlier_seconds + time.perf_counter() - start

@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -396,4 +397,47 @@ def test_a_killed_process_resumes_to_the_uninterrupted_weights(tmp_path):
     assert "resumed from step" in done.stderr
     resumed_from = int(done.stderr.split("resumed from step ")[1].split()[0])
     assert resumed_from >= killed_at
+    assert_weights_identical(saved_weights(resumed), saved_weights(whole))
+
+
+# -- a real process, stopped by a signal -----------------------------------------------------
+
+
+@pytest.mark.skipif(os.name != "posix", reason="sends POSIX signals")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_checkpoints_the_current_step_and_resume_matches(tmp_path, signum):
+    # --checkpoint-every is past the end: the only checkpoint is the one the signal asks for.
+    whole = tmp_path / "whole.npz"
+    subprocess.run([*PROCESS_RUN, "--save", str(whole)], check=True, timeout=120)
+
+    folder = CheckpointDir(tmp_path / "ck")
+    trace = tmp_path / "trace.jsonl"
+    run = [*PROCESS_RUN, "--checkpoint-dir", str(folder.path), "--checkpoint-every", "1000"]
+    process = subprocess.Popen([*run, "--trace", str(trace)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (trace.exists() and trace.read_text().count("\n") >= 5):
+            assert process.poll() is None, "the run ended before the signal"
+            assert time.monotonic() < deadline, "no 5 steps within 60 s"
+            time.sleep(0.01)
+        process.send_signal(signum)
+        stderr = process.communicate(timeout=60)[1]
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert process.returncode == 128 + signum, stderr
+    assert "Traceback" not in stderr
+    step = int(stderr.split("hetconv: stopped after step ")[1].split()[0])
+    assert 5 <= step < 120, stderr
+    assert folder.files() == [(step, folder.file_for(step))]
+    records = trace_records(trace)
+    assert [r["step"] for r in records] == list(range(step))
+    assert records[-1]["event"] == "checkpoint"
+
+    resumed = tmp_path / "resumed.npz"
+    done = subprocess.run(
+        [*run, "--resume", "--save", str(resumed)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from step {step}" in done.stderr
     assert_weights_identical(saved_weights(resumed), saved_weights(whole))

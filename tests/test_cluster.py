@@ -259,3 +259,71 @@ def test_ctrl_c_stops_the_embedded_workers():
     addresses = _worker_addresses("".join(lines))
     assert len(addresses) == 2
     assert all(_port_closed(a) for a in addresses)
+
+
+def _until_training(process) -> str:
+    """Read the master's stderr up to its "training ..." line (the workers serve by then)."""
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if line.startswith("training "):
+            return "".join(lines)
+    raise AssertionError("the run ended before training began:\n" + "".join(lines))
+
+
+def _wait_closed(addresses: list[str], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(_port_closed(a) for a in addresses):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.skipif(os.name != "posix", reason="sends SIGKILL, a POSIX signal")
+def test_embedded_workers_end_with_a_killed_master():
+    # SIGKILL leaves the master no chance to stop its workers: they notice the end of the
+    # pipe to their standard input instead of serving forever.
+    process = subprocess.Popen(
+        _hetconv("train", "--steps", "100000", "--batch", "8", "--train-size", "64",
+                 "--no-progress"),
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        addresses = _worker_addresses(_until_training(process))
+        assert len(addresses) == 2 and not any(_port_closed(a) for a in addresses)
+        process.kill()
+    finally:
+        process.kill()
+        process.communicate(timeout=30)
+    assert _wait_closed(addresses, 15), "a local worker outlived its master"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="sends SIGINT to a process group")
+def test_terminal_ctrl_c_finishes_the_step_and_checkpoints_with_the_workers(tmp_path):
+    # A Ctrl-C at a terminal signals the whole foreground process group. The local workers
+    # have their own session, so only the master sees it: it finishes the step with every
+    # worker still serving (nobody is lost), checkpoints it, then stops the workers.
+    folder = tmp_path / "ck"
+    process = subprocess.Popen(
+        _hetconv("train", "--steps", "100000", "--batch", "8", "--train-size", "64",
+                 "--no-progress", "--checkpoint-dir", str(folder), "--checkpoint-every", "5000"),
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        head = _until_training(process)
+        time.sleep(1.0)
+        os.killpg(process.pid, signal.SIGINT)
+        rest = process.communicate(timeout=60)[1]
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    output = head + rest
+    assert process.returncode == 130, output
+    assert "stopping after this step to write a checkpoint" in output
+    step = int(output.split("hetconv: stopped after step ")[1].split()[0])
+    assert (folder / f"ckpt-{step:08d}.npz").is_file(), output
+    assert 0 < step < 5000
+    assert "lost" not in output, output
+    addresses = _worker_addresses(head)
+    assert len(addresses) == 2 and _wait_closed(addresses, 15)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -63,12 +64,12 @@ def _session() -> int:
 class WorkerProcess:
     """One ``python -m hetconv worker --listen 127.0.0.1:0 --no-startup-probe ...`` process."""
 
-    def __init__(self, *args: str, listen: str = "127.0.0.1:0"):
+    def __init__(self, *args: str, listen: str = "127.0.0.1:0", stdin=subprocess.DEVNULL):
         command = [sys.executable, "-m", "hetconv", "worker", "--listen", listen]
         command += ["--no-startup-probe", *args]
         self.popen = subprocess.Popen(
             command,
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=_env(),
@@ -149,8 +150,8 @@ def spawn_worker() -> Iterator[Callable[..., WorkerProcess]]:
     """Start worker processes with chosen flags; every one is stopped when the test ends."""
     started: list[WorkerProcess] = []
 
-    def spawn(*args: str, listen: str = "127.0.0.1:0") -> WorkerProcess:
-        process = WorkerProcess(*args, listen=listen)
+    def spawn(*args: str, listen: str = "127.0.0.1:0", **options) -> WorkerProcess:
+        process = WorkerProcess(*args, listen=listen, **options)
         started.append(process)
         return process
 
@@ -648,6 +649,27 @@ def test_signal_stops_the_worker_gracefully(spawn_worker, signame):
     output = process.output()
     assert status == 0, output
     assert f"hetconv worker on {address} stopped after 1 requests" in output
+    assert "Traceback" not in output
+
+
+def test_exit_on_stdin_close_stops_when_the_launcher_goes(spawn_worker):
+    process = spawn_worker("--exit-on-stdin-close", stdin=subprocess.PIPE)
+    address = process.wait_ready()
+    process.popen.stdin.write("anything written is ignored\n")
+    process.popen.stdin.flush()
+    time.sleep(0.5)
+    assert process.popen.poll() is None, process.output()
+    with grpc.insecure_channel(address) as channel:
+        assert health_status(channel, "") == health_pb2.HealthCheckResponse.SERVING
+
+    process.popen.stdin.close()  # what the kernel does when the launcher dies, SIGKILL or not
+    try:
+        status = process.popen.wait(10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"worker still running 10 s after its stdin closed:\n{process.output()}")
+    output = process.output()
+    assert status == 0, output
+    assert f"hetconv worker on {address} stopped after" in output
     assert "Traceback" not in output
 
 

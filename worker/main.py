@@ -71,6 +71,16 @@ def default_max_request_bytes(available: int | None = None) -> int:
     return max(1 << 20, min(MAX_REQUEST_CAP, available // 2))
 
 
+def _set_at_end_of_input(stop: threading.Event) -> None:
+    """Read standard input to its end (whatever it holds is ignored), then set ``stop``."""
+    try:
+        while sys.stdin.buffer.read1(1 << 16):
+            pass
+    except (OSError, ValueError, AttributeError):  # closed, or not a real file: stop too
+        pass
+    stop.set()
+
+
 def run_worker(
     listen: str,
     backend: Backend | str = "cpu",
@@ -79,6 +89,7 @@ def run_worker(
     startup_probe: bool = True,
     security: WorkerSecurity | None = None,
     err: TextIO | None = None,
+    exit_on_stdin_close: bool = False,
 ) -> int:
     """Serve on ``listen`` until SIGINT or SIGTERM; returns the process exit status.
 
@@ -90,6 +101,9 @@ def run_worker(
         config: limits; None: the defaults, with the request limit from
             :func:`default_max_request_bytes`.
         security: token and TLS; None: neither.
+        exit_on_stdin_close: also stop when standard input reaches end of file. A launcher
+            that keeps a pipe to it open takes the worker down when it ends by any means,
+            SIGKILL included (the kernel closes the pipe).
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
@@ -131,6 +145,8 @@ def run_worker(
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if exit_on_stdin_close:
+        threading.Thread(target=_set_at_end_of_input, args=(stop,), daemon=True).start()
     try:
         server, address = start_server(service, listen, security)
         try:
@@ -146,5 +162,12 @@ def run_worker(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    print(f"hetconv worker on {address} stopped after {service.requests} requests", file=out)
+    try:
+        print(f"hetconv worker on {address} stopped after {service.requests} requests", file=out)
+        out.flush()
+    except (BrokenPipeError, ValueError):
+        # The launcher that read our output is gone (the usual way --exit-on-stdin-close
+        # fires); the Python docs' recipe keeps the exit-time flush from failing too.
+        if out is sys.stdout:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
