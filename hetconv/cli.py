@@ -66,7 +66,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--workers-file",
         metavar="PATH",
-        help="a file naming workers, one HOST:PORT per line (# starts a comment)",
+        help="a file naming workers, one HOST:PORT per line (# starts a comment); re-read "
+        "every second while training: a line added joins its worker, a line removed lets it go",
     )
     where.add_argument(
         "--local-workers",
@@ -226,7 +227,7 @@ def _run_train(args: argparse.Namespace) -> int:
     cluster_config = ClusterConfig(
         master_compute=args.master_compute,
         connect_timeout=args.connect_timeout,
-        workers_file=args.workers_file,  # re-read while training: workers added there join
+        workers_file=args.workers_file,  # re-read while training: workers come and go
         token=token,  # the embedded default's local workers are started with it too
         tls_ca=args.tls_ca,
     )

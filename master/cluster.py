@@ -19,7 +19,8 @@ probe and the measured link) or returns a malformed answer costs time only: the 
 that kernel slice itself, for the rest of the step too, and the step completes. The worker is
 dropped; from the next step the shares are recomputed without it. A monitor thread retries it
 with exponential backoff, probes it again when it answers, and it gets a share from the next
-step on. New workers named in the workers file (re-read while training) join the same way.
+step on. New workers named in the workers file (re-read while training) join the same way;
+workers whose line is removed from it leave at the next step boundary.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class ClusterConfig:
             while every starting worker is active; for experiments and tests.
         retry_min, retry_max: seconds between attempts to reach a lost worker: doubling from
             the first to the second.
-        workers_file: a file naming workers, re-read during training: workers added to it join.
+        workers_file: a file naming workers, re-read during training: workers added to it join,
+            workers removed from it leave (at the next step boundary).
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
     """
@@ -93,6 +95,7 @@ class Node:
     losses: int = 0  # times it was lost: a worker that keeps failing is retried less often
     retry_at: float = 0.0
     joined: bool = False  # came from the workers file during training
+    leaving: bool = False  # its line left the workers file: it goes at the next step boundary
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ class Cluster:
         self._closed = threading.Event()
         self._monitor: threading.Thread | None = None
         self._file_mtime = 0.0
+        self._listed: set[str] = set()  # what the workers file named when last read
+        self._fixed: set[str] = set(addresses)  # named outside the workers file (--worker)
         self._replan_needed = False
 
     def _client(self, address: str) -> WorkerClient:
@@ -273,6 +278,13 @@ class Cluster:
         self._replan()
         if self.config.workers_file:
             self._file_mtime = self._workers_file_mtime()
+            from hetconv.cli import read_workers_file
+
+            try:
+                self._listed = set(read_workers_file(self.config.workers_file))
+            except (OSError, ValueError):  # read fine at start; the monitor reports changes
+                self._listed = {n.name for n in self.nodes[1:]}
+            self._fixed -= self._listed
         if log is not None:
             print(self.describe_shares(), file=log)
         self._monitor = threading.Thread(target=self._watch, name="hetconv-monitor", daemon=True)
@@ -298,7 +310,7 @@ class Cluster:
         )
         for entry in self._layers:
             override = (self.config.shares or {}).get(entry.name)
-            if override is not None and everyone_active:
+            if override is not None and everyone_active and len(override) == len(self.nodes):
                 shares = list(override)
             else:
                 seconds = []
@@ -432,7 +444,17 @@ class Cluster:
         except (OSError, ValueError) as e:
             self._event("workers_file_unreadable", reason=str(e))
             return
+        listed = self._listed = set(addresses)
+        dropped = []
         with self._lock:
+            for node in list(self._pending):  # joiners not admitted yet simply go
+                if node.name not in listed:
+                    self._pending.remove(node)
+                    dropped.append(node)
+            for node in self.nodes[1:]:
+                # Only workers the file named can leave through it: --worker ones stay. A
+                # worker named again before its step boundary stays too.
+                node.leaving = node.name not in listed and node.name not in self._fixed
             known = {n.name for n in self.nodes + self._pending}
             for address in addresses:
                 if address not in known:
@@ -440,6 +462,9 @@ class Cluster:
                     node.retry_at = 0.0
                     self._pending.append(node)
                     known.add(address)
+        for node in dropped:
+            node.client.close()
+            self._event("worker_removed", node.name, reason="removed from the workers file")
 
     def begin_step(self, step: int) -> None:
         """Start a training step: admit workers that came (back), re-plan if the membership
@@ -450,6 +475,10 @@ class Cluster:
         self._failed = set()
         admitted = []
         with self._lock:
+            leaving = [n for n in self.nodes[1:] if n.leaving]
+            for node in leaving:
+                self.nodes.remove(node)
+                node.client.close()
             for node in self.nodes[1:]:
                 if node.state == READY:
                     node.state = ACTIVE
@@ -460,8 +489,10 @@ class Cluster:
                     self._pending.remove(node)
                     self.nodes.append(node)
                     admitted.append((node, "worker_joined"))
-            changed = self._replan_needed or bool(admitted)
+            changed = self._replan_needed or bool(admitted) or bool(leaving)
             self._replan_needed = False
+        for node in leaving:
+            self._event("worker_removed", node.name, reason="removed from the workers file")
         for node, kind in admitted:
             self._event(kind, node.name, device=node.description)
         if changed:

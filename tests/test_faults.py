@@ -194,6 +194,35 @@ def test_worker_added_to_the_workers_file_joins(local, tmp_path):
     assert names == ["master", first, second] and shares[2] > 0
 
 
+def test_worker_removed_from_the_workers_file_leaves(local, tmp_path):
+    listing = tmp_path / "workers.txt"
+    with LocalWorkers(3) as workers:
+        named, listed, staying = workers.addresses
+        listing.write_text(f"{listed}\n{staying}\n")
+
+        def remove(cluster):
+            # The file no longer names ``listed``; ``named`` came from --worker, never the file.
+            listing.write_text(f"# {listed} went home\n{staying}\n")
+            os.utime(listing, (time.time() + 5, time.time() + 5))
+            deadline = time.monotonic() + 30
+            while not any(n.leaving for n in cluster.nodes):
+                assert time.monotonic() < deadline, "the file change was not noticed in 30 s"
+                time.sleep(0.05)
+
+        addresses = [named, listed, staying]  # as the command line passes them
+        with Disturbed(addresses, {(3, None): remove}, workers_file=str(listing)) as cluster:
+            got = _train(tmp_path, "removed", cluster)
+            events = _kinds(cluster)
+            names = [node.name for node in cluster.nodes]
+            shares = cluster.plans["conv2"].shares
+        # It left the training, not the machine: still serving, for whoever wants it.
+        assert workers.processes[1].poll() is None
+    _same_as_local(got, local)
+    assert ("worker_removed", listed, 3) in events
+    assert not any(kind == "worker_lost" for kind, _, _ in events)
+    assert names == ["master", named, staying] and len(shares) == 3 and sum(shares) == 16
+
+
 class _Liar(ConvWorkerService):
     """Answers Forward with feature maps of the wrong shape."""
 
