@@ -89,6 +89,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         default=True,
         help="the master computes a share of every layer too",
     )
+    where.add_argument(
+        "--shares",
+        choices=("compute", "link"),
+        default="compute",
+        help="how kernels are split: compute = the paper's rule, in proportion to 1 / each "
+        "node's probe time; link = also count each worker's link as measured at connect "
+        "(the simulator's link-aware rule: a worker whose link makes it a net loss gets none)",
+    )
     security = p.add_argument_group("security")
     security.add_argument(
         "--token",
@@ -228,6 +236,7 @@ def _run_train(args: argparse.Namespace) -> int:
         master_compute=args.master_compute,
         connect_timeout=args.connect_timeout,
         workers_file=args.workers_file,  # re-read while training: workers come and go
+        share_policy=args.shares,
         token=token,  # the embedded default's local workers are started with it too
         tls_ca=args.tls_ca,
     )

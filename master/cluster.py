@@ -41,6 +41,8 @@ from hetconv.balance import kernel_shares, offsets
 from hetconv.master.client import CallStats, WorkerClient
 
 MASTER = "master"
+COMPUTE_POLICY, LINK_POLICY = "compute", "link"
+SHARE_POLICIES = (COMPUTE_POLICY, LINK_POLICY)
 
 ACTIVE, LOST, READY = "active", "lost", "ready"
 
@@ -63,6 +65,11 @@ class ClusterConfig:
             the first to the second.
         workers_file: a file naming workers, re-read during training: workers added to it join,
             workers removed from it leave (at the next step boundary).
+        share_policy: ``"compute"``, the paper's rule (kernels in proportion to 1 / probe
+            time), or ``"link"``: the simulator's link-aware rule
+            (:func:`hetconv.simulations.policies.link_aware_shares`) fed with the probes and
+            the links measured at connect, so a worker whose link makes it a net loss gets no
+            kernels.
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
     """
@@ -76,6 +83,7 @@ class ClusterConfig:
     retry_min: float = 0.5
     retry_max: float = 30.0
     workers_file: str | None = None
+    share_policy: str = "compute"
     token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
 
@@ -181,6 +189,11 @@ class Cluster:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"a worker is named twice in {list(addresses)}")
         self.config = config or ClusterConfig()
+        if self.config.share_policy not in SHARE_POLICIES:
+            raise ValueError(
+                f"share policy {self.config.share_policy!r} is not one of "
+                f"{', '.join(SHARE_POLICIES)}"
+            )
         if not addresses and not self.config.master_compute and not self.config.workers_file:
             raise ValueError("no workers and --no-master-compute: nothing would compute")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -324,7 +337,46 @@ class Cluster:
                     # nothing would. (Said once in the events when it happens.)
                     seconds[0] = self.nodes[0].probe_seconds.get(entry.name, 1.0)
                 shares = kernel_shares(entry.shape.k, seconds)
+                if self.config.share_policy == LINK_POLICY:
+                    shares = self._link_aware_shares(entry, seconds, shares)
             self.plans[entry.name] = LayerPlan(entry.shape, tuple(shares), tuple(offsets(shares)))
+
+    def _link_aware_shares(self, entry: _Layer, seconds: list[float], fallback: list[int]):
+        """The simulator's link-aware split of ``entry`` over the nodes whose ``seconds`` are
+        finite (the usable ones), from their probes and measured links; ``fallback`` (the
+        compute shares) when the master alone is usable."""
+        from hetconv.simulations import costmodel
+        from hetconv.simulations.policies import link_aware_shares
+
+        usable = [i for i, t in enumerate(seconds) if np.isfinite(t)]
+        workers = [i for i in usable if i > 0]
+        if not workers:
+            return fallback
+        layer = costmodel.ConvLayer(entry.name, entry.shape, entry.need_input_grad)
+        flops = layer.step_passes * entry.shape.flops_forward
+
+        def model_node(i: int) -> costmodel.Node:
+            node = self.nodes[i]
+            gflops = flops / max(node.probe_seconds.get(entry.name, seconds[i]), 1e-9) / 1e9
+            if node.client is None:  # the master: its port is at least as fast as any link
+                link = max(self.nodes[j].link_bytes_per_second for j in workers)
+                return costmodel.Node(node.name, gflops, bytes_per_s=link)
+            return costmodel.Node(
+                node.name, gflops, bytes_per_s=node.link_bytes_per_second, rtt_s=node.link_latency
+            )
+
+        model = costmodel.Cluster(
+            master=model_node(0),
+            workers=tuple(model_node(i) for i in workers),
+            master_compute=0 in usable,
+        )
+        split = link_aware_shares(model, layer)
+        if split[0] and not model.master_compute:  # it found no worker worth its link
+            return fallback
+        shares = [0] * len(self.nodes)
+        for i, kernels in zip([0, *workers], split, strict=True):
+            shares[i] = kernels
+        return shares
 
     def describe_shares(self) -> str:
         """A table: per node, its device, link, and per layer its probe time and kernels."""

@@ -155,11 +155,42 @@ def test_bad_cluster_settings_are_refused(workers):
         Cluster([workers[0], workers[0]])
     with pytest.raises(ValueError, match="nothing would compute"):
         Cluster([], config=ClusterConfig(master_compute=False))
+    with pytest.raises(ValueError, match="share policy 'fastest' is not one of compute, link"):
+        Cluster(workers[:1], config=ClusterConfig(share_policy="fastest"))
     config = ClusterConfig(shares={"conv1": (1, 1, 1)})
     with Cluster(workers[:2], config=config) as cluster:
         model = Model(reference_spec(8, 16), seed=0, executor=cluster)
         with pytest.raises(ValueError, match="summing to its 8 kernels"):
             cluster.prepare(model.conv_layers(), batch=2, log=None)
+
+
+def test_link_policy_gives_a_worker_behind_a_slow_link_no_kernels(workers):
+    # Both workers are real and probed; the second one's link is then set to what a 5 Mbit/s
+    # Wi-Fi link measures (the measurement is the policy's input; loopback cannot be slow).
+    def prepared(policy):
+        cluster = Cluster(workers[:2], config=ClusterConfig(share_policy=policy))
+        model = Model(reference_spec(8, 64), seed=0, executor=cluster)
+        cluster.prepare(model.conv_layers(), batch=16, log=None)
+        cluster.nodes[2].link_bytes_per_second = 5e6 / 8
+        cluster.nodes[2].link_latency = 0.005
+        cluster._replan()
+        return cluster
+
+    with prepared("link") as cluster:
+        link = {name: plan.shares for name, plan in cluster.plans.items()}
+        slow = cluster.nodes[2].name
+    with prepared("compute") as cluster:
+        compute = {name: plan.shares for name, plan in cluster.plans.items()}
+    assert all(shares[2] == 0 for shares in link.values()), (slow, link)
+    assert all(shares[2] > 0 for shares in compute.values()), compute  # links play no part
+    assert all(sum(link[name]) == sum(compute[name]) for name in link)
+
+
+def test_link_policy_trains_exactly_like_local(workers, local_run, tmp_path):
+    config = ClusterConfig(share_policy="link")
+    with Cluster(workers, config=config) as cluster:
+        got = _train(tmp_path, "link", cluster)
+    _assert_same_training(got, local_run)
 
 
 # -- the command line: the embedded default and named workers ------------------------------

@@ -170,3 +170,28 @@ def test_the_simulator_predicts_a_real_run_on_shaped_links(preset, workers, rate
     assert abs(case.error) <= TARGET_ERROR, shown
     comm_error = case.predicted_comm_s / case.measured_comm_s - 1
     assert abs(comm_error) <= TARGET_ERROR, shown + f"; comm {100 * comm_error:+.1f} %"
+
+
+@pytest.mark.slow
+@needs_testbed
+def test_link_policy_leaves_out_a_worker_behind_a_slow_real_link():
+    # Measurement to shares, end to end: the master measures each worker's link at connect
+    # (echo over the shaped veth), and --shares link gives the 5 Mbit/s worker nothing while
+    # the 1000 Mbit/s one keeps kernels; the paper's rule, blind to links, gives both some.
+    from hetconv.master.cluster import Cluster, ClusterConfig
+    from hetconv.model import Model, load_spec
+
+    with validate.Testbed(2, 1000) as bed:
+        bed.shape(bed.links[1], 5)
+        fast, slow = bed.start_workers()
+        shares = {}
+        for policy in ("compute", "link"):
+            config = ClusterConfig(share_policy=policy, token=bed.token, connect_timeout=60)
+            with Cluster([fast, slow], config=config) as cluster:
+                model = Model(load_spec("paper-50-500"), seed=0, executor=cluster)
+                cluster.prepare(model.conv_layers(), batch=16, log=None)
+                assert cluster.nodes[2].link_bytes_per_second < 1e6  # 5 Mbit/s: 0.6 MB/s
+                shares[policy] = {name: plan.shares for name, plan in cluster.plans.items()}
+    assert all(s[2] == 0 for s in shares["link"].values()), shares
+    assert sum(s[1] for s in shares["link"].values()) > 0, shares
+    assert all(s[1] > 0 and s[2] > 0 for s in shares["compute"].values()), shares
