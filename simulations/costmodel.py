@@ -20,7 +20,8 @@ The model follows what :class:`hetconv.master.cluster.Cluster` does, call by cal
   node) requests share the master's upstream and answers its downstream; on Wi-Fi every transfer,
   both directions, shares one medium. Each flow is also capped by its worker's own link. While the
   master computes its own share, streamed transfers lose :attr:`WireCosts.compute_stall` of their
-  rate (its convolution holds the GIL that every chunk needs). After the last answer the master
+  rate (0 by default: a master whose convolutions hold the GIL that every chunk needs would
+  lose some). After the last answer the master
   sums the input-gradient parts (memory bound).
 * **A step** (:func:`simulate_step`): forward then backward of every conv layer, one after the
   other, plus the master's non-convolutional work ("comp"). As in the trace, a call's
@@ -262,19 +263,19 @@ class WireCosts:
             (``dx += part``, memory bound): ~5 GB/s measured here for 32 MB arrays.
         compute_stall: the fraction of its rate a streamed transfer loses while the master
             computes its own share. A streamed call needs the master's Python to start and for
-            every chunk, and hetconv's cpu backend (the master's) runs its GEMMs through scipy's
-            ``sgemm``, which holds the GIL: the call waits for the gaps between GEMMs. Measured
-            0.33-0.57 with real runs over tc-shaped links at 20-1000 Mbit/s
-            (``python -m hetconv.simulations.validate``, paper-50-500 at batch 8), about the same
-            at every rate, because it is the call's start that waits; bundled calls, one
-            serialisation each, showed none. 0 for a master whose convolutions release the GIL.
+            every chunk, so a master whose GEMMs hold the GIL stalls it: with hetconv's cpu
+            backend on scipy's f2py ``sgemm`` (which holds the GIL) real runs over tc-shaped
+            links measured 0.33-0.57. The cpu backend now calls the same sgemm through ctypes,
+            which releases the GIL, and the same runs fit 0 within 1.7 % (paper-50-500, batch
+            8 and 32, 20-1000 Mbit/s; ``python -m hetconv.simulations.validate``). Set it for a
+            master whose convolutions hold the GIL.
     """
 
     bundle_call_s: float = 0.75e-3
     stream_call_s: float = 2.5e-3
     software_bytes_per_s: float = 0.75e9
     sum_bytes_per_s: float = 5e9
-    compute_stall: float = 0.4
+    compute_stall: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.compute_stall <= 1.0:

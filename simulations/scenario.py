@@ -54,7 +54,7 @@ comments where every number comes from. The format, every key optional unless ma
     stream_call_ms = 2.5                 # fixed cost of a streamed call
     software_gbytes_per_s = 0.75         # what the master's side of the wire moves at most
     sum_gbytes_per_s = 5.0               # the master's summing of input-gradient parts
-    compute_stall = 0.4                  # streamed transfers' rate lost while the master
+    compute_stall = 0.0                  # streamed transfers' rate lost while the master
                                          # computes (0..1; see costmodel.WireCosts)
 
 Networks not listed in ``[comp]`` use :data:`DEFAULT_COMP_MS_PER_IMAGE` (measured here).

@@ -12,6 +12,7 @@ so they must agree to ``1e-6 * max|result|``.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -449,3 +450,61 @@ def test_time_step_positive(padding):
         seconds = CpuBackend().time_step(shape, repeats=2, with_grad_input=with_grad_input)
         assert isinstance(seconds, float)
         assert 0.0 < seconds < 10.0
+
+
+# -- the GEMM: scipy's sgemm through ctypes, which releases the GIL -------------------------------
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("through", ["ctypes", "f2py"])
+def test_gemm_accumulates_in_place_for_every_transpose(trans_a, trans_b, through, monkeypatch):
+    from hetconv.backends import cpu
+
+    if through == "f2py":
+        monkeypatch.setattr(cpu, "_SGEMM", None)  # the fallback where no capsule is found
+    else:
+        assert cpu._SGEMM is not None, "scipy's cython_blas sgemm capsule was not found"
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((9, 12), dtype=np.float32)
+    a = rows[:5, :7] if trans_a else rows[:7, :5]  # rows of a wider array: a strided operand
+    b = rng.standard_normal((6, 5) if trans_b else (5, 6), dtype=np.float32)
+    out = rng.standard_normal((7, 6), dtype=np.float32)
+    before, address = out.copy(), out.ctypes.data
+    cpu._gemm(a, b, out, trans_a, trans_b, beta=1.0)
+    want = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b) + before
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert out.ctypes.data == address
+    cpu._gemm(a, b, out, trans_a, trans_b, beta=0.0)
+    np.testing.assert_allclose(out, want - before, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_lets_other_threads_run():
+    # A thread streaming tensors to other workers needs the GIL for every chunk; the master's
+    # GEMM must not hold it. While one long GEMM runs on another thread, this one keeps running:
+    # its longest pause stays far below the GEMM's length (f2py's sgemm: the whole length).
+    from hetconv.backends import cpu
+
+    n = 2048  # ~0.1-0.3 s per GEMM here: far longer than any scheduling pause
+    a = np.ones((n, n), np.float32)
+    out = np.empty((n, n), np.float32)
+    window: list[float] = []
+
+    def gemm():
+        start = time.perf_counter()
+        for _ in range(3):
+            cpu._gemm(a, a, out)
+        window.extend((start, time.perf_counter()))
+
+    ticks = []
+    thread = threading.Thread(target=gemm)
+    thread.start()
+    while thread.is_alive():
+        ticks.append(time.perf_counter())
+    thread.join()
+    start, end = window
+    inside = [t for t in ticks if start <= t <= end]
+    edges = [start, *inside, end]
+    longest = max(b - a for a, b in zip(edges, edges[1:], strict=False))
+    assert longest < 0.5 * (end - start) / 3, (longest, end - start)
+    assert out[0, 0] == n
