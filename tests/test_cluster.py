@@ -271,27 +271,6 @@ def test_bad_worker_arguments_give_one_line_errors(args, message):
     assert "Traceback" not in run.stderr
 
 
-@pytest.mark.skipif(os.name != "posix", reason="sends SIGINT, a POSIX signal")
-def test_ctrl_c_stops_the_embedded_workers():
-    process = subprocess.Popen(
-        _hetconv("train", "--steps", "100000", "--batch", "8", "--train-size", "64",
-                 "--no-progress"),
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    lines = []
-    for line in process.stderr:
-        lines.append(line)
-        if line.startswith("training "):
-            break
-    time.sleep(1.0)
-    process.send_signal(signal.SIGINT)
-    rest, _ = process.communicate(timeout=60)
-    assert process.returncode == 130, "".join(lines) + rest
-    addresses = _worker_addresses("".join(lines))
-    assert len(addresses) == 2
-    assert all(_port_closed(a) for a in addresses)
-
-
 def _until_training(process) -> str:
     """Read the master's stderr up to its "training ..." line (the workers serve by then)."""
     lines = []
@@ -311,15 +290,33 @@ def _wait_closed(addresses: list[str], seconds: float) -> bool:
     return False
 
 
+def _long_embedded_run(*extra: str, **popen) -> subprocess.Popen:
+    """``hetconv train`` on its embedded default for far longer than any test waits."""
+    return subprocess.Popen(
+        _hetconv("train", "--steps", "100000", "--batch", "8", "--train-size", "64",
+                 "--no-progress", *extra),
+        stderr=subprocess.PIPE, text=True, **popen,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(os.name != "posix", reason="sends SIGINT, a POSIX signal")
+def test_ctrl_c_stops_the_embedded_workers():
+    process = _long_embedded_run()
+    head = _until_training(process)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, head + rest
+    addresses = _worker_addresses(head)
+    assert len(addresses) == 2
+    assert all(_port_closed(a) for a in addresses)
+
+
 @pytest.mark.skipif(os.name != "posix", reason="sends SIGKILL, a POSIX signal")
 def test_embedded_workers_end_with_a_killed_master():
     # SIGKILL leaves the master no chance to stop its workers: they notice the end of the
     # pipe to their standard input instead of serving forever.
-    process = subprocess.Popen(
-        _hetconv("train", "--steps", "100000", "--batch", "8", "--train-size", "64",
-                 "--no-progress"),
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    process = _long_embedded_run()
     try:
         addresses = _worker_addresses(_until_training(process))
         assert len(addresses) == 2 and not any(_port_closed(a) for a in addresses)
@@ -336,11 +333,9 @@ def test_terminal_ctrl_c_finishes_the_step_and_checkpoints_with_the_workers(tmp_
     # have their own session, so only the master sees it: it finishes the step with every
     # worker still serving (nobody is lost), checkpoints it, then stops the workers.
     folder = tmp_path / "ck"
-    process = subprocess.Popen(
-        _hetconv("train", "--steps", "100000", "--batch", "8", "--train-size", "64",
-                 "--no-progress", "--checkpoint-dir", str(folder), "--checkpoint-every", "5000"),
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    process = _long_embedded_run(
+        "--checkpoint-dir", str(folder), "--checkpoint-every", "5000", start_new_session=True
+    )
     try:
         head = _until_training(process)
         time.sleep(1.0)

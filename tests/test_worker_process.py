@@ -642,14 +642,20 @@ def test_signal_stops_the_worker_gracefully(spawn_worker, signame):
         client.close()
 
     process.popen.send_signal(getattr(signal, signame))
+    output = _stopped_cleanly(process, signame)
+    assert f"hetconv worker on {address} stopped after 1 requests" in output
+
+
+def _stopped_cleanly(process: WorkerProcess, after: str) -> str:
+    """Wait for the worker to exit 0 without a traceback; returns its output."""
     try:
         status = process.popen.wait(10)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"worker still running 10 s after {signame}:\n{process.output()}")
+        pytest.fail(f"worker still running 10 s after {after}:\n{process.output()}")
     output = process.output()
     assert status == 0, output
-    assert f"hetconv worker on {address} stopped after 1 requests" in output
     assert "Traceback" not in output
+    return output
 
 
 def test_exit_on_stdin_close_stops_when_the_launcher_goes(spawn_worker):
@@ -663,14 +669,8 @@ def test_exit_on_stdin_close_stops_when_the_launcher_goes(spawn_worker):
         assert health_status(channel, "") == health_pb2.HealthCheckResponse.SERVING
 
     process.popen.stdin.close()  # what the kernel does when the launcher dies, SIGKILL or not
-    try:
-        status = process.popen.wait(10)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"worker still running 10 s after its stdin closed:\n{process.output()}")
-    output = process.output()
-    assert status == 0, output
+    output = _stopped_cleanly(process, "its stdin closed")
     assert f"hetconv worker on {address} stopped after" in output
-    assert "Traceback" not in output
 
 
 # A worker whose ready line is written to an object that signals the process itself in the
