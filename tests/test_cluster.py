@@ -237,12 +237,13 @@ def test_embedded_default_trains_with_two_local_workers_and_stops_them(tmp_path)
     assert len(records) == 3 and set(records[0]["nodes"]) == {"master", *addresses}
 
 
-def test_named_workers_and_workers_file(workers, tmp_path):
+@pytest.mark.parametrize("policy", ["compute", "link"])
+def test_named_workers_and_workers_file(workers, tmp_path, policy):
     listing = tmp_path / "workers.txt"
     listing.write_text(f"# the lab\n{workers[1]}  # second\n\n")
     run = subprocess.run(
         _hetconv("train", *TINY_RUN, "--no-progress", "--worker", workers[0],
-                 "--workers-file", str(listing), "--no-master-compute"),
+                 "--workers-file", str(listing), "--no-master-compute", "--shares", policy),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
