@@ -354,3 +354,26 @@ def test_terminal_ctrl_c_finishes_the_step_and_checkpoints_with_the_workers(tmp_
     assert "lost" not in output, output
     addresses = _worker_addresses(head)
     assert len(addresses) == 2 and _wait_closed(addresses, 15)
+
+
+def test_embedded_master_leaves_its_workers_the_cores(monkeypatch):
+    from threadpoolctl import threadpool_info
+
+    from hetconv.master.launch import EmbeddedCluster
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    embedded = EmbeddedCluster(2, ClusterConfig())
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert embedded.master_blas_threads() == 1  # 2 cores, 2 one-thread workers: at least 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert embedded.master_blas_threads() == 6
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+
+    before = blas_threads()
+    with EmbeddedCluster(2, ClusterConfig()) as embedded:
+        model = Model(reference_spec(4, 6), seed=0, executor=embedded)
+        embedded.prepare(model.conv_layers(), batch=2, log=None)
+        assert blas_threads() == {1}  # while it trains
+    assert blas_threads() == before  # given back
