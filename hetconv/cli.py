@@ -9,14 +9,21 @@ from . import __version__
 from .model import PRESETS
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
+def _int_at_least(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text} must be at least {least}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _positive_float(text: str) -> float:
@@ -96,6 +103,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="how kernels are split: compute = the paper's rule, in proportion to 1 / each "
         "node's probe time; link = also count each worker's link as measured at connect "
         "(the simulator's link-aware rule: a worker whose link makes it a net loss gets none)",
+    )
+    where.add_argument(
+        "--rebalance-every",
+        type=_non_negative_int,
+        default=20,
+        metavar="STEPS",
+        help="every STEPS steps, re-split the kernels of nodes whose measured speed drifted "
+        "25%% or more from the figure their share was planned with (a laptop that got busy, "
+        "or freed up); 0 keeps the split fixed, as in the paper, until workers come or go",
     )
     security = p.add_argument_group("security")
     security.add_argument(
@@ -237,6 +253,7 @@ def _run_train(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         workers_file=args.workers_file,  # re-read while training: workers come and go
         share_policy=args.shares,
+        rebalance_every=args.rebalance_every,
         token=token,  # the embedded default's local workers are started with it too
         tls_ca=args.tls_ca,
     )

@@ -21,12 +21,19 @@ dropped; from the next step the shares are recomputed without it. A monitor thre
 with exponential backoff, probes it again when it answers, and it gets a share from the next
 step on. New workers named in the workers file (re-read while training) join the same way;
 workers whose line is removed from it leave at the next step boundary.
+
+The split is not fixed once, as in the paper: every ``rebalance_every`` steps each node's
+compute is compared with its own at the same share earlier, and a node that got markedly slower
+(a laptop whose owner started something) or faster has its figure scaled and the shares are
+planned again.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -70,6 +77,12 @@ class ClusterConfig:
             (:func:`hetconv.simulations.policies.link_aware_shares`) fed with the probes and
             the links measured at connect, so a worker whose link makes it a net loss gets no
             kernels.
+        rebalance_every: every this many steps, nodes whose measured compute has drifted from
+            the figure their share was planned with get new shares (0: the split stays as
+            planned, as in the paper, except when workers come or go).
+        rebalance_change: the relative drift that counts: a node's median compute over the
+            last ``rebalance_every`` steps, scaled to the whole layer, at least this far from
+            its planned figure.
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
     """
@@ -84,6 +97,8 @@ class ClusterConfig:
     retry_max: float = 30.0
     workers_file: str | None = None
     share_policy: str = "compute"
+    rebalance_every: int = 20
+    rebalance_change: float = 0.25
     token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
 
@@ -97,7 +112,13 @@ class Node:
     description: str = ""
     link_bytes_per_second: float = float("inf")  # measured round trip, both directions
     link_latency: float = 0.0
-    probe_seconds: dict[str, float] = field(default_factory=dict)  # per layer
+    # per layer: the seconds forward + backward of the whole layer would take it: the probe's
+    # figure, scaled by how much its speed has changed in training since (Cluster._drifted)
+    probe_seconds: dict[str, float] = field(default_factory=dict)
+    # per layer: recent training steps' compute seconds at the current share, and the median
+    # of the first such period (see Cluster._drifted)
+    measured: dict[str, collections.deque] = field(default_factory=dict)
+    baseline: dict[str, float] = field(default_factory=dict)
     state: str = ACTIVE
     failures: int = 0  # consecutive failed attempts to reach it since it was lost
     losses: int = 0  # times it was lost: a worker that keeps failing is retried less often
@@ -189,6 +210,11 @@ class Cluster:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"a worker is named twice in {list(addresses)}")
         self.config = config or ClusterConfig()
+        if self.config.rebalance_every < 0 or not 0 < self.config.rebalance_change:
+            raise ValueError(
+                f"rebalancing every {self.config.rebalance_every} steps on a change of "
+                f"{self.config.rebalance_change}: need steps >= 0 and a change > 0"
+            )
         if self.config.share_policy not in SHARE_POLICIES:
             raise ValueError(
                 f"share policy {self.config.share_policy!r} is not one of "
@@ -216,6 +242,7 @@ class Cluster:
         self._listed: set[str] = set()  # what the workers file named when last read
         self._fixed: set[str] = set(addresses)  # named outside the workers file (--worker)
         self._replan_needed = False
+        self._warming = True  # the next step's measurements are left out (_measure)
 
     def _client(self, address: str) -> WorkerClient:
         credentials = {}
@@ -476,6 +503,8 @@ class Cluster:
             return
         with self._lock:
             node.probe_seconds.update(probes)
+            node.measured.clear()  # it may come back as another machine, or less busy
+            node.baseline.clear()
             node.state = READY
 
     def _workers_file_mtime(self) -> float:
@@ -547,6 +576,12 @@ class Cluster:
             self._event("worker_removed", node.name, reason="removed from the workers file")
         for node, kind in admitted:
             self._event(kind, node.name, device=node.description)
+        reason = "membership"
+        every = self.config.rebalance_every
+        if not changed and every and step > 0 and step % every == 0:
+            drifted = self._drifted()
+            if drifted:
+                changed, reason = True, f"measured speeds ({drifted})"
         if changed:
             before = {name: plan.shares for name, plan in self.plans.items()}
             self._replan()
@@ -555,7 +590,63 @@ class Cluster:
                 for name, plan in self.plans.items()
             }
             if before != {name: plan.shares for name, plan in self.plans.items()}:
-                self._event("shares_changed", shares=shares)
+                self._forget_speeds()
+                self._event("shares_changed", shares=shares, reason=reason)
+
+    def _measure(self) -> None:
+        """Keep the compute seconds of this step's calls, per node and layer (forward +
+        backward). Steps in which a node failed are left out: the master's figures then
+        include recomputed slices."""
+        if not self.config.rebalance_every or self._failed:
+            return
+        if self._warming:  # the first step on new shares: connections, caches, allocations
+            self._warming = False
+            return
+        for node in self.nodes:
+            for layer, figures in self._records.get(node.name, {}).items():
+                if "forward" not in figures or "backward" not in figures:
+                    continue
+                seconds = figures["forward"]["compute_seconds"]
+                seconds += figures["backward"]["compute_seconds"]
+                window = node.measured.setdefault(
+                    layer, collections.deque(maxlen=self.config.rebalance_every)
+                )
+                window.append(seconds)
+
+    def _drifted(self) -> str:
+        """Scale the figure of every active node whose speed on a layer has changed by
+        ``rebalance_change`` or more; a short description of what changed ('' if nothing).
+
+        A node's speed is compared with itself at the same share: the median compute of the
+        first period after the shares were planned is its baseline, and each later period's
+        median is compared with that. (Comparing with the probe instead would not do: a
+        smaller share costs more per kernel, since the input's lowering does not shrink with
+        it, and the shares would feed on that.)
+        """
+        least = max(3, self.config.rebalance_every // 2)
+        drifted = []
+        with self._lock:
+            for node in self.nodes:
+                if node.state != ACTIVE:
+                    continue
+                for layer, window in node.measured.items():
+                    if len(window) < least or layer not in node.probe_seconds:
+                        continue
+                    seen = statistics.median(window)
+                    window.clear()
+                    baseline = node.baseline.setdefault(layer, seen)
+                    ratio = seen / max(baseline, 1e-12)
+                    if abs(ratio - 1) >= self.config.rebalance_change:
+                        node.probe_seconds[layer] *= ratio
+                        drifted.append(f"{node.name} {layer} x{ratio:.2f}")
+        return ", ".join(drifted)
+
+    def _forget_speeds(self) -> None:
+        """New shares: measurements so far were made at the old ones."""
+        self._warming = True
+        for node in self.nodes + self._pending:
+            node.measured.clear()
+            node.baseline.clear()
 
     def end_step(self) -> dict:
         """This step's trace fields: per node and layer what moved and took how long, the
@@ -571,6 +662,7 @@ class Cluster:
         }
         if events:
             record["events"] = events
+        self._measure()
         return record
 
     # -- dispatch --------------------------------------------------------------------------

@@ -55,9 +55,9 @@ class Disturbed(Cluster):
         return super().forward(layer, x, w, b, padding)
 
 
-def _train(tmp_path, name, executor, trace=None):
+def _train(tmp_path, name, executor, trace=None, **overrides):
     weights = tmp_path / f"{name}.npz"
-    config = TrainConfig(save=str(weights), trace=trace, **RUN)
+    config = TrainConfig(save=str(weights), trace=trace, **{**RUN, **overrides})
     result = train(config, executor, log=io.StringIO())
     return result.losses, dict(np.load(weights))
 
@@ -221,6 +221,62 @@ def test_worker_removed_from_the_workers_file_leaves(local, tmp_path):
     assert ("worker_removed", listed, 3) in events
     assert not any(kind == "worker_lost" for kind, _, _ in events)
     assert names == ["master", named, staying] and len(shares) == 3 and sum(shares) == 16
+
+
+class _Busy(ConvWorkerService):
+    """Computes correctly, but from ``busy = True`` on takes four times as long and more (a
+    laptop whose owner started something heavy)."""
+
+    busy = False
+
+    def _slow(self, compute: float) -> float:
+        if not self.busy:
+            return compute
+        extra = 3 * compute + 0.02
+        time.sleep(extra)
+        return compute + extra
+
+    def forward(self, messages):
+        tensors, compute, receive = super().forward(messages)
+        return tensors, self._slow(compute), receive
+
+    def backward(self, messages):
+        tensors, compute, receive = super().backward(messages)
+        return tensors, self._slow(compute), receive
+
+
+def test_a_worker_that_gets_busy_gets_fewer_kernels(tmp_path):
+    # Shares are re-planned every 4 steps from measured speeds: steps 1-3 set each node's
+    # baseline at its share (step 0 warms up), the worker gets busy at step 8, and steps 8-11
+    # show it. Only a doubling or more counts here, so this machine's noise does not.
+    steps = 16
+    reference = _train(tmp_path, "local16", LocalConv(), steps=steps)
+    service = _Busy(get_backend("cpu"))
+    server, busy = start_server(service, "127.0.0.1:0")
+    kernels_when_busy = []
+
+    def get_busy(cluster):
+        service.busy = True
+        kernels_when_busy.append(cluster.plans["conv2"].shares[2])  # master, worker, busy
+
+    try:
+        with LocalWorkers(1) as workers:
+            addresses = workers.addresses + [busy]
+            with Disturbed(
+                addresses, {(8, None): get_busy}, rebalance_every=4, rebalance_change=1.0
+            ) as cluster:
+                got = _train(tmp_path, "busy", cluster, steps=steps)
+                events = list(cluster.events)
+                after = cluster.plans["conv2"].shares
+    finally:
+        server.stop(0)
+    _same_as_local(got, reference)
+    assert not any(e["event"] == "worker_lost" for e in events)
+    changes = [e for e in events if e["event"] == "shares_changed"]
+    assert all(e["step"] >= 8 for e in changes)  # nothing before the baseline was compared
+    drift = [e for e in changes if f"{busy} " in e.get("reason", "")]
+    assert [e["step"] for e in drift][:1] == [12], changes
+    assert sum(after) == 16 and after[2] < kernels_when_busy[0], (kernels_when_busy, after)
 
 
 class _Liar(ConvWorkerService):
