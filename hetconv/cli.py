@@ -110,7 +110,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         default=20,
         metavar="STEPS",
         help="every STEPS steps, re-split the kernels of nodes whose measured speed drifted "
-        "25%% or more from the figure their share was planned with (a laptop that got busy, "
+        "30%% or more from the figure their share was planned with (a laptop that got busy, "
         "or freed up); 0 keeps the split fixed, as in the paper, until workers come or go",
     )
     security = p.add_argument_group("security")

@@ -98,7 +98,7 @@ class ClusterConfig:
     workers_file: str | None = None
     share_policy: str = "compute"
     rebalance_every: int = 20
-    rebalance_change: float = 0.25
+    rebalance_change: float = 0.3
     token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
 
@@ -614,14 +614,16 @@ class Cluster:
                 window.append(seconds)
 
     def _drifted(self) -> str:
-        """Scale the figure of every active node whose speed on a layer has changed by
+        """Scale the figures of every active node whose speed has changed by
         ``rebalance_change`` or more; a short description of what changed ('' if nothing).
 
         A node's speed is compared with itself at the same share: the median compute of the
-        first period after the shares were planned is its baseline, and each later period's
-        median is compared with that. (Comparing with the probe instead would not do: a
-        smaller share costs more per kernel, since the input's lowering does not shrink with
-        it, and the shares would feed on that.)
+        first period after the shares were planned is its baseline per layer, and each later
+        period's median is compared with that. (Comparing with the probe instead would not
+        do: a smaller share costs more per kernel, since the input's lowering does not shrink
+        with it, and the shares would feed on that.) A machine that gets busy slows down on
+        every layer, so a node's factor is the geometric mean over its layers: one noisy
+        layer does not move it.
         """
         least = max(3, self.config.rebalance_every // 2)
         drifted = []
@@ -629,16 +631,21 @@ class Cluster:
             for node in self.nodes:
                 if node.state != ACTIVE:
                     continue
+                ratios = []
                 for layer, window in node.measured.items():
                     if len(window) < least or layer not in node.probe_seconds:
                         continue
                     seen = statistics.median(window)
                     window.clear()
                     baseline = node.baseline.setdefault(layer, seen)
-                    ratio = seen / max(baseline, 1e-12)
-                    if abs(ratio - 1) >= self.config.rebalance_change:
-                        node.probe_seconds[layer] *= ratio
-                        drifted.append(f"{node.name} {layer} x{ratio:.2f}")
+                    ratios.append(seen / max(baseline, 1e-12))
+                if not ratios:
+                    continue
+                factor = float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-12)))))
+                if abs(factor - 1) >= self.config.rebalance_change:
+                    for layer in node.probe_seconds:
+                        node.probe_seconds[layer] *= factor
+                    drifted.append(f"{node.name} x{factor:.2f}")
         return ", ".join(drifted)
 
     def _forget_speeds(self) -> None:
