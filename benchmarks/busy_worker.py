@@ -2,15 +2,16 @@
 
 Two local workers and the master train the same steps twice, alternating: once with
 ``rebalance_every`` (shares follow measured speed) and once with 0 (the split stays as probed,
-as in the paper). Worker A has CPU 0 to itself at first; at ``--busy-at``, ``--hogs``
-processes that spin on CPU 0 start (a laptop whose owner started something heavy), so A gets
-a fraction of the speed it was probed at. The master (one BLAS thread, no share of the
-convolutions) and worker B are on CPU 1. Figures are mean step times before the hogs and after
-them (once the rebalanced run has had time to notice: from ``--busy-at`` plus two periods on),
-and their ratio. Linux only (CPU affinity), at least 2 CPUs.
+as in the paper). Worker A has CPU 0 to itself. At ``--busy-at`` it gets busy, as a laptop whose
+owner started something heavy: a CPU cgroup caps it at ``--throttle`` of a CPU (root; Linux
+cgroup v1 or v2), or where that cannot be had, ``--hogs`` processes spin on CPU 0 (weaker: Linux
+favours a mostly idle process over spinning ones). The master (one BLAS thread, no share of the
+convolutions) and worker B are on CPU 1. Figures are mean step times before A got busy and after
+(once the rebalanced run has had time to notice: from ``--busy-at`` plus two periods on), and
+their ratio. Linux only (CPU affinity), at least 2 CPUs.
 
     python benchmarks/busy_worker.py [--preset tiny] [--batch 32] [--steps 100] [--busy-at 30]
-        [--every 10] [--hogs 3] [--rounds 2] [--json PATH]
+        [--every 10] [--throttle 0.25] [--hogs 3] [--rounds 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,16 +47,60 @@ def _spin() -> None:
         pass
 
 
+class _CpuCap:
+    """A CPU cgroup capping its processes at ``fraction`` of one CPU, or None if none can be
+    made here (cgroup v1 ``cpu`` controller or v2, writable: root)."""
+
+    PERIOD_US = 10_000  # short periods: the cap acts within each call, not in 100 ms lumps
+
+    def __init__(self, fraction: float):
+        self.path: Path | None = None
+        quota = max(1000, int(self.PERIOD_US * fraction))
+        name = f"hetconv-busy-{os.getpid()}"
+        for root, files in (
+            (Path("/sys/fs/cgroup/cpu"), {"cpu.cfs_period_us": self.PERIOD_US,
+                                           "cpu.cfs_quota_us": quota}),
+            (Path("/sys/fs/cgroup"), {"cpu.max": f"{quota} {self.PERIOD_US}"}),
+        ):  # fmt: skip
+            path = root / name
+            try:
+                path.mkdir()
+            except OSError:
+                continue
+            try:
+                for file, value in files.items():
+                    (path / file).write_text(f"{value}\n")
+            except OSError:
+                path.rmdir()
+                continue
+            self.path = path
+            return
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(f"{pid}\n")
+
+    def remove(self) -> None:
+        if self.path is not None:
+            for _ in range(50):  # empty once its processes have exited
+                try:
+                    self.path.rmdir()
+                    return
+                except OSError:
+                    time.sleep(0.1)
+
+
 class _GetsBusy(Cluster):
     """A cluster whose first worker's CPU gets a competing process at step ``busy_at``."""
 
-    def __init__(self, addresses, config, busy_at: int, hogs: int):
+    def __init__(self, addresses, config, busy_at: int, hogs: int, cap, worker_pid: int):
         super().__init__(addresses, config=config)
-        self.busy_at, self.hogs = busy_at, hogs
+        self.busy_at, self.hogs, self.cap, self.worker_pid = busy_at, hogs, cap, worker_pid
         self.started: list[multiprocessing.Process] = []
 
     def begin_step(self, step: int) -> None:
-        if step == self.busy_at:
+        if step == self.busy_at and self.cap is not None:
+            self.cap.add(self.worker_pid)
+        elif step == self.busy_at:
             for _ in range(self.hogs):
                 hog = multiprocessing.Process(target=_spin, daemon=True)
                 hog.start()
@@ -69,6 +115,17 @@ class _GetsBusy(Cluster):
 
 
 def _run(args, every: int, scratch: Path, label: str) -> dict:
+    cap = _CpuCap(args.throttle) if args.throttle else None
+    if cap is not None and cap.path is None:
+        cap = None
+    try:
+        return _run_capped(args, every, scratch, label, cap)
+    finally:
+        if cap is not None:
+            cap.remove()
+
+
+def _run_capped(args, every: int, scratch: Path, label: str, cap) -> dict:
     with LocalWorkers(2) as workers:
         a, b = workers.processes
         _pin(a.pid, {0})
@@ -81,7 +138,9 @@ def _run(args, every: int, scratch: Path, label: str) -> dict:
         # The master computes no share: its convolutions would share CPU 1 with worker B and
         # make the two of them the bottleneck before A is busy at all.
         cluster_config = ClusterConfig(rebalance_every=every, master_compute=False)
-        with _GetsBusy(workers.addresses, cluster_config, args.busy_at, args.hogs) as cluster:
+        with _GetsBusy(
+            workers.addresses, cluster_config, args.busy_at, args.hogs, cap, a.pid
+        ) as cluster:
             train(config, cluster, log=io.StringIO())
             changes = [e for e in cluster.events if e["event"] == "shares_changed"]
     records = [json.loads(line) for line in trace.read_text().splitlines()]
@@ -89,6 +148,7 @@ def _run(args, every: int, scratch: Path, label: str) -> dict:
     before = [r["seconds"] for r in records[1 : args.busy_at]]
     after = [r["seconds"] for r in records[settled:]]
     return {
+        "busy_by": f"cgroup cap {args.throttle:g} CPU" if cap else f"{args.hogs} hogs",
         "rebalance_every": every,
         "before_s": float(np.mean(before)),
         "after_s": float(np.mean(after)),
@@ -104,6 +164,10 @@ def main() -> int:
     parser.add_argument("--busy-at", type=int, default=30)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--throttle", type=float, default=0.25,
+        help="the CPU fraction worker A is capped at (cgroup); 0: use --hogs instead",
+    )  # fmt: skip
     parser.add_argument("--hogs", type=int, default=3, help="spinning processes on CPU 0")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
@@ -127,7 +191,8 @@ def main() -> int:
                     rows.append(row)
                     label = f"every {every}" if every else "fixed split"
                     print(
-                        f"round {round_} {label:<12} before {1e3 * row['before_s']:6.1f} ms/step"
+                        f"[{row['busy_by']}] round {round_} {label:<12} "
+                        f"before {1e3 * row['before_s']:6.1f} ms/step"
                         f"  after {1e3 * row['after_s']:6.1f} ms/step  "
                         f"changes at steps {[s for s, _ in row['share_changes']]}",
                         flush=True,
