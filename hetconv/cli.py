@@ -168,7 +168,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     saving.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        help="write checkpoints (weights, optimizer, data position) here; the last 3 are kept",
+        help="write checkpoints (weights, optimizer, data position) here; the last 3 are kept. "
+        "Ctrl-C or SIGTERM then finishes the current step and checkpoints it before stopping "
+        "(a second Ctrl-C stops at once)",
     )
     saving.add_argument(
         "--checkpoint-every",
