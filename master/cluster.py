@@ -187,6 +187,14 @@ def _phase_record(stats: CallStats) -> dict:
     }
 
 
+def _shares_text(shares: dict[str, dict[str, int]]) -> str:
+    """``conv1 3/3/2, conv2 5/6/5 (master/127.0.0.1:5001/...)`` for the console."""
+    layers = ", ".join(f"{layer} {'/'.join(map(str, by_node.values()))}" for layer, by_node in
+                       shares.items())  # fmt: skip
+    nodes = next(iter(shares.values()), {})
+    return f"kernels {layers} ({'/'.join(nodes)})"
+
+
 def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
     p = Padding.resolve(padding, kernel_hw)
     return p.top, p.bottom, p.left, p.right
@@ -446,7 +454,9 @@ class Cluster:
             self.events.append(record)
             self._step_events.append(record)
         if self._log is not None:
-            text = ", ".join(f"{k} {v}" for k, v in details.items())
+            text = ", ".join(
+                _shares_text(v) if k == "shares" else f"{k} {v}" for k, v in details.items()
+            )
             who = f" {worker}" if worker else ""
             tqdm.write(f"[step {self.step}] {kind.replace('_', ' ')}{who}: {text}", file=self._log)
 
