@@ -105,6 +105,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "(the simulator's link-aware rule: a worker whose link makes it a net loss gets none)",
     )
     where.add_argument(
+        "--network",
+        choices=("switched", "wifi"),
+        default="switched",
+        help="what --shares link assumes: switched Ethernet (a full-duplex port per machine) "
+        "or Wi-Fi (one medium that every transfer, both ways, shares)",
+    )
+    where.add_argument(
         "--rebalance-every",
         type=_non_negative_int,
         default=20,
@@ -255,6 +262,7 @@ def _run_train(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         workers_file=args.workers_file,  # re-read while training: workers come and go
         share_policy=args.shares,
+        network=args.network,
         rebalance_every=args.rebalance_every,
         token=token,  # the embedded default's local workers are started with it too
         tls_ca=args.tls_ca,

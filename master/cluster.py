@@ -50,6 +50,7 @@ from hetconv.master.client import CallStats, WorkerClient
 MASTER = "master"
 COMPUTE_POLICY, LINK_POLICY = "compute", "link"
 SHARE_POLICIES = (COMPUTE_POLICY, LINK_POLICY)
+NETWORKS = ("switched", "wifi")  # the simulator's fabrics (simulations.costmodel.FABRICS)
 
 ACTIVE, LOST, READY = "active", "lost", "ready"
 
@@ -77,6 +78,9 @@ class ClusterConfig:
             (:func:`hetconv.simulations.policies.link_aware_shares`) fed with the probes and
             the links measured at connect, so a worker whose link makes it a net loss gets no
             kernels.
+        network: what ``"link"`` shares assume of the network: ``"switched"`` (Ethernet: a
+            port per machine, full duplex; the master's as fast as its fastest worker link)
+            or ``"wifi"`` (one medium that every transfer, both ways, shares).
         rebalance_every: every this many steps, nodes whose measured compute has drifted from
             the figure their share was planned with get new shares (0: the split stays as
             planned, as in the paper, except when workers come or go).
@@ -97,6 +101,7 @@ class ClusterConfig:
     retry_max: float = 30.0
     workers_file: str | None = None
     share_policy: str = "compute"
+    network: str = "switched"
     rebalance_every: int = 20
     rebalance_change: float = 0.3
     token: str | None = field(default=None, repr=False)  # never in a logged config
@@ -223,6 +228,8 @@ class Cluster:
                 f"rebalancing every {self.config.rebalance_every} steps on a change of "
                 f"{self.config.rebalance_change}: need steps >= 0 and a change > 0"
             )
+        if self.config.network not in NETWORKS:
+            raise ValueError(f"network {self.config.network!r} is not one of {', '.join(NETWORKS)}")
         if self.config.share_policy not in SHARE_POLICIES:
             raise ValueError(
                 f"share policy {self.config.share_policy!r} is not one of "
@@ -400,9 +407,14 @@ class Cluster:
                 node.name, gflops, bytes_per_s=node.link_bytes_per_second, rtt_s=node.link_latency
             )
 
+        fastest = max(self.nodes[j].link_bytes_per_second for j in workers)
         model = costmodel.Cluster(
             master=model_node(0),
             workers=tuple(model_node(i) for i in workers),
+            # On Wi-Fi every transfer, both ways, shares one medium: as fast as the fastest
+            # link measured alone.
+            fabric=self.config.network,
+            medium_bytes_per_s=fastest,
             master_compute=0 in usable,
         )
         split = link_aware_shares(model, layer)

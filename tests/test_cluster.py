@@ -157,6 +157,8 @@ def test_bad_cluster_settings_are_refused(workers):
         Cluster([], config=ClusterConfig(master_compute=False))
     with pytest.raises(ValueError, match="share policy 'fastest' is not one of compute, link"):
         Cluster(workers[:1], config=ClusterConfig(share_policy="fastest"))
+    with pytest.raises(ValueError, match="network 'lte' is not one of switched, wifi"):
+        Cluster(workers[:1], config=ClusterConfig(network="lte"))
     config = ClusterConfig(shares={"conv1": (1, 1, 1)})
     with Cluster(workers[:2], config=config) as cluster:
         model = Model(reference_spec(8, 16), seed=0, executor=cluster)
@@ -184,6 +186,28 @@ def test_link_policy_gives_a_worker_behind_a_slow_link_no_kernels(workers):
     assert all(shares[2] == 0 for shares in link.values()), (slow, link)
     assert all(shares[2] > 0 for shares in compute.values()), compute  # links play no part
     assert all(sum(link[name]) == sum(compute[name]) for name in link)
+
+
+@pytest.mark.parametrize("network", ["switched", "wifi"])
+def test_link_policy_models_the_network_it_is_told(workers, monkeypatch, network):
+    from hetconv.simulations import policies
+
+    seen = []
+
+    def spy(model, layer):
+        seen.append(model)
+        return real(model, layer)
+
+    real = policies.link_aware_shares
+    monkeypatch.setattr(policies, "link_aware_shares", spy)
+    config = ClusterConfig(share_policy="link", network=network)
+    with Cluster(workers[:2], config=config) as cluster:
+        model = Model(reference_spec(4, 6), seed=0, executor=cluster)
+        cluster.prepare(model.conv_layers(), batch=4, log=None)
+        links = [node.link_bytes_per_second for node in cluster.nodes[1:]]
+    assert seen and all(m.fabric == network for m in seen)
+    assert all(m.medium_bytes_per_s == max(links) for m in seen)
+    assert all([w.bytes_per_s for w in m.workers] == links for m in seen)
 
 
 def test_link_policy_trains_exactly_like_local(workers, local_run, tmp_path):
