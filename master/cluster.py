@@ -82,11 +82,12 @@ class ClusterConfig:
             port per machine, full duplex; the master's as fast as its fastest worker link)
             or ``"wifi"`` (one medium that every transfer, both ways, shares).
         rebalance_every: every this many steps, nodes whose measured compute has drifted from
-            the figure their share was planned with get new shares (0: the split stays as
-            planned, as in the paper, except when workers come or go).
-        rebalance_change: the relative drift that counts: a node's median compute over the
-            last ``rebalance_every`` steps, scaled to the whole layer, at least this far from
-            its planned figure.
+            their own at the same share earlier get their figures scaled and the kernels are
+            split again (0: the split stays as planned, as in the paper, except when workers
+            come or go). See :meth:`Cluster._drifted`.
+        rebalance_change: the relative drift that counts: a node's factor (its median compute
+            in the last period over its baseline, geometric mean over its layers) at least
+            this far from 1.
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
     """
@@ -194,8 +195,9 @@ def _phase_record(stats: CallStats) -> dict:
 
 def _shares_text(shares: dict[str, dict[str, int]]) -> str:
     """``conv1 3/3/2, conv2 5/6/5 (master/127.0.0.1:5001/...)`` for the console."""
-    layers = ", ".join(f"{layer} {'/'.join(map(str, by_node.values()))}" for layer, by_node in
-                       shares.items())  # fmt: skip
+    layers = ", ".join(
+        f"{layer} {'/'.join(map(str, by_node.values()))}" for layer, by_node in shares.items()
+    )
     nodes = next(iter(shares.values()), {})
     return f"kernels {layers} ({'/'.join(nodes)})"
 
