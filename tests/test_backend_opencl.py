@@ -104,20 +104,36 @@ def test_devices_are_listed_stably_and_described():
         assert info.memory_bytes > 0 and info.cores >= 1
 
 
+def _builds(number: int) -> bool:
+    try:
+        OpenCLBackend(device=number)
+    except BackendUnavailable:
+        return False
+    return True
+
+
 def test_each_device_number_selects_that_device():
     listed = OpenCLBackend.devices()
+    usable = []
     for number, info in enumerate(listed):
-        chosen = OpenCLBackend(device=number)
+        try:
+            chosen = OpenCLBackend(device=number)
+        except BackendUnavailable as error:  # a driver whose compiler rejects the kernels
+            assert f"OpenCL device {number} (" in str(error) and "cannot run" in str(error)
+            continue
+        usable.append(number)
         assert chosen.device_index == number
         assert chosen.describe() == info
         assert chosen.describe().memory_bytes == chosen._device.global_mem_size
-    assert get_backend("opencl", device=len(listed) - 1).describe() == listed[-1]
+    assert usable, "is_available() said a device builds the kernels"
+    assert get_backend("opencl", device=usable[-1]).describe() == listed[usable[-1]]
 
 
 def test_default_device_prefers_gpu_then_accelerator_then_most_cores():
     listed = OpenCLBackend.devices()
     rank = {"gpu": 0, "accelerator": 1, "cpu": 2}
-    best = min(listed, key=lambda info: (rank[info.kind], -info.cores))
+    builds = [info for i, info in enumerate(listed) if _builds(i)]
+    best = min(builds, key=lambda info: (rank[info.kind], -info.cores))
     chosen = OpenCLBackend().describe()
     assert (chosen.kind, chosen.cores) == (best.kind, best.cores)
     assert chosen == get_backend("opencl").describe()
@@ -128,6 +144,33 @@ def test_default_device_prefers_gpu_then_accelerator_then_most_cores():
     assert opencl._default_device([info("cpu", 64), info("gpu", 2)]) == 1
     assert opencl._default_device([info("cpu", 64), info("accelerator", 2)]) == 1
     assert opencl._default_device([info("gpu", 20), info("gpu", 40), info("gpu", 40)]) == 1
+
+
+def test_a_device_whose_compiler_fails_is_passed_over(monkeypatch):
+    """The preferred device's compiler rejecting the kernels (seen: PoCL 3.0 on a virtual CPU
+    LLVM names 'generic') leaves the default to the next device, and naming it says why."""
+    monkeypatch.setattr(OpenCLBackend, "_compiled", {})
+    monkeypatch.setattr(OpenCLBackend, "_cannot_build", {})
+    found = opencl._all_devices()
+    infos = [opencl._device_info(i, p, d) for i, (p, d) in enumerate(found)]
+    broken = opencl._preference_order(infos)[0]
+    real_build = OpenCLBackend._build.__func__
+
+    def build(cls, device):
+        if device.int_ptr == found[broken][1].int_ptr:
+            raise opencl.DeviceCannotBuild("error: unknown target CPU 'generic'")
+        return real_build(cls, device)
+
+    monkeypatch.setattr(OpenCLBackend, "_build", classmethod(build))
+    with pytest.raises(BackendUnavailable, match=f"device {broken} .*unknown target CPU"):
+        OpenCLBackend(device=broken)
+    if len(found) == 1:
+        ok, why = OpenCLBackend.is_available()
+        assert not ok and "unknown target CPU" in why
+        with pytest.raises(BackendUnavailable, match="no OpenCL device builds the kernels"):
+            OpenCLBackend()
+    else:
+        assert OpenCLBackend().device_index != broken
 
 
 @pytest.mark.parametrize("bad", [-1, "count", 99, True, "0", 1.0])

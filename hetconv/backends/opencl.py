@@ -343,11 +343,28 @@ def _device_info(index: int, platform: Any, device: Any) -> DeviceInfo:
     )
 
 
-def _default_device(infos: list[DeviceInfo]) -> int:
-    """GPUs before accelerators before CPUs; among equals the most compute units, then the
-    lowest number."""
+def _preference_order(infos: list[DeviceInfo]) -> list[int]:
+    """Device numbers, best first: GPUs before accelerators before CPUs; among equals the most
+    compute units, then the lowest number."""
     rank = {"gpu": 0, "accelerator": 1, "cpu": 2}
-    return min(range(len(infos)), key=lambda i: (rank[infos[i].kind], -infos[i].cores, i))
+    return sorted(range(len(infos)), key=lambda i: (rank[infos[i].kind], -infos[i].cores, i))
+
+
+def _default_device(infos: list[DeviceInfo]) -> int:
+    """The most preferred device (see :func:`_preference_order`), whether or not it builds."""
+    return _preference_order(infos)[0]
+
+
+def _compiler_says(error: Exception) -> str:
+    """The compiler's own error lines from a failed build (its log repeats them per try)."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    errors = list(dict.fromkeys(line for line in lines if line.startswith("error:")))
+    return "build failed: " + ("; ".join(errors) if errors else lines[0][:300])
+
+
+class DeviceCannotBuild(RuntimeError):
+    """The device's OpenCL compiler rejects the kernels (a broken or too old driver: PoCL 3.0
+    bundled with pyopencl's wheels, for one, knows no target for some virtual CPUs)."""
 
 
 @dataclass
@@ -378,6 +395,8 @@ class OpenCLBackend(Backend):
 
     #: device key -> built program, shared by all instances: building costs ~0.7 s on PoCL.
     _compiled: dict[tuple[int, int], _Compiled] = {}
+    #: device key -> why its compiler failed (a failed build is not tried again).
+    _cannot_build: dict[tuple[int, int], str] = {}
     _compile_lock = threading.Lock()
     #: How many programs this process has built (the kernel-cache test reads it).
     builds = 0
@@ -391,7 +410,7 @@ class OpenCLBackend(Backend):
         found = _all_devices()
         infos = [_device_info(i, p, d) for i, (p, d) in enumerate(found)]
         if device is None:
-            device = _default_device(infos)
+            device = self._first_that_builds(found, infos)
         elif isinstance(device, bool) or not isinstance(device, (int, np.integer)):
             raise ValueError(f"OpenCL device must be an int, got {device!r}")
         elif not 0 <= device < len(found):
@@ -403,7 +422,14 @@ class OpenCLBackend(Backend):
         self._platform, self._device = found[self.device_index]
         self._info = infos[self.device_index]
         self._max_alloc = min(int(self._device.max_mem_alloc_size), _INT_INDEX_BYTES)
-        compiled = self._compile(self._platform, self._device)
+        try:
+            compiled = self._compile(self._platform, self._device)
+        except DeviceCannotBuild as error:
+            from . import BackendUnavailable
+
+            raise BackendUnavailable(
+                f"OpenCL device {device} ({self._info.name}) cannot run hetconv: {error}"
+            ) from None
         self._context = compiled.context
         self._tiling = compiled.tiling
         self._queue = cl.CommandQueue(
@@ -428,7 +454,29 @@ class OpenCLBackend(Backend):
             return False, f"no OpenCL platform: {error}"
         if not found:
             return False, "no OpenCL device on any platform"
+        try:
+            cls._first_that_builds(found, [_device_info(i, p, d) for i, (p, d) in enumerate(found)])
+        except DeviceCannotBuild as error:
+            return False, str(error)
         return True, ""
+
+    @classmethod
+    def _first_that_builds(cls, found: list[tuple[Any, Any]], infos: list[DeviceInfo]) -> int:
+        """The most preferred device whose compiler builds the kernels (each device is built
+        once per process; the built program is kept for the backends that use it).
+
+        Raises:
+            DeviceCannotBuild: no device builds them; the message says why for each.
+        """
+        reasons = []
+        for number in _preference_order(infos):
+            try:
+                cls._compile(*found[number])
+            except DeviceCannotBuild as error:
+                reasons.append(f"device {number}: {error}")
+                continue
+            return number
+        raise DeviceCannotBuild("no OpenCL device builds the kernels: " + " | ".join(reasons))
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:
@@ -481,9 +529,15 @@ class OpenCLBackend(Backend):
     def _compile(cls, platform: Any, device: Any) -> _Compiled:
         key = (platform.int_ptr, device.int_ptr)
         with cls._compile_lock:
+            if key in cls._cannot_build:
+                raise DeviceCannotBuild(cls._cannot_build[key])
             compiled = cls._compiled.get(key)
             if compiled is None:
-                compiled = cls._build(device)
+                try:
+                    compiled = cls._build(device)
+                except DeviceCannotBuild as error:
+                    cls._cannot_build[key] = str(error)
+                    raise
                 cls._compiled[key] = compiled
             return compiled
 
@@ -505,7 +559,7 @@ class OpenCLBackend(Backend):
             try:
                 program = cl.Program(context, source).build(options=tiling.defines())
             except cl.Error as error:
-                failures.append(f"{tiling}: build failed: {error}")
+                failures.append(f"{tiling}: {_compiler_says(error)}")
                 continue
             finally:
                 cls.builds += 1
@@ -518,7 +572,9 @@ class OpenCLBackend(Backend):
             if limit >= tiling.items:
                 return _Compiled(context, program, tiling)
             failures.append(f"{tiling}: kernels allow only {limit} work-items per group")
-        raise RuntimeError(
+        if len({failure.split(": ", 1)[1] for failure in failures}) == 1:  # one cause for all
+            failures = [f"every tiling: {failures[0].split(': ', 1)[1]}"]
+        raise DeviceCannotBuild(
             f"no tiling of the OpenCL kernels runs on {device.name.strip()}: " + "; ".join(failures)
         )
 
