@@ -1,10 +1,31 @@
-"""Kernel shares: how many of a layer's kernels each device computes.
+"""Kernel shares: how many of a layer's kernels each node computes, by the paper's rule or
+one that sees links. The real cluster (``hetconv.master``) and the simulator both split here.
 
-The reference method (DESIGN.md, "The method", item 2): every device runs a probe convolution of
+The paper's rule (Marques, Falcao & Alexandre 2017): every device runs a probe convolution of
 the layer's real shape and reports its time ``t_i``; device ``i`` gets the fraction
 ``w_i = 1/t_i / sum_j 1/t_j`` of the kernels, so all finish at about the same time. Kernel
 counts are integers: the largest-remainder rule rounds the quotas so they sum exactly to the
-layer's kernel count.
+layer's kernel count (:func:`kernel_shares`).
+
+Policies over a cost-model cluster (:mod:`hetconv.costmodel`):
+
+``compute``: the paper's rule as the real cluster runs it: each node's probe time of the layer,
+then :func:`kernel_shares` (``w_i ∝ 1/t_i``). Links play no part.
+
+``link``: minimise the layer's predicted time, transfers included. A worker with ``k`` kernels
+takes about ``a + s·k`` seconds in each phase: ``a`` is what it costs whatever its share (the
+call's fixed cost and round trip, and the input ``x`` sent to it forward or, for layers that need
+it, the full-size ``dx`` part it returns backward), ``s`` what each kernel adds (its weights and
+feature maps, and its FLOPs). The master has ``a = 0``. The master's shared link enters as each
+worker's rate ``min(own link, shared capacity / m)`` when ``m`` workers take part, and the
+master's summing of ``dx`` parts as one add per worker. A quick pass finds, for every ``m``
+(workers taken in order of ``a``), the time at which all would finish the whole layer together
+(``k_i = (T - a_i)/s_i``, ``Σ k_i = K``); a worker with ``a_i >= T`` would need a negative
+share, so that ``m`` is out. For the few best ``m`` a small linear program then splits the kernels
+so that *forward's slowest node plus backward's slowest node* is least, as the step pays it.
+Last, the cost model's own simulation of the layer compares the result with the master alone and
+keeps the faster, so a worker whose link makes it a net loss gets 0 and the policy is never
+predicted slower than local training.
 """
 
 from __future__ import annotations
@@ -12,6 +33,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
+
+import numpy as np
+from scipy.optimize import linprog
+
+from .costmodel import BACKWARD, FORWARD, Cluster, ConvLayer, call_bytes, simulate_layer_phase
 
 
 def kernel_shares(kernels: int, probe_seconds: Sequence[float]) -> list[int]:
@@ -55,3 +81,131 @@ def offsets(shares: Sequence[int]) -> list[int]:
         out.append(total)
         total += share
     return out
+
+
+COMPUTE, LINK = "compute", "link"
+POLICIES = (COMPUTE, LINK)
+
+
+def compute_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
+    """The paper's shares: kernels in proportion to 1 / each node's probe time of the layer."""
+    probes = [node.probe_seconds(layer) for node in cluster.nodes]
+    if not cluster.master_compute:
+        probes[0] = math.inf
+    return kernel_shares(layer.kernels, probes)
+
+
+def _call_seconds(cluster: Cluster, layer: ConvLayer, phase: str, kernels: int) -> float:
+    """The fixed cost of a worker's call of ``phase`` at about ``kernels`` kernels."""
+    return cluster.wire.call_s(call_bytes(layer, phase, max(1, kernels)).bundled)
+
+
+def _phase_terms(cluster: Cluster, layer: ConvLayer, workers: int) -> np.ndarray:
+    """Per node (master first) the forward and backward times as ``a + s·k`` for ``k`` kernels,
+    when ``workers`` workers take part: rows (a_forward, s_forward, a_backward, s_backward)."""
+    shared = min(cluster.shared_bytes_per_s())
+    nodes = cluster.nodes
+    links = np.array([n.bytes_per_s for n in nodes[1:]], float)
+    rates = np.minimum(links, shared / max(workers, 1))
+    rtts = np.array([n.rtt_s for n in nodes[1:]], float)
+    seconds = np.array([layer.flops_per_kernel / n.throughput(layer.name) for n in nodes])
+    guess = layer.kernels // (workers + 1)
+    per_kernel = layer.kernel_bytes + layer.map_bytes  # each phase: weights one way, maps other
+    dx = layer.x_bytes if layer.need_input_grad else 0
+    terms = np.zeros((4, len(nodes)))
+    terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess) + rtts + layer.x_bytes / rates
+    terms[1] = seconds * layer.passes(FORWARD)
+    terms[1, 1:] += per_kernel / rates
+    terms[2, 1:] = _call_seconds(cluster, layer, BACKWARD, guess) + rtts + dx / rates
+    terms[3] = seconds * layer.passes(BACKWARD)
+    terms[3, 1:] += per_kernel / rates
+    if not cluster.master_compute:
+        terms[1, 0] = terms[3, 0] = math.inf
+    return terms
+
+
+def _split(terms: np.ndarray, chosen: np.ndarray, kernels: int) -> tuple[float, np.ndarray]:
+    """Kernels per node of ``chosen`` (indices, master 0 first) minimising max forward time +
+    max backward time (a small linear program); returns (that time, kernels as reals)."""
+    af, sf, ab, sb = (row[chosen] for row in terms)
+    usable = np.isfinite(sf)
+    count = len(chosen)
+    # Variables: k (count), Tf, Tb. Minimise Tf + Tb.
+    cost = np.concatenate((np.zeros(count), [1.0, 1.0]))
+    upper = np.zeros((2 * count, count + 2))
+    rows = np.arange(count)
+    upper[rows, rows] = np.where(usable, sf, 0.0)
+    upper[rows, count] = -1.0
+    upper[count + rows, rows] = np.where(usable, sb, 0.0)
+    upper[count + rows, count + 1] = -1.0
+    bound = -np.concatenate((af, ab))
+    equal = np.concatenate((np.ones(count), [0.0, 0.0]))[None, :]
+    limits = [(0.0, None if ok else 0.0) for ok in usable] + [(0.0, None), (0.0, None)]
+    result = linprog(cost, upper, bound, equal, [float(kernels)], bounds=limits, method="highs")
+    if result.status != 0:  # pragma: no cover - the program is always feasible and bounded
+        raise RuntimeError(f"kernel split failed: {result.message}")
+    return float(result.fun), np.maximum(result.x[:count], 0.0)
+
+
+def link_aware_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
+    """Shares that minimise the layer's predicted time, transfers included (module docstring).
+
+    Returns kernels per node, master first, summing to the layer's kernel count; a worker whose
+    link would make it slow the layer down gets 0.
+    """
+    kernels = layer.kernels
+    n = len(cluster.workers)
+    master_only = [kernels] + [0] * n
+    sum_s = layer.x_bytes / cluster.wire.sum_bytes_per_s if layer.need_input_grad else 0.0
+    # First a quick pass: everyone finishing the whole layer together, for every m.
+    estimates = {}
+    for m in range(1, n + 1):
+        terms = _phase_terms(cluster, layer, m)
+        a, s = terms[0] + terms[2], terms[1] + terms[3]
+        order = 1 + np.lexsort((s[1:], a[1:]))[:m]
+        chosen = np.concatenate(([0], order))
+        slopes, offsets = s[chosen], a[chosen]
+        time = (kernels + np.sum(offsets / slopes)) / np.sum(1.0 / slopes)
+        if np.all(offsets[1:] < time):
+            adds = m if cluster.master_compute else m - 1
+            estimates[m] = (time + adds * sum_s, chosen, terms)
+    best_time, best = math.inf, None
+    if cluster.master_compute:
+        best_time = kernels * (cluster.master.conv_seconds(layer, 1, layer.step_passes))
+    # Then the exact split of the best few sets: forward and backward each end with their
+    # slowest node, so the phases are balanced separately, not just their sum.
+    for m in sorted(estimates, key=lambda m: estimates[m][0])[:4]:
+        _, chosen, terms = estimates[m]
+        time, quotas = _split(terms, chosen, kernels)
+        adds = int(np.count_nonzero(quotas[1:] > 0.5)) - (0 if quotas[0] > 0.5 else 1)
+        time += max(adds, 0) * sum_s
+        if time < best_time:
+            shares = np.zeros(n + 1)
+            shares[chosen] = quotas
+            best_time, best = time, shares
+    if best is None:
+        return master_only
+    # Integer kernels by the same largest-remainder rule, in proportion to the real quotas.
+    shares = kernel_shares(kernels, [1.0 / q if q > 0 else math.inf for q in best])
+    if cluster.master_compute and _layer_seconds(cluster, layer, shares) >= _layer_seconds(
+        cluster, layer, master_only
+    ):
+        return master_only  # the model's own simulation has the last word
+    return shares
+
+
+def _layer_seconds(cluster: Cluster, layer: ConvLayer, shares) -> float:
+    return sum(
+        simulate_layer_phase(cluster, layer, phase, shares).wall_s for phase in (FORWARD, BACKWARD)
+    )
+
+
+def shares_for(cluster: Cluster, layers, policy: str) -> dict[str, tuple[int, ...]]:
+    """Per layer name, kernels per node (master first) under ``policy``."""
+    if policy == COMPUTE:
+        rule = compute_shares
+    elif policy == LINK:
+        rule = link_aware_shares
+    else:
+        raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+    return {layer.name: tuple(rule(cluster, layer)) for layer in layers}

@@ -50,7 +50,7 @@ from hetconv.master.client import CallStats, WorkerClient
 MASTER = "master"
 COMPUTE_POLICY, LINK_POLICY = "compute", "link"
 SHARE_POLICIES = (COMPUTE_POLICY, LINK_POLICY)
-NETWORKS = ("switched", "wifi")  # the simulator's fabrics (simulations.costmodel.FABRICS)
+NETWORKS = ("switched", "wifi")  # the simulator's fabrics (hetconv.costmodel.FABRICS)
 
 ACTIVE, LOST, READY = "active", "lost", "ready"
 
@@ -75,7 +75,7 @@ class ClusterConfig:
             workers removed from it leave (at the next step boundary).
         share_policy: ``"compute"``, the paper's rule (kernels in proportion to 1 / probe
             time), or ``"link"``: the simulator's link-aware rule
-            (:func:`hetconv.simulations.policies.link_aware_shares`) fed with the probes and
+            (:func:`hetconv.balance.link_aware_shares`) fed with the probes and
             the links measured at connect, so a worker whose link makes it a net loss gets no
             kernels.
         network: what ``"link"`` shares assume of the network: ``"switched"`` (Ethernet: a
@@ -389,8 +389,8 @@ class Cluster:
         """The simulator's link-aware split of ``entry`` over the nodes whose ``seconds`` are
         finite (the usable ones), from their probes and measured links; ``fallback`` (the
         compute shares) when the master alone is usable."""
-        from hetconv.simulations import costmodel
-        from hetconv.simulations.policies import link_aware_shares
+        from hetconv import costmodel
+        from hetconv.balance import link_aware_shares
 
         usable = [i for i, t in enumerate(seconds) if np.isfinite(t)]
         workers = [i for i in usable if i > 0]

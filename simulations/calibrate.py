@@ -4,7 +4,7 @@ From the per-step records (the first step, which warms caches and connections, i
 when there are more):
 
 * **Which network** ran: the preset whose conv layers have the trace's names and kernel counts
-  *and* whose calls, computed by :func:`~hetconv.simulations.costmodel.call_bytes`, move exactly
+  *and* whose calls, computed by :func:`~hetconv.costmodel.call_bytes`, move exactly
   the bytes the trace recorded (or the network given).
 * **Throughput** of every node on every layer: the FLOPs of its share (forward, kernel gradient,
   input gradient where the layer needs it) over the ``compute_seconds`` it reported, the median
@@ -15,7 +15,7 @@ when there are more):
 * **Per-call costs**: what a call's wall time leaves after compute and transfer, median over
   bundled and over streamed calls. A trace cannot tell the link's round trip from the software's
   fixed cost, so both go into these, and so does any wait of a streamed call on the master's own
-  convolution (:attr:`~hetconv.simulations.costmodel.WireCosts.compute_stall` is 0 here).
+  convolution (:attr:`~hetconv.costmodel.WireCosts.compute_stall` is 0 here).
 * **comp**: the mean ``comp_seconds`` per image.
 """
 
@@ -30,9 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetconv.model import PRESETS
-
-from .costmodel import (
+from hetconv.costmodel import (
     BACKWARD,
     FORWARD,
     MBIT,
@@ -46,6 +44,8 @@ from .costmodel import (
     network_layers,
     simulate_step,
 )
+from hetconv.model import PRESETS
+
 from .scenario import CompFigure, DeviceSpec, Scenario
 
 

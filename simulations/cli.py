@@ -16,7 +16,7 @@ from pathlib import Path
 # ``hetconv`` parser is built for another subcommand.
 
 MAX_NODES = 4096
-POLICIES = ("compute", "link")  # hetconv.simulations.policies.POLICIES; a test keeps them equal
+POLICIES = ("compute", "link")  # hetconv.balance.POLICIES; a test keeps them equal
 
 DESCRIPTION = (
     "Predict the step time of a cluster (communication, convolution on the slowest node, the "
@@ -117,7 +117,7 @@ def _mbit(value: float | None) -> str:
 
 def describe(scenario) -> str:
     """The scenario's inputs in words: what the table rests on."""
-    from .costmodel import WIFI
+    from hetconv.costmodel import WIFI
 
     lines = [f"scenario {scenario.name}: {scenario.description}".rstrip(": ")]
     if scenario.source:

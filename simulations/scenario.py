@@ -71,10 +71,9 @@ from pathlib import Path
 import numpy as np
 
 from hetconv.backends import AUTO_PROBE
+from hetconv.balance import POLICIES
+from hetconv.costmodel import FABRICS, MBIT, WIFI, Cluster, Node, WireCosts
 from hetconv.model import load_spec
-
-from .costmodel import FABRICS, MBIT, WIFI, Cluster, Node, WireCosts
-from .policies import POLICIES
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 

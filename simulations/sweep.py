@@ -1,6 +1,6 @@
 """Run a scenario's grid: every network, batch, bandwidth, cluster size and share policy.
 
-Each point is one simulated step (:func:`~hetconv.simulations.costmodel.simulate_step`) and
+Each point is one simulated step (:func:`~hetconv.costmodel.simulate_step`) and
 becomes a :class:`Row`: the step time and its breakdown in the trace's terms, and the speedup
 against local training on the master alone.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from .costmodel import local_step_seconds, network_layers, simulate_step
-from .policies import shares_for
+from hetconv.balance import shares_for
+from hetconv.costmodel import local_step_seconds, network_layers, simulate_step
+
 from .scenario import Scenario
 
 

@@ -20,7 +20,7 @@ compares the simulator's step time with the measured one:
   - link: the tc rate as TCP goodput (:func:`tcp_goodput_mbps`: 1448 payload bytes in every
     1514-byte frame, 0.956 of the rate; a bulk TCP transfer over the shaped link before the run
     checks it), and the idle round trip, ICMP echo before the run;
-  - bytes: the cost model's own (:func:`~hetconv.simulations.costmodel.call_bytes`), which
+  - bytes: the cost model's own (:func:`~hetconv.costmodel.call_bytes`), which
     equal what the trace records (checked when the trace is read);
   - per-call software costs: the loopback figures of the shipped ``this-machine`` scenario
     (benchmarks/transport.py), not this run's;
@@ -45,7 +45,7 @@ What the first runs showed, and what came of it:
   backend's GEMMs went through ``scipy.linalg.blas.sgemm`` (f2py), which holds the GIL that the
   call's Python needs to start and for every chunk. That cost 0.33-0.57 of the master's compute
   time per call, at every rate, and the cost model got a term for it
-  (:attr:`~hetconv.simulations.costmodel.WireCosts.compute_stall`). The backend now calls the
+  (:attr:`~hetconv.costmodel.WireCosts.compute_stall`). The backend now calls the
   same sgemm through ctypes, which releases the GIL: the stall is gone (paper-50-500 at batch
   32 over 1000 Mbit/s: 0.58 s per step instead of 0.72 s) and the term defaults to 0.
 
@@ -542,8 +542,9 @@ def predict(
 
     Returns (StepResult, per-node layer GFLOPS used, calibration of the trace).
     """
+    from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, network_layers, simulate_step
+
     from .calibrate import calibrate
-    from .costmodel import MBIT, SWITCHED, Cluster, Node, network_layers, simulate_step
     from .scenario import load_scenario
 
     cal = calibrate(trace)
@@ -621,7 +622,7 @@ def run_case(
     master_compute: bool = True,
 ) -> Case:
     """Build the testbed, train, predict, tear down. See the module docstring."""
-    from .costmodel import PHASES, call_bytes, network_layers
+    from hetconv.costmodel import PHASES, call_bytes, network_layers
 
     layers = network_layers(preset, batch)
     # A generous bound on the run's length, for the master's timeout: every call as if one

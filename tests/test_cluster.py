@@ -190,7 +190,7 @@ def test_link_policy_gives_a_worker_behind_a_slow_link_no_kernels(workers):
 
 @pytest.mark.parametrize("network", ["switched", "wifi"])
 def test_link_policy_models_the_network_it_is_told(workers, monkeypatch, network):
-    from hetconv.simulations import policies
+    from hetconv import balance as policies
 
     seen = []
 

@@ -12,15 +12,15 @@ import sys
 import numpy as np
 import pytest
 
-from hetconv.master.cluster import Cluster as RealCluster
-from hetconv.master.cluster import ClusterConfig
-from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
-from hetconv.model import PRESETS, Model
-from hetconv.simulations.calibrate import calibrate
-from hetconv.simulations.cli import POLICIES as CLI_POLICIES
-from hetconv.simulations.cli import add_arguments, main, run
-from hetconv.simulations.costmodel import (
+from hetconv.balance import (
+    COMPUTE,
+    LINK,
+    POLICIES,
+    compute_shares,
+    link_aware_shares,
+    shares_for,
+)
+from hetconv.costmodel import (
     BACKWARD,
     FORWARD,
     MBIT,
@@ -36,14 +36,14 @@ from hetconv.simulations.costmodel import (
     simulate_phase,
     simulate_step,
 )
-from hetconv.simulations.policies import (
-    COMPUTE,
-    LINK,
-    POLICIES,
-    compute_shares,
-    link_aware_shares,
-    shares_for,
-)
+from hetconv.master.cluster import Cluster as RealCluster
+from hetconv.master.cluster import ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.training import TrainConfig, train
+from hetconv.model import PRESETS, Model
+from hetconv.simulations.calibrate import calibrate
+from hetconv.simulations.cli import POLICIES as CLI_POLICIES
+from hetconv.simulations.cli import add_arguments, main, run
 from hetconv.simulations.scenario import (
     Population,
     load_scenario,

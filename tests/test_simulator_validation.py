@@ -14,8 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from hetconv.simulations import validate
-from hetconv.simulations.costmodel import (
+from hetconv.costmodel import (
     SWITCHED,
     Cluster,
     Node,
@@ -26,6 +25,7 @@ from hetconv.simulations.costmodel import (
     simulate_phase,
     simulate_step,
 )
+from hetconv.simulations import validate
 from hetconv.simulations.scenario import parse_scenario
 from hetconv.simulations.validate import (
     TARGET_ERROR,

@@ -258,7 +258,8 @@ class WireCosts:
         stream_call_s: the same for a streamed call; measured ~2-3 ms on loopback.
         software_bytes_per_s: how many tensor bytes per second the master's side of the wire
             moves at most, all calls together (copies, (de)serialisation): streaming ran at ~0.3
-            of raw TCP's 2.3-3 GB/s on loopback here (MEASURED.md). Caps the master's link.
+            of raw TCP's 2.3-3 GB/s on loopback (``benchmarks/transport.py`` measures both).
+            Caps the master's link.
         sum_bytes_per_s: bytes of input-gradient parts per second the master adds up
             (``dx += part``, memory bound): ~5 GB/s measured here for 32 MB arrays.
         compute_stall: the fraction of its rate a streamed transfer loses while the master
