@@ -6,34 +6,8 @@ import argparse
 import sys
 
 from . import __version__
+from .argtypes import non_negative_int, positive_float, positive_int
 from .model import PRESETS
-
-
-def _int_at_least(least: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{text} must be at least {least}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be positive")
-    return value
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -78,14 +52,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     where.add_argument(
         "--local-workers",
-        type=_positive_int,
+        type=positive_int,
         default=2,
         metavar="N",
         help="worker processes the embedded default starts on loopback",
     )
     where.add_argument(
         "--connect-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=20.0,
         metavar="SECONDS",
         help="how long to wait for each worker to answer at start",
@@ -113,7 +87,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     where.add_argument(
         "--rebalance-every",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=20,
         metavar="STEPS",
         help="every STEPS steps, re-split the kernels of nodes whose measured speed drifted "
@@ -152,17 +126,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         help="SGD steps (300 when neither --steps nor --epochs is given)",
     )
-    length.add_argument("--epochs", type=_positive_float, help="passes over the training set")
-    p.add_argument("--batch", type=_positive_int, default=32, help="images per step")
+    length.add_argument("--epochs", type=positive_float, help="passes over the training set")
+    p.add_argument("--batch", type=positive_int, default=32, help="images per step")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data and order")
-    p.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate")
+    p.add_argument("--lr", type=positive_float, default=0.01, help="learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay")
     p.add_argument(
-        "--train-size", type=_positive_int, default=10_000, help="synthetic training images"
+        "--train-size", type=positive_int, default=10_000, help="synthetic training images"
     )
     p.add_argument(
         "--eval-size", type=int, default=2_000, help="held-out images evaluated at the end"
@@ -181,7 +155,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     saving.add_argument(
         "--checkpoint-every",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="steps between checkpoints (default 100); one is always written at the end",
     )
@@ -306,14 +280,14 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--memory-limit",
-        type=_positive_int,
+        type=positive_int,
         metavar="MIB",
         help="device memory one call may use; larger calls run in chunks of images "
         "(default: what the device reports)",
     )
     p.add_argument(
         "--max-request-mib",
-        type=_positive_int,
+        type=positive_int,
         metavar="MIB",
         help="refuse convolution requests larger than this (default: the smaller of 2048 and "
         "half the memory available at start)",

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
+
+from hetconv.argtypes import positive
 
 # The simulator itself (protobuf, scipy) is imported when the command runs, not when the
 # ``hetconv`` parser is built for another subcommand.
@@ -45,19 +46,6 @@ def _nodes(text: str) -> list[int]:
     return out
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0 or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} must be positive")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hetconv simulate``."""
     parser.add_argument(
@@ -75,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--bandwidth",
-        type=_positive(float),
+        type=positive(float),
         nargs="+",
         metavar="MBIT",
         help="network bandwidths in Mbit/s (Wi-Fi medium or switch ports); devices that name "
@@ -84,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--network", nargs="+", metavar="NAME", help="presets or .json spec files to simulate"
     )
-    parser.add_argument("--batch", type=_positive(int), nargs="+", metavar="N", help="batch sizes")
+    parser.add_argument("--batch", type=positive(int), nargs="+", metavar="N", help="batch sizes")
     parser.add_argument(
         "--policy",
         choices=POLICIES,

@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import os
 import re
 import secrets
@@ -82,6 +81,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from hetconv.argtypes import positive
 
 DEFAULT_RATES = (5.0, 20.0, 100.0)
 DEFAULT_WORKERS = (1, 2)
@@ -750,19 +751,6 @@ def format_calls(case: Case) -> str:
     return "\n".join(lines)
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0 or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} must be positive")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hetconv.simulations.validate",
@@ -773,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rates",
-        type=_positive(float),
+        type=positive(float),
         nargs="+",
         default=list(DEFAULT_RATES),
         metavar="MBIT",
@@ -781,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers",
-        type=_positive(int),
+        type=positive(int),
         nargs="+",
         default=list(DEFAULT_WORKERS),
         metavar="N",
@@ -789,11 +777,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", default="tiny", help="network (tiny, paper-50-500, ...)")
     p.add_argument(
-        "--batch", type=_positive(int), help="images per step (default: 16 for tiny, 8 otherwise)"
+        "--batch", type=positive(int), help="images per step (default: 16 for tiny, 8 otherwise)"
     )
     p.add_argument(
         "--steps",
-        type=_positive(int),
+        type=positive(int),
         default=8,
         help="training steps per case (the first is left out of the means)",
     )
