@@ -36,3 +36,11 @@ def positive(kind: Callable[[str], int | float]):
 positive_int = number_at_least(int, 1)
 positive_float = positive(float)
 non_negative_int = number_at_least(int, 0)
+
+
+def parse_address(text: str, where: str = "--worker") -> str:
+    """``text`` if it is ``HOST:PORT`` (port 0-65535); ValueError naming ``where`` otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{where}: {text!r} is not HOST:PORT")
+    return text

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import __version__
-from .argtypes import non_negative_int, positive_float, positive_int
+from .argtypes import non_negative_int, parse_address, positive_float, positive_int
 from .model import PRESETS
 
 
@@ -167,33 +167,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_train)
 
 
-def read_workers_file(path: str) -> list[str]:
-    """Worker addresses from a file: one HOST:PORT per line, ``#`` comments, blank lines."""
-    try:
-        text = open(path, encoding="utf-8").read()
-    except OSError as e:
-        raise OSError(f"cannot read workers file {path}: {e.strerror}") from None
-    addresses = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        line = line.split("#", 1)[0].strip()
-        if line:
-            addresses.append(_address(line, f"{path}:{number}"))
-    if not addresses:
-        raise ValueError(f"workers file {path} names no worker")
-    return addresses
-
-
-def _address(text: str, where: str = "--worker") -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"{where}: {text!r} is not HOST:PORT")
-    return text
-
-
 def _run_train(args: argparse.Namespace) -> int:
     from hetconv.conv import LocalConv
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.master.launch import EmbeddedCluster
+    from hetconv.master.membership import read_workers_file
     from hetconv.master.training import TrainConfig, train
     from hetconv.worker.auth import read_pem, resolve_token
 
@@ -218,7 +196,7 @@ def _run_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
     )
-    addresses = [_address(a) for a in args.worker]
+    addresses = [parse_address(a) for a in args.worker]
     if args.workers_file:
         addresses += read_workers_file(args.workers_file)
     token = resolve_token(args.token)  # --token, else $HETCONV_TOKEN
@@ -328,7 +306,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from .backends import get_backend
 
-    _address(args.listen, "--listen")
+    parse_address(args.listen, "--listen")
     # Before the backend (whose auto choice probes): a bad token or PEM file fails at once.
     security = WorkerSecurity.from_files(resolve_token(args.token), args.tls_cert, args.tls_key)
     # None: run_worker picks the limit from the memory available and says so.

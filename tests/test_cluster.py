@@ -166,6 +166,27 @@ def test_bad_cluster_settings_are_refused(workers):
             cluster.prepare(model.conv_layers(), batch=2, log=None)
 
 
+def test_plan_record_carries_probes_links_and_shares(workers):
+    """What the trace's first record says of the plan, as data (nothing parses the console)."""
+    import json
+
+    with Cluster(workers[:2], config=ClusterConfig(master_compute=False)) as cluster:
+        model = Model(reference_spec(8, 16), seed=0, executor=cluster)
+        cluster.prepare(model.conv_layers(), batch=4, log=None)
+        record = json.loads(json.dumps(cluster.plan_record()))  # JSON as it is
+        nodes = cluster.nodes
+        plans = {name: list(plan.shares) for name, plan in cluster.plans.items()}
+    assert [n["name"] for n in record["nodes"]] == [n.name for n in nodes]
+    assert record["shares"] == plans and set(plans) == {"conv1", "conv2"}
+    master, *rest = record["nodes"]
+    assert master["probe_seconds"] == {} and master["link_bytes_per_second"] is None
+    for entry, node in zip(rest, nodes[1:], strict=True):
+        assert entry["probe_seconds"] == pytest.approx(node.probe_seconds)
+        assert entry["link_bytes_per_second"] == pytest.approx(node.link_bytes_per_second)
+        assert entry["link_latency_seconds"] == pytest.approx(node.link_latency)
+        assert entry["description"] == node.description
+
+
 def test_link_policy_gives_a_worker_behind_a_slow_link_no_kernels(workers):
     # Both workers are real and probed; the second one's link is then set to what a 5 Mbit/s
     # Wi-Fi link measures (the measurement is the policy's input; loopback cannot be slow).

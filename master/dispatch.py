@@ -1,0 +1,341 @@
+"""Dispatch: one phase runner for forward and backward, over a split strategy.
+
+A *split strategy* decides how a layer's work is cut into pieces (one per node, master first),
+what each worker is sent for its piece, what the master computes for a piece it covers, and how
+answers are put back together. :class:`PhaseRunner` does everything else, the same way for every
+strategy and both phases: it sends the workers' pieces concurrently (each call with a deadline
+from the probe and the measured link), computes the master's own piece meanwhile, waits, covers
+the pieces of workers that failed (the worker is lost; the step completes), records what moved
+and how long it took, and splits the time into communication and convolution.
+
+Today's strategy is :class:`KernelSplit` (the paper's): every node gets the same inputs and a
+slice of the kernels; feature maps come back into their channel slice of the output; backward
+sends each node its slice of the output gradient, and the kernel gradients come back into their
+slice while the input-gradient parts are summed.
+
+How the next strategies plug in (each is one new class; the runner does not change):
+
+* **Image split** (data parallel within a layer): ``pieces`` cuts the batch axis by the shares
+  instead of the kernel axis; a worker's forward job sends ``x[images]`` and the whole ``w``,
+  ``b`` and writes the answer into ``y[images]``; backward sends ``dy[images]`` and *sums* the
+  kernel and bias gradients while the input-gradient parts land in ``dx[images]``. The plan's
+  shares then count images, not kernels.
+* **Fused epilogue** (a worker also runs the channel-local layers after its convolution: bias,
+  ReLU, LRN, max-pool): the same kernel pieces, but the forward job calls a worker stage that
+  returns pooled maps (written into the pooled output's channel slice) and the backward job
+  sends the pooled-map gradient slice. LRN's halo is part of the piece: ``pieces`` widens each
+  slice by ``size // 2`` channels on each side for computing and the job keeps only the owned
+  channels when reassembling.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from hetconv.backends import Backend
+
+from .client import CallStats
+from .membership import ACTIVE, Membership, Node
+from .planning import LayerPlan
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+class Call:
+    """One worker call running on its own daemon thread.
+
+    Not a thread pool: after Ctrl-C interrupts the main thread while it waits, a pool's
+    non-daemon threads can be left blocked on a lock the interrupted wait still holds, and the
+    interpreter joins them at exit forever (seen here). Daemon threads never keep it alive; a
+    call costs a thread start (~0.1 ms) next to calls of milliseconds.
+    """
+
+    def __init__(self, fn, *args, **kwargs):
+        self._done = threading.Event()
+        self._value = self._error = None
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, args, kwargs), name="hetconv-call", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fn, args, kwargs) -> None:
+        try:
+            self._value = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the waiting thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One node's part of a layer: ``part`` along the strategy's split axis (kernels for the
+    kernel split), on node number ``index`` (0: the master)."""
+
+    index: int
+    node: Node
+    part: slice
+
+    @property
+    def size(self) -> int:
+        return self.part.stop - self.part.start
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """What a job asks of a worker for one piece: ``call(*args, timeout=..., **kwargs)``, and
+    the bytes it moves both ways (for the call's deadline)."""
+
+    call: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What every worker call of one layer in one step carries."""
+
+    session: int
+    step: int
+    layer: str
+
+
+class PhaseJob(Protocol):
+    """One phase (forward or backward) of one layer, cut by a strategy."""
+
+    phase: str
+    images: int
+
+    def worker_request(self, piece: Piece) -> WorkerRequest: ...
+
+    def compute_locally(self, piece: Piece) -> None:
+        """The master computes ``piece`` (its own, or a failed worker's) into the result."""
+
+    def accept(self, piece: Piece, answer) -> CallStats:
+        """Put a worker's answer for ``piece`` into the result; its call's figures."""
+
+    def result(self): ...
+
+
+class SplitStrategy(Protocol):
+    """How a layer is cut into pieces and how each phase's answers are reassembled."""
+
+    name: str
+
+    def pieces(self, plan: LayerPlan, nodes: Sequence[Node]) -> list[Piece]: ...
+
+    def forward(self, ctx: CallContext, backend: Backend, x, w, b, sides) -> PhaseJob: ...
+
+    def backward(
+        self, ctx: CallContext, backend: Backend, x, w, dy, sides, need_input_grad: bool
+    ) -> PhaseJob: ...
+
+
+class _KernelForward:
+    phase = FORWARD
+
+    def __init__(self, ctx: CallContext, backend: Backend, x, w, b, sides):
+        self.ctx, self.backend, self.x, self.w, self.b, self.sides = ctx, backend, x, w, b, sides
+        self.images = x.shape[0]
+        ho = x.shape[2] + sides[0] + sides[1] - w.shape[2] + 1
+        wo = x.shape[3] + sides[2] + sides[3] - w.shape[3] + 1
+        self.y = np.empty((x.shape[0], w.shape[0], ho, wo), np.float32)
+
+    def worker_request(self, piece: Piece) -> WorkerRequest:
+        sl, ctx = piece.part, self.ctx
+        return WorkerRequest(
+            piece.node.client.forward,
+            (ctx.session, ctx.step, ctx.layer, self.x, self.w[sl], self.b[sl], self.sides),
+            {"out": self.y[:, sl], "kernel_offset": sl.start},
+            self.x.nbytes + self.w[sl].nbytes + self.y[:, sl].nbytes,
+        )
+
+    def compute_locally(self, piece: Piece) -> None:
+        sl = piece.part
+        self.y[:, sl] = self.backend.conv_forward(self.x, self.w[sl], self.b[sl], self.sides)
+
+    def accept(self, piece: Piece, answer) -> CallStats:
+        return answer[1]  # the feature maps arrived in place (out=)
+
+    def result(self):
+        return self.y
+
+
+class _KernelBackward:
+    phase = BACKWARD
+
+    def __init__(self, ctx: CallContext, backend: Backend, x, w, dy, sides, need_input_grad):
+        self.ctx, self.backend, self.x, self.w, self.dy = ctx, backend, x, w, dy
+        self.sides, self.need_input_grad = sides, need_input_grad
+        self.images = x.shape[0]
+        self.dw = np.empty_like(w)
+        self.db = np.empty(w.shape[0], np.float32)
+        self.dx = None  # the sum of the input-gradient parts, in the order they are added
+
+    def _add_dx(self, part) -> None:
+        if self.need_input_grad:
+            self.dx = part if self.dx is None else self.dx + part
+
+    def worker_request(self, piece: Piece) -> WorkerRequest:
+        sl, ctx = piece.part, self.ctx
+        dx_bytes = self.x.nbytes if self.need_input_grad else 0
+        dw, db = self.dw[sl], self.db[sl]
+        return WorkerRequest(
+            piece.node.client.backward,
+            (ctx.session, ctx.step, ctx.layer, self.dy[:, sl], self.need_input_grad),
+            {
+                "dw_out": dw,
+                "db_out": db,
+                "kernel_offset": sl.start,
+                "answer_bytes": dw.nbytes + db.nbytes + dx_bytes,
+            },
+            self.dy[:, sl].nbytes + dw.nbytes + dx_bytes,
+        )
+
+    def compute_locally(self, piece: Piece) -> None:
+        sl = piece.part
+        dy_part = np.ascontiguousarray(self.dy[:, sl])
+        self.dw[sl], self.db[sl] = self.backend.conv_grad_kernels(
+            self.x, dy_part, self.w.shape[2:], self.sides
+        )
+        if self.need_input_grad:
+            self._add_dx(
+                self.backend.conv_grad_input(dy_part, self.w[sl], self.x.shape[2:], self.sides)
+            )
+
+    def accept(self, piece: Piece, answer) -> CallStats:
+        dx_part, _, _, stats = answer  # kernel gradients arrived in place (dw_out=, db_out=)
+        self._add_dx(dx_part)
+        return stats
+
+    def result(self):
+        return self.dx, self.dw, self.db
+
+
+class KernelSplit:
+    """The paper's split: the same inputs to every node, a slice of the kernels each."""
+
+    name = "kernels"
+
+    def pieces(self, plan: LayerPlan, nodes: Sequence[Node]) -> list[Piece]:
+        return [
+            Piece(i, node, slice(plan.starts[i], plan.starts[i] + plan.shares[i]))
+            for i, node in enumerate(nodes)
+        ]
+
+    def forward(self, ctx, backend, x, w, b, sides) -> PhaseJob:
+        return _KernelForward(ctx, backend, x, w, b, sides)
+
+    def backward(self, ctx, backend, x, w, dy, sides, need_input_grad) -> PhaseJob:
+        return _KernelBackward(ctx, backend, x, w, dy, sides, need_input_grad)
+
+
+def _phase_record(stats: CallStats) -> dict:
+    return {
+        "bytes_sent": stats.bytes_sent,
+        "bytes_received": stats.bytes_received,
+        "send_seconds": stats.send_seconds,
+        "compute_seconds": stats.compute_seconds,
+        "receive_seconds": stats.receive_seconds,
+        "wall_seconds": stats.wall_seconds,
+        "bundled": stats.bundled,
+    }
+
+
+class PhaseRunner:
+    """Runs phase jobs over the membership's nodes and keeps the step's figures.
+
+    Args:
+        membership: the nodes (master first); a worker whose call fails is lost through it.
+        deadline_floor, deadline_factor: a call may take the floor plus this many times what
+            the probe and the measured link predict for it.
+    """
+
+    def __init__(self, membership: Membership, deadline_floor: float, deadline_factor: float):
+        self.membership = membership
+        self.deadline_floor, self.deadline_factor = deadline_floor, deadline_factor
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.records: dict[str, dict] = {}  # node name -> layer -> {"kernels", phase: figures}
+        self.comm = self.conv = self.wall = 0.0
+
+    def deadline(self, node: Node, plan: LayerPlan, layer: str, piece: int, nbytes: int, images):
+        """Seconds a call may take: a floor plus a multiple of what probe and link predict."""
+        t = node.probe_seconds.get(layer, 0.0)
+        compute = t * piece / max(plan.shape.k, 1) * images / max(plan.shape.n, 1)
+        transfer = nbytes / node.link_bytes_per_second + node.link_latency
+        return self.deadline_floor + self.deadline_factor * (compute + transfer)
+
+    def run(self, strategy: SplitStrategy, job: PhaseJob, layer: str, plan: LayerPlan):
+        """Run ``job`` over the pieces ``strategy`` cuts ``plan`` into; returns its result."""
+        start = time.perf_counter()
+        nodes = self.membership.nodes
+        pieces = strategy.pieces(plan, nodes)
+        calls, covered = [], []
+        for piece in pieces[1:]:
+            if not piece.size:
+                continue
+            node = piece.node
+            if node.state != ACTIVE or node.name in self.membership.failed:
+                covered.append(piece)  # lost earlier in this step: the master covers it
+                continue
+            request = job.worker_request(piece)
+            timeout = self.deadline(node, plan, layer, piece.size, request.nbytes, job.images)
+            call = Call(request.call, *request.args, timeout=timeout, **request.kwargs)
+            calls.append((piece, call))
+        t0 = time.perf_counter()
+        own = pieces[0]
+        if own.size:
+            job.compute_locally(own)
+        master_seconds = time.perf_counter() - t0
+        done, failed = self._gather(calls)
+        t0 = time.perf_counter()
+        for piece in covered + failed:
+            job.compute_locally(piece)
+        master_seconds += time.perf_counter() - t0
+        computes = [master_seconds]
+        if own.size or covered or failed:
+            kernels = own.size + sum(p.size for p in covered + failed)
+            stats = CallStats(compute_seconds=master_seconds)
+            self._record(nodes[0], layer, job.phase, kernels, stats)
+        for piece, answer in done:
+            stats = job.accept(piece, answer)
+            computes.append(stats.compute_seconds)
+            self._record(piece.node, layer, job.phase, piece.size, stats)
+        self._account(time.perf_counter() - start, computes)
+        return job.result()
+
+    def _gather(self, calls: list[tuple[Piece, Call]]):
+        """Wait for every worker call; (answers, failed pieces). A failed worker is lost."""
+        done, failed = [], []
+        for piece, call in calls:
+            try:
+                done.append((piece, call.result()))
+            except Exception as e:  # WorkerError, or anything else a broken answer raises
+                self.membership.lose(piece.node, e)
+                failed.append(piece)
+        return done, failed
+
+    def _record(self, node: Node, layer: str, phase: str, kernels: int, stats: CallStats):
+        per_layer = self.records.setdefault(node.name, {}).setdefault(layer, {"kernels": kernels})
+        per_layer[phase] = _phase_record(stats)
+
+    def _account(self, wall: float, computes: list[float]) -> None:
+        conv = max(computes, default=0.0)
+        self.conv += conv
+        self.comm += max(wall - conv, 0.0)
+        self.wall += wall

@@ -1,0 +1,287 @@
+"""Who is in the cluster: the nodes, their states, lost workers coming back, the workers file.
+
+A worker is ``active`` (it gets a share), ``lost`` (a call failed; the monitor thread retries it
+with exponential backoff) or ``ready`` (it answered and was probed again; it becomes active at
+the next step boundary, so a step never changes membership half-way). Workers named in the
+workers file join the same way, starting lost with no backoff; workers whose line is removed
+leave at the next step boundary (workers named with ``--worker`` stay).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hetconv.argtypes import parse_address
+
+from .client import WorkerClient
+from .events import EventLog
+
+MASTER = "master"
+
+
+class NodeState(str, enum.Enum):
+    """A node's membership state (a ``str``, so traces and comparisons with text still work)."""
+
+    ACTIVE = "active"
+    LOST = "lost"
+    READY = "ready"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ACTIVE, LOST, READY = NodeState.ACTIVE, NodeState.LOST, NodeState.READY
+
+
+@dataclass
+class Backoff:
+    """When to try a lost worker again: doubling with every failed attempt and every loss."""
+
+    failures: int = 0  # consecutive failed attempts to reach it since it was lost
+    losses: int = 0  # times it was lost: a worker that keeps failing is retried less often
+    retry_at: float = 0.0  # time.monotonic() of the next attempt
+
+    def delay(self, least: float, most: float) -> float:
+        exponent = self.failures + max(self.losses - 1, 0)
+        return min(most, least * 2.0 ** min(exponent, 30))
+
+
+@dataclass
+class Node:
+    """The master or one worker, as the cluster sees it: its connection, what it runs on, its
+    link, its speed figures and its membership state."""
+
+    name: str
+    client: WorkerClient | None  # None for the master itself
+    description: str = ""
+    link_bytes_per_second: float = float("inf")  # measured round trip, both directions
+    link_latency: float = 0.0
+    # per layer: the seconds forward + backward of the whole layer would take it: the probe's
+    # figure, scaled by how much its speed has changed in training since (rebalancing)
+    probe_seconds: dict[str, float] = field(default_factory=dict)
+    state: NodeState = ACTIVE
+    backoff: Backoff = field(default_factory=Backoff)
+    joined: bool = False  # came from the workers file during training
+    leaving: bool = False  # its line left the workers file: it goes at the next step boundary
+
+    @property
+    def is_master(self) -> bool:
+        return self.client is None
+
+
+def read_workers_file(path: str) -> list[str]:
+    """Worker addresses from a file: one HOST:PORT per line, ``#`` comments, blank lines."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise OSError(f"cannot read workers file {path}: {e.strerror}") from None
+    addresses = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if line:
+            addresses.append(parse_address(line, f"{path}:{number}"))
+    if not addresses:
+        raise ValueError(f"workers file {path} names no worker")
+    return addresses
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What changed at a step boundary."""
+
+    leaving: list[Node]
+    admitted: list[tuple[Node, str]]  # (node, "worker_rejoined" or "worker_joined")
+    changed: bool  # membership changed since the shares were planned
+
+
+class Membership:
+    """The nodes (master first) and the workers being connected, with a monitor thread.
+
+    Args:
+        nodes: the master and the workers named at start.
+        fixed: addresses named outside the workers file (they never leave through it).
+        events: where membership events go.
+        make_client: a new :class:`WorkerClient` for an address (a joiner).
+        reconnect: connects and probes a lost or joining node, returning its probe seconds
+            per layer; raises if it cannot.
+        retry_min, retry_max: the backoff's first and longest delay, seconds.
+        workers_file: re-read every second by the monitor, or None.
+    """
+
+    def __init__(
+        self,
+        nodes: list[Node],
+        fixed: set[str],
+        events: EventLog,
+        make_client: Callable[[str], WorkerClient],
+        reconnect: Callable[[Node], dict[str, float]],
+        retry_min: float,
+        retry_max: float,
+        workers_file: str | None = None,
+    ):
+        self.nodes = nodes
+        self.pending: list[Node] = []  # joiners being connected and probed
+        self.lock = threading.Lock()  # node states, pending joiners
+        self.failed: set[str] = set()  # workers that failed during the current step
+        self.replan_needed = False
+        self._events, self._make_client, self._reconnect = events, make_client, reconnect
+        self._retry = (retry_min, retry_max)
+        self._workers_file = workers_file
+        self._file_mtime = 0.0
+        self._listed: set[str] = set()  # what the workers file named when last read
+        self._fixed = set(fixed)
+        self._closed = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    # -- the workers file --------------------------------------------------------------
+
+    def read_initial_workers_file(self) -> None:
+        """Note what the workers file names now (it was read once at start to build the
+        node list), so that later edits are seen as changes."""
+        if not self._workers_file:
+            return
+        self._file_mtime = self._mtime()
+        try:
+            self._listed = set(read_workers_file(self._workers_file))
+        except (OSError, ValueError):  # read fine at start; the monitor reports changes
+            self._listed = {n.name for n in self.nodes[1:]}
+        self._fixed -= self._listed
+
+    def _mtime(self) -> float:
+        try:
+            return os.stat(self._workers_file).st_mtime
+        except OSError:
+            return 0.0
+
+    def _reread_workers_file(self) -> None:
+        mtime = self._mtime()
+        if mtime == self._file_mtime:
+            return
+        self._file_mtime = mtime
+        try:
+            addresses = read_workers_file(self._workers_file)
+        except (OSError, ValueError) as e:
+            self._events.emit("workers_file_unreadable", reason=str(e))
+            return
+        listed = self._listed = set(addresses)
+        dropped = []
+        with self.lock:
+            for node in list(self.pending):  # joiners not admitted yet simply go
+                if node.name not in listed:
+                    self.pending.remove(node)
+                    dropped.append(node)
+            for node in self.nodes[1:]:
+                # Only workers the file named can leave through it: --worker ones stay. A
+                # worker named again before its step boundary stays too.
+                node.leaving = node.name not in listed and node.name not in self._fixed
+            known = {n.name for n in self.nodes + self.pending}
+            for address in addresses:
+                if address not in known:
+                    node = Node(address, self._make_client(address), state=LOST, joined=True)
+                    self.pending.append(node)
+                    known.add(address)
+        for node in dropped:
+            node.client.close()
+            self._events.emit("worker_removed", node.name, reason="removed from the workers file")
+
+    # -- losing and finding workers ----------------------------------------------------
+
+    def lose(self, node: Node, error: Exception) -> None:
+        """A call to ``node`` failed: it is lost until the monitor reaches it again."""
+        with self.lock:
+            if node.state != ACTIVE:
+                return
+            node.state = LOST
+            node.backoff.failures = 0
+            node.backoff.losses += 1
+            node.backoff.retry_at = time.monotonic() + node.backoff.delay(*self._retry)
+            self.failed.add(node.name)
+            self.replan_needed = True
+        self._events.emit("worker_lost", node.name, reason=str(error))
+
+    def start_monitor(self) -> None:
+        self._monitor = threading.Thread(target=self._watch, name="hetconv-monitor", daemon=True)
+        self._monitor.start()
+
+    def close(self) -> None:
+        """Stop the monitor and close every channel (cancelling calls in flight)."""
+        self._closed.set()
+        for node in self.nodes + self.pending:
+            if node.client is not None:
+                node.client.close()
+
+    def _watch(self) -> None:
+        """Monitor thread: retry lost workers with backoff, connect joiners, re-read the file."""
+        next_file_check = 0.0
+        while not self._closed.wait(0.2):
+            now = time.monotonic()
+            if self._workers_file and now >= next_file_check:
+                next_file_check = now + 1.0
+                self._reread_workers_file()
+            with self.lock:
+                due = [
+                    n
+                    for n in self.nodes[1:] + self.pending
+                    if n.state == LOST and n.backoff.retry_at <= now
+                ]
+            for node in due:
+                if self._closed.is_set():
+                    return
+                self._try_rejoin(node)
+
+    def _try_rejoin(self, node: Node) -> None:
+        try:
+            probes = self._reconnect(node)
+        except Exception as e:  # any failure: try again later, less often
+            with self.lock:
+                node.backoff.failures += 1
+                delay = node.backoff.delay(*self._retry)
+                node.backoff.retry_at = time.monotonic() + delay
+            if node.backoff.failures == 1 or node.backoff.failures % 5 == 0:
+                self._events.emit(
+                    "worker_unreachable", node.name, attempts=node.backoff.failures,
+                    retry_in=f"{delay:.1f} s", reason=str(e).splitlines()[0][:200],
+                )  # fmt: skip
+            return
+        with self.lock:
+            node.probe_seconds.update(probes)
+            node.state = READY
+
+    # -- step boundaries ---------------------------------------------------------------
+
+    def admit(self) -> Admission:
+        """At a step boundary: workers whose line left the file go, ready ones become active.
+        Emits the events; says whether the shares must be planned again."""
+        self.failed = set()
+        admitted = []
+        with self.lock:
+            leaving = [n for n in self.nodes[1:] if n.leaving]
+            for node in leaving:
+                self.nodes.remove(node)
+                node.client.close()
+            for node in self.nodes[1:]:
+                if node.state == READY:
+                    node.state = ACTIVE
+                    admitted.append((node, "worker_rejoined"))
+            for node in list(self.pending):
+                if node.state == READY:
+                    node.state = ACTIVE
+                    self.pending.remove(node)
+                    self.nodes.append(node)
+                    admitted.append((node, "worker_joined"))
+            changed = self.replan_needed or bool(admitted) or bool(leaving)
+            self.replan_needed = False
+        for node in leaving:
+            self._events.emit("worker_removed", node.name, reason="removed from the workers file")
+        for node, kind in admitted:
+            self._events.emit(kind, node.name, device=node.description)
+        return Admission(leaving, admitted, changed)
+
+    def everyone_started_is_active(self) -> bool:
+        """No worker lost and none joined since the start (fixed shares still apply)."""
+        return all(n.state == ACTIVE for n in self.nodes) and not any(n.joined for n in self.nodes)

@@ -1,0 +1,224 @@
+"""How each layer's kernels are split over the nodes: the shares, from probes and links.
+
+One rule says which nodes may compute (:func:`usable`): active ones, and the master only when
+it computes. Over those, the ``compute`` policy gives kernels in proportion to 1 / probe time
+(the paper's rule) and the ``link`` policy minimises the predicted layer time, transfers
+included (both in :mod:`hetconv.balance`). A fixed split from the configuration overrides both
+while every worker named at start is active.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetconv import balance, costmodel
+from hetconv.backends import ConvShape, Padding, PaddingSpec
+from hetconv.balance import kernel_shares, offsets
+
+from .membership import ACTIVE, Node
+
+COMPUTE_POLICY, LINK_POLICY = "compute", "link"
+SHARE_POLICIES = (COMPUTE_POLICY, LINK_POLICY)
+NETWORKS = ("switched", "wifi")  # the simulator's fabrics (hetconv.costmodel.FABRICS)
+
+
+@dataclass(frozen=True)
+class PlannedLayer:
+    """A convolutional layer as the cluster plans it: its real shape at the step's batch."""
+
+    name: str
+    shape: ConvShape
+    need_input_grad: bool
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one layer's kernels are split: ``shares[i]`` kernels from ``starts[i]`` on node i."""
+
+    shape: ConvShape
+    shares: tuple[int, ...]
+    starts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, shape: ConvShape, shares: Sequence[int]) -> LayerPlan:
+        return cls(shape, tuple(shares), tuple(offsets(shares)))
+
+
+def usable(node: Node, master_compute: bool) -> bool:
+    """Whether ``node`` may get kernels: it is active, and it is a worker or the master
+    computes."""
+    return node.state == ACTIVE and (node.client is not None or master_compute)
+
+
+def check_shares(layer: str, kernels: int, shares, nodes: int, master_compute: bool) -> list[int]:
+    """``shares`` as ints if they are a valid split of ``kernels`` over ``nodes`` nodes (master
+    first); ValueError naming what is wrong otherwise."""
+    shares = [int(s) for s in shares]
+    if len(shares) != nodes or min(shares) < 0 or sum(shares) != kernels:
+        raise ValueError(
+            f"shares {shares} for {layer} must be {nodes} non-negative counts "
+            f"(master first) summing to its {kernels} kernels"
+        )
+    if shares[0] and not master_compute:
+        raise ValueError(
+            f"shares {shares} for {layer} give the master kernels, but master compute is off"
+        )
+    return shares
+
+
+@dataclass(frozen=True)
+class Planner:
+    """Plans the shares of every layer over the nodes.
+
+    Args:
+        master_compute: whether the master computes a share itself.
+        policy: ``"compute"`` or ``"link"``.
+        network: what ``"link"`` assumes: ``"switched"`` or ``"wifi"`` (one shared medium).
+        fixed: layer name -> kernels per node, used while ``everyone_active`` holds.
+    """
+
+    master_compute: bool
+    policy: str = COMPUTE_POLICY
+    network: str = "switched"
+    fixed: Mapping[str, tuple[int, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.network not in NETWORKS:
+            raise ValueError(f"network {self.network!r} is not one of {', '.join(NETWORKS)}")
+        if self.policy not in SHARE_POLICIES:
+            raise ValueError(
+                f"share policy {self.policy!r} is not one of {', '.join(SHARE_POLICIES)}"
+            )
+
+    def plan(
+        self, nodes: Sequence[Node], layers: Sequence[PlannedLayer], everyone_active: bool
+    ) -> dict[str, LayerPlan]:
+        """Shares of every layer over the usable nodes."""
+        plans = {}
+        for layer in layers:
+            override = (self.fixed or {}).get(layer.name)
+            if override is not None and everyone_active and len(override) == len(nodes):
+                plans[layer.name] = LayerPlan.of(layer.shape, override)
+                continue
+            seconds = [
+                node.probe_seconds.get(layer.name, 1.0)
+                if usable(node, self.master_compute)
+                else np.inf
+                for node in nodes
+            ]
+            if all(np.isinf(seconds)):
+                # No worker left and the master was told not to compute: it must, or
+                # nothing would.
+                seconds[0] = nodes[0].probe_seconds.get(layer.name, 1.0)
+            shares = kernel_shares(layer.shape.k, seconds)
+            if self.policy == LINK_POLICY:
+                shares = self._link_aware(nodes, layer, seconds, shares)
+            plans[layer.name] = LayerPlan.of(layer.shape, shares)
+        return plans
+
+    def plan_unseen(self, nodes: Sequence[Node], x_shape, w_shape, padding: PaddingSpec):
+        """A layer the probe did not see: split by the nodes' mean speed on the others."""
+        speeds = []
+        for node in nodes:
+            times = list(node.probe_seconds.values())
+            ok = times and usable(node, self.master_compute)
+            speeds.append(float(np.mean(times)) if ok else float("inf"))
+        if all(np.isinf(speeds)):
+            speeds[0] = 1.0
+        k = w_shape[0]
+        n, c, h, w = x_shape
+        shape = ConvShape(
+            n, c, h, w, k, w_shape[2], w_shape[3], Padding.resolve(padding, w_shape[2:])
+        )
+        return LayerPlan.of(shape, kernel_shares(k, speeds))
+
+    def _link_aware(self, nodes, layer: PlannedLayer, seconds: list[float], fallback: list[int]):
+        """The link-aware split of ``layer`` over the nodes whose ``seconds`` are finite (the
+        usable ones), from their probes and measured links; ``fallback`` (the compute shares)
+        when the master alone is usable or no worker is worth its link."""
+        usable_nodes = [i for i, t in enumerate(seconds) if np.isfinite(t)]
+        workers = [i for i in usable_nodes if i > 0]
+        if not workers:
+            return fallback
+        modelled = costmodel.ConvLayer(layer.name, layer.shape, layer.need_input_grad)
+        flops = modelled.step_passes * layer.shape.flops_forward
+        fastest = max(nodes[j].link_bytes_per_second for j in workers)
+
+        def model_node(i: int) -> costmodel.Node:
+            node = nodes[i]
+            gflops = flops / max(node.probe_seconds.get(layer.name, seconds[i]), 1e-9) / 1e9
+            if node.client is None:  # the master: its port is at least as fast as any link
+                return costmodel.Node(node.name, gflops, bytes_per_s=fastest)
+            return costmodel.Node(
+                node.name, gflops, bytes_per_s=node.link_bytes_per_second, rtt_s=node.link_latency
+            )
+
+        model = costmodel.Cluster(
+            master=model_node(0),
+            workers=tuple(model_node(i) for i in workers),
+            # On Wi-Fi every transfer, both ways, shares one medium: as fast as the fastest
+            # link measured alone.
+            fabric=self.network,
+            medium_bytes_per_s=fastest,
+            master_compute=0 in usable_nodes,
+        )
+        split = balance.link_aware_shares(model, modelled)
+        if split[0] and not model.master_compute:  # it found no worker worth its link
+            return fallback
+        shares = [0] * len(nodes)
+        for i, kernels in zip([0, *workers], split, strict=True):
+            shares[i] = kernels
+        return shares
+
+
+def shares_table(nodes: Sequence[Node], plans: Mapping[str, LayerPlan], master_compute: bool):
+    """A table for the console: per node, its device, link, and per layer its probe time and
+    kernels."""
+    lines = ["kernel shares (probe: forward + backward of the layer's real shape):"]
+    for i, node in enumerate(nodes):
+        link = (
+            ""
+            if node.client is None
+            else f", link {node.link_bytes_per_second / 1e6:.0f} MB/s "
+            f"rtt {1e3 * node.link_latency:.1f} ms"
+        )
+        state = "" if node.state == ACTIVE else f" [{node.state}]"
+        parts = []
+        for name, plan in plans.items():
+            t = node.probe_seconds.get(name, float("inf"))
+            off = node.client is None and not master_compute
+            probe = "off" if off or t == float("inf") else f"{1e3 * t:.1f} ms"
+            parts.append(f"{name} {plan.shares[i]}/{plan.shape.k} (probe {probe})")
+        lines.append(f"  {node.name:<21} {node.description}{link}{state}")
+        lines.append(f"  {'':<21} " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def plan_record(nodes: Sequence[Node], plans: Mapping[str, LayerPlan], master_compute: bool):
+    """The plan as data, for the trace's first record: per node (master first) its device,
+    probe seconds per layer (none for a master that computes nothing) and link, and per layer
+    the kernels of each node in the same order."""
+
+    def finite(value: float) -> float | None:
+        return float(value) if np.isfinite(value) else None
+
+    return {
+        "nodes": [
+            {
+                "name": node.name,
+                "description": node.description,
+                "probe_seconds": {}
+                if node.client is None and not master_compute
+                else {k: float(v) for k, v in node.probe_seconds.items()},
+                "link_bytes_per_second": None
+                if node.client is None
+                else finite(node.link_bytes_per_second),
+                "link_latency_seconds": None if node.client is None else float(node.link_latency),
+            }
+            for node in nodes
+        ],
+        "shares": {name: [int(k) for k in plan.shares] for name, plan in plans.items()},
+    }
