@@ -25,17 +25,13 @@ from hetconv.costmodel import (
     simulate_phase,
     simulate_step,
 )
-from hetconv.simulations import validate
+from hetconv.simulations import testbed
 from hetconv.simulations.scenario import parse_scenario
-from hetconv.simulations.validate import (
-    TARGET_ERROR,
-    probe_seconds_from_log,
-    run_case,
-    tcp_goodput_mbps,
-)
+from hetconv.simulations.validate import TARGET_ERROR, probe_seconds_from_log, run_case
 
 # (Through the module: pytest would collect names that start with "test".)
-UNAVAILABLE = validate.testbed_unavailable()
+tcp_goodput_mbps = testbed.tcp_goodput_mbps
+UNAVAILABLE = testbed.testbed_unavailable()
 needs_testbed = pytest.mark.skipif(
     UNAVAILABLE is not None, reason=f"shaped-link testbed: {UNAVAILABLE}"
 )
@@ -130,7 +126,7 @@ def test_scenarios_set_the_stall_and_refuse_more_than_a_full_one():
 @pytest.mark.slow
 @needs_testbed
 def test_testbed_shapes_both_directions_and_leaves_nothing_behind():
-    bed = validate.Testbed(2, 20.0)
+    bed = testbed.Testbed(2, 20.0)
     with pytest.raises(KeyboardInterrupt):
         with bed:
             assert len(bed.leftovers()) == 4  # two namespaces, two root-side veth ends
@@ -181,7 +177,7 @@ def test_link_policy_leaves_out_a_worker_behind_a_slow_real_link():
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.model import Model, load_spec
 
-    with validate.Testbed(2, 1000) as bed:
+    with testbed.Testbed(2, 1000) as bed:
         bed.shape(bed.links[1], 5)
         fast, slow = bed.start_workers()
         shares = {}
