@@ -37,6 +37,7 @@ from hetconv.simulations.testbed import (
     testbed_unavailable,
     with_blas_threads,
 )
+from hetconv.simulations.trace import read_steps
 
 MODES = ("local", "compute", "link")
 
@@ -61,7 +62,7 @@ def _train(mode: str, addresses: list[str], args, trace: Path, token: str) -> di
     )
     if done.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({done.returncode}):\n{done.stderr}")
-    records = [json.loads(line) for line in trace.read_text().splitlines()][1:]
+    records = read_steps(str(trace))[1:]  # step records only (no plan), the first left out
     shares = {}
     if records and records[-1].get("nodes"):
         for node, layers in records[-1]["nodes"].items():

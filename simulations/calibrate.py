@@ -1,7 +1,8 @@
 """Calibrate a simulated cluster from the trace of a real run (``hetconv train --trace``).
 
-From the per-step records (the first step, which warms caches and connections, is left out
-when there are more):
+From the step records (:func:`~.trace.read_trace`: records without ``"step"``, such as the plan
+record where a run starts, are skipped; the first step, which warms caches and connections, is
+left out when there are more):
 
 * **Which network** ran: the preset whose conv layers have the trace's names and kernel counts
   *and* whose calls, computed by :func:`~hetconv.costmodel.call_bytes`, move exactly
@@ -47,6 +48,7 @@ from hetconv.costmodel import (
 from hetconv.model import PRESETS
 
 from .scenario import CompFigure, DeviceSpec, Scenario
+from .trace import MASTER, read_plan, read_trace
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Calibration:
     shares: dict[str, tuple[int, ...]]
     measured: dict[str, float]  # mean step_s, comm_s, conv_s, comp_s
     notes: list[str] = field(default_factory=list)
+    step_numbers: list[int] = field(default_factory=list)  # of the records used
 
     def devices(self) -> list[DeviceSpec]:
         """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
@@ -156,37 +159,6 @@ class Calibration:
             wire=self.wire,
             source=self.path,
         )
-
-
-def read_trace(path: str) -> list[dict]:
-    """The step records of a trace file (JSON lines)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read trace {path}: {e.strerror or e}") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{path}:{number}: not JSON: {e}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object per line")
-        records.append(record)
-    if not records:
-        raise ValueError(f"trace {path} holds no steps")
-    if not records[0].get("nodes"):
-        raise ValueError(
-            f"trace {path} has no per-node records: it comes from local training (--local); "
-            "calibrate from a run with workers"
-        )
-    return records
-
-
-#: The name the master's cluster gives itself in a trace (hetconv.master.cluster.MASTER).
-MASTER = "master"
 
 
 def _layout(record: dict) -> tuple[list[str], dict[str, list[int]]]:
@@ -420,4 +392,9 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         shares={k: tuple(v) for k, v in split.items()},
         measured=measured,
         notes=notes,
+        step_numbers=[int(r["step"]) for r in used],
     )
+
+
+# read_trace and read_plan live in .trace; they are named here too, where calibration is.
+__all__ = ["MASTER", "Calibration", "calibrate", "read_plan", "read_trace"]

@@ -22,8 +22,9 @@ compares the simulator's step time with the measured one:
   - kernel shares: what the master chose (from the trace: configuration, not timing);
   - convolution speed of every node: from the trace's ``compute_seconds`` (``--speeds trace``,
     the default: medians per layer and phase, as :mod:`.calibrate` takes them) or from the probe
-    the master printed before training (``--speeds probe``); compute is not what is being
-    validated. The master's other work ("comp") is the trace's mean.
+    the master ran before training, which the trace's plan record holds (``--speeds probe``,
+    :func:`~.trace.read_plan`); compute is not what is being validated. The master's other work
+    ("comp") is the trace's mean.
 
 * **What the simulator does not model here**: every process shares this machine's 2 cores. The
   trace's compute figures include that contention; the probe's (one node at a time) do not (the
@@ -59,8 +60,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -120,46 +121,42 @@ class Case:
 # -- the prediction ------------------------------------------------------------------------------
 
 
-_PROBE_LAYER = re.compile(r"(\w+) (\d+)/(\d+) \(probe (off|[\d.]+ ms)\)")
-
-
-def probe_seconds_from_log(text: str) -> list[dict[str, float]]:
-    """Per node (master first) and layer the probe seconds the master printed before training
-    (:meth:`hetconv.master.cluster.Cluster.describe_shares`); a master that computes no share
-    has no figures (an empty dict)."""
-    lines = text.splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.startswith("kernel shares"))
-    except StopIteration:
-        return []
-    nodes: list[dict[str, float]] = []
-    for line in lines[start + 1 :]:
-        if not line.startswith("  "):
-            break
-        probes = _PROBE_LAYER.findall(line)
-        if probes:
-            nodes.append({name: 1e-3 * float(ms[:-3]) for name, _, _, ms in probes if ms != "off"})
-    return nodes
-
-
 def _gflops_from_probe(probes: dict[str, float], layers) -> dict[str, float]:
     return {
         layer.name: layer.shape.flops_forward * layer.step_passes / probes[layer.name] / 1e9
         for layer in layers
-        if probes.get(layer.name)
+        if probes.get(layer.name) and math.isfinite(probes[layer.name])
     }
 
 
-def predict(
-    trace: str,
-    rate_mbps: float,
-    rtt_s: float,
-    speeds: str = "trace",
-    probe_log: str = "",
-    wire=None,
-):
+def probe_speeds(trace: str, cal, layers) -> list[dict[str, float]]:
+    """Per node of ``cal`` (master first) and layer the GFLOPS of the probe the master ran
+    before the steps ``cal`` used: the trace's latest plan record at or before the first of
+    them (:func:`~.trace.read_plan`). A master that computes nothing has no probe; it gets the
+    median of the others (and no kernels).
+
+    Raises:
+        ValueError: no plan record (a trace of an older hetconv), or none with a probe figure
+            for every node.
+    """
+    from .trace import read_plan
+
+    plan = read_plan(trace, min(cal.step_numbers) if cal.step_numbers else None)
+    probes = plan.probe_seconds()
+    missing = [name for name in cal.node_names if name not in probes]
+    if missing:
+        raise ValueError(f"trace {trace}: the plan record names no node {', '.join(missing)}")
+    gflops = [_gflops_from_probe(probes[name], layers) for name in cal.node_names]
+    known = [g for per_layer in gflops for g in per_layer.values()]
+    if not known:
+        raise ValueError(f"trace {trace}: the plan record holds no probe figure")
+    return [p or {layer.name: statistics.median(known) for layer in layers} for p in gflops]
+
+
+def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", wire=None):
     """The simulator's step for the run in ``trace`` on links of ``rate_mbps`` (tc rate) with
-    round trip ``rtt_s``. Only the run's shares, compute figures and comp come from the trace.
+    round trip ``rtt_s``. Only the run's shares, compute figures (or probes: ``speeds="probe"``)
+    and comp come from the trace.
 
     Returns (StepResult, per-node layer GFLOPS used, calibration of the trace).
     """
@@ -171,15 +168,7 @@ def predict(
     cal = calibrate(trace)
     layers = network_layers(cal.network, cal.batch)
     if speeds == "probe":
-        probes = probe_seconds_from_log(probe_log)
-        if len(probes) != len(cal.node_names):
-            raise ValueError("the master's log holds no probe figure for every node")
-        gflops = [_gflops_from_probe(p, layers) for p in probes]
-        known = [g for per_layer in gflops for g in per_layer.values()]
-        if not known:
-            raise ValueError("the master's log holds no probe figure")
-        # A master that computes nothing: any speed will do (it gets no kernels).
-        gflops = [p or {layer.name: statistics.median(known) for layer in layers} for p in gflops]
+        gflops = probe_speeds(trace, cal, layers)
     elif speeds == "trace":
         gflops = [dict(g) for g in cal.layer_gflops]
     else:
@@ -248,9 +237,8 @@ def _train(
     arguments: list[str],
     timeout: float,
     master_blas_threads: int,
-) -> str:
-    """The real master, ``hetconv train`` with ``arguments``, through the testbed's workers;
-    returns what it printed."""
+) -> None:
+    """The real master, ``hetconv train`` with ``arguments``, through the testbed's workers."""
     command = [sys.executable, "-I", "-m", "hetconv", "train"]
     for address in addresses:
         command += ["--worker", address]
@@ -262,7 +250,6 @@ def _train(
         raise RuntimeError(f"the master did not finish within {timeout:.0f} s") from None
     if master.returncode != 0:
         raise RuntimeError(f"the master failed ({master.returncode}):\n{output}")
-    return output
 
 
 def run_case(
@@ -298,12 +285,12 @@ def run_case(
                 else None
             )
             addresses = bed.start_workers()
-            output = _train(bed, addresses, arguments, timeout, master_blas_threads)
+            _train(bed, addresses, arguments, timeout, master_blas_threads)
             drops = bed.tbf_drops()
-        result, gflops, cal = predict(trace, rate_mbps, rtt, speeds, output)
+        result, gflops, cal = predict(trace, rate_mbps, rtt, speeds)
         other = "probe" if speeds == "trace" else "trace"
         try:
-            other_s = predict(trace, rate_mbps, rtt, other, output)[0].step_s
+            other_s = predict(trace, rate_mbps, rtt, other)[0].step_s
         except ValueError:
             other_s = None
         calls = _call_comparison(trace, result, cal)
@@ -413,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--speeds",
         choices=("trace", "probe"),
         default="trace",
-        help="node convolution speeds from the trace's compute_seconds or the master's probe",
+        help="node convolution speeds from the trace's compute_seconds or the master's probe "
+        "(the trace's plan record)",
     )
     p.add_argument(
         "--master-blas-threads",
@@ -503,7 +491,7 @@ __all__ = [
     "format_table",
     "main",
     "predict",
-    "probe_seconds_from_log",
+    "probe_speeds",
     "run_case",
 ]
 
