@@ -1,8 +1,8 @@
 """Compute-only vs link-aware kernel shares, measured over real shaped links (needs root).
 
-Two workers, each in its own network namespace (the testbed of
-``python -m hetconv.simulations.validate``): one on a fast link (``--fast`` Mbit/s), one on a
-slow one (``--slow``, e.g. 5 Mbit/s Wi-Fi). The same training then runs three ways in one
+Two workers, each in its own network namespace (:mod:`hetconv.simulations.testbed`, as
+``python -m hetconv.simulations.validate`` uses it): one on a fast link (``--fast`` Mbit/s),
+one on a slow one (``--slow``, e.g. 5 Mbit/s Wi-Fi). The same training then runs three ways in one
 sitting, in alternating rounds so drift on a shared machine hits all alike:
 
 * ``local``: the master alone (``hetconv train --local``);
@@ -31,13 +31,19 @@ from pathlib import Path
 
 import numpy as np
 
-from hetconv.simulations.validate import Testbed, _die_with_parent, testbed_unavailable
+from hetconv.simulations.testbed import (
+    Testbed,
+    die_with_parent,
+    testbed_unavailable,
+    with_blas_threads,
+)
+from hetconv.simulations.trace import read_steps
 
 MODES = ("local", "compute", "link")
 
 
 def _train(mode: str, addresses: list[str], args, trace: Path, token: str) -> dict:
-    command = [*_die_with_parent(), sys.executable, "-I", "-m", "hetconv", "train"]
+    command = [*die_with_parent(), sys.executable, "-I", "-m", "hetconv", "train"]
     if mode == "local":
         command.append("--local")
     else:
@@ -49,15 +55,14 @@ def _train(mode: str, addresses: list[str], args, trace: Path, token: str) -> di
         "--trace", str(trace), "--no-progress", "--eval-size", "0",
         "--train-size", str(max(args.batch * args.steps, 256)),
     ]  # fmt: skip
-    env = dict(os.environ, HETCONV_TOKEN=token)
-    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[name] = "1"  # as the workers: the comparison is about links, not threads
+    # One BLAS thread, as the workers: the comparison is about links, not threads.
+    env = with_blas_threads(dict(os.environ, HETCONV_TOKEN=token), 1)
     done = subprocess.run(
         command, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=3600
     )
     if done.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({done.returncode}):\n{done.stderr}")
-    records = [json.loads(line) for line in trace.read_text().splitlines()][1:]
+    records = read_steps(str(trace))[1:]  # step records only (no plan), the first left out
     shares = {}
     if records and records[-1].get("nodes"):
         for node, layers in records[-1]["nodes"].items():

@@ -1,7 +1,8 @@
 """Calibrate a simulated cluster from the trace of a real run (``hetconv train --trace``).
 
-From the per-step records (the first step, which warms caches and connections, is left out
-when there are more):
+From the step records (:func:`~.trace.read_trace`: records without ``"step"``, such as the plan
+record where a run starts, are skipped; the first step, which warms caches and connections, is
+left out when there are more):
 
 * **Which network** ran: the preset whose conv layers have the trace's names and kernel counts
   *and* whose calls, computed by :func:`~hetconv.costmodel.call_bytes`, move exactly
@@ -47,6 +48,7 @@ from hetconv.costmodel import (
 from hetconv.model import PRESETS
 
 from .scenario import CompFigure, DeviceSpec, Scenario
+from .trace import MASTER, read_plan, read_trace
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Calibration:
     shares: dict[str, tuple[int, ...]]
     measured: dict[str, float]  # mean step_s, comm_s, conv_s, comp_s
     notes: list[str] = field(default_factory=list)
+    step_numbers: list[int] = field(default_factory=list)  # of the records used
 
     def devices(self) -> list[DeviceSpec]:
         """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
@@ -158,37 +161,6 @@ class Calibration:
         )
 
 
-def read_trace(path: str) -> list[dict]:
-    """The step records of a trace file (JSON lines)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read trace {path}: {e.strerror or e}") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{path}:{number}: not JSON: {e}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object per line")
-        records.append(record)
-    if not records:
-        raise ValueError(f"trace {path} holds no steps")
-    if not records[0].get("nodes"):
-        raise ValueError(
-            f"trace {path} has no per-node records: it comes from local training (--local); "
-            "calibrate from a run with workers"
-        )
-    return records
-
-
-#: The name the master's cluster gives itself in a trace (hetconv.master.cluster.MASTER).
-MASTER = "master"
-
-
 def _layout(record: dict) -> tuple[list[str], dict[str, list[int]]]:
     """(node names in order, master first, per layer the kernels of each node) of one record.
 
@@ -254,63 +226,79 @@ def _detect_network(records: list[dict], network: str | None, path: str) -> str:
     )
 
 
-def calibrate(path: str, network: str | None = None) -> Calibration:
-    """Read a trace and measure its cluster (see the module docstring).
+def _steps_of_one_split(records: list[dict]) -> tuple[list[dict], list[str]]:
+    """The steps to calibrate from, and a note when some are left out.
 
-    Args:
-        network: the network the run trained (preset or .json spec); default: detected.
-
-    Raises:
-        ValueError: unreadable trace, a local run's trace, or no network that matches it.
+    The first step (caches, connections) is left out when there are more. One simulated
+    cluster has one split: of the rest, the steps of the most frequent one are used (a resumed
+    run is probed again, and a lost or joining worker changes the shares).
     """
-    records = read_trace(path)
-    notes: list[str] = []
-    # One simulated cluster has one split: calibrate from the steps of the most frequent one
-    # (a resumed run is probed again, and a lost or joining worker changes the shares).
     candidates = records[1:] if len(records) > 1 else records
     layouts = Counter(_layout_key(r) for r in candidates)
     chosen, count = layouts.most_common(1)[0]
     used = [r for r in candidates if _layout_key(r) == chosen]
+    notes = []
     if count < len(candidates):
         notes.append(
             f"used the {count} of {len(candidates)} steps that share the most frequent split "
             "of kernels; the others (re-probed, or with workers lost or joining) are skipped"
         )
-    name = _detect_network(used, network, path)
-    batch = int(used[0]["batch"])
-    layers = {layer.name: layer for layer in network_layers(name, batch)}
-    node_names, split = _layout(used[0])
+    return used, notes
 
+
+@dataclass
+class _Calls:
+    """What the calls of the steps used measured; nodes by their index, master first."""
+
+    timings: dict[tuple[int, int, str], list[float]]  # (node, layer, phase) -> compute seconds
+    streamed_bytes: np.ndarray  # per node
+    streamed_seconds: np.ndarray  # per node: send + receive seconds of its streamed calls
+    bundled: list[list[tuple[float, float]]]  # per node: (bytes, wall - compute) of each call
+    streamed: list[list[tuple[float, float]]]
+
+    @classmethod
+    def gather(cls, used: list[dict], node_names: list[str], layer_names: list[str]) -> _Calls:
+        count = len(node_names)
+        calls = cls({}, np.zeros(count), np.zeros(count), [[] for _ in node_names],
+                    [[] for _ in node_names])  # fmt: skip
+        for record in used:
+            for i, node in enumerate(node_names):
+                for j, layer_name in enumerate(layer_names):
+                    entry = record["nodes"].get(node, {}).get(layer_name)
+                    if not entry or not entry["kernels"]:
+                        continue
+                    for phase in (FORWARD, BACKWARD):
+                        call = entry.get(phase)
+                        if call is not None:
+                            calls.add(i, j, phase, call)
+        return calls
+
+    def add(self, i: int, j: int, phase: str, call: dict) -> None:
+        self.timings.setdefault((i, j, phase), []).append(call["compute_seconds"])
+        if i == 0:
+            return
+        moved = call["bytes_sent"] + call["bytes_received"]
+        left = call["wall_seconds"] - call["compute_seconds"]
+        if call["bundled"]:
+            self.bundled[i].append((moved, left))
+        else:
+            self.streamed_bytes[i] += moved
+            self.streamed_seconds[i] += call["send_seconds"] + call["receive_seconds"]
+            self.streamed[i].append((moved, left))
+
+
+def _layer_gflops(
+    calls: _Calls,
+    node_names: list[str],
+    layers: dict[str, ConvLayer],
+    split: dict[str, list[int]],
+    notes: list[str],
+) -> list[dict[str, float]]:
+    """Per node and layer the GFLOPS of its share over the median compute seconds of each
+    phase; a node that computed nothing gets the others' median."""
     flops = np.zeros((len(node_names), len(layers)))
-    timings: dict[tuple[int, int, str], list[float]] = {}  # (node, layer, phase) -> seconds
-    streamed_bytes = np.zeros(len(node_names))
-    streamed_seconds = np.zeros(len(node_names))
-    bundled: list[list[tuple[float, float]]] = [[] for _ in node_names]  # (bytes, wall - compute)
-    streamed: list[list[tuple[float, float]]] = [[] for _ in node_names]
-    for record in used:
-        for i, node in enumerate(node_names):
-            for j, layer_name in enumerate(layers):
-                entry = record["nodes"].get(node, {}).get(layer_name)
-                if not entry or not entry["kernels"]:
-                    continue
-                for phase in (FORWARD, BACKWARD):
-                    call = entry.get(phase)
-                    if call is None:
-                        continue
-                    timings.setdefault((i, j, phase), []).append(call["compute_seconds"])
-                    if i == 0:
-                        continue
-                    moved = call["bytes_sent"] + call["bytes_received"]
-                    left = call["wall_seconds"] - call["compute_seconds"]
-                    if call["bundled"]:
-                        bundled[i].append((moved, left))
-                    else:
-                        streamed_bytes[i] += moved
-                        streamed_seconds[i] += call["send_seconds"] + call["receive_seconds"]
-                        streamed[i].append((moved, left))
-
     seconds = np.zeros_like(flops)
-    for (i, j, phase), times in timings.items():
+    for (i, j, phase), times in calls.timings.items():
         layer = list(layers.values())[j]
         flops[i, j] += split[layer.name][i] * layer.passes(phase) * layer.flops_per_kernel
         seconds[i, j] += statistics.median(times)
@@ -328,23 +316,29 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         if not per_layer:
             known = [g for p in layer_gflops for g in p.values()]
             layer_gflops[i] = {n: float(np.median(known)) for n in layers} if known else {}
+    return layer_gflops
 
+
+def _links_and_wire(
+    calls: _Calls, node_names: list[str], notes: list[str]
+) -> tuple[list[float | None], WireCosts]:
+    """Each worker's link (Mbit/s; None for the master) and the per-call costs left over."""
     links: list[float | None] = [None]
     bundle_costs, stream_costs = [], []
     for i, node in enumerate(node_names[1:], start=1):
         rate = None
-        if streamed_seconds[i] > 0:
-            rate = streamed_bytes[i] / streamed_seconds[i]
-        elif len({b for b, _ in bundled[i]}) >= 2:
-            sizes, left = np.array(bundled[i]).T
+        if calls.streamed_seconds[i] > 0:
+            rate = calls.streamed_bytes[i] / calls.streamed_seconds[i]
+        elif len({b for b, _ in calls.bundled[i]}) >= 2:
+            sizes, left = np.array(calls.bundled[i]).T
             slope, _ = np.polyfit(sizes, left, 1)
             rate = 1 / slope if slope > 0 else None
         if rate is None:
             notes.append(f"{node}: no call tells its bandwidth; 1000 Mbit/s assumed")
             rate = 1000 * MBIT
         links.append(rate / MBIT)
-        bundle_costs += [max(left - moved / rate, 0.0) for moved, left in bundled[i]]
-        stream_costs += [max(left - moved / rate, 0.0) for moved, left in streamed[i]]
+        bundle_costs += [max(left - moved / rate, 0.0) for moved, left in calls.bundled[i]]
+        stream_costs += [max(left - moved / rate, 0.0) for moved, left in calls.streamed[i]]
     defaults = WireCosts()
     wire = WireCosts(
         bundle_call_s=statistics.median(bundle_costs) if bundle_costs else defaults.bundle_call_s,
@@ -356,6 +350,26 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         notes.append("no bundled call in the trace: default bundled-call cost")
     if not stream_costs:
         notes.append("no streamed call in the trace: default streamed-call cost")
+    return links, wire
+
+
+def calibrate(path: str, network: str | None = None) -> Calibration:
+    """Read a trace and measure its cluster (see the module docstring).
+
+    Args:
+        network: the network the run trained (preset or .json spec); default: detected.
+
+    Raises:
+        ValueError: unreadable trace, a local run's trace, or no network that matches it.
+    """
+    used, notes = _steps_of_one_split(read_trace(path))
+    name = _detect_network(used, network, path)
+    batch = int(used[0]["batch"])
+    layers = {layer.name: layer for layer in network_layers(name, batch)}
+    node_names, split = _layout(used[0])
+    calls = _Calls.gather(used, node_names, list(layers))
+    layer_gflops = _layer_gflops(calls, node_names, layers, split, notes)
+    links, wire = _links_and_wire(calls, node_names, notes)
     measured = {
         key: float(np.mean([r[field] for r in used]))
         for key, field in (
@@ -378,4 +392,9 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         shares={k: tuple(v) for k, v in split.items()},
         measured=measured,
         notes=notes,
+        step_numbers=[int(r["step"]) for r in used],
     )
+
+
+# read_trace and read_plan live in .trace; they are named here too, where calibration is.
+__all__ = ["MASTER", "Calibration", "calibrate", "read_plan", "read_trace"]

@@ -391,6 +391,76 @@ def _comp(path: str, table: dict) -> dict[str, CompFigure]:
     return out
 
 
+def _workers(path: str, workers: object) -> list[DeviceSpec]:
+    """The listed workers (``[[workers]]``), each ``count`` times."""
+    if not isinstance(workers, list):
+        raise ValueError(f"{path}: workers must be an array of tables ([[workers]])")
+    devices: list[DeviceSpec] = []
+    for i, entry in enumerate(workers):
+        reader = _Reader(path, f"workers.{i}", entry, (*_DEVICE_KEYS, "count"))
+        device = _device(reader, f"worker-{i + 1}")
+        count = reader.integer("count", 1)
+        devices += [
+            device if count == 1 else replace(device, name=f"{device.name}#{j + 1}")
+            for j in range(count)
+        ]
+    return devices
+
+
+def _population(path: str, table: object) -> Population:
+    """The ``[population]`` table."""
+    pop = _Reader(
+        path,
+        "population",
+        table,
+        (
+            "slowest_gflops", "fastest_gflops", "sigma", "seed", "count", "bandwidth_mbps",
+            "latency_ms", "name",
+        ),
+    )  # fmt: skip
+    population = Population(
+        slowest_gflops=pop.number("slowest_gflops", ...),
+        fastest_gflops=pop.number("fastest_gflops", ...),
+        sigma=pop.number("sigma", 0.25, strict=False),
+        seed=pop.integer("seed", 0, minimum=0),
+        count=pop.integer("count", None, minimum=0),
+        bandwidth_mbps=pop.number("bandwidth_mbps"),
+        latency_ms=pop.number("latency_ms", strict=False),
+        name=pop.text("name", "device"),
+    )
+    if population.fastest_gflops < population.slowest_gflops:
+        pop.fail("fastest_gflops", "must be at least slowest_gflops")
+    return population
+
+
+def _wire(path: str, table: object) -> WireCosts:
+    """The ``[wire]`` table; what it leaves out, the cost model's defaults."""
+    reader = _Reader(
+        path,
+        "wire",
+        table,
+        (
+            "bundle_call_ms",
+            "stream_call_ms",
+            "software_gbytes_per_s",
+            "sum_gbytes_per_s",
+            "compute_stall",
+        ),
+    )
+    defaults = WireCosts()
+    stall = reader.number("compute_stall", defaults.compute_stall, strict=False)
+    if stall > 1:
+        reader.fail("compute_stall", f"must be at most 1, got {stall:g}")
+    return WireCosts(
+        bundle_call_s=1e-3 * reader.number("bundle_call_ms", 1e3 * defaults.bundle_call_s),
+        stream_call_s=1e-3 * reader.number("stream_call_ms", 1e3 * defaults.stream_call_s),
+        software_bytes_per_s=1e9
+        * reader.number("software_gbytes_per_s", defaults.software_bytes_per_s / 1e9),
+        sum_bytes_per_s=1e9 * reader.number("sum_gbytes_per_s", defaults.sum_bytes_per_s / 1e9),
+        compute_stall=stall,
+    )
+
+
 def parse_scenario(data: dict, path: str = "<scenario>") -> Scenario:
     """A :class:`Scenario` from a parsed TOML document.
 
@@ -409,68 +479,10 @@ def parse_scenario(data: dict, path: str = "<scenario>") -> Scenario:
     master = _Reader(path, "master", data["master"], (*_DEVICE_KEYS, "compute"))
     if master.has("latency_ms"):
         master.fail("latency_ms", "is not used: give each worker's round trip to the master")
-    workers = data.get("workers", [])
-    if not isinstance(workers, list):
-        raise ValueError(f"{path}: workers must be an array of tables ([[workers]])")
-    devices: list[DeviceSpec] = []
-    for i, entry in enumerate(workers):
-        reader = _Reader(path, f"workers.{i}", entry, (*_DEVICE_KEYS, "count"))
-        device = _device(reader, f"worker-{i + 1}")
-        count = reader.integer("count", 1)
-        devices += [
-            device if count == 1 else replace(device, name=f"{device.name}#{j + 1}")
-            for j in range(count)
-        ]
-    population = None
-    if "population" in data:
-        pop = _Reader(
-            path,
-            "population",
-            data["population"],
-            (
-                "slowest_gflops", "fastest_gflops", "sigma", "seed", "count", "bandwidth_mbps",
-                "latency_ms", "name",
-            ),
-        )  # fmt: skip
-        population = Population(
-            slowest_gflops=pop.number("slowest_gflops", ...),
-            fastest_gflops=pop.number("fastest_gflops", ...),
-            sigma=pop.number("sigma", 0.25, strict=False),
-            seed=pop.integer("seed", 0, minimum=0),
-            count=pop.integer("count", None, minimum=0),
-            bandwidth_mbps=pop.number("bandwidth_mbps"),
-            latency_ms=pop.number("latency_ms", strict=False),
-            name=pop.text("name", "device"),
-        )
-        if population.fastest_gflops < population.slowest_gflops:
-            pop.fail("fastest_gflops", "must be at least slowest_gflops")
+    devices = _workers(path, data.get("workers", []))
+    population = _population(path, data["population"]) if "population" in data else None
     efficiency = top.numbers_table("layer_efficiency")
-    wire_table = data.get("wire", {})
-    wire_reader = _Reader(
-        path,
-        "wire",
-        wire_table,
-        (
-            "bundle_call_ms",
-            "stream_call_ms",
-            "software_gbytes_per_s",
-            "sum_gbytes_per_s",
-            "compute_stall",
-        ),
-    )
-    defaults = WireCosts()
-    stall = wire_reader.number("compute_stall", defaults.compute_stall, strict=False)
-    if stall > 1:
-        wire_reader.fail("compute_stall", f"must be at most 1, got {stall:g}")
-    wire = WireCosts(
-        bundle_call_s=1e-3 * wire_reader.number("bundle_call_ms", 1e3 * defaults.bundle_call_s),
-        stream_call_s=1e-3 * wire_reader.number("stream_call_ms", 1e3 * defaults.stream_call_s),
-        software_bytes_per_s=1e9
-        * wire_reader.number("software_gbytes_per_s", defaults.software_bytes_per_s / 1e9),
-        sum_bytes_per_s=1e9
-        * wire_reader.number("sum_gbytes_per_s", defaults.sum_bytes_per_s / 1e9),
-        compute_stall=stall,
-    )
+    wire = _wire(path, data.get("wire", {}))
     comp_table = data.get("comp", {})
     if not isinstance(comp_table, dict):
         raise ValueError(f"{path}: [comp] must be a table of networks")

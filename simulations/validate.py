@@ -3,23 +3,18 @@
 For every link rate (and worker count) this builds a small real cluster on this machine and
 compares the simulator's step time with the measured one:
 
-* **The network.** One network namespace per worker, joined to the root namespace by its own veth
-  pair on a private /30 subnet. Both ends of every pair are shaped with a token bucket
-  (``tc qdisc ... tbf``) at the rate: the root end's egress is the master's upload to that worker,
-  the namespace end's egress the worker's answers. The bucket holds two frames (or 1 ms of the
-  rate when that is more): a real link has no burst allowance, and a deep bucket would let the
-  start of every transfer pass at the veth's own speed. Its queue holds half a second, so TCP
-  never loses a packet to it. Every worker has its own link and the master one per worker, so
-  the simulator sees a *switched* network: a port per worker, the master's side unlimited.
+* **The network**: :class:`~.testbed.Testbed`, one network namespace per worker joined to the
+  master (root namespace) by its own veth pair, both ends shaped with a token bucket at the
+  rate. The simulator sees a *switched* network: a port per worker, the master's side unlimited.
 * **The run.** ``hetconv worker --backend cpu`` inside each namespace (one BLAS thread, as
   :class:`~hetconv.master.launch.LocalWorkers` starts them) and the real master,
   ``hetconv train --worker ... --trace``, in the root namespace, also with one BLAS thread
   unless ``--master-blas-threads`` says otherwise (see below).
 * **The prediction**, made without fitting anything to the run's network timings:
 
-  - link: the tc rate as TCP goodput (:func:`tcp_goodput_mbps`: 1448 payload bytes in every
-    1514-byte frame, 0.956 of the rate; a bulk TCP transfer over the shaped link before the run
-    checks it), and the idle round trip, ICMP echo before the run;
+  - link: the tc rate as TCP goodput (:func:`~.testbed.tcp_goodput_mbps`: 1448 payload bytes in
+    every 1514-byte frame, 0.956 of the rate; a bulk TCP transfer over the shaped link before
+    the run checks it), and the idle round trip, ICMP echo before the run;
   - bytes: the cost model's own (:func:`~hetconv.costmodel.call_bytes`), which
     equal what the trace records (checked when the trace is read);
   - per-call software costs: the loopback figures of the shipped ``this-machine`` scenario
@@ -27,8 +22,9 @@ compares the simulator's step time with the measured one:
   - kernel shares: what the master chose (from the trace: configuration, not timing);
   - convolution speed of every node: from the trace's ``compute_seconds`` (``--speeds trace``,
     the default: medians per layer and phase, as :mod:`.calibrate` takes them) or from the probe
-    the master printed before training (``--speeds probe``); compute is not what is being
-    validated. The master's other work ("comp") is the trace's mean.
+    the master ran before training, which the trace's plan record holds (``--speeds probe``,
+    :func:`~.trace.read_plan`); compute is not what is being validated. The master's other work
+    ("comp") is the trace's mean.
 
 * **What the simulator does not model here**: every process shares this machine's 2 cores. The
   trace's compute figures include that contention; the probe's (one node at a time) do not (the
@@ -56,438 +52,38 @@ connections and warms caches). Needs root, ``ip`` and ``tc``::
         [--preset tiny|paper-50-500] [--batch 16] [--steps N] [--json PATH]
 
 Everything it creates (namespaces, veth pairs, processes) is removed on the way out, also on
-Ctrl-C or SIGTERM. Killed outright (SIGKILL), it leaves no process behind (they are started
-with a parent-death signal) and the next run removes the namespaces and pairs it left.
+Ctrl-C or SIGTERM. Killed outright (SIGKILL), it leaves no process behind and the next run
+removes the namespaces and pairs it left (:func:`~.testbed.remove_stale`).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
+import math
 import os
-import re
-import secrets
-import shutil
 import signal
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hetconv.argtypes import positive
 
+from .testbed import (
+    Testbed,
+    remove_stale,
+    tcp_goodput_mbps,
+    testbed_unavailable,
+    with_blas_threads,
+)
+
 DEFAULT_RATES = (5.0, 20.0, 100.0)
 DEFAULT_WORKERS = (1, 2)
-TARGET_ERROR = 0.15  # the issue's: within 15 % per case
-
-#: Ethernet MTU of the veth pairs; tbf counts each packet with its 14-byte Ethernet header.
-MTU = 1500
-ETHERNET_HEADER = 14
-#: IPv4 (20) + TCP with the timestamp option Linux sets (32) per segment.
-TCP_IP_HEADERS = 52
-WORKER_PORT = 50051
-CHECK_PORT = 50052
-#: The token bucket's queue in seconds of the rate: long enough that TCP never loses a packet
-#: to it (a drop at a message's tail would cost a retransmission timeout, which no link model
-#: predicts). BBR, this machine's congestion control, keeps it nearly empty; a loss-based one
-#: would fill it, which costs latency, not throughput.
-QUEUE_SECONDS = 0.5
-
-_PREFIX = "hcv"  # every namespace and interface this module creates starts with it
-
-
-def tcp_goodput_mbps(line_mbps: float, mtu: int = MTU) -> float:
-    """Payload rate of a bulk TCP transfer over a link that carries ``line_mbps`` of Ethernet
-    frames: each full segment carries ``mtu - 52`` bytes in ``mtu + 14`` (0.956 at 1500)."""
-    return line_mbps * (mtu - TCP_IP_HEADERS) / (mtu + ETHERNET_HEADER)
-
-
-def testbed_unavailable() -> str | None:
-    """Why the shaped-link testbed cannot run here, or None when it can."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root (network namespaces, veth pairs and tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool!r} command (iproute2)"
-    return None
-
-
-# -- running commands ----------------------------------------------------------------------------
-
-
-def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if check and done.returncode != 0:
-        raise RuntimeError(
-            f"`{' '.join(command)}` failed ({done.returncode}): "
-            f"{(done.stderr or done.stdout).strip()}"
-        )
-    return done
-
-
-def _die_with_parent() -> list[str]:
-    """A command prefix that has the kernel send SIGTERM to the process when this one dies, even
-    by SIGKILL (util-linux ``setpriv``; nothing where it is missing)."""
-    return ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
-
-
-def _used_subnets() -> set[str]:
-    """The third octets of 10.213.x.y addresses and routes already on this machine."""
-    text = _run("ip", "-4", "route", "show", "table", "all", check=False).stdout
-    text += _run("ip", "-4", "addr", "show", check=False).stdout
-    return set(re.findall(r"10\.213\.(\d+)\.", text))
-
-
-# -- the testbed ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Link:
-    """One worker's namespace and the veth pair joining it to the master (root namespace)."""
-
-    namespace: str
-    host_if: str  # root namespace end: its egress is the master's upload
-    ns_if: str  # worker's end: its egress is the worker's answers
-    host_ip: str
-    ns_ip: str
-    created: list[str] = field(default_factory=list)  # what exists, for the teardown
-
-
-@dataclass
-class WorkerProcess:
-    link: Link
-    process: subprocess.Popen
-    lines: collections.deque
-    ready: threading.Event
-    address: str
-
-
-class Testbed:
-    """``count`` namespaces, each with a veth pair shaped at ``rate_mbps`` both ways, and the
-    processes started in them. A context manager: leaving it removes everything it made.
-
-    Args:
-        count: worker namespaces.
-        rate_mbps: tbf rate of both ends of every pair (Ethernet frames, Mbit/s).
-        token: the shared secret workers are started with (``HETCONV_TOKEN``).
-    """
-
-    def __init__(self, count: int, rate_mbps: float, token: str | None = None):
-        if count < 1:
-            raise ValueError(f"worker count must be >= 1, got {count}")
-        if not rate_mbps > 0:
-            raise ValueError(f"rate must be positive, got {rate_mbps}")
-        self.count, self.rate_mbps = count, rate_mbps
-        self.token = token if token is not None else secrets.token_urlsafe(24)
-        self.tag = f"{_PREFIX}{os.getpid() % 10**7}"  # interface names: at most 15 characters
-        self.links: list[Link] = []
-        self.workers: list[WorkerProcess] = []
-        self.processes: list[subprocess.Popen] = []  # everything started, workers included
-
-    # setting up
-
-    def __enter__(self) -> Testbed:
-        try:
-            self.setup()
-        except BaseException:
-            self.teardown()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.teardown()
-
-    def setup(self) -> None:
-        used = _used_subnets()
-        free = (str(x) for x in range(1, 255) if str(x) not in used)
-        for i in range(self.count):
-            octet = next(free, None)
-            if octet is None:
-                raise RuntimeError("no free 10.213.x.0/30 subnet for a test link")
-            link = Link(
-                namespace=f"{self.tag}-w{i}",
-                host_if=f"{self.tag}m{i}",
-                ns_if=f"{self.tag}w{i}",
-                host_ip=f"10.213.{octet}.1",
-                ns_ip=f"10.213.{octet}.2",
-            )
-            self.links.append(link)
-            _run("ip", "netns", "add", link.namespace)
-            link.created.append("netns")
-            _run("ip", "link", "add", link.host_if, "type", "veth", "peer", "name", link.ns_if)
-            link.created.append("veth")
-            _run("ip", "link", "set", link.ns_if, "netns", link.namespace)
-            _run("ip", "addr", "add", f"{link.host_ip}/30", "dev", link.host_if)
-            _run("ip", "link", "set", link.host_if, "up")
-            inside = ("ip", "netns", "exec", link.namespace)
-            _run(*inside, "ip", "addr", "add", f"{link.ns_ip}/30", "dev", link.ns_if)
-            _run(*inside, "ip", "link", "set", link.ns_if, "up")
-            _run(*inside, "ip", "link", "set", "lo", "up")
-            self.shape(link, self.rate_mbps)
-
-    @staticmethod
-    def shape(link: Link, rate_mbps: float) -> None:
-        """A token bucket at ``rate_mbps`` on the egress of both ends of ``link``."""
-        rate = rate_mbps * 1e6 / 8
-        # A bucket of two frames (1 ms of the rate when that is more, for the timer's sake):
-        # a deep one would pass the start of every transfer at the veth's own speed.
-        burst = max(2 * (MTU + ETHERNET_HEADER), int(rate * 1e-3))
-        limit = max(64 * 1024, int(rate * QUEUE_SECONDS))
-        tbf = ("tbf", "rate", f"{rate_mbps:g}mbit", "burst", str(burst), "limit", str(limit))
-        _run("tc", "qdisc", "replace", "dev", link.host_if, "root", *tbf)
-        _run("ip", "netns", "exec", link.namespace, "tc", "qdisc", "replace", "dev", link.ns_if,
-             "root", *tbf)  # fmt: skip
-
-    def tbf_drops(self) -> int:
-        """Packets the token buckets dropped so far (both ends of every link)."""
-        total = 0
-        for link in self.links:
-            for prefix in ((), ("ip", "netns", "exec", link.namespace)):
-                dev = link.ns_if if prefix else link.host_if
-                text = _run(*prefix, "tc", "-s", "qdisc", "show", "dev", dev, check=False).stdout
-                total += sum(int(n) for n in re.findall(r"dropped (\d+)", text))
-        return total
-
-    def _spawn(self, link: Link, command: Sequence[str], env: dict) -> subprocess.Popen:
-        # `ip netns exec` execs the command itself: the pid is the command's.
-        process = subprocess.Popen(
-            ["ip", "netns", "exec", link.namespace, *_die_with_parent(), *command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            text=True,
-        )
-        self.processes.append(process)
-        return process
-
-    def start_workers(self, timeout: float = 120.0) -> list[str]:
-        """``hetconv worker`` in every namespace; returns their addresses once all serve."""
-        from hetconv.worker.main import READY
-
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HETCONV_TOKEN=self.token)
-        for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[name] = "1"  # as LocalWorkers: the workers share the cores with the master
-        for link in self.links:
-            address = f"{link.ns_ip}:{WORKER_PORT}"
-            command = [sys.executable, "-I", "-m", "hetconv", "worker", "--listen", address,
-                       "--backend", "cpu", "--no-startup-probe"]  # fmt: skip
-            process = self._spawn(link, command, env)
-            worker = WorkerProcess(
-                link, process, collections.deque(maxlen=40), threading.Event(), address
-            )
-            threading.Thread(target=self._drain, args=(worker, READY), daemon=True).start()
-            self.workers.append(worker)
-        deadline = time.monotonic() + timeout
-        for worker in self.workers:
-            while not worker.ready.wait(0.1):
-                if worker.process.poll() is not None or time.monotonic() > deadline:
-                    output = "\n".join(worker.lines) or "(no output)"
-                    raise RuntimeError(
-                        f"worker in {worker.link.namespace} did not start:\n{output}"
-                    )
-        return [w.address for w in self.workers]
-
-    @staticmethod
-    def _drain(worker: WorkerProcess, ready: str) -> None:
-        for line in worker.process.stdout:
-            worker.lines.append(line.rstrip("\n"))
-            if line.startswith(ready):
-                worker.ready.set()
-
-    # measuring the idle link
-
-    def ping(self, link: Link, count: int = 10) -> float:
-        """Median idle round trip to the worker's end, seconds (ICMP echo, 56-byte payload)."""
-        return icmp_rtt(link.ns_ip, count)
-
-    def goodput_mbps(self, link: Link, seconds: float = 0.6) -> float:
-        """Payload rate of one bulk TCP transfer master -> worker, Mbit/s (a sink process in
-        the namespace reads it); ``seconds`` is about how long it takes at the assumed rate."""
-        code = (
-            "import socket,sys\n"
-            f"s=socket.create_server(({link.ns_ip!r},{CHECK_PORT}))\n"
-            "print('listening',flush=True)\n"
-            "c,_=s.accept()\n"
-            "while c.recv(1<<20):\n    pass\n"
-            "c.sendall(b'x')\n"
-        )
-        sink = self._spawn(link, [sys.executable, "-I", "-c", code], dict(os.environ))
-        try:
-            if sink.stdout.readline().strip() != "listening":
-                raise RuntimeError(f"TCP sink in {link.namespace} did not start")
-            size = max(64 * 1024, int(tcp_goodput_mbps(self.rate_mbps) * 1e6 / 8 * seconds))
-            payload = bytes(size)
-            with socket.create_connection((link.ns_ip, CHECK_PORT), timeout=30) as conn:
-                start = time.perf_counter()
-                conn.sendall(payload)
-                conn.shutdown(socket.SHUT_WR)
-                if conn.recv(1) != b"x":
-                    raise RuntimeError("TCP sink closed early")
-                elapsed = time.perf_counter() - start
-            return 8 * size / elapsed / 1e6
-        finally:
-            sink.wait(10)
-
-    # tearing down
-
-    def teardown(self) -> None:
-        """Stop every process started here, then delete the namespaces and veth pairs. Each part
-        is tried even when an earlier one fails; a second Ctrl-C does not cut it short."""
-        deferred = {}
-        if threading.current_thread() is threading.main_thread():
-            deferred = {
-                s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)
-            }
-        try:
-            self._teardown()
-        finally:
-            for s, handler in deferred.items():
-                signal.signal(s, handler)
-
-    def _teardown(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + 10
-        for process in self.processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self.processes, self.workers = [], []
-        for link in reversed(self.links):
-            if "netns" in link.created:
-                # Anything still inside (only what this testbed started can be there).
-                pids = _run("ip", "netns", "pids", link.namespace, check=False).stdout.split()
-                for pid in pids:
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except (ProcessLookupError, ValueError):
-                        pass
-            if "veth" in link.created:
-                _run("ip", "link", "del", link.host_if, check=False)  # takes its peer along
-            if "netns" in link.created:
-                _run("ip", "netns", "del", link.namespace, check=False)
-            link.created.clear()
-        self.links = []
-
-    def leftovers(self) -> list[str]:
-        """Namespaces and interfaces with this testbed's tag still present (for the tests)."""
-        names = _run("ip", "netns", "list", check=False).stdout.split()
-        names += re.findall(r"^\d+: ([^:@]+)", _run("ip", "-o", "link", check=False).stdout, re.M)
-        return sorted({n for n in names if n.startswith(self.tag)})
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
-
-
-def remove_stale(log=None) -> list[str]:
-    """Remove namespaces and veth pairs that a run of this module left behind when it was killed
-    (SIGKILL gives no chance to clean up): those whose creating process no longer runs. A
-    namespace with processes still inside is left alone, and so is its veth pair. Returns what
-    was removed."""
-    removed, kept = [], set()
-    namespaces = _run("ip", "netns", "list", check=False).stdout.split()
-    links = re.findall(r"^\d+: ([^:@]+)", _run("ip", "-o", "link", check=False).stdout, re.M)
-    for name in namespaces + links:  # namespaces first: a kept one keeps its link
-        found = re.fullmatch(rf"({_PREFIX}(\d+))(?:-w(\d+)|m(\d+))", name)
-        if found is None or int(found.group(2)) == os.getpid() % 10**7:
-            continue
-        if _alive(int(found.group(2))):
-            continue  # its run may still be going (or the pid was reused: leave it)
-        index = found.group(3) or found.group(4)
-        if name in namespaces:
-            if _run("ip", "netns", "pids", name, check=False).stdout.split():
-                kept.add((found.group(1), index))
-                if log is not None:
-                    print(f"validate: stale namespace {name} still has processes; left", file=log)
-                continue
-            done = _run("ip", "netns", "del", name, check=False)
-        elif (found.group(1), index) in kept:
-            continue
-        else:  # (gone already when its namespace took the pair along)
-            done = _run("ip", "link", "del", name, check=False)
-        if done.returncode == 0:
-            removed.append(name)
-    return removed
-
-
-def _checksum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    total = (total >> 16) + (total & 0xFFFF)
-    total += total >> 16
-    return ~total & 0xFFFF
-
-
-def icmp_rtt(address: str, count: int = 10, timeout: float = 1.0) -> float:
-    """Median round trip of ``count`` ICMP echo requests to ``address``, seconds (root: a raw
-    socket; no ``ping`` binary needed)."""
-    ident = (os.getpid() ^ secrets.randbits(16)) & 0xFFFF
-    payload = bytes(56)
-    times = []
-    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP) as sock:
-        sock.settimeout(timeout)
-        for seq in range(count):
-            header = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
-            packet = struct.pack("!BBHHH", 8, 0, _checksum(header + payload), ident, seq)
-            start = time.perf_counter()
-            sock.sendto(packet + payload, (address, 0))
-            while True:
-                try:
-                    data, _ = sock.recvfrom(2048)
-                except TimeoutError:
-                    break
-                ihl = 4 * (data[0] & 0x0F)
-                kind, _, _, got_id, got_seq = struct.unpack("!BBHHH", data[ihl : ihl + 8])
-                if kind == 0 and got_id == ident and got_seq == seq:
-                    times.append(time.perf_counter() - start)
-                    break
-            time.sleep(0.01)
-    if not times:
-        raise RuntimeError(f"no answer to ICMP echo from {address}")
-    return statistics.median(times)
-
-
-# -- the prediction ------------------------------------------------------------------------------
-
-_PROBE_LAYER = re.compile(r"(\w+) (\d+)/(\d+) \(probe (off|[\d.]+ ms)\)")
-
-
-def probe_seconds_from_log(text: str) -> list[dict[str, float]]:
-    """Per node (master first) and layer the probe seconds the master printed before training
-    (:meth:`hetconv.master.cluster.Cluster.describe_shares`); a master that computes no share
-    has no figures (an empty dict)."""
-    lines = text.splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.startswith("kernel shares"))
-    except StopIteration:
-        return []
-    nodes: list[dict[str, float]] = []
-    for line in lines[start + 1 :]:
-        if not line.startswith("  "):
-            break
-        probes = _PROBE_LAYER.findall(line)
-        if probes:
-            nodes.append({name: 1e-3 * float(ms[:-3]) for name, _, _, ms in probes if ms != "off"})
-    return nodes
+TARGET_ERROR = 0.15  # within 15 % per case
 
 
 @dataclass
@@ -522,24 +118,45 @@ class Case:
         return self.predicted_s / self.measured_s - 1
 
 
+# -- the prediction ------------------------------------------------------------------------------
+
+
 def _gflops_from_probe(probes: dict[str, float], layers) -> dict[str, float]:
     return {
         layer.name: layer.shape.flops_forward * layer.step_passes / probes[layer.name] / 1e9
         for layer in layers
-        if probes.get(layer.name)
+        if probes.get(layer.name) and math.isfinite(probes[layer.name])
     }
 
 
-def predict(
-    trace: str,
-    rate_mbps: float,
-    rtt_s: float,
-    speeds: str = "trace",
-    probe_log: str = "",
-    wire=None,
-):
+def probe_speeds(trace: str, cal, layers) -> list[dict[str, float]]:
+    """Per node of ``cal`` (master first) and layer the GFLOPS of the probe the master ran
+    before the steps ``cal`` used: the trace's latest plan record at or before the first of
+    them (:func:`~.trace.read_plan`). A master that computes nothing has no probe; it gets the
+    median of the others (and no kernels).
+
+    Raises:
+        ValueError: no plan record (a trace of an older hetconv), or none with a probe figure
+            for every node.
+    """
+    from .trace import read_plan
+
+    plan = read_plan(trace, min(cal.step_numbers) if cal.step_numbers else None)
+    probes = plan.probe_seconds()
+    missing = [name for name in cal.node_names if name not in probes]
+    if missing:
+        raise ValueError(f"trace {trace}: the plan record names no node {', '.join(missing)}")
+    gflops = [_gflops_from_probe(probes[name], layers) for name in cal.node_names]
+    known = [g for per_layer in gflops for g in per_layer.values()]
+    if not known:
+        raise ValueError(f"trace {trace}: the plan record holds no probe figure")
+    return [p or {layer.name: statistics.median(known) for layer in layers} for p in gflops]
+
+
+def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", wire=None):
     """The simulator's step for the run in ``trace`` on links of ``rate_mbps`` (tc rate) with
-    round trip ``rtt_s``. Only the run's shares, compute figures and comp come from the trace.
+    round trip ``rtt_s``. Only the run's shares, compute figures (or probes: ``speeds="probe"``)
+    and comp come from the trace.
 
     Returns (StepResult, per-node layer GFLOPS used, calibration of the trace).
     """
@@ -551,15 +168,7 @@ def predict(
     cal = calibrate(trace)
     layers = network_layers(cal.network, cal.batch)
     if speeds == "probe":
-        probes = probe_seconds_from_log(probe_log)
-        if len(probes) != len(cal.node_names):
-            raise ValueError("the master's log holds no probe figure for every node")
-        gflops = [_gflops_from_probe(p, layers) for p in probes]
-        known = [g for per_layer in gflops for g in per_layer.values()]
-        if not known:
-            raise ValueError("the master's log holds no probe figure")
-        # A master that computes nothing: any speed will do (it gets no kernels).
-        gflops = [p or {layer.name: statistics.median(known) for layer in layers} for p in gflops]
+        gflops = probe_speeds(trace, cal, layers)
     elif speeds == "trace":
         gflops = [dict(g) for g in cal.layer_gflops]
     else:
@@ -610,6 +219,39 @@ def _call_comparison(trace: str, result, cal) -> list[dict]:
 # -- one case ------------------------------------------------------------------------------------
 
 
+def _master_timeout(preset: str, batch: int, steps: int, rate_mbps: float) -> float:
+    """A generous bound on the run's length, for the master: every call as if one worker had
+    every kernel."""
+    from hetconv.costmodel import PHASES, call_bytes, network_layers
+
+    layers = network_layers(preset, batch)
+    worst = sum(
+        call_bytes(layer, phase, layer.kernels).total for layer in layers for phase in PHASES
+    )
+    return 180 + 4 * (steps + 2) * worst / (tcp_goodput_mbps(rate_mbps) * 1e6 / 8)
+
+
+def _train(
+    bed: Testbed,
+    addresses: list[str],
+    arguments: list[str],
+    timeout: float,
+    master_blas_threads: int,
+) -> None:
+    """The real master, ``hetconv train`` with ``arguments``, through the testbed's workers."""
+    command = [sys.executable, "-I", "-m", "hetconv", "train"]
+    for address in addresses:
+        command += ["--worker", address]
+    env = with_blas_threads(dict(os.environ, HETCONV_TOKEN=bed.token), master_blas_threads)
+    master = bed.spawn([*command, *arguments], env)
+    try:
+        output, _ = master.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the master did not finish within {timeout:.0f} s") from None
+    if master.returncode != 0:
+        raise RuntimeError(f"the master failed ({master.returncode}):\n{output}")
+
+
 def run_case(
     preset: str,
     batch: int,
@@ -623,20 +265,18 @@ def run_case(
     master_compute: bool = True,
 ) -> Case:
     """Build the testbed, train, predict, tear down. See the module docstring."""
-    from hetconv.costmodel import PHASES, call_bytes, network_layers
-
-    layers = network_layers(preset, batch)
-    # A generous bound on the run's length, for the master's timeout: every call as if one
-    # worker had every kernel.
-    worst = sum(
-        call_bytes(layer, phase, layer.kernels).total for layer in layers for phase in PHASES
-    )
-    goodput = tcp_goodput_mbps(rate_mbps)
-    timeout = 180 + 4 * (steps + 2) * worst / (goodput * 1e6 / 8)
+    timeout = _master_timeout(preset, batch, steps, rate_mbps)
     with tempfile.TemporaryDirectory(prefix="hetconv-validate-") as scratch:
         folder = Path(trace_dir) if trace_dir else Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        trace = folder / f"{preset}-b{batch}-w{workers}-{rate_mbps:g}mbit.jsonl"
+        trace = str(folder / f"{preset}-b{batch}-w{workers}-{rate_mbps:g}mbit.jsonl")
+        arguments = [
+            "--preset", preset, "--batch", str(batch), "--steps", str(steps),
+            "--trace", trace, "--no-progress", "--eval-size", "0",
+            "--train-size", str(max(batch * steps, 256)), "--connect-timeout", "60",
+        ]  # fmt: skip
+        if not master_compute:
+            arguments.append("--no-master-compute")
         with Testbed(workers, rate_mbps) as bed:
             rtt = statistics.median(bed.ping(link) for link in bed.links)
             measured_goodput = (
@@ -645,50 +285,21 @@ def run_case(
                 else None
             )
             addresses = bed.start_workers()
-            command = [*_die_with_parent(), sys.executable, "-I", "-m", "hetconv", "train"]
-            for address in addresses:
-                command += ["--worker", address]
-            command += [
-                "--preset", preset, "--batch", str(batch), "--steps", str(steps),
-                "--trace", str(trace), "--no-progress", "--eval-size", "0",
-                "--train-size", str(max(batch * steps, 256)), "--connect-timeout", "60",
-            ]  # fmt: skip
-            if not master_compute:
-                command.append("--no-master-compute")
-            env = dict(os.environ, HETCONV_TOKEN=bed.token)
-            if master_blas_threads:
-                for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-                    env[name] = str(master_blas_threads)
-            master = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                text=True,
-            )
-            bed.processes.append(master)
-            try:
-                output, _ = master.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"the master did not finish within {timeout:.0f} s") from None
-            if master.returncode != 0:
-                raise RuntimeError(f"the master failed ({master.returncode}):\n{output}")
+            _train(bed, addresses, arguments, timeout, master_blas_threads)
             drops = bed.tbf_drops()
-        result, gflops, cal = predict(str(trace), rate_mbps, rtt, speeds, output)
+        result, gflops, cal = predict(trace, rate_mbps, rtt, speeds)
         other = "probe" if speeds == "trace" else "trace"
         try:
-            other_result, _, _ = predict(str(trace), rate_mbps, rtt, other, output)
-            other_s = other_result.step_s
+            other_s = predict(trace, rate_mbps, rtt, other)[0].step_s
         except ValueError:
             other_s = None
-        calls = _call_comparison(str(trace), result, cal)
+        calls = _call_comparison(trace, result, cal)
     return Case(
         preset=preset,
         batch=batch,
         workers=workers,
         rate_mbps=rate_mbps,
-        goodput_mbps=goodput,
+        goodput_mbps=tcp_goodput_mbps(rate_mbps),
         goodput_measured_mbps=measured_goodput,
         rtt_ms=1e3 * rtt,
         steps=cal.steps,
@@ -789,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--speeds",
         choices=("trace", "probe"),
         default="trace",
-        help="node convolution speeds from the trace's compute_seconds or the master's probe",
+        help="node convolution speeds from the trace's compute_seconds or the master's probe "
+        "(the trace's plan record)",
     )
     p.add_argument(
         "--master-blas-threads",
@@ -875,15 +487,12 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "Case",
-    "Testbed",
-    "icmp_rtt",
+    "format_calls",
+    "format_table",
     "main",
     "predict",
-    "probe_seconds_from_log",
-    "remove_stale",
+    "probe_speeds",
     "run_case",
-    "tcp_goodput_mbps",
-    "testbed_unavailable",
 ]
 
 

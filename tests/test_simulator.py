@@ -41,7 +41,7 @@ from hetconv.master.cluster import ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
-from hetconv.simulations.calibrate import calibrate
+from hetconv.simulations.calibrate import calibrate, read_plan
 from hetconv.simulations.cli import POLICIES as CLI_POLICIES
 from hetconv.simulations.cli import add_arguments, main, run
 from hetconv.simulations.scenario import (
@@ -51,6 +51,8 @@ from hetconv.simulations.scenario import (
     shipped_scenarios,
 )
 from hetconv.simulations.sweep import run_scenario
+from hetconv.simulations.trace import is_plan, read_records, read_steps
+from hetconv.simulations.validate import predict
 from hetconv.wire import BUNDLE_BYTES
 
 # A real run whose calls are a mix: at batch 48 the tiny network's conv1 forward (x 590 kB + y
@@ -78,7 +80,7 @@ def real_trace(tmp_path_factory):
 
 
 def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_steps(str(path))  # the step records (a plan record has no "step")
 
 
 # -- bytes ---------------------------------------------------------------------------------------
@@ -374,7 +376,7 @@ def test_calibration_from_a_real_trace(real_trace):
 def test_calibration_uses_the_most_frequent_split(real_trace, tmp_path):
     # A resumed run is probed again, and a lost or joining worker changes the split: such
     # steps are skipped (with a note), not a reason to refuse the whole trace.
-    records = [json.loads(line) for line in real_trace.read_text().splitlines()]
+    records = _records(real_trace)
     odd = json.loads(json.dumps(records[-1]))
     for node in odd["nodes"].values():
         for entry in node.values():
@@ -385,6 +387,60 @@ def test_calibration_uses_the_most_frequent_split(real_trace, tmp_path):
     assert cal.shares == TRACE_SHARES
     assert cal.steps == 2 * (len(records) - 1)
     assert any("most frequent split" in note for note in cal.notes)
+
+
+def _plan_record(start_step: int, names: list[str], probe_seconds: dict[str, float]) -> dict:
+    """A plan record as training writes it where a run starts (no "step" key)."""
+    return {
+        "event": "plan",
+        "start_step": start_step,
+        "nodes": [
+            {"name": name, "description": "cpu", "probe_seconds": probe_seconds,
+             "link_bytes_per_second": None if name == "master" else 1.25e8,
+             "link_latency_seconds": None if name == "master" else 1e-4}
+            for name in names
+        ],
+        "shares": {layer: list(shares) for layer, shares in TRACE_SHARES.items()},
+    }  # fmt: skip
+
+
+def test_plan_records_are_skipped_by_calibration_and_give_the_probes(real_trace, tmp_path, capsys):
+    # The real run's steps (whatever plan record training wrote left out), with a plan record
+    # before them and another where a resumed run would have started (step 2).
+    records = _records(real_trace)
+    names = list(records[0]["nodes"])
+    first, resumed = {"conv1": 1e-3, "conv2": 2e-3}, {"conv1": 4e-3, "conv2": 8e-3}
+    planned = tmp_path / "planned.jsonl"
+    lines = [_plan_record(0, names, first), *records[:2], _plan_record(2, names, resumed)]
+    planned.write_text("".join(json.dumps(r) + "\n" for r in [*lines, *records[2:]]))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    cal, without = calibrate(str(planned)), calibrate(str(plain))
+    assert cal.shares == TRACE_SHARES and cal.step_numbers == [1, 2]
+    assert (cal.node_names, cal.layer_gflops, cal.measured, cal.link_mbps) == (
+        without.node_names, without.layer_gflops, without.measured, without.link_mbps
+    )  # fmt: skip
+    assert main(["--from-trace", str(planned), "--nodes", "1..2", "--quiet"]) == 0
+    assert "tiny" in capsys.readouterr().out
+
+    # Probe speeds: the plan record the steps used (from step 1) were trained under.
+    _, gflops, _ = predict(str(planned), 100.0, 1e-4, speeds="probe")
+    layers = network_layers("tiny", TRACE_BATCH)
+    for per_layer in gflops:
+        for layer in layers:
+            flops = layer.shape.flops_forward * layer.step_passes
+            assert per_layer[layer.name] == pytest.approx(flops / first[layer.name] / 1e9)
+    with pytest.raises(ValueError, match="no plan record: written by an older hetconv"):
+        predict(str(plain), 100.0, 1e-4, speeds="probe")
+
+
+def test_a_real_runs_plan_record_names_its_nodes_and_shares(real_trace):
+    if not any(is_plan(r) for r in read_records(str(real_trace))):
+        pytest.skip("training writes no plan record into its trace yet")
+    plan = read_plan(str(real_trace))
+    assert plan.start_step == 0 and plan.shares == TRACE_SHARES
+    assert plan.node_names == calibrate(str(real_trace)).node_names
 
 
 def test_a_local_runs_trace_is_refused(tmp_path):

@@ -3,13 +3,15 @@
 The runs need root, ``ip`` and ``tc`` (network namespaces, veth pairs, token buckets) and take a
 minute or two: they are marked slow (``pytest -m slow``) and skipped, with the reason, where the
 machine cannot build the testbed. The first tests check, without any of that, the pieces the
-validation rests on: the goodput arithmetic, the probe figures read from the master's log and the
-cost model's wait of streamed calls on the master's own convolution.
+validation rests on: the goodput arithmetic, the probe figures read from the trace's plan record
+and the cost model's wait of streamed calls on the master's own convolution.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,17 +27,15 @@ from hetconv.costmodel import (
     simulate_phase,
     simulate_step,
 )
-from hetconv.simulations import validate
+from hetconv.simulations import testbed
+from hetconv.simulations.calibrate import read_plan, read_trace
 from hetconv.simulations.scenario import parse_scenario
-from hetconv.simulations.validate import (
-    TARGET_ERROR,
-    probe_seconds_from_log,
-    run_case,
-    tcp_goodput_mbps,
-)
+from hetconv.simulations.trace import read_steps
+from hetconv.simulations.validate import TARGET_ERROR, probe_speeds, run_case
 
 # (Through the module: pytest would collect names that start with "test".)
-UNAVAILABLE = validate.testbed_unavailable()
+tcp_goodput_mbps = testbed.tcp_goodput_mbps
+UNAVAILABLE = testbed.testbed_unavailable()
 needs_testbed = pytest.mark.skipif(
     UNAVAILABLE is not None, reason=f"shaped-link testbed: {UNAVAILABLE}"
 )
@@ -49,23 +49,106 @@ def test_goodput_is_the_payload_share_of_ethernet_frames():
     assert tcp_goodput_mbps(5, mtu=9000) == pytest.approx(5 * 8948 / 9014)
 
 
-def test_probe_figures_are_read_from_the_masters_log():
-    log = (
-        "kernel shares (probe: forward + backward of the layer's real shape):\n"
-        "  master                AMD EPYC (cpu)\n"
-        "                        conv1 3/8 (probe 9.9 ms), conv2 7/16 (probe 11.5 ms)\n"
-        "  10.213.1.2:50051      AMD EPYC (cpu, 2 cores), link 1 MB/s rtt 0.6 ms\n"
-        "                        conv1 5/8 (probe 6.1 ms), conv2 9/16 (probe 9.6 ms)\n"
-        "training tiny on synthetic (1000 images, 0 held out): 6 steps of batch 16\n"
-    )
-    assert probe_seconds_from_log(log) == [
+# A trace by hand: plan and step records, with only the fields the readers need.
+
+WORKER = "10.213.1.2:50051"
+PROBES = ({"conv1": 9.9e-3, "conv2": 11.5e-3}, {"conv1": 6.1e-3, "conv2": 9.6e-3})  # per node
+SHARES = {"conv1": [3, 5], "conv2": [7, 9]}  # the tiny network: 8 and 16 kernels
+
+
+def _plan(start_step: int, master: dict, worker: dict, shares: dict) -> dict:
+    """A plan record as the master writes it where a run starts (nodes in order, master
+    first); no "step" key."""
+    return {
+        "event": "plan",
+        "start_step": start_step,
+        "nodes": [
+            {"name": "master", "description": "AMD EPYC (cpu)", "probe_seconds": master,
+             "link_bytes_per_second": None, "link_latency_seconds": None},
+            {"name": WORKER, "description": "AMD EPYC (cpu, 2 cores)", "probe_seconds": worker,
+             "link_bytes_per_second": 1e6, "link_latency_seconds": 6e-4},
+        ],
+        "shares": shares,
+    }  # fmt: skip
+
+
+def _step(step: int) -> dict:
+    """A step record of a run with :data:`SHARES` (the figures the readers need)."""
+    nodes: dict[str, dict] = {"master": {}, WORKER: {}}
+    for layer, (mine, theirs) in SHARES.items():
+        nodes["master"][layer] = {"kernels": mine}
+        nodes[WORKER][layer] = {"kernels": theirs}
+    return {"step": step, "batch": 16, "seconds": 0.1, "nodes": nodes}
+
+
+def _write(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return str(path)
+
+
+def test_probe_figures_are_read_from_the_traces_plan_record(tmp_path):
+    trace = _write(tmp_path / "run.jsonl", [_plan(0, *PROBES, SHARES), _step(0), _step(1)])
+    plan = read_plan(trace)
+    assert list(plan.probe_seconds().values()) == [
         {"conv1": pytest.approx(9.9e-3), "conv2": pytest.approx(11.5e-3)},
         {"conv1": pytest.approx(6.1e-3), "conv2": pytest.approx(9.6e-3)},
     ]
-    mine = "conv1 3/8 (probe 9.9 ms), conv2 7/16 (probe 11.5 ms)"
-    off = log.replace(mine, "conv1 0/8 (probe off), conv2 0/16 (probe off)")
-    assert probe_seconds_from_log(off)[0] == {}
-    assert probe_seconds_from_log("no table here") == []
+    assert plan.node_names == ["master", WORKER] and plan.start_step == 0
+    assert plan.shares == {"conv1": (3, 5), "conv2": (7, 9)}
+    assert plan.nodes[1].link_bytes_per_second == 1e6
+    assert plan.nodes[0].link_latency_seconds is None
+    # A master that computes no share has no figures.
+    off = _plan(0, {}, PROBES[1], {"conv1": [0, 8], "conv2": [0, 16]})
+    assert read_plan(_write(tmp_path / "off.jsonl", [off, _step(0)])).nodes[0].probe_seconds == {}
+    with pytest.raises(ValueError, match="has no plan record: written by an older hetconv"):
+        read_plan(_write(tmp_path / "old.jsonl", [_step(0), _step(1)]))
+    bad = _plan(0, *PROBES, {"conv1": [3]})  # one share for two nodes
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: plan record: shares of conv1"):
+        read_plan(_write(tmp_path / "bad.jsonl", [bad, _step(0)]))
+
+
+def test_step_readers_skip_plan_records_and_each_step_has_its_runs_plan(tmp_path):
+    # A run, then a resumed one from step 2 (probed again: another plan record).
+    resumed = {"conv1": 5.0e-3, "conv2": 8.0e-3}
+    trace = _write(
+        tmp_path / "run.jsonl",
+        [_plan(0, *PROBES, SHARES), _step(0), _step(1),
+         _plan(2, PROBES[0], resumed, SHARES), _step(2), _step(3)],
+    )  # fmt: skip
+    assert [r["step"] for r in read_steps(trace)] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_trace(trace)] == [0, 1, 2, 3]
+    assert read_plan(trace, 1).nodes[1].probe_seconds == PROBES[1]
+    assert read_plan(trace, 2).nodes[1].probe_seconds == resumed
+    assert read_plan(trace).start_step == 2  # without a step: the latest
+    late = _write(tmp_path / "late.jsonl", [_plan(5, *PROBES, SHARES), _step(5)])
+    with pytest.raises(ValueError, match="no plan record at or before step 2"):
+        read_plan(late, 2)
+    only_plan = _write(tmp_path / "plan.jsonl", [_plan(0, *PROBES, SHARES)])
+    with pytest.raises(ValueError, match="holds no steps"):
+        read_trace(only_plan)
+
+
+def test_probe_speeds_are_the_plan_records_probes(tmp_path):
+    layers = network_layers("tiny", 16)
+    cal = SimpleNamespace(node_names=["master", WORKER], step_numbers=[1, 2])
+    trace = _write(tmp_path / "run.jsonl", [_plan(0, *PROBES, SHARES), _step(0), _step(1)])
+    gflops = probe_speeds(trace, cal, layers)
+    for per_layer, probes in zip(gflops, PROBES, strict=True):
+        for layer in layers:
+            flops = layer.shape.flops_forward * layer.step_passes
+            assert per_layer[layer.name] == pytest.approx(flops / probes[layer.name] / 1e9)
+    # A master with no probe (it computes nothing) gets the others' median.
+    off = _write(tmp_path / "off.jsonl", [_plan(0, {}, PROBES[1], SHARES), _step(0)])
+    master, worker = probe_speeds(off, cal, layers)
+    assert master == {
+        layer.name: pytest.approx(np.median(list(worker.values()))) for layer in layers
+    }
+    stranger = SimpleNamespace(node_names=["master", "10.213.9.2:50051"], step_numbers=[1])
+    with pytest.raises(ValueError, match="names no node 10.213.9.2:50051"):
+        probe_speeds(trace, stranger, layers)
+    old = _write(tmp_path / "old.jsonl", [_step(0), _step(1)])
+    with pytest.raises(ValueError, match="written by an older hetconv"):
+        probe_speeds(old, cal, layers)
 
 
 def test_streamed_transfers_slow_down_while_the_master_computes():
@@ -130,7 +213,7 @@ def test_scenarios_set_the_stall_and_refuse_more_than_a_full_one():
 @pytest.mark.slow
 @needs_testbed
 def test_testbed_shapes_both_directions_and_leaves_nothing_behind():
-    bed = validate.Testbed(2, 20.0)
+    bed = testbed.Testbed(2, 20.0)
     with pytest.raises(KeyboardInterrupt):
         with bed:
             assert len(bed.leftovers()) == 4  # two namespaces, two root-side veth ends
@@ -181,7 +264,7 @@ def test_link_policy_leaves_out_a_worker_behind_a_slow_real_link():
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.model import Model, load_spec
 
-    with validate.Testbed(2, 1000) as bed:
+    with testbed.Testbed(2, 1000) as bed:
         bed.shape(bed.links[1], 5)
         fast, slow = bed.start_workers()
         shares = {}
