@@ -32,6 +32,7 @@ from threadpoolctl import threadpool_limits
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
+from hetconv.simulations.trace import read_steps
 
 
 def _pin(pid: int, cpus: set[int]) -> None:
@@ -143,7 +144,7 @@ def _run_capped(args, every: int, scratch: Path, label: str, cap) -> dict:
         ) as cluster:
             train(config, cluster, log=io.StringIO())
             changes = [e for e in cluster.events if e["event"] == "shares_changed"]
-    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    records = read_steps(str(trace))
     settled = args.busy_at + 2 * max(args.every, 1)
     before = [r["seconds"] for r in records[1 : args.busy_at]]
     after = [r["seconds"] for r in records[settled:]]

@@ -29,12 +29,12 @@ from hetconv.conv import LocalConv
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
+from hetconv.simulations.trace import read_steps
 
 
 def _run(config: TrainConfig, executor) -> list[dict]:
     train(config, executor, log=io.StringIO())
-    records = [json.loads(line) for line in Path(config.trace).read_text().splitlines()]
-    return records[1:]  # the first step warms caches and connections
+    return read_steps(config.trace)[1:]  # the first step warms caches and connections
 
 
 def _mean(records: list[dict], key: str) -> float:
