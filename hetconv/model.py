@@ -224,12 +224,3 @@ class Model:
             grad = layer.backward(grad)
             if grad is None:
                 break
-
-    def conv_seconds(self, reset: bool = True) -> float:
-        """Seconds spent in convolution executors since the last reset."""
-        total = 0.0
-        for layer in self.conv_layers():
-            total += layer.seconds
-            if reset:
-                layer.seconds = 0.0
-        return total

@@ -450,7 +450,6 @@ def train(
             model.backward(grad)
             optimizer.step(model.gradients())
             seconds = time.perf_counter() - step_start
-            model.conv_seconds()  # reset the layers' own clocks
             cluster = executor.end_step()
             comm, conv = cluster.pop("comm_seconds"), cluster.pop("conv_seconds")
             # The paper's terms: communication + convolution (slowest node) + the rest.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hetconv.conv import LocalConv
 from hetconv.layers import (
     Conv2d,
     Linear,
@@ -141,11 +142,29 @@ def test_conv2d_backward_before_forward_raises():
         layer.backward(np.zeros((1, 1, 1, 1), np.float32))
 
 
-def test_conv2d_counts_executor_seconds(rng):
-    layer = Conv2d("conv", 1, 1, 3, 1)
+class Recording(LocalConv):
+    """A local executor that notes each call's layer name and ``need_input_grad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def forward(self, layer, x, w, b, padding):
+        self.calls.append(("forward", layer, padding))
+        return super().forward(layer, x, w, b, padding)
+
+    def backward(self, layer, x, w, dy, padding, need_input_grad):
+        self.calls.append(("backward", layer, padding, need_input_grad))
+        return super().backward(layer, x, w, dy, padding, need_input_grad)
+
+
+def test_conv2d_runs_on_its_executor(rng):
+    executor = Recording()
+    layer = Conv2d("convX", 1, 2, 3, "same", executor)
+    layer.need_input_grad = False
     y = layer.forward(_randn(rng, 1, 1, 4, 4))
-    layer.backward(y)
-    assert layer.seconds > 0.0
+    assert layer.backward(y) is None
+    assert executor.calls == [("forward", "convX", "same"), ("backward", "convX", "same", False)]
 
 
 # --------------------------------------------------------------------------------------- ReLU

@@ -355,10 +355,3 @@ def test_end_to_end_gradient_matches_finite_differences(model, rng):
             if checked == 6:
                 break
         assert checked >= min(4, value.size - 1), f"{name}: too few coordinates checked"
-
-
-def test_conv_seconds_resets(model):
-    model.forward(np.zeros((1, *SMALL_INPUT), np.float32))
-    assert model.conv_seconds(reset=False) > 0
-    assert model.conv_seconds() > 0
-    assert model.conv_seconds() == 0.0
