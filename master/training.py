@@ -372,7 +372,7 @@ def train(
         resumed = _resume_point(config, checkpoints, fingerprint, steps, len(train_set), log)
         checkpoints.remove_temporaries()
 
-    executor.prepare(model.conv_layers(), config.batch, log)
+    executor.prepare(model.conv_specs(), config.batch, log)
     optimizer = SGD(model.parameters(), config.sgd)
     start_step = 0
     losses: list[float] = []
