@@ -98,6 +98,17 @@ class ConvExecutor(Protocol):
         """Called once before training with the model's conv layers (e.g. to probe devices)."""
         ...
 
+    def plan_record(self) -> dict | None:
+        """How the work is split, for the first record a training run writes to its trace (after
+        :meth:`prepare`, at every start, fresh or resumed), or None for nothing to record.
+
+        The dict must be JSON-ready and must not hold ``step`` (the trace's step records are the
+        ones with a step); training writes ``{"event": "plan", "start_step": ..., **plan}``. The
+        master's cluster gives its nodes (name, description, probe seconds per layer, measured
+        link) and each layer's kernel shares, node by node.
+        """
+        ...
+
     def begin_step(self, step: int) -> None:
         """Calls until the next ``begin_step`` belong to training step ``step``."""
         ...
@@ -138,6 +149,9 @@ class LocalConv:
 
     def prepare(self, layers, batch, log):
         pass
+
+    def plan_record(self):
+        return None
 
     def begin_step(self, step):
         self._seconds = 0.0

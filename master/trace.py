@@ -1,4 +1,10 @@
-"""The training trace: one JSON object per line per step, which the simulator calibrates from."""
+"""The training trace: one JSON object per line, which the simulator calibrates from.
+
+Most records are a step's (they have ``step``). A run whose executor has a plan (see
+:meth:`hetconv.conv.ConvExecutor.plan_record`) first writes ``{"event": "plan", "start_step":
+..., ...}``, which has no ``step``; a resumed run writes its own after those of earlier runs.
+Readers take the records with a ``step`` as the steps and tolerate any others.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,14 @@ from typing import TextIO
 
 
 class Trace:
-    """One JSON object per line per step; the simulator calibrates from these files.
+    """Appends records to a JSON-lines file.
 
     Args:
         path: the JSON-lines file, or None for no trace.
         resume_step: continue an existing trace at this step: the records of earlier steps
-            are kept, those of this step on (written after the checkpoint being resumed)
-            and any torn last line are cut off, and new records are appended. None starts
-            a new file.
+            (and the plan records of the runs that wrote them) are kept, those of this step on
+            (written after the checkpoint being resumed) and any torn last line are cut off,
+            and new records are appended. None starts a new file.
     """
 
     def __init__(self, path: str | None, resume_step: int | None = None):
@@ -55,9 +61,31 @@ class Trace:
             self._file.close()
 
 
+def _first_step(line: bytes) -> int | None:
+    """The first step a complete trace line covers: its ``step``, or a plan record's
+    ``start_step``; -1 for another record without a step (kept wherever it is); None for a torn
+    or unreadable line."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    if "step" in record:
+        step = record["step"]
+    elif record.get("event") == "plan":
+        step = record.get("start_step", -1)
+    else:
+        return -1
+    return step if isinstance(step, int) else None
+
+
 def _cut_trace(path: Path, resume_step: int) -> tuple[int, int]:
-    """Truncate a trace before its first record of step >= ``resume_step`` (or first torn
-    line); returns (records kept, lines cut off)."""
+    """Truncate a trace before its first record of step >= ``resume_step`` (a plan record
+    counts as its ``start_step``: a run that started there is being redone) or its first torn
+    line; returns (records kept, lines cut off)."""
     if not path.is_file():
         return 0, 0
     kept = 0
@@ -65,11 +93,8 @@ def _cut_trace(path: Path, resume_step: int) -> tuple[int, int]:
         lines = f.read().splitlines(keepends=True)
         offset = 0
         for line in lines:
-            try:
-                step = json.loads(line)["step"] if line.endswith(b"\n") else None
-            except (ValueError, TypeError, KeyError):
-                step = None
-            if not isinstance(step, int) or step >= resume_step:
+            step = _first_step(line)
+            if step is None or step >= resume_step:
                 break
             offset += len(line)
             kept += 1

@@ -192,6 +192,17 @@ class _Totals:
         )
 
 
+def _plan_record(executor: ConvExecutor, start_step: int) -> dict | None:
+    """The trace's first record for a run from ``start_step``: the executor's plan, if any."""
+    plan_record = getattr(executor, "plan_record", None)  # executors older than the method
+    plan = plan_record() if plan_record is not None else None
+    if plan is None:
+        return None
+    if "step" in plan:
+        raise ValueError(f"an executor's plan must not hold 'step' (it holds {sorted(plan)})")
+    return {"event": "plan", "start_step": start_step, **plan}
+
+
 class _Run:
     """One call of :func:`train`: the constructor sets it up (data, model, the checkpoint to
     continue from, the executor, the optimizer), then :meth:`announce`, :meth:`run_steps` and
@@ -281,8 +292,8 @@ class _Run:
             )
 
     def run_steps(self) -> float:
-        """Open the trace and run the steps; returns the training seconds, those before the
-        checkpoint resumed from included."""
+        """Open the trace, write the plan, run the steps; returns the training seconds, those
+        before the checkpoint resumed from included."""
         config = self.config
         resume_step = self.start_step if self.resumed is not None else None
         self.trace = Trace(config.trace, resume_step=resume_step)
@@ -293,6 +304,9 @@ class _Run:
                 file=self.log,
             )
         try:
+            plan = _plan_record(self.executor, self.start_step)
+            if plan is not None:
+                self.trace.write(plan)
             self._loop()
         finally:
             self.trace.close()

@@ -197,6 +197,10 @@ def test_conv_spec_refuses_kernel_sizes_that_are_not_integers():
         Conv2d("conv", 1, 1, (2.0, 3.0))
 
 
+def test_local_conv_has_no_plan():
+    assert LocalConv().plan_record() is None
+
+
 def test_the_executor_seam_imports_nothing_from_the_layers():
     tree = ast.parse(Path(hetconv.conv.__file__).read_text(encoding="utf-8"))
     imported = []
