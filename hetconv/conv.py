@@ -2,21 +2,75 @@
 
 A model's :class:`~hetconv.layers.Conv2d` layers never call a backend directly; they call a
 :class:`ConvExecutor`. :class:`LocalConv` runs everything on one backend in this process; the
-master's cluster implements the same two calls by splitting the kernels across workers.
+master's cluster implements the same calls by splitting the kernels across workers. Executors
+learn the model's convolutions as :class:`ConvSpec` values (name and geometry, no weights), so
+this module needs nothing from the layers.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, TextIO
+from dataclasses import dataclass
+from typing import Protocol, TextIO
 
 import numpy as np
 
-from .backends import Backend, PaddingSpec, get_backend
+from .backends import Backend, ConvShape, PaddingSpec, conv_shape, get_backend
 
-if TYPE_CHECKING:
-    from .layers import Conv2d
+
+def kernel_pair(kernel_size: int | Sequence[int]) -> tuple[int, int]:
+    """(kh, kw) of a kernel size given as one int or two; floats are refused."""
+    kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
+    return operator.index(kh), operator.index(kw)
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """One convolution layer as an executor sees it: its name and geometry, no weights.
+
+    Attributes:
+        name: the layer's name (the ``layer`` argument of every executor call).
+        input_shape: per-sample input (C, H, W).
+        kernels: output channels K.
+        kernel_size: (kh, kw).
+        padding: as the layer passes it to the executor (see :class:`~hetconv.backends.Padding`).
+        need_input_grad: False for a network's first layer: nothing consumes that gradient.
+    """
+
+    name: str
+    input_shape: tuple[int, int, int]
+    kernels: int
+    kernel_size: tuple[int, int]
+    padding: PaddingSpec = 0
+    need_input_grad: bool = True
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int, int]:
+        """The kernels' array shape (K, C, kh, kw)."""
+        return (self.kernels, self.input_shape[0], *self.kernel_size)
+
+    def shape(self, batch: int) -> ConvShape:
+        """The geometry of one call on ``batch`` images.
+
+        Raises:
+            ValueError: the kernels do not fit the input (or a size is not positive).
+        """
+        return conv_shape((batch, *self.input_shape), self.weight_shape, self.padding)
+
+    @property
+    def output_shape(self) -> tuple[int, int, int]:
+        """Per-sample output (K, Ho, Wo); raises ValueError as :meth:`shape` does."""
+        return (self.kernels, *self.shape(1).out_hw)
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        """``{"weight": an array of the kernels' shape}``, holding no data (a read-only broadcast
+        of one zero): for executors that read a layer's geometry as a
+        :class:`~hetconv.layers.Conv2d`'s ``params["weight"].shape``. Read :attr:`weight_shape`
+        in new code."""
+        return {"weight": np.broadcast_to(np.zeros((), np.float32), self.weight_shape)}
 
 
 class ConvExecutor(Protocol):
@@ -40,8 +94,19 @@ class ConvExecutor(Protocol):
         """(input gradient or None, kernel gradient, bias gradient) for output gradient ``dy``."""
         ...
 
-    def prepare(self, layers: Sequence[Conv2d], batch: int, log: TextIO | None) -> None:
+    def prepare(self, layers: Sequence[ConvSpec], batch: int, log: TextIO | None) -> None:
         """Called once before training with the model's conv layers (e.g. to probe devices)."""
+        ...
+
+    def plan_record(self) -> dict | None:
+        """How the work is split, for the first record a training run writes to its trace (after
+        :meth:`prepare`, at every start, fresh or resumed), or None for nothing to record.
+
+        The dict must be JSON-ready and must not hold ``step`` (the trace's step records are the
+        ones with a step); training writes ``{"event": "plan", "start_step": ..., **plan}``. The
+        master's cluster gives its nodes (name, description, probe seconds per layer, measured
+        link) and each layer's kernel shares, node by node.
+        """
         ...
 
     def begin_step(self, step: int) -> None:
@@ -84,6 +149,9 @@ class LocalConv:
 
     def prepare(self, layers, batch, log):
         pass
+
+    def plan_record(self):
+        return None
 
     def begin_step(self, step):
         self._seconds = 0.0

@@ -2,9 +2,9 @@
 
 The model follows what :class:`hetconv.master.cluster.Cluster` does, call by call:
 
-* **Shapes.** The network's convolution layers come from its spec (:func:`conv_layers`), with the
-  same geometry and the same "no input gradient for a first layer" rule as
-  :class:`hetconv.model.Model`.
+* **Shapes.** The network's convolution layers come from its spec (:func:`conv_layers`), by the
+  walk :class:`hetconv.model.Model` builds with (:func:`hetconv.model.walk_spec`): the same
+  geometry and the same "no input gradient for a first layer" rule.
 * **Bytes** (:func:`call_bytes`). A forward call sends ``x`` (N, C, H, W), the worker's kernels
   ``w`` (k, C, kh, kw) and biases ``b`` (k,), and gets ``y`` (N, k, Ho, Wo) back; a backward call
   sends only ``dy`` (N, k, Ho, Wo) (the worker kept ``x`` and ``w``) and gets ``dw``, ``db`` and,
@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetconv.backends import ConvShape, conv_shape
-from hetconv.model import CIFAR_INPUT, load_spec
+from hetconv.backends import ConvShape
+from hetconv.conv import ConvSpec
+from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
 from hetconv.proto import worker_pb2 as pb
 from hetconv.wire import BUNDLE_BYTES, WIRE_DTYPE
 
@@ -66,6 +67,11 @@ class ConvLayer:
     name: str
     shape: ConvShape
     need_input_grad: bool
+
+    @classmethod
+    def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
+        """The layer ``spec`` describes, at ``batch`` images."""
+        return cls(spec.name, spec.shape(batch), spec.need_input_grad)
 
     @property
     def kernels(self) -> int:
@@ -112,48 +118,19 @@ def conv_layers(
 ) -> list[ConvLayer]:
     """The convolution layers of a model spec (see :mod:`hetconv.model`) at ``batch`` images.
 
-    Walks the spec with the model's own shape rules, without allocating any weights.
+    Walks the spec with the model's own walk (:func:`hetconv.model.walk_spec`), without
+    allocating any weights.
 
     Raises:
         ValueError: a layer type the model does not know, or shapes that do not fit.
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    layers: list[ConvLayer] = []
-    shape: tuple[int, ...] = tuple(input_shape)
-    counts: dict[str, int] = {}
-    for index, entry in enumerate(spec):
-        kind = entry.get("type")
-        counts[kind] = counts.get(kind, 0) + 1
-        name = entry.get("name", f"{kind}{counts[kind]}")
-        try:
-            if kind == "conv":
-                if len(shape) != 3:
-                    raise ValueError(f"needs a C x H x W input, gets {shape}")
-                kernel = entry.get("kernel", 3)
-                kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
-                out = int(entry["out"])
-                geometry = conv_shape(
-                    (batch, *shape), (out, shape[0], kh, kw), entry.get("padding", 0)
-                )
-                layers.append(ConvLayer(name, geometry, need_input_grad=index > 0))
-                shape = (out, *geometry.out_hw)
-            elif kind in ("relu", "lrn"):
-                pass
-            elif kind == "maxpool":
-                k = int(entry.get("kernel", 2))
-                s = int(entry.get("stride") or k)
-                c, h, w = shape
-                if h < k or w < k:
-                    raise ValueError(f"pool window {k} larger than input {h}x{w}")
-                shape = (c, (h - k) // s + 1, (w - k) // s + 1)
-            elif kind == "fc":
-                shape = (int(entry["out"]),)
-            else:
-                raise ValueError(f"type {kind!r}; expected conv, relu, lrn, maxpool or fc")
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"layer {index} ({entry}): {e}") from None
-    return layers
+    return [
+        ConvLayer.from_spec(layer.conv, batch)
+        for layer in walk_spec(spec, input_shape)
+        if layer.conv is not None
+    ]
 
 
 def network_layers(network: str, batch: int) -> list[ConvLayer]:

@@ -9,12 +9,10 @@ gradient.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from .backends import PaddingSpec
-from .conv import ConvExecutor, LocalConv
+from .backends import PaddingSpec, conv_shape
+from .conv import ConvExecutor, ConvSpec, LocalConv, kernel_pair
 
 
 class Layer:
@@ -57,9 +55,9 @@ class Conv2d(Layer):
         executor: ConvExecutor | None = None,
     ):
         super().__init__(name)
-        kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
+        kh, kw = kernel_pair(kernel_size)
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.kernel_size = (int(kh), int(kw))
+        self.kernel_size = (kh, kw)
         self.padding = padding
         self.executor: ConvExecutor = executor if executor is not None else LocalConv()
         self.need_input_grad = True
@@ -67,32 +65,38 @@ class Conv2d(Layer):
             "weight": np.zeros((out_channels, in_channels, kh, kw), np.float32),
             "bias": np.zeros(out_channels, np.float32),
         }
-        self.seconds = 0.0  # time spent in the executor since the owner last reset it
         self._x: np.ndarray | None = None
+
+    @property
+    def spec(self) -> ConvSpec:
+        """This layer as executors see it (needs ``input_shape``, which the model sets)."""
+        if self.input_shape is None:
+            raise RuntimeError(f"{self.name}: input shape unknown (the model sets it)")
+        return ConvSpec(
+            self.name,
+            tuple(self.input_shape),
+            self.out_channels,
+            self.kernel_size,
+            self.padding,
+            self.need_input_grad,
+        )
 
     def forward(self, x):
         self._x = x
-        start = time.perf_counter()
-        y = self.executor.forward(
+        return self.executor.forward(
             self.name, x, self.params["weight"], self.params["bias"], self.padding
         )
-        self.seconds += time.perf_counter() - start
-        return y
 
     def backward(self, dy):
         if self._x is None:
             raise RuntimeError(f"{self.name}: backward before forward")
-        start = time.perf_counter()
         dx, dw, db = self.executor.backward(
             self.name, self._x, self.params["weight"], dy, self.padding, self.need_input_grad
         )
-        self.seconds += time.perf_counter() - start
         self.grads = {"weight": dw, "bias": db}
         return dx
 
     def output_shape(self, input_shape):
-        from .backends import conv_shape
-
         shape = conv_shape((1, *input_shape), self.params["weight"].shape, self.padding)
         return (self.out_channels, *shape.out_hw)
 
@@ -173,6 +177,31 @@ class LocalResponseNorm(Layer):
         return dx
 
 
+def pool_geometry(kernel_size: int, stride: int | None = None) -> tuple[int, int]:
+    """(kernel, stride) of a max-pool; the stride defaults to the kernel size.
+
+    Raises:
+        ValueError: either is below 1.
+    """
+    kernel = int(kernel_size)
+    step = int(stride) if stride is not None else kernel
+    if kernel < 1 or step < 1:
+        raise ValueError(f"pool kernel {kernel_size} and stride {stride} must be >= 1")
+    return kernel, step
+
+
+def pool_output_shape(input_shape: tuple[int, ...], kernel: int, stride: int) -> tuple[int, ...]:
+    """Per-sample (C, Ho, Wo) of a max-pool (no padding, floor mode) over (C, H, W).
+
+    Raises:
+        ValueError: the window is larger than the input.
+    """
+    c, h, w = input_shape
+    if h < kernel or w < kernel:
+        raise ValueError(f"pool window {kernel} larger than input {h}x{w}")
+    return (c, (h - kernel) // stride + 1, (w - kernel) // stride + 1)
+
+
 class MaxPool2d(Layer):
     """Max pooling (no padding, floor mode), ``torch.nn.MaxPool2d`` semantics.
 
@@ -182,17 +211,13 @@ class MaxPool2d(Layer):
 
     def __init__(self, name: str, kernel_size: int = 2, stride: int | None = None):
         super().__init__(name)
-        self.kernel_size = int(kernel_size)
-        self.stride = int(stride) if stride is not None else self.kernel_size
-        if self.kernel_size < 1 or self.stride < 1:
-            raise ValueError(f"pool kernel {kernel_size} and stride {stride} must be >= 1")
+        self.kernel_size, self.stride = pool_geometry(kernel_size, stride)
 
     def output_shape(self, input_shape):
-        c, h, w = input_shape
-        k, s = self.kernel_size, self.stride
-        if h < k or w < k:
-            raise ValueError(f"{self.name}: pool window {k} larger than input {h}x{w}")
-        return (c, (h - k) // s + 1, (w - k) // s + 1)
+        try:
+            return pool_output_shape(input_shape, self.kernel_size, self.stride)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
 
     def _tap(self, a: np.ndarray, i: int, j: int, ho: int, wo: int) -> np.ndarray:
         s = self.stride

@@ -18,15 +18,26 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .conv import ConvExecutor, LocalConv
-from .layers import Conv2d, Layer, Linear, LocalResponseNorm, MaxPool2d, ReLU
+from .conv import ConvExecutor, ConvSpec, LocalConv, kernel_pair
+from .layers import (
+    Conv2d,
+    Layer,
+    Linear,
+    LocalResponseNorm,
+    MaxPool2d,
+    ReLU,
+    pool_geometry,
+    pool_output_shape,
+)
 
 CIFAR_INPUT = (3, 32, 32)
+LAYER_TYPES = ("conv", "relu", "lrn", "maxpool", "fc")
 
 
 def reference_spec(c1: int, c2: int, classes: int = 10) -> list[dict]:
@@ -72,6 +83,77 @@ def load_spec(preset_or_path: str) -> list[dict]:
     )
 
 
+@dataclass(frozen=True)
+class SpecLayer:
+    """One entry of a model spec, with the shapes it maps between (per sample, no batch axis).
+
+    Attributes:
+        index: its position in the spec.
+        kind: ``entry["type"]``.
+        name: ``entry["name"]``, or the type numbered among its kind (``relu2``).
+        entry: the spec's dict.
+        input_shape, output_shape: what flows in and out.
+        conv: the convolution's geometry, for a ``conv`` entry; None otherwise.
+    """
+
+    index: int
+    kind: str
+    name: str
+    entry: Mapping
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    conv: ConvSpec | None = None
+
+
+def walk_spec(
+    spec: Sequence[Mapping], input_shape: tuple[int, ...] = CIFAR_INPUT
+) -> Iterator[SpecLayer]:
+    """Each layer of a model spec with its input and output shape, in order, allocating no
+    weights: the one set of shape rules that :class:`Model` builds with and the cost model
+    reads convolutions from. A network's first layer, if a convolution, needs no input
+    gradient.
+
+    Checks types, shapes and the options that decide them; the layers check the rest of
+    their options (an LRN's size) when the model builds them.
+
+    Raises:
+        ValueError: naming the layer's index, and its entry or name.
+    """
+    shape = tuple(input_shape)
+    counts: dict[str, int] = {}
+    for index, entry in enumerate(spec):
+        kind = entry.get("type")
+        counts[kind] = counts.get(kind, 0) + 1
+        name = entry.get("name", f"{kind}{counts[kind]}")
+        if kind not in LAYER_TYPES:
+            raise ValueError(
+                f"layer {index} has type {kind!r}; expected conv, relu, lrn, maxpool or fc"
+            )
+        conv, out = None, shape
+        try:  # the options that decide the shapes
+            if kind == "conv":
+                if len(shape) != 3:
+                    raise ValueError(f"needs a C x H x W input, gets {shape}")
+                kernel = kernel_pair(entry.get("kernel", 3))
+                padding = entry.get("padding", 0)
+                conv = ConvSpec(name, shape, int(entry["out"]), kernel, padding, index > 0)
+            elif kind == "maxpool":
+                pool = pool_geometry(entry.get("kernel", 2), entry.get("stride"))
+            elif kind == "fc":
+                out = (int(entry["out"]),)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"layer {index} ({entry}): {e}") from None
+        try:  # the shapes
+            if conv is not None:
+                out = conv.output_shape
+            elif kind == "maxpool":
+                out = pool_output_shape(shape, *pool)
+        except ValueError as e:
+            raise ValueError(f"layer {index} ({name}): {e}") from None
+        yield SpecLayer(index, kind, name, entry, shape, out, conv)
+        shape = out
+
+
 class Model:
     """A feed-forward network: layers in order, softmax cross-entropy on top.
 
@@ -93,52 +175,39 @@ class Model:
         self.input_shape = tuple(input_shape)
         self.executor = executor if executor is not None else LocalConv()
         self.layers: list[Layer] = []
-        shape: tuple[int, ...] = self.input_shape
-        counts: dict[str, int] = {}
-        for index, entry in enumerate(self.spec):
-            layer = self._build(entry, shape, counts, index)
-            layer.input_shape = shape
-            try:
-                shape = layer.output_shape(shape)
-            except ValueError as e:
-                raise ValueError(f"layer {index} ({layer.name}): {e}") from None
+        self.output_shape: tuple[int, ...] = self.input_shape
+        for item in walk_spec(self.spec, self.input_shape):
+            layer = self._build(item)
+            layer.input_shape = item.input_shape
             self.layers.append(layer)
-        first_conv = next((layer for layer in self.layers if isinstance(layer, Conv2d)), None)
-        if first_conv is not None and first_conv is self.layers[0]:
-            first_conv.need_input_grad = False
-        self.output_shape = shape
+            self.output_shape = item.output_shape
         self.init_weights(seed)
 
-    def _build(self, entry: dict, shape: tuple[int, ...], counts: dict[str, int], index: int):
-        kind = entry.get("type")
-        counts[kind] = counts.get(kind, 0) + 1
-        name = entry.get("name", f"{kind}{counts[kind]}")
+    def _build(self, item: SpecLayer) -> Layer:
+        entry, name = item.entry, item.name
         try:
-            if kind == "conv":
-                if len(shape) != 3:
-                    raise ValueError(f"needs a C x H x W input, gets {shape}")
-                return Conv2d(
+            if item.conv is not None:
+                conv = item.conv
+                layer = Conv2d(
                     name,
-                    shape[0],
-                    int(entry["out"]),
-                    entry.get("kernel", 3),
-                    entry.get("padding", 0),
+                    conv.input_shape[0],
+                    conv.kernels,
+                    conv.kernel_size,
+                    conv.padding,
                     self.executor,
                 )
-            if kind == "relu":
+                layer.need_input_grad = conv.need_input_grad
+                return layer
+            if item.kind == "relu":
                 return ReLU(name)
-            if kind == "lrn":
+            if item.kind == "lrn":
                 options = {k: entry[k] for k in ("size", "alpha", "beta", "k") if k in entry}
                 return LocalResponseNorm(name, **options)
-            if kind == "maxpool":
+            if item.kind == "maxpool":
                 return MaxPool2d(name, entry.get("kernel", 2), entry.get("stride"))
-            if kind == "fc":
-                return Linear(name, int(np.prod(shape)), int(entry["out"]))
+            return Linear(name, int(np.prod(item.input_shape)), int(entry["out"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"layer {index} ({entry}): {e}") from None
-        raise ValueError(
-            f"layer {index} has type {kind!r}; expected conv, relu, lrn, maxpool or fc"
-        )
+            raise ValueError(f"layer {item.index} ({entry}): {e}") from None
 
     # -- parameters --------------------------------------------------------------------------
 
@@ -152,6 +221,10 @@ class Model:
 
     def conv_layers(self) -> list[Conv2d]:
         return [layer for layer in self.layers if isinstance(layer, Conv2d)]
+
+    def conv_specs(self) -> list[ConvSpec]:
+        """The convolution layers as executors see them (what ``executor.prepare`` takes)."""
+        return [layer.spec for layer in self.conv_layers()]
 
     def init_weights(self, seed: int) -> None:
         """PyTorch's default initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for all."""
@@ -224,12 +297,3 @@ class Model:
             grad = layer.backward(grad)
             if grad is None:
                 break
-
-    def conv_seconds(self, reset: bool = True) -> float:
-        """Seconds spent in convolution executors since the last reset."""
-        total = 0.0
-        for layer in self.conv_layers():
-            total += layer.seconds
-            if reset:
-                layer.seconds = 0.0
-        return total

@@ -44,11 +44,11 @@ import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 import numpy as np
 
-from hetconv.data import ImageDataset
+from hetconv.data import ImageDataset, epoch_order
 from hetconv.optim import SGDConfig
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "compute_environment",
     "fingerprint_differences",
     "order_digest",
+    "resume_point",
     "run_fingerprint",
 ]
 
@@ -419,3 +420,72 @@ class CheckpointDir:
         if failures:
             raise CheckpointError(f"no readable checkpoint in {self.path}: {failures[-1]}")
         return None
+
+
+# -- resuming -------------------------------------------------------------------------------
+
+
+def resume_point(
+    checkpoints: CheckpointDir,
+    fingerprint: dict,
+    *,
+    resume: bool,
+    steps: int,
+    train_size: int,
+    batch: int,
+    seed: int,
+    log: TextIO,
+) -> tuple[TrainingState, Path] | None:
+    """The checkpoint a run of ``steps`` steps continues from, or None to start at step 0.
+
+    Args:
+        checkpoints: the run's folder.
+        fingerprint: :func:`run_fingerprint` of the run.
+        resume: whether the run was asked to continue (``--resume``).
+        train_size, batch, seed: the run's training set size, batch and seed (they decide
+            where in which epoch order a step is).
+        log: where to say which checkpoint files were skipped, or that there are none.
+
+    Raises:
+        CheckpointError: the folder holds a run this one would overwrite (no ``resume``), or
+            the checkpoint cannot be continued by this configuration (the message names why).
+    """
+    if not resume:
+        existing = checkpoints.files()
+        if existing:
+            raise CheckpointError(
+                f"{checkpoints.path} already holds checkpoints (newest at step "
+                f"{existing[0][0]}); pass --resume to continue that run, or choose an empty "
+                "--checkpoint-dir"
+            )
+        return None
+    found = checkpoints.load_latest(report=lambda message: print(message, file=log))
+    if found is None:
+        print(f"no checkpoint in {checkpoints.path}: starting from scratch", file=log)
+        return None
+    state, path = found
+    differences = fingerprint_differences(state.fingerprint, fingerprint)
+    if differences:
+        raise CheckpointError(
+            f"cannot resume from {path}: it was written by a different run "
+            f"({'; '.join(differences)})"
+        )
+    if state.step > steps:
+        raise CheckpointError(
+            f"cannot resume from {path}: it is at step {state.step}, past this run's {steps} steps"
+        )
+    steps_per_epoch = train_size // batch
+    if (state.steps_per_epoch, state.epoch, state.position) != (
+        steps_per_epoch,
+        *divmod(state.step, steps_per_epoch),
+    ):
+        raise CheckpointError(
+            f"cannot resume from {path}: epoch {state.epoch} batch {state.position} of "
+            f"{state.steps_per_epoch} does not match step {state.step}"
+        )
+    if order_digest(epoch_order(train_size, seed, state.epoch)) != state.order_sha256:
+        raise CheckpointError(
+            f"cannot resume from {path}: the data order of epoch {state.epoch} is not the one it "
+            "recorded (NumPy permutes differently?), so the run could not continue identically"
+        )
+    return state, path

@@ -6,12 +6,10 @@ whose executor is local today and the master's cluster when workers are named.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +27,14 @@ from hetconv.optim import SGD, SGDConfig
 from .checkpoint import (
     DEFAULT_KEEP,
     CheckpointDir,
-    CheckpointError,
     TrainingState,
     compute_environment,
-    fingerprint_differences,
     order_digest,
+    resume_point,
     run_fingerprint,
 )
+from .stopping import StopAtStepBoundary, TrainingInterrupted
+from .trace import Trace
 
 # Synthetic held-out data is drawn with a seed far from any training seed.
 _SYNTHETIC_EVAL_SEED_OFFSET = 1_000_003
@@ -138,128 +137,6 @@ def evaluate(model: Model, data: ImageDataset, batch: int = 200) -> tuple[float,
     return total_loss / max(len(data), 1), correct / max(len(data), 1)
 
 
-class Trace:
-    """One JSON object per line per step; the simulator calibrates from these files.
-
-    Args:
-        path: the JSON-lines file, or None for no trace.
-        resume_step: continue an existing trace at this step: the records of earlier steps
-            are kept, those of this step on (written after the checkpoint being resumed)
-            and any torn last line are cut off, and new records are appended. None starts
-            a new file.
-    """
-
-    def __init__(self, path: str | None, resume_step: int | None = None):
-        self.kept = self.dropped = 0
-        self._record_start = 0
-        self._file: TextIO | None = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        if path and resume_step is not None:
-            self.kept, self.dropped = _cut_trace(Path(path), resume_step)
-            self._file = open(path, "a", encoding="utf-8")
-        elif path:
-            self._file = open(path, "w", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        if self._file is not None:
-            self._record_start = self._file.tell()
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-
-    def replace_last(self, record: dict) -> None:
-        """Rewrite the record written last (the file ends with it)."""
-        if self._file is not None:
-            self._file.seek(self._record_start)
-            self._file.truncate()
-            self.write(record)
-
-    def sync(self) -> None:
-        """Make what is written durable, so a checkpoint never gets ahead of its trace."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-def _cut_trace(path: Path, resume_step: int) -> tuple[int, int]:
-    """Truncate a trace before its first record of step >= ``resume_step`` (or first torn
-    line); returns (records kept, lines cut off)."""
-    if not path.is_file():
-        return 0, 0
-    kept = 0
-    with open(path, "r+b") as f:
-        lines = f.read().splitlines(keepends=True)
-        offset = 0
-        for line in lines:
-            try:
-                step = json.loads(line)["step"] if line.endswith(b"\n") else None
-            except (ValueError, TypeError, KeyError):
-                step = None
-            if not isinstance(step, int) or step >= resume_step:
-                break
-            offset += len(line)
-            kept += 1
-        f.truncate(offset)
-    return kept, len(lines) - kept
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped at a step boundary on SIGINT or SIGTERM, after its checkpoint.
-
-    Attributes:
-        signum: the signal that asked for the stop.
-        step: the steps done (and checkpointed, unless ``checkpoint`` is None).
-        checkpoint: the file written, or None if writing it failed.
-    """
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
-        super().__init__(f"stopped after step {step} on {signal.Signals(signum).name}")
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-
-
-class _StopAtStepBoundary:
-    """While active, the first SIGINT or SIGTERM asks the loop to stop after its step (which
-    then writes a checkpoint); a second one interrupts at once, as Ctrl-C normally does.
-
-    Handlers can only be installed from the main thread; elsewhere this does nothing and
-    signals keep their usual effect.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, log: TextIO):
-        self.log = log
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> _StopAtStepBoundary:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        try:
-            tqdm.write(
-                f"{signal.Signals(signum).name}: stopping after this step to write a "
-                "checkpoint (Ctrl-C again to stop at once, without one)",
-                file=self.log,
-            )
-        except RuntimeError:  # the main thread was inside a write to the same stream
-            pass
-
-
 def total_steps(config: TrainConfig, train_size: int) -> int:
     steps_per_epoch = max(1, train_size // config.batch)
     if config.steps is not None:
@@ -267,61 +144,6 @@ def total_steps(config: TrainConfig, train_size: int) -> int:
     if config.epochs is not None:
         return max(1, math.ceil(config.epochs * steps_per_epoch))
     return 300
-
-
-def _resume_point(
-    config: TrainConfig,
-    checkpoints: CheckpointDir,
-    fingerprint: dict,
-    steps: int,
-    train_size: int,
-    log: TextIO,
-) -> tuple[TrainingState, Path] | None:
-    """The checkpoint to continue from, or None to start at step 0.
-
-    Raises:
-        CheckpointError: the folder holds a run this one would overwrite (no ``resume``), or
-            the checkpoint cannot be continued by this configuration (the message names why).
-    """
-    if not config.resume:
-        existing = checkpoints.files()
-        if existing:
-            raise CheckpointError(
-                f"{checkpoints.path} already holds checkpoints (newest at step "
-                f"{existing[0][0]}); pass --resume to continue that run, or choose an empty "
-                "--checkpoint-dir"
-            )
-        return None
-    found = checkpoints.load_latest(report=lambda message: print(message, file=log))
-    if found is None:
-        print(f"no checkpoint in {checkpoints.path}: starting from scratch", file=log)
-        return None
-    state, path = found
-    differences = fingerprint_differences(state.fingerprint, fingerprint)
-    if differences:
-        raise CheckpointError(
-            f"cannot resume from {path}: it was written by a different run "
-            f"({'; '.join(differences)})"
-        )
-    if state.step > steps:
-        raise CheckpointError(
-            f"cannot resume from {path}: it is at step {state.step}, past this run's {steps} steps"
-        )
-    steps_per_epoch = train_size // config.batch
-    if (state.steps_per_epoch, state.epoch, state.position) != (
-        steps_per_epoch,
-        *divmod(state.step, steps_per_epoch),
-    ):
-        raise CheckpointError(
-            f"cannot resume from {path}: epoch {state.epoch} batch {state.position} of "
-            f"{state.steps_per_epoch} does not match step {state.step}"
-        )
-    if order_digest(epoch_order(train_size, config.seed, state.epoch)) != state.order_sha256:
-        raise CheckpointError(
-            f"cannot resume from {path}: the data order of epoch {state.epoch} is not the one it "
-            "recorded (NumPy permutes differently?), so the run could not continue identically"
-        )
-    return state, path
 
 
 def train(
@@ -342,66 +164,125 @@ def train(
         executor: where convolutions run (default: the cpu backend in this process).
         log: where progress and the summary go (default: standard error).
     """
-    log = log if log is not None else sys.stderr
-    spec = load_spec(config.preset)
-    train_set, test_set = load_datasets(config)
-    if len(train_set) < config.batch:
-        raise ValueError(f"batch {config.batch} is larger than the training set ({len(train_set)})")
-    executor = executor if executor is not None else LocalConv()
-    model = Model(spec, seed=config.seed, executor=executor)
-    if config.load:
-        model.load(config.load)
-    steps = total_steps(config, len(train_set))
-    steps_per_epoch = len(train_set) // config.batch
+    run = _Run(config, executor, log if log is not None else sys.stderr)
+    run.announce()
+    seconds = run.run_steps()
+    return run.summary(seconds)
 
-    checkpoints = resumed = None
-    fingerprint: dict = {}
-    environment = compute_environment()
-    if config.checkpoint_dir:
-        checkpoints = CheckpointDir(config.checkpoint_dir, keep=config.checkpoint_keep)
-        fingerprint = run_fingerprint(
+
+@dataclass
+class _Totals:
+    """What the loop adds up over the steps; a checkpoint saves it, a resume restores it."""
+
+    losses: list[float] = field(default_factory=list)
+    recent_hits: list[float] = field(default_factory=list)  # the progress bar's accuracies
+    conv_seconds: float = 0.0
+    # Communication, convolution, other computation, summed over the steps after the first.
+    breakdown: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    earlier_seconds: float = 0.0  # training time before the checkpoint resumed from
+
+    @classmethod
+    def restored(cls, state: TrainingState) -> _Totals:
+        return cls(
+            losses=state.losses.tolist(),
+            recent_hits=state.recent_hits.tolist(),
+            conv_seconds=state.conv_seconds,
+            breakdown=state.breakdown.copy(),
+            earlier_seconds=state.train_seconds,
+        )
+
+
+def _plan_record(executor: ConvExecutor, start_step: int) -> dict | None:
+    """The trace's first record for a run from ``start_step``: the executor's plan, if any."""
+    plan_record = getattr(executor, "plan_record", None)  # executors older than the method
+    plan = plan_record() if plan_record is not None else None
+    if plan is None:
+        return None
+    if "step" in plan:
+        raise ValueError(f"an executor's plan must not hold 'step' (it holds {sorted(plan)})")
+    return {"event": "plan", "start_step": start_step, **plan}
+
+
+class _Run:
+    """One call of :func:`train`: the constructor sets it up (data, model, the checkpoint to
+    continue from, the executor, the optimizer), then :meth:`announce`, :meth:`run_steps` and
+    :meth:`summary`."""
+
+    def __init__(self, config: TrainConfig, executor: ConvExecutor | None, log: TextIO):
+        self.config, self.log = config, log
+        self.spec = load_spec(config.preset)
+        self.train_set, self.test_set = load_datasets(config)
+        if len(self.train_set) < config.batch:
+            raise ValueError(
+                f"batch {config.batch} is larger than the training set ({len(self.train_set)})"
+            )
+        self.executor = executor if executor is not None else LocalConv()
+        self.model = Model(self.spec, seed=config.seed, executor=self.executor)
+        if config.load:
+            self.model.load(config.load)
+        self.steps = total_steps(config, len(self.train_set))
+        self.steps_per_epoch = len(self.train_set) // config.batch
+        self.environment = compute_environment()
+        self.checkpoints: CheckpointDir | None = None
+        self.fingerprint: dict = {}
+        self.resumed: tuple[TrainingState, Path] | None = None
+        if config.checkpoint_dir:
+            self._find_checkpoint()
+        self.executor.prepare(self.model.conv_specs(), config.batch, log)
+        self.optimizer = SGD(self.model.parameters(), config.sgd)
+        self.start_step, self.totals = 0, _Totals()
+        if self.resumed is not None:
+            state = self.resumed[0]
+            self.model.load_state(state.model)
+            self.optimizer.load_state(state.momentum)
+            self.start_step, self.totals = state.step, _Totals.restored(state)
+        self.trace = Trace(None)
+        self._order = np.empty(0, np.int64)  # the data order of the current epoch
+        self._stop: StopAtStepBoundary | None = None
+        self._start = 0.0  # perf_counter when this run's first step began
+        self._last_message = -math.inf
+
+    def _find_checkpoint(self) -> None:
+        config = self.config
+        self.checkpoints = CheckpointDir(config.checkpoint_dir, keep=config.checkpoint_keep)
+        self.fingerprint = run_fingerprint(
             preset=config.preset,
-            spec=spec,
+            spec=self.spec,
             dataset=config.dataset,
-            train_set=train_set,
+            train_set=self.train_set,
             batch=config.batch,
             seed=config.seed,
             sgd=config.sgd,
-            initial_weights=model.parameters(),
+            initial_weights=self.model.parameters(),
         )
-        resumed = _resume_point(config, checkpoints, fingerprint, steps, len(train_set), log)
-        checkpoints.remove_temporaries()
+        self.resumed = resume_point(
+            self.checkpoints,
+            self.fingerprint,
+            resume=config.resume,
+            steps=self.steps,
+            train_size=len(self.train_set),
+            batch=config.batch,
+            seed=config.seed,
+            log=self.log,
+        )
+        self.checkpoints.remove_temporaries()
 
-    executor.prepare(model.conv_layers(), config.batch, log)
-    optimizer = SGD(model.parameters(), config.sgd)
-    start_step = 0
-    losses: list[float] = []
-    recent_hits: list[float] = []
-    conv_total = 0.0
-    breakdown = np.zeros(3)  # comm, conv, comp summed over steps after the first
-    earlier_seconds = 0.0  # training time before the checkpoint resumed from
-    if resumed is not None:
-        state, _ = resumed
-        model.load_state(state.model)
-        optimizer.load_state(state.momentum)
-        start_step = state.step
-        losses = state.losses.tolist()
-        recent_hits = state.recent_hits.tolist()
-        conv_total = state.conv_seconds
-        breakdown = state.breakdown.copy()
-        earlier_seconds = state.train_seconds
-
-    print(
-        f"training {config.preset} on {config.dataset} ({len(train_set)} images, "
-        f"{len(test_set)} held out): {steps} steps of batch {config.batch}",
-        file=log,
-    )
-    if resumed is not None:
-        print(f"resumed from step {start_step} (checkpoint {resumed[1]})", file=log)
+    def announce(self) -> None:
+        """Say what is about to run and, on a resume, from where."""
+        config, log = self.config, self.log
+        print(
+            f"training {config.preset} on {config.dataset} ({len(self.train_set)} images, "
+            f"{len(self.test_set)} held out): {self.steps} steps of batch {config.batch}",
+            file=log,
+        )
+        if self.resumed is None:
+            return
+        state, path = self.resumed
+        print(f"resumed from step {self.start_step} (checkpoint {path})", file=log)
         changed = [
-            f"{key} {resumed[0].environment.get(key)} there, {value} here"
-            for key, value in environment.items()
-            if resumed[0].environment.get(key) != value
+            f"{key} {state.environment.get(key)} there, {value} here"
+            for key, value in self.environment.items()
+            if state.environment.get(key) != value
         ]
         if changed:
             print(
@@ -409,174 +290,202 @@ def train(
                 "run by float32 round-off",
                 file=log,
             )
-    trace = Trace(config.trace, resume_step=start_step if resumed is not None else None)
-    if trace.dropped:
+
+    def run_steps(self) -> float:
+        """Open the trace, write the plan, run the steps; returns the training seconds, those
+        before the checkpoint resumed from included."""
+        config = self.config
+        resume_step = self.start_step if self.resumed is not None else None
+        self.trace = Trace(config.trace, resume_step=resume_step)
+        if self.trace.dropped:
+            print(
+                f"trace {config.trace}: kept {self.trace.kept} records, cut "
+                f"{self.trace.dropped} written after the checkpoint",
+                file=self.log,
+            )
+        try:
+            plan = _plan_record(self.executor, self.start_step)
+            if plan is not None:
+                self.trace.write(plan)
+            self._loop()
+        finally:
+            self.trace.close()
+        return self._elapsed()
+
+    def _elapsed(self) -> float:
+        return self.totals.earlier_seconds + time.perf_counter() - self._start
+
+    def _loop(self) -> None:
+        self._start = time.perf_counter()
+        bar = tqdm(
+            total=self.steps,
+            initial=self.start_step,
+            disable=not self.config.progress,
+            file=self.log,
+            unit="step",
+            leave=True,
+        )
+        # With checkpoints, Ctrl-C or SIGTERM (a laptop shutting down) finishes the step first
+        # and checkpoints it, so nothing computed is lost.
+        self._stop = StopAtStepBoundary(self.log) if self.checkpoints is not None else None
+        try:
+            with self._stop if self._stop is not None else contextlib.nullcontext():
+                for step in range(self.start_step, self.steps):
+                    record, images_per_second = self._step(step)
+                    stopping = self._stop is not None and self._stop.signum is not None
+                    target = self._write(step + 1, record, stopping)
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{self.totals.losses[-1]:.3f}",
+                        acc=f"{np.mean(self.totals.recent_hits):.2f}",
+                        img_s=f"{images_per_second:.0f}",
+                        refresh=False,
+                    )
+                    if stopping and step + 1 < self.steps:  # at the last step the run is done
+                        raise TrainingInterrupted(self._stop.signum, step + 1, target)
+        finally:
+            bar.close()
+
+    def _step(self, step: int) -> tuple[dict, float]:
+        """One SGD step; returns its trace record and its images per second."""
+        config, totals = self.config, self.totals
+        epoch, position = divmod(step, self.steps_per_epoch)
+        if position == 0 or step == self.start_step:
+            self._order = epoch_order(len(self.train_set), config.seed, epoch)
+        indices = self._order[position * config.batch : (position + 1) * config.batch]
+        self.executor.begin_step(step)
+        step_start = time.perf_counter()
+        x, labels = self.train_set.batch(indices)
+        loss, grad, hits = softmax_cross_entropy(self.model.forward(x), labels)
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"loss became {loss} at step {step}; lower the learning rate (now {config.sgd.lr})"
+            )
+        self.model.backward(grad)
+        self.optimizer.step(self.model.gradients())
+        seconds = time.perf_counter() - step_start
+        cluster = self.executor.end_step()
+        comm, conv = cluster.pop("comm_seconds"), cluster.pop("conv_seconds")
+        # The paper's terms: communication + convolution (slowest node) + the rest.
+        comp = max(seconds - comm - conv, 0.0)
+        totals.conv_seconds += conv
+        if step > 0 or self.steps == 1:
+            totals.breakdown += (comm, conv, comp)
+        totals.losses.append(loss)
+        accuracy = float(hits.mean())
+        totals.recent_hits = (totals.recent_hits + [accuracy])[-min(50, self.steps_per_epoch) :]
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "accuracy": accuracy,
+            "batch": int(len(indices)),
+            "seconds": seconds,
+            "comm_seconds": comm,
+            "conv_seconds": conv,
+            "comp_seconds": comp,
+            **cluster,
+        }
+        return record, len(indices) / seconds
+
+    def _write(self, done: int, record: dict, stopping: bool) -> Path | None:
+        """Trace ``record``, the last of ``done`` steps, and write a checkpoint when one is due;
+        returns its file (None for none, or when writing it failed)."""
+        due = self.checkpoints is not None and (
+            done % self.config.checkpoint_interval == 0 or done == self.steps or stopping
+        )
+        if not due:
+            self.trace.write(record)
+            return None
+        # The trace record goes first: a crash before the checkpoint commits leaves records
+        # past the latest checkpoint, which a resume cuts off; never a gap.
+        target = self.checkpoints.file_for(done)
+        record.update(event="checkpoint", checkpoint=os.fspath(target))
+        self.trace.write(record)
+        self.trace.sync()
+        try:
+            self.checkpoints.write(self._state(done))
+        except OSError as e:
+            # A full disk must not end the run: the previous checkpoint stays latest.
+            record.update(event="checkpoint_failed", checkpoint_error=str(e))
+            self.trace.replace_last(record)
+            tqdm.write(f"checkpoint at step {done} failed: {e}", file=self.log)
+            return None
+        now = time.monotonic()
+        if (
+            done == self.steps
+            or stopping
+            or now - self._last_message >= _CHECKPOINT_MESSAGE_SECONDS
+        ):
+            tqdm.write(f"checkpoint written: {target}", file=self.log)
+            self._last_message = now
+        return target
+
+    def _state(self, done: int) -> TrainingState:
+        """The state after ``done`` steps (the last of them just run)."""
+        config, totals = self.config, self.totals
+        epoch = (done - 1) // self.steps_per_epoch
+        next_epoch, next_position = divmod(done, self.steps_per_epoch)
+        next_order = (
+            self._order
+            if next_epoch == epoch
+            else epoch_order(len(self.train_set), config.seed, next_epoch)
+        )
+        return TrainingState(
+            step=done,
+            epoch=next_epoch,
+            position=next_position,
+            seed=config.seed,
+            steps_per_epoch=self.steps_per_epoch,
+            order_sha256=order_digest(next_order),
+            model=self.model.parameters(),
+            momentum=self.optimizer.state(),
+            losses=np.asarray(totals.losses, np.float64),
+            recent_hits=np.asarray(totals.recent_hits, np.float64),
+            breakdown=totals.breakdown,
+            conv_seconds=totals.conv_seconds,
+            train_seconds=self._elapsed(),
+            fingerprint=self.fingerprint,
+            environment=self.environment,
+        )
+
+    def summary(self, seconds: float) -> TrainResult:
+        """Evaluate on the held-out set, save the weights if asked, and report."""
+        config, log, totals, steps = self.config, self.log, self.totals, self.steps
+        eval_loss = eval_accuracy = None
+        if len(self.test_set):
+            eval_loss, eval_accuracy = evaluate(self.model, self.test_set, config.eval_batch)
+        if config.save:
+            Path(config.save).parent.mkdir(parents=True, exist_ok=True)
+            self.model.save(config.save)
+        result = TrainResult(
+            steps=steps,
+            losses=totals.losses,
+            train_accuracy=float(np.mean(totals.recent_hits)) if totals.recent_hits else 0.0,
+            eval_accuracy=eval_accuracy,
+            eval_loss=eval_loss,
+            seconds=seconds,
+            conv_seconds=totals.conv_seconds,
+            images_per_second=steps * config.batch / seconds,
+        )
+        summary = (
+            f"done: {steps} steps in {seconds:.1f} s ({result.images_per_second:.0f} images/s, "
+            f"convolutions {100 * totals.conv_seconds / seconds:.0f}% of the time); "
+            f"final loss {totals.losses[-1]:.3f}"
+        )
+        if eval_accuracy is not None:
+            summary += (
+                f"; held-out accuracy {100 * eval_accuracy:.1f}% on {len(self.test_set)} "
+                f"images (chance {100 / self.train_set.num_classes:.0f}%)"
+            )
+        print(summary, file=log)
+        timed = max(steps - 1, 1)
+        comm, conv, comp = 1e3 * totals.breakdown / timed
         print(
-            f"trace {config.trace}: kept {trace.kept} records, cut {trace.dropped} written "
-            "after the checkpoint",
+            f"per step (mean of {timed}): communication {comm:.1f} ms, convolution "
+            f"(slowest node) {conv:.1f} ms, other computation {comp:.1f} ms",
             file=log,
         )
-    last_message = -math.inf
-    start = time.perf_counter()
-    bar = tqdm(
-        total=steps,
-        initial=start_step,
-        disable=not config.progress,
-        file=log,
-        unit="step",
-        leave=True,
-    )
-    # With checkpoints, Ctrl-C or SIGTERM (a laptop shutting down) finishes the step first and
-    # checkpoints it, so nothing computed is lost.
-    stop_request = _StopAtStepBoundary(log) if checkpoints is not None else None
-    try:
-        if stop_request is not None:
-            stop_request.__enter__()
-        order = np.empty(0, np.int64)
-        for step in range(start_step, steps):
-            epoch, position = divmod(step, steps_per_epoch)
-            if position == 0 or step == start_step:
-                order = epoch_order(len(train_set), config.seed, epoch)
-            indices = order[position * config.batch : (position + 1) * config.batch]
-            executor.begin_step(step)
-            step_start = time.perf_counter()
-            x, labels = train_set.batch(indices)
-            loss, grad, hits = softmax_cross_entropy(model.forward(x), labels)
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"loss became {loss} at step {step}; lower the learning rate "
-                    f"(now {config.sgd.lr})"
-                )
-            model.backward(grad)
-            optimizer.step(model.gradients())
-            seconds = time.perf_counter() - step_start
-            model.conv_seconds()  # reset the layers' own clocks
-            cluster = executor.end_step()
-            comm, conv = cluster.pop("comm_seconds"), cluster.pop("conv_seconds")
-            # The paper's terms: communication + convolution (slowest node) + the rest.
-            comp = max(seconds - comm - conv, 0.0)
-            conv_total += conv
-            if step > 0 or steps == 1:
-                breakdown += (comm, conv, comp)
-            losses.append(loss)
-            recent_hits = (recent_hits + [float(hits.mean())])[-min(50, steps_per_epoch) :]
-            record = {
-                "step": step,
-                "epoch": epoch,
-                "loss": loss,
-                "accuracy": float(hits.mean()),
-                "batch": int(len(indices)),
-                "seconds": seconds,
-                "comm_seconds": comm,
-                "conv_seconds": conv,
-                "comp_seconds": comp,
-                **cluster,
-            }
-            done = step + 1
-            stopping = stop_request is not None and stop_request.signum is not None
-            due = checkpoints is not None and (
-                done % config.checkpoint_interval == 0 or done == steps or stopping
-            )
-            target = None
-            if not due:
-                trace.write(record)
-            else:
-                # The trace record goes first: a crash before the checkpoint commits leaves
-                # records past the latest checkpoint, which a resume cuts off; never a gap.
-                target = checkpoints.file_for(done)
-                record.update(event="checkpoint", checkpoint=os.fspath(target))
-                trace.write(record)
-                trace.sync()
-                next_epoch, next_position = divmod(done, steps_per_epoch)
-                next_order = (
-                    order
-                    if next_epoch == epoch
-                    else epoch_order(len(train_set), config.seed, next_epoch)
-                )
-                state = TrainingState(
-                    step=done,
-                    epoch=next_epoch,
-                    position=next_position,
-                    seed=config.seed,
-                    steps_per_epoch=steps_per_epoch,
-                    order_sha256=order_digest(next_order),
-                    model=model.parameters(),
-                    momentum=optimizer.state(),
-                    losses=np.asarray(losses, np.float64),
-                    recent_hits=np.asarray(recent_hits, np.float64),
-                    breakdown=breakdown,
-                    conv_seconds=conv_total,
-                    train_seconds=earlier_seconds + time.perf_counter() - start,
-                    fingerprint=fingerprint,
-                    environment=environment,
-                )
-                try:
-                    checkpoints.write(state)
-                except OSError as e:
-                    # A full disk must not end the run: the previous checkpoint stays latest.
-                    record.update(event="checkpoint_failed", checkpoint_error=str(e))
-                    trace.replace_last(record)
-                    tqdm.write(f"checkpoint at step {done} failed: {e}", file=log)
-                    target = None
-                else:
-                    now = time.monotonic()
-                    if (
-                        done == steps
-                        or stopping
-                        or now - last_message >= _CHECKPOINT_MESSAGE_SECONDS
-                    ):
-                        tqdm.write(f"checkpoint written: {target}", file=log)
-                        last_message = now
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{loss:.3f}",
-                acc=f"{np.mean(recent_hits):.2f}",
-                img_s=f"{len(indices) / seconds:.0f}",
-                refresh=False,
-            )
-            if stopping and done < steps:  # at the last step the run is simply done
-                raise TrainingInterrupted(stop_request.signum, done, target)
-    finally:
-        if stop_request is not None:
-            stop_request.__exit__(None, None, None)
-        bar.close()
-        trace.close()
-    seconds = earlier_seconds + time.perf_counter() - start
-
-    eval_loss = eval_accuracy = None
-    if len(test_set):
-        eval_loss, eval_accuracy = evaluate(model, test_set, config.eval_batch)
-    if config.save:
-        Path(config.save).parent.mkdir(parents=True, exist_ok=True)
-        model.save(config.save)
-    result = TrainResult(
-        steps=steps,
-        losses=losses,
-        train_accuracy=float(np.mean(recent_hits)) if recent_hits else 0.0,
-        eval_accuracy=eval_accuracy,
-        eval_loss=eval_loss,
-        seconds=seconds,
-        conv_seconds=conv_total,
-        images_per_second=steps * config.batch / seconds,
-    )
-    summary = (
-        f"done: {steps} steps in {seconds:.1f} s ({result.images_per_second:.0f} images/s, "
-        f"convolutions {100 * conv_total / seconds:.0f}% of the time); "
-        f"final loss {losses[-1]:.3f}"
-    )
-    if eval_accuracy is not None:
-        summary += (
-            f"; held-out accuracy {100 * eval_accuracy:.1f}% on {len(test_set)} images "
-            f"(chance {100 / train_set.num_classes:.0f}%)"
-        )
-    print(summary, file=log)
-    timed = max(steps - 1, 1)
-    comm, conv, comp = 1e3 * breakdown / timed
-    print(
-        f"per step (mean of {timed}): communication {comm:.1f} ms, convolution "
-        f"(slowest node) {conv:.1f} ms, other computation {comp:.1f} ms",
-        file=log,
-    )
-    if config.save:
-        print(f"weights saved to {os.fspath(config.save)}", file=log)
-    return result
+        if config.save:
+            print(f"weights saved to {os.fspath(config.save)}", file=log)
+        return result

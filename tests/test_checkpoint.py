@@ -30,6 +30,7 @@ from hetconv.master.checkpoint import (
     fingerprint_differences,
     read_checkpoint,
 )
+from hetconv.master.trace import _cut_trace
 from hetconv.master.training import TrainConfig, train
 
 # 48 images at batch 8: 6 steps per epoch, so 10 steps cross an epoch boundary.
@@ -202,8 +203,13 @@ class CrashAt(LocalConv):
         super().begin_step(step)
 
 
-def trace_records(path) -> list[dict]:
+def trace_lines(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def trace_records(path) -> list[dict]:
+    """The step records of a trace (a plan record has no step)."""
+    return [r for r in trace_lines(path) if "step" in r]
 
 
 def test_resumed_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
@@ -259,6 +265,75 @@ def test_resume_after_a_crash_cuts_the_trace_back_to_the_checkpoint(tmp_path):
     assert_weights_identical(
         saved_weights(tmp_path / "r.npz"), saved_weights(tmp_path / "whole.npz")
     )
+
+
+PLAN = {
+    "nodes": [
+        {
+            "name": "master",
+            "description": "this process",
+            "probe_seconds": {"conv1": 0.01, "conv2": 0.02},
+            "link_bytes_per_second": None,
+            "link_latency_seconds": None,
+        }
+    ],
+    "shares": {"conv1": [8], "conv2": [16]},
+}
+
+
+class Planned(CrashAt):
+    """A local executor with a plan, as the cluster has one (and a crash, as CrashAt)."""
+
+    def __init__(self, crash_step: int = -1):
+        super().__init__(crash_step)
+
+    def plan_record(self) -> dict:
+        return json.loads(json.dumps(PLAN))
+
+
+def test_every_run_starts_its_trace_with_the_plan(tmp_path):
+    whole = train(TrainConfig(steps=10, **RUN))
+    trace = tmp_path / "t.jsonl"
+    config = TrainConfig(
+        steps=10,
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=4,
+        trace=str(trace),
+        **RUN,
+    )
+    with pytest.raises(KeyboardInterrupt):
+        train(config, Planned(crash_step=7))  # checkpoint after step 4; records up to step 6
+    lines = trace_lines(trace)
+    assert lines[0] == {"event": "plan", "start_step": 0, **PLAN}
+    assert [r["step"] for r in lines[1:]] == list(range(7))
+
+    log = io.StringIO()
+    resumed = train(dataclasses.replace(config, resume=True), Planned(), log=log)
+    assert "kept 5 records, cut 3 written after the checkpoint" in log.getvalue()
+    assert resumed.losses == whole.losses
+    lines = trace_lines(trace)
+    assert [i for i, r in enumerate(lines) if "step" not in r] == [0, 5]
+    assert lines[0] == {"event": "plan", "start_step": 0, **PLAN}
+    assert lines[5] == {"event": "plan", "start_step": 4, **PLAN}
+    assert [r["step"] for r in trace_records(trace)] == list(range(10))
+
+
+def test_cutting_a_trace_keeps_the_plans_of_the_steps_it_keeps(tmp_path):
+    def plan(start: int) -> dict:
+        return {"event": "plan", "start_step": start, **PLAN}
+
+    def step(n: int) -> dict:
+        return {"step": n, "loss": 1.0}
+
+    path = tmp_path / "t.jsonl"
+    records = [plan(0), step(0), step(1), plan(2), step(2), {"event": "other"}, step(3), step(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert _cut_trace(path, 3) == (6, 2)
+    assert trace_lines(path) == records[:6]
+    # A run that started at step 2 and wrote only its plan before dying is redone: cut its plan.
+    path.write_text("".join(json.dumps(r) + "\n" for r in [plan(0), step(0), step(1), plan(2)]))
+    assert _cut_trace(path, 2) == (3, 1)
+    assert trace_lines(path) == [plan(0), step(0), step(1)]
 
 
 def test_resume_from_a_damaged_latest_uses_the_previous_checkpoint(tmp_path):
@@ -416,7 +491,7 @@ def test_a_signal_checkpoints_the_current_step_and_resume_matches(tmp_path, sign
     process = subprocess.Popen([*run, "--trace", str(trace)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (trace.exists() and trace.read_text().count("\n") >= 5):
+        while not (trace.exists() and trace.read_text().count('"step": ') >= 5):
             assert process.poll() is None, "the run ended before the signal"
             assert time.monotonic() < deadline, "no 5 steps within 60 s"
             time.sleep(0.01)

@@ -12,9 +12,15 @@ gradient is well above the tolerance and that a 10% error in it would be caught.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import hetconv.conv
+from hetconv.backends import conv_shape
+from hetconv.conv import ConvSpec, LocalConv, kernel_pair
 from hetconv.layers import (
     Conv2d,
     Linear,
@@ -141,11 +147,69 @@ def test_conv2d_backward_before_forward_raises():
         layer.backward(np.zeros((1, 1, 1, 1), np.float32))
 
 
-def test_conv2d_counts_executor_seconds(rng):
-    layer = Conv2d("conv", 1, 1, 3, 1)
+class Recording(LocalConv):
+    """A local executor that notes each call's layer name and ``need_input_grad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def forward(self, layer, x, w, b, padding):
+        self.calls.append(("forward", layer, padding))
+        return super().forward(layer, x, w, b, padding)
+
+    def backward(self, layer, x, w, dy, padding, need_input_grad):
+        self.calls.append(("backward", layer, padding, need_input_grad))
+        return super().backward(layer, x, w, dy, padding, need_input_grad)
+
+
+def test_conv2d_runs_on_its_executor(rng):
+    executor = Recording()
+    layer = Conv2d("convX", 1, 2, 3, "same", executor)
+    layer.need_input_grad = False
     y = layer.forward(_randn(rng, 1, 1, 4, 4))
-    layer.backward(y)
-    assert layer.seconds > 0.0
+    assert layer.backward(y) is None
+    assert executor.calls == [("forward", "convX", "same"), ("backward", "convX", "same", False)]
+
+
+def test_conv2d_spec_is_its_geometry():
+    layer = Conv2d("conv3", 2, 5, (2, 3), (1, 0, 2, 1))
+    with pytest.raises(RuntimeError, match="conv3"):
+        layer.spec  # noqa: B018 (the model sets the input shape)
+    layer.input_shape = (2, 6, 7)
+    layer.need_input_grad = False
+    spec = layer.spec
+    assert spec == ConvSpec("conv3", (2, 6, 7), 5, (2, 3), (1, 0, 2, 1), need_input_grad=False)
+    assert spec.weight_shape == layer.params["weight"].shape
+    assert spec.output_shape == layer.output_shape((2, 6, 7))
+    assert spec.shape(4) == conv_shape((4, 2, 6, 7), (5, 2, 2, 3), (1, 0, 2, 1))
+    # What an executor written against Conv2d reads still works: the weight's shape, no data.
+    weight = spec.params["weight"]
+    assert weight.shape == (5, 2, 2, 3) and weight.strides == (0, 0, 0, 0)
+    assert not weight.flags.writeable
+
+
+def test_conv_spec_refuses_kernel_sizes_that_are_not_integers():
+    assert kernel_pair(3) == (3, 3) and kernel_pair((2, 5)) == (2, 5)
+    with pytest.raises(TypeError):
+        kernel_pair((2.0, 3.0))
+    with pytest.raises(TypeError):
+        Conv2d("conv", 1, 1, (2.0, 3.0))
+
+
+def test_local_conv_has_no_plan():
+    assert LocalConv().plan_record() is None
+
+
+def test_the_executor_seam_imports_nothing_from_the_layers():
+    tree = ast.parse(Path(hetconv.conv.__file__).read_text(encoding="utf-8"))
+    imported = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported.append(node.module or "")
+        elif isinstance(node, ast.Import):
+            imported.extend(alias.name for alias in node.names)
+    assert not [name for name in imported if name.endswith("layers")], imported
 
 
 # --------------------------------------------------------------------------------------- ReLU

@@ -7,8 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from hetconv.conv import ConvSpec
+from hetconv.costmodel import ConvLayer, conv_layers
 from hetconv.layers import Conv2d, Linear, LocalResponseNorm, MaxPool2d, ReLU
-from hetconv.model import CIFAR_INPUT, PRESETS, Model, load_spec, reference_spec
+from hetconv.model import CIFAR_INPUT, PRESETS, Model, load_spec, reference_spec, walk_spec
 
 SMALL_SPEC = [
     {"type": "conv", "name": "conv1", "out": 4, "kernel": 3, "padding": 1},
@@ -141,6 +143,56 @@ def test_bad_spec_names_the_layer(spec, words):
         Model(spec, SMALL_INPUT)
     for word in words:
         assert word in str(info.value)
+
+
+BAD_SPECS = [
+    [{"type": "conv", "name": "c1", "out": 4}, {"type": "pool"}],
+    [{"out": 4}],
+    [{"type": "relu"}, {"type": "conv", "name": "convA", "kernel": 3}],
+    [{"type": "fc", "name": "fcX"}],
+    [{"type": "fc", "name": "fc", "out": 10}, {"type": "conv", "name": "late", "out": 2}],
+    [{"type": "maxpool", "kernel": 0}],
+    [{"type": "maxpool", "stride": 0}],
+    [{"type": "conv", "name": "c1", "out": "many"}],
+    [{"type": "conv", "name": "c1", "out": 2, "kernel": 2.5}],
+    [{"type": "maxpool", "name": "bigpool", "kernel": 9}],
+    [{"type": "conv", "name": "bigconv", "out": 2, "kernel": 9}],
+    [{"type": "conv", "name": "c1", "out": 2, "padding": "full"}],
+]
+
+
+@pytest.mark.parametrize("spec", BAD_SPECS)
+def test_the_walk_refuses_what_the_model_refuses_in_the_same_words(spec):
+    with pytest.raises(ValueError) as walked:
+        list(walk_spec(spec, SMALL_INPUT))
+    with pytest.raises(ValueError) as built:
+        Model(spec, SMALL_INPUT)
+    assert str(walked.value) == str(built.value)
+
+
+def test_walk_spec_gives_each_layer_its_shapes():
+    walked = list(walk_spec(SMALL_SPEC, SMALL_INPUT))
+    model = Model(SMALL_SPEC, SMALL_INPUT)
+    assert [w.name for w in walked] == [layer.name for layer in model.layers]
+    assert [w.kind for w in walked] == [entry["type"] for entry in SMALL_SPEC]
+    assert [w.index for w in walked] == list(range(len(SMALL_SPEC)))
+    assert walked[0].input_shape == SMALL_INPUT and walked[-1].output_shape == (3,)
+    for before, after in zip(walked[:-1], walked[1:], strict=True):
+        assert after.input_shape == before.output_shape
+    for w, layer in zip(walked, model.layers, strict=True):
+        assert w.input_shape == layer.input_shape
+        assert w.output_shape == layer.output_shape(layer.input_shape)
+    assert [w.conv for w in walked if w.conv is not None] == model.conv_specs()
+    first, second = model.conv_specs()
+    assert first == ConvSpec("conv1", (2, 8, 8), 4, (3, 3), 1, need_input_grad=False)
+    assert second == ConvSpec("conv2", (4, 4, 4), 5, (2, 3), "same", need_input_grad=True)
+
+
+def test_the_cost_model_reads_the_models_convolutions():
+    for preset in ("tiny", "paper-150-800"):
+        specs = Model(PRESETS[preset]).conv_specs()
+        layers = conv_layers(PRESETS[preset], batch=6)
+        assert layers == [ConvLayer(s.name, s.shape(6), s.need_input_grad) for s in specs]
 
 
 def test_pool_larger_than_input_names_the_layer():
@@ -355,10 +407,3 @@ def test_end_to_end_gradient_matches_finite_differences(model, rng):
             if checked == 6:
                 break
         assert checked >= min(4, value.size - 1), f"{name}: too few coordinates checked"
-
-
-def test_conv_seconds_resets(model):
-    model.forward(np.zeros((1, *SMALL_INPUT), np.float32))
-    assert model.conv_seconds(reset=False) > 0
-    assert model.conv_seconds() > 0
-    assert model.conv_seconds() == 0.0

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hetconv.cli import main
+from hetconv.conv import LocalConv
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
 
@@ -68,12 +69,50 @@ def test_trace_has_one_object_per_step(tmp_path):
         TrainConfig(steps=3, batch=4, train_size=32, eval_size=8, trace=str(trace), progress=False)
     )
     records = [json.loads(line) for line in trace.read_text().splitlines()]
+    records = [r for r in records if "step" in r]  # a plan record, if any, has no step
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
         assert r["batch"] == 4 and np.isfinite(r["loss"])
         assert 0 < r["conv_seconds"] <= r["seconds"]
         assert r["comm_seconds"] == 0.0
         assert r["comp_seconds"] == pytest.approx(r["seconds"] - r["conv_seconds"])
+
+
+class Unplanned:
+    """An executor written before ``plan_record`` joined the protocol (it has none)."""
+
+    def __init__(self):
+        self.local = LocalConv()
+        self.forward, self.backward = self.local.forward, self.local.backward
+        self.begin_step, self.end_step = self.local.begin_step, self.local.end_step
+        self.prepared: list = []
+
+    def prepare(self, layers, batch, log):
+        self.prepared = list(layers)
+
+    def close(self):
+        pass
+
+
+def test_an_executor_without_a_plan_traces_only_steps(tmp_path):
+    trace = tmp_path / "steps.jsonl"
+    executor = Unplanned()
+    train(
+        TrainConfig(steps=2, batch=4, train_size=16, eval_size=0, trace=str(trace), progress=False),
+        executor,
+    )
+    assert [json.loads(line)["step"] for line in trace.read_text().splitlines()] == [0, 1]
+    assert executor.prepared == Model(PRESETS["tiny"]).conv_specs()
+
+
+def test_a_plan_may_not_hold_a_step(tmp_path):
+    class StepInPlan(LocalConv):
+        def plan_record(self):
+            return {"step": 0, "shares": {}}
+
+    config = TrainConfig(steps=1, batch=4, train_size=16, eval_size=0, progress=False)
+    with pytest.raises(ValueError, match="'step'"):
+        train(config, StepInPlan())
 
 
 def test_save_then_load_continues_from_the_saved_weights(tmp_path):
