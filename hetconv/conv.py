@@ -64,14 +64,6 @@ class ConvSpec:
         """Per-sample output (K, Ho, Wo); raises ValueError as :meth:`shape` does."""
         return (self.kernels, *self.shape(1).out_hw)
 
-    @property
-    def params(self) -> dict[str, np.ndarray]:
-        """``{"weight": an array of the kernels' shape}``, holding no data (a read-only broadcast
-        of one zero): for executors that read a layer's geometry as a
-        :class:`~hetconv.layers.Conv2d`'s ``params["weight"].shape``. Read :attr:`weight_shape`
-        in new code."""
-        return {"weight": np.broadcast_to(np.zeros((), np.float32), self.weight_shape)}
-
 
 class ConvExecutor(Protocol):
     """Computes the convolutions of named layers, forward and backward."""

@@ -210,7 +210,7 @@ class Cluster:
         watching for lost and new workers.
 
         Args:
-            layers: the model's conv layers, each with ``input_shape`` (C, H, W) known.
+            layers: the model's convolutions (:meth:`~hetconv.model.Model.conv_specs`).
             batch: images per step.
             log: where to print the probe table and membership events (None: nowhere).
         """

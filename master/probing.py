@@ -7,9 +7,12 @@ measured with echoes: the round trip of a tiny message (latency) and of 1 MiB ea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from hetconv.backends import Backend, ConvShape, Padding
+from hetconv.backends import Backend
+from hetconv.conv import ConvSpec
 
 from .membership import Node
 from .planning import PlannedLayer
@@ -18,17 +21,10 @@ LINK_PROBE_BYTES = 1 << 20
 PROBE_TIMEOUT_S = 300.0  # a slow device's probe of a large layer may take minutes
 
 
-def planned_layers(layers, batch: int) -> list[PlannedLayer]:
+def planned_layers(layers: Sequence[ConvSpec], batch: int) -> list[PlannedLayer]:
     """The shapes the cluster plans for: one :class:`PlannedLayer` per conv layer of the model
-    (each with ``name``, ``input_shape`` (C, H, W), its ``weight`` (K, C, kh, kw), ``padding``
-    and ``need_input_grad``) at ``batch`` images per step."""
-    out = []
-    for layer in layers:
-        c, h, w = layer.input_shape
-        k, _, kh, kw = layer.params["weight"].shape
-        shape = ConvShape(batch, c, h, w, k, kh, kw, Padding.resolve(layer.padding, (kh, kw)))
-        out.append(PlannedLayer(layer.name, shape, layer.need_input_grad))
-    return out
+    at ``batch`` images per step."""
+    return [PlannedLayer(spec.name, spec.shape(batch), spec.need_input_grad) for spec in layers]
 
 
 def describe_master(node: Node, backend: Backend) -> None:

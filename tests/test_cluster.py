@@ -143,7 +143,7 @@ def test_unknown_layer_shape_is_split_by_mean_speed(workers):
     rng = np.random.default_rng(0)
     with Cluster(workers[:2]) as cluster:
         model = Model(reference_spec(4, 6), seed=0, executor=cluster)
-        cluster.prepare(model.conv_layers(), batch=2, log=None)
+        cluster.prepare(model.conv_specs(), batch=2, log=None)
         cluster.begin_step(0)
         x = rng.standard_normal((5, 3, 32, 32), dtype=np.float32)
         got = model.forward(x)
@@ -164,7 +164,7 @@ def test_bad_cluster_settings_are_refused(workers):
     with Cluster(workers[:2], config=config) as cluster:
         model = Model(reference_spec(8, 16), seed=0, executor=cluster)
         with pytest.raises(ValueError, match="summing to its 8 kernels"):
-            cluster.prepare(model.conv_layers(), batch=2, log=None)
+            cluster.prepare(model.conv_specs(), batch=2, log=None)
 
 
 def test_plan_record_carries_probes_links_and_shares(workers):
@@ -173,7 +173,7 @@ def test_plan_record_carries_probes_links_and_shares(workers):
 
     with Cluster(workers[:2], config=ClusterConfig(master_compute=False)) as cluster:
         model = Model(reference_spec(8, 16), seed=0, executor=cluster)
-        cluster.prepare(model.conv_layers(), batch=4, log=None)
+        cluster.prepare(model.conv_specs(), batch=4, log=None)
         record = json.loads(json.dumps(cluster.plan_record()))  # JSON as it is
         nodes = cluster.nodes
         plans = {name: list(plan.shares) for name, plan in cluster.plans.items()}
@@ -194,7 +194,7 @@ def test_link_policy_gives_a_worker_behind_a_slow_link_no_kernels(workers):
     def prepared(policy):
         cluster = Cluster(workers[:2], config=ClusterConfig(share_policy=policy))
         model = Model(reference_spec(8, 64), seed=0, executor=cluster)
-        cluster.prepare(model.conv_layers(), batch=16, log=None)
+        cluster.prepare(model.conv_specs(), batch=16, log=None)
         cluster.nodes[2].link_bytes_per_second = 5e6 / 8
         cluster.nodes[2].link_latency = 0.005
         cluster._replan()
@@ -225,7 +225,7 @@ def test_link_policy_models_the_network_it_is_told(workers, monkeypatch, network
     config = ClusterConfig(share_policy="link", network=network)
     with Cluster(workers[:2], config=config) as cluster:
         model = Model(reference_spec(4, 6), seed=0, executor=cluster)
-        cluster.prepare(model.conv_layers(), batch=4, log=None)
+        cluster.prepare(model.conv_specs(), batch=4, log=None)
         links = [node.link_bytes_per_second for node in cluster.nodes[1:]]
     assert seen and all(m.fabric == network for m in seen)
     assert all(m.medium_bytes_per_s == max(links) for m in seen)
@@ -421,6 +421,6 @@ def test_embedded_master_leaves_its_workers_the_cores(monkeypatch):
     before = blas_threads()
     with EmbeddedCluster(2, ClusterConfig()) as embedded:
         model = Model(reference_spec(4, 6), seed=0, executor=embedded)
-        embedded.prepare(model.conv_layers(), batch=2, log=None)
+        embedded.prepare(model.conv_specs(), batch=2, log=None)
         assert blas_threads() == {1}  # while it trains
     assert blas_threads() == before  # given back
