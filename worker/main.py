@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import TextIO
 
 from hetconv.backends import AUTO_PROBE, Backend, get_backend
+from hetconv.calls import READY
 from hetconv.worker.auth import WorkerSecurity, open_worker_warning
 from hetconv.worker.service import ConvWorkerService, WorkerConfig, start_server
 
 #: The startup probe: C2 of the paper's 50:500 network on 8 images (16x16, 5x5 'same').
 STARTUP_PROBE = AUTO_PROBE
-
-READY = "hetconv worker ready on"
 
 #: The most one request may hold by default, whatever the memory: 2 GiB.
 MAX_REQUEST_CAP = 2 << 30
