@@ -231,13 +231,14 @@ def tensor_header(name: str, array: np.ndarray, fmt: TensorFormat = FLOAT32) -> 
     return fmt.header(name, array.shape)
 
 
-def wire_array(name: str, array: np.ndarray) -> np.ndarray:
-    """``array`` as little-endian float32, C-contiguous: checked, never silently converted."""
-    if array.dtype != np.float32:
-        raise TypeError(f"{name} must be float32 for the wire, got {array.dtype}")
+def wire_array(name: str, array: np.ndarray, fmt: TensorFormat = FLOAT32) -> np.ndarray:
+    """``array`` in the format's wire type (little-endian float32), C-contiguous: checked, never
+    silently converted from another type."""
+    if array.dtype != fmt.host:
+        raise TypeError(f"{name} must be {fmt.host} for the wire, got {array.dtype}")
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
-    return array.astype(WIRE_DTYPE, copy=False)
+    return array.astype(fmt.wire, copy=False)
 
 
 @dataclass(frozen=True)
@@ -359,8 +360,9 @@ class TensorReceiver:
 
     Args:
         shapes: the shape of each tensor, in stream order (from :func:`check_headers`).
-        arrays: optional preallocated destinations (float32, matching shapes), each C-contiguous
-            or contiguous per leading index (a channel slice of a larger NCHW array).
+        arrays: optional preallocated destinations (of the formats' host type, float32, and
+            matching shapes), each C-contiguous or contiguous per leading index (a channel slice
+            of a larger NCHW array).
         formats: each tensor's format on the wire (default: all float32).
     """
 

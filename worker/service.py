@@ -252,24 +252,26 @@ class ConvWorkerService:
             self.backend.synchronize()
         compute = time.perf_counter() - start
         self._save(request, _Saved(request.step, x, w, padding))
-        return [("y", y)], compute, receive
+        return list(zip(FORWARD.answer_names(), (y,), strict=True)), compute, receive
 
     def backward(self, messages: Iterator):
         request, (dy,), receive = self._receive(messages, BACKWARD)
         saved = self._saved_for(request)
         shape = conv_shape(saved.x.shape, saved.w.shape, saved.padding)
-        expected = BACKWARD.request_shapes(shape)["dy"]
+        ((name, expected),) = BACKWARD.request_shapes(shape).items()
         if dy.shape != expected:
-            raise InvalidCall(f"dy has shape {dy.shape}, expected {expected}")
+            raise InvalidCall(f"{name} has shape {dy.shape}, expected {expected}")
         start = time.perf_counter()
         with self._device_lock:
             dw, db = self.backend.conv_grad_kernels(saved.x, dy, saved.w.shape[2:], saved.padding)
-            out = [("dw", dw), ("db", db)]
+            out = [dw, db]
             if request.need_input_grad:
-                dx = self.backend.conv_grad_input(dy, saved.w, saved.x.shape[2:], saved.padding)
-                out.append(("dx", dx))
+                out.append(
+                    self.backend.conv_grad_input(dy, saved.w, saved.x.shape[2:], saved.padding)
+                )
             self.backend.synchronize()
-        return out, time.perf_counter() - start, receive
+        names = BACKWARD.answer_names(request.need_input_grad)  # dw, db and, when asked for, dx
+        return list(zip(names, out, strict=True)), time.perf_counter() - start, receive
 
     def echo(self, messages: Iterator):
         request, arrays, receive = self._receive(messages, ECHO)
