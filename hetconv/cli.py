@@ -173,7 +173,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from hetconv.master.launch import EmbeddedCluster
     from hetconv.master.membership import read_workers_file
     from hetconv.master.training import TrainConfig, train
-    from hetconv.worker.auth import read_pem, resolve_token
+    from hetconv.security import read_pem, resolve_token
 
     from .optim import SGDConfig
 
@@ -300,7 +300,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from hetconv.worker.auth import WorkerSecurity, resolve_token
+    from hetconv.security import resolve_token
+    from hetconv.worker.auth import WorkerSecurity
     from hetconv.worker.main import run_worker
     from hetconv.worker.service import WorkerConfig
 

@@ -34,6 +34,7 @@ the kernel gradient as much again and the input gradient (when the layer needs i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -41,13 +42,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetconv import calls
 from hetconv.backends import ConvShape
 from hetconv.conv import ConvSpec
+from hetconv.formats import FLOAT32
 from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
 from hetconv.proto import worker_pb2 as pb
-from hetconv.wire import BUNDLE_BYTES, WIRE_DTYPE
+from hetconv.wire import BUNDLE_BYTES
 
-FLOAT_BYTES = WIRE_DTYPE.itemsize
+FLOAT_BYTES = FLOAT32.itemsize
 FORWARD, BACKWARD = "forward", "backward"
 PHASES = (FORWARD, BACKWARD)
 WIFI, SWITCHED = "wifi", "switched"
@@ -160,12 +163,6 @@ class CallBytes:
         return self.sent + self.received
 
 
-def _tensor(name: str, shape: tuple[int, ...]) -> pb.TensorHeader:
-    return pb.TensorHeader(
-        name=name, shape=shape, dtype=pb.FLOAT32, nbytes=FLOAT_BYTES * math.prod(shape)
-    )
-
-
 @functools.lru_cache(maxsize=65536)
 def call_bytes(
     layer: ConvLayer, phase: str, kernels: int, kernel_offset: int = 0, step: int = 1000
@@ -182,28 +179,16 @@ def call_bytes(
     name, padding on forward, the kernel offset, ``need_input_grad`` on backward) and the
     worker's result (its two timings and the tensor headers).
     """
-    s = layer.shape
-    ho, wo = s.out_hw
-    x_shape, w_shape, b_shape = (s.n, s.c, s.h, s.w), (kernels, s.c, s.kh, s.kw), (kernels,)
-    map_shape = (s.n, kernels, ho, wo)
-    if phase == FORWARD:
-        request = pb.ConvRequest(
-            phase=pb.FORWARD,
-            padding=(s.padding.top, s.padding.bottom, s.padding.left, s.padding.right),
-            tensors=[_tensor("x", x_shape), _tensor("w", w_shape), _tensor("b", b_shape)],
-        )
-        answer = [_tensor("y", map_shape)]
-    elif phase == BACKWARD:
-        request = pb.ConvRequest(
-            phase=pb.BACKWARD,
-            need_input_grad=layer.need_input_grad,
-            tensors=[_tensor("dy", map_shape)],
-        )
-        answer = [_tensor("dw", w_shape), _tensor("db", b_shape)]
-        if layer.need_input_grad:
-            answer.append(_tensor("dx", x_shape))
-    else:
+    call = {FORWARD: calls.FORWARD, BACKWARD: calls.BACKWARD}.get(phase)
+    if call is None:
         raise ValueError(f"phase {phase!r} is not 'forward' or 'backward'")
+    s = dataclasses.replace(layer.shape, k=kernels)  # the worker's slice
+    request = pb.ConvRequest(phase=call.phase, tensors=call.request_headers(s))
+    if call is calls.FORWARD:
+        request.padding.extend((s.padding.top, s.padding.bottom, s.padding.left, s.padding.right))
+    else:
+        request.need_input_grad = layer.need_input_grad
+    answer = call.answer_headers(s, layer.need_input_grad)
     request.session = (1 << 64) - 1  # fixed64: any non-zero session has the same size
     request.step = step
     request.layer = layer.name

@@ -14,6 +14,10 @@ exactly what protobuf would produce, and anything else that arrives (headers, or
 encoded differently by another protobuf implementation) goes through the generated parser.
 Measured on loopback this is ~2x the throughput of building ``ConvMessage`` objects
 (``benchmarks/transport.py``).
+
+What the bytes of each element type are lives in :mod:`hetconv.formats`, which tensors each
+call carries in :mod:`hetconv.calls`, and what can be wrong (one exception type per fault, each
+with its gRPC status) in :mod:`hetconv.errors`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetconv.errors import MalformedHeader, MalformedMessage, RequestTooLarge
+from hetconv.formats import FLOAT32, TensorFormat, byte_segments, format_of
 from hetconv.proto import worker_pb2 as pb
 
 #: Bytes of tensor data per stream message. 1 MiB streamed ~4x faster than one large message here.
@@ -31,8 +37,8 @@ CHUNK_BYTES = 1 << 20
 #: gRPC message-size limit set on both ends: a chunk plus its header with ample headroom; a
 #: request's total size is bounded separately by the worker (``max_request_bytes``).
 MAX_MESSAGE_BYTES = 16 << 20
-#: The one dtype on the wire: IEEE binary32, little-endian.
-WIRE_DTYPE = np.dtype("<f4")
+#: The element type of the arrays on both ends (and of the wire's only format so far).
+WIRE_DTYPE = FLOAT32.wire
 
 _MAX_DIMENSION = 1 << 31  # no real tensor axis is longer; bounds empty tensors' shapes too
 _MAX_RANK = 8
@@ -40,15 +46,11 @@ _MAX_ELEMENTS = 1 << 40
 _DATA_TAG = 0x12  # field 2 (data), wire type 2 (length-delimited)
 
 
-class WireError(ValueError):
-    """A message that does not match its header or the protocol: the sender's fault."""
-
-
 @dataclass(frozen=True)
 class Undecodable:
     """What the deserializers return for bytes that are no valid message. gRPC would turn an
     exception raised there into INTERNAL before any handler runs; returned instead, it reaches
-    :func:`receive_stream`, which raises :class:`WireError` (INVALID_ARGUMENT) naming it."""
+    :func:`receive_stream`, which raises :class:`MalformedMessage` (INVALID_ARGUMENT) naming it."""
 
     reason: str
 
@@ -83,7 +85,8 @@ def server_options() -> list[tuple[str, int]]:
     ]
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """``value`` (non-negative) as a protobuf varint."""
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -95,6 +98,23 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
+def read_varint(buffer: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """The protobuf varint at ``buffer[pos]``: (its value, the position after it).
+
+    Raises:
+        MalformedMessage: the buffer ends inside it, or it runs past 10 bytes (64 bits).
+    """
+    value, shift = 0, 0
+    while pos < len(buffer) and shift < 64:
+        byte = buffer[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise MalformedMessage("truncated or overlong varint")
+
+
 def serialize_message(message: pb.ConvMessage | memoryview) -> bytes:
     """gRPC request/response serializer for ConvMessage streams.
 
@@ -103,23 +123,20 @@ def serialize_message(message: pb.ConvMessage | memoryview) -> bytes:
             ``ConvMessage{data: view}``.
     """
     if isinstance(message, memoryview):
-        return b"".join((bytes((_DATA_TAG,)), _varint(message.nbytes), message))
+        return b"".join((bytes((_DATA_TAG,)), encode_varint(message.nbytes), message))
     return message.SerializeToString()
 
 
 def deserialize_message(buffer: bytes) -> pb.ConvMessage | memoryview:
     """gRPC deserializer: a data chunk comes back as a read-only view into ``buffer``."""
     if buffer and buffer[0] == _DATA_TAG:
-        length, shift, pos = 0, 0, 1
-        while pos < len(buffer) and pos < 11:
-            byte = buffer[pos]
-            length |= (byte & 0x7F) << shift
-            pos += 1
-            if not byte & 0x80:
-                if pos + length == len(buffer):
-                    return memoryview(buffer)[pos:]
-                break
-            shift += 7
+        try:
+            length, pos = read_varint(buffer, 1)
+        except MalformedMessage:
+            pass  # not our encoding: protobuf says what it is
+        else:
+            if pos + length == len(buffer):
+                return memoryview(buffer)[pos:]
     try:
         message = pb.ConvMessage.FromString(buffer)
     except Exception as e:  # protobuf's DecodeError
@@ -157,22 +174,10 @@ def serialize_bundle(bundle: Bundle) -> bytes:
     elif kind == "result":
         head = pb.ConvBundle(result=bundle.message.result)
     else:
-        raise WireError(f"a bundle needs a header or result, got {kind}")
+        raise MalformedMessage(f"a bundle needs a header or result, got {kind}")
     views = bundle.data if isinstance(bundle.data, list) else [bundle.data]
     size = sum(v.nbytes for v in views)
-    return b"".join((head.SerializeToString(), bytes((_DATA_TAG,)), _varint(size), *views))
-
-
-def _read_varint(buffer: bytes, pos: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while pos < len(buffer) and shift < 64:
-        byte = buffer[pos]
-        value |= (byte & 0x7F) << shift
-        pos += 1
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-    raise WireError("truncated or overlong varint in a bundle")
+    return b"".join((head.SerializeToString(), bytes((_DATA_TAG,)), encode_varint(size), *views))
 
 
 def deserialize_bundle(buffer: bytes) -> Bundle:
@@ -185,8 +190,8 @@ def deserialize_bundle(buffer: bytes) -> Bundle:
             simple = False  # unknown or repeated fields: let protobuf apply its merge rules
             break
         try:
-            length, start = _read_varint(buffer, pos + 1)
-        except WireError:
+            length, start = read_varint(buffer, pos + 1)
+        except MalformedMessage:
             simple = False
             break
         if start + length > len(buffer):
@@ -221,45 +226,58 @@ def deserialize_bundle(buffer: bytes) -> Bundle:
     return Bundle(message, memoryview(parsed.data))
 
 
-def tensor_header(name: str, array: np.ndarray) -> pb.TensorHeader:
+def tensor_header(name: str, array: np.ndarray, fmt: TensorFormat = FLOAT32) -> pb.TensorHeader:
     """The header that describes ``array`` (float32, C-contiguous) on the wire."""
-    return pb.TensorHeader(
-        name=name, shape=array.shape, dtype=pb.FLOAT32, nbytes=array.size * WIRE_DTYPE.itemsize
-    )
+    return fmt.header(name, array.shape)
 
 
-def wire_array(name: str, array: np.ndarray) -> np.ndarray:
-    """``array`` as little-endian float32, C-contiguous: checked, never silently converted."""
-    if array.dtype != np.float32:
-        raise TypeError(f"{name} must be float32 for the wire, got {array.dtype}")
+def wire_array(name: str, array: np.ndarray, fmt: TensorFormat = FLOAT32) -> np.ndarray:
+    """``array`` in the format's wire type (little-endian float32), C-contiguous: checked, never
+    silently converted from another type."""
+    if array.dtype != fmt.host:
+        raise TypeError(f"{name} must be {fmt.host} for the wire, got {array.dtype}")
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
-    return array.astype(WIRE_DTYPE, copy=False)
+    return array.astype(fmt.wire, copy=False)
 
 
-def byte_segments(array: np.ndarray) -> list[memoryview]:
-    """Byte views covering ``array`` in C order: one when contiguous, else one per leading index.
+@dataclass(frozen=True)
+class Outgoing:
+    """Tensors ready to send: their headers and their wire bytes as views, in order."""
 
-    A channel slice ``y[:, a:b]`` of an NCHW array is contiguous within each image, which is all
-    the wire needs: tensors are sent from, and received into, such slices without a copy.
+    headers: list[pb.TensorHeader]
+    segments: list[memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.segments)
+
+
+def encode_tensors(
+    tensors: Sequence[tuple[str, np.ndarray]], fmt: TensorFormat = FLOAT32
+) -> Outgoing:
+    """Headers and wire bytes of named arrays (views of their memory where the format allows).
+
+    Raises:
+        TypeError: an array whose elements are not the format's (float32).
     """
-    if array.size == 0:
-        return []
-    if array.flags.c_contiguous:
-        return [memoryview(array).cast("B")]
-    if array.ndim > 1 and array[0].flags.c_contiguous:
-        return [memoryview(array[i]).cast("B") for i in range(array.shape[0])]
-    raise ValueError(f"array of shape {array.shape} is not contiguous per leading index")
+    headers = [fmt.header(name, array.shape) for name, array in tensors]
+    segments = [v for name, array in tensors for v in fmt.encode(array, name)]
+    return Outgoing(headers, segments)
+
+
+def chunks(segments: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    """Consecutive views of at most ``chunk_bytes`` over each byte view, in order."""
+    for segment in segments:
+        for start in range(0, segment.nbytes, chunk_bytes):
+            yield segment[start : start + chunk_bytes]
 
 
 def data_chunks(
     arrays: Iterable[np.ndarray], chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[memoryview]:
     """Consecutive views of at most ``chunk_bytes`` over each array's memory, in order."""
-    for array in arrays:
-        for segment in byte_segments(array):
-            for start in range(0, segment.nbytes, chunk_bytes):
-                yield segment[start : start + chunk_bytes]
+    return chunks((v for array in arrays for v in byte_segments(array)), chunk_bytes)
 
 
 def tensor_stream(
@@ -270,49 +288,71 @@ def tensor_stream(
     yield from data_chunks(arrays, chunk_bytes)
 
 
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor header that passed :func:`check_tensors`: its name, shape and format."""
+
+    name: str
+    shape: tuple[int, ...]
+    format: TensorFormat
+
+
+def _check_shape(h: pb.TensorHeader, fmt: TensorFormat) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in h.shape)
+    if any(d < 0 for d in shape):
+        raise MalformedHeader(f"tensor {h.name} has a negative dimension in shape {shape}")
+    if any(d > _MAX_DIMENSION for d in shape):
+        raise MalformedHeader(f"tensor {h.name} has an absurd dimension in shape {shape}")
+    if len(shape) > _MAX_RANK or math.prod(max(d, 1) for d in shape) > _MAX_ELEMENTS:
+        raise MalformedHeader(
+            f"tensor {h.name} has shape {shape}: more than {_MAX_RANK} dimensions or "
+            "too many elements to hold, even when empty"
+        )
+    expected = fmt.nbytes(shape)
+    if h.nbytes != expected:
+        raise MalformedHeader(
+            f"tensor {h.name} declares {h.nbytes} bytes but shape {shape} of {fmt.label} "
+            f"holds {expected}"
+        )
+    return shape
+
+
+def check_tensors(
+    headers: Sequence[pb.TensorHeader],
+    names: Sequence[str],
+    max_bytes: int | None = None,
+) -> list[WireTensor]:
+    """Validate tensor headers against the names expected, in order.
+
+    Raises:
+        MalformedHeader: wrong names or count, a negative or absurd dimension, or an ``nbytes``
+            that disagrees with the shape.
+        UnsupportedFormat: a dtype with no format here (:func:`hetconv.formats.format_of`).
+        RequestTooLarge: more than ``max_bytes`` in total.
+    """
+    got = [h.name for h in headers]
+    if got != list(names):
+        raise MalformedHeader(f"tensors {got} sent, expected {list(names)}")
+    tensors, total = [], 0
+    for h in headers:
+        fmt = format_of(h)
+        shape = _check_shape(h, fmt)
+        total += h.nbytes
+        if max_bytes is not None and total > max_bytes:
+            raise RequestTooLarge(
+                f"request holds more than {max_bytes} bytes of tensors (limit of this worker)"
+            )
+        tensors.append(WireTensor(h.name, shape, fmt))
+    return tensors
+
+
 def check_headers(
     headers: Sequence[pb.TensorHeader],
     names: Sequence[str],
     max_bytes: int | None = None,
 ) -> list[tuple[int, ...]]:
-    """Validate tensor headers against the names expected, in order; returns their shapes.
-
-    Raises:
-        WireError: wrong names or count, a dtype other than float32, a negative or absurd
-            dimension, an ``nbytes`` that disagrees with the shape, or more than ``max_bytes``
-            in total.
-    """
-    got = [h.name for h in headers]
-    if got != list(names):
-        raise WireError(f"tensors {got} sent, expected {list(names)}")
-    shapes, total = [], 0
-    for h in headers:
-        if h.dtype != pb.FLOAT32:
-            dtype = pb.DType.Name(h.dtype) if h.dtype in pb.DType.values() else h.dtype
-            raise WireError(f"tensor {h.name} has dtype {dtype}, expected FLOAT32")
-        shape = tuple(int(d) for d in h.shape)
-        if any(d < 0 for d in shape):
-            raise WireError(f"tensor {h.name} has a negative dimension in shape {shape}")
-        if any(d > _MAX_DIMENSION for d in shape):
-            raise WireError(f"tensor {h.name} has an absurd dimension in shape {shape}")
-        if len(shape) > _MAX_RANK or math.prod(max(d, 1) for d in shape) > _MAX_ELEMENTS:
-            raise WireError(
-                f"tensor {h.name} has shape {shape}: more than {_MAX_RANK} dimensions or "
-                "too many elements to hold, even when empty"
-            )
-        expected = math.prod(shape) * WIRE_DTYPE.itemsize
-        if h.nbytes != expected:
-            raise WireError(
-                f"tensor {h.name} declares {h.nbytes} bytes but shape {shape} of float32 "
-                f"holds {expected}"
-            )
-        total += expected
-        if max_bytes is not None and total > max_bytes:
-            raise WireError(
-                f"request holds more than {max_bytes} bytes of tensors (limit of this worker)"
-            )
-        shapes.append(shape)
-    return shapes
+    """:func:`check_tensors`, returning only the shapes."""
+    return [t.shape for t in check_tensors(headers, names, max_bytes)]
 
 
 class TensorReceiver:
@@ -320,33 +360,50 @@ class TensorReceiver:
 
     Args:
         shapes: the shape of each tensor, in stream order (from :func:`check_headers`).
-        arrays: optional preallocated destinations (float32, matching shapes), each C-contiguous
-            or contiguous per leading index (a channel slice of a larger NCHW array).
+        arrays: optional preallocated destinations (of the formats' host type, float32, and
+            matching shapes), each C-contiguous or contiguous per leading index (a channel slice
+            of a larger NCHW array).
+        formats: each tensor's format on the wire (default: all float32).
     """
 
     def __init__(
-        self, shapes: Sequence[tuple[int, ...]], arrays: Sequence[np.ndarray] | None = None
+        self,
+        shapes: Sequence[tuple[int, ...]],
+        arrays: Sequence[np.ndarray] | None = None,
+        formats: Sequence[TensorFormat] | None = None,
     ):
+        formats = [FLOAT32] * len(shapes) if formats is None else list(formats)
         if arrays is None:
-            arrays = [np.empty(shape, WIRE_DTYPE) for shape in shapes]
-        for shape, array in zip(shapes, arrays, strict=True):
-            if tuple(array.shape) != tuple(shape) or array.dtype != WIRE_DTYPE:
-                raise WireError(
+            arrays = [np.empty(shape, fmt.host) for shape, fmt in zip(shapes, formats, strict=True)]
+        for shape, array, fmt in zip(shapes, arrays, formats, strict=True):
+            if tuple(array.shape) != tuple(shape) or array.dtype != fmt.host:
+                raise MalformedHeader(
                     f"tensor of shape {tuple(shape)} cannot be received into a "
                     f"{array.dtype} array of shape {array.shape}"
                 )
         self.arrays = list(arrays)
-        self._views = [v for a in self.arrays for v in byte_segments(a)]
+        self._formats = formats
+        # Where the bytes land: the arrays themselves, unless a format converts on arrival.
+        self._buffers = [fmt.receive_buffer(a) for a, fmt in zip(self.arrays, formats, strict=True)]
+        self._views = [v for a in self._buffers for v in byte_segments(a)]
         self.expected = sum(v.nbytes for v in self._views)
         self.received = 0
         self._index = 0  # tensor being filled
         self._offset = 0  # bytes of it filled so far
 
+    @classmethod
+    def of(
+        cls, tensors: Sequence[WireTensor], arrays: Sequence[np.ndarray] | None = None
+    ) -> TensorReceiver:
+        """The receiver of tensors checked by :func:`check_tensors`."""
+        return cls([t.shape for t in tensors], arrays, [t.format for t in tensors])
+
     def feed(self, chunk: memoryview) -> None:
-        """Copy one chunk's bytes into the arrays; raises WireError on bytes beyond the header."""
+        """Copy one chunk's bytes into the arrays; raises MalformedMessage on bytes beyond the
+        header."""
         size = chunk.nbytes
         if self.received + size > self.expected:
-            raise WireError(
+            raise MalformedMessage(
                 f"received {self.received + size} bytes of tensor data, the header declared "
                 f"{self.expected}"
             )
@@ -362,12 +419,15 @@ class TensorReceiver:
         self.received += size
 
     def finish(self) -> list[np.ndarray]:
-        """The filled arrays; raises WireError when fewer bytes came than the header declared."""
+        """The filled arrays; raises MalformedMessage when fewer bytes came than the header
+        declared."""
         if self.received != self.expected:
-            raise WireError(
+            raise MalformedMessage(
                 f"stream ended after {self.received} bytes of tensor data, the header declared "
                 f"{self.expected}"
             )
+        for array, buffer, fmt in zip(self.arrays, self._buffers, self._formats, strict=True):
+            fmt.decode_into(array, buffer)
         return self.arrays
 
 
@@ -382,18 +442,22 @@ def receive_stream(
     Args:
         messages: the incoming stream (deserialized by :func:`deserialize_message`).
         receiver_for: called with the first message; returns the :class:`TensorReceiver` (after
-            validating the header, raising WireError when it is wrong).
+            validating the header, raising a :class:`~hetconv.errors.WireError` when it is wrong).
 
     Returns:
         (first message, filled arrays).
+
+    Raises:
+        MalformedMessage: undecodable bytes, no header first, a second header or result among
+            the data, or tensor bytes that disagree with the header.
     """
     first = next(messages, None)
     if first is None:
-        raise WireError("stream ended before its header")
+        raise MalformedMessage("stream ended before its header")
     if isinstance(first, Undecodable):
-        raise WireError(first.reason)
+        raise MalformedMessage(first.reason)
     if isinstance(first, memoryview):
-        raise WireError("stream started with tensor data instead of a header")
+        raise MalformedMessage("stream started with tensor data instead of a header")
     if isinstance(first, Bundle):
         receiver = receiver_for(first.message)
         receiver.feed(first.data)
@@ -401,9 +465,9 @@ def receive_stream(
     receiver = receiver_for(first)
     for message in messages:
         if isinstance(message, Undecodable):
-            raise WireError(message.reason)
+            raise MalformedMessage(message.reason)
         if not isinstance(message, memoryview):
-            raise WireError(
+            raise MalformedMessage(
                 f"a second {message.WhichOneof('kind') or 'empty'} message arrived in the "
                 "middle of tensor data"
             )

@@ -5,7 +5,8 @@ and how long each part took (:class:`CallStats`), which the cluster sums into th
 
 With a token every call carries it as ``authorization: Bearer <token>`` metadata; with a CA
 certificate the channel is TLS and the worker must present a certificate that CA signed, for
-the host name or IP address in ``address`` (see :mod:`hetconv.worker.auth`).
+the host name or IP address in ``address`` (see :mod:`hetconv.security`). Which tensors each
+call sends and expects back, and every RPC's codec, come from :mod:`hetconv.calls`.
 """
 
 from __future__ import annotations
@@ -19,25 +20,20 @@ import grpc
 import numpy as np
 
 from hetconv.backends import ConvShape
+from hetconv.calls import BACKWARD, DESCRIBE, ECHO, FORWARD, METHODS, PROBE, ConvCall, call_shape
+from hetconv.errors import MalformedHeader, MalformedMessage, WireError
 from hetconv.proto import worker_pb2 as pb
+from hetconv.security import bearer_metadata, read_pem
 from hetconv.wire import (
     BUNDLE_BYTES,
     Bundle,
     TensorReceiver,
-    WireError,
-    byte_segments,
     channel_options,
-    check_headers,
-    data_chunks,
-    deserialize_bundle,
-    deserialize_message,
+    check_tensors,
+    chunks,
+    encode_tensors,
     receive_stream,
-    serialize_bundle,
-    serialize_message,
-    tensor_header,
 )
-from hetconv.worker.auth import bearer_metadata, read_pem
-from hetconv.worker.service import SERVICE_NAME
 
 
 class WorkerError(RuntimeError):
@@ -131,33 +127,9 @@ class WorkerClient:
         else:
             self._channel = grpc.insecure_channel(address, options=channel_options())
 
-        def unary(name, request_type, response_type):
-            return self._channel.unary_unary(
-                f"/{SERVICE_NAME}/{name}",
-                request_serializer=request_type.SerializeToString,
-                response_deserializer=response_type.FromString,
-            )
-
-        def stream(name):
-            return self._channel.stream_stream(
-                f"/{SERVICE_NAME}/{name}",
-                request_serializer=serialize_message,
-                response_deserializer=deserialize_message,
-            )
-
-        self._describe = unary("Describe", pb.DescribeRequest, pb.DeviceDescription)
-        self._probe = unary("Probe", pb.ProbeRequest, pb.ProbeResult)
-
-        def bundle(name):
-            return self._channel.unary_unary(
-                f"/{SERVICE_NAME}/{name}",
-                request_serializer=serialize_bundle,
-                response_deserializer=deserialize_bundle,
-            )
-
-        self._forward = (stream("Forward"), bundle("ForwardBundle"))
-        self._backward = (stream("Backward"), bundle("BackwardBundle"))
-        self._echo = (stream("Echo"), bundle("EchoBundle"))
+        # One callable per RPC of the service, each with its codec (hetconv.calls).
+        self._stubs = {name: method.stub(self._channel) for name, method in METHODS.items()}
+        self._describe, self._probe = self._stubs[DESCRIBE.name], self._stubs[PROBE.name]
 
     def close(self) -> None:
         self._channel.close()
@@ -266,7 +238,7 @@ class WorkerClient:
 
     def _call(
         self,
-        method,
+        call: ConvCall,
         what: str,
         request: pb.ConvRequest,
         arrays: Sequence[tuple[str, np.ndarray]],
@@ -276,16 +248,17 @@ class WorkerClient:
         answer_bytes: int,
     ) -> tuple[dict[str, np.ndarray], CallStats]:
         stats = CallStats()
-        request.tensors.extend(tensor_header(name, a) for name, a in arrays)
+        out = encode_tensors(arrays)
+        request.tensors.extend(out.headers)
         head = pb.ConvMessage(header=request)
-        payload = sum(a.nbytes for _, a in arrays)
+        payload = out.nbytes
         stats.bytes_sent = head.ByteSize() + payload
         stats.bundled = payload + answer_bytes <= BUNDLE_BYTES
         start = time.perf_counter()
 
         def messages():
             yield head
-            yield from data_chunks([a for _, a in arrays])
+            yield from chunks(out.segments)
             stats.send_seconds = time.perf_counter() - start
 
         first_at = 0.0
@@ -293,28 +266,33 @@ class WorkerClient:
         def receiver_for(first: pb.ConvMessage) -> TensorReceiver:
             nonlocal first_at
             first_at = time.perf_counter()
-            if first.WhichOneof("kind") != "result":
-                raise WireError(f"answer started with {first.WhichOneof('kind')}, not a result")
-            shapes = check_headers(first.result.tensors, expect)
+            kind = first.WhichOneof("kind")
+            if kind != "result":
+                raise MalformedMessage(f"answer started with {kind}, not a result")
+            tensors = check_tensors(first.result.tensors, expect)
             dests = []
-            for name, shape in zip(expect, shapes, strict=True):
-                dest = destinations.get(name)
+            for t in tensors:
+                dest = destinations.get(t.name)
                 if dest is None:
-                    dest = np.empty(shape, np.float32)
-                elif dest.shape != shape:
-                    raise WireError(f"{name} came back with shape {shape}, expected {dest.shape}")
+                    dest = np.empty(t.shape, t.format.host)
+                elif dest.shape != t.shape:
+                    raise MalformedHeader(
+                        f"{t.name} came back with shape {t.shape}, expected {dest.shape}"
+                    )
                 dests.append(dest)
-            return TensorReceiver(shapes, dests)
+            return TensorReceiver.of(tensors, dests)
 
         try:
             if stats.bundled:
                 # Small: one message each way (a unary call costs a sixth of a stream here).
-                segments = [v for _, a in arrays for v in byte_segments(a)]
-                answer = method[1](Bundle(head, segments), timeout=timeout, metadata=self._metadata)
+                bundle = self._stubs[call.bundle.name]
+                message = Bundle(head, out.segments)
+                answer = bundle(message, timeout=timeout, metadata=self._metadata)
                 stats.send_seconds = time.perf_counter() - start
                 responses = iter([answer])
             else:
-                responses = iter(method[0](messages(), timeout=timeout, metadata=self._metadata))
+                stream = self._stubs[call.stream.name]
+                responses = iter(stream(messages(), timeout=timeout, metadata=self._metadata))
             first, arrays_back = receive_stream(responses, receiver_for)
         except grpc.RpcError as e:
             raise self._error(e, what) from None
@@ -324,7 +302,7 @@ class WorkerClient:
         stats.receive_seconds = end - first_at
         stats.wall_seconds = end - start
         stats.compute_seconds = first.result.compute_seconds
-        stats.bytes_received = first.ByteSize() + sum(a.nbytes for a in arrays_back)
+        stats.bytes_received = first.ByteSize() + sum(h.nbytes for h in first.result.tensors)
         return dict(zip(expect, arrays_back, strict=True)), stats
 
     def forward(
@@ -346,21 +324,17 @@ class WorkerClient:
             out: where to write them, (N, k, Ho, Wo); may be a channel slice of a larger array.
         """
         request = pb.ConvRequest(
-            phase=pb.FORWARD, session=session, step=step, layer=layer, padding=padding,
+            phase=FORWARD.phase, session=session, step=step, layer=layer, padding=padding,
             kernel_offset=kernel_offset,
         )  # fmt: skip
-        top, bottom, left, right = padding
-        ho, wo = (
-            x.shape[2] + top + bottom - w.shape[2] + 1,
-            x.shape[3] + left + right - w.shape[3] + 1,
-        )
-        answer = 4 * x.shape[0] * w.shape[0] * ho * wo
+        answer = FORWARD.answer_bytes(call_shape(x.shape, w.shape, padding))
+        (y,) = FORWARD.answer_names()
         got, stats = self._call(
-            self._forward, f"forward {layer}", request,
-            [("x", x), ("w", w), ("b", b)], ["y"], {"y": out} if out is not None else {}, timeout,
-            answer,
+            FORWARD, f"forward {layer}", request,
+            list(zip(FORWARD.request_names, (x, w, b), strict=True)), [y],
+            {y: out} if out is not None else {}, timeout, answer,
         )  # fmt: skip
-        return got["y"], stats
+        return got[y], stats
 
     def backward(
         self,
@@ -382,17 +356,18 @@ class WorkerClient:
         without it the call streams.
         """
         request = pb.ConvRequest(
-            phase=pb.BACKWARD, session=session, step=step, layer=layer,
+            phase=BACKWARD.phase, session=session, step=step, layer=layer,
             need_input_grad=need_input_grad, kernel_offset=kernel_offset,
         )  # fmt: skip
-        expect = ["dw", "db", "dx"] if need_input_grad else ["dw", "db"]
-        dests = {k: v for k, v in (("dw", dw_out), ("db", db_out)) if v is not None}
+        expect = BACKWARD.answer_names(need_input_grad)  # dw, db and, when asked for, dx
+        dests = {n: a for n, a in zip(expect[:2], (dw_out, db_out), strict=True) if a is not None}
         answer = answer_bytes if answer_bytes is not None else BUNDLE_BYTES + 1
         got, stats = self._call(
-            self._backward, f"backward {layer}", request, [("dy", dy)], expect, dests, timeout,
-            answer,
+            BACKWARD, f"backward {layer}", request,
+            list(zip(BACKWARD.request_names, (dy,), strict=True)), expect, dests, timeout, answer,
         )  # fmt: skip
-        return got.get("dx"), got["dw"], got["db"], stats
+        dw, db, *dx = (got[name] for name in expect)
+        return (dx[0] if dx else None), dw, db, stats
 
     def echo(
         self,
@@ -404,8 +379,8 @@ class WorkerClient:
 
         ``stream`` forces the streaming call even for small tensors (to measure it).
         """
-        request = pb.ConvRequest(phase=pb.PHASE_UNSPECIFIED)
+        request = pb.ConvRequest(phase=ECHO.phase)
         names = [name for name, _ in arrays]
         size = BUNDLE_BYTES + 1 if stream else sum(a.nbytes for _, a in arrays)
-        got, stats = self._call(self._echo, "echo", request, arrays, names, {}, timeout, size)
+        got, stats = self._call(ECHO, "echo", request, arrays, names, {}, timeout, size)
         return [got[n] for n in names], stats

@@ -9,8 +9,8 @@ import sys
 import threading
 import time
 
-from hetconv.worker.auth import TOKEN_ENV, check_token
-from hetconv.worker.main import READY
+from hetconv.calls import READY
+from hetconv.security import TOKEN_ENV, check_token
 
 
 def stop_processes(processes, timeout: float = 10.0) -> None:

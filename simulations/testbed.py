@@ -248,7 +248,7 @@ class Testbed:
 
     def start_workers(self, timeout: float = 120.0) -> list[str]:
         """``hetconv worker`` in every namespace; returns their addresses once all serve."""
-        from hetconv.worker.main import READY
+        from hetconv.calls import READY
 
         # One BLAS thread, as LocalWorkers: the workers share the cores with the master.
         env = with_blas_threads(dict(os.environ, PYTHONUNBUFFERED="1", HETCONV_TOKEN=self.token), 1)

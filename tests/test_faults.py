@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from hetconv.backends import get_backend
+from hetconv.calls import READY as READY_LINE
 from hetconv.conv import LocalConv
 from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
-from hetconv.worker.main import READY as READY_LINE
 from hetconv.worker.service import ConvWorkerService, start_server
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="stops and kills with POSIX signals")
@@ -228,7 +228,7 @@ def test_worker_removed_from_the_workers_file_leaves(local, tmp_path):
 BUSY_WORKER = """
 import os, sys, time
 from hetconv.backends import get_backend
-from hetconv.worker.main import READY
+from hetconv.calls import READY
 from hetconv.worker.service import ConvWorkerService, start_server
 
 class Busy(ConvWorkerService):

@@ -32,22 +32,16 @@ from threadpoolctl import threadpool_limits
 
 from hetconv import wire
 from hetconv.backends import ConvShape, Padding, get_backend
+from hetconv.calls import READY
 from hetconv.conv import LocalConv
 from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerUnavailable
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.master.training import TrainConfig, train
 from hetconv.proto import worker_pb2 as pb
-from hetconv.worker.auth import (
-    TOKEN_ENV,
-    TokenInterceptor,
-    WorkerSecurity,
-    bearer_metadata,
-    is_loopback,
-    open_worker_warning,
-    resolve_token,
-)
-from hetconv.worker.main import READY, available_memory_bytes, default_max_request_bytes
+from hetconv.security import TOKEN_ENV, bearer_metadata, resolve_token
+from hetconv.worker.auth import TokenInterceptor, WorkerSecurity, is_loopback, open_worker_warning
+from hetconv.worker.main import available_memory_bytes, default_max_request_bytes
 from hetconv.worker.service import ConvWorkerService, start_server
 
 SERVICE = "hetconv.v1.ConvWorker"

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetconv.errors import WireError
 from hetconv.proto import worker_pb2 as pb
 from hetconv.wire import (
     CHUNK_BYTES,
     WIRE_DTYPE,
     TensorReceiver,
-    WireError,
     check_headers,
     data_chunks,
     deserialize_message,

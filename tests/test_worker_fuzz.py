@@ -41,12 +41,12 @@ from threadpoolctl import threadpool_limits
 
 from hetconv import wire
 from hetconv.backends import get_backend
+from hetconv.calls import READY, SERVICE_NAME
 from hetconv.master.client import WorkerClient
 from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.proto import worker_pb2 as pb
-from hetconv.worker.auth import TOKEN_ENV
-from hetconv.worker.main import READY
-from hetconv.worker.service import SERVICE_NAME, WorkerConfig
+from hetconv.security import TOKEN_ENV
+from hetconv.worker.service import WorkerConfig
 
 TIMEOUT = 20.0  # seconds for any single call; a hang fails instead of stalling
 OK = grpc.StatusCode.OK

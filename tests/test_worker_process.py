@@ -27,10 +27,10 @@ from threadpoolctl import threadpool_limits
 
 from hetconv import __version__, wire
 from hetconv.backends import ConvShape, Padding, get_backend
+from hetconv.calls import READY
 from hetconv.master.client import WorkerClient
 from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.proto import worker_pb2 as pb
-from hetconv.worker.main import READY
 
 SERVICE = "hetconv.v1.ConvWorker"
 TIMEOUT = 20.0  # seconds for any single call or process step; a hang fails instead of stalling
@@ -677,7 +677,8 @@ def test_exit_on_stdin_close_stops_when_the_launcher_goes(spawn_worker):
 # middle of that write: deterministically, the earliest moment a launcher could react to it.
 SIGNAL_AT_READY = """
 import os, signal, sys
-from hetconv.worker.main import READY, run_worker
+from hetconv.calls import READY
+from hetconv.worker.main import run_worker
 
 class SignalAtReady:
     def write(self, text):

@@ -12,9 +12,8 @@ The token authenticates the master; TLS (``--tls-cert``/``--tls-key`` on the wor
 token and the tensors cross the network in the clear, so a token alone keeps out strangers who
 cannot read the traffic, not ones who can.
 
-Where the token comes from: the ``--token`` flag, else the environment variable
-:data:`TOKEN_ENV`; the flag wins. The variable is the better place on a shared machine: any
-user can read another's command line with ``ps``.
+Where the token comes from (``--token``, else :data:`~hetconv.security.TOKEN_ENV`), how it
+travels and the PEM files: :mod:`hetconv.security`, which the master shares.
 """
 
 from __future__ import annotations
@@ -23,79 +22,24 @@ import hashlib
 import hmac
 import ipaddress
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
-#: The environment variable a worker and a master read their token from when ``--token`` is
-#: not given.
-TOKEN_ENV = "HETCONV_TOKEN"
-#: The call metadata key that carries ``Bearer <token>`` (lowercase: gRPC metadata keys are).
-AUTH_METADATA = "authorization"
-
-_BEARER = "Bearer "
-
-
-def check_token(token: str, where: str = "--token") -> str:
-    """``token`` if it can travel as a metadata value; raises ValueError naming ``where``.
-
-    A token travels as an HTTP/2 header, so it must be non-empty visible ASCII (no spaces).
-    """
-    if not token:
-        raise ValueError(f"{where} is empty; give a shared secret, or leave it out for no token")
-    bad = sorted({c for c in token if not 33 <= ord(c) <= 126})
-    if bad:
-        raise ValueError(
-            f"{where} contains {', '.join(repr(c) for c in bad)}; a token must be visible ASCII "
-            "without spaces (it travels as an HTTP header), e.g. "
-            "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-        )
-    return token
-
-
-def resolve_token(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The token to use: ``flag`` (``--token``) if given, else ``$HETCONV_TOKEN`` if set and
-    non-empty, else None (no token).
-
-    Raises:
-        ValueError: the chosen token is empty (an explicit ``--token ''``) or not visible ASCII.
-    """
-    if flag is not None:
-        return check_token(flag, "--token")
-    value = (os.environ if environ is None else environ).get(TOKEN_ENV)
-    return check_token(value, TOKEN_ENV) if value else None
-
-
-def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """The call metadata that carries ``token``."""
-    return ((AUTH_METADATA, _BEARER + check_token(token, "token")),)
-
-
-def read_pem(path: str | os.PathLike, what: str) -> bytes:
-    """The bytes of a PEM file; raises OSError or ValueError with one line naming ``what`` and
-    the file (gRPC itself would only say that a handshake failed, much later)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise OSError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"{what} {path} is not a PEM file (no '-----BEGIN' line)")
-    return data
+from hetconv.calls import HANDLER_FACTORIES
+from hetconv.security import (
+    AUTH_METADATA,
+    BEARER,
+    TOKEN_ENV,
+    check_token,
+    read_pem,
+)
 
 
 def _digest(value: str | bytes) -> bytes:
     return hashlib.sha256(value.encode() if isinstance(value, str) else value).digest()
-
-
-_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
 
 
 def _refusals(detail: str) -> dict[tuple[bool, bool], grpc.RpcMethodHandler]:
@@ -106,7 +50,7 @@ def _refusals(detail: str) -> dict[tuple[bool, bool], grpc.RpcMethodHandler]:
 
     # No request deserializer: the bytes a stranger sent are never parsed, and a streamed
     # request is never read at all.
-    return {kinds: factory(refuse) for kinds, factory in _HANDLER_FACTORIES.items()}
+    return {kinds: factory(refuse) for kinds, factory in HANDLER_FACTORIES.items()}
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -118,7 +62,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
     """
 
     def __init__(self, token: str):
-        self._expected = _digest(_BEARER + check_token(token, "token"))
+        self._expected = _digest(BEARER + check_token(token, "token"))
         self._missing = _refusals(
             "this worker requires a token: send the call metadata 'authorization: Bearer TOKEN' "
             f"(hetconv train --token, or {TOKEN_ENV})"
@@ -254,14 +198,8 @@ def open_worker_warning(listen: str, security: WorkerSecurity) -> str | None:
 
 
 __all__ = [
-    "AUTH_METADATA",
-    "TOKEN_ENV",
     "TokenInterceptor",
     "WorkerSecurity",
-    "bearer_metadata",
-    "check_token",
     "is_loopback",
     "open_worker_warning",
-    "read_pem",
-    "resolve_token",
 ]

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import TextIO
 
 from hetconv.backends import AUTO_PROBE, Backend, get_backend
+from hetconv.calls import READY
 from hetconv.worker.auth import WorkerSecurity, open_worker_warning
 from hetconv.worker.service import ConvWorkerService, WorkerConfig, start_server
 
 #: The startup probe: C2 of the paper's 50:500 network on 8 images (16x16, 5x5 'same').
 STARTUP_PROBE = AUTO_PROBE
-
-READY = "hetconv worker ready on"
 
 #: The most one request may hold by default, whatever the memory: 2 GiB.
 MAX_REQUEST_CAP = 2 << 30
@@ -81,6 +80,39 @@ def _set_at_end_of_input(stop: threading.Event) -> None:
     stop.set()
 
 
+def _with_request_limit(config: WorkerConfig | None) -> tuple[WorkerConfig, str]:
+    """``config``, or the default one with :func:`default_max_request_bytes`; and the request
+    limit as the worker prints it."""
+    if config is not None:
+        return config, f"{config.max_request_bytes >> 20} MiB"
+    available = available_memory_bytes()
+    config = WorkerConfig(max_request_bytes=default_max_request_bytes(available))
+    why = (
+        f"the smaller of 2048 MiB and half the {available / 2**30:.1f} GiB available at start"
+        if available is not None
+        else "available memory unknown"
+    )
+    return config, f"{config.max_request_bytes >> 20} MiB ({why}; --max-request-mib sets it)"
+
+
+def _print_device(backend: Backend, startup_probe: bool, out: TextIO) -> None:
+    """The device line and, with ``startup_probe``, the probe's figure."""
+    info = backend.describe()
+    print(
+        f"device: {info.name} ({info.backend} backend, {info.kind}, {info.cores} cores, "
+        f"{info.memory_bytes / 2**30:.1f} GiB)",
+        file=out,
+    )
+    if startup_probe:
+        seconds = backend.time_step(STARTUP_PROBE, repeats=2)
+        gflops = 3 * STARTUP_PROBE.flops_forward / seconds / 1e9
+        print(
+            f"probe: {1e3 * seconds:.1f} ms for forward + backward of paper-50-500 C2 at batch "
+            f"{STARTUP_PROBE.n} ({gflops:.0f} GFLOPS)",
+            file=out,
+        )
+
+
 def run_worker(
     listen: str,
     backend: Backend | str = "cpu",
@@ -110,32 +142,9 @@ def run_worker(
     security = security or WorkerSecurity()
     if isinstance(backend, str):
         backend = get_backend(backend)
-    if config is None:
-        available = available_memory_bytes()
-        config = WorkerConfig(max_request_bytes=default_max_request_bytes(available))
-        why = (
-            f"the smaller of 2048 MiB and half the {available / 2**30:.1f} GiB available at start"
-            if available is not None
-            else "available memory unknown"
-        )
-        limit = f"{config.max_request_bytes >> 20} MiB ({why}; --max-request-mib sets it)"
-    else:
-        limit = f"{config.max_request_bytes >> 20} MiB"
+    config, limit = _with_request_limit(config)
     service = ConvWorkerService(backend, config)
-    info = backend.describe()
-    print(
-        f"device: {info.name} ({info.backend} backend, {info.kind}, {info.cores} cores, "
-        f"{info.memory_bytes / 2**30:.1f} GiB)",
-        file=out,
-    )
-    if startup_probe:
-        seconds = backend.time_step(STARTUP_PROBE, repeats=2)
-        gflops = 3 * STARTUP_PROBE.flops_forward / seconds / 1e9
-        print(
-            f"probe: {1e3 * seconds:.1f} ms for forward + backward of paper-50-500 C2 at batch "
-            f"{STARTUP_PROBE.n} ({gflops:.0f} GFLOPS)",
-            file=out,
-        )
+    _print_device(backend, startup_probe, out)
     print(f"max request: {limit}", file=out)
     print(security.describe(), file=out)
     # Handlers first: a launcher may signal the moment it reads the ready line.

@@ -3,17 +3,18 @@
 A worker never sees the model. Each Forward call brings a layer's inputs and a kernel slice; the
 worker returns those feature maps and keeps the inputs and kernels for the Backward call of the
 same session, layer and step, which then only has to bring the output-gradient slice. Every
-request is validated before any work is done; a bad one gets INVALID_ARGUMENT naming what was
-wrong and the worker goes on serving.
+request is validated before any work is done; a bad one is refused with a message naming what
+was wrong and the status its error's type carries (INVALID_ARGUMENT for most, see
+:mod:`hetconv.errors`), and the worker goes on serving. Which tensors each call carries, and
+every RPC's codec, come from :mod:`hetconv.calls`.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -23,28 +24,35 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hetconv import __version__
 from hetconv.backends import Backend, conv_shape
+from hetconv.calls import (
+    BACKWARD,
+    DESCRIBE,
+    ECHO,
+    FORWARD,
+    METHODS,
+    PROBE,
+    SERVICE_NAME,
+    ConvCall,
+    input_shape,
+    map_shape,
+)
+from hetconv.errors import InvalidCall, MalformedMessage, MissingForward, RequestTooLarge, WireError
+from hetconv.formats import FLOAT32
 from hetconv.proto import worker_pb2 as pb
 from hetconv.wire import (
     Bundle,
     TensorReceiver,
-    WireError,
-    byte_segments,
-    check_headers,
-    deserialize_bundle,
-    deserialize_message,
+    WireTensor,
+    check_tensors,
+    chunks,
+    encode_tensors,
     receive_stream,
-    serialize_bundle,
-    serialize_message,
     server_options,
-    tensor_header,
-    tensor_stream,
 )
 from hetconv.worker.auth import WorkerSecurity
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConvWorker"].full_name
-
-_FORWARD_TENSORS = ("x", "w", "b")
-_BACKWARD_TENSORS = ("dy",)
+#: What a call's core returns: the answer's tensors by name, compute and receive seconds.
+_Core = Callable[[Iterator], tuple[list[tuple[str, np.ndarray]], float, float]]
 
 
 @dataclass(frozen=True)
@@ -75,23 +83,14 @@ class _Saved:
     padding: tuple[int, int, int, int]
 
 
-class _Invalid(Exception):
-    """A request the worker refuses; carries the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 def _padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
     if len(request.padding) != 4:
-        raise _Invalid(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"padding must have 4 sides (top, bottom, left, right), got {list(request.padding)}",
+        raise InvalidCall(
+            f"padding must have 4 sides (top, bottom, left, right), got {list(request.padding)}"
         )
     sides = tuple(int(v) for v in request.padding)
     if min(sides) < 0:
-        raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"padding {sides} has a negative side")
+        raise InvalidCall(f"padding {sides} has a negative side")
     return sides  # type: ignore[return-value]
 
 
@@ -134,10 +133,9 @@ class ConvWorkerService:
                 (request.k, request.c, request.kh, request.kw),
                 tuple(int(v) for v in request.padding),
             )
-            elements = shape.n * shape.c * shape.h * shape.w + shape.n * shape.k * math.prod(
-                shape.out_hw
-            )
-            if 4 * elements * 3 > self.config.max_request_bytes:
+            # Input and feature maps, about three times over (the probe's working set).
+            needed = 3 * (FLOAT32.nbytes(input_shape(shape)) + FLOAT32.nbytes(map_shape(shape)))
+            if needed > self.config.max_request_bytes:
                 raise ValueError(f"probe shape {shape} needs more memory than this worker allows")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probe: {e}")
@@ -154,102 +152,99 @@ class ConvWorkerService:
     # -- streaming calls --------------------------------------------------------------------
 
     def _receive(
-        self, messages: Iterator, phase: int, names: tuple[str, ...] | None
+        self, messages: Iterator, call: ConvCall
     ) -> tuple[pb.ConvRequest, list[np.ndarray], float]:
         start = time.perf_counter()
 
         def receiver_for(first: pb.ConvMessage) -> TensorReceiver:
-            if first.WhichOneof("kind") != "header":
-                raise WireError(f"stream started with {first.WhichOneof('kind')}, not a header")
+            kind = first.WhichOneof("kind")
+            if kind != "header":
+                raise MalformedMessage(f"stream started with {kind}, not a header")
             request = first.header
-            if request.phase != phase:
-                raise WireError(
-                    f"request phase {pb.Phase.Name(request.phase) if request.phase in pb.Phase.values() else request.phase} "  # noqa: E501
-                    f"sent to the {pb.Phase.Name(phase)} call"
+            if request.phase != call.phase:
+                known = request.phase in pb.Phase.values()
+                phase = pb.Phase.Name(request.phase) if known else request.phase
+                raise InvalidCall(
+                    f"request phase {phase} sent to the {pb.Phase.Name(call.phase)} call"
                 )
-            expected = names if names is not None else [h.name for h in request.tensors]
-            try:
-                shapes = check_headers(request.tensors, expected, self.config.max_request_bytes)
-            except WireError as e:
-                if "limit of this worker" in str(e):
-                    raise _Invalid(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-                raise
-            if names is not None:
-                self._check_shapes(request, shapes)
-            return TensorReceiver(shapes)
+            names = call.request_names
+            if names is None:  # any tensors, as the header names them
+                names = [h.name for h in request.tensors]
+            tensors = check_tensors(request.tensors, names, self.config.max_request_bytes)
+            if call is FORWARD:
+                self._check_forward(request, tensors)
+            elif call is BACKWARD and len(tensors[0].shape) != 4:
+                raise InvalidCall(
+                    f"dy has shape {tensors[0].shape}, expected 4 dimensions (N, k, Ho, Wo)"
+                )
+            return TensorReceiver.of(tensors)
 
         first, arrays = receive_stream(messages, receiver_for)
         return first.header, arrays, time.perf_counter() - start
 
-    def _check_shapes(self, request: pb.ConvRequest, shapes: list[tuple[int, ...]]) -> None:
-        if request.phase == pb.FORWARD:
-            _padding(request)
-            x, w, b = shapes
-            if len(x) != 4 or len(w) != 4:
-                raise WireError(f"x {x} and w {w} must both have 4 dimensions (NCHW, KCHW)")
-            if b != (w[0],):
-                raise WireError(f"b has shape {b}, expected ({w[0]},) for {w[0]} kernels")
-            try:
-                shape = conv_shape(x, w, tuple(request.padding))
-            except ValueError as e:
-                raise WireError(str(e)) from None
-            # The request's size is bounded on arrival; what it implies must be too: a few bytes
-            # with a huge padding would otherwise ask for gigabytes of output.
-            ho, wo = shape.out_hw
-            answer = 4 * shape.n * shape.k * ho * wo
-            if answer + 4 * math.prod(x) > self.config.max_request_bytes:
-                raise _Invalid(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the feature maps would hold {answer} bytes: beyond this worker's limit "
-                    f"of {self.config.max_request_bytes} bytes per request",
-                )
-        elif len(shapes[0]) != 4:
-            raise WireError(f"dy has shape {shapes[0]}, expected 4 dimensions (N, k, Ho, Wo)")
+    def _check_forward(self, request: pb.ConvRequest, tensors: list[WireTensor]) -> None:
+        _padding(request)
+        x, w, b = (t.shape for t in tensors)
+        if len(x) != 4 or len(w) != 4:
+            raise InvalidCall(f"x {x} and w {w} must both have 4 dimensions (NCHW, KCHW)")
+        if b != (w[0],):
+            raise InvalidCall(f"b has shape {b}, expected ({w[0]},) for {w[0]} kernels")
+        try:
+            shape = conv_shape(x, w, tuple(request.padding))
+        except ValueError as e:
+            raise InvalidCall(str(e)) from None
+        # The request's size is bounded on arrival; what it implies must be too: a few bytes
+        # with a huge padding would otherwise ask for gigabytes of output.
+        answer = FORWARD.answer_bytes(shape)
+        if answer + tensors[0].format.nbytes(x) > self.config.max_request_bytes:
+            raise RequestTooLarge(
+                f"the feature maps would hold {answer} bytes: beyond this worker's limit "
+                f"of {self.config.max_request_bytes} bytes per request"
+            )
 
     @staticmethod
     def _result(tensors: list[tuple[str, np.ndarray]], compute: float, receive: float):
+        out = encode_tensors(tensors)
         result = pb.ConvResult(
-            compute_seconds=compute,
-            receive_seconds=receive,
-            tensors=[tensor_header(name, a) for name, a in tensors],
+            compute_seconds=compute, receive_seconds=receive, tensors=out.headers
         )
-        return pb.ConvMessage(result=result), [a for _, a in tensors]
+        return pb.ConvMessage(result=result), out.segments
 
-    def _run(self, call: str, core, messages: Iterator, context):
-        """Run ``core`` on the incoming messages; refuse bad requests with a named status."""
+    def _run(self, call: ConvCall, core: _Core, messages: Iterator, context):
+        """Run ``core`` on the incoming messages; refuse bad requests with the status their
+        error's type carries."""
         try:
             tensors, compute, receive = core(messages)
         except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{call}: {e}")
-        except _Invalid as e:
-            context.abort(e.code, f"{call}: {e}")
+            context.abort(e.status, f"{call.name}: {e}")
         except MemoryError as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{call}: out of memory: {e}")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{call.name}: out of memory: {e}")
         except Exception as e:  # a bug, but the caller still gets a named status, not UNKNOWN
-            context.abort(grpc.StatusCode.INTERNAL, f"{call}: {type(e).__name__}: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, f"{call.name}: {type(e).__name__}: {e}")
         self.requests += 1
         return self._result(tensors, compute, receive)
 
-    def streamed(self, call: str, core):
+    def streamed(self, call: ConvCall, core: _Core):
         """The handler of a streaming call: header and chunks in, header and chunks out."""
 
         def handler(messages: Iterator, context) -> Iterator:
-            head, arrays = self._run(call, core, messages, context)
-            yield from tensor_stream(head, arrays)
+            head, segments = self._run(call, core, messages, context)
+            yield head
+            yield from chunks(segments)
 
         return handler
 
-    def bundled(self, call: str, core):
+    def bundled(self, call: ConvCall, core: _Core):
         """The handler of a call whose request and answer are each one ``ConvBundle``."""
 
         def handler(bundle: Bundle, context) -> Bundle:
-            head, arrays = self._run(call, core, iter([bundle]), context)
-            return Bundle(head, [v for a in arrays for v in byte_segments(a)])
+            head, segments = self._run(call, core, iter([bundle]), context)
+            return Bundle(head, segments)
 
         return handler
 
     def forward(self, messages: Iterator):
-        request, (x, w, b), receive = self._receive(messages, pb.FORWARD, _FORWARD_TENSORS)
+        request, (x, w, b), receive = self._receive(messages, FORWARD)
         padding = _padding(request)
         start = time.perf_counter()
         with self._device_lock:
@@ -257,27 +252,29 @@ class ConvWorkerService:
             self.backend.synchronize()
         compute = time.perf_counter() - start
         self._save(request, _Saved(request.step, x, w, padding))
-        return [("y", y)], compute, receive
+        return list(zip(FORWARD.answer_names(), (y,), strict=True)), compute, receive
 
     def backward(self, messages: Iterator):
-        request, (dy,), receive = self._receive(messages, pb.BACKWARD, _BACKWARD_TENSORS)
+        request, (dy,), receive = self._receive(messages, BACKWARD)
         saved = self._saved_for(request)
-        ho, wo = conv_shape(saved.x.shape, saved.w.shape, saved.padding).out_hw
-        expected = (saved.x.shape[0], saved.w.shape[0], ho, wo)
+        shape = conv_shape(saved.x.shape, saved.w.shape, saved.padding)
+        ((name, expected),) = BACKWARD.request_shapes(shape).items()
         if dy.shape != expected:
-            raise WireError(f"dy has shape {dy.shape}, expected {expected}")
+            raise InvalidCall(f"{name} has shape {dy.shape}, expected {expected}")
         start = time.perf_counter()
         with self._device_lock:
             dw, db = self.backend.conv_grad_kernels(saved.x, dy, saved.w.shape[2:], saved.padding)
-            out = [("dw", dw), ("db", db)]
+            out = [dw, db]
             if request.need_input_grad:
-                dx = self.backend.conv_grad_input(dy, saved.w, saved.x.shape[2:], saved.padding)
-                out.append(("dx", dx))
+                out.append(
+                    self.backend.conv_grad_input(dy, saved.w, saved.x.shape[2:], saved.padding)
+                )
             self.backend.synchronize()
-        return out, time.perf_counter() - start, receive
+        names = BACKWARD.answer_names(request.need_input_grad)  # dw, db and, when asked for, dx
+        return list(zip(names, out, strict=True)), time.perf_counter() - start, receive
 
     def echo(self, messages: Iterator):
-        request, arrays, receive = self._receive(messages, pb.PHASE_UNSPECIFIED, None)
+        request, arrays, receive = self._receive(messages, ECHO)
         names = [h.name for h in request.tensors]
         return list(zip(names, arrays, strict=True)), 0.0, receive
 
@@ -296,8 +293,7 @@ class ConvWorkerService:
             saved = self._saved.get(request.session, {}).get(request.layer)
         if saved is None or saved.step != request.step:
             have = f"step {saved.step}" if saved else "nothing"
-            raise _Invalid(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise MissingForward(
                 f"no forward pass of layer {request.layer!r} at step {request.step} for this "
                 f"session (have {have}); send Forward first",
             )
@@ -305,37 +301,18 @@ class ConvWorkerService:
 
 
 def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
-    def stream(fn):
-        return grpc.stream_stream_rpc_method_handler(
-            fn, request_deserializer=deserialize_message, response_serializer=serialize_message
-        )
-
-    def bundle(fn):
-        return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=deserialize_bundle, response_serializer=serialize_bundle
-        )
-
-    return grpc.method_handlers_generic_handler(
-        SERVICE_NAME,
-        {
-            "Describe": grpc.unary_unary_rpc_method_handler(
-                service.describe,
-                request_deserializer=pb.DescribeRequest.FromString,
-                response_serializer=pb.DeviceDescription.SerializeToString,
-            ),
-            "Probe": grpc.unary_unary_rpc_method_handler(
-                service.probe,
-                request_deserializer=pb.ProbeRequest.FromString,
-                response_serializer=pb.ProbeResult.SerializeToString,
-            ),
-            "Forward": stream(service.streamed("Forward", service.forward)),
-            "Backward": stream(service.streamed("Backward", service.backward)),
-            "Echo": stream(service.streamed("Echo", service.echo)),
-            "ForwardBundle": bundle(service.bundled("Forward", service.forward)),
-            "BackwardBundle": bundle(service.bundled("Backward", service.backward)),
-            "EchoBundle": bundle(service.bundled("Echo", service.echo)),
-        },
-    )
+    """Every RPC of :data:`hetconv.calls.METHODS`, each with its codec from there."""
+    handlers = {
+        DESCRIBE.name: DESCRIBE.method.handler(service.describe),
+        PROBE.name: PROBE.method.handler(service.probe),
+    }
+    cores = {FORWARD: service.forward, BACKWARD: service.backward, ECHO: service.echo}
+    for call, core in cores.items():
+        handlers[call.stream.name] = call.stream.handler(service.streamed(call, core))
+        handlers[call.bundle.name] = call.bundle.handler(service.bundled(call, core))
+    if handlers.keys() != METHODS.keys():  # a call added to the table but not served here
+        raise RuntimeError(f"RPCs without a handler: {sorted(METHODS.keys() - handlers.keys())}")
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 def start_server(

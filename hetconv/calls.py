@@ -1,0 +1,303 @@
+"""The calls a worker serves: every RPC of ``hetconv.v1.ConvWorker`` and what each one carries.
+
+One table, read by the worker's service (its handlers and request checks), the master's client
+(its stubs, the tensors it sends and those it expects back) and the cost model (the bytes a call
+moves)::
+
+    call       request tensors      answer tensors
+    Forward    x, w, b              y
+    Backward   dy                   dw, db, and dx when the request sets need_input_grad
+    Echo       any, named freely    the same, unchanged
+    Describe   (DescribeRequest -> DeviceDescription)
+    Probe      (ProbeRequest -> ProbeResult)
+
+A tensor's shape follows from the call's geometry, a :class:`~hetconv.backends.ConvShape` of the
+worker's slice (N images of C x H x W, k kernels of C x kh x kw, padding): ``x`` and ``dx`` are
+(N, C, H, W), ``w`` and ``dw`` (k, C, kh, kw), ``b`` and ``db`` (k,), ``y`` and ``dy`` the
+feature maps (N, k, Ho, Wo).
+
+Each convolution call has two RPCs: the streamed one (``Forward``: a header, then 1 MiB chunks)
+and the one-message one (``ForwardBundle``) for small tensors. :data:`METHODS` holds every RPC
+with its gRPC path, streaming kinds and (de)serializers; ``tests/test_wire.py`` checks it
+against the proto's service.
+
+Also here, as both ends depend on it: :data:`SERVICE_NAME`, and :data:`READY`, the line a worker
+process prints when it serves (a launcher waits for it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from hetconv.backends import ConvShape, Padding
+from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.proto import worker_pb2 as pb
+from hetconv.wire import (
+    deserialize_bundle,
+    deserialize_message,
+    serialize_bundle,
+    serialize_message,
+)
+
+#: The gRPC service of a worker, ``hetconv.v1.ConvWorker``.
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConvWorker"].full_name
+#: A worker process prints this, then its ``HOST:PORT``, once it serves.
+READY = "hetconv worker ready on"
+
+Shape = tuple[int, ...]
+
+
+def input_shape(s: ConvShape) -> Shape:
+    """``x``, ``dx``: (N, C, H, W)."""
+    return (s.n, s.c, s.h, s.w)
+
+
+def kernel_shape(s: ConvShape) -> Shape:
+    """``w``, ``dw``: (k, C, kh, kw)."""
+    return (s.k, s.c, s.kh, s.kw)
+
+
+def bias_shape(s: ConvShape) -> Shape:
+    """``b``, ``db``: (k,)."""
+    return (s.k,)
+
+
+def map_shape(s: ConvShape) -> Shape:
+    """``y``, ``dy``: (N, k, Ho, Wo)."""
+    return (s.n, s.k, *s.out_hw)
+
+
+def call_shape(
+    x_shape: Sequence[int], w_shape: Sequence[int], padding: tuple[int, int, int, int]
+) -> ConvShape:
+    """The geometry of a call with input ``x_shape``, kernels ``w_shape`` and ``padding`` (top,
+    bottom, left, right) as the master states it: not validated (the worker does that)."""
+    n, c, h, w = (int(v) for v in x_shape)
+    k, _, kh, kw = (int(v) for v in w_shape)
+    top, bottom, left, right = (int(v) for v in padding)
+    return ConvShape(n, c, h, w, k, kh, kw, Padding(top, bottom, left, right))
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One tensor of a call: its name, how its shape follows from the call's geometry, and
+    whether it travels only when the request asks for the input gradient."""
+
+    name: str
+    shape: Callable[[ConvShape], Shape]
+    input_grad_only: bool = False
+
+
+#: gRPC's handler factory for each (request streaming, response streaming) kind of method.
+HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+#: The ``grpc.Channel`` method that makes a stub of each kind.
+_STUB_FACTORIES = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC as gRPC sees it: its name, streaming kinds and (de)serializers."""
+
+    name: str
+    request_streaming: bool
+    response_streaming: bool
+    serialize_request: Callable
+    deserialize_request: Callable
+    serialize_response: Callable
+    deserialize_response: Callable
+
+    @property
+    def path(self) -> str:
+        """``/hetconv.v1.ConvWorker/<name>``, what a channel calls."""
+        return f"/{SERVICE_NAME}/{self.name}"
+
+    @property
+    def kinds(self) -> tuple[bool, bool]:
+        """(request streaming, response streaming)."""
+        return self.request_streaming, self.response_streaming
+
+    def handler(self, behaviour: Callable) -> grpc.RpcMethodHandler:
+        """The server's handler of this RPC, running ``behaviour``."""
+        return HANDLER_FACTORIES[self.kinds](
+            behaviour,
+            request_deserializer=self.deserialize_request,
+            response_serializer=self.serialize_response,
+        )
+
+    def stub(self, channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+        """The client's callable of this RPC on ``channel``."""
+        return getattr(channel, _STUB_FACTORIES[self.kinds])(
+            self.path,
+            request_serializer=self.serialize_request,
+            response_deserializer=self.deserialize_response,
+        )
+
+
+def _unary(name: str, request: type, response: type) -> Method:
+    return Method(
+        name, False, False,
+        request.SerializeToString, request.FromString,
+        response.SerializeToString, response.FromString,
+    )  # fmt: skip
+
+
+def _streamed(name: str) -> Method:
+    codec = (serialize_message, deserialize_message)
+    return Method(name, True, True, *codec, *codec)
+
+
+def _bundled(name: str) -> Method:
+    codec = (serialize_bundle, deserialize_bundle)
+    return Method(name, False, False, *codec, *codec)
+
+
+@dataclass(frozen=True)
+class UnaryCall:
+    """A call without tensors: one protobuf message each way."""
+
+    name: str
+    request: type
+    response: type
+
+    @functools.cached_property
+    def method(self) -> Method:
+        return _unary(self.name, self.request, self.response)
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """A call that carries tensors, through its two RPCs.
+
+    Args:
+        name: the streamed RPC; the one-message RPC is ``<name>Bundle``.
+        phase: the ``Phase`` its request header must carry.
+        request: the tensors of its request, in order; None: any, named freely (Echo).
+        answer: the tensors of its answer, in order; None: the request's, unchanged (Echo).
+    """
+
+    name: str
+    phase: int
+    request: tuple[TensorRule, ...] | None
+    answer: tuple[TensorRule, ...] | None
+
+    @functools.cached_property
+    def stream(self) -> Method:
+        return _streamed(self.name)
+
+    @functools.cached_property
+    def bundle(self) -> Method:
+        return _bundled(f"{self.name}Bundle")
+
+    def _answer(self, need_input_grad: bool) -> tuple[TensorRule, ...]:
+        if self.answer is None:
+            raise ValueError(f"{self.name} answers with the tensors its request sent")
+        return tuple(t for t in self.answer if need_input_grad or not t.input_grad_only)
+
+    def _request(self) -> tuple[TensorRule, ...]:
+        if self.request is None:
+            raise ValueError(f"{self.name} carries whatever tensors its request names")
+        return self.request
+
+    @functools.cached_property
+    def request_names(self) -> tuple[str, ...] | None:
+        """The request's tensor names in order; None when any are allowed (Echo)."""
+        return None if self.request is None else tuple(t.name for t in self.request)
+
+    def answer_names(self, need_input_grad: bool = False) -> tuple[str, ...]:
+        """The answer's tensor names in order."""
+        return tuple(t.name for t in self._answer(need_input_grad))
+
+    def request_shapes(self, shape: ConvShape) -> dict[str, Shape]:
+        """The request's tensor shapes for a call of geometry ``shape``, by name, in order."""
+        return {t.name: t.shape(shape) for t in self._request()}
+
+    def answer_shapes(self, shape: ConvShape, need_input_grad: bool = False) -> dict[str, Shape]:
+        """The answer's tensor shapes for a call of geometry ``shape``, by name, in order."""
+        return {t.name: t.shape(shape) for t in self._answer(need_input_grad)}
+
+    def request_headers(
+        self, shape: ConvShape, fmt: TensorFormat = FLOAT32
+    ) -> list[pb.TensorHeader]:
+        """The tensor headers of the request for a call of geometry ``shape``."""
+        return [fmt.header(name, s) for name, s in self.request_shapes(shape).items()]
+
+    def answer_headers(
+        self, shape: ConvShape, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32
+    ) -> list[pb.TensorHeader]:
+        """The tensor headers of the answer for a call of geometry ``shape``."""
+        shapes = self.answer_shapes(shape, need_input_grad)
+        return [fmt.header(name, s) for name, s in shapes.items()]
+
+    def answer_bytes(
+        self, shape: ConvShape, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32
+    ) -> int:
+        """Tensor bytes of the answer for a call of geometry ``shape``."""
+        return sum(fmt.nbytes(s) for s in self.answer_shapes(shape, need_input_grad).values())
+
+
+FORWARD = ConvCall(
+    "Forward",
+    pb.FORWARD,
+    (TensorRule("x", input_shape), TensorRule("w", kernel_shape), TensorRule("b", bias_shape)),
+    (TensorRule("y", map_shape),),
+)
+BACKWARD = ConvCall(
+    "Backward",
+    pb.BACKWARD,
+    (TensorRule("dy", map_shape),),
+    (
+        TensorRule("dw", kernel_shape),
+        TensorRule("db", bias_shape),
+        TensorRule("dx", input_shape, input_grad_only=True),
+    ),
+)
+ECHO = ConvCall("Echo", pb.PHASE_UNSPECIFIED, None, None)
+DESCRIBE = UnaryCall("Describe", pb.DescribeRequest, pb.DeviceDescription)
+PROBE = UnaryCall("Probe", pb.ProbeRequest, pb.ProbeResult)
+
+#: The calls that carry tensors, by name.
+CONV_CALLS: dict[str, ConvCall] = {call.name: call for call in (FORWARD, BACKWARD, ECHO)}
+#: The calls that do not.
+UNARY_CALLS: dict[str, UnaryCall] = {call.name: call for call in (DESCRIBE, PROBE)}
+#: Every RPC of the service, by its name in the proto.
+METHODS: dict[str, Method] = {
+    **{call.name: call.method for call in UNARY_CALLS.values()},
+    **{m.name: m for call in CONV_CALLS.values() for m in (call.stream, call.bundle)},
+}
+
+__all__ = [
+    "BACKWARD",
+    "CONV_CALLS",
+    "DESCRIBE",
+    "ECHO",
+    "FORWARD",
+    "HANDLER_FACTORIES",
+    "METHODS",
+    "PROBE",
+    "READY",
+    "SERVICE_NAME",
+    "UNARY_CALLS",
+    "ConvCall",
+    "Method",
+    "TensorRule",
+    "UnaryCall",
+    "bias_shape",
+    "call_shape",
+    "input_shape",
+    "kernel_shape",
+    "map_shape",
+]
