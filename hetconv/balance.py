@@ -37,7 +37,8 @@ from fractions import Fraction
 import numpy as np
 from scipy.optimize import linprog
 
-from .costmodel import BACKWARD, FORWARD, Cluster, ConvLayer, call_bytes, simulate_layer_phase
+from hetconv.costmodel import Cluster, simulate_layer_phase
+from hetconv.workload import BACKWARD, FORWARD, ConvLayer, call_bytes
 
 
 def kernel_shares(kernels: int, probe_seconds: Sequence[float]) -> list[int]:

@@ -2,17 +2,8 @@
 
 The model follows what :class:`hetconv.master.cluster.Cluster` does, call by call:
 
-* **Shapes.** The network's convolution layers come from its spec (:func:`conv_layers`), by the
-  walk :class:`hetconv.model.Model` builds with (:func:`hetconv.model.walk_spec`): the same
-  geometry and the same "no input gradient for a first layer" rule.
-* **Bytes** (:func:`call_bytes`). A forward call sends ``x`` (N, C, H, W), the worker's kernels
-  ``w`` (k, C, kh, kw) and biases ``b`` (k,), and gets ``y`` (N, k, Ho, Wo) back; a backward call
-  sends only ``dy`` (N, k, Ho, Wo) (the worker kept ``x`` and ``w``) and gets ``dw``, ``db`` and,
-  except for a network's first layer, a full-size ``dx`` part back. Tensors are float32; each
-  direction also carries one header (or result) message whose size is computed with the real
-  protobuf messages. The counts equal the trace's ``bytes_sent`` / ``bytes_received``. A call
-  whose tensors, both directions together, total at most :data:`~hetconv.wire.BUNDLE_BYTES` goes
-  as one message each way (cheaper per call); a larger one streams.
+* **Shapes and bytes** (:mod:`hetconv.workload`): the network's convolution layers from its
+  spec, and what each call moves on the wire, counted with the real messages.
 * **Time of one distributed call** (:func:`simulate_phase`). All worker calls start together
   while the master computes its own share. Each call pays a fixed cost (software per call, plus
   the link's round trip), moves its request, computes, moves its answer. Transfers are fluid
@@ -34,176 +25,16 @@ the kernel gradient as much again and the input gradient (when the layer needs i
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetconv import calls
-from hetconv.backends import ConvShape
-from hetconv.conv import ConvSpec
-from hetconv.formats import FLOAT32
-from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
-from hetconv.proto import worker_pb2 as pb
-from hetconv.wire import BUNDLE_BYTES
+from hetconv.workload import BACKWARD, PHASES, ConvLayer, call_bytes
 
-FLOAT_BYTES = FLOAT32.itemsize
-FORWARD, BACKWARD = "forward", "backward"
-PHASES = (FORWARD, BACKWARD)
 WIFI, SWITCHED = "wifi", "switched"
 FABRICS = (WIFI, SWITCHED)
-
-# -- the network's convolutions ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConvLayer:
-    """One convolution layer at a batch size: what a distributed call of it moves and computes.
-
-    ``shape`` includes the batch (``shape.n``); ``need_input_grad`` is False for a network's first
-    layer (nothing consumes that gradient, so the backward call neither computes nor returns it).
-    """
-
-    name: str
-    shape: ConvShape
-    need_input_grad: bool
-
-    @classmethod
-    def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
-        """The layer ``spec`` describes, at ``batch`` images."""
-        return cls(spec.name, spec.shape(batch), spec.need_input_grad)
-
-    @property
-    def kernels(self) -> int:
-        return self.shape.k
-
-    @property
-    def x_bytes(self) -> int:
-        """The layer's input (N, C, H, W), sent whole to every worker with a share."""
-        s = self.shape
-        return FLOAT_BYTES * s.n * s.c * s.h * s.w
-
-    @property
-    def kernel_bytes(self) -> int:
-        """One kernel and its bias: ``w`` (C, kh, kw) plus ``b`` (forward), ``dw`` + ``db``
-        (backward)."""
-        s = self.shape
-        return FLOAT_BYTES * (s.c * s.kh * s.kw + 1)
-
-    @property
-    def map_bytes(self) -> int:
-        """One kernel's feature maps (N, Ho, Wo): ``y`` forward, ``dy`` backward."""
-        ho, wo = self.shape.out_hw
-        return FLOAT_BYTES * self.shape.n * ho * wo
-
-    @property
-    def flops_per_kernel(self) -> float:
-        """Forward FLOPs of one kernel (the kernel gradient and input gradient cost as much)."""
-        return self.shape.flops_forward / self.shape.k
-
-    def passes(self, phase: str) -> int:
-        """Convolutions of forward's size a phase runs: 1 forward, 1 or 2 backward."""
-        if phase == FORWARD:
-            return 1
-        return 2 if self.need_input_grad else 1
-
-    @property
-    def step_passes(self) -> int:
-        """Forward + backward: 3, or 2 for a first layer (what the probe times)."""
-        return self.passes(FORWARD) + self.passes(BACKWARD)
-
-
-def conv_layers(
-    spec: Sequence[Mapping], batch: int, input_shape: tuple[int, int, int] = CIFAR_INPUT
-) -> list[ConvLayer]:
-    """The convolution layers of a model spec (see :mod:`hetconv.model`) at ``batch`` images.
-
-    Walks the spec with the model's own walk (:func:`hetconv.model.walk_spec`), without
-    allocating any weights.
-
-    Raises:
-        ValueError: a layer type the model does not know, or shapes that do not fit.
-    """
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    return [
-        ConvLayer.from_spec(layer.conv, batch)
-        for layer in walk_spec(spec, input_shape)
-        if layer.conv is not None
-    ]
-
-
-def network_layers(network: str, batch: int) -> list[ConvLayer]:
-    """:func:`conv_layers` of a preset name (``paper-50-500``, ...) or a ``.json`` spec file."""
-    return conv_layers(load_spec(network), batch)
-
-
-# -- bytes on the wire ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CallBytes:
-    """What one worker call moves, counted as the trace counts it.
-
-    ``sent`` / ``received`` are the request header (or answer result) message's protobuf size
-    plus the tensor bytes; ``bundled`` says whether the call went as one message each way.
-    """
-
-    sent: int
-    received: int
-    tensors_sent: int
-    tensors_received: int
-    bundled: bool
-
-    @property
-    def total(self) -> int:
-        return self.sent + self.received
-
-
-@functools.lru_cache(maxsize=65536)
-def call_bytes(
-    layer: ConvLayer, phase: str, kernels: int, kernel_offset: int = 0, step: int = 1000
-) -> CallBytes:
-    """Bytes of one worker call of ``layer`` computing ``kernels`` kernels from ``kernel_offset``.
-
-    Args:
-        phase: ``"forward"`` or ``"backward"``.
-        step: the training step the call belongs to; the header carries it as a varint, so it
-            changes the count by a byte or two (the default is a typical mid-run step).
-
-    The header sizes come from the real protobuf messages with the fields
-    :class:`~hetconv.master.client.WorkerClient` sets (a 64-bit session, the step, the layer
-    name, padding on forward, the kernel offset, ``need_input_grad`` on backward) and the
-    worker's result (its two timings and the tensor headers).
-    """
-    call = {FORWARD: calls.FORWARD, BACKWARD: calls.BACKWARD}.get(phase)
-    if call is None:
-        raise ValueError(f"phase {phase!r} is not 'forward' or 'backward'")
-    s = dataclasses.replace(layer.shape, k=kernels)  # the worker's slice
-    request = pb.ConvRequest(phase=call.phase, tensors=call.request_headers(s))
-    if call is calls.FORWARD:
-        request.padding.extend((s.padding.top, s.padding.bottom, s.padding.left, s.padding.right))
-    else:
-        request.need_input_grad = layer.need_input_grad
-    answer = call.answer_headers(s, layer.need_input_grad)
-    request.session = (1 << 64) - 1  # fixed64: any non-zero session has the same size
-    request.step = step
-    request.layer = layer.name
-    request.kernel_offset = kernel_offset
-    result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
-    tensors_sent = sum(t.nbytes for t in request.tensors)
-    tensors_received = sum(t.nbytes for t in answer)
-    return CallBytes(
-        sent=pb.ConvMessage(header=request).ByteSize() + tensors_sent,
-        received=pb.ConvMessage(result=result).ByteSize() + tensors_received,
-        tensors_sent=tensors_sent,
-        tensors_received=tensors_received,
-        bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
-    )
-
 
 # -- devices, links, the cluster -----------------------------------------------------------------
 
@@ -586,11 +417,7 @@ def simulate_step(
 
 
 __all__ = [
-    "BACKWARD",
-    "CallBytes",
     "Cluster",
-    "ConvLayer",
-    "FORWARD",
     "MBIT",
     "Node",
     "PhaseResult",
@@ -599,10 +426,7 @@ __all__ = [
     "WIFI",
     "WireCosts",
     "WorkerCall",
-    "call_bytes",
-    "conv_layers",
     "local_step_seconds",
-    "network_layers",
     "simulate_layer_phase",
     "simulate_phase",
     "simulate_step",

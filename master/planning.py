@@ -17,6 +17,7 @@ import numpy as np
 from hetconv import balance, costmodel
 from hetconv.backends import ConvShape, Padding, PaddingSpec
 from hetconv.balance import kernel_shares, offsets
+from hetconv.workload import ConvLayer
 
 from .membership import ACTIVE, Node
 
@@ -143,7 +144,7 @@ class Planner:
         workers = [i for i in usable_nodes if i > 0]
         if not workers:
             return fallback
-        modelled = costmodel.ConvLayer(layer.name, layer.shape, layer.need_input_grad)
+        modelled = ConvLayer(layer.name, layer.shape, layer.need_input_grad)
         flops = modelled.step_passes * layer.shape.flops_forward
         fastest = max(nodes[j].link_bytes_per_second for j in workers)
 

@@ -5,7 +5,7 @@ record where a run starts, are skipped; the first step, which warms caches and c
 left out when there are more):
 
 * **Which network** ran: the preset whose conv layers have the trace's names and kernel counts
-  *and* whose calls, computed by :func:`~hetconv.costmodel.call_bytes`, move exactly
+  *and* whose calls, computed by :func:`~hetconv.workload.call_bytes`, move exactly
   the bytes the trace recorded (or the network given).
 * **Throughput** of every node on every layer: the FLOPs of its share (forward, kernel gradient,
   input gradient where the layer needs it) over the ``compute_seconds`` it reported, the median
@@ -31,21 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hetconv.costmodel import (
-    BACKWARD,
-    FORWARD,
-    MBIT,
-    PHASES,
-    SWITCHED,
-    Cluster,
-    ConvLayer,
-    Node,
-    WireCosts,
-    call_bytes,
-    network_layers,
-    simulate_step,
-)
+from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, WireCosts, simulate_step
 from hetconv.model import PRESETS
+from hetconv.workload import BACKWARD, FORWARD, PHASES, ConvLayer, call_bytes, network_layers
 
 from .scenario import CompFigure, DeviceSpec, Scenario
 from .trace import MASTER, read_plan, read_trace

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from hetconv.balance import shares_for
-from hetconv.costmodel import local_step_seconds, network_layers, simulate_step
+from hetconv.costmodel import local_step_seconds, simulate_step
+from hetconv.workload import network_layers
 
 from .scenario import Scenario
 

@@ -15,7 +15,7 @@ compares the simulator's step time with the measured one:
   - link: the tc rate as TCP goodput (:func:`~.testbed.tcp_goodput_mbps`: 1448 payload bytes in
     every 1514-byte frame, 0.956 of the rate; a bulk TCP transfer over the shaped link before
     the run checks it), and the idle round trip, ICMP echo before the run;
-  - bytes: the cost model's own (:func:`~hetconv.costmodel.call_bytes`), which
+  - bytes: the cost model's own (:func:`~hetconv.workload.call_bytes`), which
     equal what the trace records (checked when the trace is read);
   - per-call software costs: the loopback figures of the shipped ``this-machine`` scenario
     (benchmarks/transport.py), not this run's;
@@ -160,7 +160,8 @@ def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", w
 
     Returns (StepResult, per-node layer GFLOPS used, calibration of the trace).
     """
-    from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, network_layers, simulate_step
+    from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, simulate_step
+    from hetconv.workload import network_layers
 
     from .calibrate import calibrate
     from .scenario import load_scenario
@@ -222,7 +223,7 @@ def _call_comparison(trace: str, result, cal) -> list[dict]:
 def _master_timeout(preset: str, batch: int, steps: int, rate_mbps: float) -> float:
     """A generous bound on the run's length, for the master: every call as if one worker had
     every kernel."""
-    from hetconv.costmodel import PHASES, call_bytes, network_layers
+    from hetconv.workload import PHASES, call_bytes, network_layers
 
     layers = network_layers(preset, batch)
     worst = sum(

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from hetconv.conv import ConvSpec
-from hetconv.costmodel import ConvLayer, conv_layers
 from hetconv.layers import Conv2d, Linear, LocalResponseNorm, MaxPool2d, ReLU
 from hetconv.model import CIFAR_INPUT, PRESETS, Model, load_spec, reference_spec, walk_spec
+from hetconv.workload import ConvLayer, conv_layers
 
 SMALL_SPEC = [
     {"type": "conv", "name": "conv1", "out": 4, "kernel": 3, "padding": 1},

@@ -21,8 +21,6 @@ from hetconv.balance import (
     shares_for,
 )
 from hetconv.costmodel import (
-    BACKWARD,
-    FORWARD,
     MBIT,
     SWITCHED,
     WIFI,
@@ -30,9 +28,7 @@ from hetconv.costmodel import (
     Node,
     WireCosts,
     WorkerCall,
-    call_bytes,
     local_step_seconds,
-    network_layers,
     simulate_phase,
     simulate_step,
 )
@@ -54,6 +50,7 @@ from hetconv.simulations.sweep import run_scenario
 from hetconv.simulations.trace import is_plan, read_records, read_steps
 from hetconv.simulations.validate import predict
 from hetconv.wire import BUNDLE_BYTES
+from hetconv.workload import BACKWARD, FORWARD, call_bytes, network_layers
 
 # A real run whose calls are a mix: at batch 48 the tiny network's conv1 forward (x 590 kB + y
 # of 3 kernels 590 kB) streams, every other call goes as one message each way.

@@ -22,8 +22,6 @@ from hetconv.costmodel import (
     Node,
     WireCosts,
     WorkerCall,
-    call_bytes,
-    network_layers,
     simulate_phase,
     simulate_step,
 )
@@ -32,6 +30,7 @@ from hetconv.simulations.calibrate import read_plan, read_trace
 from hetconv.simulations.scenario import parse_scenario
 from hetconv.simulations.trace import read_steps
 from hetconv.simulations.validate import TARGET_ERROR, probe_speeds, run_case
+from hetconv.workload import call_bytes, network_layers
 
 # (Through the module: pytest would collect names that start with "test".)
 tcp_goodput_mbps = testbed.tcp_goodput_mbps
