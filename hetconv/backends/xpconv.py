@@ -32,9 +32,13 @@ memory and work for a 50 -> 500 kernel layer; (2) it needs no special case when 
 is larger than the kernel (the full correlation then needs negative padding, i.e. a crop);
 (3) each tap is one deterministic elementwise kernel on a GPU -- no atomics, so results are
 bit-reproducible, which the cluster's exactness test relies on. The price is kh*kw
-read-modify-write passes over the padded input gradient; MEASURED.md found both
-formulations 1.5-2.6x slower than oneDNN on a CPU, and a fused col2im kernel is the obvious
-CUDA-specific refinement if it ever shows in a profile.
+read-modify-write passes over the padded input gradient, and a fused col2im kernel is the
+obvious CUDA-specific refinement if it ever shows in a profile. Measured with numpy on a CPU
+(``python benchmarks/input_grad_formulations.py``: the C1 and C2 layers of the 50:500 and
+150:800 networks at batch 16, each formulation's time over PyTorch's oneDNN input gradient;
+three runs on a shared 2-core AMD EPYC, so the ranges are wide): on the C2 layers, where the
+time goes, col2im took 0.7-1.6x and the full correlation 1.6-4.3x PyTorch's time; on the C1
+layers (3 input channels) col2im took 0.2-0.8x and the full correlation 1.0-19x.
 
 .. note::
     Results agree with :class:`~hetconv.backends.CpuBackend` to float32 round-off, not
