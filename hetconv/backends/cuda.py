@@ -23,9 +23,10 @@ adds only what is CUDA-specific:
   (``describe().memory_bytes``) is a fraction of the device memory free when the backend
   was created.
 
-CuPy is imported lazily (module import needs only numpy), so the pure helpers here
-(:func:`chunk_bounds`, :func:`pipelined_working_set_bytes`) and ``is_available()`` are
-tested on machines without CuPy or without a GPU; ``is_available()`` never raises.
+CuPy is imported lazily (module import needs only numpy), so the pure helper here
+(:func:`pipelined_working_set_bytes`; the chunk split is :func:`.base.chunk_bounds`) and
+``is_available()`` are tested on machines without CuPy or without a GPU;
+``is_available()`` never raises.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ from typing import Any
 import numpy as np
 
 from . import xpconv
-from .base import Backend, ConvShape, DeviceInfo, _with_images
+from .base import (
+    Backend,
+    ConvShape,
+    DeviceInfo,
+    _with_images,
+    chunk_bounds,
+    device_number,
+)
 
 #: Default number of image chunks a call is pipelined in (two streams alternate over them).
 DEFAULT_PIPELINE_CHUNKS = 4
@@ -53,19 +61,6 @@ _INSTALL_HINT = "pip install 'hetconv[cuda]'; a GPU machine may need 'cupy-cuda1
 
 
 # ------------------------------------------------------------------------------ pure helpers
-
-
-def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
-    """Split ``n`` images into ``min(chunks, n)`` consecutive ranges whose sizes differ by at
-    most one (the largest is ``ceil(n / chunks)`` images).
-
-    Returns:
-        [(start, stop), ...] covering 0..n-1 in order.
-    """
-    if n < 1 or chunks < 1:
-        raise ValueError(f"need at least one image and one chunk, got n={n}, chunks={chunks}")
-    parts = min(chunks, n)
-    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
 
 
 def pipelined_working_set_bytes(shape: ConvShape, chunks: int) -> int:
@@ -188,16 +183,10 @@ class CudaBackend(Backend):
             raise ValueError(f"pipeline_chunks must be at least 1, got {pipeline_chunks}")
         cp = _import_cupy()
         count = int(cp.cuda.runtime.getDeviceCount())
-        number = 0 if device is None else device
-        if isinstance(number, bool) or not isinstance(number, (int, np.integer)):
-            raise ValueError(f"CUDA device must be an integer, got {device!r}")
-        if not 0 <= int(number) < count:
-            raise ValueError(
-                f"CUDA device {number} does not exist: this machine has {count} "
-                f"(numbers 0..{count - 1})"
-            )
         self._cp = cp
-        self.device = int(number)
+        self.device = device_number(
+            "CUDA", 0 if device is None else device, count, lambda i: _device_info(cp, i).name
+        )
         self.pipeline_chunks = int(pipeline_chunks)
         self._lock = threading.Lock()  # one call at a time: the slots' buffers are shared
         with cp.cuda.Device(self.device):
