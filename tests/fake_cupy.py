@@ -3,30 +3,46 @@
 Arrays are host arrays. Streams *defer* device->host copies until the host waits on the
 stream (and poison the pinned target meanwhile), and check at that wait that a pinned input
 was not overwritten while its upload could still be running: so the cuda backend's pipeline
-bookkeeping is tested against host/device races on machines without a GPU.
-:func:`fake_to_device` and :func:`fake_to_host` replace the backend's two one-line transfer
-calls.
+bookkeeping is tested against host/device races on machines without a GPU. Each stream also
+keeps a fake device clock (each copy takes :data:`TRANSFER_MS`) that events read, so the
+probe's CUDA-event timing is tested too. :func:`fake_to_device` and :func:`fake_to_host`
+replace the backend's two one-line transfer calls.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+#: Fake device time each host<->device copy takes on its stream (kernels take none).
+TRANSFER_MS = 1.0
+
 
 class _FakeEvent:
-    def __init__(self, stream: _FakeStream, mark: int):
-        self.stream, self.mark = stream, mark
+    def __init__(self, stream: _FakeStream, mark: int, time_ms: float):
+        self.stream, self.mark, self.time_ms = stream, mark, time_ms
 
     def synchronize(self) -> None:
         self.stream.run_until(self.mark)
+        self.stream.cuda.observed(self.time_ms)
+
+    @property
+    def done(self) -> bool:
+        return not any(mark < self.mark for mark, _ in self.stream.pending)
 
 
 class _FakeStream:
-    """Queues the deferred parts of copies; runs them only when someone waits."""
+    """Queues the deferred parts of copies; runs them only when someone waits.
+
+    Also keeps the stream's fake device clock: each copy takes :data:`TRANSFER_MS`, and no
+    work starts before what the host has already waited for (the device's clock runs on
+    while it idles) nor before an event the stream was told to wait on.
+    """
 
     def __init__(self, device: _FakeCuda, non_blocking: bool = False):
+        self.cuda = device
         self.pending: list[tuple[int, object]] = []
         self.queued = 0
+        self.time_ms = 0.0
         device.streams.append(self)
 
     def __enter__(self) -> _FakeStream:
@@ -36,6 +52,7 @@ class _FakeStream:
         pass
 
     def queue(self, work) -> None:
+        self.time_ms = max(self.time_ms, self.cuda.floor_ms) + TRANSFER_MS
         self.pending.append((self.queued, work))
         self.queued += 1
 
@@ -45,12 +62,16 @@ class _FakeStream:
 
     def synchronize(self) -> None:
         self.run_until(self.queued)
+        self.cuda.observed(self.time_ms)
 
     def record(self, event=None) -> _FakeEvent:
-        return _FakeEvent(self, self.queued)
+        self.time_ms = max(self.time_ms, self.cuda.floor_ms)
+        return _FakeEvent(self, self.queued, self.time_ms)
 
     def wait_event(self, event: _FakeEvent) -> None:
-        pass  # computation is eager here; cross-stream order is the gpu run's to prove
+        # Computation is eager here; cross-stream order is the gpu run's to prove. The clock
+        # follows it: this stream's later work starts after the event.
+        self.time_ms = max(self.time_ms, event.time_ms)
 
 
 class _FakeDevice:
@@ -94,6 +115,17 @@ class _FakeCuda:
         self.streams: list[_FakeStream] = []
         self.runtime = _FakeRuntime(self)
         self.pinned_allocations = 0
+        self.floor_ms = 0.0  # the latest device time the host has waited for
+        self.elapsed_reads = 0
+
+    def observed(self, time_ms: float) -> None:
+        self.floor_ms = max(self.floor_ms, time_ms)
+
+    def get_elapsed_time(self, start: _FakeEvent, end: _FakeEvent) -> float:
+        """Milliseconds between two events, which (as in CUDA) must both have completed."""
+        assert start.done and end.done, "elapsed time read before the events completed"
+        self.elapsed_reads += 1
+        return end.time_ms - start.time_ms
 
     def is_available(self) -> bool:
         return self.count > 0

@@ -14,13 +14,18 @@ Three groups:
   pipeline's bookkeeping -- chunk offsets, slot reuse, waits, delivery -- is proven here
   against host/device races; what only the ``gpu`` run proves is CuPy itself, real
   asynchrony and the two one-line transfer calls (``_to_device`` / ``_to_host``) the fake
-  replaces.
+  replaces. The fake's streams also
+  keep a device clock (1 ms per copy) that its events read, so the probe's timing by CUDA
+  events is checked exactly there.
 * Results are compared with the cpu backend to ``2e-5 * max(1, max|cpu result|)`` (float32,
   different summation orders); pipelined and unpipelined runs to ``1e-6`` relative (they
   differ only in how the kernel gradient's per-chunk sums are added).
 """
 
 from __future__ import annotations
+
+import itertools
+import time
 
 import numpy as np
 import pytest
@@ -315,6 +320,39 @@ def test_time_step(device_kind):
     shape = conv_shape((4, 3, 8, 8), (4, 3, 5, 5), "same")
     seconds = CudaBackend().time_step(shape, repeats=2)
     assert isinstance(seconds, float) and 0.0 < seconds < 10.0
+
+
+@pytest.mark.parametrize(
+    "chunks, spans_ms",
+    [
+        # One chunk: forward x up + y down; kernel gradient x, dy up + dw, db down; input
+        # gradient dy up + dx down (kernels and bias go up through cp.asarray: untimed here).
+        (1, 2 + 4 + 2),
+        # Four chunks of one image, two on each stream at once: each stream's copies count,
+        # the other stream's overlapping ones do not; the kernel gradient's final downloads
+        # follow both streams.
+        (4, 4 + 6 + 4),
+    ],
+)
+def test_probe_is_gpu_time_from_cuda_events(device_kind, monkeypatch, chunks, spans_ms):
+    """The probe reads the GPU's clock through events around each operation, never the
+    host's clock (which jumps an hour at every reading here)."""
+    hours = itertools.count(0.0, 3600.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(hours))
+    backend = CudaBackend(pipeline_chunks=chunks)
+    shape = conv_shape((4, 3, 8, 8), (4, 3, 5, 5), "same")
+    seconds = backend.time_step(shape, repeats=2)
+    assert 0.0 < seconds < 10.0
+    if device_kind == "fake":
+        assert seconds == pytest.approx(spans_ms / 1e3)
+
+
+def test_calls_outside_a_probe_read_no_events(fake_cupy, rng):
+    backend = CudaBackend(pipeline_chunks=2)
+    run_all(backend, make_problem(rng, 4, 3, 6, 6, 2, 3, 3, 1))
+    assert fake_cupy.cuda.elapsed_reads == 0
+    backend.time_step(conv_shape((4, 3, 6, 6), (2, 3, 3, 3), 1))
+    assert fake_cupy.cuda.elapsed_reads > 0
 
 
 # ----------------------------------------------------------- the fake catches races

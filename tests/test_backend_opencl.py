@@ -11,7 +11,9 @@ Runs of the same backend that only split the batch differently agree to ``1e-6 *
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -372,6 +374,54 @@ def test_probe_and_device_time(backend):
     seconds = backend.time_step(ConvShape(2, 3, 8, 8, 4, 3, 3, Padding(1, 1, 1, 1)))
     assert seconds > 0
     assert backend.device_seconds > before
+
+
+def test_probe_is_device_time_of_kernels_and_transfers(backend, monkeypatch):
+    """The probe's figure is what the device measured: the sum of the profiled durations of
+    every upload, kernel and download of the step, and never the host's clock (which jumps an
+    hour at every reading here)."""
+    shape = ConvShape(2, 3, 8, 8, 4, 3, 3, Padding(1, 1, 1, 1))
+    kernel_ns: list[int] = []
+    transfer_ns: list[int] = []
+    real_account = backend._account
+
+    def spy(kernel_events, transfer_events):
+        real_account(kernel_events, transfer_events)
+        kernel_ns.extend(e.profile.end - e.profile.start for e in kernel_events)
+        transfer_ns.extend(e.profile.end - e.profile.start for e in transfer_events)
+
+    monkeypatch.setattr(backend, "_account", spy)
+    hours = itertools.count(0.0, 3600.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(hours))
+    before = backend.device_seconds + backend.transfer_seconds
+    seconds = backend.time_step(shape, repeats=1)
+    after = backend.device_seconds + backend.transfer_seconds
+
+    # forward: input, kernels, bias up, y down; kernel gradient: input, dy up, dw, db down;
+    # input gradient: dy, kernels up, dx down. Kernels: one GEMM each, the split-K sum when
+    # the depth is split, and the bias-gradient reduction.
+    assert len(transfer_ns) == 4 + 4 + 3
+    split = backend._grad_kernel_split(shape)[0] > 1
+    assert len(kernel_ns) == 3 + int(split) + 1
+    assert all(ns >= 0 for ns in kernel_ns + transfer_ns)
+    assert seconds == pytest.approx((sum(kernel_ns) + sum(transfer_ns)) * 1e-9, rel=1e-9)
+    assert seconds == pytest.approx(after - before, rel=1e-9)
+    assert 0 < seconds < 60
+
+
+def test_probe_counts_only_its_own_thread(backend, rng):
+    """A call another thread makes on the backend while a probe is open is not in its figure
+    (the worker serves training calls on other threads)."""
+    x, kernels, bias, _ = make_problem(rng, 2, 3, 8, 8, 4, 3, 3, 1).arrays
+    with backend.probe_clock() as clock:
+        before = backend.device_seconds
+        other = threading.Thread(target=backend.conv_forward, args=(x, kernels, bias, 1))
+        other.start()
+        other.join()
+        assert backend.device_seconds > before, "the other thread's call ran on the device"
+        assert clock.seconds == 0.0
+        backend.conv_forward(x, kernels, bias, 1)
+    assert clock.seconds > 0.0
 
 
 def test_concurrent_calls_on_one_backend(backend, cpu, rng):

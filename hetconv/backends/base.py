@@ -9,7 +9,8 @@ Shared here, once, above the backends: the geometry and its padding arithmetic
 (:func:`check_float32`, :func:`check_contiguous`, :func:`check_shape`), the device-number
 check (:func:`device_number`), splitting a batch into chunks of images (:func:`image_ranges`,
 :func:`chunk_bounds`, :func:`fit_images`), and in :class:`Backend` the argument checks of the
-public calls, the memory-budget split and the probe (:meth:`Backend.time_step`).
+public calls, the memory-budget split and the probe (:meth:`Backend.time_step`, timed by the
+clocks of :mod:`.clocks`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from .clocks import DeviceClock, WallClock, clocks_open_here
 
 PaddingSpec = int | str | tuple[int, int] | tuple[int, int, int, int]
 
@@ -412,6 +415,10 @@ class Backend(ABC):
         """Seconds for one forward + backward of ``shape`` on random data (best of ``repeats``).
 
         This is the probe of the reference method: the real layer geometry, random values.
+        The seconds are what :meth:`probe_clock` measures over the public calls
+        (``conv_forward``, ``conv_grad_kernels`` and, with ``with_grad_input``,
+        ``conv_grad_input``) and a final :meth:`synchronize`: wall time here, device time on
+        backends that can time their own work (see their ``probe_clock``).
         """
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((shape.n, shape.c, shape.h, shape.w), dtype=np.float32)
@@ -421,14 +428,33 @@ class Backend(ABC):
         pad = shape.padding.sides
         best = float("inf")
         for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            self.conv_forward(x, w, b, pad)
-            self.conv_grad_kernels(x, dy, (shape.kh, shape.kw), pad)
-            if with_grad_input:
-                self.conv_grad_input(dy, w, (shape.h, shape.w), pad)
-            self.synchronize()
-            best = min(best, time.perf_counter() - start)
+            with self.probe_clock() as clock:
+                self.conv_forward(x, w, b, pad)
+                self.conv_grad_kernels(x, dy, (shape.kh, shape.kw), pad)
+                if with_grad_input:
+                    self.conv_grad_input(dy, w, (shape.h, shape.w), pad)
+                self.synchronize()
+            best = min(best, clock.seconds)
         return best
+
+    def probe_clock(self) -> WallClock | DeviceClock:
+        """The clock :meth:`time_step` reads: here the host's wall clock around the calls and
+        a final :meth:`synchronize`, so it counts everything a call costs (argument checks,
+        host work, copies, device work, waiting). Backends that time their own device work
+        return a :class:`DeviceClock` and charge it with :meth:`_charge_device_time`."""
+        return WallClock()
+
+    def _charge_device_time(self, seconds: float) -> None:
+        """Add ``seconds`` of device time, measured by the device, to every
+        :class:`DeviceClock` of this backend open in the calling thread."""
+        for clock in clocks_open_here():
+            if clock.backend is self:
+                clock.seconds += seconds
+
+    def _device_clock_open(self) -> bool:
+        """Whether a :class:`DeviceClock` of this backend is open in the calling thread (so
+        that a backend may skip the cost of timing its work when nobody reads the time)."""
+        return any(clock.backend is self for clock in clocks_open_here())
 
     @abstractmethod
     def _forward(

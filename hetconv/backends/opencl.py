@@ -7,6 +7,11 @@ launches the kernels.
 No device memory is needed beyond inputs, kernels and outputs (plus the split-K partial sums),
 which :meth:`OpenCLBackend.working_set_bytes` reports. The program does not depend on the
 geometry: it is built once per device and kept for every backend on that device.
+
+The command queue has profiling enabled: every upload, kernel and download is an event the
+device timestamps. :attr:`OpenCLBackend.device_seconds` and :attr:`OpenCLBackend.transfer_seconds`
+add them up, and the probe (``time_step``) reads them instead of the host's clock (see
+:meth:`OpenCLBackend.probe_clock`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from . import opencl_kernels
 from .base import (
     Backend,
     ConvShape,
+    DeviceClock,
     DeviceInfo,
     _with_images,
     check_contiguous,
@@ -171,6 +177,9 @@ class OpenCLBackend(Backend):
         #: Device seconds spent in kernels by this backend so far (from queue profiling;
         #: transfers excluded). The difference around a call is that call's kernel time.
         self.device_seconds = 0.0
+        #: Device seconds spent in host<->device copies by this backend so far (from queue
+        #: profiling, like :attr:`device_seconds`).
+        self.transfer_seconds = 0.0
 
     # -- contract ------------------------------------------------------------------------
 
@@ -222,6 +231,16 @@ class OpenCLBackend(Backend):
 
     def synchronize(self) -> None:
         self._queue.finish()
+
+    def probe_clock(self) -> DeviceClock:
+        """The probe (:meth:`time_step`) reads the device's profiling timestamps, never the
+        host's clock: the sum, over every command the step's calls enqueue, of its
+        ``profile.end - profile.start`` -- the uploads of inputs, kernels and bias, the GEMM,
+        split-K sum and bias-gradient kernels, and the downloads of the results. The queue
+        is in order, so the commands never overlap and the sum is their device time. Not
+        counted: argument checks, buffer allocation, setting kernel arguments, and the time
+        commands wait in the queue before the device starts them."""
+        return DeviceClock(self)
 
     def working_set_bytes(self, shape: ConvShape) -> int:
         """Inputs, kernels, outputs and bias, plus the kernel gradient's split-K partial sums;
@@ -310,27 +329,31 @@ class OpenCLBackend(Backend):
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _upload(self, **arrays: np.ndarray | None) -> list[Any]:
-        """Read-only device copies of ``arrays`` (None stays None, a null buffer). Every array
-        is checked to be float32 and C-contiguous before the first buffer is made (the base
-        class checked the public call's arguments; this guards the kernels' raw reads on
-        every path to them)."""
+    def _upload(self, events: list, **arrays: np.ndarray | None) -> list[Any]:
+        """Read-only device copies of ``arrays`` (None stays None, a null buffer), their copy
+        events appended to ``events``. Every array is checked to be float32 and C-contiguous
+        before the first buffer is made (the base class checked the public call's arguments;
+        this guards the kernels' raw reads on every path to them)."""
         for key, a in arrays.items():
             if a is not None:
                 check_float32(key.replace("_", " "), a)
                 check_contiguous(key.replace("_", " "), a)
-        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
-        return [
-            None if a is None else cl.Buffer(self._context, flags, hostbuf=a)
-            for a in arrays.values()
-        ]
+        buffers = []
+        for a in arrays.values():
+            if a is None:
+                buffers.append(None)
+                continue
+            buffer = cl.Buffer(self._context, cl.mem_flags.READ_ONLY, a.nbytes)
+            events.append(cl.enqueue_copy(self._queue, buffer, a, is_blocking=False))
+            buffers.append(buffer)
+        return buffers
 
     def _output(self, values: int) -> Any:
         return cl.Buffer(self._context, cl.mem_flags.READ_WRITE, 4 * max(1, values))
 
-    def _download(self, buffer: Any, shape: tuple[int, ...]) -> np.ndarray:
+    def _download(self, buffer: Any, shape: tuple[int, ...], events: list) -> np.ndarray:
         out = np.empty(shape, np.float32)
-        cl.enqueue_copy(self._queue, out, buffer, is_blocking=True)
+        events.append(cl.enqueue_copy(self._queue, out, buffer, is_blocking=True))
         return out
 
     def _geometry(self, shape: ConvShape, k_slice: int) -> list[np.int32]:
@@ -351,17 +374,27 @@ class OpenCLBackend(Backend):
         """(slices, terms per slice) of the kernel gradient's depth on this device."""
         return opencl_kernels.grad_kernel_split(shape, self._tiling, self._info.cores)
 
-    def _account(self, events: list) -> None:
-        for event in events:
-            event.wait()
-            self.device_seconds += (event.profile.end - event.profile.start) * 1e-9
+    def _account(self, kernel_events: list, transfer_events: list) -> None:
+        """Wait for the events; add their device-measured durations to
+        :attr:`device_seconds`, :attr:`transfer_seconds` and any probe clock open here."""
+        spent = []
+        for events in (kernel_events, transfer_events):
+            seconds = 0.0
+            for event in events:
+                event.wait()
+                seconds += (event.profile.end - event.profile.start) * 1e-9
+            spent.append(seconds)
+        self.device_seconds += spent[0]
+        self.transfer_seconds += spent[1]
+        self._charge_device_time(spent[0] + spent[1])
 
     # -- the three operations ------------------------------------------------------------
 
     def _forward(self, x, w, b, shape):
         ho, wo = shape.out_hw
+        transfers: list = []
         with self._lock:
-            x_buf, w_buf, b_buf = self._upload(input=x, kernels=w, bias=b)
+            x_buf, w_buf, b_buf = self._upload(transfers, input=x, kernels=w, bias=b)
             y_buf = self._output(shape.n * shape.k * ho * wo)
             event = self._run_gemm(
                 "conv_forward",
@@ -372,13 +405,14 @@ class OpenCLBackend(Backend):
                 shape,
                 shape.c * shape.kh * shape.kw,
             )
-            y = self._download(y_buf, (shape.n, shape.k, ho, wo))
-            self._account([event])
+            y = self._download(y_buf, (shape.n, shape.k, ho, wo), transfers)
+            self._account([event], transfers)
         return y
 
     def _grad_input(self, dy, w, shape):
+        transfers: list = []
         with self._lock:
-            dy_buf, w_buf = self._upload(output_gradient=dy, kernels=w)
+            dy_buf, w_buf = self._upload(transfers, output_gradient=dy, kernels=w)
             dx_buf = self._output(shape.n * shape.c * shape.h * shape.w)
             event = self._run_gemm(
                 "conv_grad_input",
@@ -389,8 +423,8 @@ class OpenCLBackend(Backend):
                 shape,
                 shape.k * shape.kh * shape.kw,
             )
-            dx = self._download(dx_buf, (shape.n, shape.c, shape.h, shape.w))
-            self._account([event])
+            dx = self._download(dx_buf, (shape.n, shape.c, shape.h, shape.w), transfers)
+            self._account([event], transfers)
         return dx
 
     def _grad_kernels(self, x, dy, shape):
@@ -399,8 +433,9 @@ class OpenCLBackend(Backend):
         size = shape.k * taps
         slices, k_slice = self._grad_kernel_split(shape)
         group = self._tiling.reduce_group
+        transfers: list = []
         with self._lock:
-            x_buf, dy_buf = self._upload(input=x, output_gradient=dy)
+            x_buf, dy_buf = self._upload(transfers, input=x, output_gradient=dy)
             dw_buf = self._output(size)
             partial_buf = self._output(slices * size) if slices > 1 else dw_buf
             db_buf = self._output(shape.k)
@@ -427,7 +462,7 @@ class OpenCLBackend(Backend):
             events.append(
                 cl.enqueue_nd_range_kernel(self._queue, kernel, (shape.k * group,), (group,))
             )
-            dw = self._download(dw_buf, (shape.k, shape.c, shape.kh, shape.kw))
-            db = self._download(db_buf, (shape.k,))
-            self._account(events)
+            dw = self._download(dw_buf, (shape.k, shape.c, shape.kh, shape.kw), transfers)
+            db = self._download(db_buf, (shape.k,), transfers)
+            self._account(events, transfers)
         return dw, db
