@@ -51,8 +51,7 @@ def time_operations(backend, shape: ConvShape, repeats: int) -> dict[str, float]
     w = rng.standard_normal((shape.k, shape.c, shape.kh, shape.kw), dtype=np.float32)
     b = rng.standard_normal(shape.k, dtype=np.float32)
     dy = rng.standard_normal((shape.n, shape.k, *shape.out_hw), dtype=np.float32)
-    p = shape.padding
-    pad = (p.top, p.bottom, p.left, p.right)
+    pad = shape.padding.sides
     sync = backend.synchronize
     return {
         "forward": _best(lambda: backend.conv_forward(x, w, b, pad), repeats, sync),

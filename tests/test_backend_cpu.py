@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from backend_cases import assert_close, assert_results_close, make_problem, run_all
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -103,43 +104,26 @@ def _out_hw(h, w, kh, kw, padding):
     return h + top + bottom - kh + 1, w + left + right - kw + 1
 
 
-def _assert_close(got: np.ndarray, ref: np.ndarray, what: str, rtol: float = REF_RTOL):
-    assert got.dtype == np.float32, what
-    assert got.shape == ref.shape, what
-    assert got.flags.c_contiguous, what
-    scale = max(1.0, float(np.abs(ref).max()))
-    err = float(np.abs(got.astype(np.float64) - ref).max())
-    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} * {scale:.3g}"
-
-
-def _run_all(backend: Backend, x, w, b, dy, padding):
-    kh, kw = w.shape[2:]
-    y = backend.conv_forward(x, w, b, padding)
-    dx = backend.conv_grad_input(dy, w, x.shape[2:], padding)
-    dw, db = backend.conv_grad_kernels(x, dy, (kh, kw), padding)
-    return y, dx, dw, db
-
-
 def check_against_reference(backend: Backend, rng, n, c, h, w, k, kh, kw, padding):
-    """All three operations of ``backend`` against the reference; returns the results."""
-    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
-    wt = rng.standard_normal((k, c, kh, kw), dtype=np.float32)
-    b = rng.standard_normal(k, dtype=np.float32)
-    ho, wo = _out_hw(h, w, kh, kw, padding)
-    dy = rng.standard_normal((n, k, ho, wo), dtype=np.float32)
-    originals = [a.copy() for a in (x, wt, b, dy)]
-    y, dx, dw, db = _run_all(backend, x, wt, b, dy, padding)
-    for before, after in zip(originals, (x, wt, b, dy), strict=True):
-        np.testing.assert_array_equal(before, after, err_msg="the backend modified an input")
-    _assert_close(y, ref_forward(x, wt, b, padding), "forward")
-    _assert_close(dx, ref_grad_input(dy, wt, (h, w), padding), "grad input")
-    ref_dw, ref_db = ref_grad_kernels(x, dy, (kh, kw), padding)
-    _assert_close(dw, ref_dw, "grad kernels")
-    _assert_close(db, ref_db, "grad bias")
+    """All three operations of ``backend`` against the reference; returns the problem and
+    the results."""
+    # dy's size from the reference's own geometry, not the backend's conv_shape.
+    out_hw = _out_hw(h, w, kh, kw, padding)
+    problem = make_problem(rng, n, c, h, w, k, kh, kw, padding, out_hw=out_hw)
+    original = problem.copy()
+    results = run_all(backend, problem)
+    problem.assert_unchanged(original)
+    x, wt, b, dy = problem.arrays
+    reference = (
+        ref_forward(x, wt, b, padding),
+        ref_grad_input(dy, wt, (h, w), padding),
+        *ref_grad_kernels(x, dy, (kh, kw), padding),
+    )
+    assert_results_close(results, reference, REF_RTOL)
     # Without bias, the forward is the biased one minus the bias.
     y0 = backend.conv_forward(x, wt, None, padding)
-    _assert_close(y0, ref_forward(x, wt, None, padding), "forward without bias")
-    return (x, wt, b, dy), (y, dx, dw, db)
+    assert_close(y0, ref_forward(x, wt, None, padding), "forward without bias", REF_RTOL)
+    return problem, results
 
 
 def _lowering_mode(c: int, kw: int) -> str:
@@ -186,13 +170,10 @@ def backend() -> CpuBackend:
 
 @pytest.mark.parametrize("n, c, h, w, k, kh, kw, padding", GRID)
 def test_against_reference_grid(backend, rng, n, c, h, w, k, kh, kw, padding):
-    inputs, results = check_against_reference(backend, rng, n, c, h, w, k, kh, kw, padding)
+    problem, results = check_against_reference(backend, rng, n, c, h, w, k, kh, kw, padding)
     # Batch chunking: scratch_bytes=1 forces one image per chunk.
-    chunked = _run_all(CpuBackend(scratch_bytes=1), *inputs, padding)
-    for name, a, b in zip(
-        ("forward", "grad input", "grad kernels", "grad bias"), results, chunked, strict=True
-    ):
-        _assert_close(b, a.astype(np.float64), f"chunked {name}", rtol=CHUNK_RTOL)
+    chunked = run_all(CpuBackend(scratch_bytes=1), problem)
+    assert_results_close(chunked, results, CHUNK_RTOL, what=" (chunked)")
 
 
 def test_grid_covers_both_lowering_modes():
@@ -286,11 +267,8 @@ def test_against_reference_hypothesis(problem, seed):
 
 
 def _ok(rng):
-    x = rng.standard_normal((2, 3, 5, 5), dtype=np.float32)
-    w = rng.standard_normal((4, 3, 3, 3), dtype=np.float32)
-    b = rng.standard_normal(4, dtype=np.float32)
-    dy = rng.standard_normal((2, 4, 5, 5), dtype=np.float32)
-    return x, w, b, dy
+    """Valid x (2, 3, 5, 5), kernels (4, 3, 3, 3), bias and dy (2, 4, 5, 5) for padding 1."""
+    return make_problem(rng, 2, 3, 5, 5, 4, 3, 3, 1).arrays
 
 
 def test_rejects_float64(backend, rng):

@@ -8,12 +8,15 @@ Three groups:
   working set).
 * **Every backend body twice** -- ``gpu`` (skipped, with ``is_available()``'s reason, when
   this machine has no usable CUDA GPU) and ``fake``: CuPy replaced by numpy plus a fake
-  ``cupy.cuda`` whose streams *defer* device->host copies until the host waits on the stream
-  (and poison the pinned target meanwhile), and check at that wait that a pinned input was
-  not overwritten while its upload could still be running. So the pipeline's bookkeeping --
-  chunk offsets, slot reuse, waits, delivery -- is proven here against host/device races;
-  what only the ``gpu`` run proves is CuPy itself, real asynchrony and the two one-line
-  transfer calls (``_to_device`` / ``_to_host``) the fake replaces.
+  ``cupy.cuda`` (fake_cupy.py) whose streams *defer* device->host copies until the host waits
+  on the stream (and poison the pinned target meanwhile), and check at that wait that a
+  pinned input was not overwritten while its upload could still be running. So the
+  pipeline's bookkeeping -- chunk offsets, slot reuse, waits, delivery -- is proven here
+  against host/device races; what only the ``gpu`` run proves is CuPy itself, real
+  asynchrony and the two one-line transfer calls (``_to_device`` / ``_to_host``) the fake
+  replaces. The fake's streams also
+  keep a device clock (1 ms per copy) that its events read, so the probe's timing by CUDA
+  events is checked exactly there.
 * Results are compared with the cpu backend to ``2e-5 * max(1, max|cpu result|)`` (float32,
   different summation orders); pipelined and unpipelined runs to ``1e-6`` relative (they
   differ only in how the kernel gradient's per-chunk sums are added).
@@ -21,8 +24,19 @@ Three groups:
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import numpy as np
 import pytest
+from backend_cases import (
+    assert_close,
+    assert_results_close,
+    make_problem,
+    matches_cpu,
+    run_all,
+)
+from fake_cupy import FakeCupy, fake_to_device, fake_to_host
 
 from hetconv.backends import (
     BackendUnavailable,
@@ -44,153 +58,12 @@ RTOL = 2e-5
 PIPELINE_RTOL = 1e-6
 
 
-# ----------------------------------------------------------------------- the fake device
-
-
-class _FakeEvent:
-    def __init__(self, stream: _FakeStream, mark: int):
-        self.stream, self.mark = stream, mark
-
-    def synchronize(self) -> None:
-        self.stream.run_until(self.mark)
-
-
-class _FakeStream:
-    """Queues the deferred parts of copies; runs them only when someone waits."""
-
-    def __init__(self, device: _FakeCuda, non_blocking: bool = False):
-        self.pending: list[tuple[int, object]] = []
-        self.queued = 0
-        device.streams.append(self)
-
-    def __enter__(self) -> _FakeStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def queue(self, work) -> None:
-        self.pending.append((self.queued, work))
-        self.queued += 1
-
-    def run_until(self, mark: int) -> None:
-        while self.pending and self.pending[0][0] < mark:
-            self.pending.pop(0)[1]()
-
-    def synchronize(self) -> None:
-        self.run_until(self.queued)
-
-    def record(self, event=None) -> _FakeEvent:
-        return _FakeEvent(self, self.queued)
-
-    def wait_event(self, event: _FakeEvent) -> None:
-        pass  # computation is eager here; cross-stream order is the gpu run's to prove
-
-
-class _FakeDevice:
-    def __init__(self, cuda: _FakeCuda, number: int):
-        self.cuda = cuda
-        assert 0 <= number < cuda.count, f"fake device {number} used"
-
-    def __enter__(self) -> _FakeDevice:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        for stream in self.cuda.streams:
-            stream.synchronize()
-
-
-class _FakeRuntime:
-    def __init__(self, cuda: _FakeCuda):
-        self.cuda = cuda
-
-    def getDeviceCount(self) -> int:  # noqa: N802 - cupy's name
-        return self.cuda.count
-
-    def getDeviceProperties(self, number: int) -> dict:  # noqa: N802 - cupy's name
-        assert 0 <= number < self.cuda.count
-        return {
-            "name": f"Fake GPU {number}".encode(),
-            "totalGlobalMem": 8 * 2**30,
-            "multiProcessorCount": 40 + number,
-        }
-
-    def memGetInfo(self) -> tuple[int, int]:  # noqa: N802 - cupy's name
-        return 6 * 2**30, 8 * 2**30
-
-
-class _FakeCuda:
-    def __init__(self, count: int = 2):
-        self.count = count
-        self.streams: list[_FakeStream] = []
-        self.runtime = _FakeRuntime(self)
-        self.pinned_allocations = 0
-
-    def is_available(self) -> bool:
-        return self.count > 0
-
-    def Device(self, number: int = 0) -> _FakeDevice:  # noqa: N802 - cupy's name
-        return _FakeDevice(self, number)
-
-    def Stream(self, non_blocking: bool = False) -> _FakeStream:  # noqa: N802 - cupy's name
-        return _FakeStream(self, non_blocking)
-
-    def alloc_pinned_memory(self, nbytes: int) -> bytearray:
-        self.pinned_allocations += 1
-        return bytearray(nbytes)
-
-
-class _FakePool:
-    def free_bytes(self) -> int:
-        return 0
-
-
-class FakeCupy:
-    """numpy as "cupy": arrays are host arrays; ``asarray`` copies as an upload would."""
-
-    __version__ = "0.0-fake"
-
-    def __init__(self, count: int = 2):
-        self.cuda = _FakeCuda(count)
-
-    def __getattr__(self, name: str):
-        return getattr(np, name)
-
-    def asarray(self, a, dtype=None):
-        return np.array(a, dtype=dtype, copy=True)
-
-    def get_default_memory_pool(self) -> _FakePool:
-        return _FakePool()
-
-
-def _fake_to_device(device_array: np.ndarray, host: np.ndarray, stream: _FakeStream) -> None:
-    np.copyto(device_array, host)  # the data the kernels see: what the host staged by now
-    staged = host.copy()
-
-    def still_staged() -> None:
-        assert np.array_equal(host, staged, equal_nan=True), (
-            "a pinned input buffer was overwritten before the stream that uploads it was waited on"
-        )
-
-    stream.queue(still_staged)
-
-
-def _fake_to_host(device_array: np.ndarray, host: np.ndarray, stream: _FakeStream) -> None:
-    value = np.array(device_array, copy=True)  # the value at this point of the stream
-    host.fill(np.nan)  # reading before the wait must show
-
-    stream.queue(lambda: np.copyto(host, value))
-
-
 def _install_fake(monkeypatch, fake) -> None:
     """Make the cuda module see ``fake`` as cupy (or a callable raising on import)."""
     importer = fake if callable(fake) and not isinstance(fake, FakeCupy) else (lambda: fake)
     monkeypatch.setattr(cuda_module, "_import_cupy", importer)
-    monkeypatch.setattr(cuda_module, "_to_device", _fake_to_device)
-    monkeypatch.setattr(cuda_module, "_to_host", _fake_to_host)
+    monkeypatch.setattr(cuda_module, "_to_device", fake_to_device)
+    monkeypatch.setattr(cuda_module, "_to_host", fake_to_host)
     cuda_module._availability.cache_clear()
 
 
@@ -220,53 +93,20 @@ def device_kind(request) -> str:
 # -------------------------------------------------------------------------- helpers
 
 
-def _problem(rng, n, c, h, w, k, kh, kw, padding):
-    shape = conv_shape((n, c, h, w), (k, c, kh, kw), padding)
-    ho, wo = shape.out_hw
-    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
-    wt = rng.standard_normal((k, c, kh, kw), dtype=np.float32)
-    b = rng.standard_normal(k, dtype=np.float32)
-    dy = rng.standard_normal((n, k, ho, wo), dtype=np.float32)
-    return shape, x, wt, b, dy
-
-
-def _run_all(backend, x, wt, b, dy, padding):
-    kh, kw = wt.shape[2:]
-    y = backend.conv_forward(x, wt, b, padding)
-    dx = backend.conv_grad_input(dy, wt, x.shape[2:], padding)
-    dw, db = backend.conv_grad_kernels(x, dy, (kh, kw), padding)
-    return y, dx, dw, db
-
-
-NAMES = ("forward", "grad input", "grad kernels", "grad bias")
-
-
-def _assert_close(got, expected, what, rtol=RTOL):
-    assert isinstance(got, np.ndarray), what
-    assert got.dtype == np.float32, f"{what}: dtype {got.dtype}"
-    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
-    assert got.flags.c_contiguous, f"{what}: not C-contiguous"
-    assert np.isfinite(got).all(), f"{what}: non-finite values (read before the copy landed?)"
-    scale = max(1.0, float(np.abs(expected).max()))
-    err = float(np.abs(got.astype(np.float64) - expected.astype(np.float64)).max())
-    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} * {scale:.3g}"
-
-
 def _check_against_cpu(backend, rng, n, c, h, w, k, kh, kw, padding):
-    shape, x, wt, b, dy = _problem(rng, n, c, h, w, k, kh, kw, padding)
-    originals = [a.copy() for a in (x, wt, b, dy)]
-    got = _run_all(backend, x, wt, b, dy, padding)
-    expected = _run_all(CpuBackend(), x, wt, b, dy, padding)
-    for name, g, e in zip(NAMES, got, expected, strict=True):
-        _assert_close(g, e, name)
-    _assert_close(
-        backend.conv_forward(x, wt, None, padding),
-        CpuBackend().conv_forward(x, wt, None, padding),
+    """All three operations and the forward without bias against the cpu backend, inputs
+    unchanged; returns the problem and ``backend``'s results."""
+    problem = make_problem(rng, n, c, h, w, k, kh, kw, padding)
+    original = problem.copy()
+    got = matches_cpu(backend, problem, RTOL)
+    assert_close(
+        backend.conv_forward(problem.x, problem.w, None, padding),
+        CpuBackend().conv_forward(problem.x, problem.w, None, padding),
         "forward without bias",
+        RTOL,
     )
-    for before, after in zip(originals, (x, wt, b, dy), strict=True):
-        np.testing.assert_array_equal(before, after, err_msg="the backend modified an input")
-    return (x, wt, b, dy), got
+    problem.assert_unchanged(original)
+    return problem, got
 
 
 # ------------------------------------------------------------------ runs everywhere
@@ -405,10 +245,9 @@ def test_against_cpu(device_kind, rng, n, c, h, w, k, kh, kw, padding):
 def test_pipelined_equals_unchunked(device_kind, rng, chunks):
     """5 images in `chunks` pipeline chunks (uneven for 2, 3, 4; one image each for 7)
     equal one unpipelined chunk."""
-    inputs, whole = _check_against_cpu(CudaBackend(pipeline_chunks=1), rng, 5, 8, 7, 7, 3, 3, 3, 1)
-    pipelined = _run_all(CudaBackend(pipeline_chunks=chunks), *inputs, 1)
-    for name, p, u in zip(NAMES, pipelined, whole, strict=True):
-        _assert_close(p, u, f"pipelined {name}", rtol=PIPELINE_RTOL)
+    problem, whole = _check_against_cpu(CudaBackend(pipeline_chunks=1), rng, 5, 8, 7, 7, 3, 3, 3, 1)
+    pipelined = run_all(CudaBackend(pipeline_chunks=chunks), problem)
+    assert_results_close(pipelined, whole, PIPELINE_RTOL, what=" (pipelined)")
 
 
 def test_repeated_calls_reuse_buffers(device_kind, rng):
@@ -483,6 +322,39 @@ def test_time_step(device_kind):
     assert isinstance(seconds, float) and 0.0 < seconds < 10.0
 
 
+@pytest.mark.parametrize(
+    "chunks, spans_ms",
+    [
+        # One chunk: forward x up + y down; kernel gradient x, dy up + dw, db down; input
+        # gradient dy up + dx down (kernels and bias go up through cp.asarray: untimed here).
+        (1, 2 + 4 + 2),
+        # Four chunks of one image, two on each stream at once: each stream's copies count,
+        # the other stream's overlapping ones do not; the kernel gradient's final downloads
+        # follow both streams.
+        (4, 4 + 6 + 4),
+    ],
+)
+def test_probe_is_gpu_time_from_cuda_events(device_kind, monkeypatch, chunks, spans_ms):
+    """The probe reads the GPU's clock through events around each operation, never the
+    host's clock (which jumps an hour at every reading here)."""
+    hours = itertools.count(0.0, 3600.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(hours))
+    backend = CudaBackend(pipeline_chunks=chunks)
+    shape = conv_shape((4, 3, 8, 8), (4, 3, 5, 5), "same")
+    seconds = backend.time_step(shape, repeats=2)
+    assert 0.0 < seconds < 10.0
+    if device_kind == "fake":
+        assert seconds == pytest.approx(spans_ms / 1e3)
+
+
+def test_calls_outside_a_probe_read_no_events(fake_cupy, rng):
+    backend = CudaBackend(pipeline_chunks=2)
+    run_all(backend, make_problem(rng, 4, 3, 6, 6, 2, 3, 3, 1))
+    assert fake_cupy.cuda.elapsed_reads == 0
+    backend.time_step(conv_shape((4, 3, 6, 6), (2, 3, 3, 3), 1))
+    assert fake_cupy.cuda.elapsed_reads > 0
+
+
 # ----------------------------------------------------------- the fake catches races
 
 
@@ -498,16 +370,16 @@ def test_fake_catches_a_pipeline_that_does_not_wait(fake_cupy, monkeypatch, rng)
             slot.deliver = None
 
     monkeypatch.setattr(CudaBackend, "_settle", settle_without_waiting)
-    shape, x, wt, b, _ = _problem(rng, 6, 3, 6, 6, 2, 3, 3, 1)
-    y = CudaBackend(pipeline_chunks=3).conv_forward(x, wt, b, 1)
+    p = make_problem(rng, 6, 3, 6, 6, 2, 3, 3, 1)
+    y = CudaBackend(pipeline_chunks=3).conv_forward(p.x, p.w, p.b, 1)
     assert np.isnan(y).any()
 
 
 def test_fake_pins_staging_buffers_once(fake_cupy, rng):
     backend = CudaBackend(pipeline_chunks=4)
-    shape, x, wt, b, dy = _problem(rng, 8, 3, 6, 6, 2, 3, 3, 1)
-    _run_all(backend, x, wt, b, dy, 1)
+    problem = make_problem(rng, 8, 3, 6, 6, 2, 3, 3, 1)
+    run_all(backend, problem)
     allocated = fake_cupy.cuda.pinned_allocations
     for _ in range(3):
-        _run_all(backend, x, wt, b, dy, 1)
+        run_all(backend, problem)
     assert fake_cupy.cuda.pinned_allocations == allocated, "pinned buffers were not reused"

@@ -11,10 +11,13 @@ Runs of the same backend that only split the batch differently agree to ``1e-6 *
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
+from backend_cases import assert_close, make_problem, matches_cpu
 
 from hetconv.backends import (
     BackendUnavailable,
@@ -24,6 +27,7 @@ from hetconv.backends import (
     Padding,
     conv_shape,
     get_backend,
+    opencl_kernels,
 )
 
 pytest.importorskip(
@@ -50,43 +54,15 @@ def cpu() -> CpuBackend:
     return CpuBackend()
 
 
-def _close(result: np.ndarray, expected: np.ndarray, rtol: float, what: str) -> None:
-    assert result.dtype == np.float32 and result.flags.c_contiguous, what
-    assert result.shape == expected.shape, what
-    scale = max(float(np.abs(expected).max()), 1e-30)
-    error = float(np.abs(result.astype(np.float64) - expected).max())
-    assert error <= rtol * scale, f"{what}: max error {error:.3g}, allowed {rtol * scale:.3g}"
-
-
-def _data(rng, n, c, h, w, k, kh, kw, padding):
-    shape = conv_shape((n, c, h, w), (k, c, kh, kw), padding)
-    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
-    kernels = rng.standard_normal((k, c, kh, kw), dtype=np.float32)
-    bias = rng.standard_normal(k, dtype=np.float32)
-    dy = rng.standard_normal((n, k, *shape.out_hw), dtype=np.float32)
-    return x, kernels, bias, dy
+# Tolerance scale: max|cpu result| with no floor (1e-30 only avoids a zero scale).
+FLOOR = 1e-30
 
 
 def _compare_all(ocl, cpu, rng, n, c, h, w, k, kh, kw, padding, with_bias=True):
-    x, kernels, bias, dy = _data(rng, n, c, h, w, k, kh, kw, padding)
-    bias = bias if with_bias else None
-    what = f"N{n} C{c} {h}x{w} K{k} {kh}x{kw} pad {padding}"
-    _close(
-        ocl.conv_forward(x, kernels, bias, padding),
-        cpu.conv_forward(x, kernels, bias, padding),
-        CPU_RTOL,
-        f"forward {what}",
-    )
-    _close(
-        ocl.conv_grad_input(dy, kernels, (h, w), padding),
-        cpu.conv_grad_input(dy, kernels, (h, w), padding),
-        CPU_RTOL,
-        f"grad input {what}",
-    )
-    dw, db = ocl.conv_grad_kernels(x, dy, (kh, kw), padding)
-    dw_ref, db_ref = cpu.conv_grad_kernels(x, dy, (kh, kw), padding)
-    _close(dw, dw_ref, CPU_RTOL, f"grad kernels {what}")
-    _close(db, db_ref, CPU_RTOL, f"grad bias {what}")
+    problem = make_problem(rng, n, c, h, w, k, kh, kw, padding)
+    problem = problem if with_bias else problem.without_bias()
+    what = f" N{n} C{c} {h}x{w} K{k} {kh}x{kw} pad {padding}"
+    matches_cpu(ocl, problem, CPU_RTOL, floor=FLOOR, cpu=cpu, what=what)
 
 
 # ----------------------------------------------------------------------------- devices
@@ -249,7 +225,7 @@ def test_float64_and_strided_inputs_are_rejected_before_any_buffer(backend, monk
         return real_buffer(*args, **kwargs)
 
     monkeypatch.setattr(pyopencl, "Buffer", counting_buffer)
-    x, w, b, dy = _data(rng, 2, 3, 6, 6, 4, 3, 3, 1)
+    x, w, b, dy = make_problem(rng, 2, 3, 6, 6, 4, 3, 3, 1).arrays
     shape = conv_shape(x.shape, w.shape, 1)
     wide = x.astype(np.float64)
     with pytest.raises(TypeError, match="float32"):
@@ -310,9 +286,9 @@ def test_paper_c2_shape_at_small_batch(backend, cpu, rng):
 # The GPU tiling is what GPUs run, and CI has none: test it here. The rarely used fallbacks cost
 # ~8 s of PoCL compilation each, so they run with -m slow.
 _TILINGS = [
-    opencl._GPU_TILING,
-    opencl._CPU_TILING,
-    *(pytest.param(t, marks=pytest.mark.slow) for t in opencl._FALLBACK_TILINGS),
+    opencl_kernels.GPU_TILING,
+    opencl_kernels.CPU_TILING,
+    *(pytest.param(t, marks=pytest.mark.slow) for t in opencl_kernels.FALLBACK_TILINGS),
 ]
 
 
@@ -320,7 +296,7 @@ _TILINGS = [
 def test_every_tiling_matches_cpu(tiling, cpu, rng, monkeypatch):
     """Each tiling the backend may pick runs correctly on this device."""
     monkeypatch.setattr(OpenCLBackend, "_compiled", {})
-    monkeypatch.setattr(opencl, "_tilings", lambda kind: (tiling,))
+    monkeypatch.setattr(opencl_kernels, "tilings", lambda kind: (tiling,))
     ocl = OpenCLBackend()
     assert ocl._tiling == tiling
     _compare_all(ocl, cpu, rng, 3, 5, 9, 10, 70, 3, 3, (1, 2, 0, 1))
@@ -329,7 +305,7 @@ def test_every_tiling_matches_cpu(tiling, cpu, rng, monkeypatch):
 
 def test_invalid_tiling_is_refused():
     with pytest.raises(ValueError, match="evenly"):
-        opencl._Tiling(8, 8, 4, 4, 48)
+        opencl_kernels.Tiling(8, 8, 4, 4, 48)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -345,7 +321,7 @@ def test_working_set_has_no_lowered_copy(backend):
 @pytest.mark.parametrize("limit_images", [1, 3])
 def test_memory_limit_chunks_the_batch_with_equal_results(backend, rng, monkeypatch, limit_images):
     n, c, h, w, k, kh, kw, padding = 7, 3, 8, 8, 5, 3, 3, 1
-    x, kernels, bias, dy = _data(rng, n, c, h, w, k, kh, kw, padding)
+    x, kernels, bias, dy = make_problem(rng, n, c, h, w, k, kh, kw, padding).arrays
     shape = conv_shape(x.shape, kernels.shape, padding)
     one_chunk = (
         backend.conv_forward(x, kernels, bias, padding),
@@ -369,20 +345,21 @@ def test_memory_limit_chunks_the_batch_with_equal_results(backend, rng, monkeypa
     )
     assert len(calls) == 3 * -(-n // step)
     for part, whole, what in zip(chunked, one_chunk, ("y", "dx", "dw", "db"), strict=True):
-        _close(part, whole.astype(np.float64), CHUNK_RTOL, what)
+        assert_close(part, whole, what, CHUNK_RTOL, FLOOR)
 
 
 def test_allocation_limit_chunks_and_refuses_an_image_too_large(backend, rng):
     n, c, h, w, k = 5, 2, 6, 6, 3
-    x, kernels, bias, _ = _data(rng, n, c, h, w, k, 3, 3, 1)
+    x, kernels, bias, _ = make_problem(rng, n, c, h, w, k, 3, 3, 1).arrays
     capped = OpenCLBackend(device=backend.device_index)
     capped._max_alloc = 2 * 4 * k * h * w  # two images' outputs per buffer
     assert capped._images_per_call(conv_shape(x.shape, kernels.shape, 1)) == 2
-    _close(
+    assert_close(
         capped.conv_forward(x, kernels, bias, 1),
-        backend.conv_forward(x, kernels, bias, 1).astype(np.float64),
-        CHUNK_RTOL,
+        backend.conv_forward(x, kernels, bias, 1),
         "forward in allocation-sized chunks",
+        CHUNK_RTOL,
+        FLOOR,
     )
     capped._max_alloc = 16
     with pytest.raises(MemoryError, match="allocation"):
@@ -399,8 +376,56 @@ def test_probe_and_device_time(backend):
     assert backend.device_seconds > before
 
 
+def test_probe_is_device_time_of_kernels_and_transfers(backend, monkeypatch):
+    """The probe's figure is what the device measured: the sum of the profiled durations of
+    every upload, kernel and download of the step, and never the host's clock (which jumps an
+    hour at every reading here)."""
+    shape = ConvShape(2, 3, 8, 8, 4, 3, 3, Padding(1, 1, 1, 1))
+    kernel_ns: list[int] = []
+    transfer_ns: list[int] = []
+    real_account = backend._account
+
+    def spy(kernel_events, transfer_events):
+        real_account(kernel_events, transfer_events)
+        kernel_ns.extend(e.profile.end - e.profile.start for e in kernel_events)
+        transfer_ns.extend(e.profile.end - e.profile.start for e in transfer_events)
+
+    monkeypatch.setattr(backend, "_account", spy)
+    hours = itertools.count(0.0, 3600.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(hours))
+    before = backend.device_seconds + backend.transfer_seconds
+    seconds = backend.time_step(shape, repeats=1)
+    after = backend.device_seconds + backend.transfer_seconds
+
+    # forward: input, kernels, bias up, y down; kernel gradient: input, dy up, dw, db down;
+    # input gradient: dy, kernels up, dx down. Kernels: one GEMM each, the split-K sum when
+    # the depth is split, and the bias-gradient reduction.
+    assert len(transfer_ns) == 4 + 4 + 3
+    split = backend._grad_kernel_split(shape)[0] > 1
+    assert len(kernel_ns) == 3 + int(split) + 1
+    assert all(ns >= 0 for ns in kernel_ns + transfer_ns)
+    assert seconds == pytest.approx((sum(kernel_ns) + sum(transfer_ns)) * 1e-9, rel=1e-9)
+    assert seconds == pytest.approx(after - before, rel=1e-9)
+    assert 0 < seconds < 60
+
+
+def test_probe_counts_only_its_own_thread(backend, rng):
+    """A call another thread makes on the backend while a probe is open is not in its figure
+    (the worker serves training calls on other threads)."""
+    x, kernels, bias, _ = make_problem(rng, 2, 3, 8, 8, 4, 3, 3, 1).arrays
+    with backend.probe_clock() as clock:
+        before = backend.device_seconds
+        other = threading.Thread(target=backend.conv_forward, args=(x, kernels, bias, 1))
+        other.start()
+        other.join()
+        assert backend.device_seconds > before, "the other thread's call ran on the device"
+        assert clock.seconds == 0.0
+        backend.conv_forward(x, kernels, bias, 1)
+    assert clock.seconds > 0.0
+
+
 def test_concurrent_calls_on_one_backend(backend, cpu, rng):
-    x, kernels, bias, _ = _data(rng, 3, 4, 10, 10, 6, 3, 3, 1)
+    x, kernels, bias, _ = make_problem(rng, 3, 4, 10, 10, 6, 3, 3, 1).arrays
     expected = cpu.conv_forward(x, kernels, bias, 1)
     results, errors = [], []
 
@@ -419,4 +444,4 @@ def test_concurrent_calls_on_one_backend(backend, cpu, rng):
     assert not errors
     assert len(results) == 15
     for y in results:
-        _close(y, expected, CPU_RTOL, "concurrent forward")
+        assert_close(y, expected, "concurrent forward", CPU_RTOL, FLOOR)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from backend_cases import assert_close, assert_results_close, make_problem, run_all, term_scales
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -60,48 +61,15 @@ def backend(request):
 REFERENCE = CpuBackend()
 
 
-def _close(got, want, what, magnitude):
-    """``got`` matches ``want`` to RTOL of the largest term magnitude.
-
-    ``magnitude`` is the same operation applied to the absolute values of its inputs: a sum of
-    O(1) terms may cancel to almost nothing, and float32 round-off scales with the terms, not
-    with the result (a bias gradient of -0.0021 from 15 terms of size ~1 differs by 5e-7
-    between two summation orders).
-    """
-    assert got.dtype == np.float32, f"{what} has dtype {got.dtype}"
-    assert got.shape == want.shape, f"{what} has shape {got.shape}, expected {want.shape}"
-    assert got.flags.c_contiguous, f"{what} is not C-contiguous"
-    scale = max(float(np.abs(magnitude).max()), 1e-6)
-    np.testing.assert_allclose(got, want, rtol=0, atol=RTOL * scale, err_msg=what)
-
-
 def _check_all(backend, n, c, h, w, k, kh, kw, padding, seed=0, bias=True):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
-    kernels = rng.standard_normal((k, c, kh, kw), dtype=np.float32)
-    b = rng.standard_normal(k, dtype=np.float32) if bias else None
-    shape = conv_shape(x.shape, kernels.shape, padding)
-    dy = rng.standard_normal((n, k, *shape.out_hw), dtype=np.float32)
-
-    ax, akernels, ab, ady = (None if a is None else np.abs(a) for a in (x, kernels, b, dy))
-
-    _close(
-        backend.conv_forward(x, kernels, b, padding),
-        REFERENCE.conv_forward(x, kernels, b, padding),
-        "forward",
-        REFERENCE.conv_forward(ax, akernels, ab, padding),
+    """All three operations against the cpu backend, to RTOL of their terms' magnitude."""
+    problem = make_problem(np.random.default_rng(seed), n, c, h, w, k, kh, kw, padding, bias)
+    assert_results_close(
+        run_all(backend, problem),
+        run_all(REFERENCE, problem),
+        RTOL,
+        scales=term_scales(REFERENCE, problem),
     )
-    _close(
-        backend.conv_grad_input(dy, kernels, (h, w), padding),
-        REFERENCE.conv_grad_input(dy, kernels, (h, w), padding),
-        "grad input",
-        REFERENCE.conv_grad_input(ady, akernels, (h, w), padding),
-    )
-    dw, db = backend.conv_grad_kernels(x, dy, (kh, kw), padding)
-    want_dw, want_db = REFERENCE.conv_grad_kernels(x, dy, (kh, kw), padding)
-    abs_dw, abs_db = REFERENCE.conv_grad_kernels(ax, ady, (kh, kw), padding)
-    _close(dw, want_dw, "grad kernels", abs_dw)
-    _close(db, want_db, "grad bias", abs_db)
 
 
 GRID = [
@@ -203,7 +171,7 @@ def test_memory_limit_runs_in_chunks_with_equal_results(device_backend):
         assert backend.working_set_bytes(conv_shape((images, 4, 8, 8), w.shape, 1)) <= (
             backend.memory_limit
         )
-        _close(backend.conv_forward(x, w, b, 1), whole, "chunked forward", whole)
+        assert_close(backend.conv_forward(x, w, b, 1), whole, "chunked forward", RTOL, 1e-6)
     finally:
         backend.memory_limit = saved
 

@@ -13,44 +13,32 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from backend_cases import assert_close, make_problem
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from hetconv.backends import ConvShape, CpuBackend, Padding, conv_shape, xpconv
+from hetconv.backends import CpuBackend, Padding, conv_shape, xpconv
 
 RTOL = 2e-5
 
 
 def _problem(rng, n, c, h, w, k, kh, kw, padding):
-    shape = conv_shape((n, c, h, w), (k, c, kh, kw), padding)
-    ho, wo = shape.out_hw
-    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
-    wt = rng.standard_normal((k, c, kh, kw), dtype=np.float32)
-    b = rng.standard_normal(k, dtype=np.float32)
-    dy = rng.standard_normal((n, k, ho, wo), dtype=np.float32)
-    return shape, x, wt, b, dy
-
-
-def _pad_spec(shape: ConvShape) -> tuple[int, int, int, int]:
-    p = shape.padding
-    return p.top, p.bottom, p.left, p.right
+    """(shape, x, kernels, bias, dy) of a random problem (see backend_cases.make_problem)."""
+    problem = make_problem(rng, n, c, h, w, k, kh, kw, padding)
+    return (problem.shape, *problem.arrays)
 
 
 def _assert_matches(got: np.ndarray, expected: np.ndarray, what: str) -> None:
-    assert isinstance(got, np.ndarray), what
-    assert got.dtype == np.float32, f"{what}: dtype {got.dtype}"
-    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
-    assert got.flags.c_contiguous, f"{what}: not C-contiguous"
-    scale = max(1.0, float(np.abs(expected).max()))
-    err = float(np.abs(got.astype(np.float64) - expected.astype(np.float64)).max())
-    assert err <= RTOL * scale, f"{what}: max error {err:.3g} > {RTOL} * {scale:.3g}"
+    assert_close(got, expected, what, RTOL)
 
 
 def check_against_cpu(cpu: CpuBackend, rng, n, c, h, w, k, kh, kw, padding) -> None:
     """All three operations (and forward without bias) of xpconv vs the cpu backend."""
-    shape, x, wt, b, dy = _problem(rng, n, c, h, w, k, kh, kw, padding)
-    originals = [a.copy() for a in (x, wt, b, dy)]
-    pad = _pad_spec(shape)
+    problem = make_problem(rng, n, c, h, w, k, kh, kw, padding)
+    original = problem.copy()
+    shape = problem.shape
+    x, wt, b, dy = problem.arrays
+    pad = shape.padding.sides
 
     _assert_matches(xpconv.forward(np, x, wt, b, shape), cpu.conv_forward(x, wt, b, pad), "fwd")
     _assert_matches(
@@ -65,8 +53,7 @@ def check_against_cpu(cpu: CpuBackend, rng, n, c, h, w, k, kh, kw, padding) -> N
     ref_dw, ref_db = cpu.conv_grad_kernels(x, dy, (kh, kw), pad)
     _assert_matches(dw, ref_dw, "grad kernels")
     _assert_matches(db, ref_db, "grad bias")
-    for before, after in zip(originals, (x, wt, b, dy), strict=True):
-        np.testing.assert_array_equal(before, after, err_msg="xpconv modified an input")
+    problem.assert_unchanged(original, "xpconv")
 
 
 @pytest.fixture(scope="module")

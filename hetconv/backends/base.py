@@ -1,17 +1,28 @@
-"""The device contract every convolution backend implements, and the checks they share.
+"""The device contract every convolution backend implements, and what they share.
 
 Layout is NCHW for activations (batch, channels, height, width) and KCHW for kernels
 (output channels, input channels, kernel height, kernel width), float32 and C-contiguous
 at the boundary. Convolutions are cross-correlations with stride 1 (as in PyTorch).
+
+Shared here, once, above the backends: the geometry and its padding arithmetic
+(:class:`Padding`, :class:`ConvShape`, :func:`conv_shape`), the array checks
+(:func:`check_float32`, :func:`check_contiguous`, :func:`check_shape`), the device-number
+check (:func:`device_number`), splitting a batch into chunks of images (:func:`image_ranges`,
+:func:`chunk_bounds`, :func:`fit_images`), and in :class:`Backend` the argument checks of the
+public calls, the memory-budget split and the probe (:meth:`Backend.time_step`, timed by the
+clocks of :mod:`.clocks`).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from .clocks import DeviceClock, WallClock, clocks_open_here
 
 PaddingSpec = int | str | tuple[int, int] | tuple[int, int, int, int]
 
@@ -56,6 +67,11 @@ class Padding:
             raise ValueError(f"padding {spec!r} has a negative side")
         return cls(*sides)
 
+    @property
+    def sides(self) -> tuple[int, int, int, int]:
+        """(top, bottom, left, right): the explicit spec that resolves to this padding."""
+        return self.top, self.bottom, self.left, self.right
+
 
 @dataclass(frozen=True)
 class ConvShape:
@@ -71,9 +87,21 @@ class ConvShape:
     padding: Padding
 
     @property
-    def out_hw(self) -> tuple[int, int]:
+    def padded_hw(self) -> tuple[int, int]:
+        """Height and width of the zero-padded input."""
         p = self.padding
-        return self.h + p.top + p.bottom - self.kh + 1, self.w + p.left + p.right - self.kw + 1
+        return self.h + p.top + p.bottom, self.w + p.left + p.right
+
+    @property
+    def interior(self) -> tuple[slice, slice]:
+        """The rows and columns of the padded input that hold the image itself."""
+        p = self.padding
+        return slice(p.top, p.top + self.h), slice(p.left, p.left + self.w)
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        hp, wp = self.padded_hw
+        return hp - self.kh + 1, wp - self.kw + 1
 
     @property
     def flops_forward(self) -> int:
@@ -97,15 +125,91 @@ def _with_images(shape: ConvShape, n: int) -> ConvShape:
     return ConvShape(n, shape.c, shape.h, shape.w, shape.k, shape.kh, shape.kw, shape.padding)
 
 
-def _check_array(name: str, a: np.ndarray, ndim: int) -> None:
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+# ------------------------------------------------------------------ checks shared by backends
+
+
+def check_float32(name: str, a) -> None:
+    """TypeError unless ``a`` (a numpy or cupy array) holds float32."""
     if a.dtype != np.float32:
         raise TypeError(f"{name} has dtype {a.dtype}, expected float32")
-    if a.ndim != ndim:
-        raise ValueError(f"{name} has shape {a.shape}, expected {ndim} dimensions")
+
+
+def check_contiguous(name: str, a) -> None:
+    """ValueError unless ``a`` is C-contiguous."""
     if not a.flags.c_contiguous:
         raise ValueError(f"{name} is not C-contiguous")
+
+
+def check_shape(name: str, a, expected: tuple[int, ...]) -> None:
+    """ValueError unless ``a`` has shape ``expected``."""
+    if tuple(a.shape) != expected:
+        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expected}")
+
+
+def _check_array(name: str, a: np.ndarray, ndim: int) -> None:
+    """What every public call checks of each array argument: a float32, C-contiguous numpy
+    array of ``ndim`` dimensions."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    check_float32(name, a)
+    if a.ndim != ndim:
+        raise ValueError(f"{name} has shape {a.shape}, expected {ndim} dimensions")
+    check_contiguous(name, a)
+
+
+def device_number(label: str, device: object, count: int, name_of: Callable[[int], str]) -> int:
+    """``device`` checked as a number of one of ``count`` devices (numbered from 0).
+
+    Args:
+        label: what the message calls the devices (``"CUDA"``, ``"OpenCL"``).
+        device: what the user passed.
+        count: how many devices there are.
+        name_of: a device number's name, for the message that lists the valid devices.
+
+    Raises:
+        ValueError: ``device`` is not an integer (a bool is not one) or not in 0..count-1;
+            the message lists the devices there are.
+    """
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+        raise ValueError(f"{label} device must be an integer, got {device!r}")
+    if not 0 <= device < count:
+        listing = "; ".join(f"{i}: {name_of(i)}" for i in range(count))
+        raise ValueError(
+            f"{label} device {device} does not exist: this machine has {count} "
+            f"(numbers 0..{count - 1}; {listing})"
+        )
+    return int(device)
+
+
+# ------------------------------------------------------------------------------- chunking
+
+
+def image_ranges(n: int, per_chunk: int) -> list[tuple[int, int]]:
+    """Consecutive (start, stop) ranges of ``per_chunk`` of ``n`` images (the last may be
+    smaller), covering 0..n-1 in order."""
+    return [(first, min(first + per_chunk, n)) for first in range(0, n, per_chunk)]
+
+
+def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    """Split ``n`` images into ``min(chunks, n)`` consecutive ranges whose sizes differ by at
+    most one (the largest is ``ceil(n / chunks)`` images).
+
+    Returns:
+        [(start, stop), ...] covering 0..n-1 in order.
+    """
+    if n < 1 or chunks < 1:
+        raise ValueError(f"need at least one image and one chunk, got n={n}, chunks={chunks}")
+    parts = min(chunks, n)
+    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+def fit_images(n: int, need: Callable[[int], int], budget: int) -> int:
+    """The most images, at most ``n`` and at least 1, whose ``need(images)`` fits ``budget``:
+    from ``n``, shrunk in proportion to the excess until it fits (or is 1)."""
+    images = n
+    while images > 1 and need(images) > budget:
+        images = max(1, images * budget // need(images))
+    return images
 
 
 def conv_shape(x_shape, w_shape, padding: PaddingSpec) -> ConvShape:
@@ -202,11 +306,17 @@ class Backend(ABC):
                 f"one image of {shape} needs {one / 2**20:.1f} MiB on {self.name}, more than "
                 f"its {budget / 2**20:.1f} MiB budget"
             )
-        images = shape.n
-        while images > 1 and self.working_set_bytes(_with_images(shape, images)) > budget:
-            images = max(1, images * budget // self.working_set_bytes(_with_images(shape, images)))
-            images = min(images, shape.n - 1)
-        return int(images)
+        return int(
+            fit_images(shape.n, lambda n: self.working_set_bytes(_with_images(shape, n)), budget)
+        )
+
+    def _batch_chunks(self, shape: ConvShape) -> list[tuple[slice, ConvShape]]:
+        """(images, their geometry) of each device call a call on ``shape`` is split into by
+        :meth:`_images_per_call`: one for the whole batch when it fits."""
+        return [
+            (slice(start, stop), _with_images(shape, stop - start))
+            for start, stop in image_ranges(shape.n, self._images_per_call(shape))
+        ]
 
     def conv_forward(
         self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, padding: PaddingSpec
@@ -229,14 +339,12 @@ class Backend(ABC):
             _check_array("bias", b, 1)
             if b.shape[0] != shape.k:
                 raise ValueError(f"bias has {b.shape[0]} entries, kernels {shape.k}")
-        step = self._images_per_call(shape)
-        if step >= shape.n:
+        chunks = self._batch_chunks(shape)
+        if len(chunks) == 1:
             return self._forward(x, w, b, shape)
-        ho, wo = shape.out_hw
-        out = np.empty((shape.n, shape.k, ho, wo), np.float32)
-        for first in range(0, shape.n, step):
-            part = x[first : first + step]
-            out[first : first + step] = self._forward(part, w, b, _with_images(shape, len(part)))
+        out = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
+        for images, chunk in chunks:
+            out[images] = self._forward(x[images], w, b, chunk)
         return out
 
     def conv_grad_input(
@@ -257,13 +365,12 @@ class Backend(ABC):
         _check_array("kernels", w, 4)
         shape = conv_shape((dy.shape[0], w.shape[1], *input_hw), w.shape, padding)
         self._check_dy(dy, shape)
-        step = self._images_per_call(shape)
-        if step >= shape.n:
+        chunks = self._batch_chunks(shape)
+        if len(chunks) == 1:
             return self._grad_input(dy, w, shape)
         out = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
-        for first in range(0, shape.n, step):
-            part = dy[first : first + step]
-            out[first : first + step] = self._grad_input(part, w, _with_images(shape, len(part)))
+        for images, chunk in chunks:
+            out[images] = self._grad_input(dy[images], w, chunk)
         return out
 
     def conv_grad_kernels(
@@ -284,23 +391,20 @@ class Backend(ABC):
         _check_array("output gradient", dy, 4)
         shape = conv_shape(x.shape, (dy.shape[1], x.shape[1], *kernel_hw), padding)
         self._check_dy(dy, shape)
-        step = self._images_per_call(shape)
-        if step >= shape.n:
+        chunks = self._batch_chunks(shape)
+        if len(chunks) == 1:
             return self._grad_kernels(x, dy, shape)
         dw = np.zeros((shape.k, shape.c, shape.kh, shape.kw), np.float32)
         db = np.zeros(shape.k, np.float32)
-        for first in range(0, shape.n, step):
-            xs, dys = x[first : first + step], dy[first : first + step]
-            part_w, part_b = self._grad_kernels(xs, dys, _with_images(shape, len(xs)))
+        for images, chunk in chunks:
+            part_w, part_b = self._grad_kernels(x[images], dy[images], chunk)
             dw += part_w
             db += part_b
         return dw, db
 
     @staticmethod
     def _check_dy(dy: np.ndarray, shape: ConvShape) -> None:
-        expected = (shape.n, shape.k, *shape.out_hw)
-        if dy.shape != expected:
-            raise ValueError(f"output gradient has shape {dy.shape}, expected {expected}")
+        check_shape("output gradient", dy, (shape.n, shape.k, *shape.out_hw))
 
     def synchronize(self) -> None:  # noqa: B027 - a no-op for host backends
         """Wait for queued device work (a no-op for host backends); used when timing."""
@@ -311,24 +415,46 @@ class Backend(ABC):
         """Seconds for one forward + backward of ``shape`` on random data (best of ``repeats``).
 
         This is the probe of the reference method: the real layer geometry, random values.
+        The seconds are what :meth:`probe_clock` measures over the public calls
+        (``conv_forward``, ``conv_grad_kernels`` and, with ``with_grad_input``,
+        ``conv_grad_input``) and a final :meth:`synchronize`: wall time here, device time on
+        backends that can time their own work (see their ``probe_clock``).
         """
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((shape.n, shape.c, shape.h, shape.w), dtype=np.float32)
         w = rng.standard_normal((shape.k, shape.c, shape.kh, shape.kw), dtype=np.float32)
         b = rng.standard_normal(shape.k, dtype=np.float32)
-        ho, wo = shape.out_hw
-        dy = rng.standard_normal((shape.n, shape.k, ho, wo), dtype=np.float32)
-        pad = (shape.padding.top, shape.padding.bottom, shape.padding.left, shape.padding.right)
+        dy = rng.standard_normal((shape.n, shape.k, *shape.out_hw), dtype=np.float32)
+        pad = shape.padding.sides
         best = float("inf")
         for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            self.conv_forward(x, w, b, pad)
-            self.conv_grad_kernels(x, dy, (shape.kh, shape.kw), pad)
-            if with_grad_input:
-                self.conv_grad_input(dy, w, (shape.h, shape.w), pad)
-            self.synchronize()
-            best = min(best, time.perf_counter() - start)
+            with self.probe_clock() as clock:
+                self.conv_forward(x, w, b, pad)
+                self.conv_grad_kernels(x, dy, (shape.kh, shape.kw), pad)
+                if with_grad_input:
+                    self.conv_grad_input(dy, w, (shape.h, shape.w), pad)
+                self.synchronize()
+            best = min(best, clock.seconds)
         return best
+
+    def probe_clock(self) -> WallClock | DeviceClock:
+        """The clock :meth:`time_step` reads: here the host's wall clock around the calls and
+        a final :meth:`synchronize`, so it counts everything a call costs (argument checks,
+        host work, copies, device work, waiting). Backends that time their own device work
+        return a :class:`DeviceClock` and charge it with :meth:`_charge_device_time`."""
+        return WallClock()
+
+    def _charge_device_time(self, seconds: float) -> None:
+        """Add ``seconds`` of device time, measured by the device, to every
+        :class:`DeviceClock` of this backend open in the calling thread."""
+        for clock in clocks_open_here():
+            if clock.backend is self:
+                clock.seconds += seconds
+
+    def _device_clock_open(self) -> bool:
+        """Whether a :class:`DeviceClock` of this backend is open in the calling thread (so
+        that a backend may skip the cost of timing its work when nobody reads the time)."""
+        return any(clock.backend is self for clock in clocks_open_here())
 
     @abstractmethod
     def _forward(

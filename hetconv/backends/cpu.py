@@ -30,7 +30,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from scipy.linalg import blas
 
-from .base import Backend, ConvShape, DeviceInfo
+from .base import Backend, ConvShape, DeviceInfo, fit_images, image_ranges
 
 DEFAULT_SCRATCH_BYTES = 256 * 2**20
 # Below this many values per GEMM term group (kw * C) the full im2col lowering is used.
@@ -131,8 +131,7 @@ class _Plan:
 
     @property
     def in_rows(self) -> int:  # padded image height
-        p = self.shape.padding
-        return self.shape.h + p.top + p.bottom
+        return self.shape.padded_hw[0]
 
     @property
     def lowered_rows(self) -> int:
@@ -140,8 +139,7 @@ class _Plan:
 
     @property
     def padded_width(self) -> int:
-        p = self.shape.padding
-        return self.shape.w + p.left + p.right
+        return self.shape.padded_hw[1]
 
     @property
     def terms(self) -> int:  # inner GEMM dimension: L * kw * C
@@ -163,12 +161,10 @@ class _Plan:
 @lru_cache(maxsize=256)
 def _plan(shape: ConvShape, scratch_bytes: int) -> _Plan:
     rows_per_group = shape.kh if shape.kw * shape.c < _FULL_LOWERING_BELOW else 1
-    images = shape.n
-    plan = _Plan(shape, images, rows_per_group)
-    while images > 1 and plan.scratch_bytes() > scratch_bytes:
-        images = max(1, images * scratch_bytes // plan.scratch_bytes())
-        plan = _Plan(shape, images, rows_per_group)
-    return plan
+    images = fit_images(
+        shape.n, lambda n: _Plan(shape, n, rows_per_group).scratch_bytes(), scratch_bytes
+    )
+    return _Plan(shape, images, rows_per_group)
 
 
 class _Scratch(threading.local):
@@ -232,13 +228,11 @@ class CpuBackend(Backend):
     def _lower(self, plan: _Plan, x: np.ndarray, first: int) -> np.ndarray:
         """Lower images ``first .. first + plan.images - 1``: (lowered rows, images*Wo*terms)."""
         s = plan.shape
-        p = s.padding
+        image_rows, image_cols = s.interior
         padded = self._scratch.get(
             "padded", (plan.in_rows, plan.images, plan.padded_width, s.c), zero=True
         )
-        padded[p.top : p.top + s.h, :, p.left : p.left + s.w] = x[
-            first : first + plan.images
-        ].transpose(2, 0, 3, 1)
+        padded[image_rows, :, image_cols] = x[first : first + plan.images].transpose(2, 0, 3, 1)
         lowered = self._scratch.get(
             "lowered",
             (plan.lowered_rows, plan.images, s.out_hw[1], plan.rows_per_group, s.kw, s.c),
@@ -272,8 +266,8 @@ class CpuBackend(Backend):
         return stacked.reshape(s.k, plan.positions)
 
     def _chunks(self, plan: _Plan):
-        for first in range(0, plan.shape.n, plan.images):
-            count = min(plan.images, plan.shape.n - first)
+        for first, stop in image_ranges(plan.shape.n, plan.images):
+            count = stop - first
             yield (
                 (plan if count == plan.images else _Plan(plan.shape, count, plan.rows_per_group)),
                 first,
@@ -319,7 +313,7 @@ class CpuBackend(Backend):
 
     def _grad_input(self, dy, w, shape):
         plan = _plan(shape, self.scratch_bytes)
-        p = shape.padding
+        image_rows, image_cols = shape.interior
         wo = shape.out_hw[1]
         kernels = self._grouped_kernels(plan, w)
         dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
@@ -342,7 +336,7 @@ class CpuBackend(Backend):
                     padded[row : row + chunk.lowered_rows, :, col : col + wo] += lowered[
                         :, :, :, row, col
                     ]
-            inner = padded[p.top : p.top + shape.h, :, p.left : p.left + shape.w]
+            inner = padded[image_rows, :, image_cols]
             np.copyto(dx[first : first + chunk.images], inner.transpose(1, 3, 0, 2))
         return dx
 

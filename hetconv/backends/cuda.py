@@ -22,24 +22,36 @@ adds only what is CUDA-specific:
   whose working set exceeds the budget before the pipeline splits it further. The budget
   (``describe().memory_bytes``) is a fraction of the device memory free when the backend
   was created.
+* **The probe** (``time_step``) times device work with CUDA events on the GPU's clock, not
+  the host's: see :meth:`CudaBackend.probe_clock` for exactly what it counts.
 
-CuPy is imported lazily (module import needs only numpy), so the pure helpers here
-(:func:`chunk_bounds`, :func:`pipelined_working_set_bytes`) and ``is_available()`` are
-tested on machines without CuPy or without a GPU; ``is_available()`` never raises.
+CuPy is imported lazily (module import needs only numpy), so the pure helper here
+(:func:`pipelined_working_set_bytes`; the chunk split is :func:`.base.chunk_bounds`) and
+``is_available()`` are tested on machines without CuPy or without a GPU;
+``is_available()`` never raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from . import xpconv
-from .base import Backend, ConvShape, DeviceInfo, _with_images
+from .base import (
+    Backend,
+    ConvShape,
+    DeviceClock,
+    DeviceInfo,
+    _with_images,
+    chunk_bounds,
+    device_number,
+)
 
 #: Default number of image chunks a call is pipelined in (two streams alternate over them).
 DEFAULT_PIPELINE_CHUNKS = 4
@@ -53,19 +65,6 @@ _INSTALL_HINT = "pip install 'hetconv[cuda]'; a GPU machine may need 'cupy-cuda1
 
 
 # ------------------------------------------------------------------------------ pure helpers
-
-
-def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
-    """Split ``n`` images into ``min(chunks, n)`` consecutive ranges whose sizes differ by at
-    most one (the largest is ``ceil(n / chunks)`` images).
-
-    Returns:
-        [(start, stop), ...] covering 0..n-1 in order.
-    """
-    if n < 1 or chunks < 1:
-        raise ValueError(f"need at least one image and one chunk, got n={n}, chunks={chunks}")
-    parts = min(chunks, n)
-    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
 
 
 def pipelined_working_set_bytes(shape: ConvShape, chunks: int) -> int:
@@ -162,6 +161,19 @@ class _Slot:
         self.deliver: tuple[np.ndarray, np.ndarray] | None = None  # (pinned result, target)
 
 
+class _Span:
+    """One operation's span on the GPU clock, for the probe: from an event recorded on the
+    first stream before the operation's first upload to the latest of the events recorded
+    after its downloads, on whichever stream."""
+
+    def __init__(self, stream: Any):
+        self.start = stream.record()
+        self.ends: list[Any] = []
+
+    def seconds(self, cp: Any) -> float:
+        return max(cp.cuda.get_elapsed_time(self.start, end) for end in self.ends) / 1e3
+
+
 class CudaBackend(Backend):
     """Convolutions on one NVIDIA GPU through CuPy (see the module docstring for the method).
 
@@ -188,18 +200,13 @@ class CudaBackend(Backend):
             raise ValueError(f"pipeline_chunks must be at least 1, got {pipeline_chunks}")
         cp = _import_cupy()
         count = int(cp.cuda.runtime.getDeviceCount())
-        number = 0 if device is None else device
-        if isinstance(number, bool) or not isinstance(number, (int, np.integer)):
-            raise ValueError(f"CUDA device must be an integer, got {device!r}")
-        if not 0 <= int(number) < count:
-            raise ValueError(
-                f"CUDA device {number} does not exist: this machine has {count} "
-                f"(numbers 0..{count - 1})"
-            )
         self._cp = cp
-        self.device = int(number)
+        self.device = device_number(
+            "CUDA", 0 if device is None else device, count, lambda i: _device_info(cp, i).name
+        )
         self.pipeline_chunks = int(pipeline_chunks)
         self._lock = threading.Lock()  # one call at a time: the slots' buffers are shared
+        self._span: _Span | None = None  # the GPU-clock span of the call being probed
         with cp.cuda.Device(self.device):
             free, _total = cp.cuda.runtime.memGetInfo()
             free += cp.get_default_memory_pool().free_bytes()  # pooled blocks are reusable
@@ -235,6 +242,37 @@ class CudaBackend(Backend):
         """Wait for all work queued on this backend's GPU (the operations already wait for
         their own results; this is for timing code that queues more)."""
         self._cp.cuda.Device(self.device).synchronize()
+
+    def probe_clock(self) -> DeviceClock:
+        """The probe (:meth:`time_step`) reads the GPU's clock (CUDA events), not the host's.
+
+        Each operation counts its span on the GPU clock: from an event recorded on the first
+        stream before its first upload (kernels, bias) to the latest of the events recorded
+        on either stream after each chunk's download (for the kernel gradient: after the
+        download of the summed gradients). So it counts the uploads, kernels and downloads a
+        real call pays, transfers that overlap computation once, and any moment within the
+        span the GPU waited for the host (staging the next chunk in pinned memory). Not
+        counted: the argument checks and batch split before the first upload, and moving the
+        last results out of pinned memory after the GPU is done.
+        """
+        return DeviceClock(self)
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Around one operation, inside its lock and device: when a probe's clock is open in
+        this thread, measure the operation's :class:`_Span` and charge it to the clock."""
+        if not self._device_clock_open():
+            yield
+            return
+        self._span = _Span(self._slots[0].stream)
+        for slot in self._slots[1:]:  # nothing of the operation may start before the span
+            slot.stream.wait_event(self._span.start)
+        try:
+            yield
+            seconds = self._span.seconds(self._cp)
+        finally:
+            self._span = None
+        self._charge_device_time(seconds)
 
     def gemm_gflops(self, size: int = 4096, repeats: int = 3) -> float:
         """cuBLAS SGEMM speed (``cupy.matmul``) on ``size``-square matrices on this GPU."""
@@ -310,6 +348,8 @@ class CudaBackend(Backend):
                         _to_host(result, pinned, slot.stream)
                         slot.deliver = (pinned, out[start:stop])
                     slot.done = slot.stream.record()
+                    if self._span is not None:
+                        self._span.ends.append(slot.done)
         finally:  # also after an error: no stream may still use buffers or freed arrays
             for slot in self._slots:
                 try:
@@ -332,7 +372,7 @@ class CudaBackend(Backend):
     def _forward(self, x, w, b, shape):
         ho, wo = shape.out_hw
         y = np.empty((shape.n, shape.k, ho, wo), np.float32)
-        with self._lock, self._cp.cuda.Device(self.device):
+        with self._lock, self._cp.cuda.Device(self.device), self._timed():
             w_dev, b_dev = self._upload_constants(w, b)
 
             def compute(_slot, chunk, x_dev):
@@ -343,7 +383,7 @@ class CudaBackend(Backend):
 
     def _grad_input(self, dy, w, shape):
         dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
-        with self._lock, self._cp.cuda.Device(self.device):
+        with self._lock, self._cp.cuda.Device(self.device), self._timed():
             (w_dev,) = self._upload_constants(w)
 
             def compute(_slot, chunk, dy_dev):
@@ -354,7 +394,7 @@ class CudaBackend(Backend):
 
     def _grad_kernels(self, x, dy, shape):
         cp = self._cp
-        with self._lock, cp.cuda.Device(self.device):
+        with self._lock, cp.cuda.Device(self.device), self._timed():
             sums: list[list[Any] | None] = [None] * len(self._slots)
 
             def compute(slot, chunk, x_dev, dy_dev):
@@ -380,6 +420,8 @@ class CudaBackend(Backend):
                 db_pinned = self._staging(first, "db", db.shape)
                 _to_host(dw_dev, dw_pinned, first.stream)
                 _to_host(db_dev, db_pinned, first.stream)
+                if self._span is not None:
+                    self._span.ends.append(first.stream.record())
                 first.stream.synchronize()
             np.copyto(dw, dw_pinned)
             np.copyto(db, db_pinned)

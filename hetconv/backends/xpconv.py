@@ -32,9 +32,13 @@ memory and work for a 50 -> 500 kernel layer; (2) it needs no special case when 
 is larger than the kernel (the full correlation then needs negative padding, i.e. a crop);
 (3) each tap is one deterministic elementwise kernel on a GPU -- no atomics, so results are
 bit-reproducible, which the cluster's exactness test relies on. The price is kh*kw
-read-modify-write passes over the padded input gradient; MEASURED.md found both
-formulations 1.5-2.6x slower than oneDNN on a CPU, and a fused col2im kernel is the obvious
-CUDA-specific refinement if it ever shows in a profile.
+read-modify-write passes over the padded input gradient, and a fused col2im kernel is the
+obvious CUDA-specific refinement if it ever shows in a profile. Measured with numpy on a CPU
+(``python benchmarks/input_grad_formulations.py``: the C1 and C2 layers of the 50:500 and
+150:800 networks at batch 16, each formulation's time over PyTorch's oneDNN input gradient;
+three runs on a shared 2-core AMD EPYC, so the ranges are wide): on the C2 layers, where the
+time goes, col2im took 0.7-1.6x and the full correlation 1.6-4.3x PyTorch's time; on the C1
+layers (3 input channels) col2im took 0.2-0.8x and the full correlation 1.0-19x.
 
 .. note::
     Results agree with :class:`~hetconv.backends.CpuBackend` to float32 round-off, not
@@ -47,7 +51,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import ConvShape
+from .base import ConvShape, check_float32, check_shape
 
 # An array module (numpy or cupy) and its arrays. Typed loosely on purpose: cupy is optional.
 ArrayModule = Any
@@ -59,31 +63,24 @@ __all__ = ["forward", "grad_input", "grad_kernels", "peak_values", "workspace_va
 # ----------------------------------------------------------------------------- shared steps
 
 
-def _padded_hw(shape: ConvShape) -> tuple[int, int]:
-    p = shape.padding
-    return shape.h + p.top + p.bottom, shape.w + p.left + p.right
-
-
 def _taps(shape: ConvShape) -> int:
     """Rows of the column matrix: C * kh * kw."""
     return shape.c * shape.kh * shape.kw
 
 
-def _check(xp: ArrayModule, name: str, a: Array, expected: tuple[int, ...]) -> None:
-    if a.dtype != xp.float32:
-        raise TypeError(f"{name} has dtype {a.dtype}, expected float32")
-    if tuple(a.shape) != expected:
-        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expected}")
+def _check(name: str, a: Array, expected: tuple[int, ...]) -> None:
+    """float32 and shape ``expected`` (numpy and cupy arrays alike: both have numpy dtypes)."""
+    check_float32(name, a)
+    check_shape(name, a, expected)
 
 
 def _pad(xp: ArrayModule, x: Array, shape: ConvShape) -> Array:
     """x (N, C, H, W) zero-padded to (N, C, Hp, Wp); x itself when there is no padding."""
-    p = shape.padding
-    if p.top == p.bottom == p.left == p.right == 0:
+    if not any(shape.padding.sides):
         return x
-    hp, wp = _padded_hw(shape)
-    padded = xp.zeros((shape.n, shape.c, hp, wp), dtype=xp.float32)
-    padded[:, :, p.top : p.top + shape.h, p.left : p.left + shape.w] = x
+    padded = xp.zeros((shape.n, shape.c, *shape.padded_hw), dtype=xp.float32)
+    rows, cols = shape.interior
+    padded[:, :, rows, cols] = x
     return padded
 
 
@@ -129,10 +126,10 @@ def forward(xp: ArrayModule, x: Array, w: Array, b: Array | None, shape: ConvSha
         float32 (N, K, Ho, Wo) feature maps, C-contiguous, on ``xp``'s device.
     """
     ho, wo = shape.out_hw
-    _check(xp, "input", x, (shape.n, shape.c, shape.h, shape.w))
-    _check(xp, "kernels", w, (shape.k, shape.c, shape.kh, shape.kw))
+    _check("input", x, (shape.n, shape.c, shape.h, shape.w))
+    _check("kernels", w, (shape.k, shape.c, shape.kh, shape.kw))
     if b is not None:
-        _check(xp, "bias", b, (shape.k,))
+        _check("bias", b, (shape.k,))
     cols = _im2col(xp, x, shape)
     by_kernel = xp.matmul(w.reshape(shape.k, _taps(shape)), cols)  # (K, N*Ho*Wo)
     del cols
@@ -161,8 +158,8 @@ def grad_kernels(xp: ArrayModule, x: Array, dy: Array, shape: ConvShape) -> tupl
         over the N images and C-contiguous.
     """
     ho, wo = shape.out_hw
-    _check(xp, "input", x, (shape.n, shape.c, shape.h, shape.w))
-    _check(xp, "output gradient", dy, (shape.n, shape.k, ho, wo))
+    _check("input", x, (shape.n, shape.c, shape.h, shape.w))
+    _check("output gradient", dy, (shape.n, shape.k, ho, wo))
     cols = _im2col(xp, x, shape)
     dy_by_kernel = _output_major(xp, dy, shape)
     dw = xp.matmul(dy_by_kernel, cols.T)  # (K, C*kh*kw)
@@ -183,22 +180,21 @@ def grad_input(xp: ArrayModule, dy: Array, w: Array, shape: ConvShape) -> Array:
         float32 (N, C, H, W), C-contiguous, on ``xp``'s device.
     """
     ho, wo = shape.out_hw
-    _check(xp, "output gradient", dy, (shape.n, shape.k, ho, wo))
-    _check(xp, "kernels", w, (shape.k, shape.c, shape.kh, shape.kw))
+    _check("output gradient", dy, (shape.n, shape.k, ho, wo))
+    _check("kernels", w, (shape.k, shape.c, shape.kh, shape.kw))
     dy_by_kernel = _output_major(xp, dy, shape)
     dcols = xp.matmul(w.reshape(shape.k, _taps(shape)).T, dy_by_kernel)  # (C*kh*kw, N*Ho*Wo)
     del dy_by_kernel
     dcols = dcols.reshape(shape.c, shape.kh, shape.kw, shape.n, ho, wo)
     # col2im: channel-major (C, N, Hp, Wp) so each tap's slice-add walks both operands in
     # the same memory order (coalesced on a GPU); one transposing crop at the end.
-    hp, wp = _padded_hw(shape)
-    dpadded = xp.zeros((shape.c, shape.n, hp, wp), dtype=xp.float32)
+    dpadded = xp.zeros((shape.c, shape.n, *shape.padded_hw), dtype=xp.float32)
     for i in range(shape.kh):
         for j in range(shape.kw):
             dpadded[:, :, i : i + ho, j : j + wo] += dcols[:, i, j]
     del dcols
-    p = shape.padding
-    inner = dpadded[:, :, p.top : p.top + shape.h, p.left : p.left + shape.w]
+    rows, cols = shape.interior
+    inner = dpadded[:, :, rows, cols]
     dx = xp.empty((shape.n, shape.c, shape.h, shape.w), dtype=xp.float32)
     xp.copyto(dx, inner.transpose(1, 0, 2, 3))
     return dx
@@ -217,15 +213,12 @@ def peak_values(shape: ConvShape) -> dict[str, int]:
     Allocator rounding and library workspaces (cuBLAS) come on top.
     """
     ho, wo = shape.out_hw
-    hp, wp = _padded_hw(shape)
-    p = shape.padding
+    hp, wp = shape.padded_hw
     inputs = shape.n * shape.c * shape.h * shape.w  # x or dx
     outputs = shape.n * shape.k * ho * wo  # y or dy (and each transposed copy of them)
     kernels = shape.k * _taps(shape)
     cols = _taps(shape) * shape.n * ho * wo
-    padded = (
-        0 if (p.top, p.bottom, p.left, p.right) == (0, 0, 0, 0) else shape.n * shape.c * hp * wp
-    )
+    padded = shape.n * shape.c * hp * wp if any(shape.padding.sides) else 0
     dy_copy = 0 if shape.n == 1 else outputs
     forward_peak = (
         inputs
