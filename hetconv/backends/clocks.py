@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .base import Backend
 
 
 class WallClock:
@@ -47,7 +43,7 @@ class DeviceClock:
     time ``backend`` reports (:meth:`Backend._charge_device_time`) for the calls made on it
     by this thread while the block is open. Calls from other threads are not counted."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: object) -> None:  # a Backend (base.py imports this module)
         self.backend = backend
         self.seconds = 0.0
 
