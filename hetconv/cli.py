@@ -207,8 +207,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.local:
         if addresses:
             raise ValueError("--local runs no workers; drop --worker/--workers-file")
-        train(config, LocalConv())
-        return 0
+        return _final_checkpoint_status(config.checkpoint_dir, train(config, LocalConv()).steps)
     cluster_config = ClusterConfig(
         master_compute=args.master_compute,
         connect_timeout=args.connect_timeout,
@@ -221,11 +220,36 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:
-            train(config, cluster)
+            result = train(config, cluster)
+    else:
+        with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
+            result = train(config, cluster)
+    return _final_checkpoint_status(config.checkpoint_dir, result.steps)
+
+
+def _final_checkpoint_status(checkpoint_dir: str | None, steps: int) -> int:
+    """0, or 1 saying so when a run with --checkpoint-dir ended without its final checkpoint
+    (the disk filled, the folder vanished: training reported the failure and went on)."""
+    if not checkpoint_dir:
         return 0
-    with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
-        train(config, cluster)
-    return 0
+    from hetconv.master.checkpoint import CheckpointDir
+
+    checkpoints = CheckpointDir(checkpoint_dir)
+    final = checkpoints.file_for(steps)
+    committed = checkpoints.pointer()
+    if committed == final and final.is_file():
+        return 0
+    latest = (
+        f"the latest checkpoint there is {committed}"
+        if committed is not None and committed.is_file()
+        else "there is no checkpoint there"
+    )
+    print(
+        f"hetconv: error: the final checkpoint (step {steps}) could not be written in "
+        f"{checkpoints.path} (see above); {latest}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:

@@ -11,6 +11,7 @@ import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -192,9 +193,11 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Read one batch file: uint8 images (n, 3, 32, 32) and int64 labels (n,)."""
     try:
         with path.open("rb") as f:
-            # Security: unpickling can run arbitrary code. It is done only here, on the local
-            # CIFAR-10 files the user explicitly pointed us at (the official format is a pickle).
-            batch = pickle.load(f, encoding="bytes")
+            # Security: a pickle can name any callable and have it run. _CifarUnpickler admits
+            # only the few globals genuine CIFAR-10 files name, and builds arrays itself.
+            batch = _CifarUnpickler(f, path).load()
+    except DatasetError:
+        raise
     except Exception as exc:
         raise DatasetError(f"{path}: cannot unpickle CIFAR batch ({exc!r})") from exc
     if not isinstance(batch, dict):
@@ -232,6 +235,143 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     # Each row is 1024 R, 1024 G, 1024 B values, each plane 32x32 row-major: a plain reshape.
     images = np.ascontiguousarray(data.reshape(-1, *IMAGE_SHAPE))
     return images, labels
+
+
+# -- reading the pickles safely -----------------------------------------------------------
+#
+# The official files are pickles, and unpickling can run any callable a file names. What a
+# genuine file names (found by recording find_class while loading files made as the official
+# ones were: Python 2's cPickle at protocol 2 with numpy 1.x, and Python 3 with numpy 2 at
+# protocols 2 to 5) is: numpy's array reconstructor (``numpy.core.multiarray._reconstruct``,
+# ``numpy._core.multiarray._reconstruct`` since numpy 2, or ``_frombuffer`` in ``numeric`` at
+# protocol 5), ``numpy.ndarray``, ``numpy.dtype``, and ``_codecs.encode`` (Python 3 writes bytes
+# that way at protocol 2). Everything else is refused when it is named, before it can run.
+#
+# Even the admitted names never reach numpy's own __setstate__ (which trusts its input: a
+# doctored dtype state can flag a uint8 dtype as holding object pointers): they map to the
+# stand-ins below, which check the state and build plain numeric arrays with np.frombuffer.
+
+_PLAIN_DTYPE_KINDS = "biuf"  # bool, signed and unsigned ints, floats: no pointers, no fields
+
+
+class _DtypeStandIn:
+    """What ``numpy.dtype(code, align, copy)`` plus its pickled state describe, checked."""
+
+    def __init__(self, code: object, align: object = False, copy: object = True):
+        if isinstance(code, bytes):
+            code = code.decode("ascii", "replace")
+        if not isinstance(code, str) or len(code) > 8:
+            raise ValueError(f"dtype code {code!r} is not a plain numeric type")
+        try:
+            dtype = np.dtype(code)
+        except TypeError as exc:
+            raise ValueError(f"dtype code {code!r} is not a numpy type") from exc
+        if dtype.kind not in _PLAIN_DTYPE_KINDS or dtype.fields is not None or dtype.subdtype:
+            raise ValueError(f"dtype {code!r} is not a plain numeric type")
+        self.dtype = dtype
+
+    def __setstate__(self, state: object) -> None:
+        # (version, byteorder, subarray, names, fields, elsize, alignment, flags[, metadata])
+        if not isinstance(state, tuple) or len(state) not in (8, 9) or state[0] not in (3, 4):
+            raise ValueError(f"dtype state {state!r} is not a plain numeric dtype's")
+        byteorder = state[1].decode("ascii") if isinstance(state[1], bytes) else state[1]
+        if byteorder not in ("<", ">", "|", "=") or state[2:5] != (None, None, None):
+            raise ValueError("dtype state has a byte order, subarray or fields of its own")
+        if state[7] != 0 or (len(state) == 9 and state[8] is not None):
+            raise ValueError(f"dtype state has flags {state[7]!r} (a plain dtype has none)")
+        if byteorder in "<>":
+            self.dtype = self.dtype.newbyteorder(byteorder)
+
+
+class _ArrayStandIn:
+    """What ``_reconstruct(ndarray, (0,), b'b')`` plus its pickled state describe."""
+
+    array: np.ndarray | None = None
+
+    def __setstate__(self, state: object) -> None:
+        # (version, shape, dtype, is_fortran, raw bytes)
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise ValueError("array state is not (version, shape, dtype, order, data)")
+        _, shape, dtype, fortran, raw = state
+        self.array = _plain_array(raw, dtype, shape, "F" if fortran else "C")
+
+
+def _plain_array(raw: object, dtype: object, shape: object, order: object) -> np.ndarray:
+    if not isinstance(dtype, _DtypeStandIn):
+        raise ValueError(f"array dtype is {type(dtype).__name__}, not a pickled numpy dtype")
+    if not isinstance(raw, bytes | bytearray):
+        raise ValueError(f"array data is {type(raw).__name__}, not bytes")
+    if not isinstance(shape, tuple) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+        raise ValueError(f"array shape {shape!r} is not a tuple of sizes")
+    if int(np.prod(shape, dtype=object)) * dtype.dtype.itemsize != len(raw):
+        raise ValueError(f"array of shape {shape} {dtype.dtype} does not fit {len(raw)} bytes")
+    if order not in ("C", "F"):
+        raise ValueError(f"array order {order!r} is not 'C' or 'F'")
+    return np.frombuffer(raw, dtype.dtype).reshape(shape, order=order).copy()
+
+
+def _reconstruct(subtype: object, shape: object, typecode: object) -> _ArrayStandIn:
+    if subtype is not _NDARRAY or shape != (0,) or typecode not in (b"b", "b"):
+        raise ValueError("array reconstruction is not numpy's ndarray pickle")
+    return _ArrayStandIn()
+
+
+def _frombuffer(buffer: object, dtype: object, shape: object, order: object) -> np.ndarray:
+    return _plain_array(buffer, dtype, shape, order)
+
+
+def _latin1(text: object, encoding: object = "utf-8") -> bytes:
+    # Python 3 pickles bytes at protocol 2 as _codecs.encode('\x..', 'latin1').
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise ValueError(f"_codecs.encode is admitted for latin1 text only, not {encoding!r}")
+    return text.encode("latin1")
+
+
+_NDARRAY = object()  # numpy.ndarray: only ever passed to _reconstruct, never called
+
+_ADMITTED: dict[tuple[str, str], object] = {
+    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy.core.numeric", "_frombuffer"): _frombuffer,
+    ("numpy._core.numeric", "_frombuffer"): _frombuffer,
+    ("numpy", "ndarray"): _NDARRAY,
+    ("numpy", "dtype"): _DtypeStandIn,
+    ("_codecs", "encode"): _latin1,
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles a CIFAR-10 batch file: dicts, lists, tuples, ints, strings, bytes and plain
+    numeric arrays. Any other global a file names is refused (DatasetError) before it runs."""
+
+    def __init__(self, file: BinaryIO, path: Path):
+        super().__init__(file, encoding="bytes")
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> object:
+        admitted = _ADMITTED.get((module, name))
+        if admitted is None:
+            raise DatasetError(
+                f"{self._path}: refusing to load {f'{module}.{name}'!r} "
+                "(CIFAR-10 files hold only arrays, lists and strings)"
+            )
+        return admitted
+
+    def persistent_load(self, pid: object) -> object:
+        raise DatasetError(f"{self._path}: refusing a persistent reference {pid!r}")
+
+    def load(self) -> object:
+        loaded = super().load()
+        # An array pickled as _reconstruct + state is one of our stand-ins until here.
+        if isinstance(loaded, dict):
+            for key, value in loaded.items():
+                if isinstance(value, _ArrayStandIn):
+                    if value.array is None:
+                        raise ValueError(f"array {key!r} has no state")
+                    loaded[key] = value.array
+        return loaded
 
 
 # --------------------------------------------------------------------------------------------

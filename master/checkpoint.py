@@ -36,10 +36,13 @@ loader then reports it by name and falls back to the next older checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
+import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -324,7 +327,7 @@ class CheckpointDir:
     """A folder of numbered checkpoints and the ``latest`` pointer that commits them.
 
     Args:
-        path: the folder (created on the first write).
+        path: the folder (created by :meth:`prepare`, or by the first write without it).
         keep: how many committed checkpoints to keep; older ones are deleted.
     """
 
@@ -333,6 +336,52 @@ class CheckpointDir:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.path = Path(path)
         self.keep = keep
+        self._prepared = False
+
+    def prepare(self) -> None:
+        """Make sure checkpoints can be written here, before a run computes anything.
+
+        Creates the folder (and its parents) if missing, then writes, fsyncs and removes a
+        probe file in it. After this, :meth:`write` no longer creates the folder: one that
+        vanishes mid-run (a drive unmounted, the folder deleted) fails the write instead of
+        being silently recreated elsewhere.
+
+        Raises:
+            CheckpointError: naming the path: it is not a directory, or it is not writable
+                (cannot be created, or a file cannot be written in it), and why.
+        """
+        path = self.path
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(
+                f"checkpoint directory {path} is not a directory (a file of that name exists; "
+                "choose another --checkpoint-dir)"
+            )
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+            why = f"{blocker} is not a directory" if blocker is not None else e.strerror
+            raise CheckpointError(
+                f"checkpoint directory {path} is not writable: it cannot be created ({why})"
+            ) from None
+        probe = None
+        try:
+            # Named like a temporary checkpoint: remove_temporaries deletes it if we are killed.
+            fd, probe = tempfile.mkstemp(prefix=f"ckpt-probe{_TEMPORARY_MARK}", dir=path)
+            try:
+                os.write(fd, b"hetconv checks this folder is writable\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            if probe is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(probe)
+            raise CheckpointError(
+                f"checkpoint directory {path} is not writable ({e.strerror or e})"
+            ) from None
+        self._prepared = True
 
     def file_for(self, step: int) -> Path:
         return self.path / f"ckpt-{step:08d}.npz"
@@ -358,7 +407,10 @@ class CheckpointDir:
 
     def write(self, state: TrainingState) -> Path:
         """Write ``state`` as ``ckpt-<step>.npz``, commit it in ``latest``, drop old ones."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        if not self._prepared:
+            self.path.mkdir(parents=True, exist_ok=True)
+        elif not self.path.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"checkpoint directory {self.path} is gone")
         target = self.file_for(state.step)
         arrays = _to_arrays(state)
         _replace_atomically(target, lambda f: _write_npz(f, arrays))

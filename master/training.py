@@ -245,6 +245,9 @@ class _Run:
     def _find_checkpoint(self) -> None:
         config = self.config
         self.checkpoints = CheckpointDir(config.checkpoint_dir, keep=config.checkpoint_keep)
+        # Before anything is computed: a folder that cannot take a checkpoint is refused now,
+        # not reported at every checkpoint of a run that then ends with none.
+        self.checkpoints.prepare()
         self.fingerprint = run_fingerprint(
             preset=config.preset,
             spec=self.spec,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +140,194 @@ def test_garbage_bytes(tmp_path: Path, content: bytes) -> None:
     _write_cifar(tmp_path)
     (tmp_path / "data_batch_1").write_bytes(content)
     with pytest.raises(DatasetError, match="data_batch_1.*unpickle"):
+        load_cifar10(tmp_path)
+
+
+# -------------------------------------------------------------- CIFAR-10 files are only data
+
+# Which globals a genuine file names (found by generating files as the official ones were made
+# and recording every find_class call): Python 2's cPickle (protocol 2, numpy 1.x, as the
+# official tarball holds) names numpy.core.multiarray._reconstruct, numpy.ndarray, numpy.dtype;
+# Python 3 with numpy 2 names numpy._core.multiarray._reconstruct instead, plus _codecs.encode for
+# bytes at protocol 2, and numpy._core.numeric._frombuffer at protocol 5. The loader admits
+# exactly these; anything else is refused before it can run.
+
+
+def _short(value: bytes) -> bytes:
+    """A Python 2 str (here: bytes) as cPickle wrote it: SHORT_BINSTRING or BINSTRING."""
+    if len(value) < 256:
+        return b"U" + bytes([len(value)]) + value
+    return b"T" + struct.pack("<i", len(value)) + value
+
+
+def _int(value: int) -> bytes:
+    if 0 <= value < 256:
+        return b"K" + bytes([value])
+    if 0 <= value < 65536:
+        return b"M" + struct.pack("<H", value)
+    return b"J" + struct.pack("<i", value)
+
+
+def _python2_pickle(batch: dict) -> bytes:
+    """``batch`` opcode for opcode as Python 2's ``cPickle.dump(batch, f, 2)`` with numpy 1.x
+    wrote the official CIFAR-10 python-version files (Python 2 is not installed here)."""
+    data = batch[b"data"]
+    array = (
+        b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85"
+        + _short(b"b")
+        + b"\x87R("  # _reconstruct(ndarray, (0,), 'b'), then its state:
+        + _int(1)
+        + _int(data.shape[0])
+        + _int(data.shape[1])
+        + b"\x86cnumpy\ndtype\n"
+        + _short(b"u1")
+        + b"K\x00K\x01\x87R(K\x03"
+        + _short(b"|")
+        + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89"
+        + _short(data.tobytes())
+        + b"tb"
+    )
+    labels = b"](" + b"".join(_int(v) for v in batch[b"labels"]) + b"e"
+    names = b"](" + b"".join(_short(v) for v in batch[b"filenames"]) + b"e"
+    return (
+        b"\x80\x02}("
+        + _short(b"data")
+        + array
+        + _short(b"labels")
+        + labels
+        + _short(b"batch_label")
+        + _short(batch[b"batch_label"])
+        + _short(b"filenames")
+        + names
+        + b"u."
+    )
+
+
+def test_python2_file_is_what_pickle_reads_as_the_batch() -> None:
+    batch = _official_batch(4, 7)
+    loaded = pickle.loads(_python2_pickle(batch), encoding="bytes")  # trusted: our own bytes
+    assert loaded.keys() == batch.keys()
+    np.testing.assert_array_equal(loaded[b"data"], batch[b"data"])
+    assert loaded[b"labels"] == batch[b"labels"]
+    assert loaded[b"filenames"] == batch[b"filenames"]
+
+
+@pytest.mark.parametrize("protocol", ["python2", 2, 3, 4, 5])
+def test_genuine_files_load(tmp_path: Path, protocol) -> None:
+    batches = _write_cifar(tmp_path)
+    for name, batch in batches.items():
+        if protocol == "python2":
+            (tmp_path / name).write_bytes(_python2_pickle(batch))
+        else:
+            (tmp_path / name).write_bytes(pickle.dumps(batch, protocol=protocol))
+    for split, files in (("train", TRAIN_FILES), ("test", ["test_batch"])):
+        ds = load_cifar10(tmp_path, split)
+        data = np.concatenate([batches[f][b"data"] for f in files])
+        np.testing.assert_array_equal(ds.images.reshape(len(ds), -1), data)
+        np.testing.assert_array_equal(ds.labels, sum((batches[f][b"labels"] for f in files), []))
+
+
+class _Payload:
+    """Unpickling this runs ``os.system`` (pickled as ``posix.system``): it creates ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+class _EvalPayload:
+    """Unpickling this runs ``eval`` (protocol 2 names it as Python 2 did: ``__builtin__``)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return eval, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def _planted(tmp_path: Path, payload, where: str) -> Path:
+    """CIFAR files whose data_batch_1 carries ``payload``; returns the marker it would create."""
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "cifar"
+    _write_cifar(folder)
+    batch = _official_batch(4, 0)
+    if where == "top":
+        obj: object = payload(marker)
+    elif where == "filenames":
+        batch[b"filenames"][2] = payload(marker)
+        obj = batch
+    else:
+        batch[b"data"] = payload(marker)
+        obj = batch
+    _write(folder / "data_batch_1", obj)
+    return marker
+
+
+@pytest.mark.parametrize("where", ["top", "filenames", "data"])
+@pytest.mark.parametrize(
+    ("payload", "global_name"), [(_Payload, "posix.system"), (_EvalPayload, "__builtin__.eval")]
+)
+def test_a_planted_payload_is_refused_and_never_runs(
+    tmp_path: Path, payload, global_name: str, where: str
+) -> None:
+    marker = _planted(tmp_path, payload, where)
+    original = (tmp_path / "cifar" / "data_batch_1").read_bytes()
+    with pytest.raises(DatasetError) as info:
+        load_cifar10(tmp_path / "cifar")
+    assert not marker.exists()
+    message = str(info.value)
+    assert "data_batch_1" in message and f"refusing to load '{global_name}'" in message
+    assert "CIFAR-10 files hold only arrays, lists and strings" in message
+    assert (tmp_path / "cifar" / "data_batch_1").read_bytes() == original  # left intact
+
+
+def test_hetconv_train_refuses_a_planted_payload(tmp_path: Path) -> None:
+    marker = _planted(tmp_path, _Payload, "filenames")
+    done = subprocess.run(
+        [sys.executable, "-m", "hetconv", "train", "--local", "--no-progress", "--steps", "1"]
+        + ["--dataset", "cifar10", "--data-dir", str(tmp_path / "cifar")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert not marker.exists()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "data_batch_1: refusing to load 'posix.system'" in done.stderr
+    assert "training" not in done.stdout + done.stderr.replace("hetconv: error:", "")
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [("numpy", "load"), ("numpy.core.multiarray", "scalar"), ("builtins", "getattr")],
+)
+def test_other_numpy_and_builtin_globals_are_refused(tmp_path: Path, module, name) -> None:
+    _write_cifar(tmp_path)
+    # A GLOBAL opcode naming module.name, then STOP: refused at the name, nothing called.
+    (tmp_path / "data_batch_2").write_bytes(b"\x80\x02c" + f"{module}\n{name}\n.".encode())
+    with pytest.raises(DatasetError, match=f"data_batch_2: refusing to load '{module}.{name}'"):
+        load_cifar10(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        # An object dtype (its array would hold pointers) and a structured one.
+        "(K\x03U\x01|NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK?tb",
+        "(K\x03U\x01|N(U\x01aU\x01btNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb",
+    ],
+    ids=["object-flags", "fields"],
+)
+def test_a_doctored_dtype_is_refused(tmp_path: Path, state: str) -> None:
+    batch = _official_batch(4, 0)
+    genuine = _python2_pickle(batch)
+    good = b"(K\x03U\x01|NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
+    assert genuine.count(good) == 1
+    _write_cifar(tmp_path)
+    (tmp_path / "data_batch_3").write_bytes(genuine.replace(good, state.encode("latin1")))
+    with pytest.raises(DatasetError, match="data_batch_3.*dtype"):
         load_cifar10(tmp_path)
 
 
