@@ -821,13 +821,31 @@ def test_no_package_source_unpickles_or_evaluates_anything():
         )
     }
     assert imported <= {"__future__", "os", "pickle", "dataclasses", "pathlib", "numpy", "typing"}
+    # No plain pickle.load/loads: the one unpickler is _CifarUnpickler, a pickle.Unpickler
+    # whose find_class admits only the globals genuine CIFAR-10 files name, and only
+    # _read_cifar_batch uses it.
+    uses = [
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name) and node.value.id == "pickle"
+    ]  # fmt: skip
+    assert uses == ["Unpickler"], uses
+    unpicklers = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and any(ast.unparse(base) == "pickle.Unpickler" for base in node.bases)
+    ]
+    assert [node.name for node in unpicklers] == ["_CifarUnpickler"]
+    assert "find_class" in {f.name for f in unpicklers[0].body if isinstance(f, ast.FunctionDef)}
     loaders = [
         function.name
         for function in ast.walk(tree)
         if isinstance(function, ast.FunctionDef)
         for node in ast.walk(function)
-        if isinstance(node, ast.Attribute) and node.attr == "load"
-        and isinstance(node.value, ast.Name) and node.value.id == "pickle"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        and node.func.id == "_CifarUnpickler"
     ]  # fmt: skip
     assert loaders == ["_read_cifar_batch"]
     # The worker side never loads a dataset.
