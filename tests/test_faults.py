@@ -391,6 +391,72 @@ def test_an_alias_added_to_the_workers_file_is_not_admitted(local, tmp_path):
     assert not any(e["event"] == "worker_joined" for e in events)
 
 
+# -- a worker answering NaN or Inf -----------------------------------------------------------
+
+# A real worker process that computes correctly but, at the step and phase its arguments name,
+# answers with a NaN (forward: in the feature maps) or an Inf (backward: in the last tensor, the
+# input gradient where there is one), well-formed on the wire.
+POISONED_WORKER = """
+import sys
+import numpy as np
+from hetconv.backends import get_backend
+from hetconv.calls import READY
+from hetconv.worker.service import ConvWorkerService, start_server
+
+PHASE, STEP = sys.argv[1], int(sys.argv[2])
+
+class Poisoned(ConvWorkerService):
+    def _receive(self, messages, call):
+        request, arrays, receive = super()._receive(messages, call)
+        self.step = request.step  # the master calls a worker one call at a time
+        return request, arrays, receive
+
+    def _poison(self, phase, tensors, value):
+        if phase == PHASE and self.step == STEP:
+            tensors[-1][1].flat[0] = value
+        return tensors
+
+    def forward(self, messages):
+        tensors, compute, receive = super().forward(messages)
+        return self._poison("forward", tensors, np.nan), compute, receive
+
+    def backward(self, messages):
+        tensors, compute, receive = super().backward(messages)
+        return self._poison("backward", tensors, np.inf), compute, receive
+
+server, address = start_server(Poisoned(get_backend("cpu")), "127.0.0.1:0")
+print(READY, address, flush=True)
+server.wait_for_termination()
+"""
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_worker_answering_nan_or_inf_is_dropped(local, tmp_path, phase):
+    process = subprocess.Popen(
+        [sys.executable, "-c", POISONED_WORKER, phase, "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OPENBLAS_NUM_THREADS="1"),
+    )  # fmt: skip
+    liar = None
+    for line in process.stdout:
+        if line.startswith(READY_LINE):
+            liar = line[len(READY_LINE) :].strip()
+            break
+    assert liar, "the poisoned worker did not start"
+    try:
+        shares = {"conv1": (4, 4), "conv2": (8, 8)}
+        with Disturbed([liar], {}, shares=shares) as cluster:
+            got = _train(tmp_path, f"poisoned-{phase}", cluster)
+            events = list(cluster.events)
+    finally:
+        process.terminate()
+        process.wait(10)
+    _same_as_local(got, local)
+    lost = [e for e in events if e["event"] == "worker_lost"]
+    assert [(e["worker"], e["step"]) for e in lost] == [(liar, 2)]
+    assert f"{phase} conv" in lost[0]["reason"] and "NaN or Inf" in lost[0]["reason"]
+
+
 # -- a worker that is down when training starts ----------------------------------------------
 
 
