@@ -49,6 +49,10 @@ class WorkerUnavailable(WorkerError):
     """The worker cannot be reached, went away, or missed its deadline."""
 
 
+class WorkerTLSError(WorkerUnavailable):
+    """The TLS handshake failed: a certificate or configuration problem that no retry fixes."""
+
+
 class WorkerAuthError(WorkerError):
     """The worker refused this master's token (UNAUTHENTICATED): a configuration error to
     report, not a worker to retry or work around."""
@@ -150,7 +154,7 @@ class WorkerClient:
         cls = WorkerUnavailable if gone else WorkerError
         return cls(self.address, f"{what} failed: {name}: {detail}", code)
 
-    def _tls_error(self, e: grpc.RpcError) -> WorkerUnavailable:
+    def _tls_error(self, e: grpc.RpcError) -> WorkerTLSError:
         host = self.address.rsplit(":", 1)[0]
         detail = (e.details() or "").lower()
         if self.tls_ca is None:
@@ -166,7 +170,7 @@ class WorkerClient:
                 f"its certificate is not signed by the CA in {self.tls_ca}, does not name "
                 f"{host}, or the worker does not serve TLS"
             )
-        return WorkerUnavailable(
+        return WorkerTLSError(
             self.address,
             f"TLS handshake failed (UNAVAILABLE): {why} [{_first_line(e.details())}]",
             grpc.StatusCode.UNAVAILABLE,

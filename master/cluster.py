@@ -30,6 +30,15 @@ The split is not fixed once, as in the paper: every ``rebalance_every`` steps ea
 compute is compared with its own at the same share earlier, and a node that got markedly slower
 (a laptop whose owner started something) or faster has its figure scaled and the shares are
 planned again.
+
+A worker that cannot be reached when training starts does not stop it: it starts lost (event
+``worker_lost``) and the monitor retries it like any lost worker, so it joins when it comes up;
+only when nothing could compute (no worker reached and ``master_compute`` off) does the start
+fail. A token the worker refuses or a failed TLS handshake still stops the start: no retry fixes
+a configuration. One worker process named under two addresses (its Describe's ``instance_id``
+twice) is refused at start, naming both: each address would get its own share of every layer,
+so the user surely meant two machines, or made a typo; merging them silently would train on
+fewer workers than the command line says.
 """
 
 from __future__ import annotations
@@ -42,10 +51,10 @@ from typing import TextIO
 from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
 
 from . import probing
-from .client import WorkerClient
-from .dispatch import CallContext, KernelSplit, PhaseRunner, SplitStrategy
+from .client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
+from .dispatch import Call, CallContext, KernelSplit, PhaseRunner, SplitStrategy
 from .events import EventLog
-from .membership import ACTIVE, LOST, MASTER, READY, Membership, Node, NodeState
+from .membership import ACTIVE, ALIAS, LOST, MASTER, READY, Membership, Node, NodeState
 from .planning import (
     COMPUTE_POLICY,
     LINK_POLICY,
@@ -72,7 +81,8 @@ class ClusterConfig:
         deadline_floor: seconds every call may take at least.
         deadline_factor: a call's deadline is the floor plus this many times what the probe and
             the measured link predict for it.
-        connect_timeout: seconds to wait for each worker to answer at start.
+        connect_timeout: seconds to wait for the workers to answer at start (all at once;
+            those that do not start lost and are retried while training).
         shares: layer name -> kernels per node (master first), overriding what the probe gives
             while every starting worker is active; for experiments and tests.
         retry_min, retry_max: seconds between attempts to reach a lost worker: doubling from
@@ -192,18 +202,70 @@ class Cluster:
         probing.connect(node, self.config.connect_timeout, deadline, timeout)
 
     def _reconnect(self, node: Node) -> dict[str, float]:
-        """A lost or joining worker: connect, probe every layer (the monitor thread)."""
+        """A lost or joining worker: connect, probe every layer (the monitor thread). Raises
+        :class:`~.membership.WorkerAlias` before probing a member's worker process again."""
         self._connect(node, timeout=min(2.0, self.config.connect_timeout))
+        self.membership.check_alias(node)
         probes = probing.probe_all(node, self._layers, self.backend, self.config.probe_repeats)
         self.drift.forget_node(node.name)  # it may come back as another machine, or less busy
         return probes
 
     def connect(self) -> None:
-        """Ask every worker what it runs on and measure its link; raises WorkerError if one
-        cannot be reached."""
+        """Ask every worker what it runs on and measure its link. A worker that does not
+        answer in ``connect_timeout`` starts lost (event ``worker_lost``; the monitor retries
+        it).
+
+        Raises:
+            WorkerAuthError, WorkerTLSError: a worker refused the token, or its TLS handshake
+                failed (configuration, which no retry fixes).
+            ValueError: two addresses reach one worker process.
+            RuntimeError: no worker answered and the master does not compute.
+        """
         probing.describe_master(self.nodes[0], self.backend)
-        for node in self.nodes[1:]:
-            self._connect(node)
+        workers = self.nodes[1:]
+        # Describe all at once: absent workers cost connect_timeout once, not each.
+        calls = [(node, Call(node.client.describe)) for node in workers]
+        unreachable: dict[str, WorkerError] = {}
+        for node, call in calls:
+            try:
+                call.result()
+            except (WorkerAuthError, WorkerTLSError):
+                raise
+            except WorkerError as e:
+                unreachable[node.name] = e
+        for node in workers:  # one at a time: the link measurements must not share the link
+            if node.name not in unreachable:
+                try:
+                    self._connect(node)
+                except (WorkerAuthError, WorkerTLSError):
+                    raise
+                except WorkerError as e:
+                    unreachable[node.name] = e
+        self._refuse_aliases([n for n in workers if n.name not in unreachable])
+        if len(unreachable) == len(workers) and workers and not self.config.master_compute:
+            reasons = "; ".join(str(e) for e in unreachable.values())
+            raise RuntimeError(
+                f"no worker could be reached and the master does not compute "
+                f"(--no-master-compute): nothing would compute. {reasons}"
+            )
+        for node in workers:
+            if node.name in unreachable:
+                node.description = "not reached yet"
+                self.membership.lose(node, unreachable[node.name], at_start=True)
+
+    @staticmethod
+    def _refuse_aliases(nodes: list[Node]) -> None:
+        seen: dict[int, Node] = {}
+        for node in nodes:
+            if not node.instance_id:
+                continue
+            first = seen.setdefault(node.instance_id, node)
+            if first is not node:
+                raise ValueError(
+                    f"workers {first.name} and {node.name} are one worker process (instance id "
+                    f"{node.instance_id:016x}) under two addresses: name it once (each name "
+                    "would get its own share of every layer)"
+                )
 
     def prepare(self, layers, batch: int, log: TextIO | None = None) -> None:
         """Connect, probe every node on every layer's real shape, set the shares, and start
@@ -219,6 +281,8 @@ class Cluster:
         self._layers = probing.planned_layers(layers, batch)
         for layer in self._layers:
             for node in self.nodes:  # one node at a time: nodes on one machine must not collide
+                if node.state != ACTIVE:  # unreachable at start: probed when it comes
+                    continue
                 node.probe_seconds[layer.name] = probing.probe(
                     node, layer, self.backend, self.config.probe_repeats
                 )
@@ -324,6 +388,7 @@ class Cluster:
 
 __all__ = [
     "ACTIVE",
+    "ALIAS",
     "LINK_POLICY",
     "LOST",
     "MASTER",

@@ -6,7 +6,10 @@ answers are put back together. :class:`PhaseRunner` does everything else, the sa
 strategy and both phases: it sends the workers' pieces concurrently (each call with a deadline
 from the probe and the measured link), computes the master's own piece meanwhile, waits, covers
 the pieces of workers that failed (the worker is lost; the step completes), records what moved
-and how long it took, and splits the time into communication and convolution.
+and how long it took, and splits the time into communication and convolution. An answer that
+holds NaN or Inf although every input of its piece was finite is a failure too: a convolution
+of finite numbers cannot produce them (short of overflowing float32, which local training would
+hit as well), so the worker is broken or lying.
 
 Today's strategy is :class:`KernelSplit` (the paper's): every node gets the same inputs and a
 slice of the kernels; feature maps come back into their channel slice of the output; backward
@@ -40,7 +43,7 @@ import numpy as np
 
 from hetconv.backends import Backend
 
-from .client import CallStats
+from .client import CallStats, WorkerError
 from .membership import ACTIVE, Membership, Node
 from .planning import LayerPlan
 
@@ -77,6 +80,21 @@ class Call:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def finite(*arrays) -> bool:
+    """Whether every value of every array (None: none) is finite. Measured here on 19 MB of
+    float32: ``np.isfinite(a).all()`` 0.5 ms (~38 GB/s), faster than a float32 ``a.sum()``
+    (0.7 ms, and one that overflows would need this look anyway)."""
+    return all(a is None or np.isfinite(a).all() for a in arrays)
+
+
+def _non_finite(piece: Piece, what: str) -> WorkerError:
+    return WorkerError(
+        piece.node.name,
+        f"{what}: bad answer: NaN or Inf from finite inputs (a convolution of finite numbers "
+        "cannot produce them)",
+    )
 
 
 @dataclass(frozen=True)
@@ -121,6 +139,9 @@ class PhaseJob(Protocol):
 
     def worker_request(self, piece: Piece) -> WorkerRequest: ...
 
+    def check(self, piece: Piece, answer) -> None:
+        """Raise if a worker's answer for ``piece`` cannot be right (it is then covered)."""
+
     def compute_locally(self, piece: Piece) -> None:
         """The master computes ``piece`` (its own, or a failed worker's) into the result."""
 
@@ -163,6 +184,11 @@ class _KernelForward:
             self.x.nbytes + self.w[sl].nbytes + self.y[:, sl].nbytes,
         )
 
+    def check(self, piece: Piece, answer) -> None:
+        sl = piece.part  # the feature maps arrived in place
+        if not finite(self.y[:, sl]) and finite(self.x, self.w[sl], self.b[sl]):
+            raise _non_finite(piece, f"forward {self.ctx.layer}")
+
     def compute_locally(self, piece: Piece) -> None:
         sl = piece.part
         self.y[:, sl] = self.backend.conv_forward(self.x, self.w[sl], self.b[sl], self.sides)
@@ -204,6 +230,13 @@ class _KernelBackward:
             },
             self.dy[:, sl].nbytes + dw.nbytes + dx_bytes,
         )
+
+    def check(self, piece: Piece, answer) -> None:
+        sl, dx_part = piece.part, answer[0]  # kernel gradients arrived in place
+        if not finite(self.dw[sl], self.db[sl], dx_part) and finite(
+            self.x, self.w[sl], self.dy[:, sl]
+        ):
+            raise _non_finite(piece, f"backward {self.ctx.layer}")
 
     def compute_locally(self, piece: Piece) -> None:
         sl = piece.part
@@ -302,7 +335,7 @@ class PhaseRunner:
         if own.size:
             job.compute_locally(own)
         master_seconds = time.perf_counter() - t0
-        done, failed = self._gather(calls)
+        done, failed = self._gather(job, calls)
         t0 = time.perf_counter()
         for piece in covered + failed:
             job.compute_locally(piece)
@@ -319,12 +352,15 @@ class PhaseRunner:
         self._account(time.perf_counter() - start, computes)
         return job.result()
 
-    def _gather(self, calls: list[tuple[Piece, Call]]):
-        """Wait for every worker call; (answers, failed pieces). A failed worker is lost."""
+    def _gather(self, job: PhaseJob, calls: list[tuple[Piece, Call]]):
+        """Wait for every worker call; (answers, failed pieces). A failed worker, or one whose
+        answer fails the job's check, is lost."""
         done, failed = [], []
         for piece, call in calls:
             try:
-                done.append((piece, call.result()))
+                answer = call.result()
+                job.check(piece, answer)
+                done.append((piece, answer))
             except Exception as e:  # WorkerError, or anything else a broken answer raises
                 self.membership.lose(piece.node, e)
                 failed.append(piece)

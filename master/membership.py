@@ -4,7 +4,13 @@ A worker is ``active`` (it gets a share), ``lost`` (a call failed; the monitor t
 with exponential backoff) or ``ready`` (it answered and was probed again; it becomes active at
 the next step boundary, so a step never changes membership half-way). Workers named in the
 workers file join the same way, starting lost with no backoff; workers whose line is removed
-leave at the next step boundary (workers named with ``--worker`` stay).
+leave at the next step boundary (workers named with ``--worker`` stay). A worker that cannot be
+reached when training starts starts lost, and joins like one that came back.
+
+One worker process reached under two addresses (``127.0.0.1:P`` and ``localhost:P``) would be
+counted twice: a worker that answers with the instance id of another member (Describe's
+``instance_id``, random per worker process) is an ``alias`` and is not admitted (event
+``worker_alias``); a joiner from the file is dropped (and not tried again while its line stays).
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ class NodeState(str, enum.Enum):
     ACTIVE = "active"
     LOST = "lost"
     READY = "ready"
+    ALIAS = "alias"  # another address of a member's worker process: never admitted
 
     def __str__(self) -> str:
         return self.value
 
 
-ACTIVE, LOST, READY = NodeState.ACTIVE, NodeState.LOST, NodeState.READY
+ACTIVE, LOST, READY, ALIAS = NodeState.ACTIVE, NodeState.LOST, NodeState.READY, NodeState.ALIAS
 
 
 @dataclass
@@ -67,6 +74,8 @@ class Node:
     state: NodeState = ACTIVE
     backoff: Backoff = field(default_factory=Backoff)
     joined: bool = False  # came from the workers file during training
+    was_active: bool = True  # it computed once (False: unreachable since the start)
+    instance_id: int = 0  # its worker process's, from Describe (0: not known)
     leaving: bool = False  # its line left the workers file: it goes at the next step boundary
 
     @property
@@ -90,6 +99,17 @@ def read_workers_file(path: str) -> list[str]:
     return addresses
 
 
+class WorkerAlias(Exception):
+    """The worker reached is another address of ``twin``'s worker process."""
+
+    def __init__(self, node: Node, twin: Node):
+        super().__init__(
+            f"the same worker process as {twin.name} (instance id {node.instance_id:016x}) "
+            "under another address: not admitted"
+        )
+        self.twin = twin
+
+
 @dataclass(frozen=True)
 class Admission:
     """What changed at a step boundary."""
@@ -108,7 +128,8 @@ class Membership:
         events: where membership events go.
         make_client: a new :class:`WorkerClient` for an address (a joiner).
         reconnect: connects and probes a lost or joining node, returning its probe seconds
-            per layer; raises if it cannot.
+            per layer; raises if it cannot (:class:`WorkerAlias` when the worker it reached is
+            a member's, see :meth:`check_alias`).
         retry_min, retry_max: the backoff's first and longest delay, seconds.
         workers_file: re-read every second by the monitor, or None.
     """
@@ -134,6 +155,7 @@ class Membership:
         self._workers_file = workers_file
         self._file_mtime = 0.0
         self._listed: set[str] = set()  # what the workers file named when last read
+        self._aliases: set[str] = set()  # file joiners refused as aliases (while listed)
         self._fixed = set(fixed)
         self._closed = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -169,6 +191,7 @@ class Membership:
             self._events.emit("workers_file_unreadable", reason=str(e))
             return
         listed = self._listed = set(addresses)
+        self._aliases &= listed  # a line removed and added again is tried again
         dropped = []
         with self.lock:
             for node in list(self.pending):  # joiners not admitted yet simply go
@@ -179,7 +202,7 @@ class Membership:
                 # Only workers the file named can leave through it: --worker ones stay. A
                 # worker named again before its step boundary stays too.
                 node.leaving = node.name not in listed and node.name not in self._fixed
-            known = {n.name for n in self.nodes + self.pending}
+            known = {n.name for n in self.nodes + self.pending} | self._aliases
             for address in addresses:
                 if address not in known:
                     node = Node(address, self._make_client(address), state=LOST, joined=True)
@@ -191,12 +214,17 @@ class Membership:
 
     # -- losing and finding workers ----------------------------------------------------
 
-    def lose(self, node: Node, error: Exception) -> None:
-        """A call to ``node`` failed: it is lost until the monitor reaches it again."""
+    def lose(self, node: Node, error: Exception, at_start: bool = False) -> None:
+        """A call to ``node`` failed: it is lost until the monitor reaches it again.
+
+        ``at_start``: it could not be reached when training started (it joins when it can).
+        """
         with self.lock:
             if node.state != ACTIVE:
                 return
             node.state = LOST
+            if at_start:
+                node.was_active = False
             node.backoff.failures = 0
             node.backoff.losses += 1
             node.backoff.retry_at = time.monotonic() + node.backoff.delay(*self._retry)
@@ -237,6 +265,9 @@ class Membership:
     def _try_rejoin(self, node: Node) -> None:
         try:
             probes = self._reconnect(node)
+        except WorkerAlias as e:
+            self._refuse_alias(node, e)
+            return
         except Exception as e:  # any failure: try again later, less often
             with self.lock:
                 node.backoff.failures += 1
@@ -251,6 +282,31 @@ class Membership:
         with self.lock:
             node.probe_seconds.update(probes)
             node.state = READY
+
+    def check_alias(self, node: Node) -> None:
+        """Raise :class:`WorkerAlias` if ``node`` (just described) reached the worker process
+        of another member or joiner: the same ``instance_id``."""
+        if not node.instance_id:  # a worker too old to say
+            return
+        with self.lock:
+            for other in self.nodes[1:] + self.pending:
+                same = other.instance_id == node.instance_id
+                if same and other is not node and other.state != ALIAS:
+                    raise WorkerAlias(node, other)
+
+    def _refuse_alias(self, node: Node, alias: WorkerAlias) -> None:
+        """A joiner from the file goes (not tried again while its line stays); a worker named
+        at start stays out, never retried."""
+        with self.lock:
+            joiner = node in self.pending
+            if joiner:
+                self.pending.remove(node)
+                self._aliases.add(node.name)
+            else:
+                node.state = ALIAS
+        if joiner:
+            node.client.close()
+        self._events.emit("worker_alias", node.name, of=alias.twin.name, reason=str(alias))
 
     # -- step boundaries ---------------------------------------------------------------
 
@@ -267,7 +323,9 @@ class Membership:
             for node in self.nodes[1:]:
                 if node.state == READY:
                     node.state = ACTIVE
-                    admitted.append((node, "worker_rejoined"))
+                    kind = "worker_rejoined" if node.was_active else "worker_joined"
+                    admitted.append((node, kind))
+                    node.was_active = True
             for node in list(self.pending):
                 if node.state == READY:
                     node.state = ACTIVE

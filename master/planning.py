@@ -182,7 +182,7 @@ def shares_table(nodes: Sequence[Node], plans: Mapping[str, LayerPlan], master_c
     for i, node in enumerate(nodes):
         link = (
             ""
-            if node.client is None
+            if node.client is None or not np.isfinite(node.link_bytes_per_second)  # not reached
             else f", link {node.link_bytes_per_second / 1e6:.0f} MB/s "
             f"rtt {1e3 * node.link_latency:.1f} ms"
         )

@@ -301,7 +301,10 @@ def test_named_workers_and_workers_file(workers, tmp_path, policy):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--worker", "127.0.0.1:1", "--connect-timeout", "1"], "no answer within 1 s"),
+        (
+            ["--worker", "127.0.0.1:1", "--connect-timeout", "1", "--no-master-compute"],
+            "no answer within 1 s",
+        ),
         (["--worker", "localhost"], "is not HOST:PORT"),
         (["--workers-file", "/nonexistent/w.txt"], "cannot read workers file"),
         (["--local", "--worker", "127.0.0.1:5"], "--local runs no workers"),
@@ -317,6 +320,33 @@ def test_bad_worker_arguments_give_one_line_errors(args, message):
     assert run.returncode in (1, 2)
     assert message in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_worker_down_at_start_is_reported_and_the_master_trains(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    run = subprocess.run(
+        _hetconv("train", *TINY_RUN, "--no-progress", "--worker", "127.0.0.1:1",
+                 "--connect-timeout", "1", "--trace", str(trace)),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "worker lost 127.0.0.1:1: reason worker 127.0.0.1:1: no answer within 1 s" in run.stderr
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert records[0]["nodes"][1]["name"] == "127.0.0.1:1"
+    assert records[0]["shares"]["conv2"][1] == 0
+
+
+def test_one_worker_named_twice_is_a_one_line_error(workers):
+    port = workers[0].rsplit(":", 1)[1]
+    run = subprocess.run(
+        _hetconv("train", *TINY_RUN, "--no-progress", "--worker", f"127.0.0.1:{port}",
+                 "--worker", f"localhost:{port}", "--no-master-compute"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("hetconv: error:")]
+    assert f"workers 127.0.0.1:{port} and localhost:{port} are one worker process" in line
 
 
 def _until_training(process) -> str:

@@ -10,9 +10,11 @@ a lost worker's slice adds its input-gradient part in another order).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -323,3 +325,187 @@ def test_worker_answering_the_wrong_shape_is_dropped(local, tmp_path):
     _same_as_local(got, local)
     lost = [e for e in events if e[0] == "worker_lost"]
     assert lost and lost[0][1] == liar and lost[0][2] == 0
+
+
+# -- one worker under two names --------------------------------------------------------------
+
+
+def _alias(address):
+    """The same worker, named by host name instead of IP address."""
+    return "localhost:" + address.rsplit(":", 1)[1]
+
+
+def test_one_worker_under_two_names_is_refused_at_start(tmp_path):
+    with LocalWorkers(1) as workers:
+        (address,) = workers.addresses
+        names = [address, _alias(address)]
+        with Disturbed(names, {}, master_compute=False) as cluster:
+            with pytest.raises(ValueError, match="one worker process") as info:
+                _train(tmp_path, "aliased", cluster)
+    assert address in str(info.value) and _alias(address) in str(info.value)
+
+
+def test_one_worker_under_two_names_still_trains_exactly(local, tmp_path, monkeypatch):
+    # A master that cannot tell (a worker too old to send its instance id): both names get 4
+    # and 8 kernels, so the worker holds two slices of each layer at once, told apart by their
+    # kernel offsets. Before, the second Forward replaced the first's kernels and the first
+    # name's Backward returned the input gradient of the other slice.
+    monkeypatch.setattr(Cluster, "_refuse_aliases", staticmethod(lambda nodes: None))
+    with LocalWorkers(1) as workers:
+        (address,) = workers.addresses
+        shares = {"conv1": (0, 4, 4), "conv2": (0, 8, 8)}
+        names = [address, _alias(address)]
+        with Disturbed(names, {}, master_compute=False, shares=shares) as cluster:
+            got = _train(tmp_path, "aliased-old", cluster)
+            events = _kinds(cluster)
+            plans = {name: plan.shares for name, plan in cluster.plans.items()}
+    _same_as_local(got, local)
+    assert not any(kind == "worker_lost" for kind, _, _ in events)
+    assert plans == shares
+
+
+def test_an_alias_added_to_the_workers_file_is_not_admitted(local, tmp_path):
+    listing = tmp_path / "workers.txt"
+    with LocalWorkers(1) as workers:
+        (address,) = workers.addresses
+        listing.write_text(f"{address}\n")
+
+        def add(cluster):
+            listing.write_text(f"{address}\n{_alias(address)}\n")
+            os.utime(listing, (time.time() + 5, time.time() + 5))
+            deadline = time.monotonic() + 30
+            while not any(e["event"] == "worker_alias" for e in cluster.events):
+                assert time.monotonic() < deadline, "the alias was not refused in 30 s"
+                time.sleep(0.05)
+
+        with Disturbed([address], {(3, None): add}, workers_file=str(listing)) as cluster:
+            got = _train(tmp_path, "alias-joined", cluster)
+            events = list(cluster.events)
+            names = [node.name for node in cluster.nodes]
+            pending = list(cluster._pending)
+    _same_as_local(got, local)
+    (refused,) = [e for e in events if e["event"] == "worker_alias"]
+    assert refused["worker"] == _alias(address) and refused["of"] == address
+    assert "same worker process" in refused["reason"]
+    assert names == ["master", address] and not pending
+    assert not any(e["event"] == "worker_joined" for e in events)
+
+
+# -- a worker answering NaN or Inf -----------------------------------------------------------
+
+# A real worker process that computes correctly but, at the step and phase its arguments name,
+# answers with a NaN (forward: in the feature maps) or an Inf (backward: in the last tensor, the
+# input gradient where there is one), well-formed on the wire.
+POISONED_WORKER = """
+import sys
+import numpy as np
+from hetconv.backends import get_backend
+from hetconv.calls import READY
+from hetconv.worker.service import ConvWorkerService, start_server
+
+PHASE, STEP = sys.argv[1], int(sys.argv[2])
+
+class Poisoned(ConvWorkerService):
+    def _receive(self, messages, call):
+        request, arrays, receive = super()._receive(messages, call)
+        self.step = request.step  # the master calls a worker one call at a time
+        return request, arrays, receive
+
+    def _poison(self, phase, tensors, value):
+        if phase == PHASE and self.step == STEP:
+            tensors[-1][1].flat[0] = value
+        return tensors
+
+    def forward(self, messages):
+        tensors, compute, receive = super().forward(messages)
+        return self._poison("forward", tensors, np.nan), compute, receive
+
+    def backward(self, messages):
+        tensors, compute, receive = super().backward(messages)
+        return self._poison("backward", tensors, np.inf), compute, receive
+
+server, address = start_server(Poisoned(get_backend("cpu")), "127.0.0.1:0")
+print(READY, address, flush=True)
+server.wait_for_termination()
+"""
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_worker_answering_nan_or_inf_is_dropped(local, tmp_path, phase):
+    process = subprocess.Popen(
+        [sys.executable, "-c", POISONED_WORKER, phase, "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OPENBLAS_NUM_THREADS="1"),
+    )  # fmt: skip
+    liar = None
+    for line in process.stdout:
+        if line.startswith(READY_LINE):
+            liar = line[len(READY_LINE) :].strip()
+            break
+    assert liar, "the poisoned worker did not start"
+    try:
+        shares = {"conv1": (4, 4), "conv2": (8, 8)}
+        with Disturbed([liar], {}, shares=shares) as cluster:
+            got = _train(tmp_path, f"poisoned-{phase}", cluster)
+            events = list(cluster.events)
+    finally:
+        process.terminate()
+        process.wait(10)
+    _same_as_local(got, local)
+    lost = [e for e in events if e["event"] == "worker_lost"]
+    assert [(e["worker"], e["step"]) for e in lost] == [(liar, 2)]
+    assert f"{phase} conv" in lost[0]["reason"] and "NaN or Inf" in lost[0]["reason"]
+
+
+# -- a worker that is down when training starts ----------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("master_compute", [True, False], ids=["master-computes", "master-off"])
+def test_worker_down_at_start_joins_when_it_comes_up(local, tmp_path, master_compute):
+    late = f"127.0.0.1:{_free_port()}"  # nothing listens there yet
+    started = []
+
+    def start(cluster):
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-m", "hetconv", "worker", "--listen", late,
+             "--backend", "cpu", "--no-startup-probe"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, OPENBLAS_NUM_THREADS="1"),
+        )  # fmt: skip
+        started.append(process)
+        for line in process.stdout:
+            if line.startswith(READY_LINE):
+                break
+        _wait_for(cluster, late)
+
+    with contextlib.ExitStack() as stack:
+        # With the master off, one worker is there from the start to compute meanwhile.
+        live = [] if master_compute else stack.enter_context(LocalWorkers(1)).addresses
+        config = dict(connect_timeout=1.0, master_compute=master_compute)
+        try:
+            with Disturbed([*live, late], {(3, None): start}, **config) as cluster:
+                got = _train(tmp_path, "late", cluster)
+                events = _kinds(cluster)
+                shares = cluster.plans["conv2"].shares
+        finally:
+            for process in started:
+                process.terminate()
+                process.wait(10)
+    _same_as_local(got, local)
+    assert ("worker_lost", late, 0) in events
+    assert ("worker_joined", late, 3) in events
+    assert shares[-1] > 0 and (shares[0] > 0) == master_compute
+
+
+def test_no_worker_reachable_and_master_off_fails_clearly(tmp_path):
+    late = f"127.0.0.1:{_free_port()}"
+    with Disturbed([late], {}, connect_timeout=1.0, master_compute=False) as cluster:
+        with pytest.raises(RuntimeError, match="nothing would compute") as info:
+            _train(tmp_path, "nobody", cluster)
+    assert late in str(info.value) and "no answer within 1 s" in str(info.value)

@@ -28,7 +28,7 @@ from threadpoolctl import threadpool_limits
 from hetconv import __version__, wire
 from hetconv.backends import ConvShape, Padding, get_backend
 from hetconv.calls import READY
-from hetconv.master.client import WorkerClient
+from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.proto import worker_pb2 as pb
 
@@ -302,6 +302,48 @@ def test_forward_inputs_are_kept_per_session_and_layer(client, rng):
         np.testing.assert_allclose(
             dx, reference("conv_grad_input", dy, w, (5, 5), PADDING), rtol=1e-5, atol=1e-6
         )
+
+
+def test_slices_of_one_layer_in_one_step_are_kept_per_kernel_offset(client, rng):
+    """One worker reached under two addresses serves two slices of a layer with the same number
+    of kernels in one step: each Backward must use its own Forward's kernels (it used to get
+    the last Forward's, and returned an input gradient of the wrong slice)."""
+    session = _session()
+    x = rng.standard_normal((2, 3, 6, 6), dtype=np.float32)
+    slices = {}
+    for offset in (0, 4):
+        w = rng.standard_normal((4, 3, 3, 3), dtype=np.float32)
+        y, _ = client.forward(session, 5, "conv2", x, w, np.zeros(4, np.float32), PADDING,
+                              kernel_offset=offset)  # fmt: skip
+        slices[offset] = w, rng.standard_normal(y.shape, dtype=np.float32)
+    for offset, (w, dy) in slices.items():
+        dx, dw, _, _ = client.backward(session, 5, "conv2", dy, True, kernel_offset=offset)
+        np.testing.assert_allclose(
+            dx, reference("conv_grad_input", dy, w, (6, 6), PADDING), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            dw, reference("conv_grad_kernels", x, dy, (3, 3), PADDING)[0], rtol=1e-5, atol=1e-6
+        )
+    with pytest.raises(WorkerError, match="from kernel 8 at step 5") as info:
+        client.backward(session, 5, "conv2", slices[0][1], True, kernel_offset=8)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "have only kernels from 0, 4" in str(info.value)
+
+
+def test_describe_gives_an_instance_id_per_worker_process(client, address, spawn_worker):
+    first = client.describe().instance_id
+    assert first != 0 and client.describe().instance_id == first
+    port = address.rsplit(":", 1)[1]
+    alias = WorkerClient(f"localhost:{port}")  # the same process under another name
+    try:
+        assert alias.describe().instance_id == first
+    finally:
+        alias.close()
+    other = WorkerClient(spawn_worker("--backend", "cpu").wait_ready())
+    try:
+        assert other.describe().instance_id not in (0, first)
+    finally:
+        other.close()
 
 
 def test_describe_names_the_cpu_backend_and_the_request_limit(client):

@@ -2,7 +2,11 @@
 
 A worker never sees the model. Each Forward call brings a layer's inputs and a kernel slice; the
 worker returns those feature maps and keeps the inputs and kernels for the Backward call of the
-same session, layer and step, which then only has to bring the output-gradient slice. Every
+same session, layer, kernel offset and step, which then only has to bring the output-gradient
+slice. The kernel offset is part of the key because one worker process may serve two slices of a
+layer in one step: a master that names it under two addresses (``127.0.0.1:P`` and
+``localhost:P``) sees two workers. Describe returns an id drawn at random when the service
+starts, so such a master can tell. Every
 request is validated before any work is done; a bad one is refused with a message naming what
 was wrong and the status its error's type carries (INVALID_ARGUMENT for most, see
 :mod:`hetconv.errors`), and the worker goes on serving. Which tensors each call carries, and
@@ -11,6 +15,7 @@ every RPC's codec, come from :mod:`hetconv.calls`.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -107,8 +112,10 @@ class ConvWorkerService:
         self.config = config or WorkerConfig()
         self._device_lock = threading.Lock()  # one convolution at a time on the device
         self._cache_lock = threading.Lock()
-        self._saved: OrderedDict[int, dict[str, _Saved]] = OrderedDict()
+        # session -> (layer, kernel offset) -> what its Forward left
+        self._saved: OrderedDict[int, dict[tuple[str, int], _Saved]] = OrderedDict()
         self.requests = 0  # conv requests answered successfully
+        self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
 
     # -- unary calls ------------------------------------------------------------------------
 
@@ -122,6 +129,7 @@ class ConvWorkerService:
             cores=info.cores,
             hetconv_version=__version__,
             max_request_bytes=self.config.max_request_bytes,
+            instance_id=self.instance_id,
         )
 
     def probe(self, request: pb.ProbeRequest, context) -> pb.ProbeResult:
@@ -281,20 +289,35 @@ class ConvWorkerService:
     # -- the forward-input cache ------------------------------------------------------------
 
     def _save(self, request: pb.ConvRequest, saved: _Saved) -> None:
+        """Keep ``saved`` under (session, layer, kernel offset); what this session keeps of the
+        layer from other steps goes (its backward calls are over), so a split that changes
+        leaves no stale slices behind."""
         with self._cache_lock:
-            layers = self._saved.setdefault(request.session, {})
-            layers[request.layer] = saved
+            slices = self._saved.setdefault(request.session, {})
+            for key in [k for k, v in slices.items() if k[0] == request.layer]:
+                if slices[key].step != saved.step:
+                    del slices[key]
+            slices[request.layer, request.kernel_offset] = saved
             self._saved.move_to_end(request.session)
             while len(self._saved) > self.config.sessions:
                 self._saved.popitem(last=False)
 
     def _saved_for(self, request: pb.ConvRequest) -> _Saved:
+        layer, offset = request.layer, request.kernel_offset
         with self._cache_lock:
-            saved = self._saved.get(request.session, {}).get(request.layer)
+            slices = self._saved.get(request.session, {})
+            saved = slices.get((layer, offset))
+            others = sorted(k[1] for k in slices if k[0] == layer and k[1] != offset)
         if saved is None or saved.step != request.step:
-            have = f"step {saved.step}" if saved else "nothing"
+            if saved is not None:
+                have = f"step {saved.step}"
+            elif others:
+                have = "only kernels from " + ", ".join(map(str, others))
+            else:
+                have = "nothing"
+            where = f" from kernel {offset}" if offset else ""
             raise MissingForward(
-                f"no forward pass of layer {request.layer!r} at step {request.step} for this "
+                f"no forward pass of layer {layer!r}{where} at step {request.step} for this "
                 f"session (have {have}); send Forward first",
             )
         return saved

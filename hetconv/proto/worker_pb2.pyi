@@ -90,7 +90,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceDescription(_message.Message):
-    __slots__ = ("backend", "kind", "name", "memory_bytes", "cores", "hetconv_version", "max_request_bytes")
+    __slots__ = ("backend", "kind", "name", "memory_bytes", "cores", "hetconv_version", "max_request_bytes", "instance_id")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class DeviceDescription(_message.Message):
     CORES_FIELD_NUMBER: _ClassVar[int]
     HETCONV_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     backend: str
     kind: str
     name: str
@@ -105,7 +106,8 @@ class DeviceDescription(_message.Message):
     cores: int
     hetconv_version: str
     max_request_bytes: int
-    def __init__(self, backend: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., cores: _Optional[int] = ..., hetconv_version: _Optional[str] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+    instance_id: int
+    def __init__(self, backend: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., cores: _Optional[int] = ..., hetconv_version: _Optional[str] = ..., max_request_bytes: _Optional[int] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("n", "c", "h", "w", "k", "kh", "kw", "padding", "repeats", "with_grad_input")
