@@ -33,6 +33,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=_HelpFormatter,
     )
+    _add_train_cluster(p)
+    _add_train_security(p)
+    _add_train_run(p)
+    _add_train_checkpoints(p)
+    p.set_defaults(func=_run_train)
+
+
+def _add_train_cluster(p: argparse.ArgumentParser) -> None:
+    """Where convolutions run: local, named workers, a workers file, the embedded default."""
     where = p.add_argument_group("where convolutions run")
     where.add_argument(
         "--local", action="store_true", help="run every convolution in this process, no workers"
@@ -94,6 +103,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "30%% or more from the figure their share was planned with (a laptop that got busy, "
         "or freed up); 0 keeps the split fixed, as in the paper, until workers come or go",
     )
+
+
+def _add_train_security(p: argparse.ArgumentParser) -> None:
     security = p.add_argument_group("security")
     security.add_argument(
         "--token",
@@ -123,6 +135,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="folder with the CIFAR-10 python files (data_batch_1..5, test_batch) "
         "or its parent holding cifar-10-batches-py/",
     )
+
+
+def _add_train_run(p: argparse.ArgumentParser) -> None:
+    """The network, the data, the length of training and the optimizer."""
     length = p.add_mutually_exclusive_group()
     length.add_argument(
         "--steps",
@@ -145,6 +161,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load", metavar="NPZ", help="start from these weights")
     p.add_argument("--trace", metavar="JSONL", help="write one JSON object per step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_train_checkpoints(p: argparse.ArgumentParser) -> None:
     saving = p.add_argument_group("checkpoints")
     saving.add_argument(
         "--checkpoint-dir",
@@ -164,7 +183,6 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue from the latest checkpoint in --checkpoint-dir (from scratch if none)",
     )
-    p.set_defaults(func=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:

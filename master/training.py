@@ -24,15 +24,8 @@ from hetconv.layers import softmax_cross_entropy
 from hetconv.model import Model, load_spec
 from hetconv.optim import SGD, SGDConfig
 
-from .checkpoint import (
-    DEFAULT_KEEP,
-    CheckpointDir,
-    TrainingState,
-    compute_environment,
-    order_digest,
-    resume_point,
-    run_fingerprint,
-)
+from .checkpoint import DEFAULT_KEEP, CheckpointDir, TrainingState, resume_point
+from .fingerprint import compute_environment, order_digest, run_fingerprint
 from .stopping import StopAtStepBoundary, TrainingInterrupted
 from .trace import Trace
 

@@ -27,9 +27,9 @@ from hetconv.master.checkpoint import (
     CheckpointDir,
     CheckpointError,
     TrainingState,
-    fingerprint_differences,
     read_checkpoint,
 )
+from hetconv.master.fingerprint import fingerprint_differences
 from hetconv.master.trace import _cut_trace
 from hetconv.master.training import TrainConfig, train
 
