@@ -269,7 +269,8 @@ class ConvCall:
         self, shape: ConvShape, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32
     ) -> int:
         """Tensor bytes of the answer for a call of geometry ``shape`` in wire format ``fmt``."""
-        return sum(h.nbytes for h in self.answer_headers(shape, need_input_grad, fmt))
+        # Summed here, not from headers: an absurd request's answer may not fit a uint64 field.
+        return sum(t.format(fmt).nbytes(t.shape(shape)) for t in self._answer(need_input_grad))
 
 
 FORWARD = ConvCall(
