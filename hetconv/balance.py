@@ -98,7 +98,8 @@ def compute_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
 
 def _call_seconds(cluster: Cluster, layer: ConvLayer, phase: str, kernels: int) -> float:
     """The fixed cost of a worker's call of ``phase`` at about ``kernels`` kernels."""
-    return cluster.wire.call_s(call_bytes(layer, phase, max(1, kernels)).bundled)
+    wire = call_bytes(layer, phase, max(1, kernels), fmt=cluster.wire.format)
+    return cluster.wire.call_s(wire.bundled)
 
 
 def _phase_terms(cluster: Cluster, layer: ConvLayer, workers: int) -> np.ndarray:
@@ -111,10 +112,12 @@ def _phase_terms(cluster: Cluster, layer: ConvLayer, workers: int) -> np.ndarray
     rtts = np.array([n.rtt_s for n in nodes[1:]], float)
     seconds = np.array([layer.flops_per_kernel / n.throughput(layer.name) for n in nodes])
     guess = layer.kernels // (workers + 1)
-    per_kernel = layer.kernel_bytes + layer.map_bytes  # each phase: weights one way, maps other
-    dx = layer.x_bytes if layer.need_input_grad else 0
+    fmt = cluster.wire.format  # of x, y, dy and dx; kernels are float32
+    x_bytes = layer.x_wire_bytes(fmt)
+    per_kernel = layer.kernel_bytes + layer.map_wire_bytes(fmt)  # weights one way, maps other
+    dx = x_bytes if layer.need_input_grad else 0
     terms = np.zeros((4, len(nodes)))
-    terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess) + rtts + layer.x_bytes / rates
+    terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess) + rtts + x_bytes / rates
     terms[1] = seconds * layer.passes(FORWARD)
     terms[1, 1:] += per_kernel / rates
     terms[2, 1:] = _call_seconds(cluster, layer, BACKWARD, guess) + rtts + dx / rates

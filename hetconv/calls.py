@@ -16,6 +16,11 @@ worker's slice (N images of C x H x W, k kernels of C x kh x kw, padding): ``x``
 (N, C, H, W), ``w`` and ``dw`` (k, C, kh, kw), ``b`` and ``db`` (k,), ``y`` and ``dy`` the
 feature maps (N, k, Ho, Wo).
 
+Activations and their gradients (``x``, ``y``, ``dy``, ``dx``) travel in the call's *wire
+format* (:mod:`hetconv.formats`: float32, or a 16-bit one the master chose); kernels and their
+gradients (``w``, ``b``, ``dw``, ``db``) always travel as float32, so the weights the master
+keeps stay exact. :attr:`TensorRule.activation` says which is which.
+
 Each convolution call has two RPCs: the streamed one (``Forward``: a header, then 1 MiB chunks)
 and the one-message one (``ForwardBundle``) for small tensors. :data:`METHODS` holds every RPC
 with its gRPC path, streaming kinds and (de)serializers; ``tests/test_wire.py`` checks it
@@ -84,12 +89,19 @@ def call_shape(
 
 @dataclass(frozen=True)
 class TensorRule:
-    """One tensor of a call: its name, how its shape follows from the call's geometry, and
-    whether it travels only when the request asks for the input gradient."""
+    """One tensor of a call: its name, how its shape follows from the call's geometry,
+    whether it travels only when the request asks for the input gradient, and whether it is an
+    activation (or its gradient), which travels in the call's wire format; others (kernels and
+    their gradients) always travel as float32."""
 
     name: str
     shape: Callable[[ConvShape], Shape]
     input_grad_only: bool = False
+    activation: bool = False
+
+    def format(self, fmt: TensorFormat) -> TensorFormat:
+        """This tensor's format in a call whose wire format is ``fmt``."""
+        return fmt if self.activation else FLOAT32
 
 
 #: gRPC's handler factory for each (request streaming, response streaming) kind of method.
@@ -229,40 +241,56 @@ class ConvCall:
         """The answer's tensor shapes for a call of geometry ``shape``, by name, in order."""
         return {t.name: t.shape(shape) for t in self._answer(need_input_grad)}
 
+    def request_formats(self, fmt: TensorFormat = FLOAT32) -> dict[str, TensorFormat]:
+        """The request's tensor formats, by name, for a call in wire format ``fmt``."""
+        return {t.name: t.format(fmt) for t in self._request()}
+
+    def answer_formats(
+        self, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32
+    ) -> dict[str, TensorFormat]:
+        """The answer's tensor formats, by name, for a call in wire format ``fmt``."""
+        return {t.name: t.format(fmt) for t in self._answer(need_input_grad)}
+
     def request_headers(
         self, shape: ConvShape, fmt: TensorFormat = FLOAT32
     ) -> list[pb.TensorHeader]:
-        """The tensor headers of the request for a call of geometry ``shape``."""
-        return [fmt.header(name, s) for name, s in self.request_shapes(shape).items()]
+        """The tensor headers of the request for a call of geometry ``shape`` in wire format
+        ``fmt`` (activations in ``fmt``, kernels float32)."""
+        return [t.format(fmt).header(t.name, t.shape(shape)) for t in self._request()]
 
     def answer_headers(
         self, shape: ConvShape, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32
     ) -> list[pb.TensorHeader]:
-        """The tensor headers of the answer for a call of geometry ``shape``."""
-        shapes = self.answer_shapes(shape, need_input_grad)
-        return [fmt.header(name, s) for name, s in shapes.items()]
+        """The tensor headers of the answer for a call of geometry ``shape`` in wire format
+        ``fmt``."""
+        return [t.format(fmt).header(t.name, t.shape(shape)) for t in self._answer(need_input_grad)]
 
     def answer_bytes(
         self, shape: ConvShape, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32
     ) -> int:
-        """Tensor bytes of the answer for a call of geometry ``shape``."""
-        return sum(fmt.nbytes(s) for s in self.answer_shapes(shape, need_input_grad).values())
+        """Tensor bytes of the answer for a call of geometry ``shape`` in wire format ``fmt``."""
+        # Summed here, not from headers: an absurd request's answer may not fit a uint64 field.
+        return sum(t.format(fmt).nbytes(t.shape(shape)) for t in self._answer(need_input_grad))
 
 
 FORWARD = ConvCall(
     "Forward",
     pb.FORWARD,
-    (TensorRule("x", input_shape), TensorRule("w", kernel_shape), TensorRule("b", bias_shape)),
-    (TensorRule("y", map_shape),),
+    (
+        TensorRule("x", input_shape, activation=True),
+        TensorRule("w", kernel_shape),
+        TensorRule("b", bias_shape),
+    ),
+    (TensorRule("y", map_shape, activation=True),),
 )
 BACKWARD = ConvCall(
     "Backward",
     pb.BACKWARD,
-    (TensorRule("dy", map_shape),),
+    (TensorRule("dy", map_shape, activation=True),),
     (
         TensorRule("dw", kernel_shape),
         TensorRule("db", bias_shape),
-        TensorRule("dx", input_shape, input_grad_only=True),
+        TensorRule("dx", input_shape, input_grad_only=True, activation=True),
     ),
 )
 ECHO = ConvCall("Echo", pb.PHASE_UNSPECIFIED, None, None)

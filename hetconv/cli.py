@@ -95,6 +95,15 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "or Wi-Fi (one medium that every transfer, both ways, shares)",
     )
     where.add_argument(
+        "--wire-format",
+        choices=("float32", "float16", "bfloat16"),  # hetconv.formats.FORMAT_LABELS (a test)
+        default="float32",
+        help="how activations and their gradients travel to and from workers: float32 "
+        "(exact), or 16-bit, half their bytes but rounded: bfloat16 (float32's range, 8 "
+        "significant bits) or float16 (11 bits, overflows beyond 65504); kernels and their "
+        "gradients always travel as float32",
+    )
+    where.add_argument(
         "--rebalance-every",
         type=non_negative_int,
         default=20,
@@ -187,6 +196,7 @@ def _add_train_checkpoints(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from hetconv.conv import LocalConv
+    from hetconv.formats import format_named
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.master.launch import EmbeddedCluster
     from hetconv.master.membership import read_workers_file
@@ -225,6 +235,10 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.local:
         if addresses:
             raise ValueError("--local runs no workers; drop --worker/--workers-file")
+        if args.wire_format != "float32":
+            raise ValueError(
+                "--local runs no workers, so nothing goes on the wire: drop --wire-format"
+            )
         return _final_checkpoint_status(config.checkpoint_dir, train(config, LocalConv()).steps)
     cluster_config = ClusterConfig(
         master_compute=args.master_compute,
@@ -235,6 +249,7 @@ def _run_train(args: argparse.Namespace) -> int:
         rebalance_every=args.rebalance_every,
         token=token,  # the embedded default's local workers are started with it too
         tls_ca=args.tls_ca,
+        wire_format=format_named(args.wire_format),
     )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:

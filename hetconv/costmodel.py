@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetconv.formats import FLOAT32, TensorFormat
 from hetconv.workload import BACKWARD, PHASES, ConvLayer, call_bytes
 
 WIFI, SWITCHED = "wifi", "switched"
@@ -63,6 +64,9 @@ class WireCosts:
             which releases the GIL, and the same runs fit 0 within 1.7 % (paper-50-500, batch
             8 and 32, 20-1000 Mbit/s; ``python -m hetconv.simulations.validate``). Set it for a
             master whose convolutions hold the GIL.
+        format: the wire format of activations and their gradients (``hetconv train
+            --wire-format``): float32, or a 16-bit one that halves their bytes; kernels always
+            travel as float32 (:func:`~hetconv.workload.call_bytes` counts both).
     """
 
     bundle_call_s: float = 0.75e-3
@@ -70,6 +74,7 @@ class WireCosts:
     software_bytes_per_s: float = 0.75e9
     sum_bytes_per_s: float = 5e9
     compute_stall: float = 0.0
+    format: TensorFormat = FLOAT32
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.compute_stall <= 1.0:
@@ -355,7 +360,7 @@ def simulate_layer_phase(
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):
         if share:
-            wire = call_bytes(layer, phase, share, offset, step)
+            wire = call_bytes(layer, phase, share, offset, step, cluster.wire.format)
             compute = node.conv_seconds(layer, share, passes)
             calls.append(
                 WorkerCall(

@@ -4,7 +4,7 @@ A format is a small class that names its ``DType`` value and its element type on
 the shared base does the rest: byte counts, headers, encoding (views of the array's memory, no
 copy when the array already holds the wire's element type) and decoding (``np.frombuffer``,
 zero-copy when the wire's element type is the array's). The registry :data:`FORMATS` is keyed
-by the proto's enum, so a 16-bit wire format later is one class and one entry here::
+by the proto's enum, so a wire format is one class and one entry here::
 
     class Float16(TensorFormat):
         dtype = pb.FLOAT16
@@ -12,8 +12,25 @@ by the proto's enum, so a 16-bit wire format later is one class and one entry he
         label = "float16"
 
 Arrays on both ends stay float32 (:attr:`TensorFormat.host`); a format whose wire type differs
-converts once on each side. Every value of the enum is either in :data:`FORMATS` or in
-:data:`UNSUPPORTED` with the reason (``tests/test_wire.py`` checks).
+converts once on each side (:meth:`TensorFormat.to_wire`, :meth:`TensorFormat.to_host`). Every
+value of the enum is either in :data:`FORMATS` or in :data:`UNSUPPORTED` with the reason
+(``tests/test_calls.py`` checks).
+
+The formats, and what each does to a float32 value (decoding is always exact):
+
+* ``float32``: nothing; the wire carries the array's own bytes.
+* ``float16`` (IEEE binary16): 11 significant bits (relative error at most 2^-11 ≈ 4.9e-4 for
+  normal values), rounded to nearest even. Normal range 6.1e-5 .. 65504; below, subnormals in
+  steps of 2^-24 ≈ 6e-8 (absolute error at most 2^-25), and magnitudes under 2^-25 become ±0;
+  magnitudes that round beyond 65504 become ±inf. NaN stays NaN, ±inf stays ±inf.
+* ``bfloat16``: float32's upper 16 bits, rounded to nearest even: float32's range, 8
+  significant bits (relative error at most 2^-8 ≈ 3.9e-3 for normal values, 1.2e-38 and up);
+  float32's subnormals in steps of 2^-133 (absolute error at most 2^-134), magnitudes under
+  2^-134 become ±0; values within half a bfloat16 unit of float32's maximum round to ±inf.
+  NaN stays NaN (quiet, sign kept), ±inf stays ±inf. Implemented on the bits with numpy.
+
+Which tensors may travel in a 16-bit format (activations, never kernels) is the table of
+calls' business (:mod:`hetconv.calls`).
 """
 
 from __future__ import annotations
@@ -23,7 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hetconv.errors import UnsupportedFormat
+from hetconv.errors import MalformedMessage, UnsupportedFormat
 from hetconv.proto import worker_pb2 as pb
 
 
@@ -75,6 +92,25 @@ class TensorFormat:
         """The header of tensor ``name`` of ``shape`` in this format."""
         return pb.TensorHeader(name=name, shape=shape, dtype=self.dtype, nbytes=self.nbytes(shape))
 
+    @property
+    def exact(self) -> bool:
+        """Whether a host array survives the wire unchanged (its element type is the wire's)."""
+        return self.wire == self.host
+
+    def to_wire(self, array: np.ndarray) -> np.ndarray:
+        """``array`` (of :attr:`host` elements) converted to the wire's element type: a new
+        C-contiguous array. Overflow is not an error: it gives ±inf, as documented above."""
+        with np.errstate(over="ignore"):
+            return np.ascontiguousarray(array).astype(self.wire)
+
+    def to_host(self, wire: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Wire elements ``wire`` as :attr:`host` elements: into ``out`` when given (which may
+        be a channel slice), else a new array."""
+        if out is None:
+            return wire.astype(self.host)
+        out[...] = wire
+        return out
+
     def encode(self, array: np.ndarray, name: str = "tensor") -> list[memoryview]:
         """The wire bytes of ``array``, as views in order: of its own memory (no copy) when its
         element type is the wire's and it is contiguous per leading index (a channel slice is).
@@ -84,15 +120,32 @@ class TensorFormat:
         """
         if array.dtype != self.host:
             raise TypeError(f"{name} must be {self.host} for the wire, got {array.dtype}")
-        if self.wire != self.host:
-            array = array.astype(self.wire)
+        if not self.exact:
+            array = self.to_wire(array)
         return byte_segments(array)
+
+    def _wire_view(self, data: bytes | memoryview | np.ndarray, shape: Sequence[int]) -> np.ndarray:
+        expected = self.nbytes(shape)
+        size = data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)
+        if size != expected:
+            raise MalformedMessage(
+                f"{size} bytes of {self.label} data for shape {tuple(shape)}, which holds "
+                f"{expected}"
+            )
+        if isinstance(data, np.ndarray):
+            return data.reshape(shape).view(self.wire) if data.dtype != self.wire else data
+        return np.frombuffer(data, self.wire).reshape(shape)
 
     def decode(self, data: bytes | memoryview, shape: Sequence[int]) -> np.ndarray:
         """An array of ``shape`` over the wire bytes ``data``: zero-copy (``np.frombuffer``,
-        read-only when ``data`` is) when the wire's element type is the host's."""
-        array = np.frombuffer(data, self.wire).reshape(shape)
-        return array if self.wire == self.host else array.astype(self.host)
+        read-only when ``data`` is) when the wire's element type is the host's.
+
+        Raises:
+            MalformedMessage: ``data`` is not exactly the bytes of ``shape`` (an odd byte count
+                for a 16-bit format, say).
+        """
+        array = self._wire_view(data, shape)
+        return array if self.exact else self.to_host(array)
 
     def receive_buffer(self, dest: np.ndarray) -> np.ndarray:
         """The array whose memory the wire bytes for ``dest`` are written into: ``dest`` itself
@@ -102,32 +155,116 @@ class TensorFormat:
 
     def decode_into(self, dest: np.ndarray, data: bytes | memoryview | np.ndarray) -> None:
         """Write the tensor whose wire bytes are ``data`` into ``dest``; nothing to do when
-        ``data`` is ``dest`` (from :meth:`receive_buffer`)."""
+        ``data`` is ``dest`` (from :meth:`receive_buffer`).
+
+        Raises:
+            MalformedMessage: ``data`` is not exactly the bytes of ``dest``'s shape.
+        """
         if data is dest:
             return
-        dest[...] = np.frombuffer(data, self.wire).reshape(dest.shape)
+        self.to_host(self._wire_view(data, dest.shape), out=dest)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}: {self.label}, {self.itemsize} bytes>"
 
 
 class Float32(TensorFormat):
-    """IEEE 754 binary32, little-endian: the wire's only format so far."""
+    """IEEE 754 binary32, little-endian: the default, exact."""
 
     dtype = pb.FLOAT32
     wire = np.dtype("<f4")
     label = "float32"
 
 
+class Float16(TensorFormat):
+    """IEEE 754 binary16, little-endian: numpy's own conversion (round to nearest even)."""
+
+    dtype = pb.FLOAT16
+    wire = np.dtype("<f2")
+    label = "float16"
+
+
+class BFloat16(TensorFormat):
+    """bfloat16, little-endian: the upper half of each float32's bits, rounded to nearest even.
+
+    On the wire an element is a ``uint16`` holding those bits (numpy has no bfloat16 type);
+    decoding shifts them back into place, so it is exact.
+    """
+
+    dtype = pb.BFLOAT16
+    wire = np.dtype("<u2")
+    label = "bfloat16"
+
+    def to_wire(self, array: np.ndarray) -> np.ndarray:
+        bits = np.ascontiguousarray(array).view(np.uint32)
+        # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate.
+        # A carry out of the mantissa bumps the exponent, which is exactly right (up to inf).
+        rounded = (bits >> 16) & 1
+        rounded += 0x7FFF
+        rounded += bits
+        rounded >>= 16
+        out = rounded.astype(self.wire)
+        nan = np.isnan(array)
+        if nan.any():  # rounding could carry a NaN's payload into the sign: keep it a NaN
+            out[nan.reshape(out.shape)] = ((bits[nan] >> 16) | 0x0040).astype(self.wire)
+        return out
+
+    def to_host(self, wire: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        host = (wire.astype(np.uint32) << 16).view(np.float32)
+        if out is None:
+            return host
+        out[...] = host
+        return out
+
+
 FLOAT32 = Float32()
+FLOAT16 = Float16()
+BFLOAT16 = BFloat16()
 
 #: Every format this side of the wire reads and writes, by ``DType`` value.
-FORMATS: dict[int, TensorFormat] = {fmt.dtype: fmt for fmt in (FLOAT32,)}
+FORMATS: dict[int, TensorFormat] = {fmt.dtype: fmt for fmt in (FLOAT32, FLOAT16, BFLOAT16)}
 
 #: ``DType`` values with no format, and why.
 UNSUPPORTED: dict[int, str] = {
     pb.DTYPE_UNSPECIFIED: "proto3's default: a header that names no dtype says nothing",
 }
+
+#: The formats by label (``float16``), as the command line names them.
+FORMAT_LABELS: dict[str, TensorFormat] = {fmt.label: fmt for fmt in FORMATS.values()}
+
+
+def format_named(label: str) -> TensorFormat:
+    """The format called ``label`` (``float32``, ``float16``, ``bfloat16``).
+
+    Raises:
+        ValueError: no such format (the message lists them).
+    """
+    fmt = FORMAT_LABELS.get(label)
+    if fmt is None:
+        raise ValueError(f"wire format {label!r} is not one of {', '.join(FORMAT_LABELS)}")
+    return fmt
+
+
+def answer_dtype(fmt: TensorFormat) -> int:
+    """What a request's ``answer_dtype`` holds to ask for answers in ``fmt``: unset (0) for
+    float32, so a float32 request is byte for byte what it was before the field existed."""
+    return pb.DTYPE_UNSPECIFIED if fmt is FLOAT32 else fmt.dtype
+
+
+def answer_format(value: int) -> TensorFormat:
+    """The format a request's ``answer_dtype`` asks for (unset: float32).
+
+    Raises:
+        UnsupportedFormat: a value with no format here, named in the message.
+    """
+    if value == pb.DTYPE_UNSPECIFIED:
+        return FLOAT32
+    fmt = FORMATS.get(value)
+    if fmt is None:
+        shown = pb.DType.Name(value) if value in pb.DType.values() else value
+        known = ", ".join(f.name for f in FORMATS.values())
+        raise UnsupportedFormat(f"answer dtype {shown} is not a format this worker knows ({known})")
+    return fmt
 
 
 def format_of(header: pb.TensorHeader) -> TensorFormat:
@@ -147,10 +284,18 @@ def format_of(header: pb.TensorHeader) -> TensorFormat:
 
 
 __all__ = [
+    "BFLOAT16",
+    "FLOAT16",
     "FLOAT32",
     "FORMATS",
+    "FORMAT_LABELS",
     "UNSUPPORTED",
+    "BFloat16",
+    "Float16",
     "Float32",
+    "answer_dtype",
+    "answer_format",
+    "format_named",
     "TensorFormat",
     "byte_segments",
     "format_of",

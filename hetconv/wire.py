@@ -254,15 +254,23 @@ class Outgoing:
 
 
 def encode_tensors(
-    tensors: Sequence[tuple[str, np.ndarray]], fmt: TensorFormat = FLOAT32
+    tensors: Sequence[tuple[str, np.ndarray]],
+    fmt: TensorFormat | Sequence[TensorFormat] = FLOAT32,
 ) -> Outgoing:
     """Headers and wire bytes of named arrays (views of their memory where the format allows).
 
+    Args:
+        fmt: the format of every tensor, or one per tensor in order.
+
     Raises:
-        TypeError: an array whose elements are not the format's (float32).
+        TypeError: an array whose elements are not the format's host type (float32).
     """
-    headers = [fmt.header(name, array.shape) for name, array in tensors]
-    segments = [v for name, array in tensors for v in fmt.encode(array, name)]
+    fmts = [fmt] * len(tensors) if isinstance(fmt, TensorFormat) else list(fmt)
+    if len(fmts) != len(tensors):
+        raise ValueError(f"{len(fmts)} formats for {len(tensors)} tensors")
+    pairs = list(zip(tensors, fmts, strict=True))
+    headers = [f.header(name, array.shape) for (name, array), f in pairs]
+    segments = [v for (name, array), f in pairs for v in f.encode(array, name)]
     return Outgoing(headers, segments)
 
 

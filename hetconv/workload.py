@@ -7,7 +7,9 @@
   ``w`` (k, C, kh, kw) and biases ``b`` (k,), and gets ``y`` (N, k, Ho, Wo) back; a backward call
   sends only ``dy`` (N, k, Ho, Wo) (the worker kept ``x`` and ``w``) and gets ``dw``, ``db`` and,
   except for a network's first layer, a full-size ``dx`` part back (the tensors of each call are
-  listed once, in :mod:`hetconv.calls`). Tensors are float32; each direction also carries one
+  listed once, in :mod:`hetconv.calls`). Activations (``x``, ``y``, ``dy``, ``dx``) travel in
+  the run's wire format (float32 by default, or 16-bit: :mod:`hetconv.formats`), kernels and
+  their gradients as float32; each direction also carries one
   header (or result) message whose size is computed with the real protobuf messages. The counts
   equal the trace's ``bytes_sent`` / ``bytes_received``. A call whose tensors, both directions
   together, total at most :data:`~hetconv.wire.BUNDLE_BYTES` goes as one message each way
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from hetconv import calls
 from hetconv.backends import ConvShape
 from hetconv.conv import ConvSpec
-from hetconv.formats import FLOAT32
+from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
 from hetconv.proto import worker_pb2 as pb
 from hetconv.wire import BUNDLE_BYTES
@@ -78,6 +80,15 @@ class ConvLayer:
         """One kernel's feature maps (N, Ho, Wo): ``y`` forward, ``dy`` backward."""
         ho, wo = self.shape.out_hw
         return FLOAT_BYTES * self.shape.n * ho * wo
+
+    def x_wire_bytes(self, fmt: TensorFormat = FLOAT32) -> int:
+        """:attr:`x_bytes` on the wire in format ``fmt`` (``dx`` parts too)."""
+        return fmt.nbytes(calls.input_shape(self.shape))
+
+    def map_wire_bytes(self, fmt: TensorFormat = FLOAT32) -> int:
+        """:attr:`map_bytes` on the wire in format ``fmt``."""
+        ho, wo = self.shape.out_hw
+        return fmt.nbytes((self.shape.n, ho, wo))
 
     @property
     def flops_per_kernel(self) -> float:
@@ -145,7 +156,12 @@ class CallBytes:
 
 @functools.lru_cache(maxsize=65536)
 def call_bytes(
-    layer: ConvLayer, phase: str, kernels: int, kernel_offset: int = 0, step: int = 1000
+    layer: ConvLayer,
+    phase: str,
+    kernels: int,
+    kernel_offset: int = 0,
+    step: int = 1000,
+    fmt: TensorFormat = FLOAT32,
 ) -> CallBytes:
     """Bytes of one worker call of ``layer`` computing ``kernels`` kernels from ``kernel_offset``.
 
@@ -153,6 +169,7 @@ def call_bytes(
         phase: ``"forward"`` or ``"backward"``.
         step: the training step the call belongs to; the header carries it as a varint, so it
             changes the count by a byte or two (the default is a typical mid-run step).
+        fmt: the wire format of activations (``--wire-format``); kernels are float32 always.
 
     The header sizes come from the real protobuf messages with the fields
     :class:`~hetconv.master.client.WorkerClient` sets (a 64-bit session, the step, the layer
@@ -163,12 +180,14 @@ def call_bytes(
     if call is None:
         raise ValueError(f"phase {phase!r} is not 'forward' or 'backward'")
     s = dataclasses.replace(layer.shape, k=kernels)  # the worker's slice
-    request = pb.ConvRequest(phase=call.phase, tensors=call.request_headers(s))
+    request = pb.ConvRequest(
+        phase=call.phase, tensors=call.request_headers(s, fmt), answer_dtype=answer_dtype(fmt)
+    )
     if call is calls.FORWARD:
         request.padding.extend((s.padding.top, s.padding.bottom, s.padding.left, s.padding.right))
     else:
         request.need_input_grad = layer.need_input_grad
-    answer = call.answer_headers(s, layer.need_input_grad)
+    answer = call.answer_headers(s, layer.need_input_grad, fmt)
     request.session = (1 << 64) - 1  # fixed64: any non-zero session has the same size
     request.step = step
     request.layer = layer.name

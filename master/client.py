@@ -7,6 +7,10 @@ With a token every call carries it as ``authorization: Bearer <token>`` metadata
 certificate the channel is TLS and the worker must present a certificate that CA signed, for
 the host name or IP address in ``address`` (see :mod:`hetconv.security`). Which tensors each
 call sends and expects back, and every RPC's codec, come from :mod:`hetconv.calls`.
+
+With a 16-bit ``wire_format`` the activations this client sends (``x``, ``dy``) go in it and
+every request asks the worker to answer its activations (``y``, ``dx``) in it too; kernels and
+their gradients always travel as float32 (:mod:`hetconv.formats`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 from hetconv.backends import ConvShape
 from hetconv.calls import BACKWARD, DESCRIBE, ECHO, FORWARD, METHODS, PROBE, ConvCall, call_shape
 from hetconv.errors import MalformedHeader, MalformedMessage, WireError
+from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import bearer_metadata, read_pem
 from hetconv.wire import (
@@ -105,6 +110,8 @@ class WorkerClient:
         token: the shared secret the worker was started with; sent with every call.
         tls_ca: PEM file of the CA (or the self-signed certificate) that signed the worker's
             certificate; given, the channel is TLS, else plain gRPC.
+        wire_format: the format of activations and their gradients on the wire, both ways
+            (float32, or a 16-bit one: smaller, not exact); kernels always go as float32.
 
     Raises:
         OSError, ValueError: ``tls_ca`` cannot be read or is not PEM; ``token`` cannot travel
@@ -118,8 +125,10 @@ class WorkerClient:
         *,
         token: str | None = None,
         tls_ca: str | os.PathLike | None = None,
+        wire_format: TensorFormat = FLOAT32,
     ):
         self.address = address
+        self.wire_format = wire_format
         self.connect_timeout = connect_timeout
         self.tls_ca = tls_ca
         self._metadata = bearer_metadata(token) if token is not None else None
@@ -250,9 +259,10 @@ class WorkerClient:
         destinations: dict[str, np.ndarray],
         timeout: float,
         answer_bytes: int,
+        formats: Sequence[TensorFormat] | TensorFormat = FLOAT32,
     ) -> tuple[dict[str, np.ndarray], CallStats]:
         stats = CallStats()
-        out = encode_tensors(arrays)
+        out = encode_tensors(arrays, formats)
         request.tensors.extend(out.headers)
         head = pb.ConvMessage(header=request)
         payload = out.nbytes
@@ -329,14 +339,16 @@ class WorkerClient:
         """
         request = pb.ConvRequest(
             phase=FORWARD.phase, session=session, step=step, layer=layer, padding=padding,
-            kernel_offset=kernel_offset,
+            kernel_offset=kernel_offset, answer_dtype=answer_dtype(self.wire_format),
         )  # fmt: skip
-        answer = FORWARD.answer_bytes(call_shape(x.shape, w.shape, padding))
+        fmt = self.wire_format
+        answer = FORWARD.answer_bytes(call_shape(x.shape, w.shape, padding), fmt=fmt)
         (y,) = FORWARD.answer_names()
         got, stats = self._call(
             FORWARD, f"forward {layer}", request,
             list(zip(FORWARD.request_names, (x, w, b), strict=True)), [y],
             {y: out} if out is not None else {}, timeout, answer,
+            list(FORWARD.request_formats(fmt).values()),
         )  # fmt: skip
         return got[y], stats
 
@@ -356,12 +368,13 @@ class WorkerClient:
         """(input-gradient part or None, dw, db) for the output-gradient slice ``dy``.
 
         The worker uses the inputs and kernels of its Forward call of the same step.
-        ``answer_bytes`` (the size of dw, db and dx) lets a small call go as one message;
-        without it the call streams.
+        ``answer_bytes`` (the size of dw, db and dx on the wire, dx in :attr:`wire_format`) lets
+        a small call go as one message; without it the call streams.
         """
         request = pb.ConvRequest(
             phase=BACKWARD.phase, session=session, step=step, layer=layer,
             need_input_grad=need_input_grad, kernel_offset=kernel_offset,
+            answer_dtype=answer_dtype(self.wire_format),
         )  # fmt: skip
         expect = BACKWARD.answer_names(need_input_grad)  # dw, db and, when asked for, dx
         dests = {n: a for n, a in zip(expect[:2], (dw_out, db_out), strict=True) if a is not None}
@@ -369,6 +382,7 @@ class WorkerClient:
         got, stats = self._call(
             BACKWARD, f"backward {layer}", request,
             list(zip(BACKWARD.request_names, (dy,), strict=True)), expect, dests, timeout, answer,
+            list(BACKWARD.request_formats(self.wire_format).values()),
         )  # fmt: skip
         dw, db, *dx = (got[name] for name in expect)
         return (dx[0] if dx else None), dw, db, stats
@@ -378,13 +392,15 @@ class WorkerClient:
         arrays: Sequence[tuple[str, np.ndarray]],
         timeout: float = 600.0,
         stream: bool = False,
+        fmt: TensorFormat = FLOAT32,
     ) -> tuple[list[np.ndarray], CallStats]:
         """Send tensors and get them back: a round trip over this worker's link.
 
-        ``stream`` forces the streaming call even for small tensors (to measure it).
+        ``stream`` forces the streaming call even for small tensors (to measure it); ``fmt``
+        is the format the tensors travel in, both ways.
         """
         request = pb.ConvRequest(phase=ECHO.phase)
         names = [name for name, _ in arrays]
-        size = BUNDLE_BYTES + 1 if stream else sum(a.nbytes for _, a in arrays)
-        got, stats = self._call(ECHO, "echo", request, arrays, names, {}, timeout, size)
+        size = BUNDLE_BYTES + 1 if stream else sum(fmt.nbytes(a.shape) for _, a in arrays)
+        got, stats = self._call(ECHO, "echo", request, arrays, names, {}, timeout, size, fmt)
         return [got[n] for n in names], stats

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
+from hetconv.formats import FLOAT32, TensorFormat
 
 from . import probing
 from .client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
@@ -106,6 +107,9 @@ class ClusterConfig:
             this far from 1.
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
+        wire_format: the format of activations and their gradients on the wire
+            (:mod:`hetconv.formats`): float32 (exact), or float16 / bfloat16 (half the bytes,
+            rounded); kernels and their gradients always travel as float32.
     """
 
     master_compute: bool = True
@@ -123,6 +127,7 @@ class ClusterConfig:
     rebalance_change: float = 0.3
     token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
+    wire_format: TensorFormat = FLOAT32
 
 
 def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
@@ -193,7 +198,9 @@ class Cluster:
             credentials["token"] = self.config.token
         if self.config.tls_ca:
             credentials["tls_ca"] = self.config.tls_ca
-        return WorkerClient(address, self.config.connect_timeout, **credentials)
+        return WorkerClient(
+            address, self.config.connect_timeout, wire_format=self.config.wire_format, **credentials
+        )
 
     # -- setting up ------------------------------------------------------------------------
 
@@ -308,8 +315,10 @@ class Cluster:
         return shares_table(self.nodes, self.plans, self.config.master_compute)
 
     def plan_record(self) -> dict:
-        """The plan as data (nodes, probes, links, shares) for the trace's first record."""
-        return plan_record(self.nodes, self.plans, self.config.master_compute)
+        """The plan as data (nodes, probes, links, shares, the wire format) for the trace's
+        first record."""
+        record = plan_record(self.nodes, self.plans, self.config.master_compute)
+        return {**record, "wire_format": self.config.wire_format.label}
 
     def close(self) -> None:
         """Stop the monitor and close every channel (cancelling calls in flight, e.g. after
@@ -350,6 +359,7 @@ class Cluster:
             "comm_seconds": runner.comm,
             "conv_seconds": runner.conv,
             "cluster_wall_seconds": runner.wall,
+            "wire_format": self.config.wire_format.label,  # of the bytes counted in "nodes"
             "nodes": runner.records,
         }
         if events:

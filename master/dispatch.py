@@ -217,7 +217,8 @@ class _KernelBackward:
 
     def worker_request(self, piece: Piece) -> WorkerRequest:
         sl, ctx = piece.part, self.ctx
-        dx_bytes = self.x.nbytes if self.need_input_grad else 0
+        fmt = piece.node.client.wire_format  # dx comes back in it (dw, db as float32)
+        dx_bytes = fmt.nbytes(self.x.shape) if self.need_input_grad else 0
         dw, db = self.dw[sl], self.db[sl]
         return WorkerRequest(
             piece.node.client.backward,

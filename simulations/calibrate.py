@@ -22,6 +22,7 @@ left out when there are more):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from collections import Counter
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, WireCosts, simulate_step
+from hetconv.formats import FLOAT32, TensorFormat, format_named
 from hetconv.model import PRESETS
 from hetconv.workload import BACKWARD, FORWARD, PHASES, ConvLayer, call_bytes, network_layers
 
@@ -84,6 +86,7 @@ class Calibration:
             float("inf"),
             self.wire.sum_bytes_per_s,
             compute_stall=self.wire.compute_stall,
+            format=self.wire.format,
         )
         return Cluster(master, workers, SWITCHED, master_compute=True, wire=wire)
 
@@ -170,8 +173,14 @@ def _layout_key(record: dict) -> str:
     return json.dumps([names, split, record.get("batch")], sort_keys=True)
 
 
+def _format_of(record: dict) -> TensorFormat:
+    """The wire format a step record's bytes were counted in (older traces: float32)."""
+    return format_named(record.get("wire_format", FLOAT32.label))
+
+
 def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     """None when every worker call of ``record`` moved what the simulator computes, else why."""
+    fmt = _format_of(record)
     names, split = _layout(record)
     by_name = {layer.name: layer for layer in layers}
     if list(by_name) != list(split) or any(
@@ -186,7 +195,8 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
             entry = record["nodes"][node][layer_name]
             for phase in PHASES:
                 if share and phase in entry:
-                    want = call_bytes(layer, phase, share, offset, int(record.get("step", 0)))
+                    step = int(record.get("step", 0))
+                    want = call_bytes(layer, phase, share, offset, step, fmt)
                     got = (entry[phase]["bytes_sent"], entry[phase]["bytes_received"])
                     if got != (want.sent, want.received):
                         return (
@@ -358,6 +368,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
     calls = _Calls.gather(used, node_names, list(layers))
     layer_gflops = _layer_gflops(calls, node_names, layers, split, notes)
     links, wire = _links_and_wire(calls, node_names, notes)
+    wire = dataclasses.replace(wire, format=_format_of(used[0]))
     measured = {
         key: float(np.mean([r[field] for r in used]))
         for key, field in (

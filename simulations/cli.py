@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from hetconv.argtypes import positive
@@ -18,6 +19,7 @@ from hetconv.argtypes import positive
 
 MAX_NODES = 4096
 POLICIES = ("compute", "link")  # hetconv.balance.POLICIES; a test keeps them equal
+WIRE_FORMATS = ("float32", "float16", "bfloat16")  # hetconv.formats.FORMAT_LABELS; the same
 
 DESCRIPTION = (
     "Predict the step time of a cluster (communication, convolution on the slowest node, the "
@@ -79,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="kernel shares: compute (the paper: w ∝ 1/probe time) or link (link-aware); "
         "default: both",
+    )
+    parser.add_argument(
+        "--wire-format",
+        choices=WIRE_FORMATS,
+        help="the format of activations on the wire, as `hetconv train --wire-format` "
+        "(replaces the scenario's [wire] format; default float32)",
     )
     parser.add_argument("--plot", metavar="DIR", help="write figures (PNG) into DIR")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
@@ -150,7 +158,8 @@ def describe(scenario) -> str:
     lines.append(
         f"  per call: {1e3 * w.bundle_call_s:.2f} ms bundled, {1e3 * w.stream_call_s:.2f} ms "
         f"streamed; master's software moves at most {w.software_bytes_per_s / 1e9:g} GB/s; "
-        f"dx parts summed at {w.sum_bytes_per_s / 1e9:g} GB/s"
+        f"dx parts summed at {w.sum_bytes_per_s / 1e9:g} GB/s; activations on the wire as "
+        f"{w.format.label}"
     )
     return "\n".join(lines)
 
@@ -211,6 +220,11 @@ def run(args: argparse.Namespace) -> int:
     scenarios = [load_scenario(name) for name in args.scenario]
     if calibration is not None:
         scenarios = [calibration.scenario(s) for s in scenarios] or [calibration.scenario()]
+    if args.wire_format:
+        from hetconv.formats import format_named
+
+        wire = {"format": format_named(args.wire_format)}
+        scenarios = [replace(s, wire=replace(s.wire, **wire)) for s in scenarios]
     nodes = list(dict.fromkeys(n for group in args.nodes for n in group)) if args.nodes else None
     rows = []
     for scenario in scenarios:

@@ -56,6 +56,8 @@ comments where every number comes from. The format, every key optional unless ma
     sum_gbytes_per_s = 5.0               # the master's summing of input-gradient parts
     compute_stall = 0.0                  # streamed transfers' rate lost while the master
                                          # computes (0..1; see costmodel.WireCosts)
+    format = "float32"                   # activations on the wire: float32, float16 or
+                                         # bfloat16 (hetconv train --wire-format)
 
 Networks not listed in ``[comp]`` use :data:`DEFAULT_COMP_MS_PER_IMAGE` (measured here).
 """
@@ -73,6 +75,7 @@ import numpy as np
 from hetconv.backends import AUTO_PROBE
 from hetconv.balance import POLICIES
 from hetconv.costmodel import FABRICS, MBIT, WIFI, Cluster, Node, WireCosts
+from hetconv.formats import FORMAT_LABELS, format_named
 from hetconv.model import load_spec
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -445,6 +448,7 @@ def _wire(path: str, table: object) -> WireCosts:
             "software_gbytes_per_s",
             "sum_gbytes_per_s",
             "compute_stall",
+            "format",
         ),
     )
     defaults = WireCosts()
@@ -458,6 +462,7 @@ def _wire(path: str, table: object) -> WireCosts:
         * reader.number("software_gbytes_per_s", defaults.software_bytes_per_s / 1e9),
         sum_bytes_per_s=1e9 * reader.number("sum_gbytes_per_s", defaults.sum_bytes_per_s / 1e9),
         compute_stall=stall,
+        format=format_named(reader.text("format", defaults.format.label, list(FORMAT_LABELS))),
     )
 
 

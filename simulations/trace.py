@@ -4,14 +4,16 @@ A trace holds two kinds of record:
 
 * a **step record** for every training step, the only kind with a ``"step"`` key: the step's
   times and, for a run with workers, per node and layer the kernels, bytes and seconds of its
-  calls;
+  calls, and the ``"wire_format"`` those bytes were counted in (``float32``, ``float16``,
+  ``bfloat16``; absent in older traces: float32);
 * a **plan record** where a run starts (a resumed run writes another), with no ``"step"`` key::
 
     {"event": "plan", "start_step": 0,
      "nodes": [{"name": "master" or "HOST:PORT", "description": ...,
                 "probe_seconds": {"conv1": 0.0123, ...},
                 "link_bytes_per_second": ... or null, "link_latency_seconds": ... or null}, ...],
-     "shares": {"conv1": [kernels per node, in the order of "nodes"], ...}}
+     "shares": {"conv1": [kernels per node, in the order of "nodes"], ...},
+     "wire_format": "float32"}
 
   the nodes in order, master first (a master that computes nothing has no probe figures), with
   what the master measured before training and the shares it chose from that.

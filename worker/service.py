@@ -11,6 +11,11 @@ request is validated before any work is done; a bad one is refused with a messag
 was wrong and the status its error's type carries (INVALID_ARGUMENT for most, see
 :mod:`hetconv.errors`), and the worker goes on serving. Which tensors each call carries, and
 every RPC's codec, come from :mod:`hetconv.calls`.
+
+Request tensors may come in any format the worker knows (each header names its own); answers
+carry activations (``y``, ``dx``) in the format the request's ``answer_dtype`` asks for and
+kernel gradients as float32 (:mod:`hetconv.formats`). Echo answers each tensor in the format
+it came in. A format the worker does not know is refused with INVALID_ARGUMENT naming it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from hetconv.calls import (
     map_shape,
 )
 from hetconv.errors import InvalidCall, MalformedMessage, MissingForward, RequestTooLarge, WireError
-from hetconv.formats import FLOAT32
+from hetconv.formats import FLOAT32, TensorFormat, answer_format, format_of
 from hetconv.proto import worker_pb2 as pb
 from hetconv.wire import (
     Bundle,
@@ -56,8 +61,15 @@ from hetconv.wire import (
 )
 from hetconv.worker.auth import WorkerSecurity
 
-#: What a call's core returns: the answer's tensors by name, compute and receive seconds.
-_Core = Callable[[Iterator], tuple[list[tuple[str, np.ndarray]], float, float]]
+#: An answer's tensors: name, array, format on the wire.
+_Answer = list[tuple[str, np.ndarray, TensorFormat]]
+#: What a call's core returns: the answer's tensors, compute and receive seconds.
+_Core = Callable[[Iterator], tuple[_Answer, float, float]]
+
+
+def _answer(formats: dict[str, TensorFormat], arrays) -> _Answer:
+    """The answer's tensors: ``arrays`` in the order of ``formats`` (a call's answer formats)."""
+    return [(name, a, fmt) for (name, fmt), a in zip(formats.items(), arrays, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -179,6 +191,8 @@ class ConvWorkerService:
             if names is None:  # any tensors, as the header names them
                 names = [h.name for h in request.tensors]
             tensors = check_tensors(request.tensors, names, self.config.max_request_bytes)
+            if call is not ECHO:
+                answer_format(request.answer_dtype)  # one it knows, before any data is read
             if call is FORWARD:
                 self._check_forward(request, tensors)
             elif call is BACKWARD and len(tensors[0].shape) != 4:
@@ -203,7 +217,7 @@ class ConvWorkerService:
             raise InvalidCall(str(e)) from None
         # The request's size is bounded on arrival; what it implies must be too: a few bytes
         # with a huge padding would otherwise ask for gigabytes of output.
-        answer = FORWARD.answer_bytes(shape)
+        answer = FORWARD.answer_bytes(shape, fmt=answer_format(request.answer_dtype))
         if answer + tensors[0].format.nbytes(x) > self.config.max_request_bytes:
             raise RequestTooLarge(
                 f"the feature maps would hold {answer} bytes: beyond this worker's limit "
@@ -211,8 +225,8 @@ class ConvWorkerService:
             )
 
     @staticmethod
-    def _result(tensors: list[tuple[str, np.ndarray]], compute: float, receive: float):
-        out = encode_tensors(tensors)
+    def _result(tensors: _Answer, compute: float, receive: float):
+        out = encode_tensors([(name, a) for name, a, _ in tensors], [f for *_, f in tensors])
         result = pb.ConvResult(
             compute_seconds=compute, receive_seconds=receive, tensors=out.headers
         )
@@ -260,7 +274,8 @@ class ConvWorkerService:
             self.backend.synchronize()
         compute = time.perf_counter() - start
         self._save(request, _Saved(request.step, x, w, padding))
-        return list(zip(FORWARD.answer_names(), (y,), strict=True)), compute, receive
+        formats = FORWARD.answer_formats(fmt=answer_format(request.answer_dtype))
+        return _answer(formats, (y,)), compute, receive
 
     def backward(self, messages: Iterator):
         request, (dy,), receive = self._receive(messages, BACKWARD)
@@ -278,13 +293,16 @@ class ConvWorkerService:
                     self.backend.conv_grad_input(dy, saved.w, saved.x.shape[2:], saved.padding)
                 )
             self.backend.synchronize()
-        names = BACKWARD.answer_names(request.need_input_grad)  # dw, db and, when asked for, dx
-        return list(zip(names, out, strict=True)), time.perf_counter() - start, receive
+        # dw, db and, when asked for, dx; dx in the format asked for, dw and db float32
+        formats = BACKWARD.answer_formats(
+            request.need_input_grad, answer_format(request.answer_dtype)
+        )
+        return _answer(formats, out), time.perf_counter() - start, receive
 
     def echo(self, messages: Iterator):
         request, arrays, receive = self._receive(messages, ECHO)
-        names = [h.name for h in request.tensors]
-        return list(zip(names, arrays, strict=True)), 0.0, receive
+        pairs = zip(request.tensors, arrays, strict=True)
+        return [(h.name, a, format_of(h)) for h, a in pairs], 0.0, receive  # each as it came
 
     # -- the forward-input cache ------------------------------------------------------------
 

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetconv/proto/worker.proto\x12\nhetconv.v1\"]\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.hetconv.v1.DType\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\xc9\x01\n\x0b\x43onvRequest\x12 \n\x05phase\x18\x01 \x01(\x0e\x32\x11.hetconv.v1.Phase\x12\x0f\n\x07session\x18\x02 \x01(\x06\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05layer\x18\x04 \x01(\t\x12\x0f\n\x07padding\x18\x05 \x03(\x05\x12\x15\n\rkernel_offset\x18\x06 \x01(\r\x12\x17\n\x0fneed_input_grad\x18\x07 \x01(\x08\x12)\n\x07tensors\x18\x08 \x03(\x0b\x32\x18.hetconv.v1.TensorHeader\"i\n\nConvResult\x12\x17\n\x0f\x63ompute_seconds\x18\x01 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x02 \x01(\x01\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.hetconv.v1.TensorHeader\"z\n\x0b\x43onvMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.hetconv.v1.ConvRequestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12(\n\x06result\x18\x03 \x01(\x0b\x32\x16.hetconv.v1.ConvResultH\x00\x42\x06\n\x04kind\"k\n\nConvBundle\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.hetconv.v1.ConvRequest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12&\n\x06result\x18\x03 \x01(\x0b\x32\x16.hetconv.v1.ConvResult\"\x11\n\x0f\x44\x65scribeRequest\"\xae\x01\n\x11\x44\x65viceDescription\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x63ores\x18\x05 \x01(\r\x12\x17\n\x0fhetconv_version\x18\x06 \x01(\t\x12\x19\n\x11max_request_bytes\x18\x07 \x01(\x04\x12\x13\n\x0binstance_id\x18\x08 \x01(\x06\"\x98\x01\n\x0cProbeRequest\x12\t\n\x01n\x18\x01 \x01(\r\x12\t\n\x01\x63\x18\x02 \x01(\r\x12\t\n\x01h\x18\x03 \x01(\r\x12\t\n\x01w\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\n\n\x02kh\x18\x06 \x01(\r\x12\n\n\x02kw\x18\x07 \x01(\r\x12\x0f\n\x07padding\x18\x08 \x03(\x05\x12\x0f\n\x07repeats\x18\t \x01(\r\x12\x17\n\x0fwith_grad_input\x18\n \x01(\x08\".\n\x0bProbeResult\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06gflops\x18\x02 \x01(\x01*+\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01*9\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x32\x92\x04\n\nConvWorker\x12\x46\n\x08\x44\x65scribe\x12\x1b.hetconv.v1.DescribeRequest\x1a\x1d.hetconv.v1.DeviceDescription\x12:\n\x05Probe\x12\x18.hetconv.v1.ProbeRequest\x1a\x17.hetconv.v1.ProbeResult\x12?\n\x07\x46orward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12@\n\x08\x42\x61\x63kward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12<\n\x04\x45\x63ho\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12?\n\rForwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12@\n\x0e\x42\x61\x63kwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12<\n\nEchoBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundleb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetconv/proto/worker.proto\x12\nhetconv.v1\"]\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.hetconv.v1.DType\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\xf2\x01\n\x0b\x43onvRequest\x12 \n\x05phase\x18\x01 \x01(\x0e\x32\x11.hetconv.v1.Phase\x12\x0f\n\x07session\x18\x02 \x01(\x06\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05layer\x18\x04 \x01(\t\x12\x0f\n\x07padding\x18\x05 \x03(\x05\x12\x15\n\rkernel_offset\x18\x06 \x01(\r\x12\x17\n\x0fneed_input_grad\x18\x07 \x01(\x08\x12)\n\x07tensors\x18\x08 \x03(\x0b\x32\x18.hetconv.v1.TensorHeader\x12\'\n\x0c\x61nswer_dtype\x18\t \x01(\x0e\x32\x11.hetconv.v1.DType\"i\n\nConvResult\x12\x17\n\x0f\x63ompute_seconds\x18\x01 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x02 \x01(\x01\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.hetconv.v1.TensorHeader\"z\n\x0b\x43onvMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.hetconv.v1.ConvRequestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12(\n\x06result\x18\x03 \x01(\x0b\x32\x16.hetconv.v1.ConvResultH\x00\x42\x06\n\x04kind\"k\n\nConvBundle\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.hetconv.v1.ConvRequest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12&\n\x06result\x18\x03 \x01(\x0b\x32\x16.hetconv.v1.ConvResult\"\x11\n\x0f\x44\x65scribeRequest\"\xae\x01\n\x11\x44\x65viceDescription\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x63ores\x18\x05 \x01(\r\x12\x17\n\x0fhetconv_version\x18\x06 \x01(\t\x12\x19\n\x11max_request_bytes\x18\x07 \x01(\x04\x12\x13\n\x0binstance_id\x18\x08 \x01(\x06\"\x98\x01\n\x0cProbeRequest\x12\t\n\x01n\x18\x01 \x01(\r\x12\t\n\x01\x63\x18\x02 \x01(\r\x12\t\n\x01h\x18\x03 \x01(\r\x12\t\n\x01w\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\n\n\x02kh\x18\x06 \x01(\r\x12\n\n\x02kw\x18\x07 \x01(\r\x12\x0f\n\x07padding\x18\x08 \x03(\x05\x12\x0f\n\x07repeats\x18\t \x01(\r\x12\x17\n\x0fwith_grad_input\x18\n \x01(\x08\".\n\x0bProbeResult\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06gflops\x18\x02 \x01(\x01*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*9\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x32\x92\x04\n\nConvWorker\x12\x46\n\x08\x44\x65scribe\x12\x1b.hetconv.v1.DescribeRequest\x1a\x1d.hetconv.v1.DeviceDescription\x12:\n\x05Probe\x12\x18.hetconv.v1.ProbeRequest\x1a\x17.hetconv.v1.ProbeResult\x12?\n\x07\x46orward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12@\n\x08\x42\x61\x63kward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12<\n\x04\x45\x63ho\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12?\n\rForwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12@\n\x0e\x42\x61\x63kwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12<\n\nEchoBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundleb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetconv.proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1080
-  _globals['_DTYPE']._serialized_end=1123
-  _globals['_PHASE']._serialized_start=1125
-  _globals['_PHASE']._serialized_end=1182
+  _globals['_DTYPE']._serialized_start=1121
+  _globals['_DTYPE']._serialized_end=1191
+  _globals['_PHASE']._serialized_start=1193
+  _globals['_PHASE']._serialized_end=1250
   _globals['_TENSORHEADER']._serialized_start=42
   _globals['_TENSORHEADER']._serialized_end=135
   _globals['_CONVREQUEST']._serialized_start=138
-  _globals['_CONVREQUEST']._serialized_end=339
-  _globals['_CONVRESULT']._serialized_start=341
-  _globals['_CONVRESULT']._serialized_end=446
-  _globals['_CONVMESSAGE']._serialized_start=448
-  _globals['_CONVMESSAGE']._serialized_end=570
-  _globals['_CONVBUNDLE']._serialized_start=572
-  _globals['_CONVBUNDLE']._serialized_end=679
-  _globals['_DESCRIBEREQUEST']._serialized_start=681
-  _globals['_DESCRIBEREQUEST']._serialized_end=698
-  _globals['_DEVICEDESCRIPTION']._serialized_start=701
-  _globals['_DEVICEDESCRIPTION']._serialized_end=875
-  _globals['_PROBEREQUEST']._serialized_start=878
-  _globals['_PROBEREQUEST']._serialized_end=1030
-  _globals['_PROBERESULT']._serialized_start=1032
-  _globals['_PROBERESULT']._serialized_end=1078
-  _globals['_CONVWORKER']._serialized_start=1185
-  _globals['_CONVWORKER']._serialized_end=1715
+  _globals['_CONVREQUEST']._serialized_end=380
+  _globals['_CONVRESULT']._serialized_start=382
+  _globals['_CONVRESULT']._serialized_end=487
+  _globals['_CONVMESSAGE']._serialized_start=489
+  _globals['_CONVMESSAGE']._serialized_end=611
+  _globals['_CONVBUNDLE']._serialized_start=613
+  _globals['_CONVBUNDLE']._serialized_end=720
+  _globals['_DESCRIBEREQUEST']._serialized_start=722
+  _globals['_DESCRIBEREQUEST']._serialized_end=739
+  _globals['_DEVICEDESCRIPTION']._serialized_start=742
+  _globals['_DEVICEDESCRIPTION']._serialized_end=916
+  _globals['_PROBEREQUEST']._serialized_start=919
+  _globals['_PROBEREQUEST']._serialized_end=1071
+  _globals['_PROBERESULT']._serialized_start=1073
+  _globals['_PROBERESULT']._serialized_end=1119
+  _globals['_CONVWORKER']._serialized_start=1253
+  _globals['_CONVWORKER']._serialized_end=1783
 # @@protoc_insertion_point(module_scope)

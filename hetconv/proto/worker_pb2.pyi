@@ -11,6 +11,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
     FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -19,6 +21,8 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKWARD: _ClassVar[Phase]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
 PHASE_UNSPECIFIED: Phase
 FORWARD: Phase
 BACKWARD: Phase
@@ -36,7 +40,7 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
-    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors")
+    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +49,7 @@ class ConvRequest(_message.Message):
     KERNEL_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NEED_INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     session: int
     step: int
@@ -53,7 +58,8 @@ class ConvRequest(_message.Message):
     kernel_offset: int
     need_input_grad: bool
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
+    answer_dtype: DType
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ConvResult(_message.Message):
     __slots__ = ("compute_seconds", "receive_seconds", "tensors")

@@ -1,0 +1,132 @@
+"""Bytes on the master's link per training step, from the real wire format, per way of running.
+
+For each reference network, batch size and mode, the bytes every worker call of one step moves
+(requests and answers, headers included) are counted with :func:`hetconv.workload.call_bytes`,
+which equals what a real run's trace records (``tests/test_simulator.py`` and
+``tests/test_wire_formats.py`` check). Kernels are split evenly over the master and the
+workers, as equal probes would split them (:func:`hetconv.balance.kernel_shares`); the bytes
+hardly depend on the split, as every worker gets the whole input either way.
+
+A *mode* is one entry of :data:`MODES`: a name and a function from (layer, shares) to the
+bytes of one step of that layer. The kernel split in each wire format is there today; fused
+worker stages, a replicated first block or resident kernels will be entries of their own.
+
+    python benchmarks/wire_bytes.py [--networks paper-50-500 ...] [--batch 16 64]
+                                    [--workers 4] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetconv.balance import kernel_shares
+from hetconv.formats import BFLOAT16, FLOAT16, FLOAT32, TensorFormat
+from hetconv.workload import PHASES, ConvLayer, call_bytes, network_layers
+
+NETWORKS = ("paper-50-500", "paper-150-800", "paper-300-1000", "paper-500-1500")
+#: The mode the others are compared with.
+BASELINE = "kernel-split"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of running a step: ``layer_bytes(layer, shares)`` is what one layer's forward
+    and backward move on the master's link, for ``shares`` kernels per node (master first)."""
+
+    name: str
+    description: str
+    layer_bytes: Callable[[ConvLayer, Sequence[int]], int]
+
+
+def _kernel_split(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int]:
+    def layer_bytes(layer: ConvLayer, shares: Sequence[int]) -> int:
+        total, offset = 0, shares[0]
+        for share in shares[1:]:
+            if share:
+                total += sum(call_bytes(layer, p, share, offset, fmt=fmt).total for p in PHASES)
+            offset += share
+        return total
+
+    return layer_bytes
+
+
+MODES: tuple[Mode, ...] = (
+    Mode(BASELINE, "kernel split (the paper's), float32 wire", _kernel_split(FLOAT32)),
+    Mode(
+        "kernel-split-bfloat16",
+        "kernel split, activations as bfloat16 (--wire-format bfloat16)",
+        _kernel_split(BFLOAT16),
+    ),
+    Mode(
+        "kernel-split-float16",
+        "kernel split, activations as float16 (--wire-format float16)",
+        _kernel_split(FLOAT16),
+    ),
+)
+
+
+def step_bytes(mode: Mode, network: str, batch: int, workers: int) -> int:
+    """Bytes on the master's link in one step of ``network`` at ``batch`` with ``workers``
+    workers and the master sharing every layer's kernels evenly."""
+    total = 0
+    for layer in network_layers(network, batch):
+        shares = kernel_shares(layer.kernels, [1.0] * (workers + 1))
+        total += mode.layer_bytes(layer, shares)
+    return total
+
+
+def rows(networks: Sequence[str], batches: Sequence[int], workers: int) -> list[dict]:
+    out = []
+    by_name = {m.name: m for m in MODES}
+    for network in networks:
+        for batch in batches:
+            base = step_bytes(by_name[BASELINE], network, batch, workers)
+            for mode in MODES:
+                nbytes = step_bytes(mode, network, batch, workers)
+                out.append(
+                    {
+                        "network": network,
+                        "batch": batch,
+                        "workers": workers,
+                        "mode": mode.name,
+                        "master_mb": nbytes / 1e6,
+                        "ratio_to_kernel_split": nbytes / base,
+                    }
+                )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--networks", nargs="+", default=list(NETWORKS))
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    args = parser.parse_args()
+
+    table = rows(args.networks, args.batch, args.workers)
+    print(
+        f"{'network':<16} {'batch':>5} {'workers':>7} {'mode':<22} {'master MB':>10} {'ratio':>6}"
+    )
+    for r in table:
+        print(
+            f"{r['network']:<16} {r['batch']:>5} {r['workers']:>7} {r['mode']:<22} "
+            f"{r['master_mb']:>10.2f} {r['ratio_to_kernel_split']:>6.3f}"
+        )
+    print(
+        "master MB = bytes per step on the master's link (MB = 1e6), both ways, all workers; "
+        f"ratio = over the {BASELINE} mode's"
+    )
+    for mode in MODES:
+        print(f"  {mode.name}: {mode.description}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
