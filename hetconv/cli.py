@@ -106,11 +106,19 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--rebalance-every",
         type=non_negative_int,
-        default=20,
         metavar="STEPS",
-        help="every STEPS steps, re-split the kernels of nodes whose measured speed drifted "
-        "30%% or more from the figure their share was planned with (a laptop that got busy, "
-        "or freed up); 0 keeps the split fixed, as in the paper, until workers come or go",
+        help="every STEPS steps (default 20), re-split the kernels of nodes whose measured speed "
+        "drifted 30%% or more from the figure their share was planned with (a laptop that got "
+        "busy, or freed up); 0 keeps the split fixed, as in the paper, until workers come or go",
+    )
+    where.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="make two runs with the same flags over the same workers bitwise identical: "
+        "every layer's kernels are split equally over the computing nodes in order (no "
+        "timing decides a share; the probe sets deadlines only) and never rebalanced "
+        "(implies --rebalance-every 0). A worker lost or joining mid-run still changes the "
+        "split. Not with --shares link",
     )
 
 
@@ -240,13 +248,24 @@ def _run_train(args: argparse.Namespace) -> int:
                 "--local runs no workers, so nothing goes on the wire: drop --wire-format"
             )
         return _final_checkpoint_status(config.checkpoint_dir, train(config, LocalConv()).steps)
+    if args.deterministic and args.shares == "link":
+        raise ValueError(
+            "--deterministic splits kernels equally, --shares link by measured links: "
+            "drop one of them"
+        )
+    if args.deterministic and args.rebalance_every:
+        raise ValueError(
+            "--deterministic never rebalances (shares must not follow measured speed): "
+            "drop --rebalance-every"
+        )
     cluster_config = ClusterConfig(
         master_compute=args.master_compute,
         connect_timeout=args.connect_timeout,
         workers_file=args.workers_file,  # re-read while training: workers come and go
         share_policy=args.shares,
         network=args.network,
-        rebalance_every=args.rebalance_every,
+        rebalance_every=20 if args.rebalance_every is None else args.rebalance_every,
+        deterministic=args.deterministic,
         token=token,  # the embedded default's local workers are started with it too
         tls_ca=args.tls_ca,
         wire_format=format_named(args.wire_format),

@@ -31,6 +31,14 @@ compute is compared with its own at the same share earlier, and a node that got 
 (a laptop whose owner started something) or faster has its figure scaled and the shares are
 planned again.
 
+A *deterministic* cluster (``deterministic=True``, ``hetconv train --deterministic``) makes two
+runs with the same settings over the same workers bitwise identical: no timing decides a share
+(each layer is split equally over the usable nodes in node order, or by the configured
+``shares``), nothing is rebalanced on measured speed, and the input-gradient parts are summed
+in a fixed order (the master's own part, the pieces it covers, then the workers' in node order,
+whichever answers first; see :mod:`.dispatch`). Membership still changes the split: a worker
+lost mid-run has its slice computed by the master and the next steps split without it.
+
 A worker that cannot be reached when training starts does not stop it: it starts lost (event
 ``worker_lost``) and the monitor retries it like any lost worker, so it joins when it comes up;
 only when nothing could compute (no worker reached and ``master_compute`` off) does the start
@@ -110,6 +118,10 @@ class ClusterConfig:
         wire_format: the format of activations and their gradients on the wire
             (:mod:`hetconv.formats`): float32 (exact), or float16 / bfloat16 (half the bytes,
             rounded); kernels and their gradients always travel as float32.
+        deterministic: no timing decides the split, so runs with the same settings over the
+            same workers are bitwise identical: each layer is split equally over the usable
+            nodes in node order (or by ``shares`` while they apply), and ``rebalance_every``
+            is ignored (never rebalanced). Needs the ``"compute"`` policy.
     """
 
     master_compute: bool = True
@@ -128,6 +140,7 @@ class ClusterConfig:
     token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
     wire_format: TensorFormat = FLOAT32
+    deterministic: bool = False
 
 
 def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
@@ -155,8 +168,11 @@ class Cluster:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"a worker is named twice in {list(addresses)}")
         self.config = c = config or ClusterConfig()
-        self.drift = DriftMonitor(c.rebalance_every, c.rebalance_change)
-        self.planner = Planner(c.master_compute, c.share_policy, c.network, c.shares)
+        # Deterministic: measured speeds never move the split.
+        self.drift = DriftMonitor(0 if c.deterministic else c.rebalance_every, c.rebalance_change)
+        self.planner = Planner(
+            c.master_compute, c.share_policy, c.network, c.shares, deterministic=c.deterministic
+        )
         if not addresses and not c.master_compute and not c.workers_file:
             raise ValueError("no workers and --no-master-compute: nothing would compute")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -312,12 +328,14 @@ class Cluster:
 
     def describe_shares(self) -> str:
         """A table: per node, its device, link, and per layer its probe time and kernels."""
-        return shares_table(self.nodes, self.plans, self.config.master_compute)
+        c = self.config
+        return shares_table(self.nodes, self.plans, c.master_compute, c.deterministic)
 
     def plan_record(self) -> dict:
-        """The plan as data (nodes, probes, links, shares, the wire format) for the trace's
-        first record."""
-        record = plan_record(self.nodes, self.plans, self.config.master_compute)
+        """The plan as data (nodes, probes, links, shares, whether deterministic, the wire
+        format) for the trace's first record."""
+        c = self.config
+        record = plan_record(self.nodes, self.plans, c.master_compute, c.deterministic)
         return {**record, "wire_format": self.config.wire_format.label}
 
     def close(self) -> None:

@@ -336,6 +336,10 @@ class PhaseRunner:
         if own.size:
             job.compute_locally(own)
         master_seconds = time.perf_counter() - t0
+        # The answers are taken in node order, whichever call finishes first, so the parts
+        # that a job sums (backward's input gradient) are added in a fixed order: the master's
+        # own, the pieces it covers, then the workers' in node order (a deterministic run
+        # relies on it; tests/test_determinism.py).
         done, failed = self._gather(job, calls)
         t0 = time.perf_counter()
         for piece in covered + failed:

@@ -5,6 +5,11 @@ it computes. Over those, the ``compute`` policy gives kernels in proportion to 1
 (the paper's rule) and the ``link`` policy minimises the predicted layer time, transfers
 included (both in :mod:`hetconv.balance`). A fixed split from the configuration overrides both
 while every worker named at start is active.
+
+A *deterministic* planner (``hetconv train --deterministic``) never reads a timing: it splits
+every layer equally over the usable nodes in node order (master first; the remainder of the
+division goes to the earliest nodes), so two runs over the same nodes get the same shares
+whatever their probes measured. Probes still run: they set each call's deadline, not the split.
 """
 
 from __future__ import annotations
@@ -79,12 +84,15 @@ class Planner:
         policy: ``"compute"`` or ``"link"``.
         network: what ``"link"`` assumes: ``"switched"`` or ``"wifi"`` (one shared medium).
         fixed: layer name -> kernels per node, used while ``everyone_active`` holds.
+        deterministic: split equally over the usable nodes instead of by speed (no timing
+            decides a share; the ``compute`` policy only).
     """
 
     master_compute: bool
     policy: str = COMPUTE_POLICY
     network: str = "switched"
     fixed: Mapping[str, tuple[int, ...]] | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -93,6 +101,16 @@ class Planner:
             raise ValueError(
                 f"share policy {self.policy!r} is not one of {', '.join(SHARE_POLICIES)}"
             )
+        if self.deterministic and self.policy != COMPUTE_POLICY:
+            raise ValueError(
+                f"a deterministic split is equal over the nodes: the {self.policy!r} share "
+                "policy, which reads measured links, cannot be deterministic"
+            )
+
+    def _seconds(self, node: Node, layer: str) -> float:
+        """The figure ``node`` is split by on ``layer``: its probe, or 1 for every node when
+        deterministic (an equal split)."""
+        return 1.0 if self.deterministic else node.probe_seconds.get(layer, 1.0)
 
     def plan(
         self, nodes: Sequence[Node], layers: Sequence[PlannedLayer], everyone_active: bool
@@ -105,15 +123,13 @@ class Planner:
                 plans[layer.name] = LayerPlan.of(layer.shape, override)
                 continue
             seconds = [
-                node.probe_seconds.get(layer.name, 1.0)
-                if usable(node, self.master_compute)
-                else np.inf
+                self._seconds(node, layer.name) if usable(node, self.master_compute) else np.inf
                 for node in nodes
             ]
             if all(np.isinf(seconds)):
                 # No worker left and the master was told not to compute: it must, or
                 # nothing would.
-                seconds[0] = nodes[0].probe_seconds.get(layer.name, 1.0)
+                seconds[0] = self._seconds(nodes[0], layer.name)
             shares = kernel_shares(layer.shape.k, seconds)
             if self.policy == LINK_POLICY:
                 shares = self._link_aware(nodes, layer, seconds, shares)
@@ -121,10 +137,14 @@ class Planner:
         return plans
 
     def plan_unseen(self, nodes: Sequence[Node], x_shape, w_shape, padding: PaddingSpec):
-        """A layer the probe did not see: split by the nodes' mean speed on the others."""
+        """A layer the probe did not see: split by the nodes' mean speed on the others (equally
+        over the usable nodes when deterministic)."""
         speeds = []
         for node in nodes:
             times = list(node.probe_seconds.values())
+            if self.deterministic:
+                speeds.append(1.0 if usable(node, self.master_compute) else float("inf"))
+                continue
             ok = times and usable(node, self.master_compute)
             speeds.append(float(np.mean(times)) if ok else float("inf"))
         if all(np.isinf(speeds)):
@@ -175,10 +195,20 @@ class Planner:
         return shares
 
 
-def shares_table(nodes: Sequence[Node], plans: Mapping[str, LayerPlan], master_compute: bool):
+def shares_table(
+    nodes: Sequence[Node],
+    plans: Mapping[str, LayerPlan],
+    master_compute: bool,
+    deterministic: bool = False,
+):
     """A table for the console: per node, its device, link, and per layer its probe time and
     kernels."""
-    lines = ["kernel shares (probe: forward + backward of the layer's real shape):"]
+    how = (
+        "equal over the usable nodes (--deterministic; the probe sets deadlines only)"
+        if deterministic
+        else "probe: forward + backward of the layer's real shape"
+    )
+    lines = [f"kernel shares ({how}):"]
     for i, node in enumerate(nodes):
         link = (
             ""
@@ -198,10 +228,15 @@ def shares_table(nodes: Sequence[Node], plans: Mapping[str, LayerPlan], master_c
     return "\n".join(lines)
 
 
-def plan_record(nodes: Sequence[Node], plans: Mapping[str, LayerPlan], master_compute: bool):
+def plan_record(
+    nodes: Sequence[Node],
+    plans: Mapping[str, LayerPlan],
+    master_compute: bool,
+    deterministic: bool = False,
+):
     """The plan as data, for the trace's first record: per node (master first) its device,
-    probe seconds per layer (none for a master that computes nothing) and link, and per layer
-    the kernels of each node in the same order."""
+    probe seconds per layer (none for a master that computes nothing) and link, per layer the
+    kernels of each node in the same order, and whether the split is deterministic."""
 
     def finite(value: float) -> float | None:
         return float(value) if np.isfinite(value) else None
@@ -222,4 +257,5 @@ def plan_record(nodes: Sequence[Node], plans: Mapping[str, LayerPlan], master_co
             for node in nodes
         ],
         "shares": {name: [int(k) for k in plan.shares] for name, plan in plans.items()},
+        "deterministic": bool(deterministic),
     }
