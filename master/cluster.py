@@ -200,6 +200,11 @@ class Cluster:
         return self.membership.nodes
 
     @property
+    def wire_format(self) -> str:
+        """The format of activations and their gradients on the wire (its label)."""
+        return self.config.wire_format.label
+
+    @property
     def _pending(self) -> list[Node]:
         return self.membership.pending
 

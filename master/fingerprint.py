@@ -41,12 +41,16 @@ def run_fingerprint(
     seed: int,
     sgd: SGDConfig,
     initial_weights: Mapping[str, np.ndarray],
+    wire_format: str = "float32",
 ) -> dict:
     """What a run must share with the run that wrote a checkpoint to continue it (JSON-ready).
 
     ``preset`` is kept for messages only; the network is compared by its ``spec``. The
     training images and the initial weights (seed or ``--load``) are compared by digest.
     The length of the run (steps, epochs) and evaluation settings may change on resume.
+    ``wire_format`` is the executor's format of activations on the wire: a 16-bit one rounds
+    every activation, so a resume may not switch it (checkpoints written before it was recorded
+    count as float32). Which workers and how many may change: that is round-off only.
     """
     return {
         "preset": preset,
@@ -58,6 +62,7 @@ def run_fingerprint(
         "lr": sgd.lr,
         "momentum": sgd.momentum,
         "weight_decay": sgd.weight_decay,
+        "wire_format": wire_format,
         "train_data_sha256": _sha256(train_set.images, train_set.labels),
         "initial_weights_sha256": _sha256(
             *(np.asarray(initial_weights[k], "<f4") for k in sorted(initial_weights))
@@ -101,6 +106,9 @@ def fingerprint_differences(saved: Mapping, current: Mapping) -> list[str]:
     for key in _SETTINGS:
         if saved.get(key) != current.get(key):
             differences.append(f"{key} {saved.get(key)!r} there, {current.get(key)!r} here")
+    there, here = saved.get("wire_format", "float32"), current.get("wire_format", "float32")
+    if there != here:
+        differences.append(f"--wire-format {there} there, {here} here")
     if not differences:
         for key, what in _DIGESTS.items():
             if saved.get(key) != current.get(key):

@@ -206,6 +206,11 @@ class EmbeddedCluster:
     def plan_record(self) -> dict:
         return self.cluster.plan_record()
 
+    @property
+    def wire_format(self) -> str:
+        """The format of activations on the wire (known before the workers start)."""
+        return self.config.wire_format.label if self.config is not None else "float32"
+
     def close(self) -> None:
         try:
             if self.cluster is not None:

@@ -250,6 +250,7 @@ class _Run:
             seed=config.seed,
             sgd=config.sgd,
             initial_weights=self.model.parameters(),
+            wire_format=getattr(self.executor, "wire_format", "float32"),  # local: nothing travels
         )
         self.resumed = resume_point(
             self.checkpoints,

@@ -433,6 +433,36 @@ def test_a_digest_difference_is_named_only_when_no_setting_explains_it():
     ]
 
 
+def test_a_resume_may_not_switch_the_wire_format():
+    """A 16-bit wire rounds every activation: not round-off, so a resume keeps the format.
+    A checkpoint written before the format was recorded counts as float32."""
+    saved = {"batch": 8, "seed": 0, "train_data_sha256": "a", "initial_weights_sha256": "b"}
+    assert fingerprint_differences(saved, dict(saved, wire_format="float32")) == []
+    assert fingerprint_differences(dict(saved, wire_format="bfloat16"), saved) == [
+        "--wire-format bfloat16 there, float32 here"
+    ]
+
+
+def test_the_fingerprint_records_the_executors_wire_format(tmp_path):
+    class Bfloat16Local(LocalConv):
+        wire_format = "bfloat16"
+
+    first = tmp_path / "a"
+    train(
+        TrainConfig(**{**RUN, "steps": 2}, checkpoint_dir=str(first)),
+        Bfloat16Local(),
+        log=io.StringIO(),
+    )
+    state = read_checkpoint(CheckpointDir(first).pointer())
+    assert state.fingerprint["wire_format"] == "bfloat16"
+    with pytest.raises(CheckpointError, match="--wire-format bfloat16 there, float32 here"):
+        train(
+            TrainConfig(**{**RUN, "steps": 3}, checkpoint_dir=str(first), resume=True),
+            LocalConv(),
+            log=io.StringIO(),
+        )
+
+
 # -- a real process, killed ------------------------------------------------------------------
 
 # 10 steps per epoch: the kill (soon after step 4) lands mid-epoch, so the data position matters.
