@@ -347,6 +347,15 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         "half the memory available at start)",
     )
     p.add_argument(
+        "--sessions",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="masters it serves at once (default 4): it keeps the forward inputs of N sessions "
+        "for their backward passes; with more masters they evict each other's and every "
+        "backward pass fails (FAILED_PRECONDITION, naming eviction)",
+    )
+    p.add_argument(
         "--no-startup-probe", action="store_true", help="skip the probe printed at start"
     )
     p.add_argument(
@@ -397,6 +406,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         config,
         startup_probe=not args.no_startup_probe,
         security=security,
+        sessions=args.sessions,
         exit_on_stdin_close=args.exit_on_stdin_close,
     )
 

@@ -86,6 +86,57 @@ def _handshake_failed(e: grpc.RpcError) -> bool:
     )
 
 
+#: How long :meth:`WorkerClient.describe` keeps trying a port that refuses or closes the
+#: connection (a worker that is starting), and how often it tries again meanwhile.
+CONNECT_GRACE_S = 1.5
+CONNECT_POLL_S = 0.2
+
+REFUSED, NOT_GRPC, CLOSED = "refused", "not gRPC", "closed"
+
+
+def _connect_failure(detail: str) -> str | None:
+    """Why gRPC says a connection failed (REFUSED, NOT_GRPC, CLOSED), or None when it did not
+    say (still connecting, timed out, or an error of another kind)."""
+    text = detail.lower()
+    if "connection refused" in text:
+        return REFUSED
+    if "http/2" in text or "settings frame" in text:
+        return NOT_GRPC
+    if "socket closed" in text or "connection reset" in text or "end of file" in text:
+        return CLOSED
+    return None
+
+
+def _cause_text(detail: str) -> str:
+    """gRPC's own reason without its prefixes: ``Failed parsing HTTP/2 (...)``."""
+    return detail.rsplit(": ", 1)[-1] if ": " in detail else detail
+
+
+def _worker_shut_down(code: grpc.StatusCode | None, detail: str) -> bool:
+    """Whether a call failed because the worker's server stopped (Ctrl-C, SIGTERM) and
+    cancelled it, not because this master cancelled it or the link broke."""
+    text = (detail or "").strip().lower()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return "cancelling all calls" in text  # grpc's server shutdown
+    if code == grpc.StatusCode.CANCELLED:
+        # Cancelled by this side: "Locally cancelled by application!", "Channel closed!".
+        return "locally" not in text and "channel closed" not in text
+    return False
+
+
+class _Deadline(grpc.RpcError):
+    """The last UNAVAILABLE of :meth:`WorkerClient.describe`, reported as its deadline."""
+
+    def __init__(self, last: grpc.RpcError):
+        self._last = last
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._last.details() or ""
+
+
 @dataclass
 class CallStats:
     """What one call moved and where its time went (seconds, as the master saw them)."""
@@ -161,6 +212,12 @@ class WorkerClient:
         )
         name = code.name if code is not None else "error"
         cls = WorkerUnavailable if gone else WorkerError
+        if _worker_shut_down(code, detail):
+            return cls(
+                self.address,
+                f"{what} failed: the worker shut down (cancelled its calls; {name}: {detail})",
+                code,
+            )
         return cls(self.address, f"{what} failed: {name}: {detail}", code)
 
     def _tls_error(self, e: grpc.RpcError) -> WorkerTLSError:
@@ -191,44 +248,64 @@ class WorkerClient:
             return self._error(e, "describe")
         if e.code() == grpc.StatusCode.UNAVAILABLE and _handshake_failed(e):
             return self._tls_error(e)
-        hint = " (one started with --tls-cert needs --tls-ca here)" if self.tls_ca is None else ""
         last = _first_line(e.details() or "") if hasattr(e, "details") else ""
+        cause = _connect_failure(last)
+        if cause is not None:
+            return self._connect_error(cause, last)
+        # Nothing came back at all (a firewall that drops, a machine that is off): a TLS
+        # worker would have accepted the connection, so no TLS hint here.
         return WorkerUnavailable(
             self.address,
             f"no answer within {self.connect_timeout:g} s; is `hetconv worker` running there "
-            f"and reachable?{hint}" + (f" [{last}]" if last else ""),
+            f"and reachable?" + (f" [{last}]" if last else ""),
             e.code(),
         )
+
+    def _connect_error(self, cause: str, detail: str) -> WorkerUnavailable:
+        """The error for a connection that gRPC knows failed, and why (:func:`_connect_failure`)."""
+        if cause == REFUSED:
+            why = f"nothing listens on {self.address} (connection refused); is the port right?"
+        elif cause == NOT_GRPC:
+            why = f"{self.address} does not speak gRPC ({_cause_text(detail)}); is the port right?"
+        else:  # CLOSED: it accepted the connection, then dropped it without an answer
+            why = f"{self.address} closed the connection without answering"
+            if self.tls_ca is None:  # what a TLS server does to a plain-text client
+                why += " (a worker started with --tls-cert needs --tls-ca here)"
+            why += f" [{detail}]"
+        return WorkerUnavailable(self.address, why, grpc.StatusCode.UNAVAILABLE)
 
     def describe(self) -> pb.DeviceDescription:
         """The worker's device; waits up to ``connect_timeout`` for it to come up.
 
+        A connection gRPC knows failed ends the wait early: refused or closed at once for
+        :data:`CONNECT_GRACE_S` (a worker that is starting gets that long), or answered by
+        something that is not gRPC (at once).
+
         Raises:
             WorkerAuthError: the worker refused the token (or wants one).
-            WorkerUnavailable: no answer in time, or the TLS handshake failed (at once: a
-                certificate problem does not go away by waiting).
+            WorkerUnavailable: no answer in time, nothing listening, not a gRPC server, or the
+                TLS handshake failed (at once: a certificate problem does not go away by
+                waiting).
         """
         request, start = pb.DescribeRequest(), time.monotonic()
-        try:
-            # First without waiting for the channel: a worker that is up answers at once, and
-            # one whose TLS handshake fails says why now instead of after connect_timeout.
-            return self._describe(request, timeout=self.connect_timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or _handshake_failed(e):
-                raise self._unreachable(e) from None
-        remaining = max(self.connect_timeout - (time.monotonic() - start), 0.1)
-        try:
-            # Not listening (yet): wait for it to come up.
-            return self._describe(
-                request, timeout=remaining, wait_for_ready=True, metadata=self._metadata
-            )
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                try:  # the channel's last connection error says more than the deadline
-                    return self._describe(request, timeout=1.0, metadata=self._metadata)
-                except grpc.RpcError as last:
-                    e = last
-            raise self._unreachable(e) from None
+        deadline = start + self.connect_timeout
+        grace_until = start + min(CONNECT_GRACE_S, self.connect_timeout)
+        while True:
+            try:
+                # Never wait_for_ready: a call on a channel whose connection failed fails at
+                # once, with gRPC's reason, which decides whether waiting can help.
+                left = max(deadline - time.monotonic(), 0.1)
+                return self._describe(request, timeout=left, metadata=self._metadata)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or _handshake_failed(e):
+                    raise self._unreachable(e) from None
+                cause = _connect_failure(_first_line(e.details() or ""))
+                now = time.monotonic()
+                if cause == NOT_GRPC or (cause is not None and now >= grace_until):
+                    raise self._unreachable(e) from None
+                if now >= deadline:
+                    raise self._unreachable(_Deadline(e)) from None
+            time.sleep(min(CONNECT_POLL_S, max(deadline - time.monotonic(), 0.0)))
 
     def probe(
         self,

@@ -13,6 +13,23 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+#: The longest reason an event line keeps (its first line, cut at a word with an ellipsis).
+REASON_CHARS = 300
+
+
+def short_reason(text: str, limit: int = REASON_CHARS) -> str:
+    """The first line of ``text``, whole if it fits in ``limit`` characters, else cut at the
+    last word boundary before it with "…" (never mid-word: ``UNKNOW``)."""
+    lines = str(text).strip().splitlines()
+    line = lines[0].rstrip() if lines else ""
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]
+    space = cut.rfind(" ")
+    if space > limit // 2:  # a word boundary not too far back; else cut inside a long token
+        cut = cut[:space]
+    return cut.rstrip(" ,;:([") + "…"
+
 
 def shares_text(shares: dict[str, dict[str, int]]) -> str:
     """``kernels conv1 3/3/2, conv2 5/6/5 (master/127.0.0.1:5001/...)`` for the console."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from hetconv.argtypes import parse_address
 
 from .client import WorkerClient
-from .events import EventLog
+from .events import EventLog, short_reason
 
 MASTER = "master"
 
@@ -276,7 +276,7 @@ class Membership:
             if node.backoff.failures == 1 or node.backoff.failures % 5 == 0:
                 self._events.emit(
                     "worker_unreachable", node.name, attempts=node.backoff.failures,
-                    retry_in=f"{delay:.1f} s", reason=str(e).splitlines()[0][:200],
+                    retry_in=f"{delay:.1f} s", reason=short_reason(str(e)),
                 )  # fmt: skip
             return
         with self.lock:

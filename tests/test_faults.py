@@ -508,4 +508,4 @@ def test_no_worker_reachable_and_master_off_fails_clearly(tmp_path):
     with Disturbed([late], {}, connect_timeout=1.0, master_compute=False) as cluster:
         with pytest.raises(RuntimeError, match="nothing would compute") as info:
             _train(tmp_path, "nobody", cluster)
-    assert late in str(info.value) and "no answer within 1 s" in str(info.value)
+    assert f"nothing listens on {late} (connection refused)" in str(info.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -80,13 +81,19 @@ def _set_at_end_of_input(stop: threading.Event) -> None:
     stop.set()
 
 
-def _with_request_limit(config: WorkerConfig | None) -> tuple[WorkerConfig, str]:
-    """``config``, or the default one with :func:`default_max_request_bytes`; and the request
-    limit as the worker prints it."""
+def _with_request_limit(
+    config: WorkerConfig | None, sessions: int | None = None
+) -> tuple[WorkerConfig, str]:
+    """``config``, or the default one with :func:`default_max_request_bytes`, keeping
+    ``sessions`` sessions when given; and the request limit as the worker prints it."""
     if config is not None:
+        if sessions is not None:
+            config = dataclasses.replace(config, sessions=sessions)
         return config, f"{config.max_request_bytes >> 20} MiB"
     available = available_memory_bytes()
     config = WorkerConfig(max_request_bytes=default_max_request_bytes(available))
+    if sessions is not None:
+        config = dataclasses.replace(config, sessions=sessions)
     why = (
         f"the smaller of 2048 MiB and half the {available / 2**30:.1f} GiB available at start"
         if available is not None
@@ -122,17 +129,20 @@ def run_worker(
     security: WorkerSecurity | None = None,
     err: TextIO | None = None,
     exit_on_stdin_close: bool = False,
+    sessions: int | None = None,
 ) -> int:
     """Serve on ``listen`` until SIGINT or SIGTERM; returns the process exit status.
 
     Prints, in this order: the device, the startup probe figure, the request limit, the
-    security in force, and ``READY HOST:PORT`` (the line a launcher waits for). A worker that
-    the network can reach without a token also warns on ``err`` (default: stderr).
+    sessions kept, the security in force, and ``READY HOST:PORT`` (the line a launcher waits
+    for). A worker that the network can reach without a token also warns on ``err`` (default:
+    stderr).
 
     Args:
         config: limits; None: the defaults, with the request limit from
             :func:`default_max_request_bytes`.
         security: token and TLS; None: neither.
+        sessions: masters whose forward inputs it keeps at once (None: ``config``'s).
         exit_on_stdin_close: also stop when standard input reaches end of file. A launcher
             that keeps a pipe to it open takes the worker down when it ends by any means,
             SIGKILL included (the kernel closes the pipe).
@@ -142,10 +152,11 @@ def run_worker(
     security = security or WorkerSecurity()
     if isinstance(backend, str):
         backend = get_backend(backend)
-    config, limit = _with_request_limit(config)
+    config, limit = _with_request_limit(config, sessions)
     service = ConvWorkerService(backend, config)
     _print_device(backend, startup_probe, out)
     print(f"max request: {limit}", file=out)
+    print(f"sessions: {config.sessions} masters at once (--sessions sets it)", file=out)
     print(security.describe(), file=out)
     # Handlers first: a launcher may signal the moment it reads the ready line.
     stop = threading.Event()

@@ -79,7 +79,8 @@ class WorkerConfig:
     Args:
         max_request_bytes: the largest request (all tensors together) it accepts; bigger ones are
             refused with RESOURCE_EXHAUSTED instead of swapping the machine to death.
-        sessions: masters whose forward inputs it keeps at once (least recently used goes).
+        sessions: masters whose forward inputs it keeps at once (least recently used goes;
+            ``hetconv worker --sessions N``).
         probe_repeats: timed runs per probe when the master does not say (best is reported).
         threads: gRPC handler threads (convolutions themselves run one at a time).
     """
@@ -88,6 +89,14 @@ class WorkerConfig:
     sessions: int = 4
     probe_repeats: int = 2
     threads: int = 8
+
+    def __post_init__(self):
+        if self.sessions < 1:
+            raise ValueError(f"sessions must be at least 1, got {self.sessions}")
+
+
+#: How many evicted sessions a worker remembers (to name eviction as the cause).
+EVICTED_REMEMBERED = 1024
 
 
 @dataclass
@@ -126,6 +135,9 @@ class ConvWorkerService:
         self._cache_lock = threading.Lock()
         # session -> (layer, kernel offset) -> what its Forward left
         self._saved: OrderedDict[int, dict[tuple[str, int], _Saved]] = OrderedDict()
+        # sessions whose saved inputs went to make room for others, most recent last (bounded):
+        # so a Backward that finds nothing can say why
+        self._evicted: OrderedDict[int, None] = OrderedDict()
         self.requests = 0  # conv requests answered successfully
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
 
@@ -317,8 +329,12 @@ class ConvWorkerService:
                     del slices[key]
             slices[request.layer, request.kernel_offset] = saved
             self._saved.move_to_end(request.session)
+            self._evicted.pop(request.session, None)
             while len(self._saved) > self.config.sessions:
-                self._saved.popitem(last=False)
+                gone, _ = self._saved.popitem(last=False)
+                self._evicted[gone] = None
+                while len(self._evicted) > EVICTED_REMEMBERED:
+                    self._evicted.popitem(last=False)
 
     def _saved_for(self, request: pb.ConvRequest) -> _Saved:
         layer, offset = request.layer, request.kernel_offset
@@ -326,11 +342,20 @@ class ConvWorkerService:
             slices = self._saved.get(request.session, {})
             saved = slices.get((layer, offset))
             others = sorted(k[1] for k in slices if k[0] == layer and k[1] != offset)
+            evicted = request.session in self._evicted
         if saved is None or saved.step != request.step:
             if saved is not None:
                 have = f"step {saved.step}"
             elif others:
                 have = "only kernels from " + ", ".join(map(str, others))
+            elif evicted:
+                n = self.config.sessions
+                raise MissingForward(
+                    f"no forward pass of layer {layer!r} at step {request.step} for this "
+                    f"session: this worker dropped the session's saved inputs to make room for "
+                    f"another master's (it keeps {n} session{'s' if n != 1 else ''} at once, "
+                    f"and more masters use it); start it with a larger --sessions",
+                )
             else:
                 have = "nothing"
             where = f" from kernel {offset}" if offset else ""
