@@ -29,7 +29,7 @@ from hetconv.conv import LocalConv
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
-from hetconv.simulations.trace import read_steps
+from hetconv.simulations.trace import read_steps, step_bytes
 
 
 def _run(config: TrainConfig, executor) -> list[dict]:
@@ -42,16 +42,7 @@ def _mean(records: list[dict], key: str) -> float:
 
 
 def _bytes(records: list[dict]) -> float:
-    totals = []
-    for r in records:
-        total = 0
-        for node in r.get("nodes", {}).values():
-            for layer in node.values():
-                for phase in ("forward", "backward"):
-                    if phase in layer:
-                        total += layer[phase]["bytes_sent"] + layer[phase]["bytes_received"]
-        totals.append(total)
-    return float(np.mean(totals))
+    return float(np.mean([step_bytes(r) for r in records]))
 
 
 def main() -> None:

@@ -35,21 +35,12 @@ from hetconv.formats import FLOAT32, FORMATS
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
-from hetconv.simulations.trace import read_steps
+from hetconv.simulations.trace import read_steps, step_bytes
 from hetconv.workload import network_layers
 
 
 def _bytes_per_step(trace: str) -> float:
-    totals = []
-    for record in read_steps(trace):
-        total = 0
-        for node in record.get("nodes", {}).values():
-            for layer in node.values():
-                for phase in ("forward", "backward"):
-                    if phase in layer:
-                        total += layer[phase]["bytes_sent"] + layer[phase]["bytes_received"]
-        totals.append(total)
-    return float(np.mean(totals))
+    return float(np.mean([step_bytes(r) for r in read_steps(trace)]))
 
 
 def _even_shares(preset: str, batch: int, workers: int) -> dict[str, tuple[int, ...]]:

@@ -71,6 +71,17 @@ def read_steps(path: str) -> list[dict]:
     return [record for record in read_records(path) if is_step(record)]
 
 
+def step_bytes(record: dict) -> int:
+    """Bytes a step record's calls moved on the master's link, both ways, every node and layer."""
+    return sum(
+        figures[phase]["bytes_sent"] + figures[phase]["bytes_received"]
+        for layers in record.get("nodes", {}).values()
+        for figures in layers.values()
+        for phase in ("forward", "backward")
+        if phase in figures
+    )
+
+
 def read_trace(path: str) -> list[dict]:
     """The step records of the trace of a run with workers.
 

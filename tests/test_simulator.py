@@ -526,3 +526,18 @@ def test_wires_as_a_subcommand(capsys):
     assert args.func(args) == 0
     assert "this-machine" in capsys.readouterr().out
     assert CLI_POLICIES == POLICIES
+
+
+def test_step_bytes_adds_every_call_of_a_step():
+    from hetconv.simulations.trace import step_bytes
+
+    call = {"bytes_sent": 3, "bytes_received": 4}
+    record = {
+        "step": 0,
+        "nodes": {
+            "master": {"conv1": {"kernels": 2, "forward": {"bytes_sent": 0, "bytes_received": 0}}},
+            "w1": {"conv1": {"kernels": 2, "forward": call, "backward": call}, "conv2": {}},
+        },
+    }
+    assert step_bytes(record) == 14
+    assert step_bytes({"step": 1}) == 0
