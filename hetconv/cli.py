@@ -82,17 +82,23 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--shares",
         choices=("compute", "link"),
-        default="compute",
-        help="how kernels are split: compute = the paper's rule, in proportion to 1 / each "
-        "node's probe time; link = also count each worker's link as measured at connect "
-        "(the simulator's link-aware rule: a worker whose link makes it a net loss gets none)",
+        default=None,
+        help="how kernels are split: link (the default) = minimise each layer's predicted "
+        "time from every node's probe and every worker's link as measured at connect (a "
+        "worker whose link makes it a net loss gets none); compute = the paper's rule, in "
+        "proportion to 1 / each node's probe time, links ignored (the default with "
+        "--deterministic, which splits equally, and for the embedded default's loopback "
+        "workers)",
     )
     where.add_argument(
         "--network",
-        choices=("switched", "wifi"),
-        default="switched",
-        help="what --shares link assumes: switched Ethernet (a full-duplex port per machine) "
-        "or Wi-Fi (one medium that every transfer, both ways, shares)",
+        choices=("auto", "switched", "wifi"),
+        default="auto",
+        help="what --shares link assumes of the network: auto (the default) measures it at "
+        "connect (whether a request and an answer in flight at once slow each other, as on "
+        "one Wi-Fi channel, and what all workers at once can carry); switched = Ethernet, a "
+        "full-duplex port per machine; wifi = one medium that every transfer, both ways, "
+        "shares",
     )
     where.add_argument(
         "--wire-format",
@@ -248,6 +254,11 @@ def _run_train(args: argparse.Namespace) -> int:
                 "--local runs no workers, so nothing goes on the wire: drop --wire-format"
             )
         return _final_checkpoint_status(config.checkpoint_dir, train(config, LocalConv()).steps)
+    if args.shares is None:
+        # The embedded default demonstrates the split on one machine, where every "link" is
+        # loopback: by compute, so its workers take part as the README says.
+        embedded = not addresses
+        args.shares = "compute" if args.deterministic or embedded else "link"
     if args.deterministic and args.shares == "link":
         raise ValueError(
             "--deterministic splits kernels equally, --shares link by measured links: "

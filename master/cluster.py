@@ -51,6 +51,7 @@ fewer workers than the command line says.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ from .dispatch import Call, CallContext, KernelSplit, PhaseRunner, SplitStrategy
 from .events import EventLog
 from .membership import ACTIVE, ALIAS, LOST, MASTER, READY, Membership, Node, NodeState
 from .planning import (
+    AUTO_NETWORK,
     COMPUTE_POLICY,
     LINK_POLICY,
     NETWORKS,
@@ -104,8 +106,11 @@ class ClusterConfig:
             the links measured at connect, so a worker whose link makes it a net loss gets no
             kernels.
         network: what ``"link"`` shares assume of the network: ``"switched"`` (Ethernet: a
-            port per machine, full duplex; the master's as fast as its fastest worker link)
-            or ``"wifi"`` (one medium that every transfer, both ways, shares).
+            port per machine, full duplex; the master's as fast as its fastest worker link),
+            ``"wifi"`` (one medium that every transfer, both ways, shares), or ``"auto"``:
+            measured at connect (:func:`~.probing.measure_medium`: whether a request and an
+            answer in flight at once slow each other, and what every worker at once can
+            carry); ``"switched"`` for the ``"compute"`` policy, which reads no links.
         rebalance_every: every this many steps, nodes whose measured compute has drifted from
             their own at the same share earlier get their figures scaled and the kernels are
             split again (0: the split stays as planned, as in the paper, except when workers
@@ -134,7 +139,7 @@ class ClusterConfig:
     retry_max: float = 30.0
     workers_file: str | None = None
     share_policy: str = COMPUTE_POLICY
-    network: str = "switched"
+    network: str = AUTO_NETWORK
     rebalance_every: int = 20
     rebalance_change: float = 0.3
     token: str | None = field(default=None, repr=False)  # never in a logged config
@@ -170,9 +175,15 @@ class Cluster:
         self.config = c = config or ClusterConfig()
         # Deterministic: measured speeds never move the split.
         self.drift = DriftMonitor(0 if c.deterministic else c.rebalance_every, c.rebalance_change)
+        network = "switched" if c.network == AUTO_NETWORK else c.network  # until measured
         self.planner = Planner(
-            c.master_compute, c.share_policy, c.network, c.shares, deterministic=c.deterministic
+            c.master_compute,
+            c.share_policy,
+            network,
+            fixed=c.shares,
+            deterministic=c.deterministic,
         )
+        self.medium: probing.Medium | None = None
         if not addresses and not c.master_compute and not c.workers_file:
             raise ValueError("no workers and --no-master-compute: nothing would compute")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -270,6 +281,9 @@ class Cluster:
                 except WorkerError as e:
                     unreachable[node.name] = e
         self._refuse_aliases([n for n in workers if n.name not in unreachable])
+        reached = [n for n in workers if n.name not in unreachable]
+        if self.config.network == AUTO_NETWORK and self.config.share_policy == LINK_POLICY:
+            self._measure_medium(reached)
         if len(unreachable) == len(workers) and workers and not self.config.master_compute:
             reasons = "; ".join(str(e) for e in unreachable.values())
             raise RuntimeError(
@@ -280,6 +294,24 @@ class Cluster:
             if node.name in unreachable:
                 node.description = "not reached yet"
                 self.membership.lose(node, unreachable[node.name], at_start=True)
+
+    def _measure_medium(self, workers: list[Node]) -> None:
+        """Measure whether the workers share one medium and what they carry together; the
+        planner then assumes what was measured. A worker that fails its echo here is left to
+        the first step (it is lost there and retried as usual)."""
+        if not workers:
+            return
+        deadline = self.config.deadline_floor + self.config.deadline_factor
+        try:
+            self.medium = probing.measure_medium(workers, deadline)
+        except WorkerError as e:
+            self._events.emit("network_unmeasured", reason=str(e))
+            return
+        self.planner = dataclasses.replace(
+            self.planner,
+            network=self.medium.network,
+            capacity=self.medium.capacity_bytes_per_s,
+        )
 
     @staticmethod
     def _refuse_aliases(nodes: list[Node]) -> None:
@@ -334,14 +366,36 @@ class Cluster:
     def describe_shares(self) -> str:
         """A table: per node, its device, link, and per layer its probe time and kernels."""
         c = self.config
-        return shares_table(self.nodes, self.plans, c.master_compute, c.deterministic)
+        table = shares_table(self.nodes, self.plans, c.master_compute, c.deterministic)
+        lines = [table]
+        if self.medium is not None:
+            lines.append(self.medium.describe())
+        if c.share_policy == LINK_POLICY and self._workers_idle():
+            lines.append(
+                "--shares link: every worker would slow every layer down over its link (the "
+                "master alone is predicted faster), so the master computes them all; "
+                "--shares compute splits by compute speed alone"
+            )
+        return "\n".join(lines)
+
+    def _workers_idle(self) -> bool:
+        """Whether the plan gives no active worker any kernel of any layer."""
+        active = [i for i, n in enumerate(self.nodes) if i and n.state == ACTIVE]
+        return bool(active) and all(
+            not plan.shares[i] for plan in self.plans.values() for i in active
+        )
 
     def plan_record(self) -> dict:
         """The plan as data (nodes, probes, links, shares, whether deterministic, the wire
         format) for the trace's first record."""
         c = self.config
         record = plan_record(self.nodes, self.plans, c.master_compute, c.deterministic)
-        return {**record, "wire_format": self.config.wire_format.label}
+        record = {**record, "wire_format": self.config.wire_format.label}
+        record["share_policy"] = c.share_policy
+        record["network"] = self.planner.network
+        if self.medium is not None:
+            record["medium"] = self.medium.record()
+        return record
 
     def close(self) -> None:
         """Stop the monitor and close every channel (cancelling calls in flight, e.g. after

@@ -29,6 +29,7 @@ from .membership import ACTIVE, Node
 COMPUTE_POLICY, LINK_POLICY = "compute", "link"
 SHARE_POLICIES = (COMPUTE_POLICY, LINK_POLICY)
 NETWORKS = ("switched", "wifi")  # the simulator's fabrics (hetconv.costmodel.FABRICS)
+AUTO_NETWORK = "auto"  # measured at connect (:func:`.probing.measure_medium`)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class Planner:
         master_compute: whether the master computes a share itself.
         policy: ``"compute"`` or ``"link"``.
         network: what ``"link"`` assumes: ``"switched"`` or ``"wifi"`` (one shared medium).
+        capacity: bytes/s the master's port (switched) or the medium (Wi-Fi) carries for all
+            workers together, as measured; None: as fast as the fastest worker's link.
         fixed: layer name -> kernels per node, used while ``everyone_active`` holds.
         deterministic: split equally over the usable nodes instead of by speed (no timing
             decides a share; the ``compute`` policy only).
@@ -91,6 +94,7 @@ class Planner:
     master_compute: bool
     policy: str = COMPUTE_POLICY
     network: str = "switched"
+    capacity: float | None = None
     fixed: Mapping[str, tuple[int, ...]] | None = None
     deterministic: bool = False
 
@@ -167,6 +171,8 @@ class Planner:
         modelled = ConvLayer(layer.name, layer.shape, layer.need_input_grad)
         flops = modelled.step_passes * layer.shape.flops_forward
         fastest = max(nodes[j].link_bytes_per_second for j in workers)
+        if self.capacity is not None:
+            fastest = max(fastest, self.capacity)
 
         def model_node(i: int) -> costmodel.Node:
             node = nodes[i]
@@ -180,8 +186,8 @@ class Planner:
         model = costmodel.Cluster(
             master=model_node(0),
             workers=tuple(model_node(i) for i in workers),
-            # On Wi-Fi every transfer, both ways, shares one medium: as fast as the fastest
-            # link measured alone.
+            # On Wi-Fi every transfer, both ways, shares one medium: as fast as measured with
+            # every worker at once, or as the fastest link measured alone.
             fabric=self.network,
             medium_bytes_per_s=fastest,
             master_compute=0 in usable_nodes,

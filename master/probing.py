@@ -7,7 +7,10 @@ measured with echoes: the round trip of a tiny message (latency) and of 1 MiB ea
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -68,3 +71,121 @@ def probe(node: Node, layer: PlannedLayer, backend: Backend, repeats: int) -> fl
 def probe_all(node: Node, layers: list[PlannedLayer], backend: Backend, repeats: int):
     """``{layer name: probe seconds}`` of ``node`` for every layer."""
     return {layer.name: probe(node, layer, backend, repeats) for layer in layers}
+
+
+#: The link-test payload: about this many seconds of the link, between these bounds.
+MEDIUM_PROBE_SECONDS = 0.05
+MEDIUM_PROBE_BYTES = (1 << 20, 16 << 20)
+#: Two overlapping echoes on one worker: a full-duplex link ends them at 1.5x one echo's time,
+#: a half-duplex medium (Wi-Fi: one channel, one direction at a time) at 2x. The cut between.
+HALF_DUPLEX_RATIO = 1.75
+
+
+@dataclass(frozen=True)
+class Medium:
+    """What the master measured of the network between it and its workers.
+
+    Attributes:
+        shared: whether the workers' transfers share one half-duplex medium (Wi-Fi): a request
+            going out and an answer coming back slow each other.
+        duplex_ratio: two echoes of one worker, the second started half an echo later, took
+            this many times one echo (1.5: full duplex; 2: half duplex).
+        together_bytes_per_s: every worker's echo at once, bytes both ways over the wall time:
+            what the master's port (switched) or the medium (Wi-Fi) carries in all.
+        alone_bytes_per_s: the fastest worker's echo rate measured alone.
+    """
+
+    shared: bool
+    duplex_ratio: float
+    together_bytes_per_s: float
+    alone_bytes_per_s: float
+
+    @property
+    def network(self) -> str:
+        """The cost model's fabric: ``"wifi"`` (one shared medium) or ``"switched"``."""
+        return "wifi" if self.shared else "switched"
+
+    @property
+    def capacity_bytes_per_s(self) -> float:
+        """What all workers' transfers together can use: the medium or the master's port."""
+        return max(self.together_bytes_per_s, self.alone_bytes_per_s)
+
+    def describe(self) -> str:
+        kind = "one shared medium (Wi-Fi-like)" if self.shared else "switched (full duplex)"
+        return (
+            f"network: {kind}: overlapping echoes took {self.duplex_ratio:.2f}x one echo "
+            f"(1.5 full duplex, 2 half duplex); all workers at once "
+            f"{self.together_bytes_per_s / 1e6:.0f} MB/s, the fastest alone "
+            f"{self.alone_bytes_per_s / 1e6:.0f} MB/s"
+        )
+
+    def record(self) -> dict:
+        return {
+            "network": self.network,
+            "duplex_ratio": self.duplex_ratio,
+            "together_bytes_per_second": self.together_bytes_per_s,
+            "alone_bytes_per_second": self.alone_bytes_per_s,
+        }
+
+
+def _echo_seconds(node: Node, payload: np.ndarray, deadline: float) -> float:
+    return node.client.echo([("m", payload)], timeout=deadline)[1].wall_seconds
+
+
+def _together(nodes: Sequence[Node], payloads: Sequence[np.ndarray], deadline: float, delays):
+    """Wall seconds from the first echo's start until every echo (``nodes[i]`` sends
+    ``payloads[i]``, starting ``delays[i]`` seconds after the first) has its answer."""
+    start = time.perf_counter()
+    ends: list[float] = [0.0] * len(nodes)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            pause = start + delays[i] - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            nodes[i].client.echo([("m", payloads[i])], timeout=deadline)
+            ends[i] = time.perf_counter()
+        except BaseException as e:  # handed to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return max(ends) - start
+
+
+def measure_medium(workers: Sequence[Node], deadline: float, repeats: int = 3) -> Medium:
+    """Whether ``workers`` (connected, links measured) share one medium, and what all of them
+    together can carry (best of ``repeats`` each). Raises WorkerError if an echo fails.
+
+    Two echoes of the fastest worker, the second started half an echo after the first: on a
+    full-duplex link the second's request goes out while the first's answer comes back, so
+    both end at 1.5x one echo's time; on a half-duplex medium they take turns, 2x. Then every
+    worker's echo at once gives the rate the master's side carries in all.
+    """
+    if not workers:
+        raise ValueError("no workers to measure the network with")
+    fastest = max(workers, key=lambda n: n.link_bytes_per_second)
+    rate = fastest.link_bytes_per_second
+    low, high = MEDIUM_PROBE_BYTES
+    size = int(min(max(rate * MEDIUM_PROBE_SECONDS / 2, low), high)) // 4 * 4
+    payload = np.zeros(size // 4, np.float32)
+    one = min(_echo_seconds(fastest, payload, deadline) for _ in range(repeats))
+    pair = min(
+        _together([fastest, fastest], [payload, payload], deadline, [0.0, one / 2])
+        for _ in range(repeats)
+    )
+    alone = 2 * payload.nbytes / max(one - fastest.link_latency, 1e-9)
+    payloads = [payload] * len(workers)
+    together_s = min(
+        _together(workers, payloads, deadline, [0.0] * len(workers)) for _ in range(repeats)
+    )
+    latency = max(n.link_latency for n in workers)
+    together = 2 * payload.nbytes * len(workers) / max(together_s - latency, 1e-9)
+    ratio = pair / one
+    return Medium(ratio >= HALF_DUPLEX_RATIO, ratio, together, alone)

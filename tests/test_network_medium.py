@@ -1,0 +1,88 @@
+"""The master measures whether its workers share one medium (``--network auto``).
+
+Two echoes of one worker, the second started half an echo after the first, end at 1.5x one
+echo's time on a full-duplex link and at 2x on a half-duplex medium. The testbed's links are
+full duplex (a token bucket on each end of a veth pair); redirecting both directions of a pair
+through one token bucket on an ifb device makes a half-duplex medium, as one Wi-Fi channel is.
+Real worker processes in network namespaces; root, ``ip`` and ``tc`` needed (skipped with the
+reason where they are missing).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from hetconv.master import probing
+from hetconv.master.client import WorkerClient
+from hetconv.master.cluster import ClusterConfig
+from hetconv.master.membership import Node
+from hetconv.simulations import testbed
+
+UNAVAILABLE = testbed.testbed_unavailable()
+needs_testbed = pytest.mark.skipif(
+    UNAVAILABLE is not None, reason=f"shaped-link testbed: {UNAVAILABLE}"
+)
+RATE_MBIT = 40.0
+
+
+def _tc(*args: str) -> None:
+    subprocess.run(["tc", *args], check=True, capture_output=True, text=True)
+
+
+def _half_duplex(link: testbed.Link, ifb: str, rate_mbit: float) -> None:
+    """Both directions of ``link`` through one token bucket on ``ifb``: a half-duplex medium."""
+    subprocess.run(["ip", "link", "add", ifb, "type", "ifb"], check=True)
+    subprocess.run(["ip", "link", "set", ifb, "up"], check=True)
+    rate = rate_mbit * 1e6 / 8
+    burst = max(2 * (testbed.MTU + testbed.ETHERNET_HEADER), int(rate * 1e-3))
+    _tc("qdisc", "replace", "dev", ifb, "root", "tbf", "rate", f"{rate_mbit:g}mbit",
+        "burst", str(burst), "limit", str(max(64 * 1024, int(rate * 0.5))))  # fmt: skip
+    _tc("qdisc", "del", "dev", link.host_if, "root")
+    _tc("qdisc", "add", "dev", link.host_if, "clsact")
+    for direction in ("egress", "ingress"):
+        everything = ("protocol", "all", "u32", "match", "u32", "0", "0")
+        redirect = ("action", "mirred", "egress", "redirect", "dev", ifb)
+        _tc("filter", "add", "dev", link.host_if, direction, *everything, *redirect)
+    subprocess.run(["ip", "netns", "exec", link.namespace, "tc", "qdisc", "del", "dev",
+                    link.ns_if, "root"], check=True)  # fmt: skip
+
+
+def _connected(address: str, token: str) -> Node:
+    node = Node(address, WorkerClient(address, 60.0, token=token))
+    probing.connect(node, connect_timeout=60.0, deadline=30.0)
+    return node
+
+
+def test_auto_is_the_default_network_and_compute_reads_no_links():
+    assert ClusterConfig().network == "auto"
+
+
+@needs_testbed
+def test_a_full_duplex_link_is_switched_and_a_half_duplex_one_shared():
+    with testbed.Testbed(1, RATE_MBIT) as bed:
+        (address,) = bed.start_workers()
+        node = _connected(address, bed.token)
+        try:
+            full = probing.measure_medium([node], deadline=30.0)
+            print(full.describe())
+            assert not full.shared, full.describe()
+            assert 1.3 < full.duplex_ratio < HALF, full.describe()
+            ifb = f"{bed.tag}i"
+            try:
+                _half_duplex(bed.links[0], ifb, RATE_MBIT)
+                half = probing.measure_medium([node], deadline=30.0)
+            finally:
+                subprocess.run(["ip", "link", "del", ifb], check=False, capture_output=True)
+            print(half.describe())
+            assert half.shared, half.describe()
+            assert half.network == "wifi"
+            # The medium carries about what one direction of the link did: well under the
+            # rate of both directions at once.
+            assert half.together_bytes_per_s < 1.3 * RATE_MBIT * 1e6 / 8
+        finally:
+            node.client.close()
+
+
+HALF = probing.HALF_DUPLEX_RATIO
