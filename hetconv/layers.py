@@ -61,6 +61,7 @@ class Conv2d(Layer):
         self.padding = padding
         self.executor: ConvExecutor = executor if executor is not None else LocalConv()
         self.need_input_grad = True
+        self.stage = None  # the channel-local layers after it (a StageSpec), set by the model
         self.params = {
             "weight": np.zeros((out_channels, in_channels, kh, kw), np.float32),
             "bias": np.zeros(out_channels, np.float32),
@@ -79,6 +80,7 @@ class Conv2d(Layer):
             self.kernel_size,
             self.padding,
             self.need_input_grad,
+            self.stage,
         )
 
     def forward(self, x):

@@ -43,6 +43,7 @@ import numpy as np
 
 from .backends import Backend, PaddingSpec
 from .layers import Layer, LocalResponseNorm, MaxPool2d, ReLU, pool_geometry, pool_output_shape
+from .proto import worker_pb2 as pb
 
 #: The layer types a stage may hold after its convolution (the spec's names).
 CHANNEL_LOCAL = ("relu", "lrn", "maxpool")
@@ -166,6 +167,53 @@ class StageSpec:
         return [op.build(f"{layer}.{op.kind}{i}") for i, op in enumerate(self.ops)]
 
 
+_TO_PROTO = {"relu": pb.RELU, "lrn": pb.LRN, "maxpool": pb.MAXPOOL}
+_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+
+
+def ops_to_proto(spec: StageSpec) -> list[pb.StageOp]:
+    """The stage's layers as the wire carries them (``StageDescription.ops``)."""
+    out = []
+    for op in spec.ops:
+        message = pb.StageOp(layer=_TO_PROTO[op.kind])
+        if op.kind == "lrn":
+            message.size, message.alpha, message.beta, message.k = op.size, op.alpha, op.beta, op.k
+        elif op.kind == "maxpool":
+            message.kernel, message.stride = op.kernel, op.stride
+        out.append(message)
+    return out
+
+
+def spec_from_proto(ops: Sequence[pb.StageOp]) -> StageSpec:
+    """The :class:`StageSpec` a request describes.
+
+    Raises:
+        ValueError: no layers, an unknown layer, or an option out of range (naming which).
+    """
+    if not ops:
+        raise ValueError("the stage has no layers (a stage call needs at least one)")
+    out = []
+    for i, message in enumerate(ops):
+        kind = _FROM_PROTO.get(message.layer)
+        if kind is None:
+            raise ValueError(
+                f"stage layer {i} has kind {message.layer}; expected RELU, LRN or MAXPOOL"
+            )
+        try:
+            if kind == "lrn":
+                op = StageOp(
+                    kind, size=message.size, alpha=message.alpha, beta=message.beta, k=message.k
+                )
+            elif kind == "maxpool":
+                op = StageOp(kind, kernel=message.kernel, stride=message.stride)
+            else:
+                op = StageOp(kind)
+        except ValueError as e:
+            raise ValueError(f"stage layer {i}: {e}") from None
+        out.append(op)
+    return StageSpec(tuple(out))
+
+
 def stage_of(entries: Sequence[Mapping]) -> StageSpec | None:
     """The stage of the spec entries that follow a convolution: the leading run of
     channel-local ones, or None when there is none."""
@@ -277,6 +325,8 @@ __all__ = [
     "StageRun",
     "StageSpec",
     "check_slices",
+    "ops_to_proto",
+    "spec_from_proto",
     "stage_backward",
     "stage_forward",
     "stage_of",

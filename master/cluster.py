@@ -56,12 +56,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from hetconv import costmodel
 from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
 from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.stages import AUTO, FUSED, STAGE_MODES, UNFUSED
+from hetconv.workload import ConvLayer
 
 from . import probing
 from .client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
-from .dispatch import Call, CallContext, KernelSplit, PhaseRunner, SplitStrategy
+from .dispatch import Call, CallContext, FusedKernelSplit, KernelSplit, PhaseRunner, SplitStrategy
 from .events import EventLog
 from .membership import ACTIVE, ALIAS, LOST, MASTER, READY, Membership, Node, NodeState
 from .planning import (
@@ -122,6 +125,12 @@ class ClusterConfig:
             same workers are bitwise identical: each layer is split equally over the usable
             nodes in node order (or by ``shares`` while they apply), and ``rebalance_every``
             is ignored (never rebalanced). Needs the ``"compute"`` policy.
+        stages: ``"fused"``: each node also runs the channel-local layers after a convolution
+            on its kernel slice (:mod:`hetconv.stages`) and answers the stage's output;
+            ``"unfused"``: only convolutions are distributed (the paper's); ``"auto"``: per
+            layer, fused where the cost model counts fewer bytes on the master's link
+            (:func:`hetconv.costmodel.stage_mode`). Layers with no channel-local layers after
+            them are always unfused.
     """
 
     master_compute: bool = True
@@ -141,6 +150,11 @@ class ClusterConfig:
     tls_ca: str | None = None
     wire_format: TensorFormat = FLOAT32
     deterministic: bool = False
+    stages: str = UNFUSED
+
+    def __post_init__(self):
+        if self.stages not in STAGE_MODES:
+            raise ValueError(f"stages {self.stages!r}; expected one of {', '.join(STAGE_MODES)}")
 
 
 def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
@@ -177,6 +191,9 @@ class Cluster:
             raise ValueError("no workers and --no-master-compute: nothing would compute")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.strategy = strategy or KernelSplit()
+        self.fused = FusedKernelSplit()
+        self.stage_modes: dict[str, str] = {}  # layer -> FUSED or UNFUSED (set by prepare)
+        self._stage_steps: dict[str, str] = {}  # layers run this step -> their mode
         self._events = EventLog()
         self.membership = Membership(
             [Node(MASTER, None)] + [Node(a, self._client(a)) for a in addresses],
@@ -321,10 +338,30 @@ class Cluster:
                     name, layer.shape.k, shares, len(self.nodes), self.config.master_compute
                 )
         self._replan()
+        self._choose_stage_modes(layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
             print(self.describe_shares(), file=log)
         self.membership.start_monitor()
+
+    supports_stages = True
+
+    def _choose_stage_modes(self, layers, batch: int) -> None:
+        """Each layer's stage mode: as configured, or (auto) by the cost model's bytes."""
+        for spec in layers:
+            mode = self.config.stages
+            if spec.stage is None:
+                mode = UNFUSED
+            elif mode == AUTO:
+                layer = ConvLayer.from_spec(spec, batch)
+                shares = self.plans[spec.name].shares if spec.name in self.plans else None
+                mode = costmodel.stage_mode(layer, spec.stage, shares or (1,) * len(self.nodes))
+            self.stage_modes[spec.name] = mode
+
+    def stage_mode(self, layer: str) -> str:
+        """``"fused"`` or ``"unfused"``: whether ``layer`` runs with its stage on the nodes."""
+        default = FUSED if self.config.stages == FUSED else UNFUSED
+        return self.stage_modes.get(layer, default)
 
     def _replan(self) -> None:
         """Shares of every layer over the active nodes (called between steps)."""
@@ -341,7 +378,12 @@ class Cluster:
         format) for the trace's first record."""
         c = self.config
         record = plan_record(self.nodes, self.plans, c.master_compute, c.deterministic)
-        return {**record, "wire_format": self.config.wire_format.label}
+        return {
+            **record,
+            "wire_format": self.config.wire_format.label,
+            "stages": c.stages,
+            "stage_modes": dict(self.stage_modes),
+        }
 
     def close(self) -> None:
         """Stop the monitor and close every channel (cancelling calls in flight, e.g. after
@@ -384,7 +426,9 @@ class Cluster:
             "cluster_wall_seconds": runner.wall,
             "wire_format": self.config.wire_format.label,  # of the bytes counted in "nodes"
             "nodes": runner.records,
+            "stage_modes": self._stage_steps,  # layer -> how it ran this step
         }
+        self._stage_steps = {}
         if events:
             record["events"] = events
         self.drift.observe(runner.records, bool(self.membership.failed))
@@ -401,6 +445,7 @@ class Cluster:
 
     def forward(self, layer, x, w, b, padding):
         plan = self._plan(layer, x.shape, w.shape, padding)
+        self._stage_steps.setdefault(layer, UNFUSED)
         ctx = CallContext(self.session, self.step, layer)
         job = self.strategy.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]))
         return self.runner.run(self.strategy, job, layer, plan)
@@ -411,6 +456,24 @@ class Cluster:
         sides = _sides(padding, w.shape[2:])
         job = self.strategy.backward(ctx, self.backend, x, w, dy, sides, need_input_grad)
         return self.runner.run(self.strategy, job, layer, plan)
+
+    def stage_forward(self, layer, x, w, b, padding, stage):
+        """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`)."""
+        plan = self._plan(layer, x.shape, w.shape, padding)
+        self._stage_steps[layer] = FUSED
+        ctx = CallContext(self.session, self.step, layer)
+        job = self.fused.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]), stage)
+        return self.runner.run(self.fused, job, layer, plan)
+
+    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage):
+        """A fused stage's backward over the nodes."""
+        plan = self._plan(layer, x.shape, w.shape, padding)
+        ctx = CallContext(self.session, self.step, layer)
+        sides = _sides(padding, w.shape[2:])
+        job = self.fused.backward(
+            ctx, self.backend, x, w, dy, sides, need_input_grad, b=b, stage=stage
+        )
+        return self.runner.run(self.fused, job, layer, plan)
 
     def __enter__(self) -> Cluster:
         return self

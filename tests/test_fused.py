@@ -8,11 +8,22 @@ and a worker refuses bad stage descriptions naming the problem.
 
 from __future__ import annotations
 
+import io
+import json
+
+import grpc
 import numpy as np
 import pytest
 
 from hetconv.backends import get_backend
 from hetconv.balance import offsets
+from hetconv.conv import LocalConv
+from hetconv.master import client as client_module
+from hetconv.master.client import WorkerClient, WorkerError
+from hetconv.master.cluster import Cluster, ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.training import TrainConfig, train
+from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import StageOp, StageSpec, stage_backward, stage_forward, stage_of
 
 PADDING = (2, 2, 2, 2)
@@ -138,3 +149,148 @@ def test_stage_of_takes_the_channel_local_run():
 def test_bad_stage_ops_are_refused(op, message):
     with pytest.raises(ValueError, match=message):
         StageOp(**op)
+
+
+# -- real worker processes ----------------------------------------------------------------------
+
+RUN = dict(steps=6, batch=8, train_size=48, eval_size=16, progress=False)
+FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
+# tiny: conv1 8 kernels, conv2 16; LRN size 5 (halo 4). Shares smaller than the halo, a node
+# with none (the master on conv1), uneven.
+SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
+
+
+def _train(tmp_path, name, executor, trace=None, **overrides):
+    weights = tmp_path / f"{name}.npz"
+    config = TrainConfig(save=str(weights), trace=trace, **{**RUN, **overrides})
+    result = train(config, executor, log=io.StringIO())
+    return result.losses, dict(np.load(weights))
+
+
+def _same_as_local(got, local):
+    losses, weights = got
+    np.testing.assert_allclose(losses, local[0], rtol=1e-5)
+    for name in weights:
+        np.testing.assert_allclose(weights[name], local[1][name], rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(2) as started:
+        yield started
+
+
+def test_fused_cluster_trains_as_local(local, workers, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, shares=SHARES, stages="fused")
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = _train(tmp_path, "fused", cluster, trace=str(trace))
+    _same_as_local(got, local)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    plan = records[0]
+    assert plan["stages"] == "fused"
+    assert plan["stage_modes"] == {"conv1": "fused", "conv2": "fused"}
+    steps = [r for r in records if "step" in r]
+    assert steps and all(r["stage_modes"] == {"conv1": "fused", "conv2": "fused"} for r in steps)
+    # The workers computed (no silent fallback to the master): conv2's worker 1 took 9 kernels.
+    assert all(r["nodes"][workers.addresses[0]]["conv2"]["kernels"] == 9 for r in steps)
+
+
+def test_auto_picks_fused_for_pooled_stages(workers, tmp_path):
+    config = ClusterConfig(**FAST, shares=SHARES, stages="auto")
+    with Cluster(workers.addresses, config=config) as cluster:
+        _train(tmp_path, "auto", cluster, steps=1)
+        assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused"}
+
+
+class KilledMidStep(Cluster):
+    """Kills ``victim`` just before ``layer``'s stage forward at ``step`` (training calls)."""
+
+    def __init__(self, addresses, victim, step, layer, **config):
+        super().__init__(addresses, config=ClusterConfig(**{**FAST, **config}))
+        self.victim, self.at = victim, (step, layer)
+
+    def stage_forward(self, layer, x, w, b, padding, stage):
+        if (self.step, layer) == self.at and x.shape[0] == RUN["batch"]:
+            self.victim.kill()
+            self.victim.wait()
+        return super().stage_forward(layer, x, w, b, padding, stage)
+
+
+def test_fused_worker_killed_mid_step_stays_exact(local, tmp_path):
+    with LocalWorkers(2) as started:
+        # Killed after conv1's stage forward at step 3: its conv2 forward fails, and conv1's
+        # backward piece, whose forward ran on the dead worker, is recomputed by the master.
+        victim = started.processes[1]
+        with KilledMidStep(
+            started.addresses, victim, 3, "conv2", shares=SHARES, stages="fused"
+        ) as cluster:
+            got = _train(tmp_path, "killed", cluster)
+            lost = [e for e in cluster.events if e["event"] == "worker_lost"]
+    _same_as_local(got, local)
+    assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 3)]
+
+
+def _stage_call(address, **changes):
+    """A StageForward of 8 kernels owning 2..5, with ``changes`` to the stage description."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 3, 5, 5)).astype(np.float32)
+    b = np.zeros(8, np.float32)
+    client = WorkerClient(address)
+    stage = StageSpec.from_entries(CHAINS["relu-lrn-pool"])
+    own = changes.pop("own", slice(2, 6))
+    ops = changes.pop("ops", None)
+    try:
+        if ops is not None:
+            real = client_module.ops_to_proto
+            client_module.ops_to_proto = lambda spec: ops
+        try:
+            return client.stage_forward(1, 1, "conv9", x, w, b, PADDING, stage, own, **changes)
+        finally:
+            if ops is not None:
+                client_module.ops_to_proto = real
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(ops=[]), "the stage has no layers"),
+        (dict(ops=[pb.StageOp(layer=9)]), "stage layer 0 has kind 9"),
+        (dict(ops=[pb.StageOp(layer=pb.LRN, size=0)]), "stage layer 0: stage lrn size must be"),
+        (
+            dict(ops=[pb.StageOp(layer=pb.MAXPOOL, kernel=20, stride=1)]),
+            "pool window 20 larger than input 8x8",
+        ),
+        (dict(own=slice(6, 10)), "owns 4 kernels from 6, but the request sends 8"),
+        (dict(own=slice(3, 3)), "owns 0 kernels"),
+    ],
+)
+def test_bad_stage_requests_are_refused(workers, change, message):
+    with pytest.raises(WorkerError, match=message) as caught:
+        _stage_call(workers.addresses[0], **change)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    y, _ = _stage_call(workers.addresses[0])  # and it goes on serving
+    assert y.shape == (2, 4, 4, 4)
+
+
+def test_stage_backward_checks_its_gradient(workers):
+    address = workers.addresses[0]
+    _stage_call(address)
+    client = WorkerClient(address)
+    try:
+        dy = np.zeros((2, 2, 4, 4), np.float32)  # covers only 2 of the 4 owned channels
+        with pytest.raises(WorkerError, match="must cover the owned 2..5") as caught:
+            client.stage_backward(1, 1, "conv9", dy, 2, True)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(WorkerError, match="no stage forward of layer 'conv9'"):
+            client.stage_backward(1, 2, "conv9", np.zeros((2, 8, 4, 4), np.float32), 0, True)
+    finally:
+        client.close()
