@@ -23,6 +23,7 @@ from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
+from hetconv.model import reference_spec
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import StageOp, StageSpec, stage_backward, stage_forward, stage_of
 
@@ -153,7 +154,10 @@ def test_bad_stage_ops_are_refused(op, message):
 
 # -- real worker processes ----------------------------------------------------------------------
 
-RUN = dict(steps=6, batch=8, train_size=48, eval_size=16, progress=False)
+RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
+# The tiny network with a strong normalisation (alpha 1 instead of 1e-4): with the usual alpha
+# LRN is so near the identity that a missing halo channel would hide below the tolerance.
+STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]
 FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
 # tiny: conv1 8 kernels, conv2 16; LRN size 5 (halo 4). Shares smaller than the halo, a node
 # with none (the master on conv1), uneven.
@@ -162,7 +166,10 @@ SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
 
 def _train(tmp_path, name, executor, trace=None, **overrides):
     weights = tmp_path / f"{name}.npz"
-    config = TrainConfig(save=str(weights), trace=trace, **{**RUN, **overrides})
+    spec = tmp_path / "strong-lrn.json"
+    spec.write_text(json.dumps(STRONG_LRN))
+    run = {**RUN, "preset": str(spec), **overrides}
+    config = TrainConfig(save=str(weights), trace=trace, **run)
     result = train(config, executor, log=io.StringIO())
     return result.losses, dict(np.load(weights))
 
