@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 
 from hetconv.backends import get_backend
 from hetconv.balance import offsets
+from hetconv.cli import main as cli_main
 from hetconv.conv import LocalConv
 from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError
@@ -301,3 +304,27 @@ def test_stage_backward_checks_its_gradient(workers):
             client.stage_backward(1, 2, "conv9", np.zeros((2, 8, 4, 4), np.float32), 0, True)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("stages", [None, "unfused"])
+def test_hetconv_train_stages_flag_records_modes(tmp_path, stages):
+    """``hetconv train`` picks per layer by default (auto: fused, as pooling cuts the bytes)."""
+    trace = tmp_path / "t.jsonl"
+    args = ["--steps", "2", "--batch", "4", "--train-size", "8", "--eval-size", "0"]
+    run = subprocess.run(
+        [sys.executable, "-m", "hetconv", "train", *args, "--no-progress",
+         "--local-workers", "1", "--trace", str(trace),
+         *(["--stages", stages] if stages else [])],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    mode = stages or "fused"
+    assert records[0]["stages"] == (stages or "auto")
+    assert records[0]["stage_modes"] == {"conv1": mode, "conv2": mode}
+    assert all(r["stage_modes"] == {"conv1": mode, "conv2": mode} for r in records if "step" in r)
+
+
+def test_local_refuses_stages(capsys):
+    assert cli_main(["train", "--local", "--stages", "fused", "--steps", "1"]) == 2
+    assert "--local runs no workers, so nothing is fused" in capsys.readouterr().err
