@@ -8,8 +8,10 @@ workers, as equal probes would split them (:func:`hetconv.balance.kernel_shares`
 hardly depend on the split, as every worker gets the whole input either way.
 
 A *mode* is one entry of :data:`MODES`: a name and a function from (layer, shares) to the
-bytes of one step of that layer. The kernel split in each wire format is there today; fused
-worker stages, a replicated first block or resident kernels will be entries of their own.
+bytes of one step of that layer. The kernel split in each wire format, and fused worker stages
+(``fused``: every layer with channel-local layers after it runs them on the workers and moves
+pooled maps, :func:`hetconv.workload.stage_call_bytes`), are there; a replicated first block or
+resident kernels will be entries of their own.
 
     python benchmarks/wire_bytes.py [--networks paper-50-500 ...] [--batch 16 64]
                                     [--workers 4] [--json PATH]
@@ -23,13 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetconv import costmodel
 from hetconv.balance import kernel_shares
 from hetconv.formats import BFLOAT16, FLOAT16, FLOAT32, TensorFormat
 from hetconv.workload import PHASES, ConvLayer, call_bytes, network_layers
 
 NETWORKS = ("paper-50-500", "paper-150-800", "paper-300-1000", "paper-500-1500")
 #: The mode the others are compared with.
-BASELINE = "kernel-split"
+BASELINE = "kernel_split"
 
 
 @dataclass(frozen=True)
@@ -54,17 +57,34 @@ def _kernel_split(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int
     return layer_bytes
 
 
+def _fused(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int]:
+    def layer_bytes(layer: ConvLayer, shares: Sequence[int]) -> int:
+        return costmodel.layer_bytes(layer, shares, layer.stage is not None, fmt)
+
+    return layer_bytes
+
+
 MODES: tuple[Mode, ...] = (
     Mode(BASELINE, "kernel split (the paper's), float32 wire", _kernel_split(FLOAT32)),
     Mode(
-        "kernel-split-bfloat16",
+        "kernel_split_bfloat16",
         "kernel split, activations as bfloat16 (--wire-format bfloat16)",
         _kernel_split(BFLOAT16),
     ),
     Mode(
-        "kernel-split-float16",
+        "kernel_split_float16",
         "kernel split, activations as float16 (--wire-format float16)",
         _kernel_split(FLOAT16),
+    ),
+    Mode(
+        "fused",
+        "fused worker stages (--stages fused): conv + ReLU, LRN (halo), max-pool per worker",
+        _fused(FLOAT32),
+    ),
+    Mode(
+        "fused_bfloat16",
+        "fused worker stages, activations as bfloat16 (--stages fused --wire-format bfloat16)",
+        _fused(BFLOAT16),
     ),
 )
 

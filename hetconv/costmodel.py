@@ -456,18 +456,21 @@ def simulate_step(
     layers: Sequence[ConvLayer],
     shares: Mapping[str, Sequence[int]],
     comp_s: float,
-    stages: str = UNFUSED,
+    stages: str | Mapping[str, str] = UNFUSED,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work.
 
     ``stages`` as ``hetconv train --stages``: ``"unfused"``, ``"fused"`` (every layer with a
-    stage) or ``"auto"`` (:func:`stage_mode` per layer). ``comp_s`` stays as given: fused
-    stages move the channel-local layers' work from the master to the workers, which the
-    caller's ``comp_s`` (measured or assumed) has to say.
+    stage) or ``"auto"`` (:func:`stage_mode` per layer); or per layer name, one of those (as a
+    trace's ``stage_modes`` records them; a layer not named: unfused). ``comp_s`` stays as
+    given: fused stages move the channel-local layers' work from the master to the workers,
+    which the caller's ``comp_s`` (measured or assumed) has to say.
     """
-    if stages not in (FUSED, UNFUSED, AUTO):
-        raise ValueError(f"stages {stages!r}; expected fused, unfused or auto")
+    modes = stages if isinstance(stages, Mapping) else {layer.name: stages for layer in layers}
+    for mode in modes.values():
+        if mode not in (FUSED, UNFUSED, AUTO):
+            raise ValueError(f"stages {mode!r}; expected fused, unfused or auto")
     phases = []
     for layer in layers:
         split = tuple(int(s) for s in shares[layer.name])
@@ -478,7 +481,7 @@ def simulate_step(
             )
         if split[0] and not cluster.master_compute:
             raise ValueError(f"shares {split} give the master kernels, but it does not compute")
-        mode = stages
+        mode = modes.get(layer.name, UNFUSED)
         if layer.stage is None:
             mode = UNFUSED
         elif mode == AUTO:

@@ -58,6 +58,8 @@ class Calibration:
     measured: dict[str, float]  # mean step_s, comm_s, conv_s, comp_s
     notes: list[str] = field(default_factory=list)
     step_numbers: list[int] = field(default_factory=list)  # of the records used
+    # layer -> "fused" / "unfused", as the run ran it (hetconv train --stages); {}: unfused
+    stage_modes: dict[str, str] = field(default_factory=dict)
 
     def devices(self) -> list[DeviceSpec]:
         """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
@@ -95,7 +97,11 @@ class Calibration:
         :attr:`measured`)."""
         layers = network_layers(self.network, self.batch)
         result = simulate_step(
-            self.traced_cluster(), layers, self.shares, self.comp_per_image_s * self.batch
+            self.traced_cluster(),
+            layers,
+            self.shares,
+            self.comp_per_image_s * self.batch,
+            self.stage_modes,
         )
         return {
             "step_s": result.step_s,
@@ -392,6 +398,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         measured=measured,
         notes=notes,
         step_numbers=[int(r["step"]) for r in used],
+        stage_modes=dict(used[0].get("stage_modes", {})),
     )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hetconv.backends import get_backend
-from hetconv.balance import offsets
+from hetconv.balance import kernel_shares, offsets
 from hetconv.cli import main as cli_main
 from hetconv.conv import LocalConv
 from hetconv.master import client as client_module
@@ -28,7 +28,8 @@ from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 from hetconv.proto import worker_pb2 as pb
-from hetconv.stages import StageOp, StageSpec, stage_backward, stage_forward, stage_of
+from hetconv.stages import STAGE_MODES, StageOp, StageSpec, stage_backward, stage_forward, stage_of
+from hetconv.workload import conv_layers, network_layers, stage_call_bytes
 
 PADDING = (2, 2, 2, 2)
 
@@ -209,6 +210,19 @@ def test_fused_cluster_trains_as_local(local, workers, tmp_path):
     assert steps and all(r["stage_modes"] == {"conv1": "fused", "conv2": "fused"} for r in steps)
     # The workers computed (no silent fallback to the master): conv2's worker 1 took 9 kernels.
     assert all(r["nodes"][workers.addresses[0]]["conv2"]["kernels"] == 9 for r in steps)
+    # The cost model counts every fused call's bytes as the run moved them.
+    layers = {layer.name: layer for layer in conv_layers(STRONG_LRN, RUN["batch"])}
+    for record in steps:
+        for name, shares in SHARES.items():
+            offset = shares[0]
+            for node, share in zip(workers.addresses, shares[1:], strict=True):
+                for phase in ("forward", "backward"):
+                    got = record["nodes"][node][name][phase]
+                    want = stage_call_bytes(
+                        layers[name], layers[name].stage, phase, share, offset, record["step"]
+                    )
+                    assert (got["bytes_sent"], got["bytes_received"]) == (want.sent, want.received)
+                offset += share
 
 
 def test_auto_picks_fused_for_pooled_stages(workers, tmp_path):
@@ -328,3 +342,42 @@ def test_hetconv_train_stages_flag_records_modes(tmp_path, stages):
 def test_local_refuses_stages(capsys):
     assert cli_main(["train", "--local", "--stages", "fused", "--steps", "1"]) == 2
     assert "--local runs no workers, so nothing is fused" in capsys.readouterr().err
+
+
+# -- the cost model and the simulator -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("network", ["paper-50-500", "paper-500-1500"])
+def test_the_cost_model_picks_fused_and_counts_fewer_bytes(network):
+    from hetconv import costmodel
+
+    for layer in network_layers(network, 16):
+        shares = kernel_shares(layer.kernels, [1.0] * 5)
+        fused = costmodel.layer_bytes(layer, shares, fused=True)
+        unfused = costmodel.layer_bytes(layer, shares, fused=False)
+        # Forward answers and backward requests carry pooled maps (a quarter of the workers'
+        # feature maps), backward's with a halo of 2 channels on each side, forward's kernels
+        # with one of 4: at most 3/4 of the maps saved, and not much less.
+        ho, wo = layer.shape.out_hw
+        maps = 2 * 4 * layer.shape.n * sum(shares[1:]) * ho * wo
+        assert 0.5 * maps < unfused - fused < 0.75 * maps
+        assert costmodel.stage_mode(layer, layer.stage, shares) == "fused"
+        assert costmodel.stage_mode(layer, None, shares) == "unfused"
+
+
+def test_the_simulator_models_each_mode():
+    from hetconv.costmodel import MBIT, SWITCHED, Node, simulate_step
+    from hetconv.costmodel import Cluster as SimCluster
+
+    workers = tuple(Node(f"w{i}", 100.0, bytes_per_s=MBIT * 100) for i in range(4))
+    cluster = SimCluster(Node("master", 100.0), workers, SWITCHED, medium_bytes_per_s=MBIT * 100)
+    layers = network_layers("paper-150-800", 16)
+    shares = {layer.name: kernel_shares(layer.kernels, [1.0] * 5) for layer in layers}
+    steps = {mode: simulate_step(cluster, layers, shares, 0.1, mode) for mode in STAGE_MODES}
+    assert steps["fused"].bytes < steps["unfused"].bytes
+    assert steps["auto"].bytes == steps["fused"].bytes
+    assert steps["fused"].comm_s < steps["unfused"].comm_s  # fewer bytes on a 100 Mbit/s link
+    per_layer = simulate_step(cluster, layers, shares, 0.1, {"conv1": "fused"})
+    assert steps["fused"].bytes < per_layer.bytes < steps["unfused"].bytes
+    with pytest.raises(ValueError, match="stages 'fast'"):
+        simulate_step(cluster, layers, shares, 0.1, "fast")
