@@ -381,3 +381,8 @@ def test_the_simulator_models_each_mode():
     assert steps["fused"].bytes < per_layer.bytes < steps["unfused"].bytes
     with pytest.raises(ValueError, match="stages 'fast'"):
         simulate_step(cluster, layers, shares, 0.1, "fast")
+
+
+def test_a_bad_stage_mode_is_refused():
+    with pytest.raises(ValueError, match="stages 'fast'; expected one of fused, unfused, auto"):
+        ClusterConfig(stages="fast")
