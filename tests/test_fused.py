@@ -386,3 +386,15 @@ def test_the_simulator_models_each_mode():
 def test_a_bad_stage_mode_is_refused():
     with pytest.raises(ValueError, match="stages 'fast'; expected one of fused, unfused, auto"):
         ClusterConfig(stages="fast")
+
+
+@pytest.mark.slow
+def test_fused_paper_network_trains_as_local(workers, tmp_path):
+    """paper-50-500 (LRN size 5 after both convolutions) over 20 steps, uneven probed shares."""
+    run = dict(preset="paper-50-500", steps=20, batch=8, train_size=64, eval_size=0)
+    want = _train(tmp_path, "local-paper", LocalConv(), **run)
+    config = ClusterConfig(**FAST, stages="fused")
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = _train(tmp_path, "fused-paper", cluster, **run)
+        assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused"}
+    _same_as_local(got, want)
