@@ -137,12 +137,12 @@ class LocalResponseNorm(Layer):
         """out[:, c] = sum of a[:, c - before .. c + after] (clipped to the channel range)."""
         out = a.copy()
         channels = a.shape[1]
-        for shift in range(1, before + 1):
-            if shift < channels:
-                out[:, shift:] += a[:, :-shift]
-        for shift in range(1, after + 1):
-            if shift < channels:
-                out[:, :-shift] += a[:, shift:]
+        # Shifts of the whole channel range or more add nothing: a huge size (a worker's stage
+        # request may say any) costs no more than the channels.
+        for shift in range(1, min(before, channels - 1) + 1):
+            out[:, shift:] += a[:, :-shift]
+        for shift in range(1, min(after, channels - 1) + 1):
+            out[:, :-shift] += a[:, shift:]
         return out
 
     def _inverse_power(self, scale: np.ndarray) -> np.ndarray:

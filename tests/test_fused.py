@@ -16,6 +16,8 @@ import sys
 import grpc
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hetconv.backends import get_backend
 from hetconv.balance import kernel_shares, offsets
@@ -398,3 +400,35 @@ def test_fused_paper_network_trains_as_local(workers, tmp_path):
         got = _train(tmp_path, "fused-paper", cluster, **run)
         assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused"}
     _same_as_local(got, want)
+
+
+stage_ops = st.lists(
+    st.builds(
+        pb.StageOp,
+        layer=st.integers(0, 5),
+        size=st.one_of(st.integers(0, 9), st.just(2**32 - 1)),
+        alpha=st.one_of(st.floats(-2, 2), st.just(float("nan")), st.just(float("inf"))),
+        beta=st.floats(0, 2),
+        k=st.floats(0.5, 3),
+        kernel=st.integers(0, 10),
+        stride=st.integers(0, 4),
+    ),
+    max_size=4,
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=stage_ops, own_start=st.integers(0, 9), own_count=st.integers(0, 9))
+def test_any_stage_description_is_answered_or_refused_by_name(workers, ops, own_start, own_count):
+    """Generated stage descriptions: the worker answers the owned kernels' output, or refuses
+    with INVALID_ARGUMENT; it never fails otherwise, and goes on serving."""
+    try:
+        y, _ = _stage_call(
+            workers.addresses[1], ops=ops, own=slice(own_start, own_start + own_count)
+        )
+    except WorkerError as e:
+        assert e.code == grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    else:
+        assert y.shape[:2] == (2, own_count) and own_start + own_count <= 8
