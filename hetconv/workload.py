@@ -15,6 +15,9 @@
   together, total at most :data:`~hetconv.wire.BUNDLE_BYTES` goes as one message each way
   (cheaper per call); a larger one streams.
 
+  A fused stage call (:func:`stage_call_bytes`, :mod:`hetconv.stages`) moves the kernels
+  widened by the stage's halo and the stage's (pooled) output of the owned kernels instead.
+
 Convolution work of a node is its kernels' FLOPs: forward 2·N·Ho·Wo·k·C·kh·kw, the kernel
 gradient as much again and the input gradient (when the layer needs it) as much again.
 """

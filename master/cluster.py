@@ -14,6 +14,13 @@ Workers keep the forward inputs and kernels for the backward call of the same st
 sends only the gradient slice. Requests to all workers go out concurrently; the master computes
 its own share meanwhile.
 
+With fused stages (``ClusterConfig.stages``, ``hetconv train --stages``) a layer followed by
+channel-local layers (ReLU, LRN, max-pool) runs them on the nodes too: each node computes its
+kernels widened by the stage's halo, runs the layers and answers its owned kernels' pooled maps;
+backward sends the pooled-map gradient of its owned and halo channels
+(:class:`~.dispatch.FusedKernelSplit`, :mod:`hetconv.stages`). ``auto`` picks per layer by the
+cost model's bytes; the plan record and every step record say how each layer ran.
+
 Shares come from probes (:meth:`Cluster.prepare`): each node times a forward + backward pass of
 the layer's real shape on random data, and :func:`~hetconv.balance.kernel_shares` gives kernels
 in proportion to 1/time.

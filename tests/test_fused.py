@@ -39,6 +39,7 @@ CHAINS = {
     "relu-lrn-pool": [{"type": "relu"}, {"type": "lrn", "size": 5}, {"type": "maxpool"}],
     "relu-pool": [{"type": "relu"}, {"type": "maxpool", "kernel": 3, "stride": 2}],
     "lrn4": [{"type": "lrn", "size": 4, "alpha": 0.5, "beta": 0.6, "k": 2.0}],
+    "pool-then-lrn": [{"type": "maxpool"}, {"type": "lrn", "size": 3, "alpha": 0.5}],
     "two-lrn": [
         {"type": "lrn", "size": 3, "alpha": 0.3},
         {"type": "relu"},
@@ -112,7 +113,7 @@ def test_stage_slices_equal_the_whole_layers(case, chain, shares):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("chain", ["relu-lrn-pool", "lrn4", "two-lrn"])
+@pytest.mark.parametrize("chain", ["relu-lrn-pool", "lrn4", "two-lrn", "pool-then-lrn"])
 def test_a_narrower_halo_is_not_exact(case, chain):
     """The halo is needed: one channel less on each side changes the gradients (a strong
     normalisation, alpha 1, so the difference shows above round-off)."""
