@@ -30,6 +30,7 @@ from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 from hetconv.proto import worker_pb2 as pb
+from hetconv.simulations.calibrate import calibrate
 from hetconv.stages import STAGE_MODES, StageOp, StageSpec, stage_backward, stage_forward, stage_of
 from hetconv.workload import conv_layers, network_layers, stage_call_bytes
 
@@ -226,6 +227,10 @@ def test_fused_cluster_trains_as_local(local, workers, tmp_path):
                     )
                     assert (got["bytes_sent"], got["bytes_received"]) == (want.sent, want.received)
                 offset += share
+    # The simulator calibrated from this trace models the fused calls it ran.
+    cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
+    assert cal.stage_modes == {"conv1": "fused", "conv2": "fused"}
+    assert cal.check()["step_s"] > 0
 
 
 def test_auto_picks_fused_for_pooled_stages(workers, tmp_path):
