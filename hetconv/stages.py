@@ -27,10 +27,15 @@ is exactly what keeps them out (``tests/test_fused.py`` checks it for every spli
 answers kernel gradients for its owned kernels only and its input-gradient part from them only,
 so each kernel's gradient is computed, and each input-gradient part summed, exactly once.
 
-Exchanging halos between neighbouring workers instead would save the redundant ``2 W`` kernels
-of compute per node but cost two more round trips per phase between workers (and the workers
-would have to know each other); the redundant compute is what is built here. For the reference
-networks (LRN size 5: ``W = 4``) it adds 8 kernels per node to slices of 100+ kernels.
+Exchanging halos between neighbouring workers instead would save the redundant kernels but
+move ``size - 1`` full-size channels each way per phase between workers, with a round trip in
+the middle of each phase's stage (and workers that know each other).
+``python benchmarks/wire_bytes.py --halo --batch 16`` counts both for the reference networks
+with 4 workers: redundant, conv1 costs 7-70 % more of its (cheap, 3-channel) kernels and 60 kB
+per worker on the master's link, conv2 2-7 % more kernels and 49-364 kB; exchanged, 1049 kB
+(conv1) and 262 kB (conv2) per worker between workers, plus the round trips. Per step the
+redundant halo moves fewer bytes (at most 424 kB per worker against 1311 kB), next to
+megabytes of maps, and needs no worker-to-worker links: it is what is built here.
 """
 
 from __future__ import annotations
