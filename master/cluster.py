@@ -349,6 +349,8 @@ class Cluster:
         self.membership.read_initial_workers_file()
         if log is not None:
             print(self.describe_shares(), file=log)
+            modes = ", ".join(f"{name} {mode}" for name, mode in self.stage_modes.items())
+            print(f"stages ({self.config.stages}): {modes}", file=log)
         self.membership.start_monitor()
 
     supports_stages = True
