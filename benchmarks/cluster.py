@@ -11,8 +11,13 @@ On one machine the workers share its cores with the master, so this measures wha
 distribution costs (bytes, calls, contention), not what separate machines would gain; the
 simulator answers that from these figures and measured links.
 
+With ``--stages unfused fused`` each worker count runs once per stage mode (``hetconv train
+--stages``) in the same rounds, so fused and unfused are measured side by side; ``comp`` is the
+master's work outside the distributed calls (in fused mode the fully connected part and the
+loss; the master's own stage piece counts as its convolution).
+
     python benchmarks/cluster.py [--presets tiny paper-50-500] [--workers 1 2] [--batch 32]
-                                 [--steps 8] [--rounds 2] [--json PATH]
+                                 [--steps 8] [--rounds 2] [--stages unfused fused] [--json PATH]
 """
 
 from __future__ import annotations
@@ -53,12 +58,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per run (first not counted)")
     parser.add_argument("--rounds", type=int, default=2, help="local/cluster alternations")
     parser.add_argument("--no-master-compute", action="store_true")
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        choices=("unfused", "fused", "auto"),
+        default=["unfused"],
+        help="stage modes to measure side by side (hetconv train --stages)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     args = parser.parse_args()
 
     rows = []
     header = (
-        f"{'preset':<14} {'K':>2} {'local ms':>9} {'cluster ms':>10} {'ratio':>6} "
+        f"{'preset':<14} {'K':>2} {'stages':<8} {'local ms':>9} {'cluster ms':>10} {'ratio':>6} "
         f"{'comm ms':>8} {'conv ms':>8} {'comp ms':>8} {'MB/step':>8}  shares"
     )
     print(header)
@@ -74,41 +86,53 @@ def main() -> None:
                     progress=False,
                     trace=str(Path(tmp) / "trace.jsonl"),
                 )
-                cluster_config = ClusterConfig(master_compute=not args.no_master_compute)
-                local, remote, shares = [], [], {}
+                local: list[dict] = []
+                remote: dict[str, list[dict]] = {mode: [] for mode in args.stages}
+                shares: dict[str, dict] = {}
                 for _ in range(args.rounds):
                     local += _run(config, LocalConv())
-                    with Cluster(workers.addresses[:k], config=cluster_config) as cluster:
-                        remote += _run(config, cluster)
-                        shares = {n: list(p.shares) for n, p in cluster.plans.items()}
-                row = {
-                    "preset": preset,
-                    "batch": args.batch,
-                    "workers": k,
-                    "master_compute": not args.no_master_compute,
-                    "local_step_s": _mean(local, "seconds"),
-                    "cluster_step_s": _mean(remote, "seconds"),
-                    "comm_s": _mean(remote, "comm_seconds"),
-                    "conv_s": _mean(remote, "conv_seconds"),
-                    "comp_s": _mean(remote, "comp_seconds"),
-                    "local_conv_s": _mean(local, "conv_seconds"),
-                    "bytes_per_step": _bytes(remote),
-                    "shares": shares,
-                }
-                row["ratio"] = row["local_step_s"] / row["cluster_step_s"]
-                rows.append(row)
-                print(
-                    f"{preset:<14} {k:>2} {1e3 * row['local_step_s']:>9.1f} "
-                    f"{1e3 * row['cluster_step_s']:>10.1f} {row['ratio']:>6.2f} "
-                    f"{1e3 * row['comm_s']:>8.1f} {1e3 * row['conv_s']:>8.1f} "
-                    f"{1e3 * row['comp_s']:>8.1f} {row['bytes_per_step'] / 1e6:>8.1f}  "
-                    + " ".join(f"{n}={s}" for n, s in shares.items()),
-                    flush=True,
-                )
+                    for mode in args.stages:
+                        cluster_config = ClusterConfig(
+                            master_compute=not args.no_master_compute, stages=mode
+                        )
+                        with Cluster(workers.addresses[:k], config=cluster_config) as cluster:
+                            remote[mode] += _run(config, cluster)
+                            shares[mode] = {n: list(p.shares) for n, p in cluster.plans.items()}
+                for mode in args.stages:
+                    rows.append(_row(args, preset, k, mode, local, remote[mode], shares[mode]))
     print("ratio = local step time / cluster step time (above 1: the cluster is faster)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
+
+
+def _row(args, preset, k, mode, local, remote, shares) -> dict:
+    """One measured configuration: its figures, printed as a table row too."""
+    row = {
+        "preset": preset,
+        "batch": args.batch,
+        "workers": k,
+        "stages": mode,
+        "master_compute": not args.no_master_compute,
+        "local_step_s": _mean(local, "seconds"),
+        "cluster_step_s": _mean(remote, "seconds"),
+        "comm_s": _mean(remote, "comm_seconds"),
+        "conv_s": _mean(remote, "conv_seconds"),
+        "comp_s": _mean(remote, "comp_seconds"),
+        "local_conv_s": _mean(local, "conv_seconds"),
+        "bytes_per_step": _bytes(remote),
+        "shares": shares,
+    }
+    row["ratio"] = row["local_step_s"] / row["cluster_step_s"]
+    print(
+        f"{preset:<14} {k:>2} {mode:<8} {1e3 * row['local_step_s']:>9.1f} "
+        f"{1e3 * row['cluster_step_s']:>10.1f} {row['ratio']:>6.2f} "
+        f"{1e3 * row['comm_s']:>8.1f} {1e3 * row['conv_s']:>8.1f} "
+        f"{1e3 * row['comp_s']:>8.1f} {row['bytes_per_step'] / 1e6:>8.1f}  "
+        + " ".join(f"{n}={s}" for n, s in shares.items()),
+        flush=True,
+    )
+    return row
 
 
 if __name__ == "__main__":

@@ -8,11 +8,21 @@ workers, as equal probes would split them (:func:`hetconv.balance.kernel_shares`
 hardly depend on the split, as every worker gets the whole input either way.
 
 A *mode* is one entry of :data:`MODES`: a name and a function from (layer, shares) to the
-bytes of one step of that layer. The kernel split in each wire format is there today; fused
-worker stages, a replicated first block or resident kernels will be entries of their own.
+bytes of one step of that layer. The kernel split in each wire format, and fused worker stages
+(``fused``: every layer with channel-local layers after it runs them on the workers and moves
+pooled maps, :func:`hetconv.workload.stage_call_bytes`), are there; a replicated first block or
+resident kernels will be entries of their own.
+
+``--halo`` prints, instead, what LRN's channel halo costs a fused stage each way it can be
+had, per layer: computed redundantly (what :mod:`hetconv.stages` does: each worker computes
+``size - 1`` extra kernels on each side, and gets those kernels and the pooled-gradient halo
+over the master's link) or exchanged between neighbouring workers (each worker sends and
+receives ``size - 1`` full-size channels forward, the LRN input, and as many backward, the
+LRN's ``dy * y / scale``, over worker-to-worker links, one extra round trip per phase in the
+middle of the stage).
 
     python benchmarks/wire_bytes.py [--networks paper-50-500 ...] [--batch 16 64]
-                                    [--workers 4] [--json PATH]
+                                    [--workers 4] [--halo] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,13 +33,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetconv.balance import kernel_shares
+from hetconv import costmodel
+from hetconv.balance import kernel_shares, offsets
 from hetconv.formats import BFLOAT16, FLOAT16, FLOAT32, TensorFormat
 from hetconv.workload import PHASES, ConvLayer, call_bytes, network_layers
 
 NETWORKS = ("paper-50-500", "paper-150-800", "paper-300-1000", "paper-500-1500")
 #: The mode the others are compared with.
-BASELINE = "kernel-split"
+BASELINE = "kernel_split"
 
 
 @dataclass(frozen=True)
@@ -54,17 +65,34 @@ def _kernel_split(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int
     return layer_bytes
 
 
+def _fused(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int]:
+    def layer_bytes(layer: ConvLayer, shares: Sequence[int]) -> int:
+        return costmodel.layer_bytes(layer, shares, layer.stage is not None, fmt)
+
+    return layer_bytes
+
+
 MODES: tuple[Mode, ...] = (
     Mode(BASELINE, "kernel split (the paper's), float32 wire", _kernel_split(FLOAT32)),
     Mode(
-        "kernel-split-bfloat16",
+        "kernel_split_bfloat16",
         "kernel split, activations as bfloat16 (--wire-format bfloat16)",
         _kernel_split(BFLOAT16),
     ),
     Mode(
-        "kernel-split-float16",
+        "kernel_split_float16",
         "kernel split, activations as float16 (--wire-format float16)",
         _kernel_split(FLOAT16),
+    ),
+    Mode(
+        "fused",
+        "fused worker stages (--stages fused): conv + ReLU, LRN (halo), max-pool per worker",
+        _fused(FLOAT32),
+    ),
+    Mode(
+        "fused_bfloat16",
+        "fused worker stages, activations as bfloat16 (--stages fused --wire-format bfloat16)",
+        _fused(BFLOAT16),
     ),
 )
 
@@ -100,13 +128,79 @@ def rows(networks: Sequence[str], batches: Sequence[int], workers: int) -> list[
     return out
 
 
+def halo_rows(networks: Sequence[str], batches: Sequence[int], workers: int) -> list[dict]:
+    """Per layer with a stage that reads neighbouring channels: the redundant halo's extra
+    convolution work and master-link bytes, and an exchange's worker-to-worker bytes (per
+    worker, both phases; kernels split evenly, as :func:`step_bytes` does)."""
+    out = []
+    for network in networks:
+        for batch in batches:
+            for layer in network_layers(network, batch):
+                stage = layer.stage
+                if stage is None or not stage.halo:
+                    continue
+                s = layer.shape
+                shares = kernel_shares(layer.kernels, [1.0] * (workers + 1))
+                starts = offsets(shares)
+                owned = computed = master_bytes = 0
+                ho, wo = s.out_hw
+                pooled = 4 * s.n * stage.output_hw((ho, wo))[0] * stage.output_hw((ho, wo))[1]
+                kernel = 4 * (s.c * s.kh * s.kw + 1)
+                for start, share in zip(starts[1:], shares[1:], strict=True):
+                    own = slice(start, start + share)
+                    wide, grad = stage.widened(own, s.k), stage.grad_range(own, s.k)
+                    owned += share
+                    computed += wide.stop - wide.start
+                    master_bytes += (wide.stop - wide.start - share) * kernel
+                    master_bytes += (grad.stop - grad.start - share) * pooled
+                reach = sum(sum(op.reach) for op in stage.ops)  # channels read, both sides
+                exchange = 2 * 2 * reach * 4 * s.n * ho * wo  # forward + backward, in + out
+                out.append(
+                    {
+                        "network": network,
+                        "batch": batch,
+                        "workers": workers,
+                        "layer": layer.name,
+                        "redundant_extra_conv": computed / owned - 1,
+                        "redundant_master_kb_per_worker": master_bytes / workers / 1e3,
+                        "exchange_worker_kb_per_worker": exchange / 1e3,
+                        "exchange_extra_round_trips": 2,
+                    }
+                )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS))
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    parser.add_argument("--halo", action="store_true", help="the LRN halo's cost, two ways")
     args = parser.parse_args()
+
+    if args.halo:
+        table = halo_rows(args.networks, args.batch, args.workers)
+        print(
+            f"{'network':<16} {'batch':>5} {'layer':<6} {'extra conv':>10} "
+            f"{'master kB/w':>11} {'exchange kB/w':>13}"
+        )
+        for r in table:
+            print(
+                f"{r['network']:<16} {r['batch']:>5} {r['layer']:<6} "
+                f"{r['redundant_extra_conv']:>10.1%} {r['redundant_master_kb_per_worker']:>11.1f} "
+                f"{r['exchange_worker_kb_per_worker']:>13.1f}"
+            )
+        print(
+            "redundant (built): extra conv = kernels computed beyond those owned, all workers; "
+            "master kB/w = halo kernels and pooled-gradient halo on the master's link per "
+            "worker and step. exchange: kB/w = sent + received between neighbouring workers "
+            "per worker and step, plus 2 round trips in the middle of each step's stage"
+        )
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+        return
 
     table = rows(args.networks, args.batch, args.workers)
     print(

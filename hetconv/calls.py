@@ -8,6 +8,8 @@ moves)::
     Forward    x, w, b              y
     Backward   dy                   dw, db, and dx when the request sets need_input_grad
     Echo       any, named freely    the same, unchanged
+    StageForward   x, w, b          y: the stage's output of the owned kernels
+    StageBackward  dy               dw, db of the owned kernels, and dx when asked
     Describe   (DescribeRequest -> DeviceDescription)
     Probe      (ProbeRequest -> ProbeResult)
 
@@ -15,6 +17,11 @@ A tensor's shape follows from the call's geometry, a :class:`~hetconv.backends.C
 worker's slice (N images of C x H x W, k kernels of C x kh x kw, padding): ``x`` and ``dx`` are
 (N, C, H, W), ``w`` and ``dw`` (k, C, kh, kw), ``b`` and ``db`` (k,), ``y`` and ``dy`` the
 feature maps (N, k, Ho, Wo).
+
+A fused stage call (:mod:`hetconv.stages`) has a :class:`StageShape` for geometry instead: its
+``conv`` is the widened slice's ConvShape (``x``, ``w``, ``b``, ``dx`` as above), ``y`` is
+(N, own, Ho', Wo') and ``dy`` (N, grad, Ho', Wo'), the stage output of the owned kernels and its
+gradient over the owned and halo channels; ``dw`` (own, C, kh, kw) and ``db`` (own,).
 
 Activations and their gradients (``x``, ``y``, ``dy``, ``dx``) travel in the call's *wire
 format* (:mod:`hetconv.formats`: float32, or a 16-bit one the master chose); kernels and their
@@ -35,6 +42,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -88,6 +96,55 @@ def call_shape(
 
 
 @dataclass(frozen=True)
+class StageShape:
+    """The geometry of one fused stage call (:mod:`hetconv.stages`).
+
+    Attributes:
+        conv: the convolution of the widened kernel slice (halo included).
+        own: the kernels the node owns (answers ``y``, ``dw``, ``db`` for).
+        grad: the channels of the stage-output gradient backward sends.
+        out_hw: the stage output's (Ho', Wo') (after pooling).
+    """
+
+    conv: ConvShape
+    own: int
+    grad: int
+    out_hw: tuple[int, int]
+
+
+def stage_input_shape(s: StageShape) -> Shape:
+    return input_shape(s.conv)
+
+
+def stage_kernel_shape(s: StageShape) -> Shape:
+    return kernel_shape(s.conv)
+
+
+def stage_bias_shape(s: StageShape) -> Shape:
+    return bias_shape(s.conv)
+
+
+def stage_output_shape(s: StageShape) -> Shape:
+    """``y``: (N, own, Ho', Wo')."""
+    return (s.conv.n, s.own, *s.out_hw)
+
+
+def stage_grad_shape(s: StageShape) -> Shape:
+    """``dy``: (N, grad, Ho', Wo')."""
+    return (s.conv.n, s.grad, *s.out_hw)
+
+
+def stage_dw_shape(s: StageShape) -> Shape:
+    """``dw``: (own, C, kh, kw)."""
+    return (s.own, s.conv.c, s.conv.kh, s.conv.kw)
+
+
+def stage_db_shape(s: StageShape) -> Shape:
+    """``db``: (own,)."""
+    return (s.own,)
+
+
+@dataclass(frozen=True)
 class TensorRule:
     """One tensor of a call: its name, how its shape follows from the call's geometry,
     whether it travels only when the request asks for the input gradient, and whether it is an
@@ -95,7 +152,7 @@ class TensorRule:
     their gradients) always travel as float32."""
 
     name: str
-    shape: Callable[[ConvShape], Shape]
+    shape: Callable[[Any], Shape]  # of a ConvShape, or a StageShape for stage calls
     input_grad_only: bool = False
     activation: bool = False
 
@@ -294,11 +351,33 @@ BACKWARD = ConvCall(
     ),
 )
 ECHO = ConvCall("Echo", pb.PHASE_UNSPECIFIED, None, None)
+STAGE_FORWARD = ConvCall(
+    "StageForward",
+    pb.STAGE_FORWARD,
+    (
+        TensorRule("x", stage_input_shape, activation=True),
+        TensorRule("w", stage_kernel_shape),
+        TensorRule("b", stage_bias_shape),
+    ),
+    (TensorRule("y", stage_output_shape, activation=True),),
+)
+STAGE_BACKWARD = ConvCall(
+    "StageBackward",
+    pb.STAGE_BACKWARD,
+    (TensorRule("dy", stage_grad_shape, activation=True),),
+    (
+        TensorRule("dw", stage_dw_shape),
+        TensorRule("db", stage_db_shape),
+        TensorRule("dx", stage_input_shape, input_grad_only=True, activation=True),
+    ),
+)
 DESCRIBE = UnaryCall("Describe", pb.DescribeRequest, pb.DeviceDescription)
 PROBE = UnaryCall("Probe", pb.ProbeRequest, pb.ProbeResult)
 
 #: The calls that carry tensors, by name.
-CONV_CALLS: dict[str, ConvCall] = {call.name: call for call in (FORWARD, BACKWARD, ECHO)}
+CONV_CALLS: dict[str, ConvCall] = {
+    call.name: call for call in (FORWARD, BACKWARD, ECHO, STAGE_FORWARD, STAGE_BACKWARD)
+}
 #: The calls that do not.
 UNARY_CALLS: dict[str, UnaryCall] = {call.name: call for call in (DESCRIBE, PROBE)}
 #: Every RPC of the service, by its name in the proto.
@@ -318,9 +397,12 @@ __all__ = [
     "PROBE",
     "READY",
     "SERVICE_NAME",
+    "STAGE_BACKWARD",
+    "STAGE_FORWARD",
     "UNARY_CALLS",
     "ConvCall",
     "Method",
+    "StageShape",
     "TensorRule",
     "UnaryCall",
     "bias_shape",

@@ -118,6 +118,15 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "busy, or freed up); 0 keeps the split fixed, as in the paper, until workers come or go",
     )
     where.add_argument(
+        "--stages",
+        choices=("auto", "fused", "unfused"),  # hetconv.stages.STAGE_MODES
+        default="auto",
+        help="fused: the node that owns a kernel slice also runs the ReLU, LRN and max-pool "
+        "after the convolution on it and returns pooled maps (exact; several times fewer bytes "
+        "back and out); unfused: only convolutions are distributed, as in the paper; auto "
+        "(default): per layer, whichever the cost model counts fewer bytes for",
+    )
+    where.add_argument(
         "--deterministic",
         action="store_true",
         help="make two runs with the same flags over the same workers bitwise identical: "
@@ -253,6 +262,8 @@ def _run_train(args: argparse.Namespace) -> int:
             raise ValueError(
                 "--local runs no workers, so nothing goes on the wire: drop --wire-format"
             )
+        if args.stages != "auto":
+            raise ValueError("--local runs no workers, so nothing is fused: drop --stages")
         return _final_checkpoint_status(config.checkpoint_dir, train(config, LocalConv()).steps)
     if args.shares is None:
         # The embedded default demonstrates the split on one machine, where every "link" is
@@ -280,6 +291,7 @@ def _run_train(args: argparse.Namespace) -> int:
         token=token,  # the embedded default's local workers are started with it too
         tls_ca=args.tls_ca,
         wire_format=format_named(args.wire_format),
+        stages=args.stages,
     )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, TextIO
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 
@@ -37,6 +37,10 @@ class ConvSpec:
         kernel_size: (kh, kw).
         padding: as the layer passes it to the executor (see :class:`~hetconv.backends.Padding`).
         need_input_grad: False for a network's first layer: nothing consumes that gradient.
+        stage: the channel-local layers that follow it in the model
+            (a :class:`hetconv.stages.StageSpec`), which an executor that supports stages may
+            run with it on each kernel slice; None when a conv or fc follows. Not compared:
+            it describes what follows the convolution, not the convolution.
     """
 
     name: str
@@ -45,6 +49,7 @@ class ConvSpec:
     kernel_size: tuple[int, int]
     padding: PaddingSpec = 0
     need_input_grad: bool = True
+    stage: Any = field(default=None, compare=False)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -112,6 +117,40 @@ class ConvExecutor(Protocol):
 
     def close(self) -> None:
         """Release connections and threads."""
+        ...
+
+
+class StageExecutor(ConvExecutor, Protocol):
+    """An executor that can also run *fused stages* (:mod:`hetconv.stages`): a convolution and
+    the channel-local layers after it, on each node's kernel slice. A model groups a
+    convolution with its stage when its executor has ``supports_stages = True``, and asks
+    :meth:`stage_mode` per layer whether to run them fused."""
+
+    supports_stages: bool
+
+    def stage_mode(self, layer: str) -> str:
+        """``"fused"`` or ``"unfused"`` for the named layer."""
+        ...
+
+    def stage_forward(
+        self, layer: str, x: np.ndarray, w: np.ndarray, b: np.ndarray, padding: PaddingSpec, stage
+    ) -> np.ndarray:
+        """float32 (N, K, Ho', Wo'): the stage's output (after its last layer, e.g. pooled)."""
+        ...
+
+    def stage_backward(
+        self,
+        layer: str,
+        x: np.ndarray,
+        w: np.ndarray,
+        b: np.ndarray,
+        dy: np.ndarray,
+        padding: PaddingSpec,
+        need_input_grad: bool,
+        stage,
+    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """(input gradient or None, kernel gradient, bias gradient) for the gradient ``dy`` of
+        the stage's output."""
         ...
 
 

@@ -14,6 +14,11 @@ The model follows what :class:`hetconv.master.cluster.Cluster` does, call by cal
   rate (0 by default: a master whose convolutions hold the GIL that every chunk needs would
   lose some). After the last answer the master
   sums the input-gradient parts (memory bound).
+* **Fused stages** (:mod:`hetconv.stages`): a layer may run fused, each worker also running the
+  channel-local layers after the convolution; its calls then move the stage's (pooled) maps
+  instead of the feature maps (:func:`~hetconv.workload.stage_call_bytes`) and each node
+  computes its kernels widened by the stage's halo. :func:`stage_mode` picks, per layer, the
+  mode with fewer bytes on the master's link (``hetconv train --stages auto``).
 * **A step** (:func:`simulate_step`): forward then backward of every conv layer, one after the
   other, plus the master's non-convolutional work ("comp"). As in the trace, a call's
   convolution time is its slowest node's compute and its communication the rest of its wall
@@ -32,7 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetconv.formats import FLOAT32, TensorFormat
-from hetconv.workload import BACKWARD, PHASES, ConvLayer, call_bytes
+from hetconv.stages import AUTO, FUSED, UNFUSED, StageSpec
+from hetconv.workload import BACKWARD, PHASES, ConvLayer, call_bytes, stage_call_bytes
 
 WIFI, SWITCHED = "wifi", "switched"
 FABRICS = (WIFI, SWITCHED)
@@ -348,20 +354,78 @@ def local_step_seconds(master: Node, layers: Sequence[ConvLayer], comp_s: float)
     return conv + comp_s
 
 
+def _wire(
+    layer: ConvLayer, phase: str, share: int, offset: int, step: int, fmt: TensorFormat, fused
+):
+    if fused:
+        return stage_call_bytes(layer, layer.stage, phase, share, offset, step, fmt)
+    return call_bytes(layer, phase, share, offset, step, fmt)
+
+
+def _computed(layer: ConvLayer, share: int, offset: int, fused: bool) -> int:
+    """Kernels a node computes for ``share`` owned ones: the stage's halo too when fused."""
+    if not fused or not share:
+        return share
+    wide = layer.stage.widened(slice(offset, offset + share), layer.kernels)
+    return wide.stop - wide.start
+
+
+def layer_bytes(
+    layer: ConvLayer,
+    shares: Sequence[int],
+    fused: bool = False,
+    fmt: TensorFormat = FLOAT32,
+    step: int = 1000,
+) -> int:
+    """Bytes one step of ``layer`` moves on the master's link (both phases, every worker with
+    a share), fused (needs ``layer.stage``) or not, for ``shares`` kernels per node (master
+    first)."""
+    total, offset = 0, shares[0]
+    for share in shares[1:]:
+        if share:
+            total += sum(_wire(layer, p, share, offset, step, fmt, fused).total for p in PHASES)
+        offset += share
+    return total
+
+
+def stage_mode(
+    layer: ConvLayer, stage: StageSpec | None, shares: Sequence[int], fmt: TensorFormat = FLOAT32
+) -> str:
+    """``"fused"`` where running ``layer`` with its ``stage`` on the workers moves fewer bytes
+    on the master's link than the plain kernel split, else ``"unfused"`` (also without a
+    stage). With pooling it moves several times fewer (the pooled maps, not the feature
+    maps), so bytes decide: the halo's extra compute is a few kernels per worker."""
+    if stage is None:
+        return UNFUSED
+    layer = ConvLayer(layer.name, layer.shape, layer.need_input_grad, stage)
+    fused = layer_bytes(layer, shares, True, fmt)
+    return FUSED if fused < layer_bytes(layer, shares, False, fmt) else UNFUSED
+
+
 def simulate_layer_phase(
-    cluster: Cluster, layer: ConvLayer, phase: str, shares: Sequence[int], step: int = 1000
+    cluster: Cluster,
+    layer: ConvLayer,
+    phase: str,
+    shares: Sequence[int],
+    step: int = 1000,
+    fused: bool = False,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
-    first), as :meth:`Cluster.forward` / ``backward`` runs it."""
+    first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
+    (:meth:`Cluster.stage_forward` / ``stage_backward``; needs ``layer.stage``)."""
+    if fused and layer.stage is None:
+        raise ValueError(f"{layer.name} has no channel-local layers after it to fuse")
     passes = layer.passes(phase)
     master_s = (
-        cluster.master.conv_seconds(layer, shares[0], passes) if cluster.master_compute else 0.0
+        cluster.master.conv_seconds(layer, _computed(layer, shares[0], 0, fused), passes)
+        if cluster.master_compute
+        else 0.0
     )
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):
         if share:
-            wire = call_bytes(layer, phase, share, offset, step, cluster.wire.format)
-            compute = node.conv_seconds(layer, share, passes)
+            wire = _wire(layer, phase, share, offset, step, cluster.wire.format, fused)
+            compute = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
             calls.append(
                 WorkerCall(
                     wire.sent,
@@ -392,9 +456,21 @@ def simulate_step(
     layers: Sequence[ConvLayer],
     shares: Mapping[str, Sequence[int]],
     comp_s: float,
+    stages: str | Mapping[str, str] = UNFUSED,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
-    name, kernels per node, master first), plus ``comp_s`` of the master's other work."""
+    name, kernels per node, master first), plus ``comp_s`` of the master's other work.
+
+    ``stages`` as ``hetconv train --stages``: ``"unfused"``, ``"fused"`` (every layer with a
+    stage) or ``"auto"`` (:func:`stage_mode` per layer); or per layer name, one of those (as a
+    trace's ``stage_modes`` records them; a layer not named: unfused). ``comp_s`` stays as
+    given: fused stages move the channel-local layers' work from the master to the workers,
+    which the caller's ``comp_s`` (measured or assumed) has to say.
+    """
+    modes = stages if isinstance(stages, Mapping) else {layer.name: stages for layer in layers}
+    for mode in modes.values():
+        if mode not in (FUSED, UNFUSED, AUTO):
+            raise ValueError(f"stages {mode!r}; expected fused, unfused or auto")
     phases = []
     for layer in layers:
         split = tuple(int(s) for s in shares[layer.name])
@@ -405,8 +481,13 @@ def simulate_step(
             )
         if split[0] and not cluster.master_compute:
             raise ValueError(f"shares {split} give the master kernels, but it does not compute")
+        mode = modes.get(layer.name, UNFUSED)
+        if layer.stage is None:
+            mode = UNFUSED
+        elif mode == AUTO:
+            mode = stage_mode(layer, layer.stage, split, cluster.wire.format)
         for phase in PHASES:
-            phases.append(simulate_layer_phase(cluster, layer, phase, split))
+            phases.append(simulate_layer_phase(cluster, layer, phase, split, fused=mode == FUSED))
     comm = sum(p.comm_s for p in phases)
     conv = sum(p.conv_s for p in phases)
     return StepResult(
@@ -422,6 +503,8 @@ def simulate_step(
 
 
 __all__ = [
+    "layer_bytes",
+    "stage_mode",
     "Cluster",
     "MBIT",
     "Node",

@@ -61,6 +61,7 @@ class Conv2d(Layer):
         self.padding = padding
         self.executor: ConvExecutor = executor if executor is not None else LocalConv()
         self.need_input_grad = True
+        self.stage = None  # the channel-local layers after it (a StageSpec), set by the model
         self.params = {
             "weight": np.zeros((out_channels, in_channels, kh, kw), np.float32),
             "bias": np.zeros(out_channels, np.float32),
@@ -79,6 +80,7 @@ class Conv2d(Layer):
             self.kernel_size,
             self.padding,
             self.need_input_grad,
+            self.stage,
         )
 
     def forward(self, x):
@@ -135,12 +137,12 @@ class LocalResponseNorm(Layer):
         """out[:, c] = sum of a[:, c - before .. c + after] (clipped to the channel range)."""
         out = a.copy()
         channels = a.shape[1]
-        for shift in range(1, before + 1):
-            if shift < channels:
-                out[:, shift:] += a[:, :-shift]
-        for shift in range(1, after + 1):
-            if shift < channels:
-                out[:, :-shift] += a[:, shift:]
+        # Shifts of the whole channel range or more add nothing: a huge size (a worker's stage
+        # request may say any) costs no more than the channels.
+        for shift in range(1, min(before, channels - 1) + 1):
+            out[:, shift:] += a[:, :-shift]
+        for shift in range(1, min(after, channels - 1) + 1):
+            out[:, :-shift] += a[:, shift:]
         return out
 
     def _inverse_power(self, scale: np.ndarray) -> np.ndarray:

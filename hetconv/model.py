@@ -35,6 +35,7 @@ from .layers import (
     pool_geometry,
     pool_output_shape,
 )
+from .stages import FUSED, StageSpec, stage_of
 
 CIFAR_INPUT = (3, 32, 32)
 LAYER_TYPES = ("conv", "relu", "lrn", "maxpool", "fc")
@@ -136,7 +137,10 @@ def walk_spec(
                     raise ValueError(f"needs a C x H x W input, gets {shape}")
                 kernel = kernel_pair(entry.get("kernel", 3))
                 padding = entry.get("padding", 0)
-                conv = ConvSpec(name, shape, int(entry["out"]), kernel, padding, index > 0)
+                conv = ConvSpec(
+                    name, shape, int(entry["out"]), kernel, padding, index > 0,
+                    _stage_after(spec, index),
+                )  # fmt: skip
             elif kind == "maxpool":
                 pool = pool_geometry(entry.get("kernel", 2), entry.get("stride"))
             elif kind == "fc":
@@ -152,6 +156,62 @@ def walk_spec(
             raise ValueError(f"layer {index} ({name}): {e}") from None
         yield SpecLayer(index, kind, name, entry, shape, out, conv)
         shape = out
+
+
+def _stage_after(spec: Sequence[Mapping], index: int) -> StageSpec | None:
+    """The stage after the conv at ``index``; None when none, or when its options are bad
+    (the layers refuse those, naming them, when the model builds them)."""
+    try:
+        return stage_of(spec[index + 1 :])
+    except (TypeError, ValueError):
+        return None
+
+
+class ConvStage:
+    """A convolution and the channel-local layers after it, as one step of the model's passes
+    when its executor supports fused stages (:mod:`hetconv.stages`).
+
+    It holds the model's own layer objects: unfused (the executor's choice per layer), it runs
+    them one after another exactly as a model without stages does; fused, the executor runs
+    them on every node's kernel slice and only the stage's output comes back.
+    """
+
+    def __init__(self, conv: Conv2d, chain: Sequence[Layer], stage: StageSpec):
+        self.conv, self.chain, self.stage = conv, list(chain), stage
+        self.name = conv.name
+        self._fused: bool | None = None
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        conv = self.conv
+        self._fused = conv.executor.stage_mode(conv.name) == FUSED
+        if not self._fused:
+            for layer in (conv, *self.chain):
+                x = layer.forward(x)
+            return x
+        conv._x = x
+        p = conv.params
+        return conv.executor.stage_forward(
+            conv.name, x, p["weight"], p["bias"], conv.padding, self.stage
+        )
+
+    def backward(self, dy: np.ndarray) -> np.ndarray | None:
+        conv = self.conv
+        if self._fused is None:
+            raise RuntimeError(f"{conv.name}: backward before forward")
+        if not self._fused:
+            for layer in (*reversed(self.chain), conv):
+                dy = layer.backward(dy)
+            return dy
+        p = conv.params
+        dx, dw, db = conv.executor.stage_backward(
+            conv.name, conv._x, p["weight"], p["bias"], dy, conv.padding,
+            conv.need_input_grad, self.stage,
+        )  # fmt: skip
+        conv.grads = {"weight": dw, "bias": db}
+        return dx
+
+    def __repr__(self) -> str:
+        return f"ConvStage({self.conv!r}, {self.chain!r})"
 
 
 class Model:
@@ -176,11 +236,30 @@ class Model:
         self.executor = executor if executor is not None else LocalConv()
         self.layers: list[Layer] = []
         self.output_shape: tuple[int, ...] = self.input_shape
+        stages: dict[int, StageSpec] = {}
         for item in walk_spec(self.spec, self.input_shape):
             layer = self._build(item)
             layer.input_shape = item.input_shape
             self.layers.append(layer)
             self.output_shape = item.output_shape
+            if item.conv is not None and item.conv.stage is not None:
+                layer.stage = item.conv.stage
+                stages[item.index] = item.conv.stage
+        # What the passes run: the layers, or with an executor that supports fused stages,
+        # each convolution with its channel-local chain as one ConvStage.
+        self.blocks: list[Layer | ConvStage] = list(self.layers)
+        if getattr(self.executor, "supports_stages", False):
+            self.blocks = []
+            i = 0
+            while i < len(self.layers):
+                stage = stages.get(i)
+                if stage is None:
+                    self.blocks.append(self.layers[i])
+                    i += 1
+                    continue
+                chain = self.layers[i + 1 : i + 1 + len(stage.ops)]
+                self.blocks.append(ConvStage(self.layers[i], chain, stage))  # type: ignore[arg-type]
+                i += 1 + len(stage.ops)
         self.init_weights(seed)
 
     def _build(self, item: SpecLayer) -> Layer:
@@ -287,13 +366,13 @@ class Model:
                 f"input has shape {x.shape} and dtype {x.dtype}; expected float32 "
                 f"(N, {', '.join(map(str, self.input_shape))})"
             )
-        for layer in self.layers:
-            x = layer.forward(x)
+        for block in self.blocks:
+            x = block.forward(x)
         return x
 
     def backward(self, grad: np.ndarray) -> None:
         """Back-propagate the loss gradient w.r.t. the logits; fills every layer's ``grads``."""
-        for layer in reversed(self.layers):
-            grad = layer.backward(grad)
+        for block in reversed(self.blocks):
+            grad = block.backward(grad)
             if grad is None:
                 break

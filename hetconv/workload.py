@@ -15,6 +15,9 @@
   together, total at most :data:`~hetconv.wire.BUNDLE_BYTES` goes as one message each way
   (cheaper per call); a larger one streams.
 
+  A fused stage call (:func:`stage_call_bytes`, :mod:`hetconv.stages`) moves the kernels
+  widened by the stage's halo and the stage's (pooled) output of the owned kernels instead.
+
 Convolution work of a node is its kernels' FLOPs: forward 2·N·Ho·Wo·k·C·kh·kw, the kernel
 gradient as much again and the input gradient (when the layer needs it) as much again.
 """
@@ -32,6 +35,7 @@ from hetconv.conv import ConvSpec
 from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
 from hetconv.proto import worker_pb2 as pb
+from hetconv.stages import StageSpec, ops_to_proto
 from hetconv.wire import BUNDLE_BYTES
 
 FLOAT_BYTES = FLOAT32.itemsize
@@ -52,11 +56,14 @@ class ConvLayer:
     name: str
     shape: ConvShape
     need_input_grad: bool
+    #: the channel-local layers after it (:mod:`hetconv.stages`), which a fused mode runs on
+    #: the workers; None: a conv or fc follows. Not compared (call_bytes takes it explicitly).
+    stage: StageSpec | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
         """The layer ``spec`` describes, at ``batch`` images."""
-        return cls(spec.name, spec.shape(batch), spec.need_input_grad)
+        return cls(spec.name, spec.shape(batch), spec.need_input_grad, spec.stage)
 
     @property
     def kernels(self) -> int:
@@ -192,6 +199,59 @@ def call_bytes(
     request.step = step
     request.layer = layer.name
     request.kernel_offset = kernel_offset
+    result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
+    tensors_sent = sum(t.nbytes for t in request.tensors)
+    tensors_received = sum(t.nbytes for t in answer)
+    return CallBytes(
+        sent=pb.ConvMessage(header=request).ByteSize() + tensors_sent,
+        received=pb.ConvMessage(result=result).ByteSize() + tensors_received,
+        tensors_sent=tensors_sent,
+        tensors_received=tensors_received,
+        bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_call_bytes(
+    layer: ConvLayer,
+    stage: StageSpec,
+    phase: str,
+    kernels: int,
+    kernel_offset: int = 0,
+    step: int = 1000,
+    fmt: TensorFormat = FLOAT32,
+) -> CallBytes:
+    """Bytes of one fused stage call (:mod:`hetconv.stages`) of ``layer`` for a node owning
+    ``kernels`` kernels from ``kernel_offset``: forward sends ``x`` and the kernels widened by
+    the stage's halo and gets the stage output of the owned kernels back; backward sends that
+    output's gradient over the owned and halo channels and gets ``dw``, ``db`` of the owned
+    kernels and (except for a first layer) a ``dx`` part. Headers as
+    :class:`~hetconv.master.client.WorkerClient` sets them (the stage description included).
+    """
+    call = {FORWARD: calls.STAGE_FORWARD, BACKWARD: calls.STAGE_BACKWARD}.get(phase)
+    if call is None:
+        raise ValueError(f"phase {phase!r} is not 'forward' or 'backward'")
+    own = slice(kernel_offset, kernel_offset + kernels)
+    wide = stage.widened(own, layer.kernels)
+    grad = stage.grad_range(own, layer.kernels)
+    s = dataclasses.replace(layer.shape, k=wide.stop - wide.start)
+    shape = calls.StageShape(s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw))
+    request = pb.ConvRequest(
+        phase=call.phase, tensors=call.request_headers(shape, fmt), answer_dtype=answer_dtype(fmt)
+    )
+    if call is calls.STAGE_FORWARD:
+        request.padding.extend((s.padding.top, s.padding.bottom, s.padding.left, s.padding.right))
+        request.stage.ops.extend(ops_to_proto(stage))
+        request.stage.own_start = own.start - wide.start
+        request.stage.own_count = kernels
+    else:
+        request.need_input_grad = layer.need_input_grad
+        request.stage.grad_start = grad.start - wide.start
+    answer = call.answer_headers(shape, layer.need_input_grad, fmt)
+    request.session = (1 << 64) - 1
+    request.step = step
+    request.layer = layer.name
+    request.kernel_offset = wide.start
     result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
     tensors_sent = sum(t.nbytes for t in request.tensors)
     tensors_received = sum(t.nbytes for t in answer)

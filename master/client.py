@@ -24,11 +24,24 @@ import grpc
 import numpy as np
 
 from hetconv.backends import ConvShape
-from hetconv.calls import BACKWARD, DESCRIBE, ECHO, FORWARD, METHODS, PROBE, ConvCall, call_shape
+from hetconv.calls import (
+    BACKWARD,
+    DESCRIBE,
+    ECHO,
+    FORWARD,
+    METHODS,
+    PROBE,
+    STAGE_BACKWARD,
+    STAGE_FORWARD,
+    ConvCall,
+    StageShape,
+    call_shape,
+)
 from hetconv.errors import MalformedHeader, MalformedMessage, WireError
 from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import bearer_metadata, read_pem
+from hetconv.stages import StageSpec, ops_to_proto
 from hetconv.wire import (
     BUNDLE_BYTES,
     Bundle,
@@ -460,6 +473,84 @@ class WorkerClient:
             BACKWARD, f"backward {layer}", request,
             list(zip(BACKWARD.request_names, (dy,), strict=True)), expect, dests, timeout, answer,
             list(BACKWARD.request_formats(self.wire_format).values()),
+        )  # fmt: skip
+        dw, db, *dx = (got[name] for name in expect)
+        return (dx[0] if dx else None), dw, db, stats
+
+    def stage_forward(
+        self,
+        session: int,
+        step: int,
+        layer: str,
+        x: np.ndarray,
+        w: np.ndarray,
+        b: np.ndarray,
+        padding: tuple[int, int, int, int],
+        stage: StageSpec,
+        own: slice,
+        out: np.ndarray | None = None,
+        timeout: float = 600.0,
+        kernel_offset: int = 0,
+    ) -> tuple[np.ndarray, CallStats]:
+        """A fused stage (:mod:`hetconv.stages`): the output of ``stage`` on the kernels ``own``
+        (offsets into ``w``) of the widened kernel slice ``w`` (k, C, kh, kw) over ``x``.
+
+        Args:
+            out: where to write it, (N, owned, Ho', Wo'); may be a channel slice.
+            kernel_offset: the widened slice's first kernel in the layer (keys what the worker
+                keeps for :meth:`stage_backward`).
+        """
+        request = pb.ConvRequest(
+            phase=STAGE_FORWARD.phase, session=session, step=step, layer=layer,
+            padding=padding, kernel_offset=kernel_offset,
+            answer_dtype=answer_dtype(self.wire_format),
+            stage=pb.StageDescription(
+                ops=ops_to_proto(stage), own_start=own.start, own_count=own.stop - own.start
+            ),
+        )  # fmt: skip
+        fmt = self.wire_format
+        conv = call_shape(x.shape, w.shape, padding)
+        shape = StageShape(conv, own.stop - own.start, 0, stage.output_hw(conv.out_hw))
+        (y,) = STAGE_FORWARD.answer_names()
+        got, stats = self._call(
+            STAGE_FORWARD, f"stage forward {layer}", request,
+            list(zip(STAGE_FORWARD.request_names, (x, w, b), strict=True)), [y],
+            {y: out} if out is not None else {}, timeout,
+            STAGE_FORWARD.answer_bytes(shape, fmt=fmt),
+            list(STAGE_FORWARD.request_formats(fmt).values()),
+        )  # fmt: skip
+        return got[y], stats
+
+    def stage_backward(
+        self,
+        session: int,
+        step: int,
+        layer: str,
+        dy: np.ndarray,
+        grad_start: int,
+        need_input_grad: bool,
+        dw_out: np.ndarray | None = None,
+        db_out: np.ndarray | None = None,
+        timeout: float = 600.0,
+        kernel_offset: int = 0,
+        answer_bytes: int | None = None,
+    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, CallStats]:
+        """(input-gradient part or None, dw, db) of the owned kernels of the stage the
+        :meth:`stage_forward` of the same step and ``kernel_offset`` ran, for the gradient
+        ``dy`` of its output over channels ``grad_start ..`` of the widened slice."""
+        request = pb.ConvRequest(
+            phase=STAGE_BACKWARD.phase, session=session, step=step, layer=layer,
+            need_input_grad=need_input_grad, kernel_offset=kernel_offset,
+            answer_dtype=answer_dtype(self.wire_format),
+            stage=pb.StageDescription(grad_start=grad_start),
+        )  # fmt: skip
+        expect = STAGE_BACKWARD.answer_names(need_input_grad)
+        dests = {n: a for n, a in zip(expect[:2], (dw_out, db_out), strict=True) if a is not None}
+        answer = answer_bytes if answer_bytes is not None else BUNDLE_BYTES + 1
+        got, stats = self._call(
+            STAGE_BACKWARD, f"stage backward {layer}", request,
+            list(zip(STAGE_BACKWARD.request_names, (dy,), strict=True)), expect, dests, timeout,
+            answer, list(STAGE_BACKWARD.request_formats(self.wire_format).values()),
         )  # fmt: skip
         dw, db, *dx = (got[name] for name in expect)
         return (dx[0] if dx else None), dw, db, stats

@@ -14,6 +14,13 @@ Workers keep the forward inputs and kernels for the backward call of the same st
 sends only the gradient slice. Requests to all workers go out concurrently; the master computes
 its own share meanwhile.
 
+With fused stages (``ClusterConfig.stages``, ``hetconv train --stages``) a layer followed by
+channel-local layers (ReLU, LRN, max-pool) runs them on the nodes too: each node computes its
+kernels widened by the stage's halo, runs the layers and answers its owned kernels' pooled maps;
+backward sends the pooled-map gradient of its owned and halo channels
+(:class:`~.dispatch.FusedKernelSplit`, :mod:`hetconv.stages`). ``auto`` picks per layer by the
+cost model's bytes; the plan record and every step record say how each layer ran.
+
 Shares come from probes (:meth:`Cluster.prepare`): each node times a forward + backward pass of
 the layer's real shape on random data, and :func:`~hetconv.balance.kernel_shares` gives kernels
 in proportion to 1/time.
@@ -57,12 +64,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from hetconv import costmodel
 from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
 from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.stages import AUTO, FUSED, STAGE_MODES, UNFUSED
+from hetconv.workload import ConvLayer
 
 from . import probing
 from .client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
-from .dispatch import Call, CallContext, KernelSplit, PhaseRunner, SplitStrategy
+from .dispatch import Call, CallContext, FusedKernelSplit, KernelSplit, PhaseRunner, SplitStrategy
 from .events import EventLog
 from .membership import ACTIVE, ALIAS, LOST, MASTER, READY, Membership, Node, NodeState
 from .planning import (
@@ -127,6 +137,12 @@ class ClusterConfig:
             same workers are bitwise identical: each layer is split equally over the usable
             nodes in node order (or by ``shares`` while they apply), and ``rebalance_every``
             is ignored (never rebalanced). Needs the ``"compute"`` policy.
+        stages: ``"fused"``: each node also runs the channel-local layers after a convolution
+            on its kernel slice (:mod:`hetconv.stages`) and answers the stage's output;
+            ``"unfused"``: only convolutions are distributed (the paper's); ``"auto"``: per
+            layer, fused where the cost model counts fewer bytes on the master's link
+            (:func:`hetconv.costmodel.stage_mode`). Layers with no channel-local layers after
+            them are always unfused.
     """
 
     master_compute: bool = True
@@ -146,6 +162,11 @@ class ClusterConfig:
     tls_ca: str | None = None
     wire_format: TensorFormat = FLOAT32
     deterministic: bool = False
+    stages: str = UNFUSED
+
+    def __post_init__(self):
+        if self.stages not in STAGE_MODES:
+            raise ValueError(f"stages {self.stages!r}; expected one of {', '.join(STAGE_MODES)}")
 
 
 def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
@@ -188,6 +209,9 @@ class Cluster:
             raise ValueError("no workers and --no-master-compute: nothing would compute")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.strategy = strategy or KernelSplit()
+        self.fused = FusedKernelSplit()
+        self.stage_modes: dict[str, str] = {}  # layer -> FUSED or UNFUSED (set by prepare)
+        self._stage_steps: dict[str, str] = {}  # layers run this step -> their mode
         self._events = EventLog()
         self.membership = Membership(
             [Node(MASTER, None)] + [Node(a, self._client(a)) for a in addresses],
@@ -353,10 +377,32 @@ class Cluster:
                     name, layer.shape.k, shares, len(self.nodes), self.config.master_compute
                 )
         self._replan()
+        self._choose_stage_modes(layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
             print(self.describe_shares(), file=log)
+            modes = ", ".join(f"{name} {mode}" for name, mode in self.stage_modes.items())
+            print(f"stages ({self.config.stages}): {modes}", file=log)
         self.membership.start_monitor()
+
+    supports_stages = True
+
+    def _choose_stage_modes(self, layers, batch: int) -> None:
+        """Each layer's stage mode: as configured, or (auto) by the cost model's bytes."""
+        for spec in layers:
+            mode = self.config.stages
+            if spec.stage is None:
+                mode = UNFUSED
+            elif mode == AUTO:
+                layer = ConvLayer.from_spec(spec, batch)
+                shares = self.plans[spec.name].shares if spec.name in self.plans else None
+                mode = costmodel.stage_mode(layer, spec.stage, shares or (1,) * len(self.nodes))
+            self.stage_modes[spec.name] = mode
+
+    def stage_mode(self, layer: str) -> str:
+        """``"fused"`` or ``"unfused"``: whether ``layer`` runs with its stage on the nodes."""
+        default = FUSED if self.config.stages == FUSED else UNFUSED
+        return self.stage_modes.get(layer, default)
 
     def _replan(self) -> None:
         """Shares of every layer over the active nodes (called between steps)."""
@@ -390,9 +436,14 @@ class Cluster:
         format) for the trace's first record."""
         c = self.config
         record = plan_record(self.nodes, self.plans, c.master_compute, c.deterministic)
-        record = {**record, "wire_format": self.config.wire_format.label}
-        record["share_policy"] = c.share_policy
-        record["network"] = self.planner.network
+        record = {
+            **record,
+            "wire_format": self.config.wire_format.label,
+            "stages": c.stages,
+            "stage_modes": dict(self.stage_modes),
+            "share_policy": c.share_policy,
+            "network": self.planner.network,
+        }
         if self.medium is not None:
             record["medium"] = self.medium.record()
         return record
@@ -438,7 +489,9 @@ class Cluster:
             "cluster_wall_seconds": runner.wall,
             "wire_format": self.config.wire_format.label,  # of the bytes counted in "nodes"
             "nodes": runner.records,
+            "stage_modes": self._stage_steps,  # layer -> how it ran this step
         }
+        self._stage_steps = {}
         if events:
             record["events"] = events
         self.drift.observe(runner.records, bool(self.membership.failed))
@@ -455,6 +508,7 @@ class Cluster:
 
     def forward(self, layer, x, w, b, padding):
         plan = self._plan(layer, x.shape, w.shape, padding)
+        self._stage_steps.setdefault(layer, UNFUSED)
         ctx = CallContext(self.session, self.step, layer)
         job = self.strategy.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]))
         return self.runner.run(self.strategy, job, layer, plan)
@@ -465,6 +519,24 @@ class Cluster:
         sides = _sides(padding, w.shape[2:])
         job = self.strategy.backward(ctx, self.backend, x, w, dy, sides, need_input_grad)
         return self.runner.run(self.strategy, job, layer, plan)
+
+    def stage_forward(self, layer, x, w, b, padding, stage):
+        """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`)."""
+        plan = self._plan(layer, x.shape, w.shape, padding)
+        self._stage_steps[layer] = FUSED
+        ctx = CallContext(self.session, self.step, layer)
+        job = self.fused.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]), stage)
+        return self.runner.run(self.fused, job, layer, plan)
+
+    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage):
+        """A fused stage's backward over the nodes."""
+        plan = self._plan(layer, x.shape, w.shape, padding)
+        ctx = CallContext(self.session, self.step, layer)
+        sides = _sides(padding, w.shape[2:])
+        job = self.fused.backward(
+            ctx, self.backend, x, w, dy, sides, need_input_grad, b=b, stage=stage
+        )
+        return self.runner.run(self.fused, job, layer, plan)
 
     def __enter__(self) -> Cluster:
         return self

@@ -23,12 +23,12 @@ How the next strategies plug in (each is one new class; the runner does not chan
   ``b`` and writes the answer into ``y[images]``; backward sends ``dy[images]`` and *sums* the
   kernel and bias gradients while the input-gradient parts land in ``dx[images]``. The plan's
   shares then count images, not kernels.
-* **Fused epilogue** (a worker also runs the channel-local layers after its convolution: bias,
-  ReLU, LRN, max-pool): the same kernel pieces, but the forward job calls a worker stage that
-  returns pooled maps (written into the pooled output's channel slice) and the backward job
-  sends the pooled-map gradient slice. LRN's halo is part of the piece: ``pieces`` widens each
-  slice by ``size // 2`` channels on each side for computing and the job keeps only the owned
-  channels when reassembling.
+* **Fused stages** (:class:`FusedKernelSplit`, built): a worker also runs the channel-local
+  layers after its convolution (ReLU, LRN, max-pool): the same kernel pieces, but the forward
+  job calls a worker stage that returns pooled maps (written into the pooled output's channel
+  slice) and the backward job sends the pooled-map gradient of the owned and halo channels. LRN's
+  halo is part of the job: each piece is widened by the stage's halo for computing
+  (:mod:`hetconv.stages` derives it) and only the owned channels come back.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetconv.backends import Backend
+from hetconv.stages import StageRun, StageSpec, stage_backward, stage_forward
 
 from .client import CallStats, WorkerError
 from .membership import ACTIVE, Membership, Node
@@ -275,6 +276,161 @@ class KernelSplit:
 
     def backward(self, ctx, backend, x, w, dy, sides, need_input_grad) -> PhaseJob:
         return _KernelBackward(ctx, backend, x, w, dy, sides, need_input_grad)
+
+
+class _StageForward:
+    """A fused stage's forward (:mod:`hetconv.stages`): each node computes its kernels widened
+    by the stage's halo, runs the stage's layers and answers its owned kernels' output, written
+    into their channel slice of the stage output."""
+
+    phase = FORWARD
+
+    def __init__(self, ctx: CallContext, backend: Backend, x, w, b, sides, stage, runs):
+        self.ctx, self.backend, self.x, self.w, self.b = ctx, backend, x, w, b
+        self.sides, self.stage, self.runs = sides, stage, runs
+        self.kernels = w.shape[0]
+        self.images = x.shape[0]
+        ho = x.shape[2] + sides[0] + sides[1] - w.shape[2] + 1
+        wo = x.shape[3] + sides[2] + sides[3] - w.shape[3] + 1
+        self.y = np.empty((x.shape[0], self.kernels, *stage.output_hw((ho, wo))), np.float32)
+
+    def _wide(self, piece: Piece) -> tuple[slice, slice]:
+        own = piece.part
+        wide = self.stage.widened(own, self.kernels)
+        return wide, slice(own.start - wide.start, own.stop - wide.start)
+
+    def worker_request(self, piece: Piece) -> WorkerRequest:
+        (wide, own), ctx, sl = self._wide(piece), self.ctx, piece.part
+        w, b = self.w[wide], self.b[wide]
+        return WorkerRequest(
+            piece.node.client.stage_forward,
+            (ctx.session, ctx.step, ctx.layer, self.x, w, b, self.sides, self.stage, own),
+            {"out": self.y[:, sl], "kernel_offset": wide.start},
+            self.x.nbytes + w.nbytes + self.y[:, sl].nbytes,
+        )
+
+    def check(self, piece: Piece, answer) -> None:
+        wide, _ = self._wide(piece)
+        if not finite(self.y[:, piece.part]) and finite(self.x, self.w[wide], self.b[wide]):
+            raise _non_finite(piece, f"stage forward {self.ctx.layer}")
+
+    def compute_locally(self, piece: Piece) -> None:
+        wide, own = self._wide(piece)
+        y, run = stage_forward(
+            self.backend, self.x, self.w[wide], self.b[wide], self.sides, self.stage, own
+        )
+        self.y[:, piece.part] = y
+        self.runs[self.ctx.layer, piece.part.start, piece.part.stop] = run
+
+    def accept(self, piece: Piece, answer) -> CallStats:
+        return answer[1]  # the stage output arrived in place (out=)
+
+    def result(self):
+        return self.y
+
+
+class _StageBackward:
+    """A fused stage's backward: each node gets the stage-output gradient of its owned and halo
+    channels and answers its owned kernels' gradients (into their slice) and input-gradient part
+    (summed). A piece the master covers uses what its own forward kept, or recomputes that
+    forward (a worker lost between the two phases)."""
+
+    phase = BACKWARD
+
+    def __init__(self, ctx, backend, x, w, b, dy, sides, need_input_grad, stage, runs):
+        self.ctx, self.backend, self.x, self.w, self.b, self.dy = ctx, backend, x, w, b, dy
+        self.sides, self.need_input_grad = sides, need_input_grad
+        self.stage, self.runs = stage, runs
+        self.kernels = w.shape[0]
+        self.images = x.shape[0]
+        self.dw = np.empty_like(w)
+        self.db = np.empty(w.shape[0], np.float32)
+        self.dx = None
+
+    def _ranges(self, piece: Piece) -> tuple[slice, slice]:
+        wide = self.stage.widened(piece.part, self.kernels)
+        return wide, self.stage.grad_range(piece.part, self.kernels)
+
+    def worker_request(self, piece: Piece) -> WorkerRequest:
+        (wide, grad), ctx, sl = self._ranges(piece), self.ctx, piece.part
+        fmt = piece.node.client.wire_format
+        dx_bytes = fmt.nbytes(self.x.shape) if self.need_input_grad else 0
+        dw, db, dy = self.dw[sl], self.db[sl], self.dy[:, grad]
+        return WorkerRequest(
+            piece.node.client.stage_backward,
+            (ctx.session, ctx.step, ctx.layer, dy, grad.start - wide.start, self.need_input_grad),
+            {
+                "dw_out": dw,
+                "db_out": db,
+                "kernel_offset": wide.start,
+                "answer_bytes": dw.nbytes + db.nbytes + dx_bytes,
+            },
+            dy.nbytes + dw.nbytes + dx_bytes,
+        )
+
+    def check(self, piece: Piece, answer) -> None:
+        sl, dx_part = piece.part, answer[0]
+        wide, grad = self._ranges(piece)
+        if not finite(self.dw[sl], self.db[sl], dx_part) and finite(
+            self.x, self.w[wide], self.dy[:, grad]
+        ):
+            raise _non_finite(piece, f"stage backward {self.ctx.layer}")
+
+    def compute_locally(self, piece: Piece) -> None:
+        wide, grad = self._ranges(piece)
+        sl = piece.part
+        run: StageRun | None = self.runs.pop((self.ctx.layer, sl.start, sl.stop), None)
+        if run is None:  # the worker's forward ran there: run it again here
+            own = slice(sl.start - wide.start, sl.stop - wide.start)
+            _, run = stage_forward(
+                self.backend, self.x, self.w[wide], self.b[wide], self.sides, self.stage, own
+            )
+        dy = np.ascontiguousarray(self.dy[:, grad])
+        rel = slice(grad.start - wide.start, grad.stop - wide.start)
+        dx, self.dw[sl], self.db[sl] = stage_backward(
+            self.backend, run, dy, rel, self.need_input_grad
+        )
+        self._add_dx(dx)
+
+    def _add_dx(self, part) -> None:
+        if self.need_input_grad:
+            self.dx = part if self.dx is None else self.dx + part
+
+    def accept(self, piece: Piece, answer) -> CallStats:
+        dx_part, _, _, stats = answer
+        self._add_dx(dx_part)
+        return stats
+
+    def result(self):
+        return self.dx, self.dw, self.db
+
+
+class FusedKernelSplit(KernelSplit):
+    """Fused worker stages: the kernel split's pieces, each node also running the channel-local
+    layers after the convolution on its slice (:mod:`hetconv.stages`), halo included.
+
+    Its jobs take the stage besides the convolution's tensors. What the master's own forward
+    pieces keep for their backward is held here, per layer, until that backward takes it.
+    """
+
+    name = "fused"
+
+    def __init__(self):
+        self._runs: dict[tuple[str, int, int], StageRun] = {}
+
+    def forward(self, ctx, backend, x, w, b, sides, stage: StageSpec | None = None) -> PhaseJob:
+        if stage is None:
+            raise ValueError(f"{ctx.layer}: a fused forward needs its stage")
+        for key in [k for k in self._runs if k[0] == ctx.layer]:
+            del self._runs[key]  # an earlier step's, whose backward never came (evaluation)
+        return _StageForward(ctx, backend, x, w, b, sides, stage, self._runs)
+
+    def backward(
+        self, ctx, backend, x, w, dy, sides, need_input_grad, b=None, stage: StageSpec | None = None
+    ) -> PhaseJob:
+        if stage is None or b is None:
+            raise ValueError(f"{ctx.layer}: a fused backward needs its stage and biases")
+        return _StageBackward(ctx, backend, x, w, b, dy, sides, need_input_grad, stage, self._runs)
 
 
 def _phase_record(stats: CallStats) -> dict:

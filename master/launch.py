@@ -197,6 +197,17 @@ class EmbeddedCluster:
     def backward(self, layer, x, w, dy, padding, need_input_grad):
         return self.cluster.backward(layer, x, w, dy, padding, need_input_grad)
 
+    supports_stages = True  # fused stages (hetconv.stages), as the cluster runs them
+
+    def stage_mode(self, layer):
+        return self.cluster.stage_mode(layer)
+
+    def stage_forward(self, layer, x, w, b, padding, stage):
+        return self.cluster.stage_forward(layer, x, w, b, padding, stage)
+
+    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage):
+        return self.cluster.stage_backward(layer, x, w, b, dy, padding, need_input_grad, stage)
+
     def begin_step(self, step: int) -> None:
         self.cluster.begin_step(step)
 

@@ -35,7 +35,15 @@ import numpy as np
 from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, WireCosts, simulate_step
 from hetconv.formats import FLOAT32, TensorFormat, format_named
 from hetconv.model import PRESETS
-from hetconv.workload import BACKWARD, FORWARD, PHASES, ConvLayer, call_bytes, network_layers
+from hetconv.workload import (
+    BACKWARD,
+    FORWARD,
+    PHASES,
+    ConvLayer,
+    call_bytes,
+    network_layers,
+    stage_call_bytes,
+)
 
 from .scenario import CompFigure, DeviceSpec, Scenario
 from .trace import MASTER, read_plan, read_trace
@@ -58,6 +66,8 @@ class Calibration:
     measured: dict[str, float]  # mean step_s, comm_s, conv_s, comp_s
     notes: list[str] = field(default_factory=list)
     step_numbers: list[int] = field(default_factory=list)  # of the records used
+    # layer -> "fused" / "unfused", as the run ran it (hetconv train --stages); {}: unfused
+    stage_modes: dict[str, str] = field(default_factory=dict)
 
     def devices(self) -> list[DeviceSpec]:
         """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
@@ -95,7 +105,11 @@ class Calibration:
         :attr:`measured`)."""
         layers = network_layers(self.network, self.batch)
         result = simulate_step(
-            self.traced_cluster(), layers, self.shares, self.comp_per_image_s * self.batch
+            self.traced_cluster(),
+            layers,
+            self.shares,
+            self.comp_per_image_s * self.batch,
+            self.stage_modes,
         )
         return {
             "step_s": result.step_s,
@@ -158,13 +172,14 @@ def _layout(record: dict) -> tuple[list[str], dict[str, list[int]]]:
     A master that computed nothing (``--no-master-compute``) has no entry in the record; it
     is put first with no kernels, so a worker is never taken for the master.
     """
-    names = list(record["nodes"])
-    if MASTER not in names:
-        names.insert(0, MASTER)
-    layers: dict[str, list[int]] = {}
+    # The master comes first also where it computed nothing of the first layers (its entry
+    # then came later); layers in the order the record first names them.
+    names = [MASTER] + [name for name in record["nodes"] if name != MASTER]
+    order = [layer for entries in record["nodes"].values() for layer in entries]
+    layers: dict[str, list[int]] = {layer: [0] * len(names) for layer in dict.fromkeys(order)}
     for i, name in enumerate(names):
         for layer, entry in record["nodes"].get(name, {}).items():
-            layers.setdefault(layer, [0] * len(names))[i] = int(entry["kernels"])
+            layers[layer][i] = int(entry["kernels"])
     return names, layers
 
 
@@ -181,9 +196,10 @@ def _format_of(record: dict) -> TensorFormat:
 def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     """None when every worker call of ``record`` moved what the simulator computes, else why."""
     fmt = _format_of(record)
+    modes = record.get("stage_modes", {})  # fused layers moved stage calls' bytes
     names, split = _layout(record)
     by_name = {layer.name: layer for layer in layers}
-    if list(by_name) != list(split) or any(
+    if set(by_name) != set(split) or any(
         by_name[name].kernels != sum(kernels) for name, kernels in split.items()
     ):
         shown = {layer.name: layer.kernels for layer in layers}
@@ -196,7 +212,10 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
             for phase in PHASES:
                 if share and phase in entry:
                     step = int(record.get("step", 0))
-                    want = call_bytes(layer, phase, share, offset, step, fmt)
+                    if modes.get(layer_name) == "fused" and layer.stage is not None:
+                        want = stage_call_bytes(layer, layer.stage, phase, share, offset, step, fmt)
+                    else:
+                        want = call_bytes(layer, phase, share, offset, step, fmt)
                     got = (entry[phase]["bytes_sent"], entry[phase]["bytes_received"])
                     if got != (want.sent, want.received):
                         return (
@@ -392,6 +411,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         measured=measured,
         notes=notes,
         step_numbers=[int(r["step"]) for r in used],
+        stage_modes=dict(used[0].get("stage_modes", {})),
     )
 
 

@@ -88,6 +88,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the format of activations on the wire, as `hetconv train --wire-format` "
         "(replaces the scenario's [wire] format; default float32)",
     )
+    parser.add_argument(
+        "--stages",
+        choices=("unfused", "fused", "auto"),
+        default="unfused",
+        help="how layers with ReLU/LRN/max-pool after them run, as `hetconv train --stages`: "
+        "unfused (the paper's: only convolutions on the workers; the default here, so "
+        "predictions compare with the paper's), fused (workers run the stage and send pooled "
+        "maps), auto (per layer, fewer bytes wins: what `hetconv train` does by default). The "
+        "master's other work (comp) is as the scenario or trace says, in every mode",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write figures (PNG) into DIR")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument("--list", action="store_true", help="name the shipped scenarios")
@@ -235,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
             networks=args.network,
             batches=args.batch,
             policies=args.policy,
+            stages=args.stages,
         )
         if not args.quiet:
             print(describe(scenario))

@@ -37,6 +37,7 @@ class Row:
     workers_used: int
     mbytes_per_step: float
     shares: dict[str, list[int]]
+    stages: str = "unfused"  # as `hetconv train --stages` (hetconv.stages)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,8 +50,10 @@ def run_scenario(
     networks: Sequence[str] | None = None,
     batches: Sequence[int] | None = None,
     policies: Sequence[str] | None = None,
+    stages: str = "unfused",
 ) -> list[Row]:
-    """Simulate the scenario's grid (each argument, when given, replaces the scenario's)."""
+    """Simulate the scenario's grid (each argument, when given, replaces the scenario's), with
+    every layer's stage run as ``stages`` says (``hetconv train --stages``)."""
     rows = []
     for network in networks or scenario.networks:
         for batch in batches or scenario.batches:
@@ -63,7 +66,7 @@ def run_scenario(
                     cluster = scenario.cluster(size, bandwidth)
                     for policy in policies or scenario.policies:
                         shares = shares_for(cluster, layers, policy)
-                        result = simulate_step(cluster, layers, shares, comp)
+                        result = simulate_step(cluster, layers, shares, comp, stages)
                         rows.append(
                             Row(
                                 scenario=scenario.name,
@@ -82,6 +85,7 @@ def run_scenario(
                                 workers_used=result.workers_used(),
                                 mbytes_per_step=result.bytes / 1e6,
                                 shares={k: list(v) for k, v in result.shares.items()},
+                                stages=stages,
                             )
                         )
     return rows

@@ -188,7 +188,8 @@ def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", w
     wire = wire if wire is not None else load_scenario("this-machine").wire
     master_compute = any(split[0] for split in cal.shares.values())
     cluster = Cluster(nodes[0], workers, SWITCHED, master_compute=master_compute, wire=wire)
-    result = simulate_step(cluster, layers, cal.shares, cal.comp_per_image_s * cal.batch)
+    comp = cal.comp_per_image_s * cal.batch
+    result = simulate_step(cluster, layers, cal.shares, comp, cal.stage_modes)
     return result, gflops, cal
 
 

@@ -42,6 +42,8 @@ from hetconv.calls import (
     METHODS,
     PROBE,
     SERVICE_NAME,
+    STAGE_BACKWARD,
+    STAGE_FORWARD,
     ConvCall,
     input_shape,
     map_shape,
@@ -60,6 +62,7 @@ from hetconv.wire import (
     server_options,
 )
 from hetconv.worker.auth import WorkerSecurity
+from hetconv.worker.stages import StageCalls
 
 #: An answer's tensors: name, array, format on the wire.
 _Answer = list[tuple[str, np.ndarray, TensorFormat]]
@@ -373,6 +376,8 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
         PROBE.name: PROBE.method.handler(service.probe),
     }
     cores = {FORWARD: service.forward, BACKWARD: service.backward, ECHO: service.echo}
+    stages = StageCalls(service)  # fused stages (hetconv.worker.stages)
+    cores.update({STAGE_FORWARD: stages.forward, STAGE_BACKWARD: stages.backward})
     for call, core in cores.items():
         handlers[call.stream.name] = call.stream.handler(service.streamed(call, core))
         handlers[call.bundle.name] = call.bundle.handler(service.bundled(call, core))

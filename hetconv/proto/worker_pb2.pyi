@@ -19,6 +19,15 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_UNSPECIFIED: _ClassVar[Phase]
     FORWARD: _ClassVar[Phase]
     BACKWARD: _ClassVar[Phase]
+    STAGE_FORWARD: _ClassVar[Phase]
+    STAGE_BACKWARD: _ClassVar[Phase]
+
+class StageLayer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STAGE_LAYER_UNSPECIFIED: _ClassVar[StageLayer]
+    RELU: _ClassVar[StageLayer]
+    LRN: _ClassVar[StageLayer]
+    MAXPOOL: _ClassVar[StageLayer]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -26,6 +35,12 @@ BFLOAT16: DType
 PHASE_UNSPECIFIED: Phase
 FORWARD: Phase
 BACKWARD: Phase
+STAGE_FORWARD: Phase
+STAGE_BACKWARD: Phase
+STAGE_LAYER_UNSPECIFIED: StageLayer
+RELU: StageLayer
+LRN: StageLayer
+MAXPOOL: StageLayer
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "shape", "dtype", "nbytes")
@@ -39,8 +54,38 @@ class TensorHeader(_message.Message):
     nbytes: int
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
+class StageOp(_message.Message):
+    __slots__ = ("layer", "size", "alpha", "beta", "k", "kernel", "stride")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    layer: StageLayer
+    size: int
+    alpha: float
+    beta: float
+    k: float
+    kernel: int
+    stride: int
+    def __init__(self, layer: _Optional[_Union[StageLayer, str]] = ..., size: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., k: _Optional[float] = ..., kernel: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
+
+class StageDescription(_message.Message):
+    __slots__ = ("ops", "own_start", "own_count", "grad_start")
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    OWN_START_FIELD_NUMBER: _ClassVar[int]
+    OWN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    GRAD_START_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[StageOp]
+    own_start: int
+    own_count: int
+    grad_start: int
+    def __init__(self, ops: _Optional[_Iterable[_Union[StageOp, _Mapping]]] = ..., own_start: _Optional[int] = ..., own_count: _Optional[int] = ..., grad_start: _Optional[int] = ...) -> None: ...
+
 class ConvRequest(_message.Message):
-    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype")
+    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +95,7 @@ class ConvRequest(_message.Message):
     NEED_INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     session: int
     step: int
@@ -59,7 +105,8 @@ class ConvRequest(_message.Message):
     need_input_grad: bool
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     answer_dtype: DType
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    stage: StageDescription
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ...) -> None: ...
 
 class ConvResult(_message.Message):
     __slots__ = ("compute_seconds", "receive_seconds", "tensors")

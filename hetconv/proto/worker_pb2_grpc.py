@@ -74,6 +74,26 @@ class ConvWorkerStub:
                 request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
                 response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
                 _registered_method=True)
+        self.StageForward = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/StageForward',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.StageBackward = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/StageBackward',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.StageForwardBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/StageForwardBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
+        self.StageBackwardBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/StageBackwardBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
 
 
 class ConvWorkerServicer:
@@ -130,6 +150,33 @@ class ConvWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageForward(self, request_iterator, context):
+        """Fused stages (StageDescription): forward sends x, w, b and answers y, the stage's output of
+        the owned kernels; backward sends dy, that output's gradient, and answers dw, db and, when
+        asked, dx, as Backward does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageBackward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageForwardBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageBackwardBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConvWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +217,26 @@ def add_ConvWorkerServicer_to_server(servicer, server):
             ),
             'EchoBundle': grpc.unary_unary_rpc_method_handler(
                     servicer.EchoBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'StageForward': grpc.stream_stream_rpc_method_handler(
+                    servicer.StageForward,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'StageBackward': grpc.stream_stream_rpc_method_handler(
+                    servicer.StageBackward,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'StageForwardBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageForwardBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'StageBackwardBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageBackwardBundle,
                     request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
                     response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             ),
@@ -388,6 +455,114 @@ class ConvWorker:
             request,
             target,
             '/hetconv.v1.ConvWorker/EchoBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageForward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/StageForward',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageBackward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/StageBackward',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageForwardBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/StageForwardBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageBackwardBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/StageBackwardBundle',
             hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
             options,

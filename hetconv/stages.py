@@ -1,0 +1,338 @@
+"""Fused worker stages: a convolution slice and the channel-local layers after it, run together.
+
+A *stage* is one convolution plus the chain of channel-local layers that follows it in the
+model's spec (ReLU, local response normalisation, max-pool: everything up to the next
+convolution or fully connected layer). The node that owns a slice of the convolution's kernels
+(output channels) also runs the chain on them and answers the chain's output (the pooled maps);
+backward takes the gradient of that output. The master and the worker both run it with the code
+here, which runs the very layers of :mod:`hetconv.layers` on the slice: there is one
+implementation of each layer.
+
+Channel halos. ReLU and max-pool act on each channel alone. LRN does not: its output channel
+``c`` reads input channels ``c - before .. c + after`` (``before = size // 2``,
+``after = (size - 1) // 2``). For node-local exactness the node computes extra kernels on each
+side of its own slice, redundantly:
+
+* forward alone needs ``before`` extra channels below and ``after`` above per LRN;
+* backward of conv channel ``j`` needs the LRN input gradient at ``j``, which reads the LRN
+  output gradient at ``j - after .. j + before`` and the scale (hence conv values) at those
+  channels, which read conv values ``j - after - before .. j + before + after``.
+
+So a node computes its owned slice ``[s, e)`` widened by ``W = sum(before + after)`` over the
+chain's LRNs on both sides (``2 * (size // 2)`` for one LRN of odd size), clipped to the layer,
+and backward sends it the chain-output gradient of ``[s - A, e + B)`` with ``A = sum(after)``,
+``B = sum(before)`` (clipped). The widened edges that are not the layer's own edges hold wrong
+values (their LRN windows are cut short), but no owned channel reads them: the derivation above
+is exactly what keeps them out (``tests/test_fused.py`` checks it for every split). Each node
+answers kernel gradients for its owned kernels only and its input-gradient part from them only,
+so each kernel's gradient is computed, and each input-gradient part summed, exactly once.
+
+Exchanging halos between neighbouring workers instead would save the redundant kernels but
+move ``size - 1`` full-size channels each way per phase between workers, with a round trip in
+the middle of each phase's stage (and workers that know each other).
+``python benchmarks/wire_bytes.py --halo --batch 16`` counts both for the reference networks
+with 4 workers: redundant, conv1 costs 7-70 % more of its (cheap, 3-channel) kernels and 60 kB
+per worker on the master's link, conv2 2-7 % more kernels and 49-364 kB; exchanged, 1049 kB
+(conv1) and 262 kB (conv2) per worker between workers, plus the round trips. Per step the
+redundant halo moves fewer bytes (at most 424 kB per worker against 1311 kB), next to
+megabytes of maps, and needs no worker-to-worker links: it is what is built here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backends import Backend, PaddingSpec
+from .layers import Layer, LocalResponseNorm, MaxPool2d, ReLU, pool_geometry, pool_output_shape
+from .proto import worker_pb2 as pb
+
+#: The layer types a stage may hold after its convolution (the spec's names).
+CHANNEL_LOCAL = ("relu", "lrn", "maxpool")
+FUSED, UNFUSED, AUTO = "fused", "unfused", "auto"
+STAGE_MODES = (FUSED, UNFUSED, AUTO)
+
+
+@dataclass(frozen=True)
+class StageOp:
+    """One channel-local layer of a stage, with the options that define it.
+
+    ``kind`` is ``"relu"``, ``"lrn"`` (``size``, ``alpha``, ``beta``, ``k`` as
+    :class:`~hetconv.layers.LocalResponseNorm`) or ``"maxpool"`` (``kernel``, ``stride`` as
+    :class:`~hetconv.layers.MaxPool2d`).
+
+    Raises:
+        ValueError: an unknown kind or an option out of range, naming it.
+    """
+
+    kind: str
+    size: int = 0
+    alpha: float = 0.0
+    beta: float = 0.0
+    k: float = 0.0
+    kernel: int = 0
+    stride: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in CHANNEL_LOCAL:
+            raise ValueError(f"stage layer kind {self.kind!r}; expected relu, lrn or maxpool")
+        if self.kind == "lrn":
+            if self.size < 1:
+                raise ValueError(f"stage lrn size must be >= 1, got {self.size}")
+            for name in ("alpha", "beta", "k"):
+                if not math.isfinite(getattr(self, name)):
+                    raise ValueError(f"stage lrn {name} must be finite, got {getattr(self, name)}")
+        if self.kind == "maxpool":
+            pool_geometry(self.kernel, self.stride)  # both >= 1
+
+    @classmethod
+    def from_entry(cls, entry: Mapping) -> StageOp:
+        """The op of a model spec entry (``{"type": "lrn", "size": 5}``), defaults as the
+        layers have them."""
+        kind = entry.get("type")
+        if kind == "lrn":
+            return cls(
+                "lrn",
+                size=int(entry.get("size", 5)),
+                alpha=float(entry.get("alpha", 1e-4)),
+                beta=float(entry.get("beta", 0.75)),
+                k=float(entry.get("k", 1.0)),
+            )
+        if kind == "maxpool":
+            kernel, stride = pool_geometry(entry.get("kernel", 2), entry.get("stride"))
+            return cls("maxpool", kernel=kernel, stride=stride)
+        return cls(kind)
+
+    @property
+    def reach(self) -> tuple[int, int]:
+        """(before, after): output channel c reads input channels c - before .. c + after."""
+        if self.kind == "lrn":
+            return self.size // 2, (self.size - 1) // 2
+        return 0, 0
+
+    def build(self, name: str) -> Layer:
+        """A fresh layer object computing this op."""
+        if self.kind == "relu":
+            return ReLU(name)
+        if self.kind == "lrn":
+            return LocalResponseNorm(name, self.size, self.alpha, self.beta, self.k)
+        return MaxPool2d(name, self.kernel, self.stride)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """The channel-local chain after a convolution: the part of a stage that is not the
+    convolution itself (which the call's tensors and padding describe)."""
+
+    ops: tuple[StageOp, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ops:
+            raise ValueError("a stage needs at least one channel-local layer after its conv")
+
+    @classmethod
+    def from_entries(cls, entries: Sequence[Mapping]) -> StageSpec:
+        return cls(tuple(StageOp.from_entry(e) for e in entries))
+
+    @property
+    def halo(self) -> int:
+        """Extra kernels a node computes on each side of its slice (``W`` above)."""
+        return sum(sum(op.reach) for op in self.ops)
+
+    @property
+    def grad_reach(self) -> tuple[int, int]:
+        """(A, B): backward needs the chain-output gradient of channels s - A .. e + B - 1."""
+        return sum(op.reach[1] for op in self.ops), sum(op.reach[0] for op in self.ops)
+
+    def widened(self, own: slice, kernels: int) -> slice:
+        """The kernels a node computes for owning ``own`` of a layer's ``kernels``."""
+        return slice(max(own.start - self.halo, 0), min(own.stop + self.halo, kernels))
+
+    def grad_range(self, own: slice, kernels: int) -> slice:
+        """The channels of the chain-output gradient backward sends for ``own``."""
+        a, b = self.grad_reach
+        return slice(max(own.start - a, 0), min(own.stop + b, kernels))
+
+    def output_hw(self, hw: tuple[int, int]) -> tuple[int, int]:
+        """The chain's output (Ho, Wo) for a convolution output of ``hw``.
+
+        Raises:
+            ValueError: a pool window larger than what reaches it.
+        """
+        shape = (1, *hw)
+        for op in self.ops:
+            if op.kind == "maxpool":
+                shape = pool_output_shape(shape, op.kernel, op.stride)
+        return shape[1], shape[2]
+
+    def build(self, layer: str) -> list[Layer]:
+        return [op.build(f"{layer}.{op.kind}{i}") for i, op in enumerate(self.ops)]
+
+
+_TO_PROTO = {"relu": pb.RELU, "lrn": pb.LRN, "maxpool": pb.MAXPOOL}
+_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+
+
+def ops_to_proto(spec: StageSpec) -> list[pb.StageOp]:
+    """The stage's layers as the wire carries them (``StageDescription.ops``)."""
+    out = []
+    for op in spec.ops:
+        message = pb.StageOp(layer=_TO_PROTO[op.kind])
+        if op.kind == "lrn":
+            message.size, message.alpha, message.beta, message.k = op.size, op.alpha, op.beta, op.k
+        elif op.kind == "maxpool":
+            message.kernel, message.stride = op.kernel, op.stride
+        out.append(message)
+    return out
+
+
+def spec_from_proto(ops: Sequence[pb.StageOp]) -> StageSpec:
+    """The :class:`StageSpec` a request describes.
+
+    Raises:
+        ValueError: no layers, an unknown layer, or an option out of range (naming which).
+    """
+    if not ops:
+        raise ValueError("the stage has no layers (a stage call needs at least one)")
+    out = []
+    for i, message in enumerate(ops):
+        kind = _FROM_PROTO.get(message.layer)
+        if kind is None:
+            raise ValueError(
+                f"stage layer {i} has kind {message.layer}; expected RELU, LRN or MAXPOOL"
+            )
+        try:
+            if kind == "lrn":
+                op = StageOp(
+                    kind, size=message.size, alpha=message.alpha, beta=message.beta, k=message.k
+                )
+            elif kind == "maxpool":
+                op = StageOp(kind, kernel=message.kernel, stride=message.stride)
+            else:
+                op = StageOp(kind)
+        except ValueError as e:
+            raise ValueError(f"stage layer {i}: {e}") from None
+        out.append(op)
+    return StageSpec(tuple(out))
+
+
+def stage_of(entries: Sequence[Mapping]) -> StageSpec | None:
+    """The stage of the spec entries that follow a convolution: the leading run of
+    channel-local ones, or None when there is none."""
+    chain = []
+    for entry in entries:
+        if entry.get("type") not in CHANNEL_LOCAL:
+            break
+        chain.append(entry)
+    return StageSpec.from_entries(chain) if chain else None
+
+
+@dataclass
+class StageRun:
+    """One node's forward of a stage, kept for its backward.
+
+    ``x``, ``w``: the input and the widened kernel slice; ``own``: the owned kernels' range
+    within the widened slice; ``layers``: the chain's layer objects with their saved state.
+    """
+
+    x: np.ndarray
+    w: np.ndarray
+    padding: PaddingSpec
+    own: slice
+    layers: list[Layer]
+    out_shape: tuple[int, ...]
+
+
+def check_slices(kernels: int, own: slice, grad: slice | None = None) -> None:
+    """Raise ValueError unless ``own`` (and ``grad``) are non-empty ranges within ``kernels``
+    channels and ``grad`` covers ``own``."""
+    if not 0 <= own.start < own.stop <= kernels:
+        raise ValueError(
+            f"owned kernels {own.start}..{own.stop - 1} are not within the {kernels} computed"
+        )
+    if grad is not None and not (0 <= grad.start <= own.start and own.stop <= grad.stop <= kernels):
+        raise ValueError(
+            f"gradient channels {grad.start}..{grad.stop - 1} must cover the owned kernels "
+            f"{own.start}..{own.stop - 1} within the {kernels} computed"
+        )
+
+
+def stage_forward(
+    backend: Backend,
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray,
+    padding: PaddingSpec,
+    spec: StageSpec,
+    own: slice,
+) -> tuple[np.ndarray, StageRun]:
+    """The chain's output on the owned kernels.
+
+    Args:
+        x: float32 (N, C, H, W) input.
+        w, b: float32 (k, C, kh, kw) and (k,): the widened kernel slice
+            (:meth:`StageSpec.widened`).
+        own: the owned kernels within ``w`` (offsets into its first axis).
+
+    Returns:
+        float32 (N, own kernels, Ho', Wo') chain output, and what backward needs.
+    """
+    check_slices(w.shape[0], own)
+    a = backend.conv_forward(x, w, b, padding)
+    layers = spec.build("stage")
+    for layer in layers:
+        a = layer.forward(a)
+    run = StageRun(x, w, padding, own, layers, a.shape)
+    return np.ascontiguousarray(a[:, own]), run
+
+
+def stage_backward(
+    backend: Backend,
+    run: StageRun,
+    dy: np.ndarray,
+    grad: slice,
+    need_input_grad: bool,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """(input-gradient part or None, dw, db) of the owned kernels.
+
+    Args:
+        run: the forward's :class:`StageRun`.
+        dy: float32 (N, len(grad), Ho', Wo'): the chain-output gradient of channels ``grad``
+            of the widened slice (:meth:`StageSpec.grad_range`, made relative).
+    """
+    check_slices(run.out_shape[1], run.own, grad)
+    expected = (run.out_shape[0], grad.stop - grad.start, *run.out_shape[2:])
+    if dy.shape != expected:
+        raise ValueError(f"stage gradient has shape {dy.shape}, expected {expected}")
+    g = np.zeros(run.out_shape, np.float32)
+    g[:, grad] = dy
+    for layer in reversed(run.layers):
+        g = layer.backward(g)
+    g_own = np.ascontiguousarray(g[:, run.own])
+    w_own = np.ascontiguousarray(run.w[run.own])
+    dw, db = backend.conv_grad_kernels(run.x, g_own, w_own.shape[2:], run.padding)
+    dx = None
+    if need_input_grad:
+        dx = backend.conv_grad_input(g_own, w_own, run.x.shape[2:], run.padding)
+    return dx, dw, db
+
+
+__all__ = [
+    "AUTO",
+    "CHANNEL_LOCAL",
+    "FUSED",
+    "STAGE_MODES",
+    "UNFUSED",
+    "StageOp",
+    "StageRun",
+    "StageSpec",
+    "check_slices",
+    "ops_to_proto",
+    "spec_from_proto",
+    "stage_backward",
+    "stage_forward",
+    "stage_of",
+]

@@ -1,0 +1,440 @@
+"""Fused worker stages: a conv slice plus the channel-local layers after it, on one node.
+
+First the stage code alone (numpy, no processes): forward and backward on uneven kernel slices,
+with LRN halos, equal the whole layers run one after another. Then real worker processes: a
+cluster in fused mode trains exactly as local training does, also when a worker dies mid-run,
+and a worker refuses bad stage descriptions naming the problem.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hetconv.backends import get_backend
+from hetconv.balance import kernel_shares, offsets
+from hetconv.cli import main as cli_main
+from hetconv.conv import LocalConv
+from hetconv.master import client as client_module
+from hetconv.master.client import WorkerClient, WorkerError
+from hetconv.master.cluster import Cluster, ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.training import TrainConfig, train
+from hetconv.model import reference_spec
+from hetconv.proto import worker_pb2 as pb
+from hetconv.simulations.calibrate import calibrate
+from hetconv.stages import STAGE_MODES, StageOp, StageSpec, stage_backward, stage_forward, stage_of
+from hetconv.workload import conv_layers, network_layers, stage_call_bytes
+
+PADDING = (2, 2, 2, 2)
+
+CHAINS = {
+    "relu-lrn-pool": [{"type": "relu"}, {"type": "lrn", "size": 5}, {"type": "maxpool"}],
+    "relu-pool": [{"type": "relu"}, {"type": "maxpool", "kernel": 3, "stride": 2}],
+    "lrn4": [{"type": "lrn", "size": 4, "alpha": 0.5, "beta": 0.6, "k": 2.0}],
+    "pool-then-lrn": [{"type": "maxpool"}, {"type": "lrn", "size": 3, "alpha": 0.5}],
+    "two-lrn": [
+        {"type": "lrn", "size": 3, "alpha": 0.3},
+        {"type": "relu"},
+        {"type": "lrn", "size": 5, "alpha": 0.2},
+        {"type": "maxpool"},
+    ],
+}
+# Kernels per node (master first): uneven, shares smaller than the halo, a node with none.
+SPLITS = [(5, 7, 1, 0, 4), (1, 1, 15), (0, 17), (2, 3, 2, 0, 6, 4)]
+
+
+def _whole(backend, x, w, b, spec: StageSpec, dy):
+    """The layers one after another on every channel: what local training computes."""
+    y_conv = backend.conv_forward(x, w, b, PADDING)
+    layers = spec.build("whole")
+    a = y_conv
+    for layer in layers:
+        a = layer.forward(a)
+    g = dy
+    for layer in reversed(layers):
+        g = layer.backward(g)
+    dw, db = backend.conv_grad_kernels(x, g, w.shape[2:], PADDING)
+    dx = backend.conv_grad_input(g, w, x.shape[2:], PADDING)
+    return a, dx, dw, db
+
+
+def _pieces(backend, x, w, b, spec: StageSpec, dy, shares, halo=None):
+    """Every node's stage on its slice, reassembled as the master does."""
+    k = w.shape[0]
+    ys, dws, dbs, dx = [], [], [], np.zeros_like(x)
+    for start, share in zip(offsets(shares), shares, strict=True):
+        if not share:
+            continue
+        own = slice(start, start + share)
+        wide = spec.widened(own, k)
+        if halo is not None:  # a narrower halo than the stage asks for (must fail)
+            wide = slice(max(own.start - halo, 0), min(own.stop + halo, k))
+        grad = spec.grad_range(own, k)
+        grad = slice(max(grad.start, wide.start), min(grad.stop, wide.stop))
+        rel_own = slice(own.start - wide.start, own.stop - wide.start)
+        y, run = stage_forward(backend, x, w[wide], b[wide], PADDING, spec, rel_own)
+        rel_grad = slice(grad.start - wide.start, grad.stop - wide.start)
+        part, dw, db = stage_backward(backend, run, dy[:, grad], rel_grad, True)
+        ys.append(y)
+        dws.append(dw)
+        dbs.append(db)
+        dx += part
+    return np.concatenate(ys, axis=1), dx, np.concatenate(dws), np.concatenate(dbs)
+
+
+@pytest.fixture(scope="module")
+def case():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 4, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((17, 4, 5, 5)).astype(np.float32) * 0.3
+    b = rng.standard_normal(17).astype(np.float32) * 0.1
+    return x, w, b
+
+
+@pytest.mark.parametrize("shares", SPLITS)
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_stage_slices_equal_the_whole_layers(case, chain, shares):
+    backend = get_backend("cpu")
+    x, w, b = case
+    spec = StageSpec.from_entries(CHAINS[chain])
+    out_hw = spec.output_hw((8, 8))
+    dy = np.random.default_rng(3).standard_normal((3, 17, *out_hw)).astype(np.float32)
+    want = _whole(backend, x, w, b, spec, dy)
+    got = _pieces(backend, x, w, b, spec, dy, shares)
+    for name, g, e in zip(("y", "dx", "dw", "db"), got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("chain", ["relu-lrn-pool", "lrn4", "two-lrn", "pool-then-lrn"])
+def test_a_narrower_halo_is_not_exact(case, chain):
+    """The halo is needed: one channel less on each side changes the gradients (a strong
+    normalisation, alpha 1, so the difference shows above round-off)."""
+    backend = get_backend("cpu")
+    x, w, b = case
+    entries = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in CHAINS[chain]]
+    spec = StageSpec.from_entries(entries)
+    dy = np.random.default_rng(3).standard_normal((3, 17, *spec.output_hw((8, 8))))
+    dy = dy.astype(np.float32)
+    want = _whole(backend, x, w, b, spec, dy)
+    got = _pieces(backend, x, w, b, spec, dy, (5, 6, 6), halo=spec.halo - 1)
+    assert not all(np.allclose(g, e, rtol=1e-5, atol=1e-5) for g, e in zip(got, want, strict=True))
+
+
+def test_halo_sizes():
+    assert StageSpec.from_entries(CHAINS["relu-lrn-pool"]).halo == 4  # 2 * (5 // 2)
+    assert StageSpec.from_entries(CHAINS["relu-lrn-pool"]).grad_reach == (2, 2)
+    assert StageSpec.from_entries(CHAINS["lrn4"]).halo == 3
+    assert StageSpec.from_entries(CHAINS["lrn4"]).grad_reach == (1, 2)
+    assert StageSpec.from_entries(CHAINS["relu-pool"]).halo == 0
+    spec = StageSpec.from_entries(CHAINS["relu-lrn-pool"])
+    assert spec.widened(slice(3, 5), 17) == slice(0, 9)
+    assert spec.widened(slice(14, 17), 17) == slice(10, 17)
+
+
+def test_stage_of_takes_the_channel_local_run():
+    entries = [{"type": "relu"}, {"type": "maxpool"}, {"type": "conv", "out": 3}, {"type": "relu"}]
+    assert stage_of(entries) == StageSpec((StageOp("relu"), StageOp("maxpool", kernel=2, stride=2)))
+    assert stage_of([{"type": "fc", "out": 3}]) is None
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        (dict(kind="softmax"), "kind 'softmax'"),
+        (dict(kind="lrn", size=0), "size must be >= 1"),
+        (dict(kind="lrn", size=3, alpha=float("nan")), "alpha must be finite"),
+        (dict(kind="maxpool", kernel=0, stride=1), "must be >= 1"),
+    ],
+)
+def test_bad_stage_ops_are_refused(op, message):
+    with pytest.raises(ValueError, match=message):
+        StageOp(**op)
+
+
+# -- real worker processes ----------------------------------------------------------------------
+
+RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
+# The tiny network with a strong normalisation (alpha 1 instead of 1e-4): with the usual alpha
+# LRN is so near the identity that a missing halo channel would hide below the tolerance.
+STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]
+FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
+# tiny: conv1 8 kernels, conv2 16; LRN size 5 (halo 4). Shares smaller than the halo, a node
+# with none (the master on conv1), uneven.
+SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
+
+
+def _train(tmp_path, name, executor, trace=None, **overrides):
+    weights = tmp_path / f"{name}.npz"
+    spec = tmp_path / "strong-lrn.json"
+    spec.write_text(json.dumps(STRONG_LRN))
+    run = {**RUN, "preset": str(spec), **overrides}
+    config = TrainConfig(save=str(weights), trace=trace, **run)
+    result = train(config, executor, log=io.StringIO())
+    return result.losses, dict(np.load(weights))
+
+
+def _same_as_local(got, local):
+    losses, weights = got
+    np.testing.assert_allclose(losses, local[0], rtol=1e-5)
+    for name in weights:
+        np.testing.assert_allclose(weights[name], local[1][name], rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(2) as started:
+        yield started
+
+
+def test_fused_cluster_trains_as_local(local, workers, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, shares=SHARES, stages="fused")
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = _train(tmp_path, "fused", cluster, trace=str(trace))
+    _same_as_local(got, local)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    plan = records[0]
+    assert plan["stages"] == "fused"
+    assert plan["stage_modes"] == {"conv1": "fused", "conv2": "fused"}
+    steps = [r for r in records if "step" in r]
+    assert steps and all(r["stage_modes"] == {"conv1": "fused", "conv2": "fused"} for r in steps)
+    # The workers computed (no silent fallback to the master): conv2's worker 1 took 9 kernels.
+    assert all(r["nodes"][workers.addresses[0]]["conv2"]["kernels"] == 9 for r in steps)
+    # The cost model counts every fused call's bytes as the run moved them.
+    layers = {layer.name: layer for layer in conv_layers(STRONG_LRN, RUN["batch"])}
+    for record in steps:
+        for name, shares in SHARES.items():
+            offset = shares[0]
+            for node, share in zip(workers.addresses, shares[1:], strict=True):
+                for phase in ("forward", "backward"):
+                    got = record["nodes"][node][name][phase]
+                    want = stage_call_bytes(
+                        layers[name], layers[name].stage, phase, share, offset, record["step"]
+                    )
+                    assert (got["bytes_sent"], got["bytes_received"]) == (want.sent, want.received)
+                offset += share
+    # The simulator calibrated from this trace models the fused calls it ran.
+    cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
+    assert cal.stage_modes == {"conv1": "fused", "conv2": "fused"}
+    assert cal.check()["step_s"] > 0
+
+
+def test_auto_picks_fused_for_pooled_stages(workers, tmp_path):
+    config = ClusterConfig(**FAST, shares=SHARES, stages="auto")
+    with Cluster(workers.addresses, config=config) as cluster:
+        _train(tmp_path, "auto", cluster, steps=1)
+        assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused"}
+
+
+class KilledMidStep(Cluster):
+    """Kills ``victim`` just before ``layer``'s stage forward at ``step`` (training calls)."""
+
+    def __init__(self, addresses, victim, step, layer, **config):
+        super().__init__(addresses, config=ClusterConfig(**{**FAST, **config}))
+        self.victim, self.at = victim, (step, layer)
+
+    def stage_forward(self, layer, x, w, b, padding, stage):
+        if (self.step, layer) == self.at and x.shape[0] == RUN["batch"]:
+            self.victim.kill()
+            self.victim.wait()
+        return super().stage_forward(layer, x, w, b, padding, stage)
+
+
+def test_fused_worker_killed_mid_step_stays_exact(local, tmp_path):
+    with LocalWorkers(2) as started:
+        # Killed after conv1's stage forward at step 3: its conv2 forward fails, and conv1's
+        # backward piece, whose forward ran on the dead worker, is recomputed by the master.
+        victim = started.processes[1]
+        with KilledMidStep(
+            started.addresses, victim, 3, "conv2", shares=SHARES, stages="fused"
+        ) as cluster:
+            got = _train(tmp_path, "killed", cluster)
+            lost = [e for e in cluster.events if e["event"] == "worker_lost"]
+    _same_as_local(got, local)
+    assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 3)]
+
+
+def _stage_call(address, **changes):
+    """A StageForward of 8 kernels owning 2..5, with ``changes`` to the stage description."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 3, 5, 5)).astype(np.float32)
+    b = np.zeros(8, np.float32)
+    client = WorkerClient(address)
+    stage = StageSpec.from_entries(CHAINS["relu-lrn-pool"])
+    own = changes.pop("own", slice(2, 6))
+    ops = changes.pop("ops", None)
+    try:
+        if ops is not None:
+            real = client_module.ops_to_proto
+            client_module.ops_to_proto = lambda spec: ops
+        try:
+            return client.stage_forward(1, 1, "conv9", x, w, b, PADDING, stage, own, **changes)
+        finally:
+            if ops is not None:
+                client_module.ops_to_proto = real
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(ops=[]), "the stage has no layers"),
+        (dict(ops=[pb.StageOp(layer=9)]), "stage layer 0 has kind 9"),
+        (dict(ops=[pb.StageOp(layer=pb.LRN, size=0)]), "stage layer 0: stage lrn size must be"),
+        (
+            dict(ops=[pb.StageOp(layer=pb.MAXPOOL, kernel=20, stride=1)]),
+            "pool window 20 larger than input 8x8",
+        ),
+        (dict(own=slice(6, 10)), "owns 4 kernels from 6, but the request sends 8"),
+        (dict(own=slice(3, 3)), "owns 0 kernels"),
+    ],
+)
+def test_bad_stage_requests_are_refused(workers, change, message):
+    with pytest.raises(WorkerError, match=message) as caught:
+        _stage_call(workers.addresses[0], **change)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    y, _ = _stage_call(workers.addresses[0])  # and it goes on serving
+    assert y.shape == (2, 4, 4, 4)
+
+
+def test_stage_backward_checks_its_gradient(workers):
+    address = workers.addresses[0]
+    _stage_call(address)
+    client = WorkerClient(address)
+    try:
+        dy = np.zeros((2, 2, 4, 4), np.float32)  # covers only 2 of the 4 owned channels
+        with pytest.raises(WorkerError, match="must cover the owned 2..5") as caught:
+            client.stage_backward(1, 1, "conv9", dy, 2, True)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(WorkerError, match="no stage forward of layer 'conv9'"):
+            client.stage_backward(1, 2, "conv9", np.zeros((2, 8, 4, 4), np.float32), 0, True)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("stages", [None, "unfused"])
+def test_hetconv_train_stages_flag_records_modes(tmp_path, stages):
+    """``hetconv train`` picks per layer by default (auto: fused, as pooling cuts the bytes)."""
+    trace = tmp_path / "t.jsonl"
+    args = ["--steps", "2", "--batch", "4", "--train-size", "8", "--eval-size", "0"]
+    run = subprocess.run(
+        [sys.executable, "-m", "hetconv", "train", *args, "--no-progress",
+         "--local-workers", "1", "--trace", str(trace),
+         *(["--stages", stages] if stages else [])],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    mode = stages or "fused"
+    assert records[0]["stages"] == (stages or "auto")
+    assert records[0]["stage_modes"] == {"conv1": mode, "conv2": mode}
+    assert all(r["stage_modes"] == {"conv1": mode, "conv2": mode} for r in records if "step" in r)
+
+
+def test_local_refuses_stages(capsys):
+    assert cli_main(["train", "--local", "--stages", "fused", "--steps", "1"]) == 2
+    assert "--local runs no workers, so nothing is fused" in capsys.readouterr().err
+
+
+# -- the cost model and the simulator -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("network", ["paper-50-500", "paper-500-1500"])
+def test_the_cost_model_picks_fused_and_counts_fewer_bytes(network):
+    from hetconv import costmodel
+
+    for layer in network_layers(network, 16):
+        shares = kernel_shares(layer.kernels, [1.0] * 5)
+        fused = costmodel.layer_bytes(layer, shares, fused=True)
+        unfused = costmodel.layer_bytes(layer, shares, fused=False)
+        # Forward answers and backward requests carry pooled maps (a quarter of the workers'
+        # feature maps), backward's with a halo of 2 channels on each side, forward's kernels
+        # with one of 4: at most 3/4 of the maps saved, and not much less.
+        ho, wo = layer.shape.out_hw
+        maps = 2 * 4 * layer.shape.n * sum(shares[1:]) * ho * wo
+        assert 0.5 * maps < unfused - fused < 0.75 * maps
+        assert costmodel.stage_mode(layer, layer.stage, shares) == "fused"
+        assert costmodel.stage_mode(layer, None, shares) == "unfused"
+
+
+def test_the_simulator_models_each_mode():
+    from hetconv.costmodel import MBIT, SWITCHED, Node, simulate_step
+    from hetconv.costmodel import Cluster as SimCluster
+
+    workers = tuple(Node(f"w{i}", 100.0, bytes_per_s=MBIT * 100) for i in range(4))
+    cluster = SimCluster(Node("master", 100.0), workers, SWITCHED, medium_bytes_per_s=MBIT * 100)
+    layers = network_layers("paper-150-800", 16)
+    shares = {layer.name: kernel_shares(layer.kernels, [1.0] * 5) for layer in layers}
+    steps = {mode: simulate_step(cluster, layers, shares, 0.1, mode) for mode in STAGE_MODES}
+    assert steps["fused"].bytes < steps["unfused"].bytes
+    assert steps["auto"].bytes == steps["fused"].bytes
+    assert steps["fused"].comm_s < steps["unfused"].comm_s  # fewer bytes on a 100 Mbit/s link
+    per_layer = simulate_step(cluster, layers, shares, 0.1, {"conv1": "fused"})
+    assert steps["fused"].bytes < per_layer.bytes < steps["unfused"].bytes
+    with pytest.raises(ValueError, match="stages 'fast'"):
+        simulate_step(cluster, layers, shares, 0.1, "fast")
+
+
+def test_a_bad_stage_mode_is_refused():
+    with pytest.raises(ValueError, match="stages 'fast'; expected one of fused, unfused, auto"):
+        ClusterConfig(stages="fast")
+
+
+@pytest.mark.slow
+def test_fused_paper_network_trains_as_local(workers, tmp_path):
+    """paper-50-500 (LRN size 5 after both convolutions) over 20 steps, uneven probed shares."""
+    run = dict(preset="paper-50-500", steps=20, batch=8, train_size=64, eval_size=0)
+    want = _train(tmp_path, "local-paper", LocalConv(), **run)
+    config = ClusterConfig(**FAST, stages="fused")
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = _train(tmp_path, "fused-paper", cluster, **run)
+        assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused"}
+    _same_as_local(got, want)
+
+
+stage_ops = st.lists(
+    st.builds(
+        pb.StageOp,
+        layer=st.integers(0, 5),
+        size=st.one_of(st.integers(0, 9), st.just(2**32 - 1)),
+        alpha=st.one_of(st.floats(-2, 2), st.just(float("nan")), st.just(float("inf"))),
+        beta=st.floats(0, 2),
+        k=st.floats(0.5, 3),
+        kernel=st.integers(0, 10),
+        stride=st.integers(0, 4),
+    ),
+    max_size=4,
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=stage_ops, own_start=st.integers(0, 9), own_count=st.integers(0, 9))
+def test_any_stage_description_is_answered_or_refused_by_name(workers, ops, own_start, own_count):
+    """Generated stage descriptions: the worker answers the owned kernels' output, or refuses
+    with INVALID_ARGUMENT; it never fails otherwise, and goes on serving."""
+    try:
+        y, _ = _stage_call(
+            workers.addresses[1], ops=ops, own=slice(own_start, own_start + own_count)
+        )
+    except WorkerError as e:
+        assert e.code == grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    else:
+        assert y.shape[:2] == (2, own_count) and own_start + own_count <= 8

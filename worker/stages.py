@@ -1,0 +1,156 @@
+"""The worker's fused stage calls: StageForward and StageBackward (:mod:`hetconv.stages`).
+
+StageForward brings the layer's input, the owned kernels widened by the stage's halo, and the
+stage's layers; the worker runs the convolution and the layers on the widened slice, answers the
+owned kernels' output and keeps what backward needs (the layers' saved state) under (session,
+layer, kernel offset of the widened slice) for the same step. StageBackward brings the gradient
+of the stage output for the owned and halo channels and answers the owned kernels' dw, db and
+their input-gradient part. Requests are validated before any work; a bad one is refused with
+INVALID_ARGUMENT naming what was wrong, and the worker goes on serving.
+
+What StageForward keeps is held beside the plain Forward cache (same session bound: the least
+recently used session goes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from hetconv.backends import conv_shape
+from hetconv.calls import STAGE_BACKWARD, STAGE_FORWARD, StageShape
+from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
+from hetconv.formats import answer_format
+from hetconv.proto import worker_pb2 as pb
+from hetconv.stages import StageRun, spec_from_proto, stage_backward, stage_forward
+
+
+@dataclass
+class _Kept:
+    step: int
+    run: StageRun
+
+
+def _padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
+    if len(request.padding) != 4:
+        raise InvalidCall(
+            f"padding must have 4 sides (top, bottom, left, right), got {list(request.padding)}"
+        )
+    sides = tuple(int(v) for v in request.padding)
+    if min(sides) < 0:
+        raise InvalidCall(f"padding {sides} has a negative side")
+    return sides  # type: ignore[return-value]
+
+
+class StageCalls:
+    """The two stage handlers' cores, on a :class:`~hetconv.worker.service.ConvWorkerService`
+    (its backend, device lock, request checks and limits)."""
+
+    def __init__(self, service):
+        self.service = service
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[int, dict[tuple[str, int], _Kept]] = OrderedDict()
+
+    def _check_forward(self, request: pb.ConvRequest, x, w, b):
+        padding = _padding(request)
+        if x.ndim != 4 or w.ndim != 4:
+            raise InvalidCall(f"x {x.shape} and w {w.shape} must both have 4 dimensions")
+        if b.shape != (w.shape[0],):
+            raise InvalidCall(f"b has shape {b.shape}, expected ({w.shape[0]},)")
+        try:
+            conv = conv_shape(x.shape, w.shape, padding)
+            spec = spec_from_proto(request.stage.ops)
+            out_hw = spec.output_hw(conv.out_hw)
+        except ValueError as e:
+            raise InvalidCall(str(e)) from None
+        d = request.stage
+        if d.own_count < 1 or d.own_start + d.own_count > conv.k:
+            raise InvalidCall(
+                f"stage owns {d.own_count} kernels from {d.own_start}, but the request sends "
+                f"{conv.k} kernels (at least one owned, all within those sent)"
+            )
+        # What the request implies must fit the worker's limit too: the stage's intermediates
+        # are a few times the feature maps of the widened slice.
+        fmt = answer_format(request.answer_dtype)
+        shape = StageShape(conv, d.own_count, d.own_count, out_hw)
+        kept = 6 * 4 * conv.n * conv.k * conv.out_hw[0] * conv.out_hw[1]
+        need = STAGE_FORWARD.answer_bytes(shape, fmt=fmt) + kept
+        if need > self.service.config.max_request_bytes:
+            raise RequestTooLarge(
+                f"the stage would hold {need} bytes: beyond this worker's limit of "
+                f"{self.service.config.max_request_bytes} bytes per request"
+            )
+        return padding, spec, slice(d.own_start, d.own_start + d.own_count)
+
+    def forward(self, messages: Iterator):
+        service = self.service
+        request, (x, w, b), receive = service._receive(messages, STAGE_FORWARD)
+        padding, spec, own = self._check_forward(request, x, w, b)
+        start = time.perf_counter()
+        with service._device_lock:
+            y, run = stage_forward(service.backend, x, w, b, padding, spec, own)
+            service.backend.synchronize()
+        compute = time.perf_counter() - start
+        self._keep(request, _Kept(request.step, run))
+        ((name, fmt),) = STAGE_FORWARD.answer_formats(
+            fmt=answer_format(request.answer_dtype)
+        ).items()
+        return [(name, y, fmt)], compute, receive
+
+    def backward(self, messages: Iterator):
+        service = self.service
+        request, (dy,), receive = service._receive(messages, STAGE_BACKWARD)
+        run = self._kept_for(request)
+        n, computed, *out_hw = run.out_shape
+        grad_start = request.stage.grad_start
+        if dy.ndim != 4 or dy.shape[0] != n or list(dy.shape[2:]) != out_hw:
+            raise InvalidCall(
+                f"dy has shape {dy.shape}, expected ({n}, channels, {out_hw[0]}, {out_hw[1]})"
+            )
+        grad = slice(grad_start, grad_start + dy.shape[1])
+        if not (grad.start <= run.own.start and run.own.stop <= grad.stop <= computed):
+            raise InvalidCall(
+                f"dy covers channels {grad.start}..{grad.stop - 1} of the {computed} computed; "
+                f"it must cover the owned {run.own.start}..{run.own.stop - 1} and stay within"
+            )
+        start = time.perf_counter()
+        with service._device_lock:
+            dx, dw, db = stage_backward(service.backend, run, dy, grad, request.need_input_grad)
+            service.backend.synchronize()
+        formats = STAGE_BACKWARD.answer_formats(
+            request.need_input_grad, answer_format(request.answer_dtype)
+        )
+        arrays = [dw, db] + ([dx] if request.need_input_grad else [])
+        answer = [(name, a, f) for (name, f), a in zip(formats.items(), arrays, strict=True)]
+        return answer, time.perf_counter() - start, receive
+
+    # -- what forward keeps ------------------------------------------------------------------
+
+    def _keep(self, request: pb.ConvRequest, kept: _Kept) -> None:
+        with self._lock:
+            slices = self._kept.setdefault(request.session, {})
+            for key in [k for k, v in slices.items() if k[0] == request.layer]:
+                if slices[key].step != kept.step:
+                    del slices[key]
+            slices[request.layer, request.kernel_offset] = kept
+            self._kept.move_to_end(request.session)
+            while len(self._kept) > self.service.config.sessions:
+                self._kept.popitem(last=False)
+
+    def _kept_for(self, request: pb.ConvRequest) -> StageRun:
+        with self._lock:
+            kept = self._kept.get(request.session, {}).get((request.layer, request.kernel_offset))
+        if kept is None or kept.step != request.step:
+            have = "nothing" if kept is None else f"step {kept.step}"
+            raise MissingForward(
+                f"no stage forward of layer {request.layer!r} from kernel "
+                f"{request.kernel_offset} at step {request.step} for this session (have "
+                f"{have}); send StageForward first"
+            )
+        return kept.run
+
+
+__all__ = ["StageCalls"]
