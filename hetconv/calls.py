@@ -10,6 +10,10 @@ moves)::
     Echo       any, named freely    the same, unchanged
     StageForward   x, w, b          y: the stage's output of the owned kernels
     StageBackward  dy               dw, db of the owned kernels, and dx when asked
+    PlaceKernels   w, b, mw, mb     (nothing): the worker now holds that slice (resident)
+    FetchKernels   (nothing)        w, b, mw, mb of the slice the worker holds
+    ResidentStageForward   x, hw, hb    y, as StageForward (own kernels from the worker's slice)
+    ResidentStageBackward  dy           ew, eb: the updated edge kernels, and dx when asked
     Describe   (DescribeRequest -> DeviceDescription)
     Probe      (ProbeRequest -> ProbeResult)
 
@@ -22,6 +26,11 @@ A fused stage call (:mod:`hetconv.stages`) has a :class:`StageShape` for geometr
 ``conv`` is the widened slice's ConvShape (``x``, ``w``, ``b``, ``dx`` as above), ``y`` is
 (N, own, Ho', Wo') and ``dy`` (N, grad, Ho', Wo'), the stage output of the owned kernels and its
 gradient over the owned and halo channels; ``dw`` (own, C, kh, kw) and ``db`` (own,).
+
+Resident calls (:mod:`hetconv.resident`) have a :class:`SliceShape` (PlaceKernels,
+FetchKernels: ``w``, ``mw`` (k, C, kh, kw), ``b``, ``mb`` (k,)) or a :class:`ResidentStageShape`
+(``hw`` (halo, C, kh, kw) and ``hb`` (halo,): the widened slice's kernels that are not the
+worker's own; ``ew`` (edges, C, kh, kw) and ``eb`` (edges,)).
 
 Activations and their gradients (``x``, ``y``, ``dy``, ``dx``) travel in the call's *wire
 format* (:mod:`hetconv.formats`: float32, or a 16-bit one the master chose); kernels and their
@@ -142,6 +151,73 @@ def stage_dw_shape(s: StageShape) -> Shape:
 def stage_db_shape(s: StageShape) -> Shape:
     """``db``: (own,)."""
     return (s.own,)
+
+
+@dataclass(frozen=True)
+class SliceShape:
+    """A resident kernel slice: ``k`` kernels of C x kh x kw."""
+
+    k: int
+    c: int
+    kh: int
+    kw: int
+
+
+def slice_kernel_shape(s: SliceShape) -> Shape:
+    """``w``, ``mw``: (k, C, kh, kw)."""
+    return (s.k, s.c, s.kh, s.kw)
+
+
+def slice_bias_shape(s: SliceShape) -> Shape:
+    """``b``, ``mb``: (k,)."""
+    return (s.k,)
+
+
+@dataclass(frozen=True)
+class ResidentStageShape:
+    """A resident stage call: the stage geometry and how many edge kernels come back."""
+
+    stage: StageShape
+    edges: int
+
+    @property
+    def halo(self) -> int:
+        """Kernels of the widened slice that are not the worker's own (sent as hw, hb)."""
+        return self.stage.conv.k - self.stage.own
+
+
+def resident_input_shape(s: ResidentStageShape) -> Shape:
+    return input_shape(s.stage.conv)
+
+
+def halo_kernel_shape(s: ResidentStageShape) -> Shape:
+    """``hw``: (halo, C, kh, kw)."""
+    c = s.stage.conv
+    return (s.halo, c.c, c.kh, c.kw)
+
+
+def halo_bias_shape(s: ResidentStageShape) -> Shape:
+    """``hb``: (halo,)."""
+    return (s.halo,)
+
+
+def resident_output_shape(s: ResidentStageShape) -> Shape:
+    return stage_output_shape(s.stage)
+
+
+def resident_grad_shape(s: ResidentStageShape) -> Shape:
+    return stage_grad_shape(s.stage)
+
+
+def edge_kernel_shape(s: ResidentStageShape) -> Shape:
+    """``ew``: (edges, C, kh, kw)."""
+    c = s.stage.conv
+    return (s.edges, c.c, c.kh, c.kw)
+
+
+def edge_bias_shape(s: ResidentStageShape) -> Shape:
+    """``eb``: (edges,)."""
+    return (s.edges,)
 
 
 @dataclass(frozen=True)
@@ -371,12 +447,65 @@ STAGE_BACKWARD = ConvCall(
         TensorRule("dx", stage_input_shape, input_grad_only=True, activation=True),
     ),
 )
+PLACE_KERNELS = ConvCall(
+    "PlaceKernels",
+    pb.PLACE_KERNELS,
+    (
+        TensorRule("w", slice_kernel_shape),
+        TensorRule("b", slice_bias_shape),
+        TensorRule("mw", slice_kernel_shape),
+        TensorRule("mb", slice_bias_shape),
+    ),
+    (),
+)
+FETCH_KERNELS = ConvCall(
+    "FetchKernels",
+    pb.FETCH_KERNELS,
+    (),
+    (
+        TensorRule("w", slice_kernel_shape),
+        TensorRule("b", slice_bias_shape),
+        TensorRule("mw", slice_kernel_shape),
+        TensorRule("mb", slice_bias_shape),
+    ),
+)
+RESIDENT_STAGE_FORWARD = ConvCall(
+    "ResidentStageForward",
+    pb.RESIDENT_STAGE_FORWARD,
+    (
+        TensorRule("x", resident_input_shape, activation=True),
+        TensorRule("hw", halo_kernel_shape),
+        TensorRule("hb", halo_bias_shape),
+    ),
+    (TensorRule("y", resident_output_shape, activation=True),),
+)
+RESIDENT_STAGE_BACKWARD = ConvCall(
+    "ResidentStageBackward",
+    pb.RESIDENT_STAGE_BACKWARD,
+    (TensorRule("dy", resident_grad_shape, activation=True),),
+    (
+        TensorRule("ew", edge_kernel_shape),
+        TensorRule("eb", edge_bias_shape),
+        TensorRule("dx", resident_input_shape, input_grad_only=True, activation=True),
+    ),
+)
 DESCRIBE = UnaryCall("Describe", pb.DescribeRequest, pb.DeviceDescription)
 PROBE = UnaryCall("Probe", pb.ProbeRequest, pb.ProbeResult)
 
 #: The calls that carry tensors, by name.
 CONV_CALLS: dict[str, ConvCall] = {
-    call.name: call for call in (FORWARD, BACKWARD, ECHO, STAGE_FORWARD, STAGE_BACKWARD)
+    call.name: call
+    for call in (
+        FORWARD,
+        BACKWARD,
+        ECHO,
+        STAGE_FORWARD,
+        STAGE_BACKWARD,
+        PLACE_KERNELS,
+        FETCH_KERNELS,
+        RESIDENT_STAGE_FORWARD,
+        RESIDENT_STAGE_BACKWARD,
+    )
 }
 #: The calls that do not.
 UNARY_CALLS: dict[str, UnaryCall] = {call.name: call for call in (DESCRIBE, PROBE)}
@@ -391,17 +520,23 @@ __all__ = [
     "CONV_CALLS",
     "DESCRIBE",
     "ECHO",
+    "FETCH_KERNELS",
     "FORWARD",
     "HANDLER_FACTORIES",
     "METHODS",
+    "PLACE_KERNELS",
     "PROBE",
     "READY",
+    "RESIDENT_STAGE_BACKWARD",
+    "RESIDENT_STAGE_FORWARD",
     "SERVICE_NAME",
     "STAGE_BACKWARD",
     "STAGE_FORWARD",
     "UNARY_CALLS",
     "ConvCall",
     "Method",
+    "ResidentStageShape",
+    "SliceShape",
     "StageShape",
     "TensorRule",
     "UnaryCall",

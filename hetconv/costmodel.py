@@ -37,8 +37,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.resident import RESIDENT, SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED, StageSpec
-from hetconv.workload import BACKWARD, PHASES, ConvLayer, call_bytes, stage_call_bytes
+from hetconv.workload import (
+    BACKWARD,
+    PHASES,
+    ConvLayer,
+    call_bytes,
+    resident_call_bytes,
+    resident_sync_bytes,
+    stage_call_bytes,
+)
 
 WIFI, SWITCHED = "wifi", "switched"
 FABRICS = (WIFI, SWITCHED)
@@ -400,6 +409,48 @@ def stage_mode(
     layer = ConvLayer(layer.name, layer.shape, layer.need_input_grad, stage)
     fused = layer_bytes(layer, shares, True, fmt)
     return FUSED if fused < layer_bytes(layer, shares, False, fmt) else UNFUSED
+
+
+def resident_layer_bytes(
+    layer: ConvLayer,
+    shares: Sequence[int],
+    fmt: TensorFormat = FLOAT32,
+    step: int = 1000,
+    sync_every: int = 20,
+) -> float:
+    """Bytes one step of fused ``layer`` moves on the master's link with resident kernels
+    (:mod:`hetconv.master.resident`): both phases' calls of every worker with a share, plus the
+    syncs that bound the replay log, amortised over ``sync_every`` steps (0: none)."""
+    if layer.stage is None:
+        raise ValueError(f"{layer.name} has no stage: resident kernels need a fused stage")
+    total, offset = 0.0, shares[0]
+    for share in shares[1:]:
+        if share:
+            total += sum(
+                resident_call_bytes(layer, layer.stage, p, share, offset, step, fmt).total
+                for p in PHASES
+            )
+            if sync_every:
+                total += resident_sync_bytes(layer, share) / sync_every
+        offset += share
+    return total
+
+
+def kernel_mode(
+    layer: ConvLayer,
+    stage: StageSpec | None,
+    shares: Sequence[int],
+    sync_every: int = 20,
+    fmt: TensorFormat = FLOAT32,
+) -> str:
+    """``"resident"`` where keeping the kernels on the workers moves fewer bytes on the
+    master's link than sending them with every fused call (syncs included), else ``"sent"``
+    (also without a stage: only fused layers keep their kernels)."""
+    if stage is None:
+        return SENT
+    layer = ConvLayer(layer.name, layer.shape, layer.need_input_grad, stage)
+    resident = resident_layer_bytes(layer, shares, fmt, sync_every=sync_every)
+    return RESIDENT if resident < layer_bytes(layer, shares, True, fmt) else SENT
 
 
 def simulate_layer_phase(

@@ -22,6 +22,35 @@ class SGDConfig:
             raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
 
 
+def sgd_update(
+    p: np.ndarray, grad: np.ndarray, buf: np.ndarray | None, config: SGDConfig
+) -> np.ndarray | None:
+    """One SGD step on ``p`` in place (torch semantics); returns the momentum buffer (``buf``
+    updated in place, a new one when ``buf`` is None: the first step), or None without momentum.
+
+    Elementwise: applied to a slice of a tensor (with the slice of its gradient and buffer) it
+    gives bitwise the numbers the whole tensor's update gives there, which is what lets a worker
+    update a resident kernel slice itself (:mod:`hetconv.master.resident`).
+    """
+    lr, momentum, wd = (
+        np.float32(config.lr),
+        np.float32(config.momentum),
+        np.float32(config.weight_decay),
+    )
+    g = grad
+    if wd:
+        g = g + wd * p
+    if momentum:
+        if buf is None:
+            buf = np.array(g, np.float32)
+        else:
+            buf *= momentum
+            buf += g
+        g = buf
+    p -= lr * g
+    return buf if momentum else None
+
+
 class SGD:
     """``g = grad + wd * p; buf = momentum * buf + g (buf = g on the first step); p -= lr * buf``.
 
@@ -36,21 +65,10 @@ class SGD:
         self.momentum_buffers: dict[str, np.ndarray] = {}
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
-        c = self.config
-        lr, momentum, wd = np.float32(c.lr), np.float32(c.momentum), np.float32(c.weight_decay)
         for name, p in self.params.items():
-            g = grads[name]
-            if wd:
-                g = g + wd * p
-            if momentum:
-                buf = self.momentum_buffers.get(name)
-                if buf is None:
-                    buf = self.momentum_buffers[name] = np.array(g, np.float32)
-                else:
-                    buf *= momentum
-                    buf += g
-                g = buf
-            p -= lr * g
+            buf = sgd_update(p, grads[name], self.momentum_buffers.get(name), self.config)
+            if buf is not None:
+                self.momentum_buffers[name] = buf
 
     def state(self) -> dict[str, np.ndarray]:
         """Momentum buffers by parameter name (for checkpoints)."""

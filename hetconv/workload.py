@@ -35,6 +35,7 @@ from hetconv.conv import ConvSpec
 from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
 from hetconv.proto import worker_pb2 as pb
+from hetconv.resident import edge_rows
 from hetconv.stages import StageSpec, ops_to_proto
 from hetconv.wire import BUNDLE_BYTES
 
@@ -262,3 +263,67 @@ def stage_call_bytes(
         tensors_received=tensors_received,
         bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
     )
+
+
+@functools.lru_cache(maxsize=65536)
+def resident_call_bytes(
+    layer: ConvLayer,
+    stage: StageSpec,
+    phase: str,
+    kernels: int,
+    kernel_offset: int = 0,
+    step: int = 1000,
+    fmt: TensorFormat = FLOAT32,
+) -> CallBytes:
+    """Bytes of one resident fused stage call (:mod:`hetconv.master.resident`) of ``layer``
+    for a worker holding ``kernels`` kernels from ``kernel_offset``: forward sends ``x`` and the
+    halo kernels only and gets the stage output of the owned kernels back; backward sends the
+    stage-output gradient as the fused call does and gets the updated edge kernels and (except
+    for a first layer) a ``dx`` part. The syncs that bound the replay log are
+    :func:`resident_sync_bytes`."""
+    call = {FORWARD: calls.RESIDENT_STAGE_FORWARD, BACKWARD: calls.RESIDENT_STAGE_BACKWARD}.get(
+        phase
+    )
+    if call is None:
+        raise ValueError(f"phase {phase!r} is not 'forward' or 'backward'")
+    own = slice(kernel_offset, kernel_offset + kernels)
+    wide = stage.widened(own, layer.kernels)
+    grad = stage.grad_range(own, layer.kernels)
+    s = dataclasses.replace(layer.shape, k=wide.stop - wide.start)
+    stage_shape = calls.StageShape(s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw))
+    shape = calls.ResidentStageShape(stage_shape, len(edge_rows(kernels, stage.halo)))
+    request = pb.ConvRequest(
+        phase=call.phase, tensors=call.request_headers(shape, fmt), answer_dtype=answer_dtype(fmt)
+    )
+    request.resident.version = (1 << 32) + step  # a few placements in: as many varint bytes
+    if call is calls.RESIDENT_STAGE_FORWARD:
+        request.padding.extend((s.padding.top, s.padding.bottom, s.padding.left, s.padding.right))
+        request.stage.ops.extend(ops_to_proto(stage))
+        request.stage.own_start = own.start - wide.start
+        request.stage.own_count = kernels
+        request.resident.count = kernels
+        request.resident.halo_before = own.start - wide.start
+        request.kernel_offset = wide.start
+    else:
+        request.need_input_grad = layer.need_input_grad
+        request.stage.grad_start = grad.start - wide.start
+    answer = call.answer_headers(shape, layer.need_input_grad, fmt)
+    request.session = (1 << 64) - 1
+    request.step = step
+    request.layer = layer.name
+    result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
+    tensors_sent = sum(t.nbytes for t in request.tensors)
+    tensors_received = sum(t.nbytes for t in answer)
+    return CallBytes(
+        sent=pb.ConvMessage(header=request).ByteSize() + tensors_sent,
+        received=pb.ConvMessage(result=result).ByteSize() + tensors_received,
+        tensors_sent=tensors_sent,
+        tensors_received=tensors_received,
+        bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
+    )
+
+
+def resident_sync_bytes(layer: ConvLayer, kernels: int) -> int:
+    """Tensor bytes of one sync of a ``kernels``-kernel resident slice (FetchKernels: weights,
+    biases and their momentum buffers, float32); per step it is this over the sync interval."""
+    return 2 * kernels * layer.kernel_bytes

@@ -28,17 +28,23 @@ from hetconv.calls import (
     BACKWARD,
     DESCRIBE,
     ECHO,
+    FETCH_KERNELS,
     FORWARD,
     METHODS,
+    PLACE_KERNELS,
     PROBE,
+    RESIDENT_STAGE_BACKWARD,
+    RESIDENT_STAGE_FORWARD,
     STAGE_BACKWARD,
     STAGE_FORWARD,
     ConvCall,
+    ResidentStageShape,
     StageShape,
     call_shape,
 )
 from hetconv.errors import MalformedHeader, MalformedMessage, WireError
 from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
+from hetconv.optim import SGDConfig
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import bearer_metadata, read_pem
 from hetconv.stages import StageSpec, ops_to_proto
@@ -554,6 +560,135 @@ class WorkerClient:
         )  # fmt: skip
         dw, db, *dx = (got[name] for name in expect)
         return (dx[0] if dx else None), dw, db, stats
+
+    # -- resident kernels (hetconv.master.resident) -------------------------------------------
+
+    def place_kernels(
+        self,
+        session: int,
+        layer: str,
+        offset: int,
+        version: int,
+        w: np.ndarray,
+        b: np.ndarray,
+        mw: np.ndarray,
+        mb: np.ndarray,
+        momentum_started: bool,
+        sgd: SGDConfig,
+        timeout: float = 600.0,
+    ) -> CallStats:
+        """Put kernels ``offset ..`` of ``layer`` (``w`` (k, C, kh, kw), ``b`` (k,)) on the
+        worker with their momentum buffers ``mw``, ``mb`` and the optimizer's settings, at
+        ``version``; it replaces what the worker held of the layer."""
+        request = pb.ConvRequest(
+            phase=PLACE_KERNELS.phase, session=session, layer=layer, kernel_offset=offset,
+            resident=pb.ResidentSlice(
+                version=version, count=w.shape[0], momentum_started=momentum_started,
+                lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay,
+            ),
+        )  # fmt: skip
+        arrays = list(zip(PLACE_KERNELS.request_names, (w, b, mw, mb), strict=True))
+        _, stats = self._call(
+            PLACE_KERNELS, f"place kernels {layer}", request, arrays, [], {}, timeout, 0
+        )
+        return stats
+
+    def fetch_kernels(
+        self,
+        session: int,
+        layer: str,
+        version: int,
+        outs: Sequence[np.ndarray] | None = None,
+        timeout: float = 600.0,
+    ) -> tuple[tuple[np.ndarray, ...], CallStats]:
+        """(w, b, mw, mb) of the slice of ``layer`` the worker holds at ``version``; written
+        into ``outs`` (four arrays of their shapes) when given."""
+        request = pb.ConvRequest(
+            phase=FETCH_KERNELS.phase, session=session, layer=layer,
+            resident=pb.ResidentSlice(version=version),
+        )  # fmt: skip
+        expect = FETCH_KERNELS.answer_names()
+        dests = dict(zip(expect, outs, strict=True)) if outs is not None else {}
+        size = sum(a.nbytes for a in outs) if outs is not None else BUNDLE_BYTES + 1
+        got, stats = self._call(
+            FETCH_KERNELS, f"fetch kernels {layer}", request, [], expect, dests, timeout, size
+        )
+        return tuple(got[n] for n in expect), stats
+
+    def resident_stage_forward(
+        self,
+        session: int,
+        step: int,
+        layer: str,
+        x: np.ndarray,
+        hw: np.ndarray,
+        hb: np.ndarray,
+        halo_before: int,
+        version: int,
+        padding: tuple[int, int, int, int],
+        stage: StageSpec,
+        own_count: int,
+        out: np.ndarray | None = None,
+        timeout: float = 600.0,
+        kernel_offset: int = 0,
+    ) -> tuple[np.ndarray, CallStats]:
+        """A fused stage on the worker's resident slice (``own_count`` kernels at ``version``)
+        widened by the halo kernels ``hw``, ``hb`` (``halo_before`` of them before it)."""
+        request = pb.ConvRequest(
+            phase=RESIDENT_STAGE_FORWARD.phase, session=session, step=step, layer=layer,
+            padding=padding, kernel_offset=kernel_offset,
+            answer_dtype=answer_dtype(self.wire_format),
+            stage=pb.StageDescription(
+                ops=ops_to_proto(stage), own_start=halo_before, own_count=own_count
+            ),
+            resident=pb.ResidentSlice(version=version, count=own_count, halo_before=halo_before),
+        )  # fmt: skip
+        fmt = self.wire_format
+        widened = (own_count + hw.shape[0], *hw.shape[1:])
+        conv = call_shape(x.shape, widened, padding)
+        shape = ResidentStageShape(StageShape(conv, own_count, 0, stage.output_hw(conv.out_hw)), 0)
+        (y,) = RESIDENT_STAGE_FORWARD.answer_names()
+        got, stats = self._call(
+            RESIDENT_STAGE_FORWARD, f"resident stage forward {layer}", request,
+            list(zip(RESIDENT_STAGE_FORWARD.request_names, (x, hw, hb), strict=True)), [y],
+            {y: out} if out is not None else {}, timeout,
+            RESIDENT_STAGE_FORWARD.answer_bytes(shape, fmt=fmt),
+            list(RESIDENT_STAGE_FORWARD.request_formats(fmt).values()),
+        )  # fmt: skip
+        return got[y], stats
+
+    def resident_stage_backward(
+        self,
+        session: int,
+        step: int,
+        layer: str,
+        dy: np.ndarray,
+        grad_start: int,
+        version: int,
+        need_input_grad: bool,
+        edges_out: tuple[np.ndarray, np.ndarray] | None = None,
+        timeout: float = 600.0,
+        answer_bytes: int | None = None,
+    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, CallStats]:
+        """(input-gradient part or None, ew, eb): the worker updates its resident slice (at
+        ``version``; it then holds ``version + 1``) and answers its updated edge kernels."""
+        request = pb.ConvRequest(
+            phase=RESIDENT_STAGE_BACKWARD.phase, session=session, step=step, layer=layer,
+            need_input_grad=need_input_grad, answer_dtype=answer_dtype(self.wire_format),
+            stage=pb.StageDescription(grad_start=grad_start),
+            resident=pb.ResidentSlice(version=version),
+        )  # fmt: skip
+        expect = RESIDENT_STAGE_BACKWARD.answer_names(need_input_grad)
+        dests = dict(zip(expect[:2], edges_out, strict=True)) if edges_out is not None else {}
+        answer = answer_bytes if answer_bytes is not None else BUNDLE_BYTES + 1
+        got, stats = self._call(
+            RESIDENT_STAGE_BACKWARD, f"resident stage backward {layer}", request,
+            list(zip(RESIDENT_STAGE_BACKWARD.request_names, (dy,), strict=True)), expect, dests,
+            timeout, answer,
+            list(RESIDENT_STAGE_BACKWARD.request_formats(self.wire_format).values()),
+        )  # fmt: skip
+        ew, eb, *dx = (got[name] for name in expect)
+        return (dx[0] if dx else None), ew, eb, stats
 
     def echo(
         self,

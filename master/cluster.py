@@ -67,6 +67,8 @@ from typing import TextIO
 from hetconv import costmodel
 from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
 from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.optim import SGDConfig
+from hetconv.resident import KERNEL_MODES, RESIDENT, SENT
 from hetconv.stages import AUTO, FUSED, STAGE_MODES, UNFUSED
 from hetconv.workload import ConvLayer
 
@@ -89,6 +91,7 @@ from .planning import (
     shares_table,
 )
 from .rebalancing import DriftMonitor
+from .resident import DEFAULT_SYNC_EVERY, ResidentKernels
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,12 @@ class ClusterConfig:
             layer, fused where the cost model counts fewer bytes on the master's link
             (:func:`hetconv.costmodel.stage_mode`). Layers with no channel-local layers after
             them are always unfused.
+        kernels: ``"sent"``: every step each node gets its kernel slice and answers its
+            gradients; ``"resident"``: workers keep their slices of fused layers and update
+            them themselves (:mod:`.resident`); ``"auto"``: per fused layer by the cost model
+            (:func:`hetconv.costmodel.kernel_mode`). Unfused layers always send.
+        resident_sync_every: steps between syncs of resident slices (the replay log that keeps
+            a lost worker's updates is as long as this); 0: only when the log grows too big.
     """
 
     master_compute: bool = True
@@ -163,10 +172,18 @@ class ClusterConfig:
     wire_format: TensorFormat = FLOAT32
     deterministic: bool = False
     stages: str = UNFUSED
+    kernels: str = SENT
+    resident_sync_every: int = DEFAULT_SYNC_EVERY
 
     def __post_init__(self):
         if self.stages not in STAGE_MODES:
             raise ValueError(f"stages {self.stages!r}; expected one of {', '.join(STAGE_MODES)}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels {self.kernels!r}; expected one of {', '.join(KERNEL_MODES)}")
+        if self.resident_sync_every < 0:
+            raise ValueError(
+                f"resident sync interval must be >= 0 steps, got {self.resident_sync_every}"
+            )
 
 
 def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
@@ -225,6 +242,14 @@ class Cluster:
         )
         self.runner = PhaseRunner(self.membership, c.deadline_floor, c.deadline_factor)
         self.session = secrets.randbits(64)
+        self.kernel_modes: dict[str, str] = {}  # layer -> RESIDENT or SENT (set by prepare)
+        self.resident = ResidentKernels(
+            self.session,
+            self.backend,
+            self.membership,
+            self._transfer_deadline,
+            sync_every=c.resident_sync_every,
+        )
         self.plans: dict[str, LayerPlan] = {}
         self.step = 0
         self._layers: list[PlannedLayer] = []
@@ -378,11 +403,14 @@ class Cluster:
                 )
         self._replan()
         self._choose_stage_modes(layers, batch)
+        self._choose_kernel_modes(layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
             print(self.describe_shares(), file=log)
             modes = ", ".join(f"{name} {mode}" for name, mode in self.stage_modes.items())
             print(f"stages ({self.config.stages}): {modes}", file=log)
+            modes = ", ".join(f"{name} {mode}" for name, mode in self.kernel_modes.items())
+            print(f"kernels ({self.config.kernels}): {modes}", file=log)
         self.membership.start_monitor()
 
     supports_stages = True
@@ -398,6 +426,43 @@ class Cluster:
                 shares = self.plans[spec.name].shares if spec.name in self.plans else None
                 mode = costmodel.stage_mode(layer, spec.stage, shares or (1,) * len(self.nodes))
             self.stage_modes[spec.name] = mode
+
+    def _choose_kernel_modes(self, layers, batch: int) -> None:
+        """Each layer's kernel mode: resident only where the layer runs fused; as
+        configured, or (auto) by the cost model."""
+        for spec in layers:
+            mode = self.config.kernels
+            if self.stage_modes.get(spec.name) != FUSED:
+                mode = SENT
+            elif mode == AUTO:
+                layer = ConvLayer.from_spec(spec, batch)
+                shares = self.plans[spec.name].shares if spec.name in self.plans else None
+                mode = costmodel.kernel_mode(
+                    layer, spec.stage, shares or (1,) * len(self.nodes), DEFAULT_SYNC_EVERY
+                )
+            self.kernel_modes[spec.name] = mode
+
+    def resident_layers(self) -> list[str]:
+        """The layers whose kernels live on the workers (the master's optimizer must skip
+        their weights and biases: :meth:`attach_optimizer` updates them)."""
+        return [name for name, mode in self.kernel_modes.items() if mode == RESIDENT]
+
+    def attach_optimizer(self, sgd: SGDConfig) -> None:
+        """The optimizer settings resident layers are updated with (before the first step)."""
+        self.resident.sgd = sgd
+
+    def gather_resident(self) -> dict:
+        """Fetch every resident slice into the model's arrays (for a checkpoint or
+        ``--save``); returns the resident layers' momentum buffers by parameter name."""
+        return self.resident.gather()
+
+    def load_resident_momentum(self, momentum: dict) -> None:
+        """Momentum buffers of resident layers, from a checkpoint (by parameter name)."""
+        self.resident.load_momentum(momentum)
+
+    def _transfer_deadline(self, node: Node, nbytes: int) -> float:
+        transfer = nbytes / node.link_bytes_per_second + node.link_latency
+        return self.config.deadline_floor + self.config.deadline_factor * transfer
 
     def stage_mode(self, layer: str) -> str:
         """``"fused"`` or ``"unfused"``: whether ``layer`` runs with its stage on the nodes."""
@@ -441,6 +506,8 @@ class Cluster:
             "wire_format": self.config.wire_format.label,
             "stages": c.stages,
             "stage_modes": dict(self.stage_modes),
+            "kernels": c.kernels,
+            "kernel_modes": dict(self.kernel_modes),
             "share_policy": c.share_policy,
             "network": self.planner.network,
         }
@@ -460,6 +527,7 @@ class Cluster:
         changed; calls until the next step belong to ``step``."""
         self.step = self._events.step = step
         self.runner.start_step()
+        self.resident.start_step()
         changed = self.membership.admit().changed
         reason = "membership"
         if not changed and self.drift.due(step):
@@ -490,7 +558,10 @@ class Cluster:
             "wire_format": self.config.wire_format.label,  # of the bytes counted in "nodes"
             "nodes": runner.records,
             "stage_modes": self._stage_steps,  # layer -> how it ran this step
+            "kernel_modes": {name: self.kernel_modes.get(name, SENT) for name in self._stage_steps},
         }
+        if self.resident.record:
+            record["resident"] = self.resident.record  # bytes placed, fetched; steps replayed
         self._stage_steps = {}
         if events:
             record["events"] = events
@@ -521,10 +592,17 @@ class Cluster:
         return self.runner.run(self.strategy, job, layer, plan)
 
     def stage_forward(self, layer, x, w, b, padding, stage):
-        """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`)."""
+        """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`, or
+        with resident kernels :mod:`.resident`)."""
         plan = self._plan(layer, x.shape, w.shape, padding)
         self._stage_steps[layer] = FUSED
         ctx = CallContext(self.session, self.step, layer)
+        if self.kernel_modes.get(layer) == RESIDENT:
+            state = self.resident.layer(layer, w, b, stage, _sides(padding, w.shape[2:]))
+            split = self.resident.split
+            self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
+            job = self.resident.forward_job(ctx, state, x)
+            return self.runner.run(split, job, layer, plan)
         job = self.fused.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]), stage)
         return self.runner.run(self.fused, job, layer, plan)
 
@@ -533,6 +611,10 @@ class Cluster:
         plan = self._plan(layer, x.shape, w.shape, padding)
         ctx = CallContext(self.session, self.step, layer)
         sides = _sides(padding, w.shape[2:])
+        if self.kernel_modes.get(layer) == RESIDENT:
+            state = self.resident.layer(layer, w, b, stage, sides)
+            job = self.resident.backward_job(ctx, state, x, dy, need_input_grad)
+            return self.runner.run(self.resident.split, job, layer, plan)
         job = self.fused.backward(
             ctx, self.backend, x, w, dy, sides, need_input_grad, b=b, stage=stage
         )

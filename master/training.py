@@ -185,6 +185,14 @@ class _Totals:
         )
 
 
+def _resident_names(executor: ConvExecutor) -> set[str]:
+    """Parameter names of the layers whose kernels the executor keeps and updates itself."""
+    layers = getattr(executor, "resident_layers", None)
+    if layers is None:
+        return set()
+    return {f"{name}.{key}" for name in layers() for key in ("weight", "bias")}
+
+
 def _plan_record(executor: ConvExecutor, start_step: int) -> dict | None:
     """The trace's first record for a run from ``start_step``: the executor's plan, if any."""
     plan_record = getattr(executor, "plan_record", None)  # executors older than the method
@@ -222,12 +230,22 @@ class _Run:
         if config.checkpoint_dir:
             self._find_checkpoint()
         self.executor.prepare(self.model.conv_specs(), config.batch, log)
-        self.optimizer = SGD(self.model.parameters(), config.sgd)
+        # Resident kernels (hetconv.master.resident): the executor updates those layers.
+        self.resident = _resident_names(self.executor)
+        if self.resident:
+            self.executor.attach_optimizer(config.sgd)
+        own = {k: v for k, v in self.model.parameters().items() if k not in self.resident}
+        self.optimizer = SGD(own, config.sgd)
         self.start_step, self.totals = 0, _Totals()
         if self.resumed is not None:
             state = self.resumed[0]
             self.model.load_state(state.model)
-            self.optimizer.load_state(state.momentum)
+            momentum = state.momentum
+            self.optimizer.load_state({k: v for k, v in momentum.items() if k in own})
+            if self.resident:
+                self.executor.load_resident_momentum(
+                    {k: v for k, v in momentum.items() if k in self.resident}
+                )
             self.start_step, self.totals = state.step, _Totals.restored(state)
         self.trace = Trace(None)
         self._order = np.empty(0, np.int64)  # the data order of the current epoch
@@ -418,9 +436,18 @@ class _Run:
             self._last_message = now
         return target
 
+    def _momentum(self) -> dict[str, np.ndarray]:
+        """Every parameter's momentum buffer; resident slices gathered into the model first
+        (so its weights are the whole truth too)."""
+        momentum = self.optimizer.state()
+        if self.resident:
+            momentum.update(self.executor.gather_resident())
+        return momentum
+
     def _state(self, done: int) -> TrainingState:
         """The state after ``done`` steps (the last of them just run)."""
         config, totals = self.config, self.totals
+        momentum = self._momentum()
         epoch = (done - 1) // self.steps_per_epoch
         next_epoch, next_position = divmod(done, self.steps_per_epoch)
         next_order = (
@@ -436,7 +463,7 @@ class _Run:
             steps_per_epoch=self.steps_per_epoch,
             order_sha256=order_digest(next_order),
             model=self.model.parameters(),
-            momentum=self.optimizer.state(),
+            momentum=momentum,
             losses=np.asarray(totals.losses, np.float64),
             recent_hits=np.asarray(totals.recent_hits, np.float64),
             breakdown=totals.breakdown,
@@ -453,6 +480,8 @@ class _Run:
         if len(self.test_set):
             eval_loss, eval_accuracy = evaluate(self.model, self.test_set, config.eval_batch)
         if config.save:
+            if self.resident:
+                self.executor.gather_resident()
             Path(config.save).parent.mkdir(parents=True, exist_ok=True)
             self.model.save(config.save)
         result = TrainResult(

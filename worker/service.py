@@ -62,6 +62,7 @@ from hetconv.wire import (
     server_options,
 )
 from hetconv.worker.auth import WorkerSecurity
+from hetconv.worker.resident import ResidentCalls
 from hetconv.worker.stages import StageCalls
 
 #: An answer's tensors: name, array, format on the wire.
@@ -378,6 +379,9 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
     cores = {FORWARD: service.forward, BACKWARD: service.backward, ECHO: service.echo}
     stages = StageCalls(service)  # fused stages (hetconv.worker.stages)
     cores.update({STAGE_FORWARD: stages.forward, STAGE_BACKWARD: stages.backward})
+    resident = ResidentCalls(service)  # resident kernels (hetconv.worker.resident)
+    service.resident = resident
+    cores.update(resident.cores())
     for call, core in cores.items():
         handlers[call.stream.name] = call.stream.handler(service.streamed(call, core))
         handlers[call.bundle.name] = call.bundle.handler(service.bundled(call, core))

@@ -24,41 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetconv/proto/worker.proto\x12\nhetconv.v1\"]\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.hetconv.v1.DType\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\x86\x01\n\x07StageOp\x12%\n\x05layer\x18\x01 \x01(\x0e\x32\x16.hetconv.v1.StageLayer\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x04 \x01(\x01\x12\t\n\x01k\x18\x05 \x01(\x01\x12\x0e\n\x06kernel\x18\x06 \x01(\r\x12\x0e\n\x06stride\x18\x07 \x01(\r\"n\n\x10StageDescription\x12 \n\x03ops\x18\x01 \x03(\x0b\x32\x13.hetconv.v1.StageOp\x12\x11\n\town_start\x18\x02 \x01(\r\x12\x11\n\town_count\x18\x03 \x01(\r\x12\x12\n\ngrad_start\x18\x04 \x01(\r\"\x9f\x02\n\x0b\x43onvRequest\x12 \n\x05phase\x18\x01 \x01(\x0e\x32\x11.hetconv.v1.Phase\x12\x0f\n\x07session\x18\x02 \x01(\x06\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05layer\x18\x04 \x01(\t\x12\x0f\n\x07padding\x18\x05 \x03(\x05\x12\x15\n\rkernel_offset\x18\x06 \x01(\r\x12\x17\n\x0fneed_input_grad\x18\x07 \x01(\x08\x12)\n\x07tensors\x18\x08 \x03(\x0b\x32\x18.hetconv.v1.TensorHeader\x12\'\n\x0c\x61nswer_dtype\x18\t \x01(\x0e\x32\x11.hetconv.v1.DType\x12+\n\x05stage\x18\n \x01(\x0b\x32\x1c.hetconv.v1.StageDescription\"i\n\nConvResult\x12\x17\n\x0f\x63ompute_seconds\x18\x01 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x02 \x01(\x01\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.hetconv.v1.TensorHeader\"z\n\x0b\x43onvMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.hetconv.v1.ConvRequestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12(\n\x06result\x18\x03 \x01(\x0b\x32\x16.hetconv.v1.ConvResultH\x00\x42\x06\n\x04kind\"k\n\nConvBundle\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.hetconv.v1.ConvRequest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12&\n\x06result\x18\x03 \x01(\x0b\x32\x16.hetconv.v1.ConvResult\"\x11\n\x0f\x44\x65scribeRequest\"\xae\x01\n\x11\x44\x65viceDescription\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x63ores\x18\x05 \x01(\r\x12\x17\n\x0fhetconv_version\x18\x06 \x01(\t\x12\x19\n\x11max_request_bytes\x18\x07 \x01(\x04\x12\x13\n\x0binstance_id\x18\x08 \x01(\x06\"\x98\x01\n\x0cProbeRequest\x12\t\n\x01n\x18\x01 \x01(\r\x12\t\n\x01\x63\x18\x02 \x01(\r\x12\t\n\x01h\x18\x03 \x01(\r\x12\t\n\x01w\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\n\n\x02kh\x18\x06 \x01(\r\x12\n\n\x02kw\x18\x07 \x01(\r\x12\x0f\n\x07padding\x18\x08 \x03(\x05\x12\x0f\n\x07repeats\x18\t \x01(\r\x12\x17\n\x0fwith_grad_input\x18\n \x01(\x08\".\n\x0bProbeResult\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06gflops\x18\x02 \x01(\x01*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*`\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x12\x11\n\rSTAGE_FORWARD\x10\x03\x12\x12\n\x0eSTAGE_BACKWARD\x10\x04*I\n\nStageLayer\x12\x1b\n\x17STAGE_LAYER_UNSPECIFIED\x10\x00\x12\x08\n\x04RELU\x10\x01\x12\x07\n\x03LRN\x10\x02\x12\x0b\n\x07MAXPOOL\x10\x03\x32\xac\x06\n\nConvWorker\x12\x46\n\x08\x44\x65scribe\x12\x1b.hetconv.v1.DescribeRequest\x1a\x1d.hetconv.v1.DeviceDescription\x12:\n\x05Probe\x12\x18.hetconv.v1.ProbeRequest\x1a\x17.hetconv.v1.ProbeResult\x12?\n\x07\x46orward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12@\n\x08\x42\x61\x63kward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12<\n\x04\x45\x63ho\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12?\n\rForwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12@\n\x0e\x42\x61\x63kwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12<\n\nEchoBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12\x44\n\x0cStageForward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12\x45\n\rStageBackward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12\x44\n\x12StageForwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12\x45\n\x13StageBackwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundleb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetconv/proto/worker.proto\x12\nhetconv.v1\"]\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.hetconv.v1.DType\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\x86\x01\n\x07StageOp\x12%\n\x05layer\x18\x01 \x01(\x0e\x32\x16.hetconv.v1.StageLayer\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x04 \x01(\x01\x12\t\n\x01k\x18\x05 \x01(\x01\x12\x0e\n\x06kernel\x18\x06 \x01(\r\x12\x0e\n\x06stride\x18\x07 \x01(\r\"n\n\x10StageDescription\x12 \n\x03ops\x18\x01 \x03(\x0b\x32\x13.hetconv.v1.StageOp\x12\x11\n\town_start\x18\x02 \x01(\r\x12\x11\n\town_count\x18\x03 \x01(\r\x12\x12\n\ngrad_start\x18\x04 \x01(\r\"\x92\x01\n\rResidentSlice\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x13\n\x0bhalo_before\x18\x03 \x01(\r\x12\x18\n\x10momentum_started\x18\x04 \x01(\x08\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\"\xcc\x02\n\x0b\x43onvRequest\x12 \n\x05phase\x18\x01 \x01(\x0e\x32\x11.hetconv.v1.Phase\x12\x0f\n\x07session\x18\x02 \x01(\x06\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05layer\x18\x04 \x01(\t\x12\x0f\n\x07padding\x18\x05 \x03(\x05\x12\x15\n\rkernel_offset\x18\x06 \x01(\r\x12\x17\n\x0fneed_input_grad\x18\x07 \x01(\x08\x12)\n\x07tensors\x18\x08 \x03(\x0b\x32\x18.hetconv.v1.TensorHeader\x12\'\n\x0c\x61nswer_dtype\x18\t \x01(\x0e\x32\x11.hetconv.v1.DType\x12+\n\x05stage\x18\n \x01(\x0b\x32\x1c.hetconv.v1.StageDescription\x12+\n\x08resident\x18\x0b \x01(\x0b\x32\x19.hetconv.v1.ResidentSlice\"i\n\nConvResult\x12\x17\n\x0f\x63ompute_seconds\x18\x01 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x02 \x01(\x01\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.hetconv.v1.TensorHeader\"z\n\x0b\x43onvMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.hetconv.v1.ConvRequestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12(\n\x06result\x18\x03 \x01(\x0b\x32\x16.hetconv.v1.ConvResultH\x00\x42\x06\n\x04kind\"k\n\nConvBundle\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.hetconv.v1.ConvRequest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12&\n\x06result\x18\x03 \x01(\x0b\x32\x16.hetconv.v1.ConvResult\"\x11\n\x0f\x44\x65scribeRequest\"\xae\x01\n\x11\x44\x65viceDescription\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x63ores\x18\x05 \x01(\r\x12\x17\n\x0fhetconv_version\x18\x06 \x01(\t\x12\x19\n\x11max_request_bytes\x18\x07 \x01(\x04\x12\x13\n\x0binstance_id\x18\x08 \x01(\x06\"\x98\x01\n\x0cProbeRequest\x12\t\n\x01n\x18\x01 \x01(\r\x12\t\n\x01\x63\x18\x02 \x01(\r\x12\t\n\x01h\x18\x03 \x01(\r\x12\t\n\x01w\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\n\n\x02kh\x18\x06 \x01(\r\x12\n\n\x02kw\x18\x07 \x01(\r\x12\x0f\n\x07padding\x18\x08 \x03(\x05\x12\x0f\n\x07repeats\x18\t \x01(\r\x12\x17\n\x0fwith_grad_input\x18\n \x01(\x08\".\n\x0bProbeResult\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06gflops\x18\x02 \x01(\x01*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*\xbf\x01\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x12\x11\n\rSTAGE_FORWARD\x10\x03\x12\x12\n\x0eSTAGE_BACKWARD\x10\x04\x12\x11\n\rPLACE_KERNELS\x10\x05\x12\x11\n\rFETCH_KERNELS\x10\x06\x12\x1a\n\x16RESIDENT_STAGE_FORWARD\x10\x07\x12\x1b\n\x17RESIDENT_STAGE_BACKWARD\x10\x08*I\n\nStageLayer\x12\x1b\n\x17STAGE_LAYER_UNSPECIFIED\x10\x00\x12\x08\n\x04RELU\x10\x01\x12\x07\n\x03LRN\x10\x02\x12\x0b\n\x07MAXPOOL\x10\x03\x32\xfe\n\n\nConvWorker\x12\x46\n\x08\x44\x65scribe\x12\x1b.hetconv.v1.DescribeRequest\x1a\x1d.hetconv.v1.DeviceDescription\x12:\n\x05Probe\x12\x18.hetconv.v1.ProbeRequest\x1a\x17.hetconv.v1.ProbeResult\x12?\n\x07\x46orward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12@\n\x08\x42\x61\x63kward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12<\n\x04\x45\x63ho\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12?\n\rForwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12@\n\x0e\x42\x61\x63kwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12<\n\nEchoBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12\x44\n\x0cStageForward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12\x45\n\rStageBackward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12\x44\n\x12StageForwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12\x45\n\x13StageBackwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12\x44\n\x0cPlaceKernels\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12\x44\n\x0c\x46\x65tchKernels\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12L\n\x14ResidentStageForward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12M\n\x15ResidentStageBackward\x12\x17.hetconv.v1.ConvMessage\x1a\x17.hetconv.v1.ConvMessage(\x01\x30\x01\x12\x44\n\x12PlaceKernelsBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12\x44\n\x12\x46\x65tchKernelsBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12L\n\x1aResidentStageForwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundle\x12M\n\x1bResidentStageBackwardBundle\x12\x16.hetconv.v1.ConvBundle\x1a\x16.hetconv.v1.ConvBundleb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetconv.proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1415
-  _globals['_DTYPE']._serialized_end=1485
-  _globals['_PHASE']._serialized_start=1487
-  _globals['_PHASE']._serialized_end=1583
-  _globals['_STAGELAYER']._serialized_start=1585
-  _globals['_STAGELAYER']._serialized_end=1658
+  _globals['_DTYPE']._serialized_start=1609
+  _globals['_DTYPE']._serialized_end=1679
+  _globals['_PHASE']._serialized_start=1682
+  _globals['_PHASE']._serialized_end=1873
+  _globals['_STAGELAYER']._serialized_start=1875
+  _globals['_STAGELAYER']._serialized_end=1948
   _globals['_TENSORHEADER']._serialized_start=42
   _globals['_TENSORHEADER']._serialized_end=135
   _globals['_STAGEOP']._serialized_start=138
   _globals['_STAGEOP']._serialized_end=272
   _globals['_STAGEDESCRIPTION']._serialized_start=274
   _globals['_STAGEDESCRIPTION']._serialized_end=384
-  _globals['_CONVREQUEST']._serialized_start=387
-  _globals['_CONVREQUEST']._serialized_end=674
-  _globals['_CONVRESULT']._serialized_start=676
-  _globals['_CONVRESULT']._serialized_end=781
-  _globals['_CONVMESSAGE']._serialized_start=783
-  _globals['_CONVMESSAGE']._serialized_end=905
-  _globals['_CONVBUNDLE']._serialized_start=907
-  _globals['_CONVBUNDLE']._serialized_end=1014
-  _globals['_DESCRIBEREQUEST']._serialized_start=1016
-  _globals['_DESCRIBEREQUEST']._serialized_end=1033
-  _globals['_DEVICEDESCRIPTION']._serialized_start=1036
-  _globals['_DEVICEDESCRIPTION']._serialized_end=1210
-  _globals['_PROBEREQUEST']._serialized_start=1213
-  _globals['_PROBEREQUEST']._serialized_end=1365
-  _globals['_PROBERESULT']._serialized_start=1367
-  _globals['_PROBERESULT']._serialized_end=1413
-  _globals['_CONVWORKER']._serialized_start=1661
-  _globals['_CONVWORKER']._serialized_end=2473
+  _globals['_RESIDENTSLICE']._serialized_start=387
+  _globals['_RESIDENTSLICE']._serialized_end=533
+  _globals['_CONVREQUEST']._serialized_start=536
+  _globals['_CONVREQUEST']._serialized_end=868
+  _globals['_CONVRESULT']._serialized_start=870
+  _globals['_CONVRESULT']._serialized_end=975
+  _globals['_CONVMESSAGE']._serialized_start=977
+  _globals['_CONVMESSAGE']._serialized_end=1099
+  _globals['_CONVBUNDLE']._serialized_start=1101
+  _globals['_CONVBUNDLE']._serialized_end=1208
+  _globals['_DESCRIBEREQUEST']._serialized_start=1210
+  _globals['_DESCRIBEREQUEST']._serialized_end=1227
+  _globals['_DEVICEDESCRIPTION']._serialized_start=1230
+  _globals['_DEVICEDESCRIPTION']._serialized_end=1404
+  _globals['_PROBEREQUEST']._serialized_start=1407
+  _globals['_PROBEREQUEST']._serialized_end=1559
+  _globals['_PROBERESULT']._serialized_start=1561
+  _globals['_PROBERESULT']._serialized_end=1607
+  _globals['_CONVWORKER']._serialized_start=1951
+  _globals['_CONVWORKER']._serialized_end=3357
 # @@protoc_insertion_point(module_scope)

@@ -21,6 +21,10 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKWARD: _ClassVar[Phase]
     STAGE_FORWARD: _ClassVar[Phase]
     STAGE_BACKWARD: _ClassVar[Phase]
+    PLACE_KERNELS: _ClassVar[Phase]
+    FETCH_KERNELS: _ClassVar[Phase]
+    RESIDENT_STAGE_FORWARD: _ClassVar[Phase]
+    RESIDENT_STAGE_BACKWARD: _ClassVar[Phase]
 
 class StageLayer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +41,10 @@ FORWARD: Phase
 BACKWARD: Phase
 STAGE_FORWARD: Phase
 STAGE_BACKWARD: Phase
+PLACE_KERNELS: Phase
+FETCH_KERNELS: Phase
+RESIDENT_STAGE_FORWARD: Phase
+RESIDENT_STAGE_BACKWARD: Phase
 STAGE_LAYER_UNSPECIFIED: StageLayer
 RELU: StageLayer
 LRN: StageLayer
@@ -84,8 +92,26 @@ class StageDescription(_message.Message):
     grad_start: int
     def __init__(self, ops: _Optional[_Iterable[_Union[StageOp, _Mapping]]] = ..., own_start: _Optional[int] = ..., own_count: _Optional[int] = ..., grad_start: _Optional[int] = ...) -> None: ...
 
+class ResidentSlice(_message.Message):
+    __slots__ = ("version", "count", "halo_before", "momentum_started", "lr", "momentum", "weight_decay")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    HALO_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_STARTED_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    count: int
+    halo_before: int
+    momentum_started: bool
+    lr: float
+    momentum: float
+    weight_decay: float
+    def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
 class ConvRequest(_message.Message):
-    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage")
+    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +122,7 @@ class ConvRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     session: int
     step: int
@@ -106,7 +133,8 @@ class ConvRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     answer_dtype: DType
     stage: StageDescription
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ...) -> None: ...
+    resident: ResidentSlice
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ...) -> None: ...
 
 class ConvResult(_message.Message):
     __slots__ = ("compute_seconds", "receive_seconds", "tensors")

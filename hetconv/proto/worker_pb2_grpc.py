@@ -94,6 +94,46 @@ class ConvWorkerStub:
                 request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
                 response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
                 _registered_method=True)
+        self.PlaceKernels = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/PlaceKernels',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.FetchKernels = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/FetchKernels',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.ResidentStageForward = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/ResidentStageForward',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.ResidentStageBackward = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/ResidentStageBackward',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.PlaceKernelsBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/PlaceKernelsBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
+        self.FetchKernelsBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/FetchKernelsBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
+        self.ResidentStageForwardBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/ResidentStageForwardBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
+        self.ResidentStageBackwardBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/ResidentStageBackwardBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
 
 
 class ConvWorkerServicer:
@@ -177,6 +217,55 @@ class ConvWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlaceKernels(self, request_iterator, context):
+        """Resident kernels (ResidentSlice).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchKernels(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResidentStageForward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResidentStageBackward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlaceKernelsBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchKernelsBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResidentStageForwardBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResidentStageBackwardBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConvWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -237,6 +326,46 @@ def add_ConvWorkerServicer_to_server(servicer, server):
             ),
             'StageBackwardBundle': grpc.unary_unary_rpc_method_handler(
                     servicer.StageBackwardBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'PlaceKernels': grpc.stream_stream_rpc_method_handler(
+                    servicer.PlaceKernels,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'FetchKernels': grpc.stream_stream_rpc_method_handler(
+                    servicer.FetchKernels,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'ResidentStageForward': grpc.stream_stream_rpc_method_handler(
+                    servicer.ResidentStageForward,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'ResidentStageBackward': grpc.stream_stream_rpc_method_handler(
+                    servicer.ResidentStageBackward,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'PlaceKernelsBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlaceKernelsBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'FetchKernelsBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchKernelsBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'ResidentStageForwardBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResidentStageForwardBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'ResidentStageBackwardBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResidentStageBackwardBundle,
                     request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
                     response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             ),
@@ -563,6 +692,222 @@ class ConvWorker:
             request,
             target,
             '/hetconv.v1.ConvWorker/StageBackwardBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceKernels(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/PlaceKernels',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKernels(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/FetchKernels',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResidentStageForward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/ResidentStageForward',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResidentStageBackward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/ResidentStageBackward',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceKernelsBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/PlaceKernelsBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKernelsBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/FetchKernelsBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResidentStageForwardBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/ResidentStageForwardBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResidentStageBackwardBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/ResidentStageBackwardBundle',
             hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
             options,

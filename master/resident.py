@@ -1,0 +1,497 @@
+"""Resident kernels: workers keep their kernel slices and SGD state between steps.
+
+With ``ClusterConfig.kernels`` ``"resident"`` (``hetconv train --kernels resident``; ``auto``
+picks it per layer by the cost model), a fused layer's kernels (:mod:`hetconv.stages`) do not
+cross the link each step. Each worker holds its slice of the layer (weights, biases and their
+momentum buffers) and applies the SGD update itself at the end of its backward; the master's
+optimizer skips the layer (:meth:`ResidentKernels.parameters`), and the master updates the rows
+it computes itself (its own share and the slices it covers) with the same elementwise rule
+(:func:`hetconv.optim.sgd_update`), so every row gets bitwise the update local training gives
+it from the same gradient.
+
+The wire (:mod:`hetconv.calls`): ``PlaceKernels`` puts a slice on a worker with a version;
+``ResidentStageForward`` sends only the input and the slice's *halo* kernels (the neighbours'
+kernels the stage's LRN reads, ``size - 1`` on each side) and names the version it expects;
+``ResidentStageBackward`` sends the stage-output gradient as the fused call does and gets back
+the input-gradient part and the slice's updated *edge* kernels (those within the halo width of
+its ends: its neighbours' next halo), no kernel gradients; the version goes up by one.
+``FetchKernels`` returns a slice (weights and momentum) for checkpoints, ``--save``, share
+changes and syncs. A worker that holds another version refuses (FAILED_PRECONDITION, naming
+both): a stale slice is never computed with.
+
+So per step and worker the link carries the halo out and the edges back: ``2 * halo`` kernels
+each way (8 for LRN size 5) instead of the slice out and its gradient back.
+
+Nothing lost, by replay. For each placed slice the master keeps the copy it last synced
+(weights, biases, momentum: placed or fetched) and, for every step since whose update the
+worker made, what recomputing that update needs and the master has anyway: the layer input it
+sent, the halo it sent and the stage-output gradient slice it sent. When the worker is lost
+(a call fails, or its answer is refused), the master replays the slice's updates from the sync
+(the stage's forward and backward on the slice, then the SGD rule), so it holds the slice
+exactly as the worker did, and covers it like any lost worker's piece. The log is bounded by a
+sync every ``sync_every`` steps (FetchKernels of every slice; the bytes are counted in the step
+record under ``resident``) or sooner when it outgrows ``log_limit_bytes``.
+
+When shares change (a worker joins or is lost, a rebalance), a slice whose range moved is
+fetched (or replayed, its worker gone) into the master's arrays and the new ranges are placed
+with new versions before the layer's next forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetconv.backends import Backend
+from hetconv.optim import SGDConfig, sgd_update
+from hetconv.resident import edge_rows, placement_version
+from hetconv.stages import StageRun, StageSpec, stage_backward, stage_forward
+
+from .client import CallStats, WorkerError
+from .dispatch import (
+    BACKWARD,
+    FORWARD,
+    CallContext,
+    FusedKernelSplit,
+    PhaseJob,
+    Piece,
+    WorkerRequest,
+    _non_finite,
+    finite,
+)
+from .membership import ACTIVE, Membership, Node
+
+#: Steps between syncs of every resident slice (FetchKernels), bounding the replay log.
+DEFAULT_SYNC_EVERY = 20
+#: The replay log's bytes per layer beyond which its slices are synced early.
+DEFAULT_LOG_LIMIT = 512 << 20
+
+
+@dataclass
+class _Logged:
+    """One step of a slice's updates, as the master can recompute it."""
+
+    x: np.ndarray  # the layer input (shared by the layer's slices)
+    hw: np.ndarray
+    hb: np.ndarray
+    dy: np.ndarray  # the stage-output gradient of the slice's gradient range
+    grad_start: int  # within the widened slice
+
+
+@dataclass
+class Placement:
+    """A slice on a worker: its kernels, version, last synced copy and updates since."""
+
+    node: Node
+    part: slice
+    version: int
+    synced: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    synced_started: bool
+    synced_step: int
+    log: list[_Logged] = field(default_factory=list)
+    pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def log_bytes(self) -> int:
+        return sum(e.dy.nbytes + e.hw.nbytes for e in self.log)
+
+
+class ResidentLayer:
+    """One layer's resident state on the master: the model's weight and bias arrays (current
+    for every row no worker holds, and for the edge rows of those that do), the momentum
+    buffers of the same rows, and the placements."""
+
+    def __init__(self, name: str, w: np.ndarray, b: np.ndarray, stage: StageSpec, sides):
+        self.name, self.w, self.b, self.stage, self.sides = name, w, b, stage, sides
+        self.mw = np.zeros_like(w)
+        self.mb = np.zeros_like(b)
+        self.started = False  # whether the momentum buffers hold momentum yet
+        self.placements: dict[str, Placement] = {}
+
+    @property
+    def kernels(self) -> int:
+        return self.w.shape[0]
+
+    def wide(self, part: slice) -> slice:
+        return self.stage.widened(part, self.kernels)
+
+    def halo(self, part: slice) -> tuple[np.ndarray, np.ndarray, int]:
+        """(hw, hb, halo_before): the widened slice's kernels that are not ``part``'s."""
+        wide = self.wide(part)
+        before, after = slice(wide.start, part.start), slice(part.stop, wide.stop)
+        hw = np.concatenate([self.w[before], self.w[after]])
+        hb = np.concatenate([self.b[before], self.b[after]])
+        return hw, hb, part.start - wide.start
+
+    def update_rows(self, part: slice, dw: np.ndarray, db: np.ndarray, config: SGDConfig) -> None:
+        """The SGD update of rows ``part`` (the master computed their gradients)."""
+        w, b, mw, mb = self.w[part], self.b[part], self.mw[part], self.mb[part]
+        bw = sgd_update(w, dw, mw if self.started else None, config)
+        bb = sgd_update(b, db, mb if self.started else None, config)
+        if bw is not None:
+            mw[...], mb[...] = bw, bb
+
+    def momentum(self) -> dict[str, np.ndarray]:
+        """The momentum buffers as the optimizer names them (none before the first update)."""
+        if not self.started:
+            return {}
+        return {f"{self.name}.weight": self.mw.copy(), f"{self.name}.bias": self.mb.copy()}
+
+
+class _ResidentForward:
+    """A resident fused stage's forward: workers get the input and their slice's halo."""
+
+    phase = FORWARD
+
+    def __init__(self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, runs):
+        self.owner, self.ctx, self.layer, self.runs = owner, ctx, layer, runs
+        self.x = x
+        self.x_kept: np.ndarray | None = None  # one copy per step for the replay log
+        self.images = x.shape[0]
+        kh, kw = layer.w.shape[2:]
+        s = layer.sides
+        ho, wo = x.shape[2] + s[0] + s[1] - kh + 1, x.shape[3] + s[2] + s[3] - kw + 1
+        self.y = np.empty((x.shape[0], layer.kernels, *layer.stage.output_hw((ho, wo))), np.float32)
+
+    def worker_request(self, piece: Piece) -> WorkerRequest:
+        layer, ctx, part = self.layer, self.ctx, piece.part
+        placed = layer.placements[piece.node.name]
+        hw, hb, before = layer.halo(part)
+        if self.x_kept is None:
+            self.x_kept = np.array(self.x)
+        placed.pending = (self.x_kept, hw, hb)
+        return WorkerRequest(
+            piece.node.client.resident_stage_forward,
+            (
+                ctx.session, ctx.step, ctx.layer, self.x, hw, hb, before, placed.version,
+                layer.sides, layer.stage, part.stop - part.start,
+            ),
+            {"out": self.y[:, part], "kernel_offset": layer.wide(part).start},
+            self.x.nbytes + hw.nbytes + hb.nbytes + self.y[:, part].nbytes,
+        )  # fmt: skip
+
+    def check(self, piece: Piece, answer) -> None:
+        if not finite(self.y[:, piece.part]) and finite(self.x):
+            raise _non_finite(piece, f"resident stage forward {self.ctx.layer}")
+
+    def compute_locally(self, piece: Piece) -> None:
+        layer, part = self.layer, piece.part
+        self.owner.recover(layer, piece.node.name)  # a lost worker's slice: replayed here
+        wide = layer.wide(part)
+        own = slice(part.start - wide.start, part.stop - wide.start)
+        y, run = stage_forward(
+            self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides, layer.stage, own
+        )
+        self.y[:, part] = y
+        self.runs[layer.name, part.start, part.stop] = run
+
+    def accept(self, piece: Piece, answer) -> CallStats:
+        return answer[1]
+
+    def result(self):
+        return self.y
+
+
+class _ResidentBackward:
+    """A resident fused stage's backward: workers get the stage-output gradient of their
+    owned and halo channels, update their slice and answer their edge kernels and
+    input-gradient part; the master updates the rows it computed, at the end (every piece
+    has read the weights of this step by then)."""
+
+    phase = BACKWARD
+
+    def __init__(self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, dy, need, runs):
+        self.owner, self.ctx, self.layer, self.x, self.dy = owner, ctx, layer, x, dy
+        self.need_input_grad, self.runs = need, runs
+        self.images = x.shape[0]
+        self.dx = None
+        self.dw = np.zeros_like(layer.w)  # rows the master computed; workers keep theirs
+        self.db = np.zeros_like(layer.b)
+        self._edges: list[tuple[slice, np.ndarray, np.ndarray]] = []
+        self._computed: list[slice] = []
+
+    def _add_dx(self, part) -> None:
+        if self.need_input_grad:
+            self.dx = part if self.dx is None else self.dx + part
+
+    def worker_request(self, piece: Piece) -> WorkerRequest:
+        layer, ctx, part = self.layer, self.ctx, piece.part
+        placed = layer.placements[piece.node.name]
+        wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
+        dy = self.dy[:, grad]
+        rows = edge_rows(part.stop - part.start, layer.stage.halo)
+        ew = np.empty((len(rows), *layer.w.shape[1:]), np.float32)
+        eb = np.empty(len(rows), np.float32)
+        fmt = piece.node.client.wire_format
+        dx_bytes = fmt.nbytes(self.x.shape) if self.need_input_grad else 0
+        return WorkerRequest(
+            piece.node.client.resident_stage_backward,
+            (
+                ctx.session, ctx.step, ctx.layer, dy, grad.start - wide.start, placed.version,
+                self.need_input_grad,
+            ),
+            {"edges_out": (ew, eb), "answer_bytes": ew.nbytes + eb.nbytes + dx_bytes},
+            dy.nbytes + ew.nbytes + eb.nbytes + dx_bytes,
+        )  # fmt: skip
+
+    def check(self, piece: Piece, answer) -> None:
+        dx, ew, eb, _ = answer
+        if not finite(ew, eb, dx) and finite(self.x, self.dy[:, piece.part]):
+            raise _non_finite(piece, f"resident stage backward {self.ctx.layer}")
+
+    def compute_locally(self, piece: Piece) -> None:
+        layer, part = self.layer, piece.part
+        self.owner.recover(layer, piece.node.name)
+        wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
+        run: StageRun | None = self.runs.pop((layer.name, part.start, part.stop), None)
+        if run is None:  # the worker's forward ran there: run it again here
+            own = slice(part.start - wide.start, part.stop - wide.start)
+            _, run = stage_forward(
+                self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides,
+                layer.stage, own,
+            )  # fmt: skip
+        dy = np.ascontiguousarray(self.dy[:, grad])
+        rel = slice(grad.start - wide.start, grad.stop - wide.start)
+        dx, self.dw[part], self.db[part] = stage_backward(
+            self.owner.backend, run, dy, rel, self.need_input_grad
+        )
+        self._computed.append(part)
+        self._add_dx(dx)
+
+    def accept(self, piece: Piece, answer) -> CallStats:
+        dx, ew, eb, stats = answer
+        layer, part = self.layer, piece.part
+        placed = layer.placements[piece.node.name]
+        placed.version += 1
+        wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
+        if placed.pending is not None:
+            x, hw, hb = placed.pending
+            dy = np.array(self.dy[:, grad])
+            placed.log.append(_Logged(x, hw, hb, dy, grad.start - wide.start))
+            placed.pending = None
+        self._edges.append((part, ew, eb))
+        self._add_dx(dx)
+        return stats
+
+    def result(self):
+        layer, config = self.layer, self.owner.sgd
+        for part, ew, eb in self._edges:
+            rows = part.start + edge_rows(part.stop - part.start, layer.stage.halo)
+            layer.w[rows], layer.b[rows] = ew, eb
+        for part in self._computed:
+            layer.update_rows(part, self.dw[part], self.db[part], config)
+        layer.started = True
+        return self.dx, self.dw, self.db
+
+
+class ResidentSplit(FusedKernelSplit):
+    """The fused split's pieces, with the kernels resident on the workers
+    (:class:`ResidentKernels` makes the jobs)."""
+
+    name = "resident"
+
+
+class ResidentKernels:
+    """The master's side of resident kernels: the layers' state, placement, sync, replay.
+
+    Args:
+        session: the cluster's session (scopes the workers' slices).
+        backend: the master's backend (replay and covered pieces run on it).
+        membership: the nodes; a worker whose place or fetch call fails is lost through it.
+        deadline: seconds a place or fetch call of ``nbytes`` to ``node`` may take.
+        sync_every: steps between syncs of every slice (0: only when the log outgrows
+            ``log_limit_bytes``).
+        log_limit_bytes: the replay log's bytes per layer beyond which it is synced early.
+    """
+
+    def __init__(
+        self,
+        session: int,
+        backend: Backend,
+        membership: Membership,
+        deadline,
+        sync_every: int = DEFAULT_SYNC_EVERY,
+        log_limit_bytes: int = DEFAULT_LOG_LIMIT,
+    ):
+        if sync_every < 0:
+            raise ValueError(f"resident sync interval must be >= 0 steps, got {sync_every}")
+        self.session, self.backend, self.membership = session, backend, membership
+        self.deadline = deadline
+        self.sync_every, self.log_limit_bytes = sync_every, log_limit_bytes
+        self.sgd: SGDConfig | None = None
+        self.layers: dict[str, ResidentLayer] = {}
+        self.split = ResidentSplit()
+        self._placements = 0
+        self._momentum: dict[str, np.ndarray] = {}  # to load when a layer is first seen
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.record: dict[str, dict] = {}  # layer -> placed/fetched bytes, replayed steps
+
+    def _count(self, layer: str, key: str, value: int) -> None:
+        per_layer = self.record.setdefault(layer, {})
+        per_layer[key] = per_layer.get(key, 0) + value
+
+    # -- the layers --------------------------------------------------------------------------
+
+    def layer(self, name: str, w, b, stage: StageSpec, sides) -> ResidentLayer:
+        """The resident state of layer ``name``, bound to the model's arrays at first use."""
+        if self.sgd is None:
+            raise RuntimeError(
+                f"{name}: resident kernels need the optimizer's settings "
+                "(Cluster.attach_optimizer) before the first step"
+            )
+        layer = self.layers.get(name)
+        if layer is None or layer.w is not w or layer.b is not b:
+            layer = ResidentLayer(name, w, b, stage, sides)
+            mw, mb = (
+                self._momentum.pop(f"{name}.weight", None),
+                self._momentum.pop(f"{name}.bias", None),
+            )
+            if mw is not None and mb is not None:
+                layer.mw[...], layer.mb[...], layer.started = mw, mb, True
+            self.layers[name] = layer
+        return layer
+
+    def load_momentum(self, momentum: dict[str, np.ndarray]) -> None:
+        """Momentum buffers of resident layers from a checkpoint (before the first step)."""
+        for name, layer in self.layers.items():
+            for key, buf in (("weight", layer.mw), ("bias", layer.mb)):
+                value = momentum.get(f"{name}.{key}")
+                if value is not None:
+                    buf[...] = value
+                    layer.started = True
+            layer.placements.clear()  # the master's arrays are the truth now
+        self._momentum = {
+            k: v for k, v in momentum.items() if k.rsplit(".", 1)[0] not in self.layers
+        }
+
+    # -- placement, sync, gather, replay ----------------------------------------------------
+
+    def arrange(self, layer: ResidentLayer, pieces: Sequence[Piece], step: int) -> None:
+        """Before a layer's forward: slices whose range changed come back to the master
+        (fetched, or replayed when the worker is gone), the new ranges are placed, and
+        slices due for a sync are synced."""
+        want = {
+            p.node.name: p
+            for p in pieces[1:]
+            if p.size and p.node.state == ACTIVE and p.node.name not in self.membership.failed
+        }
+        for name, placed in list(layer.placements.items()):
+            piece = want.get(name)
+            if piece is None or piece.part != placed.part:
+                self._gather(layer, placed, keep=False)
+        for name, piece in want.items():
+            if name not in layer.placements:
+                self._place(layer, piece, step)
+        for placed in list(layer.placements.values()):
+            due = self.sync_every and step - placed.synced_step >= self.sync_every
+            if due or placed.log_bytes() > self.log_limit_bytes:
+                self._gather(layer, placed, keep=True, step=step)
+
+    def _place(self, layer: ResidentLayer, piece: Piece, step: int) -> None:
+        part, node = piece.part, piece.node
+        self._placements += 1
+        version = placement_version(self._placements)
+        arrays = tuple(np.array(a[part]) for a in (layer.w, layer.b, layer.mw, layer.mb))
+        nbytes = sum(a.nbytes for a in arrays)
+        try:
+            stats = node.client.place_kernels(
+                self.session, layer.name, part.start, version, *arrays, layer.started,
+                self.sgd, timeout=self.deadline(node, nbytes),
+            )  # fmt: skip
+        except WorkerError as e:
+            self.membership.lose(node, e)  # its piece is covered by the master this step
+            return
+        self._count(layer.name, "placed_bytes", stats.bytes_sent)
+        layer.placements[node.name] = Placement(node, part, version, arrays, layer.started, step)
+
+    def _gather(
+        self, layer: ResidentLayer, placed: Placement, keep: bool, step: int | None = None
+    ) -> None:
+        """Bring ``placed``'s slice into the master's arrays: fetched from its worker, or
+        replayed when that fails. ``keep``: it stays placed (a sync) and the log restarts."""
+        part, node = placed.part, placed.node
+        outs = tuple(np.empty_like(a[part]) for a in (layer.w, layer.b, layer.mw, layer.mb))
+        fetched = False
+        if node.state == ACTIVE and node.name not in self.membership.failed:
+            try:
+                _, stats = node.client.fetch_kernels(
+                    self.session, layer.name, placed.version, outs,
+                    timeout=self.deadline(node, sum(a.nbytes for a in outs)),
+                )  # fmt: skip
+                self._count(layer.name, "fetched_bytes", stats.bytes_received)
+                fetched = finite(*outs)
+                if not fetched:
+                    self.membership.lose(node, WorkerError(node.name, "fetch: NaN or Inf"))
+            except WorkerError as e:
+                self.membership.lose(node, e)
+        if not fetched:
+            self.recover(layer, node.name)
+            return
+        for dest, value in zip((layer.w, layer.b, layer.mw, layer.mb), outs, strict=True):
+            dest[part] = value
+        if keep:
+            placed.synced, placed.synced_started = outs, layer.started
+            placed.synced_step = step if step is not None else placed.synced_step
+            placed.log.clear()
+        else:
+            del layer.placements[node.name]
+
+    def recover(self, layer: ResidentLayer, node_name: str) -> None:
+        """The slice ``node_name`` held (if any) into the master's arrays, by replaying its
+        updates since the last sync; it is no longer placed."""
+        placed = layer.placements.pop(node_name, None)
+        if placed is None:
+            return
+        part, config = placed.part, self.sgd
+        w, b, mw, mb = (np.array(a) for a in placed.synced)
+        started = placed.synced_started
+        wide = layer.wide(part)
+        before = part.start - wide.start
+        own = slice(before, before + part.stop - part.start)
+        for e in placed.log:
+            ww = np.concatenate([e.hw[:before], w, e.hw[before:]])
+            bb = np.concatenate([e.hb[:before], b, e.hb[before:]])
+            _, run = stage_forward(self.backend, e.x, ww, bb, layer.sides, layer.stage, own)
+            rel = slice(e.grad_start, e.grad_start + e.dy.shape[1])
+            _, dw, db = stage_backward(self.backend, run, e.dy, rel, False)
+            bw = sgd_update(w, dw, mw if started else None, config)
+            bm = sgd_update(b, db, mb if started else None, config)
+            if bw is not None:
+                mw[...], mb[...] = bw, bm
+            started = True
+        self._count(layer.name, "replayed_steps", len(placed.log))
+        layer.w[part], layer.b[part], layer.mw[part], layer.mb[part] = w, b, mw, mb
+
+    def gather(self) -> dict[str, np.ndarray]:
+        """Every slice into the master's arrays (each stays placed; a free sync); returns
+        the resident layers' momentum buffers by parameter name."""
+        momentum = {}
+        for layer in self.layers.values():
+            for placed in list(layer.placements.values()):
+                self._gather(layer, placed, keep=True)
+            momentum.update(layer.momentum())
+        return momentum
+
+    # -- the jobs ----------------------------------------------------------------------------
+
+    def forward_job(self, ctx: CallContext, layer: ResidentLayer, x) -> PhaseJob:
+        runs = self.split._runs
+        for key in [k for k in runs if k[0] == layer.name]:
+            del runs[key]
+        return _ResidentForward(self, ctx, layer, x, runs)
+
+    def backward_job(self, ctx: CallContext, layer: ResidentLayer, x, dy, need) -> PhaseJob:
+        return _ResidentBackward(self, ctx, layer, x, dy, need, self.split._runs)
+
+
+__all__ = [
+    "DEFAULT_LOG_LIMIT",
+    "DEFAULT_SYNC_EVERY",
+    "Placement",
+    "ResidentKernels",
+    "ResidentLayer",
+    "ResidentSplit",
+]

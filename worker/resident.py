@@ -1,0 +1,257 @@
+"""The worker's resident kernel calls (:mod:`hetconv.resident`, :mod:`hetconv.master.resident`).
+
+PlaceKernels puts a kernel slice of a layer on this worker with its SGD state (momentum
+buffers, settings) and a version; the worker keeps it, per session and layer, until another
+placement of that layer replaces it or the session is evicted (least recently used, the
+service's ``sessions`` bound). ResidentStageForward runs the fused stage with the slice's own
+kernels and the halo kernels the request brings; ResidentStageBackward computes the slice's
+gradients, applies the SGD update to the slice in place (version + 1) and answers the updated
+edge kernels (its neighbours' next halo) and the input-gradient part. FetchKernels answers
+the slice and its momentum at the version asked for.
+
+Every call names the version it expects; a slice at another version (or none) is refused with
+FAILED_PRECONDITION naming both, so a stale slice is never computed with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetconv.backends import conv_shape
+from hetconv.calls import (
+    FETCH_KERNELS,
+    PLACE_KERNELS,
+    RESIDENT_STAGE_BACKWARD,
+    RESIDENT_STAGE_FORWARD,
+)
+from hetconv.errors import InvalidCall, MissingForward
+from hetconv.formats import answer_format
+from hetconv.optim import SGDConfig, sgd_update
+from hetconv.proto import worker_pb2 as pb
+from hetconv.resident import edge_rows, sgd_config, version_text
+from hetconv.stages import StageRun, StageSpec, spec_from_proto, stage_backward, stage_forward
+
+
+class StaleSlice(MissingForward):
+    """A call that names a slice version this worker does not hold (FAILED_PRECONDITION)."""
+
+
+@dataclass
+class _Slice:
+    offset: int
+    w: np.ndarray
+    b: np.ndarray
+    mw: np.ndarray
+    mb: np.ndarray
+    started: bool
+    version: int
+    config: SGDConfig
+
+
+@dataclass
+class _Run:
+    step: int
+    version: int
+    run: StageRun
+    spec: StageSpec
+
+
+def _padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
+    if len(request.padding) != 4:
+        raise InvalidCall(
+            f"padding must have 4 sides (top, bottom, left, right), got {list(request.padding)}"
+        )
+    sides = tuple(int(v) for v in request.padding)
+    if min(sides) < 0:
+        raise InvalidCall(f"padding {sides} has a negative side")
+    return sides  # type: ignore[return-value]
+
+
+class ResidentCalls:
+    """The four resident handlers' cores on a
+    :class:`~hetconv.worker.service.ConvWorkerService` (its backend, device lock, request
+    checks and session bound)."""
+
+    def __init__(self, service):
+        self.service = service
+        self._lock = threading.Lock()
+        # session -> layer -> the slice this worker holds
+        self._slices: OrderedDict[int, dict[str, _Slice]] = OrderedDict()
+        self._runs: dict[tuple[int, str], _Run] = {}
+
+    def cores(self) -> dict:
+        """Each resident call's core, by call."""
+        return {
+            PLACE_KERNELS: self.place,
+            FETCH_KERNELS: self.fetch,
+            RESIDENT_STAGE_FORWARD: self.forward,
+            RESIDENT_STAGE_BACKWARD: self.backward,
+        }
+
+    # -- the store ---------------------------------------------------------------------------
+
+    def _held(self, request: pb.ConvRequest) -> _Slice:
+        """The slice of the request's session and layer at the version it names."""
+        want = request.resident.version
+        with self._lock:
+            held = self._slices.get(request.session, {}).get(request.layer)
+            if held is not None:
+                self._slices.move_to_end(request.session)
+        if held is None:
+            raise StaleSlice(
+                f"layer {request.layer!r}: no resident slice for this session (request names "
+                f"version {version_text(want)}); send PlaceKernels first"
+            )
+        if held.version != want:
+            raise StaleSlice(
+                f"layer {request.layer!r}: the request names slice version "
+                f"{version_text(want)}, this worker holds version {version_text(held.version)}"
+            )
+        return held
+
+    def slices_held(self) -> int:
+        """Resident slices held, all sessions together."""
+        with self._lock:
+            return sum(len(layers) for layers in self._slices.values())
+
+    # -- the calls ---------------------------------------------------------------------------
+
+    def place(self, messages: Iterator):
+        request, (w, b, mw, mb), receive = self.service._receive(messages, PLACE_KERNELS)
+        ref = request.resident
+        if w.ndim != 4 or w.shape[0] < 1:
+            raise InvalidCall(f"w has shape {w.shape}, expected (k >= 1, C, kh, kw)")
+        if b.shape != (w.shape[0],) or mw.shape != w.shape or mb.shape != b.shape:
+            raise InvalidCall(
+                f"b {b.shape}, mw {mw.shape}, mb {mb.shape} must match w {w.shape} "
+                f"(({w.shape[0]},), {w.shape}, ({w.shape[0]},))"
+            )
+        if ref.count != w.shape[0]:
+            raise InvalidCall(f"resident.count is {ref.count}, but w holds {w.shape[0]} kernels")
+        if ref.version == 0:
+            raise InvalidCall("resident.version is 0; a placed slice needs a version above 0")
+        try:
+            config = sgd_config(ref)
+        except ValueError as e:
+            raise InvalidCall(f"optimizer settings: {e}") from None
+        if not (np.isfinite(w).all() and np.isfinite(b).all()):
+            raise InvalidCall("w or b holds NaN or Inf")
+        placed = _Slice(
+            request.kernel_offset,
+            *(np.array(a, np.float32) for a in (w, b, mw, mb)),  # owned and writable
+            started=ref.momentum_started,
+            version=ref.version,
+            config=config,
+        )
+        with self._lock:
+            layers = self._slices.setdefault(request.session, {})
+            layers[request.layer] = placed
+            self._slices.move_to_end(request.session)
+            while len(self._slices) > self.service.config.sessions:
+                gone, _ = self._slices.popitem(last=False)
+                for key in [k for k in self._runs if k[0] == gone]:
+                    del self._runs[key]
+        return [], 0.0, receive
+
+    def fetch(self, messages: Iterator):
+        request, _, receive = self.service._receive(messages, FETCH_KERNELS)
+        held = self._held(request)
+        formats = FETCH_KERNELS.answer_formats()
+        arrays = (held.w, held.b, held.mw, held.mb)
+        return [(n, a, f) for (n, f), a in zip(formats.items(), arrays, strict=True)], 0.0, receive
+
+    def forward(self, messages: Iterator):
+        service = self.service
+        request, (x, hw, hb), receive = service._receive(messages, RESIDENT_STAGE_FORWARD)
+        held = self._held(request)
+        padding = _padding(request)
+        ref, d = request.resident, request.stage
+        k = held.w.shape[0]
+        if d.own_start != ref.halo_before or d.own_count != k:
+            raise InvalidCall(
+                f"stage owns {d.own_count} kernels from {d.own_start}; the resident slice has "
+                f"{k} after {ref.halo_before} halo kernels"
+            )
+        if hw.ndim != 4 or hw.shape[1:] != held.w.shape[1:] or hb.shape != (hw.shape[0],):
+            raise InvalidCall(
+                f"halo hw {hw.shape}, hb {hb.shape} do not match the slice's kernels "
+                f"{held.w.shape[1:]} (hw (halo, C, kh, kw), hb (halo,))"
+            )
+        if ref.halo_before > hw.shape[0]:
+            raise InvalidCall(f"halo_before {ref.halo_before} exceeds the {hw.shape[0]} sent")
+        try:
+            spec = spec_from_proto(d.ops)
+            conv = conv_shape(x.shape, (k + hw.shape[0], *held.w.shape[1:]), padding)
+            spec.output_hw(conv.out_hw)
+        except ValueError as e:
+            raise InvalidCall(str(e)) from None
+        before = ref.halo_before
+        w = np.concatenate([hw[:before], held.w, hw[before:]])
+        b = np.concatenate([hb[:before], held.b, hb[before:]])
+        own = slice(before, before + k)
+        start = time.perf_counter()
+        with service._device_lock:
+            y, run = stage_forward(service.backend, x, w, b, padding, spec, own)
+            service.backend.synchronize()
+        compute = time.perf_counter() - start
+        with self._lock:
+            self._runs[request.session, request.layer] = _Run(request.step, held.version, run, spec)
+        ((name, fmt),) = RESIDENT_STAGE_FORWARD.answer_formats(
+            fmt=answer_format(request.answer_dtype)
+        ).items()
+        return [(name, y, fmt)], compute, receive
+
+    def backward(self, messages: Iterator):
+        service = self.service
+        request, (dy,), receive = service._receive(messages, RESIDENT_STAGE_BACKWARD)
+        held = self._held(request)
+        with self._lock:
+            kept = self._runs.get((request.session, request.layer))
+        if kept is None or kept.step != request.step or kept.version != held.version:
+            have = "nothing" if kept is None else f"step {kept.step}"
+            raise MissingForward(
+                f"no resident stage forward of layer {request.layer!r} at step {request.step} "
+                f"with version {version_text(held.version)} (have {have}); send "
+                "ResidentStageForward first"
+            )
+        run = kept.run
+        n, computed, *out_hw = run.out_shape
+        if dy.ndim != 4 or dy.shape[0] != n or list(dy.shape[2:]) != out_hw:
+            raise InvalidCall(
+                f"dy has shape {dy.shape}, expected ({n}, channels, {out_hw[0]}, {out_hw[1]})"
+            )
+        grad = slice(request.stage.grad_start, request.stage.grad_start + dy.shape[1])
+        if not (grad.start <= run.own.start and run.own.stop <= grad.stop <= computed):
+            raise InvalidCall(
+                f"dy covers channels {grad.start}..{grad.stop - 1} of the {computed} computed; "
+                f"it must cover the owned {run.own.start}..{run.own.stop - 1} and stay within"
+            )
+        start = time.perf_counter()
+        with service._device_lock:
+            dx, dw, db = stage_backward(service.backend, run, dy, grad, request.need_input_grad)
+            service.backend.synchronize()
+        with self._lock:
+            del self._runs[request.session, request.layer]
+            # The update, in place: bitwise what the master's SGD gives these rows.
+            mw = sgd_update(held.w, dw, held.mw if held.started else None, held.config)
+            mb = sgd_update(held.b, db, held.mb if held.started else None, held.config)
+            if mw is not None:
+                held.mw[...], held.mb[...] = mw, mb
+            held.started = True
+            held.version += 1
+        rows = edge_rows(held.w.shape[0], kept.spec.halo)
+        formats = RESIDENT_STAGE_BACKWARD.answer_formats(
+            request.need_input_grad, answer_format(request.answer_dtype)
+        )
+        arrays = [held.w[rows], held.b[rows]] + ([dx] if request.need_input_grad else [])
+        answer = [(name, a, f) for (name, f), a in zip(formats.items(), arrays, strict=True)]
+        return answer, time.perf_counter() - start, receive
+
+
+__all__ = ["ResidentCalls", "StaleSlice"]
