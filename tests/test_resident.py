@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import time
 
 import numpy as np
 import pytest
 
 from hetconv.conv import LocalConv
-from hetconv.master.cluster import Cluster, ClusterConfig
+from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
@@ -119,3 +121,85 @@ def test_resident_cluster_trains_as_local(local, workers, tmp_path):
                     assert got["bytes_sent"] == want.sent, (name, phase)
                     assert got["bytes_received"] == want.received, (name, phase)
                 offset += share
+
+
+class Disturbed(Cluster):
+    """Runs ``actions[(step, layer)]`` just before that layer's stage forward in training
+    (layer None: before the step begins)."""
+
+    def __init__(self, addresses, actions, **config):
+        super().__init__(addresses, config=ClusterConfig(**{**RESIDENT, **config}))
+        self.actions = actions
+
+    def begin_step(self, step):
+        action = self.actions.get((step, None))
+        if action:
+            action(self)
+        super().begin_step(step)
+
+    def stage_forward(self, layer, x, w, b, padding, stage):
+        action = self.actions.get((self.step, layer))
+        if action and x.shape[0] == RUN["batch"]:
+            action(self)
+        return super().stage_forward(layer, x, w, b, padding, stage)
+
+
+def _steps(trace):
+    return [json.loads(line) for line in trace.read_text().splitlines() if '"step"' in line]
+
+
+def test_worker_killed_while_holding_kernels_stays_exact(local, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    with LocalWorkers(2) as started:
+        victim = started.processes[1]
+
+        def kill(cluster):
+            victim.kill()  # SIGKILL: its slices and their momentum die with it
+            victim.wait()
+
+        # Synced at step 3; killed after conv1's forward at step 5: conv1's backward and
+        # conv2's forward fail, and the master replays both slices' updates of steps 3 and 4.
+        with Disturbed(started.addresses, {(5, "conv2"): kill}, resident_sync_every=3) as cluster:
+            got = _train(tmp_path, "killed", cluster, trace=str(trace))
+            lost = [e for e in cluster.events if e["event"] == "worker_lost"]
+    _same_as_local(got, local)
+    assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 5)]
+    records = {r["step"]: r for r in _steps(trace)}
+    assert records[5]["resident"]["conv1"]["replayed_steps"] == 2
+    assert records[5]["resident"]["conv2"]["replayed_steps"] == 2
+    # From step 6 the survivor's slices moved (the shares changed): fetched, placed again.
+    assert records[6]["resident"]["conv2"]["fetched_bytes"] > 0
+    assert records[6]["resident"]["conv2"]["placed_bytes"] > 0
+
+
+def test_worker_joining_moves_slices_without_loss(local, tmp_path):
+    listing = tmp_path / "workers.txt"
+    trace = tmp_path / "trace.jsonl"
+    with LocalWorkers(2) as started:
+        first, second = started.addresses
+        listing.write_text(f"{first}\n")
+
+        def add(cluster):
+            listing.write_text(f"{first}\n{second}\n")
+            os.utime(listing, (time.time() + 5, time.time() + 5))  # an mtime surely new
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if any(n.name == second for n in cluster.nodes + cluster._pending):
+                    if any(
+                        n.name == second and n.state in (READY, ACTIVE)
+                        for n in cluster.nodes + cluster._pending
+                    ):
+                        return
+                time.sleep(0.05)
+            raise AssertionError(f"{second} did not join")
+
+        with Disturbed(
+            [first], {(4, None): add}, shares=None, workers_file=str(listing)
+        ) as cluster:
+            got = _train(tmp_path, "joined", cluster, trace=str(trace))
+            shares = cluster.plans["conv2"].shares
+    _same_as_local(got, local)
+    assert shares[2] > 0
+    records = {r["step"]: r for r in _steps(trace)}
+    assert records[4]["nodes"][second]["conv2"]["kernels"] == shares[2]
+    assert records[4]["resident"]["conv2"]["placed_bytes"] > 0
