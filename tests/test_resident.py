@@ -15,16 +15,20 @@ import json
 import os
 import time
 
+import grpc
 import numpy as np
 import pytest
 
 from hetconv.conv import LocalConv
+from hetconv.master.checkpoint import POINTER_NAME, read_checkpoint
+from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 from hetconv.optim import SGDConfig, sgd_update
-from hetconv.resident import edge_rows
+from hetconv.resident import edge_rows, placement_version
+from hetconv.stages import StageSpec
 from hetconv.workload import conv_layers, resident_call_bytes
 
 RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
@@ -40,7 +44,7 @@ RESIDENT = dict(**FAST, shares=SHARES, stages="fused", kernels="resident")
 
 def _train(tmp_path, name, executor, trace=None, **overrides):
     weights = tmp_path / f"{name}.npz"
-    spec = tmp_path / "strong-lrn.json"
+    spec = tmp_path / "strong-lrn.json"  # one path per test: a resume's fingerprint holds it
     spec.write_text(json.dumps(STRONG_LRN))
     run = {**RUN, "preset": str(spec), **overrides}
     config = TrainConfig(save=str(weights), trace=trace, **run)
@@ -203,3 +207,125 @@ def test_worker_joining_moves_slices_without_loss(local, tmp_path):
     records = {r["step"]: r for r in _steps(trace)}
     assert records[4]["nodes"][second]["conv2"]["kernels"] == shares[2]
     assert records[4]["resident"]["conv2"]["placed_bytes"] > 0
+
+
+def test_checkpoints_and_save_gather_the_slices(local, workers, tmp_path):
+    """A checkpoint (weights and momentum) and --save written with resident kernels equal
+    bitwise those of the same cluster sending its kernels, at the same step; a resumed
+    resident run places the slices again and ends as local training does."""
+    fused = dict(**FAST, shares=SHARES, stages="fused")
+    runs = {}
+    for kernels in ("sent", "resident"):
+        folder = tmp_path / kernels
+        with Cluster(workers.addresses, config=ClusterConfig(**fused, kernels=kernels)) as c:
+            runs[kernels] = _train(
+                tmp_path, kernels, c, checkpoint_dir=str(folder), checkpoint_every=7
+            )
+    _same_as_local(runs["resident"], local)
+    for name, value in runs["sent"][1].items():  # --save
+        np.testing.assert_array_equal(runs["resident"][1][name], value, err_msg=name)
+    for step in (7, 14, 20):
+        sent = read_checkpoint(tmp_path / "sent" / f"ckpt-{step:08d}.npz")
+        resident = read_checkpoint(tmp_path / "resident" / f"ckpt-{step:08d}.npz")
+        for what in ("model", "momentum"):
+            a, b = getattr(sent, what), getattr(resident, what)
+            assert a.keys() == b.keys()
+            for name in a:
+                np.testing.assert_array_equal(b[name], a[name], err_msg=f"{step} {what} {name}")
+    # Resumed from step 7 with resident kernels: placed again from the checkpoint.
+    folder = tmp_path / "resumed"
+    folder.mkdir()
+    for path in (tmp_path / "resident").glob("ckpt-00000007.npz"):
+        (folder / path.name).write_bytes(path.read_bytes())
+    (folder / POINTER_NAME).write_text("ckpt-00000007.npz\n")
+    with Cluster(workers.addresses, config=ClusterConfig(**RESIDENT)) as cluster:
+        resumed = _train(tmp_path, "resumed", cluster, checkpoint_dir=str(folder), resume=True)
+    _same_as_local(resumed, local)
+
+
+LRN_POOL = StageSpec.from_entries(
+    [{"type": "relu"}, {"type": "lrn", "size": 5, "alpha": 1.0}, {"type": "maxpool"}]
+)
+PADDING = (2, 2, 2, 2)
+
+
+def _slice(k=4, c=3):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((k, c, 5, 5)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    return w, b, np.zeros_like(w), np.zeros_like(b)
+
+
+def test_a_stale_version_is_refused_never_computed(workers):
+    client = WorkerClient(workers.addresses[0])
+    session, version = 77, placement_version(1)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    halo = np.zeros((2, 3, 5, 5), np.float32), np.zeros(2, np.float32)
+    try:
+        client.place_kernels(session, "conv9", 2, version, *_slice(), False, SGDConfig())
+
+        def forward(v, step=1):
+            return client.resident_stage_forward(
+                session, step, "conv9", x, *halo, 2, v, PADDING, LRN_POOL, 4
+            )
+
+        y, _ = forward(version)
+        assert y.shape == (2, 4, 4, 4)
+        dy = np.ones((2, 6, 4, 4), np.float32)
+        _, ew, eb, _ = client.resident_stage_backward(session, 1, "conv9", dy, 0, version, True)
+        assert ew.shape == (4, 3, 5, 5) and eb.shape == (4,)  # 4 kernels: all are edges
+        # The worker now holds version + 1: the old version is refused, naming both.
+        for call in (
+            lambda: forward(version, step=2),
+            lambda: client.fetch_kernels(session, "conv9", version),
+            lambda: client.resident_stage_backward(session, 1, "conv9", dy, 0, version, True),
+        ):
+            with pytest.raises(
+                WorkerError,
+                match=r"names slice version 1\.0, this worker "
+                r"holds version 1\.1",
+            ) as caught:
+                call()
+            assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        (w, b, mw, mb), _ = client.fetch_kernels(session, "conv9", version + 1)
+        np.testing.assert_array_equal(w[edge_rows(4, 4)], ew)
+        assert np.any(mw != 0)  # the momentum started
+        with pytest.raises(WorkerError, match="no resident slice for this session") as caught:
+            client.fetch_kernels(session + 1, "conv9", version)
+        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        client.close()
+
+
+class _Settings:
+    """Optimizer settings as a master could send them (SGDConfig refuses bad ones itself)."""
+
+    def __init__(self, lr=0.01, momentum=0.9, weight_decay=5e-4):
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+
+
+@pytest.mark.parametrize(
+    "arrays, version, settings, message",
+    [
+        (_slice(), 0, _Settings(), "resident.version is 0"),
+        (_slice(), 1, _Settings(lr=0.0), "optimizer settings: learning rate must be positive"),
+        (_slice(), 1, _Settings(momentum=1.0), "optimizer settings: momentum must be in"),
+        (_slice()[:3] + (np.zeros(3, np.float32),), 1, _Settings(), r"mb \(3,\) must match"),
+        (
+            (np.full((4, 3, 5, 5), np.nan, np.float32), *_slice()[1:]),
+            1,
+            _Settings(),
+            "w or b holds NaN or Inf",
+        ),
+    ],
+)
+def test_bad_place_kernels_requests_are_refused(workers, arrays, version, settings, message):
+    client = WorkerClient(workers.addresses[0])
+    try:
+        with pytest.raises(WorkerError, match=message) as caught:
+            client.place_kernels(5, "conv9", 0, version, *arrays, False, settings)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        client.place_kernels(5, "conv9", 0, 1, *_slice(), False, SGDConfig())  # still serving
+    finally:
+        client.close()
