@@ -127,6 +127,25 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "(default): per layer, whichever the cost model counts fewer bytes for",
     )
     where.add_argument(
+        "--kernels",
+        choices=("auto", "resident", "sent"),  # hetconv.resident.KERNEL_MODES
+        default="auto",
+        help="resident: a worker keeps its kernel slice of a fused layer and the slice's "
+        "momentum between steps and updates it itself, so kernels and their gradients do not "
+        "cross the link each step (exact; a lost worker's updates are replayed by the master "
+        "from the last sync); sent: every step sends them, as the paper; auto (default): per "
+        "fused layer, whichever the cost model counts fewer bytes for",
+    )
+    where.add_argument(
+        "--resident-sync-every",
+        type=non_negative_int,
+        default=20,
+        metavar="STEPS",
+        help="with resident kernels, fetch every slice every STEPS steps (default 20): the "
+        "master's replay log, which keeps what a lost worker's updates need, spans this many "
+        "steps; 0: only when the log grows past 512 MB per layer",
+    )
+    where.add_argument(
         "--deterministic",
         action="store_true",
         help="make two runs with the same flags over the same workers bitwise identical: "
@@ -264,6 +283,8 @@ def _run_train(args: argparse.Namespace) -> int:
             )
         if args.stages != "auto":
             raise ValueError("--local runs no workers, so nothing is fused: drop --stages")
+        if args.kernels != "auto":
+            raise ValueError("--local runs no workers, so no kernel is resident: drop --kernels")
         return _final_checkpoint_status(config.checkpoint_dir, train(config, LocalConv()).steps)
     if args.shares is None:
         # The embedded default demonstrates the split on one machine, where every "link" is
@@ -292,6 +313,8 @@ def _run_train(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca,
         wire_format=format_named(args.wire_format),
         stages=args.stages,
+        kernels=args.kernels,
+        resident_sync_every=args.resident_sync_every,
     )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:

@@ -30,6 +30,7 @@ the kernel gradient as much again and the input gradient (when the layer needs i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -364,8 +365,24 @@ def local_step_seconds(master: Node, layers: Sequence[ConvLayer], comp_s: float)
 
 
 def _wire(
-    layer: ConvLayer, phase: str, share: int, offset: int, step: int, fmt: TensorFormat, fused
+    layer: ConvLayer,
+    phase: str,
+    share: int,
+    offset: int,
+    step: int,
+    fmt: TensorFormat,
+    fused,
+    resident: bool = False,
+    sync_every: int = 20,
 ):
+    if fused and resident:
+        wire = resident_call_bytes(layer, layer.stage, phase, share, offset, step, fmt)
+        if phase == BACKWARD and sync_every:  # the syncs, amortised over their interval
+            sync = resident_sync_bytes(layer, share) // sync_every
+            wire = dataclasses.replace(
+                wire, received=wire.received + sync, tensors_received=wire.tensors_received + sync
+            )
+        return wire
     if fused:
         return stage_call_bytes(layer, layer.stage, phase, share, offset, step, fmt)
     return call_bytes(layer, phase, share, offset, step, fmt)
@@ -460,10 +477,13 @@ def simulate_layer_phase(
     shares: Sequence[int],
     step: int = 1000,
     fused: bool = False,
+    resident: bool = False,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
-    (:meth:`Cluster.stage_forward` / ``stage_backward``; needs ``layer.stage``)."""
+    (:meth:`Cluster.stage_forward` / ``stage_backward``; needs ``layer.stage``), with
+    ``resident`` kernels (:mod:`hetconv.master.resident`: halo out, edges back, the syncs
+    amortised into backward's answer) or sent ones."""
     if fused and layer.stage is None:
         raise ValueError(f"{layer.name} has no channel-local layers after it to fuse")
     passes = layer.passes(phase)
@@ -475,7 +495,7 @@ def simulate_layer_phase(
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):
         if share:
-            wire = _wire(layer, phase, share, offset, step, cluster.wire.format, fused)
+            wire = _wire(layer, phase, share, offset, step, cluster.wire.format, fused, resident)
             compute = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
             calls.append(
                 WorkerCall(
@@ -508,6 +528,7 @@ def simulate_step(
     shares: Mapping[str, Sequence[int]],
     comp_s: float,
     stages: str | Mapping[str, str] = UNFUSED,
+    kernels: str | Mapping[str, str] = SENT,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work.
@@ -517,7 +538,16 @@ def simulate_step(
     trace's ``stage_modes`` records them; a layer not named: unfused). ``comp_s`` stays as
     given: fused stages move the channel-local layers' work from the master to the workers,
     which the caller's ``comp_s`` (measured or assumed) has to say.
+
+    ``kernels`` as ``hetconv train --kernels``: ``"sent"``, ``"resident"`` or ``"auto"``
+    (:func:`kernel_mode`), or per layer name; only fused layers keep their kernels.
     """
+    kernel_modes = (
+        kernels if isinstance(kernels, Mapping) else {layer.name: kernels for layer in layers}
+    )
+    for mode in kernel_modes.values():
+        if mode not in (RESIDENT, SENT, AUTO):
+            raise ValueError(f"kernels {mode!r}; expected resident, sent or auto")
     modes = stages if isinstance(stages, Mapping) else {layer.name: stages for layer in layers}
     for mode in modes.values():
         if mode not in (FUSED, UNFUSED, AUTO):
@@ -537,8 +567,17 @@ def simulate_step(
             mode = UNFUSED
         elif mode == AUTO:
             mode = stage_mode(layer, layer.stage, split, cluster.wire.format)
+        kept = kernel_modes.get(layer.name, SENT)
+        if mode != FUSED:
+            kept = SENT
+        elif kept == AUTO:
+            kept = kernel_mode(layer, layer.stage, split, fmt=cluster.wire.format)
         for phase in PHASES:
-            phases.append(simulate_layer_phase(cluster, layer, phase, split, fused=mode == FUSED))
+            phases.append(
+                simulate_layer_phase(
+                    cluster, layer, phase, split, fused=mode == FUSED, resident=kept == RESIDENT
+                )
+            )
     comm = sum(p.comm_s for p in phases)
     conv = sum(p.conv_s for p in phases)
     return StepResult(
@@ -554,7 +593,9 @@ def simulate_step(
 
 
 __all__ = [
+    "kernel_mode",
     "layer_bytes",
+    "resident_layer_bytes",
     "stage_mode",
     "Cluster",
     "MBIT",

@@ -208,6 +208,19 @@ class EmbeddedCluster:
     def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage):
         return self.cluster.stage_backward(layer, x, w, b, dy, padding, need_input_grad, stage)
 
+    # Resident kernels (hetconv.master.resident), as the cluster keeps them.
+    def resident_layers(self) -> list[str]:
+        return self.cluster.resident_layers()
+
+    def attach_optimizer(self, sgd) -> None:
+        self.cluster.attach_optimizer(sgd)
+
+    def gather_resident(self) -> dict:
+        return self.cluster.gather_resident()
+
+    def load_resident_momentum(self, momentum: dict) -> None:
+        self.cluster.load_resident_momentum(momentum)
+
     def begin_step(self, step: int) -> None:
         self.cluster.begin_step(step)
 

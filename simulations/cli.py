@@ -98,6 +98,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "maps), auto (per layer, fewer bytes wins: what `hetconv train` does by default). The "
         "master's other work (comp) is as the scenario or trace says, in every mode",
     )
+    parser.add_argument(
+        "--kernels",
+        choices=("sent", "resident", "auto"),
+        default="sent",
+        help="whether fused layers' kernels cross the link each step, as `hetconv train "
+        "--kernels`: sent (the default here, the paper's), resident (workers keep and update "
+        "their slices: halo kernels out, edge kernels back, a sync every 20 steps), auto (per "
+        "layer, fewer bytes wins: what `hetconv train` does by default). Needs --stages fused "
+        "or auto to matter",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write figures (PNG) into DIR")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument("--list", action="store_true", help="name the shipped scenarios")
@@ -246,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             batches=args.batch,
             policies=args.policy,
             stages=args.stages,
+            kernels=args.kernels,
         )
         if not args.quiet:
             print(describe(scenario))

@@ -38,6 +38,7 @@ class Row:
     mbytes_per_step: float
     shares: dict[str, list[int]]
     stages: str = "unfused"  # as `hetconv train --stages` (hetconv.stages)
+    kernels: str = "sent"  # as `hetconv train --kernels` (hetconv.master.resident)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -51,9 +52,11 @@ def run_scenario(
     batches: Sequence[int] | None = None,
     policies: Sequence[str] | None = None,
     stages: str = "unfused",
+    kernels: str = "sent",
 ) -> list[Row]:
     """Simulate the scenario's grid (each argument, when given, replaces the scenario's), with
-    every layer's stage run as ``stages`` says (``hetconv train --stages``)."""
+    every layer's stage run as ``stages`` says (``hetconv train --stages``) and its kernels
+    kept as ``kernels`` says (``hetconv train --kernels``)."""
     rows = []
     for network in networks or scenario.networks:
         for batch in batches or scenario.batches:
@@ -66,7 +69,7 @@ def run_scenario(
                     cluster = scenario.cluster(size, bandwidth)
                     for policy in policies or scenario.policies:
                         shares = shares_for(cluster, layers, policy)
-                        result = simulate_step(cluster, layers, shares, comp, stages)
+                        result = simulate_step(cluster, layers, shares, comp, stages, kernels)
                         rows.append(
                             Row(
                                 scenario=scenario.name,
@@ -86,6 +89,7 @@ def run_scenario(
                                 mbytes_per_step=result.bytes / 1e6,
                                 shares={k: list(v) for k, v in result.shares.items()},
                                 stages=stages,
+                                kernels=kernels,
                             )
                         )
     return rows
