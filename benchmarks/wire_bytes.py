@@ -10,8 +10,12 @@ hardly depend on the split, as every worker gets the whole input either way.
 A *mode* is one entry of :data:`MODES`: a name and a function from (layer, shares) to the
 bytes of one step of that layer. The kernel split in each wire format, and fused worker stages
 (``fused``: every layer with channel-local layers after it runs them on the workers and moves
-pooled maps, :func:`hetconv.workload.stage_call_bytes`), are there; a replicated first block or
-resident kernels will be entries of their own.
+pooled maps, :func:`hetconv.workload.stage_call_bytes`), and fused stages with resident kernels
+(``fused_resident``: the workers keep their slices and update them, so a call sends the halo
+kernels and gets the edge kernels back instead of the slice and its gradients; the syncs that
+bound the master's replay log, every 20 steps, are counted amortised:
+:func:`hetconv.costmodel.resident_layer_bytes`) are there; a replicated first block will be an
+entry of its own.
 
 ``--halo`` prints, instead, what LRN's channel halo costs a fused stage each way it can be
 had, per layer: computed redundantly (what :mod:`hetconv.stages` does: each worker computes
@@ -72,6 +76,15 @@ def _fused(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int]:
     return layer_bytes
 
 
+def _fused_resident(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int]:
+    def layer_bytes(layer: ConvLayer, shares: Sequence[int]) -> int:
+        if layer.stage is None:  # only fused layers keep their kernels
+            return costmodel.layer_bytes(layer, shares, False, fmt)
+        return round(costmodel.resident_layer_bytes(layer, shares, fmt))
+
+    return layer_bytes
+
+
 MODES: tuple[Mode, ...] = (
     Mode(BASELINE, "kernel split (the paper's), float32 wire", _kernel_split(FLOAT32)),
     Mode(
@@ -93,6 +106,17 @@ MODES: tuple[Mode, ...] = (
         "fused_bfloat16",
         "fused worker stages, activations as bfloat16 (--stages fused --wire-format bfloat16)",
         _fused(BFLOAT16),
+    ),
+    Mode(
+        "fused_resident",
+        "fused stages, resident kernels (--stages fused --kernels resident): halo kernels out, "
+        "edge kernels back, every slice synced every 20 steps",
+        _fused_resident(FLOAT32),
+    ),
+    Mode(
+        "fused_resident_bfloat16",
+        "fused stages, resident kernels, activations as bfloat16",
+        _fused_resident(BFLOAT16),
     ),
 )
 
