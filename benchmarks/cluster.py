@@ -14,10 +14,14 @@ simulator answers that from these figures and measured links.
 With ``--stages unfused fused`` each worker count runs once per stage mode (``hetconv train
 --stages``) in the same rounds, so fused and unfused are measured side by side; ``comp`` is the
 master's work outside the distributed calls (in fused mode the fully connected part and the
-loss; the master's own stage piece counts as its convolution).
+loss; the master's own stage piece counts as its convolution). ``--kernels sent resident``
+measures fused layers with their kernels sent every step and kept on the workers
+(``hetconv train --kernels``) side by side too (a mode ``fused+resident``); MB/step then
+includes the placements and syncs.
 
     python benchmarks/cluster.py [--presets tiny paper-50-500] [--workers 1 2] [--batch 32]
-                                 [--steps 8] [--rounds 2] [--stages unfused fused] [--json PATH]
+                                 [--steps 8] [--rounds 2] [--stages unfused fused]
+                                 [--kernels sent resident] [--json PATH]
 """
 
 from __future__ import annotations
@@ -65,12 +69,25 @@ def main() -> None:
         default=["unfused"],
         help="stage modes to measure side by side (hetconv train --stages)",
     )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=("sent", "resident"),
+        default=["sent"],
+        help="kernel modes to measure side by side for fused layers (hetconv train --kernels)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     args = parser.parse_args()
+    modes = [
+        (stage, kernels)
+        for stage in args.stages
+        for kernels in args.kernels
+        if kernels == "sent" or stage != "unfused"
+    ]
 
     rows = []
     header = (
-        f"{'preset':<14} {'K':>2} {'stages':<8} {'local ms':>9} {'cluster ms':>10} {'ratio':>6} "
+        f"{'preset':<14} {'K':>2} {'stages':<15} {'local ms':>9} {'cluster ms':>10} {'ratio':>6} "
         f"{'comm ms':>8} {'conv ms':>8} {'comp ms':>8} {'MB/step':>8}  shares"
     )
     print(header)
@@ -87,18 +104,20 @@ def main() -> None:
                     trace=str(Path(tmp) / "trace.jsonl"),
                 )
                 local: list[dict] = []
-                remote: dict[str, list[dict]] = {mode: [] for mode in args.stages}
+                remote: dict[tuple, list[dict]] = {mode: [] for mode in modes}
                 shares: dict[str, dict] = {}
                 for _ in range(args.rounds):
                     local += _run(config, LocalConv())
-                    for mode in args.stages:
+                    for mode in modes:
                         cluster_config = ClusterConfig(
-                            master_compute=not args.no_master_compute, stages=mode
+                            master_compute=not args.no_master_compute,
+                            stages=mode[0],
+                            kernels=mode[1],
                         )
                         with Cluster(workers.addresses[:k], config=cluster_config) as cluster:
                             remote[mode] += _run(config, cluster)
                             shares[mode] = {n: list(p.shares) for n, p in cluster.plans.items()}
-                for mode in args.stages:
+                for mode in modes:
                     rows.append(_row(args, preset, k, mode, local, remote[mode], shares[mode]))
     print("ratio = local step time / cluster step time (above 1: the cluster is faster)")
     if args.json:
@@ -108,11 +127,14 @@ def main() -> None:
 
 def _row(args, preset, k, mode, local, remote, shares) -> dict:
     """One measured configuration: its figures, printed as a table row too."""
+    stages, kernels = mode
+    label = stages if kernels == "sent" else f"{stages}+{kernels}"
     row = {
         "preset": preset,
         "batch": args.batch,
         "workers": k,
-        "stages": mode,
+        "stages": stages,
+        "kernels": kernels,
         "master_compute": not args.no_master_compute,
         "local_step_s": _mean(local, "seconds"),
         "cluster_step_s": _mean(remote, "seconds"),
@@ -125,7 +147,7 @@ def _row(args, preset, k, mode, local, remote, shares) -> dict:
     }
     row["ratio"] = row["local_step_s"] / row["cluster_step_s"]
     print(
-        f"{preset:<14} {k:>2} {mode:<8} {1e3 * row['local_step_s']:>9.1f} "
+        f"{preset:<14} {k:>2} {label:<15} {1e3 * row['local_step_s']:>9.1f} "
         f"{1e3 * row['cluster_step_s']:>10.1f} {row['ratio']:>6.2f} "
         f"{1e3 * row['comm_s']:>8.1f} {1e3 * row['conv_s']:>8.1f} "
         f"{1e3 * row['comp_s']:>8.1f} {row['bytes_per_step'] / 1e6:>8.1f}  "

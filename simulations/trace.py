@@ -72,14 +72,20 @@ def read_steps(path: str) -> list[dict]:
 
 
 def step_bytes(record: dict) -> int:
-    """Bytes a step record's calls moved on the master's link, both ways, every node and layer."""
-    return sum(
+    """Bytes a step record's calls moved on the master's link, both ways, every node and layer
+    (resident kernels' placements and syncs included: the record's ``resident``)."""
+    calls = sum(
         figures[phase]["bytes_sent"] + figures[phase]["bytes_received"]
         for layers in record.get("nodes", {}).values()
         for figures in layers.values()
         for phase in ("forward", "backward")
         if phase in figures
     )
+    kept = sum(
+        figures.get("placed_bytes", 0) + figures.get("fetched_bytes", 0)
+        for figures in record.get("resident", {}).values()
+    )
+    return calls + kept
 
 
 def read_trace(path: str) -> list[dict]:
