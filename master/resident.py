@@ -97,6 +97,14 @@ class Placement:
         return sum(e.dy.nbytes + e.hw.nbytes for e in self.log)
 
 
+def as_received(array: np.ndarray, fmt) -> np.ndarray:
+    """A copy of ``array`` as a worker receives it in wire format ``fmt`` (rounded when the
+    format is 16-bit): what the replay log must keep to recompute the worker's update."""
+    if fmt.exact:
+        return np.array(array)
+    return fmt.to_host(fmt.to_wire(array))
+
+
 class ResidentLayer:
     """One layer's resident state on the master: the model's weight and bias arrays (current
     for every row no worker holds, and for the edge rows of those that do), the momentum
@@ -159,7 +167,7 @@ class _ResidentForward:
         placed = layer.placements[piece.node.name]
         hw, hb, before = layer.halo(part)
         if self.x_kept is None:
-            self.x_kept = np.array(self.x)
+            self.x_kept = as_received(self.x, piece.node.client.wire_format)
         placed.pending = (self.x_kept, hw, hb)
         return WorkerRequest(
             piece.node.client.resident_stage_forward,
@@ -267,7 +275,7 @@ class _ResidentBackward:
         wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
         if placed.pending is not None:
             x, hw, hb = placed.pending
-            dy = np.array(self.dy[:, grad])
+            dy = as_received(self.dy[:, grad], piece.node.client.wire_format)
             placed.log.append(_Logged(x, hw, hb, dy, grad.start - wide.start))
             placed.pending = None
         self._edges.append((part, ew, eb))

@@ -19,17 +19,30 @@ import grpc
 import numpy as np
 import pytest
 
+from hetconv.balance import kernel_shares
 from hetconv.conv import LocalConv
+from hetconv.costmodel import (
+    MBIT,
+    SWITCHED,
+    Node,
+    kernel_mode,
+    layer_bytes,
+    resident_layer_bytes,
+    simulate_step,
+)
+from hetconv.costmodel import Cluster as SimCluster
+from hetconv.formats import BFLOAT16, FLOAT32
 from hetconv.master.checkpoint import POINTER_NAME, read_checkpoint
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
+from hetconv.master.resident import as_received
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import edge_rows, placement_version
 from hetconv.stages import StageSpec
-from hetconv.workload import conv_layers, resident_call_bytes
+from hetconv.workload import conv_layers, network_layers, resident_call_bytes
 
 RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
 # The tiny network with a strong normalisation (alpha 1 instead of 1e-4): with the usual alpha
@@ -329,3 +342,42 @@ def test_bad_place_kernels_requests_are_refused(workers, arrays, version, settin
         client.place_kernels(5, "conv9", 0, 1, *_slice(), False, SGDConfig())  # still serving
     finally:
         client.close()
+
+
+def test_the_replay_log_keeps_what_a_16_bit_wire_delivered():
+    x = np.random.default_rng(4).standard_normal((2, 3, 4, 4)).astype(np.float32)
+    kept = as_received(x, BFLOAT16)
+    np.testing.assert_array_equal(kept, BFLOAT16.decode(b"".join(BFLOAT16.encode(x)), x.shape))
+    assert not np.array_equal(kept, x)
+    assert np.array_equal(as_received(x, FLOAT32), x) and as_received(x, FLOAT32) is not x
+
+
+def test_cost_model_and_simulator_count_resident_kernels():
+    layers = network_layers("paper-500-1500", 16)
+    shares = {layer.name: kernel_shares(layer.kernels, [1.0] * 5) for layer in layers}
+    for layer in layers:
+        split = shares[layer.name]
+        assert kernel_mode(layer, layer.stage, split) == "resident"
+        assert kernel_mode(layer, None, split) == "sent"
+        assert resident_layer_bytes(layer, split) < layer_bytes(layer, split, True)
+    workers = tuple(Node(f"w{i}", 100.0, bytes_per_s=MBIT * 100) for i in range(4))
+    cluster = SimCluster(Node("master", 100.0), workers, SWITCHED, medium_bytes_per_s=MBIT * 100)
+    fused = simulate_step(cluster, layers, shares, 0.1, "fused")
+    resident = simulate_step(cluster, layers, shares, 0.1, "fused", "resident")
+    auto = simulate_step(cluster, layers, shares, 0.1, "fused", "auto")
+    assert resident.bytes == auto.bytes < fused.bytes
+    assert resident.comm_s < fused.comm_s  # fewer bytes on a 100 Mbit/s link
+    want = sum(resident_layer_bytes(layer, shares[layer.name]) for layer in layers)
+    assert resident.bytes == pytest.approx(want, rel=1e-6)
+    # Unfused layers keep nothing: resident asks nothing of them.
+    unfused = simulate_step(cluster, layers, shares, 0.1, "unfused")
+    assert simulate_step(cluster, layers, shares, 0.1, "unfused", "resident").bytes == unfused.bytes
+    with pytest.raises(ValueError, match="kernels 'kept'; expected resident, sent or auto"):
+        simulate_step(cluster, layers, shares, 0.1, "fused", "kept")
+
+
+def test_bad_kernel_modes_are_refused():
+    with pytest.raises(ValueError, match="kernels 'local'; expected one of resident, sent, auto"):
+        ClusterConfig(kernels="local")
+    with pytest.raises(ValueError, match="resident sync interval must be >= 0 steps, got -1"):
+        ClusterConfig(resident_sync_every=-1)
