@@ -21,6 +21,13 @@ backward sends the pooled-map gradient of its owned and halo channels
 (:class:`~.dispatch.FusedKernelSplit`, :mod:`hetconv.stages`). ``auto`` picks per layer by the
 cost model's bytes; the plan record and every step record say how each layer ran.
 
+With resident kernels (``ClusterConfig.kernels``, ``hetconv train --kernels``) a fused layer's
+workers keep their kernel slices and momentum between steps and update them themselves; only
+halo kernels go out and edge kernels come back, slices move when the shares change, and a lost
+worker's slice is replayed on the master from its last sync (:mod:`.resident`). The plan and
+step records say each layer's ``kernel_modes``; step records hold what placements and syncs
+moved under ``resident``.
+
 Shares come from probes (:meth:`Cluster.prepare`): each node times a forward + backward pass of
 the layer's real shape on random data, and :func:`~hetconv.balance.kernel_shares` gives kernels
 in proportion to 1/time.

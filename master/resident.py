@@ -140,6 +140,11 @@ class ResidentLayer:
         if bw is not None:
             mw[...], mb[...] = bw, bb
 
+    def log_bytes(self) -> int:
+        """What the replay logs of this layer's slices hold (each step's input counted once)."""
+        inputs = {id(e.x): e.x.nbytes for p in self.placements.values() for e in p.log}
+        return sum(p.log_bytes() for p in self.placements.values()) + sum(inputs.values())
+
     def momentum(self) -> dict[str, np.ndarray]:
         """The momentum buffers as the optimizer names them (none before the first update)."""
         if not self.started:
@@ -393,9 +398,10 @@ class ResidentKernels:
         for name, piece in want.items():
             if name not in layer.placements:
                 self._place(layer, piece, step)
+        full = layer.log_bytes() > self.log_limit_bytes
         for placed in list(layer.placements.values()):
             due = self.sync_every and step - placed.synced_step >= self.sync_every
-            if due or placed.log_bytes() > self.log_limit_bytes:
+            if due or full:
                 self._gather(layer, placed, keep=True, step=step)
 
     def _place(self, layer: ResidentLayer, piece: Piece, step: int) -> None:
