@@ -42,6 +42,7 @@ from hetconv.workload import (
     ConvLayer,
     call_bytes,
     network_layers,
+    resident_call_bytes,
     stage_call_bytes,
 )
 
@@ -68,6 +69,8 @@ class Calibration:
     step_numbers: list[int] = field(default_factory=list)  # of the records used
     # layer -> "fused" / "unfused", as the run ran it (hetconv train --stages); {}: unfused
     stage_modes: dict[str, str] = field(default_factory=dict)
+    # layer -> "resident" / "sent" (hetconv train --kernels); {}: sent
+    kernel_modes: dict[str, str] = field(default_factory=dict)
 
     def devices(self) -> list[DeviceSpec]:
         """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
@@ -110,6 +113,7 @@ class Calibration:
             self.shares,
             self.comp_per_image_s * self.batch,
             self.stage_modes,
+            self.kernel_modes or "sent",
         )
         return {
             "step_s": result.step_s,
@@ -197,6 +201,7 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     """None when every worker call of ``record`` moved what the simulator computes, else why."""
     fmt = _format_of(record)
     modes = record.get("stage_modes", {})  # fused layers moved stage calls' bytes
+    kept = record.get("kernel_modes", {})  # resident ones, resident calls' bytes
     names, split = _layout(record)
     by_name = {layer.name: layer for layer in layers}
     if set(by_name) != set(split) or any(
@@ -212,7 +217,12 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
             for phase in PHASES:
                 if share and phase in entry:
                     step = int(record.get("step", 0))
-                    if modes.get(layer_name) == "fused" and layer.stage is not None:
+                    fused = modes.get(layer_name) == "fused" and layer.stage is not None
+                    if fused and kept.get(layer_name) == "resident":
+                        want = resident_call_bytes(
+                            layer, layer.stage, phase, share, offset, step, fmt
+                        )
+                    elif fused:
                         want = stage_call_bytes(layer, layer.stage, phase, share, offset, step, fmt)
                     else:
                         want = call_bytes(layer, phase, share, offset, step, fmt)
@@ -412,6 +422,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         notes=notes,
         step_numbers=[int(r["step"]) for r in used],
         stage_modes=dict(used[0].get("stage_modes", {})),
+        kernel_modes=dict(used[0].get("kernel_modes", {})),
     )
 
 

@@ -189,7 +189,9 @@ def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", w
     master_compute = any(split[0] for split in cal.shares.values())
     cluster = Cluster(nodes[0], workers, SWITCHED, master_compute=master_compute, wire=wire)
     comp = cal.comp_per_image_s * cal.batch
-    result = simulate_step(cluster, layers, cal.shares, comp, cal.stage_modes)
+    result = simulate_step(
+        cluster, layers, cal.shares, comp, cal.stage_modes, cal.kernel_modes or "sent"
+    )
     return result, gflops, cal
 
 

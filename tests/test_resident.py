@@ -41,6 +41,7 @@ from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import edge_rows, placement_version
+from hetconv.simulations.calibrate import calibrate
 from hetconv.stages import StageSpec
 from hetconv.workload import conv_layers, network_layers, resident_call_bytes
 
@@ -381,3 +382,12 @@ def test_bad_kernel_modes_are_refused():
         ClusterConfig(kernels="local")
     with pytest.raises(ValueError, match="resident sync interval must be >= 0 steps, got -1"):
         ClusterConfig(resident_sync_every=-1)
+
+
+def test_a_resident_trace_calibrates_the_simulator(workers, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    with Cluster(workers.addresses, config=ClusterConfig(**RESIDENT)) as cluster:
+        _train(tmp_path, "traced", cluster, trace=str(trace), steps=4)
+    cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
+    assert cal.kernel_modes == {"conv1": "resident", "conv2": "resident"}
+    assert cal.check()["step_s"] > 0
