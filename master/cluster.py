@@ -445,7 +445,11 @@ class Cluster:
                 layer = ConvLayer.from_spec(spec, batch)
                 shares = self.plans[spec.name].shares if spec.name in self.plans else None
                 mode = costmodel.kernel_mode(
-                    layer, spec.stage, shares or (1,) * len(self.nodes), DEFAULT_SYNC_EVERY
+                    layer,
+                    spec.stage,
+                    shares or (1,) * len(self.nodes),
+                    self.config.resident_sync_every,
+                    self.config.wire_format,
                 )
             self.kernel_modes[spec.name] = mode
 
