@@ -63,6 +63,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="local/cluster alternations")
     parser.add_argument("--no-master-compute", action="store_true")
     parser.add_argument(
+        "--equal-shares",
+        action="store_true",
+        help="split every layer equally over the nodes (hetconv train --deterministic), so the "
+        "modes compared run the same shares whatever the probes measured on a busy machine",
+    )
+    parser.add_argument(
         "--stages",
         nargs="+",
         choices=("unfused", "fused", "auto"),
@@ -106,13 +112,16 @@ def main() -> None:
                 local: list[dict] = []
                 remote: dict[tuple, list[dict]] = {mode: [] for mode in modes}
                 shares: dict[str, dict] = {}
-                for _ in range(args.rounds):
+                for round_number in range(args.rounds):
                     local += _run(config, LocalConv())
-                    for mode in modes:
+                    # Every other round in reverse, so a machine getting busier over the rounds
+                    # does not always hit the same mode last.
+                    for mode in modes if round_number % 2 == 0 else modes[::-1]:
                         cluster_config = ClusterConfig(
                             master_compute=not args.no_master_compute,
                             stages=mode[0],
                             kernels=mode[1],
+                            deterministic=args.equal_shares,
                         )
                         with Cluster(workers.addresses[:k], config=cluster_config) as cluster:
                             remote[mode] += _run(config, cluster)
