@@ -183,6 +183,11 @@ def test_worker_killed_while_holding_kernels_stays_exact(local, tmp_path):
     _same_as_local(got, local)
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 5)]
     records = {r["step"]: r for r in _steps(trace)}
+    # Synced at step 3 (fetched, not placed again), not before.
+    assert [
+        s for s in range(5) if "fetched_bytes" in records[s].get("resident", {}).get("conv2", {})
+    ] == [3]
+    assert "placed_bytes" not in records[3]["resident"]["conv2"]
     assert records[5]["resident"]["conv1"]["replayed_steps"] == 2
     assert records[5]["resident"]["conv2"]["replayed_steps"] == 2
     # From step 6 the survivor's slices moved (the shares changed): fetched, placed again.

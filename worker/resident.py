@@ -30,7 +30,7 @@ from hetconv.calls import (
     RESIDENT_STAGE_BACKWARD,
     RESIDENT_STAGE_FORWARD,
 )
-from hetconv.errors import InvalidCall, MissingForward
+from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
 from hetconv.formats import answer_format
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
@@ -115,11 +115,6 @@ class ResidentCalls:
             )
         return held
 
-    def slices_held(self) -> int:
-        """Resident slices held, all sessions together."""
-        with self._lock:
-            return sum(len(layers) for layers in self._slices.values())
-
     # -- the calls ---------------------------------------------------------------------------
 
     def place(self, messages: Iterator):
@@ -191,6 +186,14 @@ class ResidentCalls:
             spec.output_hw(conv.out_hw)
         except ValueError as e:
             raise InvalidCall(str(e)) from None
+        # As StageForward: the stage's intermediates, a few times the widened feature maps,
+        # must fit the worker's limit too.
+        kept = 6 * 4 * conv.n * conv.k * conv.out_hw[0] * conv.out_hw[1]
+        if kept > service.config.max_request_bytes:
+            raise RequestTooLarge(
+                f"the stage would hold {kept} bytes: beyond this worker's limit of "
+                f"{service.config.max_request_bytes} bytes per request"
+            )
         before = ref.halo_before
         w = np.concatenate([hw[:before], held.w, hw[before:]])
         b = np.concatenate([hb[:before], held.b, hb[before:]])
