@@ -2,10 +2,11 @@
 
 Real worker processes on loopback: a cluster with resident kernels (fused stages, a strong LRN
 so a wrong halo would show) trains as local training does step by step, also when a worker
-holding kernels is SIGKILLed mid-step (the master replays its slice's updates), when the
-shares change mid-run (slices move), and across a checkpoint and resume; checkpoints and
-``--save`` gather the slices. A worker refuses a call naming a version it does not hold, and
-bad PlaceKernels requests, naming what was wrong.
+holding kernels is SIGKILLed mid-step (the master replays its slice's updates), when a worker
+process is replaced between steps (its calls are refused, never computed with a slice it does
+not hold), when the shares change mid-run (slices move), and across a checkpoint and resume;
+checkpoints and ``--save`` gather the slices. A worker refuses a call naming a version it does
+not hold, and bad PlaceKernels requests, naming what was wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import time
 
 import grpc
@@ -20,6 +23,7 @@ import numpy as np
 import pytest
 
 from hetconv.balance import kernel_shares
+from hetconv.calls import READY as READY_LINE
 from hetconv.conv import LocalConv
 from hetconv.costmodel import (
     MBIT,
@@ -396,3 +400,41 @@ def test_a_resident_trace_calibrates_the_simulator(workers, tmp_path):
     cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
     assert cal.kernel_modes == {"conv1": "resident", "conv2": "resident"}
     assert cal.check()["step_s"] > 0
+
+
+def test_a_worker_restarted_between_steps_is_refused_then_replayed(local, tmp_path):
+    """A worker process replaced on the same port between two steps holds no slice: its
+    first call is refused (FAILED_PRECONDITION), never computed with whatever it has; the
+    master replays the slice, covers it, and the new process rejoins."""
+    with LocalWorkers(2) as started:
+        address = started.addresses[1]
+        port = address.rsplit(":", 1)[1]
+        replacement = []
+
+        def restart(cluster):
+            started.processes[1].kill()
+            started.processes[1].wait()
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-m", "hetconv", "worker", "--listen",
+                 f"127.0.0.1:{port}", "--backend", "cpu", "--no-startup-probe"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            replacement.append(process)
+            for line in process.stdout:
+                if line.startswith(READY_LINE):
+                    break
+
+        try:
+            with Disturbed(started.addresses, {(4, None): restart}) as cluster:
+                got = _train(tmp_path, "restarted", cluster)
+                events = cluster.events
+        finally:
+            for process in replacement:
+                process.terminate()
+                process.wait(10)
+    _same_as_local(got, local)
+    lost = [e for e in events if e["event"] == "worker_lost"]
+    assert [(e["worker"], e["step"]) for e in lost] == [(address, 4)]
+    assert "FAILED_PRECONDITION" in lost[0]["reason"]
+    assert "no resident slice for this session" in lost[0]["reason"]
+    assert any(e["event"] == "worker_rejoined" and e["worker"] == address for e in events)
