@@ -203,6 +203,7 @@ class Cluster:
             network,
             fixed=c.shares,
             deterministic=c.deterministic,
+            stages=c.stages,
         )
         self.medium: probing.Medium | None = None
         if not addresses and not c.master_compute and not c.workers_file:
