@@ -370,10 +370,22 @@ def test_split_and_validation() -> None:
     assert len(ds.split(0)[0]) == 0 and len(ds.split(10)[1]) == 0
     with pytest.raises(ValueError, match="11"):
         ds.split(11)
-    with pytest.raises(ValueError, match="uint8"):
-        ImageDataset(np.zeros((1, 3, 32, 32), np.float32), np.zeros(1, np.int64))
-    with pytest.raises(ValueError, match=r"\(1, 32, 32, 3\)"):
+    with pytest.raises(ValueError, match="uint8 or float32"):
+        ImageDataset(np.zeros((1, 3, 32, 32), np.float64), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match=r"\(N, C, H, W\), got \(1, 32, 32\)"):
+        ImageDataset(np.zeros((1, 32, 32), np.uint8), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="32 channels need their own mean and std"):
         ImageDataset(np.zeros((1, 32, 32, 3), np.uint8), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match=r"one value per channel \(1\), got 3 and 3"):
+        ImageDataset(
+            np.zeros((1, 1, 8, 8), np.uint8), np.zeros(1, np.int64), 2, "", (0,) * 3, (1,) * 3
+        )
+    with pytest.raises(ValueError, match="std finite and > 0"):
+        ImageDataset(np.zeros((1, 1, 8, 8), np.uint8), np.zeros(1, np.int64), 2, "", (0,), (0,))
+    with pytest.raises(ValueError, match="finite"):
+        ImageDataset(
+            np.full((1, 1, 8, 8), np.nan, np.float32), np.zeros(1, np.int64), 2, "", (0,), (1,)
+        )
     with pytest.raises(ValueError, match=r"0\.\.9"):
         ImageDataset(np.zeros((1, 3, 32, 32), np.uint8), np.array([10], np.int64))
 
