@@ -247,10 +247,10 @@ def infer_dataset(path: str | os.PathLike) -> str:
     """
     path = Path(path)
     if path.is_file():
+        if path.suffix.lower() == ".npz" and zipfile.is_zipfile(path):
+            return "npz"
         if tarfile.is_tarfile(path):
             return _cifar_tar_kind(path)
-        if zipfile.is_zipfile(path) and path.suffix.lower() == ".npz":
-            return "npz"
         raise DatasetError(
             f"{path} is a file but neither a CIFAR python-version tarball "
             f"({_CIFAR10.tarball} or {_CIFAR100.tarball}) nor an .npz archive; {_LOOKED_FOR}"
