@@ -460,3 +460,11 @@ def test_hetconv_train_reads_the_cifar_tarball_it_is_pointed_at(tmp_path: Path) 
     )
     assert "cifar10 inferred from the path" in done.stderr
     assert "held-out accuracy" in done.stderr and "on 8 images" in done.stderr
+
+
+def test_a_data_dir_of_no_known_kind_is_refused_before_workers_start(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not data")
+    assert main(["train", "--no-progress", "--data-dir", str(tmp_path / "notes.txt")]) == 2
+    out, err = capsys.readouterr()
+    assert "notes.txt is a file but neither" in err
+    assert "local worker" not in out + err
