@@ -265,10 +265,6 @@ def _run_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
     )
-    if config.dataset == "auto":
-        from .data import infer_dataset
-
-        infer_dataset(config.data_dir)  # a path of no known kind is refused before workers start
     addresses = [parse_address(a) for a in args.worker]
     if args.workers_file:
         addresses += read_workers_file(args.workers_file)
