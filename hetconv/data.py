@@ -480,8 +480,8 @@ def load_image_folder(root: str | os.PathLike, holdout_fraction: float | None = 
     Classes are the subfolders of ``train/`` sorted by name, numbered from 0 (torchvision's
     ImageFolder convention); images are files with one of :data:`IMAGE_SUFFIXES`, found at any
     depth below their class folder. Every image is decoded once (Pillow), converted to RGB and
-    must have the size of the others. Without a ``val/`` or ``test/`` folder,
-    ``holdout_fraction`` of ``train/`` is held out.
+    must have the size of the others. The held-out set is ``val/`` (or, without one, ``test/``);
+    without either, ``holdout_fraction`` of ``train/`` is held out.
     """
     root = Path(root)
     if not root.is_dir():
@@ -492,9 +492,8 @@ def load_image_folder(root: str | os.PathLike, holdout_fraction: float | None = 
             f"{root} has no train/ folder; expected train/<class>/<image> and "
             "val/<class>/<image> (or test/)"
         )
-    held_out_dirs = [root / h for h in HELD_OUT_FOLDERS if (root / h).is_dir()]
-    if len(held_out_dirs) == 2:
-        raise DatasetError(f"{root} has both val/ and test/; keep the one to evaluate on")
+    # With both, val/ is evaluated on while training and test/ is left alone for later.
+    held_out_dirs = [root / h for h in HELD_OUT_FOLDERS if (root / h).is_dir()][:1]
     if not held_out_dirs and holdout_fraction is None:
         raise DatasetError(
             f"{root} has train/ but no val/ or test/ folder; add one, or give "
@@ -570,7 +569,7 @@ def _decode_images(files: Sequence[Path]) -> np.ndarray:
         try:
             with Image.open(path) as img:
                 rgb = np.asarray(img.convert("RGB"))
-        except (UnidentifiedImageError, OSError, ValueError) as e:
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
             raise DatasetError(f"{path}: cannot decode the image ({e})") from e
         if first is None:
             first = (path, rgb.shape[:2])

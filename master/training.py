@@ -7,6 +7,7 @@ whose executor is local today and the master's cluster when workers are named.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -19,7 +20,14 @@ import numpy as np
 from tqdm import tqdm
 
 from hetconv.conv import ConvExecutor, LocalConv
-from hetconv.data import DATASETS, ImageDataset, epoch_order, load_dataset, synthetic_cifar
+from hetconv.data import (
+    DATASETS,
+    ImageDataset,
+    LoadedData,
+    epoch_order,
+    load_dataset,
+    synthetic_cifar,
+)
 from hetconv.layers import softmax_cross_entropy
 from hetconv.model import Model, load_spec, walk_spec
 from hetconv.optim import SGD, SGDConfig
@@ -122,35 +130,22 @@ class TrainResult:
     images_per_second: float
 
 
-@dataclass(frozen=True)
-class Datasets:
-    """What a run trains and evaluates on: the dataset's kind (``auto`` resolved), the
-    training set, the held-out set (cut to ``eval_size``) and where that came from."""
-
-    kind: str
-    train: ImageDataset
-    held_out: ImageDataset
-    held_out_from: str
-
-
-def load_datasets(config: TrainConfig) -> Datasets:
-    """The training and held-out sets of the configured dataset."""
+def load_datasets(config: TrainConfig) -> LoadedData:
+    """The training and held-out sets of the configured dataset (its kind resolved when
+    ``auto``; the held-out set cut to ``eval_size``)."""
     if config.dataset == "synthetic":
         train = synthetic_cifar(config.train_size, seed=config.seed)
         held = synthetic_cifar(
             max(config.eval_size or SYNTHETIC_HELD_OUT, 1),
             seed=config.seed + _SYNTHETIC_EVAL_SEED_OFFSET,
         )
-        data = Datasets("synthetic", train, held, "synthetic images of another seed")
+        data = LoadedData("synthetic", train, held, "synthetic images of another seed")
     else:
-        loaded = load_dataset(
+        data = load_dataset(
             config.dataset, config.data_dir, holdout_fraction=config.holdout_fraction
         )
-        data = Datasets(loaded.kind, loaded.train, loaded.held_out, loaded.held_out_from)
     if config.eval_size is not None and config.eval_size < len(data.held_out):
-        data = Datasets(
-            data.kind, data.train, data.held_out.split(config.eval_size)[0], data.held_out_from
-        )
+        data = dataclasses.replace(data, held_out=data.held_out.split(config.eval_size)[0])
     return data
 
 

@@ -115,6 +115,13 @@ def test_image_folder_converts_grey_palette_and_jpeg_to_rgb(tmp_path: Path) -> N
     assert loaded.held_out.labels.tolist() == [1]  # test/ lacks class a: indices are train's
 
 
+def test_val_is_held_out_and_test_left_alone_when_both_are_there(tmp_path: Path) -> None:
+    write_folder(tmp_path / "d", held="val")
+    (tmp_path / "d" / "test" / "emu").mkdir(parents=True)  # not read: it would be refused
+    loaded = load_image_folder(tmp_path / "d")
+    assert loaded.held_out_from == "val/" and len(loaded.held_out) == 8
+
+
 def test_images_of_two_sizes_are_refused_naming_both(tmp_path: Path) -> None:
     write_folder(tmp_path / "d")
     odd = tmp_path / "d" / "val" / "cat" / "odd.png"
@@ -132,7 +139,6 @@ def test_images_of_two_sizes_are_refused_naming_both(tmp_path: Path) -> None:
         (lambda r: [p.unlink() for p in (r / "train" / "bee").iterdir()], "train/bee holds no"),
         (lambda r: (r / "val" / "emu").mkdir(), "val has class folder(s) emu that train/ lacks"),
         (lambda r: (r / "train" / "cat" / "000.png").write_bytes(b"nope"), "000.png: cannot"),
-        (lambda r: (r / "test").mkdir(), "has both val/ and test/"),
         (
             lambda r: (
                 [p.rename(r / "other" / p.name) for p in (r / "val").iterdir()]
@@ -141,7 +147,7 @@ def test_images_of_two_sizes_are_refused_naming_both(tmp_path: Path) -> None:
             "no val/ or test/ folder; add one, or give --holdout",
         ),
     ],
-    ids=["empty-class", "unknown-class", "not-an-image", "two-held-out", "no-held-out"],
+    ids=["empty-class", "unknown-class", "not-an-image", "no-held-out"],
 )
 def test_a_bad_image_folder_is_refused_naming_the_problem(tmp_path: Path, damage, message):
     root = tmp_path / "d"
