@@ -336,7 +336,7 @@ class _Run:
             )
             if self.data.kind != config.dataset:
                 what += f"; {self.data.kind} inferred from the path"
-        source = self.data.kind if self.data.kind == "synthetic" else f"{config.data_dir}"
+        source = self.data.kind if self.data.kind == "synthetic" else config.data_dir
         print(
             f"training {config.preset} on {source} ({what}): {self.steps} steps of batch "
             f"{config.batch}",
@@ -560,7 +560,7 @@ class _Run:
         )
 
     def summary(self, seconds: float) -> TrainResult:
-        """Evaluate on the held-out set, save the weights if asked, and report."""
+        """Save the weights if asked, and report (with the final evaluation's figures)."""
         config, log, totals, steps = self.config, self.log, self.totals, self.steps
         eval_loss = eval_accuracy = None
         if self.final_eval is not None:
