@@ -188,7 +188,11 @@ def _add_train_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay")
     p.add_argument(
-        "--train-size", type=positive_int, default=10_000, help="synthetic training images"
+        "--train-size",
+        type=positive_int,
+        metavar="N",
+        help="images in the synthetic training set (default 10000; not with --data-dir, whose "
+        "whole training set is used)",
     )
     p.add_argument(
         "--eval-size",
@@ -243,6 +247,11 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from .optim import SGDConfig
 
+    if args.train_size is not None and args.data_dir:
+        raise ValueError(
+            "--train-size sizes the synthetic set; with --data-dir the whole training set is "
+            "used (--steps or --epochs say how much of it to see): drop --train-size"
+        )
     config = TrainConfig(
         preset=args.preset,
         # --data-dir without --dataset: the kind is inferred from the path, never ignored.
@@ -254,7 +263,7 @@ def _run_train(args: argparse.Namespace) -> int:
         batch=args.batch,
         seed=args.seed,
         sgd=SGDConfig(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
-        train_size=args.train_size,
+        train_size=args.train_size or TrainConfig.train_size,  # the synthetic set's default
         eval_size=args.eval_size,
         eval_every=args.eval_every,
         trace=args.trace,

@@ -415,8 +415,18 @@ def test_the_whole_held_out_set_is_evaluated_by_default(tmp_path: Path) -> None:
         ),
         (["--holdout-fraction", "0.2"], "--holdout-fraction needs --data-dir"),
         (["--data-dir", "{d}", "--holdout-fraction", "1.5"], "between 0 and 1, got 1.5"),
+        (["--data-dir", "{d}", "--train-size", "3"], "--train-size sizes the synthetic set"),
     ],
-    ids=["synthetic-dir", "no-dir", "png-file", "class-dir", "classes", "no-data", "fraction"],
+    ids=[
+        "synthetic-dir",
+        "no-dir",
+        "png-file",
+        "class-dir",
+        "classes",
+        "no-data",
+        "fraction",
+        "train-size",
+    ],
 )
 def test_cli_data_mistakes_are_one_line(tmp_path: Path, capsys, argv, message) -> None:
     write_folder(tmp_path / "d", per_class=1)
