@@ -503,13 +503,13 @@ def load_image_folder(root: str | os.PathLike, holdout_fraction: float | None = 
         raise DatasetError(
             f"{root} has its own {held_out_dirs[0].name}/ folder: drop --holdout-fraction"
         )
-    classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+    classes = _class_names(train_dir)
     if not classes:
         raise DatasetError(f"{train_dir} holds no class folders; expected train/<class>/<image>")
     train_files = _class_files(train_dir, classes, classes)
     if held_out_dirs:
         held_dir = held_out_dirs[0]
-        held_classes = sorted(p.name for p in held_dir.iterdir() if p.is_dir())
+        held_classes = _class_names(held_dir)
         unknown = [c for c in held_classes if c not in classes]
         if unknown:
             raise DatasetError(
@@ -534,6 +534,12 @@ def load_image_folder(root: str | os.PathLike, holdout_fraction: float | None = 
         source = f"{holdout_fraction:.0%} of train/ (a fixed random choice; --holdout-fraction)"
     train, held_out = _normalised(train, held_out)
     return LoadedData("folder", train, held_out, source)
+
+
+def _class_names(folder: Path) -> list[str]:
+    """The class folders in ``folder``, sorted by name; hidden ones (``.ipynb_checkpoints``)
+    are not classes."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 def _class_files(

@@ -391,6 +391,25 @@ def test_a_planted_payload_inside_a_tarball_is_refused_and_never_runs(tmp_path: 
     )
 
 
+def test_a_tarball_member_that_is_not_a_file_or_a_tar_that_is_not_one(tmp_path: Path) -> None:
+    folder = tmp_path / "src" / "cifar-10-batches-py"
+    _write_cifar(folder)
+    (folder / "data_batch_2").unlink()
+    (folder / "data_batch_2").symlink_to("/etc/passwd")
+    tarball = _tar(folder, tmp_path / "cifar-10-python.tar.gz")
+    with pytest.raises(
+        DatasetError, match="member cifar-10-batches-py/data_batch_2.: not a regular"
+    ):
+        load_cifar10(tarball)
+    fake = tmp_path / "fake" / "cifar-10-python.tar.gz"
+    fake.parent.mkdir()
+    fake.write_bytes(b"\x1f\x8b not really gzip")
+    with pytest.raises(DatasetError, match="cifar-10-python.tar.gz: not a readable tar archive"):
+        load_cifar10(fake)
+    with pytest.raises(DatasetError, match="neither a CIFAR python-version tarball"):
+        infer_dataset(fake)
+
+
 def _cifar100_batch(n: int, seed: int) -> dict:
     """A batch dict in the official CIFAR-100 python-version layout."""
     rng = np.random.default_rng(seed)

@@ -107,12 +107,14 @@ def test_image_folder_converts_grey_palette_and_jpeg_to_rgb(tmp_path: Path) -> N
     Image.fromarray(_pixels(1, 2)).save(root / "train" / "b" / "photo.jpg", quality=95)
     Image.fromarray(_pixels(1, 3)).save(root / "test" / "b" / "x.png")
     (root / "train" / "b" / "notes.txt").write_text("not an image: skipped")
+    (root / "train" / ".ipynb_checkpoints").mkdir()  # hidden: not a class
     loaded = load_image_folder(root)
     assert loaded.held_out_from == "test/"
     assert loaded.train.images.shape == (3, 3, H, W)
     for c in range(3):  # grey becomes R = G = B
         np.testing.assert_array_equal(loaded.train.images[0, c], grey)
     assert loaded.held_out.labels.tolist() == [1]  # test/ lacks class a: indices are train's
+    assert loaded.train.num_classes == 2
 
 
 def test_val_is_held_out_and_test_left_alone_when_both_are_there(tmp_path: Path) -> None:
