@@ -236,8 +236,8 @@ class LoadedData:
 def infer_dataset(path: str | os.PathLike) -> str:
     """Which dataset ``path`` holds: ``cifar10``, ``cifar100``, ``npz`` or ``folder``.
 
-    Looks for, in order: a CIFAR tarball (its first member's folder tells CIFAR-10 from
-    CIFAR-100), an ``.npz`` file, a folder holding ``cifar-10-batches-py/`` or
+    Looks for, in order: an ``.npz`` file, a CIFAR tarball (its first member's folder tells
+    CIFAR-10 from CIFAR-100), a folder holding ``cifar-10-batches-py/`` or
     ``data_batch_1`` (CIFAR-10), ``cifar-100-python/`` or a ``train`` file (CIFAR-100), and a
     folder with ``train/`` and ``val/`` (or ``test/``) subfolders (an image folder).
 
