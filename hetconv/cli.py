@@ -24,7 +24,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a network",
         description=(
-            "Train a CNN preset on the synthetic set (offline, the default) or CIFAR-10. "
+            "Train a CNN preset on the synthetic set (offline, the default) or your data "
+            "(--data-dir: CIFAR-10/100, an image folder, an .npz). "
             "The master (this process) trains every non-convolutional layer; each "
             "convolution's kernels are split across the workers named with --worker or "
             "--workers-file, and the master itself, in proportion to a probe of each one's "
@@ -158,14 +159,26 @@ def _add_train_security(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dataset",
-        choices=["synthetic", "cifar10"],
-        default="synthetic",
-        help="offline synthetic CIFAR-shaped set, or the real CIFAR-10 files",
+        choices=["synthetic", "cifar10", "cifar100", "folder", "npz", "auto"],
+        help="what --data-dir holds (default: inferred from it; synthetic without it, an "
+        "offline CIFAR-shaped set): cifar10/cifar100 = the official python-version tarball "
+        "or the folder it extracts to; folder = train/<class>/<image> and val/ (or test/); "
+        "npz = arrays x_train, y_train, x_test, y_test (or x, y)",
     )
     p.add_argument(
         "--data-dir",
-        help="folder with the CIFAR-10 python files (data_batch_1..5, test_batch) "
-        "or its parent holding cifar-10-batches-py/",
+        metavar="PATH",
+        help="the dataset: a CIFAR tarball (cifar-10-python.tar.gz from "
+        "https://www.cs.toronto.edu/~kriz/cifar.html) or its folder, an image folder, or an "
+        ".npz file; input shape and class count come from it",
+    )
+    p.add_argument(
+        "--holdout-fraction",
+        type=positive_float,
+        metavar="F",
+        help="hold out this fraction of the training data for evaluation, for data without "
+        "a held-out part of its own (an .npz of x and y: 0.1 by default; a folder with only "
+        "train/)",
     )
 
 
@@ -184,10 +197,25 @@ def _add_train_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay")
     p.add_argument(
-        "--train-size", type=positive_int, default=10_000, help="synthetic training images"
+        "--train-size",
+        type=positive_int,
+        metavar="N",
+        help="images in the synthetic training set (default 10000; not with --data-dir, whose "
+        "whole training set is used)",
     )
     p.add_argument(
-        "--eval-size", type=int, default=2_000, help="held-out images evaluated at the end"
+        "--eval-size",
+        type=non_negative_int,
+        metavar="N",
+        help="evaluate on the first N held-out images (default: all of them; 0: no "
+        "evaluation); the synthetic held-out set has 2000 unless N asks for more",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=positive_int,
+        metavar="STEPS",
+        help="also evaluate every STEPS steps (always: after every epoch and at the end); "
+        "each evaluation is printed and traced",
     )
     p.add_argument("--save", metavar="NPZ", help="write the trained weights (PyTorch names)")
     p.add_argument("--load", metavar="NPZ", help="start from these weights")
@@ -228,17 +256,25 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from .optim import SGDConfig
 
+    if args.train_size is not None and args.data_dir:
+        raise ValueError(
+            "--train-size sizes the synthetic set; with --data-dir the whole training set is "
+            "used (--steps or --epochs say how much of it to see): drop --train-size"
+        )
     config = TrainConfig(
         preset=args.preset,
-        dataset=args.dataset,
+        # --data-dir without --dataset: the kind is inferred from the path, never ignored.
+        dataset=args.dataset or ("auto" if args.data_dir else "synthetic"),
         data_dir=args.data_dir,
+        holdout_fraction=args.holdout_fraction,
         steps=args.steps,
         epochs=args.epochs,
         batch=args.batch,
         seed=args.seed,
         sgd=SGDConfig(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
-        train_size=args.train_size,
+        train_size=args.train_size or TrainConfig.train_size,  # the synthetic set's default
         eval_size=args.eval_size,
+        eval_every=args.eval_every,
         trace=args.trace,
         save=args.save,
         load=args.load,
