@@ -51,6 +51,7 @@ fewer workers than the command line says.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ from .planning import (
     shares_table,
 )
 from .rebalancing import DriftMonitor
+from .spotcheck import SpotCheckConfig, SpotChecker
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,9 @@ class ClusterConfig:
             same workers are bitwise identical: each layer is split equally over the usable
             nodes in node order (or by ``shares`` while they apply), and ``rebalance_every``
             is ignored (never rebalanced). Needs the ``"compute"`` policy.
+        spot_checks: how often and how much of the workers' answers the master recomputes to
+            catch finite but wrong values (:mod:`hetconv.master.spotcheck`); a worker caught
+            is lost and never re-admitted in this run.
     """
 
     master_compute: bool = True
@@ -141,6 +146,7 @@ class ClusterConfig:
     tls_ca: str | None = None
     wire_format: TensorFormat = FLOAT32
     deterministic: bool = False
+    spot_checks: SpotCheckConfig = field(default_factory=SpotCheckConfig)
 
 
 def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
@@ -188,7 +194,10 @@ class Cluster:
             retry_max=c.retry_max,
             workers_file=c.workers_file,
         )
-        self.runner = PhaseRunner(self.membership, c.deadline_floor, c.deadline_factor)
+        self.spot_checks = SpotChecker(c.spot_checks) if c.spot_checks.every else None
+        self.runner = PhaseRunner(
+            self.membership, c.deadline_floor, c.deadline_factor, self.spot_checks
+        )
         self.session = secrets.randbits(64)
         self.plans: dict[str, LayerPlan] = {}
         self.step = 0
@@ -338,10 +347,11 @@ class Cluster:
 
     def plan_record(self) -> dict:
         """The plan as data (nodes, probes, links, shares, whether deterministic, the wire
-        format) for the trace's first record."""
+        format, the spot-check settings) for the trace's first record."""
         c = self.config
         record = plan_record(self.nodes, self.plans, c.master_compute, c.deterministic)
-        return {**record, "wire_format": self.config.wire_format.label}
+        checks = dataclasses.asdict(c.spot_checks)
+        return {**record, "wire_format": c.wire_format.label, "spot_checks": checks}
 
     def close(self) -> None:
         """Stop the monitor and close every channel (cancelling calls in flight, e.g. after
@@ -355,6 +365,8 @@ class Cluster:
         changed; calls until the next step belong to ``step``."""
         self.step = self._events.step = step
         self.runner.start_step()
+        if self.spot_checks is not None:
+            self.spot_checks.start_step(step)
         changed = self.membership.admit().changed
         reason = "membership"
         if not changed and self.drift.due(step):
@@ -387,6 +399,9 @@ class Cluster:
         }
         if events:
             record["events"] = events
+        checks = self.spot_checks.record() if self.spot_checks is not None else None
+        if checks is not None:
+            record["spot_checks"] = checks
         self.drift.observe(runner.records, bool(self.membership.failed))
         return record
 
