@@ -384,6 +384,13 @@ class Cluster:
                 }
                 self._events.emit("shares_changed", shares=shares, reason=reason)
 
+    def redo_step(self) -> bool:
+        """Whether the step's forward and backward must be computed again: a spot check caught
+        a worker in it since the last call. Its answers that passed their checks earlier in the
+        step (whose wrong values were not sampled) are in what the step computed; the worker
+        is out now, so a second pass computes the step without it."""
+        return bool(self.spot_checks is not None and self.spot_checks.take_caught())
+
     def end_step(self) -> dict:
         """This step's trace fields: per node and layer what moved and took how long, the
         totals of the distributed calls (``cluster_wall_seconds`` = comm + conv), and the

@@ -185,6 +185,7 @@ class SpotChecker:
         self.due = every > 0 and step % every == 0
         self.summary: dict[str, dict] = {}  # worker -> checks, worst, where
         self.seconds = 0.0
+        self.caught: list[str] = []  # workers caught in this step, not yet redone
 
     def sample(
         self, layer: str, phase: str, node_index: int, part: slice, images: int, channels: int
@@ -231,6 +232,7 @@ class SpotChecker:
             if error >= entry["worst"]:
                 entry.update(worst=float(f"{error:.3g}"), at=f"{layer} {phase} {comparison.tensor}")
             if worst > relative * comparison.scale + absolute:
+                self.caught.append(node.name)
                 raise SpotCheckFailed(
                     node.name,
                     f"{phase} {layer}: spot check failed: {comparison.what} differ from the "
@@ -238,6 +240,12 @@ class SpotChecker:
                     f"{relative:.3g}{' + float16 subnormal' if absolute else ''}): finite "
                     "but wrong; not re-admitted this run",
                 )
+
+    def take_caught(self) -> list[str]:
+        """Workers caught since the last call in this step (the step is then computed again:
+        their answers that passed earlier checks in it may be wrong where not sampled)."""
+        caught, self.caught = self.caught, []
+        return caught
 
     def record(self) -> dict | None:
         """The step's checks for its trace record: per worker the answers checked and the

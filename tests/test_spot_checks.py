@@ -138,6 +138,52 @@ def test_a_lying_worker_is_dropped_at_the_first_check_and_kept_out(local, tmp_pa
         assert liar not in record["nodes"]
 
 
+def _seed_missing_then_catching(liar_first: dict[str, int], shares: dict[str, tuple]) -> int:
+    """A sample seed under which step 0 checks the liar's (node 2's) first kernel of each
+    layer in neither forward call but in conv2's backward (the first backward call)."""
+
+    def sampled(seed, layer, phase):
+        checker = SpotChecker(SpotCheckConfig(seed=seed))
+        start = sum(shares[layer][:2])
+        part = slice(start, start + shares[layer][2])
+        return liar_first[layer] in checker.sample(layer, phase, 2, part, 8, 3).kernels
+
+    for seed in range(1000):
+        forward = sampled(seed, "conv1", "forward") or sampled(seed, "conv2", "forward")
+        if not forward and sampled(seed, "conv2", "backward"):
+            return seed
+    raise AssertionError("no such seed in 1000")
+
+
+def test_wrong_values_that_passed_earlier_checks_in_the_step_are_recomputed(
+    local, tmp_path, monkeypatch
+):
+    # The liar gets wrong one kernel of its slice per layer (feature maps, kernel and bias
+    # gradients). Under this seed both forward checks of step 0 sample other kernels, so its
+    # wrong feature maps are used, and conv2's backward check catches it. The step is then
+    # computed again without it: training equals local training. Without the second pass
+    # (redo_step off, the control) step 0's loss is already another.
+    shares = {"conv1": (2, 2, 4), "conv2": (4, 4, 8)}
+    seed = _seed_missing_then_catching({"conv1": 4, "conv2": 8}, shares)
+    checks = SpotCheckConfig(seed=seed)
+    runs = {}
+    with LocalWorkers(1) as workers:
+        for redo in (True, False):
+            if not redo:
+                monkeypatch.setattr(Cluster, "redo_step", lambda self: False)
+            with lying_worker("kernel") as liar:
+                addresses = workers.addresses + [liar]
+                with Paused(addresses, shares=shares, spot_checks=checks) as cluster:
+                    got = _train(tmp_path, f"redo-{redo}", cluster)
+                    events = list(cluster.events)
+            assert _lost(events) == [(liar, 0)]
+            (lost,) = [e for e in events if e["event"] == "worker_lost"]
+            assert "backward conv2: spot check failed: kernel gradients" in lost["reason"]
+            runs[redo] = got
+    _same_as_local(runs[True], local)
+    assert abs(runs[False][0][0] - local[0][0]) > 1e-3
+
+
 def test_a_lie_that_starts_later_is_caught_at_the_next_checked_step(tmp_path):
     # Checked at steps 0, 3, 6, 9; the lie starts at step 4, so steps 4 and 5 go unnoticed
     # (the price of checking every third step) and the liar is dropped at step 6.
