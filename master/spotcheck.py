@@ -260,20 +260,26 @@ def _names(indices: np.ndarray) -> str:
     return ",".join(map(str, indices.tolist()))
 
 
-def _padded_spectrum(a: np.ndarray, sides, size: tuple[int, int]) -> np.ndarray:
-    """The 2-D real FFT, in float64, of ``a`` (..., H, W) padded by ``sides`` (top, bottom,
-    left, right) and then with zeros at the end up to ``size``."""
-    top, bottom, left, right = sides
-    widths = [(0, 0)] * (a.ndim - 2) + [(top, bottom), (left, right)]
-    return sfft.rfft2(np.pad(a.astype(np.float64), widths), s=size, axes=(-2, -1))
-
-
-def _spectrum(a: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    return sfft.rfft2(a.astype(np.float64), s=size, axes=(-2, -1))
+def _spectrum(a: np.ndarray, size: tuple[int, int], at: tuple[int, int] = (0, 0)) -> np.ndarray:
+    """The 2-D real FFT, in float64, of ``a`` (..., H, W) placed at row, column ``at`` of
+    zeros of ``size`` (padded by hand: scipy's own padding, ``s=``, is several times slower
+    for float64 here)."""
+    padded = np.zeros(a.shape[:-2] + size)
+    padded[..., at[0] : at[0] + a.shape[-2], at[1] : at[1] + a.shape[-1]] = a
+    return sfft.rfft2(padded, axes=(-2, -1))
 
 
 def _inverse(spectrum: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     return sfft.irfft2(spectrum, s=size, axes=(-2, -1))
+
+
+def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per frequency, the matrix product of ``a`` (P, Q, F1, F2) and ``b`` (Q, R, F1, F2): a
+    sum over the second axis of ``a`` (P, R, F1, F2)."""
+    f = a.shape[2:]
+    left = a.reshape(a.shape[0], a.shape[1], -1).transpose(2, 0, 1)
+    right = b.reshape(b.shape[0], b.shape[1], -1).transpose(2, 0, 1)
+    return (left @ right).transpose(1, 2, 0).reshape(a.shape[0], b.shape[1], *f)
 
 
 def kernel_forward_sample(fmt: TensorFormat, x, w, b, sides, y, sample: Sample) -> list[Comparison]:
@@ -290,9 +296,9 @@ def kernel_forward_sample(fmt: TensorFormat, x, w, b, sides, y, sample: Sample) 
     top, bottom, left, right = sides
     size = (x.shape[2] + top + bottom, x.shape[3] + left + right)
     ho, wo = size[0] - w.shape[2] + 1, size[1] - w.shape[3] + 1
-    inputs = _padded_spectrum(as_received(fmt, x[images]), sides, size)
-    kernels = _spectrum(w[ks], size)
-    maps = _inverse(np.einsum("nchw,kchw->nkhw", inputs, kernels.conj()), size)[..., :ho, :wo]
+    inputs = _spectrum(as_received(fmt, x[images]), size, (top, left))
+    kernels = _spectrum(w[ks], size).conj()  # correlation: y[p] = sum over i of w[i] x[p + i]
+    maps = _inverse(_product(inputs, kernels.transpose(1, 0, 2, 3)), size)[..., :ho, :wo]
     want = as_received(fmt, (maps + b[ks][:, None, None]).astype(np.float32))
     scale = float(np.abs(want).max(initial=0.0))
     what = f"feature maps of kernels {_names(ks)}, images {_names(images)}"
@@ -325,8 +331,9 @@ def kernel_backward_sample(
     kh, kw = w.shape[2:]
     grads = as_received(fmt, dy[:, ks])
     # dw[k, c, i, j] = sum over n, p, q of dy[n, k, p, q] * padded x[n, c, p + i, q + j]
-    inputs = _padded_spectrum(as_received(fmt, x[:, cs]), sides, size)
-    products = np.einsum("nchw,nkhw->kchw", inputs, _spectrum(grads, size).conj())
+    inputs = _spectrum(as_received(fmt, x[:, cs]), size, (top, left))
+    grads_conj = _spectrum(grads, size).conj()
+    products = _product(grads_conj.transpose(1, 0, 2, 3), inputs)
     want_dw = _inverse(products, size)[..., :kh, :kw].astype(np.float32)
     want_db = grads.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32)
     scale = float(max(np.abs(want_dw).max(initial=0.0), np.abs(want_db).max(initial=0.0)))
@@ -343,7 +350,7 @@ def kernel_backward_sample(
     if dx_part is not None:
         # padded dx[n, c, u, v] = sum over k, i, j of dy[n, k, u - i, v - j] * w[k, c, i, j]
         slice_grads = _spectrum(as_received(fmt, dy[images][:, part]), size)
-        products = np.einsum("nkhw,kchw->nchw", slice_grads, _spectrum(w[part][:, cs], size))
+        products = _product(slice_grads, _spectrum(w[part][:, cs], size))
         padded = _inverse(products, size)
         want_dx = as_received(fmt, padded[..., top : top + h, left : left + w_].astype(np.float32))
         scale_dx = float(np.abs(want_dx).max(initial=0.0))
