@@ -10,6 +10,9 @@ and how long it took, and splits the time into communication and convolution. An
 holds NaN or Inf although every input of its piece was finite is a failure too: a convolution
 of finite numbers cannot produce them (short of overflowing float32, which local training would
 hit as well), so the worker is broken or lying.
+On the steps spot checks are due (:mod:`.spotcheck`), the master also recomputes a small
+sample of every worker answer (the job's ``spot_sample``) and an answer off by more than round-off
+fails the same way, except that the worker is never re-admitted in the run.
 
 Today's strategy is :class:`KernelSplit` (the paper's): every node gets the same inputs and a
 slice of the kernels; feature maps come back into their channel slice of the output; backward

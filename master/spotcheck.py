@@ -3,8 +3,9 @@
 A worker can answer with finite but wrong numbers (a broken driver, a bad overclock, a laptop
 that lies). Nothing else would notice: the shapes are right, the values finite, and training
 goes on to a different model. So every ``every`` steps (default :data:`DEFAULT_EVERY`), for
-every answer of every worker in that step, the master picks a few kernels of the worker's slice
-and a few images, recomputes exactly those outputs itself and compares them with the answer:
+every answer of every worker in that step, the master picks a few kernels of the worker's slice,
+a few images and a few input channels, recomputes exactly those values itself and compares them
+with the answer:
 
 * forward: the feature maps of the sampled kernels on the sampled images (a ``kernels`` x
   ``images`` convolution);
@@ -14,17 +15,25 @@ and a few images, recomputes exactly those outputs itself and compares them with
   part on the sampled images and input channels (over all its kernels: the part is a sum over
   them).
 
-So every tensor a worker returns is sampled. A mismatch raises :class:`SpotCheckFailed`, a
-:class:`~.client.WorkerError`: the runner covers the piece (the master computes it, so the step
-completes with the right values) and the worker is lost with an event naming it, the layer,
-the phase, the worst error and the tolerance. It is *kept out* for the rest of the run
-(``keep_out``): the monitor never re-admits it, since a worker that lies once is not trusted
-with the unchecked steps that would follow its return (a restart of the run admits it again).
+So every tensor a worker returns is sampled. The master computes the samples in float64 by FFT
+(scipy), independent of every backend: a bug its own backend shared with a worker's would not
+hide, and a few kernels' gradients over a whole batch cost less this way than a backend's
+lowering of the input. A mismatch raises :class:`SpotCheckFailed`, a
+:class:`~.client.WorkerError`: the runner covers the piece (the master computes it) and the
+worker is lost with an event naming it, the layer, the phase, the worst error and the
+tolerance. The training loop then computes the step again without it
+(:meth:`~.cluster.Cluster.redo_step`): its earlier answers in the step passed their checks but
+may be wrong where they were not sampled. It is *kept out* for the rest of the run
+(``keep_out``, state ``distrusted``): the monitor never re-admits it, since a worker that lied
+once is not trusted with the unchecked values that would follow its return (a new run admits
+it again). Answers it gave in unchecked steps (``every`` above 1), or that passed the checks of
+earlier steps, stay in the weights: sampling bounds how long a lie goes unseen, not what it
+costs until then (``benchmarks/spot_checks.py`` measures both).
 
-Which kernels and images are sampled follows from the seed, the step, the layer, the phase and
-the node, so a run repeated with the same settings checks the same values. A check only reads:
-an honest worker's answer is used unchanged, so checks never change what a run computes
-(``--deterministic`` runs stay bitwise identical).
+What is sampled follows from the seed, the step, the layer, the phase and the node, so a run
+repeated with the same settings checks the same values. A check only reads: an honest worker's
+answer is used unchanged, so checks never change what a run computes (``--deterministic`` runs
+stay bitwise identical).
 
 Tolerance (:func:`tolerance`): the sample's largest error over its scale (the largest value
 the master computed for that tensor; the kernel and bias gradients of a kernel share one
@@ -33,10 +42,12 @@ for tensors that travel in a 16-bit wire format (feature maps, input gradients),
 the last place of that format (:data:`FORMAT_ULP`), since the worker's and the master's float32
 results, a round-off apart, can round to neighbouring 16-bit values. The master recomputes
 from the inputs *as the worker received them* (rounded through the wire format), so the
-format's rounding of the inputs costs nothing. ``rtol`` (:data:`DEFAULT_RTOL`, 1e-4) is five
-times the 2e-5 that the backends' own tests allow between a device and the cpu backend
-(``tests/test_backend_cuda.py``); it catches an answer scaled by 1.5 at once and a relative
-perturbation of 1e-3 in float32.
+format's rounding of the inputs costs nothing; kernel and bias gradients travel as float32 and
+get ``rtol`` alone. ``rtol`` (:data:`DEFAULT_RTOL`, 1e-4) is five times the 2e-5 that the
+backends' own tests allow between a device and the cpu backend (``tests/test_backend_cuda.py``)
+and over a hundred times the worst that honest cpu workers showed (``benchmarks/spot_checks.py``
+prints it); it catches an answer scaled by 1.5 at once and a relative perturbation of 1e-3 in
+float32 (``tests/test_spot_checks.py``).
 """
 
 from __future__ import annotations

@@ -236,6 +236,22 @@ def test_honest_workers_are_never_flagged(local, tmp_path, fmt):
         _same_as_local(got, local)
 
 
+def test_checks_change_nothing_that_honest_workers_compute(tmp_path):
+    # --deterministic runs with checks on every step and off are bitwise identical: a check
+    # only reads the answers.
+    runs = []
+    with LocalWorkers(2) as workers:
+        for every in (1, 0):
+            config = dict(deterministic=True, spot_checks=SpotCheckConfig(every=every))
+            with Paused(workers.addresses, **config) as cluster:
+                runs.append(_train(tmp_path, f"deterministic-{every}", cluster))
+    (checked, *_), (unchecked, *_) = runs
+    assert checked == unchecked
+    for name, weights in runs[0][1].items():
+        np.testing.assert_array_equal(weights, runs[1][1][name])
+    assert all("spot_checks" in r for r in runs[0][2])
+
+
 # -- the comparisons themselves --------------------------------------------------------------
 
 SHAPES = [
