@@ -163,6 +163,18 @@ def as_received(fmt: TensorFormat, array: np.ndarray) -> np.ndarray:
     return fmt.to_host(fmt.to_wire(array))
 
 
+def _as_answered(fmt: TensorFormat, values: np.ndarray) -> np.ndarray:
+    """Float64 ``values`` as a worker's float32 answer reaches the master in ``fmt``. A finite
+    answer cannot exceed the format's largest finite value, so the master's own values are
+    clipped to it: where its float32 rounds just past float16's 65504 and the worker's just
+    below, both are right (an infinite answer is refused before any spot check)."""
+    rounded = as_received(fmt, values.astype(np.float32))
+    if fmt is FLOAT16:
+        largest = float(np.finfo(np.float16).max)
+        np.clip(rounded, -largest, largest, out=rounded)
+    return rounded
+
+
 def relative_error(comparison: Comparison) -> tuple[float, float]:
     """(the largest ``|got - want|`` over the scale, the largest ``|got - want|``)."""
     got, want = comparison.got, comparison.want
@@ -310,7 +322,7 @@ def kernel_forward_sample(fmt: TensorFormat, x, w, b, sides, y, sample: Sample) 
     inputs = _spectrum(as_received(fmt, x[images]), size, (top, left))
     kernels = _spectrum(w[ks], size).conj()  # correlation: y[p] = sum over i of w[i] x[p + i]
     maps = _inverse(_product(inputs, kernels.transpose(1, 0, 2, 3)), size)[..., :ho, :wo]
-    want = as_received(fmt, (maps + b[ks][:, None, None]).astype(np.float32))
+    want = _as_answered(fmt, maps + b[ks][:, None, None])
     scale = float(np.abs(want).max(initial=0.0))
     what = f"feature maps of kernels {_names(ks)}, images {_names(images)}"
     return [Comparison("y", what, y[np.ix_(images, ks)], want, scale, wire_rounded=True)]
@@ -363,7 +375,7 @@ def kernel_backward_sample(
         slice_grads = _spectrum(as_received(fmt, dy[images][:, part]), size)
         products = _product(slice_grads, _spectrum(w[part][:, cs], size))
         padded = _inverse(products, size)
-        want_dx = as_received(fmt, padded[..., top : top + h, left : left + w_].astype(np.float32))
+        want_dx = _as_answered(fmt, padded[..., top : top + h, left : left + w_])
         scale_dx = float(np.abs(want_dx).max(initial=0.0))
         what = f"input-gradient part on images {_names(images)}, channels {_names(cs)}"
         got = dx_part[np.ix_(images, cs)]

@@ -33,6 +33,7 @@ from hetconv.master.membership import DISTRUSTED
 from hetconv.master.spotcheck import (
     DEFAULT_RTOL,
     Comparison,
+    Sample,
     SpotCheckConfig,
     SpotChecker,
     as_received,
@@ -383,6 +384,19 @@ def test_checks_fall_on_every_nth_step_and_none_when_off():
 def test_bad_settings_are_refused_naming_the_value(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SpotCheckConfig(**config)
+
+
+def test_float16_overflow_on_the_masters_side_only_is_no_error():
+    # The worker's float32 65519 reaches the master as float16's largest, 65504; the master's
+    # own 65520.5 would round to inf. A finite answer cannot say more: no lie.
+    x = np.ones((1, 1, 1, 1), np.float32)
+    w = np.full((1, 1, 1, 1), 65520.5, np.float32)
+    y = np.full((1, 1, 1, 1), 65504.0, np.float32)
+    sample = Sample(np.array([0]), np.array([0]), np.array([0]))
+    b = np.zeros(1, np.float32)
+    assert _failures(kernel_forward_sample(FLOAT16, x, w, b, (0,) * 4, y, sample), FLOAT16) == []
+    y[...] = 60000.0  # but a finite answer far from it is still wrong
+    assert _failures(kernel_forward_sample(FLOAT16, x, w, b, (0,) * 4, y, sample), FLOAT16) == ["y"]
 
 
 def test_comparison_of_equal_infinities_is_no_error():
