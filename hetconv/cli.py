@@ -136,6 +136,22 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "(implies --rebalance-every 0). A worker lost or joining mid-run still changes the "
         "split. Not with --shares link",
     )
+    where.add_argument(
+        "--spot-check-every",
+        type=non_negative_int,
+        metavar="STEPS",
+        help="every STEPS steps (default 1: every step), the master recomputes a few values "
+        "of every worker answer and drops a worker whose values are wrong (finite but "
+        "wrong: a broken driver, a bad overclock) for the rest of the run, computing its "
+        "share itself; 0: never",
+    )
+    where.add_argument(
+        "--spot-check-sample",
+        type=positive_int,
+        metavar="N",
+        help="kernels of a worker's slice, images of the batch and input channels each check "
+        "recomputes (default 2)",
+    )
 
 
 def _add_train_security(p: argparse.ArgumentParser) -> None:
@@ -294,6 +310,10 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.local:
         if addresses:
             raise ValueError("--local runs no workers; drop --worker/--workers-file")
+        if args.spot_check_every is not None or args.spot_check_sample is not None:
+            raise ValueError(
+                "--local runs no workers, so nothing to spot-check: drop --spot-check-*"
+            )
         if args.wire_format != "float32":
             raise ValueError(
                 "--local runs no workers, so nothing goes on the wire: drop --wire-format"
@@ -328,6 +348,7 @@ def _run_train(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca,
         wire_format=format_named(args.wire_format),
         stages=args.stages,
+        spot_checks=_spot_check_config(args),
     )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:
@@ -336,6 +357,20 @@ def _run_train(args: argparse.Namespace) -> int:
         with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
             result = train(config, cluster)
     return _final_checkpoint_status(config.checkpoint_dir, result.steps)
+
+
+def _spot_check_config(args: argparse.Namespace):
+    from hetconv.master.spotcheck import DEFAULT_EVERY, SpotCheckConfig
+
+    every = DEFAULT_EVERY if args.spot_check_every is None else args.spot_check_every
+    if every == 0 and args.spot_check_sample is not None:
+        raise ValueError("--spot-check-every 0 checks nothing: drop --spot-check-sample")
+    sample = args.spot_check_sample
+    if sample is None:
+        return SpotCheckConfig(every=every, seed=args.seed)
+    return SpotCheckConfig(
+        every=every, kernels=sample, images=sample, channels=sample, seed=args.seed
+    )
 
 
 def _final_checkpoint_status(checkpoint_dir: str | None, steps: int) -> int:

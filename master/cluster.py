@@ -89,6 +89,7 @@ from .planning import (
     shares_table,
 )
 from .rebalancing import DriftMonitor
+from .spotcheck import SpotCheckConfig, SpotChecker
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class ClusterConfig:
             layer, fused where the cost model counts fewer bytes on the master's link
             (:func:`hetconv.costmodel.stage_mode`). Layers with no channel-local layers after
             them are always unfused.
+        spot_checks: how often and how much of the workers' answers the master recomputes to
+            catch finite but wrong values (:mod:`hetconv.master.spotcheck`); a worker caught
+            is lost and never re-admitted in this run.
     """
 
     master_compute: bool = True
@@ -163,6 +167,7 @@ class ClusterConfig:
     wire_format: TensorFormat = FLOAT32
     deterministic: bool = False
     stages: str = UNFUSED
+    spot_checks: SpotCheckConfig = field(default_factory=SpotCheckConfig)
 
     def __post_init__(self):
         if self.stages not in STAGE_MODES:
@@ -224,7 +229,10 @@ class Cluster:
             retry_max=c.retry_max,
             workers_file=c.workers_file,
         )
-        self.runner = PhaseRunner(self.membership, c.deadline_floor, c.deadline_factor)
+        self.spot_checks = SpotChecker(c.spot_checks) if c.spot_checks.every else None
+        self.runner = PhaseRunner(
+            self.membership, c.deadline_floor, c.deadline_factor, self.spot_checks
+        )
         self.session = secrets.randbits(64)
         self.plans: dict[str, LayerPlan] = {}
         self.step = 0
@@ -434,7 +442,7 @@ class Cluster:
 
     def plan_record(self) -> dict:
         """The plan as data (nodes, probes, links, shares, whether deterministic, the wire
-        format) for the trace's first record."""
+        format, the spot-check settings) for the trace's first record."""
         c = self.config
         record = plan_record(self.nodes, self.plans, c.master_compute, c.deterministic)
         record = {
@@ -444,6 +452,7 @@ class Cluster:
             "stage_modes": dict(self.stage_modes),
             "share_policy": c.share_policy,
             "network": self.planner.network,
+            "spot_checks": dataclasses.asdict(c.spot_checks),
         }
         if self.medium is not None:
             record["medium"] = self.medium.record()
@@ -461,6 +470,8 @@ class Cluster:
         changed; calls until the next step belong to ``step``."""
         self.step = self._events.step = step
         self.runner.start_step()
+        if self.spot_checks is not None:
+            self.spot_checks.start_step(step)
         changed = self.membership.admit().changed
         reason = "membership"
         if not changed and self.drift.due(step):
@@ -477,6 +488,13 @@ class Cluster:
                     for name, plan in self.plans.items()
                 }
                 self._events.emit("shares_changed", shares=shares, reason=reason)
+
+    def redo_step(self) -> bool:
+        """Whether the step's forward and backward must be computed again: a spot check caught
+        a worker in it since the last call. Its answers that passed their checks earlier in the
+        step (whose wrong values were not sampled) are in what the step computed; the worker
+        is out now, so a second pass computes the step without it."""
+        return bool(self.spot_checks is not None and self.spot_checks.take_caught())
 
     def end_step(self) -> dict:
         """This step's trace fields: per node and layer what moved and took how long, the
@@ -495,6 +513,9 @@ class Cluster:
         self._stage_steps = {}
         if events:
             record["events"] = events
+        checks = self.spot_checks.record() if self.spot_checks is not None else None
+        if checks is not None:
+            record["spot_checks"] = checks
         self.drift.observe(runner.records, bool(self.membership.failed))
         return record
 

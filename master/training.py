@@ -466,12 +466,16 @@ class _Run:
         self.executor.begin_step(step)
         step_start = time.perf_counter()
         x, labels = self.train_set.batch(indices)
-        loss, grad, hits = softmax_cross_entropy(self.model.forward(x), labels)
+        loss, hits = self._forward_backward(x, labels)
+        # A worker caught answering wrong values (a spot check) is out; what it answered
+        # earlier in this step passed its checks but may be wrong where not sampled: again.
+        redo = getattr(self.executor, "redo_step", None)
+        while redo is not None and redo():
+            loss, hits = self._forward_backward(x, labels)
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss became {loss} at step {step}; lower the learning rate (now {config.sgd.lr})"
             )
-        self.model.backward(grad)
         self.optimizer.step(self.model.gradients())
         seconds = time.perf_counter() - step_start
         cluster = self.executor.end_step()
@@ -497,6 +501,12 @@ class _Run:
             **cluster,
         }
         return record, len(indices) / seconds
+
+    def _forward_backward(self, x, labels) -> tuple[float, np.ndarray]:
+        """The loss and hits of the batch; the model's gradients are left in its layers."""
+        loss, grad, hits = softmax_cross_entropy(self.model.forward(x), labels)
+        self.model.backward(grad)
+        return loss, hits
 
     def _write(self, done: int, record: dict, stopping: bool) -> Path | None:
         """Trace ``record``, the last of ``done`` steps, and write a checkpoint when one is due;
