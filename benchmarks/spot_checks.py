@@ -73,6 +73,7 @@ def _timed_run(args, addresses, batch: int, every: int, trace: str) -> tuple[flo
         wire_format=format_named(args.wire_format),
         rebalance_every=0,
         spot_checks=SpotCheckConfig(every=every),
+        stages=args.stages,
     )
     with Cluster(addresses, config=config) as cluster:
         train(_config(args, batch, args.steps, trace), cluster, log=io.StringIO())
@@ -117,6 +118,7 @@ def overhead(args, tmp: Path) -> list[dict]:
                     "every": every,
                     "workers": args.workers,
                     "wire_format": args.wire_format,
+                    "stages": args.stages,
                     "steps": args.steps,
                     "repeats": args.repeats,
                     "step_seconds": step,
@@ -173,6 +175,7 @@ def _detect_once(args, honest: str, kind: str, trial: int, every: int) -> dict:
             wire_format=format_named(args.wire_format),
             rebalance_every=0,
             spot_checks=SpotCheckConfig(every=every, seed=trial),
+            stages=args.stages,
         )
         run = _config(args, batch, from_step + args.max_delay + 1, None, seed=trial)
         with _StopWhenCaught([honest, liar], config=config) as cluster:
@@ -235,6 +238,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per rate and batch")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--wire-format", default="float32")
+    parser.add_argument(
+        "--stages",
+        default="unfused",
+        choices=("unfused", "fused"),
+        help="the workers' calls: plain convolutions, or fused stages (hetconv train --stages)",
+    )
     parser.add_argument("--lies", nargs="*", default=["scale", "kernel", "noise"])
     parser.add_argument("--trials", type=int, default=3, help="detection runs per lie")
     parser.add_argument("--lie-from", type=int, default=3, help="first lying step, trial 0")

@@ -140,7 +140,7 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "--spot-check-every",
         type=non_negative_int,
         metavar="STEPS",
-        help="every STEPS steps (default 1: every step), the master recomputes a few values "
+        help="every STEPS steps (default 4; 1: every step), the master recomputes a few values "
         "of every worker answer and drops a worker whose values are wrong (finite but "
         "wrong: a broken driver, a bad overclock) for the rest of the run, computing its "
         "share itself; 0: never",

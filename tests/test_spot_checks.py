@@ -80,7 +80,8 @@ class Paused(Cluster):
     re-admit a lost worker (it retries after ``retry_min``, 0.2 s here)."""
 
     def __init__(self, addresses, at=None, pause=0.0, **config):
-        super().__init__(addresses, config=ClusterConfig(**{**FAST, **config}))
+        every_step = {"spot_checks": SpotCheckConfig(every=1)}  # unless a test says otherwise
+        super().__init__(addresses, config=ClusterConfig(**{**FAST, **every_step, **config}))
         self.at, self.pause = at, pause
 
     def begin_step(self, step):
