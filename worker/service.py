@@ -72,7 +72,7 @@ from hetconv.wire import (
 )
 from hetconv.worker.auth import WorkerSecurity
 from hetconv.worker.budget import Dropped, MemoryBudget, OverBudget
-from hetconv.worker.idle import IdleWatch, Watched
+from hetconv.worker.idle import IdleTimeout, IdleWatch, Watched
 
 #: An answer's tensors: name, array, format on the wire.
 _Answer = list[tuple[str, np.ndarray, TensorFormat]]
@@ -394,6 +394,8 @@ class ConvWorkerService:
             memory = self.budget.current()
             if memory is not None:  # the answer, when _admit could not foresee it
                 memory.cover(2 * sum(a.nbytes for _, a, _ in tensors), f"{call.name}'s answer")
+        except IdleTimeout:
+            raise  # the call is over already: nothing to answer
         except WireError as e:
             context.abort(e.status, f"{call.name}: {e}")
         except MemoryError as e:
@@ -408,7 +410,10 @@ class ConvWorkerService:
 
         def handler(messages: Iterator, context) -> Iterator:
             with self._in_flight(call.name, context) as watched:
-                head, segments = self._run(call, core, watched.messages(messages), context)
+                try:
+                    head, segments = self._run(call, core, watched.messages(messages), context)
+                except IdleTimeout:
+                    return  # ended by the idle watch, with its status: nothing more to send
                 for message in itertools.chain([head], chunks(segments)):
                     with watched.waiting():  # a client that stops reading holds us here
                         yield message
