@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_worker_budget import wait_for, worker_memory
 from test_worker_process import (
     PADDING,
+    TIMEOUT,
     WorkerProcess,
     _session,
     conv_tensors,
@@ -30,7 +31,7 @@ from test_worker_process import (
 from hetconv import wire
 from hetconv.master.client import WorkerClient
 
-IDLE = 2.0  # the workers' --idle-timeout here, seconds
+IDLE = 4.0  # the workers' --idle-timeout here, seconds
 
 
 class Stalled:
@@ -92,9 +93,12 @@ def test_stalled_streams_leave_health_and_a_real_master_served_and_end_named(wor
             client = WorkerClient(worker.address)
             try:
                 x, w, b = conv_tensors()
-                y, _ = client.forward(_session(), 1, "conv", x, w, b, PADDING, timeout=IDLE)
+                y, _ = client.forward(_session(), 1, "conv", x, w, b, PADDING, timeout=TIMEOUT)
             finally:
                 client.close()
+            # answered while every stalled stream still held its call: it waited for none
+            assert worker_memory(channel)["idle_ended"] == 0
+            assert not any(s.call.done() for s in stalled)
             np.testing.assert_allclose(
                 y, reference("conv_forward", x, w, b, PADDING), rtol=1e-5, atol=1e-6
             )

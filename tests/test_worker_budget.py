@@ -243,8 +243,10 @@ def test_concurrent_answers_nobody_reads_are_bounded_and_released(small_worker):
             assert 1 <= held["calls"] <= 2 and len(refused) >= 6
             assert 0 < held["in_flight"] <= held["budget"] - held["reserved"]
             rss = rss_mib(small_worker.popen.pid)
-            if rss is not None:  # the process, not only its books: 2 calls, not 8 (~270 MiB)
-                assert rss < 400, rss
+            # The process, not only its books: ~100 MiB here with two calls held; all eight held
+            # (the worker before the budget) measured 524 MiB
+            if rss is not None:
+                assert rss < 200, rss
             for call in calls:
                 call.cancel()
             wait_for(
