@@ -307,3 +307,39 @@ def test_one_session_under_many_layer_names_stays_within_its_share(small_worker)
         client.close()
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "share of the memory budget" in str(info.value) and "--memory-mib" in str(info.value)
+
+
+def test_scratch_grown_by_an_oversize_call_is_trimmed_after_it():
+    """A Forward whose device scratch (~70 MiB: lowered input and output of x (16, 32, 64, 64)
+    with 128 kernels) exceeds what a 160 MiB budget keeps (a quarter, 40 MiB) leaves no scratch
+    behind: the worker's resident memory grows by the saved state (8 MiB), not by the scratch
+    (+77 MiB measured with a 2000 MiB budget, which keeps it)."""
+    process = WorkerProcess("--backend", "cpu", "--memory-mib", "160")
+    client = WorkerClient(process.wait_ready())
+    rng = np.random.default_rng(0)
+    try:
+        small = (
+            rng.standard_normal((2, 32, 64, 64), np.float32),
+            rng.standard_normal((8, 32, 3, 3), np.float32),
+            np.zeros(8, np.float32),
+        )
+        for step in range(3):
+            client.forward(1, step, "small", *small, (1, 1, 1, 1), timeout=TIMEOUT)
+        before = rss_mib(process.popen.pid)
+        x = rng.standard_normal((16, 32, 64, 64), np.float32)
+        w = rng.standard_normal((128, 32, 3, 3), np.float32)
+        b = np.zeros(128, np.float32)
+        y, _ = client.forward(2, 1, "big", x, w, b, (1, 1, 1, 1), timeout=TIMEOUT)
+        np.testing.assert_allclose(
+            y, reference("conv_forward", x, w, b, (1, 1, 1, 1)), rtol=1e-4, atol=1e-3
+        )
+        del y
+        after = rss_mib(process.popen.pid)
+        with grpc.insecure_channel(process.address) as channel:
+            held = worker_memory(channel)
+    finally:
+        client.close()
+        process.stop()
+    assert held["scratch_trimmed"] == 1 and held["reserved"] == 40 * MIB
+    if before is not None:
+        assert after - before < 40, (before, after)
