@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -249,11 +249,16 @@ class MemoryBudget:
             )
 
     def save(
-        self, session: int, key: StateKey, state: Any, replaces: list[StateKey] | None = None
+        self,
+        session: int,
+        key: StateKey,
+        state: Any,
+        replaces: Callable[[StateKey, Any], bool] | None = None,
     ) -> None:
-        """Keep ``state`` under (``session``, ``key``), replacing what that key and the keys in
-        ``replaces`` held. Its bytes move from the current call's reservation when there is one
-        (they are already held); otherwise they are reserved here.
+        """Keep ``state`` under (``session``, ``key``), replacing what that key held and every
+        state of the session for which ``replaces(key, state)`` is true. Its bytes move from the
+        current call's reservation when there is one (they are already held); otherwise they
+        are reserved here.
 
         Raises:
             OverBudget: the state exceeds a session's share, or (with no call to move it from)
@@ -266,7 +271,8 @@ class MemoryBudget:
             slices = self._saved.get(session)
             if slices is None:
                 slices = self._saved[session] = OrderedDict()
-            for old in [key, *(replaces or [])]:
+            stale = [k for k, (kept, _) in slices.items() if replaces and replaces(k, kept)]
+            for old in [key, *stale]:
                 if old in slices:
                     _, size = slices.pop(old)
                     self._saved_bytes -= size

@@ -484,12 +484,10 @@ class ConvWorkerService:
         session keeps of the layer from other steps goes (its backward calls are over), so a
         split that changes leaves no stale slices behind."""
         key = (request.layer, request.kernel_offset)
-        stale = [
-            k
-            for k in self.budget.keys(request.session)
-            if k[0] == request.layer and k != key
-            and self.budget.saved(request.session, k).step != saved.step
-        ]  # fmt: skip
+
+        def stale(other: tuple[str, int], kept: _Saved) -> bool:
+            return other[0] == request.layer and kept.step != saved.step
+
         self.budget.save(request.session, key, saved, replaces=stale)
 
     def _saved_for(self, request: pb.ConvRequest) -> _Saved:
