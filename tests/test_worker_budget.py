@@ -343,3 +343,34 @@ def test_scratch_grown_by_an_oversize_call_is_trimmed_after_it():
     assert held["scratch_trimmed"] == 1 and held["reserved"] == 40 * MIB
     if before is not None:
         assert after - before < 40, (before, after)
+
+
+def test_the_limits_are_documented_printed_and_checked():
+    def worker(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "hetconv", "worker", *args],
+            capture_output=True, text=True, timeout=60, env=_env(),
+        )  # fmt: skip
+
+    help_text = " ".join(worker("--help").stdout.split())
+    for flag in ("--memory-mib MIB", "--max-calls N", "--idle-timeout S"):
+        assert flag in help_text
+    assert "default: half the memory available at start" in help_text
+    for bad, why in (
+        (("--idle-timeout", "-1"), "--idle-timeout: -1 must be at least 0"),
+        (("--memory-mib", "0"), "--memory-mib: 0 must be at least 1"),
+        (("--max-calls", "0"), "--max-calls: 0 must be at least 1"),
+    ):
+        run = worker(*bad)
+        assert run.returncode == 2 and why in run.stderr, run.stderr
+    process = WorkerProcess("--backend", "cpu", "--memory-mib", "300", "--idle-timeout", "0")
+    try:
+        process.wait_ready()
+    finally:
+        process.stop()
+    lines = process.output().splitlines()
+    (memory,) = [line for line in lines if line.startswith("memory: ")]
+    assert memory.startswith("memory: 300 MiB for requests in flight")
+    assert "at most 16 calls at once" in memory and "never ended for idling" in memory
+    (limit,) = [line for line in lines if line.startswith("max request: ")]
+    assert limit.startswith("max request: 300 MiB")  # at most the budget

@@ -142,9 +142,12 @@ def _with_limits(
     memory = (
         f"{config.memory_bytes >> 20} MiB{memory_why} for requests in flight, their answers, "
         f"saved forward states and device scratch; at most {config.max_calls} calls at once "
-        f"(--max-calls), idle ones ended after "
-        + (f"{config.idle_timeout:g} s" if config.idle_timeout else "never")
-        + " (--idle-timeout)"
+        "(--max-calls), "
+        + (
+            f"each ended after {config.idle_timeout:g} s idle on its client (--idle-timeout)"
+            if config.idle_timeout
+            else "never ended for idling (--idle-timeout 0)"
+        )
     )
     return config, limit, memory
 
