@@ -8,6 +8,11 @@ never the worker's own work (waiting for the device, computing) -- and ends a ca
 waited ``timeout`` seconds on its client with DEADLINE_EXCEEDED, naming the idle time and
 ``--idle-timeout``. The handler's wait then fails, its thread returns to the pool and its
 memory reservation is released.
+
+Seen with grpcio 1.85 here: when several calls of one connection are ended while their client
+still holds its request side open (it stalled mid-request), that connection's later calls are
+often refused by the server (REFUSED_STREAM, UNAVAILABLE at the client) until the client opens a
+new connection. Only the connection that stalled is affected; other clients' calls are not.
 """
 
 from __future__ import annotations
