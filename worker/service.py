@@ -33,6 +33,7 @@ import ctypes.util
 import itertools
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -203,6 +204,9 @@ class ConvWorkerService:
         self.idle = IdleWatch(self.config.idle_timeout)
         # One convolution at a time, always on this one thread: per-thread scratch exists once.
         self._device = futures.ThreadPoolExecutor(1, thread_name_prefix="hetconv-device")
+        # Held by every device job: code that runs the backend on its own thread under it still
+        # runs one call at a time (but keeps scratch of its own; prefer _on_device).
+        self._device_lock = threading.Lock()
         self.scratch_trimmed = 0  # times the scratch was trimmed after a call
         self.requests = 0  # conv requests answered successfully
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
@@ -212,7 +216,8 @@ class ConvWorkerService:
 
         def job():
             try:
-                return work()
+                with self._device_lock:
+                    return work()
             finally:
                 trim = getattr(self.backend, "trim_scratch", None)
                 if trim is not None and trim(self.scratch_keep):
