@@ -37,7 +37,9 @@ count (``--memory-mib``, ``--idle-timeout``, ``--sessions``) and serves, for ``-
 
 Before and after that the masters run alone for ``--baseline-seconds`` each (undisturbed): the
 ratio of their median step time with the hostile clients to without is the starvation figure
-(target <= 1.5). The worker's RSS is sampled every second throughout.
+(target <= 1.5). The worker's RSS, and what its memory budget says it holds (Describe's
+``hetconv-memory`` metadata: calls in flight, saved states, kept scratch), are sampled every
+second throughout.
 
     python benchmarks/soak.py --crowd [--seconds 90] [--masters 3] [--stallers 8]
                               [--memory-mib 512] [--idle-timeout 5] [--json PATH]
@@ -389,6 +391,18 @@ def _own_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=options)
 
 
+def _worker_books(channel: grpc.Channel) -> dict[str, int]:
+    """What the worker's memory budget holds: Describe's ``hetconv-memory`` metadata."""
+    describe = channel.unary_unary(
+        f"/{pb.DESCRIPTOR.package}.ConvWorker/Describe",
+        request_serializer=pb.DescribeRequest.SerializeToString,
+        response_deserializer=pb.DeviceDescription.FromString,
+    )
+    _, call = describe.with_call(pb.DescribeRequest(), timeout=30)
+    (text,) = [value for key, value in call.trailing_metadata() if key == "hetconv-memory"]
+    return {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+
+
 def _forward_method(channel: grpc.Channel):
     return channel.stream_stream(
         f"/{pb.DESCRIPTOR.package}.ConvWorker/{FORWARD.stream.name}",
@@ -522,7 +536,7 @@ def crowd_soak(args: argparse.Namespace) -> list[dict]:
              "--sessions", str(args.masters + 2)]  # fmt: skip
     process, address = start_worker(flags)
     rows: list[dict] = []
-    rss: list[tuple[float, str, float | None]] = []
+    rss: list[tuple[float, str, float | None, dict]] = []  # (seconds, phase, RSS, books)
     masters: list[Master] = []
     try:
         masters = [Master(address, seed) for seed in range(args.masters)]
@@ -540,11 +554,14 @@ def crowd_soak(args: argparse.Namespace) -> list[dict]:
         for thread in threads:
             thread.start()
 
+        books = _own_channel(address)
+
         def sample(phase: str, seconds: float) -> tuple[float, float]:
             start = time.perf_counter()
             while time.perf_counter() - start < seconds:
                 time.sleep(1.0)
-                rss.append((time.perf_counter() - begin, phase, rss_mib(process.pid)))
+                held = _worker_books(books)
+                rss.append((time.perf_counter() - begin, phase, rss_mib(process.pid), held))
             return start, time.perf_counter()
 
         before = sample("alone", args.baseline_seconds)
@@ -559,6 +576,7 @@ def crowd_soak(args: argparse.Namespace) -> list[dict]:
         outcomes = results.get(timeout=60)
         hostile.join(10)
         after = sample("alone", args.baseline_seconds)
+        books.close()
         stop.set()
         for thread in threads:
             thread.join(60)
@@ -567,11 +585,14 @@ def crowd_soak(args: argparse.Namespace) -> list[dict]:
             master.client.close()
         stop_processes([process])
 
-    print(f"\n{'seconds':>8} {'phase':<8} {'RSS MiB':>8}")
-    for t, phase, value in rss:
-        rows.append({"row": "rss", "seconds": t, "phase": phase, "rss_mib": value})
+    # held: what the worker's budget holds (calls in flight, saved states, kept scratch)
+    print(f"\n{'seconds':>8} {'phase':<8} {'RSS MiB':>8} {'held MiB':>9} {'calls':>6}")
+    for t, phase, value, held in rss:
+        mib = (held["in_flight"] + held["saved"] + held["reserved"]) / 2**20
+        rows.append({"row": "rss", "seconds": t, "phase": phase, "rss_mib": value,
+                     "held_mib": mib, "calls": held["calls"]})  # fmt: skip
         if round(t) % 5 == 0:
-            print(f"{t:>8.0f} {phase:<8} {_format_mib(value):>8}")
+            print(f"{t:>8.0f} {phase:<8} {_format_mib(value):>8} {mib:>9.1f} {held['calls']:>6}")
     print(f"\n{'master':>6} {'alone ms':>9} {'hostile ms':>10} {'ratio':>6} {'steps':>6} "
           f"{'checked':>8} {'errors':>6}")  # fmt: skip
     ratios = []
@@ -597,13 +618,13 @@ def crowd_soak(args: argparse.Namespace) -> list[dict]:
     for (kind, outcome), n in sorted(outcomes.items()):
         rows.append({"row": "hostile", "client": kind, "outcome": outcome, "calls": n})
         print(f"{kind:<16} {outcome:<20} {n:>6}")
-    hostile_rss = [v for _, phase, v in rss if phase == "hostile" and v is not None]
+    hostile_rss = [v for _, phase, v, _ in rss if phase == "hostile" and v is not None]
     summary = {
         "row": "summary", "seconds": args.seconds, "baseline_seconds": args.baseline_seconds,
         "masters": args.masters, "memory_mib": args.memory_mib,
         "max_ratio": max(ratios), "target_ratio": 1.5,
         "rss_first_hostile_mib": hostile_rss[0] if hostile_rss else None,
-        "rss_max_mib": max((v for *_, v in rss if v is not None), default=None),
+        "rss_max_mib": max((v for _, _, v, _ in rss if v is not None), default=None),
         "rss_last_mib": rss[-1][2] if rss else None,
         "errors": sum(len(m.errors) for m in masters),
     }  # fmt: skip
