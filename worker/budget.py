@@ -89,11 +89,6 @@ class Holding:
         """``key=value`` pairs, comma-separated (Describe's ``hetconv-memory`` metadata)."""
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
 
-    @classmethod
-    def from_metadata(cls, text: str) -> Holding:
-        pairs = dict(item.split("=", 1) for item in text.split(","))
-        return cls(**{f.name: int(pairs[f.name]) for f in dataclasses.fields(cls)})
-
 
 @dataclass(frozen=True)
 class Dropped:
