@@ -6,7 +6,13 @@ import argparse
 import sys
 
 from . import __version__
-from .argtypes import non_negative_int, parse_address, positive_float, positive_int
+from .argtypes import (
+    non_negative_int,
+    number_at_least,
+    parse_address,
+    positive_float,
+    positive_int,
+)
 from .model import PRESETS
 
 
@@ -450,6 +456,29 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         "backward pass fails (FAILED_PRECONDITION, naming eviction)",
     )
     p.add_argument(
+        "--memory-mib",
+        type=positive_int,
+        metavar="MIB",
+        help="memory budget for everything calls hold: requests in flight and their answers, "
+        "saved forward states (each session keeps at most MIB / --sessions) and device scratch; "
+        "a call that does not fit is refused (RESOURCE_EXHAUSTED) before anything is allocated "
+        "(default: half the memory available at start)",
+    )
+    p.add_argument(
+        "--max-calls",
+        type=positive_int,
+        metavar="N",
+        help="convolution calls in flight at once (default 16); one more is refused at once "
+        "(RESOURCE_EXHAUSTED); health checks and Describe are answered beside them",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=number_at_least(float, 0),
+        metavar="S",
+        help="end a call whose client sends nothing, or reads nothing of its answer, for S "
+        "seconds (DEADLINE_EXCEEDED; default 10; 0: never)",
+    )
+    p.add_argument(
         "--no-startup-probe", action="store_true", help="skip the probe printed at start"
     )
     p.add_argument(
@@ -487,6 +516,11 @@ def _run_worker(args: argparse.Namespace) -> int:
     from .backends import get_backend
 
     parse_address(args.listen, "--listen")
+    if args.memory_mib and args.max_request_mib and args.max_request_mib > args.memory_mib:
+        raise ValueError(
+            f"--max-request-mib {args.max_request_mib} is more than --memory-mib "
+            f"{args.memory_mib}: no request that large could ever be served"
+        )
     # Before the backend (whose auto choice probes): a bad token or PEM file fails at once.
     security = WorkerSecurity.from_files(resolve_token(args.token), args.tls_cert, args.tls_key)
     # None: run_worker picks the limit from the memory available and says so.
@@ -502,6 +536,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         security=security,
         sessions=args.sessions,
         exit_on_stdin_close=args.exit_on_stdin_close,
+        memory_bytes=args.memory_mib << 20 if args.memory_mib else None,
+        idle_timeout=args.idle_timeout,
+        max_calls=args.max_calls,
     )
 
 
