@@ -27,9 +27,10 @@ after ``--warmup``, from the run's trace), speedup over the master alone, megaby
 master's link per step (the trace's bytes, both ways) and the simulator's prediction
 (:func:`predict`: :mod:`hetconv.costmodel` with the run's shares, its nodes' measured
 convolution speeds and comp from the trace, and the testbed's link rate and round trip; the
-per-call software costs of the ``this-machine`` scenario, scaled by ``1 / cap``). The master
-alone's prediction is the cost model's local step with the master's speeds from the first
-cluster run.
+per-call software costs of the ``this-machine`` scenario, scaled by ``1 / cap``; ``--speeds
+probe`` takes node speeds from the probe before training instead). The master alone's
+prediction is what the master of the first cluster run probed on itself before training (every
+layer, all kernels, at its cap) plus that run's comp (:func:`predict_alone`).
 
 Modes are a table (:data:`MODES`): a new one is one line. A mode that needs a ``hetconv train``
 flag runs only when ``hetconv train --help`` lists it: ``fused`` (``--stages fused``) is skipped,
@@ -73,7 +74,8 @@ from hetconv.simulations.testbed import (
     tcp_goodput_mbps,
     with_blas_threads,
 )
-from hetconv.simulations.trace import read_steps, step_bytes
+from hetconv.simulations.trace import read_plan, read_steps, step_bytes
+from hetconv.simulations.validate import probe_speeds
 
 #: Sum of the caps of all processes, at most: leaves this 2-core machine a little for the
 #: kernel, tc and the benchmark itself.
@@ -260,10 +262,13 @@ def predict(
     rtt_s: float,
     cap: float,
     master_port_shaped: bool = True,
+    speeds: str = "trace",
 ):
     """The simulator's step for the run in ``trace`` on the testbed: :mod:`hetconv.costmodel`
-    with the run's shares, per-layer convolution speeds and comp from the trace
-    (:func:`~hetconv.simulations.calibrate.calibrate`), the links at the TCP goodput of
+    with the run's shares and comp from the trace
+    (:func:`~hetconv.simulations.calibrate.calibrate`), every node's per-layer convolution
+    speed from the trace's ``compute_seconds`` (``speeds="trace"``) or from the probe the master
+    ran before training (``"probe"``, the trace's plan record), the links at the TCP goodput of
     ``rate_mbps`` (switched: every worker's cable and, when shaped, the master's port; shared:
     one medium for every transfer, both ways), ``rtt_s``, and the ``this-machine`` scenario's
     per-call software costs scaled by ``1 / cap`` (CPU work of a process capped at ``cap``).
@@ -281,11 +286,17 @@ def predict(
 
     cal = calibrate(trace)
     layers = network_layers(cal.network, cal.batch)
+    if speeds == "probe":
+        gflops = probe_speeds(trace, cal, layers)
+    elif speeds == "trace":
+        gflops = cal.layer_gflops
+    else:
+        raise ValueError(f"speeds {speeds!r} is not 'trace' or 'probe'")
     main = max(layers, key=lambda layer: layer.shape.flops_forward).name
     rate = MBIT * tcp_goodput_mbps(rate_mbps)
     nodes = [
         Node(name, per_layer.get(main) or statistics.mean(per_layer.values()), per_layer)
-        for name, per_layer in zip(cal.node_names, cal.layer_gflops, strict=True)
+        for name, per_layer in zip(cal.node_names, gflops, strict=True)
     ]
     base = load_scenario("this-machine").wire
     wire = replace(
@@ -309,6 +320,18 @@ def predict(
         cluster = Cluster(nodes[0], workers, WIFI, rate, master_compute=master_compute, wire=wire)
     result = simulate_step(cluster, layers, cal.shares, cal.comp_per_image_s * cal.batch)
     return result, cal
+
+
+def predict_alone(cal) -> float | None:
+    """The master alone's step predicted from a cluster run's calibration ``cal``: the probe of
+    every layer (forward and backward of all its kernels, which the master timed on itself,
+    at its cap, before training: the trace's plan record) plus the run's comp. None when the
+    master computed nothing (no probe of its own)."""
+    plan = read_plan(cal.path, min(cal.step_numbers) if cal.step_numbers else None)
+    probes = plan.nodes[0].probe_seconds
+    if not probes or not all(name in probes for name in cal.shares):
+        return None
+    return sum(probes[name] for name in cal.shares) + cal.comp_per_image_s * cal.batch
 
 
 def _run_timeout(network: str, batch: int, steps: int, cap: float, core: float, rate: float):
@@ -411,11 +434,13 @@ def run_configuration(
         step_s, megabytes, used = measured(trace, args.warmup)
         predicted, note, shares = None, "", {}
         try:
-            result, cal = predict(trace, link, rate, rtt, cap, not args.master_port_unlimited)
+            result, cal = predict(
+                trace, link, rate, rtt, cap, not args.master_port_unlimited, args.speeds
+            )
             predicted = result.step_s
             shares = {k: list(v) for k, v in cal.shares.items()}
             if local_predicted is None:
-                local_predicted = result.local_s
+                local_predicted = predict_alone(cal)
         except ValueError as e:
             note = f"no prediction: {e}"
         rows.append(
@@ -429,7 +454,7 @@ def run_configuration(
         predicted_step_s=local_predicted,
         prediction_error=None if local_predicted is None else local_predicted / local_s - 1,
         steps_used=local_used, flags=["--local"],
-        note="" if local_predicted is not None else "no cluster run to take speeds from",
+        note="" if local_predicted is not None else "no cluster run's probe to predict from",
     )  # fmt: skip
     return [alone, *rows]
 
@@ -521,6 +546,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
         help=f"modes to run through the workers ({' '.join(DEFAULT_MODES)})",
+    )  # fmt: skip
+    p.add_argument(
+        "--speeds", choices=("trace", "probe"), default="trace",
+        help="the prediction's node speeds: each run's own per-layer compute_seconds (trace), "
+        "or the probe its master ran before training (probe) (trace)",
     )  # fmt: skip
     p.add_argument("--no-link-check", action="store_true", help="skip the bulk TCP check")
     p.add_argument("--keep-traces", metavar="DIR", help="write the runs' traces here")
@@ -628,6 +658,7 @@ __all__ = [
     "measure_core_gflops",
     "measured",
     "predict",
+    "predict_alone",
     "run_configuration",
     "runnable_modes",
 ]
