@@ -10,15 +10,16 @@ machine's 2 cores), joined by a bridge whose links are shaped with tc:
 * ``--link shared``: one token bucket that every packet to and from the master passes, both
   directions (an ifb device on the master's port): a half-duplex shared medium, as Wi-Fi.
 
-**Scaling.** A capped process computes at ``cap x core_gflops`` (``core_gflops``: this machine's
-core, measured at the start with hetconv's cpu backend on the network's own convolutions,
-forward and both gradients, one thread). A laptop core is taken to compute at
-``--laptop-gflops`` (default 60: a 2016-2020 laptop core, AVX2 with FMA at 2.6-3.5 GHz, has an
-fp32 peak of 83-112 GFLOPS and reaches ~50-90 in sgemm; the reference paper's i5-3210M has 40-50
-peak). Compute is then scaled by ``s = cap x core_gflops / laptop_gflops``, and so is the link:
-``rate = s x 1000 Mbit/s`` (gigabit Ethernet) for ``switched`` and ``s x 100 Mbit/s`` (Wi-Fi's
-real throughput) for ``shared``, so each step's compute-to-bandwidth ratio is that of laptops on
-those networks. ``--rate-mbit`` overrides the rate, ``--core-gflops`` the measurement.
+**Scaling.** A capped process computes at ``cap x core_gflops`` (``core_gflops``: this
+machine's core, measured at the start with hetconv's cpu backend on the network's own
+convolutions, forward and both gradients, one thread, per CPU second so that other load on the
+machine does not enter). A laptop core is taken to compute at ``--laptop-gflops`` (default 60: a
+2016-2020 laptop core, AVX2 with FMA at 2.6-3.5 GHz, has an fp32 peak of 83-112 GFLOPS and
+reaches ~50-90 in sgemm; the reference paper's i5-3210M has 40-50 peak). Compute is then scaled
+by ``s = cap x core_gflops / laptop_gflops``, and so is the link: ``rate = s x 1000 Mbit/s``
+(gigabit Ethernet) for ``switched`` and ``s x 100 Mbit/s`` (Wi-Fi's real throughput) for
+``shared``, so each step's compute-to-bandwidth ratio is that of laptops on those networks.
+``--rate-mbit`` overrides the rate, ``--core-gflops`` the measurement.
 
 **Side by side in one run**, per (workers, link): the master alone at the same cap
 (``hetconv train --local``), then every mode of :data:`MODES` through the same workers, each a
@@ -189,16 +190,34 @@ def measure_core_gflops(network: str, batch: int, repeats: int = 3) -> float:
     """GFLOPS of one core of this machine on ``network``'s convolutions at ``batch``: forward,
     kernel gradient and (where the layer needs it) input gradient of every conv layer with the
     cpu backend on one BLAS thread, best of ``repeats``, total FLOPs over total seconds. Runs in
-    a process of its own, uncapped."""
+    a process of its own, uncapped, and counts the process's CPU seconds, not wall seconds: a
+    capped process gets CPU seconds, so that is the speed its cap is a fraction of, and other
+    load on the machine does not enter (short of what it does to the caches)."""
     code = (
-        "import sys\n"
+        "import time\n"
+        "import numpy as np\n"
         "from hetconv.backends import get_backend\n"
         "from hetconv.workload import network_layers\n"
         "backend = get_backend('cpu')\n"
+        "rng = np.random.default_rng(0)\n"
         "flops = seconds = 0.0\n"
         f"for layer in network_layers({network!r}, {batch}):\n"
-        f"    seconds += backend.time_step(layer.shape, {repeats}, layer.need_input_grad)\n"
-        "    flops += layer.shape.flops_forward * layer.step_passes\n"
+        "    s = layer.shape\n"
+        "    x = rng.standard_normal((s.n, s.c, s.h, s.w), dtype=np.float32)\n"
+        "    w = rng.standard_normal((s.k, s.c, s.kh, s.kw), dtype=np.float32)\n"
+        "    b = np.zeros(s.k, np.float32)\n"
+        "    dy = rng.standard_normal((s.n, s.k, *s.out_hw), dtype=np.float32)\n"
+        "    pad = s.padding.sides\n"
+        "    best = float('inf')\n"
+        f"    for _ in range({repeats}):\n"
+        "        start = time.process_time()\n"
+        "        backend.conv_forward(x, w, b, pad)\n"
+        "        backend.conv_grad_kernels(x, dy, (s.kh, s.kw), pad)\n"
+        "        if layer.need_input_grad:\n"
+        "            backend.conv_grad_input(dy, w, (s.h, s.w), pad)\n"
+        "        best = min(best, time.process_time() - start)\n"
+        "    seconds += best\n"
+        "    flops += s.flops_forward * layer.step_passes\n"
         "print(flops / seconds / 1e9)\n"
     )
     env = with_blas_threads(os.environ, 1)
@@ -612,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             core = measure_core_gflops(args.network, args.batch)
             print(
                 f"this core: {core:.1f} GFLOPS on {args.network} batch {args.batch} convolutions "
-                "(cpu backend, one thread, uncapped)",
+                "(cpu backend, one thread, uncapped; per CPU second)",
                 file=sys.stderr,
             )
         with tempfile.TemporaryDirectory(prefix="hetconv-testbed-") as scratch:
