@@ -70,6 +70,7 @@ from hetconv.simulations.testbed import (
     SHARED_LINK,
     SWITCHED_LINK,
     ClusterTestbed,
+    CpuCap,
     cluster_testbed_unavailable,
     remove_stale,
     tcp_goodput_mbps,
@@ -519,8 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
             "prints step times, speedups over the master alone, MB per step on the master's "
             "link and the simulator's prediction."
         ),
-        epilog=f"modes: {mode_lines}; all (every available mode but kernel_split and bfloat16, "
-        "at once)",
+        epilog=f"modes: {mode_lines}; all (at once, of these the available ones: "
+        f"{' '.join(m.name for m in MODES if m.in_all)})",
     )
     p.add_argument("--network", default="paper-150-800", help="network preset (paper-150-800)")
     p.add_argument("--batch", type=positive(int), default=16, help="images per step (16)")
@@ -547,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--core-gflops", type=positive(float),
         help="this machine's core on the network's convolutions, GFLOPS (default: measured at "
-        "the start, one BLAS thread, uncapped)",
+        "the start, one BLAS thread, uncapped, per CPU second)",
     )  # fmt: skip
     p.add_argument(
         "--rate-mbit", type=positive(float),
@@ -597,6 +598,10 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         cap = args.cap or MAX_TOTAL_CAP / (workers + 1)
         if cap > 1:
             return f"--cap {cap:g} is more than one core"
+        try:
+            CpuCap("check", cap)
+        except ValueError as e:
+            return f"{workers} workers: {e}"
         if cap * (workers + 1) > MAX_TOTAL_CAP + 1e-9:
             return (
                 f"--cap {cap:g} x {workers + 1} processes = {cap * (workers + 1):.2f} cores, "

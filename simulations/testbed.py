@@ -385,8 +385,10 @@ class Testbed:
 #: Where the cgroup v1 ``cpu`` controller is (mounted there when missing, see
 #: :func:`ensure_cpu_controller`).
 CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
-#: The CFS period of every cap: the quota is a fraction of it.
-CFS_PERIOD_US = 100_000
+#: The CFS period of every cap: the quota is a fraction of it. Short, so that a capped process
+#: runs in slices of a few milliseconds, as a slower core would, not in lumps of tens of
+#: milliseconds with pauses in between that would delay every answer it must read or send.
+CFS_PERIOD_US = 10_000
 
 
 def ensure_cpu_controller(root: Path = CPU_CGROUP_ROOT) -> str | None:
@@ -421,6 +423,11 @@ class CpuCap:
     def __init__(self, name: str, fraction: float, root: Path = CPU_CGROUP_ROOT):
         if not 0 < fraction <= 64:
             raise ValueError(f"CPU cap must be a positive fraction of a core, got {fraction}")
+        if fraction * CFS_PERIOD_US < 1000:
+            raise ValueError(
+                f"CPU cap {fraction:g} is below the kernel's least quota, 1 ms of every "
+                f"{CFS_PERIOD_US / 1000:g} ms period: at least {1000 / CFS_PERIOD_US:g}"
+            )
         self.name, self.fraction, self.path = name, fraction, root / name
         self.created = False
 
@@ -428,7 +435,7 @@ class CpuCap:
         self.path.mkdir()
         self.created = True
         (self.path / "cpu.cfs_period_us").write_text(f"{CFS_PERIOD_US}\n")
-        quota = max(1000, round(self.fraction * CFS_PERIOD_US))  # the kernel's least is 1 ms
+        quota = round(self.fraction * CFS_PERIOD_US)
         (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
 
     def prefix(self) -> list[str]:

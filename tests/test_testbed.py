@@ -76,6 +76,8 @@ def test_unknown_modes_and_caps_past_the_machine_are_refused_by_name():
         testbed.ClusterTestbed(2, "mesh", 10.0, 0.3)
     with pytest.raises(ValueError, match=r"CPU cap must be in \(0, 1\] of a core, got 1.5"):
         testbed.ClusterTestbed(2, "shared", 10.0, 1.5)
+    with pytest.raises(ValueError, match="CPU cap 0.05 is below the kernel's least quota"):
+        testbed.CpuCap("x", 0.05)
 
 
 # -- with the testbed ----------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def test_caps_and_shared_medium_hold_and_everything_goes_away():
     with testbed.ClusterTestbed(2, testbed.SHARED_LINK, rate, cap=0.25) as bed:
         tag = bed.tag
         master, w0, w1 = bed.hosts
-        assert w0.cap.quota() == (25_000, 100_000)
+        assert w0.cap.quota() == (testbed.CFS_PERIOD_US // 4, testbed.CFS_PERIOD_US)
         # A busy loop gets its quarter of a core, not the core it asks for (a loaded machine
         # can give it less, never more), and the kernel says it was throttled.
         before = w0.cap.stat()["nr_throttled"]
