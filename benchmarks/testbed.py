@@ -23,8 +23,9 @@ by ``s = cap x core_gflops / laptop_gflops``, and so is the link: ``rate = s x 1
 
 **Side by side in one run**, per (workers, link): the master alone at the same cap
 (``hetconv train --local``), then every mode of :data:`MODES` through the same workers, each a
-``hetconv train`` with the mode's extra flags. A row per run: step time (median of the steps
-after ``--warmup``, from the run's trace), speedup over the master alone, megabytes on the
+``hetconv train`` with the mode's extra flags (``--rounds R``: all of them R times, in turn,
+their steps pooled). A row per mode: step time (median of the steps after ``--warmup``, from the
+runs' traces), speedup over the master alone, megabytes on the
 master's link per step (the trace's bytes, both ways) and the simulator's prediction
 (:func:`predict`: :mod:`hetconv.costmodel` with the run's shares, its nodes' measured
 convolution speeds and comp from the trace, and the testbed's link rate and round trip; the
@@ -260,16 +261,17 @@ class Row:
     note: str = ""
 
 
-def measured(trace: str, warmup: int) -> tuple[float, float, int]:
+def measured(traces: Sequence[str], warmup: int) -> tuple[float, float, int]:
     """(median step seconds, median megabytes on the master's link per step, steps used) of
-    the steps of ``trace`` after the first ``warmup``.
+    the steps of every trace in ``traces`` (the rounds of one mode) after each one's first
+    ``warmup``.
 
     Raises:
         ValueError: no step is left after the warmup.
     """
-    steps = read_steps(trace)[warmup:]
+    steps = [record for trace in traces for record in read_steps(trace)[warmup:]]
     if not steps:
-        raise ValueError(f"trace {trace} has no step after the {warmup} warmup steps")
+        raise ValueError(f"traces {', '.join(traces)} have no step after {warmup} warmup steps")
     seconds = statistics.median(r["seconds"] for r in steps)
     megabytes = statistics.median(step_bytes(r) for r in steps) / 1e6
     return seconds, megabytes, len(steps)
@@ -396,14 +398,14 @@ def run_configuration(
         file=log,
         flush=True,
     )  # fmt: skip
-    traces: dict[str, tuple[str, list[str]]] = {}
+    traces: dict[str, list[str]] = {MASTER_ALONE: [], **{m.name: [] for m in modes}}
     failures: dict[str, str] = {}
     with ClusterTestbed(workers, link, rate, cap, not args.master_port_unlimited) as bed:
         for note in bed.notes:
             print(f"testbed: {note}", file=log)
         rtt = statistics.median(bed.ping(host) for host in bed.worker_hosts)
         if not args.no_link_check:
-            # One transfer alone at about half a second of the rate, then all workers' at once.
+            # One transfer alone, about half a second of the rate.
             megabytes = tcp_goodput_mbps(rate) / 8 * 0.5
             alone = bed.transfer_mbps([(bed.master, bed.worker_hosts[0])], megabytes)[0]
             print(
@@ -412,30 +414,31 @@ def run_configuration(
                 file=log,
                 flush=True,
             )
-        trace = str(scratch / f"w{workers}-{link}-{MASTER_ALONE}.jsonl")
-        print(f"  {MASTER_ALONE} ...", file=log, flush=True)
-        bed.run_master(["--local", *common, "--trace", trace], timeout)
-        traces[MASTER_ALONE] = (trace, ["--local"])
-        addresses = bed.start_workers()
+        addresses = bed.start_workers()  # (idle while the master trains alone)
         connect = ["--connect-timeout", "180"] + [f for a in addresses for f in ("--worker", a)]
-        for mode in modes:
-            flags = mode.arguments(link)
-            trace = str(scratch / f"w{workers}-{link}-{mode.name}.jsonl")
-            print(f"  {mode.name} {' '.join(flags)} ...", file=log, flush=True)
-            try:
-                bed.run_master([*connect, *common, *flags, "--trace", trace], timeout)
-            except RuntimeError as e:
-                failures[mode.name] = str(e).splitlines()[0]
-                print(f"  {mode.name} failed: {e}", file=log)
-                continue
-            traces[mode.name] = (trace, flags)
+        runs = [(MASTER_ALONE, ["--local"])] + [(m.name, m.arguments(link)) for m in modes]
+        for round_number in range(args.rounds):
+            for name, flags in runs:
+                if name in failures:
+                    continue
+                trace = str(scratch / f"w{workers}-{link}-{name}-r{round_number}.jsonl")
+                print(f"  {name} {' '.join(flags)} ...", file=log, flush=True)
+                where = [] if name == MASTER_ALONE else connect
+                try:
+                    bed.run_master([*where, *common, *flags, "--trace", trace], timeout)
+                except RuntimeError as e:
+                    if name == MASTER_ALONE:
+                        raise
+                    failures[name] = str(e).splitlines()[0]
+                    print(f"  {name} failed: {e}", file=log)
+                    continue
+                traces[name].append(trace)
         drops = bed.qdisc_drops()
     if drops:
         print(f"  note: the token buckets dropped {drops} packets", file=log)
 
     rows = []
-    local_trace, _ = traces[MASTER_ALONE]
-    local_s, _, local_used = measured(local_trace, args.warmup)
+    local_s, _, local_used = measured(traces[MASTER_ALONE], args.warmup)
     base = dict(
         network=args.network, batch=args.batch, workers=workers, link=link, rate_mbit=rate,
         laptop_link_mbit=scale.laptop_link_mbit, cap=cap, scale=scale.factor,
@@ -450,13 +453,14 @@ def run_configuration(
                     flags=mode.arguments(link), note=f"failed: {failures[mode.name]}")
             )  # fmt: skip
             continue
-        trace, flags = traces[mode.name]
-        step_s, megabytes, used = measured(trace, args.warmup)
+        flags = mode.arguments(link)
+        step_s, megabytes, used = measured(traces[mode.name], args.warmup)
         predicted, note, shares = None, "", {}
-        try:
+        try:  # (from the first round's run)
             result, cal = predict(
-                trace, link, rate, rtt, cap, not args.master_port_unlimited, args.speeds
-            )
+                traces[mode.name][0], link, rate, rtt, cap, not args.master_port_unlimited,
+                args.speeds,
+            )  # fmt: skip
             predicted = result.step_s
             shares = {k: list(v) for k, v in cal.shares.items()}
             if local_predicted is None:
@@ -560,6 +564,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--steps", type=positive(int), default=6, help="measured steps per run (6)")
     p.add_argument(
+        "--rounds", type=positive(int), default=1,
+        help="run the master alone and every mode this many times, alternating, and pool their "
+        "steps: drift on a shared machine then hits all alike (1)",
+    )  # fmt: skip
+    p.add_argument(
         "--warmup", type=int, default=2,
         help="steps left out at the start of every run (2: connections, caches)",
     )  # fmt: skip
@@ -656,9 +665,9 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
     print(
         f"{args.network}, batch {args.batch}: step = median of {args.steps} steps after "
-        f"{args.warmup} warmup; speedup = master alone (same cap) / mode; MB/step = both ways "
-        f"on the master's link; laptop core {args.laptop_gflops:g} GFLOPS, this core "
-        f"{rows[0].core_gflops:.1f}"
+        f"{args.warmup} warmup, x {args.rounds} round(s); speedup = master alone (same cap) / "
+        f"mode; MB/step = both ways on the master's link; laptop core "
+        f"{args.laptop_gflops:g} GFLOPS, this core {rows[0].core_gflops:.1f}"
         if rows
         else "no rows"
     )
