@@ -40,7 +40,11 @@ with a note, until that flag lands, and runs from then on. ``all`` is every avai
 ``in_all`` at once.
 
 Every process shares this machine with whatever else runs on it: a cap is a ceiling, not a
-reservation, so a loaded machine gives noisy figures. Rerun on a quiet machine for the record::
+reservation. On a loaded machine the N + 1 processes of a cluster run get less than their caps
+while the master alone, one process, still gets its own: the speedups come out low, and noisy.
+Before the runs, busy loops on every node at once measure what the caps really give
+(``cap_received`` in every row: 1.0 on a quiet machine); a note is printed when it is below 0.9.
+Rerun on a quiet machine for the record::
 
     sudo .venv/bin/python benchmarks/testbed.py --network paper-150-800 --batch 16 \\
         --workers 2 4 --link switched shared --modes kernel_split float16 --json rows.json
@@ -255,6 +259,7 @@ class Row:
     core_gflops: float
     laptop_gflops: float
     rtt_ms: float
+    cap_received: float  # what busy loops on every node at once got, over the cap
     steps_used: int
     flags: list[str] = field(default_factory=list)
     shares: dict[str, list[int]] = field(default_factory=dict)
@@ -414,6 +419,14 @@ def run_configuration(
                 file=log,
                 flush=True,
             )
+        shares = bed.cap_shares()
+        cap_received = statistics.mean(shares) / cap
+        print(
+            f"  cap check: busy loops on all {len(shares)} nodes at once got "
+            f"{' '.join(f'{x:.2f}' for x in shares)} of a core (cap {cap:.2f})",
+            file=log,
+            flush=True,
+        )
         addresses = bed.start_workers()  # (idle while the master trains alone)
         connect = ["--connect-timeout", "180"] + [f for a in addresses for f in ("--worker", a)]
         runs = [(MASTER_ALONE, ["--local"])] + [(m.name, m.arguments(link)) for m in modes]
@@ -436,6 +449,14 @@ def run_configuration(
         drops = bed.qdisc_drops()
     if drops:
         print(f"  note: the token buckets dropped {drops} packets", file=log)
+    if cap_received < 0.9:
+        # The caps are ceilings: N + 1 capped processes then got less than their caps, while
+        # the master alone, one process, more likely got its own, which favours it.
+        print(
+            f"  note: the processes got {cap_received:.2f} of their caps: other work competed "
+            "for the cores; the cluster's rows are pessimistic",
+            file=log,
+        )
 
     rows = []
     local_s, _, local_used = measured(traces[MASTER_ALONE], args.warmup)
@@ -443,6 +464,7 @@ def run_configuration(
         network=args.network, batch=args.batch, workers=workers, link=link, rate_mbit=rate,
         laptop_link_mbit=scale.laptop_link_mbit, cap=cap, scale=scale.factor,
         core_gflops=core_gflops, laptop_gflops=args.laptop_gflops, rtt_ms=1e3 * rtt,
+        cap_received=cap_received,
     )  # fmt: skip
     local_predicted = None
     for mode in modes:

@@ -732,6 +732,23 @@ class ClusterTestbed:
             raise RuntimeError(f"`hetconv train` failed ({master.returncode}):\n{tail}")
         return output
 
+    def cap_shares(self, seconds: float = 1.0) -> list[float]:
+        """The share of a core a busy loop gets on every host at once, in its cap, over
+        ``seconds`` (master first): each near its cap where the machine has the cores to spare,
+        less where other work competes."""
+        code = "while True:\n    pass\n"
+        loops = [self.spawn([sys.executable, "-I", "-c", code], os.environ, h) for h in self.hosts]
+        try:
+            time.sleep(0.3)  # (started)
+            before, start = [cpu_seconds(p.pid) for p in loops], time.monotonic()
+            time.sleep(seconds)
+            after, elapsed = [cpu_seconds(p.pid) for p in loops], time.monotonic() - start
+        finally:
+            for loop in loops:
+                loop.kill()
+                loop.wait()
+        return [(b - a) / elapsed for a, b in zip(before, after, strict=True)]
+
     # measuring the idle links
 
     def ping(self, host: Host, count: int = 10) -> float:

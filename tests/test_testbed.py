@@ -108,14 +108,16 @@ def test_caps_and_shared_medium_hold_and_everything_goes_away():
         # can give it less, never more), and the kernel says it was throttled.
         before = w0.cap.stat()["nr_throttled"]
         share = _cpu_share(bed, w0)
-        assert 0.08 < share < 0.3, share
+        assert 0.03 < share < 0.3, share
         assert w0.cap.stat()["nr_throttled"] > before
-        # One transfer alone gets the medium; one each way at once share it (half duplex).
+        # One transfer alone gets the medium; one each way at once share it (half duplex:
+        # together no more than the rate, where a switched link carries it each way). The
+        # lower bounds are loose: a loaded machine slows the uncapped endpoints too.
         (alone,) = bed.transfer_mbps([(master, w0)], megabytes)
-        assert 0.75 * goodput < alone < 1.1 * goodput, (alone, goodput)
+        assert 0.6 * goodput < alone < 1.1 * goodput, (alone, goodput)
         both = bed.transfer_mbps([(master, w0), (w1, master)], megabytes)
-        assert 0.7 * goodput < sum(both) < 1.1 * goodput, (both, goodput)
-        assert min(both) > 0.25 * goodput, both
+        assert 0.5 * goodput < sum(both) < 1.1 * goodput, (both, goodput)
+        assert min(both) > 0.15 * goodput, both
         assert bed.leftovers() == sorted(
             [f"{tag}-m", f"{tag}-s", f"{tag}-w0", f"{tag}-w1"]
             + [str(testbed.CPU_CGROUP_ROOT / f"{tag}-{n}") for n in ("m", "w0", "w1")]
@@ -130,12 +132,14 @@ def test_switched_links_are_full_duplex_per_node_and_the_master_port_is_one_link
     megabytes = goodput / 8 * 0.8
     with testbed.ClusterTestbed(2, testbed.SWITCHED_LINK, rate, cap=None) as bed:
         master, w0, w1 = bed.hosts
-        # Into the master and out of it at once: each way has the whole rate.
+        # Into the master and out of it at once: each way has the whole rate (together more
+        # than a shared medium's 1.1 could carry).
         duplex = bed.transfer_mbps([(master, w0), (w1, master)], megabytes)
-        assert all(0.75 * goodput < r < 1.1 * goodput for r in duplex), (duplex, goodput)
+        assert all(r < 1.1 * goodput for r in duplex), (duplex, goodput)
+        assert sum(duplex) > 1.3 * goodput, (duplex, goodput)
         # Out of the master to both workers: its one port shares the rate.
         out = bed.transfer_mbps([(master, w0), (master, w1)], megabytes)
-        assert 0.7 * goodput < sum(out) < 1.1 * goodput, (out, goodput)
+        assert 0.5 * goodput < sum(out) < 1.1 * goodput, (out, goodput)
     assert bed.leftovers() == []
 
 
