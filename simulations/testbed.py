@@ -445,8 +445,11 @@ class CpuCap:
 
     def quota(self) -> tuple[int, int]:
         """(quota, period) in microseconds, as the kernel holds them."""
-        read = lambda f: int((self.path / f).read_text().split()[0])  # noqa: E731
-        return read("cpu.cfs_quota_us"), read("cpu.cfs_period_us")
+        quota, period = (
+            int((self.path / name).read_text().split()[0])
+            for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        )
+        return quota, period
 
     def stat(self) -> dict[str, int]:
         """The group's ``cpu.stat``: ``nr_periods``, ``nr_throttled``, ``throttled_time`` (ns)."""
