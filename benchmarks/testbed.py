@@ -487,8 +487,10 @@ def run_configuration(
             shares = {k: list(v) for k, v in cal.shares.items()}
             if local_predicted is None:
                 local_predicted = predict_alone(cal)
-        except ValueError as e:
-            note = f"no prediction: {e}"
+        except Exception as e:  # noqa: BLE001 (a run's figures stand without their prediction)
+            # The simulator may not read a mode's trace (bytes it does not count yet, a node
+            # left out of a layer): the row keeps its measurement and says why.
+            note = f"no prediction: {type(e).__name__}: {e}"
         rows.append(
             Row(**base, mode=mode.name, step_s=step_s, speedup=local_s / step_s,
                 master_mb_per_step=megabytes, predicted_step_s=predicted,
