@@ -26,6 +26,32 @@ def kernel_pair(kernel_size: int | Sequence[int]) -> tuple[int, int]:
     return operator.index(kh), operator.index(kw)
 
 
+def strided_hw(full_hw: Sequence[int], stride: tuple[int, int]) -> tuple[int, int]:
+    """(Ho, Wo) of a convolution with ``stride`` whose stride-1 output is ``full_hw``:
+    ``floor((H_padded - kh) / s) + 1``, PyTorch's size."""
+    (h, w), (sh, sw) = full_hw, stride
+    return -(-int(h) // sh), -(-int(w) // sw)
+
+
+def stride_output(y: np.ndarray, stride: tuple[int, int]) -> np.ndarray:
+    """A strided convolution's output from the stride-1 one: every ``stride``-th row and column
+    of float32 (N, K, Ho1, Wo1), starting at the first (C-contiguous; ``y`` itself at stride 1)."""
+    if stride == (1, 1):
+        return y
+    return np.ascontiguousarray(y[:, :, :: stride[0], :: stride[1]])
+
+
+def stride_gradient(dy: np.ndarray, stride: tuple[int, int], full_hw: Sequence[int]) -> np.ndarray:
+    """The stride-1 output gradient whose subsampling (:func:`stride_output`) is ``dy``: zeros
+    of (N, K, *full_hw) with ``dy`` at every ``stride``-th row and column. Backward of the
+    stride-1 convolution on it is backward of the strided one, exactly."""
+    if stride == (1, 1):
+        return dy
+    full = np.zeros((*dy.shape[:2], *full_hw), np.float32)
+    full[:, :, :: stride[0], :: stride[1]] = dy
+    return full
+
+
 @dataclass(frozen=True)
 class ConvSpec:
     """One convolution layer as an executor sees it: its name and geometry, no weights.
@@ -41,6 +67,8 @@ class ConvSpec:
             (a :class:`hetconv.stages.StageSpec`), which an executor that supports stages may
             run with it on each kernel slice; None when a conv or fc follows. Not compared:
             it describes what follows the convolution, not the convolution.
+        stride: (sh, sw). Executors compute the stride-1 convolution (:meth:`shape`), which
+            the layer subsamples (:func:`stride_output`); :attr:`output_shape` is strided.
     """
 
     name: str
@@ -50,6 +78,7 @@ class ConvSpec:
     padding: PaddingSpec = 0
     need_input_grad: bool = True
     stage: Any = field(default=None, compare=False)
+    stride: tuple[int, int] = (1, 1)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -57,7 +86,8 @@ class ConvSpec:
         return (self.kernels, self.input_shape[0], *self.kernel_size)
 
     def shape(self, batch: int) -> ConvShape:
-        """The geometry of one call on ``batch`` images.
+        """The geometry of one executor call on ``batch`` images (the stride-1 convolution
+        that executors compute).
 
         Raises:
             ValueError: the kernels do not fit the input (or a size is not positive).
@@ -66,8 +96,9 @@ class ConvSpec:
 
     @property
     def output_shape(self) -> tuple[int, int, int]:
-        """Per-sample output (K, Ho, Wo); raises ValueError as :meth:`shape` does."""
-        return (self.kernels, *self.shape(1).out_hw)
+        """Per-sample output (K, Ho, Wo) after the stride; raises ValueError as :meth:`shape`
+        does."""
+        return (self.kernels, *strided_hw(self.shape(1).out_hw, self.stride))
 
 
 class ConvExecutor(Protocol):

@@ -1,18 +1,31 @@
 """Layers with forward and backward passes: numpy, float32, NCHW.
 
-Semantics follow PyTorch's modules of the same name (``nn.Conv2d`` with stride 1,
-``nn.ReLU``, ``nn.LocalResponseNorm``, ``nn.MaxPool2d``, ``nn.Linear``) so that weights move
-between the two unchanged. Each layer keeps what its backward pass needs from the last
-forward pass; ``backward`` stores parameter gradients in ``grads`` and returns the input
-gradient.
+Semantics follow PyTorch's modules of the same name (``nn.Conv2d``, ``nn.ReLU``,
+``nn.LocalResponseNorm``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.AdaptiveAvgPool2d(1)``,
+``nn.BatchNorm2d``, ``nn.Dropout``, ``nn.Linear``) so that weights move between the two
+unchanged. Each layer keeps what its backward pass needs from the last forward pass;
+``backward`` stores parameter gradients in ``grads`` and returns the input gradient.
+``training`` (True by default, as in PyTorch) selects training or evaluation behaviour
+(batch statistics or running statistics; dropout on or off); ``buffers`` holds state that
+is saved with the weights but not trained (batch norm's running statistics).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .backends import PaddingSpec, conv_shape
-from .conv import ConvExecutor, ConvSpec, LocalConv, kernel_pair
+from .conv import (
+    ConvExecutor,
+    ConvSpec,
+    LocalConv,
+    kernel_pair,
+    stride_gradient,
+    stride_output,
+    strided_hw,
+)
 
 
 class Layer:
@@ -22,6 +35,8 @@ class Layer:
         self.name = name
         self.params: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
+        self.buffers: dict[str, np.ndarray] = {}
+        self.training = True
         self.input_shape: tuple[int, ...] | None = None  # per sample, set by the model
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -39,10 +54,16 @@ class Layer:
 
 
 class Conv2d(Layer):
-    """Stride-1 convolution with bias; the arithmetic runs on a :class:`ConvExecutor`.
+    """Convolution with bias; the arithmetic runs on a :class:`ConvExecutor`.
 
     Parameters: ``weight`` float32 (K, C, kh, kw), ``bias`` float32 (K,).
     ``need_input_grad`` is False for a network's first layer: nothing consumes that gradient.
+
+    .. note:: A stride above 1 is computed as the stride-1 convolution, subsampled (and
+       backward as the stride-1 backward of the zero-filled output gradient,
+       :func:`~hetconv.conv.stride_gradient`): exact, on every executor and backend, but
+       ``stride_h * stride_w`` times the arithmetic (and, in a cluster, the bytes) of a
+       strided kernel.
     """
 
     def __init__(
@@ -53,9 +74,13 @@ class Conv2d(Layer):
         kernel_size: int | tuple[int, int],
         padding: PaddingSpec = 0,
         executor: ConvExecutor | None = None,
+        stride: int | tuple[int, int] = 1,
     ):
         super().__init__(name)
         kh, kw = kernel_pair(kernel_size)
+        self.stride = kernel_pair(stride)
+        if min(self.stride) < 1:
+            raise ValueError(f"{name}: stride {stride} must be >= 1")
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size = (kh, kw)
         self.padding = padding
@@ -81,17 +106,21 @@ class Conv2d(Layer):
             self.padding,
             self.need_input_grad,
             self.stage,
+            self.stride,
         )
 
     def forward(self, x):
         self._x = x
-        return self.executor.forward(
+        y = self.executor.forward(
             self.name, x, self.params["weight"], self.params["bias"], self.padding
         )
+        self._full_hw = y.shape[2:]
+        return stride_output(y, self.stride)
 
     def backward(self, dy):
         if self._x is None:
             raise RuntimeError(f"{self.name}: backward before forward")
+        dy = stride_gradient(dy, self.stride, self._full_hw)
         dx, dw, db = self.executor.backward(
             self.name, self._x, self.params["weight"], dy, self.padding, self.need_input_grad
         )
@@ -100,7 +129,7 @@ class Conv2d(Layer):
 
     def output_shape(self, input_shape):
         shape = conv_shape((1, *input_shape), self.params["weight"].shape, self.padding)
-        return (self.out_channels, *shape.out_hw)
+        return (self.out_channels, *strided_hw(shape.out_hw, self.stride))
 
 
 class ReLU(Layer):
@@ -256,6 +285,168 @@ class MaxPool2d(Layer):
                 np.logical_not(hit, out=hit)
                 left *= hit
         return dx
+
+
+class AvgPool2d(Layer):
+    """Average pooling (no padding, floor mode), ``torch.nn.AvgPool2d(kernel, stride)``."""
+
+    def __init__(self, name: str, kernel_size: int = 2, stride: int | None = None):
+        super().__init__(name)
+        self.kernel_size, self.stride = pool_geometry(kernel_size, stride)
+
+    def output_shape(self, input_shape):
+        try:
+            return pool_output_shape(input_shape, self.kernel_size, self.stride)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+
+    def _tap(self, a: np.ndarray, i: int, j: int, ho: int, wo: int) -> np.ndarray:
+        s = self.stride
+        return a[:, :, i : i + s * (ho - 1) + 1 : s, j : j + s * (wo - 1) + 1 : s]
+
+    def forward(self, x):
+        _, ho, wo = self.output_shape(x.shape[1:])
+        k = self.kernel_size
+        y = self._tap(x, 0, 0, ho, wo).copy()
+        for t in range(1, k * k):
+            y += self._tap(x, t // k, t % k, ho, wo)
+        y *= np.float32(1.0 / (k * k))
+        self._x_shape = x.shape
+        return y
+
+    def backward(self, dy):
+        k = self.kernel_size
+        ho, wo = dy.shape[2:]
+        dx = np.zeros(self._x_shape, np.float32)
+        share = dy * np.float32(1.0 / (k * k))
+        for t in range(k * k):
+            self._tap(dx, t // k, t % k, ho, wo)[...] += share
+        return dx
+
+
+class GlobalAvgPool2d(Layer):
+    """The mean of each channel's map: (N, C, H, W) -> (N, C, 1, 1), as
+    ``torch.nn.AdaptiveAvgPool2d(1)`` (and ONNX's GlobalAveragePool)."""
+
+    def output_shape(self, input_shape):
+        return (input_shape[0], 1, 1)
+
+    def forward(self, x):
+        self._x_shape = x.shape
+        return x.mean(axis=(2, 3), keepdims=True, dtype=np.float32)
+
+    def backward(self, dy):
+        n, c, h, w = self._x_shape
+        return np.broadcast_to(dy * np.float32(1.0 / (h * w)), self._x_shape).copy()
+
+
+class BatchNorm2d(Layer):
+    """Batch normalisation per channel, ``torch.nn.BatchNorm2d(C, eps, momentum)`` semantics.
+
+    Parameters: ``weight`` float32 (C,) (ones at start), ``bias`` float32 (C,) (zeros).
+    Buffers: ``running_mean`` (zeros), ``running_var`` (ones), ``num_batches_tracked`` int64.
+    Training normalises by the batch's mean and biased variance over (N, H, W) and moves the
+    running statistics by ``momentum`` towards the batch's mean and *unbiased* variance;
+    evaluation normalises by the running statistics.
+
+    .. note:: The batch statistics are summed in float64, then used in float32.
+    """
+
+    def __init__(self, name: str, channels: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__(name)
+        if not eps > 0:
+            raise ValueError(f"{name}: batchnorm eps must be > 0, got {eps}")
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{name}: batchnorm momentum must be in [0, 1], got {momentum}")
+        self.channels, self.eps, self.momentum = channels, float(eps), float(momentum)
+        self.params = {
+            "weight": np.ones(channels, np.float32),
+            "bias": np.zeros(channels, np.float32),
+        }
+        self.buffers = {
+            "running_mean": np.zeros(channels, np.float32),
+            "running_var": np.ones(channels, np.float32),
+            "num_batches_tracked": np.zeros((), np.int64),
+        }
+
+    def reset_parameters(self) -> None:
+        """PyTorch's start: weight 1, bias 0, running mean 0, running variance 1, count 0."""
+        self.params["weight"][...] = 1
+        self.params["bias"][...] = 0
+        self.buffers["running_mean"][...] = 0
+        self.buffers["running_var"][...] = 1
+        self.buffers["num_batches_tracked"][...] = 0
+
+    @staticmethod
+    def _per_channel(v: np.ndarray) -> np.ndarray:
+        return v.reshape(1, -1, 1, 1)
+
+    def forward(self, x):
+        gamma, beta = self.params["weight"], self.params["bias"]
+        if not self.training:
+            inv_std = 1.0 / np.sqrt(self.buffers["running_var"] + np.float32(self.eps))
+            scale = (gamma * inv_std).astype(np.float32)
+            shift = (beta - self.buffers["running_mean"] * scale).astype(np.float32)
+            self._eval_scale = scale
+            self._x_hat = None
+            return x * self._per_channel(scale) + self._per_channel(shift)
+        count = x.shape[0] * x.shape[2] * x.shape[3]
+        mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
+        centred = x - self._per_channel(mean.astype(np.float32))
+        var = np.square(centred, dtype=np.float64).mean(axis=(0, 2, 3))
+        inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+        x_hat = centred * self._per_channel(inv_std)
+        m = self.momentum
+        unbiased = var * count / max(count - 1, 1)
+        running_mean, running_var = self.buffers["running_mean"], self.buffers["running_var"]
+        running_mean[...] = (1 - m) * running_mean + m * mean
+        running_var[...] = (1 - m) * running_var + m * unbiased
+        self.buffers["num_batches_tracked"] += 1
+        self._x_hat, self._inv_std = x_hat, inv_std
+        return x_hat * self._per_channel(gamma) + self._per_channel(beta)
+
+    def backward(self, dy):
+        gamma = self.params["weight"]
+        if self._x_hat is None:  # evaluation mode: an affine map per channel
+            self.grads = {"weight": np.zeros_like(gamma), "bias": dy.sum(axis=(0, 2, 3))}
+            return dy * self._per_channel(self._eval_scale)
+        x_hat, inv_std = self._x_hat, self._inv_std
+        count = dy.shape[0] * dy.shape[2] * dy.shape[3]
+        d_beta = dy.sum(axis=(0, 2, 3), dtype=np.float64)
+        d_gamma = (dy * x_hat).sum(axis=(0, 2, 3), dtype=np.float64)
+        self.grads = {"weight": d_gamma.astype(np.float32), "bias": d_beta.astype(np.float32)}
+        # dx = gamma * inv_std * (dy - mean(dy) - x_hat * mean(dy * x_hat))
+        dx = dy - self._per_channel((d_beta / count).astype(np.float32))
+        dx -= x_hat * self._per_channel((d_gamma / count).astype(np.float32))
+        dx *= self._per_channel((gamma * inv_std).astype(np.float32))
+        return dx
+
+
+class Dropout(Layer):
+    """Zeroes each value with probability ``p`` while training and scales the rest by
+    ``1 / (1 - p)``, ``torch.nn.Dropout`` semantics; the identity in evaluation.
+
+    The masks come from this layer's own generator (``seed``), so a model built with the same
+    seed draws the same masks in the same order. They are not PyTorch's (its generator differs).
+    """
+
+    def __init__(self, name: str, p: float = 0.5, seed: int | Sequence[int] = 0):
+        super().__init__(name)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name}: dropout p must be in [0, 1), got {p}")
+        self.p = float(p)
+        self.rng = np.random.default_rng(seed)
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            self._scale = None
+            return x
+        keep = self.rng.random(x.shape, dtype=np.float32) >= np.float32(self.p)
+        self._scale = keep * np.float32(1.0 / (1.0 - self.p))
+        return x * self._scale
+
+    def backward(self, dy):
+        return dy if self._scale is None else dy * self._scale
 
 
 class Linear(Layer):

@@ -174,7 +174,9 @@ def evaluate(model: Model, data: ImageDataset, batch: int = 200) -> tuple[float,
     for start in range(0, len(data), batch):
         indices = np.arange(start, min(start + batch, len(data)))
         x, y = data.batch(indices)
-        loss, _, hits = softmax_cross_entropy(model.forward(x), y)
+        with model.evaluating():
+            logits = model.forward(x)
+        loss, _, hits = softmax_cross_entropy(logits, y)
         total_loss += loss * len(indices)
         correct += int(hits.sum())
     return total_loss / max(len(data), 1), correct / max(len(data), 1)
@@ -253,9 +255,9 @@ class _Run:
 
     def __init__(self, config: TrainConfig, executor: ConvExecutor | None, log: TextIO):
         self.config, self.log = config, log
-        self.spec = load_spec(config.preset)
         self.data = load_datasets(config)
         self.train_set, self.test_set = self.data.train, self.data.held_out
+        self.spec = load_spec(config.preset, classes=self.train_set.num_classes)
         if len(self.train_set) < config.batch:
             raise ValueError(
                 f"batch {config.batch} is larger than the training set ({len(self.train_set)})"
@@ -548,7 +550,7 @@ class _Run:
             seed=config.seed,
             steps_per_epoch=self.steps_per_epoch,
             order_sha256=order_digest(next_order),
-            model=self.model.parameters(),
+            model=self.model.state(),
             momentum=self.optimizer.state(),
             losses=np.asarray(totals.losses, np.float64),
             recent_hits=np.asarray(totals.recent_hits, np.float64),

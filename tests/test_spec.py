@@ -1,0 +1,340 @@
+"""The model spec: strict checking (every layer type, every key), presets that follow the
+dataset's class count, the README's table of the spec, and the newer layers (stride, batch
+norm, dropout, average and global average pooling) in a whole model against PyTorch."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetconv.layers import softmax_cross_entropy
+from hetconv.model import LAYER_OPTIONS, LAYER_TYPES, PRESETS, Model, load_spec, walk_spec
+
+INPUT = (3, 12, 12)
+# Every layer type, a strided convolution, a pool after batch norm, a global pool before fc.
+MODERN = [
+    {"type": "conv", "name": "conv1", "out": 6, "kernel": 3, "padding": 1, "stride": 2},
+    {"type": "batchnorm", "name": "bn1"},
+    {"type": "relu"},
+    {"type": "conv", "name": "conv2", "out": 8, "kernel": [3, 2], "padding": "same"},
+    {"type": "relu"},
+    {"type": "lrn", "size": 3, "alpha": 0.5},
+    {"type": "avgpool", "kernel": 2},
+    {"type": "batchnorm", "name": "bn2", "eps": 1e-3, "momentum": 0.2},
+    {"type": "maxpool", "kernel": 2, "stride": 1},
+    {"type": "conv", "name": "conv3", "out": 5, "kernel": 1, "stride": [1, 2]},
+    {"type": "gap"},
+    {"type": "dropout", "p": 0.3},
+    {"type": "fc", "name": "fc", "out": 4},
+]
+
+
+# ------------------------------------------------------------------------------ strictness
+
+
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        (
+            {"type": "conv", "name": "c1", "out": 4, "strides": 2},
+            ["layer 0", "conv", "'c1'", "unknown key 'strides'", "stride (int >= 1 or [sh, sw]"],
+        ),
+        (
+            {"type": "fc", "out": 4, "activation": "relu"},
+            ["layer 0", "unknown key 'activation'", "fc accepts", "out (int >= 1"],
+        ),
+        ({"type": "softmax"}, ["layer 0", "'softmax'", "accepted types", "batchnorm", "gap"]),
+        ({"out": 4}, ["layer 0", "type None", "accepted types"]),
+        ({"type": "conv", "kernel": 3}, ["layer 0", "missing key 'out'", "conv accepts"]),
+        ({"type": "fc"}, ["missing key 'out'"]),
+        ({"type": "conv", "out": "8"}, ["layer 0", "out is '8'", "expected int >= 1"]),
+        ({"type": "conv", "out": 8.0}, ["out is 8.0", "int >= 1"]),
+        ({"type": "conv", "out": True}, ["out is True"]),
+        ({"type": "conv", "out": 8, "stride": 0}, ["stride is 0", "int >= 1 or [sh, sw]"]),
+        ({"type": "conv", "out": 8, "stride": [2, 2, 2]}, ["stride is [2, 2, 2]"]),
+        ({"type": "conv", "out": 8, "kernel": 2.5}, ["kernel is 2.5"]),
+        ({"type": "conv", "out": 8, "padding": "full"}, ["padding is 'full'", '"same"']),
+        ({"type": "conv", "out": 8, "padding": -1}, ["padding is -1"]),
+        ({"type": "maxpool", "kernel": 0}, ["kernel is 0", "int >= 1"]),
+        ({"type": "avgpool", "stride": "2"}, ["stride is '2'"]),
+        ({"type": "lrn", "size": 0}, ["size is 0"]),
+        ({"type": "lrn", "alpha": float("nan")}, ["alpha is nan", "finite number"]),
+        ({"type": "batchnorm", "eps": 0}, ["eps is 0", "number > 0"]),
+        ({"type": "batchnorm", "momentum": 2}, ["momentum is 2", "number in [0, 1]"]),
+        ({"type": "dropout", "p": 1.0}, ["p is 1.0", "number in [0, 1)"]),
+        ({"type": "dropout", "rate": 0.5}, ["unknown key 'rate'", "p (number in [0, 1)"]),
+        ({"type": "gap", "kernel": 2}, ["unknown key 'kernel'", "gap accepts type, name"]),
+        ({"type": "relu", "name": ""}, ["name '' must be a non-empty string"]),
+        ({"type": "relu", "name": "a.b"}, ["without dots"]),
+        ("relu", ["layer 0 is 'relu'", "not an object"]),
+    ],
+)
+def test_every_bad_entry_is_refused_naming_layer_key_and_what_is_accepted(entry, words):
+    with pytest.raises(ValueError) as info:
+        Model([entry], INPUT)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_the_error_names_the_right_layer_in_a_longer_spec():
+    spec = [dict(e) for e in MODERN]
+    spec[7] = {**spec[7], "epsilon": 1e-3}
+    with pytest.raises(ValueError, match=r"layer 7 \(batchnorm 'bn2'\): unknown key 'epsilon'"):
+        Model(spec, INPUT)
+
+
+def test_layers_that_need_maps_refuse_a_flat_input():
+    for kind in ("batchnorm", "avgpool", "gap", "lrn", "maxpool"):
+        with pytest.raises(ValueError, match=rf"layer 1 \({kind}1\): needs a C x H x W input"):
+            Model([{"type": "fc", "out": 4}, {"type": kind}], INPUT)
+    Model([{"type": "fc", "out": 4}, {"type": "relu"}, {"type": "dropout"}], INPUT)
+
+
+def test_names_must_be_unique():
+    spec = [{"type": "conv", "name": "c", "out": 2}, {"type": "conv", "name": "c", "out": 2}]
+    with pytest.raises(ValueError, match="layer 1 .* named 'c', as layer 0 is: names must be"):
+        Model(spec, INPUT)
+
+
+def test_a_spec_that_is_not_a_list_is_refused():
+    for bad in ({"type": "relu"}, "relu"):
+        with pytest.raises(ValueError, match="a model spec is a list of layer objects"):
+            list(walk_spec(bad, INPUT))
+
+
+def test_a_json_file_with_an_unknown_key_is_refused(tmp_path):
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps([{"type": "conv", "out": 4, "stride": 2, "dilation": 2}]))
+    with pytest.raises(ValueError, match="unknown key 'dilation'"):
+        Model(load_spec(str(path)), INPUT)
+
+
+def test_defaults_are_filled_in():
+    layers = {item.name: item for item in walk_spec(MODERN, INPUT)}
+    assert layers["conv1"].options == {"out": 6, "kernel": 3, "padding": 1, "stride": 2}
+    assert layers["avgpool1"].options == {"kernel": 2, "stride": 2}
+    assert layers["bn1"].options == {"eps": 1e-5, "momentum": 0.1}
+    assert layers["dropout1"].options == {"p": 0.3}
+    assert layers["conv2"].options["kernel"] == (3, 2)
+
+
+# ------------------------------------------------------------------------ shapes and stages
+
+
+def test_shapes_of_the_new_layers():
+    shapes = {item.name: item.output_shape for item in walk_spec(MODERN, INPUT)}
+    assert shapes["conv1"] == (6, 6, 6)  # floor((12 + 2 - 3) / 2) + 1
+    assert shapes["avgpool1"] == (8, 3, 3)
+    assert shapes["maxpool1"] == (8, 2, 2)
+    assert shapes["conv3"] == (5, 2, 1)
+    assert shapes["gap1"] == (5, 1, 1)
+    assert shapes["fc"] == (4,)
+    model = Model(MODERN, INPUT)
+    assert model.forward(np.zeros((2, *INPUT), np.float32)).shape == (2, 4)
+
+
+def test_stages_end_at_batchnorm_and_dropout_and_strided_convs_have_none():
+    convs = {item.name: item.conv for item in walk_spec(MODERN, INPUT) if item.conv}
+    assert convs["conv1"].stride == (2, 2) and convs["conv1"].stage is None
+    assert [op.kind for op in convs["conv2"].stage.ops] == ["relu", "lrn", "avgpool"]
+    assert convs["conv3"].stride == (1, 2) and convs["conv3"].stage is None
+    spec = [{"type": "conv", "out": 2}, {"type": "gap"}, {"type": "dropout"}, {"type": "relu"}]
+    conv = next(walk_spec(spec, INPUT)).conv
+    assert [op.kind for op in conv.stage.ops] == ["gap"]
+    assert conv.stage.output_hw((10, 10)) == (1, 1)
+
+
+# ------------------------------------------------------------------ presets and class counts
+
+
+@pytest.mark.parametrize("classes", [2, 10, 100])
+def test_a_preset_ends_in_the_datasets_class_count(classes):
+    spec = load_spec("tiny", classes=classes)
+    assert spec[-1] == {"type": "fc", "name": "fc", "out": classes}
+    assert Model(spec).output_shape == (classes,)
+    assert PRESETS["tiny"][-1]["out"] == 10  # the preset itself is untouched
+    assert load_spec("tiny") == PRESETS["tiny"]
+
+
+@pytest.mark.parametrize("classes", [0, -1, 2.5, "10", True])
+def test_a_bad_class_count_is_refused(classes):
+    with pytest.raises(ValueError, match="classes must be an int >= 1"):
+        load_spec("tiny", classes=classes)
+
+
+def test_a_spec_files_own_outputs_are_kept(tmp_path):
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps([{"type": "fc", "out": 7}]))
+    assert load_spec(str(path), classes=3) == [{"type": "fc", "out": 7}]
+
+
+# -------------------------------------------------------------------- modes and weight files
+
+
+def test_eval_mode_uses_running_statistics_and_no_dropout():
+    model = Model(MODERN, INPUT, seed=1)
+    x = np.random.default_rng(0).standard_normal((6, *INPUT), dtype=np.float32)
+    assert model.training
+    first, second = model.forward(x), model.forward(x)
+    assert not np.array_equal(first, second)  # new dropout masks, moved statistics
+    with model.evaluating():
+        assert not model.training
+        a, b = model.forward(x), model.forward(x)
+    np.testing.assert_array_equal(a, b)
+    assert model.training
+    assert model.buffers()["bn1.num_batches_tracked"] == 2
+    model.eval()
+    np.testing.assert_array_equal(model.forward(x), a)
+    model.train()
+    assert model.training
+
+
+def test_weight_files_hold_parameters_and_buffers(tmp_path):
+    model = Model(MODERN, INPUT, seed=2)
+    model.forward(np.ones((3, *INPUT), np.float32))
+    path = tmp_path / "w.npz"
+    model.save(path)
+    saved = np.load(path)
+    assert list(saved.files) == list(model.state())
+    assert "bn2.running_var" in saved.files and saved["bn1.num_batches_tracked"] == 1
+    assert "bn1.running_mean" not in model.parameters()  # buffers are not trained
+    other = Model(MODERN, INPUT, seed=3)
+    other.load(path)
+    for name, value in model.state().items():
+        np.testing.assert_array_equal(other.state()[name], value, err_msg=name)
+    del_one = {k: v for k, v in model.state().items() if k != "bn2.running_mean"}
+    with pytest.raises(ValueError, match=r"missing \['bn2.running_mean'\]"):
+        other.load_state(del_one)
+
+
+def test_batchnorm_starts_as_pytorch_does():
+    state = Model(MODERN, INPUT, seed=5).state()
+    np.testing.assert_array_equal(state["bn1.weight"], np.ones(6, np.float32))
+    np.testing.assert_array_equal(state["bn1.bias"], np.zeros(6, np.float32))
+    np.testing.assert_array_equal(state["bn2.running_var"], np.ones(8, np.float32))
+    assert state["bn2.num_batches_tracked"].dtype == np.int64
+
+
+# ----------------------------------------------------------------------------- the README
+
+
+def test_the_readme_documents_every_layer_type_and_key():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Your own model") :]
+    section = section[: section.index("\n## ", 1)]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \|([^\n]*)$", section, re.M)}
+    assert set(rows) == set(LAYER_TYPES)
+    for kind, options in LAYER_OPTIONS.items():
+        for key in options:
+            assert f"`{key}`" in rows[kind], (kind, key)
+    example = re.search(r"```json\n(.*?)```", section, re.S).group(1)
+    Model(json.loads(example), (3, 32, 32))
+
+
+# ------------------------------------------------------------------------------- PyTorch
+
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is the reference implementation; install the dev extra"
+)
+
+
+def torch_twin(spec, input_shape):
+    """The spec as a torch module with our layer names (so state dicts are the same)."""
+    nn = torch.nn
+    net = nn.Module()
+    order = []
+    for item in walk_spec(spec, input_shape):
+        o, kind = item.options, item.kind
+        if kind == "conv":
+            c = item.conv
+            pad = c.padding if c.padding == "same" else o["padding"]
+            module = nn.Conv2d(c.input_shape[0], c.kernels, c.kernel_size, c.stride, pad)
+        elif kind == "batchnorm":
+            module = nn.BatchNorm2d(item.input_shape[0], o["eps"], o["momentum"])
+        elif kind == "relu":
+            module = nn.ReLU()
+        elif kind == "lrn":
+            module = nn.LocalResponseNorm(o["size"], o["alpha"], o["beta"], o["k"])
+        elif kind == "maxpool":
+            module = nn.MaxPool2d(o["kernel"], o["stride"])
+        elif kind == "avgpool":
+            module = nn.AvgPool2d(o["kernel"], o["stride"])
+        elif kind == "gap":
+            module = nn.AdaptiveAvgPool2d(1)
+        elif kind == "dropout":
+            module = nn.Dropout(o["p"])
+        else:
+            module = nn.Sequential(
+                nn.Flatten(), nn.Linear(int(np.prod(item.input_shape)), o["out"])
+            )
+            item = item.__class__(**{**item.__dict__, "name": item.name + "_"})
+        net.add_module(item.name, module)
+        order.append(module)
+    net.forward = lambda x: torch.nn.Sequential(*order)(x)
+    return net
+
+
+def _load_into(net, model):
+    state = {}
+    for k, v in model.state().items():
+        head, _, tail = k.partition(".")
+        if head == "fc":  # the twin's fc sits behind a Flatten
+            k = f"fc_.1.{tail}"
+        state[k] = torch.from_numpy(np.array(v))
+    net.load_state_dict(state, strict=True)
+
+
+def _close(ours, theirs, what, rtol=1e-4, floor=1e-30):
+    """|ours - theirs| within rtol of theirs' largest magnitude (or of ``floor``, for a
+    tensor that is zero up to round-off, as a conv bias's gradient before batch norm is)."""
+    theirs = theirs.detach().numpy() if torch.is_tensor(theirs) else np.asarray(theirs)
+    scale = max(float(np.abs(theirs).max()), floor)
+    err = float(np.abs(np.asarray(ours, np.float64) - theirs).max())
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def test_a_model_with_every_new_layer_matches_torch_in_training_and_eval():
+    spec = [e for e in MODERN if e["type"] != "dropout"]  # masks cannot match; eval below
+    model = Model(spec, INPUT, seed=4)
+    rng = np.random.default_rng(1)
+    for p in model.parameters().values():
+        p[...] += rng.standard_normal(p.shape).astype(np.float32) * 0.1
+    net = torch_twin(spec, INPUT)
+    _load_into(net, model)
+    net.train()
+    for step in range(2):
+        x = rng.standard_normal((5, *INPUT), dtype=np.float32)
+        labels = rng.integers(0, 4, 5)
+        logits = model.forward(x)
+        loss, grad, _ = softmax_cross_entropy(logits, labels)
+        model.backward(grad)
+        net.zero_grad()
+        t_logits = net(torch.from_numpy(x))
+        torch.nn.functional.cross_entropy(t_logits, torch.from_numpy(labels)).backward()
+        _close(logits, t_logits, f"step {step} logits")
+        theirs = dict(net.named_parameters())
+        for name, g in model.gradients().items():
+            key = name.replace("fc.", "fc_.1.")
+            _close(g, theirs[key].grad, f"step {step} d{name}", rtol=2e-4, floor=1e-3)
+    buffers = dict(net.named_buffers())
+    for name, value in model.buffers().items():
+        _close(value, buffers[name], name)
+    x = rng.standard_normal((3, *INPUT), dtype=np.float32)
+    net.eval()
+    with model.evaluating():
+        _close(model.forward(x), net(torch.from_numpy(x)), "eval logits")
+
+
+def test_dropout_in_eval_matches_torch():
+    model = Model(MODERN, INPUT, seed=6)
+    model.forward(np.random.default_rng(2).standard_normal((4, *INPUT), dtype=np.float32))
+    net = torch_twin(MODERN, INPUT)
+    _load_into(net, model)
+    net.eval()
+    x = np.random.default_rng(3).standard_normal((3, *INPUT), dtype=np.float32)
+    with model.evaluating():
+        _close(model.forward(x), net(torch.from_numpy(x)), "eval logits")
