@@ -148,6 +148,57 @@ def test_stages_end_at_batchnorm_and_dropout_and_strided_convs_have_none():
     assert conv.stage.output_hw((10, 10)) == (1, 1)
 
 
+@pytest.mark.parametrize(
+    "chain",
+    [
+        [{"type": "relu"}, {"type": "avgpool", "kernel": 3, "stride": 2}],
+        [{"type": "lrn", "size": 5, "alpha": 1.0}, {"type": "avgpool"}, {"type": "relu"}],
+        [{"type": "relu"}, {"type": "lrn", "size": 3, "alpha": 1.0}, {"type": "gap"}],
+    ],
+    ids=["relu-avgpool", "lrn-avgpool-relu", "relu-lrn-gap"],
+)
+def test_stage_slices_with_the_new_pools_equal_the_whole_layers(chain):
+    """Each node's stage on its (halo-widened) slice, reassembled, is the whole layer chain."""
+    from hetconv.backends import get_backend
+    from hetconv.stages import StageSpec, ops_to_proto, spec_from_proto, stage_backward
+    from hetconv.stages import stage_forward as run_stage
+
+    backend, rng = get_backend("cpu"), np.random.default_rng(5)
+    x = rng.standard_normal((3, 4, 9, 9), dtype=np.float32)
+    w = rng.standard_normal((11, 4, 3, 3), dtype=np.float32) * 0.3
+    b = rng.standard_normal(11, dtype=np.float32) * 0.1
+    spec = StageSpec.from_entries(chain)
+    assert spec_from_proto(ops_to_proto(spec)) == spec  # as the wire carries it
+    layers = spec.build("whole")
+    a = backend.conv_forward(x, w, b, 1)
+    for layer in layers:
+        a = layer.forward(a)
+    dy = rng.standard_normal(a.shape, dtype=np.float32)
+    assert a.shape[2:] == spec.output_hw((9, 9))
+    g = dy
+    for layer in reversed(layers):
+        g = layer.backward(g)
+    want = (
+        a,
+        backend.conv_grad_input(g, w, (9, 9), 1),
+        *backend.conv_grad_kernels(x, g, (3, 3), 1),
+    )
+    ys, dws, dbs, dx = [], [], [], np.zeros_like(x)
+    for own in (slice(0, 4), slice(4, 5), slice(5, 11)):
+        wide, grad = spec.widened(own, 11), spec.grad_range(own, 11)
+        rel = slice(own.start - wide.start, own.stop - wide.start)
+        y, saved = run_stage(backend, x, w[wide], b[wide], 1, spec, rel)
+        rel_grad = slice(grad.start - wide.start, grad.stop - wide.start)
+        part, dw, db = stage_backward(backend, saved, dy[:, grad], rel_grad, True)
+        ys.append(y)
+        dws.append(dw)
+        dbs.append(db)
+        dx += part
+    got = (np.concatenate(ys, 1), dx, np.concatenate(dws), np.concatenate(dbs))
+    for name, g, e in zip(("y", "dx", "dw", "db"), got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 # ------------------------------------------------------------------ presets and class counts
 
 
@@ -338,3 +389,73 @@ def test_dropout_in_eval_matches_torch():
     x = np.random.default_rng(3).standard_normal((3, *INPUT), dtype=np.float32)
     with model.evaluating():
         _close(model.forward(x), net(torch.from_numpy(x)), "eval logits")
+
+
+# ------------------------------------------------------- a cluster of real worker processes
+
+CLUSTER_SPEC = [
+    {"type": "conv", "name": "conv1", "out": 6, "kernel": 3, "padding": 1, "stride": 2},
+    {"type": "batchnorm", "name": "bn1"},
+    {"type": "relu"},
+    {"type": "conv", "name": "conv2", "out": 12, "kernel": 3, "padding": "same"},
+    {"type": "relu"},
+    {"type": "lrn", "size": 3, "alpha": 1.0},
+    {"type": "avgpool", "kernel": 2},
+    {"type": "batchnorm", "name": "bn2", "momentum": 0.3},
+    {"type": "dropout", "p": 0.2},
+    {"type": "conv", "name": "conv3", "out": 10, "kernel": 3, "padding": 1},
+    {"type": "relu"},
+    {"type": "gap"},
+    {"type": "fc", "name": "fc", "out": 10},
+]
+# Kernels per node (master first): uneven, a node with none, shares below the LRN's halo.
+CLUSTER_SHARES = {"conv1": (2, 3, 1), "conv2": (5, 2, 5), "conv3": (0, 7, 3)}
+
+
+def _train_spec(tmp_path, name, executor, steps=8, trace=None):
+    import io
+
+    from hetconv.master.training import TrainConfig, train
+
+    spec = tmp_path / "net.json"
+    spec.write_text(json.dumps(CLUSTER_SPEC))
+    weights = tmp_path / f"{name}.npz"
+    config = TrainConfig(
+        preset=str(spec), steps=steps, batch=8, train_size=32, eval_size=8, progress=False,
+        save=str(weights), trace=trace,
+    )  # fmt: skip
+    result = train(config, executor, log=io.StringIO())
+    return result, dict(np.load(weights))
+
+
+def test_a_fused_cluster_with_stride_batchnorm_and_avgpool_trains_as_local(tmp_path):
+    """Two worker processes, fused stages (conv2 with ReLU, LRN and average pooling, conv3 with
+    ReLU and global average pooling), the strided conv1 split by kernels and run unfused, batch
+    norm and dropout on the master: step by step the losses, and at the end every weight and
+    running statistic, equal local training's."""
+    from hetconv.conv import LocalConv
+    from hetconv.master.cluster import Cluster, ClusterConfig
+    from hetconv.master.launch import LocalWorkers
+
+    local, local_weights = _train_spec(tmp_path, "local", LocalConv())
+    fast = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
+    config = ClusterConfig(**fast, shares=CLUSTER_SHARES, stages="fused")
+    trace = tmp_path / "trace.jsonl"
+    with LocalWorkers(2) as workers, Cluster(workers.addresses, config=config) as cluster:
+        got, weights = _train_spec(tmp_path, "cluster", cluster, trace=str(trace))
+        assert cluster.stage_modes == {"conv1": "unfused", "conv2": "fused", "conv3": "fused"}
+        addresses = workers.addresses
+    np.testing.assert_allclose(got.losses, local.losses, rtol=1e-5)
+    assert sorted(weights) == sorted(local_weights)
+    assert "bn2.running_var" in weights and weights["bn1.num_batches_tracked"] == 8
+    for name, value in weights.items():
+        np.testing.assert_allclose(value, local_weights[name], rtol=0, atol=1e-5, err_msg=name)
+    # The workers computed their shares (no silent fallback to the master).
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in steps if "step" in r]
+    assert len(steps) == 8
+    for record in steps:
+        assert record["stage_modes"] == {"conv1": "unfused", "conv2": "fused", "conv3": "fused"}
+        for layer, shares in CLUSTER_SHARES.items():
+            for address, share in zip(addresses, shares[1:], strict=True):
+                assert record["nodes"][address][layer]["kernels"] == share
