@@ -426,8 +426,10 @@ class Dropout(Layer):
     """Zeroes each value with probability ``p`` while training and scales the rest by
     ``1 / (1 - p)``, ``torch.nn.Dropout`` semantics; the identity in evaluation.
 
-    The masks come from this layer's own generator (``seed``), so a model built with the same
-    seed draws the same masks in the same order. They are not PyTorch's (its generator differs).
+    A mask is a function of ``seed`` and the training step: ``step`` when set (the model sets
+    it from the step it is told, so a resumed run draws the masks an unbroken one would),
+    otherwise the count of training forwards so far. Not PyTorch's masks (its generator
+    differs).
     """
 
     def __init__(self, name: str, p: float = 0.5, seed: int | Sequence[int] = 0):
@@ -435,13 +437,19 @@ class Dropout(Layer):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{name}: dropout p must be in [0, 1), got {p}")
         self.p = float(p)
-        self.rng = np.random.default_rng(seed)
+        seeds = seed if isinstance(seed, Sequence) else (seed,)
+        self.seed = tuple(int(v) % 2**64 for v in seeds)  # the generator takes no negatives
+        self.step: int | None = None
+        self._forwards = 0
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             self._scale = None
             return x
-        keep = self.rng.random(x.shape, dtype=np.float32) >= np.float32(self.p)
+        step = self.step if self.step is not None else self._forwards
+        self._forwards += 1
+        rng = np.random.default_rng((*self.seed, step))
+        keep = rng.random(x.shape, dtype=np.float32) >= np.float32(self.p)
         self._scale = keep * np.float32(1.0 / (1.0 - self.p))
         return x * self._scale
 

@@ -608,13 +608,21 @@ class Model:
 
     # -- passes ------------------------------------------------------------------------------
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        """Logits float32 (N, classes) for float32 (N, C, H, W) inputs."""
+    def forward(self, x: np.ndarray, step: int | None = None) -> np.ndarray:
+        """Logits float32 (N, classes) for float32 (N, C, H, W) inputs.
+
+        ``step``, the training step, decides dropout's masks (with the model's seed), so
+        that a run resumed at a step draws what an unbroken run does; None: each dropout
+        layer counts its own training forwards.
+        """
         if x.dtype != np.float32 or x.shape[1:] != self.input_shape:
             raise ValueError(
                 f"input has shape {x.shape} and dtype {x.dtype}; expected float32 "
                 f"(N, {', '.join(map(str, self.input_shape))})"
             )
+        for layer in self.layers:
+            if isinstance(layer, Dropout):
+                layer.step = step
         for block in self.blocks:
             x = block.forward(x)
         return x

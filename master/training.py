@@ -468,7 +468,7 @@ class _Run:
         self.executor.begin_step(step)
         step_start = time.perf_counter()
         x, labels = self.train_set.batch(indices)
-        loss, grad, hits = softmax_cross_entropy(self.model.forward(x), labels)
+        loss, grad, hits = softmax_cross_entropy(self.model.forward(x, step=step), labels)
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss became {loss} at step {step}; lower the learning rate (now {config.sgd.lr})"
