@@ -341,7 +341,7 @@ def walk_spec(
                 conv = ConvSpec(
                     name, shape, options["out"], kernel_pair(options["kernel"]),
                     options["padding"], index > 0,
-                    _stage_after(spec, index) if stride == (1, 1) else None, stride,
+                    _stage_after(spec, index), stride,
                 )  # fmt: skip
                 out = conv.output_shape
             elif kind in ("maxpool", "avgpool"):
@@ -382,10 +382,10 @@ class ConvStage:
             for layer in (conv, *self.chain):
                 x = layer.forward(x)
             return x
-        conv._x = x
-        p = conv.params
+        x, w, padding = conv.executed(x)
+        conv._x, conv._w, conv._padding = x, w, padding
         return conv.executor.stage_forward(
-            conv.name, x, p["weight"], p["bias"], conv.padding, self.stage
+            conv.name, x, w, conv.params["bias"], padding, self.stage
         )
 
     def backward(self, dy: np.ndarray) -> np.ndarray | None:
@@ -396,11 +396,11 @@ class ConvStage:
             for layer in (*reversed(self.chain), conv):
                 dy = layer.backward(dy)
             return dy
-        p = conv.params
         dx, dw, db = conv.executor.stage_backward(
-            conv.name, conv._x, p["weight"], p["bias"], dy, conv.padding,
+            conv.name, conv._x, conv._w, conv.params["bias"], dy, conv._padding,
             conv.need_input_grad, self.stage,
         )  # fmt: skip
+        dx, dw = conv.restore(dx, dw)
         conv.grads = {"weight": dw, "bias": db}
         return dx
 
@@ -545,8 +545,9 @@ class Model:
         return [layer for layer in self.layers if isinstance(layer, Conv2d)]
 
     def conv_specs(self) -> list[ConvSpec]:
-        """The convolution layers as executors see them (what ``executor.prepare`` takes)."""
-        return [layer.spec for layer in self.conv_layers()]
+        """The convolution layers as executors see them (what ``executor.prepare`` takes): a
+        strided one as the stride-1 convolution of its phases (:attr:`ConvSpec.executed`)."""
+        return [layer.spec.executed for layer in self.conv_layers()]
 
     def init_weights(self, seed: int) -> None:
         """PyTorch's default initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for conv and

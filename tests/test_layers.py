@@ -451,7 +451,39 @@ def test_strided_conv2d_gradients(rng, n, c, h, w, k, kernel, padding, stride):
         x, layer.params["weight"], layer.params["bias"], padding
     )
     assert y.shape[2:] == ((full.shape[2] - 1) // sh + 1, (full.shape[3] - 1) // sw + 1)
-    np.testing.assert_array_equal(y, full[:, :, ::sh, ::sw])
+    np.testing.assert_allclose(y, full[:, :, ::sh, ::sw], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding, hw",
+    [(3, 2, 1, (9, 8)), (1, 2, 0, (7, 7)), (7, 2, 3, (12, 11)), ((2, 5), (3, 1), (1, 2), (10, 9)),
+     (4, 4, 0, (9, 10)), (2, 3, 0, (5, 5))],
+)  # fmt: skip
+def test_stride_phases_are_the_strided_convolution(rng, kernel, stride, padding, hw):
+    """Phasing the input and kernels is exact: the stride-1 convolution of the phases is every
+    stride-th output of the stride-1 convolution, and the gradients turn back exactly (the
+    phase maps are a permutation with zero fill, so their transposes are the gradients)."""
+    from hetconv.backends import Padding
+    from hetconv.conv import StridePhases
+
+    backend = LocalConv().backend
+    kh, kw = kernel_pair(kernel)
+    sh, sw = kernel_pair(stride)
+    x, w = _randn(rng, 2, 3, *hw), _randn(rng, 4, 3, kh, kw)
+    phases = StridePhases((3, *hw), (kh, kw), Padding.resolve(padding, (kh, kw)), (sh, sw))
+    y = backend.conv_forward(phases.input(x), phases.kernels(w), None, 0)
+    full = backend.conv_forward(x, w, None, padding)[:, :, ::sh, ::sw]
+    np.testing.assert_allclose(y, full, rtol=1e-5, atol=1e-5)
+    assert y.shape[2:] == phases.output_hw
+    # <phases.input(x), g> == <x, phases.input_grad(g)>, and the same for the kernels.
+    g = _randn(rng, *phases.input(x).shape)
+    np.testing.assert_allclose(
+        np.vdot(phases.input(x), g), np.vdot(x, phases.input_grad(g)), rtol=1e-4
+    )
+    gw = _randn(rng, *phases.kernels(w).shape)
+    np.testing.assert_allclose(
+        np.vdot(phases.kernels(w), gw), np.vdot(w, phases.kernel_grad(gw)), rtol=1e-4
+    )
 
 
 def test_strided_conv2d_spec_says_its_stride():
@@ -459,7 +491,11 @@ def test_strided_conv2d_spec_says_its_stride():
     layer.input_shape = (2, 7, 6)
     assert layer.spec.stride == (2, 1)
     assert layer.spec.output_shape == (3, 4, 6) == layer.output_shape((2, 7, 6))
-    assert layer.spec.shape(1).out_hw == (7, 6)  # executors compute the stride-1 maps
+    # Executors compute the stride-1 convolution of the phases: 2 row phases of 3 channels,
+    # kernels of ceil(3 / 2) x 3 taps, no padding, the strided output's size.
+    executed = layer.spec.executed
+    assert (executed.input_shape, executed.kernel_size, executed.padding) == ((4, 5, 8), (2, 3), 0)
+    assert layer.spec.shape(1).out_hw == (4, 6)
     with pytest.raises(ValueError, match="stride 0 must be >= 1"):
         Conv2d("conv", 2, 3, 3, stride=0)
 

@@ -137,11 +137,13 @@ def test_shapes_of_the_new_layers():
     assert model.forward(np.zeros((2, *INPUT), np.float32)).shape == (2, 4)
 
 
-def test_stages_end_at_batchnorm_and_dropout_and_strided_convs_have_none():
+def test_stages_end_at_batchnorm_and_dropout():
     convs = {item.name: item.conv for item in walk_spec(MODERN, INPUT) if item.conv}
-    assert convs["conv1"].stride == (2, 2) and convs["conv1"].stage is None
+    assert convs["conv1"].stride == (2, 2) and convs["conv1"].stage is None  # batchnorm next
     assert [op.kind for op in convs["conv2"].stage.ops] == ["relu", "lrn", "avgpool"]
-    assert convs["conv3"].stride == (1, 2) and convs["conv3"].stage is None
+    assert convs["conv3"].stride == (1, 2) and [op.kind for op in convs["conv3"].stage.ops] == [
+        "gap"
+    ]
     spec = [{"type": "conv", "out": 2}, {"type": "gap"}, {"type": "dropout"}, {"type": "relu"}]
     conv = next(walk_spec(spec, INPUT)).conv
     assert [op.kind for op in conv.stage.ops] == ["gap"]
@@ -403,7 +405,7 @@ CLUSTER_SPEC = [
     {"type": "avgpool", "kernel": 2},
     {"type": "batchnorm", "name": "bn2", "momentum": 0.3},
     {"type": "dropout", "p": 0.2},
-    {"type": "conv", "name": "conv3", "out": 10, "kernel": 3, "padding": 1},
+    {"type": "conv", "name": "conv3", "out": 10, "kernel": 3, "padding": 1, "stride": 2},
     {"type": "relu"},
     {"type": "gap"},
     {"type": "fc", "name": "fc", "out": 10},
@@ -429,10 +431,10 @@ def _train_spec(tmp_path, name, executor, steps=8, trace=None):
 
 
 def test_a_fused_cluster_with_stride_batchnorm_and_avgpool_trains_as_local(tmp_path):
-    """Two worker processes, fused stages (conv2 with ReLU, LRN and average pooling, conv3 with
-    ReLU and global average pooling), the strided conv1 split by kernels and run unfused, batch
-    norm and dropout on the master: step by step the losses, and at the end every weight and
-    running statistic, equal local training's."""
+    """Two worker processes, fused stages (conv2 with ReLU, LRN and average pooling, the
+    strided conv3 with ReLU and global average pooling), the strided conv1 split by kernels and
+    run unfused (batch norm follows it), batch norm and dropout on the master: step by step the
+    losses, and at the end every weight and running statistic, equal local training's."""
     from hetconv.conv import LocalConv
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.master.launch import LocalWorkers
