@@ -485,3 +485,47 @@ def test_a_resumed_run_with_batchnorm_and_dropout_equals_an_unbroken_one(tmp_pat
     assert sorted(got.files) == sorted(want.files) and "bn2.running_mean" in got.files
     for name in want.files:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+# ------------------------------------------------------------------ stride on every backend
+
+
+@pytest.fixture(params=["cpu", "opencl", "cuda"])
+def backend_name(request):
+    from hetconv.backends import BackendUnavailable, backend_class
+
+    try:
+        backend_class(request.param)
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    return request.param
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding", [(3, 2, 1), (5, (2, 3), "same"), (1, 2, 0), (4, 3, (1, 2))]
+)
+def test_strided_conv_layers_on_every_backend_match_the_cpu_backend(
+    backend_name, kernel, stride, padding
+):
+    """The phases run through each backend's own stride-1 kernels: forward and both
+    gradients of a strided layer equal the cpu backend's (and so PyTorch's, above)."""
+    from hetconv.backends import get_backend
+    from hetconv.conv import LocalConv
+    from hetconv.layers import Conv2d
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 5, 13, 11), dtype=np.float32)
+    results = []
+    for name in ("cpu", backend_name):
+        layer = Conv2d("conv", 5, 7, kernel, padding, LocalConv(get_backend(name)), stride)
+        layer.params["weight"][...] = np.random.default_rng(1).standard_normal(
+            layer.params["weight"].shape
+        )
+        layer.params["bias"][...] = 0.5
+        y = layer.forward(x)
+        dy = np.random.default_rng(2).standard_normal(y.shape).astype(np.float32)
+        dx = layer.backward(dy)
+        results.append((y, dx, layer.grads["weight"], layer.grads["bias"]))
+    for what, got, want in zip(("y", "dx", "dw", "db"), results[1], results[0], strict=True):
+        scale = float(np.abs(want).max())
+        assert float(np.abs(got - want).max()) <= 2e-4 * scale, (backend_name, what)
