@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hetconv.layers import softmax_cross_entropy
 from hetconv.model import LAYER_OPTIONS, LAYER_TYPES, PRESETS, Model, load_spec, walk_spec
@@ -201,6 +203,24 @@ def test_stage_slices_with_the_new_pools_equal_the_whole_layers(chain):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_the_cost_model_reads_what_the_executors_compute():
+    """Strided convolutions reach executors, the cost model and the wire as the stride-1
+    convolution of their phases: conv1 (3 channels, 3x3, stride 2, pad 1, 12x12) is 12 phase
+    channels of 7x7 with 2x2 kernels, no padding, giving the strided 6x6."""
+    from hetconv.workload import ConvLayer, conv_layers
+
+    specs = Model(MODERN, INPUT).conv_specs()
+    assert conv_layers(MODERN, batch=5, input_shape=INPUT) == [
+        ConvLayer(s.name, s.shape(5), s.need_input_grad) for s in specs
+    ]
+    conv1 = specs[0]
+    assert (conv1.input_shape, conv1.kernel_size, conv1.padding) == ((12, 7, 7), (2, 2), 0)
+    assert conv1.output_shape == (6, 6, 6) and conv1.stride == (1, 1)
+    assert specs[1].stride == (1, 1) and specs[1].padding == "same"  # stride 1: as written
+    # FLOPs: 12 x 2 x 2 = 48 terms per output where a strided kernel has 3 x 3 x 3 = 27
+    assert conv1.shape(1).flops_forward == 2 * 6 * 6 * 6 * 48
+
+
 # ------------------------------------------------------------------ presets and class counts
 
 
@@ -223,6 +243,36 @@ def test_a_spec_files_own_outputs_are_kept(tmp_path):
     path = tmp_path / "net.json"
     path.write_text(json.dumps([{"type": "fc", "out": 7}]))
     assert load_spec(str(path), classes=3) == [{"type": "fc", "out": 7}]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    entries=st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from([*LAYER_TYPES, "pool", 3])},
+            optional={
+                key: st.one_of(
+                    st.integers(-1, 6), st.floats(-1, 2), st.just(float("nan")),
+                    st.text(max_size=4), st.lists(st.integers(0, 3), max_size=4), st.none(),
+                    st.booleans(),
+                )
+                for key in ("out", "kernel", "stride", "padding", "p", "eps", "momentum",
+                            "size", "alpha", "name", "units")
+            },
+        ),
+        max_size=5,
+    )
+)  # fmt: skip
+def test_any_spec_is_built_or_refused_naming_a_layer(entries):
+    """Generated specs: a model comes out, or a ValueError that names a layer by index; never
+    another exception."""
+    try:
+        model = Model(entries, (2, 6, 6))
+    except ValueError as e:
+        assert re.search(r"layer \d+", str(e)), str(e)
+    else:
+        out = model.forward(np.ones((2, 2, 6, 6), np.float32))
+        assert out.shape == (2, *model.output_shape)
 
 
 # -------------------------------------------------------------------- modes and weight files
