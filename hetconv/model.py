@@ -572,9 +572,9 @@ class Model:
         missing = sorted(set(params) - set(state))
         unexpected = sorted(set(state) - set(params))
         if missing or unexpected:
-            raise ValueError(
-                f"weights do not match the model: missing {missing}, unexpected {unexpected}"
-            )
+            parts = [f"missing {missing}"] if missing else []
+            parts += [f"unexpected {unexpected}"] if unexpected else []
+            raise ValueError(f"weights do not match the model: {', '.join(parts)}")
         for name, value in state.items():
             value = np.asarray(value)
             if value.shape != params[name].shape:
