@@ -195,10 +195,12 @@ def check_entry(index: int, entry: object) -> tuple[str, str | None, dict]:
             ) from None
         label = f"layer {index} ({kind} {name!r})"
     schema = LAYER_OPTIONS[kind]
-    unknown = sorted(set(entry) - set(schema) - {"type", "name"})
+    unknown = [key for key in entry if key not in schema and key not in ("type", "name")]
     if unknown:
+        keys = ", ".join(map(repr, unknown))
         raise ValueError(
-            f"{label}: unknown key {unknown[0]!r}; {kind} accepts {accepted_keys(kind)}"
+            f"{label}: unknown key{'s' if len(unknown) > 1 else ''} {keys}; "
+            f"{kind} accepts {accepted_keys(kind)}"
         )
     options = {}
     for key, option in schema.items():

@@ -69,6 +69,7 @@ MODERN = [
         ({"type": "batchnorm", "momentum": 2}, ["momentum is 2", "number in [0, 1]"]),
         ({"type": "dropout", "p": 1.0}, ["p is 1.0", "number in [0, 1)"]),
         ({"type": "dropout", "rate": 0.5}, ["unknown key 'rate'", "p (number in [0, 1)"]),
+        ({"type": "relu", "inplace": True, 3: 1}, ["unknown keys 'inplace', 3", "relu accepts"]),
         ({"type": "gap", "kernel": 2}, ["unknown key 'kernel'", "gap accepts type, name"]),
         ({"type": "relu", "name": ""}, ["name '' must be a non-empty string"]),
         ({"type": "relu", "name": "a.b"}, ["without dots"]),
