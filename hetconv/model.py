@@ -29,7 +29,7 @@ import math
 import os
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -302,7 +302,7 @@ class SpecLayer:
     input_shape: tuple[int, ...]
     output_shape: tuple[int, ...]
     conv: ConvSpec | None = None
-    options: Mapping = None  # type: ignore[assignment]
+    options: Mapping = field(default_factory=dict)
 
 
 def walk_spec(
