@@ -222,6 +222,29 @@ def check_entry(index: int, entry: object) -> tuple[str, str | None, dict]:
     return kind, name, options
 
 
+def check_spec(spec: Sequence[Mapping]) -> None:
+    """Check every entry (:func:`check_entry`) and that names are unique: all of a spec that
+    does not depend on the input's shape (:func:`walk_spec` checks the shapes too).
+
+    Raises:
+        ValueError: naming the layer's index, and its type, name or key.
+    """
+    if isinstance(spec, (str, bytes, Mapping)) or not isinstance(spec, Sequence):
+        raise ValueError(f"a model spec is a list of layer objects, got {type(spec).__name__}")
+    counts: dict[str, int] = {}
+    names: dict[str, int] = {}
+    for index, entry in enumerate(spec):
+        kind, given, _ = check_entry(index, entry)
+        counts[kind] = counts.get(kind, 0) + 1
+        name = given if given is not None else f"{kind}{counts[kind]}"
+        if name in names:
+            raise ValueError(
+                f"layer {index} ({kind}) is named {name!r}, as layer {names[name]} is: "
+                "names must be unique"
+            )
+        names[name] = index
+
+
 def reference_spec(c1: int, c2: int, classes: int = 10) -> list[dict]:
     """The reference paper's network: two 5x5 convolutions with LRN and pooling, then FC."""
     return [
@@ -256,7 +279,8 @@ def load_spec(preset_or_path: str, classes: int | None = None) -> list[dict]:
             says its outputs.
 
     Raises:
-        ValueError: an unknown preset, a file that cannot be read or is not a JSON list.
+        ValueError: an unknown preset, a file that cannot be read, is not a JSON list or has
+            an entry :func:`check_spec` refuses (before any shape is known).
     """
     if preset_or_path in PRESETS:
         spec = copy.deepcopy(PRESETS[preset_or_path])
@@ -274,6 +298,10 @@ def load_spec(preset_or_path: str, classes: int | None = None) -> list[dict]:
             raise ValueError(f"cannot read model spec {path}: {e}") from None
         if not isinstance(spec, list):
             raise ValueError(f"model spec {path} must be a JSON list of layer objects")
+        try:
+            check_spec(spec)
+        except ValueError as e:
+            raise ValueError(f"model spec {path}: {e}") from None
         return spec
     raise ValueError(
         f"unknown preset {preset_or_path!r}; choose one of {', '.join(PRESETS)} "
@@ -313,27 +341,19 @@ def walk_spec(
     reads convolutions from. A network's first layer, if a convolution, needs no input
     gradient.
 
-    Checks every entry against :data:`LAYER_OPTIONS` (:func:`check_entry`), that names are
-    unique, and that each layer fits the shape that reaches it.
+    Checks the spec (:func:`check_spec`: every entry against :data:`LAYER_OPTIONS`, unique
+    names), then that each layer fits the shape that reaches it.
 
     Raises:
         ValueError: naming the layer's index, and its type, name or key.
     """
-    if isinstance(spec, (str, bytes, Mapping)) or not isinstance(spec, Sequence):
-        raise ValueError(f"a model spec is a list of layer objects, got {type(spec).__name__}")
+    check_spec(spec)
     shape = tuple(input_shape)
     counts: dict[str, int] = {}
-    names: dict[str, int] = {}
     for index, entry in enumerate(spec):
         kind, given, options = check_entry(index, entry)
         counts[kind] = counts.get(kind, 0) + 1
         name = given if given is not None else f"{kind}{counts[kind]}"
-        if name in names:
-            raise ValueError(
-                f"layer {index} ({kind}) is named {name!r}, as layer {names[name]} is: "
-                "names must be unique"
-            )
-        names[name] = index
         conv, out = None, shape
         try:
             if kind in _NEEDS_MAPS and len(shape) != 3:

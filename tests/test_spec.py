@@ -109,11 +109,17 @@ def test_a_spec_that_is_not_a_list_is_refused():
             list(walk_spec(bad, INPUT))
 
 
-def test_a_json_file_with_an_unknown_key_is_refused(tmp_path):
+def test_a_json_file_with_an_unknown_key_is_refused_when_read(tmp_path, capsys):
+    """Before any data is read or shape known, naming the file, the layer and the key."""
+    from hetconv.cli import main
+
     path = tmp_path / "net.json"
     path.write_text(json.dumps([{"type": "conv", "out": 4, "stride": 2, "dilation": 2}]))
-    with pytest.raises(ValueError, match="unknown key 'dilation'"):
-        Model(load_spec(str(path)), INPUT)
+    with pytest.raises(ValueError, match=r"net.json: layer 0 \(conv\): unknown key 'dilation'"):
+        load_spec(str(path))
+    assert main(["train", "--local", "--no-progress", "--steps", "1", "--preset", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"hetconv: error: model spec {path}: layer 0 (conv): unknown key 'dilation'" in err
 
 
 def test_defaults_are_filled_in():
