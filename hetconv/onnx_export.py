@@ -9,7 +9,8 @@ spec           ONNX
 =============  ==========================================================================
 ``conv``       Conv (pads top, left, bottom, right; strides; bias)
 ``relu``       Relu
-``lrn``        LRN (odd sizes: ONNX's window is PyTorch's only then; even sizes are refused)
+``lrn``        LRN (odd sizes; an even size's window is centred as PyTorch's, not ONNX's, so it
+               is built from Mul, Pad, AveragePool, Pow)
 ``maxpool``    MaxPool (no padding, floor mode)
 ``avgpool``    AveragePool (no padding, floor mode)
 ``gap``        GlobalAveragePool
@@ -64,8 +65,8 @@ def build_onnx(
         name: the graph's name.
 
     Raises:
-        ValueError: a spec or weights that do not fit each other, an LRN of even size, or the
-            ``onnx`` package missing.
+        ValueError: a spec or weights that do not fit each other, or the ``onnx`` package
+            missing.
     """
     onnx = _onnx()
     helper, numpy_helper = onnx.helper, onnx.numpy_helper
@@ -96,13 +97,11 @@ def build_onnx(
             )  # fmt: skip
         elif kind == "relu":
             node = helper.make_node("Relu", [current], [out], name=layer)
+        elif kind == "lrn" and o["size"] % 2 == 0:
+            nodes.extend(_even_lrn(helper, numpy_helper, initializers, layer, current, out, o))
+            current = out
+            continue
         elif kind == "lrn":
-            if o["size"] % 2 == 0:
-                raise ValueError(
-                    f"layer {item.index} ({layer}): ONNX's LRN centres an even window of "
-                    f"size {o['size']} one channel off PyTorch's (and ours); only odd sizes "
-                    "export"
-                )
             node = helper.make_node(
                 "LRN", [current], [out], name=layer,
                 size=o["size"], alpha=o["alpha"], beta=o["beta"], bias=o["k"],
@@ -152,6 +151,45 @@ def build_onnx(
     proto.ir_version = IR_VERSION
     onnx.checker.check_model(proto, full_check=True)
     return proto
+
+
+def _even_lrn(helper, numpy_helper, initializers, layer, x, out, o) -> list:
+    """PyTorch's LRN of even size as elementary nodes: ONNX's LRN centres an even window one
+    channel off (``floor((size - 1) / 2)`` channels before, PyTorch ``size // 2``). The squares
+    get ``size // 2`` zero channels before and ``(size - 1) // 2`` after, a size x 1 x 1 average
+    pool over a channel axis sums each window (over ``size``), and then
+    ``y = x * (k + alpha * mean) ** -beta``, as ``torch.nn.functional.local_response_norm``."""
+    size = o["size"]
+    before, after = size // 2, (size - 1) // 2
+
+    def constant(suffix: str, value: np.ndarray) -> str:
+        name = f"{layer}.{suffix}"
+        initializers.append(numpy_helper.from_array(value, name))
+        return name
+
+    axis = constant("axis", np.array([1], np.int64))
+    pads = constant("pads", np.array([0, 0, before, 0, 0, 0, 0, after, 0, 0], np.int64))
+    alpha = constant("alpha", np.array(o["alpha"], np.float32))
+    k = constant("k", np.array(o["k"], np.float32))
+    power = constant("power", np.array(-o["beta"], np.float32))
+    t = f"{layer}/"
+    return [
+        helper.make_node("Mul", [x, x], [t + "square"], name=t + "square"),
+        helper.make_node("Unsqueeze", [t + "square", axis], [t + "5d"], name=t + "5d"),
+        helper.make_node("Pad", [t + "5d", pads], [t + "padded"], name=t + "padded"),
+        helper.make_node(
+            "AveragePool",
+            [t + "padded"],
+            [t + "mean5d"],
+            name=t + "mean5d",
+            kernel_shape=[size, 1, 1],
+        ),  # fmt: skip
+        helper.make_node("Squeeze", [t + "mean5d", axis], [t + "mean"], name=t + "mean"),
+        helper.make_node("Mul", [t + "mean", alpha], [t + "scaled"], name=t + "scaled"),
+        helper.make_node("Add", [t + "scaled", k], [t + "scale"], name=t + "scale"),
+        helper.make_node("Pow", [t + "scale", power], [t + "inverse"], name=t + "inverse"),
+        helper.make_node("Mul", [x, t + "inverse"], [out], name=layer),
+    ]
 
 
 def export_onnx(

@@ -134,10 +134,19 @@ def test_export_refuses_weights_that_do_not_fit(tmp_path, capsys, extra, message
     assert not (tmp_path / "x.onnx").exists()
 
 
-def test_export_refuses_an_even_lrn_naming_it():
-    spec = [{"type": "lrn", "name": "norm", "size": 4}, {"type": "fc", "out": 2}]
-    with pytest.raises(ValueError, match=r"layer 0 \(norm\): ONNX's LRN .* size 4"):
-        build_onnx(spec, Model(spec, (6, 2, 2)).state(), (6, 2, 2))
+@pytest.mark.parametrize("size", [2, 4, 5])
+def test_lrn_of_any_size_exports_with_pytorchs_window(size):
+    """Even sizes: ONNX's LRN would centre the window one channel off, so it is built from
+    elementary nodes; a strong normalisation (alpha 2) so that a shifted window shows."""
+    spec = [
+        {"type": "lrn", "name": "norm", "size": size, "alpha": 2.0, "beta": 0.7, "k": 1.2},
+        {"type": "fc", "out": 3},
+    ]
+    model = _trained_looking(spec, (7, 3, 2))
+    proto = build_onnx(spec, model.state(), (7, 3, 2))
+    x = np.random.default_rng(size).standard_normal((4, 7, 3, 2), dtype=np.float32)
+    np.testing.assert_allclose(_run(proto, x), _ours(model, x), rtol=1e-4, atol=1e-5)
+    assert ("LRN" in [n.op_type for n in proto.graph.node]) == (size % 2 == 1)
 
 
 def test_a_bad_input_shape_is_refused(capsys):
