@@ -87,7 +87,8 @@ class Conv2d(Layer):
 
     @property
     def spec(self) -> ConvSpec:
-        """This layer as executors see it (needs ``input_shape``, which the model sets)."""
+        """This layer's geometry, stride included (needs ``input_shape``, which the model sets);
+        executors see its :attr:`~hetconv.conv.ConvSpec.executed`."""
         if self.input_shape is None:
             raise RuntimeError(f"{self.name}: input shape unknown (the model sets it)")
         return ConvSpec(
