@@ -407,6 +407,7 @@ def _close(ours, theirs, what, rtol=1e-4, floor=1e-30):
     assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} * {scale:.3g}"
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
 def test_a_model_with_every_new_layer_matches_torch_in_training_and_eval():
     spec = [e for e in MODERN if e["type"] != "dropout"]  # masks cannot match; eval below
     model = Model(spec, INPUT, seed=4)
@@ -439,6 +440,7 @@ def test_a_model_with_every_new_layer_matches_torch_in_training_and_eval():
         _close(model.forward(x), net(torch.from_numpy(x)), "eval logits")
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
 def test_dropout_in_eval_matches_torch():
     model = Model(MODERN, INPUT, seed=6)
     model.forward(np.random.default_rng(2).standard_normal((4, *INPUT), dtype=np.float32))
