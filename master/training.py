@@ -174,7 +174,9 @@ def evaluate(model: Model, data: ImageDataset, batch: int = 200) -> tuple[float,
     for start in range(0, len(data), batch):
         indices = np.arange(start, min(start + batch, len(data)))
         x, y = data.batch(indices)
-        loss, _, hits = softmax_cross_entropy(model.forward(x), y)
+        with model.evaluating():
+            logits = model.forward(x)
+        loss, _, hits = softmax_cross_entropy(logits, y)
         total_loss += loss * len(indices)
         correct += int(hits.sum())
     return total_loss / max(len(data), 1), correct / max(len(data), 1)
@@ -253,9 +255,9 @@ class _Run:
 
     def __init__(self, config: TrainConfig, executor: ConvExecutor | None, log: TextIO):
         self.config, self.log = config, log
-        self.spec = load_spec(config.preset)
         self.data = load_datasets(config)
         self.train_set, self.test_set = self.data.train, self.data.held_out
+        self.spec = load_spec(config.preset, classes=self.train_set.num_classes)
         if len(self.train_set) < config.batch:
             raise ValueError(
                 f"batch {config.batch} is larger than the training set ({len(self.train_set)})"
@@ -466,12 +468,12 @@ class _Run:
         self.executor.begin_step(step)
         step_start = time.perf_counter()
         x, labels = self.train_set.batch(indices)
-        loss, hits = self._forward_backward(x, labels)
+        loss, hits = self._forward_backward(x, labels, step)
         # A worker caught answering wrong values (a spot check) is out; what it answered
         # earlier in this step passed its checks but may be wrong where not sampled: again.
         redo = getattr(self.executor, "redo_step", None)
         while redo is not None and redo():
-            loss, hits = self._forward_backward(x, labels)
+            loss, hits = self._forward_backward(x, labels, step)
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss became {loss} at step {step}; lower the learning rate (now {config.sgd.lr})"
@@ -502,9 +504,10 @@ class _Run:
         }
         return record, len(indices) / seconds
 
-    def _forward_backward(self, x, labels) -> tuple[float, np.ndarray]:
-        """The loss and hits of the batch; the model's gradients are left in its layers."""
-        loss, grad, hits = softmax_cross_entropy(self.model.forward(x), labels)
+    def _forward_backward(self, x, labels, step: int) -> tuple[float, np.ndarray]:
+        """The loss and hits of the batch; the model's gradients are left in its layers
+        (dropout masks follow ``step``, so a step computed again draws the same)."""
+        loss, grad, hits = softmax_cross_entropy(self.model.forward(x, step=step), labels)
         self.model.backward(grad)
         return loss, hits
 
@@ -558,7 +561,7 @@ class _Run:
             seed=config.seed,
             steps_per_epoch=self.steps_per_epoch,
             order_sha256=order_digest(next_order),
-            model=self.model.parameters(),
+            model=self.model.state(),
             momentum=self.optimizer.state(),
             losses=np.asarray(totals.losses, np.float64),
             recent_hits=np.asarray(totals.recent_hits, np.float64),

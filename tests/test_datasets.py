@@ -28,7 +28,8 @@ from hetconv.data import (
 )
 from hetconv.master.training import TrainConfig, train
 
-# A network for 3x20x24 images and 4 classes (the presets expect 10 classes).
+# A network for 3x20x24 images and 4 classes (a spec file's last fc says its outputs; a
+# preset's follows the dataset).
 SMALL_NET = [
     {"type": "conv", "name": "conv1", "out": 4, "kernel": 3, "padding": "same"},
     {"type": "relu"},
@@ -411,8 +412,8 @@ def test_the_whole_held_out_set_is_evaluated_by_default(tmp_path: Path) -> None:
         (["--data-dir", "{d}/train/ant/000.png"], "000.png is a file but neither"),
         (["--data-dir", "{d}/train"], "cannot tell which dataset"),
         (
-            ["--data-dir", "{d}"],
-            "network tiny gives 10 outputs from its last layer (fc), but "
+            ["--data-dir", "{d}", "--preset", "{d}-10.json"],
+            "-10.json gives 10 outputs from its last layer (fc), but "
             'the dataset has 4 classes: give a .json spec whose last fc has "out": 4',
         ),
         (["--holdout-fraction", "0.2"], "--holdout-fraction needs --data-dir"),
@@ -432,6 +433,9 @@ def test_the_whole_held_out_set_is_evaluated_by_default(tmp_path: Path) -> None:
 )
 def test_cli_data_mistakes_are_one_line(tmp_path: Path, capsys, argv, message) -> None:
     write_folder(tmp_path / "d", per_class=1)
+    (tmp_path / "d-10.json").write_text(
+        json.dumps(SMALL_NET[:-1] + [{"type": "fc", "name": "fc", "out": 10}])
+    )
     argv = [a.replace("{d}", str(tmp_path / "d")) for a in argv]
     assert main(["train", "--local", "--no-progress", "--steps", "1", "--batch", "2", *argv]) == 2
     err = capsys.readouterr().err.strip()

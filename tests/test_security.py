@@ -782,7 +782,8 @@ UNPICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "
 
 def _forbidden(path: Path) -> list[str]:
     """Code (not comments or strings) that unpickles or evaluates: pickle-like modules,
-    builtin ``eval(``/``exec(`` (``model.eval()`` is a method, not the builtin), and
+    builtin ``eval(``/``exec(`` (``model.eval()`` and ``def eval(`` are a method, not the
+    builtin), and
     ``allow_pickle=True``."""
     found = []
     with path.open("rb") as f:
@@ -795,7 +796,7 @@ def _forbidden(path: Path) -> list[str]:
         where = f"{path.relative_to(ROOT)}:{token.start[0]}"
         if token.string in UNPICKLERS:
             found.append(f"{where}: {token.string}")
-        elif token.string in ("eval", "exec") and after[:1] == ["("] and before != ".":
+        elif token.string in ("eval", "exec") and after[:1] == ["("] and before not in (".", "def"):
             found.append(f"{where}: {token.string}(")
         elif token.string == "allow_pickle" and after[:1] == ["="] and after[1:] != ["False"]:
             found.append(f"{where}: allow_pickle={''.join(after[1:])}")
