@@ -38,7 +38,8 @@ import numpy as np
 from scipy.optimize import linprog
 
 from hetconv.costmodel import Cluster, simulate_layer_phase
-from hetconv.workload import BACKWARD, FORWARD, ConvLayer, call_bytes
+from hetconv.stages import AUTO, FUSED, UNFUSED
+from hetconv.workload import BACKWARD, FORWARD, ConvLayer, call_bytes, stage_call_bytes
 
 
 def kernel_shares(kernels: int, probe_seconds: Sequence[float]) -> list[int]:
@@ -96,15 +97,24 @@ def compute_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
     return kernel_shares(layer.kernels, probes)
 
 
-def _call_seconds(cluster: Cluster, layer: ConvLayer, phase: str, kernels: int) -> float:
+def _call_seconds(cluster: Cluster, layer: ConvLayer, phase: str, kernels: int, fused) -> float:
     """The fixed cost of a worker's call of ``phase`` at about ``kernels`` kernels."""
-    wire = call_bytes(layer, phase, max(1, kernels), fmt=cluster.wire.format)
+    k, fmt = max(1, kernels), cluster.wire.format
+    if fused:
+        wire = stage_call_bytes(layer, layer.stage, phase, k, layer.kernels // 2, fmt=fmt)
+    else:
+        wire = call_bytes(layer, phase, k, fmt=fmt)
     return cluster.wire.call_s(wire.bundled)
 
 
-def _phase_terms(cluster: Cluster, layer: ConvLayer, workers: int) -> np.ndarray:
+def _phase_terms(cluster: Cluster, layer: ConvLayer, workers: int, fused=False) -> np.ndarray:
     """Per node (master first) the forward and backward times as ``a + s·k`` for ``k`` kernels,
-    when ``workers`` workers take part: rows (a_forward, s_forward, a_backward, s_backward)."""
+    when ``workers`` workers take part: rows (a_forward, s_forward, a_backward, s_backward).
+
+    Fused (``layer.stage`` runs on the nodes, :mod:`hetconv.stages`): a kernel's maps travel
+    pooled, and a worker also computes, and is sent the weights of, the stage's halo of
+    neighbouring kernels on each side, and is sent their output gradient back: a fixed cost
+    whatever its share (a slice at a layer's edge has half of it; counted whole)."""
     shared = min(cluster.shared_bytes_per_s())
     nodes = cluster.nodes
     links = np.array([n.bytes_per_s for n in nodes[1:]], float)
@@ -114,15 +124,29 @@ def _phase_terms(cluster: Cluster, layer: ConvLayer, workers: int) -> np.ndarray
     guess = layer.kernels // (workers + 1)
     fmt = cluster.wire.format  # of x, y, dy and dx; kernels are float32
     x_bytes = layer.x_wire_bytes(fmt)
-    per_kernel = layer.kernel_bytes + layer.map_wire_bytes(fmt)  # weights one way, maps other
+    maps = layer.map_wire_bytes(fmt)  # one kernel's feature maps
+    halo_forward = halo_backward = 0.0
+    if fused:
+        s = layer.shape
+        ho, wo = layer.stage.output_hw(s.out_hw)
+        maps = fmt.nbytes((s.n, 1, ho, wo))  # one kernel's stage output
+        halo = 2 * layer.stage.halo
+        reach = sum(layer.stage.grad_reach)
+        halo_forward = (halo * layer.kernel_bytes) / rates  # their weights, sent
+        halo_backward = (reach * maps) / rates  # their output gradient, sent
+    per_kernel = layer.kernel_bytes + maps  # weights one way, maps (or outputs) the other
     dx = x_bytes if layer.need_input_grad else 0
     terms = np.zeros((4, len(nodes)))
-    terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess) + rtts + x_bytes / rates
+    terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess, fused) + rtts + x_bytes / rates
     terms[1] = seconds * layer.passes(FORWARD)
     terms[1, 1:] += per_kernel / rates
-    terms[2, 1:] = _call_seconds(cluster, layer, BACKWARD, guess) + rtts + dx / rates
+    terms[2, 1:] = _call_seconds(cluster, layer, BACKWARD, guess, fused) + rtts + dx / rates
     terms[3] = seconds * layer.passes(BACKWARD)
     terms[3, 1:] += per_kernel / rates
+    if fused:
+        halo = 2 * layer.stage.halo
+        terms[0, 1:] += halo_forward + halo * seconds[1:] * layer.passes(FORWARD)
+        terms[2, 1:] += halo_backward + halo * seconds[1:] * layer.passes(BACKWARD)
     if not cluster.master_compute:
         terms[1, 0] = terms[3, 0] = math.inf
     return terms
@@ -151,12 +175,18 @@ def _split(terms: np.ndarray, chosen: np.ndarray, kernels: int) -> tuple[float, 
     return float(result.fun), np.maximum(result.x[:count], 0.0)
 
 
-def link_aware_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
+def link_aware_shares(cluster: Cluster, layer: ConvLayer, fused: bool = False) -> list[int]:
     """Shares that minimise the layer's predicted time, transfers included (module docstring).
+
+    Args:
+        fused: the layer runs with its stage on the nodes (needs ``layer.stage``): maps travel
+            as the stage's output and each worker computes the stage's halo too.
 
     Returns kernels per node, master first, summing to the layer's kernel count; a worker whose
     link would make it slow the layer down gets 0.
     """
+    if fused and layer.stage is None:
+        raise ValueError(f"{layer.name} has no channel-local layers after it to fuse")
     kernels = layer.kernels
     n = len(cluster.workers)
     master_only = [kernels] + [0] * n
@@ -164,7 +194,7 @@ def link_aware_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
     # First a quick pass: everyone finishing the whole layer together, for every m.
     estimates = {}
     for m in range(1, n + 1):
-        terms = _phase_terms(cluster, layer, m)
+        terms = _phase_terms(cluster, layer, m, fused)
         a, s = terms[0] + terms[2], terms[1] + terms[3]
         order = 1 + np.lexsort((s[1:], a[1:]))[:m]
         chosen = np.concatenate(([0], order))
@@ -191,25 +221,35 @@ def link_aware_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
         return master_only
     # Integer kernels by the same largest-remainder rule, in proportion to the real quotas.
     shares = kernel_shares(kernels, [1.0 / q if q > 0 else math.inf for q in best])
-    if cluster.master_compute and _layer_seconds(cluster, layer, shares) >= _layer_seconds(
-        cluster, layer, master_only
+    if cluster.master_compute and _layer_seconds(cluster, layer, shares, fused) >= _layer_seconds(
+        cluster, layer, master_only, fused
     ):
         return master_only  # the model's own simulation has the last word
     return shares
 
 
-def _layer_seconds(cluster: Cluster, layer: ConvLayer, shares) -> float:
+def _layer_seconds(cluster: Cluster, layer: ConvLayer, shares, fused: bool = False) -> float:
     return sum(
-        simulate_layer_phase(cluster, layer, phase, shares).wall_s for phase in (FORWARD, BACKWARD)
+        simulate_layer_phase(cluster, layer, phase, shares, fused=fused).wall_s
+        for phase in (FORWARD, BACKWARD)
     )
 
 
-def shares_for(cluster: Cluster, layers, policy: str) -> dict[str, tuple[int, ...]]:
-    """Per layer name, kernels per node (master first) under ``policy``."""
-    if policy == COMPUTE:
-        rule = compute_shares
-    elif policy == LINK:
-        rule = link_aware_shares
-    else:
+def shares_for(
+    cluster: Cluster, layers, policy: str, stages: str = UNFUSED
+) -> dict[str, tuple[int, ...]]:
+    """Per layer name, kernels per node (master first) under ``policy``; the ``link`` policy
+    plans a layer with a stage as fused when ``stages`` is ``"fused"`` or ``"auto"`` (with
+    pooling the fused mode moves fewer bytes, so ``auto`` then picks it)."""
+    if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
-    return {layer.name: tuple(rule(cluster, layer)) for layer in layers}
+    if stages not in (FUSED, UNFUSED, AUTO):
+        raise ValueError(f"stages {stages!r}; expected fused, unfused or auto")
+    out = {}
+    for layer in layers:
+        if policy == COMPUTE:
+            out[layer.name] = tuple(compute_shares(cluster, layer))
+        else:
+            fused = stages != UNFUSED and layer.stage is not None
+            out[layer.name] = tuple(link_aware_shares(cluster, layer, fused))
+    return out

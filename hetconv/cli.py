@@ -6,7 +6,13 @@ import argparse
 import sys
 
 from . import __version__
-from .argtypes import non_negative_int, parse_address, positive_float, positive_int
+from .argtypes import (
+    non_negative_int,
+    number_at_least,
+    parse_address,
+    positive_float,
+    positive_int,
+)
 from .model import PRESETS
 
 
@@ -24,7 +30,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a network",
         description=(
-            "Train a CNN preset on the synthetic set (offline, the default) or CIFAR-10. "
+            "Train a CNN preset on the synthetic set (offline, the default) or your data "
+            "(--data-dir: CIFAR-10/100, an image folder, an .npz). "
             "The master (this process) trains every non-convolutional layer; each "
             "convolution's kernels are split across the workers named with --worker or "
             "--workers-file, and the master itself, in proportion to a probe of each one's "
@@ -154,6 +161,22 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "(implies --rebalance-every 0). A worker lost or joining mid-run still changes the "
         "split. Not with --shares link",
     )
+    where.add_argument(
+        "--spot-check-every",
+        type=non_negative_int,
+        metavar="STEPS",
+        help="every STEPS steps (default 4; 1: every step), the master recomputes a few values "
+        "of every worker answer and drops a worker whose values are wrong (finite but "
+        "wrong: a broken driver, a bad overclock) for the rest of the run, computing its "
+        "share itself; 0: never",
+    )
+    where.add_argument(
+        "--spot-check-sample",
+        type=positive_int,
+        metavar="N",
+        help="kernels of a worker's slice, images of the batch and input channels each check "
+        "recomputes (default 2)",
+    )
 
 
 def _add_train_security(p: argparse.ArgumentParser) -> None:
@@ -177,14 +200,26 @@ def _add_train_security(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dataset",
-        choices=["synthetic", "cifar10"],
-        default="synthetic",
-        help="offline synthetic CIFAR-shaped set, or the real CIFAR-10 files",
+        choices=["synthetic", "cifar10", "cifar100", "folder", "npz", "auto"],
+        help="what --data-dir holds (default: inferred from it; synthetic without it, an "
+        "offline CIFAR-shaped set): cifar10/cifar100 = the official python-version tarball "
+        "or the folder it extracts to; folder = train/<class>/<image> and val/ (or test/); "
+        "npz = arrays x_train, y_train, x_test, y_test (or x, y)",
     )
     p.add_argument(
         "--data-dir",
-        help="folder with the CIFAR-10 python files (data_batch_1..5, test_batch) "
-        "or its parent holding cifar-10-batches-py/",
+        metavar="PATH",
+        help="the dataset: a CIFAR tarball (cifar-10-python.tar.gz from "
+        "https://www.cs.toronto.edu/~kriz/cifar.html) or its folder, an image folder, or an "
+        ".npz file; input shape and class count come from it",
+    )
+    p.add_argument(
+        "--holdout-fraction",
+        type=positive_float,
+        metavar="F",
+        help="hold out this fraction of the training data for evaluation, for data without "
+        "a held-out part of its own (an .npz of x and y: 0.1 by default; a folder with only "
+        "train/)",
     )
 
 
@@ -203,10 +238,25 @@ def _add_train_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay")
     p.add_argument(
-        "--train-size", type=positive_int, default=10_000, help="synthetic training images"
+        "--train-size",
+        type=positive_int,
+        metavar="N",
+        help="images in the synthetic training set (default 10000; not with --data-dir, whose "
+        "whole training set is used)",
     )
     p.add_argument(
-        "--eval-size", type=int, default=2_000, help="held-out images evaluated at the end"
+        "--eval-size",
+        type=non_negative_int,
+        metavar="N",
+        help="evaluate on the first N held-out images (default: all of them; 0: no "
+        "evaluation); the synthetic held-out set has 2000 unless N asks for more",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=positive_int,
+        metavar="STEPS",
+        help="also evaluate every STEPS steps (always: after every epoch and at the end); "
+        "each evaluation is printed and traced",
     )
     p.add_argument("--save", metavar="NPZ", help="write the trained weights (PyTorch names)")
     p.add_argument("--load", metavar="NPZ", help="start from these weights")
@@ -247,17 +297,25 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from .optim import SGDConfig
 
+    if args.train_size is not None and args.data_dir:
+        raise ValueError(
+            "--train-size sizes the synthetic set; with --data-dir the whole training set is "
+            "used (--steps or --epochs say how much of it to see): drop --train-size"
+        )
     config = TrainConfig(
         preset=args.preset,
-        dataset=args.dataset,
+        # --data-dir without --dataset: the kind is inferred from the path, never ignored.
+        dataset=args.dataset or ("auto" if args.data_dir else "synthetic"),
         data_dir=args.data_dir,
+        holdout_fraction=args.holdout_fraction,
         steps=args.steps,
         epochs=args.epochs,
         batch=args.batch,
         seed=args.seed,
         sgd=SGDConfig(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
-        train_size=args.train_size,
+        train_size=args.train_size or TrainConfig.train_size,  # the synthetic set's default
         eval_size=args.eval_size,
+        eval_every=args.eval_every,
         trace=args.trace,
         save=args.save,
         load=args.load,
@@ -277,6 +335,10 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.local:
         if addresses:
             raise ValueError("--local runs no workers; drop --worker/--workers-file")
+        if args.spot_check_every is not None or args.spot_check_sample is not None:
+            raise ValueError(
+                "--local runs no workers, so nothing to spot-check: drop --spot-check-*"
+            )
         if args.wire_format != "float32":
             raise ValueError(
                 "--local runs no workers, so nothing goes on the wire: drop --wire-format"
@@ -315,6 +377,7 @@ def _run_train(args: argparse.Namespace) -> int:
         stages=args.stages,
         kernels=args.kernels,
         resident_sync_every=args.resident_sync_every,
+        spot_checks=_spot_check_config(args),
     )
     if addresses:
         with Cluster(addresses, config=cluster_config) as cluster:
@@ -323,6 +386,20 @@ def _run_train(args: argparse.Namespace) -> int:
         with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
             result = train(config, cluster)
     return _final_checkpoint_status(config.checkpoint_dir, result.steps)
+
+
+def _spot_check_config(args: argparse.Namespace):
+    from hetconv.master.spotcheck import DEFAULT_EVERY, SpotCheckConfig
+
+    every = DEFAULT_EVERY if args.spot_check_every is None else args.spot_check_every
+    if every == 0 and args.spot_check_sample is not None:
+        raise ValueError("--spot-check-every 0 checks nothing: drop --spot-check-sample")
+    sample = args.spot_check_sample
+    if sample is None:
+        return SpotCheckConfig(every=every, seed=args.seed)
+    return SpotCheckConfig(
+        every=every, kernels=sample, images=sample, channels=sample, seed=args.seed
+    )
 
 
 def _final_checkpoint_status(checkpoint_dir: str | None, steps: int) -> int:
@@ -402,6 +479,29 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         "backward pass fails (FAILED_PRECONDITION, naming eviction)",
     )
     p.add_argument(
+        "--memory-mib",
+        type=positive_int,
+        metavar="MIB",
+        help="memory budget for everything calls hold: requests in flight and their answers, "
+        "saved forward states (each session keeps at most MIB / --sessions) and device scratch; "
+        "a call that does not fit is refused (RESOURCE_EXHAUSTED) before anything is allocated "
+        "(default: half the memory available at start)",
+    )
+    p.add_argument(
+        "--max-calls",
+        type=positive_int,
+        metavar="N",
+        help="convolution calls in flight at once (default 16); one more is refused at once "
+        "(RESOURCE_EXHAUSTED); health checks and Describe are answered beside them",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=number_at_least(float, 0),
+        metavar="S",
+        help="end a call whose client sends nothing, or reads nothing of its answer, for S "
+        "seconds (DEADLINE_EXCEEDED; default 10; 0: never)",
+    )
+    p.add_argument(
         "--no-startup-probe", action="store_true", help="skip the probe printed at start"
     )
     p.add_argument(
@@ -439,6 +539,11 @@ def _run_worker(args: argparse.Namespace) -> int:
     from .backends import get_backend
 
     parse_address(args.listen, "--listen")
+    if args.memory_mib and args.max_request_mib and args.max_request_mib > args.memory_mib:
+        raise ValueError(
+            f"--max-request-mib {args.max_request_mib} is more than --memory-mib "
+            f"{args.memory_mib}: no request that large could ever be served"
+        )
     # Before the backend (whose auto choice probes): a bad token or PEM file fails at once.
     security = WorkerSecurity.from_files(resolve_token(args.token), args.tls_cert, args.tls_key)
     # None: run_worker picks the limit from the memory available and says so.
@@ -454,6 +559,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         security=security,
         sessions=args.sessions,
         exit_on_stdin_close=args.exit_on_stdin_close,
+        memory_bytes=args.memory_mib << 20 if args.memory_mib else None,
+        idle_timeout=args.idle_timeout,
+        max_calls=args.max_calls,
     )
 
 
@@ -514,6 +622,70 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _shape_chw(text: str) -> tuple[int, int, int]:
+    """``C,H,W`` as three positive ints."""
+    parts = text.replace("x", ",").split(",")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not C,H,W (three positive integers)")
+    return shape  # type: ignore[return-value]
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a trained network as an ONNX graph",
+        description=(
+            "Write the network of a weights file (what `hetconv train --save` wrote) as an "
+            "ONNX graph in evaluation mode, checked with onnx.checker: it takes float32 "
+            "`input` (N, C, H, W), normalised as in training, and gives `logits` "
+            "(N, classes). Needs the onnx package (pip install 'hetconv[onnx]')."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("weights", metavar="MODEL.npz", help="the weights file")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--spec", metavar="SPEC.json", help="the network's .json spec")
+    which.add_argument("--preset", choices=list(PRESETS), help="the network's preset")
+    p.add_argument(
+        "--input-shape", type=_shape_chw, required=True, metavar="C,H,W",
+        help="the images' channels, height and width",
+    )  # fmt: skip
+    p.add_argument(
+        "--classes", type=positive_int, metavar="N",
+        help="a preset's class count (its last fc's outputs; default 10)",
+    )  # fmt: skip
+    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .model import load_spec
+    from .onnx_export import export_onnx
+
+    if args.spec is not None:
+        if args.classes is not None:
+            raise ValueError("--classes is for a preset; a spec's last fc says its outputs")
+        if not args.spec.endswith(".json"):
+            raise ValueError(f"--spec {args.spec}: expected a .json file")
+        spec = load_spec(args.spec)
+    else:
+        spec = load_spec(args.preset, classes=args.classes)
+    try:
+        with np.load(args.weights, allow_pickle=False) as data:
+            weights = {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, AttributeError) as e:
+        raise ValueError(f"cannot read weights from {args.weights}: {e}") from None
+    export_onnx(spec, weights, args.input_shape, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetconv",
@@ -526,6 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_devices(sub)
     _add_simulate(sub)
+    _add_export(sub)
     return parser
 
 

@@ -1,18 +1,23 @@
 """Layers with forward and backward passes: numpy, float32, NCHW.
 
-Semantics follow PyTorch's modules of the same name (``nn.Conv2d`` with stride 1,
-``nn.ReLU``, ``nn.LocalResponseNorm``, ``nn.MaxPool2d``, ``nn.Linear``) so that weights move
-between the two unchanged. Each layer keeps what its backward pass needs from the last
-forward pass; ``backward`` stores parameter gradients in ``grads`` and returns the input
-gradient.
+Semantics follow PyTorch's modules of the same name (``nn.Conv2d``, ``nn.ReLU``,
+``nn.LocalResponseNorm``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.AdaptiveAvgPool2d(1)``,
+``nn.BatchNorm2d``, ``nn.Dropout``, ``nn.Linear``) so that weights move between the two
+unchanged. Each layer keeps what its backward pass needs from the last forward pass;
+``backward`` stores parameter gradients in ``grads`` and returns the input gradient.
+``training`` (True by default, as in PyTorch) selects training or evaluation behaviour
+(batch statistics or running statistics; dropout on or off); ``buffers`` holds state that
+is saved with the weights but not trained (batch norm's running statistics).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from .backends import PaddingSpec, conv_shape
-from .conv import ConvExecutor, ConvSpec, LocalConv, kernel_pair
+from .backends import Padding, PaddingSpec, conv_shape
+from .conv import ConvExecutor, ConvSpec, LocalConv, StridePhases, kernel_pair
 
 
 class Layer:
@@ -22,6 +27,8 @@ class Layer:
         self.name = name
         self.params: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
+        self.buffers: dict[str, np.ndarray] = {}
+        self.training = True
         self.input_shape: tuple[int, ...] | None = None  # per sample, set by the model
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -39,10 +46,15 @@ class Layer:
 
 
 class Conv2d(Layer):
-    """Stride-1 convolution with bias; the arithmetic runs on a :class:`ConvExecutor`.
+    """Convolution with bias; the arithmetic runs on a :class:`ConvExecutor`.
 
     Parameters: ``weight`` float32 (K, C, kh, kw), ``bias`` float32 (K,).
     ``need_input_grad`` is False for a network's first layer: nothing consumes that gradient.
+
+    .. note:: A stride above 1 runs as the stride-1 convolution of the input's phases
+       (:class:`~hetconv.conv.StridePhases`): the executor is called with the phased input
+       and kernels, no padding, and the gradients are turned back. Exact, on every executor
+       and backend, at 1-1.8x a strided kernel's arithmetic.
     """
 
     def __init__(
@@ -53,9 +65,13 @@ class Conv2d(Layer):
         kernel_size: int | tuple[int, int],
         padding: PaddingSpec = 0,
         executor: ConvExecutor | None = None,
+        stride: int | tuple[int, int] = 1,
     ):
         super().__init__(name)
         kh, kw = kernel_pair(kernel_size)
+        self.stride = kernel_pair(stride)
+        if min(self.stride) < 1:
+            raise ValueError(f"{name}: stride {stride} must be >= 1")
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size = (kh, kw)
         self.padding = padding
@@ -67,10 +83,12 @@ class Conv2d(Layer):
             "bias": np.zeros(out_channels, np.float32),
         }
         self._x: np.ndarray | None = None
+        self._phases: StridePhases | None = None
 
     @property
     def spec(self) -> ConvSpec:
-        """This layer as executors see it (needs ``input_shape``, which the model sets)."""
+        """This layer's geometry, stride included (needs ``input_shape``, which the model sets);
+        executors see its :attr:`~hetconv.conv.ConvSpec.executed`."""
         if self.input_shape is None:
             raise RuntimeError(f"{self.name}: input shape unknown (the model sets it)")
         return ConvSpec(
@@ -81,24 +99,55 @@ class Conv2d(Layer):
             self.padding,
             self.need_input_grad,
             self.stage,
+            self.stride,
         )
 
+    def executed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, PaddingSpec]:
+        """(input, kernels, padding) of the executor call that computes this layer on ``x``:
+        ``x`` and the kernels themselves at stride 1, their phases otherwise (kept for
+        :meth:`restore`)."""
+        if self.stride == (1, 1):
+            self._phases = None
+            return x, self.params["weight"], self.padding
+        phases = StridePhases(
+            tuple(x.shape[1:]), self.kernel_size,
+            Padding.resolve(self.padding, self.kernel_size), self.stride,
+        )  # fmt: skip
+        self._phases = phases
+        return phases.input(x), phases.kernels(self.params["weight"]), 0
+
+    def restore(
+        self, dx: np.ndarray | None, dw: np.ndarray
+    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """The layer's input and kernel gradients from those of the last :meth:`executed`
+        call's."""
+        phases = self._phases
+        if phases is None:
+            return dx, dw
+        return (None if dx is None else phases.input_grad(dx)), phases.kernel_grad(dw)
+
     def forward(self, x):
-        self._x = x
-        return self.executor.forward(
-            self.name, x, self.params["weight"], self.params["bias"], self.padding
-        )
+        x, w, padding = self.executed(x)
+        self._x, self._w, self._padding = x, w, padding
+        return self.executor.forward(self.name, x, w, self.params["bias"], padding)
 
     def backward(self, dy):
         if self._x is None:
             raise RuntimeError(f"{self.name}: backward before forward")
         dx, dw, db = self.executor.backward(
-            self.name, self._x, self.params["weight"], dy, self.padding, self.need_input_grad
+            self.name, self._x, self._w, dy, self._padding, self.need_input_grad
         )
+        dx, dw = self.restore(dx, dw)
         self.grads = {"weight": dw, "bias": db}
         return dx
 
     def output_shape(self, input_shape):
+        if self.stride != (1, 1):
+            spec = ConvSpec(
+                self.name, tuple(input_shape), self.out_channels, self.kernel_size,
+                self.padding, stride=self.stride,
+            )  # fmt: skip
+            return spec.output_shape
         shape = conv_shape((1, *input_shape), self.params["weight"].shape, self.padding)
         return (self.out_channels, *shape.out_hw)
 
@@ -256,6 +305,176 @@ class MaxPool2d(Layer):
                 np.logical_not(hit, out=hit)
                 left *= hit
         return dx
+
+
+class AvgPool2d(Layer):
+    """Average pooling (no padding, floor mode), ``torch.nn.AvgPool2d(kernel, stride)``."""
+
+    def __init__(self, name: str, kernel_size: int = 2, stride: int | None = None):
+        super().__init__(name)
+        self.kernel_size, self.stride = pool_geometry(kernel_size, stride)
+
+    def output_shape(self, input_shape):
+        try:
+            return pool_output_shape(input_shape, self.kernel_size, self.stride)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+
+    def _tap(self, a: np.ndarray, i: int, j: int, ho: int, wo: int) -> np.ndarray:
+        s = self.stride
+        return a[:, :, i : i + s * (ho - 1) + 1 : s, j : j + s * (wo - 1) + 1 : s]
+
+    def forward(self, x):
+        _, ho, wo = self.output_shape(x.shape[1:])
+        k = self.kernel_size
+        y = self._tap(x, 0, 0, ho, wo).copy()
+        for t in range(1, k * k):
+            y += self._tap(x, t // k, t % k, ho, wo)
+        y *= np.float32(1.0 / (k * k))
+        self._x_shape = x.shape
+        return y
+
+    def backward(self, dy):
+        k = self.kernel_size
+        ho, wo = dy.shape[2:]
+        dx = np.zeros(self._x_shape, np.float32)
+        share = dy * np.float32(1.0 / (k * k))
+        for t in range(k * k):
+            self._tap(dx, t // k, t % k, ho, wo)[...] += share
+        return dx
+
+
+class GlobalAvgPool2d(Layer):
+    """The mean of each channel's map: (N, C, H, W) -> (N, C, 1, 1), as
+    ``torch.nn.AdaptiveAvgPool2d(1)`` (and ONNX's GlobalAveragePool)."""
+
+    def output_shape(self, input_shape):
+        return (input_shape[0], 1, 1)
+
+    def forward(self, x):
+        self._x_shape = x.shape
+        return x.mean(axis=(2, 3), keepdims=True, dtype=np.float32)
+
+    def backward(self, dy):
+        n, c, h, w = self._x_shape
+        return np.broadcast_to(dy * np.float32(1.0 / (h * w)), self._x_shape).copy()
+
+
+class BatchNorm2d(Layer):
+    """Batch normalisation per channel, ``torch.nn.BatchNorm2d(C, eps, momentum)`` semantics.
+
+    Parameters: ``weight`` float32 (C,) (ones at start), ``bias`` float32 (C,) (zeros).
+    Buffers: ``running_mean`` (zeros), ``running_var`` (ones), ``num_batches_tracked`` int64.
+    Training normalises by the batch's mean and biased variance over (N, H, W) and moves the
+    running statistics by ``momentum`` towards the batch's mean and *unbiased* variance;
+    evaluation normalises by the running statistics.
+
+    .. note:: The batch statistics are summed in float64, then used in float32.
+    """
+
+    def __init__(self, name: str, channels: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__(name)
+        if not eps > 0:
+            raise ValueError(f"{name}: batchnorm eps must be > 0, got {eps}")
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{name}: batchnorm momentum must be in [0, 1], got {momentum}")
+        self.channels, self.eps, self.momentum = channels, float(eps), float(momentum)
+        self.params = {
+            "weight": np.ones(channels, np.float32),
+            "bias": np.zeros(channels, np.float32),
+        }
+        self.buffers = {
+            "running_mean": np.zeros(channels, np.float32),
+            "running_var": np.ones(channels, np.float32),
+            "num_batches_tracked": np.zeros((), np.int64),
+        }
+
+    def reset_parameters(self) -> None:
+        """PyTorch's start: weight 1, bias 0, running mean 0, running variance 1, count 0."""
+        self.params["weight"][...] = 1
+        self.params["bias"][...] = 0
+        self.buffers["running_mean"][...] = 0
+        self.buffers["running_var"][...] = 1
+        self.buffers["num_batches_tracked"][...] = 0
+
+    @staticmethod
+    def _per_channel(v: np.ndarray) -> np.ndarray:
+        return v.reshape(1, -1, 1, 1)
+
+    def forward(self, x):
+        gamma, beta = self.params["weight"], self.params["bias"]
+        if not self.training:
+            inv_std = 1.0 / np.sqrt(self.buffers["running_var"] + np.float32(self.eps))
+            scale = (gamma * inv_std).astype(np.float32)
+            shift = (beta - self.buffers["running_mean"] * scale).astype(np.float32)
+            self._eval_scale = scale
+            self._x_hat = None
+            return x * self._per_channel(scale) + self._per_channel(shift)
+        count = x.shape[0] * x.shape[2] * x.shape[3]
+        mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
+        centred = x - self._per_channel(mean.astype(np.float32))
+        var = np.square(centred, dtype=np.float64).mean(axis=(0, 2, 3))
+        inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+        x_hat = centred * self._per_channel(inv_std)
+        m = self.momentum
+        unbiased = var * count / max(count - 1, 1)
+        running_mean, running_var = self.buffers["running_mean"], self.buffers["running_var"]
+        running_mean[...] = (1 - m) * running_mean + m * mean
+        running_var[...] = (1 - m) * running_var + m * unbiased
+        self.buffers["num_batches_tracked"] += 1
+        self._x_hat, self._inv_std = x_hat, inv_std
+        return x_hat * self._per_channel(gamma) + self._per_channel(beta)
+
+    def backward(self, dy):
+        gamma = self.params["weight"]
+        if self._x_hat is None:  # evaluation mode: an affine map per channel
+            self.grads = {"weight": np.zeros_like(gamma), "bias": dy.sum(axis=(0, 2, 3))}
+            return dy * self._per_channel(self._eval_scale)
+        x_hat, inv_std = self._x_hat, self._inv_std
+        count = dy.shape[0] * dy.shape[2] * dy.shape[3]
+        d_beta = dy.sum(axis=(0, 2, 3), dtype=np.float64)
+        d_gamma = (dy * x_hat).sum(axis=(0, 2, 3), dtype=np.float64)
+        self.grads = {"weight": d_gamma.astype(np.float32), "bias": d_beta.astype(np.float32)}
+        # dx = gamma * inv_std * (dy - mean(dy) - x_hat * mean(dy * x_hat))
+        dx = dy - self._per_channel((d_beta / count).astype(np.float32))
+        dx -= x_hat * self._per_channel((d_gamma / count).astype(np.float32))
+        dx *= self._per_channel((gamma * inv_std).astype(np.float32))
+        return dx
+
+
+class Dropout(Layer):
+    """Zeroes each value with probability ``p`` while training and scales the rest by
+    ``1 / (1 - p)``, ``torch.nn.Dropout`` semantics; the identity in evaluation.
+
+    A mask is a function of ``seed`` and the training step: ``step`` when set (the model sets
+    it from the step it is told, so a resumed run draws the masks an unbroken one would),
+    otherwise the count of training forwards so far. Not PyTorch's masks (its generator
+    differs).
+    """
+
+    def __init__(self, name: str, p: float = 0.5, seed: int | Sequence[int] = 0):
+        super().__init__(name)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name}: dropout p must be in [0, 1), got {p}")
+        self.p = float(p)
+        seeds = seed if isinstance(seed, Sequence) else (seed,)
+        self.seed = tuple(int(v) % 2**64 for v in seeds)  # the generator takes no negatives
+        self.step: int | None = None
+        self._forwards = 0
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            self._scale = None
+            return x
+        step = self.step if self.step is not None else self._forwards
+        self._forwards += 1
+        rng = np.random.default_rng((*self.seed, step))
+        keep = rng.random(x.shape, dtype=np.float32) >= np.float32(self.p)
+        self._scale = keep * np.float32(1.0 / (1.0 - self.p))
+        return x * self._scale
+
+    def backward(self, dy):
+        return dy if self._scale is None else dy * self._scale
 
 
 class Linear(Layer):

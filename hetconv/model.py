@@ -1,44 +1,248 @@
 """Networks built from a small declarative spec, the named presets, and weight files.
 
-A spec is a list of layer dicts, in order::
+A spec is a list of layer objects, in order, followed implicitly by softmax cross-entropy::
 
-    {"type": "conv", "name": "conv1", "out": 50, "kernel": 5, "padding": "same"}
+    {"type": "conv", "name": "conv1", "out": 50, "kernel": 5, "padding": "same", "stride": 1}
+    {"type": "batchnorm", "eps": 1e-5, "momentum": 0.1}
     {"type": "relu"}
     {"type": "lrn", "size": 5}               # optional alpha, beta, k
     {"type": "maxpool", "kernel": 2, "stride": 2}
+    {"type": "avgpool", "kernel": 2}
+    {"type": "gap"}
+    {"type": "dropout", "p": 0.5}
     {"type": "fc", "name": "fc", "out": 10}
 
-followed, implicitly, by softmax cross-entropy. Parameter names are PyTorch's
-(``conv1.weight`` as K x C x kh x kw, ``fc.weight`` as out x in), so a weight file loads into
-the equivalent ``nn.Module`` with ``load_state_dict``.
+The spec is strict: :data:`LAYER_OPTIONS` lists, per layer type, every key it accepts with its
+type, range and default; an unknown type, an unknown key, a value of the wrong type or out of
+range and a missing required key are errors naming the layer, the key and what is accepted.
+Parameter names are PyTorch's (``conv1.weight`` as K x C x kh x kw, ``fc.weight`` as out x in,
+``bn1.running_mean``), so a weight file loads into the equivalent ``nn.Module`` with
+``load_state_dict``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
+import math
 import os
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .conv import ConvExecutor, ConvSpec, LocalConv, kernel_pair
 from .layers import (
+    AvgPool2d,
+    BatchNorm2d,
     Conv2d,
+    Dropout,
+    GlobalAvgPool2d,
     Layer,
     Linear,
     LocalResponseNorm,
     MaxPool2d,
     ReLU,
-    pool_geometry,
     pool_output_shape,
 )
 from .stages import FUSED, StageSpec, stage_of
 
 CIFAR_INPUT = (3, 32, 32)
-LAYER_TYPES = ("conv", "relu", "lrn", "maxpool", "fc")
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    """One key a layer type accepts: what it takes (for messages), how a value is checked
+    (``check`` returns the value to use or raises ValueError), and its default."""
+
+    accepts: str
+    check: Callable[[object], object]
+    default: object = _REQUIRED
+
+    def describe(self, key: str) -> str:
+        if self.default is _REQUIRED:
+            return f"{key} ({self.accepts}, required)"
+        default = "none" if self.default is None else json.dumps(self.default)
+        return f"{key} ({self.accepts}, default {default})"
+
+
+def _is_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _int(low: int) -> Callable[[object], int]:
+    def check(value: object) -> int:
+        if not _is_int(value) or value < low:  # type: ignore[operator]
+            raise ValueError
+        return int(value)  # type: ignore[arg-type]
+
+    return check
+
+
+def _int_or_pair(low: int) -> Callable[[object], int | tuple[int, int]]:
+    def check(value: object) -> int | tuple[int, int]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != 2 or not all(_is_int(v) and v >= low for v in value):
+                raise ValueError
+            return (int(value[0]), int(value[1]))
+        return _int(low)(value)
+
+    return check
+
+
+def _number(low: float, high: float, low_open: bool = False, high_open: bool = False):
+    def check(value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise ValueError
+        v = float(value)  # type: ignore[arg-type]
+        if not math.isfinite(v) or v < low or v > high:
+            raise ValueError
+        if (low_open and v == low) or (high_open and v == high):
+            raise ValueError
+        return v
+
+    return check
+
+
+def _padding(value: object):
+    if value in ("same", "valid"):
+        return value
+    if isinstance(value, (list, tuple)):
+        if len(value) not in (2, 4) or not all(_is_int(v) and v >= 0 for v in value):
+            raise ValueError
+        return tuple(int(v) for v in value)
+    return _int(0)(value)
+
+
+def _name(value: object) -> str:
+    if not isinstance(value, str) or not value or "." in value:
+        raise ValueError
+    return value
+
+
+_POOL = {
+    "kernel": Option("int >= 1", _int(1), 2),
+    "stride": Option("int >= 1; the kernel when absent", _int(1), None),
+}
+#: Per layer type, every key it accepts besides ``type`` and ``name`` (a non-empty string
+#: without dots, unique in the model; default: the type numbered among its kind, ``relu2``).
+LAYER_OPTIONS: dict[str, dict[str, Option]] = {
+    "conv": {
+        "out": Option("int >= 1: output channels", _int(1)),
+        "kernel": Option("int >= 1 or [kh, kw]", _int_or_pair(1), 3),
+        "padding": Option(
+            '"same", "valid", int >= 0, [ph, pw] or [top, bottom, left, right]', _padding, 0
+        ),
+        "stride": Option("int >= 1 or [sh, sw]", _int_or_pair(1), 1),
+    },
+    "relu": {},
+    "lrn": {
+        "size": Option("int >= 1: channels in the window", _int(1), 5),
+        "alpha": Option("finite number", _number(-math.inf, math.inf), 1e-4),
+        "beta": Option("finite number", _number(-math.inf, math.inf), 0.75),
+        "k": Option("finite number", _number(-math.inf, math.inf), 1.0),
+    },
+    "maxpool": dict(_POOL),
+    "avgpool": dict(_POOL),
+    "gap": {},
+    "batchnorm": {
+        "eps": Option("number > 0", _number(0.0, math.inf, low_open=True), 1e-5),
+        "momentum": Option("number in [0, 1]", _number(0.0, 1.0), 0.1),
+    },
+    "dropout": {"p": Option("number in [0, 1)", _number(0.0, 1.0, high_open=True), 0.5)},
+    "fc": {"out": Option("int >= 1: outputs", _int(1))},
+}
+LAYER_TYPES = tuple(LAYER_OPTIONS)
+#: Layer types that need a C x H x W input (every one but relu, dropout and fc).
+_NEEDS_MAPS = ("conv", "lrn", "maxpool", "avgpool", "gap", "batchnorm")
+
+
+def accepted_keys(kind: str) -> str:
+    """What a layer type accepts, for messages: ``"name (string), out (int >= 1, ...), ..."``."""
+    keys = ["type", "name (string)"]
+    keys += [option.describe(key) for key, option in LAYER_OPTIONS[kind].items()]
+    return ", ".join(keys)
+
+
+def check_entry(index: int, entry: object) -> tuple[str, str | None, dict]:
+    """(type, name or None, options with defaults filled in) of one spec entry.
+
+    Raises:
+        ValueError: the entry is not an object, or has an unknown type, an unknown key, a
+            missing required key or a value of the wrong type or range; the message names
+            the layer's index, the key and what the type accepts.
+    """
+    if not isinstance(entry, Mapping):
+        raise ValueError(f'layer {index} is {entry!r}, not an object with a "type"')
+    kind = entry.get("type")
+    if not isinstance(kind, str) or kind not in LAYER_OPTIONS:
+        raise ValueError(
+            f"layer {index} has type {kind!r}; accepted types: {', '.join(LAYER_TYPES)}"
+        )
+    label = f"layer {index} ({kind})"
+    name = None
+    if "name" in entry:
+        try:
+            name = _name(entry["name"])
+        except ValueError:
+            raise ValueError(
+                f"{label}: name {entry['name']!r} must be a non-empty string without dots"
+            ) from None
+        label = f"layer {index} ({kind} {name!r})"
+    schema = LAYER_OPTIONS[kind]
+    unknown = [key for key in entry if key not in schema and key not in ("type", "name")]
+    if unknown:
+        keys = ", ".join(map(repr, unknown))
+        raise ValueError(
+            f"{label}: unknown key{'s' if len(unknown) > 1 else ''} {keys}; "
+            f"{kind} accepts {accepted_keys(kind)}"
+        )
+    options = {}
+    for key, option in schema.items():
+        if key not in entry:
+            if option.default is _REQUIRED:
+                raise ValueError(
+                    f"{label}: missing key {key!r}; {kind} accepts {accepted_keys(kind)}"
+                )
+            options[key] = option.default
+            continue
+        try:
+            options[key] = option.check(entry[key])
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"{label}: {key} is {entry[key]!r}; expected {option.accepts}"
+            ) from None
+    if kind in ("maxpool", "avgpool") and options["stride"] is None:
+        options["stride"] = options["kernel"]
+    return kind, name, options
+
+
+def check_spec(spec: Sequence[Mapping]) -> None:
+    """Check every entry (:func:`check_entry`) and that names are unique: all of a spec that
+    does not depend on the input's shape (:func:`walk_spec` checks the shapes too).
+
+    Raises:
+        ValueError: naming the layer's index, and its type, name or key.
+    """
+    if isinstance(spec, (str, bytes, Mapping)) or not isinstance(spec, Sequence):
+        raise ValueError(f"a model spec is a list of layer objects, got {type(spec).__name__}")
+    counts: dict[str, int] = {}
+    names: dict[str, int] = {}
+    for index, entry in enumerate(spec):
+        kind, given, _ = check_entry(index, entry)
+        counts[kind] = counts.get(kind, 0) + 1
+        name = given if given is not None else f"{kind}{counts[kind]}"
+        if name in names:
+            raise ValueError(
+                f"layer {index} ({kind}) is named {name!r}, as layer {names[name]} is: "
+                "names must be unique"
+            )
+        names[name] = index
 
 
 def reference_spec(c1: int, c2: int, classes: int = 10) -> list[dict]:
@@ -65,10 +269,27 @@ PRESETS: dict[str, list[dict]] = {
 }
 
 
-def load_spec(preset_or_path: str) -> list[dict]:
-    """A preset by name, or a spec from a JSON file (a list of layer dicts)."""
+def load_spec(preset_or_path: str, classes: int | None = None) -> list[dict]:
+    """A preset by name, or a spec from a JSON file (a list of layer objects).
+
+    Args:
+        preset_or_path: a name in :data:`PRESETS` or the path of a ``.json`` file.
+        classes: a preset's last ``fc`` gets this many outputs (a dataset's class count;
+            None: the preset's 10). A file's spec is returned as written: its last ``fc``
+            says its outputs.
+
+    Raises:
+        ValueError: an unknown preset, a file that cannot be read, is not a JSON list or has
+            an entry :func:`check_spec` refuses (before any shape is known).
+    """
     if preset_or_path in PRESETS:
-        return PRESETS[preset_or_path]
+        spec = copy.deepcopy(PRESETS[preset_or_path])
+        if classes is not None:
+            last_fc = max(i for i, entry in enumerate(spec) if entry["type"] == "fc")
+            if not _is_int(classes) or classes < 1:
+                raise ValueError(f"classes must be an int >= 1, got {classes!r}")
+            spec[last_fc]["out"] = int(classes)
+        return spec
     path = Path(preset_or_path)
     if path.suffix == ".json" and path.is_file():
         try:
@@ -77,6 +298,10 @@ def load_spec(preset_or_path: str) -> list[dict]:
             raise ValueError(f"cannot read model spec {path}: {e}") from None
         if not isinstance(spec, list):
             raise ValueError(f"model spec {path} must be a JSON list of layer objects")
+        try:
+            check_spec(spec)
+        except ValueError as e:
+            raise ValueError(f"model spec {path}: {e}") from None
         return spec
     raise ValueError(
         f"unknown preset {preset_or_path!r}; choose one of {', '.join(PRESETS)} "
@@ -95,6 +320,7 @@ class SpecLayer:
         entry: the spec's dict.
         input_shape, output_shape: what flows in and out.
         conv: the convolution's geometry, for a ``conv`` entry; None otherwise.
+        options: every key of the type (:data:`LAYER_OPTIONS`), checked, defaults filled in.
     """
 
     index: int
@@ -104,6 +330,7 @@ class SpecLayer:
     input_shape: tuple[int, ...]
     output_shape: tuple[int, ...]
     conv: ConvSpec | None = None
+    options: Mapping = field(default_factory=dict)
 
 
 def walk_spec(
@@ -114,57 +341,46 @@ def walk_spec(
     reads convolutions from. A network's first layer, if a convolution, needs no input
     gradient.
 
-    Checks types, shapes and the options that decide them; the layers check the rest of
-    their options (an LRN's size) when the model builds them.
+    Checks the spec (:func:`check_spec`: every entry against :data:`LAYER_OPTIONS`, unique
+    names), then that each layer fits the shape that reaches it.
 
     Raises:
-        ValueError: naming the layer's index, and its entry or name.
+        ValueError: naming the layer's index, and its type, name or key.
     """
+    check_spec(spec)
     shape = tuple(input_shape)
     counts: dict[str, int] = {}
     for index, entry in enumerate(spec):
-        kind = entry.get("type")
+        kind, given, options = check_entry(index, entry)
         counts[kind] = counts.get(kind, 0) + 1
-        name = entry.get("name", f"{kind}{counts[kind]}")
-        if kind not in LAYER_TYPES:
-            raise ValueError(
-                f"layer {index} has type {kind!r}; expected conv, relu, lrn, maxpool or fc"
-            )
+        name = given if given is not None else f"{kind}{counts[kind]}"
         conv, out = None, shape
-        try:  # the options that decide the shapes
+        try:
+            if kind in _NEEDS_MAPS and len(shape) != 3:
+                raise ValueError(f"needs a C x H x W input, gets {shape}")
             if kind == "conv":
-                if len(shape) != 3:
-                    raise ValueError(f"needs a C x H x W input, gets {shape}")
-                kernel = kernel_pair(entry.get("kernel", 3))
-                padding = entry.get("padding", 0)
+                stride = kernel_pair(options["stride"])
                 conv = ConvSpec(
-                    name, shape, int(entry["out"]), kernel, padding, index > 0,
-                    _stage_after(spec, index),
+                    name, shape, options["out"], kernel_pair(options["kernel"]),
+                    options["padding"], index > 0,
+                    _stage_after(spec, index), stride,
                 )  # fmt: skip
-            elif kind == "maxpool":
-                pool = pool_geometry(entry.get("kernel", 2), entry.get("stride"))
-            elif kind == "fc":
-                out = (int(entry["out"]),)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"layer {index} ({entry}): {e}") from None
-        try:  # the shapes
-            if conv is not None:
                 out = conv.output_shape
-            elif kind == "maxpool":
-                out = pool_output_shape(shape, *pool)
+            elif kind in ("maxpool", "avgpool"):
+                out = pool_output_shape(shape, options["kernel"], options["stride"])
+            elif kind == "gap":
+                out = (shape[0], 1, 1)
+            elif kind == "fc":
+                out = (options["out"],)
         except ValueError as e:
             raise ValueError(f"layer {index} ({name}): {e}") from None
-        yield SpecLayer(index, kind, name, entry, shape, out, conv)
+        yield SpecLayer(index, kind, name, entry, shape, out, conv, options)
         shape = out
 
 
 def _stage_after(spec: Sequence[Mapping], index: int) -> StageSpec | None:
-    """The stage after the conv at ``index``; None when none, or when its options are bad
-    (the layers refuse those, naming them, when the model builds them)."""
-    try:
-        return stage_of(spec[index + 1 :])
-    except (TypeError, ValueError):
-        return None
+    """The stage after the conv at ``index``; None when none (entries already checked)."""
+    return stage_of(spec[index + 1 :])
 
 
 class ConvStage:
@@ -188,10 +404,10 @@ class ConvStage:
             for layer in (conv, *self.chain):
                 x = layer.forward(x)
             return x
-        conv._x = x
-        p = conv.params
+        x, w, padding = conv.executed(x)
+        conv._x, conv._w, conv._padding = x, w, padding
         return conv.executor.stage_forward(
-            conv.name, x, p["weight"], p["bias"], conv.padding, self.stage
+            conv.name, x, w, conv.params["bias"], padding, self.stage
         )
 
     def backward(self, dy: np.ndarray) -> np.ndarray | None:
@@ -202,11 +418,11 @@ class ConvStage:
             for layer in (*reversed(self.chain), conv):
                 dy = layer.backward(dy)
             return dy
-        p = conv.params
         dx, dw, db = conv.executor.stage_backward(
-            conv.name, conv._x, p["weight"], p["bias"], dy, conv.padding,
+            conv.name, conv._x, conv._w, conv.params["bias"], dy, conv._padding,
             conv.need_input_grad, self.stage,
         )  # fmt: skip
+        dx, dw = conv.restore(dx, dw)
         conv.grads = {"weight": dw, "bias": db}
         return dx
 
@@ -231,8 +447,9 @@ class Model:
         seed: int = 0,
         executor: ConvExecutor | None = None,
     ):
-        self.spec = [dict(layer) for layer in spec]
+        self.spec = [dict(layer) if isinstance(layer, Mapping) else layer for layer in spec]
         self.input_shape = tuple(input_shape)
+        self.seed = seed
         self.executor = executor if executor is not None else LocalConv()
         self.layers: list[Layer] = []
         self.output_shape: tuple[int, ...] = self.input_shape
@@ -263,36 +480,84 @@ class Model:
         self.init_weights(seed)
 
     def _build(self, item: SpecLayer) -> Layer:
-        entry, name = item.entry, item.name
+        name, options, kind = item.name, item.options, item.kind
+        if item.conv is not None:
+            conv = item.conv
+            layer = Conv2d(
+                name,
+                conv.input_shape[0],
+                conv.kernels,
+                conv.kernel_size,
+                conv.padding,
+                self.executor,
+                conv.stride,
+            )
+            layer.need_input_grad = conv.need_input_grad
+            return layer
+        if kind == "relu":
+            return ReLU(name)
+        if kind == "lrn":
+            return LocalResponseNorm(name, **options)
+        if kind == "maxpool":
+            return MaxPool2d(name, options["kernel"], options["stride"])
+        if kind == "avgpool":
+            return AvgPool2d(name, options["kernel"], options["stride"])
+        if kind == "gap":
+            return GlobalAvgPool2d(name)
+        if kind == "batchnorm":
+            return BatchNorm2d(name, item.input_shape[0], options["eps"], options["momentum"])
+        if kind == "dropout":
+            # Its own masks, the same for the same model seed (and not the weights' stream).
+            return Dropout(name, options["p"], seed=(self.seed, item.index))
+        return Linear(name, int(np.prod(item.input_shape)), options["out"])
+
+    # -- modes -------------------------------------------------------------------------------
+
+    @property
+    def training(self) -> bool:
+        """True in training mode (the default), False in evaluation mode."""
+        return all(layer.training for layer in self.layers)
+
+    def train(self, mode: bool = True) -> Model:
+        """Training mode (batch norm uses and updates batch statistics, dropout drops) or, with
+        ``mode=False``, evaluation mode; as PyTorch's ``Module.train``."""
+        for layer in self.layers:
+            layer.training = bool(mode)
+        return self
+
+    def eval(self) -> Model:
+        """Evaluation mode: batch norm uses its running statistics, dropout is the identity."""
+        return self.train(False)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[Model]:
+        """Evaluation mode inside the ``with`` block, the previous mode after it."""
+        before = [layer.training for layer in self.layers]
+        self.eval()
         try:
-            if item.conv is not None:
-                conv = item.conv
-                layer = Conv2d(
-                    name,
-                    conv.input_shape[0],
-                    conv.kernels,
-                    conv.kernel_size,
-                    conv.padding,
-                    self.executor,
-                )
-                layer.need_input_grad = conv.need_input_grad
-                return layer
-            if item.kind == "relu":
-                return ReLU(name)
-            if item.kind == "lrn":
-                options = {k: entry[k] for k in ("size", "alpha", "beta", "k") if k in entry}
-                return LocalResponseNorm(name, **options)
-            if item.kind == "maxpool":
-                return MaxPool2d(name, entry.get("kernel", 2), entry.get("stride"))
-            return Linear(name, int(np.prod(item.input_shape)), int(entry["out"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"layer {item.index} ({entry}): {e}") from None
+            yield self
+        finally:
+            for layer, mode in zip(self.layers, before, strict=True):
+                layer.training = mode
 
     # -- parameters --------------------------------------------------------------------------
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Name -> parameter array (the live arrays, PyTorch names)."""
         return {f"{layer.name}.{k}": v for layer in self.layers for k, v in layer.params.items()}
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """Name -> state that is saved but not trained (batch norm's running statistics)."""
+        return {f"{layer.name}.{k}": v for layer in self.layers for k, v in layer.buffers.items()}
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Parameters and buffers, layer by layer: what a weight file holds (PyTorch's
+        ``state_dict``: its names, shapes and order)."""
+        out: dict[str, np.ndarray] = {}
+        for layer in self.layers:
+            out.update({f"{layer.name}.{k}": v for k, v in layer.params.items()})
+            out.update({f"{layer.name}.{k}": v for k, v in layer.buffers.items()})
+        return out
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Name -> gradient of the last backward pass."""
@@ -302,13 +567,18 @@ class Model:
         return [layer for layer in self.layers if isinstance(layer, Conv2d)]
 
     def conv_specs(self) -> list[ConvSpec]:
-        """The convolution layers as executors see them (what ``executor.prepare`` takes)."""
-        return [layer.spec for layer in self.conv_layers()]
+        """The convolution layers as executors see them (what ``executor.prepare`` takes): a
+        strided one as the stride-1 convolution of its phases (:attr:`ConvSpec.executed`)."""
+        return [layer.spec.executed for layer in self.conv_layers()]
 
     def init_weights(self, seed: int) -> None:
-        """PyTorch's default initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for all."""
+        """PyTorch's default initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for conv and
+        fc weights and biases; batch norm starts at weight 1, bias 0 and fresh statistics."""
         rng = np.random.default_rng(seed)
         for layer in self.layers:
+            if isinstance(layer, BatchNorm2d):
+                layer.reset_parameters()
+                continue
             if not layer.params:
                 continue
             weight = layer.params["weight"]
@@ -318,14 +588,15 @@ class Model:
                 p[...] = rng.uniform(-bound, bound, size=p.shape).astype(np.float32)
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
-        """Copy parameters in, checking names, shapes and that values are finite."""
-        params = self.parameters()
+        """Copy parameters and buffers (:meth:`state`) in, checking names, shapes and that
+        values are finite."""
+        params = self.state()
         missing = sorted(set(params) - set(state))
         unexpected = sorted(set(state) - set(params))
         if missing or unexpected:
-            raise ValueError(
-                f"weights do not match the model: missing {missing}, unexpected {unexpected}"
-            )
+            parts = [f"missing {missing}"] if missing else []
+            parts += [f"unexpected {unexpected}"] if unexpected else []
+            raise ValueError(f"weights do not match the model: {', '.join(parts)}")
         for name, value in state.items():
             value = np.asarray(value)
             if value.shape != params[name].shape:
@@ -338,11 +609,12 @@ class Model:
             params[name][...] = value
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the parameters as an .npz file (written to a temporary name, then renamed)."""
+        """Write the parameters and buffers as an .npz file (written to a temporary name, then
+        renamed)."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
-            np.savez(f, **self.parameters())
+            np.savez(f, **self.state())
         os.replace(tmp, path)
 
     def load(self, path: str | os.PathLike) -> None:
@@ -359,13 +631,21 @@ class Model:
 
     # -- passes ------------------------------------------------------------------------------
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        """Logits float32 (N, classes) for float32 (N, C, H, W) inputs."""
+    def forward(self, x: np.ndarray, step: int | None = None) -> np.ndarray:
+        """Logits float32 (N, classes) for float32 (N, C, H, W) inputs.
+
+        ``step``, the training step, decides dropout's masks (with the model's seed), so
+        that a run resumed at a step draws what an unbroken run does; None: each dropout
+        layer counts its own training forwards.
+        """
         if x.dtype != np.float32 or x.shape[1:] != self.input_shape:
             raise ValueError(
                 f"input has shape {x.shape} and dtype {x.dtype}; expected float32 "
                 f"(N, {', '.join(map(str, self.input_shape))})"
             )
+        for layer in self.layers:
+            if isinstance(layer, Dropout):
+                layer.step = step
         for block in self.blocks:
             x = block.forward(x)
         return x

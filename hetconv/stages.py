@@ -1,12 +1,15 @@
 """Fused worker stages: a convolution slice and the channel-local layers after it, run together.
 
 A *stage* is one convolution plus the chain of channel-local layers that follows it in the
-model's spec (ReLU, local response normalisation, max-pool: everything up to the next
-convolution or fully connected layer). The node that owns a slice of the convolution's kernels
-(output channels) also runs the chain on them and answers the chain's output (the pooled maps);
-backward takes the gradient of that output. The master and the worker both run it with the code
-here, which runs the very layers of :mod:`hetconv.layers` on the slice: there is one
-implementation of each layer.
+model's spec (ReLU, local response normalisation, max-pool, average pool, global average pool:
+the leading run of these after the convolution). Batch norm and dropout end a stage and run on
+the master, after the stage's output: batch norm is channel-local too, but fused its weight and
+bias would travel with every stage call and its gradients and batch statistics come back, and
+dropout's masks are drawn by the master's model. The node that owns a slice of the
+convolution's kernels (output channels) also runs the chain on them and answers the chain's
+output (the pooled maps); backward takes the gradient of that output. The master and the
+worker both run it with the code here, which runs the very layers of :mod:`hetconv.layers` on
+the slice: there is one implementation of each layer.
 
 Channel halos. ReLU and max-pool act on each channel alone. LRN does not: its output channel
 ``c`` reads input channels ``c - before .. c + after`` (``before = size // 2``,
@@ -47,11 +50,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backends import Backend, PaddingSpec
-from .layers import Layer, LocalResponseNorm, MaxPool2d, ReLU, pool_geometry, pool_output_shape
+from .layers import (
+    AvgPool2d,
+    GlobalAvgPool2d,
+    Layer,
+    LocalResponseNorm,
+    MaxPool2d,
+    ReLU,
+    pool_geometry,
+    pool_output_shape,
+)
 from .proto import worker_pb2 as pb
 
 #: The layer types a stage may hold after its convolution (the spec's names).
-CHANNEL_LOCAL = ("relu", "lrn", "maxpool")
+CHANNEL_LOCAL = ("relu", "lrn", "maxpool", "avgpool", "gap")
+_POOLS = ("maxpool", "avgpool")
 FUSED, UNFUSED, AUTO = "fused", "unfused", "auto"
 STAGE_MODES = (FUSED, UNFUSED, AUTO)
 
@@ -61,8 +74,8 @@ class StageOp:
     """One channel-local layer of a stage, with the options that define it.
 
     ``kind`` is ``"relu"``, ``"lrn"`` (``size``, ``alpha``, ``beta``, ``k`` as
-    :class:`~hetconv.layers.LocalResponseNorm`) or ``"maxpool"`` (``kernel``, ``stride`` as
-    :class:`~hetconv.layers.MaxPool2d`).
+    :class:`~hetconv.layers.LocalResponseNorm`), ``"maxpool"`` or ``"avgpool"`` (``kernel``,
+    ``stride`` as :class:`~hetconv.layers.MaxPool2d`) or ``"gap"``.
 
     Raises:
         ValueError: an unknown kind or an option out of range, naming it.
@@ -78,14 +91,16 @@ class StageOp:
 
     def __post_init__(self) -> None:
         if self.kind not in CHANNEL_LOCAL:
-            raise ValueError(f"stage layer kind {self.kind!r}; expected relu, lrn or maxpool")
+            raise ValueError(
+                f"stage layer kind {self.kind!r}; expected one of {', '.join(CHANNEL_LOCAL)}"
+            )
         if self.kind == "lrn":
             if self.size < 1:
                 raise ValueError(f"stage lrn size must be >= 1, got {self.size}")
             for name in ("alpha", "beta", "k"):
                 if not math.isfinite(getattr(self, name)):
                     raise ValueError(f"stage lrn {name} must be finite, got {getattr(self, name)}")
-        if self.kind == "maxpool":
+        if self.kind in _POOLS:
             pool_geometry(self.kernel, self.stride)  # both >= 1
 
     @classmethod
@@ -101,9 +116,9 @@ class StageOp:
                 beta=float(entry.get("beta", 0.75)),
                 k=float(entry.get("k", 1.0)),
             )
-        if kind == "maxpool":
+        if kind in _POOLS:
             kernel, stride = pool_geometry(entry.get("kernel", 2), entry.get("stride"))
-            return cls("maxpool", kernel=kernel, stride=stride)
+            return cls(kind, kernel=kernel, stride=stride)
         return cls(kind)
 
     @property
@@ -119,6 +134,10 @@ class StageOp:
             return ReLU(name)
         if self.kind == "lrn":
             return LocalResponseNorm(name, self.size, self.alpha, self.beta, self.k)
+        if self.kind == "avgpool":
+            return AvgPool2d(name, self.kernel, self.stride)
+        if self.kind == "gap":
+            return GlobalAvgPool2d(name)
         return MaxPool2d(name, self.kernel, self.stride)
 
 
@@ -164,15 +183,23 @@ class StageSpec:
         """
         shape = (1, *hw)
         for op in self.ops:
-            if op.kind == "maxpool":
+            if op.kind in _POOLS:
                 shape = pool_output_shape(shape, op.kernel, op.stride)
+            elif op.kind == "gap":
+                shape = (1, 1, 1)
         return shape[1], shape[2]
 
     def build(self, layer: str) -> list[Layer]:
         return [op.build(f"{layer}.{op.kind}{i}") for i, op in enumerate(self.ops)]
 
 
-_TO_PROTO = {"relu": pb.RELU, "lrn": pb.LRN, "maxpool": pb.MAXPOOL}
+_TO_PROTO = {
+    "relu": pb.RELU,
+    "lrn": pb.LRN,
+    "maxpool": pb.MAXPOOL,
+    "avgpool": pb.AVGPOOL,
+    "gap": pb.GLOBAL_AVGPOOL,
+}
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 
 
@@ -183,7 +210,7 @@ def ops_to_proto(spec: StageSpec) -> list[pb.StageOp]:
         message = pb.StageOp(layer=_TO_PROTO[op.kind])
         if op.kind == "lrn":
             message.size, message.alpha, message.beta, message.k = op.size, op.alpha, op.beta, op.k
-        elif op.kind == "maxpool":
+        elif op.kind in _POOLS:
             message.kernel, message.stride = op.kernel, op.stride
         out.append(message)
     return out
@@ -202,14 +229,15 @@ def spec_from_proto(ops: Sequence[pb.StageOp]) -> StageSpec:
         kind = _FROM_PROTO.get(message.layer)
         if kind is None:
             raise ValueError(
-                f"stage layer {i} has kind {message.layer}; expected RELU, LRN or MAXPOOL"
+                f"stage layer {i} has kind {message.layer}; expected "
+                f"{', '.join(pb.StageLayer.Name(v) for v in _FROM_PROTO)}"
             )
         try:
             if kind == "lrn":
                 op = StageOp(
                     kind, size=message.size, alpha=message.alpha, beta=message.beta, k=message.k
                 )
-            elif kind == "maxpool":
+            elif kind in _POOLS:
                 op = StageOp(kind, kernel=message.kernel, stride=message.stride)
             else:
                 op = StageOp(kind)

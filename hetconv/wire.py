@@ -72,11 +72,18 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-def server_options() -> list[tuple[str, int]]:
-    """gRPC options for a worker's server: the same message limits, and acceptance of the
+#: Concurrent calls one connection may have open on a worker by default (HTTP/2
+#: ``SETTINGS_MAX_CONCURRENT_STREAMS``): a master has a few at once; more wait in the client.
+STREAMS_PER_CONNECTION = 8
+
+
+def server_options(streams_per_connection: int = STREAMS_PER_CONNECTION) -> list[tuple[str, int]]:
+    """gRPC options for a worker's server: the same message limits, acceptance of the
     master's 30 s keepalive pings (by default a server treats pings more often than every
-    5 minutes as abuse and drops the connection)."""
+    5 minutes as abuse and drops the connection), and at most ``streams_per_connection``
+    concurrent calls per connection (so one client cannot take every handler thread)."""
     return [
+        ("grpc.max_concurrent_streams", streams_per_connection),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_permit_without_calls", 1),

@@ -99,6 +99,7 @@ from .planning import (
 )
 from .rebalancing import DriftMonitor
 from .resident import DEFAULT_SYNC_EVERY, ResidentKernels
+from .spotcheck import SpotCheckConfig, SpotChecker
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ class ClusterConfig:
             (:func:`hetconv.costmodel.kernel_mode`). Unfused layers always send.
         resident_sync_every: steps between syncs of resident slices (the replay log that keeps
             a lost worker's updates is as long as this); 0: only when the log grows too big.
+        spot_checks: how often and how much of the workers' answers the master recomputes to
+            catch finite but wrong values (:mod:`hetconv.master.spotcheck`); a worker caught
+            is lost and never re-admitted in this run.
     """
 
     master_compute: bool = True
@@ -181,6 +185,7 @@ class ClusterConfig:
     stages: str = UNFUSED
     kernels: str = SENT
     resident_sync_every: int = DEFAULT_SYNC_EVERY
+    spot_checks: SpotCheckConfig = field(default_factory=SpotCheckConfig)
 
     def __post_init__(self):
         if self.stages not in STAGE_MODES:
@@ -227,6 +232,7 @@ class Cluster:
             network,
             fixed=c.shares,
             deterministic=c.deterministic,
+            stages=c.stages,
         )
         self.medium: probing.Medium | None = None
         if not addresses and not c.master_compute and not c.workers_file:
@@ -247,7 +253,10 @@ class Cluster:
             retry_max=c.retry_max,
             workers_file=c.workers_file,
         )
-        self.runner = PhaseRunner(self.membership, c.deadline_floor, c.deadline_factor)
+        self.spot_checks = SpotChecker(c.spot_checks) if c.spot_checks.every else None
+        self.runner = PhaseRunner(
+            self.membership, c.deadline_floor, c.deadline_factor, self.spot_checks
+        )
         self.session = secrets.randbits(64)
         self.kernel_modes: dict[str, str] = {}  # layer -> RESIDENT or SENT (set by prepare)
         self.resident = ResidentKernels(
@@ -509,7 +518,7 @@ class Cluster:
 
     def plan_record(self) -> dict:
         """The plan as data (nodes, probes, links, shares, whether deterministic, the wire
-        format) for the trace's first record."""
+        format, the spot-check settings) for the trace's first record."""
         c = self.config
         record = plan_record(self.nodes, self.plans, c.master_compute, c.deterministic)
         record = {
@@ -521,6 +530,7 @@ class Cluster:
             "kernel_modes": dict(self.kernel_modes),
             "share_policy": c.share_policy,
             "network": self.planner.network,
+            "spot_checks": dataclasses.asdict(c.spot_checks),
         }
         if self.medium is not None:
             record["medium"] = self.medium.record()
@@ -539,6 +549,8 @@ class Cluster:
         self.step = self._events.step = step
         self.runner.start_step()
         self.resident.start_step()
+        if self.spot_checks is not None:
+            self.spot_checks.start_step(step)
         changed = self.membership.admit().changed
         reason = "membership"
         if not changed and self.drift.due(step):
@@ -555,6 +567,13 @@ class Cluster:
                     for name, plan in self.plans.items()
                 }
                 self._events.emit("shares_changed", shares=shares, reason=reason)
+
+    def redo_step(self) -> bool:
+        """Whether the step's forward and backward must be computed again: a spot check caught
+        a worker in it since the last call. Its answers that passed their checks earlier in the
+        step (whose wrong values were not sampled) are in what the step computed; the worker
+        is out now, so a second pass computes the step without it."""
+        return bool(self.spot_checks is not None and self.spot_checks.take_caught())
 
     def end_step(self) -> dict:
         """This step's trace fields: per node and layer what moved and took how long, the
@@ -576,6 +595,9 @@ class Cluster:
         self._stage_steps = {}
         if events:
             record["events"] = events
+        checks = self.spot_checks.record() if self.spot_checks is not None else None
+        if checks is not None:
+            record["spot_checks"] = checks
         self.drift.observe(runner.records, bool(self.membership.failed))
         return record
 

@@ -10,6 +10,9 @@ and how long it took, and splits the time into communication and convolution. An
 holds NaN or Inf although every input of its piece was finite is a failure too: a convolution
 of finite numbers cannot produce them (short of overflowing float32, which local training would
 hit as well), so the worker is broken or lying.
+On the steps spot checks are due (:mod:`.spotcheck`), the master also recomputes a small
+sample of every worker answer (the job's ``spot_sample``) and an answer off by more than round-off
+fails the same way, except that the worker is never re-admitted in the run.
 
 Today's strategy is :class:`KernelSplit` (the paper's): every node gets the same inputs and a
 slice of the kernels; feature maps come back into their channel slice of the output; backward
@@ -47,6 +50,14 @@ from hetconv.stages import StageRun, StageSpec, stage_backward, stage_forward
 from .client import CallStats, WorkerError
 from .membership import ACTIVE, Membership, Node
 from .planning import LayerPlan
+from .spotcheck import (
+    Sample,
+    SpotChecker,
+    kernel_backward_sample,
+    kernel_forward_sample,
+    stage_backward_sample,
+    stage_forward_sample,
+)
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -197,6 +208,11 @@ class _KernelForward:
     def accept(self, piece: Piece, answer) -> CallStats:
         return answer[1]  # the feature maps arrived in place (out=)
 
+    def spot_sample(self, piece: Piece, answer, draw: Callable[[int, int], Sample]):
+        """Sampled feature maps next to the master's (:mod:`.spotcheck`)."""
+        fmt, sample = piece.node.client.wire_format, draw(*self.x.shape[:2])
+        return kernel_forward_sample(fmt, self.x, self.w, self.b, self.sides, self.y, sample)
+
     def result(self):
         return self.y
 
@@ -255,6 +271,14 @@ class _KernelBackward:
         dx_part, _, _, stats = answer  # kernel gradients arrived in place (dw_out=, db_out=)
         self._add_dx(dx_part)
         return stats
+
+    def spot_sample(self, piece: Piece, answer, draw: Callable[[int, int], Sample]):
+        """Sampled gradients next to the master's (:mod:`.spotcheck`)."""
+        fmt, sample = piece.node.client.wire_format, draw(*self.x.shape[:2])
+        return kernel_backward_sample(
+            fmt, self.x, self.w, self.dy, self.sides, piece.part, self.dw, self.db, answer[0],
+            sample,
+        )  # fmt: skip
 
     def result(self):
         return self.dx, self.dw, self.db
@@ -324,6 +348,13 @@ class _StageForward:
 
     def accept(self, piece: Piece, answer) -> CallStats:
         return answer[1]  # the stage output arrived in place (out=)
+
+    def spot_sample(self, piece: Piece, answer, draw: Callable[[int, int], Sample]):
+        """Sampled stage outputs next to the master's (:mod:`.spotcheck`)."""
+        fmt, sample = piece.node.client.wire_format, draw(*self.x.shape[:2])
+        return stage_forward_sample(
+            fmt, self.x, self.w, self.b, self.sides, self.stage, self.y, sample
+        )
 
     def result(self):
         return self.y
@@ -401,6 +432,13 @@ class _StageBackward:
         self._add_dx(dx_part)
         return stats
 
+    def spot_sample(self, piece: Piece, answer, draw: Callable[[int, int], Sample]):
+        """Sampled kernel gradients next to the master's (:mod:`.spotcheck`)."""
+        fmt, sample = piece.node.client.wire_format, draw(*self.x.shape[:2])
+        return stage_backward_sample(
+            fmt, self.x, self.w, self.b, self.dy, self.sides, self.stage, self.dw, self.db, sample
+        )
+
     def result(self):
         return self.dx, self.dw, self.db
 
@@ -452,11 +490,20 @@ class PhaseRunner:
         membership: the nodes (master first); a worker whose call fails is lost through it.
         deadline_floor, deadline_factor: a call may take the floor plus this many times what
             the probe and the measured link predict for it.
+        spot_checks: recomputes samples of workers' answers on the steps it is due (a
+            mismatch fails the call like a NaN does); None: no checks.
     """
 
-    def __init__(self, membership: Membership, deadline_floor: float, deadline_factor: float):
+    def __init__(
+        self,
+        membership: Membership,
+        deadline_floor: float,
+        deadline_factor: float,
+        spot_checks: SpotChecker | None = None,
+    ):
         self.membership = membership
         self.deadline_floor, self.deadline_factor = deadline_floor, deadline_factor
+        self.spot_checks = spot_checks
         self.start_step()
 
     def start_step(self) -> None:
@@ -496,7 +543,10 @@ class PhaseRunner:
         # that a job sums (backward's input gradient) are added in a fixed order: the master's
         # own, the pieces it covers, then the workers' in node order (a deterministic run
         # relies on it; tests/test_determinism.py).
-        done, failed = self._gather(job, calls)
+        checked = self.spot_checks.seconds if self.spot_checks is not None else 0.0
+        done, failed = self._gather(job, calls, layer)
+        if self.spot_checks is not None:  # master computation, not communication
+            start += self.spot_checks.seconds - checked
         t0 = time.perf_counter()
         for piece in covered + failed:
             job.compute_locally(piece)
@@ -513,14 +563,16 @@ class PhaseRunner:
         self._account(time.perf_counter() - start, computes)
         return job.result()
 
-    def _gather(self, job: PhaseJob, calls: list[tuple[Piece, Call]]):
+    def _gather(self, job: PhaseJob, calls: list[tuple[Piece, Call]], layer: str):
         """Wait for every worker call; (answers, failed pieces). A failed worker, or one whose
-        answer fails the job's check, is lost."""
+        answer fails the job's check or a spot check, is lost."""
         done, failed = [], []
         for piece, call in calls:
             try:
                 answer = call.result()
                 job.check(piece, answer)
+                if self.spot_checks is not None:
+                    self.spot_checks.check(job, piece, answer, layer)
                 done.append((piece, answer))
             except Exception as e:  # WorkerError, or anything else a broken answer raises
                 self.membership.lose(piece.node, e)

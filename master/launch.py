@@ -227,6 +227,9 @@ class EmbeddedCluster:
     def end_step(self) -> dict:
         return self.cluster.end_step()
 
+    def redo_step(self) -> bool:
+        return self.cluster.redo_step()
+
     def plan_record(self) -> dict:
         return self.cluster.plan_record()
 

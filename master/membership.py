@@ -37,12 +37,14 @@ class NodeState(str, enum.Enum):
     LOST = "lost"
     READY = "ready"
     ALIAS = "alias"  # another address of a member's worker process: never admitted
+    DISTRUSTED = "distrusted"  # answered finite but wrong values: never re-admitted this run
 
     def __str__(self) -> str:
         return self.value
 
 
 ACTIVE, LOST, READY, ALIAS = NodeState.ACTIVE, NodeState.LOST, NodeState.READY, NodeState.ALIAS
+DISTRUSTED = NodeState.DISTRUSTED
 
 
 @dataclass
@@ -218,11 +220,13 @@ class Membership:
         """A call to ``node`` failed: it is lost until the monitor reaches it again.
 
         ``at_start``: it could not be reached when training started (it joins when it can).
+        An ``error`` with a true ``keep_out`` (a failed spot check) leaves it ``distrusted``:
+        the monitor never tries it again.
         """
         with self.lock:
             if node.state != ACTIVE:
                 return
-            node.state = LOST
+            node.state = DISTRUSTED if getattr(error, "keep_out", False) else LOST
             if at_start:
                 node.was_active = False
             node.backoff.failures = 0

@@ -22,6 +22,7 @@ import numpy as np
 from hetconv import balance, costmodel
 from hetconv.backends import ConvShape, Padding, PaddingSpec
 from hetconv.balance import kernel_shares, offsets
+from hetconv.stages import UNFUSED, StageSpec
 from hetconv.workload import ConvLayer
 
 from .membership import ACTIVE, Node
@@ -39,6 +40,7 @@ class PlannedLayer:
     name: str
     shape: ConvShape
     need_input_grad: bool
+    stage: StageSpec | None = None  # the channel-local layers after it (hetconv.stages)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class Planner:
         fixed: layer name -> kernels per node, used while ``everyone_active`` holds.
         deterministic: split equally over the usable nodes instead of by speed (no timing
             decides a share; the ``compute`` policy only).
+        stages: as ``hetconv train --stages``: the ``link`` policy plans a layer with a stage
+            as fused unless ``"unfused"`` (its maps travel pooled; each worker computes a halo).
     """
 
     master_compute: bool
@@ -97,6 +101,7 @@ class Planner:
     capacity: float | None = None
     fixed: Mapping[str, tuple[int, ...]] | None = None
     deterministic: bool = False
+    stages: str = UNFUSED
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -168,7 +173,8 @@ class Planner:
         workers = [i for i in usable_nodes if i > 0]
         if not workers:
             return fallback
-        modelled = ConvLayer(layer.name, layer.shape, layer.need_input_grad)
+        fused = self.stages != UNFUSED and layer.stage is not None
+        modelled = ConvLayer(layer.name, layer.shape, layer.need_input_grad, layer.stage)
         flops = modelled.step_passes * layer.shape.flops_forward
         fastest = max(nodes[j].link_bytes_per_second for j in workers)
         if self.capacity is not None:
@@ -192,7 +198,7 @@ class Planner:
             medium_bytes_per_s=fastest,
             master_compute=0 in usable_nodes,
         )
-        split = balance.link_aware_shares(model, modelled)
+        split = balance.link_aware_shares(model, modelled, fused)
         if split[0] and not model.master_compute:  # it found no worker worth its link
             return fallback
         shares = [0] * len(nodes)

@@ -27,7 +27,10 @@ PROBE_TIMEOUT_S = 300.0  # a slow device's probe of a large layer may take minut
 def planned_layers(layers: Sequence[ConvSpec], batch: int) -> list[PlannedLayer]:
     """The shapes the cluster plans for: one :class:`PlannedLayer` per conv layer of the model
     at ``batch`` images per step."""
-    return [PlannedLayer(spec.name, spec.shape(batch), spec.need_input_grad) for spec in layers]
+    return [
+        PlannedLayer(spec.name, spec.shape(batch), spec.need_input_grad, spec.stage)
+        for spec in layers
+    ]
 
 
 def describe_master(node: Node, backend: Backend) -> None:

@@ -7,6 +7,7 @@ whose executor is local today and the master's cluster when workers are named.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -19,9 +20,16 @@ import numpy as np
 from tqdm import tqdm
 
 from hetconv.conv import ConvExecutor, LocalConv
-from hetconv.data import ImageDataset, epoch_order, load_cifar10, synthetic_cifar
+from hetconv.data import (
+    DATASETS,
+    ImageDataset,
+    LoadedData,
+    epoch_order,
+    load_dataset,
+    synthetic_cifar,
+)
 from hetconv.layers import softmax_cross_entropy
-from hetconv.model import Model, load_spec
+from hetconv.model import Model, load_spec, walk_spec
 from hetconv.optim import SGD, SGDConfig
 
 from .checkpoint import DEFAULT_KEEP, CheckpointDir, TrainingState, resume_point
@@ -31,6 +39,7 @@ from .trace import Trace
 
 # Synthetic held-out data is drawn with a seed far from any training seed.
 _SYNTHETIC_EVAL_SEED_OFFSET = 1_000_003
+SYNTHETIC_HELD_OUT = 2_000  # images in the synthetic held-out set (more with --eval-size)
 DEFAULT_CHECKPOINT_EVERY = 100
 # "checkpoint written" lines on the console at most this often (the trace records every one).
 _CHECKPOINT_MESSAGE_SECONDS = 5.0
@@ -41,15 +50,17 @@ class TrainConfig:
     """Everything one training run needs; the CLI fills it from its flags."""
 
     preset: str = "tiny"
-    dataset: str = "synthetic"
-    data_dir: str | None = None
+    dataset: str = "synthetic"  # one of hetconv.data.DATASETS, or "auto" (needs data_dir)
+    data_dir: str | None = None  # a file or folder; see hetconv.data.load_dataset
+    holdout_fraction: float | None = None  # for data without a held-out part of its own
     steps: int | None = None
     epochs: float | None = None
     batch: int = 32
     seed: int = 0
     sgd: SGDConfig = field(default_factory=SGDConfig)
     train_size: int = 10_000  # synthetic set only
-    eval_size: int = 2_000
+    eval_size: int | None = None  # held-out images evaluated (None: all; 0: no evaluation)
+    eval_every: int | None = None  # steps between evaluations (besides every epoch and the end)
     eval_batch: int = 200
     trace: str | None = None
     save: str | None = None
@@ -69,12 +80,28 @@ class TrainConfig:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give either steps or epochs, not both")
-        if self.dataset not in ("synthetic", "cifar10"):
-            raise ValueError(f"dataset {self.dataset!r} is not 'synthetic' or 'cifar10'")
-        if self.dataset == "cifar10" and not self.data_dir:
-            raise ValueError("the cifar10 dataset needs --data-dir")
-        if self.train_size < 1 or self.eval_size < 0:
+        if self.dataset not in (*DATASETS, "auto"):
+            raise ValueError(
+                f"dataset {self.dataset!r} is not one of {', '.join(DATASETS)} or auto"
+            )
+        if self.dataset == "synthetic" and self.data_dir:
+            raise ValueError(
+                f"the synthetic dataset reads no files, so --data-dir {self.data_dir} would be "
+                "ignored: drop --dataset synthetic (the kind is then inferred from the path) "
+                "or name the dataset it holds"
+            )
+        if self.dataset != "synthetic" and not self.data_dir:
+            raise ValueError(f"the {self.dataset} dataset needs --data-dir")
+        if self.holdout_fraction is not None and not 0 < self.holdout_fraction < 1:
+            raise ValueError(
+                f"--holdout-fraction must lie between 0 and 1, got {self.holdout_fraction}"
+            )
+        if self.holdout_fraction is not None and self.dataset == "synthetic":
+            raise ValueError("--holdout-fraction needs --data-dir (synthetic data has its own)")
+        if self.train_size < 1 or (self.eval_size is not None and self.eval_size < 0):
             raise ValueError("train size must be >= 1 and eval size >= 0")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ValueError(f"evaluation interval must be >= 1, got {self.eval_every}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"checkpoint interval must be >= 1, got {self.checkpoint_every}")
         if self.checkpoint_keep < 1:
@@ -103,19 +130,42 @@ class TrainResult:
     images_per_second: float
 
 
-def load_datasets(config: TrainConfig) -> tuple[ImageDataset, ImageDataset]:
-    """(training set, held-out set) for the configured dataset."""
-    if config.dataset == "cifar10":
-        train = load_cifar10(config.data_dir, "train")
-        test = load_cifar10(config.data_dir, "test")
-    else:
+def load_datasets(config: TrainConfig) -> LoadedData:
+    """The training and held-out sets of the configured dataset (its kind resolved when
+    ``auto``; the held-out set cut to ``eval_size``)."""
+    if config.dataset == "synthetic":
         train = synthetic_cifar(config.train_size, seed=config.seed)
-        test = synthetic_cifar(
-            max(config.eval_size, 1), seed=config.seed + _SYNTHETIC_EVAL_SEED_OFFSET
+        held = synthetic_cifar(
+            max(config.eval_size or SYNTHETIC_HELD_OUT, 1),
+            seed=config.seed + _SYNTHETIC_EVAL_SEED_OFFSET,
         )
-    if config.eval_size < len(test):
-        test = test.split(config.eval_size)[0]
-    return train, test
+        data = LoadedData("synthetic", train, held, "synthetic images of another seed")
+    else:
+        data = load_dataset(
+            config.dataset, config.data_dir, holdout_fraction=config.holdout_fraction
+        )
+    if config.eval_size is not None and config.eval_size < len(data.held_out):
+        data = dataclasses.replace(data, held_out=data.held_out.split(config.eval_size)[0])
+    return data
+
+
+def check_classes(spec: list[dict], data: ImageDataset, preset: str) -> None:
+    """Refuse a network whose outputs do not match the dataset's classes, naming both."""
+    try:
+        layers = list(walk_spec(spec, data.image_shape))
+    except ValueError as e:
+        shape = "x".join(map(str, data.image_shape))
+        raise ValueError(
+            f"network {preset} cannot take the dataset's {shape} images: {e}"
+        ) from None
+    outputs = layers[-1].output_shape if layers else data.image_shape
+    if outputs != (data.num_classes,):
+        last = f"its last layer ({layers[-1].name})" if layers else "it"
+        raise ValueError(
+            f"network {preset} gives {', '.join(map(str, outputs))} outputs from {last}, but the "
+            f"dataset has {data.num_classes} classes: give a .json spec whose last fc has "
+            f'"out": {data.num_classes}'
+        )
 
 
 def evaluate(model: Model, data: ImageDataset, batch: int = 200) -> tuple[float, float]:
@@ -124,7 +174,9 @@ def evaluate(model: Model, data: ImageDataset, batch: int = 200) -> tuple[float,
     for start in range(0, len(data), batch):
         indices = np.arange(start, min(start + batch, len(data)))
         x, y = data.batch(indices)
-        loss, _, hits = softmax_cross_entropy(model.forward(x), y)
+        with model.evaluating():
+            logits = model.forward(x)
+        loss, _, hits = softmax_cross_entropy(logits, y)
         total_loss += loss * len(indices)
         correct += int(hits.sum())
     return total_loss / max(len(data), 1), correct / max(len(data), 1)
@@ -211,14 +263,21 @@ class _Run:
 
     def __init__(self, config: TrainConfig, executor: ConvExecutor | None, log: TextIO):
         self.config, self.log = config, log
-        self.spec = load_spec(config.preset)
-        self.train_set, self.test_set = load_datasets(config)
+        self.data = load_datasets(config)
+        self.train_set, self.test_set = self.data.train, self.data.held_out
+        self.spec = load_spec(config.preset, classes=self.train_set.num_classes)
         if len(self.train_set) < config.batch:
             raise ValueError(
                 f"batch {config.batch} is larger than the training set ({len(self.train_set)})"
             )
+        check_classes(self.spec, self.train_set, config.preset)
         self.executor = executor if executor is not None else LocalConv()
-        self.model = Model(self.spec, seed=config.seed, executor=self.executor)
+        self.model = Model(
+            self.spec,
+            seed=config.seed,
+            executor=self.executor,
+            input_shape=self.train_set.image_shape,
+        )
         if config.load:
             self.model.load(config.load)
         self.steps = total_steps(config, len(self.train_set))
@@ -251,6 +310,8 @@ class _Run:
         self._order = np.empty(0, np.int64)  # the data order of the current epoch
         self._stop: StopAtStepBoundary | None = None
         self._start = 0.0  # perf_counter when this run's first step began
+        self._eval_seconds = 0.0  # evaluations since then: not training time
+        self.final_eval: tuple[float, float] | None = None  # (loss, accuracy) after the last step
         self._last_message = -math.inf
 
     def _find_checkpoint(self) -> None:
@@ -262,7 +323,7 @@ class _Run:
         self.fingerprint = run_fingerprint(
             preset=config.preset,
             spec=self.spec,
-            dataset=config.dataset,
+            dataset=self.data.kind,
             train_set=self.train_set,
             batch=config.batch,
             seed=config.seed,
@@ -285,9 +346,20 @@ class _Run:
     def announce(self) -> None:
         """Say what is about to run and, on a resume, from where."""
         config, log = self.config, self.log
+        what = f"{len(self.train_set)} images, {len(self.test_set)} held out"
+        if self.data.kind != "synthetic":
+            train = self.train_set
+            what = (
+                f"{len(train)} images of {'x'.join(map(str, train.image_shape))}, "
+                f"{train.num_classes} classes; {len(self.test_set)} held out: "
+                f"{self.data.held_out_from}"
+            )
+            if self.data.kind != config.dataset:
+                what += f"; {self.data.kind} inferred from the path"
+        source = self.data.kind if self.data.kind == "synthetic" else config.data_dir
         print(
-            f"training {config.preset} on {config.dataset} ({len(self.train_set)} images, "
-            f"{len(self.test_set)} held out): {self.steps} steps of batch {config.batch}",
+            f"training {config.preset} on {source} ({what}): {self.steps} steps of batch "
+            f"{config.batch}",
             file=log,
         )
         if self.resumed is None:
@@ -323,12 +395,53 @@ class _Run:
             if plan is not None:
                 self.trace.write(plan)
             self._loop()
+            if len(self.test_set):
+                self.final_eval = self._evaluate(self.steps, final=True)
         finally:
             self.trace.close()
         return self._elapsed()
 
     def _elapsed(self) -> float:
-        return self.totals.earlier_seconds + time.perf_counter() - self._start
+        return self.totals.earlier_seconds + time.perf_counter() - self._start - self._eval_seconds
+
+    def _eval_due(self, done: int) -> bool:
+        """Whether to evaluate after ``done`` steps, before the last: at every epoch's end and
+        every ``eval_every`` steps."""
+        every = self.config.eval_every
+        return (
+            len(self.test_set) > 0
+            and done < self.steps
+            and (done % self.steps_per_epoch == 0 or (every is not None and done % every == 0))
+        )
+
+    def _evaluate(self, done: int, final: bool) -> tuple[float, float]:
+        """Evaluate on the held-out set after ``done`` steps, trace it and, except the final
+        evaluation (the summary reports it), print it; returns (loss, accuracy)."""
+        start = time.perf_counter()
+        loss, accuracy = evaluate(self.model, self.test_set, self.config.eval_batch)
+        seconds = time.perf_counter() - start
+        self._eval_seconds += seconds
+        epoch = done / self.steps_per_epoch
+        # No "step" key: trace readers take the records that have one as the steps.
+        self.trace.write(
+            {
+                "event": "eval",
+                "trained_steps": done,
+                "epoch": epoch,
+                "loss": loss,
+                "accuracy": accuracy,
+                "images": len(self.test_set),
+                "seconds": seconds,
+                "final": final,
+            }
+        )
+        if not final:
+            tqdm.write(
+                f"eval after step {done} (epoch {epoch:.2f}): held-out loss {loss:.3f}, "
+                f"accuracy {100 * accuracy:.1f}% on {len(self.test_set)} images",
+                file=self.log,
+            )
+        return loss, accuracy
 
     def _loop(self) -> None:
         self._start = time.perf_counter()
@@ -358,6 +471,8 @@ class _Run:
                     )
                     if stopping and step + 1 < self.steps:  # at the last step the run is done
                         raise TrainingInterrupted(self._stop.signum, step + 1, target)
+                    if self._eval_due(step + 1):
+                        self._evaluate(step + 1, final=False)
         finally:
             bar.close()
 
@@ -371,12 +486,16 @@ class _Run:
         self.executor.begin_step(step)
         step_start = time.perf_counter()
         x, labels = self.train_set.batch(indices)
-        loss, grad, hits = softmax_cross_entropy(self.model.forward(x), labels)
+        loss, hits = self._forward_backward(x, labels, step)
+        # A worker caught answering wrong values (a spot check) is out; what it answered
+        # earlier in this step passed its checks but may be wrong where not sampled: again.
+        redo = getattr(self.executor, "redo_step", None)
+        while redo is not None and redo():
+            loss, hits = self._forward_backward(x, labels, step)
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss became {loss} at step {step}; lower the learning rate (now {config.sgd.lr})"
             )
-        self.model.backward(grad)
         self.optimizer.step(self.model.gradients())
         seconds = time.perf_counter() - step_start
         cluster = self.executor.end_step()
@@ -402,6 +521,13 @@ class _Run:
             **cluster,
         }
         return record, len(indices) / seconds
+
+    def _forward_backward(self, x, labels, step: int) -> tuple[float, np.ndarray]:
+        """The loss and hits of the batch; the model's gradients are left in its layers
+        (dropout masks follow ``step``, so a step computed again draws the same)."""
+        loss, grad, hits = softmax_cross_entropy(self.model.forward(x, step=step), labels)
+        self.model.backward(grad)
+        return loss, hits
 
     def _write(self, done: int, record: dict, stopping: bool) -> Path | None:
         """Trace ``record``, the last of ``done`` steps, and write a checkpoint when one is due;
@@ -462,7 +588,7 @@ class _Run:
             seed=config.seed,
             steps_per_epoch=self.steps_per_epoch,
             order_sha256=order_digest(next_order),
-            model=self.model.parameters(),
+            model=self.model.state(),
             momentum=momentum,
             losses=np.asarray(totals.losses, np.float64),
             recent_hits=np.asarray(totals.recent_hits, np.float64),
@@ -474,11 +600,11 @@ class _Run:
         )
 
     def summary(self, seconds: float) -> TrainResult:
-        """Evaluate on the held-out set, save the weights if asked, and report."""
+        """Save the weights if asked, and report (with the final evaluation's figures)."""
         config, log, totals, steps = self.config, self.log, self.totals, self.steps
         eval_loss = eval_accuracy = None
-        if len(self.test_set):
-            eval_loss, eval_accuracy = evaluate(self.model, self.test_set, config.eval_batch)
+        if self.final_eval is not None:
+            eval_loss, eval_accuracy = self.final_eval
         if config.save:
             if self.resident:
                 self.executor.gather_resident()

@@ -213,7 +213,8 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     for layer_name, kernels in split.items():
         layer, offset = by_name[layer_name], kernels[0]
         for node, share in zip(names[1:], kernels[1:], strict=True):
-            entry = record["nodes"][node][layer_name]
+            # A worker with no share of a layer (--shares link) has no record of it.
+            entry = record["nodes"].get(node, {}).get(layer_name, {})
             for phase in PHASES:
                 if share and phase in entry:
                     step = int(record.get("step", 0))

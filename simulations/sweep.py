@@ -68,7 +68,7 @@ def run_scenario(
                 for size in nodes or scenario.nodes:
                     cluster = scenario.cluster(size, bandwidth)
                     for policy in policies or scenario.policies:
-                        shares = shares_for(cluster, layers, policy)
+                        shares = shares_for(cluster, layers, policy, stages)
                         result = simulate_step(cluster, layers, shares, comp, stages, kernels)
                         rows.append(
                             Row(

@@ -12,6 +12,14 @@ master one per worker: a *switched* network, a port per worker, the master's sid
 Used by :mod:`.validate` (the simulator against real runs) and ``benchmarks/share_policies.py``.
 Needs root, ``ip`` and ``tc`` (:func:`testbed_unavailable` says why not, where it cannot run).
 
+:class:`ClusterTestbed` is the scaled cluster of ``benchmarks/testbed.py``: the master too in a
+namespace of its own, every node joined to a bridge in a *switch* namespace, each node's
+processes capped by a CPU cgroup (:class:`CpuCap`) to the same fraction of a core, and the links
+shaped either per node (``switched``: a token bucket on both ends of every node's cable, each
+direction at the rate) or through one token bucket that every packet to and from the master
+passes, both directions (``shared``: a Wi-Fi-like medium; an ``ifb`` device in the switch
+namespace takes both directions of the master's port). Nothing of it is in the root namespace.
+
 Public API:
 
 * :class:`Testbed` (a context manager): ``setup``/``teardown``, :meth:`Testbed.shape` (re-shape
@@ -23,10 +31,13 @@ Public API:
 * :func:`icmp_rtt`, :func:`tcp_goodput_mbps`: measuring an idle link, and what TCP can carry on
   one.
 * :func:`die_with_parent`, :func:`with_blas_threads`: how processes are started here.
+* :class:`ClusterTestbed` (a context manager) with its :class:`Host` records; :class:`CpuCap`,
+  :func:`ensure_cpu_controller`, :func:`cluster_testbed_unavailable`, :func:`cpu_seconds`.
 
-Everything a testbed creates (namespaces, veth pairs, processes) is removed when it is left, also
-on Ctrl-C or SIGTERM. Killed outright (SIGKILL), it leaves no process behind (they are started
-with a parent-death signal) and :func:`remove_stale` removes the namespaces and pairs it left.
+Everything a testbed creates (namespaces, veth pairs, CPU cgroups, processes) is removed when it
+is left, also on Ctrl-C or SIGTERM. Killed outright (SIGKILL), it leaves no process behind (they
+are started with a parent-death signal) and :func:`remove_stale` removes the namespaces, pairs
+and cgroups it left.
 """
 
 from __future__ import annotations
@@ -115,6 +126,16 @@ def _used_subnets() -> set[str]:
     text = _run("ip", "-4", "route", "show", "table", "all", check=False).stdout
     text += _run("ip", "-4", "addr", "show", check=False).stdout
     return set(re.findall(r"10\.213\.(\d+)\.", text))
+
+
+def _tbf(rate_mbps: float) -> tuple[str, ...]:
+    """A token bucket qdisc's arguments for a link of ``rate_mbps``."""
+    rate = rate_mbps * 1e6 / 8
+    # A bucket of two frames (1 ms of the rate when that is more, for the timer's sake):
+    # a deep one would pass the start of every transfer at the veth's own speed.
+    burst = max(2 * (MTU + ETHERNET_HEADER), int(rate * 1e-3))
+    limit = max(64 * 1024, int(rate * QUEUE_SECONDS))
+    return ("tbf", "rate", f"{rate_mbps:g}mbit", "burst", str(burst), "limit", str(limit))
 
 
 # -- the testbed ---------------------------------------------------------------------------------
@@ -207,12 +228,7 @@ class Testbed:
     @staticmethod
     def shape(link: Link, rate_mbps: float) -> None:
         """A token bucket at ``rate_mbps`` on the egress of both ends of ``link``."""
-        rate = rate_mbps * 1e6 / 8
-        # A bucket of two frames (1 ms of the rate when that is more, for the timer's sake):
-        # a deep one would pass the start of every transfer at the veth's own speed.
-        burst = max(2 * (MTU + ETHERNET_HEADER), int(rate * 1e-3))
-        limit = max(64 * 1024, int(rate * QUEUE_SECONDS))
-        tbf = ("tbf", "rate", f"{rate_mbps:g}mbit", "burst", str(burst), "limit", str(limit))
+        tbf = _tbf(rate_mbps)
         _run("tc", "qdisc", "replace", "dev", link.host_if, "root", *tbf)
         _run("ip", "netns", "exec", link.namespace, "tc", "qdisc", "replace", "dev", link.ns_if,
              "root", *tbf)  # fmt: skip
@@ -364,6 +380,502 @@ class Testbed:
         return sorted({n for n in names if n.startswith(self.tag)})
 
 
+# -- CPU caps ------------------------------------------------------------------------------------
+
+#: Where the cgroup v1 ``cpu`` controller is (mounted there when missing, see
+#: :func:`ensure_cpu_controller`).
+CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
+#: The CFS period of every cap: the quota is a fraction of it. Short, so that a capped process
+#: runs in slices of a few milliseconds, as a slower core would, not in lumps of tens of
+#: milliseconds with pauses in between that would delay every answer it must read or send.
+CFS_PERIOD_US = 10_000
+
+
+def ensure_cpu_controller(root: Path = CPU_CGROUP_ROOT) -> str | None:
+    """Make sure the cgroup v1 ``cpu`` controller is mounted at ``root``: mounts it there when
+    it is not (``mount -t cgroup -o cpu cpu ROOT``). Returns a line saying it was mounted, or
+    None when it already was.
+
+    Raises:
+        RuntimeError: it is missing and cannot be mounted (no v1 controller in this kernel, or
+            it is bound to a v2 hierarchy); the message says why.
+    """
+    if (root / "cpu.cfs_quota_us").exists():
+        return None
+    root.mkdir(parents=True, exist_ok=True)
+    done = _run("mount", "-t", "cgroup", "-o", "cpu", "cpu", str(root), check=False)
+    if done.returncode != 0 or not (root / "cpu.cfs_quota_us").exists():
+        raise RuntimeError(
+            f"no cgroup v1 cpu controller at {root}, and `mount -t cgroup -o cpu cpu {root}` "
+            f"failed: {(done.stderr or done.stdout).strip() or 'no cpu.cfs_quota_us after it'}"
+        )
+    return f"mounted the cgroup v1 cpu controller at {root}"
+
+
+class CpuCap:
+    """A cgroup v1 ``cpu`` group that caps the processes in it, together, at ``fraction`` of one
+    core (CFS bandwidth: ``cpu.cfs_quota_us`` = fraction x ``cpu.cfs_period_us``).
+
+    A cap is a ceiling, not a reservation: on a machine that others load too, a capped process
+    can get less.
+    """
+
+    def __init__(self, name: str, fraction: float, root: Path = CPU_CGROUP_ROOT):
+        if not 0 < fraction <= 64:
+            raise ValueError(f"CPU cap must be a positive fraction of a core, got {fraction}")
+        if fraction * CFS_PERIOD_US < 1000:
+            raise ValueError(
+                f"CPU cap {fraction:g} is below the kernel's least quota, 1 ms of every "
+                f"{CFS_PERIOD_US / 1000:g} ms period: at least {1000 / CFS_PERIOD_US:g}"
+            )
+        self.name, self.fraction, self.path = name, fraction, root / name
+        self.created = False
+
+    def create(self) -> None:
+        self.path.mkdir()
+        self.created = True
+        (self.path / "cpu.cfs_period_us").write_text(f"{CFS_PERIOD_US}\n")
+        quota = round(self.fraction * CFS_PERIOD_US)
+        (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+
+    def prefix(self) -> list[str]:
+        """A command prefix that moves the process into this group, then execs the command
+        (so it is capped from its first instruction, and so is everything it starts)."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs")]
+
+    def quota(self) -> tuple[int, int]:
+        """(quota, period) in microseconds, as the kernel holds them."""
+        quota, period = (
+            int((self.path / name).read_text().split()[0])
+            for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        )
+        return quota, period
+
+    def stat(self) -> dict[str, int]:
+        """The group's ``cpu.stat``: ``nr_periods``, ``nr_throttled``, ``throttled_time`` (ns)."""
+        text = (self.path / "cpu.stat").read_text()
+        return {key: int(value) for key, value in (line.split() for line in text.splitlines())}
+
+    def remove(self) -> None:
+        """Delete the group; a process still in it goes back to the root group first."""
+        if not self.created:
+            return
+        procs = self.path / "cgroup.procs"
+        try:
+            for pid in procs.read_text().split():
+                try:
+                    (self.path.parent / "cgroup.procs").write_text(f"{pid}\n")
+                except OSError:
+                    pass  # (it exited meanwhile)
+            self.path.rmdir()
+        except OSError:
+            pass
+        self.created = self.path.exists()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- the scaled cluster testbed ------------------------------------------------------------------
+
+SWITCHED_LINK, SHARED_LINK = "switched", "shared"
+LINK_KINDS = (SWITCHED_LINK, SHARED_LINK)
+#: Every node's address is SUBNET.(2 + its index), the master's SUBNET.1: the addresses live in
+#: the testbed's own namespaces only, so no two testbeds (or the host) can clash.
+SUBNET = "10.214.0"
+
+
+def cluster_testbed_unavailable(link: str = SWITCHED_LINK) -> str | None:
+    """Why :class:`ClusterTestbed` cannot run here, or None when it can (short of the cgroup
+    controller, which :func:`ensure_cpu_controller` mounts if it can)."""
+    why = testbed_unavailable()
+    if why is not None:
+        return why
+    if shutil.which("mount") is None and not (CPU_CGROUP_ROOT / "cpu.cfs_quota_us").exists():
+        return "needs the cgroup v1 cpu controller (or `mount` to mount it)"
+    if link == SHARED_LINK:
+        probe = f"{PREFIX}{os.getpid() % 10**7}x"
+        done = _run("ip", "link", "add", probe, "type", "ifb", check=False)
+        if done.returncode != 0:
+            return f"the shared link needs an ifb device: {done.stderr.strip()}"
+        _run("ip", "link", "del", probe, check=False)
+    return None
+
+
+@dataclass
+class Host:
+    """One node of a :class:`ClusterTestbed`: its namespace, address and CPU cap."""
+
+    name: str  # "master", "w0", "w1", ...
+    namespace: str
+    ip: str
+    port_if: str  # the switch's end of its cable (in the switch namespace)
+    cap: CpuCap | None
+    interface: str = "eth0"  # its own end, in its namespace
+
+
+class ClusterTestbed:
+    """A master and ``workers`` workers, each in its own network namespace and CPU cgroup, joined
+    by a bridge in a switch namespace, the links shaped as ``link`` says. A context manager:
+    leaving it removes everything it made.
+
+    Args:
+        workers: worker namespaces.
+        link: ``"switched"``: a token bucket at ``rate_mbps`` on both ends of every worker's
+            cable, so each direction of each worker's link carries ``rate_mbps``, and the
+            master's the same unless ``master_port_shaped`` is False (then only the workers'
+            links limit); ``"shared"``: one token bucket at ``rate_mbps`` that every packet to
+            and from the master passes, both directions (a half-duplex shared medium, as
+            Wi-Fi), the cables otherwise unshaped.
+        rate_mbps: the token buckets' rate (Ethernet frames, Mbit/s).
+        cap: every process started through :meth:`spawn` on a node is capped, together with the
+            node's other processes, at this fraction of a core (None: no caps).
+        token: the shared secret workers are started with (``HETCONV_TOKEN``).
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        link: str,
+        rate_mbps: float,
+        cap: float | None,
+        master_port_shaped: bool = True,
+        token: str | None = None,
+    ):
+        if workers < 1:
+            raise ValueError(f"worker count must be >= 1, got {workers}")
+        if workers > 200:
+            raise ValueError(f"at most 200 workers on one subnet, got {workers}")
+        if link not in LINK_KINDS:
+            raise ValueError(f"link {link!r} is not one of {', '.join(LINK_KINDS)}")
+        if not rate_mbps > 0:
+            raise ValueError(f"rate must be positive, got {rate_mbps}")
+        if cap is not None and not 0 < cap <= 1:
+            raise ValueError(f"CPU cap must be in (0, 1] of a core, got {cap}")
+        self.worker_count, self.link, self.rate_mbps, self.cap = workers, link, rate_mbps, cap
+        self.master_port_shaped = master_port_shaped
+        self.token = token if token is not None else secrets.token_urlsafe(24)
+        self.tag = f"{PREFIX}{os.getpid() % 10**7}"
+        self.switch = f"{self.tag}-s"
+        self.hosts: list[Host] = []
+        self.namespaces: list[str] = []  # created, for the teardown
+        self.workers: list[WorkerProcess] = []
+        self.processes: list[subprocess.Popen] = []
+        self.notes: list[str] = []  # what setting up did beyond the obvious (a mount)
+
+    @property
+    def master(self) -> Host:
+        return self.hosts[0]
+
+    @property
+    def worker_hosts(self) -> list[Host]:
+        return self.hosts[1:]
+
+    # setting up
+
+    def __enter__(self) -> ClusterTestbed:
+        try:
+            self.setup()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _add_namespace(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self.namespaces.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def setup(self) -> None:
+        if self.cap is not None:
+            mounted = ensure_cpu_controller()
+            if mounted:
+                self.notes.append(mounted)
+        self._add_namespace(self.switch)
+        sw = ("ip", "-n", self.switch)
+        _run(*sw, "link", "add", "br0", "type", "bridge")
+        _run(*sw, "link", "set", "br0", "up")
+        names = ["master"] + [f"w{i}" for i in range(self.worker_count)]
+        for index, name in enumerate(names):
+            host = Host(
+                name=name,
+                namespace=f"{self.tag}-{'m' if index == 0 else name}",
+                ip=f"{SUBNET}.{index + 1}",
+                port_if=f"p{name}",
+                cap=CpuCap(f"{self.tag}-{'m' if index == 0 else name}", self.cap)
+                if self.cap is not None
+                else None,
+            )
+            self.hosts.append(host)
+            self._add_namespace(host.namespace)
+            _run(*sw, "link", "add", host.port_if, "type", "veth", "peer", "name",
+                 host.interface, "netns", host.namespace)  # fmt: skip
+            _run(*sw, "link", "set", host.port_if, "master", "br0")
+            _run(*sw, "link", "set", host.port_if, "up")
+            inside = ("ip", "-n", host.namespace)
+            _run(*inside, "addr", "add", f"{host.ip}/24", "dev", host.interface)
+            _run(*inside, "link", "set", host.interface, "up")
+            if host.cap is not None:
+                host.cap.create()
+        if self.link == SWITCHED_LINK:
+            for host in self.hosts:
+                if host is self.master and not self.master_port_shaped:
+                    continue
+                self._shape_cable(host, self.rate_mbps)
+        else:
+            self._shape_medium(self.rate_mbps)
+
+    def _shape_cable(self, host: Host, rate_mbps: float) -> None:
+        """A token bucket on both ends of ``host``'s cable: each direction at ``rate_mbps``."""
+        tbf = _tbf(rate_mbps)
+        _run("tc", "-n", self.switch, "qdisc", "replace", "dev", host.port_if, "root", *tbf)
+        _run("tc", "-n", host.namespace, "qdisc", "replace", "dev", host.interface, "root", *tbf)
+
+    def _shape_medium(self, rate_mbps: float) -> None:
+        """One token bucket, on an ifb device, that both directions of the master's port pass:
+        every transfer to or from the master shares ``rate_mbps``."""
+        tc = ("tc", "-n", self.switch)
+        port = self.master.port_if
+        _run("ip", "-n", self.switch, "link", "add", "medium", "type", "ifb")
+        _run("ip", "-n", self.switch, "link", "set", "medium", "up")
+        _run(*tc, "qdisc", "add", "dev", "medium", "root", *_tbf(rate_mbps))
+        _run(*tc, "qdisc", "add", "dev", port, "clsact")
+        every_packet = ("protocol", "all", "u32", "match", "u32", "0", "0")
+        to_medium = ("action", "mirred", "egress", "redirect", "dev", "medium")
+        for direction in ("ingress", "egress"):  # from the master, to the master
+            _run(*tc, "filter", "add", "dev", port, direction, *every_packet, *to_medium)
+
+    def qdisc_drops(self) -> int:
+        """Packets the token buckets dropped so far."""
+        total = 0
+        for namespace in [self.switch] + [h.namespace for h in self.hosts]:
+            text = _run("tc", "-n", namespace, "-s", "qdisc", "show", check=False).stdout
+            total += sum(int(n) for n in re.findall(r"dropped (\d+)", text))
+        return total
+
+    # running things
+
+    def spawn(
+        self,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        host: Host,
+        capped: bool = True,
+        stdin: int | None = subprocess.DEVNULL,
+    ) -> subprocess.Popen:
+        """Start ``command`` in ``host``'s namespace, in its CPU cap unless ``capped`` is False,
+        with a parent-death signal; stdout and stderr come merged as text from the returned
+        process's ``stdout``. Teardown stops it if it still runs."""
+        # Into the cgroup first: `ip netns exec` mounts a sysfs of the namespace's own over
+        # /sys, which hides the cgroup folders. Each step execs the next, so the pid is the
+        # command's, and the cgroup and the parent-death signal carry over.
+        cap = host.cap.prefix() if capped and host.cap is not None else []
+        process = subprocess.Popen(
+            [*die_with_parent(), *cap, "ip", "netns", "exec", host.namespace, *command],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            text=True,
+        )
+        self.processes.append(process)
+        return process
+
+    def start_workers(self, timeout: float = 180.0, extra: Sequence[str] = ()) -> list[str]:
+        """``hetconv worker`` (cpu backend, one BLAS thread) in every worker's namespace and
+        cap; returns their addresses once all serve."""
+        from hetconv.calls import READY
+
+        env = with_blas_threads(dict(os.environ, PYTHONUNBUFFERED="1", HETCONV_TOKEN=self.token), 1)
+        for host in self.worker_hosts:
+            address = f"{host.ip}:{WORKER_PORT}"
+            command = [sys.executable, "-I", "-m", "hetconv", "worker", "--listen", address,
+                       "--backend", "cpu", "--no-startup-probe", *extra]  # fmt: skip
+            process = self.spawn(command, env, host)
+            link = Link(host.namespace, host.port_if, host.interface, self.master.ip, host.ip)
+            worker = WorkerProcess(
+                link, process, collections.deque(maxlen=40), threading.Event(), address
+            )
+            threading.Thread(target=Testbed._drain, args=(worker, READY), daemon=True).start()
+            self.workers.append(worker)
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            while not worker.ready.wait(0.1):
+                if worker.process.poll() is not None or time.monotonic() > deadline:
+                    output = "\n".join(worker.lines) or "(no output)"
+                    raise RuntimeError(
+                        f"worker in {worker.link.namespace} did not start:\n{output}"
+                    )
+        return [w.address for w in self.workers]
+
+    def run_master(self, arguments: Sequence[str], timeout: float, blas_threads: int = 1) -> str:
+        """``hetconv train ARGUMENTS`` in the master's namespace and cap; returns its output.
+
+        Raises:
+            RuntimeError: it failed or ran past ``timeout`` seconds (the message holds the
+                tail of its output).
+        """
+        env = with_blas_threads(dict(os.environ, HETCONV_TOKEN=self.token), blas_threads)
+        command = [sys.executable, "-I", "-m", "hetconv", "train", *arguments]
+        master = self.spawn(command, env, self.master)
+        try:
+            output, _ = master.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            master.kill()
+            master.communicate()
+            raise RuntimeError(f"`hetconv train` did not finish within {timeout:.0f} s") from None
+        if master.returncode != 0:
+            tail = "\n".join(output.splitlines()[-30:])
+            raise RuntimeError(f"`hetconv train` failed ({master.returncode}):\n{tail}")
+        return output
+
+    def cap_shares(self, seconds: float = 1.0) -> list[float]:
+        """The share of a core a busy loop gets on every host at once, in its cap, over
+        ``seconds`` (master first): each near its cap where the machine has the cores to spare,
+        less where other work competes."""
+        code = "while True:\n    pass\n"
+        loops = [self.spawn([sys.executable, "-I", "-c", code], os.environ, h) for h in self.hosts]
+        try:
+            time.sleep(0.3)  # (started)
+            before, start = [cpu_seconds(p.pid) for p in loops], time.monotonic()
+            time.sleep(seconds)
+            after, elapsed = [cpu_seconds(p.pid) for p in loops], time.monotonic() - start
+        finally:
+            for loop in loops:
+                loop.kill()
+                loop.wait()
+        return [(b - a) / elapsed for a, b in zip(before, after, strict=True)]
+
+    # measuring the idle links
+
+    def ping(self, host: Host, count: int = 10) -> float:
+        """Median idle round trip master -> ``host``, seconds (ICMP echo from the master's
+        namespace, uncapped)."""
+        code = (
+            "from hetconv.simulations.testbed import icmp_rtt\n"
+            f"print(icmp_rtt({host.ip!r}, {count}))\n"
+        )
+        probe = self.spawn([sys.executable, "-I", "-c", code], os.environ, self.master, False)
+        output, _ = probe.communicate(timeout=60)
+        if probe.returncode != 0:
+            raise RuntimeError(f"ping from the master to {host.name} failed:\n{output}")
+        return float(output.split()[-1])
+
+    def transfer_mbps(
+        self, pairs: Sequence[tuple[Host, Host]], megabytes: float, timeout: float = 120
+    ) -> list[float]:
+        """Payload rates of bulk TCP transfers, all at once, ``megabytes`` each from the first
+        host of every pair to the second, Mbit/s (uncapped processes: the links are measured,
+        not the caps)."""
+        sinks, senders = [], []
+        size = max(64 * 1024, int(megabytes * 1e6))
+        try:
+            for index, (_, receiver) in enumerate(pairs):
+                code = (
+                    "import socket\n"
+                    f"s=socket.create_server(({receiver.ip!r},{CHECK_PORT + index}))\n"
+                    "print('listening',flush=True)\n"
+                    "c,_=s.accept()\n"
+                    "while c.recv(1<<20):\n    pass\n"
+                    "c.sendall(b'x')\n"
+                )
+                sink = self.spawn([sys.executable, "-I", "-c", code], os.environ, receiver, False)
+                if sink.stdout.readline().strip() != "listening":
+                    raise RuntimeError(f"TCP sink on {receiver.name} did not start")
+                sinks.append(sink)
+            for index, (sender, receiver) in enumerate(pairs):
+                code = (
+                    "import socket,sys,time\n"
+                    f"c=socket.create_connection(({receiver.ip!r},{CHECK_PORT + index}),"
+                    "timeout=600)\n"
+                    f"data=bytes({size})\n"
+                    "print('connected',flush=True)\n"
+                    "sys.stdin.readline()\n"
+                    "t=time.perf_counter()\n"
+                    "c.sendall(data)\n"
+                    "c.shutdown(socket.SHUT_WR)\n"
+                    "assert c.recv(1)==b'x'\n"
+                    "print(time.perf_counter()-t,flush=True)\n"
+                )
+                process = self.spawn(
+                    [sys.executable, "-I", "-c", code], os.environ, sender, False, subprocess.PIPE
+                )
+                if process.stdout.readline().strip() != "connected":
+                    raise RuntimeError(f"TCP sender on {sender.name} did not connect")
+                senders.append(process)
+            for process in senders:  # all go at once
+                process.stdin.write("go\n")
+                process.stdin.flush()
+            rates = []
+            for process in senders:
+                output, _ = process.communicate(timeout=timeout)
+                if process.returncode != 0:
+                    raise RuntimeError(f"TCP transfer failed:\n{output}")
+                rates.append(8 * size / float(output.split()[-1]) / 1e6)
+            return rates
+        finally:
+            for process in sinks + senders:
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+    # tearing down
+
+    def teardown(self) -> None:
+        """Stop every process started here, delete the namespaces (their veth pairs, bridge and
+        ifb go with them) and the CPU cgroups. Each part is tried even when an earlier one
+        fails; a second Ctrl-C does not cut it short."""
+        deferred = {}
+        if threading.current_thread() is threading.main_thread():
+            deferred = {
+                s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)
+            }
+        try:
+            self._teardown()
+        finally:
+            for s, handler in deferred.items():
+                signal.signal(s, handler)
+
+    def _teardown(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + 10
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes, self.workers = [], []
+        for namespace in reversed(self.namespaces):
+            for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)  # only what this testbed started
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run("ip", "netns", "del", namespace, check=False)
+        self.namespaces = []
+        for host in self.hosts:
+            if host.cap is not None:
+                host.cap.remove()
+
+    def leftovers(self) -> list[str]:
+        """Namespaces and CPU cgroups with this testbed's tag still present (for the tests)."""
+        names = _run("ip", "netns", "list", check=False).stdout.split()
+        names = [n for n in names if n.startswith(self.tag)]
+        if CPU_CGROUP_ROOT.is_dir():
+            names += [str(p) for p in CPU_CGROUP_ROOT.glob(f"{self.tag}-*")]
+        return sorted(set(names))
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
@@ -382,12 +894,14 @@ def remove_stale(log=None) -> list[str]:
     namespaces = _run("ip", "netns", "list", check=False).stdout.split()
     links = re.findall(r"^\d+: ([^:@]+)", _run("ip", "-o", "link", check=False).stdout, re.M)
     for name in namespaces + links:  # namespaces first: a kept one keeps its link
-        found = re.fullmatch(rf"({PREFIX}(\d+))(?:-w(\d+)|m(\d+))", name)
+        # Testbed: hcvPID-wI (namespace), hcvPIDmI (root end of its pair); ClusterTestbed:
+        # hcvPID-m (master), hcvPID-s (switch), hcvPID-wI, nothing in the root namespace.
+        found = re.fullmatch(rf"({PREFIX}(\d+))(?:-w(\d+)|-([ms])|m(\d+))", name)
         if found is None or int(found.group(2)) == os.getpid() % 10**7:
             continue
         if _alive(int(found.group(2))):
             continue  # its run may still be going (or the pid was reused: leave it)
-        index = found.group(3) or found.group(4)
+        index = found.group(3) or found.group(4) or found.group(5)
         if name in namespaces:
             if _run("ip", "netns", "pids", name, check=False).stdout.split():
                 kept.add((found.group(1), index))
@@ -401,6 +915,18 @@ def remove_stale(log=None) -> list[str]:
             done = _run("ip", "link", "del", name, check=False)
         if done.returncode == 0:
             removed.append(name)
+    if CPU_CGROUP_ROOT.is_dir():
+        for group in CPU_CGROUP_ROOT.glob(f"{PREFIX}*-*"):
+            found = re.fullmatch(rf"{PREFIX}(\d+)-(?:m|w\d+)", group.name)
+            if found is None or int(found.group(1)) == os.getpid() % 10**7:
+                continue
+            if _alive(int(found.group(1))):
+                continue
+            try:
+                group.rmdir()  # refused while a process is in it: then it stays
+            except OSError:
+                continue
+            removed.append(str(group))
     return removed
 
 
@@ -444,7 +970,19 @@ def icmp_rtt(address: str, count: int = 10, timeout: float = 1.0) -> float:
 
 __all__ = [
     "BLAS_THREAD_VARIABLES",
+    "CFS_PERIOD_US",
     "CHECK_PORT",
+    "CPU_CGROUP_ROOT",
+    "LINK_KINDS",
+    "SHARED_LINK",
+    "SUBNET",
+    "SWITCHED_LINK",
+    "ClusterTestbed",
+    "CpuCap",
+    "Host",
+    "cluster_testbed_unavailable",
+    "cpu_seconds",
+    "ensure_cpu_controller",
     "ETHERNET_HEADER",
     "MTU",
     "PREFIX",

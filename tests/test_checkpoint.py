@@ -259,7 +259,8 @@ def test_resume_after_a_crash_cuts_the_trace_back_to_the_checkpoint(tmp_path):
         f.write('{"step": 7, "lo')  # a torn last line
     log = io.StringIO()
     resumed = train(dataclasses.replace(config, resume=True), log=log)
-    assert "cut 4 written after the checkpoint" in log.getvalue()
+    # Steps 4 to 6, the evaluation at the epoch's end (after step 6 of 6) and the torn line.
+    assert "cut 5 written after the checkpoint" in log.getvalue()
     assert resumed.losses == whole.losses
     assert [r["step"] for r in trace_records(tmp_path / "t.jsonl")] == list(range(10))
     assert_weights_identical(
@@ -303,15 +304,15 @@ def test_every_run_starts_its_trace_with_the_plan(tmp_path):
     )
     with pytest.raises(KeyboardInterrupt):
         train(config, Planned(crash_step=7))  # checkpoint after step 4; records up to step 6
-    lines = trace_lines(trace)
+    lines = [r for r in trace_lines(trace) if r.get("event") != "eval"]  # one, after an epoch
     assert lines[0] == {"event": "plan", "start_step": 0, **PLAN}
     assert [r["step"] for r in lines[1:]] == list(range(7))
 
     log = io.StringIO()
     resumed = train(dataclasses.replace(config, resume=True), Planned(), log=log)
-    assert "kept 5 records, cut 3 written after the checkpoint" in log.getvalue()
+    assert "kept 5 records, cut 4 written after the checkpoint" in log.getvalue()
     assert resumed.losses == whole.losses
-    lines = trace_lines(trace)
+    lines = [r for r in trace_lines(trace) if r.get("event") != "eval"]
     assert [i for i, r in enumerate(lines) if "step" not in r] == [0, 5]
     assert lines[0] == {"event": "plan", "start_step": 0, **PLAN}
     assert lines[5] == {"event": "plan", "start_step": 4, **PLAN}

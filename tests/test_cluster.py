@@ -216,9 +216,9 @@ def test_link_policy_models_the_network_it_is_told(workers, monkeypatch, network
 
     seen = []
 
-    def spy(model, layer):
+    def spy(model, layer, *fused):
         seen.append(model)
-        return real(model, layer)
+        return real(model, layer, *fused)
 
     real = policies.link_aware_shares
     monkeypatch.setattr(policies, "link_aware_shares", spy)

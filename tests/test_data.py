@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import struct
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,10 @@ from hetconv.data import (
     DatasetError,
     ImageDataset,
     epoch_order,
+    infer_dataset,
     load_cifar10,
+    load_cifar100,
+    load_dataset,
     synthetic_cifar,
 )
 
@@ -331,6 +336,134 @@ def test_a_doctored_dtype_is_refused(tmp_path: Path, state: str) -> None:
         load_cifar10(tmp_path)
 
 
+# ---------------------------------------------------------------------------- CIFAR tarballs
+
+
+def _tar(folder: Path, tarball: Path, extra: dict[str, bytes] | None = None) -> Path:
+    """``tarball`` (gzip) holding ``folder`` under its own name, as the official files are."""
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+        for name, content in (extra or {}).items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+    return tarball
+
+
+def test_cifar10_tarball_is_read_without_extracting(tmp_path: Path) -> None:
+    folder = tmp_path / "src" / "cifar-10-batches-py"
+    _write_cifar(folder)
+    _write(folder / "batches.meta", {b"label_names": [b"airplane"] * 10, b"num_vis": 3072})
+    tarball = _tar(folder, tmp_path / "cifar-10-python.tar.gz", {"readme.html": b"<html>"})
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert infer_dataset(tarball) == "cifar10"
+    for split in ("train", "test"):
+        from_tar, from_folder = load_cifar10(tarball, split), load_cifar10(folder, split)
+        np.testing.assert_array_equal(from_tar.images, from_folder.images)
+        np.testing.assert_array_equal(from_tar.labels, from_folder.labels)
+    loaded = load_dataset("auto", tarball)
+    assert (loaded.kind, len(loaded.train), len(loaded.held_out)) == ("cifar10", 20, 3)
+    assert loaded.train.image_shape == (3, 32, 32) and loaded.train.num_classes == 10
+    assert loaded.train.mean == CIFAR_MEAN and loaded.held_out.std == CIFAR_STD
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing extracted
+
+
+def test_a_tarball_missing_a_batch_is_refused_naming_it(tmp_path: Path) -> None:
+    folder = tmp_path / "src" / "cifar-10-batches-py"
+    _write_cifar(folder)
+    (folder / "data_batch_3").unlink()
+    tarball = _tar(folder, tmp_path / "cifar-10-python.tar.gz")
+    with pytest.raises(DatasetError, match="no member cifar-10-batches-py/data_batch_3"):
+        load_cifar10(tarball)
+    assert len(load_cifar10(tarball, "test")) == 3
+
+
+def test_a_planted_payload_inside_a_tarball_is_refused_and_never_runs(tmp_path: Path) -> None:
+    marker = _planted(tmp_path, _Payload, "filenames")
+    (tmp_path / "cifar").rename(tmp_path / "cifar-10-batches-py")
+    tarball = _tar(tmp_path / "cifar-10-batches-py", tmp_path / "cifar-10-python.tar.gz")
+    with pytest.raises(DatasetError) as info:
+        load_dataset("auto", tarball)
+    assert not marker.exists()
+    assert (
+        f"{tarball} (member cifar-10-batches-py/data_batch_1): refusing to load 'posix.system'"
+        in str(info.value)
+    )
+
+
+def test_a_tarball_member_that_is_not_a_file_or_a_tar_that_is_not_one(tmp_path: Path) -> None:
+    folder = tmp_path / "src" / "cifar-10-batches-py"
+    _write_cifar(folder)
+    (folder / "data_batch_2").unlink()
+    (folder / "data_batch_2").symlink_to("/etc/passwd")
+    tarball = _tar(folder, tmp_path / "cifar-10-python.tar.gz")
+    with pytest.raises(
+        DatasetError, match="member cifar-10-batches-py/data_batch_2.: not a regular"
+    ):
+        load_cifar10(tarball)
+    fake = tmp_path / "fake" / "cifar-10-python.tar.gz"
+    fake.parent.mkdir()
+    fake.write_bytes(b"\x1f\x8b not really gzip")
+    with pytest.raises(DatasetError, match="cifar-10-python.tar.gz: not a readable tar archive"):
+        load_cifar10(fake)
+    with pytest.raises(DatasetError, match="neither a CIFAR python-version tarball"):
+        infer_dataset(fake)
+
+
+def _cifar100_batch(n: int, seed: int) -> dict:
+    """A batch dict in the official CIFAR-100 python-version layout."""
+    rng = np.random.default_rng(seed)
+    fine = rng.integers(0, 100, size=n)
+    return {
+        b"filenames": [f"img_{seed}_{i}.png".encode() for i in range(n)],
+        b"batch_label": b"training batch 1 of 1",
+        b"fine_labels": [int(v) for v in fine],
+        b"coarse_labels": [int(v) // 5 for v in fine],
+        b"data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
+    }
+
+
+def _write_cifar100(folder: Path) -> dict[str, dict]:
+    folder.mkdir(parents=True)
+    batches = {"train": _cifar100_batch(6, 1), "test": _cifar100_batch(4, 2)}
+    for name, batch in batches.items():
+        _write(folder / name, batch)
+    _write(folder / "meta", {b"fine_label_names": [b"apple"] * 100})
+    return batches
+
+
+@pytest.mark.parametrize("where", ["folder", "parent", "tarball"])
+def test_cifar100_uses_the_fine_labels(tmp_path: Path, where: str) -> None:
+    folder = tmp_path / "cifar-100-python"
+    batches = _write_cifar100(folder)
+    path = {
+        "folder": folder,
+        "parent": tmp_path,
+        "tarball": _tar(folder, tmp_path / "cifar-100-python.tar.gz"),
+    }[where]
+    assert infer_dataset(path) == "cifar100"
+    loaded = load_dataset("auto", path)
+    assert loaded.kind == "cifar100" and loaded.train.num_classes == 100
+    np.testing.assert_array_equal(loaded.train.labels, batches["train"][b"fine_labels"])
+    np.testing.assert_array_equal(loaded.held_out.labels, batches["test"][b"fine_labels"])
+    np.testing.assert_array_equal(loaded.held_out.images.reshape(4, -1), batches["test"][b"data"])
+    assert len(load_cifar100(path, "test")) == 4
+
+
+def test_cifar100_labels_out_of_range_and_missing_fine_labels(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-100-python"
+    _write_cifar100(folder)
+    bad = _cifar100_batch(6, 1)
+    bad[b"fine_labels"][3] = 100
+    _write(folder / "train", bad)
+    with pytest.raises(DatasetError, match=r"train: labels must lie in 0\.\.99, got range"):
+        load_cifar100(folder)
+    del bad[b"fine_labels"]
+    _write(folder / "train", bad)
+    with pytest.raises(DatasetError, match="expected b'data' and b'fine_labels'"):
+        load_cifar100(folder)
+
+
 # ---------------------------------------------------------------------------- ImageDataset
 
 
@@ -370,10 +503,22 @@ def test_split_and_validation() -> None:
     assert len(ds.split(0)[0]) == 0 and len(ds.split(10)[1]) == 0
     with pytest.raises(ValueError, match="11"):
         ds.split(11)
-    with pytest.raises(ValueError, match="uint8"):
-        ImageDataset(np.zeros((1, 3, 32, 32), np.float32), np.zeros(1, np.int64))
-    with pytest.raises(ValueError, match=r"\(1, 32, 32, 3\)"):
+    with pytest.raises(ValueError, match="uint8 or float32"):
+        ImageDataset(np.zeros((1, 3, 32, 32), np.float64), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match=r"\(N, C, H, W\), got \(1, 32, 32\)"):
+        ImageDataset(np.zeros((1, 32, 32), np.uint8), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="32 channels need their own mean and std"):
         ImageDataset(np.zeros((1, 32, 32, 3), np.uint8), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match=r"one value per channel \(1\), got 3 and 3"):
+        ImageDataset(
+            np.zeros((1, 1, 8, 8), np.uint8), np.zeros(1, np.int64), 2, "", (0,) * 3, (1,) * 3
+        )
+    with pytest.raises(ValueError, match="std finite and > 0"):
+        ImageDataset(np.zeros((1, 1, 8, 8), np.uint8), np.zeros(1, np.int64), 2, "", (0,), (0,))
+    with pytest.raises(ValueError, match="finite"):
+        ImageDataset(
+            np.full((1, 1, 8, 8), np.nan, np.float32), np.zeros(1, np.int64), 2, "", (0,), (1,)
+        )
     with pytest.raises(ValueError, match=r"0\.\.9"):
         ImageDataset(np.zeros((1, 3, 32, 32), np.uint8), np.array([10], np.int64))
 

@@ -22,7 +22,11 @@ import hetconv.conv
 from hetconv.backends import conv_shape
 from hetconv.conv import ConvSpec, LocalConv, kernel_pair
 from hetconv.layers import (
+    AvgPool2d,
+    BatchNorm2d,
     Conv2d,
+    Dropout,
+    GlobalAvgPool2d,
     Linear,
     LocalResponseNorm,
     MaxPool2d,
@@ -419,3 +423,165 @@ def test_softmax_cross_entropy_is_stable_for_large_logits():
 def test_softmax_cross_entropy_rejects_bad_labels(rng):
     with pytest.raises(ValueError, match="labels"):
         softmax_cross_entropy(_randn(rng, 3, 4), np.zeros(4, np.int64))
+
+
+# ----------------------------------------------------------------------------- strided Conv2d
+
+STRIDED_CASES = [
+    # (N, C, H, W, K, kernel, padding, stride)
+    pytest.param(2, 2, 7, 6, 3, 3, 1, 2, id="3x3-pad1-s2"),
+    pytest.param(2, 2, 8, 7, 2, 3, 0, (2, 3), id="3x3-s2x3"),
+    pytest.param(1, 3, 9, 9, 2, 5, 2, 3, id="5x5-pad2-s3"),
+    pytest.param(2, 2, 6, 6, 2, 2, 0, 2, id="2x2-s2-exact-tiling"),
+    pytest.param(1, 2, 5, 5, 2, 1, 0, 4, id="1x1-s4"),
+]
+
+
+@pytest.mark.parametrize("n, c, h, w, k, kernel, padding, stride", STRIDED_CASES)
+def test_strided_conv2d_gradients(rng, n, c, h, w, k, kernel, padding, stride):
+    layer = Conv2d("conv", c, k, kernel, padding, stride=stride)
+    layer.params["weight"][...] = _randn(rng, *layer.params["weight"].shape)
+    layer.params["bias"][...] = _randn(rng, k)
+    x = _randn(rng, n, c, h, w)
+    y, _ = check_layer(layer, x, rng, params=("weight", "bias"), eps=5e-2)
+    assert y.shape == (n, *layer.output_shape((c, h, w)))
+    # floor((H + pads - kh) / s) + 1, PyTorch's size
+    sh, sw = kernel_pair(stride)
+    full = layer.executor.backend.conv_forward(
+        x, layer.params["weight"], layer.params["bias"], padding
+    )
+    assert y.shape[2:] == ((full.shape[2] - 1) // sh + 1, (full.shape[3] - 1) // sw + 1)
+    np.testing.assert_allclose(y, full[:, :, ::sh, ::sw], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding, hw",
+    [(3, 2, 1, (9, 8)), (1, 2, 0, (7, 7)), (7, 2, 3, (12, 11)), ((2, 5), (3, 1), (1, 2), (10, 9)),
+     (4, 4, 0, (9, 10)), (2, 3, 0, (5, 5))],
+)  # fmt: skip
+def test_stride_phases_are_the_strided_convolution(rng, kernel, stride, padding, hw):
+    """Phasing the input and kernels is exact: the stride-1 convolution of the phases is every
+    stride-th output of the stride-1 convolution, and the gradients turn back exactly (the
+    phase maps are a permutation with zero fill, so their transposes are the gradients)."""
+    from hetconv.backends import Padding
+    from hetconv.conv import StridePhases
+
+    backend = LocalConv().backend
+    kh, kw = kernel_pair(kernel)
+    sh, sw = kernel_pair(stride)
+    x, w = _randn(rng, 2, 3, *hw), _randn(rng, 4, 3, kh, kw)
+    phases = StridePhases((3, *hw), (kh, kw), Padding.resolve(padding, (kh, kw)), (sh, sw))
+    y = backend.conv_forward(phases.input(x), phases.kernels(w), None, 0)
+    full = backend.conv_forward(x, w, None, padding)[:, :, ::sh, ::sw]
+    np.testing.assert_allclose(y, full, rtol=1e-5, atol=1e-5)
+    assert y.shape[2:] == phases.output_hw
+    # <phases.input(x), g> == <x, phases.input_grad(g)>, and the same for the kernels.
+    g = _randn(rng, *phases.input(x).shape)
+    np.testing.assert_allclose(
+        np.vdot(phases.input(x), g), np.vdot(x, phases.input_grad(g)), rtol=1e-4
+    )
+    gw = _randn(rng, *phases.kernels(w).shape)
+    np.testing.assert_allclose(
+        np.vdot(phases.kernels(w), gw), np.vdot(w, phases.kernel_grad(gw)), rtol=1e-4
+    )
+
+
+def test_strided_conv2d_spec_says_its_stride():
+    layer = Conv2d("conv", 2, 3, 3, 1, stride=(2, 1))
+    layer.input_shape = (2, 7, 6)
+    assert layer.spec.stride == (2, 1)
+    assert layer.spec.output_shape == (3, 4, 6) == layer.output_shape((2, 7, 6))
+    # Executors compute the stride-1 convolution of the phases: 2 row phases of 3 channels,
+    # kernels of ceil(3 / 2) x 3 taps, no padding, the strided output's size.
+    executed = layer.spec.executed
+    assert (executed.input_shape, executed.kernel_size, executed.padding) == ((4, 5, 8), (2, 3), 0)
+    assert layer.spec.shape(1).out_hw == (4, 6)
+    with pytest.raises(ValueError, match="stride 0 must be >= 1"):
+        Conv2d("conv", 2, 3, 3, stride=0)
+
+
+# ------------------------------------------------------------------------- average pooling
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, h, w", [(2, 2, 6, 6), (3, 2, 7, 6), (2, 1, 4, 5), (3, 3, 7, 8), (1, 1, 3, 3)]
+)
+def test_avgpool_gradient(rng, kernel, stride, h, w):
+    layer = AvgPool2d("pool", kernel, stride)
+    x = _randn(rng, 2, 3, h, w)
+    y, _ = check_layer(layer, x, rng)
+    assert y.shape == (2, *layer.output_shape((3, h, w)))
+    np.testing.assert_allclose(y[0, 1, 0, 0], x[0, 1, :kernel, :kernel].mean(), rtol=1e-6)
+
+
+def test_global_avgpool_gradient(rng):
+    layer = GlobalAvgPool2d("gap")
+    x = _randn(rng, 2, 3, 4, 5)
+    y, _ = check_layer(layer, x, rng, eps=5e-2)
+    assert y.shape == (2, 3, 1, 1) and layer.output_shape((3, 4, 5)) == (3, 1, 1)
+    np.testing.assert_allclose(y[:, :, 0, 0], x.mean(axis=(2, 3)), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------- batch norm
+
+
+def test_batchnorm_training_gradients(rng):
+    layer = BatchNorm2d("bn", 3)
+    layer.params["weight"][...] = _randn(rng, 3) + 1
+    layer.params["bias"][...] = _randn(rng, 3)
+    x = _randn(rng, 4, 3, 3, 2, scale=2.0) + 0.5
+    check_layer(layer, x, rng, params=("weight", "bias"))
+
+
+def test_batchnorm_eval_gradients_and_statistics(rng):
+    layer = BatchNorm2d("bn", 3, eps=1e-3, momentum=0.3)
+    x = _randn(rng, 5, 3, 2, 2, scale=2.0) + 1.0
+    y = layer.forward(x)
+    mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
+    np.testing.assert_allclose(y.mean(axis=(0, 2, 3)), 0, atol=1e-5)
+    np.testing.assert_allclose(y.var(axis=(0, 2, 3)), var / (var + 1e-3), rtol=1e-4)
+    # running statistics: momentum towards the batch mean and the *unbiased* variance
+    np.testing.assert_allclose(layer.buffers["running_mean"], 0.3 * mean, rtol=1e-5)
+    np.testing.assert_allclose(layer.buffers["running_var"], 0.7 + 0.3 * var * 20 / 19, rtol=1e-5)
+    assert layer.buffers["num_batches_tracked"] == 1
+    layer.training = False
+    layer.params["weight"][...] = _randn(rng, 3) + 1
+    before = {k: v.copy() for k, v in layer.buffers.items()}
+    y = layer.forward(x)
+    rm, rv = before["running_mean"], before["running_var"]
+    want = (x - rm[:, None, None]) / np.sqrt(rv[:, None, None] + 1e-3)
+    want = want * layer.params["weight"][:, None, None] + layer.params["bias"][:, None, None]
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    for k, v in before.items():  # evaluation leaves the statistics alone
+        np.testing.assert_array_equal(layer.buffers[k], v)
+    check_layer(layer, x, rng, params=("bias",))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(eps=0.0), "eps must be > 0"), (dict(momentum=1.5), r"momentum must be in \[0, 1\]")],
+)
+def test_batchnorm_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BatchNorm2d("bn7", 3, **kwargs)
+
+
+# ------------------------------------------------------------------------------- dropout
+
+
+def test_dropout_masks_scale_and_backward(rng):
+    layer = Dropout("drop", 0.25, seed=4)
+    x = _randn(rng, 64, 8, 4, 4) + 3.0  # no zeros of its own
+    y = layer.forward(x)
+    kept = y != 0
+    assert 0.70 < kept.mean() < 0.80  # about 1 - p of 8192 values
+    np.testing.assert_allclose(y[kept], x[kept] / 0.75, rtol=1e-6)
+    dy = _randn(rng, *x.shape)
+    np.testing.assert_allclose(layer.backward(dy), np.where(kept, dy / 0.75, 0), rtol=1e-6)
+    assert not np.array_equal(layer.forward(x) != 0, kept)  # a fresh mask each step
+    again = Dropout("drop", 0.25, seed=4)
+    np.testing.assert_array_equal(again.forward(x), y)  # the same seed, the same masks
+    layer.training = False
+    assert layer.forward(x) is x and layer.backward(dy) is dy
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\)"):
+        Dropout("drop", 1.0)

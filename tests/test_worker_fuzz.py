@@ -1007,6 +1007,7 @@ def test_forward_and_backward_in_any_order(channel):
             # More sessions than the worker keeps, so that some get evicted.
             self.sessions = [fresh_session() for _ in range(capacity + 2)]
             self.saved: OrderedDict[int, dict[str, Saved]] = OrderedDict()
+            self.evicted: set[int] = set()  # sessions whose saved inputs the worker dropped
             self.last_forward: tuple | None = None
 
         def _target(self, data) -> tuple[int, str, Saved | None]:
@@ -1023,8 +1024,9 @@ def test_forward_and_backward_in_any_order(channel):
             np.testing.assert_allclose(answer.arrays[0], expected, rtol=1e-5, atol=1e-6)
             self.saved.setdefault(session, {})[layer] = Saved(step, x, w, padding, expected.shape)
             self.saved.move_to_end(session)
+            self.evicted.discard(session)
             while len(self.saved) > capacity:
-                self.saved.popitem(last=False)
+                self.evicted.add(self.saved.popitem(last=False)[0])
 
         @rule(
             layer=LAYER_NAMES,
@@ -1066,7 +1068,10 @@ def test_forward_and_backward_in_any_order(channel):
             if held is None or held.step != step:
                 event("backward: FAILED_PRECONDITION")
                 assert_refused(answer, frozenset({PRECONDITION}), "Backward", "unheld forward")
-                assert "send Forward first" in answer.details
+                if held is None and session in self.evicted:  # eviction is named as the cause
+                    assert "dropped the session's saved inputs" in answer.details, answer.details
+                else:
+                    assert "send Forward first" in answer.details, answer.details
                 return
             event("backward: OK")
             assert answer.code == OK, answer.details

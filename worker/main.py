@@ -71,6 +71,19 @@ def default_max_request_bytes(available: int | None = None) -> int:
     return max(1 << 20, min(MAX_REQUEST_CAP, available // 2))
 
 
+#: The memory budget when the memory available is unknown: 4 GiB.
+UNKNOWN_MEMORY_BUDGET = 4 << 30
+
+
+def default_memory_bytes(available: int | None = None) -> int:
+    """A worker's default memory budget (``--memory-mib``): half of ``available`` (default:
+    :func:`available_memory_bytes` now), at least 64 MiB; 4 GiB when memory is unknown."""
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return UNKNOWN_MEMORY_BUDGET
+    return max(64 << 20, available // 2)
+
+
 def _set_at_end_of_input(stop: threading.Event) -> None:
     """Read standard input to its end (whatever it holds is ignored), then set ``stop``."""
     try:
@@ -81,25 +94,62 @@ def _set_at_end_of_input(stop: threading.Event) -> None:
     stop.set()
 
 
-def _with_request_limit(
-    config: WorkerConfig | None, sessions: int | None = None
-) -> tuple[WorkerConfig, str]:
-    """``config``, or the default one with :func:`default_max_request_bytes`, keeping
-    ``sessions`` sessions when given; and the request limit as the worker prints it."""
-    if config is not None:
-        if sessions is not None:
-            config = dataclasses.replace(config, sessions=sessions)
-        return config, f"{config.max_request_bytes >> 20} MiB"
-    available = available_memory_bytes()
-    config = WorkerConfig(max_request_bytes=default_max_request_bytes(available))
-    if sessions is not None:
-        config = dataclasses.replace(config, sessions=sessions)
-    why = (
-        f"the smaller of 2048 MiB and half the {available / 2**30:.1f} GiB available at start"
+def _with_limits(
+    config: WorkerConfig | None,
+    sessions: int | None = None,
+    memory_bytes: int | None = None,
+    **limits,
+) -> tuple[WorkerConfig, str, str]:
+    """The worker's config: ``config`` (default: the request limit from
+    :func:`default_max_request_bytes`, at most the memory budget), with ``sessions``,
+    ``memory_bytes`` (default: :func:`default_memory_bytes`, at least the request limit) and
+    ``limits`` (other :class:`WorkerConfig` fields; an ``idle_timeout`` of 0: never) where
+    given; and the request limit and the
+    memory budget as the worker prints them.
+
+    Raises:
+        ValueError: a request limit over the memory budget, both given.
+    """
+    given = config is not None and memory_bytes is not None
+    available = None if given else available_memory_bytes()
+    half = (
+        f"half the {available / 2**30:.1f} GiB available at start"
         if available is not None
         else "available memory unknown"
     )
-    return config, f"{config.max_request_bytes >> 20} MiB ({why}; --max-request-mib sets it)"
+    memory_why = ""
+    if memory_bytes is None:
+        memory_bytes = default_memory_bytes(available)
+        if config is not None:  # a request limit given: the budget holds at least one request
+            memory_bytes = max(memory_bytes, config.max_request_bytes)
+        memory_why = f" ({half}; --memory-mib sets it)"
+    changes = {k: v for k, v in limits.items() if v is not None}
+    if changes.get("idle_timeout") == 0:  # 0: never
+        changes["idle_timeout"] = None
+    if sessions is not None:
+        changes["sessions"] = sessions
+    changes["memory_bytes"] = memory_bytes
+    if config is not None:
+        config = dataclasses.replace(config, **changes)
+        limit = f"{config.max_request_bytes >> 20} MiB"
+    else:
+        request = min(default_max_request_bytes(available), memory_bytes)
+        config = WorkerConfig(max_request_bytes=request, **changes)
+        limit = (
+            f"{config.max_request_bytes >> 20} MiB (the smaller of 2048 MiB, {half} and the "
+            "memory budget; --max-request-mib sets it)"
+        )
+    memory = (
+        f"{config.memory_bytes >> 20} MiB{memory_why} for requests in flight, their answers, "
+        f"saved forward states and device scratch; at most {config.max_calls} calls at once "
+        "(--max-calls), "
+        + (
+            f"each ended after {config.idle_timeout:g} s idle on its client (--idle-timeout)"
+            if config.idle_timeout
+            else "never ended for idling (--idle-timeout 0)"
+        )
+    )
+    return config, limit, memory
 
 
 def _print_device(backend: Backend, startup_probe: bool, out: TextIO) -> None:
@@ -130,19 +180,25 @@ def run_worker(
     err: TextIO | None = None,
     exit_on_stdin_close: bool = False,
     sessions: int | None = None,
+    memory_bytes: int | None = None,
+    idle_timeout: float | None = None,
+    max_calls: int | None = None,
 ) -> int:
     """Serve on ``listen`` until SIGINT or SIGTERM; returns the process exit status.
 
     Prints, in this order: the device, the startup probe figure, the request limit, the
-    sessions kept, the security in force, and ``READY HOST:PORT`` (the line a launcher waits
-    for). A worker that the network can reach without a token also warns on ``err`` (default:
-    stderr).
+    memory budget, the sessions kept, the security in force, and ``READY HOST:PORT`` (the line
+    a launcher waits for). A worker that the network can reach without a token also warns on
+    ``err`` (default: stderr).
 
     Args:
         config: limits; None: the defaults, with the request limit from
             :func:`default_max_request_bytes`.
         security: token and TLS; None: neither.
         sessions: masters whose forward inputs it keeps at once (None: ``config``'s).
+        memory_bytes: the memory budget (None: :func:`default_memory_bytes`).
+        idle_timeout: seconds a call may wait on its client (None: ``config``'s; 0: never).
+        max_calls: calls in flight at once (None: ``config``'s).
         exit_on_stdin_close: also stop when standard input reaches end of file. A launcher
             that keeps a pipe to it open takes the worker down when it ends by any means,
             SIGKILL included (the kernel closes the pipe).
@@ -152,10 +208,13 @@ def run_worker(
     security = security or WorkerSecurity()
     if isinstance(backend, str):
         backend = get_backend(backend)
-    config, limit = _with_request_limit(config, sessions)
+    config, limit, memory = _with_limits(
+        config, sessions, memory_bytes, idle_timeout=idle_timeout, max_calls=max_calls
+    )
     service = ConvWorkerService(backend, config)
     _print_device(backend, startup_probe, out)
     print(f"max request: {limit}", file=out)
+    print(f"memory: {memory}", file=out)
     print(f"sessions: {config.sessions} masters at once (--sessions sets it)", file=out)
     print(security.describe(), file=out)
     # Handlers first: a launcher may signal the moment it reads the ready line.
@@ -179,6 +238,7 @@ def run_worker(
         finally:
             service.health.enter_graceful_shutdown()
             server.stop(grace=5).wait()
+            service.close()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

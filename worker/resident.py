@@ -199,9 +199,13 @@ class ResidentCalls:
         b = np.concatenate([hb[:before], held.b, hb[before:]])
         own = slice(before, before + k)
         start = time.perf_counter()
-        with service._device_lock:
-            y, run = stage_forward(service.backend, x, w, b, padding, spec, own)
+
+        def forward_work():
+            out = stage_forward(service.backend, x, w, b, padding, spec, own)
             service.backend.synchronize()
+            return out
+
+        y, run = service._on_device(forward_work)
         compute = time.perf_counter() - start
         with self._lock:
             self._runs[request.session, request.layer] = _Run(request.step, held.version, run, spec)
@@ -236,9 +240,13 @@ class ResidentCalls:
                 f"it must cover the owned {run.own.start}..{run.own.stop - 1} and stay within"
             )
         start = time.perf_counter()
-        with service._device_lock:
-            dx, dw, db = stage_backward(service.backend, run, dy, grad, request.need_input_grad)
+
+        def backward_work():
+            out = stage_backward(service.backend, run, dy, grad, request.need_input_grad)
             service.backend.synchronize()
+            return out
+
+        dx, dw, db = service._on_device(backward_work)
         with self._lock:
             del self._runs[request.session, request.layer]
             # The update, in place: bitwise what the master's SGD gives these rows.

@@ -16,16 +16,28 @@ Request tensors may come in any format the worker knows (each header names its o
 carry activations (``y``, ``dx``) in the format the request's ``answer_dtype`` asks for and
 kernel gradients as float32 (:mod:`hetconv.formats`). Echo answers each tensor in the format
 it came in. A format the worker does not know is refused with INVALID_ARGUMENT naming it.
+
+What a worker holds is bounded as a whole (:mod:`hetconv.worker.budget`): every call reserves
+its bytes from the header before any tensor is allocated and releases them when it ends, the
+saved forward states share the same budget, and calls in flight are bounded in number. A call
+that waits on its client for ``idle_timeout`` seconds is ended (:mod:`hetconv.worker.idle`).
+The handler pool is larger than the calls in flight, so health checks and Describe are answered
+while every call slot is taken; convolutions run one at a time on one device thread, so the
+backend's scratch buffers exist once, and are trimmed after a call that grew them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import itertools
 import secrets
+import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -62,6 +74,8 @@ from hetconv.wire import (
     server_options,
 )
 from hetconv.worker.auth import WorkerSecurity
+from hetconv.worker.budget import Dropped, MemoryBudget, OverBudget
+from hetconv.worker.idle import IdleTimeout, IdleWatch, Watched
 from hetconv.worker.resident import ResidentCalls
 from hetconv.worker.stages import StageCalls
 
@@ -84,23 +98,53 @@ class WorkerConfig:
         max_request_bytes: the largest request (all tensors together) it accepts; bigger ones are
             refused with RESOURCE_EXHAUSTED instead of swapping the machine to death.
         sessions: masters whose forward inputs it keeps at once (least recently used goes;
-            ``hetconv worker --sessions N``).
+            ``hetconv worker --sessions N``); each may keep ``memory_bytes / sessions``.
         probe_repeats: timed runs per probe when the master does not say (best is reported).
-        threads: gRPC handler threads (convolutions themselves run one at a time).
+        memory_bytes: what calls in flight and saved forward states may hold together
+            (``--memory-mib``); a call that does not fit is refused with RESOURCE_EXHAUSTED
+            before anything is allocated.
+        max_calls: calls (convolutions and probes) in flight at once; one more is refused with
+            RESOURCE_EXHAUSTED at once (``--max-calls``).
+        idle_timeout: seconds a call may wait on its client, for a message or for it to take
+            an answer chunk, before it is ended (``--idle-timeout``); None: never.
+        streams_per_connection: concurrent calls one client connection may have (HTTP/2
+            ``SETTINGS_MAX_CONCURRENT_STREAMS``; more wait in the client).
     """
 
     max_request_bytes: int = 2 << 30
     sessions: int = 4
     probe_repeats: int = 2
-    threads: int = 8
+    memory_bytes: int = 4 << 30
+    max_calls: int = 16
+    idle_timeout: float | None = 10.0
+    streams_per_connection: int = 8
 
     def __post_init__(self):
         if self.sessions < 1:
             raise ValueError(f"sessions must be at least 1, got {self.sessions}")
+        for name in ("memory_bytes", "max_calls", "streams_per_connection"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.idle_timeout is not None and self.idle_timeout <= 0:
+            raise ValueError(f"idle_timeout must be positive or None, got {self.idle_timeout}")
+        if self.max_request_bytes > self.memory_bytes:
+            raise ValueError(
+                f"a request may hold {self.max_request_bytes >> 20} MiB (--max-request-mib), "
+                f"more than the whole memory budget of {self.memory_bytes >> 20} MiB "
+                "(--memory-mib)"
+            )
+
+    @property
+    def threads(self) -> int:
+        """gRPC handler threads: one per call in flight, and :data:`SPARE_THREADS` more."""
+        return self.max_calls + SPARE_THREADS
 
 
-#: How many evicted sessions a worker remembers (to name eviction as the cause).
-EVICTED_REMEMBERED = 1024
+#: Handler threads beyond ``max_calls``: health checks, Describe and refusals of calls over the
+#: limit are served by these while every call slot is taken.
+SPARE_THREADS = 8
+#: Describe's trailing metadata key: what the memory budget holds (:class:`Holding`).
+MEMORY_METADATA = "hetconv-memory"
 
 
 @dataclass
@@ -111,6 +155,19 @@ class _Saved:
     x: np.ndarray
     w: np.ndarray
     padding: tuple[int, int, int, int]
+
+
+def release_free_memory() -> None:
+    """Give the C allocator's free pages back to the system (glibc ``malloc_trim``; elsewhere
+    nothing): after a call that grew the scratch, its freed medium-sized blocks would otherwise
+    stay in the process's resident memory."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
 
 
 def _padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
@@ -135,20 +192,69 @@ class ConvWorkerService:
     def __init__(self, backend: Backend, config: WorkerConfig | None = None):
         self.backend = backend
         self.config = config or WorkerConfig()
-        self._device_lock = threading.Lock()  # one convolution at a time on the device
-        self._cache_lock = threading.Lock()
-        # session -> (layer, kernel offset) -> what its Forward left
-        self._saved: OrderedDict[int, dict[tuple[str, int], _Saved]] = OrderedDict()
-        # sessions whose saved inputs went to make room for others, most recent last (bounded):
-        # so a Backward that finds nothing can say why
-        self._evicted: OrderedDict[int, None] = OrderedDict()
+        # The backend's scratch buffers kept between calls: a quarter of the budget at most
+        # (held for good, so counted in it); a call that grows them beyond is trimmed after.
+        self.scratch_keep = min(
+            int(getattr(backend, "scratch_bytes", 0)), self.config.memory_bytes // 4
+        )
+        # calls in flight, and what each Forward leaves for its Backward under
+        # (session, (layer, kernel offset)), all in one byte budget
+        self.budget = MemoryBudget(
+            self.config.memory_bytes,
+            self.config.sessions,
+            self.config.max_calls,
+            reserved_bytes=self.scratch_keep,
+        )
+        self.idle = IdleWatch(self.config.idle_timeout)
+        # One convolution at a time, always on this one thread: per-thread scratch exists once.
+        self._device = futures.ThreadPoolExecutor(1, thread_name_prefix="hetconv-device")
+        # Held by every device job: code that runs the backend on its own thread under it still
+        # runs one call at a time (but keeps scratch of its own; prefer _on_device).
+        self._device_lock = threading.Lock()
+        self.scratch_trimmed = 0  # times the scratch was trimmed after a call
         self.requests = 0  # conv requests answered successfully
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
+
+    def _on_device(self, work: Callable[[], object]):
+        """``work()`` on the device thread (after any call before it); its result."""
+
+        def job():
+            try:
+                with self._device_lock:
+                    return work()
+            finally:
+                trim = getattr(self.backend, "trim_scratch", None)
+                if trim is not None and trim(self.scratch_keep):
+                    self.scratch_trimmed += 1
+                    release_free_memory()
+
+        return self._device.submit(job).result()
+
+    @contextmanager
+    def _in_flight(self, name: str, context) -> Iterator[Watched]:
+        """A call in flight: counted and metered by the budget, watched for idling. A call
+        over the budget's limit on calls is refused here (RESOURCE_EXHAUSTED)."""
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(self.budget.call(name))
+            except OverBudget as e:
+                context.abort(e.status, f"{name}: {e}")
+            yield stack.enter_context(self.idle.call(context, name))
+
+    def close(self) -> None:
+        """Stop the idle watch and the device thread (after the server has stopped)."""
+        self.idle.stop()
+        self._device.shutdown(wait=False)
 
     # -- unary calls ------------------------------------------------------------------------
 
     def describe(self, request: pb.DescribeRequest, context) -> pb.DeviceDescription:
         info = self.backend.describe()
+        # What the memory budget holds, as trailing metadata (the message's fields stay as
+        # they are): budget=...,in_flight=...,...,idle_ended=N,scratch_trimmed=N
+        memory = self.budget.holding().as_metadata()
+        extra = f"idle_ended={self.idle.ended},scratch_trimmed={self.scratch_trimmed}"
+        context.set_trailing_metadata(((MEMORY_METADATA, f"{memory},{extra}"),))
         return pb.DeviceDescription(
             backend=info.backend,
             kind=info.kind,
@@ -178,8 +284,14 @@ class ConvWorkerService:
         repeats = request.repeats or self.config.probe_repeats
         if repeats > 20:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probe: {repeats} repeats, max 20")
-        with self._device_lock:
-            seconds = self.backend.time_step(shape, repeats, request.with_grad_input)
+        with self._in_flight("Probe", context):
+            try:
+                self.budget.current().reserve(needed, f"a probe of {shape}")
+            except OverBudget as e:
+                context.abort(e.status, f"probe: {e}")
+            seconds = self._on_device(
+                lambda: self.backend.time_step(shape, repeats, request.with_grad_input)
+            )
         passes = 3 if request.with_grad_input else 2
         return pb.ProbeResult(
             seconds=seconds, gflops=passes * shape.flops_forward / max(seconds, 1e-12) / 1e9
@@ -215,10 +327,45 @@ class ConvWorkerService:
                 raise InvalidCall(
                     f"dy has shape {tensors[0].shape}, expected 4 dimensions (N, k, Ho, Wo)"
                 )
+            self._admit(call, request, tensors)  # before any array is allocated
             return TensorReceiver.of(tensors)
 
         first, arrays = receive_stream(messages, receiver_for)
         return first.header, arrays, time.perf_counter() - start
+
+    def _admit(self, call: ConvCall, request: pb.ConvRequest, tensors: list[WireTensor]) -> None:
+        """Reserve what the call will hold: its request arrays (and staging buffers for a format
+        that converts on arrival) and its answer, twice (the arrays and their encoded bytes).
+        A call whose answer size is not known here is covered once it is computed (:meth:`_run`).
+
+        Raises:
+            OverBudget: it does not fit the memory budget, or a Forward's saved state could
+                never fit a session's share.
+        """
+        memory = self.budget.current()
+        if memory is None:  # a core called outside a handler: nothing to meter
+            return
+        memory.session = request.session
+        need = 0
+        for t in tensors:
+            need += FLOAT32.nbytes(t.shape)
+            if t.format is not FLOAT32:
+                need += t.format.nbytes(t.shape)
+        fmt = answer_format(request.answer_dtype) if call is not ECHO else FLOAT32
+        if call is FORWARD:
+            x, w, _ = (t.shape for t in tensors)
+            self.budget.check_state(FLOAT32.nbytes(x) + FLOAT32.nbytes(w), "this Forward")
+            shape = conv_shape(x, w, _padding(request))
+            need += FORWARD.answer_bytes(shape) + FORWARD.answer_bytes(shape, fmt=fmt)
+        elif call is BACKWARD:
+            saved = self.budget.saved(request.session, (request.layer, request.kernel_offset))
+            if saved is not None:
+                shape = conv_shape(saved.x.shape, saved.w.shape, saved.padding)
+                grad = request.need_input_grad
+                need += BACKWARD.answer_bytes(shape, grad) + BACKWARD.answer_bytes(shape, grad, fmt)
+        elif call is ECHO:
+            need *= 2
+        memory.reserve(need, f"this {call.name}", request.session)
 
     def _check_forward(self, request: pb.ConvRequest, tensors: list[WireTensor]) -> None:
         _padding(request)
@@ -253,6 +400,11 @@ class ConvWorkerService:
         error's type carries."""
         try:
             tensors, compute, receive = core(messages)
+            memory = self.budget.current()
+            if memory is not None:  # the answer, when _admit could not foresee it
+                memory.cover(2 * sum(a.nbytes for _, a, _ in tensors), f"{call.name}'s answer")
+        except IdleTimeout:
+            raise  # the call is over already: nothing to answer
         except WireError as e:
             context.abort(e.status, f"{call.name}: {e}")
         except MemoryError as e:
@@ -266,9 +418,14 @@ class ConvWorkerService:
         """The handler of a streaming call: header and chunks in, header and chunks out."""
 
         def handler(messages: Iterator, context) -> Iterator:
-            head, segments = self._run(call, core, messages, context)
-            yield head
-            yield from chunks(segments)
+            with self._in_flight(call.name, context) as watched:
+                try:
+                    head, segments = self._run(call, core, watched.messages(messages), context)
+                except IdleTimeout:
+                    return  # ended by the idle watch, with its status: nothing more to send
+                for message in itertools.chain([head], chunks(segments)):
+                    with watched.waiting():  # a client that stops reading holds us here
+                        yield message
 
         return handler
 
@@ -276,8 +433,9 @@ class ConvWorkerService:
         """The handler of a call whose request and answer are each one ``ConvBundle``."""
 
         def handler(bundle: Bundle, context) -> Bundle:
-            head, segments = self._run(call, core, iter([bundle]), context)
-            return Bundle(head, segments)
+            with self._in_flight(call.name, context):
+                head, segments = self._run(call, core, iter([bundle]), context)
+                return Bundle(head, segments)
 
         return handler
 
@@ -285,9 +443,13 @@ class ConvWorkerService:
         request, (x, w, b), receive = self._receive(messages, FORWARD)
         padding = _padding(request)
         start = time.perf_counter()
-        with self._device_lock:
+
+        def work():
             y = self.backend.conv_forward(x, w, b, padding)
             self.backend.synchronize()
+            return y
+
+        y = self._on_device(work)
         compute = time.perf_counter() - start
         self._save(request, _Saved(request.step, x, w, padding))
         formats = FORWARD.answer_formats(fmt=answer_format(request.answer_dtype))
@@ -301,7 +463,8 @@ class ConvWorkerService:
         if dy.shape != expected:
             raise InvalidCall(f"{name} has shape {dy.shape}, expected {expected}")
         start = time.perf_counter()
-        with self._device_lock:
+
+        def work():
             dw, db = self.backend.conv_grad_kernels(saved.x, dy, saved.w.shape[2:], saved.padding)
             out = [dw, db]
             if request.need_input_grad:
@@ -309,6 +472,9 @@ class ConvWorkerService:
                     self.backend.conv_grad_input(dy, saved.w, saved.x.shape[2:], saved.padding)
                 )
             self.backend.synchronize()
+            return out
+
+        out = self._on_device(work)
         # dw, db and, when asked for, dx; dx in the format asked for, dw and db float32
         formats = BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype)
@@ -323,51 +489,55 @@ class ConvWorkerService:
     # -- the forward-input cache ------------------------------------------------------------
 
     def _save(self, request: pb.ConvRequest, saved: _Saved) -> None:
-        """Keep ``saved`` under (session, layer, kernel offset); what this session keeps of the
-        layer from other steps goes (its backward calls are over), so a split that changes
-        leaves no stale slices behind."""
-        with self._cache_lock:
-            slices = self._saved.setdefault(request.session, {})
-            for key in [k for k, v in slices.items() if k[0] == request.layer]:
-                if slices[key].step != saved.step:
-                    del slices[key]
-            slices[request.layer, request.kernel_offset] = saved
-            self._saved.move_to_end(request.session)
-            self._evicted.pop(request.session, None)
-            while len(self._saved) > self.config.sessions:
-                gone, _ = self._saved.popitem(last=False)
-                self._evicted[gone] = None
-                while len(self._evicted) > EVICTED_REMEMBERED:
-                    self._evicted.popitem(last=False)
+        """Keep ``saved`` under (session, layer, kernel offset) in the memory budget; what this
+        session keeps of the layer from other steps goes (its backward calls are over), so a
+        split that changes leaves no stale slices behind."""
+        key = (request.layer, request.kernel_offset)
+
+        def stale(other: tuple[str, int], kept: _Saved) -> bool:
+            return other[0] == request.layer and kept.step != saved.step
+
+        self.budget.save(request.session, key, saved, replaces=stale)
 
     def _saved_for(self, request: pb.ConvRequest) -> _Saved:
         layer, offset = request.layer, request.kernel_offset
-        with self._cache_lock:
-            slices = self._saved.get(request.session, {})
-            saved = slices.get((layer, offset))
-            others = sorted(k[1] for k in slices if k[0] == layer and k[1] != offset)
-            evicted = request.session in self._evicted
+        saved = self.budget.saved(request.session, (layer, offset))
         if saved is None or saved.step != request.step:
             if saved is not None:
                 have = f"step {saved.step}"
-            elif others:
-                have = "only kernels from " + ", ".join(map(str, others))
-            elif evicted:
-                n = self.config.sessions
-                raise MissingForward(
-                    f"no forward pass of layer {layer!r} at step {request.step} for this "
-                    f"session: this worker dropped the session's saved inputs to make room for "
-                    f"another master's (it keeps {n} session{'s' if n != 1 else ''} at once, "
-                    f"and more masters use it); start it with a larger --sessions",
-                )
             else:
-                have = "nothing"
+                keys = self.budget.keys(request.session)
+                others = sorted(k[1] for k in keys if k[0] == layer and k[1] != offset)
+                have = "only kernels from " + ", ".join(map(str, others)) if others else ""
+                dropped = self.budget.dropped(request.session, (layer, offset))
+                if not others and dropped is not None:
+                    raise MissingForward(self._dropped_message(request, dropped))
+                have = have or "nothing"
             where = f" from kernel {offset}" if offset else ""
             raise MissingForward(
                 f"no forward pass of layer {layer!r}{where} at step {request.step} for this "
                 f"session (have {have}); send Forward first",
             )
         return saved
+
+    def _dropped_message(self, request: pb.ConvRequest, dropped: Dropped) -> str:
+        head = f"no forward pass of layer {request.layer!r} at step {request.step} for this session"
+        mib = self.config.memory_bytes >> 20
+        if dropped.cause == "share":
+            share = self.budget.session_share >> 20
+            return (
+                f"{head}: this worker dropped its saved inputs to keep the session within its "
+                f"share of the memory budget (--memory-mib {mib} MiB, less the device "
+                f"scratch, / {self.config.sessions} sessions = {share} MiB); start it with a "
+                "larger --memory-mib or a smaller --sessions"
+            )
+        n = self.config.sessions
+        return (
+            f"{head}: this worker dropped the session's saved inputs to make room for "
+            f"another master's (it keeps {n} session{'s' if n != 1 else ''} at once in a "
+            f"memory budget of {mib} MiB, and more masters use it); start it with a larger "
+            "--sessions or --memory-mib"
+        )
 
 
 def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
@@ -413,7 +583,10 @@ def start_server(
         interceptors=security.interceptors(),
         # No SO_REUSEPORT: a second worker on a serving port must fail, not silently share it
         # (the kernel would split connections, and a Backward could miss its Forward's worker).
-        options=[*server_options(), ("grpc.so_reuseport", 0)],
+        options=[
+            *server_options(service.config.streams_per_connection),
+            ("grpc.so_reuseport", 0),
+        ],
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.HealthServicer()

@@ -14,11 +14,11 @@ recently used session goes).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import numpy as np
 
 from hetconv.backends import conv_shape
 from hetconv.calls import STAGE_BACKWARD, STAGE_FORWARD, StageShape
@@ -32,6 +32,16 @@ from hetconv.stages import StageRun, spec_from_proto, stage_backward, stage_forw
 class _Kept:
     step: int
     run: StageRun
+
+    @property
+    def held_bytes(self) -> int:
+        """What it holds, for the worker's memory budget: the input and widened kernels, and
+        every array the stage's layers saved for their backward."""
+        run = self.run
+        arrays = [run.x, run.w]
+        for layer in run.layers:
+            arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray)]
+        return sum(a.nbytes for a in arrays)
 
 
 def _padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
@@ -51,8 +61,6 @@ class StageCalls:
 
     def __init__(self, service):
         self.service = service
-        self._lock = threading.Lock()
-        self._kept: OrderedDict[int, dict[tuple[str, int], _Kept]] = OrderedDict()
 
     def _check_forward(self, request: pb.ConvRequest, x, w, b):
         padding = _padding(request)
@@ -90,9 +98,13 @@ class StageCalls:
         request, (x, w, b), receive = service._receive(messages, STAGE_FORWARD)
         padding, spec, own = self._check_forward(request, x, w, b)
         start = time.perf_counter()
-        with service._device_lock:
-            y, run = stage_forward(service.backend, x, w, b, padding, spec, own)
+
+        def work():
+            out = stage_forward(service.backend, x, w, b, padding, spec, own)
             service.backend.synchronize()
+            return out
+
+        y, run = service._on_device(work)  # the device thread: one scratch, trimmed
         compute = time.perf_counter() - start
         self._keep(request, _Kept(request.step, run))
         ((name, fmt),) = STAGE_FORWARD.answer_formats(
@@ -117,9 +129,13 @@ class StageCalls:
                 f"it must cover the owned {run.own.start}..{run.own.stop - 1} and stay within"
             )
         start = time.perf_counter()
-        with service._device_lock:
-            dx, dw, db = stage_backward(service.backend, run, dy, grad, request.need_input_grad)
+
+        def work():
+            out = stage_backward(service.backend, run, dy, grad, request.need_input_grad)
             service.backend.synchronize()
+            return out
+
+        dx, dw, db = service._on_device(work)
         formats = STAGE_BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype)
         )
@@ -129,21 +145,26 @@ class StageCalls:
 
     # -- what forward keeps ------------------------------------------------------------------
 
+    @staticmethod
+    def _key(request: pb.ConvRequest) -> tuple[str, int]:
+        return (f"stage {request.layer}", request.kernel_offset)
+
     def _keep(self, request: pb.ConvRequest, kept: _Kept) -> None:
-        with self._lock:
-            slices = self._kept.setdefault(request.session, {})
-            for key in [k for k, v in slices.items() if k[0] == request.layer]:
-                if slices[key].step != kept.step:
-                    del slices[key]
-            slices[request.layer, request.kernel_offset] = kept
-            self._kept.move_to_end(request.session)
-            while len(self._kept) > self.service.config.sessions:
-                self._kept.popitem(last=False)
+        """Keep ``kept`` in the worker's memory budget (as the plain Forward's inputs are): what
+        this session keeps of the layer's stage from other steps goes."""
+        key = self._key(request)
+
+        def stale(other: tuple[str, int], state) -> bool:
+            return other[0] == key[0] and state.step != kept.step
+
+        self.service.budget.save(request.session, key, kept, replaces=stale)
 
     def _kept_for(self, request: pb.ConvRequest) -> StageRun:
-        with self._lock:
-            kept = self._kept.get(request.session, {}).get((request.layer, request.kernel_offset))
+        budget, key = self.service.budget, self._key(request)
+        kept = budget.saved(request.session, key)
         if kept is None or kept.step != request.step:
+            if kept is None and (dropped := budget.dropped(request.session, key)) is not None:
+                raise MissingForward(self.service._dropped_message(request, dropped))
             have = "nothing" if kept is None else f"step {kept.step}"
             raise MissingForward(
                 f"no stage forward of layer {request.layer!r} from kernel "

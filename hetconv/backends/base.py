@@ -409,6 +409,11 @@ class Backend(ABC):
     def synchronize(self) -> None:  # noqa: B027 - a no-op for host backends
         """Wait for queued device work (a no-op for host backends); used when timing."""
 
+    def trim_scratch(self, keep_bytes: int) -> int:
+        """Free the calling thread's scratch buffers when they hold more than ``keep_bytes``
+        (a worker calls this after each call); returns the bytes freed (0: none kept here)."""
+        return 0
+
     def time_step(
         self, shape: ConvShape, repeats: int = 1, with_grad_input: bool = True, seed: int = 0
     ) -> float:

@@ -202,6 +202,14 @@ class CpuBackend(Backend):
         self.scratch_bytes = int(scratch_bytes)
         self._scratch = _Scratch()
 
+    def trim_scratch(self, keep_bytes: int) -> int:
+        buffers = self._scratch.buffers
+        held = sum(b.nbytes for b in buffers.values())
+        if held <= keep_bytes:
+            return 0
+        buffers.clear()
+        return held
+
     def describe(self) -> DeviceInfo:
         return DeviceInfo(
             backend=self.name,

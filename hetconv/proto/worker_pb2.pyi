@@ -32,6 +32,8 @@ class StageLayer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELU: _ClassVar[StageLayer]
     LRN: _ClassVar[StageLayer]
     MAXPOOL: _ClassVar[StageLayer]
+    AVGPOOL: _ClassVar[StageLayer]
+    GLOBAL_AVGPOOL: _ClassVar[StageLayer]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -49,6 +51,8 @@ STAGE_LAYER_UNSPECIFIED: StageLayer
 RELU: StageLayer
 LRN: StageLayer
 MAXPOOL: StageLayer
+AVGPOOL: StageLayer
+GLOBAL_AVGPOOL: StageLayer
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "shape", "dtype", "nbytes")

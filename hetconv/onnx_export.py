@@ -1,0 +1,206 @@
+"""A trained network as an ONNX graph, so that it runs anywhere ONNX does.
+
+The graph is built from the model spec with the ``onnx`` package's helper API (the ``onnx``
+extra: ``pip install 'hetconv[onnx]'``) in evaluation mode: one node per layer, the weights as
+initializers under their PyTorch names.
+
+=============  ==========================================================================
+spec           ONNX
+=============  ==========================================================================
+``conv``       Conv (pads top, left, bottom, right; strides; bias)
+``relu``       Relu
+``lrn``        LRN (odd sizes; an even size's window is centred as PyTorch's, not ONNX's, so it
+               is built from Mul, Pad, AveragePool, Pow)
+``maxpool``    MaxPool (no padding, floor mode)
+``avgpool``    AveragePool (no padding, floor mode)
+``gap``        GlobalAveragePool
+``batchnorm``  BatchNormalization with the running statistics (inference mode)
+``dropout``    nothing: the identity in evaluation
+``fc``         Flatten (when its input is not flat yet), then Gemm with ``transB = 1``
+=============  ==========================================================================
+
+The graph takes float32 ``input`` (N, C, H, W), N free, normalised as in training, and gives
+``logits`` float32 (N, classes): :meth:`hetconv.model.Model.forward` in evaluation mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .backends import Padding
+from .model import Model, walk_spec
+
+#: The opset the graph declares: every operator above has had its present form since then,
+#: and runtimes from 2022 on run it.
+OPSET = 17
+#: The IR version written (the lowest that opset 17 allows), for older runtimes' sake.
+IR_VERSION = 8
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError:
+        raise ValueError(
+            "exporting to ONNX needs the onnx package: pip install 'hetconv[onnx]'"
+        ) from None
+    return onnx
+
+
+def build_onnx(
+    spec: Sequence[Mapping],
+    weights: Mapping[str, np.ndarray],
+    input_shape: tuple[int, int, int],
+    name: str = "hetconv",
+):
+    """The network ``spec`` with ``weights`` as a checked ``onnx.ModelProto``.
+
+    Args:
+        spec: the model spec (:mod:`hetconv.model`).
+        weights: name -> array, as :meth:`Model.state` gives them or a weight file holds
+            (parameters and batch norm's running statistics; checked against the spec).
+        input_shape: per-sample (C, H, W).
+        name: the graph's name.
+
+    Raises:
+        ValueError: a spec or weights that do not fit each other, or the ``onnx`` package
+            missing.
+    """
+    onnx = _onnx()
+    helper, numpy_helper = onnx.helper, onnx.numpy_helper
+    model = Model(spec, input_shape)
+    model.load_state(dict(weights))
+    state = model.state()
+
+    nodes, initializers = [], []
+
+    def weight(key: str) -> str:
+        initializers.append(numpy_helper.from_array(np.asarray(state[key], np.float32), key))
+        return key
+
+    current = "input"
+    for item in walk_spec(spec, input_shape):
+        kind, layer, o = item.kind, item.name, item.options
+        out = f"{layer}/output" if item.index < len(spec) - 1 else "logits"
+        if kind == "dropout":
+            continue
+        if kind == "conv":
+            conv = item.conv
+            pads = Padding.resolve(conv.padding, conv.kernel_size)
+            inputs = [current, weight(f"{layer}.weight"), weight(f"{layer}.bias")]
+            node = helper.make_node(
+                "Conv", inputs, [out], name=layer,
+                kernel_shape=list(conv.kernel_size), strides=list(conv.stride),
+                pads=[pads.top, pads.left, pads.bottom, pads.right],
+            )  # fmt: skip
+        elif kind == "relu":
+            node = helper.make_node("Relu", [current], [out], name=layer)
+        elif kind == "lrn" and o["size"] % 2 == 0:
+            nodes.extend(_even_lrn(helper, numpy_helper, initializers, layer, current, out, o))
+            current = out
+            continue
+        elif kind == "lrn":
+            node = helper.make_node(
+                "LRN", [current], [out], name=layer,
+                size=o["size"], alpha=o["alpha"], beta=o["beta"], bias=o["k"],
+            )  # fmt: skip
+        elif kind in ("maxpool", "avgpool"):
+            op = "MaxPool" if kind == "maxpool" else "AveragePool"
+            node = helper.make_node(
+                op, [current], [out], name=layer,
+                kernel_shape=[o["kernel"]] * 2, strides=[o["stride"]] * 2,
+            )  # fmt: skip
+        elif kind == "gap":
+            node = helper.make_node("GlobalAveragePool", [current], [out], name=layer)
+        elif kind == "batchnorm":
+            inputs = [current] + [
+                weight(f"{layer}.{key}")
+                for key in ("weight", "bias", "running_mean", "running_var")
+            ]
+            node = helper.make_node(
+                "BatchNormalization", inputs, [out], name=layer, epsilon=o["eps"]
+            )
+        else:  # fc
+            if len(item.input_shape) != 1:
+                flat = f"{layer}.flatten"
+                nodes.append(helper.make_node("Flatten", [current], [flat], name=flat, axis=1))
+                current = flat
+            inputs = [current, weight(f"{layer}.weight"), weight(f"{layer}.bias")]
+            node = helper.make_node("Gemm", inputs, [out], name=layer, transB=1)
+        nodes.append(node)
+        current = out
+    if current != "logits":  # the spec ends in dropout (or is empty): name the output
+        nodes.append(helper.make_node("Identity", [current], ["logits"], name="logits"))
+
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, ["N", *input_shape])],
+        [
+            helper.make_tensor_value_info(
+                "logits", onnx.TensorProto.FLOAT, ["N", *model.output_shape]
+            )
+        ],
+        initializer=initializers,
+    )
+    proto = helper.make_model(
+        graph, producer_name="hetconv", opset_imports=[helper.make_opsetid("", OPSET)]
+    )
+    proto.ir_version = IR_VERSION
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+def _even_lrn(helper, numpy_helper, initializers, layer, x, out, o) -> list:
+    """PyTorch's LRN of even size as elementary nodes: ONNX's LRN centres an even window one
+    channel off (``floor((size - 1) / 2)`` channels before, PyTorch ``size // 2``). The squares
+    get ``size // 2`` zero channels before and ``(size - 1) // 2`` after, a size x 1 x 1 average
+    pool over a channel axis sums each window (over ``size``), and then
+    ``y = x * (k + alpha * mean) ** -beta``, as ``torch.nn.functional.local_response_norm``."""
+    size = o["size"]
+    before, after = size // 2, (size - 1) // 2
+
+    def constant(suffix: str, value: np.ndarray) -> str:
+        name = f"{layer}.{suffix}"
+        initializers.append(numpy_helper.from_array(value, name))
+        return name
+
+    axis = constant("axis", np.array([1], np.int64))
+    pads = constant("pads", np.array([0, 0, before, 0, 0, 0, 0, after, 0, 0], np.int64))
+    alpha = constant("alpha", np.array(o["alpha"], np.float32))
+    k = constant("k", np.array(o["k"], np.float32))
+    power = constant("power", np.array(-o["beta"], np.float32))
+    t = f"{layer}/"
+    return [
+        helper.make_node("Mul", [x, x], [t + "square"], name=t + "square"),
+        helper.make_node("Unsqueeze", [t + "square", axis], [t + "5d"], name=t + "5d"),
+        helper.make_node("Pad", [t + "5d", pads], [t + "padded"], name=t + "padded"),
+        helper.make_node(
+            "AveragePool",
+            [t + "padded"],
+            [t + "mean5d"],
+            name=t + "mean5d",
+            kernel_shape=[size, 1, 1],
+        ),  # fmt: skip
+        helper.make_node("Squeeze", [t + "mean5d", axis], [t + "mean"], name=t + "mean"),
+        helper.make_node("Mul", [t + "mean", alpha], [t + "scaled"], name=t + "scaled"),
+        helper.make_node("Add", [t + "scaled", k], [t + "scale"], name=t + "scale"),
+        helper.make_node("Pow", [t + "scale", power], [t + "inverse"], name=t + "inverse"),
+        helper.make_node("Mul", [x, t + "inverse"], [out], name=layer),
+    ]
+
+
+def export_onnx(
+    spec: Sequence[Mapping],
+    weights: Mapping[str, np.ndarray],
+    input_shape: tuple[int, int, int],
+    path,
+) -> None:
+    """Write :func:`build_onnx`'s graph to ``path``."""
+    proto = build_onnx(spec, weights, input_shape)
+    _onnx().save_model(proto, str(path))
+
+
+__all__ = ["IR_VERSION", "OPSET", "build_onnx", "export_onnx"]

@@ -1,0 +1,474 @@
+"""Spot checks: the master recomputes a random sample of a worker's answer and compares.
+
+A worker can answer with finite but wrong numbers (a broken driver, a bad overclock, a laptop
+that lies). Nothing else would notice: the shapes are right, the values finite, and training
+goes on to a different model. So every ``every`` steps (default :data:`DEFAULT_EVERY`), for
+every answer of every worker in that step, the master picks a few kernels of the worker's slice,
+a few images and a few input channels, recomputes exactly those values itself and compares them
+with the answer:
+
+* forward: the feature maps of the sampled kernels on the sampled images (a ``kernels`` x
+  ``images`` convolution);
+* backward: the kernel gradients of the sampled kernels on a few sampled input channels (over
+  all images: a kernel's gradient is a sum over the batch; one input channel's slice of it
+  needs only that channel of the input), their bias gradients, and the worker's input-gradient
+  part on the sampled images and input channels (over all its kernels: the part is a sum over
+  them).
+
+So every tensor a worker returns is sampled. The master computes the samples in float64 by FFT
+(scipy), independent of every backend: a bug its own backend shared with a worker's would not
+hide, and a few kernels' gradients over a whole batch cost less this way than a backend's
+lowering of the input. A mismatch raises :class:`SpotCheckFailed`, a
+:class:`~.client.WorkerError`: the runner covers the piece (the master computes it) and the
+worker is lost with an event naming it, the layer, the phase, the worst error and the
+tolerance. The training loop then computes the step again without it
+(:meth:`~.cluster.Cluster.redo_step`): its earlier answers in the step passed their checks but
+may be wrong where they were not sampled. It is *kept out* for the rest of the run
+(``keep_out``, state ``distrusted``): the monitor never re-admits it, since a worker that lied
+once is not trusted with the unchecked values that would follow its return (a new run admits
+it again). Answers it gave in unchecked steps (``every`` above 1), or that passed the checks of
+earlier steps, stay in the weights: sampling bounds how long a lie goes unseen, not what it
+costs until then (``benchmarks/spot_checks.py`` measures both).
+
+What is sampled follows from the seed, the step, the layer, the phase and the node, so a run
+repeated with the same settings checks the same values. A check only reads: an honest worker's
+answer is used unchanged, so checks never change what a run computes (``--deterministic`` runs
+stay bitwise identical).
+
+Tolerance (:func:`tolerance`): the sample's largest error over its scale (the largest value
+the master computed for that tensor; the kernel and bias gradients of a kernel share one
+scale, since a bias gradient alone can cancel to near zero) must stay within ``rtol`` plus,
+for tensors that travel in a 16-bit wire format (feature maps, input gradients), one unit in
+the last place of that format (:data:`FORMAT_ULP`), since the worker's and the master's float32
+results, a round-off apart, can round to neighbouring 16-bit values. The master recomputes
+from the inputs *as the worker received them* (rounded through the wire format), so the
+format's rounding of the inputs costs nothing; kernel and bias gradients travel as float32 and
+get ``rtol`` alone. ``rtol`` (:data:`DEFAULT_RTOL`, 1e-4) is five times the 2e-5 that the
+backends' own tests allow between a device and the cpu backend (``tests/test_backend_cuda.py``)
+and over a hundred times the worst that honest cpu workers showed (``benchmarks/spot_checks.py``
+prints it); it catches an answer scaled by 1.5 at once and a relative perturbation of 1e-3 in
+float32 (``tests/test_spot_checks.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import fft as sfft
+
+from hetconv.formats import FLOAT16, TensorFormat
+
+from .client import WorkerError
+
+#: Check every this many steps by default (step 0 included); see ``benchmarks/spot_checks.py``:
+#: fused stages (the command line's default) cost more to check than plain convolutions (each
+#: sampled kernel's halo runs through the stage's layers), 15 % of a paper-50-500 step at batch
+#: 16 every step, under 2 % every 4th.
+DEFAULT_EVERY = 4
+#: Kernels of a worker's slice, images of the batch and input channels sampled per answer.
+DEFAULT_KERNELS = 2
+DEFAULT_IMAGES = 2
+DEFAULT_CHANNELS = 2
+#: The largest error over the scale allowed between a worker's float32 and the master's.
+DEFAULT_RTOL = 1e-4
+#: One unit in the last place, relative to the value, of each 16-bit wire format (by label):
+#: float16 keeps 11 significant bits, bfloat16 8.
+FORMAT_ULP = {"float32": 0.0, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+#: The smallest step between float16 values (its subnormals): an absolute floor, since below
+#: 2**-14 float16 keeps fewer significant bits.
+FLOAT16_SUBNORMAL = 2.0**-24
+
+_PHASES = {"forward": 0, "backward": 1}
+
+
+@dataclass(frozen=True)
+class SpotCheckConfig:
+    """How often and how much the master recomputes of workers' answers.
+
+    Args:
+        every: check every this many steps (step 0, ``every``, ``2 * every``, ...); 0: never.
+        kernels: kernels of a worker's slice sampled per answer (all, if it has fewer).
+        images: images of the batch sampled per answer (all, if the batch has fewer).
+        channels: input channels sampled per backward answer (all, if the layer has fewer).
+        seed: picks the samples, with the step, layer, phase and node.
+        rtol: the largest error over the scale allowed between two float32 computations.
+    """
+
+    every: int = DEFAULT_EVERY
+    kernels: int = DEFAULT_KERNELS
+    images: int = DEFAULT_IMAGES
+    channels: int = DEFAULT_CHANNELS
+    seed: int = 0
+    rtol: float = DEFAULT_RTOL
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"spot-check interval must be >= 0 steps (0: off), got {self.every}")
+        if min(self.kernels, self.images, self.channels) < 1:
+            raise ValueError(
+                "a spot check samples at least 1 kernel, 1 image and 1 input channel, got "
+                f"{self.kernels} kernels, {self.images} images, {self.channels} channels"
+            )
+        if not 0 < self.rtol < 1:
+            raise ValueError(f"spot-check tolerance must be in (0, 1), got {self.rtol}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What one check recomputes: ``kernels`` (absolute kernel numbers, ascending, inside the
+    piece), ``images`` (batch positions) and ``channels`` (input channels), ascending."""
+
+    kernels: np.ndarray
+    images: np.ndarray
+    channels: np.ndarray
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One tensor of a sample: its short name (``y``, ``dw``, ``db``, ``dx``: the trace's) and
+    what was sampled of it (for messages), the worker's values, the master's, their scale (the
+    largest value the master computed for it and what shares its scale), and whether it
+    travelled in the wire format (then rounded to it on both sides)."""
+
+    tensor: str
+    what: str
+    got: np.ndarray
+    want: np.ndarray
+    scale: float
+    wire_rounded: bool
+
+
+class SpotCheckFailed(WorkerError):
+    """A worker's answer differs from what the master recomputed of it: it is lost and kept
+    out for the rest of the run (``keep_out``; see :meth:`~.membership.Membership.lose`)."""
+
+    keep_out = True
+
+
+def tolerance(rtol: float, fmt: TensorFormat, wire_rounded: bool) -> tuple[float, float]:
+    """(relative, absolute) error allowed for a tensor: ``|got - want| <= relative * scale +
+    absolute``. A tensor that travelled in ``fmt`` (``wire_rounded``) may differ by one unit in
+    its last place more (and, for float16, by one subnormal step)."""
+    if not wire_rounded:
+        return rtol, 0.0
+    absolute = FLOAT16_SUBNORMAL if fmt is FLOAT16 else 0.0
+    return rtol + FORMAT_ULP.get(fmt.label, 0.0), absolute
+
+
+def as_received(fmt: TensorFormat, array: np.ndarray) -> np.ndarray:
+    """``array`` as the other side of the wire gets it in ``fmt`` (rounded; float32: itself)."""
+    if fmt.exact:
+        return np.ascontiguousarray(array)
+    return fmt.to_host(fmt.to_wire(array))
+
+
+def _as_answered(fmt: TensorFormat, values: np.ndarray) -> np.ndarray:
+    """Float64 ``values`` as a worker's float32 answer reaches the master in ``fmt``. A finite
+    answer cannot exceed the format's largest finite value, so the master's own values are
+    clipped to it: where its float32 rounds just past float16's 65504 and the worker's just
+    below, both are right (an infinite answer is refused before any spot check)."""
+    rounded = as_received(fmt, values.astype(np.float32))
+    if fmt is FLOAT16:
+        largest = float(np.finfo(np.float16).max)
+        np.clip(rounded, -largest, largest, out=rounded)
+    return rounded
+
+
+def relative_error(comparison: Comparison) -> tuple[float, float]:
+    """(the largest ``|got - want|`` over the scale, the largest ``|got - want|``)."""
+    got, want = comparison.got, comparison.want
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(got.astype(np.float64) - want)
+    diff[got == want] = 0.0  # equal infinities (a float16 overflow on both sides) agree
+    worst = float(diff.max(initial=0.0))
+    return worst / comparison.scale if comparison.scale > 0 else (np.inf if worst else 0.0), worst
+
+
+class SpotChecker:
+    """Decides which steps and values are checked, runs the comparisons, and keeps the step's
+    summary for the trace.
+
+    A job is checked when it has a ``spot_sample(piece, answer, draw)`` method returning the
+    :class:`Comparison` of every tensor sampled, where ``draw(images, channels)`` gives the
+    :class:`Sample` for a batch of ``images`` with ``channels`` input channels (the kernel
+    split's jobs do, see :mod:`.dispatch`); a job of a strategy without one is not checked.
+    """
+
+    def __init__(self, config: SpotCheckConfig):
+        self.config = config
+        self.step = 0
+        self.due = False
+        self.start_step(0)
+
+    def start_step(self, step: int) -> None:
+        """Calls from now on belong to ``step``."""
+        self.step = step
+        every = self.config.every
+        self.due = every > 0 and step % every == 0
+        self.summary: dict[str, dict] = {}  # worker -> checks, worst, where
+        self.seconds = 0.0
+        self.caught: list[str] = []  # workers caught in this step, not yet redone
+
+    def sample(
+        self, layer: str, phase: str, node_index: int, part: slice, images: int, channels: int
+    ) -> Sample:
+        """The kernels of ``part``, the images of a batch of ``images`` and the input channels
+        of ``channels`` to recompute."""
+        c = self.config
+        rng = np.random.default_rng(
+            [c.seed & 0xFFFFFFFF, self.step, zlib.crc32(layer.encode()), _PHASES[phase], node_index]
+        )
+        size = part.stop - part.start
+        kernels = rng.choice(size, min(c.kernels, size), replace=False) + part.start
+        chosen = rng.choice(images, min(c.images, images), replace=False)
+        inputs = rng.choice(channels, min(c.channels, channels), replace=False)
+        return Sample(np.sort(kernels), np.sort(chosen), np.sort(inputs))
+
+    def check(self, job, piece, answer, layer: str) -> None:
+        """Recompute a sample of ``answer`` (``piece``'s, from a worker) on a due step.
+
+        Raises:
+            SpotCheckFailed: a sampled value is off by more than the tolerance.
+        """
+        spot_sample = getattr(job, "spot_sample", None)
+        if not self.due or spot_sample is None:
+            return
+        start = time.perf_counter()
+        try:
+
+            def draw(images: int, channels: int) -> Sample:
+                return self.sample(layer, job.phase, piece.index, piece.part, images, channels)
+
+            comparisons = spot_sample(piece, answer, draw)
+            self._compare(piece.node, layer, job.phase, comparisons)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _compare(self, node, layer: str, phase: str, comparisons: Sequence[Comparison]) -> None:
+        fmt = node.client.wire_format
+        entry = self.summary.setdefault(node.name, {"checks": 0, "worst": 0.0})
+        entry["checks"] += 1
+        for comparison in comparisons:
+            relative, absolute = tolerance(self.config.rtol, fmt, comparison.wire_rounded)
+            error, worst = relative_error(comparison)
+            if error >= entry["worst"]:
+                entry.update(worst=float(f"{error:.3g}"), at=f"{layer} {phase} {comparison.tensor}")
+            if worst > relative * comparison.scale + absolute:
+                self.caught.append(node.name)
+                raise SpotCheckFailed(
+                    node.name,
+                    f"{phase} {layer}: spot check failed: {comparison.what} differ from the "
+                    f"master's by {error:.3g} of their scale {comparison.scale:.3g} (tolerance "
+                    f"{relative:.3g}{' + float16 subnormal' if absolute else ''}): finite "
+                    "but wrong; not re-admitted this run",
+                )
+
+    def take_caught(self) -> list[str]:
+        """Workers caught since the last call in this step (the step is then computed again:
+        their answers that passed earlier checks in it may be wrong where not sampled)."""
+        caught, self.caught = self.caught, []
+        return caught
+
+    def record(self) -> dict | None:
+        """The step's checks for its trace record: per worker the answers checked and the
+        worst error over scale (and where), and the seconds the checks took; None when
+        nothing was checked."""
+        if not self.summary:
+            return None
+        return {"seconds": self.seconds, "workers": self.summary}
+
+
+def _names(indices: np.ndarray) -> str:
+    return ",".join(map(str, indices.tolist()))
+
+
+def _spectrum(a: np.ndarray, size: tuple[int, int], at: tuple[int, int] = (0, 0)) -> np.ndarray:
+    """The 2-D real FFT, in float64, of ``a`` (..., H, W) placed at row, column ``at`` of
+    zeros of ``size`` (padded by hand: scipy's own padding, ``s=``, is several times slower
+    for float64 here)."""
+    padded = np.zeros(a.shape[:-2] + size)
+    padded[..., at[0] : at[0] + a.shape[-2], at[1] : at[1] + a.shape[-1]] = a
+    return sfft.rfft2(padded, axes=(-2, -1))
+
+
+def _inverse(spectrum: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    return sfft.irfft2(spectrum, s=size, axes=(-2, -1))
+
+
+def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per frequency, the matrix product of ``a`` (P, Q, F1, F2) and ``b`` (Q, R, F1, F2): a
+    sum over the second axis of ``a`` (P, R, F1, F2)."""
+    f = a.shape[2:]
+    left = a.reshape(a.shape[0], a.shape[1], -1).transpose(2, 0, 1)
+    right = b.reshape(b.shape[0], b.shape[1], -1).transpose(2, 0, 1)
+    return (left @ right).transpose(1, 2, 0).reshape(a.shape[0], b.shape[1], *f)
+
+
+def kernel_forward_sample(fmt: TensorFormat, x, w, b, sides, y, sample: Sample) -> list[Comparison]:
+    """The kernel split's forward: the feature maps ``y`` (N, K, Ho, Wo) a worker wrote, of the
+    sampled kernels on the sampled images, against the master's convolution of the inputs as
+    the worker received them (in ``fmt``) with those kernels, rounded to ``fmt`` as the maps
+    travelled.
+
+    .. note:: The master computes samples in float64 by FFT (scipy): independent of every
+       backend (a bug the master's backend shared with a worker's would not hide) and, for a
+       few kernels over a whole batch, cheaper than a backend's lowering of the input.
+    """
+    ks, images = sample.kernels, sample.images
+    top, bottom, left, right = sides
+    size = (x.shape[2] + top + bottom, x.shape[3] + left + right)
+    ho, wo = size[0] - w.shape[2] + 1, size[1] - w.shape[3] + 1
+    inputs = _spectrum(as_received(fmt, x[images]), size, (top, left))
+    kernels = _spectrum(w[ks], size).conj()  # correlation: y[p] = sum over i of w[i] x[p + i]
+    maps = _inverse(_product(inputs, kernels.transpose(1, 0, 2, 3)), size)[..., :ho, :wo]
+    want = _as_answered(fmt, maps + b[ks][:, None, None])
+    scale = float(np.abs(want).max(initial=0.0))
+    what = f"feature maps of kernels {_names(ks)}, images {_names(images)}"
+    return [Comparison("y", what, y[np.ix_(images, ks)], want, scale, wire_rounded=True)]
+
+
+def kernel_backward_sample(
+    fmt: TensorFormat,
+    x,
+    w,
+    dy,
+    sides,
+    part: slice,
+    dw,
+    db,
+    dx_part,
+    sample: Sample,
+) -> list[Comparison]:
+    """The kernel split's backward: the kernel gradients ``dw`` (K, C, kh, kw) a worker wrote
+    for the sampled kernels and input channels (summed over every image, so that channel of
+    every image of ``x`` is used), their bias gradients ``db``, and its input-gradient part
+    ``dx_part`` (N, C, H, W; None when not asked) on the sampled images and channels (summed
+    over every kernel of its slice ``part``), against the master's, from the inputs and
+    output gradients as the worker received them in ``fmt`` (float64, by FFT: see
+    :func:`kernel_forward_sample`)."""
+    ks, images, cs = sample.kernels, sample.images, sample.channels
+    top, bottom, left, right = sides
+    h, w_ = x.shape[2:]
+    size = (h + top + bottom, w_ + left + right)
+    kh, kw = w.shape[2:]
+    grads = as_received(fmt, dy[:, ks])
+    # dw[k, c, i, j] = sum over n, p, q of dy[n, k, p, q] * padded x[n, c, p + i, q + j]
+    inputs = _spectrum(as_received(fmt, x[:, cs]), size, (top, left))
+    grads_conj = _spectrum(grads, size).conj()
+    products = _product(grads_conj.transpose(1, 0, 2, 3), inputs)
+    want_dw = _inverse(products, size)[..., :kh, :kw].astype(np.float32)
+    want_db = grads.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32)
+    scale = float(max(np.abs(want_dw).max(initial=0.0), np.abs(want_db).max(initial=0.0)))
+    named = f"kernels {_names(ks)}"
+    out = [
+        Comparison(
+            "dw", f"kernel gradients of {named}, input channels {_names(cs)}",
+            dw[np.ix_(ks, cs)], want_dw, scale, wire_rounded=False,
+        ),
+        Comparison(
+            "db", f"bias gradients of {named}", db[ks], want_db, scale, wire_rounded=False
+        ),
+    ]  # fmt: skip
+    if dx_part is not None:
+        # padded dx[n, c, u, v] = sum over k, i, j of dy[n, k, u - i, v - j] * w[k, c, i, j]
+        slice_grads = _spectrum(as_received(fmt, dy[images][:, part]), size)
+        products = _product(slice_grads, _spectrum(w[part][:, cs], size))
+        padded = _inverse(products, size)
+        want_dx = _as_answered(fmt, padded[..., top : top + h, left : left + w_])
+        scale_dx = float(np.abs(want_dx).max(initial=0.0))
+        what = f"input-gradient part on images {_names(images)}, channels {_names(cs)}"
+        got = dx_part[np.ix_(images, cs)]
+        out.append(Comparison("dx", what, got, want_dx, scale_dx, wire_rounded=True))
+    return out
+
+
+def _correlate(inputs: np.ndarray, w: np.ndarray, size, out_hw) -> np.ndarray:
+    """Float64 feature maps (N, k, Ho, Wo) of input spectra ``inputs`` (from
+    :func:`_spectrum` of the padded input, ``size``) with kernels ``w`` (k, C, kh, kw)."""
+    kernels = _spectrum(w, size).conj()
+    maps = _inverse(_product(inputs, kernels.transpose(1, 0, 2, 3)), size)
+    return maps[..., : out_hw[0], : out_hw[1]]
+
+
+def _stage_run(stage, maps: np.ndarray):
+    """The stage's layers (fresh objects, the code every node runs) over float32 ``maps``;
+    (output, layers with their saved state)."""
+    layers = stage.build("spot")
+    a = maps.astype(np.float32)
+    for layer in layers:
+        a = layer.forward(a)
+    return a, layers
+
+
+def stage_forward_sample(
+    fmt: TensorFormat, x, w, b, sides, stage, y, sample: Sample
+) -> list[Comparison]:
+    """A fused stage's forward: the stage output ``y`` (N, K, Ho', Wo') a worker wrote for the
+    sampled kernels on the sampled images, against the master's: the convolution of each
+    sampled kernel's halo-widened range (float64 by FFT, as :func:`kernel_forward_sample`) put
+    through the stage's layers, rounded to ``fmt`` as the output travelled."""
+    ks, images = sample.kernels, sample.images
+    top, bottom, left, right = sides
+    size = (x.shape[2] + top + bottom, x.shape[3] + left + right)
+    out_hw = (size[0] - w.shape[2] + 1, size[1] - w.shape[3] + 1)
+    inputs = _spectrum(as_received(fmt, x[images]), size, (top, left))
+    want = np.empty((len(images), len(ks), *y.shape[2:]), np.float32)
+    for i, k in enumerate(ks.tolist()):
+        wide = stage.widened(slice(k, k + 1), w.shape[0])
+        maps = _correlate(inputs, w[wide], size, out_hw) + b[wide][:, None, None]
+        out, _ = _stage_run(stage, maps)
+        want[:, i] = out[:, k - wide.start]
+    want = _as_answered(fmt, want)
+    scale = float(np.abs(want).max(initial=0.0))
+    what = f"stage outputs of kernels {_names(ks)}, images {_names(images)}"
+    return [Comparison("y", what, y[np.ix_(images, ks)], want, scale, wire_rounded=True)]
+
+
+def stage_backward_sample(
+    fmt: TensorFormat, x, w, b, dy, sides, stage, dw, db, sample: Sample
+) -> list[Comparison]:
+    """A fused stage's backward: the kernel gradients ``dw`` a worker wrote for the sampled
+    kernels and input channels and their bias gradients ``db`` (each summed over every image),
+    against the master's: each sampled kernel's halo-widened forward over the whole batch
+    (float64 convolution by FFT, then the stage's layers), the stage-output gradient of its
+    range as the worker received it put back through those layers, and the kernel gradient by
+    FFT. The input-gradient part is not sampled here: it sums over the whole slice, whose
+    stage the master would have to run again (the kernel split samples it)."""
+    ks, cs = sample.kernels, sample.channels
+    top, bottom, left, right = sides
+    size = (x.shape[2] + top + bottom, x.shape[3] + left + right)
+    kh, kw = w.shape[2:]
+    out_hw = (size[0] - kh + 1, size[1] - kw + 1)
+    received = as_received(fmt, x)
+    inputs = _spectrum(received, size, (top, left))
+    channels = _spectrum(received[:, cs], size, (top, left))
+    grads = np.empty((x.shape[0], len(ks), *out_hw), np.float32)
+    for i, k in enumerate(ks.tolist()):
+        wide = stage.widened(slice(k, k + 1), w.shape[0])
+        grad = stage.grad_range(slice(k, k + 1), w.shape[0])
+        maps = _correlate(inputs, w[wide], size, out_hw) + b[wide][:, None, None]
+        out, layers = _stage_run(stage, maps)
+        g = np.zeros(out.shape, np.float32)
+        g[:, grad.start - wide.start : grad.stop - wide.start] = as_received(fmt, dy[:, grad])
+        for layer in reversed(layers):
+            g = layer.backward(g)
+        grads[:, i] = g[:, k - wide.start]
+    # dw[k, c, i, j] = sum over n, p, q of g[n, k, p, q] * padded x[n, c, p + i, q + j]
+    products = _product(_spectrum(grads, size).conj().transpose(1, 0, 2, 3), channels)
+    want_dw = _inverse(products, size)[..., :kh, :kw].astype(np.float32)
+    want_db = grads.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32)
+    scale = float(max(np.abs(want_dw).max(initial=0.0), np.abs(want_db).max(initial=0.0)))
+    named = f"kernels {_names(ks)}"
+    return [
+        Comparison(
+            "dw", f"stage kernel gradients of {named}, input channels {_names(cs)}",
+            dw[np.ix_(ks, cs)], want_dw, scale, wire_rounded=False,
+        ),
+        Comparison(
+            "db", f"stage bias gradients of {named}", db[ks], want_db, scale, wire_rounded=False
+        ),
+    ]  # fmt: skip

@@ -1,0 +1,119 @@
+"""A real gRPC worker that answers finite but wrong values: for the spot-check tests and
+``benchmarks/spot_checks.py``.
+
+    python -I tests/lying_worker.py KIND FROM_STEP [SEED]
+
+serves the real ``ConvWorkerService`` on the cpu backend on a free loopback port, prints
+``READY HOST:PORT``, and from training step FROM_STEP on changes its answers (feature maps, or
+kernel, bias and input gradients; fused stage outputs and their gradients alike) in place
+before they are sent, by KIND:
+
+* ``scale``: every value times 1.5 (a lie a glance at the loss would not show);
+* ``kernel``: the first kernel of its slice only: its feature maps, kernel and bias
+  gradients times 1.5 (input gradients untouched: the hardest for a sampler);
+* ``noise``: every value times ``1 + 1e-3 * N(0, 1)`` (a small relative perturbation);
+* ``honest``: nothing (the same process, answering right: the control).
+
+It stops when its standard input closes or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from hetconv.backends import get_backend
+from hetconv.calls import READY
+from hetconv.worker import service as service_module
+from hetconv.worker.service import ConvWorkerService, start_server
+from hetconv.worker.stages import StageCalls
+
+KINDS = ("scale", "kernel", "noise", "honest")
+
+
+class LyingService(ConvWorkerService):
+    """Computes like any worker, then changes the answer from step ``from_step`` on."""
+
+    def __init__(self, kind: str, from_step: int, seed: int = 0):
+        super().__init__(get_backend("cpu"))
+        if kind not in KINDS:
+            raise ValueError(f"lie {kind!r} is not one of {', '.join(KINDS)}")
+        self.kind, self.from_step = kind, from_step
+        self.rng = np.random.default_rng(seed)
+        self.step = -1
+
+    def _receive(self, messages, call):
+        request, arrays, receive = super()._receive(messages, call)
+        self.step = request.step  # the master calls a worker one call at a time
+        return request, arrays, receive
+
+    def _lie(self, phase: str, arrays: list[np.ndarray]) -> None:
+        if self.step < self.from_step or self.kind == "honest":
+            return
+        if self.kind == "kernel":
+            if phase == "forward":
+                arrays[0][:, 0] *= 1.5  # y (N, K, Ho, Wo)
+            else:
+                arrays[0][0] *= 1.5  # dw (K, C, kh, kw)
+                arrays[1][0] *= 1.5  # db (K,)
+            return
+        for a in arrays:
+            if self.kind == "scale":
+                a *= 1.5
+            else:
+                a *= 1 + 1e-3 * self.rng.standard_normal(a.shape).astype(np.float32)
+
+    def forward(self, messages):
+        tensors, compute, receive = super().forward(messages)
+        self._lie("forward", [a for _, a, _ in tensors])
+        return tensors, compute, receive
+
+    def backward(self, messages):
+        tensors, compute, receive = super().backward(messages)
+        self._lie("backward", [a for _, a, _ in tensors])
+        return tensors, compute, receive
+
+
+class LyingStageCalls(StageCalls):
+    """The fused stage calls (:mod:`hetconv.worker.stages`), lying as their service does."""
+
+    def forward(self, messages):
+        tensors, compute, receive = super().forward(messages)
+        self.service._lie("forward", [a for _, a, _ in tensors])
+        return tensors, compute, receive
+
+    def backward(self, messages):
+        tensors, compute, receive = super().backward(messages)
+        self.service._lie("backward", [a for _, a, _ in tensors])
+        return tensors, compute, receive
+
+
+def main(argv: list[str]) -> int:
+    kind, from_step = argv[0], int(argv[1])
+    seed = int(argv[2]) if len(argv) > 2 else 0
+    service_module.StageCalls = LyingStageCalls  # start_server builds the stage handlers
+    server, address = start_server(LyingService(kind, from_step, seed), "127.0.0.1:0")
+    print(READY, address, flush=True)
+    stop = threading.Event()
+
+    def watch_stdin() -> None:
+        try:
+            while sys.stdin.buffer.read1(1 << 16):
+                pass
+        except (OSError, ValueError):
+            pass
+        stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    server.stop(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
