@@ -163,6 +163,9 @@ class ConvSpec:
             it describes what follows the convolution, not the convolution.
         stride: (sh, sw). Executors see a strided convolution as :attr:`executed`, the
             stride-1 convolution of its phases (:class:`StridePhases`).
+        phased_from: on an :attr:`executed` spec, the stride of the convolution it stands for
+            (None: it is the layer's own): its kernels are then a rearranged copy of the
+            layer's each step, which an executor must not keep and update in place.
     """
 
     name: str
@@ -173,6 +176,7 @@ class ConvSpec:
     need_input_grad: bool = True
     stage: Any = field(default=None, compare=False)
     stride: tuple[int, int] = (1, 1)
+    phased_from: tuple[int, int] | None = field(default=None, compare=False)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -197,7 +201,7 @@ class ConvSpec:
             return self
         return ConvSpec(
             self.name, phases.phased_input_shape, self.kernels, phases.taps, 0,
-            self.need_input_grad, self.stage,
+            self.need_input_grad, self.stage, phased_from=self.stride,
         )  # fmt: skip
 
     def shape(self, batch: int) -> ConvShape:

@@ -444,11 +444,14 @@ class Cluster:
             self.stage_modes[spec.name] = mode
 
     def _choose_kernel_modes(self, layers, batch: int) -> None:
-        """Each layer's kernel mode: resident only where the layer runs fused; as
-        configured, or (auto) by the cost model."""
+        """Each layer's kernel mode: resident only where the layer runs fused at stride 1;
+        as configured, or (auto) by the cost model."""
         for spec in layers:
             mode = self.config.kernels
-            if self.stage_modes.get(spec.name) != FUSED:
+            # A strided convolution runs as the stride-1 one of its phases: the executor gets
+            # a rearranged copy of the kernels each step, not the model's array to keep.
+            strided = getattr(spec, "phased_from", None) is not None
+            if self.stage_modes.get(spec.name) != FUSED or strided:
                 mode = SENT
             elif mode == AUTO:
                 layer = ConvLayer.from_spec(spec, batch)

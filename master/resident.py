@@ -356,7 +356,12 @@ class ResidentKernels:
                 "(Cluster.attach_optimizer) before the first step"
             )
         layer = self.layers.get(name)
-        if layer is None or layer.w is not w or layer.b is not b:
+        if layer is not None and (layer.w is not w or layer.b is not b):
+            raise RuntimeError(
+                f"{name}: resident kernels are bound to the model's weight and bias arrays, "
+                "but this call passed others (they must be updated in place)"
+            )
+        if layer is None:
             layer = ResidentLayer(name, w, b, stage, sides)
             mw, mb = (
                 self._momentum.pop(f"{name}.weight", None),

@@ -438,3 +438,22 @@ def test_a_worker_restarted_between_steps_is_refused_then_replayed(local, tmp_pa
     assert "FAILED_PRECONDITION" in lost[0]["reason"]
     assert "no resident slice for this session" in lost[0]["reason"]
     assert any(e["event"] == "worker_rejoined" and e["worker"] == address for e in events)
+
+
+def test_a_strided_convolution_keeps_sending_its_kernels(workers, tmp_path):
+    """A strided convolution runs as the stride-1 one of its phases, whose kernels the model
+    rearranges each step: such a layer sends its kernels; the others stay resident."""
+    strided = [dict(e) for e in STRONG_LRN]
+    strided[0]["stride"] = 2
+    spec = tmp_path / "strided.json"
+    spec.write_text(json.dumps(strided))
+    run = dict(RUN, steps=6, preset=str(spec))
+    want = train(TrainConfig(save=str(tmp_path / "local.npz"), **run), LocalConv(), io.StringIO())
+    config = ClusterConfig(**{**RESIDENT, "shares": None})
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = train(TrainConfig(save=str(tmp_path / "c.npz"), **run), cluster, io.StringIO())
+        assert cluster.kernel_modes == {"conv1": "sent", "conv2": "resident"}
+    _same_as_local(
+        (got.losses, dict(np.load(tmp_path / "c.npz"))),
+        (want.losses, dict(np.load(tmp_path / "local.npz"))),
+    )
