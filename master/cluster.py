@@ -576,7 +576,10 @@ class Cluster:
         a worker in it since the last call. Its answers that passed their checks earlier in the
         step (whose wrong values were not sampled) are in what the step computed; the worker
         is out now, so a second pass computes the step without it."""
-        return bool(self.spot_checks is not None and self.spot_checks.take_caught())
+        redo = bool(self.spot_checks is not None and self.spot_checks.take_caught())
+        if redo:  # the first pass updated resident kernels: back to where the step began
+            self.resident.undo_step(self.step)
+        return redo
 
     def end_step(self) -> dict:
         """This step's trace fields: per node and layer what moved and took how long, the

@@ -78,6 +78,7 @@ class _Logged:
     hb: np.ndarray
     dy: np.ndarray  # the stage-output gradient of the slice's gradient range
     grad_start: int  # within the widened slice
+    step: int = -1
 
 
 @dataclass
@@ -281,7 +282,7 @@ class _ResidentBackward:
         if placed.pending is not None:
             x, hw, hb = placed.pending
             dy = as_received(self.dy[:, grad], piece.node.client.wire_format)
-            placed.log.append(_Logged(x, hw, hb, dy, grad.start - wide.start))
+            placed.log.append(_Logged(x, hw, hb, dy, grad.start - wide.start, self.ctx.step))
             placed.pending = None
         self._edges.append((part, ew, eb))
         self._add_dx(dx)
@@ -289,6 +290,13 @@ class _ResidentBackward:
 
     def result(self):
         layer, config = self.layer, self.owner.sgd
+        # What this step changes on the master, so that a step computed again (a spot check
+        # caught a worker elsewhere) starts from where this one did (ResidentKernels.undo_step).
+        before = [
+            (part, *(np.array(a[part]) for a in (layer.w, layer.b, layer.mw, layer.mb)))
+            for part in self._computed
+        ]
+        self.owner.undo.setdefault(layer.name, (layer.started, before))
         for part, ew, eb in self._edges:
             rows = part.start + edge_rows(part.stop - part.start, layer.stage.halo)
             layer.w[rows], layer.b[rows] = ew, eb
@@ -341,6 +349,24 @@ class ResidentKernels:
 
     def start_step(self) -> None:
         self.record: dict[str, dict] = {}  # layer -> placed/fetched bytes, replayed steps
+        # layer -> (momentum started, rows the master updated with their values before)
+        self.undo: dict[str, tuple[bool, list]] = {}
+
+    def undo_step(self, step: int) -> None:
+        """Take back this step's updates of every resident layer (the step is computed again):
+        the master's rows get their values from before it, and each slice a worker updated in
+        it is replayed on the master up to the step before and is no longer placed (the next
+        forward places it again, with a new version)."""
+        for name, (started, before) in self.undo.items():
+            layer = self.layers[name]
+            for node_name, placed in list(layer.placements.items()):
+                if placed.log and placed.log[-1].step == step:
+                    placed.log.pop()
+                    self.recover(layer, node_name)
+            for part, w, b, mw, mb in before:
+                layer.w[part], layer.b[part], layer.mw[part], layer.mb[part] = w, b, mw, mb
+            layer.started = started
+        self.undo = {}
 
     def _count(self, layer: str, key: str, value: int) -> None:
         per_layer = self.record.setdefault(layer, {})

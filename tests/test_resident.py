@@ -457,3 +457,32 @@ def test_a_strided_convolution_keeps_sending_its_kernels(workers, tmp_path):
         (got.losses, dict(np.load(tmp_path / "c.npz"))),
         (want.losses, dict(np.load(tmp_path / "local.npz"))),
     )
+
+
+class RedoneAt(Cluster):
+    """Asks for step ``at`` to be computed again once, as when a spot check catches a worker
+    in a layer that sends its kernels (the resident layers' first-pass updates are undone)."""
+
+    def __init__(self, addresses, at, **config):
+        super().__init__(addresses, config=ClusterConfig(**{**RESIDENT, **config}))
+        self.at, self.redone = at, 0
+
+    def redo_step(self):
+        if self.step == self.at and not self.redone:
+            self.redone += 1
+            self.resident.undo_step(self.step)
+            return True
+        return super().redo_step()
+
+
+def test_a_step_computed_again_undoes_the_resident_updates(local, workers, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    with RedoneAt(workers.addresses, 4, resident_sync_every=3) as cluster:
+        got = _train(tmp_path, "redone", cluster, trace=str(trace))
+        assert cluster.redone == 1
+    _same_as_local(got, local)
+    records = {r["step"]: r for r in _steps(trace)}
+    # Undone by replay on the master (each of the two slices: step 3 of its log, synced at 3),
+    # then placed again for the second pass.
+    assert records[4]["resident"]["conv2"]["replayed_steps"] == 2
+    assert records[4]["resident"]["conv2"]["placed_bytes"] > 0
