@@ -639,8 +639,9 @@ class Cluster:
         if self.kernel_modes.get(layer) == RESIDENT:
             state = self.resident.layer(layer, w, b, stage, _sides(padding, w.shape[2:]))
             split = self.resident.split
-            self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
-            job = self.resident.forward_job(ctx, state, x)
+            # Spot checks can sample this layer when every slice was just placed or synced.
+            synced = self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
+            job = self.resident.forward_job(ctx, state, x, synced=synced)
             return self.runner.run(split, job, layer, plan)
         job = self.fused.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]), stage)
         return self.runner.run(self.fused, job, layer, plan)

@@ -62,6 +62,7 @@ from .dispatch import (
     finite,
 )
 from .membership import ACTIVE, Membership, Node
+from .spotcheck import stage_forward_sample
 
 #: Steps between syncs of every resident slice (FetchKernels), bounding the replay log.
 DEFAULT_SYNC_EVERY = 20
@@ -158,8 +159,9 @@ class _ResidentForward:
 
     phase = FORWARD
 
-    def __init__(self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, runs):
+    def __init__(self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, runs, synced):
         self.owner, self.ctx, self.layer, self.runs = owner, ctx, layer, runs
+        self.synced = synced  # every slice placed or synced just now: the master is current
         self.x = x
         self.x_kept: np.ndarray | None = None  # one copy per step for the replay log
         self.images = x.shape[0]
@@ -202,6 +204,19 @@ class _ResidentForward:
 
     def accept(self, piece: Piece, answer) -> CallStats:
         return answer[1]
+
+    def spot_sample(self, piece: Piece, answer, draw):
+        """Sampled stage outputs next to the master's (:mod:`.spotcheck`), on a step whose
+        slices were all placed or synced just before this forward, so the master's weights are
+        the workers' exactly; none otherwise (a spot check of a resident layer waits for a
+        sync: forcing one on every due step would fetch every slice that often)."""
+        if not self.synced:
+            return []
+        layer, fmt = self.layer, piece.node.client.wire_format
+        sample = draw(*self.x.shape[:2])
+        return stage_forward_sample(
+            fmt, self.x, layer.w, layer.b, layer.sides, layer.stage, self.y, sample
+        )
 
     def result(self):
         return self.y
@@ -413,10 +428,13 @@ class ResidentKernels:
 
     # -- placement, sync, gather, replay ----------------------------------------------------
 
-    def arrange(self, layer: ResidentLayer, pieces: Sequence[Piece], step: int) -> None:
+    def arrange(self, layer: ResidentLayer, pieces: Sequence[Piece], step: int) -> bool:
         """Before a layer's forward: slices whose range changed come back to the master
         (fetched, or replayed when the worker is gone), the new ranges are placed, and
-        slices due for a sync are synced."""
+        slices due for a sync are synced. Returns whether every slice was placed or synced
+        just now (the master's weights are then the workers' exactly: spot checks can
+        recompute their answers)."""
+        fresh = set()
         want = {
             p.node.name: p
             for p in pieces[1:]
@@ -429,11 +447,14 @@ class ResidentKernels:
         for name, piece in want.items():
             if name not in layer.placements:
                 self._place(layer, piece, step)
+                fresh.add(name)
         full = layer.log_bytes() > self.log_limit_bytes
-        for placed in list(layer.placements.values()):
+        for name, placed in list(layer.placements.items()):
             due = self.sync_every and step - placed.synced_step >= self.sync_every
             if due or full:
                 self._gather(layer, placed, keep=True, step=step)
+                fresh.add(name)
+        return set(layer.placements) <= fresh
 
     def _place(self, layer: ResidentLayer, piece: Piece, step: int) -> None:
         part, node = piece.part, piece.node
@@ -522,11 +543,11 @@ class ResidentKernels:
 
     # -- the jobs ----------------------------------------------------------------------------
 
-    def forward_job(self, ctx: CallContext, layer: ResidentLayer, x) -> PhaseJob:
+    def forward_job(self, ctx: CallContext, layer: ResidentLayer, x, synced=False) -> PhaseJob:
         runs = self.split._runs
         for key in [k for k in runs if k[0] == layer.name]:
             del runs[key]
-        return _ResidentForward(self, ctx, layer, x, runs)
+        return _ResidentForward(self, ctx, layer, x, runs, synced)
 
     def backward_job(self, ctx: CallContext, layer: ResidentLayer, x, dy, need) -> PhaseJob:
         return _ResidentBackward(self, ctx, layer, x, dy, need, self.split._runs)
