@@ -335,8 +335,11 @@ def _run_train(args: argparse.Namespace) -> int:
         for flag, given in (("--name", args.name), ("--tensorboard", args.tensorboard)):
             if given:
                 raise ValueError(f"{flag} needs a run folder: drop --no-run-dir")
+    elif args.resume and not args.name and not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir or --name: the run to continue")
     else:
-        run = RunDir.choose(args.run_dir, args.name, resume=args.resume)
+        # --resume with --checkpoint-dir alone continues those checkpoints in a new run folder.
+        run = RunDir.choose(args.run_dir, args.name, resume=args.resume and bool(args.name))
     config = TrainConfig(
         preset=args.preset,
         # --data-dir without --dataset: the kind is inferred from the path, never ignored.
@@ -352,6 +355,7 @@ def _run_train(args: argparse.Namespace) -> int:
         eval_size=args.eval_size,
         eval_every=args.eval_every,
         trace=args.trace or (run and os.fspath(run.trace)),
+        run_dir=run and os.fspath(run.path),
         metrics=run and os.fspath(run.metrics),
         tensorboard=run and args.tensorboard and os.fspath(run.tensorboard) or None,
         save=args.save or (run and os.fspath(run.model)),
@@ -413,7 +417,6 @@ def _run_train(args: argparse.Namespace) -> int:
     if run is not None:
         created = run.make()
         _write_run_config(run.config, args)
-        print(f"run folder: {run.path}", file=sys.stderr)
     try:
         if args.local:
             result = train(config, LocalConv())
@@ -796,6 +799,134 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="held-out loss and accuracy of saved weights",
+        description=(
+            "Evaluate saved weights on a dataset's held-out images and print the loss and "
+            "accuracy. MODEL is a model .npz (hetconv train's model.npz or --save), a "
+            "checkpoint file or folder, or a run folder (its model.npz, else its latest "
+            "checkpoint). Inside a run folder, the network and data default to the run's "
+            "config.toml; flags given here override it."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="weights: .npz, checkpoint, or run folder")
+    p.add_argument("--preset", help=f"network: one of {', '.join(PRESETS)}, or a .json spec")
+    p.add_argument(
+        "--dataset",
+        choices=["synthetic", "cifar10", "cifar100", "folder", "npz", "auto"],
+        help="what --data-dir holds (default: inferred; synthetic without --data-dir)",
+    )
+    p.add_argument("--data-dir", metavar="PATH", help="the dataset, as hetconv train takes it")
+    p.add_argument(
+        "--holdout-fraction",
+        type=positive_float,
+        metavar="F",
+        help="for data without a held-out part of its own: the fraction training held out",
+    )
+    p.add_argument(
+        "--eval-size",
+        type=positive_int,
+        metavar="N",
+        help="evaluate the first N held-out images (default: all)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="the training run's seed (the synthetic held-out set is drawn from it)",
+    )
+    p.add_argument("--batch", type=positive_int, default=200, help="images per forward pass")
+    p.set_defaults(func=_run_evaluate)
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from hetconv.conv import LocalConv
+    from hetconv.master.checkpoint import read_weights
+    from hetconv.master.rundir import CONFIG_NAME, find_run, read_config
+    from hetconv.master.training import TrainConfig, check_classes, evaluate, load_datasets
+    from hetconv.model import Model, load_spec
+
+    if not os.path.exists(args.model):
+        raise ValueError(f"{args.model} does not exist: give a model .npz, a checkpoint or a run")
+    run = find_run(args.model)
+    saved = read_config(run / CONFIG_NAME) if run is not None else {}
+
+    def setting(name: str, default=None):
+        given = getattr(args, name.replace("-", "_"))
+        return given if given is not None else saved.get(name, default)
+
+    data_dir = setting("data-dir")
+    dataset = setting("dataset") or ("auto" if data_dir else "synthetic")
+    if args.data_dir and not args.dataset:
+        dataset = "auto"  # another dataset than the run's: infer its kind
+    preset = setting("preset", "tiny")
+    config = TrainConfig(
+        preset=preset,
+        dataset=dataset,
+        data_dir=data_dir,
+        holdout_fraction=setting("holdout-fraction") if data_dir else None,
+        seed=setting("seed", 0),
+        train_size=1 if dataset == "synthetic" else TrainConfig.train_size,
+        eval_size=args.eval_size,
+        progress=False,
+    )
+    data = load_datasets(config)
+    if not len(data.held_out):
+        raise ValueError(f"the {data.kind} dataset has no held-out images to evaluate")
+    spec = load_spec(preset)
+    check_classes(spec, data.held_out, preset)
+    weights, what = read_weights(args.model)
+    model = Model(spec, seed=0, executor=LocalConv(), input_shape=data.held_out.image_shape)
+    try:
+        model.load_state(weights)
+    except ValueError as e:
+        raise ValueError(f"{what} does not fit network {preset}: {e}") from None
+    if run is not None:
+        print(f"network and data from {run / CONFIG_NAME}", file=sys.stderr)
+    loss, accuracy = evaluate(model, data.held_out, args.batch)
+    source = data.kind if data.kind == "synthetic" else data_dir
+    print(
+        f"{what}: held-out loss {loss:.4f}, accuracy {100 * accuracy:.2f}% on "
+        f"{len(data.held_out)} images of {source} ({data.held_out_from}; chance "
+        f"{100 / data.held_out.num_classes:.0f}%)"
+    )
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="draw a training run's figures",
+        description=(
+            "Draw the figures of a run folder that hetconv train wrote (runs/NAME), as PNGs in "
+            "its figures/: loss and accuracy (training and held-out), the step-time breakdown, "
+            "each node's share and compute time, and bytes per step. Needs matplotlib "
+            "(pip install 'hetconv[plot]')."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("run", metavar="RUN", help="the run folder (or its metrics.csv)")
+    p.add_argument("--out", metavar="DIR", help="write the PNGs here (default: RUN/figures)")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from .report import ReportUnavailable, draw_report
+
+    try:
+        figures = draw_report(args.run, args.out)
+    except ReportUnavailable as e:
+        raise ValueError(str(e)) from None
+    for figure in figures:
+        if figure.path is not None:
+            print(figure.path)
+        else:
+            print(f"({figure.name}: none, {figure.skipped})", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetconv",
@@ -806,6 +937,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_worker(sub)
+    _add_evaluate(sub)
+    _add_report(sub)
     _add_devices(sub)
     _add_simulate(sub)
     return parser

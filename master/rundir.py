@@ -271,7 +271,8 @@ class MetricsCsv:
             self._file = None
 
 
-#: TensorBoard tag of each metrics.csv column (per-node columns: ``PREFIX/NODE``).
+#: TensorBoard tag of each metrics.csv column (per-node columns: ``PREFIX/NODE``, with the
+#: ``:`` of ``HOST:PORT`` written ``_``).
 TENSORBOARD_TAGS = {
     "loss": "train/loss",
     "accuracy": "train/accuracy",
@@ -290,7 +291,7 @@ def tensorboard_tag(column: str) -> str:
     if column in TENSORBOARD_TAGS:
         return TENSORBOARD_TAGS[column]
     prefix, _, node = column.partition(":")
-    return f"{prefix}/{node}"
+    return f"{prefix}/{node.replace(':', '_')}"  # TensorBoard tags hold no ':'
 
 
 class TensorBoardLog:

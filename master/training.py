@@ -64,6 +64,7 @@ class TrainConfig:
     eval_every: int | None = None  # steps between evaluations (besides every epoch and the end)
     eval_batch: int = 200
     trace: str | None = None
+    run_dir: str | None = None  # the run folder the outputs are in (announced; see master.rundir)
     metrics: str | None = None  # metrics.csv (hetconv.metrics)
     tensorboard: str | None = None  # a folder for TensorBoard event files (needs tensorboardX)
     save: str | None = None  # also written when a signal stops the run at a step boundary
@@ -351,6 +352,8 @@ class _Run:
             f"{config.batch}",
             file=log,
         )
+        if config.run_dir is not None:
+            print(f"run folder: {config.run_dir}", file=log)
         if self.loaded_from is not None:
             print(f"starting from the weights of {self.loaded_from}", file=log)
         if self.resumed is None:
