@@ -192,13 +192,16 @@ def _nodes(metrics: Metrics, path: Path) -> Path:
     colours = _node_colours(metrics.nodes)
     x = _trained(metrics)
     marker = "o" if len(metrics) < 30 else None
-    for node in metrics.nodes:
+    for index, node in enumerate(metrics.nodes):
         share, compute = metrics.node("share", node), metrics.node("compute_seconds", node)
         present = ~np.isnan(share)  # a node that joined late has no cells before
+        # Equal shares draw one line over another: a dash pattern per node keeps both seen.
+        style = {"color": colours[node], "linewidth": 2, "marker": marker, "label": node,
+                 "linestyle": ("-", "--", ":", "-.")[index % 4]}  # fmt: skip
         bx, bs = _binned(x[present], 100 * share[present], width)
-        top.plot(bx, bs, color=colours[node], linewidth=2, marker=marker, label=node)
+        top.plot(bx, bs, **style)
         bx, bc = _binned(x[present], 1e3 * compute[present], width)
-        bottom.plot(bx, bc, color=colours[node], linewidth=2, marker=marker, label=node)
+        bottom.plot(bx, bc, **style)
     per = "" if width == 1 else f", mean over {width} steps"
     top.set_ylabel("share of kernels (%)", fontsize=11)
     top.set_ylim(-2, 102)
