@@ -413,9 +413,11 @@ def _run_train(args: argparse.Namespace) -> int:
             wire_format=format_named(args.wire_format),
             stages=args.stages,
         )
-    created = False
+    created, previous_config = False, None
     if run is not None:
         created = run.make()
+        if run.config.is_file():  # a resume: kept until the run is known to continue
+            previous_config = run.config.read_bytes()
         _write_run_config(run.config, args)
     try:
         if args.local:
@@ -429,9 +431,12 @@ def _run_train(args: argparse.Namespace) -> int:
     except TrainingInterrupted as e:
         e.resume_command = _resume_command(args, run)
         raise
-    except BaseException:
+    except BaseException as e:
         if created:
             run.discard_if_empty()
+        elif previous_config is not None and isinstance(e, (ValueError, OSError)):
+            # A resume refused (another run's settings, say) leaves the run's config as it was.
+            run.config.write_bytes(previous_config)
         raise
     if run is not None:
         print(

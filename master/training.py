@@ -466,7 +466,11 @@ class _Run:
                         refresh=False,
                     )
                     if stopping and step + 1 < self.steps:  # at the last step the run is done
-                        model = self._save_model()
+                        try:
+                            model = self._save_model()
+                        except OSError as e:  # the checkpoint holds the weights too
+                            tqdm.write(f"saving the weights failed: {e}", file=self.log)
+                            model = None
                         raise TrainingInterrupted(self._stop.signum, step + 1, target, model)
                     if self._eval_due(step + 1):
                         self._evaluate(step + 1, final=False)

@@ -142,6 +142,11 @@ def test_an_existing_name_is_refused_unless_resumed(local_run, capsys):
     assert "already exists" in capsys.readouterr().err
     assert main([*args, "--resume"]) == 0  # all 4 steps are checkpointed: nothing left to do
     assert "resumed from step 4" in capsys.readouterr().err
+    # A resume refused for other settings leaves the run's config.toml as it was.
+    config = (local_run / "config.toml").read_text()
+    assert main([*args, "--resume", "--lr", "0.02"]) == 2
+    assert "lr 0.01 there, 0.02 here" in capsys.readouterr().err
+    assert (local_run / "config.toml").read_text() == config
     assert main(["train", "--local", "--resume", "--run-dir", str(local_run.parent)]) == 2
     assert "--resume needs --checkpoint-dir or --name" in capsys.readouterr().err
 
