@@ -164,8 +164,8 @@ def _step_time(metrics: Metrics, path: Path) -> Path:
         for values, _, colour in parts:
             ax.bar(bx, values, bottom=bottom, color=colour, width=0.6)
             bottom += values
-    per = "per step" if width == 1 else f"per step (mean over {width} steps)"
-    ax.set_ylabel(f"time {per} (ms)", fontsize=11)
+    per = "" if width == 1 else f", mean over {width} steps"
+    ax.set_ylabel(f"time per step (ms{per})", fontsize=11)
     total = metrics["seconds"][1:] if len(metrics) > 1 else metrics["seconds"]
     ax.set_title(
         f"Step time: mean {1e3 * np.mean(total):.0f} ms"
@@ -236,8 +236,8 @@ def _bytes(metrics: Metrics, path: Path) -> Path:
         handles, labels = ax.get_legend_handles_labels()
         ax.legend(handles, labels, fontsize=10, loc="upper right", ncols=3)
         _headroom(ax, sum(s[0] for s in series))
-    per = "per step" if width == 1 else f"per step (mean over {width} steps)"
-    ax.set_ylabel(f"MB {per}", fontsize=11)
+    per = "" if width == 1 else f", mean over {width} steps"
+    ax.set_ylabel(f"bytes per step (MB{per})", fontsize=11)
     ax.set_title(
         f"Bytes on the master's link, both ways: mean {np.mean(metrics['bytes']) / 1e6:.2f} MB "
         "per step",
