@@ -331,6 +331,11 @@ def _run_train(args: argparse.Namespace) -> int:
             "used (--steps or --epochs say how much of it to see): drop --train-size"
         )
     run = None
+    if args.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboardX") is None:
+            raise ValueError("--tensorboard needs tensorboardX: pip install 'hetconv[tensorboard]'")
     if args.no_run_dir:
         for flag, given in (("--name", args.name), ("--tensorboard", args.tensorboard)):
             if given:
