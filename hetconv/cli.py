@@ -942,6 +942,7 @@ def _run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot read weights from {args.weights}: {e}") from None
     export_onnx(spec, weights, args.input_shape, args.output)
     print(f"wrote {args.output}")
+    return 0
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
