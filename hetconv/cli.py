@@ -479,6 +479,27 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         "seconds (DEADLINE_EXCEEDED; default 10; 0: never)",
     )
     p.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="BLAS/OpenMP threads for the convolutions (default: one per core, which leaves "
+        "nothing to a laptop's owner)",
+    )
+    p.add_argument(
+        "--no-advertise",
+        action="store_true",
+        help="do not advertise on the LAN by DNS-SD/mDNS (it does whenever it listens beyond "
+        "loopback, so that `hetconv train --discover` finds it)",
+    )
+    p.add_argument(
+        "--report-every",
+        type=number_at_least(float, 0),
+        default=30.0,
+        metavar="S",
+        help="print one line of what was served (requests, MB in and out, masters) every S "
+        "seconds in which anything was; 0: never",
+    )
+    p.add_argument(
         "--no-startup-probe", action="store_true", help="skip the probe printed at start"
     )
     p.add_argument(
@@ -510,7 +531,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 def _run_worker(args: argparse.Namespace) -> int:
     from hetconv.security import resolve_token
     from hetconv.worker.auth import WorkerSecurity
-    from hetconv.worker.main import run_worker
+    from hetconv.worker.main import limit_threads, run_worker
     from hetconv.worker.service import WorkerConfig
 
     from .backends import get_backend
@@ -527,6 +548,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     limit = args.max_request_mib
     config = WorkerConfig(max_request_bytes=limit << 20) if limit else None
     memory = args.memory_limit << 20 if args.memory_limit else None
+    print(limit_threads(args.threads), flush=True)  # before the backend: auto probes
     backend = get_backend(args.backend, device=args.device, memory_limit=memory)
     return run_worker(
         args.listen,
@@ -539,6 +561,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_mib << 20 if args.memory_mib else None,
         idle_timeout=args.idle_timeout,
         max_calls=args.max_calls,
+        advertise=not args.no_advertise,
+        report_every=args.report_every,
     )
 
 
