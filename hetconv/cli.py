@@ -67,6 +67,20 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "every second while training: a line added joins its worker, a line removed lets it go",
     )
     where.add_argument(
+        "--discover",
+        action="store_true",
+        help="use every `hetconv worker` advertised on the LAN (DNS-SD/mDNS) and keep looking "
+        "while training: workers that appear join, workers that stop leave (combines with "
+        "--worker and --workers-file)",
+    )
+    where.add_argument(
+        "--discover-wait",
+        type=number_at_least(float, 0),
+        default=3.0,
+        metavar="S",
+        help="with --discover: seconds to wait for the first answers before training starts",
+    )
+    where.add_argument(
         "--local-workers",
         type=positive_int,
         default=2,
@@ -311,11 +325,11 @@ def _run_train(args: argparse.Namespace) -> int:
     token = resolve_token(args.token)  # --token, else $HETCONV_TOKEN
     if args.tls_ca is not None:
         read_pem(args.tls_ca, "TLS CA certificate (--tls-ca)")  # one line now, not mid-start
-        if not addresses and not args.local:
+        if not addresses and not args.local and not args.discover:
             raise ValueError("--tls-ca needs --worker/--workers-file: local workers serve no TLS")
     if args.local:
-        if addresses:
-            raise ValueError("--local runs no workers; drop --worker/--workers-file")
+        if addresses or args.discover:
+            raise ValueError("--local runs no workers; drop --worker/--workers-file/--discover")
         if args.spot_check_every is not None or args.spot_check_sample is not None:
             raise ValueError(
                 "--local runs no workers, so nothing to spot-check: drop --spot-check-*"
@@ -330,7 +344,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.shares is None:
         # The embedded default demonstrates the split on one machine, where every "link" is
         # loopback: by compute, so its workers take part as the README says.
-        embedded = not addresses
+        embedded = not addresses and not args.discover
         args.shares = "compute" if args.deterministic or embedded else "link"
     if args.deterministic and args.shares == "link":
         raise ValueError(
@@ -356,13 +370,46 @@ def _run_train(args: argparse.Namespace) -> int:
         stages=args.stages,
         spot_checks=_spot_check_config(args),
     )
-    if addresses:
+    if args.discover:
+        result = _train_discovered(config, cluster_config, addresses, args.discover_wait)
+    elif addresses:
         with Cluster(addresses, config=cluster_config) as cluster:
             result = train(config, cluster)
     else:
         with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
             result = train(config, cluster)
     return _final_checkpoint_status(config.checkpoint_dir, result.steps)
+
+
+def _train_discovered(config, cluster_config, named: list[str], wait: float):
+    """``hetconv train --discover``: browse the LAN for ``wait`` seconds, say what was found,
+    train with it and the ``named`` workers, and keep browsing (joiners and leavers)."""
+    from hetconv.master.cluster import Cluster
+    from hetconv.master.discovery import Discovery
+    from hetconv.master.training import train
+
+    discovery = Discovery(has_token=cluster_config.token is not None)
+    try:
+        print(f"looking for workers on the LAN (DNS-SD/mDNS) for {wait:g} s ...", flush=True)
+        found = [w for w in discovery.wait(wait) if w.address not in named]
+        for refusal in discovery.take_refusals():
+            print(f"found {refusal.address}, not used: {refusal.reason}")
+        if found:
+            listed = "; ".join(w.describe() for w in found)
+            print(f"found {len(found)} worker{'s' if len(found) != 1 else ''}: {listed}")
+        else:
+            print("found no worker yet; still looking while training (workers join as they appear)")
+        addresses = named + [w.address for w in found]
+        if not addresses and not cluster_config.master_compute:
+            raise ValueError(
+                f"--discover found no worker in {wait:g} s and --no-master-compute leaves "
+                "nothing to compute: start workers first, or give --discover-wait more"
+            )
+        with Cluster(addresses, config=cluster_config) as cluster:
+            cluster.membership.follow(discovery, [w.address for w in found])
+            return train(config, cluster)
+    finally:
+        discovery.close()
 
 
 def _spot_check_config(args: argparse.Namespace):
