@@ -17,10 +17,10 @@ from .model import PRESETS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones that would only say 'None' or 'False'."""
+    """Shows defaults, except the empty ones that would only say 'None', 'False' or '[]'."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
 
@@ -498,7 +498,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=4,
         metavar="N",
-        help="masters it serves at once (default 4): it keeps the forward inputs of N sessions "
+        help="masters it serves at once: it keeps the forward inputs of N sessions "
         "for their backward passes; with more masters they evict each other's and every "
         "backward pass fails (FAILED_PRECONDITION, naming eviction)",
     )
