@@ -371,6 +371,13 @@ class Cluster:
         """
         self._events.console = log
         c = self.config
+        if log is not None and len(self.nodes) > 1:
+            count = len(self.nodes) - 1
+            print(
+                f"connecting to {count} worker{'s' if count != 1 else ''} (device, link) ...",
+                file=log,
+                flush=True,
+            )
         self.connect()
         self._layers = probing.planned_layers(layers, batch)
         probing.probe_every(self.nodes, self._layers, self.backend, c.probe_repeats, log)

@@ -35,8 +35,15 @@ class InterfaceAddress:
 
 def interface_addresses() -> list[InterfaceAddress]:
     """Every IPv4 address of this machine's interfaces, loopback included (``ifaddr``: Linux,
-    macOS and Windows alike)."""
-    import ifaddr
+    macOS and Windows alike; without it, what the host name resolves to)."""
+    try:
+        import ifaddr
+    except ImportError:  # zeroconf's dependency: missing only in a broken install
+        try:
+            ips = socket.gethostbyname_ex(socket.gethostname())[2]
+        except OSError:
+            ips = []
+        return [InterfaceAddress(ip, "") for ip in dict.fromkeys(["127.0.0.1", *ips])]
 
     found = []
     for adapter in ifaddr.get_adapters():
