@@ -179,6 +179,14 @@ class Proc:
         tail = "\n".join(self.lines)
         raise AssertionError(f"no line with {text!r} in {timeout} s; output:\n{tail}")
 
+    def skip(self) -> None:
+        """Forget the lines printed so far: the next wait_for sees only later ones."""
+        while True:
+            try:
+                self._new.get_nowait()
+            except queue.Empty:
+                return
+
     def stop(self, signum=signal.SIGTERM, timeout: float = 30) -> int:
         self.process.send_signal(signum)
         return self.process.wait(timeout)
@@ -243,14 +251,25 @@ def test_discovered_workers_join_and_leave_a_running_training(lan, tmp_path):
     w2 = lan.start("w2", *WORKER_QUIET)
     joined = master.wait_for("worker joined", 120)
     assert second in joined
+    # one that needs a token this master lacks is reported once, never called
+    locked = lan.start(
+        "w2", "worker", "--listen", "0.0.0.0:50052", "--backend", "cpu", "--threads", "1",
+        "--no-startup-probe", env={"HETCONV_TOKEN": "a-shared-secret-of-enough-length"},
+    )  # fmt: skip
+    refused = master.wait_for("worker refused", 60)
+    assert f"{lan.ips['w2']}:50052" in refused and "requires a token" in refused
     assert w1.stop() == 0
     removed = master.wait_for("worker removed", 60)
     assert first in removed and "no longer advertised on the LAN" in removed
-    # training goes on with the one that joined (two activity lines: one after the removal)
+    # training goes on with the one that joined: it serves after the removal
+    w2.skip()
     w2.wait_for("served", 30)
-    w2.wait_for("served", 30)
+    w2.wait_for("served", 30)  # a whole report period after the removal
+    assert master.process.poll() is None
     assert master.stop(signal.SIGINT, timeout=60) == 130  # stopped at a step boundary
     assert w2.stop() == 0
+    assert locked.stop() == 0
+    locked.wait_for("stopped after 0 requests", 10)  # the master never called it
     assert any("served" in line and "1 master" in line for line in w1.lines)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     events = [e for r in records for e in r.get("events", [])]
