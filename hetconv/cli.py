@@ -388,7 +388,12 @@ def _train_discovered(config, cluster_config, named: list[str], wait: float):
     from hetconv.master.discovery import Discovery
     from hetconv.master.training import train
 
-    discovery = Discovery(has_token=cluster_config.token is not None)
+    try:
+        discovery = Discovery(has_token=cluster_config.token is not None)
+    except OSError as e:
+        raise OSError(
+            f"--discover cannot browse the LAN (multicast DNS): {e}; name workers with --worker"
+        ) from None
     try:
         print(f"looking for workers on the LAN (DNS-SD/mDNS) for {wait:g} s ...", flush=True)
         found = [w for w in discovery.wait(wait) if w.address not in named]

@@ -202,3 +202,32 @@ def _to(stream: io.StringIO):
         print(*args, **kwargs)
 
     return printer
+
+
+def test_worker_without_threads_reports_what_the_libraries_run():
+    """Without --threads the line reads the libraries' own default (one per core unless the
+    environment says otherwise): the same counts a fresh process reads back."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    env.pop("HETCONV_TOKEN", None)
+    fresh = subprocess.run(
+        [sys.executable, "-I", "-c", "import numpy, scipy.linalg, threadpoolctl; "
+         "print(sorted({p['num_threads'] for p in threadpoolctl.threadpool_info()}))"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    process = subprocess.Popen(
+        [HETCONV, "worker", "--listen", "127.0.0.1:0", "--backend", "cpu", "--no-startup-probe"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+        env=dict(env, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    try:
+        out = _Output(process)
+        line = out.wait_for(r"^threads: (.*) \(the default; --threads N to change\)$", 60)
+        counts = sorted({int(n) for n in re.findall(r"\w+ (\d+)", line.group(1))})
+        assert str(counts) == fresh.stdout.strip(), (line.group(0), fresh.stdout)
+        out.wait_for(r"^hetconv worker ready on", 30)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)

@@ -115,7 +115,9 @@ def limit_threads(threads: int | None) -> str:
         _thread_limit = threadpool_limits(limits=threads)
         os.environ.update(dict.fromkeys(THREAD_VARIABLES, str(threads)))
     pools = threadpool_info()
-    counts = ", ".join(f"{p['internal_api']} {p['num_threads']}" for p in pools) or "none found"
+    # numpy and scipy may each bundle their own copy of one library: name each count once
+    found = dict.fromkeys(f"{p['internal_api']} {p['num_threads']}" for p in pools)
+    counts = ", ".join(found) or "none found"
     why = f"--threads {threads}" if threads is not None else "the default; --threads N to change"
     return f"threads: {counts} ({why})"
 
