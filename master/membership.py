@@ -5,7 +5,9 @@ with exponential backoff) or ``ready`` (it answered and was probed again; it bec
 the next step boundary, so a step never changes membership half-way). Workers named in the
 workers file join the same way, starting lost with no backoff; workers whose line is removed
 leave at the next step boundary (workers named with ``--worker`` stay). A worker that cannot be
-reached when training starts starts lost, and joins like one that came back.
+reached when training starts starts lost, and joins like one that came back. Workers found on
+the LAN (``hetconv train --discover``, :mod:`.discovery`) are handled as lines of the file: one
+that appears joins, one that stops being advertised leaves (:meth:`Membership.follow`).
 
 One worker process reached under two addresses (``127.0.0.1:P`` and ``localhost:P``) would be
 counted twice: a worker that answers with the instance id of another member (Describe's
@@ -81,7 +83,7 @@ class Node:
     probe_seconds: dict[str, float] = field(default_factory=dict)
     state: NodeState = ACTIVE
     backoff: Backoff = field(default_factory=Backoff)
-    joined: bool = False  # came from the workers file during training
+    joined: bool = False  # came from the workers file or the LAN during training
     was_active: bool = True  # it computed once (False: unreachable since the start)
     instance_id: int = 0  # its worker process's, from Describe (0: not known)
     leaving: bool = False  # its line left the workers file: it goes at the next step boundary
