@@ -396,14 +396,18 @@ def _train_discovered(config, cluster_config, named: list[str], wait: float):
         ) from None
     try:
         print(f"looking for workers on the LAN (DNS-SD/mDNS) for {wait:g} s ...", flush=True)
-        found = [w for w in discovery.wait(wait) if w.address not in named]
+        found = _not_named(discovery.wait(wait), named, cluster_config)
         for refusal in discovery.take_refusals():
             print(f"found {refusal.address}, not used: {refusal.reason}")
         if found:
             listed = "; ".join(w.describe() for w in found)
             print(f"found {len(found)} worker{'s' if len(found) != 1 else ''}: {listed}")
         else:
-            print("found no worker yet; still looking while training (workers join as they appear)")
+            other = "other " if named else ""
+            print(
+                f"found no {other}worker yet; still looking while training (workers join as "
+                "they appear)"
+            )
         addresses = named + [w.address for w in found]
         if not addresses and not cluster_config.master_compute:
             raise ValueError(
@@ -415,6 +419,36 @@ def _train_discovered(config, cluster_config, named: list[str], wait: float):
             return train(config, cluster)
     finally:
         discovery.close()
+
+
+def _not_named(found, named: list[str], cluster_config) -> list:
+    """The workers ``found`` on the LAN that are not among the ``named`` ones, by address or
+    by worker process (the instance id their advertisement carries and Describe returns: a
+    worker named as ``localhost:P`` is found at its LAN address), saying which were left."""
+    from hetconv.master.client import WorkerClient, WorkerError
+
+    found = [w for w in found if w.address not in named]
+    if not found or not named:
+        return found
+    named_ids = {}
+    for address in named:
+        client = WorkerClient(
+            address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+        )
+        try:
+            named_ids[f"{client.describe().instance_id:016x}"] = address
+        except WorkerError:  # not reachable now: the cluster reports it
+            pass
+        finally:
+            client.close()
+    kept = []
+    for worker in found:
+        twin = named_ids.get(worker.properties.get("instance", ""))
+        if twin is None:
+            kept.append(worker)
+        else:
+            print(f"found {worker.address}: the worker named as {twin}; using it")
+    return kept
 
 
 def _spot_check_config(args: argparse.Namespace):

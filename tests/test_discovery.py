@@ -295,6 +295,23 @@ def test_a_worker_needing_a_token_is_reported_not_used(lan):
     assert "a-shared-secret" not in "\n".join(master.lines)
 
 
+def test_a_named_worker_found_at_its_lan_address_is_used_once(lan):
+    """Named as 127.0.0.1 on its own machine and found at its LAN address: one worker (the
+    instance id in its advertisement), not a refusal of two addresses of one process."""
+    w1 = lan.start("w1", *WORKER_QUIET)
+    w1.wait_for("hetconv worker ready on", 60)
+    master = lan.start(
+        "w1",
+        "train", "--worker", "127.0.0.1:50051", "--discover", "--discover-wait", "2",
+        "--preset", "tiny", "--batch", "8", "--steps", "2", "--no-progress", "--eval-size", "0",
+    )  # fmt: skip
+    same = master.wait_for("the worker named as", 60)
+    assert same == f"found {lan.ips['w1']}:50051: the worker named as 127.0.0.1:50051; using it"
+    master.wait_for("found no other worker yet", 10)
+    assert master.process.wait(120) == 0, "\n".join(master.lines)
+    assert not any("one worker process" in line for line in master.lines)
+
+
 def test_loopback_worker_is_not_advertised(lan):
     w = lan.start("w1", "worker", "--listen", "127.0.0.1:0", "--backend", "cpu",
                   "--no-startup-probe")  # fmt: skip
