@@ -396,7 +396,7 @@ def _train_discovered(config, cluster_config, named: list[str], wait: float):
         ) from None
     try:
         print(f"looking for workers on the LAN (DNS-SD/mDNS) for {wait:g} s ...", flush=True)
-        found = _not_named(discovery.wait(wait), named, cluster_config)
+        found = _accepting(_not_named(discovery.wait(wait), named, cluster_config), cluster_config)
         for refusal in discovery.take_refusals():
             print(f"found {refusal.address}, not used: {refusal.reason}")
         if found:
@@ -419,6 +419,32 @@ def _train_discovered(config, cluster_config, named: list[str], wait: float):
             return train(config, cluster)
     finally:
         discovery.close()
+
+
+def _accepting(found, cluster_config) -> list:
+    """The workers ``found`` on the LAN minus those requiring a token that refuse this
+    master's (another user's workers, say), each said."""
+    from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerError
+
+    kept = []
+    for worker in found:
+        if not worker.token_required:
+            kept.append(worker)
+            continue
+        client = WorkerClient(
+            worker.address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+        )
+        try:
+            client.describe()
+        except WorkerAuthError as e:
+            print(f"found {worker.address}, not used: {e}")
+            continue
+        except WorkerError:  # not reachable now: the cluster reports it and retries
+            pass
+        finally:
+            client.close()
+        kept.append(worker)
+    return kept
 
 
 def _not_named(found, named: list[str], cluster_config) -> list:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hetconv.argtypes import parse_address
 
-from .client import WorkerClient
+from .client import WorkerAuthError, WorkerClient
 from .events import EventLog, short_reason
 
 MASTER = "master"
@@ -321,20 +321,42 @@ class Membership:
         except WorkerAlias as e:
             self._refuse_alias(node, e)
             return
+        except WorkerAuthError as e:
+            if node.source == FROM_LAN and self._refuse_found(node, e):
+                return
+            self._retry_later(node, e)
+            return
         except Exception as e:  # any failure: try again later, less often
-            with self.lock:
-                node.backoff.failures += 1
-                delay = node.backoff.delay(*self._retry)
-                node.backoff.retry_at = time.monotonic() + delay
-            if node.backoff.failures == 1 or node.backoff.failures % 5 == 0:
-                self._events.emit(
-                    "worker_unreachable", node.name, attempts=node.backoff.failures,
-                    retry_in=f"{delay:.1f} s", reason=short_reason(str(e)),
-                )  # fmt: skip
+            self._retry_later(node, e)
             return
         with self.lock:
             node.probe_seconds.update(probes)
             node.state = READY
+
+    def _refuse_found(self, node: Node, error: Exception) -> bool:
+        """A joiner found on the LAN that refused this master's token: dropped, reported
+        once, not tried again while it stays advertised (another user's worker); whether it
+        was a joiner."""
+        with self.lock:
+            if node not in self.pending:
+                return False
+            self.pending.remove(node)
+            self._aliases.add(node.name)
+        node.client.close()
+        self._events.emit("worker_refused", node.name, reason=short_reason(str(error)))
+        return True
+
+    def _retry_later(self, node: Node, e: Exception) -> None:
+        """Reaching ``node`` failed: try again after a longer delay, saying so now and then."""
+        with self.lock:
+            node.backoff.failures += 1
+            delay = node.backoff.delay(*self._retry)
+            node.backoff.retry_at = time.monotonic() + delay
+        if node.backoff.failures == 1 or node.backoff.failures % 5 == 0:
+            self._events.emit(
+                "worker_unreachable", node.name, attempts=node.backoff.failures,
+                retry_in=f"{delay:.1f} s", reason=short_reason(str(e)),
+            )  # fmt: skip
 
     def check_alias(self, node: Node) -> None:
         """Raise :class:`WorkerAlias` if ``node`` (just described) reached the worker process

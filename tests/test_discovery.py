@@ -229,11 +229,24 @@ def test_master_finds_an_advertised_worker_and_trains_with_it(lan, tmp_path):
     assert w1.wait_for("stopped after", 10)
 
 
+OURS, THEIRS = "our-shared-secret-of-enough-length", "their-shared-secret-of-enough-length"
+
+
 @pytest.mark.slow
-def test_discovered_workers_join_and_leave_a_running_training(lan, tmp_path):
+@pytest.mark.parametrize(
+    "token, locked_token, why",
+    [(None, THEIRS, "requires a token"), (OURS, THEIRS, "refused the token")],
+    ids=["master-without-token", "master-with-another-token"],
+)
+def test_discovered_workers_join_and_leave_a_running_training(
+    lan, tmp_path, token, locked_token, why
+):
     """Worker 1 advertises; the master finds it at start and trains with it; worker 2 starts
-    mid-run and is admitted at a step boundary; worker 1 stops (unregisters) and leaves."""
-    w1 = lan.start("w1", *WORKER_QUIET)
+    mid-run and is admitted at a step boundary; a worker whose token the master lacks (by
+    its advertisement) or does not have (it refuses the master's) appears and is reported,
+    never used; worker 1 stops (unregisters) and leaves."""
+    ours = {"HETCONV_TOKEN": token} if token else None
+    w1 = lan.start("w1", *WORKER_QUIET, env=ours)
     w1.wait_for("advertised on the LAN", 60)
     w1.wait_for("hetconv worker ready on", 10)
     trace = tmp_path / "trace.jsonl"
@@ -241,23 +254,25 @@ def test_discovered_workers_join_and_leave_a_running_training(lan, tmp_path):
         "m",
         "train", "--discover", "--discover-wait", "3", "--preset", "tiny", "--batch", "8",
         "--steps", "100000", "--no-progress", "--eval-size", "0", "--shares", "compute",
-        "--rebalance-every", "0", "--trace", str(trace),
+        "--rebalance-every", "0", "--trace", str(trace), env=ours,
     )  # fmt: skip
     first = f"{lan.ips['w1']}:50051"
     second = f"{lan.ips['w2']}:50051"
     found = master.wait_for("found 1 worker", 60)
     assert first in found
     master.wait_for("training tiny", 120)
-    w2 = lan.start("w2", *WORKER_QUIET)
+    w2 = lan.start("w2", *WORKER_QUIET, env=ours)
     joined = master.wait_for("worker joined", 120)
     assert second in joined
-    # one that needs a token this master lacks is reported once, never called
+    # one that needs a token this master lacks is reported once, never used
     locked = lan.start(
         "w2", "worker", "--listen", "0.0.0.0:50052", "--backend", "cpu", "--threads", "1",
-        "--no-startup-probe", env={"HETCONV_TOKEN": "a-shared-secret-of-enough-length"},
+        "--no-startup-probe", env={"HETCONV_TOKEN": locked_token},
     )  # fmt: skip
     refused = master.wait_for("worker refused", 60)
-    assert f"{lan.ips['w2']}:50052" in refused and "requires a token" in refused
+    assert f"{lan.ips['w2']}:50052" in refused and why in refused
+    time.sleep(2)  # not retried: no "worker unreachable" lines follow
+    assert not [line for line in master.lines if "unreachable" in line and ":50052" in line]
     assert w1.stop() == 0
     removed = master.wait_for("worker removed", 60)
     assert first in removed and "no longer advertised on the LAN" in removed
@@ -269,7 +284,7 @@ def test_discovered_workers_join_and_leave_a_running_training(lan, tmp_path):
     assert master.stop(signal.SIGINT, timeout=60) == 130  # stopped at a step boundary
     assert w2.stop() == 0
     assert locked.stop() == 0
-    locked.wait_for("stopped after 0 requests", 10)  # the master never called it
+    locked.wait_for("stopped after 0 requests", 10)  # the master never used it
     assert any("served" in line and "1 master" in line for line in w1.lines)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     events = [e for r in records for e in r.get("events", [])]
@@ -293,6 +308,16 @@ def test_a_worker_needing_a_token_is_reported_not_used(lan):
     master.wait_for("found no worker yet", 10)
     assert master.process.wait(120) == 0
     assert "a-shared-secret" not in "\n".join(master.lines)
+    # a master with another token (another user's worker): reported, not a failed start
+    master = lan.start(
+        "m",
+        "train", "--discover", "--discover-wait", "2", "--preset", "tiny", "--batch", "8",
+        "--steps", "2", "--no-progress", "--eval-size", "0",
+        env={"HETCONV_TOKEN": "another-secret-of-enough-length-too"},
+    )  # fmt: skip
+    refused = master.wait_for("not used", 60)
+    assert f"{lan.ips['w1']}:50051" in refused and "refused the token" in refused
+    assert master.process.wait(120) == 0, "\n".join(master.lines)
 
 
 def test_a_named_worker_found_at_its_lan_address_is_used_once(lan):
