@@ -422,13 +422,13 @@ def _train_discovered(config, cluster_config, named: list[str], wait: float):
 
 
 def _accepting(found, cluster_config) -> list:
-    """The workers ``found`` on the LAN minus those requiring a token that refuse this
-    master's (another user's workers, say), each said."""
-    from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerError
+    """The workers ``found`` on the LAN minus those that refuse this master's token or fail
+    its TLS check (another user's workers, or a stranger's), each said."""
+    from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
 
     kept = []
     for worker in found:
-        if not worker.token_required:
+        if not worker.token_required and cluster_config.tls_ca is None:
             kept.append(worker)
             continue
         client = WorkerClient(
@@ -436,7 +436,7 @@ def _accepting(found, cluster_config) -> list:
         )
         try:
             client.describe()
-        except WorkerAuthError as e:
+        except (WorkerAuthError, WorkerTLSError) as e:
             print(f"found {worker.address}, not used: {e}")
             continue
         except WorkerError:  # not reachable now: the cluster reports it and retries

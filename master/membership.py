@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hetconv.argtypes import parse_address
 
-from .client import WorkerAuthError, WorkerClient
+from .client import WorkerAuthError, WorkerClient, WorkerTLSError
 from .events import EventLog, short_reason
 
 MASTER = "master"
@@ -321,7 +321,7 @@ class Membership:
         except WorkerAlias as e:
             self._refuse_alias(node, e)
             return
-        except WorkerAuthError as e:
+        except (WorkerAuthError, WorkerTLSError) as e:
             if node.source == FROM_LAN and self._refuse_found(node, e):
                 return
             self._retry_later(node, e)
@@ -334,9 +334,9 @@ class Membership:
             node.state = READY
 
     def _refuse_found(self, node: Node, error: Exception) -> bool:
-        """A joiner found on the LAN that refused this master's token: dropped, reported
-        once, not tried again while it stays advertised (another user's worker); whether it
-        was a joiner."""
+        """A joiner found on the LAN that refused this master's token or failed its TLS
+        check: dropped, reported once, not tried again while it stays advertised (another
+        user's worker); whether it was a joiner."""
         with self.lock:
             if node not in self.pending:
                 return False

@@ -320,6 +320,29 @@ def test_a_worker_needing_a_token_is_reported_not_used(lan):
     assert master.process.wait(120) == 0, "\n".join(master.lines)
 
 
+def test_with_tls_a_stranger_found_on_the_lan_is_left_out(lan, tmp_path):
+    """--discover --tls-ca: a plaintext worker someone else advertises fails the TLS check and
+    is reported, not a failed start; the worker with our certificate is used."""
+    from test_security import self_signed
+
+    cert, key = self_signed(tmp_path, "mine", san=f"IP:{lan.ips['w2']}")
+    stranger = lan.start("w1", *WORKER_QUIET)
+    mine = lan.start("w2", *WORKER_QUIET, "--tls-cert", str(cert), "--tls-key", str(key))
+    stranger.wait_for("hetconv worker ready on", 60)
+    mine.wait_for("hetconv worker ready on", 60)
+    master = lan.start(
+        "m",
+        "train", "--discover", "--discover-wait", "2", "--tls-ca", str(cert), "--preset", "tiny",
+        "--batch", "8", "--steps", "2", "--no-progress", "--eval-size", "0",
+        "--shares", "compute",
+    )  # fmt: skip
+    left_out = master.wait_for("not used", 60)
+    assert left_out.startswith(f"found {lan.ips['w1']}:50051, not used: ") and "TLS" in left_out
+    assert f"{lan.ips['w2']}:50051" in master.wait_for("found 1 worker", 10)
+    assert master.process.wait(120) == 0, "\n".join(master.lines)
+    mine.wait_for("served", 10)
+
+
 def test_a_named_worker_found_at_its_lan_address_is_used_once(lan):
     """Named as 127.0.0.1 on its own machine and found at its LAN address: one worker (the
     instance id in its advertisement), not a refusal of two addresses of one process."""
