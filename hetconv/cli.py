@@ -20,10 +20,10 @@ from .model import PRESETS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones that would only say 'None' or 'False'."""
+    """Shows defaults, except the empty ones that would only say 'None', 'False' or '[]'."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
 
@@ -74,6 +74,20 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a file naming workers, one HOST:PORT per line (# starts a comment); re-read "
         "every second while training: a line added joins its worker, a line removed lets it go",
+    )
+    where.add_argument(
+        "--discover",
+        action="store_true",
+        help="use every `hetconv worker` advertised on the LAN (DNS-SD/mDNS) and keep looking "
+        "while training: workers that appear join, workers that stop leave (combines with "
+        "--worker and --workers-file)",
+    )
+    where.add_argument(
+        "--discover-wait",
+        type=number_at_least(float, 0),
+        default=3.0,
+        metavar="S",
+        help="with --discover: seconds to wait for the first answers before training starts",
     )
     where.add_argument(
         "--local-workers",
@@ -398,11 +412,11 @@ def _run_train(args: argparse.Namespace) -> int:
     token = resolve_token(args.token)  # --token, else $HETCONV_TOKEN
     if args.tls_ca is not None:
         read_pem(args.tls_ca, "TLS CA certificate (--tls-ca)")  # one line now, not mid-start
-        if not addresses and not args.local:
+        if not addresses and not args.local and not args.discover:
             raise ValueError("--tls-ca needs --worker/--workers-file: local workers serve no TLS")
     if args.local:
-        if addresses:
-            raise ValueError("--local runs no workers; drop --worker/--workers-file")
+        if addresses or args.discover:
+            raise ValueError("--local runs no workers; drop --worker/--workers-file/--discover")
         if args.spot_check_every is not None or args.spot_check_sample is not None:
             raise ValueError(
                 "--local runs no workers, so nothing to spot-check: drop --spot-check-*"
@@ -417,7 +431,7 @@ def _run_train(args: argparse.Namespace) -> int:
         if args.shares is None:
             # The embedded default demonstrates the split on one machine, where every "link"
             # is loopback: by compute, so its workers take part as the README says.
-            embedded = not addresses
+            embedded = not addresses and not args.discover
             args.shares = "compute" if args.deterministic or embedded else "link"
         if args.deterministic and args.shares == "link":
             raise ValueError(
@@ -454,6 +468,8 @@ def _run_train(args: argparse.Namespace) -> int:
     try:
         if args.local:
             result = train(config, LocalConv())
+        elif args.discover:
+            result = _train_discovered(config, cluster_config, addresses, args.discover_wait)
         elif addresses:
             with Cluster(addresses, config=cluster_config) as cluster:
                 result = train(config, cluster)
@@ -477,6 +493,102 @@ def _run_train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return _final_checkpoint_status(config.checkpoint_dir, result.steps)
+
+
+def _train_discovered(config, cluster_config, named: list[str], wait: float):
+    """``hetconv train --discover``: browse the LAN for ``wait`` seconds, say what was found,
+    train with it and the ``named`` workers, and keep browsing (joiners and leavers)."""
+    from hetconv.master.cluster import Cluster
+    from hetconv.master.discovery import Discovery
+    from hetconv.master.training import train
+
+    try:
+        discovery = Discovery(has_token=cluster_config.token is not None)
+    except OSError as e:
+        raise OSError(
+            f"--discover cannot browse the LAN (multicast DNS): {e}; name workers with --worker"
+        ) from None
+    try:
+        print(f"looking for workers on the LAN (DNS-SD/mDNS) for {wait:g} s ...", flush=True)
+        found = _accepting(_not_named(discovery.wait(wait), named, cluster_config), cluster_config)
+        for refusal in discovery.take_refusals():
+            print(f"found {refusal.address}, not used: {refusal.reason}")
+        if found:
+            listed = "; ".join(w.describe() for w in found)
+            print(f"found {len(found)} worker{'s' if len(found) != 1 else ''}: {listed}")
+        else:
+            other = "other " if named else ""
+            print(
+                f"found no {other}worker yet; still looking while training (workers join as "
+                "they appear)"
+            )
+        addresses = named + [w.address for w in found]
+        if not addresses and not cluster_config.master_compute:
+            raise ValueError(
+                f"--discover found no worker in {wait:g} s and --no-master-compute leaves "
+                "nothing to compute: start workers first, or give --discover-wait more"
+            )
+        with Cluster(addresses, config=cluster_config) as cluster:
+            cluster.membership.follow(discovery, [w.address for w in found])
+            return train(config, cluster)
+    finally:
+        discovery.close()
+
+
+def _accepting(found, cluster_config) -> list:
+    """The workers ``found`` on the LAN minus those that refuse this master's token or fail
+    its TLS check (another user's workers, or a stranger's), each said."""
+    from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
+
+    kept = []
+    for worker in found:
+        if not worker.token_required and cluster_config.tls_ca is None:
+            kept.append(worker)
+            continue
+        client = WorkerClient(
+            worker.address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+        )
+        try:
+            client.describe()
+        except (WorkerAuthError, WorkerTLSError) as e:
+            print(f"found {worker.address}, not used: {e}")
+            continue
+        except WorkerError:  # not reachable now: the cluster reports it and retries
+            pass
+        finally:
+            client.close()
+        kept.append(worker)
+    return kept
+
+
+def _not_named(found, named: list[str], cluster_config) -> list:
+    """The workers ``found`` on the LAN that are not among the ``named`` ones, by address or
+    by worker process (the instance id their advertisement carries and Describe returns: a
+    worker named as ``localhost:P`` is found at its LAN address), saying which were left."""
+    from hetconv.master.client import WorkerClient, WorkerError
+
+    found = [w for w in found if w.address not in named]
+    if not found or not named:
+        return found
+    named_ids = {}
+    for address in named:
+        client = WorkerClient(
+            address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+        )
+        try:
+            named_ids[f"{client.describe().instance_id:016x}"] = address
+        except WorkerError:  # not reachable now: the cluster reports it
+            pass
+        finally:
+            client.close()
+    kept = []
+    for worker in found:
+        twin = named_ids.get(worker.properties.get("instance", ""))
+        if twin is None:
+            kept.append(worker)
+        else:
+            print(f"found {worker.address}: the worker named as {twin}; using it")
+    return kept
 
 
 def _spot_check_config(args: argparse.Namespace):
@@ -518,7 +630,7 @@ _CONFIG_TABLES = {
     "cluster": (
         "local", "worker", "workers_file", "local_workers", "connect_timeout", "master_compute",
         "shares", "network", "wire_format", "rebalance_every", "stages", "deterministic",
-        "tls_ca", "spot_check_every", "spot_check_sample",
+        "tls_ca", "spot_check_every", "spot_check_sample", "discover", "discover_wait",
     ),
     "outputs": ("checkpoint_every", "tensorboard"),
 }  # fmt: skip
@@ -733,7 +845,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=4,
         metavar="N",
-        help="masters it serves at once (default 4): it keeps the forward inputs of N sessions "
+        help="masters it serves at once: it keeps the forward inputs of N sessions "
         "for their backward passes; with more masters they evict each other's and every "
         "backward pass fails (FAILED_PRECONDITION, naming eviction)",
     )
@@ -759,6 +871,27 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="end a call whose client sends nothing, or reads nothing of its answer, for S "
         "seconds (DEADLINE_EXCEEDED; default 10; 0: never)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="BLAS/OpenMP threads for the convolutions (default: one per core, which leaves "
+        "nothing to a laptop's owner)",
+    )
+    p.add_argument(
+        "--no-advertise",
+        action="store_true",
+        help="do not advertise on the LAN by DNS-SD/mDNS (it does whenever it listens beyond "
+        "loopback, so that `hetconv train --discover` finds it)",
+    )
+    p.add_argument(
+        "--report-every",
+        type=number_at_least(float, 0),
+        default=30.0,
+        metavar="S",
+        help="print one line of what was served (requests, MB in and out, masters) every S "
+        "seconds in which anything was; 0: never",
     )
     p.add_argument(
         "--no-startup-probe", action="store_true", help="skip the probe printed at start"
@@ -792,7 +925,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 def _run_worker(args: argparse.Namespace) -> int:
     from hetconv.security import resolve_token
     from hetconv.worker.auth import WorkerSecurity
-    from hetconv.worker.main import run_worker
+    from hetconv.worker.main import limit_threads, run_worker
     from hetconv.worker.service import WorkerConfig
 
     from .backends import get_backend
@@ -809,6 +942,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     limit = args.max_request_mib
     config = WorkerConfig(max_request_bytes=limit << 20) if limit else None
     memory = args.memory_limit << 20 if args.memory_limit else None
+    print(limit_threads(args.threads), flush=True)  # before the backend: auto probes
     backend = get_backend(args.backend, device=args.device, memory_limit=memory)
     return run_worker(
         args.listen,
@@ -821,6 +955,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_mib << 20 if args.memory_mib else None,
         idle_timeout=args.idle_timeout,
         max_calls=args.max_calls,
+        advertise=not args.no_advertise,
+        report_every=args.report_every,
     )
 
 
