@@ -112,11 +112,17 @@ class Mode:
     in_all: bool = True
 
     def arguments(self, link: str) -> list[str]:
-        return [flag.replace("{network}", FABRIC[link]) for flag in self.flags]
+        """``hetconv train``'s flags: the kernel split's (:data:`BASE`), then the mode's, which
+        override them (argparse keeps an option's last value)."""
+        return [flag.replace("{network}", FABRIC[link]) for flag in (*BASE, *self.flags)]
 
 
+#: The paper's kernel split, which every mode changes one thing of: shares by probe, plain
+#: convolutions on the workers (``hetconv train``'s own defaults are link-aware shares and
+#: fused stages where they move fewer bytes, i.e. the "all" row's choices).
+BASE = ("--shares", "compute", "--stages", "unfused")
 MODES: tuple[Mode, ...] = (
-    Mode("kernel_split", (), "today's default: every conv's kernels split by probe", in_all=False),
+    Mode("kernel_split", (), "the paper's: every conv's kernels split by probe", in_all=False),
     Mode("float16", ("--wire-format", "float16"), "activations and their gradients as float16"),
     Mode("bfloat16", ("--wire-format", "bfloat16"), "the same as bfloat16", in_all=False),
     Mode("link_shares", ("--shares", "link", "--network", "{network}"), "link-aware shares"),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
+from pathlib import Path
 
 from . import __version__
 from .argtypes import (
@@ -17,10 +20,10 @@ from .model import PRESETS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones that would only say 'None' or 'False'."""
+    """Shows defaults, except the empty ones that would only say 'None', 'False' or '[]'."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
 
@@ -40,11 +43,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=_HelpFormatter,
     )
+    add_train_arguments(p)
+    p.set_defaults(func=_run_train)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``hetconv train``."""
     _add_train_cluster(p)
     _add_train_security(p)
     _add_train_run(p)
     _add_train_checkpoints(p)
-    p.set_defaults(func=_run_train)
+    _add_train_outputs(p)
 
 
 def _add_train_cluster(p: argparse.ArgumentParser) -> None:
@@ -65,6 +74,20 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a file naming workers, one HOST:PORT per line (# starts a comment); re-read "
         "every second while training: a line added joins its worker, a line removed lets it go",
+    )
+    where.add_argument(
+        "--discover",
+        action="store_true",
+        help="use every `hetconv worker` advertised on the LAN (DNS-SD/mDNS) and keep looking "
+        "while training: workers that appear join, workers that stop leave (combines with "
+        "--worker and --workers-file)",
+    )
+    where.add_argument(
+        "--discover-wait",
+        type=number_at_least(float, 0),
+        default=3.0,
+        metavar="S",
+        help="with --discover: seconds to wait for the first answers before training starts",
     )
     where.add_argument(
         "--local-workers",
@@ -258,9 +281,24 @@ def _add_train_run(p: argparse.ArgumentParser) -> None:
         help="also evaluate every STEPS steps (always: after every epoch and at the end); "
         "each evaluation is printed and traced",
     )
-    p.add_argument("--save", metavar="NPZ", help="write the trained weights (PyTorch names)")
-    p.add_argument("--load", metavar="NPZ", help="start from these weights")
-    p.add_argument("--trace", metavar="JSONL", help="write one JSON object per step")
+    p.add_argument(
+        "--save",
+        metavar="NPZ",
+        help="write the trained weights (PyTorch names) here instead of the run folder's "
+        "model.npz (also when Ctrl-C stops the run)",
+    )
+    p.add_argument(
+        "--load",
+        metavar="PATH",
+        help="start from these weights: a model .npz, a checkpoint file or folder, or a run "
+        "folder (its model.npz, else its latest checkpoint)",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="JSONL",
+        help="write the trace (one JSON object per step) here instead of the run folder's "
+        "trace.jsonl",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -269,9 +307,9 @@ def _add_train_checkpoints(p: argparse.ArgumentParser) -> None:
     saving.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        help="write checkpoints (weights, optimizer, data position) here; the last 3 are kept. "
-        "Ctrl-C or SIGTERM then finishes the current step and checkpoints it before stopping "
-        "(a second Ctrl-C stops at once)",
+        help="write checkpoints (weights, optimizer, data position) here instead of the run "
+        "folder's checkpoints/; the last 3 are kept. Ctrl-C or SIGTERM finishes the current "
+        "step and checkpoints it before stopping (a second Ctrl-C stops at once)",
     )
     saving.add_argument(
         "--checkpoint-every",
@@ -282,17 +320,62 @@ def _add_train_checkpoints(p: argparse.ArgumentParser) -> None:
     saving.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the latest checkpoint in --checkpoint-dir (from scratch if none)",
+        help="continue the run --name (or the one in --checkpoint-dir) from its latest "
+        "checkpoint (from scratch if none)",
+    )
+
+
+#: --run-dir's default: $HETCONV_RUN_DIR, else runs/ in the current folder.
+RUN_DIR_VARIABLE = "HETCONV_RUN_DIR"
+
+
+def _add_train_outputs(p: argparse.ArgumentParser) -> None:
+    outputs = p.add_argument_group(
+        "the run folder",
+        "Every run writes RUN-DIR/NAME/: config.toml (its resolved flags), metrics.csv, "
+        "trace.jsonl, checkpoints/, model.npz and, with --tensorboard, tensorboard/. "
+        "`hetconv report RUN-DIR/NAME` draws its figures.",
+    )
+    outputs.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        default=os.environ.get(RUN_DIR_VARIABLE) or "runs",
+        help=f"the folder that holds runs (${RUN_DIR_VARIABLE} sets the default)",
+    )
+    outputs.add_argument(
+        "--name",
+        metavar="NAME",
+        help="the run's folder name (default: the local time, YYYYMMDD-HHMMSS); an existing "
+        "run is refused unless --resume continues it",
+    )
+    outputs.add_argument(
+        "--no-run-dir",
+        action="store_true",
+        help="write no run folder: only what --trace, --save and --checkpoint-dir ask for",
+    )
+    outputs.add_argument(
+        "--config",
+        metavar="TOML",
+        help="take the flags from this file (a run's config.toml reruns it); flags given "
+        "here override it",
+    )
+    outputs.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard event files to the run folder's tensorboard/ "
+        "(pip install 'hetconv[tensorboard]')",
     )
 
 
 def _run_train(args: argparse.Namespace) -> int:
+
     from hetconv.conv import LocalConv
     from hetconv.formats import format_named
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.master.launch import EmbeddedCluster
     from hetconv.master.membership import read_workers_file
-    from hetconv.master.training import TrainConfig, train
+    from hetconv.master.rundir import RunDir
+    from hetconv.master.training import TrainConfig, TrainingInterrupted, train
     from hetconv.security import read_pem, resolve_token
 
     from .optim import SGDConfig
@@ -302,6 +385,21 @@ def _run_train(args: argparse.Namespace) -> int:
             "--train-size sizes the synthetic set; with --data-dir the whole training set is "
             "used (--steps or --epochs say how much of it to see): drop --train-size"
         )
+    run = None
+    if args.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboardX") is None:
+            raise ValueError("--tensorboard needs tensorboardX: pip install 'hetconv[tensorboard]'")
+    if args.no_run_dir:
+        for flag, given in (("--name", args.name), ("--tensorboard", args.tensorboard)):
+            if given:
+                raise ValueError(f"{flag} needs a run folder: drop --no-run-dir")
+    elif args.resume and not args.name and not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir or --name: the run to continue")
+    else:
+        # --resume with --checkpoint-dir alone continues those checkpoints in a new run folder.
+        run = RunDir.choose(args.run_dir, args.name, resume=args.resume and bool(args.name))
     config = TrainConfig(
         preset=args.preset,
         # --data-dir without --dataset: the kind is inferred from the path, never ignored.
@@ -316,11 +414,14 @@ def _run_train(args: argparse.Namespace) -> int:
         train_size=args.train_size or TrainConfig.train_size,  # the synthetic set's default
         eval_size=args.eval_size,
         eval_every=args.eval_every,
-        trace=args.trace,
-        save=args.save,
+        trace=args.trace or (run and os.fspath(run.trace)),
+        run_dir=run and os.fspath(run.path),
+        metrics=run and os.fspath(run.metrics),
+        tensorboard=run and args.tensorboard and os.fspath(run.tensorboard) or None,
+        save=args.save or (run and os.fspath(run.model)),
         load=args.load,
         progress=not args.no_progress,
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=args.checkpoint_dir or (run and os.fspath(run.checkpoints)),
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
     )
@@ -330,11 +431,11 @@ def _run_train(args: argparse.Namespace) -> int:
     token = resolve_token(args.token)  # --token, else $HETCONV_TOKEN
     if args.tls_ca is not None:
         read_pem(args.tls_ca, "TLS CA certificate (--tls-ca)")  # one line now, not mid-start
-        if not addresses and not args.local:
+        if not addresses and not args.local and not args.discover:
             raise ValueError("--tls-ca needs --worker/--workers-file: local workers serve no TLS")
     if args.local:
-        if addresses:
-            raise ValueError("--local runs no workers; drop --worker/--workers-file")
+        if addresses or args.discover:
+            raise ValueError("--local runs no workers; drop --worker/--workers-file/--discover")
         if args.spot_check_every is not None or args.spot_check_sample is not None:
             raise ValueError(
                 "--local runs no workers, so nothing to spot-check: drop --spot-check-*"
@@ -347,45 +448,170 @@ def _run_train(args: argparse.Namespace) -> int:
             raise ValueError("--local runs no workers, so nothing is fused: drop --stages")
         if args.kernels != "auto":
             raise ValueError("--local runs no workers, so no kernel is resident: drop --kernels")
-        return _final_checkpoint_status(config.checkpoint_dir, train(config, LocalConv()).steps)
-    if args.shares is None:
-        # The embedded default demonstrates the split on one machine, where every "link" is
-        # loopback: by compute, so its workers take part as the README says.
-        embedded = not addresses
-        args.shares = "compute" if args.deterministic or embedded else "link"
-    if args.deterministic and args.shares == "link":
-        raise ValueError(
-            "--deterministic splits kernels equally, --shares link by measured links: "
-            "drop one of them"
-        )
-    if args.deterministic and args.rebalance_every:
-        raise ValueError(
-            "--deterministic never rebalances (shares must not follow measured speed): "
-            "drop --rebalance-every"
-        )
-    cluster_config = ClusterConfig(
-        master_compute=args.master_compute,
-        connect_timeout=args.connect_timeout,
-        workers_file=args.workers_file,  # re-read while training: workers come and go
-        share_policy=args.shares,
-        network=args.network,
-        rebalance_every=20 if args.rebalance_every is None else args.rebalance_every,
-        deterministic=args.deterministic,
-        token=token,  # the embedded default's local workers are started with it too
-        tls_ca=args.tls_ca,
-        wire_format=format_named(args.wire_format),
-        stages=args.stages,
-        kernels=args.kernels,
-        resident_sync_every=args.resident_sync_every,
-        spot_checks=_spot_check_config(args),
-    )
-    if addresses:
-        with Cluster(addresses, config=cluster_config) as cluster:
-            result = train(config, cluster)
     else:
-        with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
-            result = train(config, cluster)
+        if args.shares is None:
+            # The embedded default demonstrates the split on one machine, where every "link"
+            # is loopback: by compute, so its workers take part as the README says.
+            embedded = not addresses and not args.discover
+            args.shares = "compute" if args.deterministic or embedded else "link"
+        if args.deterministic and args.shares == "link":
+            raise ValueError(
+                "--deterministic splits kernels equally, --shares link by measured links: "
+                "drop one of them"
+            )
+        if args.deterministic and args.rebalance_every:
+            raise ValueError(
+                "--deterministic never rebalances (shares must not follow measured speed): "
+                "drop --rebalance-every"
+            )
+        if args.rebalance_every is None:
+            args.rebalance_every = 0 if args.deterministic else 20
+        cluster_config = ClusterConfig(
+            master_compute=args.master_compute,
+            connect_timeout=args.connect_timeout,
+            workers_file=args.workers_file,  # re-read while training: workers come and go
+            share_policy=args.shares,
+            network=args.network,
+            rebalance_every=args.rebalance_every,
+            deterministic=args.deterministic,
+            token=token,  # the embedded default's local workers are started with it too
+            tls_ca=args.tls_ca,
+            wire_format=format_named(args.wire_format),
+            stages=args.stages,
+            kernels=args.kernels,
+            resident_sync_every=args.resident_sync_every,
+            spot_checks=_spot_check_config(args),
+        )
+    created, previous_config = False, None
+    if run is not None:
+        created = run.make()
+        if run.config.is_file():  # a resume: kept until the run is known to continue
+            previous_config = run.config.read_bytes()
+        _write_run_config(run.config, args)
+    try:
+        if args.local:
+            result = train(config, LocalConv())
+        elif args.discover:
+            result = _train_discovered(config, cluster_config, addresses, args.discover_wait)
+        elif addresses:
+            with Cluster(addresses, config=cluster_config) as cluster:
+                result = train(config, cluster)
+        else:
+            with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
+                result = train(config, cluster)
+    except TrainingInterrupted as e:
+        e.resume_command = _resume_command(args, run)
+        raise
+    except BaseException as e:
+        if created:
+            run.discard_if_empty()
+        elif previous_config is not None and isinstance(e, (ValueError, OSError)):
+            # A resume refused (another run's settings, say) leaves the run's config as it was.
+            run.config.write_bytes(previous_config)
+        raise
+    if run is not None:
+        print(
+            f"run folder {run.path}: `hetconv report {shlex.quote(os.fspath(run.path))}` "
+            "draws its figures",
+            file=sys.stderr,
+        )
     return _final_checkpoint_status(config.checkpoint_dir, result.steps)
+
+
+def _train_discovered(config, cluster_config, named: list[str], wait: float):
+    """``hetconv train --discover``: browse the LAN for ``wait`` seconds, say what was found,
+    train with it and the ``named`` workers, and keep browsing (joiners and leavers)."""
+    from hetconv.master.cluster import Cluster
+    from hetconv.master.discovery import Discovery
+    from hetconv.master.training import train
+
+    try:
+        discovery = Discovery(has_token=cluster_config.token is not None)
+    except OSError as e:
+        raise OSError(
+            f"--discover cannot browse the LAN (multicast DNS): {e}; name workers with --worker"
+        ) from None
+    try:
+        print(f"looking for workers on the LAN (DNS-SD/mDNS) for {wait:g} s ...", flush=True)
+        found = _accepting(_not_named(discovery.wait(wait), named, cluster_config), cluster_config)
+        for refusal in discovery.take_refusals():
+            print(f"found {refusal.address}, not used: {refusal.reason}")
+        if found:
+            listed = "; ".join(w.describe() for w in found)
+            print(f"found {len(found)} worker{'s' if len(found) != 1 else ''}: {listed}")
+        else:
+            other = "other " if named else ""
+            print(
+                f"found no {other}worker yet; still looking while training (workers join as "
+                "they appear)"
+            )
+        addresses = named + [w.address for w in found]
+        if not addresses and not cluster_config.master_compute:
+            raise ValueError(
+                f"--discover found no worker in {wait:g} s and --no-master-compute leaves "
+                "nothing to compute: start workers first, or give --discover-wait more"
+            )
+        with Cluster(addresses, config=cluster_config) as cluster:
+            cluster.membership.follow(discovery, [w.address for w in found])
+            return train(config, cluster)
+    finally:
+        discovery.close()
+
+
+def _accepting(found, cluster_config) -> list:
+    """The workers ``found`` on the LAN minus those that refuse this master's token or fail
+    its TLS check (another user's workers, or a stranger's), each said."""
+    from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
+
+    kept = []
+    for worker in found:
+        if not worker.token_required and cluster_config.tls_ca is None:
+            kept.append(worker)
+            continue
+        client = WorkerClient(
+            worker.address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+        )
+        try:
+            client.describe()
+        except (WorkerAuthError, WorkerTLSError) as e:
+            print(f"found {worker.address}, not used: {e}")
+            continue
+        except WorkerError:  # not reachable now: the cluster reports it and retries
+            pass
+        finally:
+            client.close()
+        kept.append(worker)
+    return kept
+
+
+def _not_named(found, named: list[str], cluster_config) -> list:
+    """The workers ``found`` on the LAN that are not among the ``named`` ones, by address or
+    by worker process (the instance id their advertisement carries and Describe returns: a
+    worker named as ``localhost:P`` is found at its LAN address), saying which were left."""
+    from hetconv.master.client import WorkerClient, WorkerError
+
+    found = [w for w in found if w.address not in named]
+    if not found or not named:
+        return found
+    named_ids = {}
+    for address in named:
+        client = WorkerClient(
+            address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+        )
+        try:
+            named_ids[f"{client.describe().instance_id:016x}"] = address
+        except WorkerError:  # not reachable now: the cluster reports it
+            pass
+        finally:
+            client.close()
+    kept = []
+    for worker in found:
+        twin = named_ids.get(worker.properties.get("instance", ""))
+        if twin is None:
+            kept.append(worker)
+        else:
+            print(f"found {worker.address}: the worker named as {twin}; using it")
+    return kept
 
 
 def _spot_check_config(args: argparse.Namespace):
@@ -400,6 +626,174 @@ def _spot_check_config(args: argparse.Namespace):
     return SpotCheckConfig(
         every=every, kernels=sample, images=sample, channels=sample, seed=args.seed
     )
+
+
+# -- config.toml: a run's flags, and --config ------------------------------------------------
+
+#: Flags a config file never holds: where this run's outputs go (a rerun makes its own), the
+#: secret, and the file itself.
+_NOT_CONFIG = {
+    "help": "",
+    "config": "a config file cannot name another",
+    "name": "each run names its own folder: give --name on the command line",
+    "run_dir": "give --run-dir on the command line",
+    "no_run_dir": "give --no-run-dir on the command line",
+    "resume": "give --resume on the command line",
+    "token": "a secret never goes into a file: use $HETCONV_TOKEN or --token",
+    "trace": "outputs go to the run folder, or give --trace on the command line",
+    "save": "outputs go to the run folder, or give --save on the command line",
+    "checkpoint_dir": "outputs go to the run folder, or give --checkpoint-dir on the command line",
+    "no_progress": "give --no-progress on the command line",
+}
+#: The table each flag is written in (flags not named here: [training]).
+_CONFIG_TABLES = {
+    "model": ("preset",),
+    "data": ("dataset", "data_dir", "holdout_fraction", "train_size", "eval_size", "eval_every"),
+    "training": ("steps", "epochs", "batch", "seed", "lr", "momentum", "weight_decay", "load"),
+    "cluster": (
+        "local", "worker", "workers_file", "local_workers", "connect_timeout", "master_compute",
+        "shares", "network", "wire_format", "rebalance_every", "stages", "deterministic",
+        "tls_ca", "spot_check_every", "spot_check_sample", "discover", "discover_wait",
+    ),
+    "outputs": ("checkpoint_every", "tensorboard"),
+}  # fmt: skip
+_CONFIG_PATHS = ("data_dir", "workers_file", "tls_ca", "load")
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetconv train", add_help=False)
+    add_train_arguments(parser)
+    return parser
+
+
+def _config_key(action: argparse.Action) -> str:
+    return next(o for o in action.option_strings if o.startswith("--"))[2:]
+
+
+def _config_actions() -> dict[str, argparse.Action]:
+    """Config key (the flag's name without --) -> the flag, for every flag a config holds."""
+    return {
+        _config_key(a): a
+        for a in _train_parser()._actions
+        if a.option_strings and a.dest not in _NOT_CONFIG
+    }
+
+
+def _write_run_config(path: Path, args: argparse.Namespace) -> None:
+    """Write the run's resolved flags (defaults filled in, paths made absolute)."""
+    from hetconv.data import infer_dataset
+    from hetconv.master.rundir import write_config
+    from hetconv.model import PRESETS
+
+    values = dict(vars(args))
+    if values["data_dir"]:
+        values["dataset"] = values["dataset"] or infer_dataset(values["data_dir"])
+    else:
+        values["dataset"] = "synthetic"
+        values["train_size"] = values["train_size"] or 10_000
+    if values["steps"] is None and values["epochs"] is None:
+        values["steps"] = 300  # hetconv.master.training.total_steps's default
+    for key in _CONFIG_PATHS:
+        if values[key]:
+            values[key] = os.path.abspath(values[key])
+    if values["preset"] not in PRESETS:
+        values["preset"] = os.path.abspath(values["preset"])
+    if values["local"]:  # nothing else of a cluster applies
+        values.update({dest: None for dest in _CONFIG_TABLES["cluster"] if dest != "local"})
+    tables: dict[str, dict[str, object]] = {name: {} for name in _CONFIG_TABLES}
+    for key, action in _config_actions().items():
+        table = next((t for t, dests in _CONFIG_TABLES.items() if action.dest in dests), None)
+        tables[table or "training"][key] = values.get(action.dest)
+    write_config(
+        path,
+        tables,
+        "hetconv train's flags for this run (the token and where outputs go are not kept).\n"
+        f"Run it again: hetconv train --config {path}\n"
+        "Flags given on the command line override these.",
+    )
+
+
+def _config_value(path: str, key: str, action: argparse.Action, value: object) -> object:
+    """A config file's value for ``action``, checked as the flag's own value would be."""
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"config {path}: {key} = {value!r}: {why}")
+
+    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+        if not isinstance(value, bool):
+            raise refuse("expected true or false")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise refuse("expected a list of strings")
+        return list(value)
+    wrong = action.type is None and not isinstance(value, str)
+    if wrong or isinstance(value, (bool, list, dict)):
+        raise refuse("expected " + ("a string" if action.type is None else "a number"))
+    if action.type is not None:
+        try:
+            value = action.type(str(value))
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            raise refuse(str(e) or "not a valid value") from None
+    if action.choices is not None and value not in action.choices:
+        raise refuse(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def _explicit_train_flags(argv: list[str]) -> set[str]:
+    """The dests of the train flags ``argv`` (a ``hetconv train`` command line) gives."""
+    parser = _train_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    train_argv = argv[argv.index("train") + 1 :] if "train" in argv else argv
+    return set(vars(parser.parse_known_args(train_argv)[0]))
+
+
+def _apply_config(args: argparse.Namespace, argv: list[str]) -> None:
+    """Fill ``args`` from ``args.config``: every flag not given on the command line."""
+    from hetconv.master.rundir import read_config
+
+    path = args.config
+    values = read_config(path)
+    actions = _config_actions()
+    explicit = _explicit_train_flags(argv)
+    parser = _train_parser()
+    # A flag given on the command line also overrides the file's others of its group
+    # (--epochs there, --steps here).
+    overridden = set(explicit)
+    for group in parser._mutually_exclusive_groups:
+        dests = {a.dest for a in group._group_actions}
+        if dests & explicit:
+            overridden |= dests
+    for key, value in values.items():
+        action = actions.get(key)
+        if action is None:
+            dest = key.replace("-", "_")
+            why = _NOT_CONFIG.get(dest)
+            raise ValueError(
+                f"config {path}: {key} cannot be set in a config file ({why})"
+                if why
+                else f"config {path}: unknown key {key!r} (the keys are train's flags without "
+                "--, e.g. wire-format)"
+            )
+        value = _config_value(path, key, action, value)
+        if action.dest not in overridden:
+            setattr(args, action.dest, value)
+
+
+def _resume_command(args: argparse.Namespace, run) -> str:
+    """The command that continues an interrupted run."""
+    if run is None:
+        return "the same command with --resume"
+    words = ["hetconv", "train", "--config", os.fspath(run.config), "--name", run.name]
+    if os.path.abspath(run.root) != os.path.abspath(os.environ.get(RUN_DIR_VARIABLE) or "runs"):
+        words += ["--run-dir", os.fspath(run.root)]
+    for flag in ("trace", "save", "checkpoint_dir"):
+        if getattr(args, flag):
+            words += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if args.no_progress:
+        words.append("--no-progress")
+    return shlex.join([*words, "--resume"])
 
 
 def _final_checkpoint_status(checkpoint_dir: str | None, steps: int) -> int:
@@ -474,7 +868,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=4,
         metavar="N",
-        help="masters it serves at once (default 4): it keeps the forward inputs of N sessions "
+        help="masters it serves at once: it keeps the forward inputs of N sessions "
         "for their backward passes; with more masters they evict each other's and every "
         "backward pass fails (FAILED_PRECONDITION, naming eviction)",
     )
@@ -500,6 +894,27 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="end a call whose client sends nothing, or reads nothing of its answer, for S "
         "seconds (DEADLINE_EXCEEDED; default 10; 0: never)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="BLAS/OpenMP threads for the convolutions (default: one per core, which leaves "
+        "nothing to a laptop's owner)",
+    )
+    p.add_argument(
+        "--no-advertise",
+        action="store_true",
+        help="do not advertise on the LAN by DNS-SD/mDNS (it does whenever it listens beyond "
+        "loopback, so that `hetconv train --discover` finds it)",
+    )
+    p.add_argument(
+        "--report-every",
+        type=number_at_least(float, 0),
+        default=30.0,
+        metavar="S",
+        help="print one line of what was served (requests, MB in and out, masters) every S "
+        "seconds in which anything was; 0: never",
     )
     p.add_argument(
         "--no-startup-probe", action="store_true", help="skip the probe printed at start"
@@ -533,7 +948,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 def _run_worker(args: argparse.Namespace) -> int:
     from hetconv.security import resolve_token
     from hetconv.worker.auth import WorkerSecurity
-    from hetconv.worker.main import run_worker
+    from hetconv.worker.main import limit_threads, run_worker
     from hetconv.worker.service import WorkerConfig
 
     from .backends import get_backend
@@ -550,6 +965,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     limit = args.max_request_mib
     config = WorkerConfig(max_request_bytes=limit << 20) if limit else None
     memory = args.memory_limit << 20 if args.memory_limit else None
+    print(limit_threads(args.threads), flush=True)  # before the backend: auto probes
     backend = get_backend(args.backend, device=args.device, memory_limit=memory)
     return run_worker(
         args.listen,
@@ -562,6 +978,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_mib << 20 if args.memory_mib else None,
         idle_timeout=args.idle_timeout,
         max_calls=args.max_calls,
+        advertise=not args.no_advertise,
+        report_every=args.report_every,
     )
 
 
@@ -686,6 +1104,134 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="held-out loss and accuracy of saved weights",
+        description=(
+            "Evaluate saved weights on a dataset's held-out images and print the loss and "
+            "accuracy. MODEL is a model .npz (hetconv train's model.npz or --save), a "
+            "checkpoint file or folder, or a run folder (its model.npz, else its latest "
+            "checkpoint). Inside a run folder, the network and data default to the run's "
+            "config.toml; flags given here override it."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="weights: .npz, checkpoint, or run folder")
+    p.add_argument("--preset", help=f"network: one of {', '.join(PRESETS)}, or a .json spec")
+    p.add_argument(
+        "--dataset",
+        choices=["synthetic", "cifar10", "cifar100", "folder", "npz", "auto"],
+        help="what --data-dir holds (default: inferred; synthetic without --data-dir)",
+    )
+    p.add_argument("--data-dir", metavar="PATH", help="the dataset, as hetconv train takes it")
+    p.add_argument(
+        "--holdout-fraction",
+        type=positive_float,
+        metavar="F",
+        help="for data without a held-out part of its own: the fraction training held out",
+    )
+    p.add_argument(
+        "--eval-size",
+        type=positive_int,
+        metavar="N",
+        help="evaluate the first N held-out images (default: all)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="the training run's seed (the synthetic held-out set is drawn from it)",
+    )
+    p.add_argument("--batch", type=positive_int, default=200, help="images per forward pass")
+    p.set_defaults(func=_run_evaluate)
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from hetconv.conv import LocalConv
+    from hetconv.master.checkpoint import read_weights
+    from hetconv.master.rundir import CONFIG_NAME, find_run, read_config
+    from hetconv.master.training import TrainConfig, check_classes, evaluate, load_datasets
+    from hetconv.model import Model, load_spec
+
+    if not os.path.exists(args.model):
+        raise ValueError(f"{args.model} does not exist: give a model .npz, a checkpoint or a run")
+    run = find_run(args.model)
+    saved = read_config(run / CONFIG_NAME) if run is not None else {}
+
+    def setting(name: str, default=None):
+        given = getattr(args, name.replace("-", "_"))
+        return given if given is not None else saved.get(name, default)
+
+    data_dir = setting("data-dir")
+    dataset = setting("dataset") or ("auto" if data_dir else "synthetic")
+    if args.data_dir and not args.dataset:
+        dataset = "auto"  # another dataset than the run's: infer its kind
+    preset = setting("preset", "tiny")
+    config = TrainConfig(
+        preset=preset,
+        dataset=dataset,
+        data_dir=data_dir,
+        holdout_fraction=setting("holdout-fraction") if data_dir else None,
+        seed=setting("seed", 0),
+        train_size=1 if dataset == "synthetic" else TrainConfig.train_size,
+        eval_size=args.eval_size,
+        progress=False,
+    )
+    data = load_datasets(config)
+    if not len(data.held_out):
+        raise ValueError(f"the {data.kind} dataset has no held-out images to evaluate")
+    spec = load_spec(preset)
+    check_classes(spec, data.held_out, preset)
+    weights, what = read_weights(args.model)
+    model = Model(spec, seed=0, executor=LocalConv(), input_shape=data.held_out.image_shape)
+    try:
+        model.load_state(weights)
+    except ValueError as e:
+        raise ValueError(f"{what} does not fit network {preset}: {e}") from None
+    if run is not None:
+        print(f"network and data from {run / CONFIG_NAME}", file=sys.stderr)
+    loss, accuracy = evaluate(model, data.held_out, args.batch)
+    source = data.kind if data.kind == "synthetic" else data_dir
+    print(
+        f"{what}: held-out loss {loss:.4f}, accuracy {100 * accuracy:.2f}% on "
+        f"{len(data.held_out)} images of {source} ({data.held_out_from}; chance "
+        f"{100 / data.held_out.num_classes:.0f}%)"
+    )
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="draw a training run's figures",
+        description=(
+            "Draw the figures of a run folder that hetconv train wrote (runs/NAME), as PNGs in "
+            "its figures/: loss and accuracy (training and held-out), the step-time breakdown, "
+            "each node's share and compute time, and bytes per step. Needs matplotlib "
+            "(pip install 'hetconv[plot]')."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("run", metavar="RUN", help="the run folder (or its metrics.csv)")
+    p.add_argument("--out", metavar="DIR", help="write the PNGs here (default: RUN/figures)")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from .report import ReportUnavailable, draw_report
+
+    try:
+        figures = draw_report(args.run, args.out)
+    except ReportUnavailable as e:
+        raise ValueError(str(e)) from None
+    for figure in figures:
+        if figure.path is not None:
+            print(figure.path)
+        else:
+            print(f"({figure.name}: none, {figure.skipped})", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetconv",
@@ -696,6 +1242,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_worker(sub)
+    _add_evaluate(sub)
+    _add_report(sub)
     _add_devices(sub)
     _add_simulate(sub)
     _add_export(sub)
@@ -704,22 +1252,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None):
+            _apply_config(args, argv)
         return args.func(args)
     except KeyboardInterrupt as e:
         from hetconv.master.training import TrainingInterrupted
 
         if isinstance(e, TrainingInterrupted):
-            where = (
-                f"checkpoint {e.checkpoint}; the same command with --resume continues from it"
-                if e.checkpoint is not None
-                else "its checkpoint could not be written (see above); --resume continues from "
-                "the latest one"
+            saved = [f"model {e.model}"] if e.model is not None else []
+            if e.checkpoint is not None:
+                saved.append(f"checkpoint {e.checkpoint}")
+            where = "saved " + ", ".join(saved) if saved else "nothing saved"
+            if e.checkpoint is None:
+                where += "; its checkpoint could not be written (see above)"
+            resume = getattr(e, "resume_command", "the same command with --resume")
+            print(
+                f"hetconv: {e}: {where}; to continue from the latest checkpoint: {resume}",
+                file=sys.stderr,
             )
-            print(f"hetconv: {e}: {where}", file=sys.stderr)
             return 128 + e.signum
-        print("hetconv: interrupted", file=sys.stderr)
+        hint = (
+            " (nothing saved: --no-run-dir without --checkpoint-dir keeps nothing of a run "
+            "stopped early)"
+            if getattr(args, "no_run_dir", False) and not getattr(args, "checkpoint_dir", None)
+            else ""
+        )
+        print(f"hetconv: interrupted{hint}", file=sys.stderr)
         return 130
     except (ValueError, OSError, FloatingPointError) as e:
         # Bad input is the user's to fix: one line naming it, not a traceback.

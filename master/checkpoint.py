@@ -445,3 +445,42 @@ def resume_point(
             "recorded (NumPy permutes differently?), so the run could not continue identically"
         )
     return state, path
+
+
+# -- weights for --load and evaluation ------------------------------------------------------
+
+
+def read_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
+    """The model parameters a path holds, and what was read, for ``--load`` and evaluation.
+
+    ``path`` may be a model ``.npz`` (:meth:`hetconv.model.Model.save`, or ``np.savez`` of a
+    PyTorch state dict), a checkpoint file, a checkpoint folder (its latest checkpoint), or a
+    run folder (its ``model.npz``, else the latest of its ``checkpoints/``).
+
+    Raises:
+        ValueError: the path holds none of these, or is unreadable (the message names it).
+    """
+    path = Path(path)
+    if path.is_dir():
+        if (path / "model.npz").is_file():
+            return read_weights(path / "model.npz")
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found = CheckpointDir(folder).load_latest()
+        if found is None:
+            raise ValueError(
+                f"{path} holds no model.npz and no checkpoint: give a model .npz, a checkpoint "
+                "file or folder, or a run folder"
+            )
+        state, file = found
+        return state.model, f"checkpoint {file} (step {state.step})"
+    try:
+        archive = np.load(path, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive of named arrays")
+        with archive:
+            if "meta" not in archive.files:
+                return {name: archive[name] for name in archive.files}, f"model {path}"
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"cannot read weights from {path}: {e}") from None
+    state = read_checkpoint(path)
+    return state.model, f"checkpoint {path} (step {state.step})"

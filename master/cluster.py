@@ -402,15 +402,17 @@ class Cluster:
             log: where to print the probe table and membership events (None: nowhere).
         """
         self._events.console = log
+        c = self.config
+        if log is not None and len(self.nodes) > 1:
+            count = len(self.nodes) - 1
+            print(
+                f"connecting to {count} worker{'s' if count != 1 else ''} (device, link) ...",
+                file=log,
+                flush=True,
+            )
         self.connect()
         self._layers = probing.planned_layers(layers, batch)
-        for layer in self._layers:
-            for node in self.nodes:  # one node at a time: nodes on one machine must not collide
-                if node.state != ACTIVE:  # unreachable at start: probed when it comes
-                    continue
-                node.probe_seconds[layer.name] = probing.probe(
-                    node, layer, self.backend, self.config.probe_repeats
-                )
+        probing.probe_every(self.nodes, self._layers, self.backend, c.probe_repeats, log)
         for name, shares in (self.config.shares or {}).items():
             layer = next((e for e in self._layers if e.name == name), None)
             if layer is not None:
@@ -555,11 +557,11 @@ class Cluster:
         if self.spot_checks is not None:
             self.spot_checks.start_step(step)
         changed = self.membership.admit().changed
-        reason = "membership"
+        reason = "workers came or went"
         if not changed and self.drift.due(step):
             drifted = self.drift.drifted(self.nodes)
             if drifted:
-                changed, reason = True, f"measured speeds ({drifted})"
+                changed, reason = True, f"{drifted}: kernels re-split by measured speed"
         if changed:
             before = {name: plan.shares for name, plan in self.plans.items()}
             self._replan()
@@ -569,7 +571,7 @@ class Cluster:
                     name: {n.name: plan.shares[i] for i, n in enumerate(self.nodes)}
                     for name, plan in self.plans.items()
                 }
-                self._events.emit("shares_changed", shares=shares, reason=reason)
+                self._events.emit("shares_changed", reason=reason, shares=shares)
 
     def redo_step(self) -> bool:
         """Whether the step's forward and backward must be computed again: a spot check caught

@@ -5,7 +5,9 @@ with exponential backoff) or ``ready`` (it answered and was probed again; it bec
 the next step boundary, so a step never changes membership half-way). Workers named in the
 workers file join the same way, starting lost with no backoff; workers whose line is removed
 leave at the next step boundary (workers named with ``--worker`` stay). A worker that cannot be
-reached when training starts starts lost, and joins like one that came back.
+reached when training starts starts lost, and joins like one that came back. Workers found on
+the LAN (``hetconv train --discover``, :mod:`.discovery`) are handled as lines of the file: one
+that appears joins, one that stops being advertised leaves (:meth:`Membership.follow`).
 
 One worker process reached under two addresses (``127.0.0.1:P`` and ``localhost:P``) would be
 counted twice: a worker that answers with the instance id of another member (Describe's
@@ -24,10 +26,16 @@ from dataclasses import dataclass, field
 
 from hetconv.argtypes import parse_address
 
-from .client import WorkerClient
+from .client import WorkerAuthError, WorkerClient, WorkerTLSError
 from .events import EventLog, short_reason
 
 MASTER = "master"
+FROM_FILE, FROM_LAN = "workers file", "LAN"
+#: Why a worker leaves, by what named it.
+LEAVE_REASONS = {
+    FROM_FILE: "removed from the workers file",
+    FROM_LAN: "no longer advertised on the LAN (the worker stopped or unregistered)",
+}
 
 
 class NodeState(str, enum.Enum):
@@ -75,10 +83,11 @@ class Node:
     probe_seconds: dict[str, float] = field(default_factory=dict)
     state: NodeState = ACTIVE
     backoff: Backoff = field(default_factory=Backoff)
-    joined: bool = False  # came from the workers file during training
+    joined: bool = False  # came from the workers file or the LAN during training
     was_active: bool = True  # it computed once (False: unreachable since the start)
     instance_id: int = 0  # its worker process's, from Describe (0: not known)
     leaving: bool = False  # its line left the workers file: it goes at the next step boundary
+    source: str = ""  # FROM_FILE or FROM_LAN: what named it (and can make it leave); "": flags
 
     @property
     def is_master(self) -> bool:
@@ -157,6 +166,8 @@ class Membership:
         self._workers_file = workers_file
         self._file_mtime = 0.0
         self._listed: set[str] = set()  # what the workers file named when last read
+        self._discovery = None  # a Discovery browsing the LAN (follow), or None
+        self._discovered: set[str] = set()  # what it found advertised when last polled
         self._aliases: set[str] = set()  # file joiners refused as aliases (while listed)
         self._fixed = set(fixed)
         self._closed = threading.Event()
@@ -173,8 +184,11 @@ class Membership:
         try:
             self._listed = set(read_workers_file(self._workers_file))
         except (OSError, ValueError):  # read fine at start; the monitor reports changes
-            self._listed = {n.name for n in self.nodes[1:]}
+            self._listed = {n.name for n in self.nodes[1:]} - self._discovered
         self._fixed -= self._listed
+        for node in self.nodes[1:]:
+            if node.name in self._listed:
+                node.source = FROM_FILE
 
     def _mtime(self) -> float:
         try:
@@ -192,7 +206,13 @@ class Membership:
         except (OSError, ValueError) as e:
             self._events.emit("workers_file_unreadable", reason=str(e))
             return
-        listed = self._listed = set(addresses)
+        self._listed = set(addresses)
+        self._sync(addresses)
+
+    def _sync(self, addresses: list[str]) -> None:
+        """Joiners and leavers from what the workers file (``self._listed``) and the LAN
+        (``self._discovered``) name now; ``addresses``: the new ones to add, in order."""
+        listed = self._listed | self._discovered
         self._aliases &= listed  # a line removed and added again is tried again
         dropped = []
         with self.lock:
@@ -201,18 +221,44 @@ class Membership:
                     self.pending.remove(node)
                     dropped.append(node)
             for node in self.nodes[1:]:
-                # Only workers the file named can leave through it: --worker ones stay. A
-                # worker named again before its step boundary stays too.
+                # Only workers the file or the LAN named can leave through them: --worker ones
+                # stay. A worker named again before its step boundary stays too.
                 node.leaving = node.name not in listed and node.name not in self._fixed
             known = {n.name for n in self.nodes + self.pending} | self._aliases
             for address in addresses:
                 if address not in known:
-                    node = Node(address, self._make_client(address), state=LOST, joined=True)
+                    source = FROM_FILE if address in self._listed else FROM_LAN
+                    client = self._make_client(address)
+                    node = Node(address, client, state=LOST, joined=True, source=source)
                     self.pending.append(node)
                     known.add(address)
         for node in dropped:
             node.client.close()
-            self._events.emit("worker_removed", node.name, reason="removed from the workers file")
+            reason = LEAVE_REASONS.get(node.source, LEAVE_REASONS[FROM_FILE])
+            self._events.emit("worker_removed", node.name, reason=reason)
+
+    # -- workers found on the LAN ------------------------------------------------------
+
+    def follow(self, discovery, found: list[str]) -> None:
+        """Admit and retire workers as ``discovery`` (a :class:`~.discovery.Discovery`) sees
+        them advertised, like lines of the workers file; ``found``: the addresses it had found
+        when the node list was built (they leave when they unregister, unless also named with
+        ``--worker``). Call before the monitor starts."""
+        self._discovery = discovery
+        self._discovered = set(found)
+        self._fixed -= self._discovered
+        for node in self.nodes[1:]:
+            if node.name in self._discovered and not node.source:
+                node.source = FROM_LAN
+
+    def _poll_discovery(self) -> None:
+        for refusal in self._discovery.take_refusals():
+            self._events.emit("worker_refused", refusal.address, reason=refusal.reason)
+        addresses = self._discovery.poll()
+        if addresses is None:
+            return
+        self._discovered = set(addresses)
+        self._sync(addresses)
 
     # -- losing and finding workers ----------------------------------------------------
 
@@ -252,9 +298,12 @@ class Membership:
         next_file_check = 0.0
         while not self._closed.wait(0.2):
             now = time.monotonic()
-            if self._workers_file and now >= next_file_check:
+            if now >= next_file_check:
                 next_file_check = now + 1.0
-                self._reread_workers_file()
+                if self._workers_file:
+                    self._reread_workers_file()
+                if self._discovery is not None:
+                    self._poll_discovery()
             with self.lock:
                 due = [
                     n
@@ -272,20 +321,42 @@ class Membership:
         except WorkerAlias as e:
             self._refuse_alias(node, e)
             return
+        except (WorkerAuthError, WorkerTLSError) as e:
+            if node.source == FROM_LAN and self._refuse_found(node, e):
+                return
+            self._retry_later(node, e)
+            return
         except Exception as e:  # any failure: try again later, less often
-            with self.lock:
-                node.backoff.failures += 1
-                delay = node.backoff.delay(*self._retry)
-                node.backoff.retry_at = time.monotonic() + delay
-            if node.backoff.failures == 1 or node.backoff.failures % 5 == 0:
-                self._events.emit(
-                    "worker_unreachable", node.name, attempts=node.backoff.failures,
-                    retry_in=f"{delay:.1f} s", reason=short_reason(str(e)),
-                )  # fmt: skip
+            self._retry_later(node, e)
             return
         with self.lock:
             node.probe_seconds.update(probes)
             node.state = READY
+
+    def _refuse_found(self, node: Node, error: Exception) -> bool:
+        """A joiner found on the LAN that refused this master's token or failed its TLS
+        check: dropped, reported once, not tried again while it stays advertised (another
+        user's worker); whether it was a joiner."""
+        with self.lock:
+            if node not in self.pending:
+                return False
+            self.pending.remove(node)
+            self._aliases.add(node.name)
+        node.client.close()
+        self._events.emit("worker_refused", node.name, reason=short_reason(str(error)))
+        return True
+
+    def _retry_later(self, node: Node, e: Exception) -> None:
+        """Reaching ``node`` failed: try again after a longer delay, saying so now and then."""
+        with self.lock:
+            node.backoff.failures += 1
+            delay = node.backoff.delay(*self._retry)
+            node.backoff.retry_at = time.monotonic() + delay
+        if node.backoff.failures == 1 or node.backoff.failures % 5 == 0:
+            self._events.emit(
+                "worker_unreachable", node.name, attempts=node.backoff.failures,
+                retry_in=f"{delay:.1f} s", reason=short_reason(str(e)),
+            )  # fmt: skip
 
     def check_alias(self, node: Node) -> None:
         """Raise :class:`WorkerAlias` if ``node`` (just described) reached the worker process
@@ -339,7 +410,8 @@ class Membership:
             changed = self.replan_needed or bool(admitted) or bool(leaving)
             self.replan_needed = False
         for node in leaving:
-            self._events.emit("worker_removed", node.name, reason="removed from the workers file")
+            reason = LEAVE_REASONS.get(node.source, LEAVE_REASONS[FROM_FILE])
+            self._events.emit("worker_removed", node.name, reason=reason)
         for node, kind in admitted:
             self._events.emit(kind, node.name, device=node.description)
         return Admission(leaving, admitted, changed)

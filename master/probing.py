@@ -11,13 +11,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TextIO
 
 import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.conv import ConvSpec
 
-from .membership import Node
+from .membership import ACTIVE, Node
 from .planning import PlannedLayer
 
 LINK_PROBE_BYTES = 1 << 20
@@ -69,6 +70,44 @@ def probe(node: Node, layer: PlannedLayer, backend: Backend, repeats: int) -> fl
     if node.client is None:
         return backend.time_step(layer.shape, repeats, layer.need_input_grad)
     return node.client.probe(layer.shape, repeats, layer.need_input_grad, timeout=PROBE_TIMEOUT_S)
+
+
+def probe_every(
+    nodes: Sequence[Node],
+    layers: Sequence[PlannedLayer],
+    backend: Backend,
+    repeats: int,
+    log: TextIO | None = None,
+) -> None:
+    """Probe every active node on every layer, one at a time (nodes on one machine must not
+    collide), into ``node.probe_seconds``; a line on ``log`` as each probe ends, so that a
+    large network's minute of probing is never a blank screen.
+
+    Nodes not active (unreachable at start) are left for when they come.
+    """
+    active = [node for node in nodes if node.state == ACTIVE]
+    total, done = len(active) * len(layers), 0
+    if log is not None and total:
+        print(
+            f"probing {len(active)} node{'s' if len(active) != 1 else ''} on {len(layers)} "
+            f"layer{'s' if len(layers) != 1 else ''} (forward + backward of each layer's real "
+            f"shape, best of {repeats}), one at a time:",
+            file=log,
+            flush=True,
+        )
+    for layer in layers:
+        s = layer.shape
+        what = f"{layer.name} ({s.c}->{s.k} channels, {s.kh}x{s.kw}, {s.h}x{s.w}, batch {s.n})"
+        for node in active:
+            start = time.perf_counter()
+            node.probe_seconds[layer.name] = probe(node, layer, backend, repeats)
+            done += 1
+            if log is not None:
+                took = time.perf_counter() - start
+                slow = f" (probing took {took:.0f} s)" if took >= 1 else ""
+                figure = 1e3 * node.probe_seconds[layer.name]
+                line = f"  [{done}/{total}] {what} on {node.name}: {figure:.1f} ms{slow}"
+                print(line, file=log, flush=True)
 
 
 def probe_all(node: Node, layers: list[PlannedLayer], backend: Backend, repeats: int):

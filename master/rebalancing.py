@@ -22,6 +22,14 @@ import numpy as np
 from .membership import ACTIVE, Node
 
 
+def drift_text(name: str, factor: float) -> str:
+    """A node's drift in words: ``127.0.0.1:50052 2.1x slower than its own baseline at the same
+    share`` (``factor``: its compute now over its baseline; below 1 it got faster)."""
+    if factor >= 1:
+        return f"{name} {factor:.1f}x slower than its own baseline at the same share"
+    return f"{name} {1 / factor:.1f}x faster than its own baseline at the same share"
+
+
 class DriftMonitor:
     """Per node and layer, recent compute seconds at the current shares and their baseline.
 
@@ -68,7 +76,8 @@ class DriftMonitor:
 
     def drifted(self, nodes: Sequence[Node]) -> str:
         """Scale the figures of every active node whose speed has changed by ``change`` or
-        more; a short description of what changed ('' if nothing)."""
+        more; what changed, in words (:func:`drift_text`, ``; `` between nodes; '' if
+        nothing)."""
         least = max(3, self.every // 2)
         drifted = []
         with self._lock:
@@ -90,8 +99,8 @@ class DriftMonitor:
                 if abs(factor - 1) >= self.change:
                     for layer in node.probe_seconds:
                         node.probe_seconds[layer] *= factor
-                    drifted.append(f"{node.name} x{factor:.2f}")
-        return ", ".join(drifted)
+                    drifted.append(drift_text(node.name, factor))
+        return "; ".join(drifted)
 
     def forget(self) -> None:
         """New shares: measurements so far were made at the old ones."""

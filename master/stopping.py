@@ -18,11 +18,12 @@ class TrainingInterrupted(KeyboardInterrupt):
         signum: the signal that asked for the stop.
         step: the steps done (and checkpointed, unless ``checkpoint`` is None).
         checkpoint: the file written, or None if writing it failed.
+        model: the weights saved at the stop (the run's ``--save``), or None.
     """
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, model: Path | None = None):
         super().__init__(f"stopped after step {step} on {signal.Signals(signum).name}")
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.signum, self.step, self.checkpoint, self.model = signum, step, checkpoint, model
 
 
 class StopAtStepBoundary:

@@ -32,8 +32,9 @@ from hetconv.layers import softmax_cross_entropy
 from hetconv.model import Model, load_spec, walk_spec
 from hetconv.optim import SGD, SGDConfig
 
-from .checkpoint import DEFAULT_KEEP, CheckpointDir, TrainingState, resume_point
+from .checkpoint import DEFAULT_KEEP, CheckpointDir, TrainingState, read_weights, resume_point
 from .fingerprint import compute_environment, order_digest, run_fingerprint
+from .rundir import MetricsLog
 from .stopping import StopAtStepBoundary, TrainingInterrupted
 from .trace import Trace
 
@@ -63,8 +64,11 @@ class TrainConfig:
     eval_every: int | None = None  # steps between evaluations (besides every epoch and the end)
     eval_batch: int = 200
     trace: str | None = None
-    save: str | None = None
-    load: str | None = None
+    run_dir: str | None = None  # the run folder the outputs are in (announced; see master.rundir)
+    metrics: str | None = None  # metrics.csv (hetconv.metrics)
+    tensorboard: str | None = None  # a folder for TensorBoard event files (needs tensorboardX)
+    save: str | None = None  # also written when a signal stops the run at a step boundary
+    load: str | None = None  # a model .npz, a checkpoint file or folder, or a run folder
     progress: bool = True
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None  # steps; DEFAULT_CHECKPOINT_EVERY with a directory
@@ -278,8 +282,13 @@ class _Run:
             executor=self.executor,
             input_shape=self.train_set.image_shape,
         )
+        self.loaded_from = None
         if config.load:
-            self.model.load(config.load)
+            weights, self.loaded_from = read_weights(config.load)
+            try:
+                self.model.load_state(weights)
+            except ValueError as e:
+                raise ValueError(f"cannot load {self.loaded_from}: {e}") from None
         self.steps = total_steps(config, len(self.train_set))
         self.steps_per_epoch = len(self.train_set) // config.batch
         self.environment = compute_environment()
@@ -307,6 +316,7 @@ class _Run:
                 )
             self.start_step, self.totals = state.step, _Totals.restored(state)
         self.trace = Trace(None)
+        self.metrics = MetricsLog(None, None)
         self._order = np.empty(0, np.int64)  # the data order of the current epoch
         self._stop: StopAtStepBoundary | None = None
         self._start = 0.0  # perf_counter when this run's first step began
@@ -362,6 +372,10 @@ class _Run:
             f"{config.batch}",
             file=log,
         )
+        if config.run_dir is not None:
+            print(f"run folder: {config.run_dir}", file=log)
+        if self.loaded_from is not None:
+            print(f"starting from the weights of {self.loaded_from}", file=log)
         if self.resumed is None:
             return
         state, path = self.resumed
@@ -391,6 +405,7 @@ class _Run:
                 file=self.log,
             )
         try:
+            self.metrics = MetricsLog(config.metrics, config.tensorboard, resume_step)
             plan = _plan_record(self.executor, self.start_step)
             if plan is not None:
                 self.trace.write(plan)
@@ -399,6 +414,7 @@ class _Run:
                 self.final_eval = self._evaluate(self.steps, final=True)
         finally:
             self.trace.close()
+            self.metrics.close()
         return self._elapsed()
 
     def _elapsed(self) -> float:
@@ -423,18 +439,18 @@ class _Run:
         self._eval_seconds += seconds
         epoch = done / self.steps_per_epoch
         # No "step" key: trace readers take the records that have one as the steps.
-        self.trace.write(
-            {
-                "event": "eval",
-                "trained_steps": done,
-                "epoch": epoch,
-                "loss": loss,
-                "accuracy": accuracy,
-                "images": len(self.test_set),
-                "seconds": seconds,
-                "final": final,
-            }
-        )
+        record = {
+            "event": "eval",
+            "trained_steps": done,
+            "epoch": epoch,
+            "loss": loss,
+            "accuracy": accuracy,
+            "images": len(self.test_set),
+            "seconds": seconds,
+            "final": final,
+        }
+        self.trace.write(record)
+        self.metrics.evaluation(record)
         if not final:
             tqdm.write(
                 f"eval after step {done} (epoch {epoch:.2f}): held-out loss {loss:.3f}, "
@@ -470,7 +486,12 @@ class _Run:
                         refresh=False,
                     )
                     if stopping and step + 1 < self.steps:  # at the last step the run is done
-                        raise TrainingInterrupted(self._stop.signum, step + 1, target)
+                        try:
+                            model = self._save_model()
+                        except OSError as e:  # the checkpoint holds the weights too
+                            tqdm.write(f"saving the weights failed: {e}", file=self.log)
+                            model = None
+                        raise TrainingInterrupted(self._stop.signum, step + 1, target, model)
                     if self._eval_due(step + 1):
                         self._evaluate(step + 1, final=False)
         finally:
@@ -535,6 +556,7 @@ class _Run:
         due = self.checkpoints is not None and (
             done % self.config.checkpoint_interval == 0 or done == self.steps or stopping
         )
+        self.metrics.step(record)
         if not due:
             self.trace.write(record)
             return None
@@ -599,17 +621,24 @@ class _Run:
             environment=self.environment,
         )
 
+    def _save_model(self) -> Path | None:
+        """Write the weights to ``config.save``, if set; returns the file."""
+        if not self.config.save:
+            return None
+        if self.resident:  # the workers' kernel slices into the model first
+            self.executor.gather_resident()
+        path = Path(self.config.save)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.model.save(path)
+        return path
+
     def summary(self, seconds: float) -> TrainResult:
         """Save the weights if asked, and report (with the final evaluation's figures)."""
         config, log, totals, steps = self.config, self.log, self.totals, self.steps
         eval_loss = eval_accuracy = None
         if self.final_eval is not None:
             eval_loss, eval_accuracy = self.final_eval
-        if config.save:
-            if self.resident:
-                self.executor.gather_resident()
-            Path(config.save).parent.mkdir(parents=True, exist_ok=True)
-            self.model.save(config.save)
+        self._save_model()
         result = TrainResult(
             steps=steps,
             losses=totals.losses,

@@ -419,7 +419,7 @@ def test_a_fresh_run_does_not_overwrite_another_runs_checkpoints(tmp_path, capsy
     ],
 )
 def test_checkpoint_flags_need_a_folder(capsys, argv, message):
-    assert main([*CLI_RUN, "--steps", "1", *argv]) == 2
+    assert main([*CLI_RUN, "--steps", "1", "--no-run-dir", *argv]) == 2
     assert message in capsys.readouterr().err
 
 

@@ -60,7 +60,10 @@ def test_a_mode_that_needs_a_missing_flag_is_skipped_with_a_note_and_runs_once_i
         "--stages", "fused",
     )  # fmt: skip
     assert everything.arguments("shared")[-3:] == ["wifi", "--stages", "fused"]
-    assert everything.arguments("switched")[5] == "switched"
+    assert everything.arguments("switched")[4 + 5] == "switched"
+    # Every mode starts from the paper's kernel split; its own flags come last and win.
+    assert everything.arguments("switched")[:4] == list(bench.BASE)
+    assert with_stages[0].arguments("switched") == ["--shares", "compute", "--stages", "unfused"]
 
 
 def test_unknown_modes_and_caps_past_the_machine_are_refused_by_name():

@@ -7,11 +7,18 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TextIO
 
 from hetconv.backends import AUTO_PROBE, Backend, get_backend
 from hetconv.calls import READY
+from hetconv.worker.advertise import (
+    Advertisement,
+    addresses_line,
+    reachable_addresses,
+    txt_properties,
+)
 from hetconv.worker.auth import WorkerSecurity, open_worker_warning
 from hetconv.worker.service import ConvWorkerService, WorkerConfig, start_server
 
@@ -82,6 +89,37 @@ def default_memory_bytes(available: int | None = None) -> int:
     if available is None:
         return UNKNOWN_MEMORY_BUDGET
     return max(64 << 20, available // 2)
+
+
+#: What BLAS and OpenMP libraries read for their thread count when they load.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+_thread_limit = None  # threadpoolctl's limiter, held for the process's life
+
+
+def limit_threads(threads: int | None) -> str:
+    """Give the BLAS and OpenMP libraries loaded in this process ``threads`` threads (None:
+    leave their default, one per core) and return the line the worker prints about it, read
+    back from the libraries themselves.
+
+    The environment variables are read only when a library loads (numpy's BLAS is loaded
+    long before the command line is parsed), so the limit is set in the loaded libraries
+    through ``threadpoolctl``; the variables are set too, for anything loaded later.
+    """
+    global _thread_limit
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads {threads}: expected 1 or more")
+        _thread_limit = threadpool_limits(limits=threads)
+        os.environ.update(dict.fromkeys(THREAD_VARIABLES, str(threads)))
+    pools = threadpool_info()
+    # numpy and scipy may each bundle their own copy of one library: name each count once
+    found = dict.fromkeys(f"{p['internal_api']} {p['num_threads']}" for p in pools)
+    counts = ", ".join(found) or "none found"
+    why = f"--threads {threads}" if threads is not None else "the default; --threads N to change"
+    return f"threads: {counts} ({why})"
 
 
 def _set_at_end_of_input(stop: threading.Event) -> None:
@@ -170,6 +208,64 @@ def _print_device(backend: Backend, startup_probe: bool, out: TextIO) -> None:
         )
 
 
+def _announce(
+    address: str,
+    backend: Backend,
+    security: WorkerSecurity,
+    service: ConvWorkerService,
+    advertise: bool,
+    out: TextIO,
+    err: TextIO,
+) -> Advertisement | None:
+    """Print the addresses masters should use and, with ``advertise``, register the worker
+    for discovery; the advertisement (None: not advertised, and a line says why)."""
+    host, _, port = address.rpartition(":")
+    reachable = reachable_addresses(host)
+    print(addresses_line(host, int(port), reachable), file=out)
+    beyond = [a for a in reachable if not a.loopback]
+    if not advertise:
+        print("not advertised on the LAN (--no-advertise)", file=out)
+        return None
+    if not beyond:
+        print("not advertised on the LAN: it listens on loopback only", file=out)
+        return None
+    info = backend.describe()
+    properties = txt_properties(
+        info.backend, info.name, security.token is not None, service.instance_id
+    )
+    try:
+        advertisement = Advertisement(int(port), beyond, properties, service.instance_id)
+    except Exception as e:  # discovery is a convenience: the worker serves without it
+        print(
+            f"not advertised on the LAN: multicast DNS failed ({type(e).__name__}: {e}); "
+            "masters can still name it with --worker",
+            file=err,
+        )
+        return None
+    print(
+        f"advertised on the LAN as {advertisement.name!r} on "
+        f"{', '.join(advertisement.addresses)} (`hetconv train --discover` finds it; "
+        "--no-advertise to stop that)",
+        file=out,
+    )
+    return advertisement
+
+
+def _serve_until(
+    stop: threading.Event, service: ConvWorkerService, report_every: float, out: TextIO
+) -> None:
+    """Wait for ``stop``, printing what was served every ``report_every`` seconds (0: never)
+    in which anything was."""
+    last = time.monotonic()
+    while not stop.wait(0.5):
+        now = time.monotonic()
+        if report_every and now - last >= report_every:
+            summary = service.activity.take(now - last)
+            last = now
+            if summary.requests:
+                print(summary.describe(), file=out, flush=True)
+
+
 def run_worker(
     listen: str,
     backend: Backend | str = "cpu",
@@ -183,13 +279,17 @@ def run_worker(
     memory_bytes: int | None = None,
     idle_timeout: float | None = None,
     max_calls: int | None = None,
+    advertise: bool = True,
+    report_every: float = 30.0,
 ) -> int:
     """Serve on ``listen`` until SIGINT or SIGTERM; returns the process exit status.
 
     Prints, in this order: the device, the startup probe figure, the request limit, the
-    memory budget, the sessions kept, the security in force, and ``READY HOST:PORT`` (the line
-    a launcher waits for). A worker that the network can reach without a token also warns on
-    ``err`` (default: stderr).
+    memory budget, the sessions kept, the security in force, the addresses masters should use
+    (``masters use: ...``), whether it is advertised on the LAN, and ``READY HOST:PORT`` (the
+    line a launcher waits for); then, every ``report_every`` seconds in which it served
+    anything, one line of what it served. A worker that the network can reach without a token
+    also warns on ``err`` (default: stderr).
 
     Args:
         config: limits; None: the defaults, with the request limit from
@@ -202,6 +302,10 @@ def run_worker(
         exit_on_stdin_close: also stop when standard input reaches end of file. A launcher
             that keeps a pipe to it open takes the worker down when it ends by any means,
             SIGKILL included (the kernel closes the pipe).
+        advertise: register the worker for DNS-SD/mDNS discovery (``hetconv train
+            --discover``) when it listens beyond loopback (:mod:`.advertise`).
+        report_every: seconds between activity lines (requests, MB in and out, masters);
+            0: none.
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
@@ -226,16 +330,19 @@ def run_worker(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     if exit_on_stdin_close:
         threading.Thread(target=_set_at_end_of_input, args=(stop,), daemon=True).start()
+    advertisement = None
     try:
         server, address = start_server(service, listen, security)
         try:
             warning = open_worker_warning(address, security)  # names the port bound, not 0
             if warning is not None:
                 print(warning, file=err, flush=True)
+            advertisement = _announce(address, backend, security, service, advertise, out, err)
             print(f"{READY} {address}", file=out, flush=True)
-            while not stop.wait(0.5):
-                pass
+            _serve_until(stop, service, report_every, out)
         finally:
+            if advertisement is not None:
+                advertisement.close()
             service.health.enter_graceful_shutdown()
             server.stop(grace=5).wait()
             service.close()

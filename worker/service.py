@@ -73,6 +73,7 @@ from hetconv.wire import (
     receive_stream,
     server_options,
 )
+from hetconv.worker.activity import Activity
 from hetconv.worker.auth import WorkerSecurity
 from hetconv.worker.budget import Dropped, MemoryBudget, OverBudget
 from hetconv.worker.idle import IdleTimeout, IdleWatch, Watched
@@ -213,6 +214,7 @@ class ConvWorkerService:
         self._device_lock = threading.Lock()
         self.scratch_trimmed = 0  # times the scratch was trimmed after a call
         self.requests = 0  # conv requests answered successfully
+        self.activity = Activity()  # the same, with bytes and sessions, since the last look
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
 
     def _on_device(self, work: Callable[[], object]):
@@ -331,6 +333,7 @@ class ConvWorkerService:
             return TensorReceiver.of(tensors)
 
         first, arrays = receive_stream(messages, receiver_for)
+        self.activity.received(first.header.session, sum(h.nbytes for h in first.header.tensors))
         return first.header, arrays, time.perf_counter() - start
 
     def _admit(self, call: ConvCall, request: pb.ConvRequest, tensors: list[WireTensor]) -> None:
@@ -412,7 +415,9 @@ class ConvWorkerService:
         except Exception as e:  # a bug, but the caller still gets a named status, not UNKNOWN
             context.abort(grpc.StatusCode.INTERNAL, f"{call.name}: {type(e).__name__}: {e}")
         self.requests += 1
-        return self._result(tensors, compute, receive)
+        head, segments = self._result(tensors, compute, receive)
+        self.activity.answered(sum(v.nbytes for v in segments))
+        return head, segments
 
     def streamed(self, call: ConvCall, core: _Core):
         """The handler of a streaming call: header and chunks in, header and chunks out."""
