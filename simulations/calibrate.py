@@ -381,6 +381,22 @@ def _links_and_wire(
     return links, wire
 
 
+def _in_node_order(path: str, records: list[dict]) -> list[dict]:
+    """``records`` with each step's nodes in the cluster's order (its plan record's: where
+    kernel slices start), not the order the step first called them in: with link-aware
+    shares a worker with no share of the first layer is called first in a later one."""
+    try:
+        order = {name: i for i, name in enumerate(read_plan(path).node_names)}
+    except ValueError:  # an older trace: no plan record
+        return records
+    out = []
+    for record in records:
+        nodes = record.get("nodes", {})
+        ordered = sorted(nodes.items(), key=lambda item: order.get(item[0], len(order)))
+        out.append({**record, "nodes": dict(ordered)})
+    return out
+
+
 def calibrate(path: str, network: str | None = None) -> Calibration:
     """Read a trace and measure its cluster (see the module docstring).
 
@@ -390,7 +406,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
     Raises:
         ValueError: unreadable trace, a local run's trace, or no network that matches it.
     """
-    used, notes = _steps_of_one_split(read_trace(path))
+    used, notes = _steps_of_one_split(_in_node_order(path, read_trace(path)))
     name = _detect_network(used, network, path)
     batch = int(used[0]["batch"])
     layers = {layer.name: layer for layer in network_layers(name, batch)}

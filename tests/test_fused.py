@@ -442,14 +442,17 @@ def test_any_stage_description_is_answered_or_refused_by_name(workers, ops, own_
 
 def test_calibration_reads_a_trace_where_a_worker_has_no_share_of_a_layer(workers, tmp_path):
     # --shares link may give a worker nothing of a layer: its step records then have no entry
-    # for that layer, and the simulator calibrated from the trace still models the run.
+    # for that layer (and name it after the workers that computed the first layer), and the
+    # simulator calibrated from the trace still models the run, its slices in node order.
     trace = tmp_path / "trace.jsonl"
-    shares = {"conv1": (4, 4, 0), "conv2": SHARES["conv2"]}
+    shares = {"conv1": (4, 0, 4), "conv2": SHARES["conv2"]}
     config = ClusterConfig(**FAST, shares=shares, stages="fused")
     with Cluster(workers.addresses, config=config) as cluster:
         _train(tmp_path, "no-share", cluster, trace=str(trace), steps=3)
-    steps = [json.loads(line) for line in trace.read_text().splitlines()][1:]
-    assert all("conv1" not in r["nodes"][workers.addresses[1]] for r in steps if "step" in r)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in records if "step" in r]
+    assert all("conv1" not in r["nodes"][workers.addresses[0]] for r in steps)
+    assert list(steps[-1]["nodes"])[1] == workers.addresses[1]  # first called, second named
     cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
-    assert cal.shares["conv1"] == (4, 4, 0)
+    assert cal.shares["conv1"] == (4, 0, 4) and cal.shares["conv2"] == SHARES["conv2"]
     assert cal.check()["step_s"] > 0
