@@ -36,6 +36,7 @@ from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.resident import edge_rows, sgd_config, version_text
 from hetconv.stages import StageRun, StageSpec, spec_from_proto, stage_backward, stage_forward
+from hetconv.worker.requests import request_padding
 
 
 class StaleSlice(MissingForward):
@@ -60,17 +61,6 @@ class _Run:
     version: int
     run: StageRun
     spec: StageSpec
-
-
-def _padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
-    if len(request.padding) != 4:
-        raise InvalidCall(
-            f"padding must have 4 sides (top, bottom, left, right), got {list(request.padding)}"
-        )
-    sides = tuple(int(v) for v in request.padding)
-    if min(sides) < 0:
-        raise InvalidCall(f"padding {sides} has a negative side")
-    return sides  # type: ignore[return-value]
 
 
 class ResidentCalls:
@@ -165,7 +155,7 @@ class ResidentCalls:
         service = self.service
         request, (x, hw, hb), receive = service._receive(messages, RESIDENT_STAGE_FORWARD)
         held = self._held(request)
-        padding = _padding(request)
+        padding = request_padding(request)
         ref, d = request.resident, request.stage
         k = held.w.shape[0]
         if d.own_start != ref.halo_before or d.own_count != k:

@@ -77,6 +77,7 @@ from hetconv.worker.activity import Activity
 from hetconv.worker.auth import WorkerSecurity
 from hetconv.worker.budget import Dropped, MemoryBudget, OverBudget
 from hetconv.worker.idle import IdleTimeout, IdleWatch, Watched
+from hetconv.worker.requests import request_padding
 from hetconv.worker.resident import ResidentCalls
 from hetconv.worker.stages import StageCalls
 
@@ -169,17 +170,6 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
         pass
-
-
-def _padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
-    if len(request.padding) != 4:
-        raise InvalidCall(
-            f"padding must have 4 sides (top, bottom, left, right), got {list(request.padding)}"
-        )
-    sides = tuple(int(v) for v in request.padding)
-    if min(sides) < 0:
-        raise InvalidCall(f"padding {sides} has a negative side")
-    return sides  # type: ignore[return-value]
 
 
 class ConvWorkerService:
@@ -358,7 +348,7 @@ class ConvWorkerService:
         if call is FORWARD:
             x, w, _ = (t.shape for t in tensors)
             self.budget.check_state(FLOAT32.nbytes(x) + FLOAT32.nbytes(w), "this Forward")
-            shape = conv_shape(x, w, _padding(request))
+            shape = conv_shape(x, w, request_padding(request))
             need += FORWARD.answer_bytes(shape) + FORWARD.answer_bytes(shape, fmt=fmt)
         elif call is BACKWARD:
             saved = self.budget.saved(request.session, (request.layer, request.kernel_offset))
@@ -371,7 +361,7 @@ class ConvWorkerService:
         memory.reserve(need, f"this {call.name}", request.session)
 
     def _check_forward(self, request: pb.ConvRequest, tensors: list[WireTensor]) -> None:
-        _padding(request)
+        request_padding(request)
         x, w, b = (t.shape for t in tensors)
         if len(x) != 4 or len(w) != 4:
             raise InvalidCall(f"x {x} and w {w} must both have 4 dimensions (NCHW, KCHW)")
@@ -446,7 +436,7 @@ class ConvWorkerService:
 
     def forward(self, messages: Iterator):
         request, (x, w, b), receive = self._receive(messages, FORWARD)
-        padding = _padding(request)
+        padding = request_padding(request)
         start = time.perf_counter()
 
         def work():

@@ -26,6 +26,7 @@ from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
 from hetconv.formats import answer_format
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import StageRun, spec_from_proto, stage_backward, stage_forward
+from hetconv.worker.requests import request_padding
 
 
 @dataclass
@@ -44,17 +45,6 @@ class _Kept:
         return sum(a.nbytes for a in arrays)
 
 
-def _padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
-    if len(request.padding) != 4:
-        raise InvalidCall(
-            f"padding must have 4 sides (top, bottom, left, right), got {list(request.padding)}"
-        )
-    sides = tuple(int(v) for v in request.padding)
-    if min(sides) < 0:
-        raise InvalidCall(f"padding {sides} has a negative side")
-    return sides  # type: ignore[return-value]
-
-
 class StageCalls:
     """The two stage handlers' cores, on a :class:`~hetconv.worker.service.ConvWorkerService`
     (its backend, device lock, request checks and limits)."""
@@ -63,7 +53,7 @@ class StageCalls:
         self.service = service
 
     def _check_forward(self, request: pb.ConvRequest, x, w, b):
-        padding = _padding(request)
+        padding = request_padding(request)
         if x.ndim != 4 or w.ndim != 4:
             raise InvalidCall(f"x {x.shape} and w {w.shape} must both have 4 dimensions")
         if b.shape != (w.shape[0],):
