@@ -98,6 +98,24 @@ def _cpu_share(bed: testbed.ClusterTestbed, host: testbed.Host, seconds: float =
     return share
 
 
+@pytest.mark.parametrize("flags", [["--stages", "unfused"], ["--stages", "fused"]])
+def test_the_prediction_models_the_modes_the_run_traced(tmp_path, flags):
+    # A run through real loopback workers in each stage mode: the step the simulator predicts
+    # for its trace moves the bytes the run moved (fused calls counted as fused, not as the
+    # plain kernel split's).
+    from hetconv.simulations.trace import read_steps, step_bytes
+
+    trace = tmp_path / "trace.jsonl"
+    command = [sys.executable, "-I", "-m", "hetconv", "train", "--steps", "3", "--batch", "8",
+               "--no-progress", "--no-run-dir", "--trace", str(trace), "--shares", "compute",
+               "--kernels", "sent", "--local-workers", "2", *flags]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    result, cal = bench.predict(str(trace), testbed.SWITCHED_LINK, 1000.0, 1e-4, 1.0)
+    # (equal but for the step number's size in each call's header: the model counts step 1000)
+    assert result.bytes == pytest.approx(step_bytes(read_steps(str(trace))[-1]), rel=1e-4)
+    assert set(cal.stage_modes.values()) == {flags[1]}
+
+
 @needs_testbed
 def test_caps_and_shared_medium_hold_and_everything_goes_away():
     rate = 40.0
