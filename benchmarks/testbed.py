@@ -118,17 +118,24 @@ class Mode:
 
 
 #: The paper's kernel split, which every mode changes one thing of: shares by probe, plain
-#: convolutions on the workers (``hetconv train``'s own defaults are link-aware shares and
-#: fused stages where they move fewer bytes, i.e. the "all" row's choices).
-BASE = ("--shares", "compute", "--stages", "unfused")
+#: convolutions on the workers, kernels sent every step (``hetconv train``'s own defaults are
+#: link-aware shares, fused stages and resident kernels where they move fewer bytes: the "all"
+#: row's choices).
+BASE = ("--shares", "compute", "--stages", "unfused", "--kernels", "sent")
 MODES: tuple[Mode, ...] = (
     Mode("kernel_split", (), "the paper's: every conv's kernels split by probe", in_all=False),
     Mode("float16", ("--wire-format", "float16"), "activations and their gradients as float16"),
     Mode("bfloat16", ("--wire-format", "bfloat16"), "the same as bfloat16", in_all=False),
     Mode("link_shares", ("--shares", "link", "--network", "{network}"), "link-aware shares"),
     Mode("fused", ("--stages", "fused"), "workers run the layers after their conv", "--stages"),
+    Mode(
+        "resident",
+        ("--stages", "fused", "--kernels", "resident"),
+        "fused, and workers keep their kernel slices and update them",
+        "--kernels",
+    ),
 )
-DEFAULT_MODES = ("kernel_split", "float16", "link_shares", "fused", ALL)
+DEFAULT_MODES = ("kernel_split", "float16", "link_shares", "fused", "resident", ALL)
 
 
 def modes_named(names: Sequence[str]) -> list[str]:

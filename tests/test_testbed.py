@@ -60,10 +60,19 @@ def test_a_mode_that_needs_a_missing_flag_is_skipped_with_a_note_and_runs_once_i
         "--stages", "fused",
     )  # fmt: skip
     assert everything.arguments("shared")[-3:] == ["wifi", "--stages", "fused"]
-    assert everything.arguments("switched")[4 + 5] == "switched"
+    assert everything.arguments("switched")[len(bench.BASE) + 5] == "switched"
     # Every mode starts from the paper's kernel split; its own flags come last and win.
-    assert everything.arguments("switched")[:4] == list(bench.BASE)
-    assert with_stages[0].arguments("switched") == ["--shares", "compute", "--stages", "unfused"]
+    assert everything.arguments("switched")[: len(bench.BASE)] == list(bench.BASE)
+    assert with_stages[0].arguments("switched") == [
+        "--shares", "compute", "--stages", "unfused", "--kernels", "sent",
+    ]  # fmt: skip
+    # Resident kernels run once `hetconv train` has --kernels; "all" then keeps them.
+    help_text = "... --stages {kernel,fused} ... --kernels {auto,resident,sent} ..."
+    (resident, everything), notes = bench.runnable_modes(["resident", "all"], help_text)
+    assert notes == [] and resident.arguments("shared")[-4:] == [
+        "--stages", "fused", "--kernels", "resident",
+    ]  # fmt: skip
+    assert everything.arguments("shared")[-2:] == ["--kernels", "resident"]
 
 
 def test_unknown_modes_and_caps_past_the_machine_are_refused_by_name():
