@@ -93,7 +93,12 @@ def step_row(record: dict) -> dict[str, float | int]:
         row[node_column("share", node)] = kernels / total_kernels if total_kernels else 0.0
         row[node_column("compute_seconds", node)] = compute
         row[node_column("bytes", node)] = node_bytes
-    row["bytes"] = total_bytes
+    # Resident kernels' placements and syncs (the record's ``resident``) cross the link too.
+    kept = sum(
+        figures.get("placed_bytes", 0) + figures.get("fetched_bytes", 0)
+        for figures in (record.get("resident") or {}).values()
+    )
+    row["bytes"] = total_bytes + kept
     return row
 
 
