@@ -197,6 +197,11 @@ def _format_of(record: dict) -> TensorFormat:
     return format_named(record.get("wire_format", FLOAT32.label))
 
 
+#: Bytes a call's headers may differ by from the model's: varints of numbers the model cannot
+#: know exactly (a resident slice's version counts its placements and syncs, not steps).
+HEADER_SLACK = 8
+
+
 def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     """None when every worker call of ``record`` moved what the simulator computes, else why."""
     fmt = _format_of(record)
@@ -228,7 +233,8 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
                     else:
                         want = call_bytes(layer, phase, share, offset, step, fmt)
                     got = (entry[phase]["bytes_sent"], entry[phase]["bytes_received"])
-                    if got != (want.sent, want.received):
+                    off = (abs(got[0] - want.sent), abs(got[1] - want.received))
+                    if max(off) > HEADER_SLACK:
                         return (
                             f"{node} {layer_name} {phase} moved {got} bytes, its shapes give "
                             f"{(want.sent, want.received)}"
