@@ -2,10 +2,10 @@
 
 A *stage* is one convolution plus the chain of channel-local layers that follows it in the
 model's spec (ReLU, local response normalisation, max-pool, average pool, global average pool:
-the leading run of these after the convolution). Batch norm and dropout end a stage and run on
-the master, after the stage's output: batch norm is channel-local too, but fused its weight and
-bias would travel with every stage call and its gradients and batch statistics come back, and
-dropout's masks are drawn by the master's model. The node that owns a slice of the
+the leading run of these after the convolution). Batch norm and dropout end the model's stages
+and run on the master, after the stage's output: dropout's masks are drawn by the master's
+model, and batch norm, though the stage code here computes it on a slice exactly (below), is
+not carried by the wire yet. The node that owns a slice of the
 convolution's kernels (output channels) also runs the chain on them and answers the chain's
 output (the pooled maps); backward takes the gradient of that output. The master and the
 worker both run it with the code here, which runs the very layers of :mod:`hetconv.layers` on
@@ -30,6 +30,16 @@ is exactly what keeps them out (``tests/test_fused.py`` checks it for every spli
 answers kernel gradients for its owned kernels only and its input-gradient part from them only,
 so each kernel's gradient is computed, and each input-gradient part summed, exactly once.
 
+Batch norm. Each channel is normalised by its own statistics over (N, H, W), all of which the
+node has (it convolves the whole batch), so batch norm has no reach and a slice computes its
+channels exactly as the whole layer does, halo channels included. A stage's batch norm takes a
+:class:`BatchNormSlice` per op (weight and bias of the widened slice; in evaluation its running
+statistics too). Training, the node answers the owned channels' float64 batch mean and biased
+variance (:meth:`StageRun.batch_statistics`), from which the master moves the layer's running
+statistics with :meth:`~hetconv.layers.BatchNorm2d.track`, the very update the layer's own
+forward makes, and backward the owned channels' weight and bias gradients
+(:meth:`StageRun.batchnorm_grads`).
+
 Exchanging halos between neighbouring workers instead would save the redundant kernels but
 move ``size - 1`` full-size channels each way per phase between workers, with a round trip in
 the middle of each phase's stage (and workers that know each other).
@@ -52,6 +62,7 @@ import numpy as np
 from .backends import Backend, PaddingSpec
 from .layers import (
     AvgPool2d,
+    BatchNorm2d,
     GlobalAvgPool2d,
     Layer,
     LocalResponseNorm,
@@ -62,8 +73,12 @@ from .layers import (
 )
 from .proto import worker_pb2 as pb
 
-#: The layer types a stage may hold after its convolution (the spec's names).
+#: The layer types the model fuses into a stage after its convolution (the spec's names).
 CHANNEL_LOCAL = ("relu", "lrn", "maxpool", "avgpool", "gap")
+#: The layer types a stage can compute: the above and batch norm, which the stage code runs
+#: on a slice exactly (see "Batch norm" above) but the wire does not carry yet, so the model
+#: still ends its stages before batch norm.
+STAGE_KINDS = (*CHANNEL_LOCAL, "batchnorm")
 _POOLS = ("maxpool", "avgpool")
 FUSED, UNFUSED, AUTO = "fused", "unfused", "auto"
 STAGE_MODES = (FUSED, UNFUSED, AUTO)
@@ -75,7 +90,8 @@ class StageOp:
 
     ``kind`` is ``"relu"``, ``"lrn"`` (``size``, ``alpha``, ``beta``, ``k`` as
     :class:`~hetconv.layers.LocalResponseNorm`), ``"maxpool"`` or ``"avgpool"`` (``kernel``,
-    ``stride`` as :class:`~hetconv.layers.MaxPool2d`) or ``"gap"``.
+    ``stride`` as :class:`~hetconv.layers.MaxPool2d`), ``"gap"`` or ``"batchnorm"`` (``eps``,
+    ``momentum`` as :class:`~hetconv.layers.BatchNorm2d`).
 
     Raises:
         ValueError: an unknown kind or an option out of range, naming it.
@@ -88,12 +104,19 @@ class StageOp:
     k: float = 0.0
     kernel: int = 0
     stride: int = 0
+    eps: float = 1e-5
+    momentum: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.kind not in CHANNEL_LOCAL:
+        if self.kind not in STAGE_KINDS:
             raise ValueError(
-                f"stage layer kind {self.kind!r}; expected one of {', '.join(CHANNEL_LOCAL)}"
+                f"stage layer kind {self.kind!r}; expected one of {', '.join(STAGE_KINDS)}"
             )
+        if self.kind == "batchnorm":
+            if not (math.isfinite(self.eps) and self.eps > 0):
+                raise ValueError(f"stage batchnorm eps must be finite and > 0, got {self.eps}")
+            if not 0.0 <= self.momentum <= 1.0:
+                raise ValueError(f"stage batchnorm momentum must be in [0, 1], got {self.momentum}")
         if self.kind == "lrn":
             if self.size < 1:
                 raise ValueError(f"stage lrn size must be >= 1, got {self.size}")
@@ -119,6 +142,12 @@ class StageOp:
         if kind in _POOLS:
             kernel, stride = pool_geometry(entry.get("kernel", 2), entry.get("stride"))
             return cls(kind, kernel=kernel, stride=stride)
+        if kind == "batchnorm":
+            return cls(
+                kind,
+                eps=float(entry.get("eps", 1e-5)),
+                momentum=float(entry.get("momentum", 0.1)),
+            )
         return cls(kind)
 
     @property
@@ -128,8 +157,10 @@ class StageOp:
             return self.size // 2, (self.size - 1) // 2
         return 0, 0
 
-    def build(self, name: str) -> Layer:
-        """A fresh layer object computing this op."""
+    def build(self, name: str, channels: int = 0) -> Layer:
+        """A fresh layer object computing this op (on ``channels``: batch norm's count)."""
+        if self.kind == "batchnorm":
+            return BatchNorm2d(name, channels, self.eps, self.momentum)
         if self.kind == "relu":
             return ReLU(name)
         if self.kind == "lrn":
@@ -189,8 +220,44 @@ class StageSpec:
                 shape = (1, 1, 1)
         return shape[1], shape[2]
 
-    def build(self, layer: str) -> list[Layer]:
-        return [op.build(f"{layer}.{op.kind}{i}") for i, op in enumerate(self.ops)]
+    @property
+    def batchnorms(self) -> int:
+        """How many batch norm ops the stage holds (each needs a :class:`BatchNormSlice`)."""
+        return sum(op.kind == "batchnorm" for op in self.ops)
+
+    def build(self, layer: str, channels: int = 0) -> list[Layer]:
+        return [op.build(f"{layer}.{op.kind}{i}", channels) for i, op in enumerate(self.ops)]
+
+
+@dataclass(frozen=True)
+class BatchNormSlice:
+    """What a node needs of one batch norm layer to run it on its widened kernel slice.
+
+    ``weight``, ``bias``: float32 (k,) of the widened slice's channels (halo included: an LRN
+    after the batch norm reads them). ``training``: normalise by the batch's statistics
+    (``running_mean`` and ``running_var`` are then not needed) or, in evaluation, by the
+    running statistics, float32 (k,) of the same channels.
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray
+    training: bool = True
+    running_mean: np.ndarray | None = None
+    running_var: np.ndarray | None = None
+
+    def check(self, index: int, channels: int) -> None:
+        """Raise ValueError naming the array that is not float32 (``channels``,)."""
+        arrays = {"weight": self.weight, "bias": self.bias}
+        if not self.training:
+            arrays |= {"running_mean": self.running_mean, "running_var": self.running_var}
+        for name, a in arrays.items():
+            if a is None:
+                raise ValueError(f"stage batchnorm {index}: evaluation needs its {name}")
+            if a.dtype != np.float32 or a.shape != (channels,):
+                raise ValueError(
+                    f"stage batchnorm {index}: {name} is {a.dtype} {a.shape}, expected "
+                    f"float32 ({channels},) for the {channels} kernels computed"
+                )
 
 
 _TO_PROTO = {
@@ -207,6 +274,10 @@ def ops_to_proto(spec: StageSpec) -> list[pb.StageOp]:
     """The stage's layers as the wire carries them (``StageDescription.ops``)."""
     out = []
     for op in spec.ops:
+        if op.kind == "batchnorm":
+            raise ValueError(
+                "stage batchnorm is not carried by the wire: end the stage before batch norm"
+            )
         message = pb.StageOp(layer=_TO_PROTO[op.kind])
         if op.kind == "lrn":
             message.size, message.alpha, message.beta, message.k = op.size, op.alpha, op.beta, op.k
@@ -273,6 +344,38 @@ class StageRun:
     layers: list[Layer]
     out_shape: tuple[int, ...]
 
+    @property
+    def _batchnorms(self) -> list[BatchNorm2d]:
+        return [layer for layer in self.layers if isinstance(layer, BatchNorm2d)]
+
+    def batch_statistics(self) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """Per training batch norm of the stage, in order: float64 (own,) batch mean and
+        biased variance of the owned channels and the count they are over (N * H * W), what
+        the master moves that layer's running statistics by
+        (:meth:`~hetconv.layers.BatchNorm2d.track`). Evaluation batch norms have none."""
+        out = []
+        for layer in self._batchnorms:
+            if layer.training:
+                mean, var = layer.batch_stats
+                count = layer._x_hat.shape[0] * layer._x_hat.shape[2] * layer._x_hat.shape[3]
+                out.append((mean[self.own], var[self.own], count))
+        return out
+
+    def batchnorm_grads(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """After :func:`stage_backward`: per batch norm, float32 (own,) weight and bias
+        gradients of the owned channels."""
+        out = []
+        for layer in self._batchnorms:
+            if not layer.grads:
+                raise ValueError(f"{layer.name}: no gradients yet; run stage_backward first")
+            out.append(
+                (
+                    np.ascontiguousarray(layer.grads["weight"][self.own]),
+                    np.ascontiguousarray(layer.grads["bias"][self.own]),
+                )
+            )
+        return out
+
 
 def check_slices(kernels: int, own: slice, grad: slice | None = None) -> None:
     """Raise ValueError unless ``own`` (and ``grad``) are non-empty ranges within ``kernels``
@@ -296,6 +399,7 @@ def stage_forward(
     padding: PaddingSpec,
     spec: StageSpec,
     own: slice,
+    batchnorm: Sequence[BatchNormSlice] = (),
 ) -> tuple[np.ndarray, StageRun]:
     """The chain's output on the owned kernels.
 
@@ -304,14 +408,35 @@ def stage_forward(
         w, b: float32 (k, C, kh, kw) and (k,): the widened kernel slice
             (:meth:`StageSpec.widened`).
         own: the owned kernels within ``w`` (offsets into its first axis).
+        batchnorm: one :class:`BatchNormSlice` per batch norm op of ``spec``, in order.
 
     Returns:
-        float32 (N, own kernels, Ho', Wo') chain output, and what backward needs.
+        float32 (N, own kernels, Ho', Wo') chain output, and what backward needs (with the
+        training batch norms' statistics, :meth:`StageRun.batch_statistics`).
+
+    Raises:
+        ValueError: bad slices, or batch norm parameters missing or of the wrong shape.
     """
     check_slices(w.shape[0], own)
+    if len(batchnorm) != spec.batchnorms:
+        raise ValueError(
+            f"the stage has {spec.batchnorms} batch norm layers but {len(batchnorm)} "
+            "batch norm parameter sets came"
+        )
+    for i, bn in enumerate(batchnorm):
+        bn.check(i, w.shape[0])
     a = backend.conv_forward(x, w, b, padding)
-    layers = spec.build("stage")
+    layers = spec.build("stage", w.shape[0])
+    given = iter(batchnorm)
     for layer in layers:
+        if isinstance(layer, BatchNorm2d):
+            bn = next(given)
+            layer.params = {"weight": bn.weight, "bias": bn.bias}
+            layer.training = bn.training
+            if not bn.training:
+                # copies: the layer's buffers are its own, never the caller's arrays
+                layer.buffers["running_mean"][...] = bn.running_mean
+                layer.buffers["running_var"][...] = bn.running_var
         a = layer.forward(a)
     run = StageRun(x, w, padding, own, layers, a.shape)
     return np.ascontiguousarray(a[:, own]), run
@@ -350,8 +475,10 @@ def stage_backward(
 
 __all__ = [
     "AUTO",
+    "BatchNormSlice",
     "CHANNEL_LOCAL",
     "FUSED",
+    "STAGE_KINDS",
     "STAGE_MODES",
     "UNFUSED",
     "StageOp",

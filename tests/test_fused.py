@@ -23,6 +23,7 @@ from hetconv.backends import get_backend
 from hetconv.balance import kernel_shares, offsets
 from hetconv.cli import main as cli_main
 from hetconv.conv import LocalConv
+from hetconv.layers import BatchNorm2d, batch_statistics
 from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
@@ -31,7 +32,16 @@ from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 from hetconv.proto import worker_pb2 as pb
 from hetconv.simulations.calibrate import calibrate
-from hetconv.stages import STAGE_MODES, StageOp, StageSpec, stage_backward, stage_forward, stage_of
+from hetconv.stages import (
+    STAGE_MODES,
+    BatchNormSlice,
+    StageOp,
+    StageSpec,
+    ops_to_proto,
+    stage_backward,
+    stage_forward,
+    stage_of,
+)
 from hetconv.workload import conv_layers, network_layers, stage_call_bytes
 
 PADDING = (2, 2, 2, 2)
@@ -158,6 +168,168 @@ def test_stage_of_takes_the_channel_local_run():
 def test_bad_stage_ops_are_refused(op, message):
     with pytest.raises(ValueError, match=message):
         StageOp(**op)
+
+
+# -- batch norm in a stage --------------------------------------------------------------------
+
+BN_CHAINS = {
+    "bn-relu-pool": [
+        {"type": "batchnorm", "eps": 1e-3, "momentum": 0.3},
+        {"type": "relu"},
+        {"type": "maxpool"},
+    ],
+    # halo channels are batch-normalised too: the LRN after it reads them
+    "bn-lrn": [{"type": "batchnorm"}, {"type": "lrn", "size": 5, "alpha": 1.0}],
+    "relu-bn-gap-bn": [
+        {"type": "relu"},
+        {"type": "batchnorm", "momentum": 0.5},
+        {"type": "gap"},
+        {"type": "batchnorm", "eps": 0.1},
+    ],
+}
+
+
+def _bn_layers(spec: StageSpec, k: int, training: bool, rng) -> list[BatchNorm2d]:
+    """The whole model's batch norm layers of ``spec``: random parameters and statistics."""
+    out = []
+    for i, op in enumerate(o for o in spec.ops if o.kind == "batchnorm"):
+        layer = BatchNorm2d(f"bn{i}", k, op.eps, op.momentum)
+        layer.params["weight"][...] = rng.uniform(0.5, 1.5, k)
+        layer.params["bias"][...] = rng.standard_normal(k) * 0.2
+        layer.buffers["running_mean"][...] = rng.standard_normal(k) * 0.3
+        layer.buffers["running_var"][...] = rng.uniform(0.5, 2.0, k)
+        layer.training = training
+        out.append(layer)
+    return out
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "eval"])
+@pytest.mark.parametrize("shares", SPLITS)
+@pytest.mark.parametrize("chain", sorted(BN_CHAINS))
+def test_batchnorm_stage_slices_equal_the_whole_layers(case, chain, shares, training):
+    """Every node's stage with batch norm on its (widened) slice gives the whole layers'
+    output and gradients, batch norm's weight and bias gradients of its owned channels, and
+    batch statistics from which ``track`` moves the running statistics bit for bit as the
+    whole layer's forward does."""
+    backend = get_backend("cpu")
+    x, w, b = case
+    k = w.shape[0]
+    spec = StageSpec.from_entries(BN_CHAINS[chain])
+    dy = np.random.default_rng(3).standard_normal((3, k, *spec.output_hw((8, 8))))
+    dy = dy.astype(np.float32)
+    whole_bns = _bn_layers(spec, k, training, np.random.default_rng(5))
+    master_bns = _bn_layers(spec, k, training, np.random.default_rng(5))  # the master's copy
+
+    # the whole layers, as local training runs them
+    a = backend.conv_forward(x, w, b, PADDING)
+    layers = spec.build("whole", k)
+    bn_at = iter(whole_bns)
+    layers = [next(bn_at) if isinstance(layer, BatchNorm2d) else layer for layer in layers]
+    for layer in layers:
+        a = layer.forward(a)
+    g = dy
+    for layer in reversed(layers):
+        g = layer.backward(g)
+    want_dw, want_db = backend.conv_grad_kernels(x, g, w.shape[2:], PADDING)
+    want_dx = backend.conv_grad_input(g, w, x.shape[2:], PADDING)
+
+    ys, dws, dbs, dx = [], [], [], np.zeros_like(x)
+    bn_grads = [([], []) for _ in master_bns]
+    for start, share in zip(offsets(shares), shares, strict=True):
+        if not share:
+            continue
+        own = slice(start, start + share)
+        wide = spec.widened(own, k)
+        grad = spec.grad_range(own, k)
+        rel_own = slice(own.start - wide.start, own.stop - wide.start)
+        slices = [
+            BatchNormSlice(
+                bn.params["weight"][wide].copy(),
+                bn.params["bias"][wide].copy(),
+                training,
+                None if training else bn.buffers["running_mean"][wide].copy(),
+                None if training else bn.buffers["running_var"][wide].copy(),
+            )
+            for bn in master_bns
+        ]
+        y, run = stage_forward(backend, x, w[wide], b[wide], PADDING, spec, rel_own, slices)
+        stats = run.batch_statistics()
+        assert len(stats) == (len(master_bns) if training else 0)
+        for bn, (mean, var, count) in zip(master_bns, stats, strict=False):
+            bn.track(mean, var, count, own)
+        rel_grad = slice(grad.start - wide.start, grad.stop - wide.start)
+        part, dw, db = stage_backward(backend, run, dy[:, grad], rel_grad, True)
+        for (dgammas, dbetas), (dgamma, dbeta) in zip(bn_grads, run.batchnorm_grads(), strict=True):
+            dgammas.append(dgamma)
+            dbetas.append(dbeta)
+        ys.append(y)
+        dws.append(dw)
+        dbs.append(db)
+        dx += part
+    got = [np.concatenate(ys, axis=1), dx, np.concatenate(dws), np.concatenate(dbs)]
+    for name, g, e in zip(
+        ("y", "dx", "dw", "db"), got, [a, want_dx, want_dw, want_db], strict=True
+    ):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
+    for whole, master, (dgammas, dbetas) in zip(whole_bns, master_bns, bn_grads, strict=True):
+        # the slice's convolution may round differently (another GEMM shape) in the last
+        # bit; from the same values the statistics are bitwise equal (the test below)
+        for name in ("running_mean", "running_var"):
+            np.testing.assert_allclose(
+                master.buffers[name], whole.buffers[name], rtol=1e-6, atol=1e-6, err_msg=name
+            )
+        np.testing.assert_allclose(np.concatenate(dgammas), whole.grads["weight"], atol=1e-5)
+        np.testing.assert_allclose(np.concatenate(dbetas), whole.grads["bias"], atol=1e-5)
+
+
+@pytest.mark.parametrize("shares", SPLITS)
+def test_batch_statistics_of_slices_track_bitwise(shares):
+    """From the same values, each slice's batch statistics moved into the running statistics
+    by ``track`` give exactly what the whole layer's training forward gives."""
+    rng = np.random.default_rng(11)
+    a = (rng.standard_normal((5, 17, 6, 7)) * 3 + 1).astype(np.float32)
+    whole = BatchNorm2d("whole", 17, momentum=0.3)
+    master = BatchNorm2d("master", 17, momentum=0.3)
+    for bn in (whole, master):
+        bn.buffers["running_mean"][...] = np.arange(17, dtype=np.float32) / 7
+    whole.forward(a)
+    for start, share in zip(offsets(shares), shares, strict=True):
+        if share:
+            own = slice(start, start + share)
+            mean, var, _ = batch_statistics(np.ascontiguousarray(a[:, own]))
+            master.track(mean, var, 5 * 6 * 7, own)
+    master.buffers["num_batches_tracked"] += 1
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        np.testing.assert_array_equal(master.buffers[name], whole.buffers[name], name)
+    with pytest.raises(ValueError, match=r"shapes \(3,\) and \(3,\) for 2 channels"):
+        master.track(np.zeros(3), np.zeros(3), 4, slice(0, 2))
+
+
+def test_batchnorm_stage_parameters_are_checked(case):
+    backend = get_backend("cpu")
+    x, w, b = case
+    spec = StageSpec.from_entries(BN_CHAINS["bn-relu-pool"])
+    ones, zeros = np.ones(17, np.float32), np.zeros(17, np.float32)
+    with pytest.raises(ValueError, match="1 batch norm layers but 0"):
+        stage_forward(backend, x, w, b, PADDING, spec, slice(0, 17))
+    with pytest.raises(ValueError, match=r"bias is float32 \(16,\), expected float32 \(17,\)"):
+        stage_forward(
+            backend, x, w, b, PADDING, spec, slice(0, 17), [BatchNormSlice(ones, zeros[:16])]
+        )
+    with pytest.raises(ValueError, match="evaluation needs its running_mean"):
+        stage_forward(
+            backend, x, w, b, PADDING, spec, slice(0, 17), [BatchNormSlice(ones, zeros, False)]
+        )
+    with pytest.raises(ValueError, match="not carried by the wire"):
+        ops_to_proto(spec)
+    with pytest.raises(ValueError, match="eps must be finite and > 0"):
+        StageOp("batchnorm", eps=0.0)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\]"):
+        StageOp("batchnorm", momentum=1.5)
+    # the model still ends its stages before batch norm (the wire does not carry it yet)
+    assert stage_of([{"type": "relu"}, {"type": "batchnorm"}, {"type": "relu"}]) == StageSpec(
+        (StageOp("relu"),)
+    )
 
 
 # -- real worker processes ----------------------------------------------------------------------
