@@ -2,14 +2,12 @@
 
 A *stage* is one convolution plus the chain of channel-local layers that follows it in the
 model's spec (ReLU, local response normalisation, max-pool, average pool, global average pool:
-the leading run of these after the convolution). Batch norm and dropout end the model's stages
-and run on the master, after the stage's output: dropout's masks are drawn by the master's
-model, and batch norm, though the stage code here computes it on a slice exactly (below), is
-not carried by the wire yet. The node that owns a slice of the
-convolution's kernels (output channels) also runs the chain on them and answers the chain's
-output (the pooled maps); backward takes the gradient of that output. The master and the
-worker both run it with the code here, which runs the very layers of :mod:`hetconv.layers` on
-the slice: there is one implementation of each layer.
+the leading run of these after the convolution, batch norm included). Dropout ends a stage and
+runs on the master, after the stage's output: its masks are drawn by the master's model. The
+node that owns a slice of the convolution's kernels (output channels) also runs the chain on
+them and answers the chain's output (the pooled maps); backward takes the gradient of that
+output. The master and the worker both run it with the code here, which runs the very layers
+of :mod:`hetconv.layers` on the slice: there is one implementation of each layer.
 
 Channel halos. ReLU and max-pool act on each channel alone. LRN does not: its output channel
 ``c`` reads input channels ``c - before .. c + after`` (``before = size // 2``,
@@ -73,12 +71,8 @@ from .layers import (
 )
 from .proto import worker_pb2 as pb
 
-#: The layer types the model fuses into a stage after its convolution (the spec's names).
-CHANNEL_LOCAL = ("relu", "lrn", "maxpool", "avgpool", "gap")
-#: The layer types a stage can compute: the above and batch norm, which the stage code runs
-#: on a slice exactly (see "Batch norm" above) but the wire does not carry yet, so the model
-#: still ends its stages before batch norm.
-STAGE_KINDS = (*CHANNEL_LOCAL, "batchnorm")
+#: The layer types a stage may hold after its convolution (the spec's names).
+CHANNEL_LOCAL = ("relu", "lrn", "maxpool", "avgpool", "gap", "batchnorm")
 _POOLS = ("maxpool", "avgpool")
 FUSED, UNFUSED, AUTO = "fused", "unfused", "auto"
 STAGE_MODES = (FUSED, UNFUSED, AUTO)
@@ -108,9 +102,9 @@ class StageOp:
     momentum: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.kind not in STAGE_KINDS:
+        if self.kind not in CHANNEL_LOCAL:
             raise ValueError(
-                f"stage layer kind {self.kind!r}; expected one of {', '.join(STAGE_KINDS)}"
+                f"stage layer kind {self.kind!r}; expected one of {', '.join(CHANNEL_LOCAL)}"
             )
         if self.kind == "batchnorm":
             if not (math.isfinite(self.eps) and self.eps > 0):
@@ -225,6 +219,19 @@ class StageSpec:
         """How many batch norm ops the stage holds (each needs a :class:`BatchNormSlice`)."""
         return sum(op.kind == "batchnorm" for op in self.ops)
 
+    def batchnorm_hw(self, hw: tuple[int, int]) -> list[tuple[int, int]]:
+        """The (H, W) each batch norm op sees, in order, for a convolution output of ``hw``:
+        its statistics are over N * H * W values per channel."""
+        out, shape = [], (1, *hw)
+        for op in self.ops:
+            if op.kind == "batchnorm":
+                out.append(shape[1:])
+            elif op.kind in _POOLS:
+                shape = pool_output_shape(shape, op.kernel, op.stride)
+            elif op.kind == "gap":
+                shape = (1, 1, 1)
+        return out
+
     def build(self, layer: str, channels: int = 0) -> list[Layer]:
         return [op.build(f"{layer}.{op.kind}{i}", channels) for i, op in enumerate(self.ops)]
 
@@ -244,6 +251,20 @@ class BatchNormSlice:
     training: bool = True
     running_mean: np.ndarray | None = None
     running_var: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, layer: BatchNorm2d, channels: slice) -> BatchNormSlice:
+        """What ``channels`` of the model's ``layer`` are, in its current mode (copies)."""
+        params, buffers = layer.params, layer.buffers
+        running = (None, None)
+        if not layer.training:
+            running = (buffers["running_mean"][channels], buffers["running_var"][channels])
+        return cls(
+            params["weight"][channels].copy(),
+            params["bias"][channels].copy(),
+            layer.training,
+            *(None if a is None else a.copy() for a in running),
+        )
 
     def check(self, index: int, channels: int) -> None:
         """Raise ValueError naming the array that is not float32 (``channels``,)."""
@@ -266,6 +287,7 @@ _TO_PROTO = {
     "maxpool": pb.MAXPOOL,
     "avgpool": pb.AVGPOOL,
     "gap": pb.GLOBAL_AVGPOOL,
+    "batchnorm": pb.BATCHNORM,
 }
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 
@@ -274,15 +296,13 @@ def ops_to_proto(spec: StageSpec) -> list[pb.StageOp]:
     """The stage's layers as the wire carries them (``StageDescription.ops``)."""
     out = []
     for op in spec.ops:
-        if op.kind == "batchnorm":
-            raise ValueError(
-                "stage batchnorm is not carried by the wire: end the stage before batch norm"
-            )
         message = pb.StageOp(layer=_TO_PROTO[op.kind])
         if op.kind == "lrn":
             message.size, message.alpha, message.beta, message.k = op.size, op.alpha, op.beta, op.k
         elif op.kind in _POOLS:
             message.kernel, message.stride = op.kernel, op.stride
+        elif op.kind == "batchnorm":
+            message.eps, message.momentum = op.eps, op.momentum
         out.append(message)
     return out
 
@@ -310,12 +330,70 @@ def spec_from_proto(ops: Sequence[pb.StageOp]) -> StageSpec:
                 )
             elif kind in _POOLS:
                 op = StageOp(kind, kernel=message.kernel, stride=message.stride)
+            elif kind == "batchnorm":
+                op = StageOp(kind, eps=message.eps, momentum=message.momentum)
             else:
                 op = StageOp(kind)
         except ValueError as e:
             raise ValueError(f"stage layer {i}: {e}") from None
         out.append(op)
     return StageSpec(tuple(out))
+
+
+def batchnorm_rows(batchnorms: int, training: bool) -> int:
+    """Rows of the ``bn`` tensor of a stage call: weight and bias per batch norm, and in
+    evaluation its running mean and variance too."""
+    return batchnorms * (2 if training else 4)
+
+
+def pack_batchnorm(slices: Sequence[BatchNormSlice], channels: int) -> np.ndarray:
+    """The ``bn`` tensor of a stage call: float32 (:func:`batchnorm_rows`, channels)."""
+    rows = []
+    for bn in slices:
+        rows += [bn.weight, bn.bias]
+        if not bn.training:
+            rows += [bn.running_mean, bn.running_var]
+    if not rows:
+        return np.zeros((0, channels), np.float32)
+    return np.stack(rows).astype(np.float32, copy=False)
+
+
+def unpack_batchnorm(bn: np.ndarray, batchnorms: int, training: bool) -> list[BatchNormSlice]:
+    """The :class:`BatchNormSlice` of each of the stage's ``batchnorms`` from ``bn``.
+
+    Raises:
+        ValueError: ``bn`` has not the rows that implies, naming both.
+    """
+    rows = batchnorm_rows(batchnorms, training)
+    if bn.ndim != 2 or bn.shape[0] != rows:
+        mode = "training" if training else "evaluation"
+        raise ValueError(
+            f"bn has shape {bn.shape}, expected ({rows}, channels): {batchnorms} batch norm "
+            f"layers in {mode}"
+        )
+    per = 2 if training else 4
+    out = []
+    for i in range(batchnorms):
+        r = bn[i * per : (i + 1) * per]
+        running = (None, None) if training else (r[2], r[3])
+        out.append(BatchNormSlice(r[0], r[1], training, *running))
+    return out
+
+
+def batch_statistics_rows(run: StageRun) -> np.ndarray:
+    """The ``stats`` answer of a stage forward: float32 (2 per training batch norm, owned),
+    each one's batch mean and biased variance of the owned channels."""
+    rows = [a for mean, var, _ in run.batch_statistics() for a in (mean, var)]
+    own = run.own.stop - run.own.start
+    return np.stack(rows).astype(np.float32) if rows else np.zeros((0, own), np.float32)
+
+
+def batchnorm_grad_rows(run: StageRun) -> np.ndarray:
+    """The ``dbn`` answer of a stage backward: float32 (2 per batch norm, owned), each one's
+    weight and bias gradients of the owned channels."""
+    rows = [a for pair in run.batchnorm_grads() for a in pair]
+    own = run.own.stop - run.own.start
+    return np.stack(rows).astype(np.float32) if rows else np.zeros((0, own), np.float32)
 
 
 def stage_of(entries: Sequence[Mapping]) -> StageSpec | None:
@@ -478,13 +556,17 @@ __all__ = [
     "BatchNormSlice",
     "CHANNEL_LOCAL",
     "FUSED",
-    "STAGE_KINDS",
     "STAGE_MODES",
     "UNFUSED",
     "StageOp",
     "StageRun",
     "StageSpec",
+    "batch_statistics_rows",
+    "batchnorm_grad_rows",
+    "batchnorm_rows",
     "check_slices",
+    "pack_batchnorm",
+    "unpack_batchnorm",
     "ops_to_proto",
     "spec_from_proto",
     "stage_backward",

@@ -38,6 +38,7 @@ from hetconv.stages import (
     StageOp,
     StageSpec,
     ops_to_proto,
+    spec_from_proto,
     stage_backward,
     stage_forward,
     stage_of,
@@ -320,16 +321,15 @@ def test_batchnorm_stage_parameters_are_checked(case):
         stage_forward(
             backend, x, w, b, PADDING, spec, slice(0, 17), [BatchNormSlice(ones, zeros, False)]
         )
-    with pytest.raises(ValueError, match="not carried by the wire"):
-        ops_to_proto(spec)
+    # the wire carries batch norm's options
+    assert spec_from_proto(ops_to_proto(spec)) == spec
     with pytest.raises(ValueError, match="eps must be finite and > 0"):
         StageOp("batchnorm", eps=0.0)
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\]"):
         StageOp("batchnorm", momentum=1.5)
-    # the model still ends its stages before batch norm (the wire does not carry it yet)
-    assert stage_of([{"type": "relu"}, {"type": "batchnorm"}, {"type": "relu"}]) == StageSpec(
-        (StageOp("relu"),)
-    )
+    # batch norm joins the stage; dropout ends it
+    entries = [{"type": "relu"}, {"type": "batchnorm", "eps": 0.5}, {"type": "dropout"}]
+    assert stage_of(entries) == StageSpec((StageOp("relu"), StageOp("batchnorm", eps=0.5)))
 
 
 # -- real worker processes ----------------------------------------------------------------------
@@ -419,11 +419,11 @@ class KilledMidStep(Cluster):
         super().__init__(addresses, config=ClusterConfig(**{**FAST, **config}))
         self.victim, self.at = victim, (step, layer)
 
-    def stage_forward(self, layer, x, w, b, padding, stage):
+    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=()):
         if (self.step, layer) == self.at and x.shape[0] == RUN["batch"]:
             self.victim.kill()
             self.victim.wait()
-        return super().stage_forward(layer, x, w, b, padding, stage)
+        return super().stage_forward(layer, x, w, b, padding, stage, batchnorm)
 
 
 def test_fused_worker_killed_mid_step_stays_exact(local, tmp_path):
@@ -481,7 +481,7 @@ def test_bad_stage_requests_are_refused(workers, change, message):
     with pytest.raises(WorkerError, match=message) as caught:
         _stage_call(workers.addresses[0], **change)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    y, _ = _stage_call(workers.addresses[0])  # and it goes on serving
+    y, _, _ = _stage_call(workers.addresses[0])  # and it goes on serving
     assert y.shape == (2, 4, 4, 4)
 
 
@@ -603,7 +603,7 @@ def test_any_stage_description_is_answered_or_refused_by_name(workers, ops, own_
     """Generated stage descriptions: the worker answers the owned kernels' output, or refuses
     with INVALID_ARGUMENT; it never fails otherwise, and goes on serving."""
     try:
-        y, _ = _stage_call(
+        y, _, _ = _stage_call(
             workers.addresses[1], ops=ops, own=slice(own_start, own_start + own_count)
         )
     except WorkerError as e:
