@@ -475,6 +475,20 @@ def _stage_call(address, **changes):
         ),
         (dict(own=slice(6, 10)), "owns 4 kernels from 6, but the request sends 8"),
         (dict(own=slice(3, 3)), "owns 0 kernels"),
+        # batch norm parameters for a stage without batch norm
+        (
+            dict(batchnorm=[BatchNormSlice(np.ones(8, np.float32), np.zeros(8, np.float32))]),
+            r"bn has shape \(2, 8\), expected \(0, channels\): 0 batch norm layers",
+        ),
+        # a batch norm whose parameters did not come
+        (
+            dict(ops=[pb.StageOp(layer=pb.BATCHNORM, eps=1e-5, momentum=0.1)]),
+            r"bn has shape \(0, 8\), expected \(2, channels\): 1 batch norm layers in training",
+        ),
+        (
+            dict(ops=[pb.StageOp(layer=pb.BATCHNORM, eps=-1.0, momentum=0.1)]),
+            "stage layer 0: stage batchnorm eps must be finite and > 0",
+        ),
     ],
 )
 def test_bad_stage_requests_are_refused(workers, change, message):
@@ -628,3 +642,100 @@ def test_calibration_reads_a_trace_where_a_worker_has_no_share_of_a_layer(worker
     cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
     assert cal.shares["conv1"] == (4, 0, 4) and cal.shares["conv2"] == SHARES["conv2"]
     assert cal.check()["step_s"] > 0
+
+
+# -- batch norm in fused stages, real worker processes -------------------------------------------
+
+# conv1 (stride 2) -> batchnorm -> relu -> maxpool and conv2 -> batchnorm -> relu -> gap: both
+# stages hold their batch norm.
+BN_SPEC = [
+    {"type": "conv", "out": 8, "kernel": 3, "stride": 2, "padding": 1},
+    {"type": "batchnorm", "momentum": 0.2},
+    {"type": "relu"},
+    {"type": "maxpool"},
+    {"type": "conv", "out": 12, "kernel": 3, "padding": 1},
+    {"type": "batchnorm", "eps": 1e-3},
+    {"type": "relu"},
+    {"type": "gap"},
+    {"type": "fc", "out": 10},
+]
+BN_SHARES = {"conv1": (1, 5, 2), "conv2": (5, 3, 4)}
+
+
+def _train_bn(tmp_path, name, executor, trace=None):
+    weights = tmp_path / f"{name}.npz"
+    spec = tmp_path / "bn.json"
+    spec.write_text(json.dumps(BN_SPEC))
+    config = TrainConfig(save=str(weights), trace=trace, **{**RUN, "preset": str(spec)})
+    result = train(config, executor, log=io.StringIO())
+    return result, dict(np.load(weights))
+
+
+@pytest.fixture(scope="module")
+def local_bn(tmp_path_factory):
+    return _train_bn(tmp_path_factory.mktemp("local-bn"), "local", LocalConv())
+
+
+def _same_as_local_bn(got, local):
+    (result, weights), (want, want_weights) = got, local
+    np.testing.assert_allclose(result.losses, want.losses, rtol=1e-5)
+    assert set(weights) == set(want_weights)
+    assert {
+        "batchnorm1.running_mean",
+        "batchnorm1.running_var",
+        "batchnorm2.num_batches_tracked",
+    } <= set(weights)
+    for name in weights:  # parameters and running statistics, PyTorch's names
+        np.testing.assert_allclose(
+            weights[name], want_weights[name], rtol=0, atol=1e-5, err_msg=name
+        )
+    assert weights["batchnorm2.num_batches_tracked"] == RUN["steps"]
+    # the held-out evaluation ran the stages in evaluation mode (running statistics)
+    np.testing.assert_allclose(result.eval_loss, want.eval_loss, rtol=1e-5)
+    assert result.eval_accuracy == want.eval_accuracy
+
+
+def test_fused_batchnorm_cluster_trains_as_local(local_bn, workers, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, shares=BN_SHARES, stages="fused", kernels="resident")
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = _train_bn(tmp_path, "fused", cluster, trace=str(trace))
+        kernel_modes = dict(cluster.kernel_modes)
+    _same_as_local_bn(got, local_bn)
+    # resident kernels asked for, but a stage with batch norm sends its kernels
+    assert kernel_modes == {"conv1": "sent", "conv2": "sent"}
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in records if "step" in r]
+    assert len(steps) == RUN["steps"]
+    assert all(r["stage_modes"] == {"conv1": "fused", "conv2": "fused"} for r in steps)
+    # the workers computed their pieces (no silent fallback to the master)
+    assert all(r["nodes"][workers.addresses[1]]["conv2"]["kernels"] == 4 for r in steps)
+    # the cost model counts the batch norm tensors as the run moved them
+    layers = {layer.name: layer for layer in conv_layers(BN_SPEC, RUN["batch"])}
+    for record in steps:
+        for name, shares in BN_SHARES.items():
+            layer = layers[name]
+            for node, kernels, offset in zip(
+                workers.addresses, shares[1:], offsets(shares)[1:], strict=True
+            ):
+                phases = record["nodes"][node][name]
+                for phase in ("forward", "backward"):
+                    want = stage_call_bytes(
+                        layer, layer.stage, phase, kernels, offset, record["step"]
+                    )
+                    assert phases[phase]["bytes_sent"] == want.sent, (name, phase)
+                    assert phases[phase]["bytes_received"] == want.received, (name, phase)
+
+
+def test_fused_batchnorm_worker_killed_mid_step_stays_exact(local_bn, tmp_path):
+    with LocalWorkers(2) as started:
+        # Killed after conv1's stage forward at step 3 (its batch statistics taken): conv2's
+        # forward piece and conv1's backward piece are computed by the master instead.
+        victim = started.processes[1]
+        with KilledMidStep(
+            started.addresses, victim, 3, "conv2", shares=BN_SHARES, stages="fused"
+        ) as cluster:
+            got = _train_bn(tmp_path, "killed", cluster)
+            lost = [e for e in cluster.events if e["event"] == "worker_lost"]
+    _same_as_local_bn(got, local_bn)
+    assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 3)]
