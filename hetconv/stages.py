@@ -32,11 +32,16 @@ Batch norm. Each channel is normalised by its own statistics over (N, H, W), all
 node has (it convolves the whole batch), so batch norm has no reach and a slice computes its
 channels exactly as the whole layer does, halo channels included. A stage's batch norm takes a
 :class:`BatchNormSlice` per op (weight and bias of the widened slice; in evaluation its running
-statistics too). Training, the node answers the owned channels' float64 batch mean and biased
-variance (:meth:`StageRun.batch_statistics`), from which the master moves the layer's running
+statistics too). Training, the node answers the owned channels' batch mean and biased variance
+(:meth:`StageRun.batch_statistics`), from which the master moves the layer's running
 statistics with :meth:`~hetconv.layers.BatchNorm2d.track`, the very update the layer's own
 forward makes, and backward the owned channels' weight and bias gradients
 (:meth:`StageRun.batchnorm_grads`).
+
+.. note:: The statistics travel as float32 (:func:`batch_statistics_rows`; the layer sums them
+   in float64), and the master rounds its own pieces' alike, so the running statistics differ
+   from local training's by float32 rounding of the statistics (relative 1e-7) and whatever
+   the slice's convolution rounds differently, never by who computed which channels.
 
 Exchanging halos between neighbouring workers instead would save the redundant kernels but
 move ``size - 1`` full-size channels each way per phase between workers, with a round trip in
