@@ -8,8 +8,8 @@ moves)::
     Forward    x, w, b              y
     Backward   dy                   dw, db, and dx when the request sets need_input_grad
     Echo       any, named freely    the same, unchanged
-    StageForward   x, w, b          y: the stage's output of the owned kernels
-    StageBackward  dy               dw, db of the owned kernels, and dx when asked
+    StageForward   x, w, b, bn      y: the stage's output of the owned kernels, stats
+    StageBackward  dy               dw, db, dbn of the owned kernels, and dx when asked
     PlaceKernels   w, b, mw, mb     (nothing): the worker now holds that slice (resident)
     FetchKernels   (nothing)        w, b, mw, mb of the slice the worker holds
     ResidentStageForward   x, hw, hb    y, as StageForward (own kernels from the worker's slice)
@@ -25,7 +25,12 @@ feature maps (N, k, Ho, Wo).
 A fused stage call (:mod:`hetconv.stages`) has a :class:`StageShape` for geometry instead: its
 ``conv`` is the widened slice's ConvShape (``x``, ``w``, ``b``, ``dx`` as above), ``y`` is
 (N, own, Ho', Wo') and ``dy`` (N, grad, Ho', Wo'), the stage output of the owned kernels and its
-gradient over the owned and halo channels; ``dw`` (own, C, kh, kw) and ``db`` (own,).
+gradient over the owned and halo channels; ``dw`` (own, C, kh, kw) and ``db`` (own,). Its
+batch norm layers' tensors (all empty in a stage without one): ``bn`` (rows, k), per batch norm
+its weight and bias of the widened slice and in evaluation its running mean and variance;
+``stats`` (rows, own), per batch norm in training the batch mean and biased variance of the
+owned channels (float32: the master's running statistics move by them); ``dbn`` (rows, own),
+per batch norm the weight and bias gradients of the owned channels.
 
 Resident calls (:mod:`hetconv.resident`) have a :class:`SliceShape` (PlaceKernels,
 FetchKernels: ``w``, ``mw`` (k, C, kh, kw), ``b``, ``mb`` (k,)) or a :class:`ResidentStageShape`
@@ -113,12 +118,16 @@ class StageShape:
         own: the kernels the node owns (answers ``y``, ``dw``, ``db`` for).
         grad: the channels of the stage-output gradient backward sends.
         out_hw: the stage output's (Ho', Wo') (after pooling).
+        batchnorms: the stage's batch norm layers.
+        training: whether they normalise by the batch's statistics (or the running ones).
     """
 
     conv: ConvShape
     own: int
     grad: int
     out_hw: tuple[int, int]
+    batchnorms: int = 0
+    training: bool = True
 
 
 def stage_input_shape(s: StageShape) -> Shape:
@@ -141,6 +150,21 @@ def stage_output_shape(s: StageShape) -> Shape:
 def stage_grad_shape(s: StageShape) -> Shape:
     """``dy``: (N, grad, Ho', Wo')."""
     return (s.conv.n, s.grad, *s.out_hw)
+
+
+def stage_bn_shape(s: StageShape) -> Shape:
+    """``bn``: (2 or 4 per batch norm, k): weight, bias (evaluation: running mean, var)."""
+    return (s.batchnorms * (2 if s.training else 4), s.conv.k)
+
+
+def stage_stats_shape(s: StageShape) -> Shape:
+    """``stats``: (2 per batch norm in training, own): batch mean and biased variance."""
+    return (2 * s.batchnorms if s.training else 0, s.own)
+
+
+def stage_dbn_shape(s: StageShape) -> Shape:
+    """``dbn``: (2 per batch norm, own): weight and bias gradients."""
+    return (2 * s.batchnorms, s.own)
 
 
 def stage_dw_shape(s: StageShape) -> Shape:
@@ -434,8 +458,9 @@ STAGE_FORWARD = ConvCall(
         TensorRule("x", stage_input_shape, activation=True),
         TensorRule("w", stage_kernel_shape),
         TensorRule("b", stage_bias_shape),
+        TensorRule("bn", stage_bn_shape),
     ),
-    (TensorRule("y", stage_output_shape, activation=True),),
+    (TensorRule("y", stage_output_shape, activation=True), TensorRule("stats", stage_stats_shape)),
 )
 STAGE_BACKWARD = ConvCall(
     "StageBackward",
@@ -444,6 +469,7 @@ STAGE_BACKWARD = ConvCall(
     (
         TensorRule("dw", stage_dw_shape),
         TensorRule("db", stage_db_shape),
+        TensorRule("dbn", stage_dbn_shape),
         TensorRule("dx", stage_input_shape, input_grad_only=True, activation=True),
     ),
 )

@@ -282,9 +282,20 @@ class StageExecutor(ConvExecutor, Protocol):
         ...
 
     def stage_forward(
-        self, layer: str, x: np.ndarray, w: np.ndarray, b: np.ndarray, padding: PaddingSpec, stage
+        self,
+        layer: str,
+        x: np.ndarray,
+        w: np.ndarray,
+        b: np.ndarray,
+        padding: PaddingSpec,
+        stage,
+        batchnorm=(),
     ) -> np.ndarray:
-        """float32 (N, K, Ho', Wo'): the stage's output (after its last layer, e.g. pooled)."""
+        """float32 (N, K, Ho', Wo'): the stage's output (after its last layer, e.g. pooled).
+
+        ``batchnorm``: the model's :class:`~hetconv.layers.BatchNorm2d` layers of the stage,
+        in order; training, the executor moves their running statistics by the batch's (not
+        ``num_batches_tracked``: the caller counts the batch)."""
         ...
 
     def stage_backward(
@@ -297,9 +308,10 @@ class StageExecutor(ConvExecutor, Protocol):
         padding: PaddingSpec,
         need_input_grad: bool,
         stage,
+        batchnorm=(),
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """(input gradient or None, kernel gradient, bias gradient) for the gradient ``dy`` of
-        the stage's output."""
+        the stage's output; sets the ``grads`` of the ``batchnorm`` layers (as forward's)."""
         ...
 
 

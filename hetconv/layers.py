@@ -360,6 +360,22 @@ class GlobalAvgPool2d(Layer):
         return np.broadcast_to(dy * np.float32(1.0 / (h * w)), self._x_shape).copy()
 
 
+def batch_statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-channel batch statistics of float32 NCHW ``x``, as :class:`BatchNorm2d` trains.
+
+    Returns:
+        float64 (C,) mean and biased variance over (N, H, W), and the float32 centred ``x``
+        (``x`` less its mean cast to float32), the variance's source.
+
+    .. note:: Summed in float64. Channel by channel the result depends only on that channel's
+        values: a slice of the channels has the statistics of those channels of the whole.
+    """
+    mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
+    centred = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
+    var = np.square(centred, dtype=np.float64).mean(axis=(0, 2, 3))
+    return mean, var, centred
+
+
 class BatchNorm2d(Layer):
     """Batch normalisation per channel, ``torch.nn.BatchNorm2d(C, eps, momentum)`` semantics.
 
@@ -401,6 +417,35 @@ class BatchNorm2d(Layer):
     def _per_channel(v: np.ndarray) -> np.ndarray:
         return v.reshape(1, -1, 1, 1)
 
+    def track(
+        self, mean: np.ndarray, var: np.ndarray, count: int, channels: slice = slice(None)
+    ) -> None:
+        """Move the running statistics of ``channels`` by ``momentum`` towards a batch's.
+
+        The training forward calls it for every channel; a master whose workers ran the
+        forward of channel slices (fused stages, :mod:`hetconv.stages`) calls it once per
+        slice with the statistics they answered, with the same result bit for bit (the update
+        is elementwise). ``num_batches_tracked`` is not counted here: once per batch, by the
+        caller.
+
+        Args:
+            mean, var: float64 (c,): the batch's per-channel mean and *biased* variance, as
+                :func:`batch_statistics` returns them.
+            count: the values per channel the statistics were taken over (N * H * W).
+            channels: which of the layer's channels they are.
+        """
+        m = self.momentum
+        unbiased = var * count / max(count - 1, 1)
+        running_mean = self.buffers["running_mean"][channels]
+        running_var = self.buffers["running_var"][channels]
+        if mean.shape != running_mean.shape or var.shape != running_var.shape:
+            raise ValueError(
+                f"{self.name}: batch statistics of shapes {mean.shape} and {var.shape} for "
+                f"{running_mean.shape[0]} channels"
+            )
+        running_mean[...] = (1 - m) * running_mean + m * mean
+        running_var[...] = (1 - m) * running_var + m * unbiased
+
     def forward(self, x):
         gamma, beta = self.params["weight"], self.params["bias"]
         if not self.training:
@@ -411,17 +456,12 @@ class BatchNorm2d(Layer):
             self._x_hat = None
             return x * self._per_channel(scale) + self._per_channel(shift)
         count = x.shape[0] * x.shape[2] * x.shape[3]
-        mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
-        centred = x - self._per_channel(mean.astype(np.float32))
-        var = np.square(centred, dtype=np.float64).mean(axis=(0, 2, 3))
+        mean, var, centred = batch_statistics(x)
         inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
         x_hat = centred * self._per_channel(inv_std)
-        m = self.momentum
-        unbiased = var * count / max(count - 1, 1)
-        running_mean, running_var = self.buffers["running_mean"], self.buffers["running_var"]
-        running_mean[...] = (1 - m) * running_mean + m * mean
-        running_var[...] = (1 - m) * running_var + m * unbiased
+        self.track(mean, var, count)
         self.buffers["num_batches_tracked"] += 1
+        self.batch_stats = (mean, var)  # what a fused stage answers for the master's track()
         self._x_hat, self._inv_std = x_hat, inv_std
         return x_hat * self._per_channel(gamma) + self._per_channel(beta)
 

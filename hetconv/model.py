@@ -394,6 +394,9 @@ class ConvStage:
 
     def __init__(self, conv: Conv2d, chain: Sequence[Layer], stage: StageSpec):
         self.conv, self.chain, self.stage = conv, list(chain), stage
+        # the model's own: fused, the executor normalises with their parameters, moves their
+        # running statistics and sets their gradients
+        self.batchnorm = [layer for layer in self.chain if isinstance(layer, BatchNorm2d)]
         self.name = conv.name
         self._fused: bool | None = None
 
@@ -406,9 +409,13 @@ class ConvStage:
             return x
         x, w, padding = conv.executed(x)
         conv._x, conv._w, conv._padding = x, w, padding
-        return conv.executor.stage_forward(
-            conv.name, x, w, conv.params["bias"], padding, self.stage
+        y = conv.executor.stage_forward(
+            conv.name, x, w, conv.params["bias"], padding, self.stage, self.batchnorm
         )
+        for layer in self.batchnorm:  # the executor moved the running statistics
+            if layer.training:
+                layer.buffers["num_batches_tracked"] += 1
+        return y
 
     def backward(self, dy: np.ndarray) -> np.ndarray | None:
         conv = self.conv
@@ -420,7 +427,7 @@ class ConvStage:
             return dy
         dx, dw, db = conv.executor.stage_backward(
             conv.name, conv._x, conv._w, conv.params["bias"], dy, conv._padding,
-            conv.need_input_grad, self.stage,
+            conv.need_input_grad, self.stage, self.batchnorm,
         )  # fmt: skip
         dx, dw = conv.restore(dx, dw)
         conv.grads = {"weight": dw, "bias": db}

@@ -2,14 +2,12 @@
 
 A *stage* is one convolution plus the chain of channel-local layers that follows it in the
 model's spec (ReLU, local response normalisation, max-pool, average pool, global average pool:
-the leading run of these after the convolution). Batch norm and dropout end a stage and run on
-the master, after the stage's output: batch norm is channel-local too, but fused its weight and
-bias would travel with every stage call and its gradients and batch statistics come back, and
-dropout's masks are drawn by the master's model. The node that owns a slice of the
-convolution's kernels (output channels) also runs the chain on them and answers the chain's
-output (the pooled maps); backward takes the gradient of that output. The master and the
-worker both run it with the code here, which runs the very layers of :mod:`hetconv.layers` on
-the slice: there is one implementation of each layer.
+the leading run of these after the convolution, batch norm included). Dropout ends a stage and
+runs on the master, after the stage's output: its masks are drawn by the master's model. The
+node that owns a slice of the convolution's kernels (output channels) also runs the chain on
+them and answers the chain's output (the pooled maps); backward takes the gradient of that
+output. The master and the worker both run it with the code here, which runs the very layers
+of :mod:`hetconv.layers` on the slice: there is one implementation of each layer.
 
 Channel halos. ReLU and max-pool act on each channel alone. LRN does not: its output channel
 ``c`` reads input channels ``c - before .. c + after`` (``before = size // 2``,
@@ -29,6 +27,21 @@ values (their LRN windows are cut short), but no owned channel reads them: the d
 is exactly what keeps them out (``tests/test_fused.py`` checks it for every split). Each node
 answers kernel gradients for its owned kernels only and its input-gradient part from them only,
 so each kernel's gradient is computed, and each input-gradient part summed, exactly once.
+
+Batch norm. Each channel is normalised by its own statistics over (N, H, W), all of which the
+node has (it convolves the whole batch), so batch norm has no reach and a slice computes its
+channels exactly as the whole layer does, halo channels included. A stage's batch norm takes a
+:class:`BatchNormSlice` per op (weight and bias of the widened slice; in evaluation its running
+statistics too). Training, the node answers the owned channels' batch mean and biased variance
+(:meth:`StageRun.batch_statistics`), from which the master moves the layer's running
+statistics with :meth:`~hetconv.layers.BatchNorm2d.track`, the very update the layer's own
+forward makes, and backward the owned channels' weight and bias gradients
+(:meth:`StageRun.batchnorm_grads`).
+
+.. note:: The statistics travel as float32 (:func:`batch_statistics_rows`; the layer sums them
+   in float64), and the master rounds its own pieces' alike, so the running statistics differ
+   from local training's by float32 rounding of the statistics (relative 1e-7) and whatever
+   the slice's convolution rounds differently, never by who computed which channels.
 
 Exchanging halos between neighbouring workers instead would save the redundant kernels but
 move ``size - 1`` full-size channels each way per phase between workers, with a round trip in
@@ -52,6 +65,7 @@ import numpy as np
 from .backends import Backend, PaddingSpec
 from .layers import (
     AvgPool2d,
+    BatchNorm2d,
     GlobalAvgPool2d,
     Layer,
     LocalResponseNorm,
@@ -63,7 +77,7 @@ from .layers import (
 from .proto import worker_pb2 as pb
 
 #: The layer types a stage may hold after its convolution (the spec's names).
-CHANNEL_LOCAL = ("relu", "lrn", "maxpool", "avgpool", "gap")
+CHANNEL_LOCAL = ("relu", "lrn", "maxpool", "avgpool", "gap", "batchnorm")
 _POOLS = ("maxpool", "avgpool")
 FUSED, UNFUSED, AUTO = "fused", "unfused", "auto"
 STAGE_MODES = (FUSED, UNFUSED, AUTO)
@@ -75,7 +89,8 @@ class StageOp:
 
     ``kind`` is ``"relu"``, ``"lrn"`` (``size``, ``alpha``, ``beta``, ``k`` as
     :class:`~hetconv.layers.LocalResponseNorm`), ``"maxpool"`` or ``"avgpool"`` (``kernel``,
-    ``stride`` as :class:`~hetconv.layers.MaxPool2d`) or ``"gap"``.
+    ``stride`` as :class:`~hetconv.layers.MaxPool2d`), ``"gap"`` or ``"batchnorm"`` (``eps``,
+    ``momentum`` as :class:`~hetconv.layers.BatchNorm2d`).
 
     Raises:
         ValueError: an unknown kind or an option out of range, naming it.
@@ -88,12 +103,19 @@ class StageOp:
     k: float = 0.0
     kernel: int = 0
     stride: int = 0
+    eps: float = 1e-5
+    momentum: float = 0.1
 
     def __post_init__(self) -> None:
         if self.kind not in CHANNEL_LOCAL:
             raise ValueError(
                 f"stage layer kind {self.kind!r}; expected one of {', '.join(CHANNEL_LOCAL)}"
             )
+        if self.kind == "batchnorm":
+            if not (math.isfinite(self.eps) and self.eps > 0):
+                raise ValueError(f"stage batchnorm eps must be finite and > 0, got {self.eps}")
+            if not 0.0 <= self.momentum <= 1.0:
+                raise ValueError(f"stage batchnorm momentum must be in [0, 1], got {self.momentum}")
         if self.kind == "lrn":
             if self.size < 1:
                 raise ValueError(f"stage lrn size must be >= 1, got {self.size}")
@@ -119,6 +141,12 @@ class StageOp:
         if kind in _POOLS:
             kernel, stride = pool_geometry(entry.get("kernel", 2), entry.get("stride"))
             return cls(kind, kernel=kernel, stride=stride)
+        if kind == "batchnorm":
+            return cls(
+                kind,
+                eps=float(entry.get("eps", 1e-5)),
+                momentum=float(entry.get("momentum", 0.1)),
+            )
         return cls(kind)
 
     @property
@@ -128,8 +156,10 @@ class StageOp:
             return self.size // 2, (self.size - 1) // 2
         return 0, 0
 
-    def build(self, name: str) -> Layer:
-        """A fresh layer object computing this op."""
+    def build(self, name: str, channels: int = 0) -> Layer:
+        """A fresh layer object computing this op (on ``channels``: batch norm's count)."""
+        if self.kind == "batchnorm":
+            return BatchNorm2d(name, channels, self.eps, self.momentum)
         if self.kind == "relu":
             return ReLU(name)
         if self.kind == "lrn":
@@ -189,8 +219,71 @@ class StageSpec:
                 shape = (1, 1, 1)
         return shape[1], shape[2]
 
-    def build(self, layer: str) -> list[Layer]:
-        return [op.build(f"{layer}.{op.kind}{i}") for i, op in enumerate(self.ops)]
+    @property
+    def batchnorms(self) -> int:
+        """How many batch norm ops the stage holds (each needs a :class:`BatchNormSlice`)."""
+        return sum(op.kind == "batchnorm" for op in self.ops)
+
+    def batchnorm_hw(self, hw: tuple[int, int]) -> list[tuple[int, int]]:
+        """The (H, W) each batch norm op sees, in order, for a convolution output of ``hw``:
+        its statistics are over N * H * W values per channel."""
+        out, shape = [], (1, *hw)
+        for op in self.ops:
+            if op.kind == "batchnorm":
+                out.append(shape[1:])
+            elif op.kind in _POOLS:
+                shape = pool_output_shape(shape, op.kernel, op.stride)
+            elif op.kind == "gap":
+                shape = (1, 1, 1)
+        return out
+
+    def build(self, layer: str, channels: int = 0) -> list[Layer]:
+        return [op.build(f"{layer}.{op.kind}{i}", channels) for i, op in enumerate(self.ops)]
+
+
+@dataclass(frozen=True)
+class BatchNormSlice:
+    """What a node needs of one batch norm layer to run it on its widened kernel slice.
+
+    ``weight``, ``bias``: float32 (k,) of the widened slice's channels (halo included: an LRN
+    after the batch norm reads them). ``training``: normalise by the batch's statistics
+    (``running_mean`` and ``running_var`` are then not needed) or, in evaluation, by the
+    running statistics, float32 (k,) of the same channels.
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray
+    training: bool = True
+    running_mean: np.ndarray | None = None
+    running_var: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, layer: BatchNorm2d, channels: slice) -> BatchNormSlice:
+        """What ``channels`` of the model's ``layer`` are, in its current mode (copies)."""
+        params, buffers = layer.params, layer.buffers
+        running = (None, None)
+        if not layer.training:
+            running = (buffers["running_mean"][channels], buffers["running_var"][channels])
+        return cls(
+            params["weight"][channels].copy(),
+            params["bias"][channels].copy(),
+            layer.training,
+            *(None if a is None else a.copy() for a in running),
+        )
+
+    def check(self, index: int, channels: int) -> None:
+        """Raise ValueError naming the array that is not float32 (``channels``,)."""
+        arrays = {"weight": self.weight, "bias": self.bias}
+        if not self.training:
+            arrays |= {"running_mean": self.running_mean, "running_var": self.running_var}
+        for name, a in arrays.items():
+            if a is None:
+                raise ValueError(f"stage batchnorm {index}: evaluation needs its {name}")
+            if a.dtype != np.float32 or a.shape != (channels,):
+                raise ValueError(
+                    f"stage batchnorm {index}: {name} is {a.dtype} {a.shape}, expected "
+                    f"float32 ({channels},) for the {channels} kernels computed"
+                )
 
 
 _TO_PROTO = {
@@ -199,6 +292,7 @@ _TO_PROTO = {
     "maxpool": pb.MAXPOOL,
     "avgpool": pb.AVGPOOL,
     "gap": pb.GLOBAL_AVGPOOL,
+    "batchnorm": pb.BATCHNORM,
 }
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 
@@ -212,6 +306,8 @@ def ops_to_proto(spec: StageSpec) -> list[pb.StageOp]:
             message.size, message.alpha, message.beta, message.k = op.size, op.alpha, op.beta, op.k
         elif op.kind in _POOLS:
             message.kernel, message.stride = op.kernel, op.stride
+        elif op.kind == "batchnorm":
+            message.eps, message.momentum = op.eps, op.momentum
         out.append(message)
     return out
 
@@ -239,12 +335,70 @@ def spec_from_proto(ops: Sequence[pb.StageOp]) -> StageSpec:
                 )
             elif kind in _POOLS:
                 op = StageOp(kind, kernel=message.kernel, stride=message.stride)
+            elif kind == "batchnorm":
+                op = StageOp(kind, eps=message.eps, momentum=message.momentum)
             else:
                 op = StageOp(kind)
         except ValueError as e:
             raise ValueError(f"stage layer {i}: {e}") from None
         out.append(op)
     return StageSpec(tuple(out))
+
+
+def batchnorm_rows(batchnorms: int, training: bool) -> int:
+    """Rows of the ``bn`` tensor of a stage call: weight and bias per batch norm, and in
+    evaluation its running mean and variance too."""
+    return batchnorms * (2 if training else 4)
+
+
+def pack_batchnorm(slices: Sequence[BatchNormSlice], channels: int) -> np.ndarray:
+    """The ``bn`` tensor of a stage call: float32 (:func:`batchnorm_rows`, channels)."""
+    rows = []
+    for bn in slices:
+        rows += [bn.weight, bn.bias]
+        if not bn.training:
+            rows += [bn.running_mean, bn.running_var]
+    if not rows:
+        return np.zeros((0, channels), np.float32)
+    return np.stack(rows).astype(np.float32, copy=False)
+
+
+def unpack_batchnorm(bn: np.ndarray, batchnorms: int, training: bool) -> list[BatchNormSlice]:
+    """The :class:`BatchNormSlice` of each of the stage's ``batchnorms`` from ``bn``.
+
+    Raises:
+        ValueError: ``bn`` has not the rows that implies, naming both.
+    """
+    rows = batchnorm_rows(batchnorms, training)
+    if bn.ndim != 2 or bn.shape[0] != rows:
+        mode = "training" if training else "evaluation"
+        raise ValueError(
+            f"bn has shape {bn.shape}, expected ({rows}, channels): {batchnorms} batch norm "
+            f"layers in {mode}"
+        )
+    per = 2 if training else 4
+    out = []
+    for i in range(batchnorms):
+        r = bn[i * per : (i + 1) * per]
+        running = (None, None) if training else (r[2], r[3])
+        out.append(BatchNormSlice(r[0], r[1], training, *running))
+    return out
+
+
+def batch_statistics_rows(run: StageRun) -> np.ndarray:
+    """The ``stats`` answer of a stage forward: float32 (2 per training batch norm, owned),
+    each one's batch mean and biased variance of the owned channels."""
+    rows = [a for mean, var, _ in run.batch_statistics() for a in (mean, var)]
+    own = run.own.stop - run.own.start
+    return np.stack(rows).astype(np.float32) if rows else np.zeros((0, own), np.float32)
+
+
+def batchnorm_grad_rows(run: StageRun) -> np.ndarray:
+    """The ``dbn`` answer of a stage backward: float32 (2 per batch norm, owned), each one's
+    weight and bias gradients of the owned channels."""
+    rows = [a for pair in run.batchnorm_grads() for a in pair]
+    own = run.own.stop - run.own.start
+    return np.stack(rows).astype(np.float32) if rows else np.zeros((0, own), np.float32)
 
 
 def stage_of(entries: Sequence[Mapping]) -> StageSpec | None:
@@ -273,6 +427,38 @@ class StageRun:
     layers: list[Layer]
     out_shape: tuple[int, ...]
 
+    @property
+    def _batchnorms(self) -> list[BatchNorm2d]:
+        return [layer for layer in self.layers if isinstance(layer, BatchNorm2d)]
+
+    def batch_statistics(self) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """Per training batch norm of the stage, in order: float64 (own,) batch mean and
+        biased variance of the owned channels and the count they are over (N * H * W), what
+        the master moves that layer's running statistics by
+        (:meth:`~hetconv.layers.BatchNorm2d.track`). Evaluation batch norms have none."""
+        out = []
+        for layer in self._batchnorms:
+            if layer.training:
+                mean, var = layer.batch_stats
+                count = layer._x_hat.shape[0] * layer._x_hat.shape[2] * layer._x_hat.shape[3]
+                out.append((mean[self.own], var[self.own], count))
+        return out
+
+    def batchnorm_grads(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """After :func:`stage_backward`: per batch norm, float32 (own,) weight and bias
+        gradients of the owned channels."""
+        out = []
+        for layer in self._batchnorms:
+            if not layer.grads:
+                raise ValueError(f"{layer.name}: no gradients yet; run stage_backward first")
+            out.append(
+                (
+                    np.ascontiguousarray(layer.grads["weight"][self.own]),
+                    np.ascontiguousarray(layer.grads["bias"][self.own]),
+                )
+            )
+        return out
+
 
 def check_slices(kernels: int, own: slice, grad: slice | None = None) -> None:
     """Raise ValueError unless ``own`` (and ``grad``) are non-empty ranges within ``kernels``
@@ -296,6 +482,7 @@ def stage_forward(
     padding: PaddingSpec,
     spec: StageSpec,
     own: slice,
+    batchnorm: Sequence[BatchNormSlice] = (),
 ) -> tuple[np.ndarray, StageRun]:
     """The chain's output on the owned kernels.
 
@@ -304,14 +491,35 @@ def stage_forward(
         w, b: float32 (k, C, kh, kw) and (k,): the widened kernel slice
             (:meth:`StageSpec.widened`).
         own: the owned kernels within ``w`` (offsets into its first axis).
+        batchnorm: one :class:`BatchNormSlice` per batch norm op of ``spec``, in order.
 
     Returns:
-        float32 (N, own kernels, Ho', Wo') chain output, and what backward needs.
+        float32 (N, own kernels, Ho', Wo') chain output, and what backward needs (with the
+        training batch norms' statistics, :meth:`StageRun.batch_statistics`).
+
+    Raises:
+        ValueError: bad slices, or batch norm parameters missing or of the wrong shape.
     """
     check_slices(w.shape[0], own)
+    if len(batchnorm) != spec.batchnorms:
+        raise ValueError(
+            f"the stage has {spec.batchnorms} batch norm layers but {len(batchnorm)} "
+            "batch norm parameter sets came"
+        )
+    for i, bn in enumerate(batchnorm):
+        bn.check(i, w.shape[0])
     a = backend.conv_forward(x, w, b, padding)
-    layers = spec.build("stage")
+    layers = spec.build("stage", w.shape[0])
+    given = iter(batchnorm)
     for layer in layers:
+        if isinstance(layer, BatchNorm2d):
+            bn = next(given)
+            layer.params = {"weight": bn.weight, "bias": bn.bias}
+            layer.training = bn.training
+            if not bn.training:
+                # copies: the layer's buffers are its own, never the caller's arrays
+                layer.buffers["running_mean"][...] = bn.running_mean
+                layer.buffers["running_var"][...] = bn.running_var
         a = layer.forward(a)
     run = StageRun(x, w, padding, own, layers, a.shape)
     return np.ascontiguousarray(a[:, own]), run
@@ -350,6 +558,7 @@ def stage_backward(
 
 __all__ = [
     "AUTO",
+    "BatchNormSlice",
     "CHANNEL_LOCAL",
     "FUSED",
     "STAGE_MODES",
@@ -357,7 +566,12 @@ __all__ = [
     "StageOp",
     "StageRun",
     "StageSpec",
+    "batch_statistics_rows",
+    "batchnorm_grad_rows",
+    "batchnorm_rows",
     "check_slices",
+    "pack_batchnorm",
+    "unpack_batchnorm",
     "ops_to_proto",
     "spec_from_proto",
     "stage_backward",

@@ -221,12 +221,16 @@ def stage_call_bytes(
     kernel_offset: int = 0,
     step: int = 1000,
     fmt: TensorFormat = FLOAT32,
+    training: bool = True,
 ) -> CallBytes:
     """Bytes of one fused stage call (:mod:`hetconv.stages`) of ``layer`` for a node owning
     ``kernels`` kernels from ``kernel_offset``: forward sends ``x`` and the kernels widened by
     the stage's halo and gets the stage output of the owned kernels back; backward sends that
     output's gradient over the owned and halo channels and gets ``dw``, ``db`` of the owned
-    kernels and (except for a first layer) a ``dx`` part. Headers as
+    kernels and (except for a first layer) a ``dx`` part. A stage's batch norms add, forward,
+    their weight and bias of the widened slice (and ``training=False``: running mean and
+    variance) sent and (training) the owned channels' batch mean and variance back; backward,
+    their weight and bias gradients of the owned channels back. Headers as
     :class:`~hetconv.master.client.WorkerClient` sets them (the stage description included).
     """
     call = {FORWARD: calls.STAGE_FORWARD, BACKWARD: calls.STAGE_BACKWARD}.get(phase)
@@ -236,7 +240,9 @@ def stage_call_bytes(
     wide = stage.widened(own, layer.kernels)
     grad = stage.grad_range(own, layer.kernels)
     s = dataclasses.replace(layer.shape, k=wide.stop - wide.start)
-    shape = calls.StageShape(s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw))
+    shape = calls.StageShape(
+        s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw), stage.batchnorms, training
+    )
     request = pb.ConvRequest(
         phase=call.phase, tensors=call.request_headers(shape, fmt), answer_dtype=answer_dtype(fmt)
     )
@@ -245,6 +251,7 @@ def stage_call_bytes(
         request.stage.ops.extend(ops_to_proto(stage))
         request.stage.own_start = own.start - wide.start
         request.stage.own_count = kernels
+        request.stage.batchnorm_eval = bool(stage.batchnorms) and not training
     else:
         request.need_input_grad = layer.need_input_grad
         request.stage.grad_start = grad.start - wide.start

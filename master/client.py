@@ -47,7 +47,7 @@ from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.optim import SGDConfig
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import bearer_metadata, read_pem
-from hetconv.stages import StageSpec, ops_to_proto
+from hetconv.stages import BatchNormSlice, StageSpec, ops_to_proto, pack_batchnorm
 from hetconv.wire import (
     BUNDLE_BYTES,
     Bundle,
@@ -497,35 +497,47 @@ class WorkerClient:
         out: np.ndarray | None = None,
         timeout: float = 600.0,
         kernel_offset: int = 0,
-    ) -> tuple[np.ndarray, CallStats]:
+        batchnorm: Sequence[BatchNormSlice] = (),
+    ) -> tuple[np.ndarray, np.ndarray, CallStats]:
         """A fused stage (:mod:`hetconv.stages`): the output of ``stage`` on the kernels ``own``
-        (offsets into ``w``) of the widened kernel slice ``w`` (k, C, kh, kw) over ``x``.
+        (offsets into ``w``) of the widened kernel slice ``w`` (k, C, kh, kw) over ``x``, and
+        float32 (2 per training batch norm, owned) the batch mean and biased variance of the
+        owned channels of each of the stage's batch norms (none in evaluation).
 
         Args:
             out: where to write it, (N, owned, Ho', Wo'); may be a channel slice.
             kernel_offset: the widened slice's first kernel in the layer (keys what the worker
                 keeps for :meth:`stage_backward`).
+            batchnorm: one :class:`~hetconv.stages.BatchNormSlice` of the widened slice per
+                batch norm of ``stage``, all in the same mode.
         """
+        training = all(bn.training for bn in batchnorm)
+        if any(bn.training != training for bn in batchnorm):
+            raise ValueError(f"{layer}: the stage's batch norms are not all in one mode")
         request = pb.ConvRequest(
             phase=STAGE_FORWARD.phase, session=session, step=step, layer=layer,
             padding=padding, kernel_offset=kernel_offset,
             answer_dtype=answer_dtype(self.wire_format),
             stage=pb.StageDescription(
-                ops=ops_to_proto(stage), own_start=own.start, own_count=own.stop - own.start
+                ops=ops_to_proto(stage), own_start=own.start, own_count=own.stop - own.start,
+                batchnorm_eval=bool(batchnorm) and not training,
             ),
         )  # fmt: skip
         fmt = self.wire_format
         conv = call_shape(x.shape, w.shape, padding)
-        shape = StageShape(conv, own.stop - own.start, 0, stage.output_hw(conv.out_hw))
-        (y,) = STAGE_FORWARD.answer_names()
+        shape = StageShape(
+            conv, own.stop - own.start, 0, stage.output_hw(conv.out_hw), len(batchnorm), training
+        )
+        bn = pack_batchnorm(batchnorm, w.shape[0])
+        y, stats_name = STAGE_FORWARD.answer_names()
         got, stats = self._call(
             STAGE_FORWARD, f"stage forward {layer}", request,
-            list(zip(STAGE_FORWARD.request_names, (x, w, b), strict=True)), [y],
+            list(zip(STAGE_FORWARD.request_names, (x, w, b, bn), strict=True)), [y, stats_name],
             {y: out} if out is not None else {}, timeout,
             STAGE_FORWARD.answer_bytes(shape, fmt=fmt),
             list(STAGE_FORWARD.request_formats(fmt).values()),
         )  # fmt: skip
-        return got[y], stats
+        return got[y], got[stats_name], stats
 
     def stage_backward(
         self,
@@ -540,10 +552,11 @@ class WorkerClient:
         timeout: float = 600.0,
         kernel_offset: int = 0,
         answer_bytes: int | None = None,
-    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, CallStats]:
-        """(input-gradient part or None, dw, db) of the owned kernels of the stage the
+    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, CallStats]:
+        """(input-gradient part or None, dw, db, dbn) of the owned kernels of the stage the
         :meth:`stage_forward` of the same step and ``kernel_offset`` ran, for the gradient
-        ``dy`` of its output over channels ``grad_start ..`` of the widened slice."""
+        ``dy`` of its output over channels ``grad_start ..`` of the widened slice; ``dbn``
+        float32 (2 per batch norm, owned): each batch norm's weight and bias gradients."""
         request = pb.ConvRequest(
             phase=STAGE_BACKWARD.phase, session=session, step=step, layer=layer,
             need_input_grad=need_input_grad, kernel_offset=kernel_offset,
@@ -558,8 +571,8 @@ class WorkerClient:
             list(zip(STAGE_BACKWARD.request_names, (dy,), strict=True)), expect, dests, timeout,
             answer, list(STAGE_BACKWARD.request_formats(self.wire_format).values()),
         )  # fmt: skip
-        dw, db, *dx = (got[name] for name in expect)
-        return (dx[0] if dx else None), dw, db, stats
+        dw, db, dbn, *dx = (got[name] for name in expect)
+        return (dx[0] if dx else None), dw, db, dbn, stats
 
     # -- resident kernels (hetconv.master.resident) -------------------------------------------
 

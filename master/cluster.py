@@ -453,7 +453,10 @@ class Cluster:
             # A strided convolution runs as the stride-1 one of its phases: the executor gets
             # a rearranged copy of the kernels each step, not the model's array to keep.
             strided = getattr(spec, "phased_from", None) is not None
-            if self.stage_modes.get(spec.name) != FUSED or strided:
+            # Resident stages do not run batch norm (its parameters stay with the master): a
+            # stage holding one sends its kernels.
+            batchnorm = spec.stage is not None and spec.stage.batchnorms > 0
+            if self.stage_modes.get(spec.name) != FUSED or strided or batchnorm:
                 mode = SENT
             elif mode == AUTO:
                 layer = ConvLayer.from_spec(spec, batch)
@@ -632,9 +635,10 @@ class Cluster:
         job = self.strategy.backward(ctx, self.backend, x, w, dy, sides, need_input_grad)
         return self.runner.run(self.strategy, job, layer, plan)
 
-    def stage_forward(self, layer, x, w, b, padding, stage):
+    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=()):
         """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`, or
-        with resident kernels :mod:`.resident`)."""
+        with resident kernels :mod:`.resident`). ``batchnorm``: the model's batch norm layers
+        of the stage, whose running statistics it moves (training)."""
         plan = self._plan(layer, x.shape, w.shape, padding)
         self._stage_steps[layer] = FUSED
         ctx = CallContext(self.session, self.step, layer)
@@ -645,11 +649,12 @@ class Cluster:
             synced = self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
             job = self.resident.forward_job(ctx, state, x, synced=synced)
             return self.runner.run(split, job, layer, plan)
-        job = self.fused.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]), stage)
+        sides = _sides(padding, w.shape[2:])
+        job = self.fused.forward(ctx, self.backend, x, w, b, sides, stage, batchnorm)
         return self.runner.run(self.fused, job, layer, plan)
 
-    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage):
-        """A fused stage's backward over the nodes."""
+    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=()):
+        """A fused stage's backward over the nodes; sets the batch norm layers' ``grads``."""
         plan = self._plan(layer, x.shape, w.shape, padding)
         ctx = CallContext(self.session, self.step, layer)
         sides = _sides(padding, w.shape[2:])
@@ -658,8 +663,9 @@ class Cluster:
             job = self.resident.backward_job(ctx, state, x, dy, need_input_grad)
             return self.runner.run(self.resident.split, job, layer, plan)
         job = self.fused.backward(
-            ctx, self.backend, x, w, dy, sides, need_input_grad, b=b, stage=stage
-        )
+            ctx, self.backend, x, w, dy, sides, need_input_grad, b=b, stage=stage,
+            batchnorm=batchnorm,
+        )  # fmt: skip
         return self.runner.run(self.fused, job, layer, plan)
 
     def __enter__(self) -> Cluster:

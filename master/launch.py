@@ -202,11 +202,13 @@ class EmbeddedCluster:
     def stage_mode(self, layer):
         return self.cluster.stage_mode(layer)
 
-    def stage_forward(self, layer, x, w, b, padding, stage):
-        return self.cluster.stage_forward(layer, x, w, b, padding, stage)
+    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=()):
+        return self.cluster.stage_forward(layer, x, w, b, padding, stage, batchnorm)
 
-    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage):
-        return self.cluster.stage_backward(layer, x, w, b, dy, padding, need_input_grad, stage)
+    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=()):
+        return self.cluster.stage_backward(
+            layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm
+        )
 
     # Resident kernels (hetconv.master.resident), as the cluster keeps them.
     def resident_layers(self) -> list[str]:

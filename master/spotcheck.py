@@ -193,9 +193,10 @@ class SpotChecker:
     summary for the trace.
 
     A job is checked when it has a ``spot_sample(piece, answer, draw)`` method returning the
-    :class:`Comparison` of every tensor sampled, where ``draw(images, channels)`` gives the
-    :class:`Sample` for a batch of ``images`` with ``channels`` input channels (the kernel
-    split's jobs do, see :mod:`.dispatch`); a job of a strategy without one is not checked.
+    :class:`Comparison` of every tensor sampled (None: this job cannot be sampled), where
+    ``draw(images, channels)`` gives the :class:`Sample` for a batch of ``images`` with
+    ``channels`` input channels (the kernel split's jobs do, see :mod:`.dispatch`); a job of
+    a strategy without one is not checked.
     """
 
     def __init__(self, config: SpotCheckConfig):
@@ -244,6 +245,8 @@ class SpotChecker:
                 return self.sample(layer, job.phase, piece.index, piece.part, images, channels)
 
             comparisons = spot_sample(piece, answer, draw)
+            if comparisons is None:  # this job cannot be sampled (it says why)
+                return
             self._compare(piece.node, layer, job.phase, comparisons)
         finally:
             self.seconds += time.perf_counter() - start

@@ -23,6 +23,7 @@ from hetconv.backends import get_backend
 from hetconv.balance import kernel_shares, offsets
 from hetconv.cli import main as cli_main
 from hetconv.conv import LocalConv
+from hetconv.layers import BatchNorm2d, batch_statistics
 from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
@@ -31,7 +32,17 @@ from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 from hetconv.proto import worker_pb2 as pb
 from hetconv.simulations.calibrate import calibrate
-from hetconv.stages import STAGE_MODES, StageOp, StageSpec, stage_backward, stage_forward, stage_of
+from hetconv.stages import (
+    STAGE_MODES,
+    BatchNormSlice,
+    StageOp,
+    StageSpec,
+    ops_to_proto,
+    spec_from_proto,
+    stage_backward,
+    stage_forward,
+    stage_of,
+)
 from hetconv.workload import conv_layers, network_layers, stage_call_bytes
 
 PADDING = (2, 2, 2, 2)
@@ -160,6 +171,167 @@ def test_bad_stage_ops_are_refused(op, message):
         StageOp(**op)
 
 
+# -- batch norm in a stage --------------------------------------------------------------------
+
+BN_CHAINS = {
+    "bn-relu-pool": [
+        {"type": "batchnorm", "eps": 1e-3, "momentum": 0.3},
+        {"type": "relu"},
+        {"type": "maxpool"},
+    ],
+    # halo channels are batch-normalised too: the LRN after it reads them
+    "bn-lrn": [{"type": "batchnorm"}, {"type": "lrn", "size": 5, "alpha": 1.0}],
+    "relu-bn-gap-bn": [
+        {"type": "relu"},
+        {"type": "batchnorm", "momentum": 0.5},
+        {"type": "gap"},
+        {"type": "batchnorm", "eps": 0.1},
+    ],
+}
+
+
+def _bn_layers(spec: StageSpec, k: int, training: bool, rng) -> list[BatchNorm2d]:
+    """The whole model's batch norm layers of ``spec``: random parameters and statistics."""
+    out = []
+    for i, op in enumerate(o for o in spec.ops if o.kind == "batchnorm"):
+        layer = BatchNorm2d(f"bn{i}", k, op.eps, op.momentum)
+        layer.params["weight"][...] = rng.uniform(0.5, 1.5, k)
+        layer.params["bias"][...] = rng.standard_normal(k) * 0.2
+        layer.buffers["running_mean"][...] = rng.standard_normal(k) * 0.3
+        layer.buffers["running_var"][...] = rng.uniform(0.5, 2.0, k)
+        layer.training = training
+        out.append(layer)
+    return out
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "eval"])
+@pytest.mark.parametrize("shares", SPLITS)
+@pytest.mark.parametrize("chain", sorted(BN_CHAINS))
+def test_batchnorm_stage_slices_equal_the_whole_layers(case, chain, shares, training):
+    """Every node's stage with batch norm on its (widened) slice gives the whole layers'
+    output and gradients, batch norm's weight and bias gradients of its owned channels, and
+    batch statistics from which ``track`` moves the running statistics bit for bit as the
+    whole layer's forward does."""
+    backend = get_backend("cpu")
+    x, w, b = case
+    k = w.shape[0]
+    spec = StageSpec.from_entries(BN_CHAINS[chain])
+    dy = np.random.default_rng(3).standard_normal((3, k, *spec.output_hw((8, 8))))
+    dy = dy.astype(np.float32)
+    whole_bns = _bn_layers(spec, k, training, np.random.default_rng(5))
+    master_bns = _bn_layers(spec, k, training, np.random.default_rng(5))  # the master's copy
+
+    # the whole layers, as local training runs them
+    a = backend.conv_forward(x, w, b, PADDING)
+    layers = spec.build("whole", k)
+    bn_at = iter(whole_bns)
+    layers = [next(bn_at) if isinstance(layer, BatchNorm2d) else layer for layer in layers]
+    for layer in layers:
+        a = layer.forward(a)
+    g = dy
+    for layer in reversed(layers):
+        g = layer.backward(g)
+    want_dw, want_db = backend.conv_grad_kernels(x, g, w.shape[2:], PADDING)
+    want_dx = backend.conv_grad_input(g, w, x.shape[2:], PADDING)
+
+    ys, dws, dbs, dx = [], [], [], np.zeros_like(x)
+    bn_grads = [([], []) for _ in master_bns]
+    for start, share in zip(offsets(shares), shares, strict=True):
+        if not share:
+            continue
+        own = slice(start, start + share)
+        wide = spec.widened(own, k)
+        grad = spec.grad_range(own, k)
+        rel_own = slice(own.start - wide.start, own.stop - wide.start)
+        slices = [
+            BatchNormSlice(
+                bn.params["weight"][wide].copy(),
+                bn.params["bias"][wide].copy(),
+                training,
+                None if training else bn.buffers["running_mean"][wide].copy(),
+                None if training else bn.buffers["running_var"][wide].copy(),
+            )
+            for bn in master_bns
+        ]
+        y, run = stage_forward(backend, x, w[wide], b[wide], PADDING, spec, rel_own, slices)
+        stats = run.batch_statistics()
+        assert len(stats) == (len(master_bns) if training else 0)
+        for bn, (mean, var, count) in zip(master_bns, stats, strict=False):
+            bn.track(mean, var, count, own)
+        rel_grad = slice(grad.start - wide.start, grad.stop - wide.start)
+        part, dw, db = stage_backward(backend, run, dy[:, grad], rel_grad, True)
+        for (dgammas, dbetas), (dgamma, dbeta) in zip(bn_grads, run.batchnorm_grads(), strict=True):
+            dgammas.append(dgamma)
+            dbetas.append(dbeta)
+        ys.append(y)
+        dws.append(dw)
+        dbs.append(db)
+        dx += part
+    got = [np.concatenate(ys, axis=1), dx, np.concatenate(dws), np.concatenate(dbs)]
+    for name, g, e in zip(
+        ("y", "dx", "dw", "db"), got, [a, want_dx, want_dw, want_db], strict=True
+    ):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
+    for whole, master, (dgammas, dbetas) in zip(whole_bns, master_bns, bn_grads, strict=True):
+        # the slice's convolution may round differently (another GEMM shape) in the last
+        # bit; from the same values the statistics are bitwise equal (the test below)
+        for name in ("running_mean", "running_var"):
+            np.testing.assert_allclose(
+                master.buffers[name], whole.buffers[name], rtol=1e-6, atol=1e-6, err_msg=name
+            )
+        np.testing.assert_allclose(np.concatenate(dgammas), whole.grads["weight"], atol=1e-5)
+        np.testing.assert_allclose(np.concatenate(dbetas), whole.grads["bias"], atol=1e-5)
+
+
+@pytest.mark.parametrize("shares", SPLITS)
+def test_batch_statistics_of_slices_track_bitwise(shares):
+    """From the same values, each slice's batch statistics moved into the running statistics
+    by ``track`` give exactly what the whole layer's training forward gives."""
+    rng = np.random.default_rng(11)
+    a = (rng.standard_normal((5, 17, 6, 7)) * 3 + 1).astype(np.float32)
+    whole = BatchNorm2d("whole", 17, momentum=0.3)
+    master = BatchNorm2d("master", 17, momentum=0.3)
+    for bn in (whole, master):
+        bn.buffers["running_mean"][...] = np.arange(17, dtype=np.float32) / 7
+    whole.forward(a)
+    for start, share in zip(offsets(shares), shares, strict=True):
+        if share:
+            own = slice(start, start + share)
+            mean, var, _ = batch_statistics(np.ascontiguousarray(a[:, own]))
+            master.track(mean, var, 5 * 6 * 7, own)
+    master.buffers["num_batches_tracked"] += 1
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        np.testing.assert_array_equal(master.buffers[name], whole.buffers[name], name)
+    with pytest.raises(ValueError, match=r"shapes \(3,\) and \(3,\) for 2 channels"):
+        master.track(np.zeros(3), np.zeros(3), 4, slice(0, 2))
+
+
+def test_batchnorm_stage_parameters_are_checked(case):
+    backend = get_backend("cpu")
+    x, w, b = case
+    spec = StageSpec.from_entries(BN_CHAINS["bn-relu-pool"])
+    ones, zeros = np.ones(17, np.float32), np.zeros(17, np.float32)
+    with pytest.raises(ValueError, match="1 batch norm layers but 0"):
+        stage_forward(backend, x, w, b, PADDING, spec, slice(0, 17))
+    with pytest.raises(ValueError, match=r"bias is float32 \(16,\), expected float32 \(17,\)"):
+        stage_forward(
+            backend, x, w, b, PADDING, spec, slice(0, 17), [BatchNormSlice(ones, zeros[:16])]
+        )
+    with pytest.raises(ValueError, match="evaluation needs its running_mean"):
+        stage_forward(
+            backend, x, w, b, PADDING, spec, slice(0, 17), [BatchNormSlice(ones, zeros, False)]
+        )
+    # the wire carries batch norm's options
+    assert spec_from_proto(ops_to_proto(spec)) == spec
+    with pytest.raises(ValueError, match="eps must be finite and > 0"):
+        StageOp("batchnorm", eps=0.0)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\]"):
+        StageOp("batchnorm", momentum=1.5)
+    # batch norm joins the stage; dropout ends it
+    entries = [{"type": "relu"}, {"type": "batchnorm", "eps": 0.5}, {"type": "dropout"}]
+    assert stage_of(entries) == StageSpec((StageOp("relu"), StageOp("batchnorm", eps=0.5)))
+
+
 # -- real worker processes ----------------------------------------------------------------------
 
 RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
@@ -247,11 +419,11 @@ class KilledMidStep(Cluster):
         super().__init__(addresses, config=ClusterConfig(**{**FAST, **config}))
         self.victim, self.at = victim, (step, layer)
 
-    def stage_forward(self, layer, x, w, b, padding, stage):
+    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=()):
         if (self.step, layer) == self.at and x.shape[0] == RUN["batch"]:
             self.victim.kill()
             self.victim.wait()
-        return super().stage_forward(layer, x, w, b, padding, stage)
+        return super().stage_forward(layer, x, w, b, padding, stage, batchnorm)
 
 
 def test_fused_worker_killed_mid_step_stays_exact(local, tmp_path):
@@ -303,13 +475,27 @@ def _stage_call(address, **changes):
         ),
         (dict(own=slice(6, 10)), "owns 4 kernels from 6, but the request sends 8"),
         (dict(own=slice(3, 3)), "owns 0 kernels"),
+        # batch norm parameters for a stage without batch norm
+        (
+            dict(batchnorm=[BatchNormSlice(np.ones(8, np.float32), np.zeros(8, np.float32))]),
+            r"bn has shape \(2, 8\), expected \(0, channels\): 0 batch norm layers",
+        ),
+        # a batch norm whose parameters did not come
+        (
+            dict(ops=[pb.StageOp(layer=pb.BATCHNORM, eps=1e-5, momentum=0.1)]),
+            r"bn has shape \(0, 8\), expected \(2, channels\): 1 batch norm layers in training",
+        ),
+        (
+            dict(ops=[pb.StageOp(layer=pb.BATCHNORM, eps=-1.0, momentum=0.1)]),
+            "stage layer 0: stage batchnorm eps must be finite and > 0",
+        ),
     ],
 )
 def test_bad_stage_requests_are_refused(workers, change, message):
     with pytest.raises(WorkerError, match=message) as caught:
         _stage_call(workers.addresses[0], **change)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    y, _ = _stage_call(workers.addresses[0])  # and it goes on serving
+    y, _, _ = _stage_call(workers.addresses[0])  # and it goes on serving
     assert y.shape == (2, 4, 4, 4)
 
 
@@ -431,7 +617,7 @@ def test_any_stage_description_is_answered_or_refused_by_name(workers, ops, own_
     """Generated stage descriptions: the worker answers the owned kernels' output, or refuses
     with INVALID_ARGUMENT; it never fails otherwise, and goes on serving."""
     try:
-        y, _ = _stage_call(
+        y, _, _ = _stage_call(
             workers.addresses[1], ops=ops, own=slice(own_start, own_start + own_count)
         )
     except WorkerError as e:
@@ -456,3 +642,100 @@ def test_calibration_reads_a_trace_where_a_worker_has_no_share_of_a_layer(worker
     cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
     assert cal.shares["conv1"] == (4, 0, 4) and cal.shares["conv2"] == SHARES["conv2"]
     assert cal.check()["step_s"] > 0
+
+
+# -- batch norm in fused stages, real worker processes -------------------------------------------
+
+# conv1 (stride 2) -> batchnorm -> relu -> maxpool and conv2 -> batchnorm -> relu -> gap: both
+# stages hold their batch norm.
+BN_SPEC = [
+    {"type": "conv", "out": 8, "kernel": 3, "stride": 2, "padding": 1},
+    {"type": "batchnorm", "momentum": 0.2},
+    {"type": "relu"},
+    {"type": "maxpool"},
+    {"type": "conv", "out": 12, "kernel": 3, "padding": 1},
+    {"type": "batchnorm", "eps": 1e-3},
+    {"type": "relu"},
+    {"type": "gap"},
+    {"type": "fc", "out": 10},
+]
+BN_SHARES = {"conv1": (1, 5, 2), "conv2": (5, 3, 4)}
+
+
+def _train_bn(tmp_path, name, executor, trace=None):
+    weights = tmp_path / f"{name}.npz"
+    spec = tmp_path / "bn.json"
+    spec.write_text(json.dumps(BN_SPEC))
+    config = TrainConfig(save=str(weights), trace=trace, **{**RUN, "preset": str(spec)})
+    result = train(config, executor, log=io.StringIO())
+    return result, dict(np.load(weights))
+
+
+@pytest.fixture(scope="module")
+def local_bn(tmp_path_factory):
+    return _train_bn(tmp_path_factory.mktemp("local-bn"), "local", LocalConv())
+
+
+def _same_as_local_bn(got, local):
+    (result, weights), (want, want_weights) = got, local
+    np.testing.assert_allclose(result.losses, want.losses, rtol=1e-5)
+    assert set(weights) == set(want_weights)
+    assert {
+        "batchnorm1.running_mean",
+        "batchnorm1.running_var",
+        "batchnorm2.num_batches_tracked",
+    } <= set(weights)
+    for name in weights:  # parameters and running statistics, PyTorch's names
+        np.testing.assert_allclose(
+            weights[name], want_weights[name], rtol=0, atol=1e-5, err_msg=name
+        )
+    assert weights["batchnorm2.num_batches_tracked"] == RUN["steps"]
+    # the held-out evaluation ran the stages in evaluation mode (running statistics)
+    np.testing.assert_allclose(result.eval_loss, want.eval_loss, rtol=1e-5)
+    assert result.eval_accuracy == want.eval_accuracy
+
+
+def test_fused_batchnorm_cluster_trains_as_local(local_bn, workers, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, shares=BN_SHARES, stages="fused", kernels="resident")
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = _train_bn(tmp_path, "fused", cluster, trace=str(trace))
+        kernel_modes = dict(cluster.kernel_modes)
+    _same_as_local_bn(got, local_bn)
+    # resident kernels asked for, but a stage with batch norm sends its kernels
+    assert kernel_modes == {"conv1": "sent", "conv2": "sent"}
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in records if "step" in r]
+    assert len(steps) == RUN["steps"]
+    assert all(r["stage_modes"] == {"conv1": "fused", "conv2": "fused"} for r in steps)
+    # the workers computed their pieces (no silent fallback to the master)
+    assert all(r["nodes"][workers.addresses[1]]["conv2"]["kernels"] == 4 for r in steps)
+    # the cost model counts the batch norm tensors as the run moved them
+    layers = {layer.name: layer for layer in conv_layers(BN_SPEC, RUN["batch"])}
+    for record in steps:
+        for name, shares in BN_SHARES.items():
+            layer = layers[name]
+            for node, kernels, offset in zip(
+                workers.addresses, shares[1:], offsets(shares)[1:], strict=True
+            ):
+                phases = record["nodes"][node][name]
+                for phase in ("forward", "backward"):
+                    want = stage_call_bytes(
+                        layer, layer.stage, phase, kernels, offset, record["step"]
+                    )
+                    assert phases[phase]["bytes_sent"] == want.sent, (name, phase)
+                    assert phases[phase]["bytes_received"] == want.received, (name, phase)
+
+
+def test_fused_batchnorm_worker_killed_mid_step_stays_exact(local_bn, tmp_path):
+    with LocalWorkers(2) as started:
+        # Killed after conv1's stage forward at step 3 (its batch statistics taken): conv2's
+        # forward piece and conv1's backward piece are computed by the master instead.
+        victim = started.processes[1]
+        with KilledMidStep(
+            started.addresses, victim, 3, "conv2", shares=BN_SHARES, stages="fused"
+        ) as cluster:
+            got = _train_bn(tmp_path, "killed", cluster)
+            lost = [e for e in cluster.events if e["event"] == "worker_lost"]
+    _same_as_local_bn(got, local_bn)
+    assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 3)]

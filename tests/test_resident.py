@@ -159,11 +159,11 @@ class Disturbed(Cluster):
             action(self)
         super().begin_step(step)
 
-    def stage_forward(self, layer, x, w, b, padding, stage):
+    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=()):
         action = self.actions.get((self.step, layer))
         if action and x.shape[0] == RUN["batch"]:
             action(self)
-        return super().stage_forward(layer, x, w, b, padding, stage)
+        return super().stage_forward(layer, x, w, b, padding, stage, batchnorm)
 
 
 def _steps(trace):

@@ -146,10 +146,15 @@ def test_shapes_of_the_new_layers():
     assert model.forward(np.zeros((2, *INPUT), np.float32)).shape == (2, 4)
 
 
-def test_stages_end_at_batchnorm_and_dropout():
+def test_stages_take_batchnorm_and_end_at_dropout():
     convs = {item.name: item.conv for item in walk_spec(MODERN, INPUT) if item.conv}
-    assert convs["conv1"].stride == (2, 2) and convs["conv1"].stage is None  # batchnorm next
-    assert [op.kind for op in convs["conv2"].stage.ops] == ["relu", "lrn", "avgpool"]
+    assert convs["conv1"].stride == (2, 2)
+    assert [op.kind for op in convs["conv1"].stage.ops] == ["batchnorm", "relu"]
+    assert [op.kind for op in convs["conv2"].stage.ops] == [
+        "relu", "lrn", "avgpool", "batchnorm", "maxpool"
+    ]  # fmt: skip
+    bn2 = convs["conv2"].stage.ops[3]
+    assert (bn2.eps, bn2.momentum) == (1e-3, 0.2)
     assert convs["conv3"].stride == (1, 2) and [op.kind for op in convs["conv3"].stage.ops] == [
         "gap"
     ]
@@ -490,10 +495,10 @@ def _train_spec(tmp_path, name, executor, steps=8, trace=None):
 
 
 def test_a_fused_cluster_with_stride_batchnorm_and_avgpool_trains_as_local(tmp_path):
-    """Two worker processes, fused stages (conv2 with ReLU, LRN and average pooling, the
-    strided conv3 with ReLU and global average pooling), the strided conv1 split by kernels and
-    run unfused (batch norm follows it), batch norm and dropout on the master: step by step the
-    losses, and at the end every weight and running statistic, equal local training's."""
+    """Two worker processes, fused stages (the strided conv1 with batch norm and ReLU, conv2
+    with ReLU, LRN, average pooling, batch norm and max pooling, the strided conv3 with global
+    average pooling), dropout on the master: step by step the losses, and at the end every
+    weight and running statistic, equal local training's."""
     from hetconv.conv import LocalConv
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.master.launch import LocalWorkers
@@ -504,7 +509,7 @@ def test_a_fused_cluster_with_stride_batchnorm_and_avgpool_trains_as_local(tmp_p
     trace = tmp_path / "trace.jsonl"
     with LocalWorkers(2) as workers, Cluster(workers.addresses, config=config) as cluster:
         got, weights = _train_spec(tmp_path, "cluster", cluster, trace=str(trace))
-        assert cluster.stage_modes == {"conv1": "unfused", "conv2": "fused", "conv3": "fused"}
+        assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused", "conv3": "fused"}
         addresses = workers.addresses
     np.testing.assert_allclose(got.losses, local.losses, rtol=1e-5)
     assert sorted(weights) == sorted(local_weights)
@@ -516,7 +521,7 @@ def test_a_fused_cluster_with_stride_batchnorm_and_avgpool_trains_as_local(tmp_p
     steps = [r for r in steps if "step" in r]
     assert len(steps) == 8
     for record in steps:
-        assert record["stage_modes"] == {"conv1": "unfused", "conv2": "fused", "conv3": "fused"}
+        assert record["stage_modes"] == {"conv1": "fused", "conv2": "fused", "conv3": "fused"}
         for layer, shares in CLUSTER_SHARES.items():
             for address, share in zip(addresses, shares[1:], strict=True):
                 assert record["nodes"][address][layer]["kernels"] == share

@@ -176,6 +176,12 @@ class ResidentCalls:
             spec.output_hw(conv.out_hw)
         except ValueError as e:
             raise InvalidCall(str(e)) from None
+        if spec.batchnorms:
+            # The master sends a layer whose stage holds batch norm with its kernels (StageForward)
+            raise InvalidCall(
+                f"the stage holds {spec.batchnorms} batch norm layers: resident stages do not "
+                "run batch norm; send it with StageForward"
+            )
         # As StageForward: the stage's intermediates, a few times the widened feature maps,
         # must fit the worker's limit too.
         kept = 6 * 4 * conv.n * conv.k * conv.out_hw[0] * conv.out_hw[1]

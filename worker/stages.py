@@ -1,11 +1,13 @@
 """The worker's fused stage calls: StageForward and StageBackward (:mod:`hetconv.stages`).
 
-StageForward brings the layer's input, the owned kernels widened by the stage's halo, and the
-stage's layers; the worker runs the convolution and the layers on the widened slice, answers the
-owned kernels' output and keeps what backward needs (the layers' saved state) under (session,
-layer, kernel offset of the widened slice) for the same step. StageBackward brings the gradient
-of the stage output for the owned and halo channels and answers the owned kernels' dw, db and
-their input-gradient part. Requests are validated before any work; a bad one is refused with
+StageForward brings the layer's input, the owned kernels widened by the stage's halo, the
+stage's layers and its batch norms' weights and biases (in evaluation their running statistics
+too); the worker runs the convolution and the layers on the widened slice, answers the owned
+kernels' output (and in training their batch norms' batch statistics) and keeps what backward
+needs (the layers' saved state) under (session, layer, kernel offset of the widened slice) for
+the same step. StageBackward brings the gradient of the stage output for the owned and halo
+channels and answers the owned kernels' dw, db, batch norm weight and bias gradients and their
+input-gradient part. Requests are validated before any work; a bad one is refused with
 INVALID_ARGUMENT naming what was wrong, and the worker goes on serving.
 
 What StageForward keeps is held beside the plain Forward cache (same session bound: the least
@@ -25,7 +27,15 @@ from hetconv.calls import STAGE_BACKWARD, STAGE_FORWARD, StageShape
 from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
 from hetconv.formats import answer_format
 from hetconv.proto import worker_pb2 as pb
-from hetconv.stages import StageRun, spec_from_proto, stage_backward, stage_forward
+from hetconv.stages import (
+    StageRun,
+    batch_statistics_rows,
+    batchnorm_grad_rows,
+    spec_from_proto,
+    stage_backward,
+    stage_forward,
+    unpack_batchnorm,
+)
 from hetconv.worker.requests import request_padding
 
 
@@ -52,7 +62,7 @@ class StageCalls:
     def __init__(self, service):
         self.service = service
 
-    def _check_forward(self, request: pb.ConvRequest, x, w, b):
+    def _check_forward(self, request: pb.ConvRequest, x, w, b, bn):
         padding = request_padding(request)
         if x.ndim != 4 or w.ndim != 4:
             raise InvalidCall(f"x {x.shape} and w {w.shape} must both have 4 dimensions")
@@ -62,6 +72,10 @@ class StageCalls:
             conv = conv_shape(x.shape, w.shape, padding)
             spec = spec_from_proto(request.stage.ops)
             out_hw = spec.output_hw(conv.out_hw)
+            training = not request.stage.batchnorm_eval
+            batchnorm = unpack_batchnorm(bn, spec.batchnorms, training)
+            for i, one in enumerate(batchnorm):
+                one.check(i, conv.k)
         except ValueError as e:
             raise InvalidCall(str(e)) from None
         d = request.stage
@@ -81,26 +95,26 @@ class StageCalls:
                 f"the stage would hold {need} bytes: beyond this worker's limit of "
                 f"{self.service.config.max_request_bytes} bytes per request"
             )
-        return padding, spec, slice(d.own_start, d.own_start + d.own_count)
+        return padding, spec, slice(d.own_start, d.own_start + d.own_count), batchnorm
 
     def forward(self, messages: Iterator):
         service = self.service
-        request, (x, w, b), receive = service._receive(messages, STAGE_FORWARD)
-        padding, spec, own = self._check_forward(request, x, w, b)
+        request, (x, w, b, bn), receive = service._receive(messages, STAGE_FORWARD)
+        padding, spec, own, batchnorm = self._check_forward(request, x, w, b, bn)
         start = time.perf_counter()
 
         def work():
-            out = stage_forward(service.backend, x, w, b, padding, spec, own)
+            out = stage_forward(service.backend, x, w, b, padding, spec, own, batchnorm)
             service.backend.synchronize()
             return out
 
         y, run = service._on_device(work)  # the device thread: one scratch, trimmed
         compute = time.perf_counter() - start
         self._keep(request, _Kept(request.step, run))
-        ((name, fmt),) = STAGE_FORWARD.answer_formats(
-            fmt=answer_format(request.answer_dtype)
-        ).items()
-        return [(name, y, fmt)], compute, receive
+        stats = batch_statistics_rows(run)
+        formats = STAGE_FORWARD.answer_formats(fmt=answer_format(request.answer_dtype))
+        answer = [(name, a, f) for (name, f), a in zip(formats.items(), (y, stats), strict=True)]
+        return answer, compute, receive
 
     def backward(self, messages: Iterator):
         service = self.service
@@ -129,7 +143,7 @@ class StageCalls:
         formats = STAGE_BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype)
         )
-        arrays = [dw, db] + ([dx] if request.need_input_grad else [])
+        arrays = [dw, db, batchnorm_grad_rows(run)] + ([dx] if request.need_input_grad else [])
         answer = [(name, a, f) for (name, f), a in zip(formats.items(), arrays, strict=True)]
         return answer, time.perf_counter() - start, receive
 

@@ -34,6 +34,7 @@ class StageLayer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MAXPOOL: _ClassVar[StageLayer]
     AVGPOOL: _ClassVar[StageLayer]
     GLOBAL_AVGPOOL: _ClassVar[StageLayer]
+    BATCHNORM: _ClassVar[StageLayer]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -53,6 +54,7 @@ LRN: StageLayer
 MAXPOOL: StageLayer
 AVGPOOL: StageLayer
 GLOBAL_AVGPOOL: StageLayer
+BATCHNORM: StageLayer
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "shape", "dtype", "nbytes")
@@ -67,7 +69,7 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StageOp(_message.Message):
-    __slots__ = ("layer", "size", "alpha", "beta", "k", "kernel", "stride")
+    __slots__ = ("layer", "size", "alpha", "beta", "k", "kernel", "stride", "eps", "momentum")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,8 @@ class StageOp(_message.Message):
     K_FIELD_NUMBER: _ClassVar[int]
     KERNEL_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     layer: StageLayer
     size: int
     alpha: float
@@ -82,19 +86,23 @@ class StageOp(_message.Message):
     k: float
     kernel: int
     stride: int
-    def __init__(self, layer: _Optional[_Union[StageLayer, str]] = ..., size: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., k: _Optional[float] = ..., kernel: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
+    eps: float
+    momentum: float
+    def __init__(self, layer: _Optional[_Union[StageLayer, str]] = ..., size: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., k: _Optional[float] = ..., kernel: _Optional[int] = ..., stride: _Optional[int] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ...) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("ops", "own_start", "own_count", "grad_start")
+    __slots__ = ("ops", "own_start", "own_count", "grad_start", "batchnorm_eval")
     OPS_FIELD_NUMBER: _ClassVar[int]
     OWN_START_FIELD_NUMBER: _ClassVar[int]
     OWN_COUNT_FIELD_NUMBER: _ClassVar[int]
     GRAD_START_FIELD_NUMBER: _ClassVar[int]
+    BATCHNORM_EVAL_FIELD_NUMBER: _ClassVar[int]
     ops: _containers.RepeatedCompositeFieldContainer[StageOp]
     own_start: int
     own_count: int
     grad_start: int
-    def __init__(self, ops: _Optional[_Iterable[_Union[StageOp, _Mapping]]] = ..., own_start: _Optional[int] = ..., own_count: _Optional[int] = ..., grad_start: _Optional[int] = ...) -> None: ...
+    batchnorm_eval: bool
+    def __init__(self, ops: _Optional[_Iterable[_Union[StageOp, _Mapping]]] = ..., own_start: _Optional[int] = ..., own_count: _Optional[int] = ..., grad_start: _Optional[int] = ..., batchnorm_eval: _Optional[bool] = ...) -> None: ...
 
 class ResidentSlice(_message.Message):
     __slots__ = ("version", "count", "halo_before", "momentum_started", "lr", "momentum", "weight_decay")
