@@ -43,6 +43,7 @@ and cgroups it left.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import secrets
@@ -136,6 +137,34 @@ def _tbf(rate_mbps: float) -> tuple[str, ...]:
     burst = max(2 * (MTU + ETHERNET_HEADER), int(rate * 1e-3))
     limit = max(64 * 1024, int(rate * QUEUE_SECONDS))
     return ("tbf", "rate", f"{rate_mbps:g}mbit", "burst", str(burst), "limit", str(limit))
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Ctrl-C and SIGTERM ignored inside (in the main thread): a second one does not cut a
+    teardown short."""
+    deferred = {}
+    if threading.current_thread() is threading.main_thread():
+        deferred = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in deferred.items():
+            signal.signal(s, handler)
+
+
+def _stop_all(processes: Sequence[subprocess.Popen]) -> None:
+    """Terminate every process still running, then wait (10 s in all) and kill what is left."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + 10
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 # -- the testbed ---------------------------------------------------------------------------------
@@ -334,28 +363,11 @@ class Testbed:
     def teardown(self) -> None:
         """Stop every process started here, then delete the namespaces and veth pairs. Each part
         is tried even when an earlier one fails; a second Ctrl-C does not cut it short."""
-        deferred = {}
-        if threading.current_thread() is threading.main_thread():
-            deferred = {
-                s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)
-            }
-        try:
+        with _signals_deferred():
             self._teardown()
-        finally:
-            for s, handler in deferred.items():
-                signal.signal(s, handler)
 
     def _teardown(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + 10
-        for process in self.processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        _stop_all(self.processes)
         self.processes, self.workers = [], []
         for link in reversed(self.links):
             if "netns" in link.created:
@@ -832,28 +844,11 @@ class ClusterTestbed:
         """Stop every process started here, delete the namespaces (their veth pairs, bridge and
         ifb go with them) and the CPU cgroups. Each part is tried even when an earlier one
         fails; a second Ctrl-C does not cut it short."""
-        deferred = {}
-        if threading.current_thread() is threading.main_thread():
-            deferred = {
-                s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)
-            }
-        try:
+        with _signals_deferred():
             self._teardown()
-        finally:
-            for s, handler in deferred.items():
-                signal.signal(s, handler)
 
     def _teardown(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + 10
-        for process in self.processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        _stop_all(self.processes)
         self.processes, self.workers = [], []
         for namespace in reversed(self.namespaces):
             for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
