@@ -188,8 +188,8 @@ def test_worker_lines_threads_activity_and_the_readme_snippet(worker):
         r"loss [\d.]+ -> [\d.]+, held-out accuracy [\d.]+, \d+ images/s\n", printed.getvalue()
     ), printed.getvalue()
 
-    served = out.wait_for(r"^served (\d+) requests in \d+ s: ([\d.]+) MB in, ([\d.]+) MB out, "
-                          r"(\d+) masters?$", 10)  # fmt: skip
+    served = out.wait_for(r"^served (\d+) requests in \d+ s: ([\d.]+) [kM]B in, ([\d.]+) [kM]B "
+                          r"out, (\d+) masters?$", 10)  # fmt: skip
     assert int(served.group(1)) > 0 and float(served.group(2)) > 0 and float(served.group(3)) > 0
     process.send_signal(signal.SIGTERM)
     out.wait_for(r"stopped after \d+ requests", 30)

@@ -25,8 +25,15 @@ class ActivitySummary:
         masters = f"{self.sessions} master{'' if self.sessions == 1 else 's'}"
         return (
             f"served {self.requests} requests in {self.seconds:.0f} s: "
-            f"{self.bytes_in / 1e6:.1f} MB in, {self.bytes_out / 1e6:.1f} MB out, {masters}"
+            f"{_amount(self.bytes_in)} in, {_amount(self.bytes_out)} out, {masters}"
         )
+
+
+def _amount(nbytes: int) -> str:
+    """``45.2 MB``, or ``12.3 kB`` under a megabyte (a few small calls would read ``0.0 MB``)."""
+    if nbytes < 1e6:
+        return f"{nbytes / 1e3:.1f} kB"
+    return f"{nbytes / 1e6:.1f} MB"
 
 
 class Activity:
