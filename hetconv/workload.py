@@ -162,6 +162,24 @@ class CallBytes:
         return self.sent + self.received
 
 
+def _call_bytes(request: pb.ConvRequest, answer, layer: ConvLayer, step: int) -> CallBytes:
+    """What a call moves: ``request`` (its call-specific fields set) with the fields every
+    call's header carries, and a result carrying the ``answer`` tensor headers."""
+    request.session = (1 << 64) - 1  # fixed64: any non-zero session has the same size
+    request.step = step
+    request.layer = layer.name
+    result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
+    tensors_sent = sum(t.nbytes for t in request.tensors)
+    tensors_received = sum(t.nbytes for t in answer)
+    return CallBytes(
+        sent=pb.ConvMessage(header=request).ByteSize() + tensors_sent,
+        received=pb.ConvMessage(result=result).ByteSize() + tensors_received,
+        tensors_sent=tensors_sent,
+        tensors_received=tensors_received,
+        bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
+    )
+
+
 @functools.lru_cache(maxsize=65536)
 def call_bytes(
     layer: ConvLayer,
@@ -196,20 +214,8 @@ def call_bytes(
     else:
         request.need_input_grad = layer.need_input_grad
     answer = call.answer_headers(s, layer.need_input_grad, fmt)
-    request.session = (1 << 64) - 1  # fixed64: any non-zero session has the same size
-    request.step = step
-    request.layer = layer.name
     request.kernel_offset = kernel_offset
-    result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
-    tensors_sent = sum(t.nbytes for t in request.tensors)
-    tensors_received = sum(t.nbytes for t in answer)
-    return CallBytes(
-        sent=pb.ConvMessage(header=request).ByteSize() + tensors_sent,
-        received=pb.ConvMessage(result=result).ByteSize() + tensors_received,
-        tensors_sent=tensors_sent,
-        tensors_received=tensors_received,
-        bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
-    )
+    return _call_bytes(request, answer, layer, step)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -256,20 +262,8 @@ def stage_call_bytes(
         request.need_input_grad = layer.need_input_grad
         request.stage.grad_start = grad.start - wide.start
     answer = call.answer_headers(shape, layer.need_input_grad, fmt)
-    request.session = (1 << 64) - 1
-    request.step = step
-    request.layer = layer.name
     request.kernel_offset = wide.start
-    result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
-    tensors_sent = sum(t.nbytes for t in request.tensors)
-    tensors_received = sum(t.nbytes for t in answer)
-    return CallBytes(
-        sent=pb.ConvMessage(header=request).ByteSize() + tensors_sent,
-        received=pb.ConvMessage(result=result).ByteSize() + tensors_received,
-        tensors_sent=tensors_sent,
-        tensors_received=tensors_received,
-        bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
-    )
+    return _call_bytes(request, answer, layer, step)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -315,19 +309,7 @@ def resident_call_bytes(
         request.need_input_grad = layer.need_input_grad
         request.stage.grad_start = grad.start - wide.start
     answer = call.answer_headers(shape, layer.need_input_grad, fmt)
-    request.session = (1 << 64) - 1
-    request.step = step
-    request.layer = layer.name
-    result = pb.ConvResult(compute_seconds=1.0, receive_seconds=1.0, tensors=answer)
-    tensors_sent = sum(t.nbytes for t in request.tensors)
-    tensors_received = sum(t.nbytes for t in answer)
-    return CallBytes(
-        sent=pb.ConvMessage(header=request).ByteSize() + tensors_sent,
-        received=pb.ConvMessage(result=result).ByteSize() + tensors_received,
-        tensors_sent=tensors_sent,
-        tensors_received=tensors_received,
-        bundled=tensors_sent + tensors_received <= BUNDLE_BYTES,
-    )
+    return _call_bytes(request, answer, layer, step)
 
 
 def resident_sync_bytes(layer: ConvLayer, kernels: int) -> int:
