@@ -167,6 +167,17 @@ def _stop_all(processes: Sequence[subprocess.Popen]) -> None:
             process.wait()
 
 
+def _wait_ready(workers: Sequence[WorkerProcess], timeout: float) -> None:
+    """Wait until every worker printed its ready line; RuntimeError with its output when one
+    exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        while not worker.ready.wait(0.1):
+            if worker.process.poll() is not None or time.monotonic() > deadline:
+                output = "\n".join(worker.lines) or "(no output)"
+                raise RuntimeError(f"worker in {worker.link.namespace} did not start:\n{output}")
+
+
 # -- the testbed ---------------------------------------------------------------------------------
 
 
@@ -307,14 +318,7 @@ class Testbed:
             )
             threading.Thread(target=self._drain, args=(worker, READY), daemon=True).start()
             self.workers.append(worker)
-        deadline = time.monotonic() + timeout
-        for worker in self.workers:
-            while not worker.ready.wait(0.1):
-                if worker.process.poll() is not None or time.monotonic() > deadline:
-                    output = "\n".join(worker.lines) or "(no output)"
-                    raise RuntimeError(
-                        f"worker in {worker.link.namespace} did not start:\n{output}"
-                    )
+        _wait_ready(self.workers, timeout)
         return [w.address for w in self.workers]
 
     @staticmethod
@@ -716,14 +720,7 @@ class ClusterTestbed:
             )
             threading.Thread(target=Testbed._drain, args=(worker, READY), daemon=True).start()
             self.workers.append(worker)
-        deadline = time.monotonic() + timeout
-        for worker in self.workers:
-            while not worker.ready.wait(0.1):
-                if worker.process.poll() is not None or time.monotonic() > deadline:
-                    output = "\n".join(worker.lines) or "(no output)"
-                    raise RuntimeError(
-                        f"worker in {worker.link.namespace} did not start:\n{output}"
-                    )
+        _wait_ready(self.workers, timeout)
         return [w.address for w in self.workers]
 
     def run_master(self, arguments: Sequence[str], timeout: float, blas_threads: int = 1) -> str:
