@@ -14,6 +14,7 @@ moves)::
     FetchKernels   (nothing)        w, b, mw, mb of the slice the worker holds
     ResidentStageForward   x, hw, hb    y, as StageForward (own kernels from the worker's slice)
     ResidentStageBackward  dy           ew, eb: the updated edge kernels, and dx when asked
+    ReplicaForward x, w, b          (nothing): the worker keeps the replicated block's output
     Describe   (DescribeRequest -> DeviceDescription)
     Probe      (ProbeRequest -> ProbeResult)
 
@@ -36,6 +37,12 @@ Resident calls (:mod:`hetconv.resident`) have a :class:`SliceShape` (PlaceKernel
 FetchKernels: ``w``, ``mw`` (k, C, kh, kw), ``b``, ``mb`` (k,)) or a :class:`ResidentStageShape`
 (``hw`` (halo, C, kh, kw) and ``hb`` (halo,): the widened slice's kernels that are not the
 worker's own; ``ew`` (edges, C, kh, kw) and ``eb`` (edges,)).
+
+A replicated first block (:mod:`hetconv.replica`): ReplicaForward has a :class:`ConvShape`
+(the block's convolution over the images, all its kernels). A stage call that names the
+block (``replica_layer``) sends an empty ``x`` (the worker has the input) and its backward
+answers, instead of ``dx``, the block's kernel and bias gradient parts ``rw`` (k0, C0, kh0, kw0)
+and ``rb`` (k0,), from the geometry's ``replica`` (the block's ConvShape).
 
 Activations and their gradients (``x``, ``y``, ``dy``, ``dx``) travel in the call's *wire
 format* (:mod:`hetconv.formats`: float32, or a 16-bit one the master chose); kernels and their
@@ -120,6 +127,8 @@ class StageShape:
         out_hw: the stage output's (Ho', Wo') (after pooling).
         batchnorms: the stage's batch norm layers.
         training: whether they normalise by the batch's statistics (or the running ones).
+        replica: the convolution of the replicated block whose output is this layer's input
+            (:mod:`hetconv.replica`); None: the input travels.
     """
 
     conv: ConvShape
@@ -128,6 +137,7 @@ class StageShape:
     out_hw: tuple[int, int]
     batchnorms: int = 0
     training: bool = True
+    replica: ConvShape | None = None
 
 
 def stage_input_shape(s: StageShape) -> Shape:
@@ -165,6 +175,25 @@ def stage_stats_shape(s: StageShape) -> Shape:
 def stage_dbn_shape(s: StageShape) -> Shape:
     """``dbn``: (2 per batch norm, own): weight and bias gradients."""
     return (2 * s.batchnorms, s.own)
+
+
+def stage_sent_input_shape(s: StageShape) -> Shape:
+    """``x`` as a stage request sends it: (N, C, H, W), or empty with a replicated block."""
+    return (0, 0, 0, 0) if s.replica is not None else input_shape(s.conv)
+
+
+def replica_kernel_shape(s: StageShape) -> Shape:
+    """``rw``: the replicated block's kernels (k0, C0, kh0, kw0)."""
+    if s.replica is None:
+        raise ValueError("rw needs the replicated block's geometry")
+    return kernel_shape(s.replica)
+
+
+def replica_bias_shape(s: StageShape) -> Shape:
+    """``rb``: (k0,)."""
+    if s.replica is None:
+        raise ValueError("rb needs the replicated block's geometry")
+    return bias_shape(s.replica)
 
 
 def stage_dw_shape(s: StageShape) -> Shape:
@@ -214,6 +243,18 @@ def resident_input_shape(s: ResidentStageShape) -> Shape:
     return input_shape(s.stage.conv)
 
 
+def resident_sent_input_shape(s: ResidentStageShape) -> Shape:
+    return stage_sent_input_shape(s.stage)
+
+
+def resident_replica_kernel_shape(s: ResidentStageShape) -> Shape:
+    return replica_kernel_shape(s.stage)
+
+
+def resident_replica_bias_shape(s: ResidentStageShape) -> Shape:
+    return replica_bias_shape(s.stage)
+
+
 def halo_kernel_shape(s: ResidentStageShape) -> Shape:
     """``hw``: (halo, C, kh, kw)."""
     c = s.stage.conv
@@ -244,17 +285,31 @@ def edge_bias_shape(s: ResidentStageShape) -> Shape:
     return (s.edges,)
 
 
+def _names_replica(shape) -> bool:
+    """Whether a call's geometry names a replicated block (its stage's ``replica``)."""
+    stage = shape.stage if isinstance(shape, ResidentStageShape) else shape
+    return isinstance(stage, StageShape) and stage.replica is not None
+
+
 @dataclass(frozen=True)
 class TensorRule:
     """One tensor of a call: its name, how its shape follows from the call's geometry,
-    whether it travels only when the request asks for the input gradient, and whether it is an
-    activation (or its gradient), which travels in the call's wire format; others (kernels and
-    their gradients) always travel as float32."""
+    whether it travels only when the request asks for the input gradient, only when the call
+    names a replicated block (``replica_only``; then the input gradient does not travel),
+    and whether it is an activation (or its gradient), which travels in the call's wire
+    format; others (kernels and their gradients) always travel as float32."""
 
     name: str
     shape: Callable[[Any], Shape]  # of a ConvShape, or a StageShape for stage calls
     input_grad_only: bool = False
     activation: bool = False
+    replica_only: bool = False
+
+    def sent(self, need_input_grad: bool, replica: bool) -> bool:
+        """Whether this answer tensor travels in a call with these settings."""
+        if self.replica_only:
+            return replica
+        return not self.input_grad_only or (need_input_grad and not replica)
 
     def format(self, fmt: TensorFormat) -> TensorFormat:
         """This tensor's format in a call whose wire format is ``fmt``."""
@@ -371,10 +426,10 @@ class ConvCall:
     def bundle(self) -> Method:
         return _bundled(f"{self.name}Bundle")
 
-    def _answer(self, need_input_grad: bool) -> tuple[TensorRule, ...]:
+    def _answer(self, need_input_grad: bool, replica: bool = False) -> tuple[TensorRule, ...]:
         if self.answer is None:
             raise ValueError(f"{self.name} answers with the tensors its request sent")
-        return tuple(t for t in self.answer if need_input_grad or not t.input_grad_only)
+        return tuple(t for t in self.answer if t.sent(need_input_grad, replica))
 
     def _request(self) -> tuple[TensorRule, ...]:
         if self.request is None:
@@ -386,9 +441,10 @@ class ConvCall:
         """The request's tensor names in order; None when any are allowed (Echo)."""
         return None if self.request is None else tuple(t.name for t in self.request)
 
-    def answer_names(self, need_input_grad: bool = False) -> tuple[str, ...]:
-        """The answer's tensor names in order."""
-        return tuple(t.name for t in self._answer(need_input_grad))
+    def answer_names(self, need_input_grad: bool = False, replica: bool = False) -> tuple[str, ...]:
+        """The answer's tensor names in order (``replica``: the call names a replicated
+        block)."""
+        return tuple(t.name for t in self._answer(need_input_grad, replica))
 
     def request_shapes(self, shape: ConvShape) -> dict[str, Shape]:
         """The request's tensor shapes for a call of geometry ``shape``, by name, in order."""
@@ -396,17 +452,19 @@ class ConvCall:
 
     def answer_shapes(self, shape: ConvShape, need_input_grad: bool = False) -> dict[str, Shape]:
         """The answer's tensor shapes for a call of geometry ``shape``, by name, in order."""
-        return {t.name: t.shape(shape) for t in self._answer(need_input_grad)}
+        return {
+            t.name: t.shape(shape) for t in self._answer(need_input_grad, _names_replica(shape))
+        }
 
     def request_formats(self, fmt: TensorFormat = FLOAT32) -> dict[str, TensorFormat]:
         """The request's tensor formats, by name, for a call in wire format ``fmt``."""
         return {t.name: t.format(fmt) for t in self._request()}
 
     def answer_formats(
-        self, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32
+        self, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32, replica: bool = False
     ) -> dict[str, TensorFormat]:
         """The answer's tensor formats, by name, for a call in wire format ``fmt``."""
-        return {t.name: t.format(fmt) for t in self._answer(need_input_grad)}
+        return {t.name: t.format(fmt) for t in self._answer(need_input_grad, replica)}
 
     def request_headers(
         self, shape: ConvShape, fmt: TensorFormat = FLOAT32
@@ -420,14 +478,21 @@ class ConvCall:
     ) -> list[pb.TensorHeader]:
         """The tensor headers of the answer for a call of geometry ``shape`` in wire format
         ``fmt``."""
-        return [t.format(fmt).header(t.name, t.shape(shape)) for t in self._answer(need_input_grad)]
+        replica = _names_replica(shape)
+        return [
+            t.format(fmt).header(t.name, t.shape(shape))
+            for t in self._answer(need_input_grad, replica)
+        ]
 
     def answer_bytes(
         self, shape: ConvShape, need_input_grad: bool = False, fmt: TensorFormat = FLOAT32
     ) -> int:
         """Tensor bytes of the answer for a call of geometry ``shape`` in wire format ``fmt``."""
         # Summed here, not from headers: an absurd request's answer may not fit a uint64 field.
-        return sum(t.format(fmt).nbytes(t.shape(shape)) for t in self._answer(need_input_grad))
+        replica = _names_replica(shape)
+        return sum(
+            t.format(fmt).nbytes(t.shape(shape)) for t in self._answer(need_input_grad, replica)
+        )
 
 
 FORWARD = ConvCall(
@@ -455,7 +520,7 @@ STAGE_FORWARD = ConvCall(
     "StageForward",
     pb.STAGE_FORWARD,
     (
-        TensorRule("x", stage_input_shape, activation=True),
+        TensorRule("x", stage_sent_input_shape, activation=True),
         TensorRule("w", stage_kernel_shape),
         TensorRule("b", stage_bias_shape),
         TensorRule("bn", stage_bn_shape),
@@ -471,6 +536,8 @@ STAGE_BACKWARD = ConvCall(
         TensorRule("db", stage_db_shape),
         TensorRule("dbn", stage_dbn_shape),
         TensorRule("dx", stage_input_shape, input_grad_only=True, activation=True),
+        TensorRule("rw", replica_kernel_shape, replica_only=True),
+        TensorRule("rb", replica_bias_shape, replica_only=True),
     ),
 )
 PLACE_KERNELS = ConvCall(
@@ -499,7 +566,7 @@ RESIDENT_STAGE_FORWARD = ConvCall(
     "ResidentStageForward",
     pb.RESIDENT_STAGE_FORWARD,
     (
-        TensorRule("x", resident_input_shape, activation=True),
+        TensorRule("x", resident_sent_input_shape, activation=True),
         TensorRule("hw", halo_kernel_shape),
         TensorRule("hb", halo_bias_shape),
     ),
@@ -513,7 +580,19 @@ RESIDENT_STAGE_BACKWARD = ConvCall(
         TensorRule("ew", edge_kernel_shape),
         TensorRule("eb", edge_bias_shape),
         TensorRule("dx", resident_input_shape, input_grad_only=True, activation=True),
+        TensorRule("rw", resident_replica_kernel_shape, replica_only=True),
+        TensorRule("rb", resident_replica_bias_shape, replica_only=True),
     ),
+)
+REPLICA_FORWARD = ConvCall(
+    "ReplicaForward",
+    pb.REPLICA_FORWARD,
+    (
+        TensorRule("x", input_shape),  # the images: float32 always, every node the same
+        TensorRule("w", kernel_shape),
+        TensorRule("b", bias_shape),
+    ),
+    (),
 )
 DESCRIBE = UnaryCall("Describe", pb.DescribeRequest, pb.DeviceDescription)
 PROBE = UnaryCall("Probe", pb.ProbeRequest, pb.ProbeResult)
@@ -531,6 +610,7 @@ CONV_CALLS: dict[str, ConvCall] = {
         FETCH_KERNELS,
         RESIDENT_STAGE_FORWARD,
         RESIDENT_STAGE_BACKWARD,
+        REPLICA_FORWARD,
     )
 }
 #: The calls that do not.
@@ -553,6 +633,7 @@ __all__ = [
     "PLACE_KERNELS",
     "PROBE",
     "READY",
+    "REPLICA_FORWARD",
     "RESIDENT_STAGE_BACKWARD",
     "RESIDENT_STAGE_FORWARD",
     "SERVICE_NAME",

@@ -167,6 +167,17 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "fused layer, whichever the cost model counts fewer bytes for",
     )
     where.add_argument(
+        "--replicate",
+        choices=("auto", "first", "off"),  # hetconv.replica.REPLICATE_MODES
+        default="auto",
+        help="first: every node computes the first convolution and the ReLU, LRN and pooling "
+        "after it from the images itself, so the second layer's input is never sent and its "
+        "input gradient never comes back (exact: each worker back-propagates its part to a "
+        "part of the first layer's kernel gradient, which the master sums; needs the second "
+        "layer fused); off: never; auto (default): where the cost model predicts the step "
+        "faster",
+    )
+    where.add_argument(
         "--resident-sync-every",
         type=non_negative_int,
         default=20,
@@ -448,6 +459,8 @@ def _run_train(args: argparse.Namespace) -> int:
             raise ValueError("--local runs no workers, so nothing is fused: drop --stages")
         if args.kernels != "auto":
             raise ValueError("--local runs no workers, so no kernel is resident: drop --kernels")
+        if args.replicate != "auto":
+            raise ValueError("--local runs no workers, so nothing is replicated: drop --replicate")
     else:
         if args.shares is None:
             # The embedded default demonstrates the split on one machine, where every "link"
@@ -479,6 +492,7 @@ def _run_train(args: argparse.Namespace) -> int:
             wire_format=format_named(args.wire_format),
             stages=args.stages,
             kernels=args.kernels,
+            replicate=args.replicate,
             resident_sync_every=args.resident_sync_every,
             spot_checks=_spot_check_config(args),
         )

@@ -166,6 +166,8 @@ class ConvSpec:
         phased_from: on an :attr:`executed` spec, the stride of the convolution it stands for
             (None: it is the layer's own): its kernels are then a rearranged copy of the
             layer's each step, which an executor must not keep and update in place.
+        feeds: the convolution whose input is this layer's stage output, unchanged (no other
+            layer between them); None when another layer follows the stage. Not compared.
     """
 
     name: str
@@ -177,6 +179,7 @@ class ConvSpec:
     stage: Any = field(default=None, compare=False)
     stride: tuple[int, int] = (1, 1)
     phased_from: tuple[int, int] | None = field(default=None, compare=False)
+    feeds: str | None = field(default=None, compare=False)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -201,7 +204,7 @@ class ConvSpec:
             return self
         return ConvSpec(
             self.name, phases.phased_input_shape, self.kernels, phases.taps, 0,
-            self.need_input_grad, self.stage, phased_from=self.stride,
+            self.need_input_grad, self.stage, phased_from=self.stride, feeds=self.feeds,
         )  # fmt: skip
 
     def shape(self, batch: int) -> ConvShape:

@@ -470,6 +470,42 @@ def kernel_mode(
     return RESIDENT if resident < layer_bytes(layer, shares, True, fmt) else SENT
 
 
+def replica_bytes(block: ConvLayer, consumer: ConvLayer, fmt: TensorFormat = FLOAT32):
+    """(saved toward a worker, saved from it) per step when every node computes ``block``
+    (the network's first convolution and its stage) itself (:mod:`hetconv.replica`): the
+    consumer's input no longer goes out nor its input-gradient part comes back; the images and
+    the block's kernels go out (float32) and its kernel gradient parts come back. Negative: it
+    costs bytes."""
+    s, b = consumer.shape, block.shape
+    x = fmt.nbytes((s.n, s.c, s.h, s.w))
+    images = FLOAT32.nbytes((b.n, b.c, b.h, b.w))
+    kernels = FLOAT32.nbytes((b.k, b.c, b.kh, b.kw)) + FLOAT32.nbytes((b.k,))
+    return x - images - kernels, x - kernels
+
+
+def replicate_gain(
+    block: ConvLayer,
+    consumer: ConvLayer,
+    block_seconds: Sequence[float],
+    links: Sequence[float],
+    wifi: bool = False,
+    fmt: TensorFormat = FLOAT32,
+) -> float:
+    """Seconds per step a replicated first block is predicted to save (negative: to cost).
+
+    Saved: the bytes :func:`replica_bytes` counts, for every worker with a share of the
+    consumer, over the slowest of their ``links`` (bytes/s; the forward's requests share the
+    master's port or the medium, as do the backward's answers). Cost: every node computes the
+    whole block, so the step waits for the slowest node's whole block, ``max(block_seconds)``
+    (each node's probe of it: forward and kernel gradients, all kernels; the master first). The
+    block's own calls, which also go, are not counted: the estimate errs toward off."""
+    if not links:
+        return 0.0
+    up, down = replica_bytes(block, consumer, fmt)
+    saved = len(links) * (up + down) / min(links)
+    return saved - max(block_seconds, default=0.0)
+
+
 def simulate_layer_phase(
     cluster: Cluster,
     layer: ConvLayer,

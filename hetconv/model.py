@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -576,7 +577,16 @@ class Model:
     def conv_specs(self) -> list[ConvSpec]:
         """The convolution layers as executors see them (what ``executor.prepare`` takes): a
         strided one as the stride-1 convolution of its phases (:attr:`ConvSpec.executed`)."""
-        return [layer.spec.executed for layer in self.conv_layers()]
+        specs = []
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, Conv2d):
+                continue
+            spec = layer.spec.executed
+            after = i + 1 + (len(spec.stage.ops) if spec.stage is not None else 0)
+            if after < len(self.layers) and isinstance(self.layers[after], Conv2d):
+                spec = dataclasses.replace(spec, feeds=self.layers[after].name)
+            specs.append(spec)
+        return specs
 
     def init_weights(self, seed: int) -> None:
         """PyTorch's default initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for conv and

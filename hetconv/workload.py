@@ -228,6 +228,7 @@ def stage_call_bytes(
     step: int = 1000,
     fmt: TensorFormat = FLOAT32,
     training: bool = True,
+    replica: ConvLayer | None = None,
 ) -> CallBytes:
     """Bytes of one fused stage call (:mod:`hetconv.stages`) of ``layer`` for a node owning
     ``kernels`` kernels from ``kernel_offset``: forward sends ``x`` and the kernels widened by
@@ -238,6 +239,10 @@ def stage_call_bytes(
     variance) sent and (training) the owned channels' batch mean and variance back; backward,
     their weight and bias gradients of the owned channels back. Headers as
     :class:`~hetconv.master.client.WorkerClient` sets them (the stage description included).
+
+    ``replica``: the replicated first block (:mod:`hetconv.replica`) whose output is the
+    layer's input: forward counts its ReplicaForward (images and the block's kernels out) and
+    sends no ``x``; backward answers the block's kernel gradient parts instead of ``dx``.
     """
     call = {FORWARD: calls.STAGE_FORWARD, BACKWARD: calls.STAGE_BACKWARD}.get(phase)
     if call is None:
@@ -247,8 +252,9 @@ def stage_call_bytes(
     grad = stage.grad_range(own, layer.kernels)
     s = dataclasses.replace(layer.shape, k=wide.stop - wide.start)
     shape = calls.StageShape(
-        s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw), stage.batchnorms, training
-    )
+        s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw), stage.batchnorms, training,
+        replica.shape if replica is not None else None,
+    )  # fmt: skip
     request = pb.ConvRequest(
         phase=call.phase, tensors=call.request_headers(shape, fmt), answer_dtype=answer_dtype(fmt)
     )
@@ -259,11 +265,42 @@ def stage_call_bytes(
         request.stage.own_count = kernels
         request.stage.batchnorm_eval = bool(stage.batchnorms) and not training
     else:
-        request.need_input_grad = layer.need_input_grad
+        request.need_input_grad = layer.need_input_grad and replica is None
         request.stage.grad_start = grad.start - wide.start
-    answer = call.answer_headers(shape, layer.need_input_grad, fmt)
+    answer = call.answer_headers(shape, request.need_input_grad, fmt)
     request.kernel_offset = wide.start
-    return _call_bytes(request, answer, layer, step)
+    return _with_replica(request, answer, layer, step, replica, call is calls.STAGE_FORWARD)
+
+
+def replica_forward_bytes(block: ConvLayer, step: int = 1000) -> CallBytes:
+    """Bytes of one ReplicaForward (:mod:`hetconv.replica`): the images and the block's
+    kernels and biases out (float32), no tensors back."""
+    call, s = calls.REPLICA_FORWARD, block.shape
+    request = pb.ConvRequest(phase=call.phase, tensors=call.request_headers(s))
+    request.padding.extend((s.padding.top, s.padding.bottom, s.padding.left, s.padding.right))
+    if block.stage is not None:
+        request.stage.ops.extend(ops_to_proto(block.stage))
+    request.stage.own_count = s.k
+    return _call_bytes(request, [], block, step)
+
+
+def _with_replica(request, answer, layer, step, replica, forward: bool) -> CallBytes:
+    """A stage call's bytes; with a replicated block, the call names it, and a forward's
+    ReplicaForward, made just before it, counts with it (the master's trace adds them)."""
+    if replica is None:
+        return _call_bytes(request, answer, layer, step)
+    request.replica_layer = replica.name
+    own = _call_bytes(request, answer, layer, step)
+    if not forward:
+        return own
+    before = replica_forward_bytes(replica, step)
+    return CallBytes(
+        sent=own.sent + before.sent,
+        received=own.received + before.received,
+        tensors_sent=own.tensors_sent + before.tensors_sent,
+        tensors_received=own.tensors_received + before.tensors_received,
+        bundled=own.bundled,
+    )
 
 
 @functools.lru_cache(maxsize=65536)
@@ -275,13 +312,14 @@ def resident_call_bytes(
     kernel_offset: int = 0,
     step: int = 1000,
     fmt: TensorFormat = FLOAT32,
+    replica: ConvLayer | None = None,
 ) -> CallBytes:
     """Bytes of one resident fused stage call (:mod:`hetconv.master.resident`) of ``layer``
     for a worker holding ``kernels`` kernels from ``kernel_offset``: forward sends ``x`` and the
     halo kernels only and gets the stage output of the owned kernels back; backward sends the
     stage-output gradient as the fused call does and gets the updated edge kernels and (except
     for a first layer) a ``dx`` part. The syncs that bound the replay log are
-    :func:`resident_sync_bytes`."""
+    :func:`resident_sync_bytes`. ``replica`` as :func:`stage_call_bytes`'s."""
     call = {FORWARD: calls.RESIDENT_STAGE_FORWARD, BACKWARD: calls.RESIDENT_STAGE_BACKWARD}.get(
         phase
     )
@@ -291,7 +329,10 @@ def resident_call_bytes(
     wide = stage.widened(own, layer.kernels)
     grad = stage.grad_range(own, layer.kernels)
     s = dataclasses.replace(layer.shape, k=wide.stop - wide.start)
-    stage_shape = calls.StageShape(s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw))
+    stage_shape = calls.StageShape(
+        s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw),
+        replica=replica.shape if replica is not None else None,
+    )  # fmt: skip
     shape = calls.ResidentStageShape(stage_shape, len(edge_rows(kernels, stage.halo)))
     request = pb.ConvRequest(
         phase=call.phase, tensors=call.request_headers(shape, fmt), answer_dtype=answer_dtype(fmt)
@@ -306,10 +347,11 @@ def resident_call_bytes(
         request.resident.halo_before = own.start - wide.start
         request.kernel_offset = wide.start
     else:
-        request.need_input_grad = layer.need_input_grad
+        request.need_input_grad = layer.need_input_grad and replica is None
         request.stage.grad_start = grad.start - wide.start
-    answer = call.answer_headers(shape, layer.need_input_grad, fmt)
-    return _call_bytes(request, answer, layer, step)
+    answer = call.answer_headers(shape, request.need_input_grad, fmt)
+    forward = call is calls.RESIDENT_STAGE_FORWARD
+    return _with_replica(request, answer, layer, step, replica, forward)
 
 
 def resident_sync_bytes(layer: ConvLayer, kernels: int) -> int:

@@ -33,6 +33,7 @@ from hetconv.calls import (
     METHODS,
     PLACE_KERNELS,
     PROBE,
+    REPLICA_FORWARD,
     RESIDENT_STAGE_BACKWARD,
     RESIDENT_STAGE_FORWARD,
     STAGE_BACKWARD,
@@ -46,6 +47,7 @@ from hetconv.errors import MalformedHeader, MalformedMessage, WireError
 from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.optim import SGDConfig
 from hetconv.proto import worker_pb2 as pb
+from hetconv.replica import ReplicaBlock
 from hetconv.security import bearer_metadata, read_pem
 from hetconv.stages import BatchNormSlice, StageSpec, ops_to_proto, pack_batchnorm
 from hetconv.wire import (
@@ -156,6 +158,9 @@ class _Deadline(grpc.RpcError):
         return self._last.details() or ""
 
 
+_EMPTY_INPUT = np.empty((0, 0, 0, 0), np.float32)  # x of a call whose input the worker has
+
+
 @dataclass
 class CallStats:
     """What one call moved and where its time went (seconds, as the master saw them)."""
@@ -169,6 +174,16 @@ class CallStats:
     # True when request and answer were each one message (tensors under BUNDLE_BYTES): then
     # send_seconds spans the whole call and receive_seconds only the unpacking of the answer.
     bundled: bool = False
+
+    def add(self, before: CallStats) -> CallStats:
+        """This call's figures with those of ``before``, a call made just ahead of it for the
+        same work (a replicated block's ReplicaForward), added in."""
+        self.bytes_sent += before.bytes_sent
+        self.bytes_received += before.bytes_received
+        self.send_seconds += before.wall_seconds
+        self.compute_seconds += before.compute_seconds
+        self.wall_seconds += before.wall_seconds
+        return self
 
 
 class WorkerClient:
@@ -498,6 +513,7 @@ class WorkerClient:
         timeout: float = 600.0,
         kernel_offset: int = 0,
         batchnorm: Sequence[BatchNormSlice] = (),
+        replica: ReplicaBlock | None = None,
     ) -> tuple[np.ndarray, np.ndarray, CallStats]:
         """A fused stage (:mod:`hetconv.stages`): the output of ``stage`` on the kernels ``own``
         (offsets into ``w``) of the widened kernel slice ``w`` (k, C, kh, kw) over ``x``, and
@@ -510,6 +526,8 @@ class WorkerClient:
                 keeps for :meth:`stage_backward`).
             batchnorm: one :class:`~hetconv.stages.BatchNormSlice` of the widened slice per
                 batch norm of ``stage``, all in the same mode.
+            replica: the replicated block whose output ``x`` is (:mod:`hetconv.replica`): sent
+                first (:meth:`replica_forward`), then ``x`` does not travel.
         """
         training = all(bn.training for bn in batchnorm)
         if any(bn.training != training for bn in batchnorm):
@@ -529,6 +547,7 @@ class WorkerClient:
             conv, own.stop - own.start, 0, stage.output_hw(conv.out_hw), len(batchnorm), training
         )
         bn = pack_batchnorm(batchnorm, w.shape[0])
+        before, x = self._replicate(request, session, step, x, replica, timeout)
         y, stats_name = STAGE_FORWARD.answer_names()
         got, stats = self._call(
             STAGE_FORWARD, f"stage forward {layer}", request,
@@ -537,7 +556,34 @@ class WorkerClient:
             STAGE_FORWARD.answer_bytes(shape, fmt=fmt),
             list(STAGE_FORWARD.request_formats(fmt).values()),
         )  # fmt: skip
-        return got[y], got[stats_name], stats
+        return got[y], got[stats_name], stats.add(before)
+
+    def replica_forward(
+        self, session: int, step: int, block: ReplicaBlock, timeout: float = 600.0
+    ) -> CallStats:
+        """Have the worker run the replicated ``block`` on the step's images and keep its
+        output for the next layer's stage calls of ``step`` (:mod:`hetconv.replica`)."""
+        request = pb.ConvRequest(
+            phase=REPLICA_FORWARD.phase, session=session, step=step, layer=block.layer,
+            padding=block.sides,
+            stage=pb.StageDescription(
+                ops=ops_to_proto(block.stage), own_start=0, own_count=block.w.shape[0]
+            ),
+        )  # fmt: skip
+        arrays = list(zip(REPLICA_FORWARD.request_names, (block.x, block.w, block.b), strict=True))
+        _, stats = self._call(
+            REPLICA_FORWARD, f"replica forward {block.layer}", request, arrays, [], {}, timeout, 0
+        )
+        return stats
+
+    def _replicate(self, request, session, step, x, replica, timeout):
+        """With a replicated block: run it on the worker, name it in ``request``; returns the
+        ReplicaForward's figures and the ``x`` to send (empty)."""
+        if replica is None:
+            return CallStats(), x
+        before = self.replica_forward(session, step, replica, timeout)
+        request.replica_layer = replica.layer
+        return before, _EMPTY_INPUT
 
     def stage_backward(
         self,
@@ -552,27 +598,35 @@ class WorkerClient:
         timeout: float = 600.0,
         kernel_offset: int = 0,
         answer_bytes: int | None = None,
+        replica: tuple[str, np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, CallStats]:
         """(input-gradient part or None, dw, db, dbn) of the owned kernels of the stage the
         :meth:`stage_forward` of the same step and ``kernel_offset`` ran, for the gradient
         ``dy`` of its output over channels ``grad_start ..`` of the widened slice; ``dbn``
-        float32 (2 per batch norm, owned): each batch norm's weight and bias gradients."""
+        float32 (2 per batch norm, owned): each batch norm's weight and bias gradients.
+
+        ``replica``: (block, rw_out, rb_out) when the forward's input was the replicated
+        ``block``'s output: the worker then answers no input-gradient part but the block's
+        kernel and bias gradient parts, written into ``rw_out``, ``rb_out``."""
         request = pb.ConvRequest(
             phase=STAGE_BACKWARD.phase, session=session, step=step, layer=layer,
-            need_input_grad=need_input_grad, kernel_offset=kernel_offset,
+            need_input_grad=need_input_grad and replica is None, kernel_offset=kernel_offset,
             answer_dtype=answer_dtype(self.wire_format),
             stage=pb.StageDescription(grad_start=grad_start),
+            replica_layer=replica[0] if replica is not None else "",
         )  # fmt: skip
-        expect = STAGE_BACKWARD.answer_names(need_input_grad)
+        expect = STAGE_BACKWARD.answer_names(request.need_input_grad, replica is not None)
         dests = {n: a for n, a in zip(expect[:2], (dw_out, db_out), strict=True) if a is not None}
+        if replica is not None:
+            dests.update(rw=replica[1], rb=replica[2])
         answer = answer_bytes if answer_bytes is not None else BUNDLE_BYTES + 1
         got, stats = self._call(
             STAGE_BACKWARD, f"stage backward {layer}", request,
             list(zip(STAGE_BACKWARD.request_names, (dy,), strict=True)), expect, dests, timeout,
             answer, list(STAGE_BACKWARD.request_formats(self.wire_format).values()),
         )  # fmt: skip
-        dw, db, dbn, *dx = (got[name] for name in expect)
-        return (dx[0] if dx else None), dw, db, dbn, stats
+        dw, db, dbn = (got[name] for name in expect[:3])
+        return got.get("dx"), dw, db, dbn, stats
 
     # -- resident kernels (hetconv.master.resident) -------------------------------------------
 
@@ -644,9 +698,11 @@ class WorkerClient:
         out: np.ndarray | None = None,
         timeout: float = 600.0,
         kernel_offset: int = 0,
+        replica: ReplicaBlock | None = None,
     ) -> tuple[np.ndarray, CallStats]:
         """A fused stage on the worker's resident slice (``own_count`` kernels at ``version``)
-        widened by the halo kernels ``hw``, ``hb`` (``halo_before`` of them before it)."""
+        widened by the halo kernels ``hw``, ``hb`` (``halo_before`` of them before it);
+        ``replica`` as :meth:`stage_forward`'s."""
         request = pb.ConvRequest(
             phase=RESIDENT_STAGE_FORWARD.phase, session=session, step=step, layer=layer,
             padding=padding, kernel_offset=kernel_offset,
@@ -660,6 +716,7 @@ class WorkerClient:
         widened = (own_count + hw.shape[0], *hw.shape[1:])
         conv = call_shape(x.shape, widened, padding)
         shape = ResidentStageShape(StageShape(conv, own_count, 0, stage.output_hw(conv.out_hw)), 0)
+        before, x = self._replicate(request, session, step, x, replica, timeout)
         (y,) = RESIDENT_STAGE_FORWARD.answer_names()
         got, stats = self._call(
             RESIDENT_STAGE_FORWARD, f"resident stage forward {layer}", request,
@@ -668,7 +725,7 @@ class WorkerClient:
             RESIDENT_STAGE_FORWARD.answer_bytes(shape, fmt=fmt),
             list(RESIDENT_STAGE_FORWARD.request_formats(fmt).values()),
         )  # fmt: skip
-        return got[y], stats
+        return got[y], stats.add(before)
 
     def resident_stage_backward(
         self,
@@ -682,17 +739,23 @@ class WorkerClient:
         edges_out: tuple[np.ndarray, np.ndarray] | None = None,
         timeout: float = 600.0,
         answer_bytes: int | None = None,
+        replica: tuple[str, np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, CallStats]:
         """(input-gradient part or None, ew, eb): the worker updates its resident slice (at
-        ``version``; it then holds ``version + 1``) and answers its updated edge kernels."""
+        ``version``; it then holds ``version + 1``) and answers its updated edge kernels;
+        ``replica`` as :meth:`stage_backward`'s."""
         request = pb.ConvRequest(
             phase=RESIDENT_STAGE_BACKWARD.phase, session=session, step=step, layer=layer,
-            need_input_grad=need_input_grad, answer_dtype=answer_dtype(self.wire_format),
+            need_input_grad=need_input_grad and replica is None,
+            answer_dtype=answer_dtype(self.wire_format),
             stage=pb.StageDescription(grad_start=grad_start),
             resident=pb.ResidentSlice(version=version),
+            replica_layer=replica[0] if replica is not None else "",
         )  # fmt: skip
-        expect = RESIDENT_STAGE_BACKWARD.answer_names(need_input_grad)
+        expect = RESIDENT_STAGE_BACKWARD.answer_names(request.need_input_grad, replica is not None)
         dests = dict(zip(expect[:2], edges_out, strict=True)) if edges_out is not None else {}
+        if replica is not None:
+            dests.update(rw=replica[1], rb=replica[2])
         answer = answer_bytes if answer_bytes is not None else BUNDLE_BYTES + 1
         got, stats = self._call(
             RESIDENT_STAGE_BACKWARD, f"resident stage backward {layer}", request,
@@ -700,8 +763,8 @@ class WorkerClient:
             timeout, answer,
             list(RESIDENT_STAGE_BACKWARD.request_formats(self.wire_format).values()),
         )  # fmt: skip
-        ew, eb, *dx = (got[name] for name in expect)
-        return (dx[0] if dx else None), ew, eb, stats
+        ew, eb = got["ew"], got["eb"]
+        return got.get("dx"), ew, eb, stats
 
     def echo(
         self,

@@ -75,6 +75,9 @@ from hetconv import costmodel
 from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
 from hetconv.formats import FLOAT32, TensorFormat
 from hetconv.optim import SGDConfig
+from hetconv.replica import FIRST as REPLICATE_FIRST
+from hetconv.replica import OFF as REPLICATE_OFF
+from hetconv.replica import REPLICATE_MODES
 from hetconv.resident import KERNEL_MODES, RESIDENT, SENT
 from hetconv.stages import AUTO, FUSED, STAGE_MODES, UNFUSED
 from hetconv.workload import ConvLayer
@@ -98,6 +101,7 @@ from .planning import (
     shares_table,
 )
 from .rebalancing import DriftMonitor
+from .replica import REPLICATED, ReplicatedBlocks, replica_refusal, timed
 from .resident import DEFAULT_SYNC_EVERY, ResidentKernels
 from .spotcheck import SpotCheckConfig, SpotChecker
 
@@ -163,6 +167,11 @@ class ClusterConfig:
         spot_checks: how often and how much of the workers' answers the master recomputes to
             catch finite but wrong values (:mod:`hetconv.master.spotcheck`); a worker caught
             is lost and never re-admitted in this run.
+        replicate: ``"first"``: every node computes the first convolution's block from the
+            images itself, so the next layer's input and input gradient do not travel
+            (:mod:`hetconv.replica`; where the network allows it); ``"off"``: never;
+            ``"auto"``: where the cost model predicts the step faster
+            (:func:`hetconv.costmodel.replicate_mode`).
     """
 
     master_compute: bool = True
@@ -186,8 +195,13 @@ class ClusterConfig:
     kernels: str = SENT
     resident_sync_every: int = DEFAULT_SYNC_EVERY
     spot_checks: SpotCheckConfig = field(default_factory=SpotCheckConfig)
+    replicate: str = REPLICATE_OFF
 
     def __post_init__(self):
+        if self.replicate not in REPLICATE_MODES:
+            raise ValueError(
+                f"replicate {self.replicate!r}; expected one of {', '.join(REPLICATE_MODES)}"
+            )
         if self.stages not in STAGE_MODES:
             raise ValueError(f"stages {self.stages!r}; expected one of {', '.join(STAGE_MODES)}")
         if self.kernels not in KERNEL_MODES:
@@ -269,6 +283,7 @@ class Cluster:
         self.plans: dict[str, LayerPlan] = {}
         self.step = 0
         self._layers: list[PlannedLayer] = []
+        self.replicas = ReplicatedBlocks({}, {})  # a replicated first block (set by prepare)
 
     @property
     def nodes(self) -> list[Node]:
@@ -421,6 +436,7 @@ class Cluster:
                 )
         self._replan()
         self._choose_stage_modes(layers, batch)
+        self._choose_replica(layers, batch)
         self._choose_kernel_modes(layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
@@ -429,6 +445,7 @@ class Cluster:
             print(f"stages ({self.config.stages}): {modes}", file=log)
             modes = ", ".join(f"{name} {mode}" for name, mode in self.kernel_modes.items())
             print(f"kernels ({self.config.kernels}): {modes}", file=log)
+            print(f"replicate ({self.config.replicate}): {self.describe_replica()}", file=log)
         self.membership.start_monitor()
 
     supports_stages = True
@@ -444,6 +461,46 @@ class Cluster:
                 shares = self.plans[spec.name].shares if spec.name in self.plans else None
                 mode = costmodel.stage_mode(layer, spec.stage, shares or (1,) * len(self.nodes))
             self.stage_modes[spec.name] = mode
+
+    def _choose_replica(self, layers, batch: int) -> None:
+        """Whether every node computes the first convolution's block itself
+        (:mod:`hetconv.replica`): as configured where the network allows it, or (auto) where
+        the cost model predicts the step faster."""
+        self.replica_refused = None
+        if self.config.replicate == REPLICATE_OFF or not layers:
+            return
+        first = layers[0]
+        why = replica_refusal(first, self.stage_modes)
+        if why is None and self.config.replicate != REPLICATE_FIRST:
+            consumer = next(spec for spec in layers if spec.name == first.feeds)
+            plan = self.plans.get(consumer.name)
+            shares = plan.shares if plan is not None else (1,) * len(self.nodes)
+            workers = [n for i, n in enumerate(self.nodes) if i and shares[i]]
+            gain = costmodel.replicate_gain(
+                ConvLayer.from_spec(first, batch),
+                ConvLayer.from_spec(consumer, batch),
+                [self.nodes[0].probe_seconds.get(first.name, 0.0)]
+                + [n.probe_seconds.get(first.name, 0.0) for n in workers],
+                [n.link_bytes_per_second for n in workers],
+                wifi=self.planner.network == "wifi",
+                fmt=self.config.wire_format,
+            )
+            if gain <= 0:
+                why = f"the cost model predicts it {-1e3 * gain:.1f} ms slower per step"
+        if why is not None:
+            self.replica_refused = f"off: {why}"
+            return
+        self.replicas = ReplicatedBlocks({first.name: first.feeds}, {first.name: first.stage})
+        self.stage_modes[first.name] = REPLICATED
+
+    def describe_replica(self) -> str:
+        """One line: which block is replicated into which layer, or why none is."""
+        if self.replicas.feeds:
+            return ", ".join(
+                f"{block} computed on every node, {consumer}'s input not sent"
+                for block, consumer in self.replicas.feeds.items()
+            )
+        return getattr(self, "replica_refused", None) or "off"
 
     def _choose_kernel_modes(self, layers, batch: int) -> None:
         """Each layer's kernel mode: resident only where the layer runs fused at stride 1;
@@ -539,6 +596,8 @@ class Cluster:
             "share_policy": c.share_policy,
             "network": self.planner.network,
             "spot_checks": dataclasses.asdict(c.spot_checks),
+            "replicate": c.replicate,
+            "replicated": dict(self.replicas.feeds),  # block -> the layer it feeds
         }
         if self.medium is not None:
             record["medium"] = self.medium.record()
@@ -622,6 +681,12 @@ class Cluster:
         return plan
 
     def forward(self, layer, x, w, b, padding):
+        if layer in self.replicas:  # computed here on every kernel, and on every worker
+            self._stage_steps[layer] = REPLICATED
+            sides = _sides(padding, w.shape[2:])
+            y, seconds = timed(self.replicas.forward, self.backend, layer, x, w, b, padding, sides)
+            self.runner.local(seconds)
+            return y
         plan = self._plan(layer, x.shape, w.shape, padding)
         self._stage_steps.setdefault(layer, UNFUSED)
         ctx = CallContext(self.session, self.step, layer)
@@ -629,6 +694,11 @@ class Cluster:
         return self.runner.run(self.strategy, job, layer, plan)
 
     def backward(self, layer, x, w, dy, padding, need_input_grad):
+        if layer in self.replicas:
+            args = (self.backend, layer, x, w, dy, padding, need_input_grad)
+            out, seconds = timed(self.replicas.backward, *args)
+            self.runner.local(seconds)
+            return out
         plan = self._plan(layer, x.shape, w.shape, padding)
         ctx = CallContext(self.session, self.step, layer)
         sides = _sides(padding, w.shape[2:])
@@ -647,10 +717,13 @@ class Cluster:
             split = self.resident.split
             # Spot checks can sample this layer when every slice was just placed or synced.
             synced = self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
-            job = self.resident.forward_job(ctx, state, x, synced=synced)
+            replica = self.replicas.input_of(layer)
+            job = self.resident.forward_job(ctx, state, x, synced=synced, replica=replica)
             return self.runner.run(split, job, layer, plan)
         sides = _sides(padding, w.shape[2:])
-        job = self.fused.forward(ctx, self.backend, x, w, b, sides, stage, batchnorm)
+        job = self.fused.forward(
+            ctx, self.backend, x, w, b, sides, stage, batchnorm, self.replicas.input_of(layer)
+        )
         return self.runner.run(self.fused, job, layer, plan)
 
     def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=()):
@@ -660,11 +733,12 @@ class Cluster:
         sides = _sides(padding, w.shape[2:])
         if self.kernel_modes.get(layer) == RESIDENT:
             state = self.resident.layer(layer, w, b, stage, sides)
-            job = self.resident.backward_job(ctx, state, x, dy, need_input_grad)
+            replica = self.replicas.gradients_for(layer)
+            job = self.resident.backward_job(ctx, state, x, dy, need_input_grad, replica)
             return self.runner.run(self.resident.split, job, layer, plan)
         job = self.fused.backward(
             ctx, self.backend, x, w, dy, sides, need_input_grad, b=b, stage=stage,
-            batchnorm=batchnorm,
+            batchnorm=batchnorm, replica=self.replicas.gradients_for(layer),
         )  # fmt: skip
         return self.runner.run(self.fused, job, layer, plan)
 

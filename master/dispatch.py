@@ -46,6 +46,7 @@ import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.layers import BatchNorm2d
+from hetconv.replica import ReplicaBlock
 from hetconv.stages import (
     BatchNormSlice,
     StageRun,
@@ -59,6 +60,7 @@ from hetconv.stages import (
 from .client import CallStats, WorkerError
 from .membership import ACTIVE, Membership, Node
 from .planning import LayerPlan
+from .replica import BlockGradients, input_bytes, replica_input_grad
 from .spotcheck import (
     Sample,
     SpotChecker,
@@ -341,9 +343,13 @@ class _StageForward:
 
     phase = FORWARD
 
-    def __init__(self, ctx: CallContext, backend: Backend, x, w, b, sides, stage, runs, batchnorm):
+    def __init__(
+        self, ctx: CallContext, backend: Backend, x, w, b, sides, stage, runs, batchnorm,
+        replica: ReplicaBlock | None = None,
+    ):  # fmt: skip
         self.ctx, self.backend, self.x, self.w, self.b = ctx, backend, x, w, b
         self.sides, self.stage, self.runs = sides, stage, runs
+        self.replica = replica  # workers compute x themselves from it (hetconv.replica)
         self.batchnorm = list(batchnorm)
         self.training = all(layer.training for layer in self.batchnorm)
         self.kernels = w.shape[0]
@@ -363,11 +369,14 @@ class _StageForward:
         w, b = self.w[wide], self.b[wide]
         batchnorm = _batchnorm_slices(self.batchnorm, wide)
         bn_bytes = sum(4 * 4 * (wide.stop - wide.start) for _ in batchnorm)
+        kwargs = {"out": self.y[:, sl], "kernel_offset": wide.start, "batchnorm": batchnorm}
+        if self.replica is not None:
+            kwargs["replica"] = self.replica
         return WorkerRequest(
             piece.node.client.stage_forward,
             (ctx.session, ctx.step, ctx.layer, self.x, w, b, self.sides, self.stage, own),
-            {"out": self.y[:, sl], "kernel_offset": wide.start, "batchnorm": batchnorm},
-            self.x.nbytes + w.nbytes + self.y[:, sl].nbytes + bn_bytes,
+            kwargs,
+            input_bytes(self.x, self.replica) + w.nbytes + self.y[:, sl].nbytes + bn_bytes,
         )
 
     def check(self, piece: Piece, answer) -> None:
@@ -422,10 +431,14 @@ class _StageBackward:
 
     phase = BACKWARD
 
-    def __init__(self, ctx, backend, x, w, b, dy, sides, need_input_grad, stage, runs, batchnorm):
+    def __init__(
+        self, ctx, backend, x, w, b, dy, sides, need_input_grad, stage, runs, batchnorm,
+        replica: BlockGradients | None = None,
+    ):  # fmt: skip
         self.ctx, self.backend, self.x, self.w, self.b, self.dy = ctx, backend, x, w, b, dy
         self.sides, self.need_input_grad = sides, need_input_grad
         self.stage, self.runs = stage, runs
+        self.replica = replica  # workers answer the replicated block's gradient parts into it
         self.kernels = w.shape[0]
         self.images = x.shape[0]
         self.dw = np.empty_like(w)
@@ -450,22 +463,23 @@ class _StageBackward:
         dx_bytes = fmt.nbytes(self.x.shape) if self.need_input_grad else 0
         dw, db, dy = self.dw[sl], self.db[sl], self.dy[:, grad]
         dbn_bytes = 2 * 4 * len(self.batchnorm) * piece.size
+        kwargs = {"dw_out": dw, "db_out": db, "kernel_offset": wide.start}
+        if self.replica is not None:
+            kwargs["replica"] = self.replica.request(piece.index)
+            dx_bytes = self.replica.nbytes
+        kwargs["answer_bytes"] = dw.nbytes + db.nbytes + dbn_bytes + dx_bytes
         return WorkerRequest(
             piece.node.client.stage_backward,
             (ctx.session, ctx.step, ctx.layer, dy, grad.start - wide.start, self.need_input_grad),
-            {
-                "dw_out": dw,
-                "db_out": db,
-                "kernel_offset": wide.start,
-                "answer_bytes": dw.nbytes + db.nbytes + dbn_bytes + dx_bytes,
-            },
+            kwargs,
             dy.nbytes + dw.nbytes + dbn_bytes + dx_bytes,
         )
 
     def check(self, piece: Piece, answer) -> None:
         sl, dx_part = piece.part, answer[0]
         wide, grad = self._ranges(piece)
-        if not finite(self.dw[sl], self.db[sl], dx_part) and finite(
+        through = self.replica.part(piece.index) if self.replica is not None else ()
+        if not finite(self.dw[sl], self.db[sl], dx_part, *through) and finite(
             self.x, self.w[wide], self.dy[:, grad]
         ):
             raise _non_finite(piece, f"stage backward {self.ctx.layer}")
@@ -497,7 +511,10 @@ class _StageBackward:
 
     def accept(self, piece: Piece, answer) -> CallStats:
         dx_part, _, _, dbn, stats = answer
-        self._add_dx(dx_part)
+        if self.replica is not None:
+            self.replica.take(piece.index)
+        else:
+            self._add_dx(dx_part)
         self._take_dbn(piece.part, dbn)
         return stats
 
@@ -511,7 +528,7 @@ class _StageBackward:
         )
 
     def result(self):
-        return self.dx, self.dw, self.db
+        return replica_input_grad(self.dx, self.x, self.replica), self.dw, self.db
 
 
 class FusedKernelSplit(KernelSplit):
@@ -528,15 +545,25 @@ class FusedKernelSplit(KernelSplit):
         self._runs: dict[tuple[str, int, int], StageRun] = {}
 
     def forward(
-        self, ctx, backend, x, w, b, sides, stage: StageSpec | None = None, batchnorm=()
+        self,
+        ctx,
+        backend,
+        x,
+        w,
+        b,
+        sides,
+        stage: StageSpec | None = None,
+        batchnorm=(),
+        replica: ReplicaBlock | None = None,
     ) -> PhaseJob:
-        """``batchnorm``: the model's batch norm layers of the stage (see ``_StageForward``)."""
+        """``batchnorm``: the model's batch norm layers of the stage (see ``_StageForward``).
+        ``replica``: ``x`` is that replicated block's output, which workers compute."""
         if stage is None:
             raise ValueError(f"{ctx.layer}: a fused forward needs its stage")
         _check_batchnorm(ctx.layer, stage, batchnorm)
         for key in [k for k in self._runs if k[0] == ctx.layer]:
             del self._runs[key]  # an earlier step's, whose backward never came (evaluation)
-        return _StageForward(ctx, backend, x, w, b, sides, stage, self._runs, batchnorm)
+        return _StageForward(ctx, backend, x, w, b, sides, stage, self._runs, batchnorm, replica)
 
     def backward(
         self,
@@ -550,14 +577,18 @@ class FusedKernelSplit(KernelSplit):
         b=None,
         stage: StageSpec | None = None,
         batchnorm=(),
+        replica: BlockGradients | None = None,
     ) -> PhaseJob:
-        """``batchnorm``: as forward's; their ``grads`` are set (weight and bias)."""
+        """``batchnorm``: as forward's; their ``grads`` are set (weight and bias).
+        ``replica``: the layer's input came from a replicated block; workers answer its gradient
+        parts into it, and the input gradient returned is the master's part."""
         if stage is None or b is None:
             raise ValueError(f"{ctx.layer}: a fused backward needs its stage and biases")
         _check_batchnorm(ctx.layer, stage, batchnorm)
         return _StageBackward(
-            ctx, backend, x, w, b, dy, sides, need_input_grad, stage, self._runs, batchnorm
-        )
+            ctx, backend, x, w, b, dy, sides, need_input_grad, stage, self._runs, batchnorm,
+            replica,
+        )  # fmt: skip
 
 
 def _check_batchnorm(layer: str, stage: StageSpec, batchnorm: Sequence[BatchNorm2d]) -> None:
@@ -680,6 +711,10 @@ class PhaseRunner:
     def _record(self, node: Node, layer: str, phase: str, kernels: int, stats: CallStats):
         per_layer = self.records.setdefault(node.name, {}).setdefault(layer, {"kernels": kernels})
         per_layer[phase] = _phase_record(stats)
+
+    def local(self, seconds: float) -> None:
+        """Account a convolution the master ran alone (a replicated block's)."""
+        self._account(seconds, [seconds])
 
     def _account(self, wall: float, computes: list[float]) -> None:
         conv = max(computes, default=0.0)

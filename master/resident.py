@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetconv.backends import Backend
+from hetconv.formats import FLOAT32
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import edge_rows, placement_version
 from hetconv.stages import StageRun, StageSpec, stage_backward, stage_forward
@@ -62,6 +63,7 @@ from .dispatch import (
     finite,
 )
 from .membership import ACTIVE, Membership, Node
+from .replica import input_bytes, replica_input_grad
 from .spotcheck import stage_forward_sample
 
 #: Steps between syncs of every resident slice (FetchKernels), bounding the replay log.
@@ -159,8 +161,9 @@ class _ResidentForward:
 
     phase = FORWARD
 
-    def __init__(self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, runs, synced):
+    def __init__(self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, runs, synced, replica):
         self.owner, self.ctx, self.layer, self.runs = owner, ctx, layer, runs
+        self.replica = replica  # workers compute x themselves from it (hetconv.replica)
         self.synced = synced  # every slice placed or synced just now: the master is current
         self.x = x
         self.x_kept: np.ndarray | None = None  # one copy per step for the replay log
@@ -174,17 +177,21 @@ class _ResidentForward:
         layer, ctx, part = self.layer, self.ctx, piece.part
         placed = layer.placements[piece.node.name]
         hw, hb, before = layer.halo(part)
-        if self.x_kept is None:
-            self.x_kept = as_received(self.x, piece.node.client.wire_format)
+        if self.x_kept is None:  # the input as the worker has it: as sent, or computed there
+            fmt = FLOAT32 if self.replica is not None else piece.node.client.wire_format
+            self.x_kept = as_received(self.x, fmt)
         placed.pending = (self.x_kept, hw, hb)
+        kwargs = {"out": self.y[:, part], "kernel_offset": layer.wide(part).start}
+        if self.replica is not None:
+            kwargs["replica"] = self.replica
         return WorkerRequest(
             piece.node.client.resident_stage_forward,
             (
                 ctx.session, ctx.step, ctx.layer, self.x, hw, hb, before, placed.version,
                 layer.sides, layer.stage, part.stop - part.start,
             ),
-            {"out": self.y[:, part], "kernel_offset": layer.wide(part).start},
-            self.x.nbytes + hw.nbytes + hb.nbytes + self.y[:, part].nbytes,
+            kwargs,
+            input_bytes(self.x, self.replica) + hw.nbytes + hb.nbytes + self.y[:, part].nbytes,
         )  # fmt: skip
 
     def check(self, piece: Piece, answer) -> None:
@@ -230,9 +237,12 @@ class _ResidentBackward:
 
     phase = BACKWARD
 
-    def __init__(self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, dy, need, runs):
+    def __init__(
+        self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, dy, need, runs, replica
+    ):
         self.owner, self.ctx, self.layer, self.x, self.dy = owner, ctx, layer, x, dy
         self.need_input_grad, self.runs = need, runs
+        self.replica = replica  # workers answer the replicated block's gradient parts into it
         self.images = x.shape[0]
         self.dx = None
         self.dw = np.zeros_like(layer.w)  # rows the master computed; workers keep theirs
@@ -254,19 +264,25 @@ class _ResidentBackward:
         eb = np.empty(len(rows), np.float32)
         fmt = piece.node.client.wire_format
         dx_bytes = fmt.nbytes(self.x.shape) if self.need_input_grad else 0
+        kwargs: dict = {"edges_out": (ew, eb)}
+        if self.replica is not None:
+            kwargs["replica"] = self.replica.request(piece.index)
+            dx_bytes = self.replica.nbytes
+        kwargs["answer_bytes"] = ew.nbytes + eb.nbytes + dx_bytes
         return WorkerRequest(
             piece.node.client.resident_stage_backward,
             (
                 ctx.session, ctx.step, ctx.layer, dy, grad.start - wide.start, placed.version,
                 self.need_input_grad,
             ),
-            {"edges_out": (ew, eb), "answer_bytes": ew.nbytes + eb.nbytes + dx_bytes},
+            kwargs,
             dy.nbytes + ew.nbytes + eb.nbytes + dx_bytes,
         )  # fmt: skip
 
     def check(self, piece: Piece, answer) -> None:
         dx, ew, eb, _ = answer
-        if not finite(ew, eb, dx) and finite(self.x, self.dy[:, piece.part]):
+        through = self.replica.part(piece.index) if self.replica is not None else ()
+        if not finite(ew, eb, dx, *through) and finite(self.x, self.dy[:, piece.part]):
             raise _non_finite(piece, f"resident stage backward {self.ctx.layer}")
 
     def compute_locally(self, piece: Piece) -> None:
@@ -300,7 +316,10 @@ class _ResidentBackward:
             placed.log.append(_Logged(x, hw, hb, dy, grad.start - wide.start, self.ctx.step))
             placed.pending = None
         self._edges.append((part, ew, eb))
-        self._add_dx(dx)
+        if self.replica is not None:
+            self.replica.take(piece.index)
+        else:
+            self._add_dx(dx)
         return stats
 
     def result(self):
@@ -318,7 +337,7 @@ class _ResidentBackward:
         for part in self._computed:
             layer.update_rows(part, self.dw[part], self.db[part], config)
         layer.started = True
-        return self.dx, self.dw, self.db
+        return replica_input_grad(self.dx, self.x, self.replica), self.dw, self.db
 
 
 class ResidentSplit(FusedKernelSplit):
@@ -543,14 +562,20 @@ class ResidentKernels:
 
     # -- the jobs ----------------------------------------------------------------------------
 
-    def forward_job(self, ctx: CallContext, layer: ResidentLayer, x, synced=False) -> PhaseJob:
+    def forward_job(
+        self, ctx: CallContext, layer: ResidentLayer, x, synced=False, replica=None
+    ) -> PhaseJob:
+        """``replica``: ``x`` is that replicated block's output, which workers compute."""
         runs = self.split._runs
         for key in [k for k in runs if k[0] == layer.name]:
             del runs[key]
-        return _ResidentForward(self, ctx, layer, x, runs, synced)
+        return _ResidentForward(self, ctx, layer, x, runs, synced, replica)
 
-    def backward_job(self, ctx: CallContext, layer: ResidentLayer, x, dy, need) -> PhaseJob:
-        return _ResidentBackward(self, ctx, layer, x, dy, need, self.split._runs)
+    def backward_job(
+        self, ctx: CallContext, layer: ResidentLayer, x, dy, need, replica=None
+    ) -> PhaseJob:
+        """``replica``: a :class:`~.replica.BlockGradients` the workers' parts go into."""
+        return _ResidentBackward(self, ctx, layer, x, dy, need, self.split._runs, replica)
 
 
 __all__ = [

@@ -154,6 +154,7 @@ class ResidentCalls:
     def forward(self, messages: Iterator):
         service = self.service
         request, (x, hw, hb), receive = service._receive(messages, RESIDENT_STAGE_FORWARD)
+        x = service.replicas.input_for(request, x)
         held = self._held(request)
         padding = request_padding(request)
         ref, d = request.resident, request.stage
@@ -236,13 +237,17 @@ class ResidentCalls:
                 f"it must cover the owned {run.own.start}..{run.own.stop - 1} and stay within"
             )
         start = time.perf_counter()
+        replica = bool(request.replica_layer)
 
         def backward_work():
-            out = stage_backward(service.backend, run, dy, grad, request.need_input_grad)
+            need = request.need_input_grad or replica
+            out = stage_backward(service.backend, run, dy, grad, need)
             service.backend.synchronize()
             return out
 
         dx, dw, db = service._on_device(backward_work)
+        # the block's gradients before the update: a refused call leaves the slice as it was
+        through = service.replicas.gradients(request, dx) if replica else None
         with self._lock:
             del self._runs[request.session, request.layer]
             # The update, in place: bitwise what the master's SGD gives these rows.
@@ -254,9 +259,13 @@ class ResidentCalls:
             held.version += 1
         rows = edge_rows(held.w.shape[0], kept.spec.halo)
         formats = RESIDENT_STAGE_BACKWARD.answer_formats(
-            request.need_input_grad, answer_format(request.answer_dtype)
+            request.need_input_grad, answer_format(request.answer_dtype), replica
         )
-        arrays = [held.w[rows], held.b[rows]] + ([dx] if request.need_input_grad else [])
+        arrays = [held.w[rows], held.b[rows]]
+        if through is not None:
+            arrays += through
+        elif request.need_input_grad:
+            arrays.append(dx)
         answer = [(name, a, f) for (name, f), a in zip(formats.items(), arrays, strict=True)]
         return answer, time.perf_counter() - start, receive
 

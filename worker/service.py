@@ -53,6 +53,7 @@ from hetconv.calls import (
     FORWARD,
     METHODS,
     PROBE,
+    REPLICA_FORWARD,
     SERVICE_NAME,
     STAGE_BACKWARD,
     STAGE_FORWARD,
@@ -77,6 +78,7 @@ from hetconv.worker.activity import Activity
 from hetconv.worker.auth import WorkerSecurity
 from hetconv.worker.budget import Dropped, MemoryBudget, OverBudget
 from hetconv.worker.idle import IdleTimeout, IdleWatch, Watched
+from hetconv.worker.replica import ReplicaCalls
 from hetconv.worker.requests import request_padding
 from hetconv.worker.resident import ResidentCalls
 from hetconv.worker.stages import StageCalls
@@ -204,6 +206,7 @@ class ConvWorkerService:
         self._device_lock = threading.Lock()
         self.scratch_trimmed = 0  # times the scratch was trimmed after a call
         self.requests = 0  # conv requests answered successfully
+        self.replicas = ReplicaCalls(self)  # a replicated first block (hetconv.replica)
         self.activity = Activity()  # the same, with bytes and sessions, since the last look
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
 
@@ -547,6 +550,7 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
     resident = ResidentCalls(service)  # resident kernels (hetconv.worker.resident)
     service.resident = resident
     cores.update(resident.cores())
+    cores[REPLICA_FORWARD] = service.replicas.forward
     for call, core in cores.items():
         handlers[call.stream.name] = call.stream.handler(service.streamed(call, core))
         handlers[call.bundle.name] = call.bundle.handler(service.bundled(call, core))

@@ -100,6 +100,7 @@ class StageCalls:
     def forward(self, messages: Iterator):
         service = self.service
         request, (x, w, b, bn), receive = service._receive(messages, STAGE_FORWARD)
+        x = service.replicas.input_for(request, x)
         padding, spec, own, batchnorm = self._check_forward(request, x, w, b, bn)
         start = time.perf_counter()
 
@@ -133,17 +134,23 @@ class StageCalls:
                 f"it must cover the owned {run.own.start}..{run.own.stop - 1} and stay within"
             )
         start = time.perf_counter()
+        replica = bool(request.replica_layer)
 
         def work():
-            out = stage_backward(service.backend, run, dy, grad, request.need_input_grad)
+            need = request.need_input_grad or replica
+            out = stage_backward(service.backend, run, dy, grad, need)
             service.backend.synchronize()
             return out
 
         dx, dw, db = service._on_device(work)
         formats = STAGE_BACKWARD.answer_formats(
-            request.need_input_grad, answer_format(request.answer_dtype)
+            request.need_input_grad, answer_format(request.answer_dtype), replica
         )
-        arrays = [dw, db, batchnorm_grad_rows(run)] + ([dx] if request.need_input_grad else [])
+        arrays = [dw, db, batchnorm_grad_rows(run)]
+        if replica:  # the input gradient goes on through the block; its gradients travel
+            arrays += service.replicas.gradients(request, dx)
+        elif request.need_input_grad:
+            arrays.append(dx)
         answer = [(name, a, f) for (name, f), a in zip(formats.items(), arrays, strict=True)]
         return answer, time.perf_counter() - start, receive
 

@@ -25,6 +25,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FETCH_KERNELS: _ClassVar[Phase]
     RESIDENT_STAGE_FORWARD: _ClassVar[Phase]
     RESIDENT_STAGE_BACKWARD: _ClassVar[Phase]
+    REPLICA_FORWARD: _ClassVar[Phase]
 
 class StageLayer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +49,7 @@ PLACE_KERNELS: Phase
 FETCH_KERNELS: Phase
 RESIDENT_STAGE_FORWARD: Phase
 RESIDENT_STAGE_BACKWARD: Phase
+REPLICA_FORWARD: Phase
 STAGE_LAYER_UNSPECIFIED: StageLayer
 RELU: StageLayer
 LRN: StageLayer
@@ -123,7 +125,7 @@ class ResidentSlice(_message.Message):
     def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
-    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident")
+    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +137,7 @@ class ConvRequest(_message.Message):
     ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_LAYER_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     session: int
     step: int
@@ -146,7 +149,8 @@ class ConvRequest(_message.Message):
     answer_dtype: DType
     stage: StageDescription
     resident: ResidentSlice
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ...) -> None: ...
+    replica_layer: str
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ..., replica_layer: _Optional[str] = ...) -> None: ...
 
 class ConvResult(_message.Message):
     __slots__ = ("compute_seconds", "receive_seconds", "tensors")

@@ -134,6 +134,16 @@ class ConvWorkerStub:
                 request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
                 response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
                 _registered_method=True)
+        self.ReplicaForward = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/ReplicaForward',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.ReplicaForwardBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/ReplicaForwardBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
 
 
 class ConvWorkerServicer:
@@ -266,6 +276,19 @@ class ConvWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplicaForward(self, request_iterator, context):
+        """A replicated first block (replica_layer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicaForwardBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConvWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -366,6 +389,16 @@ def add_ConvWorkerServicer_to_server(servicer, server):
             ),
             'ResidentStageBackwardBundle': grpc.unary_unary_rpc_method_handler(
                     servicer.ResidentStageBackwardBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'ReplicaForward': grpc.stream_stream_rpc_method_handler(
+                    servicer.ReplicaForward,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'ReplicaForwardBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaForwardBundle,
                     request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
                     response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             ),
@@ -908,6 +941,60 @@ class ConvWorker:
             request,
             target,
             '/hetconv.v1.ConvWorker/ResidentStageBackwardBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaForward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/ReplicaForward',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaForwardBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/ReplicaForwardBundle',
             hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
             options,

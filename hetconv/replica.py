@@ -1,0 +1,63 @@
+"""A replicated first block: every node computes the network's first convolution and the
+channel-local layers after it (its *block*) from the raw images itself, so the second layer's
+input is never broadcast and its input gradient never travels back at full size.
+
+Per step, each worker gets the images (float32, N x C x H x W) and the block's kernels and biases
+(float32, small: the first layer has few input channels) in one ReplicaForward call, runs the
+block and keeps its output; the second layer's stage calls then send an empty ``x``
+(``replica_layer`` names the block). Backward: the worker computes its part of the second
+layer's input gradient as before, back-propagates it through the block (with what its forward
+kept) to its part of the block's kernel and bias gradients, and answers those (``rw``, ``rb``)
+instead of the input-gradient part. The master does the same with its own part (and the parts of
+workers it covers) through the model's own layers, and adds the workers' parts: the block's
+backward is linear in the incoming gradient, so the sum is the whole gradient, to float32
+round-off. The master keeps the block's weights and updates them as any other layer's; they
+travel with every step's ReplicaForward.
+
+Which block is replicated: ``--replicate first`` replicates the first convolution's block when
+the network starts with a convolution (stride 1, no batch norm in its block) whose block feeds
+the next convolution directly and that next layer runs as a fused stage; ``auto`` does so when
+the cost model predicts the step faster (:func:`hetconv.costmodel.replicate_mode`); ``off``
+never. Generalising to the first k blocks needs a worker to chain blocks; not built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetconv.backends import ConvShape, conv_shape
+
+OFF, FIRST, AUTO = "off", "first", "auto"
+REPLICATE_MODES = (OFF, FIRST, AUTO)
+
+
+@dataclass(frozen=True)
+class ReplicaBlock:
+    """One step's replicated block as the master sends it: the images, the block's kernels and
+    biases, its padding sides (top, bottom, left, right) and its layers."""
+
+    layer: str
+    x: np.ndarray
+    w: np.ndarray
+    b: np.ndarray
+    sides: tuple[int, int, int, int]
+    stage: object  # a hetconv.stages.StageSpec
+
+    @property
+    def shape(self) -> ConvShape:
+        return conv_shape(self.x.shape, self.w.shape, self.sides)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes of its ReplicaForward request."""
+        return self.x.nbytes + self.w.nbytes + self.b.nbytes
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Tensor bytes of the block's gradient parts a backward answers (rw, rb)."""
+        return self.w.nbytes + self.b.nbytes
+
+
+__all__ = ["AUTO", "FIRST", "OFF", "REPLICATE_MODES", "ReplicaBlock"]

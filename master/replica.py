@@ -1,0 +1,151 @@
+"""The master's side of a replicated first block (:mod:`hetconv.replica`): the block computed
+here on every kernel, what each step sends the workers, and their gradient parts summed.
+
+The cluster computes the block's convolution itself (:meth:`ReplicatedBlocks.forward`), keeps
+the step's images and weights as the :class:`~hetconv.replica.ReplicaBlock` the next layer's
+stage calls send, and gives that layer's backward a :class:`BlockGradients` the workers' parts
+are added into, in node order. The model back-propagates the master's own input-gradient part
+through the block's layers as it always does; :meth:`ReplicatedBlocks.backward` then adds the
+workers' parts to the kernel gradient of that part.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hetconv.backends import Backend
+from hetconv.replica import ReplicaBlock
+
+REPLICATED = "replicated"  # a block layer's mode in the trace's stage_modes
+
+
+def replica_refusal(first, stage_modes: dict[str, str]) -> str | None:
+    """Why the block of ``first`` (the model's first :class:`~hetconv.conv.ConvSpec`) cannot
+    be replicated; None when it can."""
+    if first.need_input_grad:
+        return f"{first.name} is not the network's first layer"
+    if first.phased_from is not None or first.stride != (1, 1):
+        return f"{first.name} is strided"
+    if first.stage is None or first.feeds is None:
+        return f"{first.name}'s block does not feed a convolution directly"
+    if first.stage.batchnorms:
+        return f"{first.name}'s block holds batch norm"
+    if stage_modes.get(first.feeds) != "fused":
+        return f"{first.feeds} does not run as a fused stage (--stages)"
+    return None
+
+
+class BlockGradients:
+    """The workers' parts of a replicated block's kernel and bias gradients in one backward:
+    each piece answers into buffers of its own, added up in the order the pieces are taken."""
+
+    def __init__(self, block: ReplicaBlock):
+        self.block = block
+        self.dw = np.zeros_like(block.w)
+        self.db = np.zeros_like(block.b)
+        self._parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.parts = 0  # pieces taken
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one worker answers for it (rw, rb)."""
+        return self.block.gradient_bytes
+
+    def request(self, index: int) -> tuple[str, np.ndarray, np.ndarray]:
+        """What a worker call for piece ``index`` passes: (block, rw_out, rb_out)."""
+        rw, rb = np.empty_like(self.block.w), np.empty_like(self.block.b)
+        self._parts[index] = (rw, rb)
+        return self.block.layer, rw, rb
+
+    def part(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._parts[index]
+
+    def take(self, index: int) -> None:
+        rw, rb = self._parts.pop(index)
+        self.dw += rw
+        self.db += rb
+        self.parts += 1
+
+
+def input_bytes(x: np.ndarray, replica: ReplicaBlock | None) -> int:
+    """Bytes a stage call's input costs a worker: ``x``, or the replicated block's request."""
+    return x.nbytes if replica is None else replica.nbytes
+
+
+def replica_input_grad(dx, x: np.ndarray, replica: BlockGradients | None):
+    """A backward's input gradient: with a replicated block, the master's part, zeros when the
+    master computed no piece (the model still runs the block's layers back on it)."""
+    if replica is not None and dx is None:
+        return np.zeros_like(x)
+    return dx
+
+
+class ReplicatedBlocks:
+    """Which block feeds which layer, and the block's current step.
+
+    Args:
+        feeds: block layer -> the layer whose input its output is.
+        stages: block layer -> its :class:`~hetconv.stages.StageSpec`.
+    """
+
+    def __init__(self, feeds: dict[str, str], stages: dict[str, object]):
+        self.feeds = dict(feeds)
+        self.stages = dict(stages)
+        self.block_of = {consumer: block for block, consumer in self.feeds.items()}
+        self._current: dict[str, ReplicaBlock] = {}
+        self._gradients: dict[str, BlockGradients] = {}
+
+    def __contains__(self, layer: str) -> bool:
+        return layer in self.feeds
+
+    def forward(self, backend: Backend, layer: str, x, w, b, padding, sides) -> np.ndarray:
+        """The block's convolution on every kernel, here; the step's block is kept for the
+        next layer's calls."""
+        self._current[layer] = ReplicaBlock(layer, x, w.copy(), b.copy(), sides, self.stages[layer])
+        self._gradients.pop(layer, None)
+        return backend.conv_forward(x, w, b, padding)
+
+    def input_of(self, consumer: str) -> ReplicaBlock | None:
+        """The replicated block whose output is ``consumer``'s input this step (None: none)."""
+        block = self.block_of.get(consumer)
+        return None if block is None else self._current.get(block)
+
+    def gradients_for(self, consumer: str) -> BlockGradients | None:
+        """A fresh sum of the workers' block gradient parts for ``consumer``'s backward."""
+        block = self.input_of(consumer)
+        if block is None:
+            return None
+        grads = self._gradients[block.layer] = BlockGradients(block)
+        return grads
+
+    def backward(self, backend: Backend, layer: str, x, w, dy, padding, need_input_grad):
+        """The block's gradients: the master's part (``dy``, back through the block's layers by
+        the model) plus the workers' parts."""
+        if need_input_grad:  # the input gradient would be the master's part only
+            raise RuntimeError(f"{layer}: a replicated block must be the network's first layer")
+        dw, db = backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
+        grads = self._gradients.pop(layer, None)
+        if grads is not None:
+            dw += grads.dw
+            db += grads.db
+        return None, dw, db
+
+
+def timed(fn, *args):
+    """``fn(*args)`` and the seconds it took."""
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
+__all__ = [
+    "REPLICATED",
+    "BlockGradients",
+    "ReplicatedBlocks",
+    "input_bytes",
+    "replica_input_grad",
+    "replica_refusal",
+    "timed",
+]

@@ -1,0 +1,232 @@
+"""A replicated first block: every node computes conv1 and its stage from the images.
+
+Real worker processes on loopback: a cluster that replicates the first block (with fused and
+with resident kernels for conv2) trains as local training does step by step, also when a worker
+is SIGKILLed mid-step; the second layer's input never crosses the link (the trace's bytes say
+so, and match the cost model's count); a worker refuses bad ReplicaForward requests and a stage
+call naming a block it has not computed, naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from hetconv.conv import LocalConv
+from hetconv.costmodel import replica_bytes, replicate_gain
+from hetconv.formats import FLOAT32
+from hetconv.master.client import CallStats, WorkerClient, WorkerError
+from hetconv.master.cluster import Cluster, ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.training import TrainConfig, train
+from hetconv.model import Model, reference_spec
+from hetconv.replica import ReplicaBlock
+from hetconv.stages import StageSpec
+from hetconv.workload import conv_layers, resident_call_bytes, stage_call_bytes
+
+RUN = dict(steps=12, batch=8, train_size=48, eval_size=16, progress=False)
+# A strong LRN (alpha 1): with the usual alpha it is so near the identity that a wrong
+# back-propagation through the block would hide below the tolerance.
+STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]
+FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
+SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
+REPLICA = dict(**FAST, shares=SHARES, stages="fused", replicate="first")
+
+
+def _train(tmp_path, name, executor, trace=None, **overrides):
+    weights = tmp_path / f"{name}.npz"
+    spec = tmp_path / "strong-lrn.json"
+    spec.write_text(json.dumps(STRONG_LRN))
+    config = TrainConfig(save=str(weights), trace=trace, **{**RUN, "preset": str(spec)})
+    result = train(config, executor, log=io.StringIO())
+    return result.losses, dict(np.load(weights))
+
+
+def _same_as_local(got, local):
+    losses, weights = got
+    np.testing.assert_allclose(losses, local[0], rtol=1e-5)
+    for name in weights:
+        np.testing.assert_allclose(weights[name], local[1][name], rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(2) as started:
+        yield started
+
+
+def _records(trace):
+    return [json.loads(line) for line in trace.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kernels", ["sent", "resident"])
+def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernels):
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**REPLICA, kernels=kernels)
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = _train(tmp_path, "replica", cluster, trace=str(trace))
+    _same_as_local(got, local)
+    records = _records(trace)
+    assert records[0]["replicated"] == {"conv1": "conv2"}
+    steps = [r for r in records if "step" in r]
+    assert all(r["stage_modes"] == {"conv1": "replicated", "conv2": "fused"} for r in steps)
+    # conv1 ran on the master alone (no worker call of it); conv2's workers computed, and
+    # each call moved what the cost model counts: the images out, never conv2's input
+    layers = {layer.name: layer for layer in conv_layers(STRONG_LRN, RUN["batch"])}
+    conv1, conv2 = layers["conv1"], layers["conv2"]
+    count = stage_call_bytes if kernels == "sent" else resident_call_bytes
+    for record in steps:
+        offset = SHARES["conv2"][0]
+        for node, share in zip(workers.addresses, SHARES["conv2"][1:], strict=True):
+            assert "conv1" not in record["nodes"][node]
+            for phase in ("forward", "backward"):
+                got = record["nodes"][node]["conv2"][phase]
+                want = count(
+                    conv2, conv2.stage, phase, share, offset, record["step"], **({"replica": conv1})
+                )
+                assert (got["bytes_sent"], got["bytes_received"]) == (want.sent, want.received)
+            offset += share
+    plain = stage_call_bytes(conv2, conv2.stage, "forward", 9, 5)
+    with_replica = stage_call_bytes(conv2, conv2.stage, "forward", 9, 5, replica=conv1)
+    x = FLOAT32.nbytes((RUN["batch"], conv2.shape.c, conv2.shape.h, conv2.shape.w))
+    images = FLOAT32.nbytes((RUN["batch"], 3, 32, 32))
+    kernels_bytes = 4 * (8 * 3 * 25 + 8)
+    assert with_replica.tensors_sent == plain.tensors_sent - x + images + kernels_bytes
+
+
+class Killing(Cluster):
+    def __init__(self, addresses, victim, at, **config):
+        super().__init__(addresses, config=ClusterConfig(**{**REPLICA, **config}))
+        self.victim, self.at = victim, at
+
+    def stage_backward(self, layer, *args, **kwargs):
+        if self.step == self.at and self.victim.poll() is None:
+            self.victim.kill()  # SIGKILL between its forward and its backward
+            self.victim.wait()
+        return super().stage_backward(layer, *args, **kwargs)
+
+
+@pytest.mark.parametrize("kernels", ["sent", "resident"])
+def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels):
+    with LocalWorkers(2) as started:
+        victim = started.processes[1]
+        with Killing(
+            started.addresses, victim, 4, kernels=kernels, resident_sync_every=3
+        ) as cluster:
+            got = _train(tmp_path, "killed", cluster)
+            lost = [e for e in cluster.events if e["event"] == "worker_lost"]
+    _same_as_local(got, local)
+    assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 4)]
+
+
+def test_the_model_says_which_convolution_a_block_feeds():
+    model = Model(reference_spec(8, 16))
+    specs = model.conv_specs()
+    assert [s.feeds for s in specs] == ["conv2", None]
+    dropout = reference_spec(8, 16)
+    dropout.insert(4, {"type": "dropout", "p": 0.5})
+    assert [s.feeds for s in Model(dropout).conv_specs()] == [None, None]
+
+
+def test_replication_is_off_where_the_network_does_not_allow_it(workers):
+    config = ClusterConfig(**{**REPLICA, "stages": "unfused"})
+    with Cluster(workers.addresses, config=config) as cluster:
+        cluster.prepare(Model(reference_spec(8, 16)).conv_specs(), 8)
+        assert cluster.replicas.feeds == {}
+        assert "conv2 does not run as a fused stage" in cluster.describe_replica()
+
+
+def test_the_cost_model_counts_the_bytes_and_the_compute():
+    layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
+    up, down = replica_bytes(layers["conv1"], layers["conv2"])
+    x = 4 * 16 * 150 * 16 * 16
+    assert up == x - 4 * 16 * 3 * 32 * 32 - 4 * (150 * 3 * 25 + 150)
+    assert down == x - 4 * (150 * 3 * 25 + 150)
+    fast = replicate_gain(layers["conv1"], layers["conv2"], [0.01, 0.01], [12.5e6, 12.5e6])
+    assert fast > 0  # 2 x 4.8 MB saved per worker on 100 Mbit/s against 10 ms of compute
+    slow = replicate_gain(layers["conv1"], layers["conv2"], [0.01, 5.0], [1e9])
+    assert slow < 0  # a worker 500 times slower at the block, on a fast link
+
+
+def _block(x_shape=(2, 3, 8, 8), k=4):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((k, x_shape[1], 3, 3)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    stage = StageSpec.from_entries([{"type": "relu"}, {"type": "maxpool", "kernel": 2}])
+    return ReplicaBlock("conv1", x, w, b, (1, 1, 1, 1), stage)
+
+
+def test_a_worker_refuses_bad_replica_requests(workers):
+    client = WorkerClient(workers.addresses[0])
+    try:
+        block = _block()
+        client.replica_forward(7, 0, block)  # a good one
+        bad = ReplicaBlock("conv1", block.x, block.w, block.b[:2], block.sides, block.stage)
+        with pytest.raises(WorkerError, match=r"b has shape \(2,\), expected \(4,\)"):
+            client.replica_forward(7, 0, bad)
+        nan = block.x.copy()
+        nan[0, 0, 0, 0] = np.nan
+        with pytest.raises(WorkerError, match="NaN or Inf"):
+            client.replica_forward(
+                7, 0, ReplicaBlock("conv1", nan, block.w, block.b, block.sides, block.stage)
+            )
+        # a stage call naming a block this session never computed is refused, not guessed
+        rng = np.random.default_rng(1)
+        w2 = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+        b2 = np.zeros(2, np.float32)
+        x2 = np.zeros((2, 4, 4, 4), np.float32)
+        stage = StageSpec.from_entries([{"type": "relu"}])
+        other = ReplicaBlock("conv9", block.x, block.w, block.b, block.sides, block.stage)
+        client.replica_forward = lambda *args, **kwargs: CallStats()  # a master that skipped it
+        with pytest.raises(WorkerError, match="no output of at step 0.*send ReplicaForward"):
+            client.stage_forward(
+                8, 0, "conv2", x2, w2, b2, (1, 1, 1, 1), stage, slice(0, 2), replica=other
+            )
+    finally:
+        client.close()
+
+
+def test_a_stage_call_with_a_replica_matches_one_without(workers):
+    """The worker's stage output from the block it computed equals the one from the block's
+    output sent, and its rw, rb are the block's kernel gradients of that part."""
+    from hetconv.backends import get_backend
+    from hetconv.stages import stage_backward, stage_forward
+
+    backend = get_backend("cpu")
+    block = _block()
+    y1, run1 = stage_forward(
+        backend, block.x, block.w, block.b, block.sides, block.stage, slice(0, 4)
+    )
+    rng = np.random.default_rng(2)
+    w2 = rng.standard_normal((3, 4, 3, 3)).astype(np.float32)
+    b2 = rng.standard_normal(3).astype(np.float32)
+    stage2 = StageSpec.from_entries([{"type": "relu"}])
+    client = WorkerClient(workers.addresses[0])
+    try:
+        y, _, _ = client.stage_forward(
+            11, 3, "conv2", y1, w2, b2, (1, 1, 1, 1), stage2, slice(0, 3), replica=block
+        )
+        want, run2 = stage_forward(backend, y1, w2, b2, (1, 1, 1, 1), stage2, slice(0, 3))
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+        dy = rng.standard_normal(want.shape).astype(np.float32)
+        rw, rb = np.empty_like(block.w), np.empty_like(block.b)
+        dx, dw, db, _, _ = client.stage_backward(
+            11, 3, "conv2", dy, 0, True, replica=("conv1", rw, rb)
+        )
+        assert dx is None  # the input gradient went on through the block
+        dx2, dw2, db2 = stage_backward(backend, run2, dy, slice(0, 3), True)
+        np.testing.assert_allclose(dw, dw2, rtol=1e-4, atol=1e-5)
+        _, want_rw, want_rb = stage_backward(backend, run1, dx2, slice(0, 4), False)
+        np.testing.assert_allclose(rw, want_rw, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(rb, want_rb, rtol=1e-4, atol=1e-4)
+    finally:
+        client.close()

@@ -1,0 +1,149 @@
+"""The worker's replicated first block (:mod:`hetconv.replica`): ReplicaForward, and the input
+and gradient it gives the stage calls that name it.
+
+ReplicaForward brings the step's images, the block's convolution kernels and biases (all of
+them, float32) and its channel-local layers; the worker runs the block, keeps its output (the
+next layer's input) and what the block's backward needs under (session, block) for that step,
+and answers nothing. A StageForward or ResidentStageForward that names the block
+(``replica_layer``) takes that output as its input instead of bytes on the link; the matching
+backward computes its input-gradient part as usual, runs it back through the block and answers
+the block's kernel and bias gradient parts (``rw``, ``rb``) instead, which the master sums over
+the nodes (exact: the block's backward is linear in the incoming gradient).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetconv.backends import conv_shape
+from hetconv.calls import REPLICA_FORWARD
+from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
+from hetconv.proto import worker_pb2 as pb
+from hetconv.stages import StageRun, spec_from_proto, stage_backward, stage_forward
+from hetconv.worker.requests import request_padding
+
+
+@dataclass
+class _Block:
+    step: int
+    run: StageRun
+    y: np.ndarray  # the block's output: the next layer's input
+
+    @property
+    def held_bytes(self) -> int:
+        """For the worker's memory budget: images, kernels, output and every saved array."""
+        run = self.run
+        arrays = [run.x, run.w, self.y]
+        for layer in run.layers:
+            arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray)]
+        return sum(a.nbytes for a in arrays)
+
+
+class ReplicaCalls:
+    """ReplicaForward's core, and the two hooks the stage calls use, on a
+    :class:`~hetconv.worker.service.ConvWorkerService`."""
+
+    def __init__(self, service):
+        self.service = service
+
+    @staticmethod
+    def _key(layer: str) -> tuple[str, int]:
+        return (f"replica {layer}", 0)
+
+    def forward(self, messages: Iterator):
+        service = self.service
+        request, (x, w, b), receive = service._receive(messages, REPLICA_FORWARD)
+        padding = request_padding(request)
+        if x.ndim != 4 or w.ndim != 4:
+            raise InvalidCall(f"x {x.shape} and w {w.shape} must both have 4 dimensions")
+        if b.shape != (w.shape[0],):
+            raise InvalidCall(f"b has shape {b.shape}, expected ({w.shape[0]},)")
+        try:
+            conv = conv_shape(x.shape, w.shape, padding)
+            spec = spec_from_proto(request.stage.ops)
+            spec.output_hw(conv.out_hw)
+        except ValueError as e:
+            raise InvalidCall(str(e)) from None
+        if spec.batchnorms:
+            raise InvalidCall(
+                f"the block holds {spec.batchnorms} batch norm layers: a replicated block "
+                "does not run batch norm (its statistics and parameters stay with the master)"
+            )
+        d = request.stage
+        if d.own_start != 0 or d.own_count != conv.k:
+            raise InvalidCall(
+                f"a replicated block computes all its {conv.k} kernels; the stage names "
+                f"{d.own_count} from {d.own_start}"
+            )
+        if not (np.isfinite(x).all() and np.isfinite(w).all() and np.isfinite(b).all()):
+            raise InvalidCall("x, w or b holds NaN or Inf")
+        kept = 6 * 4 * conv.n * conv.k * conv.out_hw[0] * conv.out_hw[1]
+        if kept > service.config.max_request_bytes:
+            raise RequestTooLarge(
+                f"the block would hold {kept} bytes: beyond this worker's limit of "
+                f"{service.config.max_request_bytes} bytes per request"
+            )
+        start = time.perf_counter()
+
+        def work():
+            out = stage_forward(service.backend, x, w, b, padding, spec, slice(0, conv.k))
+            service.backend.synchronize()
+            return out
+
+        y, run = service._on_device(work)
+        compute = time.perf_counter() - start
+        block = _Block(request.step, run, np.ascontiguousarray(y))
+        key = self._key(request.layer)
+
+        def stale(other, state) -> bool:
+            return other == key
+
+        service.budget.save(request.session, key, block, replaces=stale)
+        return [], compute, receive
+
+    def _block(self, request: pb.ConvRequest, what: str) -> _Block:
+        budget, key = self.service.budget, self._key(request.replica_layer)
+        block = budget.saved(request.session, key)
+        if block is None or block.step != request.step:
+            if block is None and (dropped := budget.dropped(request.session, key)) is not None:
+                raise MissingForward(self.service._dropped_message(request, dropped))
+            have = "nothing" if block is None else f"step {block.step}"
+            raise MissingForward(
+                f"{what} of layer {request.layer!r} names the replicated block "
+                f"{request.replica_layer!r}, which this session has no output of at step "
+                f"{request.step} (have {have}); send ReplicaForward first"
+            )
+        return block
+
+    def input_for(self, request: pb.ConvRequest, x: np.ndarray) -> np.ndarray:
+        """The layer's input: ``x`` as sent, or the named block's output (``x`` then empty)."""
+        if not request.replica_layer:
+            return x
+        if x.size:
+            raise InvalidCall(
+                f"the request names the replicated block {request.replica_layer!r} but also "
+                f"sends x {x.shape}: send an empty x"
+            )
+        return self._block(request, "the stage forward").y
+
+    def gradients(self, request: pb.ConvRequest, dx: np.ndarray):
+        """(rw, rb): the input-gradient part ``dx`` back through the named block."""
+        block = self._block(request, "the stage backward")
+        run, service = block.run, self.service
+        if dx.shape != block.y.shape:
+            raise InvalidCall(f"input gradient {dx.shape} does not match the block's output")
+
+        def work():
+            out = stage_backward(service.backend, run, dx, slice(0, run.out_shape[1]), False)
+            service.backend.synchronize()
+            return out
+
+        _, rw, rb = service._on_device(work)
+        return rw, rb
+
+
+__all__ = ["ReplicaCalls"]
