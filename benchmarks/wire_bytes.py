@@ -14,8 +14,11 @@ pooled maps, :func:`hetconv.workload.stage_call_bytes`), and fused stages with r
 (``fused_resident``: the workers keep their slices and update them, so a call sends the halo
 kernels and gets the edge kernels back instead of the slice and its gradients; the syncs that
 bound the master's replay log, every 20 steps, are counted amortised:
-:func:`hetconv.costmodel.resident_layer_bytes`) are there; a replicated first block will be an
-entry of its own.
+:func:`hetconv.costmodel.resident_layer_bytes`) are there, and each of the fused modes with a
+replicated first block (``..._replica``: every node computes conv1's block from the images, so
+conv1 has no calls and conv2's calls carry the images and conv1's kernels out and conv1's
+kernel gradient parts back instead of conv2's input and input-gradient parts,
+:mod:`hetconv.replica`).
 
 ``--halo`` prints, instead, what LRN's channel halo costs a fused stage each way it can be
 had, per layer: computed redundantly (what :mod:`hetconv.stages` does: each worker computes
@@ -49,16 +52,19 @@ BASELINE = "kernel_split"
 
 @dataclass(frozen=True)
 class Mode:
-    """One way of running a step: ``layer_bytes(layer, shares)`` is what one layer's forward
-    and backward move on the master's link, for ``shares`` kernels per node (master first)."""
+    """One way of running a step: ``layer_bytes(layer, shares, replica)`` is what one layer's
+    forward and backward move on the master's link, for ``shares`` kernels per node (master
+    first), ``replica`` the replicated block whose output is its input (or None);
+    ``replicate``: the first layer's block is replicated (it then moves nothing)."""
 
     name: str
     description: str
-    layer_bytes: Callable[[ConvLayer, Sequence[int]], int]
+    layer_bytes: Callable[[ConvLayer, Sequence[int], ConvLayer | None], int]
+    replicate: bool = False
 
 
-def _kernel_split(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int]:
-    def layer_bytes(layer: ConvLayer, shares: Sequence[int]) -> int:
+def _kernel_split(fmt: TensorFormat):
+    def layer_bytes(layer: ConvLayer, shares: Sequence[int], replica=None) -> int:
         total, offset = 0, shares[0]
         for share in shares[1:]:
             if share:
@@ -69,18 +75,19 @@ def _kernel_split(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int
     return layer_bytes
 
 
-def _fused(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int]:
-    def layer_bytes(layer: ConvLayer, shares: Sequence[int]) -> int:
-        return costmodel.layer_bytes(layer, shares, layer.stage is not None, fmt)
+def _fused(fmt: TensorFormat):
+    def layer_bytes(layer: ConvLayer, shares: Sequence[int], replica=None) -> int:
+        fused = layer.stage is not None
+        return costmodel.layer_bytes(layer, shares, fused, fmt, replica=replica)
 
     return layer_bytes
 
 
-def _fused_resident(fmt: TensorFormat) -> Callable[[ConvLayer, Sequence[int]], int]:
-    def layer_bytes(layer: ConvLayer, shares: Sequence[int]) -> int:
+def _fused_resident(fmt: TensorFormat):
+    def layer_bytes(layer: ConvLayer, shares: Sequence[int], replica=None) -> int:
         if layer.stage is None:  # only fused layers keep their kernels
             return costmodel.layer_bytes(layer, shares, False, fmt)
-        return round(costmodel.resident_layer_bytes(layer, shares, fmt))
+        return round(costmodel.resident_layer_bytes(layer, shares, fmt, replica=replica))
 
     return layer_bytes
 
@@ -118,16 +125,39 @@ MODES: tuple[Mode, ...] = (
         "fused stages, resident kernels, activations as bfloat16",
         _fused_resident(BFLOAT16),
     ),
+    Mode(
+        "fused_replica",
+        "fused stages, first block replicated (--stages fused --replicate first)",
+        _fused(FLOAT32),
+        replicate=True,
+    ),
+    Mode(
+        "fused_resident_replica",
+        "fused stages, resident kernels, first block replicated (--stages fused --kernels "
+        "resident --replicate first): the best exact mode",
+        _fused_resident(FLOAT32),
+        replicate=True,
+    ),
+    Mode(
+        "fused_resident_replica_bfloat16",
+        "fused stages, resident kernels, first block replicated, activations as bfloat16",
+        _fused_resident(BFLOAT16),
+        replicate=True,
+    ),
 )
 
 
 def step_bytes(mode: Mode, network: str, batch: int, workers: int) -> int:
     """Bytes on the master's link in one step of ``network`` at ``batch`` with ``workers``
     workers and the master sharing every layer's kernels evenly."""
-    total = 0
-    for layer in network_layers(network, batch):
+    total, replica = 0, None
+    for i, layer in enumerate(network_layers(network, batch)):
+        if mode.replicate and i == 0:
+            replica = layer  # every node computes it: no calls
+            continue
         shares = kernel_shares(layer.kernels, [1.0] * (workers + 1))
-        total += mode.layer_bytes(layer, shares)
+        total += mode.layer_bytes(layer, shares, replica)
+        replica = None
     return total
 
 
@@ -228,11 +258,11 @@ def main() -> None:
 
     table = rows(args.networks, args.batch, args.workers)
     print(
-        f"{'network':<16} {'batch':>5} {'workers':>7} {'mode':<22} {'master MB':>10} {'ratio':>6}"
+        f"{'network':<16} {'batch':>5} {'workers':>7} {'mode':<32} {'master MB':>10} {'ratio':>6}"
     )
     for r in table:
         print(
-            f"{r['network']:<16} {r['batch']:>5} {r['workers']:>7} {r['mode']:<22} "
+            f"{r['network']:<16} {r['batch']:>5} {r['workers']:>7} {r['mode']:<32} "
             f"{r['master_mb']:>10.2f} {r['ratio_to_kernel_split']:>6.3f}"
         )
     print(

@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.replica import FIRST as REPLICATE_FIRST
+from hetconv.replica import OFF as REPLICATE_OFF
+from hetconv.replica import REPLICATED
 from hetconv.resident import RESIDENT, SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED, StageSpec
 from hetconv.workload import (
@@ -374,9 +377,12 @@ def _wire(
     fused,
     resident: bool = False,
     sync_every: int = 20,
+    replica: ConvLayer | None = None,
 ):
+    if replica is not None and not fused:
+        raise ValueError(f"{layer.name}: a replicated block feeds only a fused layer")
     if fused and resident:
-        wire = resident_call_bytes(layer, layer.stage, phase, share, offset, step, fmt)
+        wire = resident_call_bytes(layer, layer.stage, phase, share, offset, step, fmt, replica)
         if phase == BACKWARD and sync_every:  # the syncs, amortised over their interval
             sync = resident_sync_bytes(layer, share) // sync_every
             wire = dataclasses.replace(
@@ -384,7 +390,9 @@ def _wire(
             )
         return wire
     if fused:
-        return stage_call_bytes(layer, layer.stage, phase, share, offset, step, fmt)
+        return stage_call_bytes(
+            layer, layer.stage, phase, share, offset, step, fmt, replica=replica
+        )
     return call_bytes(layer, phase, share, offset, step, fmt)
 
 
@@ -402,14 +410,19 @@ def layer_bytes(
     fused: bool = False,
     fmt: TensorFormat = FLOAT32,
     step: int = 1000,
+    replica: ConvLayer | None = None,
 ) -> int:
     """Bytes one step of ``layer`` moves on the master's link (both phases, every worker with
     a share), fused (needs ``layer.stage``) or not, for ``shares`` kernels per node (master
-    first)."""
+    first); ``replica``: the replicated first block whose output is its input
+    (:mod:`hetconv.replica`; fused only)."""
     total, offset = 0, shares[0]
     for share in shares[1:]:
         if share:
-            total += sum(_wire(layer, p, share, offset, step, fmt, fused).total for p in PHASES)
+            total += sum(
+                _wire(layer, p, share, offset, step, fmt, fused, replica=replica).total
+                for p in PHASES
+            )
         offset += share
     return total
 
@@ -434,17 +447,19 @@ def resident_layer_bytes(
     fmt: TensorFormat = FLOAT32,
     step: int = 1000,
     sync_every: int = 20,
+    replica: ConvLayer | None = None,
 ) -> float:
     """Bytes one step of fused ``layer`` moves on the master's link with resident kernels
     (:mod:`hetconv.master.resident`): both phases' calls of every worker with a share, plus the
-    syncs that bound the replay log, amortised over ``sync_every`` steps (0: none)."""
+    syncs that bound the replay log, amortised over ``sync_every`` steps (0: none);
+    ``replica`` as :func:`layer_bytes`'s."""
     if layer.stage is None:
         raise ValueError(f"{layer.name} has no stage: resident kernels need a fused stage")
     total, offset = 0.0, shares[0]
     for share in shares[1:]:
         if share:
             total += sum(
-                resident_call_bytes(layer, layer.stage, p, share, offset, step, fmt).total
+                resident_call_bytes(layer, layer.stage, p, share, offset, step, fmt, replica).total
                 for p in PHASES
             )
             if sync_every:
@@ -514,12 +529,15 @@ def simulate_layer_phase(
     step: int = 1000,
     fused: bool = False,
     resident: bool = False,
+    replica: ConvLayer | None = None,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
     (:meth:`Cluster.stage_forward` / ``stage_backward``; needs ``layer.stage``), with
     ``resident`` kernels (:mod:`hetconv.master.resident`: halo out, edges back, the syncs
-    amortised into backward's answer) or sent ones."""
+    amortised into backward's answer) or sent ones. ``replica``: the replicated first block
+    whose output is the layer's input (:mod:`hetconv.replica`): each worker also computes the
+    whole block's phase, and sends its gradient parts instead of an input-gradient part."""
     if fused and layer.stage is None:
         raise ValueError(f"{layer.name} has no channel-local layers after it to fuse")
     passes = layer.passes(phase)
@@ -531,8 +549,13 @@ def simulate_layer_phase(
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):
         if share:
-            wire = _wire(layer, phase, share, offset, step, cluster.wire.format, fused, resident)
+            wire = _wire(
+                layer, phase, share, offset, step, cluster.wire.format, fused, resident,
+                replica=replica,
+            )  # fmt: skip
             compute = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
+            if replica is not None:
+                compute += node.conv_seconds(replica, replica.kernels, replica.passes(phase))
             calls.append(
                 WorkerCall(
                     wire.sent,
@@ -550,7 +573,7 @@ def simulate_layer_phase(
     up, down = cluster.shared_bytes_per_s()
     ends = simulate_phase(calls, cluster.fabric, up, down, master_s, cluster.wire.compute_stall)
     wall = max(master_s, float(ends.max(initial=0.0)))
-    if phase == BACKWARD and layer.need_input_grad and calls:
+    if phase == BACKWARD and layer.need_input_grad and calls and replica is None:
         # The master adds every worker's dx part to its own (or to the first part).
         adds = len(calls) - (0 if shares[0] else 1)
         wall += adds * layer.x_bytes / cluster.wire.sum_bytes_per_s
@@ -565,6 +588,7 @@ def simulate_step(
     comp_s: float,
     stages: str | Mapping[str, str] = UNFUSED,
     kernels: str | Mapping[str, str] = SENT,
+    replicate: str = REPLICATE_OFF,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work.
@@ -577,6 +601,12 @@ def simulate_step(
 
     ``kernels`` as ``hetconv train --kernels``: ``"sent"``, ``"resident"`` or ``"auto"``
     (:func:`kernel_mode`), or per layer name; only fused layers keep their kernels.
+
+    ``replicate`` ``"first"``: the first layer's block is computed by every node
+    (:mod:`hetconv.replica`): the master computes it alone (no calls) and each worker again in
+    the second layer's calls, which move the images instead of that layer's input (the second
+    layer must run fused). A per-layer ``stages`` mapping may name the block ``"replicated"``
+    instead (as a trace's ``stage_modes`` do).
     """
     kernel_modes = (
         kernels if isinstance(kernels, Mapping) else {layer.name: kernels for layer in layers}
@@ -585,11 +615,25 @@ def simulate_step(
         if mode not in (RESIDENT, SENT, AUTO):
             raise ValueError(f"kernels {mode!r}; expected resident, sent or auto")
     modes = stages if isinstance(stages, Mapping) else {layer.name: stages for layer in layers}
+    if replicate not in (REPLICATE_OFF, REPLICATE_FIRST):
+        raise ValueError(f"replicate {replicate!r}; expected off or first")
+    if replicate == REPLICATE_FIRST and layers:
+        modes = {**modes, layers[0].name: REPLICATED}
     for mode in modes.values():
-        if mode not in (FUSED, UNFUSED, AUTO):
-            raise ValueError(f"stages {mode!r}; expected fused, unfused or auto")
+        if mode not in (FUSED, UNFUSED, AUTO, REPLICATED):
+            raise ValueError(f"stages {mode!r}; expected fused, unfused, auto or replicated")
     phases = []
+    block: ConvLayer | None = None  # a replicated block, feeding the next layer
     for layer in layers:
+        if modes.get(layer.name) == REPLICATED:
+            if block is not None or layer is not layers[0] or len(layers) < 2:
+                raise ValueError(f"{layer.name}: only the first of several layers replicates")
+            block = layer
+            for phase in PHASES:  # the master alone, every kernel
+                seconds = cluster.master.conv_seconds(layer, layer.kernels, layer.passes(phase))
+                phases.append(PhaseResult(layer.name, phase, seconds, seconds, 0.0, 0, ()))
+            continue
+        replica, block = block, None
         split = tuple(int(s) for s in shares[layer.name])
         if len(split) != len(cluster.nodes) or sum(split) != layer.kernels or min(split) < 0:
             raise ValueError(
@@ -608,11 +652,19 @@ def simulate_step(
             kept = SENT
         elif kept == AUTO:
             kept = kernel_mode(layer, layer.stage, split, fmt=cluster.wire.format)
+        if replica is not None and mode != FUSED:
+            raise ValueError(f"{layer.name} takes a replicated block's output: it must be fused")
         for phase in PHASES:
             phases.append(
                 simulate_layer_phase(
-                    cluster, layer, phase, split, fused=mode == FUSED, resident=kept == RESIDENT
-                )
+                    cluster,
+                    layer,
+                    phase,
+                    split,
+                    fused=mode == FUSED,
+                    resident=kept == RESIDENT,
+                    replica=replica,
+                )  # fmt: skip
             )
     comm = sum(p.comm_s for p in phases)
     conv = sum(p.conv_s for p in phases)
@@ -629,7 +681,10 @@ def simulate_step(
 
 
 __all__ = [
+    "REPLICATED",
     "kernel_mode",
+    "replica_bytes",
+    "replicate_gain",
     "layer_bytes",
     "resident_layer_bytes",
     "stage_mode",

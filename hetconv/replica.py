@@ -31,6 +31,8 @@ from hetconv.backends import ConvShape, conv_shape
 
 OFF, FIRST, AUTO = "off", "first", "auto"
 REPLICATE_MODES = (OFF, FIRST, AUTO)
+#: A replicated block's stage mode, as the plan and the trace's ``stage_modes`` record it.
+REPLICATED = "replicated"
 
 
 @dataclass(frozen=True)
@@ -60,4 +62,4 @@ class ReplicaBlock:
         return self.w.nbytes + self.b.nbytes
 
 
-__all__ = ["AUTO", "FIRST", "OFF", "REPLICATE_MODES", "ReplicaBlock"]
+__all__ = ["AUTO", "FIRST", "OFF", "REPLICATED", "REPLICATE_MODES", "ReplicaBlock"]

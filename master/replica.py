@@ -16,9 +16,7 @@ import time
 import numpy as np
 
 from hetconv.backends import Backend
-from hetconv.replica import ReplicaBlock
-
-REPLICATED = "replicated"  # a block layer's mode in the trace's stage_modes
+from hetconv.replica import REPLICATED, ReplicaBlock
 
 
 def replica_refusal(first, stage_modes: dict[str, str]) -> str | None:
