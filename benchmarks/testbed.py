@@ -134,8 +134,34 @@ MODES: tuple[Mode, ...] = (
         "fused, and workers keep their kernel slices and update them",
         "--kernels",
     ),
+    Mode(
+        "replica",
+        ("--stages", "fused", "--replicate", "first"),
+        "fused, and every node computes the first block from the images",
+        "--replicate",
+    ),
+    Mode(
+        "exact",
+        (
+            "--shares",
+            "link",
+            "--network",
+            "{network}",
+            "--stages",
+            "fused",
+            "--kernels",
+            "resident",
+            "--replicate",
+            "first",
+        ),
+        "every exact mode at once: link shares, fused, resident, replicated first block",
+        "--replicate",
+        in_all=False,
+    ),  # fmt: skip
 )
-DEFAULT_MODES = ("kernel_split", "float16", "link_shares", "fused", "resident", ALL)
+DEFAULT_MODES = (
+    "kernel_split", "float16", "link_shares", "fused", "resident", "replica", "exact", ALL,
+)  # fmt: skip
 
 
 def modes_named(names: Sequence[str]) -> list[str]:

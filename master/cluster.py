@@ -685,7 +685,7 @@ class Cluster:
             self._stage_steps[layer] = REPLICATED
             sides = _sides(padding, w.shape[2:])
             y, seconds = timed(self.replicas.forward, self.backend, layer, x, w, b, padding, sides)
-            self.runner.local(seconds)
+            self.runner.local(layer, "forward", w.shape[0], seconds)
             return y
         plan = self._plan(layer, x.shape, w.shape, padding)
         self._stage_steps.setdefault(layer, UNFUSED)
@@ -697,7 +697,7 @@ class Cluster:
         if layer in self.replicas:
             args = (self.backend, layer, x, w, dy, padding, need_input_grad)
             out, seconds = timed(self.replicas.backward, *args)
-            self.runner.local(seconds)
+            self.runner.local(layer, "backward", w.shape[0], seconds)
             return out
         plan = self._plan(layer, x.shape, w.shape, padding)
         ctx = CallContext(self.session, self.step, layer)

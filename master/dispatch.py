@@ -712,8 +712,11 @@ class PhaseRunner:
         per_layer = self.records.setdefault(node.name, {}).setdefault(layer, {"kernels": kernels})
         per_layer[phase] = _phase_record(stats)
 
-    def local(self, seconds: float) -> None:
-        """Account a convolution the master ran alone (a replicated block's)."""
+    def local(self, layer: str, phase: str, kernels: int, seconds: float) -> None:
+        """Record and account a convolution the master ran alone (a replicated block's)."""
+        self._record(self.membership.nodes[0], layer, phase, kernels, CallStats(
+            compute_seconds=seconds, wall_seconds=seconds
+        ))  # fmt: skip
         self._account(seconds, [seconds])
 
     def _account(self, wall: float, computes: list[float]) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, WireCosts, simulate_step
 from hetconv.formats import FLOAT32, TensorFormat, format_named
 from hetconv.model import PRESETS
+from hetconv.replica import REPLICATED
 from hetconv.workload import (
     BACKWARD,
     FORWARD,
@@ -209,6 +210,7 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     kept = record.get("kernel_modes", {})  # resident ones, resident calls' bytes
     names, split = _layout(record)
     by_name = {layer.name: layer for layer in layers}
+    replica = replicas(layers, modes)
     if set(by_name) != set(split) or any(
         by_name[name].kernels != sum(kernels) for name, kernels in split.items()
     ):
@@ -224,12 +226,15 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
                 if share and phase in entry:
                     step = int(record.get("step", 0))
                     fused = modes.get(layer_name) == "fused" and layer.stage is not None
+                    block = replica.get(layer_name)
                     if fused and kept.get(layer_name) == "resident":
                         want = resident_call_bytes(
-                            layer, layer.stage, phase, share, offset, step, fmt
+                            layer, layer.stage, phase, share, offset, step, fmt, block
                         )
                     elif fused:
-                        want = stage_call_bytes(layer, layer.stage, phase, share, offset, step, fmt)
+                        want = stage_call_bytes(
+                            layer, layer.stage, phase, share, offset, step, fmt, replica=block
+                        )
                     else:
                         want = call_bytes(layer, phase, share, offset, step, fmt)
                     got = (entry[phase]["bytes_sent"], entry[phase]["bytes_received"])
@@ -241,6 +246,16 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
                         )
             offset += share
     return None
+
+
+def replicas(layers: Sequence[ConvLayer], modes: dict[str, str]) -> dict[str, ConvLayer]:
+    """Layer name -> the replicated block whose output is its input (:mod:`hetconv.replica`),
+    from a trace's ``stage_modes`` (the block's is ``"replicated"``; it feeds the next)."""
+    return {
+        after.name: layer
+        for layer, after in zip(layers, layers[1:], strict=False)
+        if modes.get(layer.name) == REPLICATED
+    }
 
 
 def _detect_network(records: list[dict], network: str | None, path: str) -> str:
@@ -327,14 +342,22 @@ def _layer_gflops(
     layers: dict[str, ConvLayer],
     split: dict[str, list[int]],
     notes: list[str],
+    replica: dict[str, ConvLayer] | None = None,
 ) -> list[dict[str, float]]:
     """Per node and layer the GFLOPS of its share over the median compute seconds of each
-    phase; a node that computed nothing gets the others' median."""
+    phase; a node that computed nothing gets the others' median.
+
+    A worker's calls of the layer a replicated block feeds (``replica``: layer name -> block)
+    also computed the whole block: its time counts that work too, and the worker's figure for
+    the block is that layer's (the simulator adds the block's work back at it)."""
     flops = np.zeros((len(node_names), len(layers)))
     seconds = np.zeros_like(flops)
     for (i, j, phase), times in calls.timings.items():
         layer = list(layers.values())[j]
         flops[i, j] += split[layer.name][i] * layer.passes(phase) * layer.flops_per_kernel
+        block = (replica or {}).get(layer.name)
+        if i and block is not None:
+            flops[i, j] += block.kernels * block.passes(phase) * block.flops_per_kernel
         seconds[i, j] += statistics.median(times)
     layer_gflops: list[dict[str, float]] = []
     for i, node in enumerate(node_names):
@@ -343,6 +366,9 @@ def _layer_gflops(
             for j, layer_name in enumerate(layers)
             if seconds[i, j] > 0
         }
+        for consumer, block in (replica or {}).items():
+            if i and consumer in per_layer:
+                per_layer[block.name] = per_layer[consumer]
         if not per_layer:
             notes.append(f"{node} computed nothing in the trace; given the others' median")
         layer_gflops.append(per_layer)
@@ -418,7 +444,9 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
     layers = {layer.name: layer for layer in network_layers(name, batch)}
     node_names, split = _layout(used[0])
     calls = _Calls.gather(used, node_names, list(layers))
-    layer_gflops = _layer_gflops(calls, node_names, layers, split, notes)
+    modes = used[0].get("stage_modes", {})
+    replica = replicas(list(layers.values()), modes)
+    layer_gflops = _layer_gflops(calls, node_names, layers, split, notes, replica)
     links, wire = _links_and_wire(calls, node_names, notes)
     wire = dataclasses.replace(wire, format=_format_of(used[0]))
     measured = {

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hetconv.conv import LocalConv
-from hetconv.costmodel import replica_bytes, replicate_gain
+from hetconv.costmodel import replica_bytes, replicate_gain, simulate_step
 from hetconv.formats import FLOAT32
 from hetconv.master.client import CallStats, WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
@@ -24,8 +24,16 @@ from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import Model, reference_spec
 from hetconv.replica import ReplicaBlock
+from hetconv.simulations.calibrate import calibrate
+from hetconv.simulations.trace import read_steps, step_bytes
 from hetconv.stages import StageSpec
-from hetconv.workload import conv_layers, resident_call_bytes, stage_call_bytes
+from hetconv.workload import (
+    conv_layers,
+    network_layers,
+    resident_call_bytes,
+    resident_sync_bytes,
+    stage_call_bytes,
+)
 
 RUN = dict(steps=12, batch=8, train_size=48, eval_size=16, progress=False)
 # A strong LRN (alpha 1): with the usual alpha it is so near the identity that a wrong
@@ -230,3 +238,26 @@ def test_a_stage_call_with_a_replica_matches_one_without(workers):
         np.testing.assert_allclose(rb, want_rb, rtol=1e-4, atol=1e-4)
     finally:
         client.close()
+
+
+def test_a_replicated_trace_calibrates_the_simulator(workers, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**REPLICA, kernels="resident")
+    with Cluster(workers.addresses, config=config) as cluster:
+        _train(tmp_path, "traced", cluster, trace=str(trace))
+    cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
+    assert cal.stage_modes == {"conv1": "replicated", "conv2": "fused"}
+    assert cal.shares["conv1"] == (8, 0, 0)  # the master computed the block alone
+    # every worker's figure for the block is its conv2 calls' (which computed both)
+    for per_layer in cal.layer_gflops[1:]:
+        assert per_layer["conv1"] == per_layer["conv2"]
+    layers = network_layers(str(tmp_path / "strong-lrn.json"), RUN["batch"])
+    result = simulate_step(
+        cal.traced_cluster(), layers, cal.shares, 0.0, cal.stage_modes, cal.kernel_modes
+    )
+    # the simulated calls move what the traced ones did (headers' varints aside), and the
+    # syncs amortised over 20 steps (the traced steps without a sync have none)
+    traced = [step_bytes(r) for r in read_steps(str(trace))[1:] if "resident" not in r]
+    syncs = sum(resident_sync_bytes(layers[1], share) // 20 for share in SHARES["conv2"][1:])
+    assert abs(result.bytes - syncs - min(traced)) < 32, (result.bytes, syncs, traced)
+    assert cal.check()["step_s"] > 0
