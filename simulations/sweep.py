@@ -172,6 +172,10 @@ def format_table(rows: Iterable[Row]) -> str:
     return "\n".join(lines)
 
 
+def _rate(mbps: float) -> str:
+    return f"{mbps / 1e3:.3g} Gbit/s" if mbps >= 1e3 else f"{mbps:.3g} Mbit/s"
+
+
 def format_bandwidth_checks(rows: Iterable[Row]) -> str:
     """For the paper's scenarios, one line per network, batch and bandwidth that cannot carry
     the paper's volume in the time the step's breakdown leaves (at the cluster size that leaves
@@ -197,7 +201,7 @@ def format_bandwidth_checks(rows: Iterable[Row]) -> str:
             needs = (
                 f"the breakdown leaves at most {_seconds(best.comm_budget_s)} for them if "
                 f"{best.nodes} nodes are to beat the master alone: consistent bandwidth is "
-                f">= {best.consistent_mbps:.3g} Mbit/s"
+                f">= {_rate(best.consistent_mbps)}"
             )
         lines.append(
             f"bandwidth check: {bandwidth:g} Mbit/s cannot carry the paper's volume for "
