@@ -28,6 +28,26 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser. Its usage errors read ``hetconv COMMAND: error: ...`` (exit 2),
+    as :func:`main` reports bad input. ``intermixed=True``: positionals may sit on both sides
+    of options (``hetconv simulate a --nodes 1..4 b``), as ``parse_intermixed_args`` parses."""
+
+    def __init__(self, *args, intermixed: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.intermixed = intermixed
+        self._mixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self.intermixed or self._mixing:
+            return super().parse_known_args(args, namespace)
+        self._mixing = True  # the intermixed parse calls back here for its two passes
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._mixing = False
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
@@ -828,7 +848,7 @@ def _final_checkpoint_status(checkpoint_dir: str | None, steps: int) -> int:
         else "there is no checkpoint there"
     )
     print(
-        f"hetconv: error: the final checkpoint (step {steps}) could not be written in "
+        f"hetconv train: error: the final checkpoint (step {steps}) could not be written in "
         f"{checkpoints.path} (see above); {latest}",
         file=sys.stderr,
     )
@@ -1049,6 +1069,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="predict a larger cluster's step time and speedup",
         description=DESCRIPTION,
         formatter_class=_HelpFormatter,
+        intermixed=True,
     )
     add_arguments(p)
     p.set_defaults(func=run)
@@ -1252,7 +1273,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train CNNs with their convolutions split across heterogeneous workers.",
     )
     parser.add_argument("--version", action="version", version=f"hetconv {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     sub.required = True
     _add_train(sub)
     _add_worker(sub)
@@ -1297,12 +1318,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetconv: interrupted{hint}", file=sys.stderr)
         return 130
     except (ValueError, OSError, FloatingPointError) as e:
-        # Bad input is the user's to fix: one line naming it, not a traceback.
-        print(f"hetconv: error: {e}", file=sys.stderr)
+        # Bad input is the user's to fix: one line naming it, not a traceback, with the
+        # prefix argparse gives the command's usage errors.
+        print(f"hetconv {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         # A worker that failed or could not be reached or started: named, no traceback.
-        print(f"hetconv: error: {e}", file=sys.stderr)
+        print(f"hetconv {args.command}: error: {e}", file=sys.stderr)
         return 1
 
 

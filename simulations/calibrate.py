@@ -271,7 +271,7 @@ def _detect_network(records: list[dict], network: str | None, path: str) -> str:
         raise ValueError(f"trace {path} does not match network {network}: {reasons[0]}")
     raise ValueError(
         f"trace {path} matches no preset ({'; '.join(reasons)}); name its network "
-        "(a preset or .json spec) with --trace-network"
+        "(a preset or .json spec) with --trace-preset"
     )
 
 

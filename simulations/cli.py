@@ -7,7 +7,9 @@ Wired into the ``hetconv`` command as a subcommand through :func:`add_arguments`
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -48,8 +50,47 @@ def _nodes(text: str) -> list[int]:
     return out
 
 
+def _listed(kind):
+    """An option value that lists one or more ``kind`` values, comma separated (``5,100``)."""
+
+    def parse(text: str) -> list:
+        return [kind(part) for part in text.split(",")]
+
+    parse.__name__ = getattr(kind, "__name__", "value")  # what argparse names in an error
+    return parse
+
+
+def _names(text: str) -> list[str]:
+    names = [part for part in text.split(",") if part]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing")
+    return names
+
+
+class _DeprecatedNetwork(argparse.Action):
+    """``--network``, simulate's old word for the CNN: extends ``--preset`` and says so once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            f"{parser.prog}: note: {option_string} is now --preset (the word `hetconv train` "
+            "uses for the network; there --network is the LAN); it will go",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *values])
+
+
+# A SCENARIO that is a number or a list of them: the old habit of giving an option several
+# values (`--nodes 1 2,4`), which now takes one list.
+_VALUES = re.compile(r"^[0-9.,]+$")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``hetconv simulate``."""
+    """The options of ``hetconv simulate``.
+
+    Every option takes one value (a list is comma separated, and an option may be repeated),
+    so options and scenarios may come in any order; parse with ``parse_intermixed_args`` for
+    scenarios on both sides of an option (:func:`main` and ``hetconv simulate`` do).
+    """
     parser.add_argument(
         "scenario",
         nargs="*",
@@ -59,22 +100,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nodes",
         type=_nodes,
-        nargs="+",
+        action="extend",
         metavar="N",
-        help="cluster sizes, master included: N, A..B or N,M (replaces the scenario's)",
+        help="cluster sizes, master included: N, A..B or N,M,... (replaces the scenario's; "
+        "may be repeated)",
     )
     parser.add_argument(
         "--bandwidth",
-        type=positive(float),
-        nargs="+",
+        type=_listed(positive(float)),
+        action="extend",
         metavar="MBIT",
-        help="network bandwidths in Mbit/s (Wi-Fi medium or switch ports); devices that name "
-        "their own link keep it",
+        help="network bandwidths in Mbit/s, e.g. 5 or 5,100,1000 (Wi-Fi medium or switch "
+        "ports); devices that name their own link keep it",
     )
     parser.add_argument(
-        "--network", nargs="+", metavar="NAME", help="presets or .json spec files to simulate"
+        "--preset",
+        dest="network",
+        type=_names,
+        action="extend",
+        metavar="NAME",
+        help="the networks to simulate, as `hetconv train --preset`: presets or .json spec "
+        "files, e.g. paper-50-500,paper-500-1500 (replaces the scenario's)",
     )
-    parser.add_argument("--batch", type=positive(int), nargs="+", metavar="N", help="batch sizes")
+    parser.add_argument(
+        "--network",
+        dest="network",
+        type=_names,
+        action=_DeprecatedNetwork,
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--batch",
+        type=_listed(positive(int)),
+        action="extend",
+        metavar="N",
+        help="batch sizes, e.g. 64 or 64,256,1024",
+    )
+    parser.add_argument(
+        "--comp",
+        choices=("scenario", "paper"),
+        default="scenario",
+        help="the master's non-convolutional time: scenario (its [comp] table, or hetconv's "
+        "numpy measured on this project's machine) or paper (the reference paper's reported "
+        "share of a one-device step: 25 %% for paper-50-500 and 13 %% for paper-500-1500, "
+        "interpolated for the other two, at every batch)",
+    )
     parser.add_argument(
         "--policy",
         choices=POLICIES,
@@ -110,6 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plot", metavar="DIR", help="write figures (PNG) into DIR")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     parser.add_argument("--list", action="store_true", help="name the shipped scenarios")
     parser.add_argument(
         "--from-trace",
@@ -118,10 +189,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "file and check the simulator against it",
     )
     parser.add_argument(
-        "--trace-network",
+        "--trace-preset",
+        dest="trace_network",
         metavar="NAME",
-        help="the network the traced run trained (default: detected from the trace)",
+        help="the network the traced run trained, as its --preset (default: detected from the "
+        "trace)",
     )
+    parser.add_argument("--trace-network", dest="trace_network", help=argparse.SUPPRESS)
     parser.add_argument(
         "--quiet", action="store_true", help="print only the table, not the assumptions"
     )
@@ -131,8 +205,37 @@ def _mbit(value: float | None) -> str:
     return f"{value:g} Mbit/s" if value else "the network's"
 
 
-def describe(scenario) -> str:
-    """The scenario's inputs in words: what the table rests on."""
+def _describe_comp(scenario, networks) -> str:
+    """Where the master's non-convolutional time (comp) comes from, per network."""
+    from .paper import PAPER_COMP_FRACTIONS
+    from .scenario import DEFAULT_COMP_MS_PER_IMAGE
+
+    shown = []
+    for network in networks:
+        figure = scenario.comp.get(network)
+        if scenario.comp_basis == "paper":
+            how = "reported" if network in PAPER_COMP_FRACTIONS else "interpolated"
+            shown.append(f"{network} {100 * (1 - figure.conv_fraction):.1f} % ({how})")
+        elif figure is None:
+            per_image = DEFAULT_COMP_MS_PER_IMAGE.get(network)
+            shown.append(f"{network} {per_image:g} ms/image (hetconv's numpy, measured here)")
+        elif figure.conv_fraction is not None:
+            shown.append(f"{network} {100 * (1 - figure.conv_fraction):.1f} % of a local step")
+        else:
+            fixed = f" + {1e3 * figure.fixed_s:g} ms" if figure.fixed_s else ""
+            shown.append(f"{network} {1e3 * (figure.per_image_s or 0):g} ms/image{fixed}")
+    if scenario.comp_basis == "paper":
+        return (
+            "  comp (the master's non-convolutional layers), --comp paper: the paper's share of "
+            "a one-CPU step at batch 1024, " + ", ".join(shown) + "; held at every batch, of "
+            f"the master's ({scenario.master.name}) own convolution time"
+        )
+    return "  comp (the master's non-convolutional layers), per step: " + ", ".join(shown)
+
+
+def describe(scenario, networks=None) -> str:
+    """The scenario's inputs in words: what the table rests on (``networks``: the ones run,
+    default the scenario's)."""
     from hetconv.costmodel import WIFI
 
     lines = [f"scenario {scenario.name}: {scenario.description}".rstrip(": ")]
@@ -174,6 +277,7 @@ def describe(scenario) -> str:
     if scenario.layer_efficiency:
         shown = ", ".join(f"{k} x{v:g}" for k, v in scenario.layer_efficiency.items())
         lines.append(f"  layer throughput relative to a device's GFLOPS: {shown}")
+    lines.append(_describe_comp(scenario, networks or scenario.networks))
     w = scenario.wire
     lines.append(
         f"  per call: {1e3 * w.bundle_call_s:.2f} ms bundled, {1e3 * w.stream_call_s:.2f} ms "
@@ -218,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from .calibrate import calibrate
     from .scenario import load_scenario, shipped_scenarios
-    from .sweep import format_table, run_scenario
+    from .sweep import format_bandwidth_checks, format_table, run_scenario
 
     if args.plot:
         from .plots import require_matplotlib
@@ -232,6 +336,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.scenario and not args.from_trace:
         raise ValueError("name a SCENARIO (see --list) or give --from-trace FILE")
+    for name in args.scenario:
+        if _VALUES.match(name):
+            raise ValueError(
+                f"{name!r} is no scenario: an option takes one value, so give several as one "
+                "list (--nodes 1,2,4 or 1..8, --batch 64,1024) or repeat the option"
+            )
     calibration = None
     if args.from_trace:
         calibration = calibrate(args.from_trace, args.trace_network)
@@ -245,7 +355,9 @@ def run(args: argparse.Namespace) -> int:
 
         wire = {"format": format_named(args.wire_format)}
         scenarios = [replace(s, wire=replace(s.wire, **wire)) for s in scenarios]
-    nodes = list(dict.fromkeys(n for group in args.nodes for n in group)) if args.nodes else None
+    if args.comp == "paper":
+        scenarios = [s.with_paper_comp(args.network or s.networks) for s in scenarios]
+    nodes = list(dict.fromkeys(args.nodes)) if args.nodes else None
     rows = []
     for scenario in scenarios:
         got = run_scenario(
@@ -259,8 +371,11 @@ def run(args: argparse.Namespace) -> int:
             kernels=args.kernels,
         )
         if not args.quiet:
-            print(describe(scenario))
+            print(describe(scenario, args.network))
         print(format_table(got), end="\n\n")
+        checks = format_bandwidth_checks(got)
+        if checks:
+            print(checks, end="\n\n")
         rows += got
     if not args.quiet:
         print(
@@ -273,12 +388,28 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(
             json.dumps([r.as_dict() for r in rows], indent=1) + "\n", encoding="utf-8"
         )
+    if args.csv:
+        _write_csv(rows, args.csv)
     if args.plot:
         from .plots import plot_all
 
         written = plot_all(rows, args.plot)
         print(f"{len(written)} figures written to {args.plot}")
     return 0
+
+
+def _write_csv(rows, path: str) -> None:
+    """The rows as CSV, one column per field (shares as JSON)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    records = [r.as_dict() for r in rows]
+    fields = list(dict.fromkeys(key for record in records for key in record))
+    with open(path, "w", newline="", encoding="utf-8") as out:
+        writer = csv.DictWriter(out, fieldnames=fields)
+        writer.writeheader()
+        for record in records:
+            writer.writerow(
+                {k: json.dumps(v) if isinstance(v, dict) else v for k, v in record.items()}
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``hetconv simulate`` alone: parse ``argv``, run, and turn bad input into one line."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     try:
         return run(args)
     except (ValueError, OSError, RuntimeError) as e:

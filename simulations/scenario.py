@@ -7,6 +7,8 @@ comments where every number comes from. The format, every key optional unless ma
 
     name = "cpu-cluster"                 # default: the file's stem
     description = "one line for --list"
+    paper = true                         # the reference paper's own setup: the output checks
+                                         # the bandwidth against the paper's volume formula
 
     [network]
     kind = "wifi"                        # required: "wifi" (one shared medium) or "switched"
@@ -59,7 +61,9 @@ comments where every number comes from. The format, every key optional unless ma
     format = "float32"                   # activations on the wire: float32, float16 or
                                          # bfloat16 (hetconv train --wire-format)
 
-Networks not listed in ``[comp]`` use :data:`DEFAULT_COMP_MS_PER_IMAGE` (measured here).
+Networks not listed in ``[comp]`` use :data:`DEFAULT_COMP_MS_PER_IMAGE` (measured here);
+:meth:`Scenario.with_paper_comp` replaces them all by the paper's reported shares
+(``hetconv simulate --comp paper``).
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ from hetconv.balance import POLICIES
 from hetconv.costmodel import FABRICS, MBIT, WIFI, Cluster, Node, WireCosts
 from hetconv.formats import FORMAT_LABELS, format_named
 from hetconv.model import load_spec
+
+from .paper import paper_comp_fraction
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 
@@ -172,6 +178,8 @@ class Scenario:
     layer_efficiency: Mapping[str, float] = field(default_factory=dict)
     wire: WireCosts = field(default_factory=WireCosts)
     source: str = ""  # the file it came from
+    paper: bool = False  # the reference paper's setup (simulations.paper checks its bandwidth)
+    comp_basis: str = "scenario"  # "scenario" ([comp] or measured here) or "paper"
 
     def sweep_bandwidths(self) -> tuple[float, ...]:
         return self.bandwidths_mbps or (self.bandwidth_mbps,)
@@ -244,6 +252,19 @@ class Scenario:
                 )
             figure = CompFigure(per_image_s=1e-3 * DEFAULT_COMP_MS_PER_IMAGE[network])
         return figure.seconds(batch, local_conv_s)
+
+    def with_paper_comp(self, networks: Sequence[str]) -> Scenario:
+        """A copy whose comp for ``networks`` is the paper's reported non-convolutional share of
+        a one-device step (:func:`~hetconv.simulations.paper.paper_comp_fraction`), the same at
+        every batch, of the master's own convolution time.
+
+        Raises:
+            ValueError: a network that is none of the paper's four.
+        """
+        comp = dict(self.comp)
+        for network in networks:
+            comp[network] = CompFigure(conv_fraction=1 - paper_comp_fraction(network))
+        return replace(self, comp=comp, comp_basis="paper")
 
     def with_overrides(self, **changes) -> Scenario:
         """A copy with some fields replaced (command-line overrides)."""
@@ -473,7 +494,9 @@ def parse_scenario(data: dict, path: str = "<scenario>") -> Scenario:
         ValueError: naming the file and the key that is unknown, missing or wrong.
     """
     sections = ("network", "sweep", "master", "workers", "population", "comp")
-    top = _Reader(path, "", data, ("name", "description", *sections, "layer_efficiency", "wire"))
+    top = _Reader(
+        path, "", data, ("name", "description", "paper", *sections, "layer_efficiency", "wire")
+    )
     for section in ("network", "sweep", "master"):
         if section not in data:
             raise ValueError(f"{path}: missing required table [{section}]")
@@ -516,6 +539,7 @@ def parse_scenario(data: dict, path: str = "<scenario>") -> Scenario:
         layer_efficiency=efficiency,
         wire=wire,
         source=path,
+        paper=top.flag("paper", False),
     )
     if scenario.fabric == WIFI and master.has("bandwidth_mbps"):
         master.fail("bandwidth_mbps", "is for a switched network; Wi-Fi shares one medium")

@@ -7,13 +7,16 @@ against local training on the master alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from hetconv.balance import shares_for
+from hetconv.balance import COMPUTE, shares_for
 from hetconv.costmodel import local_step_seconds, simulate_step
+from hetconv.stages import UNFUSED
 from hetconv.workload import network_layers
 
+from .paper import bandwidth_check
 from .scenario import Scenario
 
 
@@ -39,6 +42,14 @@ class Row:
     shares: dict[str, list[int]]
     stages: str = "unfused"  # as `hetconv train --stages` (hetconv.stages)
     kernels: str = "sent"  # as `hetconv train --kernels` (hetconv.master.resident)
+    comp_basis: str = "scenario"  # where comp_s comes from: the scenario, or "paper"
+    # The paper's scenarios, clusters of 2 or more (simulations.paper.bandwidth_check): its
+    # Eq. 2 volume, the time the paper's compute split leaves for moving it if the cluster is
+    # to beat the master alone, the bandwidth that needs, and whether this row's has it.
+    paper_mbytes: float | None = None
+    comm_budget_s: float | None = None
+    consistent_mbps: float | None = None
+    bandwidth_consistent: bool | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -67,9 +78,31 @@ def run_scenario(
             for bandwidth in bandwidths_mbps or scenario.sweep_bandwidths():
                 for size in nodes or scenario.nodes:
                     cluster = scenario.cluster(size, bandwidth)
+                    results = {}
                     for policy in policies or scenario.policies:
                         shares = shares_for(cluster, layers, policy, stages)
-                        result = simulate_step(cluster, layers, shares, comp, stages, kernels)
+                        results[policy] = simulate_step(
+                            cluster, layers, shares, comp, stages, kernels
+                        )
+                    check = {}
+                    if scenario.paper and size > 1:
+                        # The paper's split, as it ran it: compute shares, convolutions only.
+                        split = results.get(COMPUTE) if stages == UNFUSED else None
+                        split = split or simulate_step(
+                            cluster, layers, shares_for(cluster, layers, COMPUTE), comp
+                        )
+                        got = bandwidth_check(
+                            layers, split.local_s, split.conv_s, split.comp_s, bandwidth
+                        )
+                        check = {
+                            "paper_mbytes": got.paper_bytes / 1e6,
+                            "comm_budget_s": got.budget_s,
+                            "consistent_mbps": got.consistent_mbps
+                            if math.isfinite(got.consistent_mbps)
+                            else None,
+                            "bandwidth_consistent": got.consistent,
+                        }
+                    for policy, result in results.items():
                         rows.append(
                             Row(
                                 scenario=scenario.name,
@@ -90,6 +123,8 @@ def run_scenario(
                                 shares={k: list(v) for k, v in result.shares.items()},
                                 stages=stages,
                                 kernels=kernels,
+                                comp_basis=scenario.comp_basis,
+                                **check,
                             )
                         )
     return rows
@@ -133,5 +168,49 @@ def format_table(rows: Iterable[Row]) -> str:
             f"{_seconds(r.step_s):>9} {_seconds(r.comm_s):>9} {_seconds(r.conv_s):>9} "
             f"{_seconds(r.comp_s):>9} {r.speedup:>7.2f}{mark} {r.amdahl_bound:>6.1f} "
             f"{r.workers_used:>7} {r.mbytes_per_step:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _rate(mbps: float) -> str:
+    return f"{mbps / 1e3:.3g} Gbit/s" if mbps >= 1e3 else f"{mbps:.3g} Mbit/s"
+
+
+def format_bandwidth_checks(rows: Iterable[Row]) -> str:
+    """For the paper's scenarios, one line per network, batch and bandwidth that cannot carry
+    the paper's volume in the time the step's breakdown leaves (at the cluster size that leaves
+    the most), naming the bandwidth that would; empty for other scenarios."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        if r.paper_mbytes is not None:
+            groups.setdefault((r.scenario, r.network, r.batch, r.bandwidth_mbps), []).append(r)
+    lines = []
+    for (_, network, batch, bandwidth), mine in groups.items():
+        best = max(mine, key=lambda r: r.comm_budget_s)
+        if best.bandwidth_consistent:
+            continue
+        volume = best.paper_mbytes
+        shown = f"{volume / 1e3:.1f} GB" if volume >= 1e3 else f"{volume:.1f} MB"
+        transfer = volume * 1e6 / (bandwidth * 1e6 / 8)
+        if best.consistent_mbps is None:
+            needs = (
+                "no cluster size here beats the master alone even with no transfers at all, "
+                "so no bandwidth is consistent"
+            )
+        else:
+            needs = (
+                f"the breakdown leaves at most {_seconds(best.comm_budget_s)} for them if "
+                f"{best.nodes} nodes are to beat the master alone: consistent bandwidth is "
+                f">= {_rate(best.consistent_mbps)}"
+            )
+        lines.append(
+            f"bandwidth check: {bandwidth:g} Mbit/s cannot carry the paper's volume for "
+            f"{network} at batch {batch}: one step's {shown} (the paper's Eq. 2, float64) "
+            f"take {_seconds(transfer)} at {bandwidth:g} Mbit/s; {needs}"
+        )
+    if groups and not lines:
+        lines.append(
+            "bandwidth check: every bandwidth shown carries the paper's volume (its Eq. 2, "
+            "float64) in the time the step's breakdown leaves for it"
         )
     return "\n".join(lines)

@@ -346,7 +346,7 @@ def test_one_worker_named_twice_is_a_one_line_error(workers):
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
-    (line,) = [x for x in run.stderr.splitlines() if x.startswith("hetconv: error:")]
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("hetconv train: error:")]
     assert f"workers 127.0.0.1:{port} and localhost:{port} are one worker process" in line
 
 

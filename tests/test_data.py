@@ -301,7 +301,7 @@ def test_hetconv_train_refuses_a_planted_payload(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert "data_batch_1: refusing to load 'posix.system'" in done.stderr
-    assert "training" not in done.stdout + done.stderr.replace("hetconv: error:", "")
+    assert "training" not in done.stdout + done.stderr.replace("hetconv train: error:", "")
 
 
 @pytest.mark.parametrize(

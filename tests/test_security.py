@@ -873,9 +873,13 @@ def hetconv(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+# What hetconv itself says starts with its name, and the command's when it has one.
+COMMAND_PREFIXES = ("hetconv: ", "hetconv train: ", "hetconv worker: ")
+
+
 def _one_error_line(run: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in run.stderr + run.stdout, run.stderr
-    errors = [line for line in run.stderr.splitlines() if line.startswith("hetconv: ")]
+    errors = [line for line in run.stderr.splitlines() if line.startswith(COMMAND_PREFIXES)]
     assert len(errors) == 1, run.stderr
     assert run.stderr.rstrip().endswith(errors[0])
     return errors[0]
@@ -889,7 +893,8 @@ def test_worker_with_a_missing_certificate_is_a_one_line_error(certs, tmp_path):
     )  # fmt: skip
     assert run.returncode == 2
     line = _one_error_line(run)
-    assert line == f"hetconv: error: cannot read TLS certificate (--tls-cert) {missing}: " + (
+    assert line == (
+        f"hetconv worker: error: cannot read TLS certificate (--tls-cert) {missing}: "
         "No such file or directory"
     )
     assert READY not in run.stdout
@@ -926,7 +931,7 @@ def test_train_with_a_missing_ca_file_is_a_one_line_error(tmp_path):
     run = hetconv("train", "--worker", "127.0.0.1:9", "--tls-ca", str(missing), "--steps", "1")
     assert run.returncode == 2
     assert _one_error_line(run) == (
-        f"hetconv: error: cannot read TLS CA certificate (--tls-ca) {missing}: "
+        f"hetconv train: error: cannot read TLS CA certificate (--tls-ca) {missing}: "
         "No such file or directory"
     )
 
@@ -938,7 +943,7 @@ def test_train_with_a_wrong_token_is_a_one_line_error(address):
     )  # fmt: skip
     assert run.returncode == 1, run.stdout + run.stderr
     assert _one_error_line(run) == (
-        f"hetconv: error: worker {address} refused the token (UNAUTHENTICATED)"
+        f"hetconv train: error: worker {address} refused the token (UNAUTHENTICATED)"
     )
 
 

@@ -279,7 +279,7 @@ def test_population_is_seeded_clipped_and_nested():
     scenario = load_scenario("cpu-cluster")
     one, two = scenario.cluster(32), scenario.cluster(32)
     assert [w.gflops for w in one.workers] == [w.gflops for w in two.workers]
-    assert [w.name for w in one.workers[:3]] == ["i7-4700HQ", "i7-5500U", "i5-3210M"]
+    assert [w.name for w in one.workers[:3]] == ["i7-4700HQ", "i7-5500U", "i7-6700HQ"]
 
 
 def test_every_shipped_scenario_loads_and_runs():
@@ -487,7 +487,8 @@ ROW_FIELDS = {
 
 def test_json_rows(tmp_path, capsys):
     path = tmp_path / "out" / "rows.json"
-    argv = ["cpu-cluster", "--nodes", "1", "2,4", "--network", "paper-50-500", "--json", str(path)]
+    argv = ["cpu-cluster", "--nodes", "1", "--nodes", "2,4", "--preset", "paper-50-500",
+            "--batch", "64", "--json", str(path)]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(path.read_text())
     assert len(rows) == 3 * 2  # nodes x policies
@@ -498,7 +499,7 @@ def test_json_rows(tmp_path, capsys):
         (n, p) for n in (1, 2, 4) for p in (COMPUTE, LINK)
     }
     out = capsys.readouterr().out
-    assert "network: Wi-Fi" in out and "speedup" in out and "i7-6700HQ" in out
+    assert "network: Wi-Fi" in out and "speedup" in out and "master: i5-3210M" in out
 
 
 def test_list_names_the_shipped_scenarios(capsys):
@@ -519,7 +520,7 @@ def test_command_errors_are_one_line(capsys):
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib", reason="plots need matplotlib (hetconv[plot])")
     argv = [
-        "bandwidth-sweep", "--nodes", "1", "4", "--bandwidth", "5", "1000", "--network",
+        "bandwidth-sweep", "--nodes", "1,4", "--bandwidth", "5,1000", "--preset",
         "paper-50-500", "--plot", str(tmp_path), "--quiet",
     ]  # fmt: skip
     assert main(argv) == 0

@@ -119,7 +119,7 @@ def test_a_json_file_with_an_unknown_key_is_refused_when_read(tmp_path, capsys):
         load_spec(str(path))
     assert main(["train", "--local", "--no-progress", "--steps", "1", "--preset", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"hetconv: error: model spec {path}: layer 0 (conv): unknown key 'dilation'" in err
+    assert f"hetconv train: error: model spec {path}: layer 0 (conv): unknown key 'dilation'" in err
 
 
 def test_defaults_are_filled_in():

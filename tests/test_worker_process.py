@@ -780,7 +780,7 @@ def test_worker_with_a_nonsense_address_is_a_one_line_usage_error():
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1, run.stderr
-    assert lines[0].startswith("hetconv: error: ") and "nonsense" in lines[0]
+    assert lines[0].startswith("hetconv worker: error: ") and "nonsense" in lines[0]
     assert "Traceback" not in run.stderr + run.stdout
 
 
@@ -793,9 +793,10 @@ def test_worker_on_a_port_already_in_use_is_a_one_line_error():
     assert run.returncode != 0
     assert "Traceback" not in run.stderr + run.stdout
     assert READY not in run.stdout
-    errors = [line for line in run.stderr.splitlines() if line.startswith("hetconv: ")]
+    ours = ("hetconv: ", "hetconv worker: ")
+    errors = [line for line in run.stderr.splitlines() if line.startswith(ours)]
     assert len(errors) == 1, run.stderr
-    assert errors[0].startswith(f"hetconv: error: cannot listen on 127.0.0.1:{port}")
+    assert errors[0].startswith(f"hetconv worker: error: cannot listen on 127.0.0.1:{port}")
     assert run.stderr.rstrip().endswith(errors[0])  # the last word is ours, not gRPC's
 
 
@@ -806,4 +807,4 @@ def test_second_worker_on_the_port_of_a_running_worker_is_refused(spawn_worker, 
         process.stop()  # at once: while it lives it takes connections meant for the other
     assert bound is None, f"a second worker started serving on {address}:\n{process.output()}"
     assert process.popen.wait(10) != 0
-    assert "hetconv: error: cannot listen on" in process.output()
+    assert "hetconv worker: error: cannot listen on" in process.output()
