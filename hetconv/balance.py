@@ -107,14 +107,27 @@ def _call_seconds(cluster: Cluster, layer: ConvLayer, phase: str, kernels: int, 
     return cluster.wire.call_s(wire.bundled)
 
 
-def _phase_terms(cluster: Cluster, layer: ConvLayer, workers: int, fused=False) -> np.ndarray:
+def _phase_terms(
+    cluster: Cluster,
+    layer: ConvLayer,
+    workers: int,
+    fused=False,
+    resident: bool = False,
+    replica: ConvLayer | None = None,
+) -> np.ndarray:
     """Per node (master first) the forward and backward times as ``a + s·k`` for ``k`` kernels,
     when ``workers`` workers take part: rows (a_forward, s_forward, a_backward, s_backward).
 
     Fused (``layer.stage`` runs on the nodes, :mod:`hetconv.stages`): a kernel's maps travel
     pooled, and a worker also computes, and is sent the weights of, the stage's halo of
     neighbouring kernels on each side, and is sent their output gradient back: a fixed cost
-    whatever its share (a slice at a layer's edge has half of it; counted whole)."""
+    whatever its share (a slice at a layer's edge has half of it; counted whole).
+
+    ``resident`` (fused only, :mod:`hetconv.master.resident`): a kernel's weights and gradients
+    stay on its worker. ``replica``: the replicated first block whose output is the layer's
+    input (:mod:`hetconv.replica`): a worker gets the images and the block's kernels instead of
+    the input, answers the block's kernel gradients instead of an input-gradient part, and
+    computes the whole block: fixed costs."""
     shared = min(cluster.shared_bytes_per_s())
     nodes = cluster.nodes
     links = np.array([n.bytes_per_s for n in nodes[1:]], float)
@@ -134,13 +147,24 @@ def _phase_terms(cluster: Cluster, layer: ConvLayer, workers: int, fused=False) 
         reach = sum(layer.stage.grad_reach)
         halo_forward = (halo * layer.kernel_bytes) / rates  # their weights, sent
         halo_backward = (reach * maps) / rates  # their output gradient, sent
-    per_kernel = layer.kernel_bytes + maps  # weights one way, maps (or outputs) the other
+    per_kernel = maps if resident else layer.kernel_bytes + maps  # weights, maps (or outputs)
     dx = x_bytes if layer.need_input_grad else 0
+    block = np.zeros((2, len(nodes) - 1))  # a replicated block's work on each worker
+    if replica is not None:
+        b = replica.shape
+        x_bytes = 4 * (b.n * b.c * b.h * b.w) + replica.kernel_bytes * replica.kernels
+        dx = replica.kernel_bytes * replica.kernels
+        for row, phase in enumerate((FORWARD, BACKWARD)):
+            block[row] = [
+                n.conv_seconds(replica, replica.kernels, replica.passes(phase)) for n in nodes[1:]
+            ]
     terms = np.zeros((4, len(nodes)))
     terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess, fused) + rtts + x_bytes / rates
+    terms[0, 1:] += block[0]
     terms[1] = seconds * layer.passes(FORWARD)
     terms[1, 1:] += per_kernel / rates
     terms[2, 1:] = _call_seconds(cluster, layer, BACKWARD, guess, fused) + rtts + dx / rates
+    terms[2, 1:] += block[1]
     terms[3] = seconds * layer.passes(BACKWARD)
     terms[3, 1:] += per_kernel / rates
     if fused:
@@ -175,12 +199,21 @@ def _split(terms: np.ndarray, chosen: np.ndarray, kernels: int) -> tuple[float, 
     return float(result.fun), np.maximum(result.x[:count], 0.0)
 
 
-def link_aware_shares(cluster: Cluster, layer: ConvLayer, fused: bool = False) -> list[int]:
+def link_aware_shares(
+    cluster: Cluster,
+    layer: ConvLayer,
+    fused: bool = False,
+    resident: bool = False,
+    replica: ConvLayer | None = None,
+) -> list[int]:
     """Shares that minimise the layer's predicted time, transfers included (module docstring).
 
     Args:
         fused: the layer runs with its stage on the nodes (needs ``layer.stage``): maps travel
             as the stage's output and each worker computes the stage's halo too.
+        resident: (fused) workers keep their kernels (:mod:`hetconv.master.resident`).
+        replica: the replicated first block whose output is the layer's input (fused;
+            :mod:`hetconv.replica`).
 
     Returns kernels per node, master first, summing to the layer's kernel count; a worker whose
     link would make it slow the layer down gets 0.
@@ -191,10 +224,13 @@ def link_aware_shares(cluster: Cluster, layer: ConvLayer, fused: bool = False) -
     n = len(cluster.workers)
     master_only = [kernels] + [0] * n
     sum_s = layer.x_bytes / cluster.wire.sum_bytes_per_s if layer.need_input_grad else 0.0
+    if replica is not None:
+        sum_s = 0.0  # the workers' parts stay on them (the block's gradients are small)
+    modes = {"resident": resident, "replica": replica}
     # First a quick pass: everyone finishing the whole layer together, for every m.
     estimates = {}
     for m in range(1, n + 1):
-        terms = _phase_terms(cluster, layer, m, fused)
+        terms = _phase_terms(cluster, layer, m, fused, **modes)
         a, s = terms[0] + terms[2], terms[1] + terms[3]
         order = 1 + np.lexsort((s[1:], a[1:]))[:m]
         chosen = np.concatenate(([0], order))
@@ -221,16 +257,20 @@ def link_aware_shares(cluster: Cluster, layer: ConvLayer, fused: bool = False) -
         return master_only
     # Integer kernels by the same largest-remainder rule, in proportion to the real quotas.
     shares = kernel_shares(kernels, [1.0 / q if q > 0 else math.inf for q in best])
-    if cluster.master_compute and _layer_seconds(cluster, layer, shares, fused) >= _layer_seconds(
-        cluster, layer, master_only, fused
-    ):
+    if cluster.master_compute and _layer_seconds(
+        cluster, layer, shares, fused, **modes
+    ) >= _layer_seconds(cluster, layer, master_only, fused, **modes):
         return master_only  # the model's own simulation has the last word
     return shares
 
 
-def _layer_seconds(cluster: Cluster, layer: ConvLayer, shares, fused: bool = False) -> float:
+def _layer_seconds(
+    cluster: Cluster, layer: ConvLayer, shares, fused: bool = False, resident=False, replica=None
+) -> float:
     return sum(
-        simulate_layer_phase(cluster, layer, phase, shares, fused=fused).wall_s
+        simulate_layer_phase(
+            cluster, layer, phase, shares, fused=fused, resident=resident, replica=replica
+        ).wall_s
         for phase in (FORWARD, BACKWARD)
     )
 

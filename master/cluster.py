@@ -438,6 +438,12 @@ class Cluster:
         self._choose_stage_modes(layers, batch)
         self._choose_replica(layers, batch)
         self._choose_kernel_modes(layers, batch)
+        # The modes change what each layer's calls move: plan the shares again knowing them.
+        resident = frozenset(name for name, mode in self.kernel_modes.items() if mode == RESIDENT)
+        consumers = {consumer: block for block, consumer in self.replicas.feeds.items()}
+        if resident or consumers:
+            self.planner = dataclasses.replace(self.planner, resident=resident, replicas=consumers)
+            self._replan()
         self.membership.read_initial_workers_file()
         if log is not None:
             print(self.describe_shares(), file=log)

@@ -15,7 +15,7 @@ whatever their probes measured. Probes still run: they set each call's deadline,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -93,6 +93,10 @@ class Planner:
             decides a share; the ``compute`` policy only).
         stages: as ``hetconv train --stages``: the ``link`` policy plans a layer with a stage
             as fused unless ``"unfused"`` (its maps travel pooled; each worker computes a halo).
+        resident: layers whose kernels stay on the workers (the ``link`` policy counts no
+            kernel bytes for them).
+        replicas: layer name -> the replicated first block whose output is its input
+            (:mod:`hetconv.replica`); the block itself is the master's alone.
     """
 
     master_compute: bool
@@ -102,6 +106,8 @@ class Planner:
     fixed: Mapping[str, tuple[int, ...]] | None = None
     deterministic: bool = False
     stages: str = UNFUSED
+    resident: frozenset[str] = frozenset()
+    replicas: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -126,7 +132,13 @@ class Planner:
     ) -> dict[str, LayerPlan]:
         """Shares of every layer over the usable nodes."""
         plans = {}
+        blocks = set(self.replicas.values())
         for layer in layers:
+            if layer.name in blocks:  # every node computes it; the master's share is all
+                plans[layer.name] = LayerPlan.of(
+                    layer.shape, [layer.shape.k] + [0] * (len(nodes) - 1)
+                )
+                continue
             override = (self.fixed or {}).get(layer.name)
             if override is not None and everyone_active and len(override) == len(nodes):
                 plans[layer.name] = LayerPlan.of(layer.shape, override)
@@ -141,7 +153,8 @@ class Planner:
                 seconds[0] = self._seconds(nodes[0], layer.name)
             shares = kernel_shares(layer.shape.k, seconds)
             if self.policy == LINK_POLICY:
-                shares = self._link_aware(nodes, layer, seconds, shares)
+                block = next((b for b in layers if b.name == self.replicas.get(layer.name)), None)
+                shares = self._link_aware(nodes, layer, seconds, shares, block)
             plans[layer.name] = LayerPlan.of(layer.shape, shares)
         return plans
 
@@ -165,7 +178,14 @@ class Planner:
         )
         return LayerPlan.of(shape, kernel_shares(k, speeds))
 
-    def _link_aware(self, nodes, layer: PlannedLayer, seconds: list[float], fallback: list[int]):
+    def _link_aware(
+        self,
+        nodes,
+        layer: PlannedLayer,
+        seconds: list[float],
+        fallback: list[int],
+        block: PlannedLayer | None = None,
+    ):
         """The link-aware split of ``layer`` over the nodes whose ``seconds`` are finite (the
         usable ones), from their probes and measured links; ``fallback`` (the compute shares)
         when the master alone is usable or no worker is worth its link."""
@@ -180,14 +200,25 @@ class Planner:
         if self.capacity is not None:
             fastest = max(fastest, self.capacity)
 
+        replica = None
+        if block is not None and fused:
+            replica = ConvLayer(block.name, block.shape, block.need_input_grad, block.stage)
+
         def model_node(i: int) -> costmodel.Node:
             node = nodes[i]
             gflops = flops / max(node.probe_seconds.get(layer.name, seconds[i]), 1e-9) / 1e9
+            per_layer = {}
+            if replica is not None and replica.name in node.probe_seconds:
+                block_flops = replica.step_passes * replica.shape.flops_forward
+                per_layer[replica.name] = (
+                    block_flops / max(node.probe_seconds[replica.name], 1e-9) / 1e9
+                )
             if node.client is None:  # the master: its port is at least as fast as any link
-                return costmodel.Node(node.name, gflops, bytes_per_s=fastest)
+                return costmodel.Node(node.name, gflops, per_layer, bytes_per_s=fastest)
             return costmodel.Node(
-                node.name, gflops, bytes_per_s=node.link_bytes_per_second, rtt_s=node.link_latency
-            )
+                node.name, gflops, per_layer, bytes_per_s=node.link_bytes_per_second,
+                rtt_s=node.link_latency,
+            )  # fmt: skip
 
         model = costmodel.Cluster(
             master=model_node(0),
@@ -198,7 +229,8 @@ class Planner:
             medium_bytes_per_s=fastest,
             master_compute=0 in usable_nodes,
         )
-        split = balance.link_aware_shares(model, modelled, fused)
+        resident = fused and layer.name in self.resident
+        split = balance.link_aware_shares(model, modelled, fused, resident, replica)
         if split[0] and not model.master_compute:  # it found no worker worth its link
             return fallback
         shares = [0] * len(nodes)

@@ -15,7 +15,10 @@ import json
 import numpy as np
 import pytest
 
+from hetconv.balance import link_aware_shares
 from hetconv.conv import LocalConv
+from hetconv.costmodel import Cluster as SimCluster
+from hetconv.costmodel import Node as SimNode
 from hetconv.costmodel import replica_bytes, replicate_gain, simulate_step
 from hetconv.formats import FLOAT32
 from hetconv.master.client import CallStats, WorkerClient, WorkerError
@@ -261,3 +264,21 @@ def test_a_replicated_trace_calibrates_the_simulator(workers, tmp_path):
     syncs = sum(resident_sync_bytes(layers[1], share) // 20 for share in SHARES["conv2"][1:])
     assert abs(result.bytes - syncs - min(traced)) < 32, (result.bytes, syncs, traced)
     assert cal.check()["step_s"] > 0
+
+
+def test_link_shares_give_workers_more_when_less_travels():
+    """On a slow shared medium, the link-aware split of conv2 gives the workers more kernels
+    once their kernels stay (resident) and its input is computed there (replicated block)."""
+    layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
+    node = dict(gflops=20.0, bytes_per_s=12.5e6, rtt_s=1e-3)
+    cluster = SimCluster(
+        SimNode("master", **node),
+        tuple(SimNode(f"w{i}", **node) for i in range(4)),
+        "wifi",
+        medium_bytes_per_s=12.5e6,
+    )
+    conv1, conv2 = layers["conv1"], layers["conv2"]
+    fused = link_aware_shares(cluster, conv2, True)
+    kept = link_aware_shares(cluster, conv2, True, resident=True)
+    replicated = link_aware_shares(cluster, conv2, True, resident=True, replica=conv1)
+    assert sum(fused[1:]) < sum(kept[1:]) < sum(replicated[1:])
