@@ -38,6 +38,9 @@ import numpy as np
 from scipy.optimize import linprog
 
 from hetconv.costmodel import Cluster, simulate_layer_phase
+from hetconv.replica import FIRST as REPLICATE_FIRST
+from hetconv.replica import OFF as REPLICATE_OFF
+from hetconv.resident import SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, call_bytes, stage_call_bytes
 
@@ -276,20 +279,33 @@ def _layer_seconds(
 
 
 def shares_for(
-    cluster: Cluster, layers, policy: str, stages: str = UNFUSED
+    cluster: Cluster,
+    layers,
+    policy: str,
+    stages: str = UNFUSED,
+    kernels: str = SENT,
+    replicate: str = REPLICATE_OFF,
 ) -> dict[str, tuple[int, ...]]:
     """Per layer name, kernels per node (master first) under ``policy``; the ``link`` policy
     plans a layer with a stage as fused when ``stages`` is ``"fused"`` or ``"auto"`` (with
-    pooling the fused mode moves fewer bytes, so ``auto`` then picks it)."""
+    pooling the fused mode moves fewer bytes, so ``auto`` then picks it), its kernels as kept
+    on the workers when ``kernels`` is ``"resident"`` or ``"auto"`` (likewise), and with
+    ``replicate`` ``"first"`` the first layer as the master's alone and the second as fed by
+    it (:mod:`hetconv.replica`)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if stages not in (FUSED, UNFUSED, AUTO):
         raise ValueError(f"stages {stages!r}; expected fused, unfused or auto")
+    block = layers[0] if replicate == REPLICATE_FIRST and len(layers) > 1 else None
     out = {}
     for layer in layers:
-        if policy == COMPUTE:
+        if layer is block:  # every node computes it; the master's share is all
+            out[layer.name] = (layer.kernels,) + (0,) * len(cluster.workers)
+        elif policy == COMPUTE:
             out[layer.name] = tuple(compute_shares(cluster, layer))
         else:
             fused = stages != UNFUSED and layer.stage is not None
-            out[layer.name] = tuple(link_aware_shares(cluster, layer, fused))
+            resident = fused and kernels != SENT
+            replica = block if fused and block is not None and layer is layers[1] else None
+            out[layer.name] = tuple(link_aware_shares(cluster, layer, fused, resident, replica))
     return out

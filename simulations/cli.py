@@ -178,6 +178,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layer, fewer bytes wins: what `hetconv train` does by default). Needs --stages fused "
         "or auto to matter",
     )
+    parser.add_argument(
+        "--replicate",
+        choices=("off", "first"),
+        default="off",
+        help="first: every node computes the first convolution's block from the images, as "
+        "`hetconv train --replicate first` (the second layer's input and input gradient do not "
+        "travel; each worker computes the whole first block); needs --stages fused or auto. "
+        "Default off (the paper's)",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write figures (PNG) into DIR")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
@@ -324,6 +333,11 @@ def run(args: argparse.Namespace) -> int:
     from .scenario import load_scenario, shipped_scenarios
     from .sweep import format_bandwidth_checks, format_table, run_scenario
 
+    if args.replicate == "first" and args.stages == "unfused":
+        raise ValueError(
+            "--replicate first feeds the second layer, which must run fused: add --stages fused "
+            "(or auto)"
+        )
     if args.plot:
         from .plots import require_matplotlib
 
@@ -369,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
             policies=args.policy,
             stages=args.stages,
             kernels=args.kernels,
+            replicate=args.replicate,
         )
         if not args.quiet:
             print(describe(scenario, args.network))

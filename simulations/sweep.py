@@ -42,6 +42,7 @@ class Row:
     shares: dict[str, list[int]]
     stages: str = "unfused"  # as `hetconv train --stages` (hetconv.stages)
     kernels: str = "sent"  # as `hetconv train --kernels` (hetconv.master.resident)
+    replicate: str = "off"  # as `hetconv train --replicate` (hetconv.replica)
     comp_basis: str = "scenario"  # where comp_s comes from: the scenario, or "paper"
     # The paper's scenarios, clusters of 2 or more (simulations.paper.bandwidth_check): its
     # Eq. 2 volume, the time the paper's compute split leaves for moving it if the cluster is
@@ -64,10 +65,12 @@ def run_scenario(
     policies: Sequence[str] | None = None,
     stages: str = "unfused",
     kernels: str = "sent",
+    replicate: str = "off",
 ) -> list[Row]:
     """Simulate the scenario's grid (each argument, when given, replaces the scenario's), with
-    every layer's stage run as ``stages`` says (``hetconv train --stages``) and its kernels
-    kept as ``kernels`` says (``hetconv train --kernels``)."""
+    every layer's stage run as ``stages`` says (``hetconv train --stages``), its kernels
+    kept as ``kernels`` says (``hetconv train --kernels``) and the first block replicated as
+    ``replicate`` says (``hetconv train --replicate``: ``"off"`` or ``"first"``)."""
     rows = []
     for network in networks or scenario.networks:
         for batch in batches or scenario.batches:
@@ -80,9 +83,9 @@ def run_scenario(
                     cluster = scenario.cluster(size, bandwidth)
                     results = {}
                     for policy in policies or scenario.policies:
-                        shares = shares_for(cluster, layers, policy, stages)
+                        shares = shares_for(cluster, layers, policy, stages, kernels, replicate)
                         results[policy] = simulate_step(
-                            cluster, layers, shares, comp, stages, kernels
+                            cluster, layers, shares, comp, stages, kernels, replicate
                         )
                     check = {}
                     if scenario.paper and size > 1:
@@ -123,6 +126,7 @@ def run_scenario(
                                 shares={k: list(v) for k, v in result.shares.items()},
                                 stages=stages,
                                 kernels=kernels,
+                                replicate=replicate,
                                 comp_basis=scenario.comp_basis,
                                 **check,
                             )

@@ -28,6 +28,7 @@ from hetconv.master.training import TrainConfig, train
 from hetconv.model import Model, reference_spec
 from hetconv.replica import ReplicaBlock
 from hetconv.simulations.calibrate import calibrate
+from hetconv.simulations.cli import main as simulate_main
 from hetconv.simulations.trace import read_steps, step_bytes
 from hetconv.stages import StageSpec
 from hetconv.workload import (
@@ -282,3 +283,19 @@ def test_link_shares_give_workers_more_when_less_travels():
     kept = link_aware_shares(cluster, conv2, True, resident=True)
     replicated = link_aware_shares(cluster, conv2, True, resident=True, replica=conv1)
     assert sum(fused[1:]) < sum(kept[1:]) < sum(replicated[1:])
+
+
+def test_simulate_models_the_replicated_block(tmp_path, capsys):
+    rows = {}
+    for replicate in ("off", "first"):
+        out = tmp_path / f"{replicate}.json"
+        argv = ["gigabit-lan", "--preset", "paper-150-800", "--batch", "16", "--nodes", "5"]
+        argv += ["--stages", "fused", "--kernels", "resident", "--policy", "compute"]
+        assert simulate_main([*argv, "--replicate", replicate, "--json", str(out)]) == 0
+        (rows[replicate],) = json.loads(out.read_text())
+    assert rows["first"]["replicate"] == "first"
+    assert rows["first"]["shares"]["conv1"] == [150, 0, 0, 0, 0]
+    assert rows["first"]["mbytes_per_step"] < rows["off"]["mbytes_per_step"] / 2
+    capsys.readouterr()
+    assert simulate_main(["gigabit-lan", "--replicate", "first"]) == 2
+    assert "--replicate first feeds the second layer" in capsys.readouterr().err
