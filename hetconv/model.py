@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -587,6 +588,25 @@ class Model:
                 spec = dataclasses.replace(spec, feeds=self.layers[after].name)
             specs.append(spec)
         return specs
+
+    def other_seconds(self, batch: int) -> dict[str, float]:
+        """Seconds of each non-convolutional layer's forward and backward on ``batch`` images'
+        worth of random input (copies of the layers: the model's state, batch norm's running
+        statistics and dropout's masks, is left as it was)."""
+        rng = np.random.default_rng(0)
+        out = {}
+        for layer in self.layers:
+            if isinstance(layer, Conv2d):
+                continue
+            twin = copy.deepcopy(layer)
+            if isinstance(twin, Dropout):
+                twin.step = 0
+            x = rng.standard_normal((batch, *layer.input_shape)).astype(np.float32)
+            start = time.perf_counter()
+            y = twin.forward(x)
+            twin.backward(np.ones_like(y))
+            out[layer.name] = time.perf_counter() - start
+        return out
 
     def init_weights(self, seed: int) -> None:
         """PyTorch's default initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for conv and

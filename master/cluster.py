@@ -99,6 +99,7 @@ from .planning import (
     check_shares,
     plan_record,
     shares_table,
+    step_model,
 )
 from .rebalancing import DriftMonitor
 from .replica import REPLICATED, ReplicatedBlocks, replica_refusal, timed
@@ -579,6 +580,38 @@ class Cluster:
                 "--shares compute splits by compute speed alone"
             )
         return "\n".join(lines)
+
+    def predict_step(self, comp_alone_s: float, comp_s: float) -> dict | None:
+        """The cost model's step for the plan and modes chosen, on the nodes as probed and
+        measured, against the master alone's (its own probe of every layer); ``comp_alone_s``
+        and ``comp_s``: the master's other work per step alone and in the cluster (fused
+        stages take theirs to the nodes). None when the master probed no layer (it does not
+        compute): nothing to compare with."""
+        master = self.nodes[0]
+        if not self._layers or not all(ly.name in master.probe_seconds for ly in self._layers):
+            return None
+        active = [i for i, n in enumerate(self.nodes) if i == 0 or n.state == ACTIVE]
+        nodes = [self.nodes[i] for i in active]
+        model = step_model(
+            nodes, self._layers, self.planner.network, self.planner.capacity,
+            self.config.master_compute,
+            costmodel.WireCosts(format=self.config.wire_format),
+        )  # fmt: skip
+        layers = [ConvLayer(ly.name, ly.shape, ly.need_input_grad, ly.stage) for ly in self._layers]
+        shares = {}
+        for ly in self._layers:
+            plan = self.plans[ly.name].shares
+            shares[ly.name] = [plan[i] for i in active]
+            shares[ly.name][0] += sum(plan) - sum(shares[ly.name])  # a lost node's: the master's
+        stages = {
+            name: (FUSED if mode == FUSED else UNFUSED) for name, mode in self.stage_modes.items()
+        }
+        replicate = REPLICATE_FIRST if self.replicas.feeds else REPLICATE_OFF
+        result = costmodel.simulate_step(
+            model, layers, shares, comp_s, stages, dict(self.kernel_modes), replicate
+        )
+        alone = sum(master.probe_seconds[ly.name] for ly in self._layers) + comp_alone_s
+        return {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
 
     def _workers_idle(self) -> bool:
         """Whether the plan gives no active worker any kernel of any layer."""

@@ -235,6 +235,9 @@ class EmbeddedCluster:
     def plan_record(self) -> dict:
         return self.cluster.plan_record()
 
+    def predict_step(self, comp_alone_s: float, comp_s: float) -> dict | None:
+        return self.cluster.predict_step(comp_alone_s, comp_s)
+
     @property
     def wire_format(self) -> str:
         """The format of activations on the wire (known before the workers start)."""

@@ -14,6 +14,7 @@ whatever their probes measured. Probes still run: they set each call's deadline,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -237,6 +238,55 @@ class Planner:
         for i, kernels in zip([0, *workers], split, strict=True):
             shares[i] = kernels
         return shares
+
+
+def step_model(
+    nodes: Sequence[Node],
+    layers: Sequence[PlannedLayer],
+    network: str,
+    capacity: float | None,
+    master_compute: bool,
+    wire: costmodel.WireCosts | None = None,
+) -> costmodel.Cluster:
+    """The cost model's cluster of ``nodes`` (master first, as measured): each node's speed on
+    each layer from its probe (forward and backward of all its kernels), each worker's measured
+    link and latency; the master's port (switched) or the medium (``"wifi"``) at ``capacity``
+    (None: the fastest link)."""
+    modelled = [ConvLayer(ly.name, ly.shape, ly.need_input_grad, ly.stage) for ly in layers]
+
+    def speeds(node: Node) -> dict[str, float]:
+        return {
+            ly.name: ly.step_passes * ly.shape.flops_forward / node.probe_seconds[ly.name] / 1e9
+            for ly in modelled
+            if node.probe_seconds.get(ly.name, 0) > 0
+        }
+
+    links = [n.link_bytes_per_second for n in nodes[1:] if math.isfinite(n.link_bytes_per_second)]
+    fastest = capacity or max(links, default=math.inf)
+    made = []
+    for i, node in enumerate(nodes):
+        per_layer = speeds(node)
+        gflops = float(np.median(list(per_layer.values()))) if per_layer else 1.0
+        if i == 0:
+            made.append(costmodel.Node(node.name, gflops, per_layer, bytes_per_s=fastest))
+        else:
+            made.append(
+                costmodel.Node(
+                    node.name,
+                    gflops,
+                    per_layer,
+                    bytes_per_s=node.link_bytes_per_second,
+                    rtt_s=node.link_latency,
+                )  # fmt: skip
+            )
+    return costmodel.Cluster(
+        master=made[0],
+        workers=tuple(made[1:]),
+        fabric=network,
+        medium_bytes_per_s=fastest,
+        master_compute=master_compute,
+        wire=wire or costmodel.WireCosts(),
+    )
 
 
 def shares_table(

@@ -29,8 +29,9 @@ from hetconv.data import (
     synthetic_cifar,
 )
 from hetconv.layers import softmax_cross_entropy
-from hetconv.model import Model, load_spec, walk_spec
+from hetconv.model import ConvStage, Model, load_spec, walk_spec
 from hetconv.optim import SGD, SGDConfig
+from hetconv.stages import FUSED
 
 from .checkpoint import DEFAULT_KEEP, CheckpointDir, TrainingState, read_weights, resume_point
 from .fingerprint import compute_environment, order_digest, run_fingerprint
@@ -249,12 +250,16 @@ def _resident_names(executor: ConvExecutor) -> set[str]:
     return {f"{name}.{key}" for name in layers() for key in ("weight", "bias")}
 
 
-def _plan_record(executor: ConvExecutor, start_step: int) -> dict | None:
+def _plan_record(
+    executor: ConvExecutor, start_step: int, prediction: dict | None = None
+) -> dict | None:
     """The trace's first record for a run from ``start_step``: the executor's plan, if any."""
     plan_record = getattr(executor, "plan_record", None)  # executors older than the method
     plan = plan_record() if plan_record is not None else None
     if plan is None:
         return None
+    if prediction is not None:
+        plan = {**plan, "prediction": prediction}
     if "step" in plan:
         raise ValueError(f"an executor's plan must not hold 'step' (it holds {sorted(plan)})")
     return {"event": "plan", "start_step": start_step, **plan}
@@ -298,6 +303,7 @@ class _Run:
         if config.checkpoint_dir:
             self._find_checkpoint()
         self.executor.prepare(self.model.conv_specs(), config.batch, log)
+        self.prediction = self._predict(config.batch)
         # Resident kernels (hetconv.master.resident): the executor updates those layers.
         self.resident = _resident_names(self.executor)
         if self.resident:
@@ -323,6 +329,23 @@ class _Run:
         self._eval_seconds = 0.0  # evaluations since then: not training time
         self.final_eval: tuple[float, float] | None = None  # (loss, accuracy) after the last step
         self._last_message = -math.inf
+
+    def _predict(self, batch: int) -> dict | None:
+        """The executor's predicted step against the master alone's, when it can say
+        (``predict_step``): the master's other work timed here, once."""
+        predict = getattr(self.executor, "predict_step", None)
+        if predict is None:
+            return None
+        seconds = self.model.other_seconds(batch)
+        # Fused stages run their layers on the nodes, not on the master.
+        fused = {
+            layer.name
+            for block in self.model.blocks
+            if isinstance(block, ConvStage) and self.executor.stage_mode(block.name) == FUSED
+            for layer in block.chain
+        }
+        comp = sum(t for name, t in seconds.items() if name not in fused)
+        return predict(sum(seconds.values()), comp)
 
     def _find_checkpoint(self) -> None:
         config = self.config
@@ -376,6 +399,14 @@ class _Run:
             print(f"run folder: {config.run_dir}", file=log)
         if self.loaded_from is not None:
             print(f"starting from the weights of {self.loaded_from}", file=log)
+        if self.prediction is not None:
+            p = self.prediction
+            print(
+                f"predicted: {_seconds(p['step_s'])} per step, {p['speedup']:.2f}x the master "
+                f"alone ({_seconds(p['alone_s'])}: its own probe of every layer and the rest of "
+                "its step)",
+                file=log,
+            )
         if self.resumed is None:
             return
         state, path = self.resumed
@@ -406,7 +437,7 @@ class _Run:
             )
         try:
             self.metrics = MetricsLog(config.metrics, config.tensorboard, resume_step)
-            plan = _plan_record(self.executor, self.start_step)
+            plan = _plan_record(self.executor, self.start_step, self.prediction)
             if plan is not None:
                 self.trace.write(plan)
             self._loop()
@@ -667,6 +698,19 @@ class _Run:
             f"(slowest node) {conv:.1f} ms, other computation {comp:.1f} ms",
             file=log,
         )
+        if self.prediction is not None and totals.breakdown.sum() > 0:
+            step = totals.breakdown.sum() / timed  # the mean step after the first
+            alone = self.prediction["alone_s"]
+            print(
+                f"measured: {_seconds(step)} per step, {alone / step:.2f}x the master alone "
+                f"({_seconds(alone)}, from its own measured speed; predicted "
+                f"{self.prediction['speedup']:.2f}x)",
+                file=log,
+            )
         if config.save:
             print(f"weights saved to {os.fspath(config.save)}", file=log)
         return result
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if value >= 1 else f"{1e3 * value:.0f} ms"

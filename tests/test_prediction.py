@@ -1,0 +1,63 @@
+"""What `hetconv train` tells a user about the cluster: at the start the cost model's step for
+the plan and modes chosen against the master alone's, at the end the measured step against it.
+
+Real worker processes on loopback; the figures themselves are this machine's (not asserted):
+the lines, the trace's record and the arithmetic between them are.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import numpy as np
+
+from hetconv.master.cluster import Cluster, ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.training import TrainConfig, train
+from hetconv.model import Model, reference_spec
+
+FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
+
+
+def test_train_predicts_its_step_then_measures_it(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    log = io.StringIO()
+    config = TrainConfig(steps=6, batch=8, train_size=48, eval_size=8, progress=False,
+                         trace=str(trace))  # fmt: skip
+    with LocalWorkers(2) as workers:
+        cluster_config = ClusterConfig(**FAST, stages="fused", kernels="resident")
+        with Cluster(workers.addresses, config=cluster_config) as cluster:
+            train(config, cluster, log=log)
+    text = log.getvalue()
+    predicted = re.search(r"predicted: .* per step, ([0-9.]+)x the master alone \((.*?):", text)
+    measured = re.search(r"measured: (.*?) per step, ([0-9.]+)x the master alone", text)
+    assert predicted and measured, text
+    plan = json.loads(trace.read_text().splitlines()[0])
+    prediction = plan["prediction"]
+    assert prediction["speedup"] == prediction["alone_s"] / prediction["step_s"]
+    assert float(predicted.group(1)) == round(prediction["speedup"], 2)
+    assert f"predicted {prediction['speedup']:.2f}x" in text
+
+
+def test_the_other_layers_are_timed_on_copies():
+    spec = reference_spec(8, 16)
+    spec.insert(-1, {"type": "dropout", "p": 0.5})
+    spec.insert(1, {"type": "batchnorm"})
+    model = Model(spec)
+    before = {k: v.copy() for k, v in model.state().items()}
+    seconds = model.other_seconds(4)
+    assert set(seconds) == {
+        layer.name for layer in model.layers if layer.name not in ("conv1", "conv2")
+    }
+    assert all(t > 0 for t in seconds.values())
+    for name, value in model.state().items():  # running statistics untouched
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_a_local_run_predicts_nothing():
+    log = io.StringIO()
+    config = TrainConfig(steps=2, batch=8, train_size=16, eval_size=0, progress=False)
+    train(config, log=log)
+    assert "predicted:" not in log.getvalue() and "measured:" not in log.getvalue()
