@@ -326,7 +326,9 @@ def simulate_data_parallel(
     layers = conv_layers(spec, batch)
     ranks = _ranks(cluster)
     profiles = [_profile(node, cluster.master, layers, comp_s) for node in ranks]
-    conv_fractions = [_conv_fraction(n, layers, p, batch) for n, p in zip(ranks, profiles)]
+    conv_fractions = [
+        _conv_fraction(n, layers, p, batch) for n, p in zip(ranks, profiles, strict=True)
+    ]
     if image_seconds is not None:
         if len(image_seconds) != len(ranks) or not all(t > 0 for t in image_seconds):
             raise ValueError(
@@ -349,7 +351,9 @@ def simulate_data_parallel(
             t += seconds * b
             ends.append(t)
         block_ends.append(ends)
-    compute_ends = [ends[-1] if ends else f for ends, f in zip(block_ends, forward_end)]
+    compute_ends = [
+        ends[-1] if ends else f for ends, f in zip(block_ends, forward_end, strict=True)
+    ]
     compute = max(compute_ends)
     conv_fraction = conv_fractions[compute_ends.index(compute)]
     total_bytes = parameter_bytes(spec)
