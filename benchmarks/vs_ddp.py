@@ -261,9 +261,9 @@ def _peak_mb(pid: int) -> float | None:
 def winner(hetconv: float | None, ddp: float | None, alone: Sequence[float | None]):
     """The fastest of hetconv, DDP and one machine (the faster engine alone); None when a
     figure is missing."""
-    figures = {HETCONV: hetconv, DDP: ddp, ONE_MACHINE: min(alone, default=None)}
-    if any(v is None for v in alone) or any(v is None for v in figures.values()):
+    if hetconv is None or ddp is None or not alone or any(v is None for v in alone):
         return None
+    figures = {HETCONV: hetconv, DDP: ddp, ONE_MACHINE: min(alone)}
     return min(figures, key=lambda k: figures[k])
 
 

@@ -258,10 +258,10 @@ def test_weighted_ddp_step_on_unequal_slices_equals_one_process_on_the_global_ba
         assert error <= 1e-5 * np.abs(moved).max() + 1e-7, (name, error)
 
 
-def _vs_ddp(*argv: str) -> subprocess.CompletedProcess:
+def _vs_ddp(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "vs_ddp.py"), *argv],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -278,3 +278,41 @@ def test_vs_ddp_explains_itself_and_refuses_bad_input_by_name():
         done = _vs_ddp(*argv)
         assert done.returncode == 2, (argv, done.stderr)
         assert message in done.stderr, (argv, done.stderr)
+
+
+def _vs_ddp_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import vs_ddp
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return vs_ddp
+
+
+def test_the_winner_is_the_fastest_of_hetconv_ddp_and_the_faster_engine_alone():
+    winner = _vs_ddp_module().winner
+    assert winner(1.0, 2.0, [3.0, 4.0]) == "hetconv"
+    assert winner(2.0, 1.0, [3.0, 4.0]) == "ddp"
+    assert winner(2.0, 3.0, [4.0, 1.5]) == "one machine"
+    assert winner(None, 1.0, [1.0, 1.0]) is None and winner(1.0, 1.0, [None, 1.0]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root (namespaces, tc, cgroups)")
+def test_a_tiny_vs_ddp_run_gives_a_full_row(tmp_path):
+    from hetconv.simulations.testbed import cluster_testbed_unavailable
+
+    why = cluster_testbed_unavailable("shared")
+    if why is not None:
+        pytest.skip(f"testbed: {why}")
+    path = tmp_path / "rows.json"
+    done = _vs_ddp("--network", "tiny", "--batch", "8", "--workers", "1", "--link", "shared",
+                   "--steps", "2", "--json", str(path), timeout=1200)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(path.read_text())
+    for key in ("hetconv_step_s", "ddp_step_s", "ratio", "predicted_winner", "measured_winner",
+                "hetconv_alone_s", "torch_alone_s", "ddp_predicted_s", "hetconv_worker_mb",
+                "ddp_worker_mb"):  # fmt: skip
+        assert row[key] is not None, key
+    assert sum(row["ddp_batches"]) == 8 and len(row["ddp_batches"]) == 2
+    assert row["ratio"] == pytest.approx(row["hetconv_step_s"] / row["ddp_step_s"])
