@@ -31,7 +31,9 @@ peak resident memory (``VmHWM``) of each scheme's worker processes: a hetconv wo
 its kernel slices and the maps of a call, a DDP rank the whole model, its gradients, optimizer
 state and activations.
 
-Example (about an hour for this grid on a quiet 2-core machine)::
+Example (on this 2-core machine about 7 minutes for paper-50-500's eight configurations, 20
+for paper-500-1500's at batch 16, 45 at batch 64, mostly the engines alone and DDP on the
+shared medium)::
 
     sudo .venv/bin/python benchmarks/vs_ddp.py --network paper-50-500 paper-500-1500 \\
         --batch 16 64 --workers 2 4 --link switched shared --json vs_ddp.json
