@@ -7,8 +7,9 @@ machine's 2 cores), joined by a bridge whose links are shaped with tc:
 
 * ``--link switched``: every node's cable at the rate, each direction (the master's too: a
   laptop master has one gigabit port, which the requests to every worker share);
-* ``--link shared``: one token bucket that every packet to and from the master passes, both
-  directions (an ifb device on the master's port): a half-duplex shared medium, as Wi-Fi.
+* ``--link shared``: one token bucket that every packet passes once, between any two nodes
+  (an ifb device that takes what every port brings into the bridge): a half-duplex shared
+  medium, as Wi-Fi.
 
 **Scaling.** A capped process computes at ``cap x core_gflops`` (``core_gflops``: this
 machine's core, measured at the start with hetconv's cpu backend on the network's own
@@ -65,7 +66,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -423,9 +424,12 @@ def run_configuration(
     core_gflops: float,
     scratch: Path,
     log=sys.stderr,
+    before_teardown: Callable[[ClusterTestbed], None] | None = None,
 ) -> list[Row]:
     """Build the testbed for (``workers``, ``link``), run the master alone and every mode in it,
-    tear it down, predict. Returns the rows, the master alone first."""
+    tear it down, predict. Returns the rows, the master alone first. ``before_teardown`` is
+    called with the testbed once every run is done, its workers still up (to read their
+    peak memory, for instance)."""
     cap = args.cap or MAX_TOTAL_CAP / (workers + 1)
     scale = Scale(cap, core_gflops, args.laptop_gflops, LAPTOP_LINK_MBIT[link])
     rate = args.rate_mbit or scale.rate_mbit
@@ -489,6 +493,8 @@ def run_configuration(
                     continue
                 traces[name].append(trace)
         drops = bed.qdisc_drops()
+        if before_teardown is not None:
+            before_teardown(bed)
     if drops:
         print(f"  note: the token buckets dropped {drops} packets", file=log)
     if cap_received < 0.9:
@@ -602,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--link", choices=LINK_KINDS, nargs="+", default=[SWITCHED_LINK],
         help="switched: every node's link at the rate each way; shared: one medium that all "
-        "traffic to and from the master shares, both ways (switched)",
+        "traffic shares, between any two nodes, both ways (switched)",
     )  # fmt: skip
     p.add_argument(
         "--cap", type=positive(float), metavar="FRACTION",

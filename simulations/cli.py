@@ -187,6 +187,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "travel; each worker computes the whole first block); needs --stages fused or auto. "
         "Default off (the paper's)",
     )
+    parser.add_argument(
+        "--no-data-parallel",
+        action="store_true",
+        help="leave out the data-parallel rows (dp-ring, dp-ps: every node trains the whole "
+        "model on a speed-proportional slice of the batch, gradients summed by ring all-reduce "
+        "or on the master, overlapped with backward as PyTorch's DDP does; -seq: after it)",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write figures (PNG) into DIR")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
@@ -384,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
             stages=args.stages,
             kernels=args.kernels,
             replicate=args.replicate,
+            data_parallel=not args.no_data_parallel,
         )
         if not args.quiet:
             print(describe(scenario, args.network))
@@ -396,7 +404,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             "step = comm + conv + comp, in the trace's terms: conv is each call's slowest node, "
             "comm the rest of its wall time; speedup is over local training on the master "
-            "alone; bound = Amdahl's (local step / comp); * = the faster policy"
+            "alone; bound = Amdahl's (local step / comp); dp-* = data parallelism (conv and comp: "
+            "its slowest rank's; comm: what the gradient exchange adds; bound: with a free "
+            "exchange); * = the fastest"
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

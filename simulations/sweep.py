@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 from hetconv.balance import COMPUTE, shares_for
 from hetconv.costmodel import local_step_seconds, simulate_step
+from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
 from hetconv.stages import UNFUSED
 from hetconv.workload import network_layers
 
@@ -66,11 +67,13 @@ def run_scenario(
     stages: str = "unfused",
     kernels: str = "sent",
     replicate: str = "off",
+    data_parallel: bool = False,
 ) -> list[Row]:
     """Simulate the scenario's grid (each argument, when given, replaces the scenario's), with
     every layer's stage run as ``stages`` says (``hetconv train --stages``), its kernels
     kept as ``kernels`` says (``hetconv train --kernels``) and the first block replicated as
-    ``replicate`` says (``hetconv train --replicate``: ``"off"`` or ``"first"``)."""
+    ``replicate`` says (``hetconv train --replicate``: ``"off"`` or ``"first"``); with
+    ``data_parallel``, also the data-parallel peer at every point (:func:`data_parallel_rows`)."""
     rows = []
     for network in networks or scenario.networks:
         for batch in batches or scenario.batches:
@@ -131,6 +134,47 @@ def run_scenario(
                                 **check,
                             )
                         )
+                    if data_parallel:
+                        rows += data_parallel_rows(scenario.name, network, batch, bandwidth,
+                                                   size, cluster, comp)  # fmt: skip
+    return rows
+
+
+def data_parallel_rows(
+    scenario: str, network: str, batch: int, bandwidth: float, size: int, cluster, comp_s: float
+) -> list[Row]:
+    """Heterogeneous data parallelism at one point (:mod:`hetconv.dataparallel`): ring
+    all-reduce and a parameter server on the master, each with its exchange overlapped with
+    backward (``dp-ring``, ``dp-ps``: what PyTorch's DDP does) and after it (``-seq``). Their
+    ``policy`` names them; ``conv`` is the slowest rank's convolutions, ``comp`` the rest of
+    its compute, ``comm`` what the exchange adds, ``bound`` the speedup with a free exchange;
+    ``shares`` holds ``{"batch": per rank}``."""
+    rows = []
+    for algorithm in ALGORITHMS:
+        for overlap in (True, False):
+            r = simulate_data_parallel(cluster, network, batch, comp_s, algorithm, overlap)
+            rows.append(
+                Row(
+                    scenario=scenario,
+                    network=network,
+                    batch=batch,
+                    nodes=size,
+                    bandwidth_mbps=float(bandwidth),
+                    policy=r.label,
+                    step_s=r.step_s,
+                    comm_s=r.comm_s,
+                    conv_s=r.conv_s,
+                    comp_s=r.other_s,
+                    speedup=r.speedup,
+                    local_s=r.local_s,
+                    amdahl_bound=r.local_s / r.compute_s,  # (no exchange at all)
+                    workers_used=sum(1 for b in r.batches[1:] if b),
+                    mbytes_per_step=r.master_bytes / 1e6,
+                    shares={"batch": list(r.batches)},
+                    stages="-",
+                    kernels="-",
+                )
+            )
     return rows
 
 
@@ -145,7 +189,8 @@ def _seconds(value: float) -> str:
 
 
 def format_table(rows: Iterable[Row]) -> str:
-    """A plain-text table; ``*`` marks the faster policy where several were simulated."""
+    """A plain-text table; ``*`` marks the fastest policy where several were simulated (the
+    data-parallel rows, ``dp-...``, compete too)."""
     rows = list(rows)
     best: dict[tuple, float] = {}
     counts: dict[tuple, int] = {}
@@ -154,7 +199,7 @@ def format_table(rows: Iterable[Row]) -> str:
         best[key] = min(best.get(key, float("inf")), r.step_s)
         counts[key] = counts.get(key, 0) + 1
     header = (
-        f"{'network':<16} {'batch':>5} {'nodes':>5} {'Mbit/s':>7} {'policy':<8} "
+        f"{'network':<16} {'batch':>5} {'nodes':>5} {'Mbit/s':>7} {'policy':<11} "
         f"{'step':>9} {'comm':>9} {'conv':>9} {'comp':>9} {'speedup':>8} {'bound':>6} "
         f"{'workers':>7} {'MB/step':>9}"
     )
@@ -168,7 +213,7 @@ def format_table(rows: Iterable[Row]) -> str:
             lines.append("")
         previous = group
         lines.append(
-            f"{r.network:<16} {r.batch:>5} {r.nodes:>5} {r.bandwidth_mbps:>7g} {r.policy:<8} "
+            f"{r.network:<16} {r.batch:>5} {r.nodes:>5} {r.bandwidth_mbps:>7g} {r.policy:<11} "
             f"{_seconds(r.step_s):>9} {_seconds(r.comm_s):>9} {_seconds(r.conv_s):>9} "
             f"{_seconds(r.comp_s):>9} {r.speedup:>7.2f}{mark} {r.amdahl_bound:>6.1f} "
             f"{r.workers_used:>7} {r.mbytes_per_step:>9.1f}"

@@ -16,9 +16,9 @@ Needs root, ``ip`` and ``tc`` (:func:`testbed_unavailable` says why not, where i
 namespace of its own, every node joined to a bridge in a *switch* namespace, each node's
 processes capped by a CPU cgroup (:class:`CpuCap`) to the same fraction of a core, and the links
 shaped either per node (``switched``: a token bucket on both ends of every node's cable, each
-direction at the rate) or through one token bucket that every packet to and from the master
-passes, both directions (``shared``: a Wi-Fi-like medium; an ``ifb`` device in the switch
-namespace takes both directions of the master's port). Nothing of it is in the root namespace.
+direction at the rate) or through one token bucket that every packet passes once, between any
+two nodes (``shared``: a Wi-Fi-like medium; an ``ifb`` device in the switch namespace takes
+what every port brings into the bridge). Nothing of it is in the root namespace.
 
 Public API:
 
@@ -543,8 +543,8 @@ class ClusterTestbed:
         link: ``"switched"``: a token bucket at ``rate_mbps`` on both ends of every worker's
             cable, so each direction of each worker's link carries ``rate_mbps``, and the
             master's the same unless ``master_port_shaped`` is False (then only the workers'
-            links limit); ``"shared"``: one token bucket at ``rate_mbps`` that every packet to
-            and from the master passes, both directions (a half-duplex shared medium, as
+            links limit); ``"shared"``: one token bucket at ``rate_mbps`` that every packet
+            passes once, whichever two nodes it goes between (a half-duplex shared medium, as
             Wi-Fi), the cables otherwise unshaped.
         rate_mbps: the token buckets' rate (Ethernet frames, Mbit/s).
         cap: every process started through :meth:`spawn` on a node is capped, together with the
@@ -654,18 +654,19 @@ class ClusterTestbed:
         _run("tc", "-n", host.namespace, "qdisc", "replace", "dev", host.interface, "root", *tbf)
 
     def _shape_medium(self, rate_mbps: float) -> None:
-        """One token bucket, on an ifb device, that both directions of the master's port pass:
-        every transfer to or from the master shares ``rate_mbps``."""
+        """One token bucket, on an ifb device, that every packet entering the bridge passes
+        once: every transfer, between any two nodes and either way, shares ``rate_mbps``
+        (traffic to and from the master, as hetconv's, and between workers, as a ring
+        all-reduce's)."""
         tc = ("tc", "-n", self.switch)
-        port = self.master.port_if
         _run("ip", "-n", self.switch, "link", "add", "medium", "type", "ifb")
         _run("ip", "-n", self.switch, "link", "set", "medium", "up")
         _run(*tc, "qdisc", "add", "dev", "medium", "root", *_tbf(rate_mbps))
-        _run(*tc, "qdisc", "add", "dev", port, "clsact")
         every_packet = ("protocol", "all", "u32", "match", "u32", "0", "0")
         to_medium = ("action", "mirred", "egress", "redirect", "dev", "medium")
-        for direction in ("ingress", "egress"):  # from the master, to the master
-            _run(*tc, "filter", "add", "dev", port, direction, *every_packet, *to_medium)
+        for host in self.hosts:  # what a node sends enters the bridge through its port
+            _run(*tc, "qdisc", "add", "dev", host.port_if, "clsact")
+            _run(*tc, "filter", "add", "dev", host.port_if, "ingress", *every_packet, *to_medium)
 
     def qdisc_drops(self) -> int:
         """Packets the token buckets dropped so far."""
