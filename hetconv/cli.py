@@ -1075,6 +1075,20 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from hetconv.simulations.plan import DESCRIPTION, add_arguments, run
+
+    p = sub.add_parser(
+        "plan",
+        help="which way to train is predicted fastest on a cluster",
+        description=DESCRIPTION,
+        formatter_class=_HelpFormatter,
+        intermixed=True,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def _shape_chw(text: str) -> tuple[int, int, int]:
     """``C,H,W`` as three positive ints."""
     parts = text.replace("x", ",").split(",")
@@ -1281,6 +1295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_devices(sub)
     _add_simulate(sub)
+    _add_plan(sub)
     _add_export(sub)
     return parser
 

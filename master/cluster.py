@@ -581,7 +581,7 @@ class Cluster:
             )
         return "\n".join(lines)
 
-    def predict_step(self, comp_alone_s: float, comp_s: float) -> dict | None:
+    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
         """The cost model's step for the plan and modes chosen, on the nodes as probed and
         measured, against the master alone's (its own probe of every layer); ``comp_alone_s``
         and ``comp_s``: the master's other work per step alone and in the cluster (fused
@@ -611,7 +611,14 @@ class Cluster:
             model, layers, shares, comp_s, stages, dict(self.kernel_modes), replicate
         )
         alone = sum(master.probe_seconds[ly.name] for ly in self._layers) + comp_alone_s
-        return {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
+        out = {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
+        if spec is not None and model.workers:  # the peer: every node the whole model
+            from hetconv.dataparallel import simulate_data_parallel
+
+            batch = self._layers[0].shape.n
+            peer = simulate_data_parallel(model, spec, batch, comp_alone_s)
+            out["data_parallel_s"] = peer.step_s
+        return out
 
     def _workers_idle(self) -> bool:
         """Whether the plan gives no active worker any kernel of any layer."""

@@ -235,8 +235,8 @@ class EmbeddedCluster:
     def plan_record(self) -> dict:
         return self.cluster.plan_record()
 
-    def predict_step(self, comp_alone_s: float, comp_s: float) -> dict | None:
-        return self.cluster.predict_step(comp_alone_s, comp_s)
+    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+        return self.cluster.predict_step(comp_alone_s, comp_s, spec)
 
     @property
     def wire_format(self) -> str:

@@ -345,7 +345,7 @@ class _Run:
             for layer in block.chain
         }
         comp = sum(t for name, t in seconds.items() if name not in fused)
-        return predict(sum(seconds.values()), comp)
+        return predict(sum(seconds.values()), comp, self.spec)
 
     def _find_checkpoint(self) -> None:
         config = self.config
@@ -404,7 +404,7 @@ class _Run:
             print(
                 f"predicted: {_seconds(p['step_s'])} per step, {p['speedup']:.2f}x the master "
                 f"alone ({_seconds(p['alone_s'])}: its own probe of every layer and the rest of "
-                "its step)",
+                "its step)" + _peer(p),
                 file=log,
             )
         if self.resumed is None:
@@ -714,3 +714,15 @@ class _Run:
 
 def _seconds(value: float) -> str:
     return f"{value:.2f} s" if value >= 1 else f"{1e3 * value:.0f} ms"
+
+
+def _peer(prediction: dict) -> str:
+    """The data-parallel peer's predicted step, when there is one, as a clause."""
+    peer = prediction.get("data_parallel_s")
+    if peer is None:
+        return ""
+    faster = "faster" if peer < prediction["step_s"] else "slower"
+    return (
+        f"; plain data parallelism on the same nodes: {_seconds(peer)}, "
+        f"{prediction['alone_s'] / peer:.2f}x ({faster}; `hetconv plan` compares every way)"
+    )

@@ -39,6 +39,9 @@ def test_train_predicts_its_step_then_measures_it(tmp_path):
     assert prediction["speedup"] == prediction["alone_s"] / prediction["step_s"]
     assert float(predicted.group(1)) == round(prediction["speedup"], 2)
     assert f"predicted {prediction['speedup']:.2f}x" in text
+    # and the peer on the same nodes, every node the whole model
+    assert prediction["data_parallel_s"] > 0
+    assert "plain data parallelism on the same nodes:" in text
 
 
 def test_the_other_layers_are_timed_on_copies():

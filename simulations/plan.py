@@ -1,0 +1,336 @@
+"""Which way to train is predicted fastest on a cluster: ``hetconv plan``.
+
+For one network and batch on one cluster (a shipped or own scenario, or one described on the
+command line), every strategy the cost model knows is simulated and ranked:
+
+* hetconv's kernel split in each of its modes (the paper's: compute shares, convolutions only,
+  kernels sent; then link-aware shares with fused stages, resident kernels and the replicated
+  first block, one after another; and the best of them with a 16-bit wire, which is not exact)
+  (:func:`hetconv.costmodel.simulate_step`);
+* heterogeneous data parallelism, every node holding the whole model and a slice of the batch
+  proportional to its speed, gradients by ring all-reduce or through a parameter server on
+  the master, with and without overlapping them with backward
+  (:func:`hetconv.dataparallel.simulate_data_parallel`);
+* one machine: the master alone.
+
+The fastest is named with the command that runs it, and how it compares with the best of the
+others; when one machine alone is predicted fastest, the plan says so plainly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetconv.balance import shares_for
+from hetconv.costmodel import Cluster, local_step_seconds, simulate_step
+from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
+from hetconv.formats import BFLOAT16, FLOAT32
+from hetconv.workload import network_layers
+
+#: hetconv's modes, in the order they were built: (label, stages, kernels, replicate, policy,
+#: wire format, the ``hetconv train`` flags).
+MODES = (
+    ("kernel split (the paper's)", "unfused", "sent", "off", "compute", FLOAT32,
+     "--shares compute --stages unfused --kernels sent --replicate off"),
+    ("kernel split, link-aware shares", "unfused", "sent", "off", "link", FLOAT32,
+     "--stages unfused --kernels sent --replicate off"),
+    ("fused stages", "fused", "sent", "off", "link", FLOAT32,
+     "--stages fused --kernels sent --replicate off"),
+    ("fused, resident kernels", "fused", "resident", "off", "link", FLOAT32,
+     "--stages fused --kernels resident --replicate off"),
+    ("fused, resident, replicated first block", "fused", "resident", "first", "link", FLOAT32,
+     "--stages fused --kernels resident --replicate first"),
+    ("fused, resident, replicated, bfloat16 wire", "fused", "resident", "first", "link", BFLOAT16,
+     "--stages fused --kernels resident --replicate first --wire-format bfloat16"),
+)  # fmt: skip
+ONE_MACHINE = "one machine (the master alone)"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to train and its predicted step."""
+
+    kind: str  # "hetconv", "data-parallel" or "one machine"
+    label: str
+    step_s: float
+    speedup: float  # over one machine
+    master_mb: float  # bytes on the master's link per step / 1e6
+    exact: bool
+    how: str  # what runs it
+    workers: int = 0  # workers that compute
+
+    def row(self) -> dict:
+        return {
+            "kind": self.kind,
+            "label": self.label,
+            "step_s": self.step_s,
+            "speedup": self.speedup,
+            "master_mb": self.master_mb,
+            "exact": self.exact,
+            "how": self.how,
+            "workers": self.workers,
+        }
+
+
+def candidates(cluster: Cluster, network: str, batch: int, comp_s: float) -> list[Candidate]:
+    """Every strategy on ``cluster`` for ``network`` at ``batch`` (``comp_s``: the master's
+    non-convolutional seconds of a step), fastest first."""
+    layers = network_layers(network, batch)
+    alone = local_step_seconds(cluster.master, layers, comp_s)
+    out = [Candidate("one machine", ONE_MACHINE, alone, 1.0, 0.0, True, "hetconv train --local")]
+    if cluster.workers:
+        for label, stages, kernels, replicate, policy, fmt, flags in MODES:
+            if replicate != "off" and len(layers) < 2:
+                continue
+            model = cluster if fmt is FLOAT32 else _with_format(cluster, fmt)
+            shares = shares_for(model, layers, policy, stages, kernels, replicate)
+            got = simulate_step(model, layers, shares, comp_s, stages, kernels, replicate)
+            out.append(
+                Candidate(
+                    "hetconv",
+                    label,
+                    got.step_s,
+                    alone / got.step_s,
+                    got.bytes / 1e6,
+                    fmt is FLOAT32,
+                    f"hetconv train {flags}",
+                    got.workers_used(),
+                )
+            )
+        for algorithm in ALGORITHMS:
+            for overlap in (True, False):
+                got = simulate_data_parallel(cluster, network, batch, comp_s, algorithm, overlap)
+                name = "ring all-reduce" if algorithm == "ring" else "parameter server (master)"
+                label = f"data parallelism, {name}" + (", overlapped" if overlap else "")
+                out.append(
+                    Candidate(
+                        "data-parallel",
+                        label,
+                        got.step_s,
+                        alone / got.step_s,
+                        got.master_bytes / 1e6,
+                        True,
+                        "PyTorch DDP (benchmarks/vs_ddp.py measures it)",
+                        sum(1 for b in got.batches[1:] if b),
+                    )
+                )
+    return sorted(out, key=lambda c: c.step_s)
+
+
+def _with_format(cluster: Cluster, fmt) -> Cluster:
+    import dataclasses
+
+    return dataclasses.replace(cluster, wire=dataclasses.replace(cluster.wire, format=fmt))
+
+
+def verdict(ranked: Sequence[Candidate]) -> str:
+    """One line: the fastest strategy, by how much, against the best of the other kinds."""
+    best = ranked[0]
+    others = {}
+    for c in ranked[1:]:
+        if c.kind != best.kind:
+            others.setdefault(c.kind, c)
+    against = "; ".join(
+        f"{best.step_s and other.step_s / best.step_s:.2f}x faster than {other.label} "
+        f"({_seconds(other.step_s)})"
+        for other in others.values()
+    )
+    if best.kind == "one machine":
+        return (
+            f"fastest: one machine alone ({_seconds(best.step_s)} per step): this cluster is "
+            f"predicted to slow training down whatever runs on it; {against}"
+        )
+    line = (
+        f"fastest: {best.label}, {_seconds(best.step_s)} per step, {best.speedup:.2f}x one "
+        f"machine: {best.how}; {against}"
+    )
+    if not best.exact:
+        exact = next(c for c in ranked if c.exact)
+        line += f"; the fastest exact: {exact.label}, {_seconds(exact.step_s)}"
+    return line
+
+
+def format_plan(ranked: Sequence[Candidate]) -> str:
+    width = max(len(c.label) for c in ranked)
+    lines = [f"{'strategy':<{width}}  {'step':>9}  {'speedup':>7}  {'MB/step':>8}  workers  exact"]
+    for c in ranked:
+        lines.append(
+            f"{c.label:<{width}}  {_seconds(c.step_s):>9}  {c.speedup:>6.2f}x  "
+            f"{c.master_mb:>8.1f}  {c.workers:>7}  {'yes' if c.exact else 'no'}"
+        )
+    lines.append(
+        "step: predicted seconds per training step; speedup: over one machine; MB/step: on "
+        "the master's link; workers: that compute (link-aware shares leave out a worker not "
+        "worth its link)"
+    )
+    return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    if value >= 60:
+        return f"{value / 60:.1f} min"
+    if value >= 1:
+        return f"{value:.2f} s"
+    return f"{1e3 * value:.0f} ms"
+
+
+__all__ = ["MODES", "Candidate", "candidates", "format_plan", "verdict"]
+
+
+# -- the command -----------------------------------------------------------------------------
+
+DESCRIPTION = """Say which way to train is predicted fastest on a cluster, and by how much:
+hetconv's kernel split in each of its modes, plain heterogeneous data parallelism (every node
+the whole model and a speed-proportional slice of the batch), or one machine alone.
+
+Describe the cluster on the command line (--master GFLOPS, a --worker GFLOPS[@MBIT] per
+worker, --network, --bandwidth) or name a scenario (a shipped name, see `hetconv simulate
+--list`, or a .toml file; --nodes says how many of its nodes). A device's GFLOPS is what
+`hetconv devices` prints for it (its probe), or a datasheet's fp32 peak times ~0.5."""
+
+#: This project's 2-vCPU machine's non-convolutional milliseconds per image (the
+#: ``this-machine`` scenario's [comp], measured), at its ~120 GFLOPS; a described master's is
+#: scaled by 120 / its GFLOPS.
+HERE_GFLOPS = 120.0
+
+
+def _device(text: str) -> tuple[float, float | None]:
+    """``GFLOPS`` or ``GFLOPS@MBIT``."""
+    import argparse
+
+    speed, _, link = text.partition("@")
+    try:
+        gflops, mbit = float(speed), (float(link) if link else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not GFLOPS or GFLOPS@MBIT (e.g. 45 or 45@100)"
+        ) from None
+    if not gflops > 0 or (mbit is not None and not mbit > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: GFLOPS and Mbit/s must be positive")
+    return gflops, mbit
+
+
+def add_arguments(parser) -> None:
+    from hetconv.argtypes import positive_float, positive_int
+    from hetconv.model import PRESETS
+
+    parser.add_argument("scenario", nargs="?", metavar="SCENARIO",
+                        help="a shipped scenario's name or a .toml file (instead of --master "
+                        "and --worker)")  # fmt: skip
+    parser.add_argument("--preset", default="paper-50-500", choices=list(PRESETS),
+                        help="the network (default paper-50-500)")  # fmt: skip
+    parser.add_argument("--batch", type=positive_int, default=16,
+                        help="images per step (default 16)")  # fmt: skip
+    parser.add_argument("--nodes", type=positive_int,
+                        help="with a scenario: the master and this many - 1 of its workers "
+                        "(default: every listed one)")  # fmt: skip
+    parser.add_argument("--master", type=positive_float, metavar="GFLOPS",
+                        help="the master's convolution speed")  # fmt: skip
+    parser.add_argument("--worker", type=_device, action="append", default=[],
+                        metavar="GFLOPS[@MBIT]",
+                        help="a worker's speed, and its own link when it differs (repeat per "
+                        "worker)")  # fmt: skip
+    parser.add_argument("--network", choices=("switched", "wifi"),
+                        help="switched: a port per node (gigabit Ethernet); wifi: one shared "
+                        "half-duplex medium (default: the scenario's, else wifi)")  # fmt: skip
+    parser.add_argument("--bandwidth", type=positive_float, metavar="MBIT",
+                        help="the link's real throughput, Mbit/s (default: the scenario's, "
+                        "else 100 for wifi, 940 switched)")  # fmt: skip
+    parser.add_argument(
+        "--latency-ms",
+        type=positive_float,
+        default=None,
+        help="round trip master <-> worker (default: the scenario's, else 3)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the ranked strategies as JSON")
+
+
+def described_scenario(args):
+    """The scenario the arguments describe (a named one with overrides, or one made of
+    --master and --worker)."""
+    import dataclasses
+
+    from .scenario import CompFigure, DeviceSpec, Scenario, load_scenario
+
+    fabric = {"switched": "switched", "wifi": "wifi"}.get(args.network or "")
+    if args.scenario:
+        if args.master or args.worker:
+            raise ValueError(
+                "name a scenario or describe the cluster (--master, --worker), not both"
+            )
+        scenario = load_scenario(args.scenario)
+        changes = {}
+        if fabric:
+            changes["fabric"] = fabric
+        if args.bandwidth:
+            changes["bandwidth_mbps"] = args.bandwidth
+        if args.latency_ms is not None:
+            changes["latency_ms"] = args.latency_ms
+        return dataclasses.replace(scenario, **changes), None
+    if not args.master or not args.worker:
+        raise ValueError(
+            "describe the cluster: --master GFLOPS and a --worker GFLOPS[@MBIT] per worker "
+            "(or name a scenario)"
+        )
+    fabric = fabric or "wifi"
+    bandwidth = args.bandwidth or (100.0 if fabric == "wifi" else 940.0)
+    here = load_scenario("this-machine")
+    scale = HERE_GFLOPS / args.master
+    comp = {
+        name: CompFigure(per_image_s=figure.per_image_s * scale)
+        for name, figure in here.comp.items()
+        if figure.per_image_s is not None
+    }
+    workers = tuple(
+        DeviceSpec(f"worker-{i + 1}", gflops, {}, mbit)
+        for i, (gflops, mbit) in enumerate(args.worker)
+    )
+    scenario = Scenario(
+        name="described",
+        description=f"a master at {args.master:g} GFLOPS and {len(workers)} workers on "
+        f"{'Wi-Fi' if fabric == 'wifi' else 'switched Ethernet'} at {bandwidth:g} Mbit/s",
+        fabric=fabric,
+        bandwidth_mbps=bandwidth,
+        latency_ms=3.0 if args.latency_ms is None else args.latency_ms,
+        master=DeviceSpec("master", args.master),
+        nodes=(1 + len(workers),),
+        networks=(args.preset,),
+        batches=(args.batch,),
+        workers=workers,
+        comp=comp,
+        layer_efficiency={"conv1": 0.2},  # a 3-channel first layer runs far below peak
+        wire=here.wire,
+    )
+    note = (
+        f"the master's non-convolutional work: this machine's, measured, scaled by "
+        f"{HERE_GFLOPS:g} / {args.master:g} GFLOPS; a first layer's convolution at 0.2 of a "
+        "device's GFLOPS"
+    )
+    return scenario, note
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    scenario, note = described_scenario(args)
+    nodes = args.nodes or scenario.max_nodes() or 1 + len(scenario.workers)
+    cluster = scenario.cluster(nodes)
+    layers = network_layers(args.preset, args.batch)
+    comp = scenario.comp_seconds(
+        args.preset, args.batch, local_step_seconds(cluster.master, layers, 0.0)
+    )
+    ranked = candidates(cluster, args.preset, args.batch, comp)
+    print(
+        f"plan for {args.preset} at batch {args.batch} on {scenario.description} "
+        f"({nodes} node{'s' if nodes != 1 else ''})"
+    )
+    if note:
+        print(f"  {note}")
+    print(format_plan(ranked))
+    print(verdict(ranked))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([c.row() for c in ranked], indent=1) + "\n")
+    return 0
