@@ -39,7 +39,7 @@ from hetconv.workload import (
     stage_call_bytes,
 )
 
-RUN = dict(steps=12, batch=8, train_size=48, eval_size=16, progress=False)
+RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
 # A strong LRN (alpha 1): with the usual alpha it is so near the identity that a wrong
 # back-propagation through the block would hide below the tolerance.
 STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]

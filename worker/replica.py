@@ -21,7 +21,7 @@ import numpy as np
 
 from hetconv.backends import conv_shape
 from hetconv.calls import REPLICA_FORWARD
-from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
+from hetconv.errors import InvalidCall, RequestTooLarge
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import StageRun, spec_from_proto, stage_backward, stage_forward
 from hetconv.worker.requests import request_padding
@@ -106,18 +106,14 @@ class ReplicaCalls:
         return [], compute, receive
 
     def _block(self, request: pb.ConvRequest, what: str) -> _Block:
-        budget, key = self.service.budget, self._key(request.replica_layer)
-        block = budget.saved(request.session, key)
-        if block is None or block.step != request.step:
-            if block is None and (dropped := budget.dropped(request.session, key)) is not None:
-                raise MissingForward(self.service._dropped_message(request, dropped))
-            have = "nothing" if block is None else f"step {block.step}"
-            raise MissingForward(
+        def missing(have: str) -> str:
+            return (
                 f"{what} of layer {request.layer!r} names the replicated block "
                 f"{request.replica_layer!r}, which this session has no output of at step "
                 f"{request.step} (have {have}); send ReplicaForward first"
             )
-        return block
+
+        return self.service.kept_for_step(request, self._key(request.replica_layer), missing)
 
     def input_for(self, request: pb.ConvRequest, x: np.ndarray) -> np.ndarray:
         """The layer's input: ``x`` as sent, or the named block's output (``x`` then empty)."""

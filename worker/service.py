@@ -518,6 +518,17 @@ class ConvWorkerService:
             )
         return saved
 
+    def kept_for_step(self, request: pb.ConvRequest, key, missing: Callable[[str], str]):
+        """What the request's session keeps under ``key`` for the request's step; else
+        MissingForward naming why: the memory budget dropped it, or ``missing(have)`` (``have``:
+        "nothing", or the step it holds)."""
+        kept = self.budget.saved(request.session, key)
+        if kept is None or kept.step != request.step:
+            if kept is None and (dropped := self.budget.dropped(request.session, key)) is not None:
+                raise MissingForward(self._dropped_message(request, dropped))
+            raise MissingForward(missing("nothing" if kept is None else f"step {kept.step}"))
+        return kept
+
     def _dropped_message(self, request: pb.ConvRequest, dropped: Dropped) -> str:
         head = f"no forward pass of layer {request.layer!r} at step {request.step} for this session"
         mib = self.config.memory_bytes >> 20

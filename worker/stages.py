@@ -24,7 +24,7 @@ import numpy as np
 
 from hetconv.backends import conv_shape
 from hetconv.calls import STAGE_BACKWARD, STAGE_FORWARD, StageShape
-from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
+from hetconv.errors import InvalidCall, RequestTooLarge
 from hetconv.formats import answer_format
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import (
@@ -171,18 +171,14 @@ class StageCalls:
         self.service.budget.save(request.session, key, kept, replaces=stale)
 
     def _kept_for(self, request: pb.ConvRequest) -> StageRun:
-        budget, key = self.service.budget, self._key(request)
-        kept = budget.saved(request.session, key)
-        if kept is None or kept.step != request.step:
-            if kept is None and (dropped := budget.dropped(request.session, key)) is not None:
-                raise MissingForward(self.service._dropped_message(request, dropped))
-            have = "nothing" if kept is None else f"step {kept.step}"
-            raise MissingForward(
+        def missing(have: str) -> str:
+            return (
                 f"no stage forward of layer {request.layer!r} from kernel "
                 f"{request.kernel_offset} at step {request.step} for this session (have "
                 f"{have}); send StageForward first"
             )
-        return kept.run
+
+        return self.service.kept_for_step(request, self._key(request), missing).run
 
 
 __all__ = ["StageCalls"]
