@@ -136,19 +136,27 @@ def run_scenario(
                         )
                     if data_parallel:
                         rows += data_parallel_rows(scenario.name, network, batch, bandwidth,
-                                                   size, cluster, comp)  # fmt: skip
+                                                   size, cluster, comp, check)  # fmt: skip
     return rows
 
 
 def data_parallel_rows(
-    scenario: str, network: str, batch: int, bandwidth: float, size: int, cluster, comp_s: float
+    scenario: str,
+    network: str,
+    batch: int,
+    bandwidth: float,
+    size: int,
+    cluster,
+    comp_s: float,
+    check: dict | None = None,
 ) -> list[Row]:
     """Heterogeneous data parallelism at one point (:mod:`hetconv.dataparallel`): ring
     all-reduce and a parameter server on the master, each with its exchange overlapped with
     backward (``dp-ring``, ``dp-ps``: what PyTorch's DDP does) and after it (``-seq``). Their
     ``policy`` names them; ``conv`` is the slowest rank's convolutions, ``comp`` the rest of
     its compute, ``comm`` what the exchange adds, ``bound`` the speedup with a free exchange;
-    ``shares`` holds ``{"batch": per rank}``."""
+    ``shares`` holds ``{"batch": per rank}``; ``check``: the point's paper bandwidth check
+    fields, as its other rows carry them."""
     rows = []
     for algorithm in ALGORITHMS:
         for overlap in (True, False):
@@ -173,6 +181,8 @@ def data_parallel_rows(
                     shares={"batch": list(r.batches)},
                     stages="-",
                     kernels="-",
+                    replicate="-",
+                    **(check or {}),
                 )
             )
     return rows
