@@ -146,7 +146,9 @@ def test_caps_and_shared_medium_hold_and_everything_goes_away():
         (alone,) = bed.transfer_mbps([(master, w0)], megabytes)
         assert 0.6 * goodput < alone < 1.1 * goodput, (alone, goodput)
         both = bed.transfer_mbps([(master, w0), (w1, master)], megabytes)
-        assert 0.5 * goodput < sum(both) < 1.1 * goodput, (both, goodput)
+        # (1.2: each port's packets enter the one bucket, whose burst lets each transfer's
+        # first few kB through above the rate; a switched link would carry about 2x)
+        assert 0.5 * goodput < sum(both) < 1.2 * goodput, (both, goodput)
         assert min(both) > 0.15 * goodput, both
         assert bed.leftovers() == sorted(
             [f"{tag}-m", f"{tag}-s", f"{tag}-w0", f"{tag}-w1"]
