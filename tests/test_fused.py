@@ -16,6 +16,7 @@ import sys
 import grpc
 import numpy as np
 import pytest
+from exactness import same_as_local
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -354,13 +355,6 @@ def _train(tmp_path, name, executor, trace=None, **overrides):
     return result.losses, dict(np.load(weights))
 
 
-def _same_as_local(got, local):
-    losses, weights = got
-    np.testing.assert_allclose(losses, local[0], rtol=1e-5)
-    for name in weights:
-        np.testing.assert_allclose(weights[name], local[1][name], rtol=0, atol=1e-5, err_msg=name)
-
-
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
@@ -377,7 +371,7 @@ def test_fused_cluster_trains_as_local(local, workers, tmp_path):
     config = ClusterConfig(**FAST, shares=SHARES, stages="fused")
     with Cluster(workers.addresses, config=config) as cluster:
         got = _train(tmp_path, "fused", cluster, trace=str(trace))
-    _same_as_local(got, local)
+    same_as_local(got, local)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     plan = records[0]
     assert plan["stages"] == "fused"
@@ -436,7 +430,7 @@ def test_fused_worker_killed_mid_step_stays_exact(local, tmp_path):
         ) as cluster:
             got = _train(tmp_path, "killed", cluster)
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
-    _same_as_local(got, local)
+    same_as_local(got, local)
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 3)]
 
 
@@ -591,7 +585,7 @@ def test_fused_paper_network_trains_as_local(workers, tmp_path):
     with Cluster(workers.addresses, config=config) as cluster:
         got = _train(tmp_path, "fused-paper", cluster, **run)
         assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused"}
-    _same_as_local(got, want)
+    same_as_local(got, want)
 
 
 stage_ops = st.lists(

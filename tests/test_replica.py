@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 import pytest
+from exactness import same_as_local
 
 from hetconv.balance import link_aware_shares
 from hetconv.conv import LocalConv
@@ -57,13 +58,6 @@ def _train(tmp_path, name, executor, trace=None, **overrides):
     return result.losses, dict(np.load(weights))
 
 
-def _same_as_local(got, local):
-    losses, weights = got
-    np.testing.assert_allclose(losses, local[0], rtol=1e-5)
-    for name in weights:
-        np.testing.assert_allclose(weights[name], local[1][name], rtol=0, atol=1e-5, err_msg=name)
-
-
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
@@ -85,7 +79,7 @@ def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernel
     config = ClusterConfig(**REPLICA, kernels=kernels)
     with Cluster(workers.addresses, config=config) as cluster:
         got = _train(tmp_path, "replica", cluster, trace=str(trace))
-    _same_as_local(got, local)
+    same_as_local(got, local)
     records = _records(trace)
     assert records[0]["replicated"] == {"conv1": "conv2"}
     steps = [r for r in records if "step" in r]
@@ -135,7 +129,7 @@ def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels):
         ) as cluster:
             got = _train(tmp_path, "killed", cluster)
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
-    _same_as_local(got, local)
+    same_as_local(got, local)
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 4)]
 
 

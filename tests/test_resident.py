@@ -21,6 +21,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from exactness import same_as_local
 
 from hetconv.balance import kernel_shares
 from hetconv.calls import READY as READY_LINE
@@ -70,14 +71,6 @@ def _train(tmp_path, name, executor, trace=None, **overrides):
     return result.losses, dict(np.load(weights))
 
 
-def _same_as_local(got, local):
-    losses, weights = got
-    np.testing.assert_allclose(losses, local[0], rtol=1e-5)
-    assert weights.keys() == local[1].keys()
-    for name in weights:
-        np.testing.assert_allclose(weights[name], local[1][name], rtol=0, atol=1e-5, err_msg=name)
-
-
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
@@ -116,7 +109,7 @@ def test_resident_cluster_trains_as_local(local, workers, tmp_path):
     trace = tmp_path / "trace.jsonl"
     with Cluster(workers.addresses, config=ClusterConfig(**RESIDENT)) as cluster:
         got = _train(tmp_path, "resident", cluster, trace=str(trace))
-    _same_as_local(got, local)
+    same_as_local(got, local)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     plan = records[0]
     assert plan["kernels"] == "resident"
@@ -184,7 +177,7 @@ def test_worker_killed_while_holding_kernels_stays_exact(local, tmp_path):
         with Disturbed(started.addresses, {(5, "conv2"): kill}, resident_sync_every=3) as cluster:
             got = _train(tmp_path, "killed", cluster, trace=str(trace))
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
-    _same_as_local(got, local)
+    same_as_local(got, local)
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 5)]
     records = {r["step"]: r for r in _steps(trace)}
     # Synced at step 3 (fetched, not placed again), not before.
@@ -225,7 +218,7 @@ def test_worker_joining_moves_slices_without_loss(local, tmp_path):
         ) as cluster:
             got = _train(tmp_path, "joined", cluster, trace=str(trace))
             shares = cluster.plans["conv2"].shares
-    _same_as_local(got, local)
+    same_as_local(got, local)
     assert shares[2] > 0
     records = {r["step"]: r for r in _steps(trace)}
     assert records[4]["nodes"][second]["conv2"]["kernels"] == shares[2]
@@ -244,7 +237,7 @@ def test_checkpoints_and_save_gather_the_slices(local, workers, tmp_path):
             runs[kernels] = _train(
                 tmp_path, kernels, c, checkpoint_dir=str(folder), checkpoint_every=7
             )
-    _same_as_local(runs["resident"], local)
+    same_as_local(runs["resident"], local)
     for name, value in runs["sent"][1].items():  # --save
         np.testing.assert_array_equal(runs["resident"][1][name], value, err_msg=name)
     for step in (7, 14, 20):
@@ -263,7 +256,7 @@ def test_checkpoints_and_save_gather_the_slices(local, workers, tmp_path):
     (folder / POINTER_NAME).write_text("ckpt-00000007.npz\n")
     with Cluster(workers.addresses, config=ClusterConfig(**RESIDENT)) as cluster:
         resumed = _train(tmp_path, "resumed", cluster, checkpoint_dir=str(folder), resume=True)
-    _same_as_local(resumed, local)
+    same_as_local(resumed, local)
 
 
 LRN_POOL = StageSpec.from_entries(
@@ -432,7 +425,7 @@ def test_a_worker_restarted_between_steps_is_refused_then_replayed(local, tmp_pa
             for process in replacement:
                 process.terminate()
                 process.wait(10)
-    _same_as_local(got, local)
+    same_as_local(got, local)
     lost = [e for e in events if e["event"] == "worker_lost"]
     assert [(e["worker"], e["step"]) for e in lost] == [(address, 4)]
     assert "FAILED_PRECONDITION" in lost[0]["reason"]
@@ -452,7 +445,7 @@ def test_a_strided_convolution_keeps_sending_its_kernels(workers, tmp_path):
     with Cluster(workers.addresses, config=config) as cluster:
         got = train(TrainConfig(save=str(tmp_path / "c.npz"), **run), cluster, io.StringIO())
         assert cluster.kernel_modes == {"conv1": "sent", "conv2": "resident"}
-    _same_as_local(
+    same_as_local(
         (got.losses, dict(np.load(tmp_path / "c.npz"))),
         (want.losses, dict(np.load(tmp_path / "local.npz"))),
     )
@@ -479,7 +472,7 @@ def test_a_step_computed_again_undoes_the_resident_updates(local, workers, tmp_p
     with RedoneAt(workers.addresses, 4, resident_sync_every=3) as cluster:
         got = _train(tmp_path, "redone", cluster, trace=str(trace))
         assert cluster.redone == 1
-    _same_as_local(got, local)
+    same_as_local(got, local)
     records = {r["step"]: r for r in _steps(trace)}
     # Undone by replay on the master (each of the two slices: step 3 of its log, synced at 3),
     # then placed again for the second pass.
