@@ -119,10 +119,19 @@ class Mode:
 
 
 #: The paper's kernel split, which every mode changes one thing of: shares by probe, plain
-#: convolutions on the workers, kernels sent every step (``hetconv train``'s own defaults are
-#: link-aware shares, fused stages and resident kernels where they move fewer bytes: the "all"
-#: row's choices).
-BASE = ("--shares", "compute", "--stages", "unfused", "--kernels", "sent")
+#: convolutions on the workers, kernels sent every step, nothing replicated or overlapped
+#: (``hetconv train``'s own defaults are link-aware shares, and fused stages, resident kernels,
+#: the replicated block and overlap where the cost model picks them).
+BASE = (
+    "--shares", "compute", "--stages", "unfused", "--kernels", "sent", "--replicate", "off",
+    "--overlap", "off",
+)  # fmt: skip
+#: Every exact mode's flags at once (link-aware shares, fused stages, resident kernels, the
+#: replicated first block), without overlap.
+EXACT = (
+    "--shares", "link", "--network", "{network}", "--stages", "fused", "--kernels", "resident",
+    "--replicate", "first",
+)  # fmt: skip
 MODES: tuple[Mode, ...] = (
     Mode("kernel_split", (), "the paper's: every conv's kernels split by probe", in_all=False),
     Mode("float16", ("--wire-format", "float16"), "activations and their gradients as float16"),
@@ -142,26 +151,29 @@ MODES: tuple[Mode, ...] = (
         "--replicate",
     ),
     Mode(
-        "exact",
-        (
-            "--shares",
-            "link",
-            "--network",
-            "{network}",
-            "--stages",
-            "fused",
-            "--kernels",
-            "resident",
-            "--replicate",
-            "first",
-        ),
-        "every exact mode at once: link shares, fused, resident, replicated first block",
+        "overlap",
+        ("--stages", "fused", "--overlap", "on"),
+        "fused, and workers send each image group's output while computing the next",
+        "--overlap",
+    ),
+    Mode(
+        "exact_whole",
+        EXACT,
+        "every exact mode but overlap: link shares, fused, resident, replicated first block",
         "--replicate",
         in_all=False,
-    ),  # fmt: skip
+    ),
+    Mode(
+        "exact",
+        (*EXACT, "--overlap", "on"),
+        "every exact mode at once: link shares, fused, resident, replicated, overlap",
+        "--overlap",
+        in_all=False,
+    ),
 )
 DEFAULT_MODES = (
-    "kernel_split", "float16", "link_shares", "fused", "resident", "replica", "exact", ALL,
+    "kernel_split", "float16", "link_shares", "fused", "resident", "replica", "overlap",
+    "exact_whole", "exact", ALL,
 )  # fmt: skip
 
 

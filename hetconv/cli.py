@@ -198,6 +198,16 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "faster",
     )
     where.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),  # hetconv.overlap.OVERLAP_MODES
+        default="auto",
+        help="on: a worker runs a fused stage on groups of images and sends each group's "
+        "output while it computes the next, and starts each group's backward as soon as its "
+        "gradient has arrived, so transfers and compute overlap (exact; not for stages with "
+        "batch norm); off: whole batches; auto (default): on where a worker's answer is big "
+        "enough to stream",
+    )
+    where.add_argument(
         "--resident-sync-every",
         type=non_negative_int,
         default=20,
@@ -481,6 +491,8 @@ def _run_train(args: argparse.Namespace) -> int:
             raise ValueError("--local runs no workers, so no kernel is resident: drop --kernels")
         if args.replicate != "auto":
             raise ValueError("--local runs no workers, so nothing is replicated: drop --replicate")
+        if args.overlap != "auto":
+            raise ValueError("--local runs no workers, so nothing overlaps: drop --overlap")
     else:
         if args.shares is None:
             # The embedded default demonstrates the split on one machine, where every "link"
@@ -513,6 +525,7 @@ def _run_train(args: argparse.Namespace) -> int:
             stages=args.stages,
             kernels=args.kernels,
             replicate=args.replicate,
+            overlap=args.overlap,
             resident_sync_every=args.resident_sync_every,
             spot_checks=_spot_check_config(args),
         )

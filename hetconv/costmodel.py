@@ -38,13 +38,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.overlap import AUTO as OVERLAP_AUTO
+from hetconv.overlap import OFF as OVERLAP_OFF
+from hetconv.overlap import ON as OVERLAP_ON
+from hetconv.overlap import OVERLAP_MODES, group_count, group_images
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import REPLICATED
 from hetconv.resident import RESIDENT, SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED, StageSpec
+from hetconv.wire import BUNDLE_BYTES
 from hetconv.workload import (
     BACKWARD,
+    FORWARD,
     PHASES,
     ConvLayer,
     call_bytes,
@@ -202,6 +208,11 @@ class WorkerCall:
     ``after_s`` after the answer has moved (the other half). ``streamed``: the call goes in
     chunks (its transfers slow down while the master computes, see
     :attr:`WireCosts.compute_stall`).
+
+    Overlap (:mod:`hetconv.overlap`): ``pipelined_s`` of ``compute_s`` runs in ``groups``
+    image groups; ``overlap`` ``"answer"``: each group's answer bytes go once it is computed
+    (the rest of the compute comes first); ``"request"``: each group starts once its request
+    bytes are in (the rest of the compute comes after the last).
     """
 
     request_bytes: float
@@ -211,6 +222,9 @@ class WorkerCall:
     after_s: float
     link_bytes_per_s: float
     streamed: bool = False
+    groups: int = 1
+    pipelined_s: float = 0.0
+    overlap: str = ""
 
 
 def _waterfill(capacity: float, caps: np.ndarray) -> np.ndarray:
@@ -260,20 +274,43 @@ def simulate_phase(
     after = np.array([c.after_s for c in calls], float)
     caps = np.array([c.link_bytes_per_s for c in calls], float)
     streamed = np.array([c.streamed for c in calls], bool)
+    groups = np.array([max(c.groups, 1) for c in calls], float)
+    piped = np.array([min(c.pipelined_s, c.compute_s) for c in calls], float)
+    out_piped = np.array([c.overlap == "answer" and c.groups > 1 for c in calls], bool)
+    in_piped = np.array([c.overlap == "request" and c.groups > 1 for c in calls], bool)
+    # Answer overlap: the compute stage ends with the first group; the answer then moves no
+    # faster than the groups are made, until the last is (``made``).
+    compute = np.where(out_piped, compute - piped + piped / groups, compute)
+    made = np.full(n, -math.inf)
+    # Request overlap: the groups start once the first group's bytes are in (``first_in``).
+    first_in = np.full(n, math.nan)
+    rest = request * (groups - 1) / groups  # request bytes left when the first group is in
     stage = np.full(n, _BEFORE)
     timer = np.array([c.before_s for c in calls], float)  # end of a timed stage
     left = np.zeros(n)  # bytes still to move in a transfer stage
     end = np.zeros(n)
     t = 0.0
-    for _ in range(6 * n + 7):
+    for _ in range(10 * n + 7):
         # Every stage that is over moves on, in stage order so zero-length stages chain.
         tol = 1e-12 * max(t, 1e-9)
         due = (stage == _BEFORE) & (timer <= t + tol)
         stage[due], left[due] = _REQUEST, request[due]
+        came = (stage == _REQUEST) & in_piped & np.isnan(first_in) & (left <= rest * (1 + 1e-12))
+        first_in[came] = t
         due = (stage == _REQUEST) & (left <= 0)
-        stage[due], timer[due] = _COMPUTE, t + compute[due]
+        timer[due] = t + compute[due]
+        grouped = due & in_piped  # the last group after the last byte, or all after the first
+        timer[grouped] = (
+            np.maximum(t + piped[grouped] / groups[grouped], first_in[grouped] + piped[grouped])
+            + compute[grouped]
+            - piped[grouped]
+        )
+        stage[due] = _COMPUTE
         due = (stage == _COMPUTE) & (timer <= t + tol)
         stage[due], left[due] = _ANSWER, answer[due]
+        made[due & out_piped] = (
+            t + piped[due & out_piped] * (groups[due & out_piped] - 1) / groups[due & out_piped]
+        )
         due = (stage == _ANSWER) & (left <= 0)
         stage[due], timer[due] = _AFTER, t + after[due]
         due = (stage == _AFTER) & (timer <= t + tol)
@@ -289,6 +326,11 @@ def simulate_phase(
             rates[requests] = _waterfill(upstream_bytes_per_s, caps[requests])
             rates[answers] = _waterfill(downstream_bytes_per_s, caps[answers])
         moving = requests | answers
+        making = answers & out_piped & (made > t + tol)  # answer groups still being computed
+        if making.any():
+            with np.errstate(divide="ignore", invalid="ignore"):
+                pace = np.where(piped > 0, answer / np.maximum(piped, 1e-300), math.inf)
+            rates[making] = np.minimum(rates[making], pace[making])
         stalling = compute_stall > 0 and t < master_busy_s
         if stalling:  # (a full stall stops even an unlimited flow)
             slowed = moving & streamed
@@ -297,6 +339,11 @@ def simulate_phase(
             finish = np.where(moving, left / np.where(moving, rates, 1.0), math.inf)
         timed = (stage == _BEFORE) | (stage == _COMPUTE) | (stage == _AFTER)
         wake = np.where(timed, timer - t, math.inf)
+        wake = np.minimum(wake, np.where(making, made - t, math.inf))
+        waiting = requests & in_piped & np.isnan(first_in)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            first = np.where(waiting, (left - rest) / np.where(waiting, rates, 1.0), math.inf)
+        wake = np.minimum(wake, np.where(first >= 0, first, math.inf))
         busy_left = master_busy_s - t if stalling else math.inf
         dt = max(min(float(finish.min()), float(wake.min()), busy_left), 0.0)
         if not math.isfinite(dt):
@@ -441,6 +488,26 @@ def stage_mode(
     return FUSED if fused < layer_bytes(layer, shares, False, fmt) else UNFUSED
 
 
+def overlap_images(
+    layer: ConvLayer, stage: StageSpec | None, shares: Sequence[int], fmt: TensorFormat = FLOAT32
+) -> int:
+    """Images per group for ``layer``'s fused stage calls (:mod:`hetconv.overlap`), 0 for
+    none: :func:`~hetconv.overlap.group_images` where some worker's stage output is too big for
+    one message (it streams, so its transfer can run beside the compute), at least two groups
+    come of the batch, and the stage holds no batch norm (its statistics are the whole
+    batch's)."""
+    n = layer.shape.n
+    if stage is None or stage.batchnorms or len(shares) < 2:
+        return 0
+    images = group_images(n)
+    if group_count(n, images) < 2:
+        return 0
+    ho, wo = stage.output_hw(layer.shape.out_hw)
+    if fmt.nbytes((n, max(shares[1:]), ho, wo)) <= BUNDLE_BYTES:
+        return 0
+    return images
+
+
 def resident_layer_bytes(
     layer: ConvLayer,
     shares: Sequence[int],
@@ -530,6 +597,7 @@ def simulate_layer_phase(
     fused: bool = False,
     resident: bool = False,
     replica: ConvLayer | None = None,
+    overlap_images: int = 0,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
@@ -537,7 +605,11 @@ def simulate_layer_phase(
     ``resident`` kernels (:mod:`hetconv.master.resident`: halo out, edges back, the syncs
     amortised into backward's answer) or sent ones. ``replica``: the replicated first block
     whose output is the layer's input (:mod:`hetconv.replica`): each worker also computes the
-    whole block's phase, and sends its gradient parts instead of an input-gradient part."""
+    whole block's phase, and sends its gradient parts instead of an input-gradient part.
+    ``overlap_images``: a fused layer's streamed calls run in groups of this many images
+    (:mod:`hetconv.overlap`): forward sends each group's answer as it is computed, backward
+    starts each group once its gradient is in (the block's part of the compute is not
+    grouped)."""
     if fused and layer.stage is None:
         raise ValueError(f"{layer.name} has no channel-local layers after it to fuse")
     passes = layer.passes(phase)
@@ -553,9 +625,12 @@ def simulate_layer_phase(
                 layer, phase, share, offset, step, cluster.wire.format, fused, resident,
                 replica=replica,
             )  # fmt: skip
-            compute = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
+            own = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
+            compute = own
             if replica is not None:
                 compute += node.conv_seconds(replica, replica.kernels, replica.passes(phase))
+            groups = group_count(layer.shape.n, overlap_images) if fused else 1
+            piped = groups > 1 and not wire.bundled
             calls.append(
                 WorkerCall(
                     wire.sent,
@@ -565,6 +640,9 @@ def simulate_layer_phase(
                     node.rtt_s / 2,
                     node.bytes_per_s,
                     streamed=not wire.bundled,
+                    groups=groups if piped else 1,
+                    pipelined_s=own if piped else 0.0,
+                    overlap=("answer" if phase == FORWARD else "request") if piped else "",
                 )
             )
             computes.append(compute)
@@ -589,6 +667,7 @@ def simulate_step(
     stages: str | Mapping[str, str] = UNFUSED,
     kernels: str | Mapping[str, str] = SENT,
     replicate: str = REPLICATE_OFF,
+    overlap: str | Mapping[str, int] = OVERLAP_OFF,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work.
@@ -607,6 +686,10 @@ def simulate_step(
     the second layer's calls, which move the images instead of that layer's input (the second
     layer must run fused). A per-layer ``stages`` mapping may name the block ``"replicated"``
     instead (as a trace's ``stage_modes`` do).
+
+    ``overlap`` as ``hetconv train --overlap``: ``"off"``, ``"on"`` (every fused layer whose
+    stage holds no batch norm) or ``"auto"`` (:func:`overlap_images`); or per layer name, the
+    images per group (as a trace's ``overlap_images`` records them; 0 or not named: none).
     """
     kernel_modes = (
         kernels if isinstance(kernels, Mapping) else {layer.name: kernels for layer in layers}
@@ -654,6 +737,16 @@ def simulate_step(
             kept = kernel_mode(layer, layer.stage, split, fmt=cluster.wire.format)
         if replica is not None and mode != FUSED:
             raise ValueError(f"{layer.name} takes a replicated block's output: it must be fused")
+        images = 0
+        if mode == FUSED:
+            if isinstance(overlap, Mapping):
+                images = int(overlap.get(layer.name, 0))
+            elif overlap not in OVERLAP_MODES:
+                raise ValueError(f"overlap {overlap!r}; expected one of {', '.join(OVERLAP_MODES)}")
+            elif overlap == OVERLAP_ON and not layer.stage.batchnorms:
+                images = group_images(layer.shape.n)
+            elif overlap == OVERLAP_AUTO:
+                images = overlap_images(layer, layer.stage, split, cluster.wire.format)
         for phase in PHASES:
             phases.append(
                 simulate_layer_phase(
@@ -664,6 +757,7 @@ def simulate_step(
                     fused=mode == FUSED,
                     resident=kept == RESIDENT,
                     replica=replica,
+                    overlap_images=images,
                 )  # fmt: skip
             )
     comm = sum(p.comm_s for p in phases)
@@ -683,6 +777,7 @@ def simulate_step(
 __all__ = [
     "REPLICATED",
     "kernel_mode",
+    "overlap_images",
     "replica_bytes",
     "replicate_gain",
     "layer_bytes",

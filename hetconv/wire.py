@@ -433,6 +433,23 @@ class TensorReceiver:
             pos += n
         self.received += size
 
+    def rows_in(self, index: int = 0) -> int:
+        """Rows (along the first axis) of tensor ``index`` whose bytes have all arrived."""
+        before = sum(b.nbytes for b in self._buffers[:index])
+        buffer = self._buffers[index]
+        if not buffer.shape or not buffer.shape[0]:
+            return 0
+        row = buffer.nbytes // buffer.shape[0]
+        got = min(max(self.received - before, 0), buffer.nbytes)
+        return got // row if row else buffer.shape[0]
+
+    def decode_rows(self, index: int, rows: slice) -> None:
+        """Make ``rows`` of tensor ``index`` readable in its array before :meth:`finish` (a
+        format that converts on arrival converts them now; :meth:`finish` does it again)."""
+        buffer = self._buffers[index]
+        if buffer is not self.arrays[index]:
+            self._formats[index].decode_into(self.arrays[index][rows], buffer[rows])
+
     def finish(self) -> list[np.ndarray]:
         """The filled arrays; raises MalformedMessage when fewer bytes came than the header
         declared."""
@@ -449,22 +466,29 @@ class TensorReceiver:
 def receive_stream(
     messages: Iterator[pb.ConvMessage | memoryview | Bundle],
     receiver_for: Callable[[pb.ConvMessage], TensorReceiver],
+    progress: Callable[[pb.ConvMessage, TensorReceiver], None] | None = None,
 ) -> tuple[pb.ConvMessage, list[np.ndarray]]:
     """Read one call direction: its first message, then data chunks into arrays.
 
     A :class:`Bundle` (a unary call's whole message) is read the same way, its data fed at once.
+    An answer whose result says ``timings_follow`` ends with one more result message after its
+    data (the timings, known only once every byte was computed): they are copied into the
+    first message's result.
 
     Args:
         messages: the incoming stream (deserialized by :func:`deserialize_message`).
         receiver_for: called with the first message; returns the :class:`TensorReceiver` (after
             validating the header, raising a :class:`~hetconv.errors.WireError` when it is wrong).
+        progress: called with the first message and the receiver after each chunk is written
+            (work can start on the bytes that are in while the rest arrives).
 
     Returns:
         (first message, filled arrays).
 
     Raises:
         MalformedMessage: undecodable bytes, no header first, a second header or result among
-            the data, or tensor bytes that disagree with the header.
+            the data, a missing or misplaced timings message, or tensor bytes that disagree
+            with the header.
     """
     first = next(messages, None)
     if first is None:
@@ -474,17 +498,40 @@ def receive_stream(
     if isinstance(first, memoryview):
         raise MalformedMessage("stream started with tensor data instead of a header")
     if isinstance(first, Bundle):
+        if first.message.result.timings_follow:
+            raise MalformedMessage("a one-message answer cannot say timings_follow")
         receiver = receiver_for(first.message)
         receiver.feed(first.data)
+        if progress is not None:
+            progress(first.message, receiver)
         return first.message, receiver.finish()
     receiver = receiver_for(first)
+    trailer = first.WhichOneof("kind") == "result" and first.result.timings_follow
+    timed = False  # the timings came: nothing may follow
     for message in messages:
         if isinstance(message, Undecodable):
             raise MalformedMessage(message.reason)
+        if timed:
+            raise MalformedMessage("a message arrived after the closing timings")
         if not isinstance(message, memoryview):
-            raise MalformedMessage(
-                f"a second {message.WhichOneof('kind') or 'empty'} message arrived in the "
-                "middle of tensor data"
-            )
+            kind = message.WhichOneof("kind") or "empty"
+            if trailer and kind == "result" and receiver.received == receiver.expected:
+                _take_timings(first, message)
+                trailer, timed = False, True
+                continue
+            raise MalformedMessage(f"a second {kind} message arrived in the middle of tensor data")
         receiver.feed(message)
+        if progress is not None:
+            progress(first, receiver)
+    if trailer:
+        raise MalformedMessage("the answer said timings_follow but ended without them")
     return first, receiver.finish()
+
+
+def _take_timings(first: pb.ConvMessage, last: pb.ConvMessage) -> None:
+    """Copy the closing timings of a ``timings_follow`` answer into its first result."""
+    if last.result.tensors or last.result.timings_follow:
+        raise MalformedMessage("the closing timings message carries more than timings")
+    first.result.compute_seconds = last.result.compute_seconds
+    first.result.receive_seconds = last.result.receive_seconds
+    first.result.timings_follow = False

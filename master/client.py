@@ -514,6 +514,7 @@ class WorkerClient:
         kernel_offset: int = 0,
         batchnorm: Sequence[BatchNormSlice] = (),
         replica: ReplicaBlock | None = None,
+        overlap_images: int = 0,
     ) -> tuple[np.ndarray, np.ndarray, CallStats]:
         """A fused stage (:mod:`hetconv.stages`): the output of ``stage`` on the kernels ``own``
         (offsets into ``w``) of the widened kernel slice ``w`` (k, C, kh, kw) over ``x``, and
@@ -528,6 +529,9 @@ class WorkerClient:
                 batch norm of ``stage``, all in the same mode.
             replica: the replicated block whose output ``x`` is (:mod:`hetconv.replica`): sent
                 first (:meth:`replica_forward`), then ``x`` does not travel.
+            overlap_images: the worker runs the stage on groups of this many images and sends
+                each group's output as soon as it is computed (its backward then starts on each
+                group as its gradient arrives); 0: the whole batch at once.
         """
         training = all(bn.training for bn in batchnorm)
         if any(bn.training != training for bn in batchnorm):
@@ -540,6 +544,7 @@ class WorkerClient:
                 ops=ops_to_proto(stage), own_start=own.start, own_count=own.stop - own.start,
                 batchnorm_eval=bool(batchnorm) and not training,
             ),
+            overlap_images=overlap_images,
         )  # fmt: skip
         fmt = self.wire_format
         conv = call_shape(x.shape, w.shape, padding)
@@ -699,10 +704,11 @@ class WorkerClient:
         timeout: float = 600.0,
         kernel_offset: int = 0,
         replica: ReplicaBlock | None = None,
+        overlap_images: int = 0,
     ) -> tuple[np.ndarray, CallStats]:
         """A fused stage on the worker's resident slice (``own_count`` kernels at ``version``)
         widened by the halo kernels ``hw``, ``hb`` (``halo_before`` of them before it);
-        ``replica`` as :meth:`stage_forward`'s."""
+        ``replica`` and ``overlap_images`` as :meth:`stage_forward`'s."""
         request = pb.ConvRequest(
             phase=RESIDENT_STAGE_FORWARD.phase, session=session, step=step, layer=layer,
             padding=padding, kernel_offset=kernel_offset,
@@ -711,6 +717,7 @@ class WorkerClient:
                 ops=ops_to_proto(stage), own_start=halo_before, own_count=own_count
             ),
             resident=pb.ResidentSlice(version=version, count=own_count, halo_before=halo_before),
+            overlap_images=overlap_images,
         )  # fmt: skip
         fmt = self.wire_format
         widened = (own_count + hw.shape[0], *hw.shape[1:])

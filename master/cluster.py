@@ -75,6 +75,10 @@ from hetconv import costmodel
 from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
 from hetconv.formats import FLOAT32, TensorFormat
 from hetconv.optim import SGDConfig
+from hetconv.overlap import AUTO as OVERLAP_AUTO
+from hetconv.overlap import OFF as OVERLAP_OFF
+from hetconv.overlap import ON as OVERLAP_ON
+from hetconv.overlap import OVERLAP_MODES, group_count, group_images
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import REPLICATE_MODES
@@ -173,6 +177,11 @@ class ClusterConfig:
             (:mod:`hetconv.replica`; where the network allows it); ``"off"``: never;
             ``"auto"``: where the cost model predicts the step faster
             (:func:`hetconv.costmodel.replicate_mode`).
+        overlap: ``"on"``: every fused layer whose stage holds no batch norm runs its worker
+            calls in image groups, each group's output sent while the next computes and each
+            group's backward started as soon as its gradient is in (:mod:`hetconv.overlap`);
+            ``"off"``: whole batches; ``"auto"``: where a worker's answer streams
+            (:func:`hetconv.costmodel.overlap_images`).
     """
 
     master_compute: bool = True
@@ -197,8 +206,13 @@ class ClusterConfig:
     resident_sync_every: int = DEFAULT_SYNC_EVERY
     spot_checks: SpotCheckConfig = field(default_factory=SpotCheckConfig)
     replicate: str = REPLICATE_OFF
+    overlap: str = OVERLAP_OFF
 
     def __post_init__(self):
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(
+                f"overlap {self.overlap!r}; expected one of {', '.join(OVERLAP_MODES)}"
+            )
         if self.replicate not in REPLICATE_MODES:
             raise ValueError(
                 f"replicate {self.replicate!r}; expected one of {', '.join(REPLICATE_MODES)}"
@@ -285,6 +299,7 @@ class Cluster:
         self.step = 0
         self._layers: list[PlannedLayer] = []
         self.replicas = ReplicatedBlocks({}, {})  # a replicated first block (set by prepare)
+        self.overlap_images: dict[str, int] = {}  # fused layer -> images per group (prepare)
 
     @property
     def nodes(self) -> list[Node]:
@@ -445,6 +460,7 @@ class Cluster:
         if resident or consumers:
             self.planner = dataclasses.replace(self.planner, resident=resident, replicas=consumers)
             self._replan()
+        self._choose_overlap(layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
             print(self.describe_shares(), file=log)
@@ -453,6 +469,7 @@ class Cluster:
             modes = ", ".join(f"{name} {mode}" for name, mode in self.kernel_modes.items())
             print(f"kernels ({self.config.kernels}): {modes}", file=log)
             print(f"replicate ({self.config.replicate}): {self.describe_replica()}", file=log)
+            print(f"overlap ({self.config.overlap}): {self.describe_overlap()}", file=log)
         self.membership.start_monitor()
 
     supports_stages = True
@@ -499,6 +516,35 @@ class Cluster:
             return
         self.replicas = ReplicatedBlocks({first.name: first.feeds}, {first.name: first.stage})
         self.stage_modes[first.name] = REPLICATED
+
+    def _choose_overlap(self, layers, batch: int) -> None:
+        """Images per group of each fused layer's worker calls (:mod:`hetconv.overlap`): as
+        configured where the stage allows it, or (auto) where the cost model says a worker's
+        answer streams."""
+        self.overlap_images = {}
+        for spec in layers:
+            if self.stage_modes.get(spec.name) != FUSED or spec.stage is None:
+                continue
+            images = 0
+            if self.config.overlap == OVERLAP_ON and not spec.stage.batchnorms:
+                images = group_images(batch)
+            elif self.config.overlap == OVERLAP_AUTO:
+                plan = self.plans.get(spec.name)
+                shares = plan.shares if plan is not None else (1,) * len(self.nodes)
+                layer = ConvLayer.from_spec(spec, batch)
+                images = costmodel.overlap_images(
+                    layer, spec.stage, shares, self.config.wire_format
+                )
+            if images and group_count(batch, images) > 1:
+                self.overlap_images[spec.name] = images
+
+    def describe_overlap(self) -> str:
+        """One line: which fused layers run their calls in image groups, of how many."""
+        if not self.overlap_images:
+            return "off"
+        return ", ".join(
+            f"{name} in groups of {images} images" for name, images in self.overlap_images.items()
+        )
 
     def describe_replica(self) -> str:
         """One line: which block is replicated into which layer, or why none is."""
@@ -608,8 +654,9 @@ class Cluster:
         }
         replicate = REPLICATE_FIRST if self.replicas.feeds else REPLICATE_OFF
         result = costmodel.simulate_step(
-            model, layers, shares, comp_s, stages, dict(self.kernel_modes), replicate
-        )
+            model, layers, shares, comp_s, stages, dict(self.kernel_modes), replicate,
+            dict(self.overlap_images),
+        )  # fmt: skip
         alone = sum(master.probe_seconds[ly.name] for ly in self._layers) + comp_alone_s
         out = {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
         if spec is not None and model.workers:  # the peer: every node the whole model
@@ -644,6 +691,8 @@ class Cluster:
             "spot_checks": dataclasses.asdict(c.spot_checks),
             "replicate": c.replicate,
             "replicated": dict(self.replicas.feeds),  # block -> the layer it feeds
+            "overlap": c.overlap,
+            "overlap_images": dict(self.overlap_images),  # fused layer -> images per group
         }
         if self.medium is not None:
             record["medium"] = self.medium.record()
@@ -757,7 +806,8 @@ class Cluster:
         of the stage, whose running statistics it moves (training)."""
         plan = self._plan(layer, x.shape, w.shape, padding)
         self._stage_steps[layer] = FUSED
-        ctx = CallContext(self.session, self.step, layer)
+        images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
+        ctx = CallContext(self.session, self.step, layer, images)
         if self.kernel_modes.get(layer) == RESIDENT:
             state = self.resident.layer(layer, w, b, stage, _sides(padding, w.shape[2:]))
             split = self.resident.split

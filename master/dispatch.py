@@ -152,6 +152,7 @@ class CallContext:
     session: int
     step: int
     layer: str
+    overlap_images: int = 0  # fused stage forwards: image groups streamed as computed
 
 
 class PhaseJob(Protocol):
@@ -372,6 +373,8 @@ class _StageForward:
         kwargs = {"out": self.y[:, sl], "kernel_offset": wide.start, "batchnorm": batchnorm}
         if self.replica is not None:
             kwargs["replica"] = self.replica
+        if ctx.overlap_images:
+            kwargs["overlap_images"] = ctx.overlap_images
         return WorkerRequest(
             piece.node.client.stage_forward,
             (ctx.session, ctx.step, ctx.layer, self.x, w, b, self.sides, self.stage, own),

@@ -184,6 +184,8 @@ class _ResidentForward:
         kwargs = {"out": self.y[:, part], "kernel_offset": layer.wide(part).start}
         if self.replica is not None:
             kwargs["replica"] = self.replica
+        if ctx.overlap_images:
+            kwargs["overlap_images"] = ctx.overlap_images
         return WorkerRequest(
             piece.node.client.resident_stage_forward,
             (

@@ -188,6 +188,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Default off (the paper's)",
     )
     parser.add_argument(
+        "--overlap",
+        choices=("off", "on", "auto"),
+        default="off",
+        help="on: fused layers' worker calls run in image groups, each group's output sent "
+        "while the next computes and each group's backward started once its gradient is in, "
+        "as `hetconv train --overlap on`; auto: where a worker's answer streams (what `hetconv "
+        "train` does by default). Default off (the paper's). Needs --stages fused or auto",
+    )
+    parser.add_argument(
         "--no-data-parallel",
         action="store_true",
         help="leave out the data-parallel rows (dp-ring, dp-ps: every node trains the whole "
@@ -392,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
             kernels=args.kernels,
             replicate=args.replicate,
             data_parallel=not args.no_data_parallel,
+            overlap=args.overlap,
         )
         if not args.quiet:
             print(describe(scenario, args.network))

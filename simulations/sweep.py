@@ -44,6 +44,7 @@ class Row:
     stages: str = "unfused"  # as `hetconv train --stages` (hetconv.stages)
     kernels: str = "sent"  # as `hetconv train --kernels` (hetconv.master.resident)
     replicate: str = "off"  # as `hetconv train --replicate` (hetconv.replica)
+    overlap: str = "off"  # as `hetconv train --overlap` (hetconv.overlap)
     comp_basis: str = "scenario"  # where comp_s comes from: the scenario, or "paper"
     # The paper's scenarios, clusters of 2 or more (simulations.paper.bandwidth_check): its
     # Eq. 2 volume, the time the paper's compute split leaves for moving it if the cluster is
@@ -68,11 +69,13 @@ def run_scenario(
     kernels: str = "sent",
     replicate: str = "off",
     data_parallel: bool = False,
+    overlap: str = "off",
 ) -> list[Row]:
     """Simulate the scenario's grid (each argument, when given, replaces the scenario's), with
     every layer's stage run as ``stages`` says (``hetconv train --stages``), its kernels
     kept as ``kernels`` says (``hetconv train --kernels``) and the first block replicated as
-    ``replicate`` says (``hetconv train --replicate``: ``"off"`` or ``"first"``); with
+    ``replicate`` says (``hetconv train --replicate``: ``"off"`` or ``"first"``), fused calls
+    overlapped as ``overlap`` says (``hetconv train --overlap``); with
     ``data_parallel``, also the data-parallel peer at every point (:func:`data_parallel_rows`)."""
     rows = []
     for network in networks or scenario.networks:
@@ -88,7 +91,7 @@ def run_scenario(
                     for policy in policies or scenario.policies:
                         shares = shares_for(cluster, layers, policy, stages, kernels, replicate)
                         results[policy] = simulate_step(
-                            cluster, layers, shares, comp, stages, kernels, replicate
+                            cluster, layers, shares, comp, stages, kernels, replicate, overlap
                         )
                     check = {}
                     if scenario.paper and size > 1:
@@ -130,6 +133,7 @@ def run_scenario(
                                 stages=stages,
                                 kernels=kernels,
                                 replicate=replicate,
+                                overlap=overlap,
                                 comp_basis=scenario.comp_basis,
                                 **check,
                             )

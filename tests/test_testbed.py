@@ -64,7 +64,8 @@ def test_a_mode_that_needs_a_missing_flag_is_skipped_with_a_note_and_runs_once_i
     # Every mode starts from the paper's kernel split; its own flags come last and win.
     assert everything.arguments("switched")[: len(bench.BASE)] == list(bench.BASE)
     assert with_stages[0].arguments("switched") == [
-        "--shares", "compute", "--stages", "unfused", "--kernels", "sent",
+        "--shares", "compute", "--stages", "unfused", "--kernels", "sent", "--replicate", "off",
+        "--overlap", "off",
     ]  # fmt: skip
     # Resident kernels run once `hetconv train` has --kernels; "all" then keeps them.
     help_text = "... --stages {kernel,fused} ... --kernels {auto,resident,sent} ..."

@@ -36,6 +36,14 @@ from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.resident import edge_rows, sgd_config, version_text
 from hetconv.stages import StageRun, StageSpec, spec_from_proto, stage_backward, stage_forward
+from hetconv.worker.overlap import (
+    GroupedRun,
+    GroupedStart,
+    Streamed,
+    check_overlap,
+    forward_groups,
+    grad_range,
+)
 from hetconv.worker.requests import request_padding
 
 
@@ -195,7 +203,29 @@ class ResidentCalls:
         w = np.concatenate([hw[:before], held.w, hw[before:]])
         b = np.concatenate([hb[:before], held.b, hb[before:]])
         own = slice(before, before + k)
+        groups = check_overlap(request, spec, x.shape[0])
         start = time.perf_counter()
+        ((name, fmt),) = RESIDENT_STAGE_FORWARD.answer_formats(
+            fmt=answer_format(request.answer_dtype)
+        ).items()
+        if groups is not None:  # each group's output goes as soon as it is computed
+            backend = service.backend
+
+            def group_work(g: slice):
+                out = stage_forward(backend, x[g], w, b, padding, spec, own)
+                backend.synchronize()
+                return out
+
+            def keep(runs):
+                grouped = GroupedRun(groups, runs, x, w)
+                with self._lock:
+                    self._runs[request.session, request.layer] = _Run(
+                        request.step, held.version, grouped, spec
+                    )
+
+            outputs = forward_groups(service._submit_device, group_work, groups, keep)
+            shape = (x.shape[0], k, *spec.output_hw(conv.out_hw))
+            return Streamed([(name, shape, fmt)], ((0, y) for y in outputs), start, receive)
 
         def forward_work():
             out = stage_forward(service.backend, x, w, b, padding, spec, own)
@@ -206,14 +236,11 @@ class ResidentCalls:
         compute = time.perf_counter() - start
         with self._lock:
             self._runs[request.session, request.layer] = _Run(request.step, held.version, run, spec)
-        ((name, fmt),) = RESIDENT_STAGE_FORWARD.answer_formats(
-            fmt=answer_format(request.answer_dtype)
-        ).items()
         return [(name, y, fmt)], compute, receive
 
-    def backward(self, messages: Iterator):
-        service = self.service
-        request, (dy,), receive = service._receive(messages, RESIDENT_STAGE_BACKWARD)
+    def _kept(self, request: pb.ConvRequest) -> tuple[_Slice, _Run]:
+        """The slice a resident stage backward names and its forward's run of the same step
+        and version; MissingForward (FAILED_PRECONDITION) naming what is held otherwise."""
         held = self._held(request)
         with self._lock:
             kept = self._runs.get((request.session, request.layer))
@@ -224,19 +251,18 @@ class ResidentCalls:
                 f"with version {version_text(held.version)} (have {have}); send "
                 "ResidentStageForward first"
             )
+        return held, kept
+
+    def backward(self, messages: Iterator):
+        service = self.service
+        grouped = GroupedStart(service, lambda request: self._kept(request)[1].run)
+        request, (dy,), receive = service._receive(
+            messages, RESIDENT_STAGE_BACKWARD, grouped.progress
+        )
+        held, kept = self._kept(request)
         run = kept.run
-        n, computed, *out_hw = run.out_shape
-        if dy.ndim != 4 or dy.shape[0] != n or list(dy.shape[2:]) != out_hw:
-            raise InvalidCall(
-                f"dy has shape {dy.shape}, expected ({n}, channels, {out_hw[0]}, {out_hw[1]})"
-            )
-        grad = slice(request.stage.grad_start, request.stage.grad_start + dy.shape[1])
-        if not (grad.start <= run.own.start and run.own.stop <= grad.stop <= computed):
-            raise InvalidCall(
-                f"dy covers channels {grad.start}..{grad.stop - 1} of the {computed} computed; "
-                f"it must cover the owned {run.own.start}..{run.own.stop - 1} and stay within"
-            )
-        start = time.perf_counter()
+        grad = grad_range(run, dy.shape, request.stage.grad_start)
+        start = grouped.started or time.perf_counter()
         replica = bool(request.replica_layer)
 
         def backward_work():
@@ -245,7 +271,7 @@ class ResidentCalls:
             service.backend.synchronize()
             return out
 
-        dx, dw, db = service._on_device(backward_work)
+        dx, dw, db = grouped.result() if grouped.started else service._on_device(backward_work)
         # the block's gradients before the update: a refused call leaves the slice as it was
         through = service.replicas.gradients(request, dx) if replica else None
         with self._lock:

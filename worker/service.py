@@ -78,6 +78,7 @@ from hetconv.worker.activity import Activity
 from hetconv.worker.auth import WorkerSecurity
 from hetconv.worker.budget import Dropped, MemoryBudget, OverBudget
 from hetconv.worker.idle import IdleTimeout, IdleWatch, Watched
+from hetconv.worker.overlap import Streamed
 from hetconv.worker.replica import ReplicaCalls
 from hetconv.worker.requests import request_padding
 from hetconv.worker.resident import ResidentCalls
@@ -212,6 +213,10 @@ class ConvWorkerService:
 
     def _on_device(self, work: Callable[[], object]):
         """``work()`` on the device thread (after any call before it); its result."""
+        return self._submit_device(work).result()
+
+    def _submit_device(self, work: Callable[[], object]) -> futures.Future:
+        """``work()`` queued on the device thread (after any call before it)."""
 
         def job():
             try:
@@ -223,7 +228,7 @@ class ConvWorkerService:
                     self.scratch_trimmed += 1
                     release_free_memory()
 
-        return self._device.submit(job).result()
+        return self._device.submit(job)
 
     @contextmanager
     def _in_flight(self, name: str, context) -> Iterator[Watched]:
@@ -295,8 +300,10 @@ class ConvWorkerService:
     # -- streaming calls --------------------------------------------------------------------
 
     def _receive(
-        self, messages: Iterator, call: ConvCall
+        self, messages: Iterator, call: ConvCall, progress=None
     ) -> tuple[pb.ConvRequest, list[np.ndarray], float]:
+        """Read and check a call's request; ``progress`` as :func:`~hetconv.wire.receive_stream`'s
+        (given the request and the receiver)."""
         start = time.perf_counter()
 
         def receiver_for(first: pb.ConvMessage) -> TensorReceiver:
@@ -325,7 +332,10 @@ class ConvWorkerService:
             self._admit(call, request, tensors)  # before any array is allocated
             return TensorReceiver.of(tensors)
 
-        first, arrays = receive_stream(messages, receiver_for)
+        def advanced(first: pb.ConvMessage, receiver: TensorReceiver) -> None:
+            progress(first.header, receiver)
+
+        first, arrays = receive_stream(messages, receiver_for, advanced if progress else None)
         self.activity.received(first.header.session, sum(h.nbytes for h in first.header.tensors))
         return first.header, arrays, time.perf_counter() - start
 
@@ -395,8 +405,14 @@ class ConvWorkerService:
         """Run ``core`` on the incoming messages; refuse bad requests with the status their
         error's type carries."""
         try:
-            tensors, compute, receive = core(messages)
+            got = core(messages)
             memory = self.budget.current()
+            if isinstance(got, Streamed):  # its bytes go as they are computed
+                if memory is not None:
+                    memory.cover(2 * got.nbytes, f"{call.name}'s answer")
+                self.requests += 1
+                return got
+            tensors, compute, receive = got
             if memory is not None:  # the answer, when _admit could not foresee it
                 memory.cover(2 * sum(a.nbytes for _, a, _ in tensors), f"{call.name}'s answer")
         except IdleTimeout:
@@ -418,22 +434,59 @@ class ConvWorkerService:
         def handler(messages: Iterator, context) -> Iterator:
             with self._in_flight(call.name, context) as watched:
                 try:
-                    head, segments = self._run(call, core, watched.messages(messages), context)
+                    got = self._run(call, core, watched.messages(messages), context)
                 except IdleTimeout:
                     return  # ended by the idle watch, with its status: nothing more to send
-                for message in itertools.chain([head], chunks(segments)):
+                if isinstance(got, Streamed):
+                    stream = self._streaming(call, got, context)
+                else:
+                    stream = itertools.chain([got[0]], chunks(got[1]))
+                for message in stream:
                     with watched.waiting():  # a client that stops reading holds us here
                         yield message
 
         return handler
+
+    def _streaming(self, call: ConvCall, answer: Streamed, context) -> Iterator:
+        """The messages of an answer sent as it is computed; a failure on the way ends the
+        call with the status its error's type carries (the header is gone already)."""
+        sent = 0
+        messages = answer.messages()
+        while True:
+            try:
+                message = next(messages)
+            except StopIteration:
+                break
+            except WireError as e:
+                context.abort(e.status, f"{call.name}: {e}")
+            except MemoryError as e:
+                status = grpc.StatusCode.RESOURCE_EXHAUSTED
+                context.abort(status, f"{call.name}: out of memory: {e}")
+            except Exception as e:
+                context.abort(grpc.StatusCode.INTERNAL, f"{call.name}: {type(e).__name__}: {e}")
+            if isinstance(message, memoryview):
+                sent += message.nbytes
+            yield message
+        self.activity.answered(sent)
 
     def bundled(self, call: ConvCall, core: _Core):
         """The handler of a call whose request and answer are each one ``ConvBundle``."""
 
         def handler(bundle: Bundle, context) -> Bundle:
             with self._in_flight(call.name, context):
-                head, segments = self._run(call, core, iter([bundle]), context)
-                return Bundle(head, segments)
+                got = self._run(call, core, iter([bundle]), context)
+                if isinstance(got, Streamed):  # one message: computed whole, then sent
+                    try:
+                        tensors, compute, receive = got.collect()
+                    except WireError as e:
+                        context.abort(e.status, f"{call.name}: {e}")
+                    except Exception as e:
+                        context.abort(
+                            grpc.StatusCode.INTERNAL, f"{call.name}: {type(e).__name__}: {e}"
+                        )
+                    got = self._result(tensors, compute, receive)
+                    self.activity.answered(sum(v.nbytes for v in got[1]))
+                return Bundle(*got)
 
         return handler
 

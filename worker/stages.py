@@ -16,6 +16,7 @@ recently used session goes).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import numpy as np
 from hetconv.backends import conv_shape
 from hetconv.calls import STAGE_BACKWARD, STAGE_FORWARD, StageShape
 from hetconv.errors import InvalidCall, RequestTooLarge
-from hetconv.formats import answer_format
+from hetconv.formats import FLOAT32, answer_format
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import (
     StageRun,
@@ -35,6 +36,14 @@ from hetconv.stages import (
     stage_backward,
     stage_forward,
     unpack_batchnorm,
+)
+from hetconv.worker.overlap import (
+    GroupedRun,
+    GroupedStart,
+    Streamed,
+    check_overlap,
+    forward_groups,
+    grad_range,
 )
 from hetconv.worker.requests import request_padding
 
@@ -102,7 +111,30 @@ class StageCalls:
         request, (x, w, b, bn), receive = service._receive(messages, STAGE_FORWARD)
         x = service.replicas.input_for(request, x)
         padding, spec, own, batchnorm = self._check_forward(request, x, w, b, bn)
+        groups = check_overlap(request, spec, x.shape[0])
         start = time.perf_counter()
+        fmt = answer_format(request.answer_dtype)
+        if groups is not None:  # each group's output goes as soon as it is computed
+            backend = service.backend
+
+            def group_work(g: slice):
+                out = stage_forward(backend, x[g], w, b, padding, spec, own)
+                backend.synchronize()
+                return out
+
+            def keep(runs):
+                self._keep(request, _Kept(request.step, GroupedRun(groups, runs, x, w)))
+
+            outputs = forward_groups(service._submit_device, group_work, groups, keep)
+            y_name, stats_name = STAGE_FORWARD.answer_names()
+            owned = own.stop - own.start
+            out_hw = spec.output_hw(conv_shape(x.shape, w.shape, padding).out_hw)
+            y_shape = (x.shape[0], owned, *out_hw)
+            parts = itertools.chain(
+                ((0, y) for y in outputs), [(1, np.zeros((0, owned), np.float32))]
+            )
+            tensors = [(y_name, y_shape, fmt), (stats_name, (0, owned), FLOAT32)]
+            return Streamed(tensors, parts, start, receive)
 
         def work():
             out = stage_forward(service.backend, x, w, b, padding, spec, own, batchnorm)
@@ -113,36 +145,26 @@ class StageCalls:
         compute = time.perf_counter() - start
         self._keep(request, _Kept(request.step, run))
         stats = batch_statistics_rows(run)
-        formats = STAGE_FORWARD.answer_formats(fmt=answer_format(request.answer_dtype))
+        formats = STAGE_FORWARD.answer_formats(fmt=fmt)
         answer = [(name, a, f) for (name, f), a in zip(formats.items(), (y, stats), strict=True)]
         return answer, compute, receive
 
     def backward(self, messages: Iterator):
         service = self.service
-        request, (dy,), receive = service._receive(messages, STAGE_BACKWARD)
+        grouped = GroupedStart(service, self._kept_for)
+        request, (dy,), receive = service._receive(messages, STAGE_BACKWARD, grouped.progress)
         run = self._kept_for(request)
-        n, computed, *out_hw = run.out_shape
-        grad_start = request.stage.grad_start
-        if dy.ndim != 4 or dy.shape[0] != n or list(dy.shape[2:]) != out_hw:
-            raise InvalidCall(
-                f"dy has shape {dy.shape}, expected ({n}, channels, {out_hw[0]}, {out_hw[1]})"
-            )
-        grad = slice(grad_start, grad_start + dy.shape[1])
-        if not (grad.start <= run.own.start and run.own.stop <= grad.stop <= computed):
-            raise InvalidCall(
-                f"dy covers channels {grad.start}..{grad.stop - 1} of the {computed} computed; "
-                f"it must cover the owned {run.own.start}..{run.own.stop - 1} and stay within"
-            )
-        start = time.perf_counter()
+        grad = grad_range(run, dy.shape, request.stage.grad_start)
+        start = grouped.started or time.perf_counter()
         replica = bool(request.replica_layer)
+        need = request.need_input_grad or replica
 
         def work():
-            need = request.need_input_grad or replica
             out = stage_backward(service.backend, run, dy, grad, need)
             service.backend.synchronize()
             return out
 
-        dx, dw, db = service._on_device(work)
+        dx, dw, db = grouped.result() if grouped.started else service._on_device(work)
         formats = STAGE_BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype), replica
         )

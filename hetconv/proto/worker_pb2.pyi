@@ -125,7 +125,7 @@ class ResidentSlice(_message.Message):
     def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
-    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer")
+    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class ConvRequest(_message.Message):
     STAGE_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_LAYER_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_IMAGES_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     session: int
     step: int
@@ -150,17 +151,20 @@ class ConvRequest(_message.Message):
     stage: StageDescription
     resident: ResidentSlice
     replica_layer: str
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ..., replica_layer: _Optional[str] = ...) -> None: ...
+    overlap_images: int
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ..., replica_layer: _Optional[str] = ..., overlap_images: _Optional[int] = ...) -> None: ...
 
 class ConvResult(_message.Message):
-    __slots__ = ("compute_seconds", "receive_seconds", "tensors")
+    __slots__ = ("compute_seconds", "receive_seconds", "tensors", "timings_follow")
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     compute_seconds: float
     receive_seconds: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
-    def __init__(self, compute_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
+    timings_follow: bool
+    def __init__(self, compute_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., timings_follow: _Optional[bool] = ...) -> None: ...
 
 class ConvMessage(_message.Message):
     __slots__ = ("header", "data", "result")
