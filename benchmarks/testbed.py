@@ -398,9 +398,10 @@ def predict(
         workers = tuple(Node(n.name, n.gflops, n.layer_gflops, rtt_s=rtt_s) for n in nodes[1:])
         cluster = Cluster(nodes[0], workers, WIFI, rate, master_compute=master_compute, wire=wire)
     comp = cal.comp_per_image_s * cal.batch
-    # The modes the run traced (fused stages, resident kernels): their calls' bytes and work.
+    # The modes the run traced (fused stages, resident kernels, overlap): their calls' bytes
+    # and work.
     modes = cal.stage_modes, cal.kernel_modes or "sent"
-    result = simulate_step(cluster, layers, cal.shares, comp, *modes)
+    result = simulate_step(cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images)
     return result, cal
 
 

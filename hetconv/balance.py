@@ -37,7 +37,10 @@ from fractions import Fraction
 import numpy as np
 from scipy.optimize import linprog
 
-from hetconv.costmodel import Cluster, simulate_layer_phase
+from hetconv.costmodel import Cluster, overlap_images, simulate_layer_phase
+from hetconv.overlap import OFF as OVERLAP_OFF
+from hetconv.overlap import ON as OVERLAP_ON
+from hetconv.overlap import group_count, group_images
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.resident import SENT
@@ -117,6 +120,7 @@ def _phase_terms(
     fused=False,
     resident: bool = False,
     replica: ConvLayer | None = None,
+    groups: int = 1,
 ) -> np.ndarray:
     """Per node (master first) the forward and backward times as ``a + s·k`` for ``k`` kernels,
     when ``workers`` workers take part: rows (a_forward, s_forward, a_backward, s_backward).
@@ -130,7 +134,10 @@ def _phase_terms(
     stay on its worker. ``replica``: the replicated first block whose output is the layer's
     input (:mod:`hetconv.replica`): a worker gets the images and the block's kernels instead of
     the input, answers the block's kernel gradients instead of an input-gradient part, and
-    computes the whole block: fixed costs."""
+    computes the whole block: fixed costs. ``groups`` > 1: a fused layer's calls overlap
+    (:mod:`hetconv.overlap`): a kernel's maps travel beside its compute (forward's answer,
+    backward's gradient), so a worker's per-kernel cost is the larger of the two plus the
+    smaller over the groups."""
     shared = min(cluster.shared_bytes_per_s())
     nodes = cluster.nodes
     links = np.array([n.bytes_per_s for n in nodes[1:]], float)
@@ -165,11 +172,16 @@ def _phase_terms(
     terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess, fused) + rtts + x_bytes / rates
     terms[0, 1:] += block[0]
     terms[1] = seconds * layer.passes(FORWARD)
-    terms[1, 1:] += per_kernel / rates
     terms[2, 1:] = _call_seconds(cluster, layer, BACKWARD, guess, fused) + rtts + dx / rates
     terms[2, 1:] += block[1]
     terms[3] = seconds * layer.passes(BACKWARD)
-    terms[3, 1:] += per_kernel / rates
+    for row in (1, 3):
+        if fused and groups > 1:  # the maps move beside the compute
+            compute, moved = terms[row, 1:], maps / rates
+            both = np.maximum(compute, moved) + np.minimum(compute, moved) / groups
+            terms[row, 1:] = both + (per_kernel - maps) / rates
+        else:
+            terms[row, 1:] += per_kernel / rates
     if fused:
         halo = 2 * layer.stage.halo
         terms[0, 1:] += halo_forward + halo * seconds[1:] * layer.passes(FORWARD)
@@ -208,6 +220,7 @@ def link_aware_shares(
     fused: bool = False,
     resident: bool = False,
     replica: ConvLayer | None = None,
+    overlap_images: int = 0,
 ) -> list[int]:
     """Shares that minimise the layer's predicted time, transfers included (module docstring).
 
@@ -217,6 +230,8 @@ def link_aware_shares(
         resident: (fused) workers keep their kernels (:mod:`hetconv.master.resident`).
         replica: the replicated first block whose output is the layer's input (fused;
             :mod:`hetconv.replica`).
+        overlap_images: (fused) the calls run in groups of this many images, transfers beside
+            the compute (:mod:`hetconv.overlap`); 0: whole batches.
 
     Returns kernels per node, master first, summing to the layer's kernel count; a worker whose
     link would make it slow the layer down gets 0.
@@ -229,11 +244,12 @@ def link_aware_shares(
     sum_s = layer.x_bytes / cluster.wire.sum_bytes_per_s if layer.need_input_grad else 0.0
     if replica is not None:
         sum_s = 0.0  # the workers' parts stay on them (the block's gradients are small)
-    modes = {"resident": resident, "replica": replica}
+    modes = {"resident": resident, "replica": replica, "overlap_images": overlap_images}
+    groups = group_count(layer.shape.n, overlap_images) if fused else 1
     # First a quick pass: everyone finishing the whole layer together, for every m.
     estimates = {}
     for m in range(1, n + 1):
-        terms = _phase_terms(cluster, layer, m, fused, **modes)
+        terms = _phase_terms(cluster, layer, m, fused, resident, replica, groups)
         a, s = terms[0] + terms[2], terms[1] + terms[3]
         order = 1 + np.lexsort((s[1:], a[1:]))[:m]
         chosen = np.concatenate(([0], order))
@@ -268,14 +284,21 @@ def link_aware_shares(
 
 
 def _layer_seconds(
-    cluster: Cluster, layer: ConvLayer, shares, fused: bool = False, resident=False, replica=None
+    cluster: Cluster,
+    layer: ConvLayer,
+    shares,
+    fused: bool = False,
+    resident=False,
+    replica=None,
+    overlap_images: int = 0,
 ) -> float:
     return sum(
         simulate_layer_phase(
-            cluster, layer, phase, shares, fused=fused, resident=resident, replica=replica
+            cluster, layer, phase, shares, fused=fused, resident=resident, replica=replica,
+            overlap_images=overlap_images,
         ).wall_s
         for phase in (FORWARD, BACKWARD)
-    )
+    )  # fmt: skip
 
 
 def shares_for(
@@ -285,13 +308,15 @@ def shares_for(
     stages: str = UNFUSED,
     kernels: str = SENT,
     replicate: str = REPLICATE_OFF,
+    overlap: str = OVERLAP_OFF,
 ) -> dict[str, tuple[int, ...]]:
     """Per layer name, kernels per node (master first) under ``policy``; the ``link`` policy
     plans a layer with a stage as fused when ``stages`` is ``"fused"`` or ``"auto"`` (with
     pooling the fused mode moves fewer bytes, so ``auto`` then picks it), its kernels as kept
     on the workers when ``kernels`` is ``"resident"`` or ``"auto"`` (likewise), and with
     ``replicate`` ``"first"`` the first layer as the master's alone and the second as fed by
-    it (:mod:`hetconv.replica`)."""
+    it (:mod:`hetconv.replica`), and a fused layer's calls overlapped as ``overlap`` says
+    (``hetconv train --overlap``; ``"auto"`` asks the cost model with the compute shares)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if stages not in (FUSED, UNFUSED, AUTO):
@@ -307,5 +332,13 @@ def shares_for(
             fused = stages != UNFUSED and layer.stage is not None
             resident = fused and kernels != SENT
             replica = block if fused and block is not None and layer is layers[1] else None
-            out[layer.name] = tuple(link_aware_shares(cluster, layer, fused, resident, replica))
+            images = 0
+            if fused and overlap == OVERLAP_ON and not layer.stage.batchnorms:
+                images = group_images(layer.shape.n)
+            elif fused and overlap not in (OVERLAP_ON, OVERLAP_OFF):  # auto
+                split = compute_shares(cluster, layer)
+                images = overlap_images(layer, layer.stage, split, cluster.wire.format)
+            out[layer.name] = tuple(
+                link_aware_shares(cluster, layer, fused, resident, replica, images)
+            )
     return out

@@ -455,12 +455,15 @@ class Cluster:
         self._choose_replica(layers, batch)
         self._choose_kernel_modes(layers, batch)
         # The modes change what each layer's calls move: plan the shares again knowing them.
+        self._choose_overlap(layers, batch)
         resident = frozenset(name for name, mode in self.kernel_modes.items() if mode == RESIDENT)
         consumers = {consumer: block for block, consumer in self.replicas.feeds.items()}
-        if resident or consumers:
-            self.planner = dataclasses.replace(self.planner, resident=resident, replicas=consumers)
+        if resident or consumers or self.overlap_images:
+            self.planner = dataclasses.replace(
+                self.planner, resident=resident, replicas=consumers,
+                overlap=dict(self.overlap_images),
+            )  # fmt: skip
             self._replan()
-        self._choose_overlap(layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
             print(self.describe_shares(), file=log)
@@ -754,6 +757,12 @@ class Cluster:
             "nodes": runner.records,
             "stage_modes": self._stage_steps,  # layer -> how it ran this step
             "kernel_modes": {name: self.kernel_modes.get(name, SENT) for name in self._stage_steps},
+            # fused layers whose worker calls ran in image groups -> images per group
+            "overlap_images": {
+                name: self.overlap_images[name]
+                for name, mode in self._stage_steps.items()
+                if mode == FUSED and name in self.overlap_images
+            },
         }
         if self.resident.record:
             record["resident"] = self.resident.record  # bytes placed, fetched; steps replayed

@@ -98,6 +98,8 @@ class Planner:
             kernel bytes for them).
         replicas: layer name -> the replicated first block whose output is its input
             (:mod:`hetconv.replica`); the block itself is the master's alone.
+        overlap: fused layer name -> images per group of its overlapped calls
+            (:mod:`hetconv.overlap`; the ``link`` policy counts maps moving beside the compute).
     """
 
     master_compute: bool
@@ -109,6 +111,7 @@ class Planner:
     stages: str = UNFUSED
     resident: frozenset[str] = frozenset()
     replicas: Mapping[str, str] = field(default_factory=dict)
+    overlap: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -231,7 +234,8 @@ class Planner:
             master_compute=0 in usable_nodes,
         )
         resident = fused and layer.name in self.resident
-        split = balance.link_aware_shares(model, modelled, fused, resident, replica)
+        images = self.overlap.get(layer.name, 0) if fused else 0
+        split = balance.link_aware_shares(model, modelled, fused, resident, replica, images)
         if split[0] and not model.master_compute:  # it found no worker worth its link
             return fallback
         shares = [0] * len(nodes)

@@ -72,6 +72,8 @@ class Calibration:
     stage_modes: dict[str, str] = field(default_factory=dict)
     # layer -> "resident" / "sent" (hetconv train --kernels); {}: sent
     kernel_modes: dict[str, str] = field(default_factory=dict)
+    # fused layer -> images per group of its overlapped calls (hetconv train --overlap); {}: none
+    overlap_images: dict[str, int] = field(default_factory=dict)
 
     def devices(self) -> list[DeviceSpec]:
         """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
@@ -115,6 +117,7 @@ class Calibration:
             self.comp_per_image_s * self.batch,
             self.stage_modes,
             self.kernel_modes or "sent",
+            overlap=self.overlap_images,
         )
         return {
             "step_s": result.step_s,
@@ -307,6 +310,8 @@ class _Calls:
 
     @classmethod
     def gather(cls, used: list[dict], node_names: list[str], layer_names: list[str]) -> _Calls:
+        """The calls of the records ``used``. An overlapped layer's calls (``overlap_images``)
+        time their compute but not their link: their transfers ran beside the compute."""
         count = len(node_names)
         calls = cls({}, np.zeros(count), np.zeros(count), [[] for _ in node_names],
                     [[] for _ in node_names])  # fmt: skip
@@ -316,15 +321,16 @@ class _Calls:
                     entry = record["nodes"].get(node, {}).get(layer_name)
                     if not entry or not entry["kernels"]:
                         continue
+                    overlapped = layer_name in record.get("overlap_images", {})
                     for phase in (FORWARD, BACKWARD):
                         call = entry.get(phase)
                         if call is not None:
-                            calls.add(i, j, phase, call)
+                            calls.add(i, j, phase, call, overlapped)
         return calls
 
-    def add(self, i: int, j: int, phase: str, call: dict) -> None:
+    def add(self, i: int, j: int, phase: str, call: dict, overlapped: bool = False) -> None:
         self.timings.setdefault((i, j, phase), []).append(call["compute_seconds"])
-        if i == 0:
+        if i == 0 or overlapped:
             return
         moved = call["bytes_sent"] + call["bytes_received"]
         left = call["wall_seconds"] - call["compute_seconds"]
@@ -474,6 +480,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         step_numbers=[int(r["step"]) for r in used],
         stage_modes=dict(used[0].get("stage_modes", {})),
         kernel_modes=dict(used[0].get("kernel_modes", {})),
+        overlap_images={k: int(v) for k, v in used[0].get("overlap_images", {}).items()},
     )
 
 

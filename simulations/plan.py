@@ -87,7 +87,7 @@ def candidates(cluster: Cluster, network: str, batch: int, comp_s: float) -> lis
             if replicate != "off" and len(layers) < 2:
                 continue
             model = cluster if fmt is FLOAT32 else _with_format(cluster, fmt)
-            shares = shares_for(model, layers, policy, stages, kernels, replicate)
+            shares = shares_for(model, layers, policy, stages, kernels, replicate, overlap)
             got = simulate_step(model, layers, shares, comp_s, stages, kernels, replicate, overlap)
             out.append(
                 Candidate(

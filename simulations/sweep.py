@@ -89,7 +89,9 @@ def run_scenario(
                     cluster = scenario.cluster(size, bandwidth)
                     results = {}
                     for policy in policies or scenario.policies:
-                        shares = shares_for(cluster, layers, policy, stages, kernels, replicate)
+                        shares = shares_for(
+                            cluster, layers, policy, stages, kernels, replicate, overlap
+                        )
                         results[policy] = simulate_step(
                             cluster, layers, shares, comp, stages, kernels, replicate, overlap
                         )

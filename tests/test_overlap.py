@@ -32,6 +32,7 @@ from hetconv.model import reference_spec
 from hetconv.optim import SGDConfig
 from hetconv.overlap import group_count, group_images
 from hetconv.proto import worker_pb2 as pb
+from hetconv.simulations.calibrate import calibrate
 from hetconv.stages import StageSpec, stage_backward, stage_forward
 from hetconv.wire import TensorReceiver, receive_stream
 from hetconv.workload import network_layers
@@ -89,6 +90,9 @@ def test_overlapped_training_equals_local(local, workers, tmp_path, streamed, ke
     assert plan["overlap_images"] == {name: 2 for name in fused}  # 4 groups of 2 images
     steps = [json.loads(line) for line in trace.read_text().splitlines()[1:]]
     steps = [r for r in steps if "step" in r]
+    assert all(r["overlap_images"] == {name: 2 for name in fused} for r in steps)
+    # the simulator calibrated from the trace models the groups (and times no link by them)
+    assert calibrate(str(trace)).overlap_images == {name: 2 for name in fused}
     for record in steps:  # every worker call streamed, and its closing timings came
         for node in workers.addresses:
             for phase in ("forward", "backward"):
@@ -295,3 +299,21 @@ def test_overlap_shortens_the_predicted_step_on_a_shared_medium():
     assert on.bytes == off.bytes  # the same bytes, sooner
     with pytest.raises(ValueError, match="overlap 'sometimes'"):
         simulate_step(*args, overlap="sometimes")
+
+
+def test_link_shares_give_workers_more_when_their_maps_move_beside_the_compute():
+    """Overlapped, a worker's maps cost only what the compute does not hide: the link-aware
+    split gives the workers more of the layer, and the cost model predicts the layer faster."""
+    from hetconv.balance import link_aware_shares, shares_for
+
+    layers = network_layers("paper-150-800", 64)
+    block, conv2 = layers
+    workers = tuple(SimNode(f"w{i}", 20.0, bytes_per_s=8e6) for i in range(4))
+    cluster = SimCluster(SimNode("m", 20.0), workers, "wifi", 8e6)
+    whole = link_aware_shares(cluster, conv2, True, True, block)
+    grouped = link_aware_shares(cluster, conv2, True, True, block, overlap_images=8)
+    assert sum(grouped) == sum(whole) == 800
+    assert grouped[0] < whole[0]  # the master keeps less
+    planned = shares_for(cluster, layers, "link", "fused", "resident", "first", "on")
+    assert list(planned["conv2"]) == grouped
+    assert shares_for(cluster, layers, "link", "fused", "resident", "first", "auto") == planned
