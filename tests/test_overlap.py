@@ -317,3 +317,19 @@ def test_link_shares_give_workers_more_when_their_maps_move_beside_the_compute()
     planned = shares_for(cluster, layers, "link", "fused", "resident", "first", "on")
     assert list(planned["conv2"]) == grouped
     assert shares_for(cluster, layers, "link", "fused", "resident", "first", "auto") == planned
+
+
+def test_simulate_models_overlap(tmp_path):
+    from hetconv.simulations.cli import main as simulate_main
+
+    rows = {}
+    for overlap in ("off", "on"):
+        out = tmp_path / f"{overlap}.json"
+        argv = ["low-mid-range", "--preset", "paper-150-800", "--batch", "64", "--nodes", "5"]
+        argv += ["--bandwidth", "100"]
+        argv += ["--stages", "fused", "--kernels", "resident", "--replicate", "first"]
+        argv += ["--policy", "link", "--no-data-parallel", "--quiet"]
+        assert simulate_main([*argv, "--overlap", overlap, "--json", str(out)]) == 0
+        (rows[overlap],) = json.loads(out.read_text())
+    assert rows["on"]["overlap"] == "on" and rows["off"]["overlap"] == "off"
+    assert rows["on"]["step_s"] < rows["off"]["step_s"]
