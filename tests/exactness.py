@@ -1,8 +1,35 @@
-"""The check every exactness test makes: a run through the cluster equals local training."""
+"""What every exactness test shares: the run it trains (the tiny network with a strong LRN,
+20 steps), and the check that a run through the cluster equals local training."""
 
 from __future__ import annotations
 
+import io
+import json
+
 import numpy as np
+
+from hetconv.master.training import TrainConfig, train
+from hetconv.model import reference_spec
+
+RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
+# The tiny network with a strong normalisation (alpha 1 instead of 1e-4): with the usual alpha
+# LRN is so near the identity that a missing halo channel, a stale halo kernel or a wrong
+# back-propagation through a replicated block would hide below the tolerance.
+STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]
+#: Deadlines and retries short enough that a lost worker costs a test little time.
+FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
+
+
+def train_strong_lrn(tmp_path, name, executor, trace=None, **overrides):
+    """:data:`RUN` of :data:`STRONG_LRN` through ``executor`` (``overrides`` replace RUN's
+    settings); returns (losses, saved weights by name)."""
+    weights = tmp_path / f"{name}.npz"
+    spec = tmp_path / "strong-lrn.json"  # one path per test: a resume's fingerprint holds it
+    spec.write_text(json.dumps(STRONG_LRN))
+    run = {**RUN, "preset": str(spec), **overrides}
+    config = TrainConfig(save=str(weights), trace=trace, **run)
+    result = train(config, executor, log=io.StringIO())
+    return result.losses, dict(np.load(weights))
 
 
 def same_as_local(got, local) -> None:

@@ -16,7 +16,7 @@ import sys
 import grpc
 import numpy as np
 import pytest
-from exactness import same_as_local
+from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +30,6 @@ from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.training import TrainConfig, train
-from hetconv.model import reference_spec
 from hetconv.proto import worker_pb2 as pb
 from hetconv.simulations.calibrate import calibrate
 from hetconv.stages import (
@@ -335,29 +334,14 @@ def test_batchnorm_stage_parameters_are_checked(case):
 
 # -- real worker processes ----------------------------------------------------------------------
 
-RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
-# The tiny network with a strong normalisation (alpha 1 instead of 1e-4): with the usual alpha
-# LRN is so near the identity that a missing halo channel would hide below the tolerance.
-STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]
-FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
 # tiny: conv1 8 kernels, conv2 16; LRN size 5 (halo 4). Shares smaller than the halo, a node
 # with none (the master on conv1), uneven.
 SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
 
 
-def _train(tmp_path, name, executor, trace=None, **overrides):
-    weights = tmp_path / f"{name}.npz"
-    spec = tmp_path / "strong-lrn.json"
-    spec.write_text(json.dumps(STRONG_LRN))
-    run = {**RUN, "preset": str(spec), **overrides}
-    config = TrainConfig(save=str(weights), trace=trace, **run)
-    result = train(config, executor, log=io.StringIO())
-    return result.losses, dict(np.load(weights))
-
-
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
+    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +354,7 @@ def test_fused_cluster_trains_as_local(local, workers, tmp_path):
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(**FAST, shares=SHARES, stages="fused")
     with Cluster(workers.addresses, config=config) as cluster:
-        got = _train(tmp_path, "fused", cluster, trace=str(trace))
+        got = train_strong_lrn(tmp_path, "fused", cluster, trace=str(trace))
     same_as_local(got, local)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     plan = records[0]
@@ -402,7 +386,7 @@ def test_fused_cluster_trains_as_local(local, workers, tmp_path):
 def test_auto_picks_fused_for_pooled_stages(workers, tmp_path):
     config = ClusterConfig(**FAST, shares=SHARES, stages="auto")
     with Cluster(workers.addresses, config=config) as cluster:
-        _train(tmp_path, "auto", cluster, steps=1)
+        train_strong_lrn(tmp_path, "auto", cluster, steps=1)
         assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused"}
 
 
@@ -428,7 +412,7 @@ def test_fused_worker_killed_mid_step_stays_exact(local, tmp_path):
         with KilledMidStep(
             started.addresses, victim, 3, "conv2", shares=SHARES, stages="fused"
         ) as cluster:
-            got = _train(tmp_path, "killed", cluster)
+            got = train_strong_lrn(tmp_path, "killed", cluster)
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
     same_as_local(got, local)
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 3)]
@@ -580,10 +564,10 @@ def test_a_bad_stage_mode_is_refused():
 def test_fused_paper_network_trains_as_local(workers, tmp_path):
     """paper-50-500 (LRN size 5 after both convolutions) over 20 steps, uneven probed shares."""
     run = dict(preset="paper-50-500", steps=20, batch=8, train_size=64, eval_size=0)
-    want = _train(tmp_path, "local-paper", LocalConv(), **run)
+    want = train_strong_lrn(tmp_path, "local-paper", LocalConv(), **run)
     config = ClusterConfig(**FAST, stages="fused")
     with Cluster(workers.addresses, config=config) as cluster:
-        got = _train(tmp_path, "fused-paper", cluster, **run)
+        got = train_strong_lrn(tmp_path, "fused-paper", cluster, **run)
         assert cluster.stage_modes == {"conv1": "fused", "conv2": "fused"}
     same_as_local(got, want)
 
@@ -628,7 +612,7 @@ def test_calibration_reads_a_trace_where_a_worker_has_no_share_of_a_layer(worker
     shares = {"conv1": (4, 0, 4), "conv2": SHARES["conv2"]}
     config = ClusterConfig(**FAST, shares=shares, stages="fused")
     with Cluster(workers.addresses, config=config) as cluster:
-        _train(tmp_path, "no-share", cluster, trace=str(trace), steps=3)
+        train_strong_lrn(tmp_path, "no-share", cluster, trace=str(trace), steps=3)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     steps = [r for r in records if "step" in r]
     assert all("conv1" not in r["nodes"][workers.addresses[0]] for r in steps)

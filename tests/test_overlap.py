@@ -10,12 +10,11 @@ checked on its own, and the cost model's pipelines against their closed forms.
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
 import pytest
-from exactness import same_as_local
+from exactness import FAST, same_as_local, train_strong_lrn
 
 from hetconv.backends import get_backend
 from hetconv.conv import LocalConv
@@ -27,8 +26,6 @@ from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
-from hetconv.model import reference_spec
 from hetconv.optim import SGDConfig
 from hetconv.overlap import group_count, group_images
 from hetconv.proto import worker_pb2 as pb
@@ -37,27 +34,15 @@ from hetconv.stages import StageSpec, stage_backward, stage_forward
 from hetconv.wire import TensorReceiver, receive_stream
 from hetconv.workload import network_layers
 
-RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
-STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]
-FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
 SHARES = {"conv1": (2, 3, 3), "conv2": (5, 9, 2)}
 STAGE = StageSpec.from_entries(
     [{"type": "relu"}, {"type": "lrn", "size": 3, "alpha": 1.0}, {"type": "maxpool", "kernel": 2}]
 )
 
 
-def _train(tmp_path, name, executor, trace=None):
-    weights = tmp_path / f"{name}.npz"
-    spec = tmp_path / "strong-lrn.json"
-    spec.write_text(json.dumps(STRONG_LRN))
-    config = TrainConfig(save=str(weights), trace=trace, **{**RUN, "preset": str(spec)})
-    result = train(config, executor, log=io.StringIO())
-    return result.losses, dict(np.load(weights))
-
-
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
+    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +67,7 @@ def test_overlapped_training_equals_local(local, workers, tmp_path, streamed, ke
         **FAST, shares=SHARES, stages="fused", kernels=kernels, replicate=replicate, overlap="on"
     )
     with Cluster(workers.addresses, config=config) as cluster:
-        got = _train(tmp_path, "overlap", cluster, trace=str(trace))
+        got = train_strong_lrn(tmp_path, "overlap", cluster, trace=str(trace))
     same_as_local(got, local)
     plan = json.loads(trace.read_text().splitlines()[0])
     fused = ["conv2"] if replicate == "first" else ["conv1", "conv2"]
@@ -121,7 +106,7 @@ def test_a_worker_killed_mid_step_stays_exact_with_overlap(local, tmp_path, stre
             overlap="on", resident_sync_every=3,
         )  # fmt: skip
         with Killing(started.addresses, victim, 4, **config) as cluster:
-            got = _train(tmp_path, "killed", cluster)
+            got = train_strong_lrn(tmp_path, "killed", cluster)
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
     same_as_local(got, local)
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 4)]

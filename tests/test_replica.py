@@ -9,12 +9,11 @@ call naming a block it has not computed, naming what was wrong.
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
 import pytest
-from exactness import same_as_local
+from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.balance import link_aware_shares
 from hetconv.conv import LocalConv
@@ -25,7 +24,6 @@ from hetconv.formats import FLOAT32
 from hetconv.master.client import CallStats, WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
 from hetconv.model import Model, reference_spec
 from hetconv.replica import ReplicaBlock
 from hetconv.simulations.calibrate import calibrate
@@ -40,27 +38,13 @@ from hetconv.workload import (
     stage_call_bytes,
 )
 
-RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
-# A strong LRN (alpha 1): with the usual alpha it is so near the identity that a wrong
-# back-propagation through the block would hide below the tolerance.
-STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]
-FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
 SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
 REPLICA = dict(**FAST, shares=SHARES, stages="fused", replicate="first")
 
 
-def _train(tmp_path, name, executor, trace=None, **overrides):
-    weights = tmp_path / f"{name}.npz"
-    spec = tmp_path / "strong-lrn.json"
-    spec.write_text(json.dumps(STRONG_LRN))
-    config = TrainConfig(save=str(weights), trace=trace, **{**RUN, "preset": str(spec)})
-    result = train(config, executor, log=io.StringIO())
-    return result.losses, dict(np.load(weights))
-
-
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
+    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +62,7 @@ def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernel
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(**REPLICA, kernels=kernels)
     with Cluster(workers.addresses, config=config) as cluster:
-        got = _train(tmp_path, "replica", cluster, trace=str(trace))
+        got = train_strong_lrn(tmp_path, "replica", cluster, trace=str(trace))
     same_as_local(got, local)
     records = _records(trace)
     assert records[0]["replicated"] == {"conv1": "conv2"}
@@ -127,7 +111,7 @@ def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels):
         with Killing(
             started.addresses, victim, 4, kernels=kernels, resident_sync_every=3
         ) as cluster:
-            got = _train(tmp_path, "killed", cluster)
+            got = train_strong_lrn(tmp_path, "killed", cluster)
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
     same_as_local(got, local)
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 4)]
@@ -242,7 +226,7 @@ def test_a_replicated_trace_calibrates_the_simulator(workers, tmp_path):
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(**REPLICA, kernels="resident")
     with Cluster(workers.addresses, config=config) as cluster:
-        _train(tmp_path, "traced", cluster, trace=str(trace))
+        train_strong_lrn(tmp_path, "traced", cluster, trace=str(trace))
     cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
     assert cal.stage_modes == {"conv1": "replicated", "conv2": "fused"}
     assert cal.shares["conv1"] == (8, 0, 0)  # the master computed the block alone

@@ -21,7 +21,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from exactness import same_as_local
+from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.balance import kernel_shares
 from hetconv.calls import READY as READY_LINE
@@ -43,37 +43,21 @@ from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.resident import as_received
 from hetconv.master.training import TrainConfig, train
-from hetconv.model import reference_spec
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import edge_rows, placement_version
 from hetconv.simulations.calibrate import calibrate
 from hetconv.stages import StageSpec
 from hetconv.workload import conv_layers, network_layers, resident_call_bytes
 
-RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
-# The tiny network with a strong normalisation (alpha 1 instead of 1e-4): with the usual alpha
-# LRN is so near the identity that a stale halo kernel would hide below the tolerance.
-STRONG_LRN = [{**e, "alpha": 1.0} if e["type"] == "lrn" else e for e in reference_spec(8, 16)]
-FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
 # tiny: conv1 8 kernels, conv2 16; LRN size 5 (halo 4). Shares smaller than the halo, a node
 # with none (the master on conv1), uneven.
 SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
 RESIDENT = dict(**FAST, shares=SHARES, stages="fused", kernels="resident")
 
 
-def _train(tmp_path, name, executor, trace=None, **overrides):
-    weights = tmp_path / f"{name}.npz"
-    spec = tmp_path / "strong-lrn.json"  # one path per test: a resume's fingerprint holds it
-    spec.write_text(json.dumps(STRONG_LRN))
-    run = {**RUN, "preset": str(spec), **overrides}
-    config = TrainConfig(save=str(weights), trace=trace, **run)
-    result = train(config, executor, log=io.StringIO())
-    return result.losses, dict(np.load(weights))
-
-
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("local"), "local", LocalConv())
+    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +92,7 @@ def test_edge_rows():
 def test_resident_cluster_trains_as_local(local, workers, tmp_path):
     trace = tmp_path / "trace.jsonl"
     with Cluster(workers.addresses, config=ClusterConfig(**RESIDENT)) as cluster:
-        got = _train(tmp_path, "resident", cluster, trace=str(trace))
+        got = train_strong_lrn(tmp_path, "resident", cluster, trace=str(trace))
     same_as_local(got, local)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     plan = records[0]
@@ -175,7 +159,7 @@ def test_worker_killed_while_holding_kernels_stays_exact(local, tmp_path):
         # Synced at step 3; killed after conv1's forward at step 5: conv1's backward and
         # conv2's forward fail, and the master replays both slices' updates of steps 3 and 4.
         with Disturbed(started.addresses, {(5, "conv2"): kill}, resident_sync_every=3) as cluster:
-            got = _train(tmp_path, "killed", cluster, trace=str(trace))
+            got = train_strong_lrn(tmp_path, "killed", cluster, trace=str(trace))
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
     same_as_local(got, local)
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 5)]
@@ -216,7 +200,7 @@ def test_worker_joining_moves_slices_without_loss(local, tmp_path):
         with Disturbed(
             [first], {(4, None): add}, shares=None, workers_file=str(listing)
         ) as cluster:
-            got = _train(tmp_path, "joined", cluster, trace=str(trace))
+            got = train_strong_lrn(tmp_path, "joined", cluster, trace=str(trace))
             shares = cluster.plans["conv2"].shares
     same_as_local(got, local)
     assert shares[2] > 0
@@ -234,7 +218,7 @@ def test_checkpoints_and_save_gather_the_slices(local, workers, tmp_path):
     for kernels in ("sent", "resident"):
         folder = tmp_path / kernels
         with Cluster(workers.addresses, config=ClusterConfig(**fused, kernels=kernels)) as c:
-            runs[kernels] = _train(
+            runs[kernels] = train_strong_lrn(
                 tmp_path, kernels, c, checkpoint_dir=str(folder), checkpoint_every=7
             )
     same_as_local(runs["resident"], local)
@@ -255,7 +239,9 @@ def test_checkpoints_and_save_gather_the_slices(local, workers, tmp_path):
         (folder / path.name).write_bytes(path.read_bytes())
     (folder / POINTER_NAME).write_text("ckpt-00000007.npz\n")
     with Cluster(workers.addresses, config=ClusterConfig(**RESIDENT)) as cluster:
-        resumed = _train(tmp_path, "resumed", cluster, checkpoint_dir=str(folder), resume=True)
+        resumed = train_strong_lrn(
+            tmp_path, "resumed", cluster, checkpoint_dir=str(folder), resume=True
+        )
     same_as_local(resumed, local)
 
 
@@ -389,7 +375,7 @@ def test_bad_kernel_modes_are_refused():
 def test_a_resident_trace_calibrates_the_simulator(workers, tmp_path):
     trace = tmp_path / "trace.jsonl"
     with Cluster(workers.addresses, config=ClusterConfig(**RESIDENT)) as cluster:
-        _train(tmp_path, "traced", cluster, trace=str(trace), steps=4)
+        train_strong_lrn(tmp_path, "traced", cluster, trace=str(trace), steps=4)
     cal = calibrate(str(trace), str(tmp_path / "strong-lrn.json"))
     assert cal.kernel_modes == {"conv1": "resident", "conv2": "resident"}
     assert cal.check()["step_s"] > 0
@@ -419,7 +405,7 @@ def test_a_worker_restarted_between_steps_is_refused_then_replayed(local, tmp_pa
 
         try:
             with Disturbed(started.addresses, {(4, None): restart}) as cluster:
-                got = _train(tmp_path, "restarted", cluster)
+                got = train_strong_lrn(tmp_path, "restarted", cluster)
                 events = cluster.events
         finally:
             for process in replacement:
@@ -470,7 +456,7 @@ class RedoneAt(Cluster):
 def test_a_step_computed_again_undoes_the_resident_updates(local, workers, tmp_path):
     trace = tmp_path / "trace.jsonl"
     with RedoneAt(workers.addresses, 4, resident_sync_every=3) as cluster:
-        got = _train(tmp_path, "redone", cluster, trace=str(trace))
+        got = train_strong_lrn(tmp_path, "redone", cluster, trace=str(trace))
         assert cluster.redone == 1
     same_as_local(got, local)
     records = {r["step"]: r for r in _steps(trace)}

@@ -28,7 +28,7 @@ import numpy as np
 from hetconv.errors import InvalidCall
 from hetconv.formats import TensorFormat
 from hetconv.proto import worker_pb2 as pb
-from hetconv.stages import StageRun, StageSpec, stage_backward
+from hetconv.stages import StageRun, StageSpec, stage_backward, stage_forward
 from hetconv.wire import chunks
 
 
@@ -141,16 +141,30 @@ class Streamed:
 
 
 def forward_groups(
-    submit: Callable[[Callable[[], object]], futures.Future],
-    work: Callable[[slice], tuple[np.ndarray, StageRun]],
+    service,
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray,
+    padding,
+    spec: StageSpec,
+    own: slice,
     groups: Sequence[slice],
-    keep: Callable[[list[StageRun]], None],
+    keep: Callable[[GroupedRun], None],
 ) -> Iterator[np.ndarray]:
-    """Every group's stage output, in order, as each is computed (all queued on the device
-    thread now, so group g + 1 computes while group g travels); ``keep`` gets the runs
-    once the last group is done, before its output is handed on."""
-    pending = [submit(lambda g=g: work(g)) for g in groups]
-    return _outputs(pending, keep)
+    """Every group's stage output (``x``'s rows of each group through the stage of the widened
+    slice ``w``, ``b``; the ``own`` kernels' output), in order, as each is computed: all are
+    queued on ``service``'s device thread now, so group g + 1 computes while group g travels.
+    ``keep`` gets the :class:`GroupedRun` once the last group is done, before its output is
+    handed on."""
+    backend = service.backend
+
+    def work(g: slice):
+        out = stage_forward(backend, x[g], w, b, padding, spec, own)
+        backend.synchronize()
+        return out
+
+    pending = [service._submit_device(lambda g=g: work(g)) for g in groups]
+    return _outputs(pending, lambda runs: keep(GroupedRun(list(groups), runs, x, w)))
 
 
 def _outputs(pending: list[futures.Future], keep) -> Iterator[np.ndarray]:

@@ -209,21 +209,14 @@ class ResidentCalls:
             fmt=answer_format(request.answer_dtype)
         ).items()
         if groups is not None:  # each group's output goes as soon as it is computed
-            backend = service.backend
 
-            def group_work(g: slice):
-                out = stage_forward(backend, x[g], w, b, padding, spec, own)
-                backend.synchronize()
-                return out
-
-            def keep(runs):
-                grouped = GroupedRun(groups, runs, x, w)
+            def keep(run: GroupedRun) -> None:
                 with self._lock:
                     self._runs[request.session, request.layer] = _Run(
-                        request.step, held.version, grouped, spec
+                        request.step, held.version, run, spec
                     )
 
-            outputs = forward_groups(service._submit_device, group_work, groups, keep)
+            outputs = forward_groups(service, x, w, b, padding, spec, own, groups, keep)
             shape = (x.shape[0], k, *spec.output_hw(conv.out_hw))
             return Streamed([(name, shape, fmt)], ((0, y) for y in outputs), start, receive)
 

@@ -115,17 +115,11 @@ class StageCalls:
         start = time.perf_counter()
         fmt = answer_format(request.answer_dtype)
         if groups is not None:  # each group's output goes as soon as it is computed
-            backend = service.backend
 
-            def group_work(g: slice):
-                out = stage_forward(backend, x[g], w, b, padding, spec, own)
-                backend.synchronize()
-                return out
+            def keep(run: GroupedRun) -> None:
+                self._keep(request, _Kept(request.step, run))
 
-            def keep(runs):
-                self._keep(request, _Kept(request.step, GroupedRun(groups, runs, x, w)))
-
-            outputs = forward_groups(service._submit_device, group_work, groups, keep)
+            outputs = forward_groups(service, x, w, b, padding, spec, own, groups, keep)
             y_name, stats_name = STAGE_FORWARD.answer_names()
             owned = own.stop - own.start
             out_hw = spec.output_hw(conv_shape(x.shape, w.shape, padding).out_hw)
