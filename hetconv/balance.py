@@ -168,6 +168,9 @@ def _phase_terms(
             block[row] = [
                 n.conv_seconds(replica, replica.kernels, replica.passes(phase)) for n in nodes[1:]
             ]
+        if cluster.master_compute:  # the workers start it as the master computes its own
+            head = nodes[0].conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
+            block[0] = np.maximum(block[0] - head, 0.0)
     terms = np.zeros((4, len(nodes)))
     terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess, fused) + rtts + x_bytes / rates
     terms[0, 1:] += block[0]

@@ -598,6 +598,7 @@ def simulate_layer_phase(
     resident: bool = False,
     replica: ConvLayer | None = None,
     overlap_images: int = 0,
+    replica_head_s: float = 0.0,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
@@ -609,7 +610,9 @@ def simulate_layer_phase(
     ``overlap_images``: a fused layer's streamed calls run in groups of this many images
     (:mod:`hetconv.overlap`): forward sends each group's answer as it is computed, backward
     starts each group once its gradient is in (the block's part of the compute is not
-    grouped)."""
+    grouped). ``replica_head_s``: the workers start the block's forward this long before the
+    phase (the master starts their ReplicaForward as it computes its own copy), so only the
+    rest of it falls in the phase."""
     if fused and layer.stage is None:
         raise ValueError(f"{layer.name} has no channel-local layers after it to fuse")
     passes = layer.passes(phase)
@@ -628,7 +631,8 @@ def simulate_layer_phase(
             own = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
             compute = own
             if replica is not None:
-                compute += node.conv_seconds(replica, replica.kernels, replica.passes(phase))
+                block_s = node.conv_seconds(replica, replica.kernels, replica.passes(phase))
+                compute += max(0.0, block_s - (replica_head_s if phase == FORWARD else 0.0))
             groups = group_count(layer.shape.n, overlap_images) if fused else 1
             piped = groups > 1 and not wire.bundled
             calls.append(
@@ -717,6 +721,12 @@ def simulate_step(
                 phases.append(PhaseResult(layer.name, phase, seconds, seconds, 0.0, 0, ()))
             continue
         replica, block = block, None
+        # The workers' ReplicaForward starts as the master computes the block itself.
+        head = (
+            cluster.master.conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
+            if replica is not None and cluster.master_compute
+            else 0.0
+        )
         split = tuple(int(s) for s in shares[layer.name])
         if len(split) != len(cluster.nodes) or sum(split) != layer.kernels or min(split) < 0:
             raise ValueError(
@@ -758,6 +768,7 @@ def simulate_step(
                     resident=kept == RESIDENT,
                     replica=replica,
                     overlap_images=images,
+                    replica_head_s=head,
                 )  # fmt: skip
             )
     comm = sum(p.comm_s for p in phases)

@@ -23,7 +23,7 @@ never. Generalising to the first k blocks needs a worker to chain blocks; not bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,6 +46,9 @@ class ReplicaBlock:
     b: np.ndarray
     sides: tuple[int, int, int, int]
     stage: object  # a hetconv.stages.StageSpec
+    # worker address -> its ReplicaForward of this step, started ahead (an object whose
+    # result() gives the call's CallStats or raises its WorkerError): taken by the stage call
+    started: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def shape(self) -> ConvShape:

@@ -15,6 +15,7 @@ their gradients always travel as float32 (:mod:`hetconv.formats`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -582,11 +583,19 @@ class WorkerClient:
         return stats
 
     def _replicate(self, request, session, step, x, replica, timeout):
-        """With a replicated block: run it on the worker, name it in ``request``; returns the
-        ReplicaForward's figures and the ``x`` to send (empty)."""
+        """With a replicated block: run it on the worker (or wait for the ReplicaForward the
+        master started ahead, ``replica.started``), name it in ``request``; returns the
+        ReplicaForward's figures and the ``x`` to send (empty). A call started ahead counts
+        only the wait for it as wall time: the rest ran beside the master's own work."""
         if replica is None:
             return CallStats(), x
-        before = self.replica_forward(session, step, replica, timeout)
+        pending = replica.started.pop(self.address, None)
+        if pending is None:
+            before = self.replica_forward(session, step, replica, timeout)
+        else:
+            waited = time.perf_counter()
+            before = pending.result()  # its WorkerError, if it failed
+            before = dataclasses.replace(before, wall_seconds=time.perf_counter() - waited)
         request.replica_layer = replica.layer
         return before, _EMPTY_INPUT
 

@@ -788,6 +788,8 @@ class Cluster:
         if layer in self.replicas:  # computed here on every kernel, and on every worker
             self._stage_steps[layer] = REPLICATED
             sides = _sides(padding, w.shape[2:])
+            block = self.replicas.begin(layer, x, w, b, sides)
+            self._start_replicas(block)  # the workers compute it beside the master
             y, seconds = timed(self.replicas.forward, self.backend, layer, x, w, b, padding, sides)
             self.runner.local(layer, "forward", w.shape[0], seconds)
             return y
@@ -796,6 +798,25 @@ class Cluster:
         ctx = CallContext(self.session, self.step, layer)
         job = self.strategy.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]))
         return self.runner.run(self.strategy, job, layer, plan)
+
+    def _start_replicas(self, block) -> None:
+        """Start the step's ReplicaForward on every active worker with a share of the layer the
+        block feeds, now, so the workers compute the block while the master computes its own
+        copy and the layers after it; the stage calls wait for them (a failure is theirs)."""
+        consumer = self.replicas.feeds[block.layer]
+        plan = self.plans.get(consumer)
+        if plan is None:
+            return
+        probe = block.layer
+        for i, node in enumerate(self.nodes):
+            if not i or node.state != ACTIVE or not plan.shares[i]:
+                continue
+            transfer = block.nbytes / node.link_bytes_per_second + node.link_latency
+            work = node.probe_seconds.get(probe, 0.0)
+            timeout = self.config.deadline_floor + self.config.deadline_factor * (transfer + work)
+            block.started[node.client.address] = Call(
+                node.client.replica_forward, self.session, self.step, block, timeout
+            )
 
     def backward(self, layer, x, w, dy, padding, need_input_grad):
         if layer in self.replicas:

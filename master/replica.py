@@ -98,11 +98,20 @@ class ReplicatedBlocks:
     def __contains__(self, layer: str) -> bool:
         return layer in self.feeds
 
+    def begin(self, layer: str, x, w, b, sides) -> ReplicaBlock:
+        """The step's block, kept for the next layer's calls (and for starting the workers'
+        ReplicaForward ahead of them)."""
+        block = ReplicaBlock(layer, x, w.copy(), b.copy(), sides, self.stages[layer])
+        self._current[layer] = block
+        self._gradients.pop(layer, None)
+        return block
+
     def forward(self, backend: Backend, layer: str, x, w, b, padding, sides) -> np.ndarray:
         """The block's convolution on every kernel, here; the step's block is kept for the
-        next layer's calls."""
-        self._current[layer] = ReplicaBlock(layer, x, w.copy(), b.copy(), sides, self.stages[layer])
-        self._gradients.pop(layer, None)
+        next layer's calls (:meth:`begin`, unless it was already)."""
+        current = self._current.get(layer)
+        if current is None or current.x is not x:
+            self.begin(layer, x, w, b, sides)
         return backend.conv_forward(x, w, b, padding)
 
     def input_of(self, consumer: str) -> ReplicaBlock | None:

@@ -64,6 +64,8 @@ def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernel
     with Cluster(workers.addresses, config=config) as cluster:
         got = train_strong_lrn(tmp_path, "replica", cluster, trace=str(trace))
     same_as_local(got, local)
+    # every worker's ReplicaForward was started with the block's own forward, and taken
+    assert cluster.replicas.input_of("conv2").started == {}
     records = _records(trace)
     assert records[0]["replicated"] == {"conv1": "conv2"}
     steps = [r for r in records if "step" in r]
@@ -93,23 +95,35 @@ def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernel
 
 
 class Killing(Cluster):
-    def __init__(self, addresses, victim, at, **config):
+    """SIGKILLs ``victim`` at step ``at``: between its forward and its backward, or (``when``
+    "forward") after the block's forward started its ReplicaForward, before the stage call."""
+
+    def __init__(self, addresses, victim, at, when="backward", **config):
         super().__init__(addresses, config=ClusterConfig(**{**REPLICA, **config}))
-        self.victim, self.at = victim, at
+        self.victim, self.at, self.when = victim, at, when
+
+    def _kill(self, phase: str) -> None:
+        if phase == self.when and self.step == self.at and self.victim.poll() is None:
+            self.victim.kill()
+            self.victim.wait()
+
+    def stage_forward(self, layer, *args, **kwargs):
+        self._kill("forward")
+        return super().stage_forward(layer, *args, **kwargs)
 
     def stage_backward(self, layer, *args, **kwargs):
-        if self.step == self.at and self.victim.poll() is None:
-            self.victim.kill()  # SIGKILL between its forward and its backward
-            self.victim.wait()
+        self._kill("backward")
         return super().stage_backward(layer, *args, **kwargs)
 
 
-@pytest.mark.parametrize("kernels", ["sent", "resident"])
-def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels):
+@pytest.mark.parametrize(
+    "kernels, when", [("sent", "backward"), ("resident", "backward"), ("resident", "forward")]
+)
+def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels, when):
     with LocalWorkers(2) as started:
         victim = started.processes[1]
         with Killing(
-            started.addresses, victim, 4, kernels=kernels, resident_sync_every=3
+            started.addresses, victim, 4, when, kernels=kernels, resident_sync_every=3
         ) as cluster:
             got = train_strong_lrn(tmp_path, "killed", cluster)
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
