@@ -165,8 +165,9 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact",
-        (*EXACT, "--overlap", "on"),
-        "every exact mode at once: link shares, fused, resident, replicated, overlap",
+        (*EXACT, "--overlap", "auto"),
+        "every exact mode at once: link shares, fused, resident, replicated, overlap (where "
+        "the answers stream)",
         "--overlap",
         in_all=False,
     ),

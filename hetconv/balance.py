@@ -45,6 +45,7 @@ from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.resident import SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED
+from hetconv.wire import BUNDLE_BYTES
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, call_bytes, stage_call_bytes
 
 
@@ -178,8 +179,12 @@ def _phase_terms(
     terms[2, 1:] = _call_seconds(cluster, layer, BACKWARD, guess, fused) + rtts + dx / rates
     terms[2, 1:] += block[1]
     terms[3] = seconds * layer.passes(BACKWARD)
+    # Overlap pipelines only a call that streams: a worker's answer over one message's worth;
+    # a one-message call moves after its compute. Judged at an even spread over every node,
+    # so that overlap never pulls the split onto fewer workers to make their answers stream.
+    streams = fused and maps * max(layer.kernels // len(nodes), 1) > BUNDLE_BYTES
     for row in (1, 3):
-        if fused and groups > 1:  # the maps move beside the compute
+        if groups > 1 and streams:  # the maps move beside the compute
             compute, moved = terms[row, 1:], maps / rates
             both = np.maximum(compute, moved) + np.minimum(compute, moved) / groups
             terms[row, 1:] = both + (per_kernel - maps) / rates

@@ -302,6 +302,12 @@ def test_link_shares_give_workers_more_when_their_maps_move_beside_the_compute()
     planned = shares_for(cluster, layers, "link", "fused", "resident", "first", "on")
     assert list(planned["conv2"]) == grouped
     assert shares_for(cluster, layers, "link", "fused", "resident", "first", "auto") == planned
+    # At batch 16 a worker's answer is one message: nothing moves beside the compute, so
+    # overlap changes no share
+    small_block, small = network_layers("paper-150-800", 16)
+    assert link_aware_shares(cluster, small, True, True, small_block, 2) == link_aware_shares(
+        cluster, small, True, True, small_block
+    )
 
 
 def test_simulate_models_overlap(tmp_path):
