@@ -402,6 +402,7 @@ class TensorReceiver:
         self._buffers = [fmt.receive_buffer(a) for a, fmt in zip(self.arrays, formats, strict=True)]
         self._views = [v for a in self._buffers for v in byte_segments(a)]
         self.expected = sum(v.nbytes for v in self._views)
+        self._decoded = [0] * len(self.arrays)  # leading rows of each already decoded
         self.received = 0
         self._index = 0  # tensor being filled
         self._offset = 0  # bytes of it filled so far
@@ -444,11 +445,18 @@ class TensorReceiver:
         return got // row if row else buffer.shape[0]
 
     def decode_rows(self, index: int, rows: slice) -> None:
-        """Make ``rows`` of tensor ``index`` readable in its array before :meth:`finish` (a
-        format that converts on arrival converts them now; :meth:`finish` does it again)."""
+        """Make the next ``rows`` of tensor ``index`` (they follow those made readable before)
+        readable in its array before :meth:`finish`: a format that converts on arrival
+        converts them now, and :meth:`finish` only the rows after them."""
+        if rows.start != self._decoded[index] or rows.stop > self.rows_in(index):
+            raise ValueError(
+                f"rows {rows.start}..{rows.stop - 1} of tensor {index}: the next are from row "
+                f"{self._decoded[index]}, and only {self.rows_in(index)} are in"
+            )
         buffer = self._buffers[index]
         if buffer is not self.arrays[index]:
             self._formats[index].decode_into(self.arrays[index][rows], buffer[rows])
+        self._decoded[index] = rows.stop
 
     def finish(self) -> list[np.ndarray]:
         """The filled arrays; raises MalformedMessage when fewer bytes came than the header
@@ -458,8 +466,15 @@ class TensorReceiver:
                 f"stream ended after {self.received} bytes of tensor data, the header declared "
                 f"{self.expected}"
             )
-        for array, buffer, fmt in zip(self.arrays, self._buffers, self._formats, strict=True):
-            fmt.decode_into(array, buffer)
+        for array, buffer, fmt, done in zip(
+            self.arrays, self._buffers, self._formats, self._decoded, strict=True
+        ):
+            if buffer is array:  # the bytes landed in place: nothing to convert
+                continue
+            if done:  # its first rows were decoded already (decode_rows)
+                fmt.decode_into(array[done:], buffer[done:])
+            else:
+                fmt.decode_into(array, buffer)
         return self.arrays
 
 

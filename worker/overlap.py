@@ -89,9 +89,10 @@ class GroupedRun:
 class Streamed:
     """An answer whose bytes are sent as they are computed.
 
-    ``tensors``: every answer tensor's (name, shape, format), in order; ``parts``: arrays
-    whose bytes, in order, are those of the tensors (the first tensor's image groups, then
-    the rest), each produced when it is ready; ``done`` runs once the parts are exhausted.
+    ``tensors``: every answer tensor's (name, shape, format), in order; ``parts``: (tensor
+    index, array) pairs whose bytes, in order, are those of the tensors (the first tensor's
+    image groups, then the rest), each produced when it is ready; ``compute_s`` is known once
+    they are exhausted.
     """
 
     tensors: list[tuple[str, tuple[int, ...], TensorFormat]]
@@ -279,10 +280,6 @@ class GroupedBackward:
             db += b
         dx = np.concatenate([o[0] for o in outs]) if self.need else None
         return dx, dw, db
-
-    def cancel(self) -> None:
-        for job in self.jobs:
-            job.cancel()
 
 
 __all__ = [
