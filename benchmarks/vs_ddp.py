@@ -66,6 +66,7 @@ from hetconv.simulations.testbed import (
     SWITCHED_LINK,
     ClusterTestbed,
     cluster_testbed_unavailable,
+    finished_output,
     remove_stale,
     tcp_goodput_mbps,
     with_blas_threads,
@@ -139,16 +140,7 @@ def _last_json(output: str, what: str) -> dict:
 
 
 def _finish(process: subprocess.Popen, timeout: float, what: str) -> dict:
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
-        raise RuntimeError(f"{what} did not finish within {timeout:.0f} s") from None
-    if process.returncode != 0:
-        tail = "\n".join(output.splitlines()[-20:])
-        raise RuntimeError(f"{what} failed ({process.returncode}):\n{tail}")
-    return _last_json(output, what)
+    return _last_json(finished_output(process, timeout, what, tail_lines=20), what)
 
 
 def _timeout(network: str, batch: int, steps: int, cap: float, core: float, rate: float):

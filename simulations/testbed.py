@@ -733,17 +733,7 @@ class ClusterTestbed:
         """
         env = with_blas_threads(dict(os.environ, HETCONV_TOKEN=self.token), blas_threads)
         command = [sys.executable, "-I", "-m", "hetconv", "train", *arguments]
-        master = self.spawn(command, env, self.master)
-        try:
-            output, _ = master.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            master.kill()
-            master.communicate()
-            raise RuntimeError(f"`hetconv train` did not finish within {timeout:.0f} s") from None
-        if master.returncode != 0:
-            tail = "\n".join(output.splitlines()[-30:])
-            raise RuntimeError(f"`hetconv train` failed ({master.returncode}):\n{tail}")
-        return output
+        return finished_output(self.spawn(command, env, self.master), timeout, "`hetconv train`")
 
     def cap_shares(self, seconds: float = 1.0) -> list[float]:
         """The share of a core a busy loop gets on every host at once, in its cap, over
@@ -961,6 +951,27 @@ def icmp_rtt(address: str, count: int = 10, timeout: float = 1.0) -> float:
     return statistics.median(times)
 
 
+def finished_output(
+    process: subprocess.Popen, timeout: float, what: str, tail_lines: int = 30
+) -> str:
+    """The output of ``process`` (text, stderr merged) once it has ended.
+
+    Raises:
+        RuntimeError: it ran past ``timeout`` seconds (it is killed) or failed; the message
+            names ``what`` and holds the last ``tail_lines`` lines of its output.
+    """
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise RuntimeError(f"{what} did not finish within {timeout:.0f} s") from None
+    if process.returncode != 0:
+        tail = "\n".join(output.splitlines()[-tail_lines:])
+        raise RuntimeError(f"{what} failed ({process.returncode}):\n{tail}")
+    return output
+
+
 __all__ = [
     "BLAS_THREAD_VARIABLES",
     "CFS_PERIOD_US",
@@ -986,6 +997,7 @@ __all__ = [
     "Testbed",
     "WorkerProcess",
     "die_with_parent",
+    "finished_output",
     "icmp_rtt",
     "remove_stale",
     "tcp_goodput_mbps",

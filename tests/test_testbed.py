@@ -282,3 +282,20 @@ def test_ctrl_c_mid_run_removes_namespaces_cgroups_and_processes():
     assert "interrupted; everything it started is removed" in err
     assert _leftovers_of(run.pid) == []
     assert not [pid for pid in capped if testbed._alive(pid)]
+
+
+def test_a_finished_process_gives_its_output_and_a_failed_or_stuck_one_its_tail():
+    def started(code: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+
+    assert testbed.finished_output(started("print('done')"), 30, "ok") == "done\n"
+    lines = "; ".join(f"print({i})" for i in range(5))
+    with pytest.raises(RuntimeError, match=r"the job failed \(3\):\n3\n4$"):
+        testbed.finished_output(started(f"{lines}; raise SystemExit(3)"), 30, "the job", 2)
+    stuck = started("import time; time.sleep(60)")
+    with pytest.raises(RuntimeError, match="the sleeper did not finish within 2 s"):
+        testbed.finished_output(stuck, 2, "the sleeper")
+    assert stuck.poll() is not None  # killed, not left behind
