@@ -704,6 +704,8 @@ def simulate_step(
     modes = stages if isinstance(stages, Mapping) else {layer.name: stages for layer in layers}
     if replicate not in (REPLICATE_OFF, REPLICATE_FIRST):
         raise ValueError(f"replicate {replicate!r}; expected off or first")
+    if not isinstance(overlap, Mapping) and overlap not in OVERLAP_MODES:
+        raise ValueError(f"overlap {overlap!r}; expected one of {', '.join(OVERLAP_MODES)}")
     if replicate == REPLICATE_FIRST and layers:
         modes = {**modes, layers[0].name: REPLICATED}
     for mode in modes.values():
@@ -751,8 +753,6 @@ def simulate_step(
         if mode == FUSED:
             if isinstance(overlap, Mapping):
                 images = int(overlap.get(layer.name, 0))
-            elif overlap not in OVERLAP_MODES:
-                raise ValueError(f"overlap {overlap!r}; expected one of {', '.join(OVERLAP_MODES)}")
             elif overlap == OVERLAP_ON and not layer.stage.batchnorms:
                 images = group_images(layer.shape.n)
             elif overlap == OVERLAP_AUTO:
