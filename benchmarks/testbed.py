@@ -167,7 +167,7 @@ MODES: tuple[Mode, ...] = (
         "exact",
         (*EXACT, "--overlap", "auto"),
         "every exact mode at once: link shares, fused, resident, replicated, overlap (where "
-        "the answers stream)",
+        "the cost model predicts it faster)",
         "--overlap",
         in_all=False,
     ),

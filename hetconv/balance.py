@@ -45,7 +45,6 @@ from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.resident import SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED
-from hetconv.wire import BUNDLE_BYTES
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, call_bytes, stage_call_bytes
 
 
@@ -104,14 +103,17 @@ def compute_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
     return kernel_shares(layer.kernels, probes)
 
 
-def _call_seconds(cluster: Cluster, layer: ConvLayer, phase: str, kernels: int, fused) -> float:
-    """The fixed cost of a worker's call of ``phase`` at about ``kernels`` kernels."""
+def _call_seconds(
+    cluster: Cluster, layer: ConvLayer, phase: str, kernels: int, fused, groups: int = 1
+) -> float:
+    """The fixed cost of a worker's call of ``phase`` at about ``kernels`` kernels (in
+    ``groups`` > 1 image groups it streams, :mod:`hetconv.overlap`)."""
     k, fmt = max(1, kernels), cluster.wire.format
     if fused:
         wire = stage_call_bytes(layer, layer.stage, phase, k, layer.kernels // 2, fmt=fmt)
     else:
         wire = call_bytes(layer, phase, k, fmt=fmt)
-    return cluster.wire.call_s(wire.bundled)
+    return cluster.wire.call_s(wire.bundled and groups <= 1)
 
 
 def _phase_terms(
@@ -173,18 +175,17 @@ def _phase_terms(
             head = nodes[0].conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
             block[0] = np.maximum(block[0] - head, 0.0)
     terms = np.zeros((4, len(nodes)))
-    terms[0, 1:] = _call_seconds(cluster, layer, FORWARD, guess, fused) + rtts + x_bytes / rates
+    calls = [_call_seconds(cluster, layer, p, guess, fused, groups) for p in (FORWARD, BACKWARD)]
+    terms[0, 1:] = calls[0] + rtts + x_bytes / rates
     terms[0, 1:] += block[0]
     terms[1] = seconds * layer.passes(FORWARD)
-    terms[2, 1:] = _call_seconds(cluster, layer, BACKWARD, guess, fused) + rtts + dx / rates
+    terms[2, 1:] = calls[1] + rtts + dx / rates
     terms[2, 1:] += block[1]
     terms[3] = seconds * layer.passes(BACKWARD)
-    # Overlap pipelines only a call that streams: a worker's answer over one message's worth;
-    # a one-message call moves after its compute. Judged at an even spread over every node,
-    # so that overlap never pulls the split onto fewer workers to make their answers stream.
-    streams = fused and maps * max(layer.kernels // len(nodes), 1) > BUNDLE_BYTES
+    # An overlapped call streams whatever its size (hetconv.overlap): its maps move beside
+    # the compute.
     for row in (1, 3):
-        if groups > 1 and streams:  # the maps move beside the compute
+        if groups > 1 and fused:
             compute, moved = terms[row, 1:], maps / rates
             both = np.maximum(compute, moved) + np.minimum(compute, moved) / groups
             terms[row, 1:] = both + (per_kernel - maps) / rates
@@ -345,7 +346,9 @@ def shares_for(
                 images = group_images(layer.shape.n)
             elif fused and overlap not in (OVERLAP_ON, OVERLAP_OFF):  # auto
                 split = compute_shares(cluster, layer)
-                images = overlap_images(layer, layer.stage, split, cluster.wire.format)
+                images = overlap_images(
+                    layer, layer.stage, split, cluster.wire.format, cluster, resident, replica
+                )
             out[layer.name] = tuple(
                 link_aware_shares(cluster, layer, fused, resident, replica, images)
             )

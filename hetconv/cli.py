@@ -204,8 +204,9 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         help="on: a worker runs a fused stage on groups of images and sends each group's "
         "output while it computes the next, and starts each group's backward as soon as its "
         "gradient has arrived, so transfers and compute overlap (exact; not for stages with "
-        "batch norm); off: whole batches; auto (default): on where a worker's answer is big "
-        "enough to stream",
+        "batch norm; an overlapped call always streams); off: whole batches; auto (default): "
+        "on where the cost model, from the probes and measured links, predicts the layer "
+        "faster in groups",
     )
     where.add_argument(
         "--resident-sync-every",

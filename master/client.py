@@ -372,6 +372,7 @@ class WorkerClient:
         timeout: float,
         answer_bytes: int,
         formats: Sequence[TensorFormat] | TensorFormat = FLOAT32,
+        stream: bool = False,
     ) -> tuple[dict[str, np.ndarray], CallStats]:
         stats = CallStats()
         out = encode_tensors(arrays, formats)
@@ -379,7 +380,9 @@ class WorkerClient:
         head = pb.ConvMessage(header=request)
         payload = out.nbytes
         stats.bytes_sent = head.ByteSize() + payload
-        stats.bundled = payload + answer_bytes <= BUNDLE_BYTES
+        # An overlapped call streams whatever its size: its image groups move as they are
+        # made or needed (hetconv.overlap); one message would wait for the last.
+        stats.bundled = not stream and payload + answer_bytes <= BUNDLE_BYTES
         start = time.perf_counter()
 
         def messages():
@@ -560,7 +563,7 @@ class WorkerClient:
             list(zip(STAGE_FORWARD.request_names, (x, w, b, bn), strict=True)), [y, stats_name],
             {y: out} if out is not None else {}, timeout,
             STAGE_FORWARD.answer_bytes(shape, fmt=fmt),
-            list(STAGE_FORWARD.request_formats(fmt).values()),
+            list(STAGE_FORWARD.request_formats(fmt).values()), stream=overlap_images > 0,
         )  # fmt: skip
         return got[y], got[stats_name], stats.add(before)
 
@@ -613,6 +616,7 @@ class WorkerClient:
         kernel_offset: int = 0,
         answer_bytes: int | None = None,
         replica: tuple[str, np.ndarray, np.ndarray] | None = None,
+        grouped: bool = False,
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, CallStats]:
         """(input-gradient part or None, dw, db, dbn) of the owned kernels of the stage the
         :meth:`stage_forward` of the same step and ``kernel_offset`` ran, for the gradient
@@ -621,7 +625,10 @@ class WorkerClient:
 
         ``replica``: (block, rw_out, rb_out) when the forward's input was the replicated
         ``block``'s output: the worker then answers no input-gradient part but the block's
-        kernel and bias gradient parts, written into ``rw_out``, ``rb_out``."""
+        kernel and bias gradient parts, written into ``rw_out``, ``rb_out``.
+
+        ``grouped``: the forward ran in image groups (``overlap_images``): the call streams,
+        so the worker starts each group's backward as its rows of ``dy`` arrive."""
         request = pb.ConvRequest(
             phase=STAGE_BACKWARD.phase, session=session, step=step, layer=layer,
             need_input_grad=need_input_grad and replica is None, kernel_offset=kernel_offset,
@@ -638,6 +645,7 @@ class WorkerClient:
             STAGE_BACKWARD, f"stage backward {layer}", request,
             list(zip(STAGE_BACKWARD.request_names, (dy,), strict=True)), expect, dests, timeout,
             answer, list(STAGE_BACKWARD.request_formats(self.wire_format).values()),
+            stream=grouped,
         )  # fmt: skip
         dw, db, dbn = (got[name] for name in expect[:3])
         return got.get("dx"), dw, db, dbn, stats
@@ -739,7 +747,7 @@ class WorkerClient:
             list(zip(RESIDENT_STAGE_FORWARD.request_names, (x, hw, hb), strict=True)), [y],
             {y: out} if out is not None else {}, timeout,
             RESIDENT_STAGE_FORWARD.answer_bytes(shape, fmt=fmt),
-            list(RESIDENT_STAGE_FORWARD.request_formats(fmt).values()),
+            list(RESIDENT_STAGE_FORWARD.request_formats(fmt).values()), stream=overlap_images > 0,
         )  # fmt: skip
         return got[y], stats.add(before)
 
@@ -756,10 +764,11 @@ class WorkerClient:
         timeout: float = 600.0,
         answer_bytes: int | None = None,
         replica: tuple[str, np.ndarray, np.ndarray] | None = None,
+        grouped: bool = False,
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, CallStats]:
         """(input-gradient part or None, ew, eb): the worker updates its resident slice (at
         ``version``; it then holds ``version + 1``) and answers its updated edge kernels;
-        ``replica`` as :meth:`stage_backward`'s."""
+        ``replica`` and ``grouped`` as :meth:`stage_backward`'s."""
         request = pb.ConvRequest(
             phase=RESIDENT_STAGE_BACKWARD.phase, session=session, step=step, layer=layer,
             need_input_grad=need_input_grad and replica is None,
@@ -778,6 +787,7 @@ class WorkerClient:
             list(zip(RESIDENT_STAGE_BACKWARD.request_names, (dy,), strict=True)), expect, dests,
             timeout, answer,
             list(RESIDENT_STAGE_BACKWARD.request_formats(self.wire_format).values()),
+            stream=grouped,
         )  # fmt: skip
         ew, eb = got["ew"], got["eb"]
         return got.get("dx"), ew, eb, stats

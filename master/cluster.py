@@ -180,8 +180,8 @@ class ClusterConfig:
         overlap: ``"on"``: every fused layer whose stage holds no batch norm runs its worker
             calls in image groups, each group's output sent while the next computes and each
             group's backward started as soon as its gradient is in (:mod:`hetconv.overlap`);
-            ``"off"``: whole batches; ``"auto"``: where a worker's answer streams
-            (:func:`hetconv.costmodel.overlap_images`).
+            ``"off"``: whole batches; ``"auto"``: where the cost model predicts the layer
+            faster in groups (:func:`hetconv.costmodel.overlap_images`).
     """
 
     master_compute: bool = True
@@ -522,9 +522,18 @@ class Cluster:
 
     def _choose_overlap(self, layers, batch: int) -> None:
         """Images per group of each fused layer's worker calls (:mod:`hetconv.overlap`): as
-        configured where the stage allows it, or (auto) where the cost model says a worker's
-        answer streams."""
+        configured where the stage allows it, or (auto) where the cost model, on the nodes as
+        probed and their links as measured, predicts the layer faster in groups."""
         self.overlap_images = {}
+        model = None
+        active = [i for i, n in enumerate(self.nodes) if i == 0 or n.state == ACTIVE]
+        if self.config.overlap == OVERLAP_AUTO:
+            model = step_model(
+                [self.nodes[i] for i in active], self._layers, self.planner.network,
+                self.planner.capacity, self.config.master_compute,
+                costmodel.WireCosts(format=self.config.wire_format),
+            )  # fmt: skip
+        blocks = {consumer: block for block, consumer in self.replicas.feeds.items()}
         for spec in layers:
             if self.stage_modes.get(spec.name) != FUSED or spec.stage is None:
                 continue
@@ -534,10 +543,14 @@ class Cluster:
             elif self.config.overlap == OVERLAP_AUTO:
                 plan = self.plans.get(spec.name)
                 shares = plan.shares if plan is not None else (1,) * len(self.nodes)
+                shares = [shares[i] for i in active]
                 layer = ConvLayer.from_spec(spec, batch)
+                block = next((b for b in layers if b.name == blocks.get(spec.name)), None)
                 images = costmodel.overlap_images(
-                    layer, spec.stage, shares, self.config.wire_format
-                )
+                    layer, spec.stage, shares, self.config.wire_format, model,
+                    self.kernel_modes.get(spec.name) == RESIDENT,
+                    ConvLayer.from_spec(block, batch) if block is not None else None,
+                )  # fmt: skip
             if images and group_count(batch, images) > 1:
                 self.overlap_images[spec.name] = images
 
@@ -855,7 +868,8 @@ class Cluster:
     def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=()):
         """A fused stage's backward over the nodes; sets the batch norm layers' ``grads``."""
         plan = self._plan(layer, x.shape, w.shape, padding)
-        ctx = CallContext(self.session, self.step, layer)
+        images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
+        ctx = CallContext(self.session, self.step, layer, images)
         sides = _sides(padding, w.shape[2:])
         if self.kernel_modes.get(layer) == RESIDENT:
             state = self.resident.layer(layer, w, b, stage, sides)

@@ -152,7 +152,7 @@ class CallContext:
     session: int
     step: int
     layer: str
-    overlap_images: int = 0  # fused stage forwards: image groups streamed as computed
+    overlap_images: int = 0  # fused stage calls: image groups streamed as computed/needed
 
 
 class PhaseJob(Protocol):
@@ -471,6 +471,8 @@ class _StageBackward:
             kwargs["replica"] = self.replica.request(piece.index)
             dx_bytes = self.replica.nbytes
         kwargs["answer_bytes"] = dw.nbytes + db.nbytes + dbn_bytes + dx_bytes
+        if ctx.overlap_images:
+            kwargs["grouped"] = True
         return WorkerRequest(
             piece.node.client.stage_backward,
             (ctx.session, ctx.step, ctx.layer, dy, grad.start - wide.start, self.need_input_grad),

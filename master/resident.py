@@ -271,6 +271,8 @@ class _ResidentBackward:
             kwargs["replica"] = self.replica.request(piece.index)
             dx_bytes = self.replica.nbytes
         kwargs["answer_bytes"] = ew.nbytes + eb.nbytes + dx_bytes
+        if ctx.overlap_images:
+            kwargs["grouped"] = True
         return WorkerRequest(
             piece.node.client.resident_stage_backward,
             (

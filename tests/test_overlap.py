@@ -20,7 +20,13 @@ from hetconv.backends import get_backend
 from hetconv.conv import LocalConv
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.costmodel import Node as SimNode
-from hetconv.costmodel import WorkerCall, overlap_images, simulate_phase, simulate_step
+from hetconv.costmodel import (
+    WireCosts,
+    WorkerCall,
+    overlap_images,
+    simulate_phase,
+    simulate_step,
+)
 from hetconv.errors import MalformedMessage
 from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError
@@ -61,7 +67,8 @@ def streamed(monkeypatch):
 @pytest.mark.parametrize(
     "kernels, replicate", [("sent", "first"), ("resident", "first"), ("resident", "off")]
 )
-def test_overlapped_training_equals_local(local, workers, tmp_path, streamed, kernels, replicate):
+def test_overlapped_training_equals_local(local, workers, tmp_path, kernels, replicate):
+    """Every call here is small enough for one message; overlapped, each streams anyway."""
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(
         **FAST, shares=SHARES, stages="fused", kernels=kernels, replicate=replicate, overlap="on"
@@ -120,8 +127,22 @@ def _stage_problem(n=7):
     return x, w, b
 
 
+@pytest.fixture(params=["streamed", "bundled"])
+def how(request, monkeypatch):
+    """``streamed``: as the client sends an overlapped call; ``bundled``: as one message each
+    way (another client may), which the worker computes group by group and answers whole."""
+    if request.param == "bundled":
+        original = WorkerClient._call
+
+        def one_message(self, *args, stream=False, **kwargs):
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(WorkerClient, "_call", one_message)
+    return request.param
+
+
 @pytest.mark.parametrize("kernels", ["sent", "resident"])
-def test_a_worker_streams_groups_that_equal_the_whole_batch(workers, streamed, kernels):
+def test_a_worker_streams_groups_that_equal_the_whole_batch(workers, how, kernels):
     """Groups of 3 of 7 images (the last holds 1): the answer and the gradients are the whole
     batch's, to round-off; the closing timings arrive."""
     backend = get_backend("cpu")
@@ -136,7 +157,9 @@ def test_a_worker_streams_groups_that_equal_the_whole_batch(workers, streamed, k
             y, _, stats = client.stage_forward(
                 21, 0, "conv", x, w, b, (1, 1, 1, 1), STAGE, own, overlap_images=3
             )
-            dx, dw, db, _, back = client.stage_backward(21, 0, "conv", dy, 1, True)
+            dx, dw, db, _, back = client.stage_backward(
+                21, 0, "conv", dy, 1, True, answer_bytes=1, grouped=True
+            )
         else:
             w_own, b_own = w[own].copy(), b[own].copy()
             zero_w, zero_b = np.zeros_like(w_own), np.zeros_like(b_own)
@@ -146,15 +169,17 @@ def test_a_worker_streams_groups_that_equal_the_whole_batch(workers, streamed, k
             y, stats = client.resident_stage_forward(
                 21, 0, "conv", x, hw, hb, 1, 1, (1, 1, 1, 1), STAGE, 4, overlap_images=3
             )
-            dx, _, _, back = client.resident_stage_backward(21, 0, "conv", dy, 1, 1, True)
+            dx, _, _, back = client.resident_stage_backward(
+                21, 0, "conv", dy, 1, 1, True, answer_bytes=1, grouped=True
+            )
             (dw, db, _, _), _ = client.fetch_kernels(21, "conv", 2)
             dw, db = (w_own - dw) / 0.5, (b_own - db) / 0.5  # the summed gradient it applied
         np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(dx, dx_want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dw, dw_want, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(db, db_want, rtol=1e-4, atol=1e-4)
-        assert not stats.bundled and stats.compute_seconds > 0
-        assert back.compute_seconds > 0
+        assert stats.bundled == back.bundled == (how == "bundled")
+        assert stats.compute_seconds > 0 and back.compute_seconds > 0
     finally:
         client.close()
 
@@ -270,6 +295,40 @@ def test_the_cost_model_overlaps_only_streamed_answers_without_batch_norm():
     bn = StageSpec.from_entries([{"type": "batchnorm"}, {"type": "relu"}])
     assert overlap_images(big, bn, shares) == 0
     assert overlap_images(big, big.stage, (800,)) == 0  # no workers
+    assert overlap_images(big, big.stage, (800, 0, 0)) == 0  # no worker with a share
+
+
+def test_auto_overlaps_where_the_cost_model_predicts_the_layer_faster():
+    """Given the nodes and links, auto groups a layer whose transfers the groups hide (a
+    shared medium, even where each answer fits one message) and not one whose links are so
+    fast that only a streamed call's fixed cost would change."""
+    block, small = network_layers("paper-150-800", 16)
+    shares = (160, 160, 160, 160, 160)
+    workers = tuple(SimNode(f"w{i}", 20.0, bytes_per_s=8e6) for i in range(4))
+    medium = SimCluster(SimNode("m", 20.0), workers, "wifi", 8e6)
+    assert overlap_images(small, small.stage, shares) == 0  # by size alone: one message
+    assert overlap_images(small, small.stage, shares, cluster=medium) == group_images(16)
+    assert overlap_images(small, small.stage, shares, cluster=medium, resident=True,
+                          replica=block) == group_images(16)  # fmt: skip
+    # Where a stream costs more than the groups hide (50 ms a call, fast links), a call whose
+    # tensors fit one message (resident kernels, the block replicated) is better left whole
+    fast = tuple(SimNode(f"w{i}", 20.0, bytes_per_s=1e10) for i in range(4))
+    switched = SimCluster(
+        SimNode("m", 20.0, bytes_per_s=1e10), fast, "switched", wire=WireCosts(stream_call_s=0.05)
+    )
+    assert overlap_images(small, small.stage, shares, cluster=switched, resident=True,
+                          replica=block) == 0  # fmt: skip
+    bn = StageSpec.from_entries([{"type": "batchnorm"}, {"type": "relu"}])
+    assert overlap_images(small, bn, shares, cluster=medium) == 0
+    # simulate_step's auto asks the same question
+    layers = [block, small]
+    split = {"conv1": (150, 0, 0, 0, 0), "conv2": shares}
+    args = (split, 1.0, "fused", "resident", "first")
+    on = simulate_step(medium, layers, *args, overlap="on")
+    assert simulate_step(medium, layers, *args, overlap="auto").step_s == on.step_s
+    off = simulate_step(switched, layers, *args, overlap="off")
+    assert simulate_step(switched, layers, *args, overlap="auto").step_s == off.step_s
+    assert off.step_s < simulate_step(switched, layers, *args, overlap="on").step_s
 
 
 def test_overlap_shortens_the_predicted_step_on_a_shared_medium():
@@ -302,12 +361,11 @@ def test_link_shares_give_workers_more_when_their_maps_move_beside_the_compute()
     planned = shares_for(cluster, layers, "link", "fused", "resident", "first", "on")
     assert list(planned["conv2"]) == grouped
     assert shares_for(cluster, layers, "link", "fused", "resident", "first", "auto") == planned
-    # At batch 16 a worker's answer is one message: nothing moves beside the compute, so
-    # overlap changes no share
+    # At batch 16 a worker's answer would fit one message, but an overlapped call streams
+    # whatever its size: its maps move beside the compute too
     small_block, small = network_layers("paper-150-800", 16)
-    assert link_aware_shares(cluster, small, True, True, small_block, 2) == link_aware_shares(
-        cluster, small, True, True, small_block
-    )
+    small_grouped = link_aware_shares(cluster, small, True, True, small_block, 2)
+    assert small_grouped[0] < link_aware_shares(cluster, small, True, True, small_block)[0]
 
 
 def test_simulate_models_overlap(tmp_path):
