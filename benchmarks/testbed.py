@@ -171,6 +171,13 @@ MODES: tuple[Mode, ...] = (
         "--overlap",
         in_all=False,
     ),
+    Mode(
+        "exact_bfloat16",
+        (*EXACT, "--overlap", "auto", "--wire-format", "bfloat16"),
+        "exact, with activations and their gradients as bfloat16 on the wire",
+        "--overlap",
+        in_all=False,
+    ),
 )
 DEFAULT_MODES = (
     "kernel_split", "float16", "link_shares", "fused", "resident", "replica", "overlap",
