@@ -454,15 +454,17 @@ class Cluster:
         self._choose_stage_modes(layers, batch)
         self._choose_replica(layers, batch)
         self._choose_kernel_modes(layers, batch)
-        # The modes change what each layer's calls move: plan the shares again knowing them.
-        self._choose_overlap(layers, batch)
+        # The modes change what each layer's calls move: plan the shares again knowing them,
+        # then judge overlap on those shares (on shares planned for whole inputs and kernels
+        # travelling, the workers may have none), and plan again with its groups.
         resident = frozenset(name for name, mode in self.kernel_modes.items() if mode == RESIDENT)
         consumers = {consumer: block for block, consumer in self.replicas.feeds.items()}
-        if resident or consumers or self.overlap_images:
-            self.planner = dataclasses.replace(
-                self.planner, resident=resident, replicas=consumers,
-                overlap=dict(self.overlap_images),
-            )  # fmt: skip
+        if resident or consumers:
+            self.planner = dataclasses.replace(self.planner, resident=resident, replicas=consumers)
+            self._replan()
+        self._choose_overlap(layers, batch)
+        if self.overlap_images:
+            self.planner = dataclasses.replace(self.planner, overlap=dict(self.overlap_images))
             self._replan()
         self.membership.read_initial_workers_file()
         if log is not None:
