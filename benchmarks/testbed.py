@@ -167,7 +167,7 @@ MODES: tuple[Mode, ...] = (
         "exact",
         (*EXACT, "--overlap", "auto"),
         "every exact mode at once: link shares, fused, resident, replicated, overlap (where "
-        "the cost model predicts it faster)",
+        "a worker's answer is over one message)",
         "--overlap",
         in_all=False,
     ),

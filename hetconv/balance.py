@@ -346,9 +346,7 @@ def shares_for(
                 images = group_images(layer.shape.n)
             elif fused and overlap not in (OVERLAP_ON, OVERLAP_OFF):  # auto
                 split = compute_shares(cluster, layer)
-                images = overlap_images(
-                    layer, layer.stage, split, cluster.wire.format, cluster, resident, replica
-                )
+                images = overlap_images(layer, layer.stage, split, cluster.wire.format)
             out[layer.name] = tuple(
                 link_aware_shares(cluster, layer, fused, resident, replica, images)
             )

@@ -205,8 +205,7 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "output while it computes the next, and starts each group's backward as soon as its "
         "gradient has arrived, so transfers and compute overlap (exact; not for stages with "
         "batch norm; an overlapped call always streams); off: whole batches; auto (default): "
-        "on where the cost model, from the probes and measured links, predicts the layer "
-        "faster in groups",
+        "on where a worker's answer is over one message (1 MiB)",
     )
     where.add_argument(
         "--resident-sync-every",

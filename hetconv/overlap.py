@@ -4,10 +4,9 @@ A worker asked to overlap (``ConvRequest.overlap_images``) runs its fused stage 
 images and sends each group's output while it computes the next; its backward starts on each
 group as soon as that group's gradient has arrived (the worker side: ``hetconv.worker
 .overlap``). ``hetconv train --overlap`` chooses: ``on`` for every fused layer whose stage
-holds no batch norm, ``off``, or ``auto``: where the cost model predicts the layer faster in
-groups on the nodes as probed and the links as measured (:func:`hetconv.costmodel
-.overlap_images`). An overlapped call always streams, however small: one message would wait
-for its last group; a stream costs a few milliseconds more per call than one message.
+holds no batch norm, ``off``, or ``auto``: where a worker's answer is over one message
+(:func:`hetconv.costmodel.overlap_images`, which says why not below). An overlapped call
+always streams, however small: one message would wait for its last group.
 """
 
 from __future__ import annotations

@@ -180,8 +180,8 @@ class ClusterConfig:
         overlap: ``"on"``: every fused layer whose stage holds no batch norm runs its worker
             calls in image groups, each group's output sent while the next computes and each
             group's backward started as soon as its gradient is in (:mod:`hetconv.overlap`);
-            ``"off"``: whole batches; ``"auto"``: where the cost model predicts the layer
-            faster in groups (:func:`hetconv.costmodel.overlap_images`).
+            ``"off"``: whole batches; ``"auto"``: where a worker's answer is over one
+            message (:func:`hetconv.costmodel.overlap_images`).
     """
 
     master_compute: bool = True
@@ -524,18 +524,9 @@ class Cluster:
 
     def _choose_overlap(self, layers, batch: int) -> None:
         """Images per group of each fused layer's worker calls (:mod:`hetconv.overlap`): as
-        configured where the stage allows it, or (auto) where the cost model, on the nodes as
-        probed and their links as measured, predicts the layer faster in groups."""
+        configured where the stage allows it, or (auto) where the cost model says a worker's
+        answer streams, on the shares planned for the other modes."""
         self.overlap_images = {}
-        model = None
-        active = [i for i, n in enumerate(self.nodes) if i == 0 or n.state == ACTIVE]
-        if self.config.overlap == OVERLAP_AUTO:
-            model = step_model(
-                [self.nodes[i] for i in active], self._layers, self.planner.network,
-                self.planner.capacity, self.config.master_compute,
-                costmodel.WireCosts(format=self.config.wire_format),
-            )  # fmt: skip
-        blocks = {consumer: block for block, consumer in self.replicas.feeds.items()}
         for spec in layers:
             if self.stage_modes.get(spec.name) != FUSED or spec.stage is None:
                 continue
@@ -545,14 +536,10 @@ class Cluster:
             elif self.config.overlap == OVERLAP_AUTO:
                 plan = self.plans.get(spec.name)
                 shares = plan.shares if plan is not None else (1,) * len(self.nodes)
-                shares = [shares[i] for i in active]
                 layer = ConvLayer.from_spec(spec, batch)
-                block = next((b for b in layers if b.name == blocks.get(spec.name)), None)
                 images = costmodel.overlap_images(
-                    layer, spec.stage, shares, self.config.wire_format, model,
-                    self.kernel_modes.get(spec.name) == RESIDENT,
-                    ConvLayer.from_spec(block, batch) if block is not None else None,
-                )  # fmt: skip
+                    layer, spec.stage, shares, self.config.wire_format
+                )
             if images and group_count(batch, images) > 1:
                 self.overlap_images[spec.name] = images
 

@@ -193,8 +193,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="on: fused layers' worker calls run in image groups, each group's output sent "
         "while the next computes and each group's backward started once its gradient is in, "
-        "as `hetconv train --overlap on`; auto: where the model predicts the layer faster in "
-        "groups (what `hetconv train` does by default). Default off (the paper's). Needs "
+        "as `hetconv train --overlap on`; auto: where a worker's answer is over one message "
+        "(what `hetconv train` does by default). Default off (the paper's). Needs "
         "--stages fused or auto",
     )
     parser.add_argument(

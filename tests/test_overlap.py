@@ -20,13 +20,7 @@ from hetconv.backends import get_backend
 from hetconv.conv import LocalConv
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.costmodel import Node as SimNode
-from hetconv.costmodel import (
-    WireCosts,
-    WorkerCall,
-    overlap_images,
-    simulate_phase,
-    simulate_step,
-)
+from hetconv.costmodel import WorkerCall, overlap_images, simulate_phase, simulate_step
 from hetconv.errors import MalformedMessage
 from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError
@@ -296,39 +290,6 @@ def test_the_cost_model_overlaps_only_streamed_answers_without_batch_norm():
     assert overlap_images(big, bn, shares) == 0
     assert overlap_images(big, big.stage, (800,)) == 0  # no workers
     assert overlap_images(big, big.stage, (800, 0, 0)) == 0  # no worker with a share
-
-
-def test_auto_overlaps_where_the_cost_model_predicts_the_layer_faster():
-    """Given the nodes and links, auto groups a layer whose transfers the groups hide (a
-    shared medium, even where each answer fits one message) and not one whose links are so
-    fast that only a streamed call's fixed cost would change."""
-    block, small = network_layers("paper-150-800", 16)
-    shares = (160, 160, 160, 160, 160)
-    workers = tuple(SimNode(f"w{i}", 20.0, bytes_per_s=8e6) for i in range(4))
-    medium = SimCluster(SimNode("m", 20.0), workers, "wifi", 8e6)
-    assert overlap_images(small, small.stage, shares) == 0  # by size alone: one message
-    assert overlap_images(small, small.stage, shares, cluster=medium) == group_images(16)
-    assert overlap_images(small, small.stage, shares, cluster=medium, resident=True,
-                          replica=block) == group_images(16)  # fmt: skip
-    # Where a stream costs more than the groups hide (50 ms a call, fast links), a call whose
-    # tensors fit one message (resident kernels, the block replicated) is better left whole
-    fast = tuple(SimNode(f"w{i}", 20.0, bytes_per_s=1e10) for i in range(4))
-    switched = SimCluster(
-        SimNode("m", 20.0, bytes_per_s=1e10), fast, "switched", wire=WireCosts(stream_call_s=0.05)
-    )
-    assert overlap_images(small, small.stage, shares, cluster=switched, resident=True,
-                          replica=block) == 0  # fmt: skip
-    bn = StageSpec.from_entries([{"type": "batchnorm"}, {"type": "relu"}])
-    assert overlap_images(small, bn, shares, cluster=medium) == 0
-    # simulate_step's auto asks the same question
-    layers = [block, small]
-    split = {"conv1": (150, 0, 0, 0, 0), "conv2": shares}
-    args = (split, 1.0, "fused", "resident", "first")
-    on = simulate_step(medium, layers, *args, overlap="on")
-    assert simulate_step(medium, layers, *args, overlap="auto").step_s == on.step_s
-    off = simulate_step(switched, layers, *args, overlap="off")
-    assert simulate_step(switched, layers, *args, overlap="auto").step_s == off.step_s
-    assert off.step_s < simulate_step(switched, layers, *args, overlap="on").step_s
 
 
 def test_overlap_shortens_the_predicted_step_on_a_shared_medium():
