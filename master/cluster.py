@@ -832,14 +832,19 @@ class Cluster:
         job = self.strategy.backward(ctx, self.backend, x, w, dy, sides, need_input_grad)
         return self.runner.run(self.strategy, job, layer, plan)
 
+    def _stage_context(self, layer: str, x) -> CallContext:
+        """A fused stage call's context: its image groups where the layer overlaps (both
+        phases alike, so a grouped forward's backward streams too)."""
+        images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
+        return CallContext(self.session, self.step, layer, images)
+
     def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=()):
         """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`, or
         with resident kernels :mod:`.resident`). ``batchnorm``: the model's batch norm layers
         of the stage, whose running statistics it moves (training)."""
         plan = self._plan(layer, x.shape, w.shape, padding)
         self._stage_steps[layer] = FUSED
-        images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
-        ctx = CallContext(self.session, self.step, layer, images)
+        ctx = self._stage_context(layer, x)
         if self.kernel_modes.get(layer) == RESIDENT:
             state = self.resident.layer(layer, w, b, stage, _sides(padding, w.shape[2:]))
             split = self.resident.split
@@ -857,8 +862,7 @@ class Cluster:
     def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=()):
         """A fused stage's backward over the nodes; sets the batch norm layers' ``grads``."""
         plan = self._plan(layer, x.shape, w.shape, padding)
-        images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
-        ctx = CallContext(self.session, self.step, layer, images)
+        ctx = self._stage_context(layer, x)
         sides = _sides(padding, w.shape[2:])
         if self.kernel_modes.get(layer) == RESIDENT:
             state = self.resident.layer(layer, w, b, stage, sides)
