@@ -119,12 +119,13 @@ class Mode:
 
 
 #: The paper's kernel split, which every mode changes one thing of: shares by probe, plain
-#: convolutions on the workers, kernels sent every step, nothing replicated or overlapped
-#: (``hetconv train``'s own defaults are link-aware shares, and fused stages, resident kernels,
-#: the replicated block and overlap where the cost model picks them).
+#: convolutions on the workers, kernels sent every step, nothing replicated or overlapped, the
+#: fully connected layer on the master (``hetconv train``'s own defaults are link-aware shares,
+#: and fused stages, resident kernels, the replicated block, overlap and the split head where
+#: the cost model picks them).
 BASE = (
     "--shares", "compute", "--stages", "unfused", "--kernels", "sent", "--replicate", "off",
-    "--overlap", "off",
+    "--overlap", "off", "--head", "master",
 )  # fmt: skip
 #: Every exact mode's flags at once (link-aware shares, fused stages, resident kernels, the
 #: replicated first block), without overlap.
@@ -157,6 +158,12 @@ MODES: tuple[Mode, ...] = (
         "--overlap",
     ),
     Mode(
+        "head",
+        ("--stages", "fused", "--kernels", "resident", "--head", "split"),
+        "fused, resident, and the last stage's workers keep the fc's columns and answer logits",
+        "--head",
+    ),
+    Mode(
         "exact_whole",
         EXACT,
         "every exact mode but overlap: link shares, fused, resident, replicated first block",
@@ -178,10 +185,25 @@ MODES: tuple[Mode, ...] = (
         "--overlap",
         in_all=False,
     ),
+    Mode(
+        "exact_head",
+        (*EXACT, "--overlap", "auto", "--head", "split"),
+        "every exact mode with the split head: link shares, fused, resident, replicated, "
+        "overlap (auto), the last stage answering logits (what `hetconv train` does by default)",
+        "--head",
+        in_all=False,
+    ),
+    Mode(
+        "exact_head_bfloat16",
+        (*EXACT, "--overlap", "auto", "--head", "split", "--wire-format", "bfloat16"),
+        "exact_head, with activations and their gradients as bfloat16 on the wire",
+        "--head",
+        in_all=False,
+    ),
 )
 DEFAULT_MODES = (
-    "kernel_split", "float16", "link_shares", "fused", "resident", "replica", "overlap",
-    "exact_whole", "exact", ALL,
+    "kernel_split", "float16", "link_shares", "fused", "resident", "replica", "overlap", "head",
+    "exact_whole", "exact", "exact_head", ALL,
 )  # fmt: skip
 
 
@@ -409,7 +431,9 @@ def predict(
     # The modes the run traced (fused stages, resident kernels, overlap): their calls' bytes
     # and work.
     modes = cal.stage_modes, cal.kernel_modes or "sent"
-    result = simulate_step(cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images)
+    result = simulate_step(
+        cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images, head=cal.heads
+    )
     return result, cal
 
 

@@ -83,11 +83,14 @@ def _fused(fmt: TensorFormat):
     return layer_bytes
 
 
-def _fused_resident(fmt: TensorFormat):
+def _fused_resident(fmt: TensorFormat, head: bool = False):
     def layer_bytes(layer: ConvLayer, shares: Sequence[int], replica=None) -> int:
         if layer.stage is None:  # only fused layers keep their kernels
             return costmodel.layer_bytes(layer, shares, False, fmt)
-        return round(costmodel.resident_layer_bytes(layer, shares, fmt, replica=replica))
+        classes = layer.head if head else 0
+        return round(
+            costmodel.resident_layer_bytes(layer, shares, fmt, replica=replica, head=classes)
+        )
 
     return layer_bytes
 
@@ -134,7 +137,7 @@ MODES: tuple[Mode, ...] = (
     Mode(
         "fused_resident_replica",
         "fused stages, resident kernels, first block replicated (--stages fused --kernels "
-        "resident --replicate first): the best exact mode",
+        "resident --replicate first)",
         _fused_resident(FLOAT32),
         replicate=True,
     ),
@@ -142,6 +145,14 @@ MODES: tuple[Mode, ...] = (
         "fused_resident_replica_bfloat16",
         "fused stages, resident kernels, first block replicated, activations as bfloat16",
         _fused_resident(BFLOAT16),
+        replicate=True,
+    ),
+    Mode(
+        "fused_resident_replica_head",
+        "fused stages, resident kernels, first block replicated, split head (--head split: "
+        "the last stage's workers keep the fc's columns and answer logits, not pooled maps): "
+        "every exact mode",
+        _fused_resident(FLOAT32, head=True),
         replicate=True,
     ),
 )

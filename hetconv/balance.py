@@ -38,6 +38,8 @@ import numpy as np
 from scipy.optimize import linprog
 
 from hetconv.costmodel import Cluster, overlap_images, simulate_layer_phase
+from hetconv.formats import FLOAT32
+from hetconv.head import MASTER as HEAD_MASTER
 from hetconv.overlap import OFF as OVERLAP_OFF
 from hetconv.overlap import ON as OVERLAP_ON
 from hetconv.overlap import group_count, group_images
@@ -124,6 +126,7 @@ def _phase_terms(
     resident: bool = False,
     replica: ConvLayer | None = None,
     groups: int = 1,
+    head: int = 0,
 ) -> np.ndarray:
     """Per node (master first) the forward and backward times as ``a + s·k`` for ``k`` kernels,
     when ``workers`` workers take part: rows (a_forward, s_forward, a_backward, s_backward).
@@ -140,7 +143,9 @@ def _phase_terms(
     computes the whole block: fixed costs. ``groups`` > 1: a fused layer's calls overlap
     (:mod:`hetconv.overlap`): a kernel's maps travel beside its compute (forward's answer,
     backward's gradient), so a worker's per-kernel cost is the larger of the two plus the
-    smaller over the groups."""
+    smaller over the groups. ``head`` (resident): the classes of a split head
+    (:mod:`hetconv.head`): logits and their gradient travel instead of a kernel's maps (fixed
+    costs), and the halo's and edges' fc columns with the halo and edge kernels."""
     shared = min(cluster.shared_bytes_per_s())
     nodes = cluster.nodes
     links = np.array([n.bytes_per_s for n in nodes[1:]], float)
@@ -160,6 +165,16 @@ def _phase_terms(
         reach = sum(layer.stage.grad_reach)
         halo_forward = (halo * layer.kernel_bytes) / rates  # their weights, sent
         halo_backward = (reach * maps) / rates  # their output gradient, sent
+    fixed_forward = fixed_backward = 0.0
+    if fused and resident and head:
+        s = layer.shape
+        ho, wo = layer.stage.output_hw(s.out_hw)
+        logits = FLOAT32.nbytes((s.n, head))
+        columns = FLOAT32.nbytes((2 * layer.stage.halo, ho * wo, head))
+        fixed_forward = (logits + columns) / rates  # z back, the halo's columns out
+        fixed_backward = (logits + columns) / rates  # dz out, the edges' columns back
+        maps = 0
+        halo_backward = 0.0
     per_kernel = maps if resident else layer.kernel_bytes + maps  # weights, maps (or outputs)
     dx = x_bytes if layer.need_input_grad else 0
     block = np.zeros((2, len(nodes) - 1))  # a replicated block's work on each worker
@@ -195,6 +210,8 @@ def _phase_terms(
         halo = 2 * layer.stage.halo
         terms[0, 1:] += halo_forward + halo * seconds[1:] * layer.passes(FORWARD)
         terms[2, 1:] += halo_backward + halo * seconds[1:] * layer.passes(BACKWARD)
+        terms[0, 1:] += fixed_forward
+        terms[2, 1:] += fixed_backward
     if not cluster.master_compute:
         terms[1, 0] = terms[3, 0] = math.inf
     return terms
@@ -230,6 +247,7 @@ def link_aware_shares(
     resident: bool = False,
     replica: ConvLayer | None = None,
     overlap_images: int = 0,
+    head: int = 0,
 ) -> list[int]:
     """Shares that minimise the layer's predicted time, transfers included (module docstring).
 
@@ -241,6 +259,7 @@ def link_aware_shares(
             :mod:`hetconv.replica`).
         overlap_images: (fused) the calls run in groups of this many images, transfers beside
             the compute (:mod:`hetconv.overlap`); 0: whole batches.
+        head: (resident) the classes of a split head (:mod:`hetconv.head`); 0: none.
 
     Returns kernels per node, master first, summing to the layer's kernel count; a worker whose
     link would make it slow the layer down gets 0.
@@ -253,12 +272,14 @@ def link_aware_shares(
     sum_s = layer.x_bytes / cluster.wire.sum_bytes_per_s if layer.need_input_grad else 0.0
     if replica is not None:
         sum_s = 0.0  # the workers' parts stay on them (the block's gradients are small)
-    modes = {"resident": resident, "replica": replica, "overlap_images": overlap_images}
+    modes = {
+        "resident": resident, "replica": replica, "overlap_images": overlap_images, "head": head
+    }  # fmt: skip
     groups = group_count(layer.shape.n, overlap_images) if fused else 1
     # First a quick pass: everyone finishing the whole layer together, for every m.
     estimates = {}
     for m in range(1, n + 1):
-        terms = _phase_terms(cluster, layer, m, fused, resident, replica, groups)
+        terms = _phase_terms(cluster, layer, m, fused, resident, replica, groups, head)
         a, s = terms[0] + terms[2], terms[1] + terms[3]
         order = 1 + np.lexsort((s[1:], a[1:]))[:m]
         chosen = np.concatenate(([0], order))
@@ -300,11 +321,12 @@ def _layer_seconds(
     resident=False,
     replica=None,
     overlap_images: int = 0,
+    head: int = 0,
 ) -> float:
     return sum(
         simulate_layer_phase(
             cluster, layer, phase, shares, fused=fused, resident=resident, replica=replica,
-            overlap_images=overlap_images,
+            overlap_images=overlap_images, head=head,
         ).wall_s
         for phase in (FORWARD, BACKWARD)
     )  # fmt: skip
@@ -318,6 +340,7 @@ def shares_for(
     kernels: str = SENT,
     replicate: str = REPLICATE_OFF,
     overlap: str = OVERLAP_OFF,
+    head: str = HEAD_MASTER,
 ) -> dict[str, tuple[int, ...]]:
     """Per layer name, kernels per node (master first) under ``policy``; the ``link`` policy
     plans a layer with a stage as fused when ``stages`` is ``"fused"`` or ``"auto"`` (with
@@ -325,7 +348,9 @@ def shares_for(
     on the workers when ``kernels`` is ``"resident"`` or ``"auto"`` (likewise), and with
     ``replicate`` ``"first"`` the first layer as the master's alone and the second as fed by
     it (:mod:`hetconv.replica`), and a fused layer's calls overlapped as ``overlap`` says
-    (``hetconv train --overlap``; ``"auto"`` asks the cost model with the compute shares)."""
+    (``hetconv train --overlap``; ``"auto"`` asks the cost model with the compute shares),
+    and the layer feeding the final fc as computing it (:mod:`hetconv.head`) where ``head`` is
+    not ``"master"`` and its kernels stay on the workers."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if stages not in (FUSED, UNFUSED, AUTO):
@@ -341,13 +366,16 @@ def shares_for(
             fused = stages != UNFUSED and layer.stage is not None
             resident = fused and kernels != SENT
             replica = block if fused and block is not None and layer is layers[1] else None
+            classes = layer.head if resident and head != HEAD_MASTER else 0
             images = 0
-            if fused and overlap == OVERLAP_ON and not layer.stage.batchnorms:
+            if classes:
+                pass  # it answers logits: nothing to stream
+            elif fused and overlap == OVERLAP_ON and not layer.stage.batchnorms:
                 images = group_images(layer.shape.n)
             elif fused and overlap not in (OVERLAP_ON, OVERLAP_OFF):  # auto
                 split = compute_shares(cluster, layer)
                 images = overlap_images(layer, layer.stage, split, cluster.wire.format)
             out[layer.name] = tuple(
-                link_aware_shares(cluster, layer, fused, resident, replica, images)
+                link_aware_shares(cluster, layer, fused, resident, replica, images, classes)
             )
     return out

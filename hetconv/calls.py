@@ -10,10 +10,11 @@ moves)::
     Echo       any, named freely    the same, unchanged
     StageForward   x, w, b, bn      y: the stage's output of the owned kernels, stats
     StageBackward  dy               dw, db, dbn of the owned kernels, and dx when asked
-    PlaceKernels   w, b, mw, mb     (nothing): the worker now holds that slice (resident)
-    FetchKernels   (nothing)        w, b, mw, mb of the slice the worker holds
-    ResidentStageForward   x, hw, hb    y, as StageForward (own kernels from the worker's slice)
-    ResidentStageBackward  dy           ew, eb: the updated edge kernels, and dx when asked
+    PlaceKernels   w, b, mw, mb, f, mf  (nothing): the worker now holds that slice (resident)
+    FetchKernels   (nothing)        w, b, mw, mb, f, mf of the slice the worker holds
+    ResidentStageForward   x, hw, hb, hf    y, as StageForward (own kernels from the worker's
+                                            slice), or with a split head z
+    ResidentStageBackward  dy, dz       ew, eb, ef: the updated edge kernels, and dx when asked
     ReplicaForward x, w, b          (nothing): the worker keeps the replicated block's output
     Describe   (DescribeRequest -> DeviceDescription)
     Probe      (ProbeRequest -> ProbeResult)
@@ -36,7 +37,13 @@ per batch norm the weight and bias gradients of the owned channels.
 Resident calls (:mod:`hetconv.resident`) have a :class:`SliceShape` (PlaceKernels,
 FetchKernels: ``w``, ``mw`` (k, C, kh, kw), ``b``, ``mb`` (k,)) or a :class:`ResidentStageShape`
 (``hw`` (halo, C, kh, kw) and ``hb`` (halo,): the widened slice's kernels that are not the
-worker's own; ``ew`` (edges, C, kh, kw) and ``eb`` (edges,)).
+worker's own; ``ew`` (edges, C, kh, kw) and ``eb`` (edges,)). With a split head
+(:mod:`hetconv.head`) the slice also holds the final fully connected layer's columns of its
+channels, ``f`` and ``mf`` (k, P, classes), P the stage output's positions; ``hf`` (halo, P,
+classes) and ``ef`` (edges, P, classes) are those of the halo and edge channels; the forward
+answers ``z`` (N, classes), the slice's partial logits, instead of ``y`` (then (N, 0, Ho',
+Wo')), and the backward sends ``dz`` (N, classes) instead of ``dy``. Without a head ``f``,
+``mf``, ``hf``, ``ef`` are (rows, 0, 0) and ``z``, ``dz`` (N, 0): no bytes.
 
 A replicated first block (:mod:`hetconv.replica`): ReplicaForward has a :class:`ConvShape`
 (the block's convolution over the images, all its kernels). A stage call that names the
@@ -208,12 +215,15 @@ def stage_db_shape(s: StageShape) -> Shape:
 
 @dataclass(frozen=True)
 class SliceShape:
-    """A resident kernel slice: ``k`` kernels of C x kh x kw."""
+    """A resident kernel slice: ``k`` kernels of C x kh x kw; with a split head, the final fc's
+    columns of its channels: ``positions`` (the stage output's Ho' * Wo') by ``classes``."""
 
     k: int
     c: int
     kh: int
     kw: int
+    positions: int = 0
+    classes: int = 0
 
 
 def slice_kernel_shape(s: SliceShape) -> Shape:
@@ -226,12 +236,30 @@ def slice_bias_shape(s: SliceShape) -> Shape:
     return (s.k,)
 
 
+def head_rows_shape(rows: int, positions: int, classes: int) -> Shape:
+    """A split head's fc columns of ``rows`` channels: (rows, P, classes), or (rows, 0, 0)
+    without a head (``classes`` 0)."""
+    return (rows, positions, classes) if classes else (rows, 0, 0)
+
+
+def slice_head_shape(s: SliceShape) -> Shape:
+    """``f``, ``mf``: (k, P, classes), or (k, 0, 0) without a head."""
+    return head_rows_shape(s.k, s.positions, s.classes)
+
+
 @dataclass(frozen=True)
 class ResidentStageShape:
-    """A resident stage call: the stage geometry and how many edge kernels come back."""
+    """A resident stage call: the stage geometry, how many edge kernels come back and the
+    split head's classes (0: none)."""
 
     stage: StageShape
     edges: int
+    classes: int = 0
+
+    @property
+    def positions(self) -> int:
+        """The stage output's positions per channel, Ho' * Wo'."""
+        return self.stage.out_hw[0] * self.stage.out_hw[1]
 
     @property
     def halo(self) -> int:
@@ -266,12 +294,26 @@ def halo_bias_shape(s: ResidentStageShape) -> Shape:
     return (s.halo,)
 
 
+def halo_head_shape(s: ResidentStageShape) -> Shape:
+    """``hf``: (halo, P, classes), or (halo, 0, 0) without a head."""
+    return head_rows_shape(s.halo, s.positions, s.classes)
+
+
 def resident_output_shape(s: ResidentStageShape) -> Shape:
-    return stage_output_shape(s.stage)
+    """``y``: (N, own, Ho', Wo'); with a split head (N, 0, Ho', Wo')."""
+    n, own, *hw = stage_output_shape(s.stage)
+    return (n, 0 if s.classes else own, *hw)
+
+
+def resident_logits_shape(s: ResidentStageShape) -> Shape:
+    """``z``, ``dz``: (N, classes), or (N, 0) without a head."""
+    return (s.stage.conv.n, s.classes)
 
 
 def resident_grad_shape(s: ResidentStageShape) -> Shape:
-    return stage_grad_shape(s.stage)
+    """``dy``: (N, grad, Ho', Wo'); with a split head (N, 0, Ho', Wo')."""
+    n, grad, *hw = stage_grad_shape(s.stage)
+    return (n, 0 if s.classes else grad, *hw)
 
 
 def edge_kernel_shape(s: ResidentStageShape) -> Shape:
@@ -283,6 +325,11 @@ def edge_kernel_shape(s: ResidentStageShape) -> Shape:
 def edge_bias_shape(s: ResidentStageShape) -> Shape:
     """``eb``: (edges,)."""
     return (s.edges,)
+
+
+def edge_head_shape(s: ResidentStageShape) -> Shape:
+    """``ef``: (edges, P, classes), or (edges, 0, 0) without a head."""
+    return head_rows_shape(s.edges, s.positions, s.classes)
 
 
 def _names_replica(shape) -> bool:
@@ -548,6 +595,8 @@ PLACE_KERNELS = ConvCall(
         TensorRule("b", slice_bias_shape),
         TensorRule("mw", slice_kernel_shape),
         TensorRule("mb", slice_bias_shape),
+        TensorRule("f", slice_head_shape),
+        TensorRule("mf", slice_head_shape),
     ),
     (),
 )
@@ -560,6 +609,8 @@ FETCH_KERNELS = ConvCall(
         TensorRule("b", slice_bias_shape),
         TensorRule("mw", slice_kernel_shape),
         TensorRule("mb", slice_bias_shape),
+        TensorRule("f", slice_head_shape),
+        TensorRule("mf", slice_head_shape),
     ),
 )
 RESIDENT_STAGE_FORWARD = ConvCall(
@@ -569,16 +620,25 @@ RESIDENT_STAGE_FORWARD = ConvCall(
         TensorRule("x", resident_sent_input_shape, activation=True),
         TensorRule("hw", halo_kernel_shape),
         TensorRule("hb", halo_bias_shape),
+        TensorRule("hf", halo_head_shape),
     ),
-    (TensorRule("y", resident_output_shape, activation=True),),
+    # z: float32 whatever the wire format (N x classes values: nothing to save)
+    (
+        TensorRule("y", resident_output_shape, activation=True),
+        TensorRule("z", resident_logits_shape),
+    ),
 )
 RESIDENT_STAGE_BACKWARD = ConvCall(
     "ResidentStageBackward",
     pb.RESIDENT_STAGE_BACKWARD,
-    (TensorRule("dy", resident_grad_shape, activation=True),),
+    (
+        TensorRule("dy", resident_grad_shape, activation=True),
+        TensorRule("dz", resident_logits_shape),
+    ),
     (
         TensorRule("ew", edge_kernel_shape),
         TensorRule("eb", edge_bias_shape),
+        TensorRule("ef", edge_head_shape),
         TensorRule("dx", resident_input_shape, input_grad_only=True, activation=True),
         TensorRule("rw", resident_replica_kernel_shape, replica_only=True),
         TensorRule("rb", resident_replica_bias_shape, replica_only=True),

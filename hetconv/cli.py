@@ -208,6 +208,18 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "on where a worker's answer is over one message (1 MiB)",
     )
     where.add_argument(
+        "--head",
+        choices=("auto", "split", "master"),  # hetconv.head.HEAD_MODES
+        default="auto",
+        help="split: where the last convolution's fused stage feeds the final fully connected "
+        "layer directly and its kernels are resident, each worker also keeps that layer's "
+        "weight columns of its channels and answers its part of the logits (N x classes "
+        "values) instead of its pooled maps, and takes the logits' gradient back (exact to "
+        "float32 round-off: the master adds the parts; that layer then runs whole batches); "
+        "master: the fully connected layer runs on the master; auto (default): split wherever "
+        "it can be",
+    )
+    where.add_argument(
         "--resident-sync-every",
         type=non_negative_int,
         default=20,
@@ -493,6 +505,8 @@ def _run_train(args: argparse.Namespace) -> int:
             raise ValueError("--local runs no workers, so nothing is replicated: drop --replicate")
         if args.overlap != "auto":
             raise ValueError("--local runs no workers, so nothing overlaps: drop --overlap")
+        if args.head != "auto":
+            raise ValueError("--local runs no workers, so the head is not split: drop --head")
     else:
         if args.shares is None:
             # The embedded default demonstrates the split on one machine, where every "link"
@@ -526,6 +540,7 @@ def _run_train(args: argparse.Namespace) -> int:
             kernels=args.kernels,
             replicate=args.replicate,
             overlap=args.overlap,
+            head=args.head,
             resident_sync_every=args.resident_sync_every,
             spot_checks=_spot_check_config(args),
         )

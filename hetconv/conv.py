@@ -168,6 +168,9 @@ class ConvSpec:
             layer's each step, which an executor must not keep and update in place.
         feeds: the convolution whose input is this layer's stage output, unchanged (no other
             layer between them); None when another layer follows the stage. Not compared.
+        head: (name, classes) of the network's final fully connected layer when this
+            layer's stage output is its input, unchanged (a split head may run it on the
+            stage's kernel slices: :mod:`hetconv.head`); None otherwise. Not compared.
     """
 
     name: str
@@ -180,6 +183,7 @@ class ConvSpec:
     stride: tuple[int, int] = (1, 1)
     phased_from: tuple[int, int] | None = field(default=None, compare=False)
     feeds: str | None = field(default=None, compare=False)
+    head: tuple[str, int] | None = field(default=None, compare=False)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -205,6 +209,7 @@ class ConvSpec:
         return ConvSpec(
             self.name, phases.phased_input_shape, self.kernels, phases.taps, 0,
             self.need_input_grad, self.stage, phased_from=self.stride, feeds=self.feeds,
+            head=self.head,
         )  # fmt: skip
 
     def shape(self, batch: int) -> ConvShape:
@@ -315,6 +320,22 @@ class StageExecutor(ConvExecutor, Protocol):
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """(input gradient or None, kernel gradient, bias gradient) for the gradient ``dy`` of
         the stage's output; sets the ``grads`` of the ``batchnorm`` layers (as forward's)."""
+        ...
+
+
+class HeadExecutor(StageExecutor, Protocol):
+    """A stage executor that can also compute the network's final fully connected layer on the
+    slices of the stage that feeds it (:mod:`hetconv.head`). A model groups that stage and the
+    fc when its executor has ``supports_head = True`` and asks :meth:`head_split` per layer;
+    where it says so, :meth:`stage_forward` and :meth:`stage_backward` get ``head=(fc name,
+    fc weight)``: forward answers the fc's output without its bias (N, classes), backward takes
+    its gradient for ``dy`` and answers a fourth array, the gradient of the fc columns
+    (C, P, classes) of the rows the executor does not update itself."""
+
+    supports_head: bool
+
+    def head_split(self, layer: str) -> bool:
+        """Whether the named layer's stage computes the final fc."""
         ...
 
 

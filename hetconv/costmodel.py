@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.head import HEAD_MODES
+from hetconv.head import MASTER as HEAD_MASTER
 from hetconv.overlap import AUTO as OVERLAP_AUTO
 from hetconv.overlap import OFF as OVERLAP_OFF
 from hetconv.overlap import ON as OVERLAP_ON
@@ -425,13 +427,16 @@ def _wire(
     resident: bool = False,
     sync_every: int = 20,
     replica: ConvLayer | None = None,
+    head: int = 0,
 ):
     if replica is not None and not fused:
         raise ValueError(f"{layer.name}: a replicated block feeds only a fused layer")
     if fused and resident:
-        wire = resident_call_bytes(layer, layer.stage, phase, share, offset, step, fmt, replica)
+        wire = resident_call_bytes(
+            layer, layer.stage, phase, share, offset, step, fmt, replica, head
+        )
         if phase == BACKWARD and sync_every:  # the syncs, amortised over their interval
-            sync = resident_sync_bytes(layer, share) // sync_every
+            sync = resident_sync_bytes(layer, share, head) // sync_every
             wire = dataclasses.replace(
                 wire, received=wire.received + sync, tensors_received=wire.tensors_received + sync
             )
@@ -520,22 +525,26 @@ def resident_layer_bytes(
     step: int = 1000,
     sync_every: int = 20,
     replica: ConvLayer | None = None,
+    head: int = 0,
 ) -> float:
     """Bytes one step of fused ``layer`` moves on the master's link with resident kernels
     (:mod:`hetconv.master.resident`): both phases' calls of every worker with a share, plus the
     syncs that bound the replay log, amortised over ``sync_every`` steps (0: none);
-    ``replica`` as :func:`layer_bytes`'s."""
+    ``replica`` as :func:`layer_bytes`'s; ``head``: the classes of a split head
+    (:mod:`hetconv.head`: logits instead of the stage output), 0 for none."""
     if layer.stage is None:
         raise ValueError(f"{layer.name} has no stage: resident kernels need a fused stage")
     total, offset = 0.0, shares[0]
     for share in shares[1:]:
         if share:
             total += sum(
-                resident_call_bytes(layer, layer.stage, p, share, offset, step, fmt, replica).total
+                resident_call_bytes(
+                    layer, layer.stage, p, share, offset, step, fmt, replica, head
+                ).total
                 for p in PHASES
             )
             if sync_every:
-                total += resident_sync_bytes(layer, share) / sync_every
+                total += resident_sync_bytes(layer, share, head) / sync_every
         offset += share
     return total
 
@@ -604,6 +613,7 @@ def simulate_layer_phase(
     replica: ConvLayer | None = None,
     overlap_images: int = 0,
     replica_head_s: float = 0.0,
+    head: int = 0,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
@@ -617,7 +627,11 @@ def simulate_layer_phase(
     starts each group once its gradient is in (the block's part of the compute is not
     grouped). ``replica_head_s``: the workers start the block's forward this long before the
     phase (the master starts their ReplicaForward as it computes its own copy), so only the
-    rest of it falls in the phase."""
+    rest of it falls in the phase. ``head``: (resident) the classes of a split head
+    (:mod:`hetconv.head`): the calls move logits and their gradient instead of the stage's
+    output and its gradient, and the halo's and edges' fc columns."""
+    if head and not (fused and resident):
+        raise ValueError(f"{layer.name}: a split head needs a fused stage with resident kernels")
     if fused and layer.stage is None:
         raise ValueError(f"{layer.name} has no channel-local layers after it to fuse")
     passes = layer.passes(phase)
@@ -631,7 +645,7 @@ def simulate_layer_phase(
         if share:
             wire = _wire(
                 layer, phase, share, offset, step, cluster.wire.format, fused, resident,
-                replica=replica,
+                replica=replica, head=head,
             )  # fmt: skip
             own = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
             compute = own
@@ -679,6 +693,7 @@ def simulate_step(
     kernels: str | Mapping[str, str] = SENT,
     replicate: str = REPLICATE_OFF,
     overlap: str | Mapping[str, int] = OVERLAP_OFF,
+    head: str | Mapping[str, object] = HEAD_MASTER,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work.
@@ -701,7 +716,14 @@ def simulate_step(
     ``overlap`` as ``hetconv train --overlap``: ``"off"``, ``"on"`` (every fused layer whose
     stage holds no batch norm) or ``"auto"`` (:func:`overlap_images`); or per layer name, the
     images per group (as a trace's ``overlap_images`` records them; 0 or not named: none).
+
+    ``head`` as ``hetconv train --head``: ``"master"``, ``"split"`` or ``"auto"`` (either:
+    the layer whose stage feeds the final fc directly, :attr:`ConvLayer.head`, computes it on
+    the nodes where its kernels are resident, :mod:`hetconv.head`); or the layer names that
+    do (as a trace's ``heads`` records them). A split head's layer does not overlap.
     """
+    if not isinstance(head, Mapping) and head not in HEAD_MODES:
+        raise ValueError(f"head {head!r}; expected one of {', '.join(HEAD_MODES)}")
     kernel_modes = (
         kernels if isinstance(kernels, Mapping) else {layer.name: kernels for layer in layers}
     )
@@ -731,7 +753,7 @@ def simulate_step(
             continue
         replica, block = block, None
         # The workers' ReplicaForward starts as the master computes the block itself.
-        head = (
+        early = (
             cluster.master.conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
             if replica is not None and cluster.master_compute
             else 0.0
@@ -756,8 +778,15 @@ def simulate_step(
             kept = kernel_mode(layer, layer.stage, split, fmt=cluster.wire.format)
         if replica is not None and mode != FUSED:
             raise ValueError(f"{layer.name} takes a replicated block's output: it must be fused")
+        heads = head if isinstance(head, Mapping) else None
+        classes = 0
+        if kept == RESIDENT and layer.head:
+            if (heads is not None and layer.name in heads) or (
+                heads is None and head != HEAD_MASTER
+            ):
+                classes = layer.head
         images = 0
-        if mode == FUSED:
+        if mode == FUSED and not classes:
             if isinstance(overlap, Mapping):
                 images = int(overlap.get(layer.name, 0))
             elif overlap == OVERLAP_ON and not layer.stage.batchnorms:
@@ -775,7 +804,8 @@ def simulate_step(
                     resident=kept == RESIDENT,
                     replica=replica,
                     overlap_images=images,
-                    replica_head_s=head,
+                    replica_head_s=early,
+                    head=classes,
                 )  # fmt: skip
             )
     comm = sum(p.comm_s for p in phases)

@@ -78,6 +78,7 @@ class Conv2d(Layer):
         self.executor: ConvExecutor = executor if executor is not None else LocalConv()
         self.need_input_grad = True
         self.stage = None  # the channel-local layers after it (a StageSpec), set by the model
+        self.head = None  # (name, classes) of the final fc its stage feeds, set by the model
         self.params = {
             "weight": np.zeros((out_channels, in_channels, kh, kw), np.float32),
             "bias": np.zeros(out_channels, np.float32),
@@ -100,6 +101,7 @@ class Conv2d(Layer):
             self.need_input_grad,
             self.stage,
             self.stride,
+            head=self.head,
         )
 
     def executed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, PaddingSpec]:

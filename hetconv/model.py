@@ -365,7 +365,7 @@ def walk_spec(
                 conv = ConvSpec(
                     name, shape, options["out"], kernel_pair(options["kernel"]),
                     options["padding"], index > 0,
-                    _stage_after(spec, index), stride,
+                    _stage_after(spec, index), stride, head=_head_after(spec, index),
                 )  # fmt: skip
                 out = conv.output_shape
             elif kind in ("maxpool", "avgpool"):
@@ -385,6 +385,17 @@ def _stage_after(spec: Sequence[Mapping], index: int) -> StageSpec | None:
     return stage_of(spec[index + 1 :])
 
 
+def _head_after(spec: Sequence[Mapping], index: int) -> tuple[str, int] | None:
+    """(name, classes) of the network's final fc when the stage of the conv at ``index``
+    feeds it directly (:mod:`hetconv.head`); None otherwise (entries already checked)."""
+    stage = _stage_after(spec, index)
+    last = spec[-1]
+    if stage is None or last.get("type") != "fc" or index + len(stage.ops) + 2 != len(spec):
+        return None
+    count = sum(entry.get("type") == "fc" for entry in spec)
+    return last.get("name") or f"fc{count}", int(last["out"])
+
+
 class ConvStage:
     """A convolution and the channel-local layers after it, as one step of the model's passes
     when its executor supports fused stages (:mod:`hetconv.stages`).
@@ -402,7 +413,9 @@ class ConvStage:
         self.name = conv.name
         self._fused: bool | None = None
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def forward(self, x: np.ndarray, head: tuple[str, np.ndarray] | None = None) -> np.ndarray:
+        """The stage's output; with ``head`` (the final fc's name and weight, a split head:
+        :mod:`hetconv.head`), the fc's output without its bias, computed by the executor."""
         conv = self.conv
         self._fused = conv.executor.stage_mode(conv.name) == FUSED
         if not self._fused:
@@ -411,15 +424,20 @@ class ConvStage:
             return x
         x, w, padding = conv.executed(x)
         conv._x, conv._w, conv._padding = x, w, padding
+        extra = {"head": head} if head is not None else {}
         y = conv.executor.stage_forward(
-            conv.name, x, w, conv.params["bias"], padding, self.stage, self.batchnorm
+            conv.name, x, w, conv.params["bias"], padding, self.stage, self.batchnorm, **extra
         )
         for layer in self.batchnorm:  # the executor moved the running statistics
             if layer.training:
                 layer.buffers["num_batches_tracked"] += 1
         return y
 
-    def backward(self, dy: np.ndarray) -> np.ndarray | None:
+    def backward(
+        self, dy: np.ndarray, head: tuple[str, np.ndarray] | None = None
+    ) -> np.ndarray | None:
+        """The input gradient; with ``head``, ``dy`` is the fc output's gradient and the
+        fc's weight gradient (of the rows the master computed) is :attr:`head_grad`."""
         conv = self.conv
         if self._fused is None:
             raise RuntimeError(f"{conv.name}: backward before forward")
@@ -427,16 +445,57 @@ class ConvStage:
             for layer in (*reversed(self.chain), conv):
                 dy = layer.backward(dy)
             return dy
-        dx, dw, db = conv.executor.stage_backward(
+        extra = {"head": head} if head is not None else {}
+        out = conv.executor.stage_backward(
             conv.name, conv._x, conv._w, conv.params["bias"], dy, conv._padding,
-            conv.need_input_grad, self.stage, self.batchnorm,
+            conv.need_input_grad, self.stage, self.batchnorm, **extra,
         )  # fmt: skip
+        dx, dw, db = out[:3]
+        self.head_grad = out[3] if head is not None else None
         dx, dw = conv.restore(dx, dw)
         conv.grads = {"weight": dw, "bias": db}
         return dx
 
     def __repr__(self) -> str:
         return f"ConvStage({self.conv!r}, {self.chain!r})"
+
+
+class HeadStage:
+    """The last conv stage and the network's final fully connected layer, as one step of the
+    passes when the executor may split the fc over the stage's kernel slices
+    (:mod:`hetconv.head`): each node then answers its channels' part of the logits, and the
+    master adds the parts and the fc's bias. Otherwise (the executor's choice per layer) the
+    stage and the fc run one after the other, as without it."""
+
+    def __init__(self, stage: ConvStage, fc: Linear):
+        self.stage, self.fc = stage, fc
+        self.name = stage.name
+        self._split: bool | None = None
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        conv = self.stage.conv
+        self._split = bool(conv.executor.head_split(conv.name))
+        if not self._split:
+            return self.fc.forward(self.stage.forward(x))
+        z = self.stage.forward(x, head=(self.fc.name, self.fc.params["weight"]))
+        return z + self.fc.params["bias"]
+
+    def backward(self, dz: np.ndarray) -> np.ndarray | None:
+        if self._split is None:
+            raise RuntimeError(f"{self.name}: backward before forward")
+        if not self._split:
+            return self.stage.backward(self.fc.backward(dz))
+        dx = self.stage.backward(dz, head=(self.fc.name, self.fc.params["weight"]))
+        df = self.stage.head_grad  # (C, P, classes): back to the fc weight's layout
+        weight = self.fc.params["weight"]
+        self.fc.grads = {
+            "weight": np.ascontiguousarray(df.transpose(2, 0, 1)).reshape(weight.shape),
+            "bias": dz.sum(axis=0, dtype=np.float32),
+        }
+        return dx
+
+    def __repr__(self) -> str:
+        return f"HeadStage({self.stage!r}, {self.fc!r})"
 
 
 class Model:
@@ -470,6 +529,7 @@ class Model:
             self.output_shape = item.output_shape
             if item.conv is not None and item.conv.stage is not None:
                 layer.stage = item.conv.stage
+                layer.head = item.conv.head
                 stages[item.index] = item.conv.stage
         # What the passes run: the layers, or with an executor that supports fused stages,
         # each convolution with its channel-local chain as one ConvStage.
@@ -486,6 +546,15 @@ class Model:
                 chain = self.layers[i + 1 : i + 1 + len(stage.ops)]
                 self.blocks.append(ConvStage(self.layers[i], chain, stage))  # type: ignore[arg-type]
                 i += 1 + len(stage.ops)
+            # The last stage feeding the final fc directly: the executor may split the fc too.
+            last = self.blocks[-2:]
+            if (
+                getattr(self.executor, "supports_head", False)
+                and len(last) == 2
+                and isinstance(last[0], ConvStage)
+                and isinstance(last[1], Linear)
+            ):
+                self.blocks[-2:] = [HeadStage(last[0], last[1])]
         self.init_weights(seed)
 
     def _build(self, item: SpecLayer) -> Layer:
@@ -586,6 +655,8 @@ class Model:
             after = i + 1 + (len(spec.stage.ops) if spec.stage is not None else 0)
             if after < len(self.layers) and isinstance(self.layers[after], Conv2d):
                 spec = dataclasses.replace(spec, feeds=self.layers[after].name)
+            if layer.head is not None:
+                spec = dataclasses.replace(spec, head=layer.head)
             specs.append(spec)
         return specs
 

@@ -60,11 +60,15 @@ class ConvLayer:
     #: the channel-local layers after it (:mod:`hetconv.stages`), which a fused mode runs on
     #: the workers; None: a conv or fc follows. Not compared (call_bytes takes it explicitly).
     stage: StageSpec | None = dataclasses.field(default=None, compare=False)
+    #: the classes of the final fc its stage feeds directly, which a split head computes on
+    #: the nodes (:mod:`hetconv.head`); 0: none. Not compared.
+    head: int = dataclasses.field(default=0, compare=False)
 
     @classmethod
     def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
         """The layer ``spec`` describes, at ``batch`` images."""
-        return cls(spec.name, spec.shape(batch), spec.need_input_grad, spec.stage)
+        head = spec.head[1] if spec.head is not None else 0
+        return cls(spec.name, spec.shape(batch), spec.need_input_grad, spec.stage, head)
 
     @property
     def kernels(self) -> int:
@@ -313,13 +317,16 @@ def resident_call_bytes(
     step: int = 1000,
     fmt: TensorFormat = FLOAT32,
     replica: ConvLayer | None = None,
+    head: int = 0,
 ) -> CallBytes:
     """Bytes of one resident fused stage call (:mod:`hetconv.master.resident`) of ``layer``
     for a worker holding ``kernels`` kernels from ``kernel_offset``: forward sends ``x`` and the
     halo kernels only and gets the stage output of the owned kernels back; backward sends the
     stage-output gradient as the fused call does and gets the updated edge kernels and (except
     for a first layer) a ``dx`` part. The syncs that bound the replay log are
-    :func:`resident_sync_bytes`. ``replica`` as :func:`stage_call_bytes`'s."""
+    :func:`resident_sync_bytes`. ``replica`` as :func:`stage_call_bytes`'s. ``head``: the
+    classes of a split head (:mod:`hetconv.head`): the halo's and edges' fc columns travel
+    too, and logits and their gradient instead of the stage output and its gradient."""
     call = {FORWARD: calls.RESIDENT_STAGE_FORWARD, BACKWARD: calls.RESIDENT_STAGE_BACKWARD}.get(
         phase
     )
@@ -333,7 +340,7 @@ def resident_call_bytes(
         s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw),
         replica=replica.shape if replica is not None else None,
     )  # fmt: skip
-    shape = calls.ResidentStageShape(stage_shape, len(edge_rows(kernels, stage.halo)))
+    shape = calls.ResidentStageShape(stage_shape, len(edge_rows(kernels, stage.halo)), head)
     request = pb.ConvRequest(
         phase=call.phase, tensors=call.request_headers(shape, fmt), answer_dtype=answer_dtype(fmt)
     )
@@ -354,7 +361,12 @@ def resident_call_bytes(
     return _with_replica(request, answer, layer, step, replica, forward)
 
 
-def resident_sync_bytes(layer: ConvLayer, kernels: int) -> int:
+def resident_sync_bytes(layer: ConvLayer, kernels: int, head: int = 0) -> int:
     """Tensor bytes of one sync of a ``kernels``-kernel resident slice (FetchKernels: weights,
-    biases and their momentum buffers, float32); per step it is this over the sync interval."""
-    return 2 * kernels * layer.kernel_bytes
+    biases and their momentum buffers, float32; with a split head of ``head`` classes, the fc
+    columns too); per step it is this over the sync interval."""
+    columns = 0
+    if head and layer.stage is not None:
+        ho, wo = layer.stage.output_hw(layer.shape.out_hw)
+        columns = 4 * ho * wo * head
+    return 2 * kernels * (layer.kernel_bytes + columns)

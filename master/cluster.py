@@ -74,6 +74,8 @@ from typing import TextIO
 from hetconv import costmodel
 from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
 from hetconv.formats import FLOAT32, TensorFormat
+from hetconv.head import HEAD_MODES
+from hetconv.head import MASTER as HEAD_MASTER
 from hetconv.optim import SGDConfig
 from hetconv.overlap import AUTO as OVERLAP_AUTO
 from hetconv.overlap import OFF as OVERLAP_OFF
@@ -182,6 +184,12 @@ class ClusterConfig:
             group's backward started as soon as its gradient is in (:mod:`hetconv.overlap`);
             ``"off"``: whole batches; ``"auto"``: where a worker's answer is over one
             message (:func:`hetconv.costmodel.overlap_images`).
+        head: ``"split"``: where the last fused stage with resident kernels feeds the final
+            fully connected layer directly, each node also computes its channels' part of the
+            fc's output from the fc's columns it keeps beside its kernels, and answers logits
+            instead of the stage's output (:mod:`hetconv.head`; that layer then runs whole
+            batches, no overlap); ``"master"``: the fc runs on the master; ``"auto"``: split
+            wherever it can be.
     """
 
     master_compute: bool = True
@@ -207,8 +215,11 @@ class ClusterConfig:
     spot_checks: SpotCheckConfig = field(default_factory=SpotCheckConfig)
     replicate: str = REPLICATE_OFF
     overlap: str = OVERLAP_OFF
+    head: str = HEAD_MASTER
 
     def __post_init__(self):
+        if self.head not in HEAD_MODES:
+            raise ValueError(f"head {self.head!r}; expected one of {', '.join(HEAD_MODES)}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(
                 f"overlap {self.overlap!r}; expected one of {', '.join(OVERLAP_MODES)}"
@@ -288,6 +299,9 @@ class Cluster:
         )
         self.session = secrets.randbits(64)
         self.kernel_modes: dict[str, str] = {}  # layer -> RESIDENT or SENT (set by prepare)
+        self.heads: dict[str, int] = {}  # layer -> classes of the fc it splits (hetconv.head)
+        self.head_fcs: dict[str, str] = {}  # layer -> that fc's name
+        self.head_refused: str | None = None
         self.resident = ResidentKernels(
             self.session,
             self.backend,
@@ -459,8 +473,11 @@ class Cluster:
         # travelling, the workers may have none), and plan again with its groups.
         resident = frozenset(name for name, mode in self.kernel_modes.items() if mode == RESIDENT)
         consumers = {consumer: block for block, consumer in self.replicas.feeds.items()}
+        self._choose_heads(layers)
         if resident or consumers:
-            self.planner = dataclasses.replace(self.planner, resident=resident, replicas=consumers)
+            self.planner = dataclasses.replace(
+                self.planner, resident=resident, replicas=consumers, heads=dict(self.heads)
+            )
             self._replan()
         self._choose_overlap(layers, batch)
         if self.overlap_images:
@@ -475,9 +492,44 @@ class Cluster:
             print(f"kernels ({self.config.kernels}): {modes}", file=log)
             print(f"replicate ({self.config.replicate}): {self.describe_replica()}", file=log)
             print(f"overlap ({self.config.overlap}): {self.describe_overlap()}", file=log)
+            print(f"head ({self.config.head}): {self.describe_head()}", file=log)
         self.membership.start_monitor()
 
     supports_stages = True
+    supports_head = True
+
+    def _choose_heads(self, layers) -> None:
+        """Which layer's stage also computes the final fc on the nodes (:mod:`hetconv.head`):
+        the one whose fused, resident stage feeds it directly, unless ``head`` is master."""
+        self.heads, self.head_fcs, self.head_refused = {}, {}, None
+        if self.config.head == HEAD_MASTER:
+            return
+        for spec in layers:
+            if not spec.head:
+                continue
+            if self.kernel_modes.get(spec.name) != RESIDENT:
+                self.head_refused = (
+                    f"off: {spec.name}'s kernels are not resident "
+                    f"({self.kernel_modes.get(spec.name, SENT)}); the fc's columns would "
+                    "travel every step"
+                )
+                return
+            self.head_fcs[spec.name], self.heads[spec.name] = spec.head
+        if not self.heads and self.head_refused is None:
+            self.head_refused = "off: no fused stage feeds the final fc directly"
+
+    def head_split(self, layer: str) -> bool:
+        """Whether ``layer``'s stage computes the final fc's logits on the nodes."""
+        return layer in self.heads
+
+    def describe_head(self) -> str:
+        """One line: which stage computes the fc on the nodes, or why none does."""
+        if self.heads:
+            return ", ".join(
+                f"{name} answers logits ({classes} classes), the fc's columns resident"
+                for name, classes in self.heads.items()
+            )
+        return self.head_refused or "off"
 
     def _choose_stage_modes(self, layers, batch: int) -> None:
         """Each layer's stage mode: as configured, or (auto) by the cost model's bytes."""
@@ -529,6 +581,8 @@ class Cluster:
         self.overlap_images = {}
         for spec in layers:
             if self.stage_modes.get(spec.name) != FUSED or spec.stage is None:
+                continue
+            if self.head_split(spec.name):  # it answers logits: nothing to stream
                 continue
             images = 0
             if self.config.overlap == OVERLAP_ON and not spec.stage.batchnorms:
@@ -590,6 +644,12 @@ class Cluster:
         their weights and biases: :meth:`attach_optimizer` updates them)."""
         return [name for name, mode in self.kernel_modes.items() if mode == RESIDENT]
 
+    def resident_parameters(self) -> list[str]:
+        """The parameters the workers keep and update (the master's optimizer skips them):
+        the resident layers' weights and biases, and a split head's fc weight."""
+        names = [f"{name}.{key}" for name in self.resident_layers() for key in ("weight", "bias")]
+        return names + [f"{fc}.weight" for fc in self.head_fcs.values()]
+
     def attach_optimizer(self, sgd: SGDConfig) -> None:
         """The optimizer settings resident layers are updated with (before the first step)."""
         self.resident.sgd = sgd
@@ -648,7 +708,10 @@ class Cluster:
             self.config.master_compute,
             costmodel.WireCosts(format=self.config.wire_format),
         )  # fmt: skip
-        layers = [ConvLayer(ly.name, ly.shape, ly.need_input_grad, ly.stage) for ly in self._layers]
+        layers = [
+            ConvLayer(ly.name, ly.shape, ly.need_input_grad, ly.stage, self.heads.get(ly.name, 0))
+            for ly in self._layers
+        ]
         shares = {}
         for ly in self._layers:
             plan = self.plans[ly.name].shares
@@ -660,7 +723,7 @@ class Cluster:
         replicate = REPLICATE_FIRST if self.replicas.feeds else REPLICATE_OFF
         result = costmodel.simulate_step(
             model, layers, shares, comp_s, stages, dict(self.kernel_modes), replicate,
-            dict(self.overlap_images),
+            dict(self.overlap_images), dict(self.heads),
         )  # fmt: skip
         alone = sum(master.probe_seconds[ly.name] for ly in self._layers) + comp_alone_s
         out = {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
@@ -698,6 +761,8 @@ class Cluster:
             "replicated": dict(self.replicas.feeds),  # block -> the layer it feeds
             "overlap": c.overlap,
             "overlap_images": dict(self.overlap_images),  # fused layer -> images per group
+            "head": c.head,
+            "heads": dict(self.head_fcs),  # layer -> the fc it computes on the nodes
         }
         if self.medium is not None:
             record["medium"] = self.medium.record()
@@ -764,6 +829,12 @@ class Cluster:
                 name: self.overlap_images[name]
                 for name, mode in self._stage_steps.items()
                 if mode == FUSED and name in self.overlap_images
+            },
+            # layers that computed the final fc on the nodes (hetconv.head) -> that fc
+            "heads": {
+                name: self.head_fcs[name]
+                for name, mode in self._stage_steps.items()
+                if mode == FUSED and name in self.head_fcs
             },
         }
         if self.resident.record:
@@ -838,15 +909,19 @@ class Cluster:
         images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
         return CallContext(self.session, self.step, layer, images)
 
-    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=()):
+    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=(), head=None):
         """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`, or
         with resident kernels :mod:`.resident`). ``batchnorm``: the model's batch norm layers
-        of the stage, whose running statistics it moves (training)."""
+        of the stage, whose running statistics it moves (training). ``head``: the final fc's
+        (name, weight) where :meth:`head_split` says so; the answer is then its output
+        without the bias."""
         plan = self._plan(layer, x.shape, w.shape, padding)
         self._stage_steps[layer] = FUSED
         ctx = self._stage_context(layer, x)
+        self._check_head(layer, head)
         if self.kernel_modes.get(layer) == RESIDENT:
-            state = self.resident.layer(layer, w, b, stage, _sides(padding, w.shape[2:]))
+            sides = _sides(padding, w.shape[2:])
+            state = self.resident.layer(layer, w, b, stage, sides, head)
             split = self.resident.split
             # Spot checks can sample this layer when every slice was just placed or synced.
             synced = self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
@@ -859,13 +934,19 @@ class Cluster:
         )
         return self.runner.run(self.fused, job, layer, plan)
 
-    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=()):
-        """A fused stage's backward over the nodes; sets the batch norm layers' ``grads``."""
+    def stage_backward(
+        self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=(), head=None
+    ):
+        """A fused stage's backward over the nodes; sets the batch norm layers' ``grads``.
+        ``head``: as :meth:`stage_forward`'s (``dy`` is then the logits' gradient, and the
+        answer holds a fourth array, the fc columns' gradient of the rows the master
+        computed, (C, P, classes))."""
         plan = self._plan(layer, x.shape, w.shape, padding)
         ctx = self._stage_context(layer, x)
         sides = _sides(padding, w.shape[2:])
+        self._check_head(layer, head)
         if self.kernel_modes.get(layer) == RESIDENT:
-            state = self.resident.layer(layer, w, b, stage, sides)
+            state = self.resident.layer(layer, w, b, stage, sides, head)
             replica = self.replicas.gradients_for(layer)
             job = self.resident.backward_job(ctx, state, x, dy, need_input_grad, replica)
             return self.runner.run(self.resident.split, job, layer, plan)
@@ -874,6 +955,13 @@ class Cluster:
             batchnorm=batchnorm, replica=self.replicas.gradients_for(layer),
         )  # fmt: skip
         return self.runner.run(self.fused, job, layer, plan)
+
+    def _check_head(self, layer: str, head) -> None:
+        if (head is not None) != self.head_split(layer):
+            raise RuntimeError(
+                f"{layer}: called {'with' if head is not None else 'without'} a split head, "
+                f"but the cluster planned it {'with' if self.head_split(layer) else 'without'}"
+            )
 
     def __enter__(self) -> Cluster:
         return self

@@ -202,17 +202,27 @@ class EmbeddedCluster:
     def stage_mode(self, layer):
         return self.cluster.stage_mode(layer)
 
-    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=()):
-        return self.cluster.stage_forward(layer, x, w, b, padding, stage, batchnorm)
+    def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=(), head=None):
+        return self.cluster.stage_forward(layer, x, w, b, padding, stage, batchnorm, head)
 
-    def stage_backward(self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=()):
+    def stage_backward(
+        self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=(), head=None
+    ):
         return self.cluster.stage_backward(
-            layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm
+            layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm, head
         )
+
+    supports_head = True  # the final fc split over the last stage's slices (hetconv.head)
+
+    def head_split(self, layer: str) -> bool:
+        return self.cluster.head_split(layer)
 
     # Resident kernels (hetconv.master.resident), as the cluster keeps them.
     def resident_layers(self) -> list[str]:
         return self.cluster.resident_layers()
+
+    def resident_parameters(self) -> list[str]:
+        return self.cluster.resident_parameters()
 
     def attach_optimizer(self, sgd) -> None:
         self.cluster.attach_optimizer(sgd)

@@ -100,6 +100,8 @@ class Planner:
             (:mod:`hetconv.replica`); the block itself is the master's alone.
         overlap: fused layer name -> images per group of its overlapped calls
             (:mod:`hetconv.overlap`; the ``link`` policy counts maps moving beside the compute).
+        heads: resident layer name -> the classes of the final fc it computes on the nodes
+            (:mod:`hetconv.head`; the ``link`` policy counts logits, not maps, travelling).
     """
 
     master_compute: bool
@@ -112,6 +114,7 @@ class Planner:
     resident: frozenset[str] = frozenset()
     replicas: Mapping[str, str] = field(default_factory=dict)
     overlap: Mapping[str, int] = field(default_factory=dict)
+    heads: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -198,7 +201,13 @@ class Planner:
         if not workers:
             return fallback
         fused = self.stages != UNFUSED and layer.stage is not None
-        modelled = ConvLayer(layer.name, layer.shape, layer.need_input_grad, layer.stage)
+        modelled = ConvLayer(
+            layer.name,
+            layer.shape,
+            layer.need_input_grad,
+            layer.stage,
+            self.heads.get(layer.name, 0),
+        )
         flops = modelled.step_passes * layer.shape.flops_forward
         fastest = max(nodes[j].link_bytes_per_second for j in workers)
         if self.capacity is not None:
@@ -235,7 +244,8 @@ class Planner:
         )
         resident = fused and layer.name in self.resident
         images = self.overlap.get(layer.name, 0) if fused else 0
-        split = balance.link_aware_shares(model, modelled, fused, resident, replica, images)
+        head = self.heads.get(layer.name, 0) if resident else 0
+        split = balance.link_aware_shares(model, modelled, fused, resident, replica, images, head)
         if split[0] and not model.master_compute:  # it found no worker worth its link
             return fallback
         shares = [0] * len(nodes)

@@ -35,6 +35,12 @@ record under ``resident``) or sooner when it outgrows ``log_limit_bytes``.
 When shares change (a worker joins or is lost, a rebalance), a slice whose range moved is
 fetched (or replayed, its worker gone) into the master's arrays and the new ranges are placed
 with new versions before the layer's next forward.
+
+A split head (:mod:`hetconv.head`): the layer's slices also hold the final fc's columns of
+their channels (a view of the model's fc weight, :func:`~hetconv.head.head_columns`) and their
+momentum, placed, fetched, updated, logged and replayed with the kernels; forward answers
+partial logits, which the master sums (:attr:`_ResidentForward.result`), and backward sends the
+logits' gradient. The halo and edge rows carry the halo and edge channels' columns too.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.formats import FLOAT32
+from hetconv.head import columns_grad, head_columns, partial_logits, stage_grad
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import edge_rows, placement_version
 from hetconv.stages import StageRun, StageSpec, stage_backward, stage_forward
@@ -79,7 +86,10 @@ class _Logged:
     x: np.ndarray  # the layer input (shared by the layer's slices)
     hw: np.ndarray
     hb: np.ndarray
-    dy: np.ndarray  # the stage-output gradient of the slice's gradient range
+    hf: np.ndarray  # the halo's fc columns of a split head; (halo, 0, 0) without
+    # the stage-output gradient of the slice's gradient range; with a split head, the
+    # logits' gradient (N, classes), shared by the layer's slices
+    dy: np.ndarray
     grad_start: int  # within the widened slice
     step: int = -1
 
@@ -91,14 +101,14 @@ class Placement:
     node: Node
     part: slice
     version: int
-    synced: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    synced: tuple[np.ndarray, ...]  # w, b, mw, mb, f, mf (ResidentLayer.arrays)
     synced_started: bool
     synced_step: int
     log: list[_Logged] = field(default_factory=list)
-    pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    pending: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def log_bytes(self) -> int:
-        return sum(e.dy.nbytes + e.hw.nbytes for e in self.log)
+        return sum(e.dy.nbytes + e.hw.nbytes + e.hf.nbytes for e in self.log)
 
 
 def as_received(array: np.ndarray, fmt) -> np.ndarray:
@@ -112,12 +122,23 @@ def as_received(array: np.ndarray, fmt) -> np.ndarray:
 class ResidentLayer:
     """One layer's resident state on the master: the model's weight and bias arrays (current
     for every row no worker holds, and for the edge rows of those that do), the momentum
-    buffers of the same rows, and the placements."""
+    buffers of the same rows, and the placements.
 
-    def __init__(self, name: str, w: np.ndarray, b: np.ndarray, stage: StageSpec, sides):
+    ``head``: a split head, (the fc's name, its weight (classes, C * P)): ``f`` is then that
+    weight's (C, P, classes) view (:func:`~hetconv.head.head_columns`) and ``mf`` its momentum;
+    without, both are (C, 0, 0).
+    """
+
+    def __init__(self, name: str, w: np.ndarray, b: np.ndarray, stage: StageSpec, sides, head=None):
         self.name, self.w, self.b, self.stage, self.sides = name, w, b, stage, sides
         self.mw = np.zeros_like(w)
         self.mb = np.zeros_like(b)
+        self.head_name, self.head_weight = head if head is not None else (None, None)
+        if self.head_weight is not None:
+            self.f = head_columns(self.head_weight, w.shape[0])
+            self.mf = np.zeros(self.f.shape, np.float32)
+        else:
+            self.f = self.mf = np.empty((w.shape[0], 0, 0), np.float32)
         self.started = False  # whether the momentum buffers hold momentum yet
         self.placements: dict[str, Placement] = {}
 
@@ -125,24 +146,46 @@ class ResidentLayer:
     def kernels(self) -> int:
         return self.w.shape[0]
 
+    @property
+    def classes(self) -> int:
+        """The split head's classes; 0 without one."""
+        return self.f.shape[2]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """What a slice holds, per kernel row: w, b, mw, mb, f, mf (the model's arrays and
+        views of them, so writing rows writes the model)."""
+        return self.w, self.b, self.mw, self.mb, self.f, self.mf
+
     def wide(self, part: slice) -> slice:
         return self.stage.widened(part, self.kernels)
 
-    def halo(self, part: slice) -> tuple[np.ndarray, np.ndarray, int]:
-        """(hw, hb, halo_before): the widened slice's kernels that are not ``part``'s."""
+    def halo(self, part: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(hw, hb, hf, halo_before): the widened slice's kernels (and split head columns)
+        that are not ``part``'s."""
         wide = self.wide(part)
         before, after = slice(wide.start, part.start), slice(part.stop, wide.stop)
-        hw = np.concatenate([self.w[before], self.w[after]])
-        hb = np.concatenate([self.b[before], self.b[after]])
-        return hw, hb, part.start - wide.start
+        hw, hb, hf = (
+            np.ascontiguousarray(np.concatenate([a[before], a[after]]))  # f's rows are strided
+            for a in (self.w, self.b, self.f)
+        )
+        return hw, hb, hf, part.start - wide.start
 
-    def update_rows(self, part: slice, dw: np.ndarray, db: np.ndarray, config: SGDConfig) -> None:
-        """The SGD update of rows ``part`` (the master computed their gradients)."""
+    def update_rows(
+        self, part: slice, dw: np.ndarray, db: np.ndarray, config: SGDConfig, df=None
+    ) -> None:
+        """The SGD update of rows ``part`` (the master computed their gradients; ``df``
+        their split head columns' gradient)."""
         w, b, mw, mb = self.w[part], self.b[part], self.mw[part], self.mb[part]
         bw = sgd_update(w, dw, mw if self.started else None, config)
         bb = sgd_update(b, db, mb if self.started else None, config)
         if bw is not None:
             mw[...], mb[...] = bw, bb
+        if df is not None:
+            f = np.array(self.f[part])  # the view is strided: update a copy, write it back
+            bf = sgd_update(f, df, self.mf[part] if self.started else None, config)
+            self.f[part] = f
+            if bf is not None:
+                self.mf[part] = bf
 
     def log_bytes(self) -> int:
         """What the replay logs of this layer's slices hold (each step's input counted once)."""
@@ -153,7 +196,17 @@ class ResidentLayer:
         """The momentum buffers as the optimizer names them (none before the first update)."""
         if not self.started:
             return {}
-        return {f"{self.name}.weight": self.mw.copy(), f"{self.name}.bias": self.mb.copy()}
+        out = {f"{self.name}.weight": self.mw.copy(), f"{self.name}.bias": self.mb.copy()}
+        if self.head_weight is not None:  # back to the fc weight's (classes, C * P)
+            out[f"{self.head_name}.weight"] = np.ascontiguousarray(
+                self.mf.transpose(2, 0, 1)
+            ).reshape(self.head_weight.shape)
+        return out
+
+    def parameter_names(self) -> list[str]:
+        """The parameters this layer's slices hold, as the optimizer names them."""
+        names = [f"{self.name}.weight", f"{self.name}.bias"]
+        return names + ([f"{self.head_name}.weight"] if self.head_weight is not None else [])
 
 
 class _ResidentForward:
@@ -171,17 +224,32 @@ class _ResidentForward:
         kh, kw = layer.w.shape[2:]
         s = layer.sides
         ho, wo = x.shape[2] + s[0] + s[1] - kh + 1, x.shape[3] + s[2] + s[3] - kw + 1
-        self.y = np.empty((x.shape[0], layer.kernels, *layer.stage.output_hw((ho, wo))), np.float32)
+        out_hw = layer.stage.output_hw((ho, wo))
+        # A split head: each piece's partial logits (summed in piece order at the end); the
+        # stage outputs of the pieces the master computes are kept for their backward.
+        self.z: dict[int, np.ndarray] = {}
+        self.y = np.empty((x.shape[0], layer.kernels, *out_hw), np.float32)
+
+    def _out(self, piece: Piece) -> np.ndarray:
+        """Where a piece's answer goes: its partial logits, or its channels of the output."""
+        if self.layer.classes:
+            return self.z.setdefault(
+                piece.index, np.empty((self.images, self.layer.classes), np.float32)
+            )
+        return self.y[:, piece.part]
 
     def worker_request(self, piece: Piece) -> WorkerRequest:
         layer, ctx, part = self.layer, self.ctx, piece.part
         placed = layer.placements[piece.node.name]
-        hw, hb, before = layer.halo(part)
+        hw, hb, hf, before = layer.halo(part)
         if self.x_kept is None:  # the input as the worker has it: as sent, or computed there
             fmt = FLOAT32 if self.replica is not None else piece.node.client.wire_format
             self.x_kept = as_received(self.x, fmt)
-        placed.pending = (self.x_kept, hw, hb)
-        kwargs = {"out": self.y[:, part], "kernel_offset": layer.wide(part).start}
+        placed.pending = (self.x_kept, hw, hb, hf)
+        out = self._out(piece)
+        kwargs = {"out": out, "kernel_offset": layer.wide(part).start}
+        if layer.classes:
+            kwargs["hf"] = hf
         if self.replica is not None:
             kwargs["replica"] = self.replica
         if ctx.overlap_images:
@@ -193,11 +261,11 @@ class _ResidentForward:
                 layer.sides, layer.stage, part.stop - part.start,
             ),
             kwargs,
-            input_bytes(self.x, self.replica) + hw.nbytes + hb.nbytes + self.y[:, part].nbytes,
+            input_bytes(self.x, self.replica) + hw.nbytes + hb.nbytes + hf.nbytes + out.nbytes,
         )  # fmt: skip
 
     def check(self, piece: Piece, answer) -> None:
-        if not finite(self.y[:, piece.part]) and finite(self.x):
+        if not finite(self._out(piece)) and finite(self.x):
             raise _non_finite(piece, f"resident stage forward {self.ctx.layer}")
 
     def compute_locally(self, piece: Piece) -> None:
@@ -209,7 +277,10 @@ class _ResidentForward:
             self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides, layer.stage, own
         )
         self.y[:, part] = y
+        if layer.classes:
+            self._out(piece)[...] = partial_logits(y, layer.f[part])
         self.runs[layer.name, part.start, part.stop] = run
+        self.owner.maps[layer.name, part.start, part.stop] = y
 
     def accept(self, piece: Piece, answer) -> CallStats:
         return answer[1]
@@ -219,8 +290,8 @@ class _ResidentForward:
         slices were all placed or synced just before this forward, so the master's weights are
         the workers' exactly; none otherwise (a spot check of a resident layer waits for a
         sync: forcing one on every due step would fetch every slice that often)."""
-        if not self.synced:
-            return []
+        if not self.synced or self.layer.classes:
+            return []  # a split head answers logits: not sampled (see the module's docstring)
         layer, fmt = self.layer, piece.node.client.wire_format
         sample = draw(*self.x.shape[:2])
         return stage_forward_sample(
@@ -228,14 +299,23 @@ class _ResidentForward:
         )
 
     def result(self):
-        return self.y
+        """The stage output, or with a split head the summed partial logits (no bias)."""
+        if not self.layer.classes:
+            return self.y
+        parts = [self.z[i] for i in sorted(self.z)]
+        return (
+            np.sum(parts, axis=0, dtype=np.float32)
+            if parts
+            else np.zeros((self.images, self.layer.classes), np.float32)
+        )
 
 
 class _ResidentBackward:
     """A resident fused stage's backward: workers get the stage-output gradient of their
-    owned and halo channels, update their slice and answer their edge kernels and
-    input-gradient part; the master updates the rows it computed, at the end (every piece
-    has read the weights of this step by then)."""
+    owned and halo channels (with a split head, the logits' gradient ``dy`` (N, classes),
+    the same for all), update their slice and answer their edge kernels and input-gradient
+    part; the master updates the rows it computed, at the end (every piece has read the
+    weights of this step by then)."""
 
     phase = BACKWARD
 
@@ -249,7 +329,9 @@ class _ResidentBackward:
         self.dx = None
         self.dw = np.zeros_like(layer.w)  # rows the master computed; workers keep theirs
         self.db = np.zeros_like(layer.b)
-        self._edges: list[tuple[slice, np.ndarray, np.ndarray]] = []
+        self.df = np.zeros(layer.f.shape, np.float32)
+        self._edges: list[tuple[slice, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._ef: dict[int, np.ndarray] = {}  # where each piece's edge columns come back
         self._computed: list[slice] = []
 
     def _add_dx(self, part) -> None:
@@ -260,19 +342,25 @@ class _ResidentBackward:
         layer, ctx, part = self.layer, self.ctx, piece.part
         placed = layer.placements[piece.node.name]
         wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
-        dy = self.dy[:, grad]
+        head = layer.classes > 0
+        dz = self.dy if head else None
+        dy = self.dy[:, grad] if not head else np.empty((self.images, 0, 0, 0), np.float32)
         rows = edge_rows(part.stop - part.start, layer.stage.halo)
         ew = np.empty((len(rows), *layer.w.shape[1:]), np.float32)
         eb = np.empty(len(rows), np.float32)
+        ef = self._ef[piece.index] = np.empty((len(rows), *layer.f.shape[1:]), np.float32)
         fmt = piece.node.client.wire_format
         dx_bytes = fmt.nbytes(self.x.shape) if self.need_input_grad else 0
-        kwargs: dict = {"edges_out": (ew, eb)}
+        kwargs: dict = {"edges_out": (ew, eb, ef)}
+        if head:
+            kwargs["dz"] = dz
         if self.replica is not None:
             kwargs["replica"] = self.replica.request(piece.index)
             dx_bytes = self.replica.nbytes
-        kwargs["answer_bytes"] = ew.nbytes + eb.nbytes + dx_bytes
+        kwargs["answer_bytes"] = ew.nbytes + eb.nbytes + ef.nbytes + dx_bytes
         if ctx.overlap_images:
             kwargs["grouped"] = True
+        sent = dy.nbytes + (dz.nbytes if dz is not None else 0)
         return WorkerRequest(
             piece.node.client.resident_stage_backward,
             (
@@ -280,28 +368,35 @@ class _ResidentBackward:
                 self.need_input_grad,
             ),
             kwargs,
-            dy.nbytes + ew.nbytes + eb.nbytes + dx_bytes,
+            sent + kwargs["answer_bytes"],
         )  # fmt: skip
 
     def check(self, piece: Piece, answer) -> None:
         dx, ew, eb, _ = answer
         through = self.replica.part(piece.index) if self.replica is not None else ()
-        if not finite(ew, eb, dx, *through) and finite(self.x, self.dy[:, piece.part]):
+        given = self.dy if self.layer.classes else self.dy[:, piece.part]
+        if not finite(ew, eb, dx, *through) and finite(self.x, given):
             raise _non_finite(piece, f"resident stage backward {self.ctx.layer}")
 
     def compute_locally(self, piece: Piece) -> None:
         layer, part = self.layer, piece.part
         self.owner.recover(layer, piece.node.name)
         wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
-        run: StageRun | None = self.runs.pop((layer.name, part.start, part.stop), None)
-        if run is None:  # the worker's forward ran there: run it again here
-            own = slice(part.start - wide.start, part.stop - wide.start)
-            _, run = stage_forward(
+        key = (layer.name, part.start, part.stop)
+        run: StageRun | None = self.runs.pop(key, None)
+        y = self.owner.maps.pop(key, None)
+        own = slice(part.start - wide.start, part.stop - wide.start)
+        if run is None or y is None:  # the worker's forward ran there: run it again here
+            y, run = stage_forward(
                 self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides,
                 layer.stage, own,
             )  # fmt: skip
-        dy = np.ascontiguousarray(self.dy[:, grad])
         rel = slice(grad.start - wide.start, grad.stop - wide.start)
+        if layer.classes:
+            dy = stage_grad(self.dy, layer.f[grad], y.shape[2:])
+            self.df[part] = columns_grad(self.dy, y)
+        else:
+            dy = np.ascontiguousarray(self.dy[:, grad])
         dx, self.dw[part], self.db[part] = stage_backward(
             self.owner.backend, run, dy, rel, self.need_input_grad
         )
@@ -315,11 +410,14 @@ class _ResidentBackward:
         placed.version += 1
         wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
         if placed.pending is not None:
-            x, hw, hb = placed.pending
-            dy = as_received(self.dy[:, grad], piece.node.client.wire_format)
-            placed.log.append(_Logged(x, hw, hb, dy, grad.start - wide.start, self.ctx.step))
+            x, hw, hb, hf = placed.pending
+            if layer.classes:  # the logits' gradient, float32 whatever the wire
+                dy = self.dy
+            else:
+                dy = as_received(self.dy[:, grad], piece.node.client.wire_format)
+            placed.log.append(_Logged(x, hw, hb, hf, dy, grad.start - wide.start, self.ctx.step))
             placed.pending = None
-        self._edges.append((part, ew, eb))
+        self._edges.append((part, ew, eb, self._ef[piece.index]))
         if self.replica is not None:
             self.replica.take(piece.index)
         else:
@@ -330,18 +428,22 @@ class _ResidentBackward:
         layer, config = self.layer, self.owner.sgd
         # What this step changes on the master, so that a step computed again (a spot check
         # caught a worker elsewhere) starts from where this one did (ResidentKernels.undo_step).
-        before = [
-            (part, *(np.array(a[part]) for a in (layer.w, layer.b, layer.mw, layer.mb)))
-            for part in self._computed
-        ]
+        before = [(part, *(np.array(a[part]) for a in layer.arrays())) for part in self._computed]
         self.owner.undo.setdefault(layer.name, (layer.started, before))
-        for part, ew, eb in self._edges:
+        for part, ew, eb, ef in self._edges:
             rows = part.start + edge_rows(part.stop - part.start, layer.stage.halo)
             layer.w[rows], layer.b[rows] = ew, eb
+            if layer.classes:
+                layer.f[rows] = ef
+        head = layer.classes > 0
         for part in self._computed:
-            layer.update_rows(part, self.dw[part], self.db[part], config)
+            df = self.df[part] if head else None
+            layer.update_rows(part, self.dw[part], self.db[part], config, df)
         layer.started = True
-        return replica_input_grad(self.dx, self.x, self.replica), self.dw, self.db
+        dx = replica_input_grad(self.dx, self.x, self.replica)
+        if head:
+            return dx, self.dw, self.db, self.df
+        return dx, self.dw, self.db
 
 
 class ResidentSplit(FusedKernelSplit):
@@ -381,6 +483,8 @@ class ResidentKernels:
         self.sgd: SGDConfig | None = None
         self.layers: dict[str, ResidentLayer] = {}
         self.split = ResidentSplit()
+        # stage outputs of the pieces the master computed, for a split head's backward
+        self.maps: dict[tuple[str, int, int], np.ndarray] = {}
         self._placements = 0
         self._momentum: dict[str, np.ndarray] = {}  # to load when a layer is first seen
         self.start_step()
@@ -401,8 +505,9 @@ class ResidentKernels:
                 if placed.log and placed.log[-1].step == step:
                     placed.log.pop()
                     self.recover(layer, node_name)
-            for part, w, b, mw, mb in before:
-                layer.w[part], layer.b[part], layer.mw[part], layer.mb[part] = w, b, mw, mb
+            for part, *values in before:
+                for dest, value in zip(layer.arrays(), values, strict=True):
+                    dest[part] = value
             layer.started = started
         self.undo = {}
 
@@ -412,42 +517,55 @@ class ResidentKernels:
 
     # -- the layers --------------------------------------------------------------------------
 
-    def layer(self, name: str, w, b, stage: StageSpec, sides) -> ResidentLayer:
-        """The resident state of layer ``name``, bound to the model's arrays at first use."""
+    def layer(self, name: str, w, b, stage: StageSpec, sides, head=None) -> ResidentLayer:
+        """The resident state of layer ``name``, bound to the model's arrays at first use;
+        ``head``: its split head, (the fc's name, its weight array)."""
         if self.sgd is None:
             raise RuntimeError(
                 f"{name}: resident kernels need the optimizer's settings "
                 "(Cluster.attach_optimizer) before the first step"
             )
         layer = self.layers.get(name)
-        if layer is not None and (layer.w is not w or layer.b is not b):
+        head_weight = head[1] if head is not None else None
+        if layer is not None and (
+            layer.w is not w or layer.b is not b or layer.head_weight is not head_weight
+        ):
             raise RuntimeError(
-                f"{name}: resident kernels are bound to the model's weight and bias arrays, "
-                "but this call passed others (they must be updated in place)"
+                f"{name}: resident kernels are bound to the model's weight and bias arrays "
+                "(and a split head's fc weight), but this call passed others (they must be "
+                "updated in place, and a layer's head stays split or not)"
             )
         if layer is None:
-            layer = ResidentLayer(name, w, b, stage, sides)
+            layer = ResidentLayer(name, w, b, stage, sides, head)
             mw, mb = (
                 self._momentum.pop(f"{name}.weight", None),
                 self._momentum.pop(f"{name}.bias", None),
             )
             if mw is not None and mb is not None:
                 layer.mw[...], layer.mb[...], layer.started = mw, mb, True
+            if head is not None:
+                mf = self._momentum.pop(f"{head[0]}.weight", None)
+                if mf is not None:
+                    layer.mf[...] = head_columns(mf, layer.kernels)
             self.layers[name] = layer
         return layer
 
     def load_momentum(self, momentum: dict[str, np.ndarray]) -> None:
         """Momentum buffers of resident layers from a checkpoint (before the first step)."""
+        taken = set()
         for name, layer in self.layers.items():
             for key, buf in (("weight", layer.mw), ("bias", layer.mb)):
                 value = momentum.get(f"{name}.{key}")
                 if value is not None:
                     buf[...] = value
                     layer.started = True
+            if layer.head_weight is not None:
+                value = momentum.get(f"{layer.head_name}.weight")
+                if value is not None:
+                    layer.mf[...] = head_columns(np.asarray(value), layer.kernels)
+            taken.update(layer.parameter_names())
             layer.placements.clear()  # the master's arrays are the truth now
-        self._momentum = {
-            k: v for k, v in momentum.items() if k.rsplit(".", 1)[0] not in self.layers
-        }
+        self._momentum = {k: v for k, v in momentum.items() if k not in taken}
 
     # -- placement, sync, gather, replay ----------------------------------------------------
 
@@ -483,12 +601,12 @@ class ResidentKernels:
         part, node = piece.part, piece.node
         self._placements += 1
         version = placement_version(self._placements)
-        arrays = tuple(np.array(a[part]) for a in (layer.w, layer.b, layer.mw, layer.mb))
+        arrays = tuple(np.array(a[part], order="C") for a in layer.arrays())  # copies
         nbytes = sum(a.nbytes for a in arrays)
         try:
             stats = node.client.place_kernels(
-                self.session, layer.name, part.start, version, *arrays, layer.started,
-                self.sgd, timeout=self.deadline(node, nbytes),
+                self.session, layer.name, part.start, version, *arrays[:4], layer.started,
+                self.sgd, timeout=self.deadline(node, nbytes), head=arrays[4:],
             )  # fmt: skip
         except WorkerError as e:
             self.membership.lose(node, e)  # its piece is covered by the master this step
@@ -502,7 +620,7 @@ class ResidentKernels:
         """Bring ``placed``'s slice into the master's arrays: fetched from its worker, or
         replayed when that fails. ``keep``: it stays placed (a sync) and the log restarts."""
         part, node = placed.part, placed.node
-        outs = tuple(np.empty_like(a[part]) for a in (layer.w, layer.b, layer.mw, layer.mb))
+        outs = tuple(np.empty(a[part].shape, np.float32) for a in layer.arrays())
         fetched = False
         if node.state == ACTIVE and node.name not in self.membership.failed:
             try:
@@ -519,7 +637,7 @@ class ResidentKernels:
         if not fetched:
             self.recover(layer, node.name)
             return
-        for dest, value in zip((layer.w, layer.b, layer.mw, layer.mb), outs, strict=True):
+        for dest, value in zip(layer.arrays(), outs, strict=True):
             dest[part] = value
         if keep:
             placed.synced, placed.synced_started = outs, layer.started
@@ -535,24 +653,37 @@ class ResidentKernels:
         if placed is None:
             return
         part, config = placed.part, self.sgd
-        w, b, mw, mb = (np.array(a) for a in placed.synced)
+        w, b, mw, mb, f, mf = (np.array(a) for a in placed.synced)
         started = placed.synced_started
         wide = layer.wide(part)
         before = part.start - wide.start
         own = slice(before, before + part.stop - part.start)
+        head = layer.classes > 0
         for e in placed.log:
             ww = np.concatenate([e.hw[:before], w, e.hw[before:]])
             bb = np.concatenate([e.hb[:before], b, e.hb[before:]])
-            _, run = stage_forward(self.backend, e.x, ww, bb, layer.sides, layer.stage, own)
-            rel = slice(e.grad_start, e.grad_start + e.dy.shape[1])
-            _, dw, db = stage_backward(self.backend, run, e.dy, rel, False)
+            y, run = stage_forward(self.backend, e.x, ww, bb, layer.sides, layer.stage, own)
+            if head:  # the stage-output gradient from the logits' gradient, as the worker did
+                ff = np.concatenate([e.hf[:before], f, e.hf[before:]])
+                rel = layer.stage.grad_range(own, ww.shape[0])
+                dy = stage_grad(e.dy, ff[rel], y.shape[2:])
+                df = columns_grad(e.dy, y)
+            else:
+                rel = slice(e.grad_start, e.grad_start + e.dy.shape[1])
+                dy = e.dy
+            _, dw, db = stage_backward(self.backend, run, dy, rel, False)
             bw = sgd_update(w, dw, mw if started else None, config)
             bm = sgd_update(b, db, mb if started else None, config)
             if bw is not None:
                 mw[...], mb[...] = bw, bm
+            if head:
+                bf = sgd_update(f, df, mf if started else None, config)
+                if bf is not None:
+                    mf[...] = bf
             started = True
         self._count(layer.name, "replayed_steps", len(placed.log))
-        layer.w[part], layer.b[part], layer.mw[part], layer.mb[part] = w, b, mw, mb
+        for dest, value in zip(layer.arrays(), (w, b, mw, mb, f, mf), strict=True):
+            dest[part] = value
 
     def gather(self) -> dict[str, np.ndarray]:
         """Every slice into the master's arrays (each stays placed; a free sync); returns
@@ -573,6 +704,7 @@ class ResidentKernels:
         runs = self.split._runs
         for key in [k for k in runs if k[0] == layer.name]:
             del runs[key]
+            self.maps.pop(key, None)
         return _ResidentForward(self, ctx, layer, x, runs, synced, replica)
 
     def backward_job(

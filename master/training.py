@@ -243,7 +243,11 @@ class _Totals:
 
 
 def _resident_names(executor: ConvExecutor) -> set[str]:
-    """Parameter names of the layers whose kernels the executor keeps and updates itself."""
+    """Parameter names of the layers whose kernels the executor keeps and updates itself
+    (with a split head, the final fc's weight too: :mod:`hetconv.head`)."""
+    parameters = getattr(executor, "resident_parameters", None)
+    if parameters is not None:
+        return set(parameters())
     layers = getattr(executor, "resident_layers", None)
     if layers is None:
         return set()

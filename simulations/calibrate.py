@@ -74,6 +74,8 @@ class Calibration:
     kernel_modes: dict[str, str] = field(default_factory=dict)
     # fused layer -> images per group of its overlapped calls (hetconv train --overlap); {}: none
     overlap_images: dict[str, int] = field(default_factory=dict)
+    # layer -> the final fc it computed on the nodes (hetconv train --head); {}: none
+    heads: dict[str, str] = field(default_factory=dict)
 
     def devices(self) -> list[DeviceSpec]:
         """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
@@ -118,6 +120,7 @@ class Calibration:
             self.stage_modes,
             self.kernel_modes or "sent",
             overlap=self.overlap_images,
+            head=self.heads,
         )
         return {
             "step_s": result.step_s,
@@ -481,6 +484,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         stage_modes=dict(used[0].get("stage_modes", {})),
         kernel_modes=dict(used[0].get("kernel_modes", {})),
         overlap_images={k: int(v) for k, v in used[0].get("overlap_images", {}).items()},
+        heads={k: str(v) for k, v in used[0].get("heads", {}).items()},
     )
 
 

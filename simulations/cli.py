@@ -198,6 +198,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stages fused or auto",
     )
     parser.add_argument(
+        "--head",
+        choices=("master", "split", "auto"),
+        default="master",
+        help="split (or auto): the layer whose fused stage feeds the final fully connected "
+        "layer directly computes it on the nodes where its kernels are resident (logits "
+        "travel instead of pooled maps), as `hetconv train --head split` (what it does by "
+        "default); master: the fc on the master. Default master (the paper's)",
+    )
+    parser.add_argument(
         "--no-data-parallel",
         action="store_true",
         help="leave out the data-parallel rows (dp-ring, dp-ps: every node trains the whole "
@@ -403,6 +412,7 @@ def run(args: argparse.Namespace) -> int:
             replicate=args.replicate,
             data_parallel=not args.no_data_parallel,
             overlap=args.overlap,
+            head=args.head,
         )
         if not args.quiet:
             print(describe(scenario, args.network))

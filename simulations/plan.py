@@ -29,23 +29,33 @@ from hetconv.formats import BFLOAT16, FLOAT32
 from hetconv.workload import network_layers
 
 #: hetconv's modes, in the order they were built: (label, stages, kernels, replicate, overlap,
-#: policy, wire format, the ``hetconv train`` flags).
+#: head, policy, wire format, the ``hetconv train`` flags).
 MODES = (
-    ("kernel split (the paper's)", "unfused", "sent", "off", "off", "compute", FLOAT32,
-     "--shares compute --stages unfused --kernels sent --replicate off"),
-    ("kernel split, link-aware shares", "unfused", "sent", "off", "off", "link", FLOAT32,
-     "--stages unfused --kernels sent --replicate off"),
-    ("fused stages", "fused", "sent", "off", "off", "link", FLOAT32,
-     "--stages fused --kernels sent --replicate off --overlap off"),
-    ("fused, resident kernels", "fused", "resident", "off", "off", "link", FLOAT32,
-     "--stages fused --kernels resident --replicate off --overlap off"),
-    ("fused, resident, replicated first block", "fused", "resident", "first", "off", "link",
-     FLOAT32, "--stages fused --kernels resident --replicate first --overlap off"),
-    ("fused, resident, replicated, overlapped", "fused", "resident", "first", "on", "link",
-     FLOAT32, "--stages fused --kernels resident --replicate first --overlap on"),
+    ("kernel split (the paper's)", "unfused", "sent", "off", "off", "master", "compute", FLOAT32,
+     "--shares compute --stages unfused --kernels sent --replicate off --head master"),
+    ("kernel split, link-aware shares", "unfused", "sent", "off", "off", "master", "link", FLOAT32,
+     "--stages unfused --kernels sent --replicate off --head master"),
+    ("fused stages", "fused", "sent", "off", "off", "master", "link", FLOAT32,
+     "--stages fused --kernels sent --replicate off --overlap off --head master"),
+    ("fused, resident kernels", "fused", "resident", "off", "off", "master", "link", FLOAT32,
+     "--stages fused --kernels resident --replicate off --overlap off --head master"),
+    ("fused, resident, replicated first block", "fused", "resident", "first", "off", "master",
+     "link", FLOAT32,
+     "--stages fused --kernels resident --replicate first --overlap off --head master"),
+    ("fused, resident, replicated, overlapped", "fused", "resident", "first", "on", "master",
+     "link", FLOAT32,
+     "--stages fused --kernels resident --replicate first --overlap on --head master"),
     ("fused, resident, replicated, overlapped, bfloat16 wire", "fused", "resident", "first", "on",
-     "link", BFLOAT16,
-     "--stages fused --kernels resident --replicate first --overlap on --wire-format bfloat16"),
+     "master", "link", BFLOAT16,
+     "--stages fused --kernels resident --replicate first --overlap on --head master "
+     "--wire-format bfloat16"),
+    ("fused, resident, replicated, split head", "fused", "resident", "first", "auto", "split",
+     "link", FLOAT32,
+     "--stages fused --kernels resident --replicate first --overlap auto --head split"),
+    ("fused, resident, replicated, split head, bfloat16 wire", "fused", "resident", "first",
+     "auto", "split", "link", BFLOAT16,
+     "--stages fused --kernels resident --replicate first --overlap auto --head split "
+     "--wire-format bfloat16"),
 )  # fmt: skip
 ONE_MACHINE = "one machine (the master alone)"
 
@@ -83,12 +93,13 @@ def candidates(cluster: Cluster, network: str, batch: int, comp_s: float) -> lis
     alone = local_step_seconds(cluster.master, layers, comp_s)
     out = [Candidate("one machine", ONE_MACHINE, alone, 1.0, 0.0, True, "hetconv train --local")]
     if cluster.workers:
-        for label, stages, kernels, replicate, overlap, policy, fmt, flags in MODES:
+        for label, stages, kernels, replicate, overlap, head, policy, fmt, flags in MODES:
             if replicate != "off" and len(layers) < 2:
                 continue
             model = cluster if fmt is FLOAT32 else _with_format(cluster, fmt)
-            shares = shares_for(model, layers, policy, stages, kernels, replicate, overlap)
-            got = simulate_step(model, layers, shares, comp_s, stages, kernels, replicate, overlap)
+            modes = (stages, kernels, replicate, overlap, head)
+            shares = shares_for(model, layers, policy, *modes)
+            got = simulate_step(model, layers, shares, comp_s, *modes)
             out.append(
                 Candidate(
                     "hetconv",

@@ -45,6 +45,7 @@ class Row:
     kernels: str = "sent"  # as `hetconv train --kernels` (hetconv.master.resident)
     replicate: str = "off"  # as `hetconv train --replicate` (hetconv.replica)
     overlap: str = "off"  # as `hetconv train --overlap` (hetconv.overlap)
+    head: str = "master"  # as `hetconv train --head` (hetconv.head)
     comp_basis: str = "scenario"  # where comp_s comes from: the scenario, or "paper"
     # The paper's scenarios, clusters of 2 or more (simulations.paper.bandwidth_check): its
     # Eq. 2 volume, the time the paper's compute split leaves for moving it if the cluster is
@@ -70,12 +71,14 @@ def run_scenario(
     replicate: str = "off",
     data_parallel: bool = False,
     overlap: str = "off",
+    head: str = "master",
 ) -> list[Row]:
     """Simulate the scenario's grid (each argument, when given, replaces the scenario's), with
     every layer's stage run as ``stages`` says (``hetconv train --stages``), its kernels
     kept as ``kernels`` says (``hetconv train --kernels``) and the first block replicated as
     ``replicate`` says (``hetconv train --replicate``: ``"off"`` or ``"first"``), fused calls
-    overlapped as ``overlap`` says (``hetconv train --overlap``); with
+    overlapped as ``overlap`` says (``hetconv train --overlap``), the final fc computed on the
+    nodes as ``head`` says (``hetconv train --head``); with
     ``data_parallel``, also the data-parallel peer at every point (:func:`data_parallel_rows`)."""
     rows = []
     for network in networks or scenario.networks:
@@ -90,11 +93,12 @@ def run_scenario(
                     results = {}
                     for policy in policies or scenario.policies:
                         shares = shares_for(
-                            cluster, layers, policy, stages, kernels, replicate, overlap
+                            cluster, layers, policy, stages, kernels, replicate, overlap, head
                         )
                         results[policy] = simulate_step(
-                            cluster, layers, shares, comp, stages, kernels, replicate, overlap
-                        )
+                            cluster, layers, shares, comp, stages, kernels, replicate, overlap,
+                            head,
+                        )  # fmt: skip
                     check = {}
                     if scenario.paper and size > 1:
                         # The paper's split, as it ran it: compute shares, convolutions only.
@@ -136,6 +140,7 @@ def run_scenario(
                                 kernels=kernels,
                                 replicate=replicate,
                                 overlap=overlap,
+                                head=head,
                                 comp_basis=scenario.comp_basis,
                                 **check,
                             )

@@ -166,7 +166,7 @@ def test_a_worker_streams_groups_that_equal_the_whole_batch(workers, how, kernel
             dx, _, _, back = client.resident_stage_backward(
                 21, 0, "conv", dy, 1, 1, True, answer_bytes=1, grouped=True
             )
-            (dw, db, _, _), _ = client.fetch_kernels(21, "conv", 2)
+            (dw, db, _, _, _, _), _ = client.fetch_kernels(21, "conv", 2)
             dw, db = (w_own - dw) / 0.5, (b_own - db) / 0.5  # the summed gradient it applied
         np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(dx, dx_want, rtol=1e-5, atol=1e-5)

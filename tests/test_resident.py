@@ -290,7 +290,8 @@ def test_a_stale_version_is_refused_never_computed(workers):
             ) as caught:
                 call()
             assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        (w, b, mw, mb), _ = client.fetch_kernels(session, "conv9", version + 1)
+        (w, b, mw, mb, f, mf), _ = client.fetch_kernels(session, "conv9", version + 1)
+        assert f.shape == mf.shape == (4, 0, 0)  # no split head
         np.testing.assert_array_equal(w[edge_rows(4, 4)], ew)
         assert np.any(mw != 0)  # the momentum started
         with pytest.raises(WorkerError, match="no resident slice for this session") as caught:

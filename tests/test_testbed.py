@@ -65,7 +65,7 @@ def test_a_mode_that_needs_a_missing_flag_is_skipped_with_a_note_and_runs_once_i
     assert everything.arguments("switched")[: len(bench.BASE)] == list(bench.BASE)
     assert with_stages[0].arguments("switched") == [
         "--shares", "compute", "--stages", "unfused", "--kernels", "sent", "--replicate", "off",
-        "--overlap", "off",
+        "--overlap", "off", "--head", "master",
     ]  # fmt: skip
     # Resident kernels run once `hetconv train` has --kernels; "all" then keeps them.
     help_text = "... --stages {kernel,fused} ... --kernels {auto,resident,sent} ..."

@@ -11,6 +11,11 @@ the slice and its momentum at the version asked for.
 
 Every call names the version it expects; a slice at another version (or none) is refused with
 FAILED_PRECONDITION naming both, so a stale slice is never computed with.
+
+With a split head (:mod:`hetconv.head`) the slice also holds the final fc's columns of its
+channels (``f``, momentum ``mf``): the forward answers the slice's partial logits ``z`` instead of
+its stage output, the backward takes the logits' gradient ``dz`` and updates the columns beside
+the kernels.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from hetconv.calls import (
 )
 from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
 from hetconv.formats import answer_format
+from hetconv.head import columns_grad, partial_logits, stage_grad
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.resident import edge_rows, sgd_config, version_text
@@ -61,6 +67,9 @@ class _Slice:
     started: bool
     version: int
     config: SGDConfig
+    f: np.ndarray  # the split head's columns (k, P, classes); (k, 0, 0) without a head
+    mf: np.ndarray
+    classes: int = 0
 
 
 @dataclass
@@ -69,6 +78,8 @@ class _Run:
     version: int
     run: StageRun
     spec: StageSpec
+    # a split head: the widened slice's fc columns and the owned channels' stage output
+    head: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class ResidentCalls:
@@ -116,7 +127,7 @@ class ResidentCalls:
     # -- the calls ---------------------------------------------------------------------------
 
     def place(self, messages: Iterator):
-        request, (w, b, mw, mb), receive = self.service._receive(messages, PLACE_KERNELS)
+        request, (w, b, mw, mb, f, mf), receive = self.service._receive(messages, PLACE_KERNELS)
         ref = request.resident
         if w.ndim != 4 or w.shape[0] < 1:
             raise InvalidCall(f"w has shape {w.shape}, expected (k >= 1, C, kh, kw)")
@@ -124,6 +135,17 @@ class ResidentCalls:
             raise InvalidCall(
                 f"b {b.shape}, mw {mw.shape}, mb {mb.shape} must match w {w.shape} "
                 f"(({w.shape[0]},), {w.shape}, ({w.shape[0]},))"
+            )
+        classes = ref.head_classes
+        head_ok = f.ndim == 3 and f.shape[0] == w.shape[0] and mf.shape == f.shape
+        if classes:
+            head_ok = head_ok and f.shape[1] >= 1 and f.shape[2] == classes
+        else:
+            head_ok = head_ok and f.shape[1:] == (0, 0)
+        if not head_ok:
+            want = f"({w.shape[0]}, P, {classes})" if classes else f"({w.shape[0]}, 0, 0)"
+            raise InvalidCall(
+                f"f {f.shape} and mf {mf.shape} must both be {want} (head_classes {classes})"
             )
         if ref.count != w.shape[0]:
             raise InvalidCall(f"resident.count is {ref.count}, but w holds {w.shape[0]} kernels")
@@ -135,12 +157,17 @@ class ResidentCalls:
             raise InvalidCall(f"optimizer settings: {e}") from None
         if not (np.isfinite(w).all() and np.isfinite(b).all()):
             raise InvalidCall("w or b holds NaN or Inf")
+        if not np.isfinite(f).all():
+            raise InvalidCall("f (the split head's columns) holds NaN or Inf")
         placed = _Slice(
             request.kernel_offset,
             *(np.array(a, np.float32) for a in (w, b, mw, mb)),  # owned and writable
             started=ref.momentum_started,
             version=ref.version,
             config=config,
+            f=np.array(f, np.float32),
+            mf=np.array(mf, np.float32),
+            classes=classes,
         )
         with self._lock:
             layers = self._slices.setdefault(request.session, {})
@@ -156,12 +183,12 @@ class ResidentCalls:
         request, _, receive = self.service._receive(messages, FETCH_KERNELS)
         held = self._held(request)
         formats = FETCH_KERNELS.answer_formats()
-        arrays = (held.w, held.b, held.mw, held.mb)
+        arrays = (held.w, held.b, held.mw, held.mb, held.f, held.mf)
         return [(n, a, f) for (n, f), a in zip(formats.items(), arrays, strict=True)], 0.0, receive
 
     def forward(self, messages: Iterator):
         service = self.service
-        request, (x, hw, hb), receive = service._receive(messages, RESIDENT_STAGE_FORWARD)
+        request, (x, hw, hb, hf), receive = service._receive(messages, RESIDENT_STAGE_FORWARD)
         x = service.replicas.input_for(request, x)
         held = self._held(request)
         padding = request_padding(request)
@@ -185,6 +212,13 @@ class ResidentCalls:
             spec.output_hw(conv.out_hw)
         except ValueError as e:
             raise InvalidCall(str(e)) from None
+        positions = int(np.prod(spec.output_hw(conv.out_hw)))
+        want = (hw.shape[0], positions, held.classes) if held.classes else (hw.shape[0], 0, 0)
+        if hf.shape != want or (held.classes and held.f.shape[1] != positions):
+            raise InvalidCall(
+                f"halo columns hf {hf.shape} and the slice's f {held.f.shape} do not fit the "
+                f"stage: hf must be {want}, f ({k}, {positions}, {held.classes})"
+            )
         if spec.batchnorms:
             # The master sends a layer whose stage holds batch norm with its kernels (StageForward)
             raise InvalidCall(
@@ -204,8 +238,10 @@ class ResidentCalls:
         b = np.concatenate([hb[:before], held.b, hb[before:]])
         own = slice(before, before + k)
         groups = check_overlap(request, spec, x.shape[0])
+        if groups is not None and held.classes:
+            raise InvalidCall("a split head's stage answers logits: it does not run in groups")
         start = time.perf_counter()
-        ((name, fmt),) = RESIDENT_STAGE_FORWARD.answer_formats(
+        (name, fmt), (z_name, z_fmt) = RESIDENT_STAGE_FORWARD.answer_formats(
             fmt=answer_format(request.answer_dtype)
         ).items()
         if groups is not None:  # each group's output goes as soon as it is computed
@@ -218,18 +254,24 @@ class ResidentCalls:
 
             outputs = forward_groups(service, x, w, b, padding, spec, own, groups, keep)
             shape = (x.shape[0], k, *spec.output_hw(conv.out_hw))
-            return Streamed([(name, shape, fmt)], ((0, y) for y in outputs), start, receive)
+            tensors = [(name, shape, fmt), (z_name, (x.shape[0], 0), z_fmt)]  # no head: no z
+            return Streamed(tensors, ((0, y) for y in outputs), start, receive)
+        f = np.concatenate([hf[:before], held.f, hf[before:]]) if held.classes else None
 
         def forward_work():
-            out = stage_forward(service.backend, x, w, b, padding, spec, own)
+            y, run = stage_forward(service.backend, x, w, b, padding, spec, own)
+            z = partial_logits(y, held.f) if f is not None else np.empty((len(x), 0), np.float32)
             service.backend.synchronize()
-            return out
+            return y, run, z
 
-        y, run = service._on_device(forward_work)
+        y, run, z = service._on_device(forward_work)
         compute = time.perf_counter() - start
+        kept = _Run(request.step, held.version, run, spec, (f, y) if f is not None else None)
         with self._lock:
-            self._runs[request.session, request.layer] = _Run(request.step, held.version, run, spec)
-        return [(name, y, fmt)], compute, receive
+            self._runs[request.session, request.layer] = kept
+        if f is not None:  # the logits' part instead of the maps
+            y = np.empty((y.shape[0], 0, *y.shape[2:]), np.float32)
+        return [(name, y, fmt), (z_name, z, z_fmt)], compute, receive
 
     def _kept(self, request: pb.ConvRequest) -> tuple[_Slice, _Run]:
         """The slice a resident stage backward names and its forward's run of the same step
@@ -249,13 +291,31 @@ class ResidentCalls:
     def backward(self, messages: Iterator):
         service = self.service
         grouped = GroupedStart(service, lambda request: self._kept(request)[1].run)
-        request, (dy,), receive = service._receive(
+        request, (dy, dz), receive = service._receive(
             messages, RESIDENT_STAGE_BACKWARD, grouped.progress
         )
         held, kept = self._kept(request)
         run = kept.run
-        grad = grad_range(run, dy.shape, request.stage.grad_start)
         start = grouped.started or time.perf_counter()
+        df = None
+        if kept.head is not None:  # the stage-output gradient from the logits' gradient
+            f, y = kept.head
+            if dy.shape[1] != 0 or dz.shape != (y.shape[0], held.classes):
+                raise InvalidCall(
+                    f"a split head's backward takes dz ({y.shape[0]}, {held.classes}) and an "
+                    f"empty dy; got dz {dz.shape}, dy {dy.shape}"
+                )
+            grad = kept.spec.grad_range(run.own, f.shape[0])
+            if grad.start != request.stage.grad_start:
+                raise InvalidCall(
+                    f"grad_start {request.stage.grad_start}; this slice's gradient starts at "
+                    f"{grad.start} of its widened kernels"
+                )
+            dy = stage_grad(dz, f[grad], y.shape[2:])
+            df = columns_grad(dz, y)
+        elif dz.size:
+            raise InvalidCall(f"dz {dz.shape} sent for a slice without a split head")
+        grad = grad_range(run, dy.shape, request.stage.grad_start)
         replica = bool(request.replica_layer)
 
         def backward_work():
@@ -274,13 +334,17 @@ class ResidentCalls:
             mb = sgd_update(held.b, db, held.mb if held.started else None, held.config)
             if mw is not None:
                 held.mw[...], held.mb[...] = mw, mb
+            if df is not None:
+                mf = sgd_update(held.f, df, held.mf if held.started else None, held.config)
+                if mf is not None:
+                    held.mf[...] = mf
             held.started = True
             held.version += 1
         rows = edge_rows(held.w.shape[0], kept.spec.halo)
         formats = RESIDENT_STAGE_BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype), replica
         )
-        arrays = [held.w[rows], held.b[rows]]
+        arrays = [held.w[rows], held.b[rows], held.f[rows]]
         if through is not None:
             arrays += through
         elif request.need_input_grad:

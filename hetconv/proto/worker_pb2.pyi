@@ -107,7 +107,7 @@ class StageDescription(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[StageOp, _Mapping]]] = ..., own_start: _Optional[int] = ..., own_count: _Optional[int] = ..., grad_start: _Optional[int] = ..., batchnorm_eval: _Optional[bool] = ...) -> None: ...
 
 class ResidentSlice(_message.Message):
-    __slots__ = ("version", "count", "halo_before", "momentum_started", "lr", "momentum", "weight_decay")
+    __slots__ = ("version", "count", "halo_before", "momentum_started", "lr", "momentum", "weight_decay", "head_classes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     HALO_BEFORE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class ResidentSlice(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    HEAD_CLASSES_FIELD_NUMBER: _ClassVar[int]
     version: int
     count: int
     halo_before: int
@@ -122,7 +123,8 @@ class ResidentSlice(_message.Message):
     lr: float
     momentum: float
     weight_decay: float
-    def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+    head_classes: int
+    def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., head_classes: _Optional[int] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
     __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images")
