@@ -71,6 +71,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hetconv.argtypes import positive
+from hetconv.master.resident import DEFAULT_SYNC_EVERY
 from hetconv.simulations.testbed import (
     LINK_KINDS,
     SHARED_LINK,
@@ -431,9 +432,20 @@ def predict(
     # The modes the run traced (fused stages, resident kernels, overlap): their calls' bytes
     # and work.
     modes = cal.stage_modes, cal.kernel_modes or "sent"
-    result = simulate_step(
-        cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images, head=cal.heads
+    # Resident slices are synced every 20 steps (hetconv train's --resident-sync-every): the
+    # prediction counts the syncs where one fell among the steps measured, as the run paid them
+    # (a testbed run shorter than the interval measures none).
+    used = set(cal.step_numbers)
+    synced = any(
+        "fetched_bytes" in per_layer
+        for record in read_steps(trace)
+        if record["step"] in used
+        for per_layer in record.get("resident", {}).values()
     )
+    result = simulate_step(
+        cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images, head=cal.heads,
+        sync_every=DEFAULT_SYNC_EVERY if synced else 0,
+    )  # fmt: skip
     return result, cal
 
 

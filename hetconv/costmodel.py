@@ -614,6 +614,7 @@ def simulate_layer_phase(
     overlap_images: int = 0,
     replica_head_s: float = 0.0,
     head: int = 0,
+    sync_every: int = 20,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
@@ -629,7 +630,8 @@ def simulate_layer_phase(
     phase (the master starts their ReplicaForward as it computes its own copy), so only the
     rest of it falls in the phase. ``head``: (resident) the classes of a split head
     (:mod:`hetconv.head`): the calls move logits and their gradient instead of the stage's
-    output and its gradient, and the halo's and edges' fc columns."""
+    output and its gradient, and the halo's and edges' fc columns. ``sync_every``: (resident)
+    the steps between syncs of every slice, amortised into backward's answer (0: none)."""
     if head and not (fused and resident):
         raise ValueError(f"{layer.name}: a split head needs a fused stage with resident kernels")
     if fused and layer.stage is None:
@@ -645,7 +647,7 @@ def simulate_layer_phase(
         if share:
             wire = _wire(
                 layer, phase, share, offset, step, cluster.wire.format, fused, resident,
-                replica=replica, head=head,
+                sync_every, replica=replica, head=head,
             )  # fmt: skip
             own = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
             compute = own
@@ -694,6 +696,7 @@ def simulate_step(
     replicate: str = REPLICATE_OFF,
     overlap: str | Mapping[str, int] = OVERLAP_OFF,
     head: str | Mapping[str, object] = HEAD_MASTER,
+    sync_every: int = 20,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work.
@@ -721,6 +724,10 @@ def simulate_step(
     the layer whose stage feeds the final fc directly, :attr:`ConvLayer.head`, computes it on
     the nodes where its kernels are resident, :mod:`hetconv.head`); or the layer names that
     do (as a trace's ``heads`` records them). A split head's layer does not overlap.
+
+    ``sync_every``: steps between the syncs of resident slices (``hetconv train
+    --resident-sync-every``), their bytes amortised over them; 0: none (a run shorter than
+    that interval, or steps between syncs).
     """
     if not isinstance(head, Mapping) and head not in HEAD_MODES:
         raise ValueError(f"head {head!r}; expected one of {', '.join(HEAD_MODES)}")
@@ -806,6 +813,7 @@ def simulate_step(
                     overlap_images=images,
                     replica_head_s=early,
                     head=classes,
+                    sync_every=sync_every,
                 )  # fmt: skip
             )
     comm = sum(p.comm_s for p in phases)

@@ -214,6 +214,7 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     fmt = _format_of(record)
     modes = record.get("stage_modes", {})  # fused layers moved stage calls' bytes
     kept = record.get("kernel_modes", {})  # resident ones, resident calls' bytes
+    heads = record.get("heads", {})  # resident ones that answered logits (hetconv.head)
     names, split = _layout(record)
     by_name = {layer.name: layer for layer in layers}
     replica = replicas(layers, modes)
@@ -234,8 +235,9 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
                     fused = modes.get(layer_name) == "fused" and layer.stage is not None
                     block = replica.get(layer_name)
                     if fused and kept.get(layer_name) == "resident":
+                        head = layer.head if layer_name in heads else 0
                         want = resident_call_bytes(
-                            layer, layer.stage, phase, share, offset, step, fmt, block
+                            layer, layer.stage, phase, share, offset, step, fmt, block, head
                         )
                     elif fused:
                         want = stage_call_bytes(

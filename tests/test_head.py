@@ -218,3 +218,47 @@ def test_bad_head_columns_are_refused(workers, f, message):
         assert message in str(caught.value)
     finally:
         client.close()
+
+
+def test_link_shares_and_the_simulator_count_logits_not_maps(tmp_path):
+    """With a split head a worker's answer is logits whatever its share: on a shared medium
+    the link-aware split gives the workers more of the layer, and the simulator predicts the
+    step faster with fewer bytes."""
+    from hetconv.balance import link_aware_shares, shares_for
+    from hetconv.costmodel import Cluster as SimCluster
+    from hetconv.costmodel import Node as SimNode
+    from hetconv.costmodel import simulate_step
+    from hetconv.simulations.cli import main as simulate_main
+    from hetconv.workload import network_layers
+
+    layers = network_layers("paper-150-800", 16)
+    block, conv2 = layers
+    assert (block.head, conv2.head) == (0, 10)
+    workers = tuple(SimNode(f"w{i}", 20.0, bytes_per_s=8e6) for i in range(4))
+    cluster = SimCluster(SimNode("m", 20.0), workers, "wifi", 8e6)
+    maps = link_aware_shares(cluster, conv2, True, True, block)
+    logits = link_aware_shares(cluster, conv2, True, True, block, head=10)
+    assert sum(maps) == sum(logits) == 800
+    assert logits[0] < maps[0]  # the master keeps less
+    planned = shares_for(cluster, layers, "link", "fused", "resident", "first", "auto", "split")
+    assert list(planned["conv2"]) == logits
+    modes = ("fused", "resident", "first", "auto")
+    steps = {
+        head: simulate_step(cluster, layers, planned, 0.1, *modes, head)
+        for head in ("master", "split")
+    }
+    assert steps["split"].step_s < steps["master"].step_s
+    assert steps["split"].bytes < steps["master"].bytes / 2
+    with pytest.raises(ValueError, match="head 'both'"):
+        simulate_step(cluster, layers, planned, 0.1, *modes, "both")
+    rows = {}
+    for head in ("master", "split"):
+        out = tmp_path / f"{head}.json"
+        argv = ["low-mid-range", "--preset", "paper-150-800", "--batch", "16", "--nodes", "5"]
+        argv += ["--bandwidth", "100", "--stages", "fused", "--kernels", "resident"]
+        argv += ["--replicate", "first", "--policy", "link", "--no-data-parallel", "--quiet"]
+        assert simulate_main([*argv, "--head", head, "--json", str(out)]) == 0
+        (rows[head],) = json.loads(out.read_text())
+    assert rows["split"]["head"] == "split"
+    assert rows["split"]["step_s"] < rows["master"]["step_s"]
+    assert rows["split"]["mbytes_per_step"] < rows["master"]["mbytes_per_step"]
