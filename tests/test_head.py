@@ -11,12 +11,14 @@ worker refuses malformed head tensors, naming them.
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import numpy as np
 import pytest
 from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 
+from hetconv.backends import get_backend
 from hetconv.conv import LocalConv
 from hetconv.head import columns_grad, head_columns, partial_logits, stage_grad
 from hetconv.layers import Linear
@@ -262,3 +264,61 @@ def test_link_shares_and_the_simulator_count_logits_not_maps(tmp_path):
     assert rows["split"]["head"] == "split"
     assert rows["split"]["step_s"] < rows["master"]["step_s"]
     assert rows["split"]["mbytes_per_step"] < rows["master"]["mbytes_per_step"]
+
+
+def test_a_worker_answers_logits_and_refuses_head_tensors_that_do_not_fit(workers):
+    """A slice placed with fc columns answers its partial logits, takes dz back and updates
+    the columns; halo columns or a gradient of the wrong shape are refused, naming them."""
+    from hetconv.resident import placement_version
+    from hetconv.stages import StageSpec, stage_forward
+
+    stage = StageSpec.from_entries(
+        [{"type": "relu"}, {"type": "lrn", "size": 5, "alpha": 1.0}, {"type": "maxpool"}]
+    )
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    w, b, mw, mb = _slice()
+    hw, hb = rng.standard_normal((2, 3, 5, 5)).astype(np.float32), np.zeros(2, np.float32)
+    f = rng.standard_normal((4, 16, 10)).astype(np.float32)  # 4 channels, P = 4 x 4, 10 classes
+    hf = rng.standard_normal((2, 16, 10)).astype(np.float32)
+    padding, session, version = (2, 2, 2, 2), 78, placement_version(1)
+    client = WorkerClient(workers.addresses[0])
+    try:
+        client.place_kernels(
+            session, "conv9", 2, version, w, b, mw, mb, False, SGDConfig(), head=(f, 0 * f)
+        )
+        z, _ = client.resident_stage_forward(
+            session, 1, "conv9", x, hw, hb, 2, version, padding, stage, 4, hf=hf
+        )
+        wide_w, wide_b = np.concatenate([hw, w]), np.concatenate([hb, b])
+        y, _ = stage_forward(get_backend("cpu"), x, wide_w, wide_b, padding, stage, slice(2, 6))
+        np.testing.assert_allclose(z, partial_logits(y, f), rtol=1e-5, atol=1e-5)
+        for bad, message in (
+            (hf[:1], "halo columns hf (1, 16, 10)"),
+            (np.zeros((2, 9, 10), np.float32), "hf must be (2, 16, 10)"),
+        ):
+            with pytest.raises(WorkerError, match=re.escape(message)) as caught:
+                client.resident_stage_forward(
+                    session, 2, "conv9", x, hw, hb, 2, version, padding, stage, 4, hf=bad
+                )
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        z, _ = client.resident_stage_forward(
+            session, 1, "conv9", x, hw, hb, 2, version, padding, stage, 4, hf=hf
+        )
+        dy = np.ones((2, 1, 4, 4), np.float32)  # maps where the logits' gradient belongs
+        with pytest.raises(WorkerError, match=r"takes dz \(2, 10\) and an empty dy") as caught:
+            client.resident_stage_backward(session, 1, "conv9", dy, 0, version, True)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        dz = rng.standard_normal((2, 10)).astype(np.float32)
+        empty = np.empty((2, 0, 4, 4), np.float32)
+        ef = np.empty((4, 16, 10), np.float32)
+        client.resident_stage_backward(
+            session, 1, "conv9", empty, 0, version, True, edges_out=(None, None, ef), dz=dz
+        )
+        (_, _, _, _, f_now, mf_now), _ = client.fetch_kernels(session, "conv9", version + 1)
+        want = f - 0.01 * (columns_grad(dz, y) + 5e-4 * f)  # the first SGD step, torch's rule
+        np.testing.assert_allclose(f_now, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(ef, f_now)  # 4 channels: every one is an edge
+        assert np.any(mf_now != 0)
+    finally:
+        client.close()
