@@ -108,7 +108,7 @@ from .planning import (
     step_model,
 )
 from .rebalancing import DriftMonitor
-from .replica import REPLICATED, ReplicatedBlocks, replica_refusal, timed
+from .replica import REPLICATED, ReplicatedBlocks, block_cost_factor, replica_refusal, timed
 from .resident import DEFAULT_SYNC_EVERY, ResidentKernels
 from .spotcheck import SpotCheckConfig, SpotChecker
 
@@ -302,6 +302,8 @@ class Cluster:
         self.heads: dict[str, int] = {}  # layer -> classes of the fc it splits (hetconv.head)
         self.head_fcs: dict[str, str] = {}  # layer -> that fc's name
         self.head_refused: str | None = None
+        # replicated block -> its whole work over its convolution's (replica.block_cost_factor)
+        self.block_cost: dict[str, float] = {}
         self.resident = ResidentKernels(
             self.session,
             self.backend,
@@ -476,8 +478,9 @@ class Cluster:
         self._choose_heads(layers)
         if resident or consumers:
             self.planner = dataclasses.replace(
-                self.planner, resident=resident, replicas=consumers, heads=dict(self.heads)
-            )
+                self.planner, resident=resident, replicas=consumers, heads=dict(self.heads),
+                block_cost=dict(self.block_cost),
+            )  # fmt: skip
             self._replan()
         self._choose_overlap(layers, batch)
         if self.overlap_images:
@@ -552,6 +555,10 @@ class Cluster:
             return
         first = layers[0]
         why = replica_refusal(first, self.stage_modes)
+        factor = 1.0
+        if why is None:  # every node computes the whole block: what it costs beyond its conv
+            probe = self.nodes[0].probe_seconds.get(first.name, 0.0)
+            factor = block_cost_factor(self.backend, first, batch, probe)
         if why is None and self.config.replicate != REPLICATE_FIRST:
             consumer = next(spec for spec in layers if spec.name == first.feeds)
             plan = self.plans.get(consumer.name)
@@ -560,8 +567,8 @@ class Cluster:
             gain = costmodel.replicate_gain(
                 ConvLayer.from_spec(first, batch),
                 ConvLayer.from_spec(consumer, batch),
-                [self.nodes[0].probe_seconds.get(first.name, 0.0)]
-                + [n.probe_seconds.get(first.name, 0.0) for n in workers],
+                [factor * self.nodes[0].probe_seconds.get(first.name, 0.0)]
+                + [factor * n.probe_seconds.get(first.name, 0.0) for n in workers],
                 [n.link_bytes_per_second for n in workers],
                 wifi=self.planner.network == "wifi",
                 fmt=self.config.wire_format,
@@ -573,6 +580,7 @@ class Cluster:
             return
         self.replicas = ReplicatedBlocks({first.name: first.feeds}, {first.name: first.stage})
         self.stage_modes[first.name] = REPLICATED
+        self.block_cost = {first.name: factor}
 
     def _choose_overlap(self, layers, batch: int) -> None:
         """Images per group of each fused layer's worker calls (:mod:`hetconv.overlap`): as
@@ -609,7 +617,8 @@ class Cluster:
         """One line: which block is replicated into which layer, or why none is."""
         if self.replicas.feeds:
             return ", ".join(
-                f"{block} computed on every node, {consumer}'s input not sent"
+                f"{block} computed on every node, {consumer}'s input not sent (the whole block "
+                f"costs {self.block_cost.get(block, 1.0):.1f}x its convolution's probe)"
                 for block, consumer in self.replicas.feeds.items()
             )
         return getattr(self, "replica_refused", None) or "off"
@@ -759,6 +768,7 @@ class Cluster:
             "spot_checks": dataclasses.asdict(c.spot_checks),
             "replicate": c.replicate,
             "replicated": dict(self.replicas.feeds),  # block -> the layer it feeds
+            "block_cost": dict(self.block_cost),  # block -> whole block over its conv probe
             "overlap": c.overlap,
             "overlap_images": dict(self.overlap_images),  # fused layer -> images per group
             "head": c.head,

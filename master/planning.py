@@ -102,6 +102,9 @@ class Planner:
             (:mod:`hetconv.overlap`; the ``link`` policy counts maps moving beside the compute).
         heads: resident layer name -> the classes of the final fc it computes on the nodes
             (:mod:`hetconv.head`; the ``link`` policy counts logits, not maps, travelling).
+        block_cost: replicated block name -> how many times its convolution's probe the whole
+            block costs a node (its ReLU, LRN and pooling at full resolution too,
+            :func:`~.replica.block_cost_factor`); 1 where not named.
     """
 
     master_compute: bool
@@ -115,6 +118,7 @@ class Planner:
     replicas: Mapping[str, str] = field(default_factory=dict)
     overlap: Mapping[str, int] = field(default_factory=dict)
     heads: Mapping[str, int] = field(default_factory=dict)
+    block_cost: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -223,9 +227,8 @@ class Planner:
             per_layer = {}
             if replica is not None and replica.name in node.probe_seconds:
                 block_flops = replica.step_passes * replica.shape.flops_forward
-                per_layer[replica.name] = (
-                    block_flops / max(node.probe_seconds[replica.name], 1e-9) / 1e9
-                )
+                block_s = node.probe_seconds[replica.name] * self.block_cost.get(replica.name, 1)
+                per_layer[replica.name] = block_flops / max(block_s, 1e-9) / 1e9
             if node.client is None:  # the master: its port is at least as fast as any link
                 return costmodel.Node(node.name, gflops, per_layer, bytes_per_s=fastest)
             return costmodel.Node(

@@ -11,12 +11,14 @@ workers' parts to the kernel gradient of that part.
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.replica import REPLICATED, ReplicaBlock
+from hetconv.stages import stage_backward, stage_forward
 
 
 def replica_refusal(first, stage_modes: dict[str, str]) -> str | None:
@@ -140,6 +142,31 @@ class ReplicatedBlocks:
         return None, dw, db
 
 
+def block_cost_factor(backend: Backend, first, batch: int, probe_seconds: float) -> float:
+    """How many times the replicated block's whole work costs its convolution alone: the block
+    (``first``, a :class:`~hetconv.conv.ConvSpec` with its stage) forward and backward to its
+    kernel gradients on every kernel, timed here on ``backend`` with random data of ``batch``
+    images (best of two), over ``probe_seconds`` (the convolution's probe on this node). Every
+    node computes the block whole, its ReLU, LRN and pooling at full resolution included,
+    which a probe of the convolution does not time (on the reference networks they cost 2-3x
+    the convolution). At least 1; 1 when nothing was probed."""
+    if probe_seconds <= 0 or first.stage is None:
+        return 1.0
+    rng = np.random.default_rng(0)
+    c, h, w = first.input_shape
+    x = rng.standard_normal((batch, c, h, w), dtype=np.float32)
+    kernels = rng.standard_normal(first.weight_shape, dtype=np.float32) * np.float32(0.1)
+    bias = np.zeros(first.kernels, np.float32)
+    everything = slice(0, first.kernels)
+    best = math.inf
+    for _ in range(2):
+        start = time.perf_counter()
+        y, run = stage_forward(backend, x, kernels, bias, first.padding, first.stage, everything)
+        stage_backward(backend, run, np.ones_like(y), everything, False)
+        best = min(best, time.perf_counter() - start)
+    return max(1.0, best / probe_seconds)
+
+
 def timed(fn, *args):
     """``fn(*args)`` and the seconds it took."""
     start = time.perf_counter()
@@ -150,6 +177,7 @@ def timed(fn, *args):
 __all__ = [
     "REPLICATED",
     "BlockGradients",
+    "block_cost_factor",
     "ReplicatedBlocks",
     "input_bytes",
     "replica_input_grad",
