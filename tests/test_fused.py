@@ -339,17 +339,6 @@ def test_batchnorm_stage_parameters_are_checked(case):
 SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
 
 
-@pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with LocalWorkers(2) as started:
-        yield started
-
-
 def test_fused_cluster_trains_as_local(local, workers, tmp_path):
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(**FAST, shares=SHARES, stages="fused")

@@ -19,7 +19,6 @@ import pytest
 from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.backends import get_backend
-from hetconv.conv import LocalConv
 from hetconv.head import columns_grad, head_columns, partial_logits, stage_grad
 from hetconv.layers import Linear
 from hetconv.master.checkpoint import POINTER_NAME, read_checkpoint
@@ -75,17 +74,6 @@ def test_the_model_finds_the_head():
     dropout = reference_spec(8, 16)
     dropout.insert(-1, {"type": "dropout", "p": 0.5})
     assert [s.head for s in Model(dropout).conv_specs()] == [None, None]
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with LocalWorkers(2) as started:
-        yield started
 
 
 def _records(trace):

@@ -17,7 +17,6 @@ import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
 
 from hetconv.backends import get_backend
-from hetconv.conv import LocalConv
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.costmodel import Node as SimNode
 from hetconv.costmodel import WorkerCall, overlap_images, simulate_phase, simulate_step
@@ -38,17 +37,6 @@ SHARES = {"conv1": (2, 3, 3), "conv2": (5, 9, 2)}
 STAGE = StageSpec.from_entries(
     [{"type": "relu"}, {"type": "lrn", "size": 3, "alpha": 1.0}, {"type": "maxpool", "kernel": 2}]
 )
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with LocalWorkers(2) as started:
-        yield started
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.balance import link_aware_shares
-from hetconv.conv import LocalConv
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.costmodel import Node as SimNode
 from hetconv.costmodel import replica_bytes, replicate_gain, simulate_step
@@ -40,17 +39,6 @@ from hetconv.workload import (
 
 SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
 REPLICA = dict(**FAST, shares=SHARES, stages="fused", replicate="first")
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with LocalWorkers(2) as started:
-        yield started
 
 
 def _records(trace):

@@ -55,17 +55,6 @@ SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
 RESIDENT = dict(**FAST, shares=SHARES, stages="fused", kernels="resident")
 
 
-@pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with LocalWorkers(2) as started:
-        yield started
-
-
 def test_sgd_on_slices_is_bitwise_the_whole_update():
     rng = np.random.default_rng(0)
     config = SGDConfig(lr=0.1, momentum=0.9, weight_decay=5e-4)
