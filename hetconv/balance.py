@@ -368,11 +368,10 @@ def shares_for(
             replica = block if fused and block is not None and layer is layers[1] else None
             classes = layer.head if resident and head != HEAD_MASTER else 0
             images = 0
-            if classes:
-                pass  # it answers logits: nothing to stream
-            elif fused and overlap == OVERLAP_ON and not layer.stage.batchnorms:
+            streams = fused and not classes  # a split head answers logits: nothing to stream
+            if streams and overlap == OVERLAP_ON and not layer.stage.batchnorms:
                 images = group_images(layer.shape.n)
-            elif fused and overlap not in (OVERLAP_ON, OVERLAP_OFF):  # auto
+            elif streams and overlap not in (OVERLAP_ON, OVERLAP_OFF):  # auto
                 split = compute_shares(cluster, layer)
                 images = overlap_images(layer, layer.stage, split, cluster.wire.format)
             out[layer.name] = tuple(

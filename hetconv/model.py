@@ -655,8 +655,6 @@ class Model:
             after = i + 1 + (len(spec.stage.ops) if spec.stage is not None else 0)
             if after < len(self.layers) and isinstance(self.layers[after], Conv2d):
                 spec = dataclasses.replace(spec, feeds=self.layers[after].name)
-            if layer.head is not None:
-                spec = dataclasses.replace(spec, head=layer.head)
             specs.append(spec)
         return specs
 

@@ -280,7 +280,8 @@ class _ResidentForward:
         if layer.classes:
             self._out(piece)[...] = partial_logits(y, layer.f[part])
         self.runs[layer.name, part.start, part.stop] = run
-        self.owner.maps[layer.name, part.start, part.stop] = y
+        if layer.classes:  # its backward needs the owned channels' output
+            self.owner.maps[layer.name, part.start, part.stop] = y
 
     def accept(self, piece: Piece, answer) -> CallStats:
         return answer[1]
@@ -386,7 +387,7 @@ class _ResidentBackward:
         run: StageRun | None = self.runs.pop(key, None)
         y = self.owner.maps.pop(key, None)
         own = slice(part.start - wide.start, part.stop - wide.start)
-        if run is None or y is None:  # the worker's forward ran there: run it again here
+        if run is None or (layer.classes and y is None):  # the worker's forward ran there
             y, run = stage_forward(
                 self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides,
                 layer.stage, own,
