@@ -140,7 +140,8 @@ def _phase_terms(
     stay on its worker. ``replica``: the replicated first block whose output is the layer's
     input (:mod:`hetconv.replica`): a worker gets the images and the block's kernels instead of
     the input, answers the block's kernel gradients instead of an input-gradient part, and
-    computes the whole block: fixed costs. ``groups`` > 1: a fused layer's calls overlap
+    computes the whole block: fixed costs; the master's own block backward runs in the
+    backward phase too (after its piece, before the workers' answers): a fixed cost of its. ``groups`` > 1: a fused layer's calls overlap
     (:mod:`hetconv.overlap`): a kernel's maps travel beside its compute (forward's answer,
     backward's gradient), so a worker's per-kernel cost is the larger of the two plus the
     smaller over the groups. ``head`` (resident): the classes of a split head
@@ -186,9 +187,15 @@ def _phase_terms(
             block[row] = [
                 n.conv_seconds(replica, replica.kernels, replica.passes(phase)) for n in nodes[1:]
             ]
+        master_block = 0.0
         if cluster.master_compute:  # the workers start it as the master computes its own
             head = nodes[0].conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
             block[0] = np.maximum(block[0] - head, 0.0)
+            # and the master takes its part back through its block in the backward phase,
+            # after its own piece, as the workers compute
+            master_block = nodes[0].conv_seconds(
+                replica, replica.kernels, replica.passes(BACKWARD)
+            )
     terms = np.zeros((4, len(nodes)))
     calls = [_call_seconds(cluster, layer, p, guess, fused, groups) for p in (FORWARD, BACKWARD)]
     terms[0, 1:] = calls[0] + rtts + x_bytes / rates
@@ -196,6 +203,8 @@ def _phase_terms(
     terms[1] = seconds * layer.passes(FORWARD)
     terms[2, 1:] = calls[1] + rtts + dx / rates
     terms[2, 1:] += block[1]
+    if replica is not None:
+        terms[2, 0] += master_block
     terms[3] = seconds * layer.passes(BACKWARD)
     # An overlapped call streams whatever its size (hetconv.overlap): its maps move beside
     # the compute.

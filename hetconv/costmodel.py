@@ -615,6 +615,7 @@ def simulate_layer_phase(
     replica_head_s: float = 0.0,
     head: int = 0,
     sync_every: int = 20,
+    replica_tail_s: float = 0.0,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
@@ -631,7 +632,9 @@ def simulate_layer_phase(
     rest of it falls in the phase. ``head``: (resident) the classes of a split head
     (:mod:`hetconv.head`): the calls move logits and their gradient instead of the stage's
     output and its gradient, and the halo's and edges' fc columns. ``sync_every``: (resident)
-    the steps between syncs of every slice, amortised into backward's answer (0: none)."""
+    the steps between syncs of every slice, amortised into backward's answer (0: none).
+    ``replica_tail_s``: (backward) the master's own backward through the replicated block,
+    which it runs in the phase after its own piece, as the workers compute."""
     if head and not (fused and resident):
         raise ValueError(f"{layer.name}: a split head needs a fused stage with resident kernels")
     if fused and layer.stage is None:
@@ -642,6 +645,8 @@ def simulate_layer_phase(
         if cluster.master_compute
         else 0.0
     )
+    if phase == BACKWARD and replica is not None:
+        master_s += replica_tail_s
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):
         if share:
@@ -713,7 +718,8 @@ def simulate_step(
     ``replicate`` ``"first"``: the first layer's block is computed by every node
     (:mod:`hetconv.replica`): the master computes it alone (no calls) and each worker again in
     the second layer's calls, which move the images instead of that layer's input (the second
-    layer must run fused). A per-layer ``stages`` mapping may name the block ``"replicated"``
+    layer must run fused); the master's backward of it runs in the second layer's backward
+    phase, after its own piece, as the workers compute (when the master computes a share). A per-layer ``stages`` mapping may name the block ``"replicated"``
     instead (as a trace's ``stage_modes`` do).
 
     ``overlap`` as ``hetconv train --overlap``: ``"off"``, ``"on"`` (every fused layer whose
@@ -749,6 +755,7 @@ def simulate_step(
             raise ValueError(f"stages {mode!r}; expected fused, unfused, auto or replicated")
     phases = []
     block: ConvLayer | None = None  # a replicated block, feeding the next layer
+    tail = 0.0  # its backward on the master, in the next layer's backward phase
     for layer in layers:
         if modes.get(layer.name) == REPLICATED:
             if block is not None or layer is not layers[0] or len(layers) < 2:
@@ -756,9 +763,14 @@ def simulate_step(
             block = layer
             for phase in PHASES:  # the master alone, every kernel
                 seconds = cluster.master.conv_seconds(layer, layer.kernels, layer.passes(phase))
+                if phase == BACKWARD and cluster.master_compute:
+                    tail = seconds  # run inside the next layer's backward phase
+                    seconds = 0.0
                 phases.append(PhaseResult(layer.name, phase, seconds, seconds, 0.0, 0, ()))
             continue
         replica, block = block, None
+        tail_s = tail if replica is not None else 0.0
+        tail = 0.0
         # The workers' ReplicaForward starts as the master computes the block itself.
         early = (
             cluster.master.conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
@@ -814,6 +826,7 @@ def simulate_step(
                     replica_head_s=early,
                     head=classes,
                     sync_every=sync_every,
+                    replica_tail_s=tail_s,
                 )  # fmt: skip
             )
     comm = sum(p.comm_s for p in phases)

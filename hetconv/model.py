@@ -421,6 +421,9 @@ class ConvStage:
         if not self._fused:
             for layer in (conv, *self.chain):
                 x = layer.forward(x)
+            hold = getattr(conv.executor, "hold_block_backward", None)
+            if hold is not None:  # a replicated block's, run early by the next layer's backward
+                hold(conv.name, self._chain_backward)
             return x
         x, w, padding = conv.executed(x)
         conv._x, conv._w, conv._padding = x, w, padding
@@ -442,6 +445,10 @@ class ConvStage:
         if self._fused is None:
             raise RuntimeError(f"{conv.name}: backward before forward")
         if not self._fused:
+            if self.backward_pending():  # the master's part went back through the chain
+                if dy is not None:  # what came after it
+                    dy = self._chain_backward(dy)
+                return conv.backward(dy)
             for layer in (*reversed(self.chain), conv):
                 dy = layer.backward(dy)
             return dy
@@ -455,6 +462,19 @@ class ConvStage:
         dx, dw = conv.restore(dx, dw)
         conv.grads = {"weight": dw, "bias": db}
         return dx
+
+    def _chain_backward(self, dy: np.ndarray) -> np.ndarray:
+        """The gradient of the convolution's output from the stage output's gradient ``dy``."""
+        for layer in reversed(self.chain):
+            dy = layer.backward(dy)
+        return dy
+
+    def backward_pending(self) -> bool:
+        """Whether the executor already ran the master's part of this step's gradient back
+        through the chain (a replicated block's, during the next layer's backward): the
+        stage's backward then still has to finish, even with no gradient left to give it."""
+        taken = getattr(self.conv.executor, "block_backward_taken", None)
+        return taken is not None and not self._fused and taken(self.conv.name)
 
     def __repr__(self) -> str:
         return f"ConvStage({self.conv!r}, {self.chain!r})"
@@ -759,6 +779,6 @@ class Model:
     def backward(self, grad: np.ndarray) -> None:
         """Back-propagate the loss gradient w.r.t. the logits; fills every layer's ``grads``."""
         for block in reversed(self.blocks):
-            grad = block.backward(grad)
-            if grad is None:
+            if grad is None and not (isinstance(block, ConvStage) and block.backward_pending()):
                 break
+            grad = block.backward(grad)

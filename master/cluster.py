@@ -525,6 +525,18 @@ class Cluster:
         """Whether ``layer``'s stage computes the final fc's logits on the nodes."""
         return layer in self.heads
 
+    def hold_block_backward(self, layer: str, chain) -> None:
+        """The model's back-propagation through ``layer``'s block layers after its convolution,
+        this step: with ``layer`` replicated (:mod:`hetconv.replica`), the next layer's
+        backward runs the master's part through the block while the workers compute."""
+        self.replicas.hold_chain(layer, chain)
+
+    def block_backward_taken(self, layer: str) -> bool:
+        """Whether this step's master part already went back through ``layer``'s block layers
+        (the model then runs them only on what came after, and calls the convolution's
+        backward with that, or None)."""
+        return self.replicas.taken_early(layer)
+
     def describe_head(self) -> str:
         """One line: which stage computes the fc on the nodes, or why none does."""
         if self.heads:
@@ -903,9 +915,10 @@ class Cluster:
 
     def backward(self, layer, x, w, dy, padding, need_input_grad):
         if layer in self.replicas:
+            earlier = self.replicas.early_seconds(layer)  # in the next layer's phase
             args = (self.backend, layer, x, w, dy, padding, need_input_grad)
             out, seconds = timed(self.replicas.backward, *args)
-            self.runner.local(layer, "backward", w.shape[0], seconds)
+            self.runner.local(layer, "backward", w.shape[0], seconds, earlier)
             return out
         plan = self._plan(layer, x.shape, w.shape, padding)
         ctx = CallContext(self.session, self.step, layer)
@@ -957,12 +970,12 @@ class Cluster:
         self._check_head(layer, head)
         if self.kernel_modes.get(layer) == RESIDENT:
             state = self.resident.layer(layer, w, b, stage, sides, head)
-            replica = self.replicas.gradients_for(layer)
+            replica = self.replicas.gradients_for(layer, self.backend)
             job = self.resident.backward_job(ctx, state, x, dy, need_input_grad, replica)
             return self.runner.run(self.resident.split, job, layer, plan)
         job = self.fused.backward(
             ctx, self.backend, x, w, dy, sides, need_input_grad, b=b, stage=stage,
-            batchnorm=batchnorm, replica=self.replicas.gradients_for(layer),
+            batchnorm=batchnorm, replica=self.replicas.gradients_for(layer, self.backend),
         )  # fmt: skip
         return self.runner.run(self.fused, job, layer, plan)
 

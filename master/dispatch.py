@@ -156,7 +156,9 @@ class CallContext:
 
 
 class PhaseJob(Protocol):
-    """One phase (forward or backward) of one layer, cut by a strategy."""
+    """One phase (forward or backward) of one layer, cut by a strategy. A job may also have
+    ``while_waiting()``: what the master does after its own piece, before it waits for the
+    workers' answers (a replicated block's backward, :mod:`.replica`)."""
 
     phase: str
     images: int
@@ -532,6 +534,12 @@ class _StageBackward:
             fmt, self.x, self.w, self.b, self.dy, self.sides, self.stage, self.dw, self.db, sample
         )
 
+    def while_waiting(self) -> None:
+        """With a replicated block before the layer, the master's input-gradient part goes
+        back through the block now, while the workers compute (:class:`BlockGradients`)."""
+        if self.replica is not None and self.replica.back_through(self.dx):
+            self.dx = None
+
     def result(self):
         return replica_input_grad(self.dx, self.x, self.replica), self.dw, self.db
 
@@ -673,6 +681,13 @@ class PhaseRunner:
         if own.size:
             job.compute_locally(own)
         master_seconds = time.perf_counter() - t0
+        # What the master can do with its own part before the workers answer (a replicated
+        # block's backward): in the phase, on the master, but not this layer's convolution.
+        waiting = getattr(job, "while_waiting", None)
+        t0 = time.perf_counter()
+        if waiting is not None:
+            waiting()
+        beside = time.perf_counter() - t0
         # The answers are taken in node order, whichever call finishes first, so the parts
         # that a job sums (backward's input gradient) are added in a fixed order: the master's
         # own, the pieces it covers, then the workers' in node order (a deterministic run
@@ -685,7 +700,7 @@ class PhaseRunner:
         for piece in covered + failed:
             job.compute_locally(piece)
         master_seconds += time.perf_counter() - t0
-        computes = [master_seconds]
+        computes = [master_seconds + beside]
         if own.size or covered or failed:
             kernels = own.size + sum(p.size for p in covered + failed)
             stats = CallStats(compute_seconds=master_seconds)
@@ -717,10 +732,14 @@ class PhaseRunner:
         per_layer = self.records.setdefault(node.name, {}).setdefault(layer, {"kernels": kernels})
         per_layer[phase] = _phase_record(stats)
 
-    def local(self, layer: str, phase: str, kernels: int, seconds: float) -> None:
-        """Record and account a convolution the master ran alone (a replicated block's)."""
+    def local(
+        self, layer: str, phase: str, kernels: int, seconds: float, earlier: float = 0.0
+    ) -> None:
+        """Record and account a convolution the master ran alone (a replicated block's);
+        ``earlier``: seconds of it already computed inside another layer's phase (a
+        replicated block's backward beside the workers), recorded but not accounted again."""
         self._record(self.membership.nodes[0], layer, phase, kernels, CallStats(
-            compute_seconds=seconds, wall_seconds=seconds
+            compute_seconds=seconds + earlier, wall_seconds=seconds
         ))  # fmt: skip
         self._account(seconds, [seconds])
 

@@ -212,6 +212,12 @@ class EmbeddedCluster:
             layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm, head
         )
 
+    def hold_block_backward(self, layer: str, chain) -> None:
+        self.cluster.hold_block_backward(layer, chain)
+
+    def block_backward_taken(self, layer: str) -> bool:
+        return self.cluster.block_backward_taken(layer)
+
     supports_head = True  # the final fc split over the last stage's slices (hetconv.head)
 
     def head_split(self, layer: str) -> bool:

@@ -39,14 +39,37 @@ def replica_refusal(first, stage_modes: dict[str, str]) -> str | None:
 
 class BlockGradients:
     """The workers' parts of a replicated block's kernel and bias gradients in one backward:
-    each piece answers into buffers of its own, added up in the order the pieces are taken."""
+    each piece answers into buffers of its own, added up in the order the pieces are taken.
 
-    def __init__(self, block: ReplicaBlock):
+    With ``chain`` (the model's own back-propagation through the block's layers after its
+    convolution, :meth:`ReplicatedBlocks.hold_chain`), the master back-propagates its own
+    input-gradient part through the whole block while the workers still compute
+    (:meth:`back_through`, called by the layer's backward job between its own piece and the
+    workers' answers), instead of after them: its part of the block's gradients is then
+    :attr:`master`."""
+
+    def __init__(self, block: ReplicaBlock, chain=None, backend: Backend | None = None):
         self.block = block
         self.dw = np.zeros_like(block.w)
         self.db = np.zeros_like(block.b)
         self._parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.parts = 0  # pieces taken
+        self._chain, self._backend = chain, backend
+        self.master: tuple[np.ndarray, np.ndarray] | None = None  # (dw, db) of the master's part
+        self.seconds = 0.0  # the master's block backward, in the phase (its convolution's part)
+
+    def back_through(self, dx: np.ndarray | None) -> bool:
+        """Back-propagate the master's input-gradient part ``dx`` through the block now (its
+        layers, then its convolution's kernel gradients); False (nothing done) without a
+        chain, without ``dx``, or when done already this step."""
+        if self._chain is None or dx is None or self.master is not None:
+            return False
+        g = self._chain(dx)
+        start = time.perf_counter()
+        block = self.block
+        self.master = self._backend.conv_grad_kernels(block.x, g, block.w.shape[2:], block.sides)
+        self.seconds = time.perf_counter() - start
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -76,8 +99,10 @@ def input_bytes(x: np.ndarray, replica: ReplicaBlock | None) -> int:
 
 def replica_input_grad(dx, x: np.ndarray, replica: BlockGradients | None):
     """A backward's input gradient: with a replicated block, the master's part, zeros when the
-    master computed no piece (the model still runs the block's layers back on it)."""
-    if replica is not None and dx is None:
+    master computed no piece (the model still runs the block's layers back on it); when the
+    master's part went back through the block already (:meth:`BlockGradients.back_through`),
+    only what came after it (pieces it covered for lost workers), None when nothing did."""
+    if replica is not None and dx is None and replica.master is None:
         return np.zeros_like(x)
     return dx
 
@@ -96,6 +121,27 @@ class ReplicatedBlocks:
         self.block_of = {consumer: block for block, consumer in self.feeds.items()}
         self._current: dict[str, ReplicaBlock] = {}
         self._gradients: dict[str, BlockGradients] = {}
+        self._chains: dict[str, object] = {}
+
+    def hold_chain(self, layer: str, chain) -> None:
+        """The model's back-propagation through ``layer``'s block layers after its convolution
+        for this step (a callable: stage-output gradient -> convolution-output gradient), so
+        that the next layer's backward can run the master's part through the block while the
+        workers compute (:class:`BlockGradients`)."""
+        if layer in self.feeds:
+            self._chains[layer] = chain
+
+    def early_seconds(self, layer: str) -> float:
+        """Seconds the master's part of ``layer``'s block convolution took inside the next
+        layer's backward this step (0: not taken early)."""
+        grads = self._gradients.get(layer)
+        return grads.seconds if grads is not None else 0.0
+
+    def taken_early(self, layer: str) -> bool:
+        """Whether this step's backward already ran the master's part through ``layer``'s
+        block layers (the model then runs them only on what came after)."""
+        grads = self._gradients.get(layer)
+        return grads is not None and grads.master is not None
 
     def __contains__(self, layer: str) -> bool:
         return layer in self.feeds
@@ -106,6 +152,7 @@ class ReplicatedBlocks:
         block = ReplicaBlock(layer, x, w.copy(), b.copy(), sides, self.stages[layer])
         self._current[layer] = block
         self._gradients.pop(layer, None)
+        self._chains.pop(layer, None)
         return block
 
     def forward(self, backend: Backend, layer: str, x, w, b, padding, sides) -> np.ndarray:
@@ -121,21 +168,35 @@ class ReplicatedBlocks:
         block = self.block_of.get(consumer)
         return None if block is None else self._current.get(block)
 
-    def gradients_for(self, consumer: str) -> BlockGradients | None:
-        """A fresh sum of the workers' block gradient parts for ``consumer``'s backward."""
+    def gradients_for(self, consumer: str, backend: Backend | None = None) -> BlockGradients | None:
+        """A fresh sum of the workers' block gradient parts for ``consumer``'s backward; with
+        ``backend`` and the model's chain held (:meth:`hold_chain`), one that can take the
+        master's part through the block early (:meth:`BlockGradients.back_through`)."""
         block = self.input_of(consumer)
         if block is None:
             return None
-        grads = self._gradients[block.layer] = BlockGradients(block)
+        chain = self._chains.get(block.layer) if backend is not None else None
+        grads = self._gradients[block.layer] = BlockGradients(block, chain, backend)
         return grads
 
     def backward(self, backend: Backend, layer: str, x, w, dy, padding, need_input_grad):
         """The block's gradients: the master's part (``dy``, back through the block's layers by
-        the model) plus the workers' parts."""
+        the model; or taken early, :class:`BlockGradients`, and ``dy`` then what came after it
+        or None) plus the workers' parts."""
         if need_input_grad:  # the input gradient would be the master's part only
             raise RuntimeError(f"{layer}: a replicated block must be the network's first layer")
-        dw, db = backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
         grads = self._gradients.pop(layer, None)
+        early = grads.master if grads is not None else None
+        if dy is None and early is None:
+            raise RuntimeError(f"{layer}: a replicated block's backward got no gradient")
+        if early is None:
+            dw, db = backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
+        else:
+            dw, db = early
+            if dy is not None:  # pieces the master covered after its own part went back
+                later = backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
+                dw += later[0]
+                db += later[1]
         if grads is not None:
             dw += grads.dw
             db += grads.db

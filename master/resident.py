@@ -404,6 +404,12 @@ class _ResidentBackward:
         self._computed.append(part)
         self._add_dx(dx)
 
+    def while_waiting(self) -> None:
+        """As :meth:`~.dispatch._StageBackward.while_waiting`: the master's part goes back
+        through a replicated block while the workers compute."""
+        if self.replica is not None and self.replica.back_through(self.dx):
+            self.dx = None
+
     def accept(self, piece: Piece, answer) -> CallStats:
         dx, ew, eb, stats = answer
         layer, part = self.layer, piece.part

@@ -58,6 +58,12 @@ def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernel
     assert records[0]["replicated"] == {"conv1": "conv2"}
     steps = [r for r in records if "step" in r]
     assert all(r["stage_modes"] == {"conv1": "replicated", "conv2": "fused"} for r in steps)
+    # The master's part went back through the block inside conv2's backward, while the
+    # workers computed: conv1's backward record holds that convolution (compute) beyond what
+    # ran after the phase (wall: only the workers' parts added).
+    for record in steps:
+        back = record["nodes"]["master"]["conv1"]["backward"]
+        assert back["compute_seconds"] > back["wall_seconds"] >= 0, back
     # conv1 ran on the master alone (no worker call of it); conv2's workers computed, and
     # each call moved what the cost model counts: the images out, never conv2's input
     layers = {layer.name: layer for layer in conv_layers(STRONG_LRN, RUN["batch"])}
@@ -279,3 +285,30 @@ def test_simulate_models_the_replicated_block(tmp_path, capsys):
     capsys.readouterr()
     assert simulate_main(["gigabit-lan", "--replicate", "first"]) == 2
     assert "--replicate first feeds the second layer" in capsys.readouterr().err
+
+
+def test_the_masters_block_backward_runs_in_the_next_layers_phase():
+    """The cost model: the master's backward of the replicated block falls in conv2's backward
+    phase (beside the workers), not after it."""
+    layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
+    conv1, conv2 = layers["conv1"], layers["conv2"]
+    node = dict(gflops=20.0, bytes_per_s=125e6, rtt_s=1e-4)
+    cluster = SimCluster(
+        SimNode("master", **node), tuple(SimNode(f"w{i}", **node) for i in range(4))
+    )
+    shares = {"conv1": (150, 0, 0, 0, 0), "conv2": (160, 160, 160, 160, 160)}
+    step = simulate_step(
+        cluster, [conv1, conv2], shares, 0.0, stages="fused", kernels="resident",
+        replicate="first",
+    )  # fmt: skip
+    phases = {(p.layer, p.phase): p for p in step.phases}
+    block_backward = cluster.master.conv_seconds(conv1, 150, conv1.passes("backward"))
+    assert phases["conv1", "backward"].wall_s == 0.0
+    assert phases["conv1", "forward"].wall_s > 0.0
+    master_conv2 = cluster.master.conv_seconds(conv2, 160, conv2.passes("backward"))
+    assert phases["conv2", "backward"].wall_s >= master_conv2 + block_backward - 1e-12
+    alone = simulate_step(
+        cluster, [conv1, conv2], shares, 0.0, stages="fused", kernels="resident",
+        replicate="off",
+    )  # fmt: skip
+    assert {(p.layer, p.phase): p for p in alone.phases}["conv1", "backward"].wall_s > 0.0
