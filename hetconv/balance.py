@@ -141,7 +141,8 @@ def _phase_terms(
     input (:mod:`hetconv.replica`): a worker gets the images and the block's kernels instead of
     the input, answers the block's kernel gradients instead of an input-gradient part, and
     computes the whole block: fixed costs; the master's own block backward runs in the
-    backward phase too (after its piece, before the workers' answers): a fixed cost of its. ``groups`` > 1: a fused layer's calls overlap
+    backward phase too (after its piece, before the workers' answers): a fixed cost of its.
+    ``groups`` > 1: a fused layer's calls overlap
     (:mod:`hetconv.overlap`): a kernel's maps travel beside its compute (forward's answer,
     backward's gradient), so a worker's per-kernel cost is the larger of the two plus the
     smaller over the groups. ``head`` (resident): the classes of a split head
@@ -193,9 +194,7 @@ def _phase_terms(
             block[0] = np.maximum(block[0] - head, 0.0)
             # and the master takes its part back through its block in the backward phase,
             # after its own piece, as the workers compute
-            master_block = nodes[0].conv_seconds(
-                replica, replica.kernels, replica.passes(BACKWARD)
-            )
+            master_block = nodes[0].conv_seconds(replica, replica.kernels, replica.passes(BACKWARD))
     terms = np.zeros((4, len(nodes)))
     calls = [_call_seconds(cluster, layer, p, guess, fused, groups) for p in (FORWARD, BACKWARD)]
     terms[0, 1:] = calls[0] + rtts + x_bytes / rates

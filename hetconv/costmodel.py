@@ -719,7 +719,8 @@ def simulate_step(
     (:mod:`hetconv.replica`): the master computes it alone (no calls) and each worker again in
     the second layer's calls, which move the images instead of that layer's input (the second
     layer must run fused); the master's backward of it runs in the second layer's backward
-    phase, after its own piece, as the workers compute (when the master computes a share). A per-layer ``stages`` mapping may name the block ``"replicated"``
+    phase, after its own piece, as the workers compute (when the master computes a share).
+    A per-layer ``stages`` mapping may name the block ``"replicated"``
     instead (as a trace's ``stage_modes`` do).
 
     ``overlap`` as ``hetconv train --overlap``: ``"off"``, ``"on"`` (every fused layer whose

@@ -190,8 +190,10 @@ def test_worker_lines_threads_activity_and_the_readme_snippet(worker):
 
     # One line per second with requests in it: the first may hold only the connect (no
     # tensors), so read lines until one carried tensors both ways; all must count requests.
-    pattern = (r"^served (\d+) requests in \d+ s: ([\d.]+) [kM]B in, ([\d.]+) [kM]B out, "
-               r"(\d+) masters?$")
+    pattern = (
+        r"^served (\d+) requests in \d+ s: ([\d.]+) [kM]B in, ([\d.]+) [kM]B out, "
+        r"(\d+) masters?$"
+    )
     while True:
         served = out.wait_for(pattern, 10)
         assert int(served.group(1)) > 0, served.group(0)
