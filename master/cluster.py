@@ -108,7 +108,14 @@ from .planning import (
     step_model,
 )
 from .rebalancing import DriftMonitor
-from .replica import REPLICATED, ReplicatedBlocks, block_cost_factor, replica_refusal, timed
+from .replica import (
+    REPLICATED,
+    ReplicatedBlocks,
+    block_cost_factor,
+    block_seconds,
+    replica_refusal,
+    timed,
+)
 from .resident import DEFAULT_SYNC_EVERY, ResidentKernels
 from .spotcheck import SpotCheckConfig, SpotChecker
 
@@ -579,8 +586,10 @@ class Cluster:
             gain = costmodel.replicate_gain(
                 ConvLayer.from_spec(first, batch),
                 ConvLayer.from_spec(consumer, batch),
-                [factor * self.nodes[0].probe_seconds.get(first.name, 0.0)]
-                + [factor * n.probe_seconds.get(first.name, 0.0) for n in workers],
+                [
+                    block_seconds(self.nodes[0], n, first.name, consumer.name, factor)
+                    for n in [self.nodes[0], *workers]
+                ],
                 [n.link_bytes_per_second for n in workers],
                 wifi=self.planner.network == "wifi",
                 fmt=self.config.wire_format,

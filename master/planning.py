@@ -27,6 +27,7 @@ from hetconv.stages import UNFUSED, StageSpec
 from hetconv.workload import ConvLayer
 
 from .membership import ACTIVE, Node
+from .replica import block_seconds
 
 COMPUTE_POLICY, LINK_POLICY = "compute", "link"
 SHARE_POLICIES = (COMPUTE_POLICY, LINK_POLICY)
@@ -227,7 +228,8 @@ class Planner:
             per_layer = {}
             if replica is not None and replica.name in node.probe_seconds:
                 block_flops = replica.step_passes * replica.shape.flops_forward
-                block_s = node.probe_seconds[replica.name] * self.block_cost.get(replica.name, 1)
+                factor = self.block_cost.get(replica.name, 1)
+                block_s = block_seconds(nodes[0], node, replica.name, layer.name, factor)
                 per_layer[replica.name] = block_flops / max(block_s, 1e-9) / 1e9
             if node.client is None:  # the master: its port is at least as fast as any link
                 return costmodel.Node(node.name, gflops, per_layer, bytes_per_s=fastest)

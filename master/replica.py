@@ -228,6 +228,23 @@ def block_cost_factor(backend: Backend, first, batch: int, probe_seconds: float)
     return max(1.0, best / probe_seconds)
 
 
+def block_seconds(master, node, block: str, consumer: str, factor: float) -> float:
+    """``node``'s whole replicated block, forward and backward, in seconds: the master's (its
+    probe of the block's convolution times ``factor``, :func:`block_cost_factor`: the whole
+    block as timed here at prepare) times how much slower ``node`` is than the master on the
+    probe of the layer the block feeds. That long probe, not the block convolution's own:
+    a short probe with a large output varies 2x from one run to the next with where its
+    memory comes from (paper-500-1500 at batch 64 and a 0.36 cap: 0.8 s or 1.6 s on equal
+    nodes), the next layer's by a few per cent. ``master``, ``node``: planning nodes with
+    ``probe_seconds``; without the consumer's probes, the node's own block probe times
+    ``factor``."""
+    mine, theirs = node.probe_seconds.get(consumer, 0.0), master.probe_seconds.get(consumer, 0.0)
+    base = master.probe_seconds.get(block, 0.0) * factor
+    if mine > 0 and theirs > 0 and base > 0:
+        return base * mine / theirs
+    return node.probe_seconds.get(block, 0.0) * factor
+
+
 def timed(fn, *args):
     """``fn(*args)`` and the seconds it took."""
     start = time.perf_counter()
@@ -239,6 +256,7 @@ __all__ = [
     "REPLICATED",
     "BlockGradients",
     "block_cost_factor",
+    "block_seconds",
     "ReplicatedBlocks",
     "input_bytes",
     "replica_input_grad",

@@ -312,3 +312,22 @@ def test_the_masters_block_backward_runs_in_the_next_layers_phase():
         replicate="off",
     )  # fmt: skip
     assert {(p.layer, p.phase): p for p in alone.phases}["conv1", "backward"].wall_s > 0.0
+
+
+def test_a_nodes_block_is_scaled_by_the_next_layers_probe():
+    """A node's whole block is the master's (its block probe x the measured factor) scaled by
+    the node's speed on the next layer's long probe: a block probe twice as long on one of two
+    equal nodes (what a short probe with a large output does from run to run) changes nothing;
+    a node twice as slow on the next layer gets twice the block."""
+    from types import SimpleNamespace
+
+    from hetconv.master.replica import block_seconds
+
+    master = SimpleNamespace(probe_seconds={"conv1": 0.8, "conv2": 33.0})
+    noisy = SimpleNamespace(probe_seconds={"conv1": 1.6, "conv2": 33.0})
+    slow = SimpleNamespace(probe_seconds={"conv1": 0.8, "conv2": 66.0})
+    unprobed = SimpleNamespace(probe_seconds={"conv1": 1.6})
+    assert block_seconds(master, master, "conv1", "conv2", 5.0) == pytest.approx(4.0)
+    assert block_seconds(master, noisy, "conv1", "conv2", 5.0) == pytest.approx(4.0)
+    assert block_seconds(master, slow, "conv1", "conv2", 5.0) == pytest.approx(8.0)
+    assert block_seconds(master, unprobed, "conv1", "conv2", 5.0) == pytest.approx(8.0)
