@@ -32,8 +32,9 @@ master's link per step (the trace's bytes, both ways) and the simulator's predic
 convolution speeds and comp from the trace, and the testbed's link rate and round trip; the
 per-call software costs of the ``this-machine`` scenario, scaled by ``1 / cap``; ``--speeds
 probe`` takes node speeds from the probe before training instead). The master alone's
-prediction is what the master of the first cluster run probed on itself before training (every
-layer, all kernels, at its cap) plus that run's comp (:func:`predict_alone`).
+prediction is what the first cluster run's plan record predicted for it: the master's probe of
+every layer (all kernels) plus its own timing of every other layer at the batch, both at its cap
+before training (:func:`predict_alone`).
 
 Modes are a table (:data:`MODES`): a new one is one line. A mode that needs a ``hetconv train``
 flag runs only when ``hetconv train --help`` lists it: ``fused`` (``--stages fused``) is skipped,
@@ -450,15 +451,42 @@ def predict(
 
 
 def predict_alone(cal) -> float | None:
-    """The master alone's step predicted from a cluster run's calibration ``cal``: the probe of
-    every layer (forward and backward of all its kernels, which the master timed on itself,
-    at its cap, before training: the trace's plan record) plus the run's comp. None when the
-    master computed nothing (no probe of its own)."""
-    plan = read_plan(cal.path, min(cal.step_numbers) if cal.step_numbers else None)
+    """The master alone's step predicted from a cluster run's calibration ``cal``: what the
+    run's plan record predicted for it (``prediction.alone_s``: the master's probe of every
+    layer, forward and backward of all its kernels, plus its own timing of every other layer
+    at the batch, both at its cap before training). A trace without that figure: the probes
+    plus the run's comp, which is not the master alone's (fused stages, a replicated block
+    and a split head run much of its ReLU, LRN, pooling and fc inside the phases or on the
+    workers: 13-30 % low on the reference networks). None when the master computed nothing
+    (no probe of its own)."""
+    start = min(cal.step_numbers) if cal.step_numbers else None
+    alone = _plan_prediction(cal.path, start).get("alone_s")
+    if isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0:
+        return float(alone)
+    plan = read_plan(cal.path, start)
     probes = plan.nodes[0].probe_seconds
     if not probes or not all(name in probes for name in cal.shares):
         return None
     return sum(probes[name] for name in cal.shares) + cal.comp_per_image_s * cal.batch
+
+
+def _plan_prediction(path: str, step: int | None) -> dict:
+    """The ``prediction`` of the trace's plan record that step ``step`` ran under (the latest
+    at or before it; without ``step``, the latest); {} when there is none."""
+    found: dict = {}
+    with open(path, encoding="utf-8") as trace:
+        for line in trace:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict) or record.get("event") != "plan":
+                continue
+            if step is not None and record.get("start_step", 0) > step:
+                continue
+            prediction = record.get("prediction")
+            found = prediction if isinstance(prediction, dict) else {}
+    return found
 
 
 def _run_timeout(network: str, batch: int, steps: int, cap: float, core: float, rate: float):

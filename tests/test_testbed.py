@@ -124,6 +124,21 @@ def test_the_prediction_models_the_modes_the_run_traced(tmp_path, flags):
     # (equal but for the step number's size in each call's header: the model counts step 1000)
     assert result.bytes == pytest.approx(step_bytes(read_steps(str(trace))[-1]), rel=1e-4)
     assert set(cal.stage_modes.values()) == {flags[1]}
+    # The master alone's prediction is what the plan predicted for it (its probes and its own
+    # timing of the other layers); a trace without that figure falls back to the probes plus
+    # the run's comp.
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    (plan,) = [r for r in records if r.get("event") == "plan"]
+    assert bench.predict_alone(cal) == pytest.approx(plan["prediction"]["alone_s"])
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k != "prediction"}) + "\n" for r in records
+    ))  # fmt: skip
+    _, bare_cal = bench.predict(str(bare), testbed.SWITCHED_LINK, 1000.0, 1e-4, 1.0)
+    probes = plan["nodes"][0]["probe_seconds"]
+    assert bench.predict_alone(bare_cal) == pytest.approx(
+        sum(probes.values()) + bare_cal.comp_per_image_s * bare_cal.batch
+    )
 
 
 @needs_testbed
