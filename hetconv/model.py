@@ -48,6 +48,7 @@ from .layers import (
     LocalResponseNorm,
     MaxPool2d,
     ReLU,
+    chunked,
     pool_output_shape,
 )
 from .stages import FUSED, StageSpec, stage_of
@@ -407,6 +408,7 @@ class ConvStage:
 
     def __init__(self, conv: Conv2d, chain: Sequence[Layer], stage: StageSpec):
         self.conv, self.chain, self.stage = conv, list(chain), stage
+        self._steps = chunked(self.chain)  # what runs the chain unfused (the same results)
         # the model's own: fused, the executor normalises with their parameters, moves their
         # running statistics and sets their gradients
         self.batchnorm = [layer for layer in self.chain if isinstance(layer, BatchNorm2d)]
@@ -419,7 +421,7 @@ class ConvStage:
         conv = self.conv
         self._fused = conv.executor.stage_mode(conv.name) == FUSED
         if not self._fused:
-            for layer in (conv, *self.chain):
+            for layer in (conv, *self._steps):
                 x = layer.forward(x)
             hold = getattr(conv.executor, "hold_block_backward", None)
             if hold is not None:  # a replicated block's, run early by the next layer's backward
@@ -449,7 +451,7 @@ class ConvStage:
                 if dy is not None:  # what came after it
                     dy = self._chain_backward(dy)
                 return conv.backward(dy)
-            for layer in (*reversed(self.chain), conv):
+            for layer in (*reversed(self._steps), conv):
                 dy = layer.backward(dy)
             return dy
         extra = {"head": head} if head is not None else {}
@@ -465,7 +467,7 @@ class ConvStage:
 
     def _chain_backward(self, dy: np.ndarray) -> np.ndarray:
         """The gradient of the convolution's output from the stage output's gradient ``dy``."""
-        for layer in reversed(self.chain):
+        for layer in reversed(self._steps):
             dy = layer.backward(dy)
         return dy
 
@@ -553,7 +555,7 @@ class Model:
                 stages[item.index] = item.conv.stage
         # What the passes run: the layers, or with an executor that supports fused stages,
         # each convolution with its channel-local chain as one ConvStage.
-        self.blocks: list[Layer | ConvStage] = list(self.layers)
+        self.blocks: list[Layer | ConvStage] = chunked(self.layers)
         if getattr(self.executor, "supports_stages", False):
             self.blocks = []
             i = 0

@@ -71,6 +71,7 @@ from .layers import (
     LocalResponseNorm,
     MaxPool2d,
     ReLU,
+    chunked,
     pool_geometry,
     pool_output_shape,
 )
@@ -509,7 +510,7 @@ def stage_forward(
     for i, bn in enumerate(batchnorm):
         bn.check(i, w.shape[0])
     a = backend.conv_forward(x, w, b, padding)
-    layers = spec.build("stage", w.shape[0])
+    layers = chunked(spec.build("stage", w.shape[0]))
     given = iter(batchnorm)
     for layer in layers:
         if isinstance(layer, BatchNorm2d):

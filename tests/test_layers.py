@@ -27,10 +27,13 @@ from hetconv.layers import (
     Conv2d,
     Dropout,
     GlobalAvgPool2d,
+    ImageChunks,
     Linear,
     LocalResponseNorm,
     MaxPool2d,
     ReLU,
+    chunked,
+    saved_arrays,
     softmax_cross_entropy,
 )
 
@@ -585,3 +588,68 @@ def test_dropout_masks_scale_and_backward(rng):
     assert layer.forward(x) is x and layer.backward(dy) is dy
     with pytest.raises(ValueError, match=r"p must be in \[0, 1\)"):
         Dropout("drop", 1.0)
+
+
+def _image_local_chain():
+    return [
+        ReLU("relu"),
+        LocalResponseNorm("lrn", 5),
+        MaxPool2d("pool", 3, 2),  # overlapping windows: gradients add up across taps
+        AvgPool2d("avg", 2),
+    ]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 6 * 9 * 9 * 4, 10**9])
+def test_image_chunks_are_bit_for_bit_the_layers_run_whole(rng, chunk_bytes):
+    # one image per chunk, uneven chunks (7 images, 3 per chunk) and one chunk for all
+    x = rng.standard_normal((7, 6, 9, 9)).astype(np.float32)
+    whole = _image_local_chain()
+    y = x
+    for layer in whole:
+        y = layer.forward(y)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx = dy
+    for layer in reversed(whole):
+        dx = layer.backward(dx)
+    chunks = ImageChunks(_image_local_chain(), chunk_bytes)
+    got_y = chunks.forward(x)
+    got_dx = chunks.backward(dy)
+    assert got_y.dtype == np.float32 and got_dx.dtype == np.float32
+    np.testing.assert_array_equal(got_y, y)
+    np.testing.assert_array_equal(got_dx, dx)
+    assert chunks.output_shape(x.shape[1:]) == y.shape[1:]
+    # what the chunks keep for backward is what the layers kept, split by images
+    kept = sum(a.nbytes for a in chunks.saved_arrays())
+    expected = sum(a.nbytes for layer in whole for a in saved_arrays(layer))
+    assert kept == expected
+
+
+def test_image_chunks_gradient_is_numerically_right(rng):
+    # inputs away from ReLU's kink; one image per chunk
+    magnitude = rng.uniform(0.1, 2.0, size=(3, 6, 6, 6))
+    x = (magnitude * rng.choice([-1.0, 1.0], size=magnitude.shape)).astype(np.float32)
+    chunks = ImageChunks([ReLU("r"), LocalResponseNorm("l", 3, alpha=0.5), MaxPool2d("p")], 1)
+    check_layer(chunks, x, rng, eps=1e-3)
+
+
+def test_image_chunks_refuse_layers_that_mix_images_and_backward_before_forward():
+    with pytest.raises(ValueError, match="image-local"):
+        ImageChunks([ReLU("r"), BatchNorm2d("bn", 4)])
+    with pytest.raises(ValueError, match="image-local"):
+        ImageChunks([])
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        ImageChunks([ReLU("r")], 0)
+    with pytest.raises(RuntimeError, match="backward before forward"):
+        ImageChunks([ReLU("r")]).backward(np.zeros((1, 1, 2, 2), np.float32))
+
+
+def test_chunked_groups_runs_of_image_local_layers_only():
+    relu, lrn, bn, pool, gap = (
+        ReLU("r"), LocalResponseNorm("l"), BatchNorm2d("bn", 4), MaxPool2d("p"),
+        GlobalAvgPool2d("g"),
+    )  # fmt: skip
+    drop, fc = Dropout("d", 0.5), Linear("fc", 4, 2)
+    steps = chunked([relu, lrn, bn, pool, drop, relu, fc])
+    assert isinstance(steps[0], ImageChunks) and steps[0].layers == [relu, lrn]
+    assert steps[1:] == [bn, pool, drop, relu, fc]  # a lone image-local layer runs as it is
+    assert isinstance(chunked([pool, gap])[0], ImageChunks)

@@ -22,6 +22,7 @@ import numpy as np
 from hetconv.backends import conv_shape
 from hetconv.calls import REPLICA_FORWARD
 from hetconv.errors import InvalidCall, RequestTooLarge
+from hetconv.layers import saved_arrays
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import StageRun, spec_from_proto, stage_backward, stage_forward
 from hetconv.worker.requests import request_padding
@@ -39,7 +40,7 @@ class _Block:
         run = self.run
         arrays = [run.x, run.w, self.y]
         for layer in run.layers:
-            arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray)]
+            arrays += saved_arrays(layer)
         return sum(a.nbytes for a in arrays)
 
 

@@ -27,6 +27,7 @@ from hetconv.backends import conv_shape
 from hetconv.calls import STAGE_BACKWARD, STAGE_FORWARD, StageShape
 from hetconv.errors import InvalidCall, RequestTooLarge
 from hetconv.formats import FLOAT32, answer_format
+from hetconv.layers import saved_arrays
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import (
     StageRun,
@@ -60,7 +61,7 @@ class _Kept:
         run = self.run
         arrays = [run.x, run.w]
         for layer in run.layers:
-            arrays += [v for v in vars(layer).values() if isinstance(v, np.ndarray)]
+            arrays += saved_arrays(layer)
         return sum(a.nbytes for a in arrays)
 
 
