@@ -269,7 +269,8 @@ class CpuBackend(Backend):
         """dy of a chunk as (K, positions), positions ordered (row, image, column)."""
         s = plan.shape
         ho, wo = s.out_hw
-        stacked = self._scratch.get("dy", (s.k, ho, plan.images, wo))
+        # the forward's output buffer: a call never needs both, so one is kept, not two
+        stacked = self._scratch.get("out", (s.k, ho, plan.images, wo))
         np.copyto(stacked, dy[first : first + plan.images].transpose(1, 2, 0, 3))
         return stacked.reshape(s.k, plan.positions)
 
