@@ -376,9 +376,9 @@ class ImageChunks(Layer):
     times and its outputs and temporaries are fresh arrays larger than the allocator keeps
     (every page faults in, every step); chunk by chunk, a chunk's arrays stay in cache and
     its temporaries come back from the allocator. Every value is computed by the same
-    operations in the same order, so the results are bit for bit the layers' own (at
-    paper-500-1500's first block, batch 64, one thread: about 1.4 s forward and backward
-    whole, 0.7 s in 1 MB chunks; ``benchmarks/chain_chunks.py``).
+    operations in the same order, so the results are bit for bit the layers' own (forward and
+    backward at paper-500-1500 batch 64, one thread: the first layer's chain 0.86 s whole and
+    0.70 s in 1 MB chunks, the second's 1.2 s and 0.53 s; ``benchmarks/chain_chunks.py``).
 
     The layers keep nothing: each chunk runs on shallow copies, which keep what that chunk's
     backward needs (:meth:`saved_arrays`).

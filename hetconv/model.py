@@ -43,6 +43,7 @@ from .layers import (
     Conv2d,
     Dropout,
     GlobalAvgPool2d,
+    ImageChunks,
     Layer,
     Linear,
     LocalResponseNorm,
@@ -680,23 +681,31 @@ class Model:
             specs.append(spec)
         return specs
 
-    def other_seconds(self, batch: int) -> dict[str, float]:
+    def other_seconds(self, batch: int, repeats: int = 2) -> dict[str, float]:
         """Seconds of each non-convolutional layer's forward and backward on ``batch`` images'
-        worth of random input (copies of the layers: the model's state, batch norm's running
-        statistics and dropout's masks, is left as it was)."""
+        worth of random input, the best of ``repeats`` (the first also faults its arrays in),
+        run as the passes run them: image-local layers in image chunks, a chunked run's time
+        split evenly among its layers (copies of the layers: the model's state, batch norm's
+        running statistics and dropout's masks, is left as it was)."""
         rng = np.random.default_rng(0)
         out = {}
-        for layer in self.layers:
-            if isinstance(layer, Conv2d):
+        for step in chunked(self.layers):
+            if isinstance(step, Conv2d):
                 continue
-            twin = copy.deepcopy(layer)
+            layers = step.layers if isinstance(step, ImageChunks) else [step]
+            twin = copy.deepcopy(step)
             if isinstance(twin, Dropout):
                 twin.step = 0
-            x = rng.standard_normal((batch, *layer.input_shape)).astype(np.float32)
-            start = time.perf_counter()
-            y = twin.forward(x)
-            twin.backward(np.ones_like(y))
-            out[layer.name] = time.perf_counter() - start
+            x = rng.standard_normal((batch, *layers[0].input_shape)).astype(np.float32)
+            best = math.inf
+            for _ in range(max(1, repeats)):
+                start = time.perf_counter()
+                y = twin.forward(x)
+                twin.backward(np.ones_like(y))
+                best = min(best, time.perf_counter() - start)
+                del y
+            for layer in layers:
+                out[layer.name] = best / len(layers)
         return out
 
     def init_weights(self, seed: int) -> None:
