@@ -295,12 +295,10 @@ class CpuBackend(Backend):
             for g in range(chunk.groups):
                 rows = self._group_rows(chunk, lowered, g)
                 _gemm(kernels[g], rows, out, trans_b=True, beta=0.0 if g == 0 else 1.0)
+            if b is not None:  # in place, contiguous: then one copy, not a strided add
+                out += b[:, None]
             images = out.reshape(shape.k, ho, chunk.images, wo).transpose(2, 0, 1, 3)
-            target = y[first : first + chunk.images]
-            if b is None:
-                np.copyto(target, images)
-            else:
-                np.add(images, b[:, None, None], out=target)
+            np.copyto(y[first : first + chunk.images], images)
         return y
 
     def _grad_kernels(self, x, dy, shape):
