@@ -74,6 +74,7 @@ from .layers import (
     chunked,
     pool_geometry,
     pool_output_shape,
+    saved_arrays,
 )
 from .proto import worker_pb2 as pb
 
@@ -461,6 +462,14 @@ class StageRun:
         return out
 
 
+def kept_bytes(run) -> int:
+    """Bytes a stage forward keeps for its backward: its input, its widened kernels and every
+    array its layers saved (``run``: a :class:`StageRun`, or anything with ``x``, ``w`` and
+    ``layers``, as a run made group by group)."""
+    arrays = [run.x, run.w] + [a for layer in run.layers for a in saved_arrays(layer)]
+    return sum(a.nbytes for a in arrays)
+
+
 def check_slices(kernels: int, own: slice, grad: slice | None = None) -> None:
     """Raise ValueError unless ``own`` (and ``grad``) are non-empty ranges within ``kernels``
     channels and ``grad`` covers ``own``."""
@@ -571,6 +580,7 @@ __all__ = [
     "batchnorm_grad_rows",
     "batchnorm_rows",
     "check_slices",
+    "kept_bytes",
     "pack_batchnorm",
     "unpack_batchnorm",
     "ops_to_proto",

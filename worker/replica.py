@@ -22,9 +22,8 @@ import numpy as np
 from hetconv.backends import conv_shape
 from hetconv.calls import REPLICA_FORWARD
 from hetconv.errors import InvalidCall, RequestTooLarge
-from hetconv.layers import saved_arrays
 from hetconv.proto import worker_pb2 as pb
-from hetconv.stages import StageRun, spec_from_proto, stage_backward, stage_forward
+from hetconv.stages import StageRun, kept_bytes, spec_from_proto, stage_backward, stage_forward
 from hetconv.worker.requests import request_padding
 
 
@@ -37,11 +36,7 @@ class _Block:
     @property
     def held_bytes(self) -> int:
         """For the worker's memory budget: images, kernels, output and every saved array."""
-        run = self.run
-        arrays = [run.x, run.w, self.y]
-        for layer in run.layers:
-            arrays += saved_arrays(layer)
-        return sum(a.nbytes for a in arrays)
+        return kept_bytes(self.run) + self.y.nbytes
 
 
 class ReplicaCalls:

@@ -27,12 +27,12 @@ from hetconv.backends import conv_shape
 from hetconv.calls import STAGE_BACKWARD, STAGE_FORWARD, StageShape
 from hetconv.errors import InvalidCall, RequestTooLarge
 from hetconv.formats import FLOAT32, answer_format
-from hetconv.layers import saved_arrays
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import (
     StageRun,
     batch_statistics_rows,
     batchnorm_grad_rows,
+    kept_bytes,
     spec_from_proto,
     stage_backward,
     stage_forward,
@@ -58,11 +58,7 @@ class _Kept:
     def held_bytes(self) -> int:
         """What it holds, for the worker's memory budget: the input and widened kernels, and
         every array the stage's layers saved for their backward."""
-        run = self.run
-        arrays = [run.x, run.w]
-        for layer in run.layers:
-            arrays += saved_arrays(layer)
-        return sum(a.nbytes for a in arrays)
+        return kept_bytes(self.run)
 
 
 class StageCalls:
