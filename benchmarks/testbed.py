@@ -393,10 +393,9 @@ def predict(
     from hetconv.costmodel import MBIT, SWITCHED, WIFI, Cluster, Node, simulate_step
     from hetconv.simulations.calibrate import calibrate
     from hetconv.simulations.scenario import load_scenario
-    from hetconv.workload import network_layers
 
     cal = calibrate(trace)
-    layers = network_layers(cal.network, cal.batch)
+    layers = cal.layers()
     if speeds == "probe":
         gflops = probe_speeds(trace, cal, layers)
     elif speeds == "trace":

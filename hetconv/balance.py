@@ -181,8 +181,7 @@ def _phase_terms(
     dx = x_bytes if layer.need_input_grad else 0
     block = np.zeros((2, len(nodes) - 1))  # a replicated block's work on each worker
     if replica is not None:
-        b = replica.shape
-        x_bytes = 4 * (b.n * b.c * b.h * b.w) + replica.kernel_bytes * replica.kernels
+        x_bytes = replica.images_bytes + replica.kernel_bytes * replica.kernels
         dx = replica.kernel_bytes * replica.kernels
         for row, phase in enumerate((FORWARD, BACKWARD)):
             block[row] = [

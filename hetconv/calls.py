@@ -648,7 +648,9 @@ REPLICA_FORWARD = ConvCall(
     "ReplicaForward",
     pb.REPLICA_FORWARD,
     (
-        TensorRule("x", input_shape),  # the images: float32 always, every node the same
+        # the images, every node the same: float32, or palette8 where they fit (the client
+        # chooses, hetconv.replica.ReplicaBlock.x_format; a header names its format)
+        TensorRule("x", input_shape),
         TensorRule("w", kernel_shape),
         TensorRule("b", bias_shape),
     ),

@@ -569,12 +569,12 @@ def kernel_mode(
 def replica_bytes(block: ConvLayer, consumer: ConvLayer, fmt: TensorFormat = FLOAT32):
     """(saved toward a worker, saved from it) per step when every node computes ``block``
     (the network's first convolution and its stage) itself (:mod:`hetconv.replica`): the
-    consumer's input no longer goes out nor its input-gradient part comes back; the images and
-    the block's kernels go out (float32) and its kernel gradient parts come back. Negative: it
-    costs bytes."""
+    consumer's input no longer goes out nor its input-gradient part comes back; the images
+    (:attr:`~hetconv.workload.ConvLayer.images_format`) and the block's kernels (float32) go
+    out and its kernel gradient parts come back. Negative: it costs bytes."""
     s, b = consumer.shape, block.shape
     x = fmt.nbytes((s.n, s.c, s.h, s.w))
-    images = FLOAT32.nbytes((b.n, b.c, b.h, b.w))
+    images = block.images_bytes
     kernels = FLOAT32.nbytes((b.k, b.c, b.kh, b.kw)) + FLOAT32.nbytes((b.k,))
     return x - images - kernels, x - kernels
 

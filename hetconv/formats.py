@@ -31,6 +31,16 @@ The formats, and what each does to a float32 value (decoding is always exact):
 
 Which tensors may travel in a 16-bit format (activations, never kernels) is the table of
 calls' business (:mod:`hetconv.calls`).
+
+One more format is not a wire format of activations but an exact encoding of images:
+
+* ``palette8``: a tensor whose every channel (axis 1) holds at most 256 distinct values travels
+  as each channel's values (a palette of 256 float32 entries: its distinct values in the order
+  of their bits, then zeros) and one uint8 index per element, about a quarter of float32's
+  bytes, and decodes to the very same bits. Normalised 8-bit pixels always fit (a channel's
+  values are ``(p / 255 - mean) / std`` for at most 256 pixel values ``p``), so the images of a
+  replicated first block travel so (:class:`~hetconv.replica.ReplicaBlock`); a tensor that does
+  not fit cannot be sent in it (:meth:`Palette8.fits`).
 """
 
 from __future__ import annotations
@@ -217,12 +227,136 @@ class BFloat16(TensorFormat):
         return out
 
 
+class Palette8(TensorFormat):
+    """At most 256 distinct values per channel (axis 1): per channel a palette of 256 float32
+    entries (its distinct values in the order of their bits as uint32, then zeros), then one
+    uint8 index per element, in C order. Exact both ways; only arrays that :meth:`fits` can be
+    encoded.
+
+    A tensor of fewer than two dimensions counts as one channel.
+    """
+
+    dtype = pb.PALETTE8
+    wire = np.dtype("u1")
+    label = "palette8"
+    ENTRIES = 256
+
+    @staticmethod
+    def channels(shape: Sequence[int]) -> int:
+        return int(shape[1]) if len(shape) >= 2 else 1
+
+    def nbytes(self, shape: Sequence[int]) -> int:
+        return self.channels(shape) * self.ENTRIES * 4 + math.prod(shape)
+
+    def codes(self, array: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(palette float32 (channels, 256), uint8 indices of ``array``'s shape), or None when
+        some channel holds more than 256 distinct values (NaNs count one each) or the array is
+        not float32."""
+        if array.dtype != self.host:
+            return None
+        shape = array.shape
+        if array.ndim >= 2:
+            lanes = array.reshape(shape[0], shape[1], -1)
+        else:
+            lanes = array.reshape(1, 1, -1)
+        channels = lanes.shape[1]
+        palette = np.zeros((channels, self.ENTRIES), np.float32)
+        codes = np.empty(lanes.shape, np.uint8)
+        for c in range(channels):
+            # bits, not values: -0.0 and 0.0 stay apart and every NaN keeps its payload
+            values, index = np.unique(lanes[:, c].view(np.uint32), return_inverse=True)
+            if len(values) > self.ENTRIES:
+                return None
+            palette[c, : len(values)] = values.view(np.float32)
+            codes[:, c] = index.reshape(lanes.shape[0], -1)
+        return palette, codes.reshape(shape)
+
+    def fits(self, array: np.ndarray) -> bool:
+        """Whether ``array`` can be sent in this format."""
+        return self.codes(array) is not None
+
+    def prepared(self, array: np.ndarray) -> Palette8 | None:
+        """This format with ``array``'s encoding made once, for an array sent to several
+        workers: its :meth:`encode` of ``array`` (the same object) returns those bytes again.
+        None when ``array`` does not fit."""
+        coded = self.codes(np.ascontiguousarray(array))
+        return None if coded is None else _Prepared(array, coded)
+
+    def encode(self, array: np.ndarray, name: str = "tensor") -> list[memoryview]:
+        """The palette's bytes, then the indices' (new arrays: this format always converts).
+
+        Raises:
+            TypeError: ``array`` is not float32.
+            ValueError: some channel of ``array`` holds more than 256 distinct values.
+        """
+        if array.dtype != self.host:
+            raise TypeError(f"{name} must be {self.host} for the wire, got {array.dtype}")
+        coded = self.codes(np.ascontiguousarray(array))
+        if coded is None:
+            raise ValueError(
+                f"{name} has more than {self.ENTRIES} distinct values in a channel: it cannot "
+                f"travel as {self.label}"
+            )
+        return [byte_segments(part)[0] for part in coded if part.size]
+
+    def _parts(self, data, shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        expected = self.nbytes(shape)
+        raw = data.reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        if raw.nbytes != expected:
+            raise MalformedMessage(
+                f"{raw.nbytes} bytes of {self.label} data for shape {tuple(shape)}, which holds "
+                f"{expected}"
+            )
+        raw = raw.view(np.uint8)
+        split = self.channels(shape) * self.ENTRIES * 4
+        palette = raw[:split].view("<f4").reshape(self.channels(shape), self.ENTRIES)
+        return palette, raw[split:].reshape(shape)
+
+    def to_wire(self, array: np.ndarray) -> np.ndarray:
+        raise TypeError(f"{self.label} encodes whole tensors only (encode)")
+
+    def to_host(self, wire: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        raise TypeError(f"{self.label} decodes whole tensors only (decode, decode_into)")
+
+    def decode(self, data: bytes | memoryview, shape: Sequence[int]) -> np.ndarray:
+        out = np.empty(shape, self.host)
+        self.decode_into(out, data)
+        return out
+
+    def receive_buffer(self, dest: np.ndarray) -> np.ndarray:
+        return np.empty(self.nbytes(dest.shape), self.wire)
+
+    def decode_into(self, dest: np.ndarray, data: bytes | memoryview | np.ndarray) -> None:
+        palette, codes = self._parts(data, dest.shape)
+        if dest.ndim < 2:
+            np.take(palette[0], codes, out=dest)
+            return
+        for c in range(dest.shape[1]):
+            dest[:, c] = palette[c][codes[:, c]]
+
+
+class _Prepared(Palette8):
+    """:class:`Palette8` holding one array's encoding (:meth:`Palette8.prepared`)."""
+
+    def __init__(self, array: np.ndarray, coded: tuple[np.ndarray, np.ndarray]):
+        self._array, self._coded = array, coded
+
+    def encode(self, array: np.ndarray, name: str = "tensor") -> list[memoryview]:
+        if array is not self._array:
+            raise ValueError(f"{name}: this palette encoding was made for another array")
+        return [byte_segments(part)[0] for part in self._coded if part.size]
+
+
 FLOAT32 = Float32()
 FLOAT16 = Float16()
 BFLOAT16 = BFloat16()
+PALETTE8 = Palette8()
 
-#: Every format this side of the wire reads and writes, by ``DType`` value.
+#: The wire formats of activations and their gradients (``--wire-format``), by ``DType`` value.
 FORMATS: dict[int, TensorFormat] = {fmt.dtype: fmt for fmt in (FLOAT32, FLOAT16, BFLOAT16)}
+
+#: Formats of tensors that are not activations: images (:class:`Palette8`), by ``DType`` value.
+IMAGE_FORMATS: dict[int, TensorFormat] = {PALETTE8.dtype: PALETTE8}
 
 #: ``DType`` values with no format, and why.
 UNSUPPORTED: dict[int, str] = {
@@ -274,11 +408,11 @@ def format_of(header: pb.TensorHeader) -> TensorFormat:
         UnsupportedFormat: no format here for that value (unspecified, or unknown: proto3 enums
             are open, so any number can arrive).
     """
-    fmt = FORMATS.get(header.dtype)
+    fmt = FORMATS.get(header.dtype) or IMAGE_FORMATS.get(header.dtype)
     if fmt is None:
         known = header.dtype in pb.DType.values()
         shown = pb.DType.Name(header.dtype) if known else header.dtype
-        expected = " or ".join(f.name for f in FORMATS.values())
+        expected = " or ".join(f.name for f in (*FORMATS.values(), *IMAGE_FORMATS.values()))
         raise UnsupportedFormat(f"tensor {header.name} has dtype {shown}, expected {expected}")
     return fmt
 
@@ -289,6 +423,9 @@ __all__ = [
     "FLOAT32",
     "FORMATS",
     "FORMAT_LABELS",
+    "IMAGE_FORMATS",
+    "PALETTE8",
+    "Palette8",
     "UNSUPPORTED",
     "BFloat16",
     "Float16",

@@ -2,8 +2,10 @@
 channel-local layers after it (its *block*) from the raw images itself, so the second layer's
 input is never broadcast and its input gradient never travels back at full size.
 
-Per step, each worker gets the images (float32, N x C x H x W) and the block's kernels and biases
-(float32, small: the first layer has few input channels) in one ReplicaForward call, runs the
+Per step, each worker gets the images (N x C x H x W; as :data:`~hetconv.formats.PALETTE8`, a
+quarter of float32's bytes and exact, when every channel holds at most 256 distinct values, as
+normalised 8-bit pixels always do, else float32) and the block's kernels and biases (float32,
+small: the first layer has few input channels) in one ReplicaForward call, runs the
 block and keeps its output; the second layer's stage calls then send an empty ``x``
 (``replica_layer`` names the block). Backward: the worker computes its part of the second
 layer's input gradient as before, back-propagates it through the block (with what its forward
@@ -23,16 +25,26 @@ never. Generalising to the first k blocks needs a worker to chain blocks; not bu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hetconv.backends import ConvShape, conv_shape
+from hetconv.formats import FLOAT32, PALETTE8, TensorFormat
 
 OFF, FIRST, AUTO = "off", "first", "auto"
 REPLICATE_MODES = (OFF, FIRST, AUTO)
 #: A replicated block's stage mode, as the plan and the trace's ``stage_modes`` record it.
 REPLICATED = "replicated"
+
+
+def images_format(shape, fits: bool = True) -> TensorFormat:
+    """The format images of ``shape`` travel in to a replicated block: palette8 when they
+    ``fits`` it (at most 256 distinct values per channel) and it is the smaller, else
+    float32."""
+    smaller = PALETTE8.nbytes(shape) < FLOAT32.nbytes(shape)
+    return PALETTE8 if fits and smaller else FLOAT32
 
 
 @dataclass(frozen=True)
@@ -54,10 +66,18 @@ class ReplicaBlock:
     def shape(self) -> ConvShape:
         return conv_shape(self.x.shape, self.w.shape, self.sides)
 
+    @functools.cached_property
+    def x_format(self) -> TensorFormat:
+        """How the images travel (:func:`images_format`), with their encoding made once for
+        every worker's call."""
+        if images_format(self.x.shape) is FLOAT32:
+            return FLOAT32
+        return PALETTE8.prepared(self.x) or FLOAT32
+
     @property
     def nbytes(self) -> int:
         """Tensor bytes of its ReplicaForward request."""
-        return self.x.nbytes + self.w.nbytes + self.b.nbytes
+        return self.x_format.nbytes(self.x.shape) + self.w.nbytes + self.b.nbytes
 
     @property
     def gradient_bytes(self) -> int:
@@ -65,4 +85,6 @@ class ReplicaBlock:
         return self.w.nbytes + self.b.nbytes
 
 
-__all__ = ["AUTO", "FIRST", "OFF", "REPLICATED", "REPLICATE_MODES", "ReplicaBlock"]
+__all__ = [
+    "AUTO", "FIRST", "OFF", "REPLICATED", "REPLICATE_MODES", "ReplicaBlock", "images_format"
+]  # fmt: skip

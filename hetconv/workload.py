@@ -35,6 +35,7 @@ from hetconv.conv import ConvSpec
 from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
 from hetconv.proto import worker_pb2 as pb
+from hetconv.replica import images_format
 from hetconv.resident import edge_rows
 from hetconv.stages import StageSpec, ops_to_proto
 from hetconv.wire import BUNDLE_BYTES
@@ -63,6 +64,10 @@ class ConvLayer:
     #: the classes of the final fc its stage feeds directly, which a split head computes on
     #: the nodes (:mod:`hetconv.head`); 0: none. Not compared.
     head: int = dataclasses.field(default=0, compare=False)
+    #: as a replicated first block (:mod:`hetconv.replica`): whether its images fit palette8
+    #: (normalised 8-bit pixels always do), so a worker's copy travels in a quarter of
+    #: float32's bytes.
+    images_fit: bool = True
 
     @classmethod
     def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
@@ -79,6 +84,17 @@ class ConvLayer:
         """The layer's input (N, C, H, W), sent whole to every worker with a share."""
         s = self.shape
         return FLOAT_BYTES * s.n * s.c * s.h * s.w
+
+    @property
+    def images_format(self) -> TensorFormat:
+        """The format its input travels in as a replicated block's images
+        (:func:`hetconv.replica.images_format`)."""
+        return images_format(calls.input_shape(self.shape), self.images_fit)
+
+    @property
+    def images_bytes(self) -> int:
+        """Its input on the wire as a replicated block's images (:attr:`images_format`)."""
+        return self.images_format.nbytes(calls.input_shape(self.shape))
 
     @property
     def kernel_bytes(self) -> int:
@@ -280,7 +296,9 @@ def replica_forward_bytes(block: ConvLayer, step: int = 1000) -> CallBytes:
     """Bytes of one ReplicaForward (:mod:`hetconv.replica`): the images and the block's
     kernels and biases out (float32), no tensors back."""
     call, s = calls.REPLICA_FORWARD, block.shape
-    request = pb.ConvRequest(phase=call.phase, tensors=call.request_headers(s))
+    headers = call.request_headers(s)
+    headers[0] = block.images_format.header(headers[0].name, calls.input_shape(s))
+    request = pb.ConvRequest(phase=call.phase, tensors=headers)
     request.padding.extend((s.padding.top, s.padding.bottom, s.padding.left, s.padding.right))
     if block.stage is not None:
         request.stage.ops.extend(ops_to_proto(block.stage))

@@ -585,9 +585,11 @@ class WorkerClient:
             ),
         )  # fmt: skip
         arrays = list(zip(REPLICA_FORWARD.request_names, (block.x, block.w, block.b), strict=True))
+        formats = [block.x_format, FLOAT32, FLOAT32]  # the images: palette8 where they fit
         _, stats = self._call(
-            REPLICA_FORWARD, f"replica forward {block.layer}", request, arrays, [], {}, timeout, 0
-        )
+            REPLICA_FORWARD, f"replica forward {block.layer}", request, arrays, [], {}, timeout, 0,
+            formats,
+        )  # fmt: skip
         return stats
 
     def _replicate(self, request, session, step, x, replica, timeout):

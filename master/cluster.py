@@ -868,6 +868,8 @@ class Cluster:
                 if mode == FUSED and name in self.head_fcs
             },
         }
+        if self.replicas.feeds:  # replicated block -> the format its images travelled in
+            record["replica_images"] = self.replicas.images_formats()
         if self.resident.record:
             record["resident"] = self.resident.record  # bytes placed, fetched; steps replayed
         self._stage_steps = {}

@@ -163,6 +163,11 @@ class ReplicatedBlocks:
             self.begin(layer, x, w, b, sides)
         return backend.conv_forward(x, w, b, padding)
 
+    def images_formats(self) -> dict[str, str]:
+        """Block name -> the format its images travel in this step (``palette8``, ``float32``),
+        for the trace."""
+        return {layer: block.x_format.label for layer, block in self._current.items()}
+
     def input_of(self, consumer: str) -> ReplicaBlock | None:
         """The replicated block whose output is ``consumer``'s input this step (None: none)."""
         block = self.block_of.get(consumer)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, WireCosts, simulate_step
-from hetconv.formats import FLOAT32, TensorFormat, format_named
+from hetconv.formats import FLOAT32, PALETTE8, TensorFormat, format_named
 from hetconv.model import PRESETS
 from hetconv.replica import REPLICATED
 from hetconv.workload import (
@@ -76,6 +76,18 @@ class Calibration:
     overlap_images: dict[str, int] = field(default_factory=dict)
     # layer -> the final fc it computed on the nodes (hetconv train --head); {}: none
     heads: dict[str, str] = field(default_factory=dict)
+    # replicated block -> the format its images travelled in (palette8, float32); {}: float32
+    replica_images: dict[str, str] = field(default_factory=dict)
+
+    def layers(self) -> list[ConvLayer]:
+        """The network's convolutions at the traced batch, each replicated block's images as
+        they travelled (:attr:`~hetconv.workload.ConvLayer.images_fit`)."""
+        return [
+            dataclasses.replace(
+                layer, images_fit=self.replica_images.get(layer.name) == PALETTE8.label
+            )
+            for layer in network_layers(self.network, self.batch)
+        ]
 
     def devices(self) -> list[DeviceSpec]:
         """Master first; a device's ``gflops`` is its figure on the layer with the most FLOPs."""
@@ -111,7 +123,7 @@ class Calibration:
     def check(self) -> dict[str, float]:
         """The simulator's step for the traced cluster with the traced shares (compare with
         :attr:`measured`)."""
-        layers = network_layers(self.network, self.batch)
+        layers = self.layers()
         result = simulate_step(
             self.traced_cluster(),
             layers,
@@ -217,7 +229,7 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     heads = record.get("heads", {})  # resident ones that answered logits (hetconv.head)
     names, split = _layout(record)
     by_name = {layer.name: layer for layer in layers}
-    replica = replicas(layers, modes)
+    replica = replicas(layers, modes, record.get("replica_images"))
     if set(by_name) != set(split) or any(
         by_name[name].kernels != sum(kernels) for name, kernels in split.items()
     ):
@@ -256,11 +268,16 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     return None
 
 
-def replicas(layers: Sequence[ConvLayer], modes: dict[str, str]) -> dict[str, ConvLayer]:
+def replicas(
+    layers: Sequence[ConvLayer], modes: dict[str, str], images: dict[str, str] | None = None
+) -> dict[str, ConvLayer]:
     """Layer name -> the replicated block whose output is its input (:mod:`hetconv.replica`),
-    from a trace's ``stage_modes`` (the block's is ``"replicated"``; it feeds the next)."""
+    from a trace's ``stage_modes`` (the block's is ``"replicated"``; it feeds the next) and
+    ``replica_images`` (block -> the format its images travelled in; traces from before it
+    was recorded sent float32)."""
+    images = images or {}
     return {
-        after.name: layer
+        after.name: dataclasses.replace(layer, images_fit=images.get(layer.name) == PALETTE8.label)
         for layer, after in zip(layers, layers[1:], strict=False)
         if modes.get(layer.name) == REPLICATED
     }
@@ -456,7 +473,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
     node_names, split = _layout(used[0])
     calls = _Calls.gather(used, node_names, list(layers))
     modes = used[0].get("stage_modes", {})
-    replica = replicas(list(layers.values()), modes)
+    replica = replicas(list(layers.values()), modes, used[0].get("replica_images"))
     layer_gflops = _layer_gflops(calls, node_names, layers, split, notes, replica)
     links, wire = _links_and_wire(calls, node_names, notes)
     wire = dataclasses.replace(wire, format=_format_of(used[0]))
@@ -487,6 +504,7 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         kernel_modes=dict(used[0].get("kernel_modes", {})),
         overlap_images={k: int(v) for k, v in used[0].get("overlap_images", {}).items()},
         heads={k: str(v) for k, v in used[0].get("heads", {}).items()},
+        replica_images={k: str(v) for k, v in used[0].get("replica_images", {}).items()},
     )
 
 

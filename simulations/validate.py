@@ -161,13 +161,12 @@ def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", w
     Returns (StepResult, per-node layer GFLOPS used, calibration of the trace).
     """
     from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, simulate_step
-    from hetconv.workload import network_layers
 
     from .calibrate import calibrate
     from .scenario import load_scenario
 
     cal = calibrate(trace)
-    layers = network_layers(cal.network, cal.batch)
+    layers = cal.layers()
     if speeds == "probe":
         gflops = probe_speeds(trace, cal, layers)
     elif speeds == "trace":

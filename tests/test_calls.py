@@ -93,14 +93,78 @@ def test_call_shape_is_conv_shape_without_the_checks():
 
 @pytest.mark.parametrize("value", sorted(pb.DType.values()))
 def test_every_dtype_of_the_proto_has_a_format_or_a_reason(value):
-    supported, unsupported = value in formats.FORMATS, value in formats.UNSUPPORTED
-    assert supported != unsupported, pb.DType.Name(value)
-    if supported:
-        fmt = formats.FORMATS[value]
+    known = {**formats.FORMATS, **formats.IMAGE_FORMATS}
+    places = [
+        value in formats.FORMATS,
+        value in formats.IMAGE_FORMATS,
+        value in formats.UNSUPPORTED,
+    ]
+    assert places.count(True) == 1, pb.DType.Name(value)
+    if value in known:
+        fmt = known[value]
         assert fmt.dtype == value and fmt.name == pb.DType.Name(value)
         assert fmt.itemsize == fmt.wire.itemsize and fmt.wire.byteorder in "<|="
+        header = fmt.header("t", (2, 3, 4))
+        assert formats.format_of(header) is fmt
     else:
         assert formats.UNSUPPORTED[value].strip()
+
+
+def _pixels(rng, shape=(5, 3, 6, 7)):
+    """Normalised 8-bit pixels, as ImageDataset.batch makes them."""
+    x = rng.integers(0, 256, shape, dtype=np.uint8).astype(np.float32)
+    x /= np.float32(255.0)
+    x -= np.asarray([0.49, 0.48, 0.45], np.float32).reshape(1, 3, 1, 1)
+    x /= np.asarray([0.25, 0.24, 0.26], np.float32).reshape(1, 3, 1, 1)
+    return x
+
+
+def test_palette8_carries_normalised_pixels_bit_for_bit_in_a_quarter_of_the_bytes(rng):
+    p8 = formats.PALETTE8
+    x = _pixels(rng)
+    x[0, 0, 0, :2] = (-0.0, 0.0)  # bits, not values: both zeros come back as they were
+    x[1, 1, 0, 0] = np.float32("nan")
+    segments = p8.encode(x)
+    data = b"".join(segments)
+    assert len(data) == p8.nbytes(x.shape) == 3 * 1024 + x.size
+    back = p8.decode(data, x.shape)
+    assert back.dtype == np.float32
+    assert np.array_equal(back.view(np.uint32), x.view(np.uint32))
+    # as the receiver gets it: bytes into the staging buffer, then one decode into the array
+    dest = np.empty_like(x)
+    buffer = p8.receive_buffer(dest)
+    assert buffer is not dest and buffer.nbytes == len(data)
+    buffer[...] = np.frombuffer(data, np.uint8)
+    p8.decode_into(dest, buffer)
+    assert np.array_equal(dest.view(np.uint32), x.view(np.uint32))
+    # one encoding for every worker: the prepared format sends the same bytes for that array
+    prepared = p8.prepared(x)
+    assert b"".join(prepared.encode(x)) == data
+    with pytest.raises(ValueError, match="made for another array"):
+        prepared.encode(x.copy())
+
+
+def test_palette8_refuses_what_does_not_fit_and_bytes_that_do_not_match(rng):
+    p8 = formats.PALETTE8
+    noise = rng.standard_normal((2, 3, 20, 20)).astype(np.float32)  # 800 values a channel
+    assert not p8.fits(noise) and p8.prepared(noise) is None
+    with pytest.raises(ValueError, match="more than 256 distinct values in a channel"):
+        p8.encode(noise, "x")
+    with pytest.raises(TypeError, match="x must be float32"):
+        p8.encode(noise.astype(np.float64), "x")
+    data = b"".join(p8.encode(_pixels(rng)))
+    with pytest.raises(errors.MalformedMessage, match="bytes of palette8 data"):
+        p8.decode(data[:-1], (5, 3, 6, 7))
+    # a one-channel tensor of any rank
+    flat = np.repeat(np.arange(7, dtype=np.float32), 3)
+    back = p8.decode(b"".join(p8.encode(flat)), flat.shape)
+    np.testing.assert_array_equal(back, flat)
+
+
+def test_palette8_is_no_wire_format_of_activations():
+    assert "palette8" not in formats.FORMAT_LABELS
+    with pytest.raises(errors.UnsupportedFormat, match="answer dtype PALETTE8"):
+        formats.answer_format(pb.PALETTE8)
 
 
 def test_float32_encodes_without_copying_and_decodes_without_copying(rng):

@@ -19,17 +19,18 @@ from hetconv.balance import link_aware_shares
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.costmodel import Node as SimNode
 from hetconv.costmodel import replica_bytes, replicate_gain, simulate_step
-from hetconv.formats import FLOAT32
+from hetconv.formats import FLOAT32, PALETTE8
 from hetconv.master.client import CallStats, WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.model import Model, reference_spec
 from hetconv.replica import ReplicaBlock
-from hetconv.simulations.calibrate import calibrate
+from hetconv.simulations.calibrate import calibrate, replicas
 from hetconv.simulations.cli import main as simulate_main
 from hetconv.simulations.trace import read_steps, step_bytes
 from hetconv.stages import StageSpec
 from hetconv.workload import (
+    ConvLayer,
     conv_layers,
     network_layers,
     resident_call_bytes,
@@ -58,6 +59,8 @@ def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernel
     assert records[0]["replicated"] == {"conv1": "conv2"}
     steps = [r for r in records if "step" in r]
     assert all(r["stage_modes"] == {"conv1": "replicated", "conv2": "fused"} for r in steps)
+    # the images are normalised 8-bit pixels: they went as palette8 (exact: same_as_local)
+    assert all(r["replica_images"] == {"conv1": "palette8"} for r in steps)
     # The master's part went back through the block inside conv2's backward, while the
     # workers computed: conv1's backward record holds that convolution (compute) beyond what
     # ran after the phase (wall: only the workers' parts added).
@@ -83,9 +86,17 @@ def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernel
     plain = stage_call_bytes(conv2, conv2.stage, "forward", 9, 5)
     with_replica = stage_call_bytes(conv2, conv2.stage, "forward", 9, 5, replica=conv1)
     x = FLOAT32.nbytes((RUN["batch"], conv2.shape.c, conv2.shape.h, conv2.shape.w))
-    images = FLOAT32.nbytes((RUN["batch"], 3, 32, 32))
+    # the run's images are normalised 8-bit pixels: they travel as palette8, 3 x 1024 bytes of
+    # palettes and one byte per value, a quarter of float32's and more
+    images = 3 * 1024 + RUN["batch"] * 3 * 32 * 32
+    assert images == PALETTE8.nbytes((RUN["batch"], 3, 32, 32))
     kernels_bytes = 4 * (8 * 3 * 25 + 8)
     assert with_replica.tensors_sent == plain.tensors_sent - x + images + kernels_bytes
+    floats = ConvLayer(conv1.name, conv1.shape, False, conv1.stage, images_fit=False)
+    as_floats = stage_call_bytes(conv2, conv2.stage, "forward", 9, 5, replica=floats)
+    assert as_floats.tensors_sent == with_replica.tensors_sent - images + FLOAT32.nbytes(
+        (RUN["batch"], 3, 32, 32)
+    )
 
 
 class Killing(Cluster):
@@ -146,8 +157,12 @@ def test_the_cost_model_counts_the_bytes_and_the_compute():
     layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
     up, down = replica_bytes(layers["conv1"], layers["conv2"])
     x = 4 * 16 * 150 * 16 * 16
-    assert up == x - 4 * 16 * 3 * 32 * 32 - 4 * (150 * 3 * 25 + 150)
+    palette8 = 3 * 1024 + 16 * 3 * 32 * 32  # the images, as 8-bit pixels travel
+    assert up == x - palette8 - 4 * (150 * 3 * 25 + 150)
     assert down == x - 4 * (150 * 3 * 25 + 150)
+    conv1 = layers["conv1"]
+    floats = ConvLayer(conv1.name, conv1.shape, False, conv1.stage, images_fit=False)
+    assert replica_bytes(floats, layers["conv2"]) == (up + palette8 - 4 * 16 * 3 * 32 * 32, down)
     fast = replicate_gain(layers["conv1"], layers["conv2"], [0.01, 0.01], [12.5e6, 12.5e6])
     assert fast > 0  # 2 x 4.8 MB saved per worker on 100 Mbit/s against 10 ms of compute
     slow = replicate_gain(layers["conv1"], layers["conv2"], [0.01, 5.0], [1e9])
@@ -331,3 +346,14 @@ def test_a_nodes_block_is_scaled_by_the_next_layers_probe():
     assert block_seconds(master, noisy, "conv1", "conv2", 5.0) == pytest.approx(4.0)
     assert block_seconds(master, slow, "conv1", "conv2", 5.0) == pytest.approx(8.0)
     assert block_seconds(master, unprobed, "conv1", "conv2", 5.0) == pytest.approx(8.0)
+
+
+def test_a_trace_says_how_the_images_travelled_and_older_ones_sent_float32():
+    layers = conv_layers(reference_spec(150, 800), 16)
+    modes = {"conv1": "replicated", "conv2": "fused"}
+    (old,) = replicas(layers, modes).values()  # before traces recorded it: float32
+    (new,) = replicas(layers, modes, {"conv1": "palette8"}).values()
+    assert old.name == new.name == "conv1"
+    assert (old.images_fit, new.images_fit) == (False, True)
+    assert old.images_bytes == 4 * 16 * 3 * 32 * 32
+    assert new.images_bytes == 3 * 1024 + 16 * 3 * 32 * 32

@@ -13,6 +13,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT32: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
+    PALETTE8: _ClassVar[DType]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
 BFLOAT16: DType
+PALETTE8: DType
 PHASE_UNSPECIFIED: Phase
 FORWARD: Phase
 BACKWARD: Phase

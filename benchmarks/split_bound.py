@@ -1,0 +1,240 @@
+"""How fast a kernel split with a replicated first block can ever be: its compute alone.
+
+The testbed's best exact mode (fused stages, a replicated first block, resident kernels, a
+split head) leaves little on the links: what bounds it is the work each node does. This
+measures that work in one process, one BLAS thread, nothing on any wire, so the bound holds for
+any link and any cap (equal caps scale every figure alike):
+
+* ``alone``: the master alone's training step (``Model`` forward, softmax cross-entropy,
+  backward, SGD with momentum), as ``hetconv train --local`` runs it;
+* ``block``: the replicated first block, forward and backward (kernel gradients only), which
+  every node computes whole;
+* ``stage``: one node's fused stage of the second convolution at an equal share of ``--nodes``
+  (its slice widened by the stage's halo, as the nodes compute it), forward and backward with
+  the input gradient;
+* ``full stage``: the same stage with all the kernels, as the master alone computes it.
+
+With perfect links and a perfect balance a step still takes one node's ``block + stage`` plus
+what the master alone does beyond its convolutions and chains (``rest``: the fc, the loss and
+the update; the split head moves most of the fc onto the nodes, so this overstates ``rest``
+slightly). ``bound = alone / (block + stage + rest)`` is then the best speedup the split can
+reach, and ``work = nodes x (block + stage) / (alone - rest)`` how much more compute the
+cluster spends than the master alone on the same convolutions. The stage's excess over
+``full stage x share / kernels`` is what does not shrink with a share (the lowering of the
+whole input, the input gradient's fold, GEMMs with few kernels).
+
+Each repeat runs every part once, interleaved, so drift hits all alike; medians after one
+cold repeat. ``--cap F`` (root) runs the measurement in a CPU cgroup capped at F of a core, as
+the testbed caps each of its processes (the cap costs a little more than 1/F, and not equally
+for every part: the bound under a cap is the one a testbed run can reach).
+
+    python benchmarks/split_bound.py [--networks paper-150-800 paper-500-1500]
+        [--batches 16 64] [--nodes 5] [--repeats 3] [--cap F] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from hetconv.backends import get_backend
+from hetconv.layers import softmax_cross_entropy
+from hetconv.model import PRESETS, Model
+from hetconv.optim import SGD, SGDConfig
+from hetconv.simulations.testbed import CpuCap, ensure_cpu_controller, with_blas_threads
+from hetconv.stages import stage_backward, stage_forward, stage_of
+
+
+def _convs(spec: list[dict]) -> list[tuple[dict, object]]:
+    """(conv entry, its stage) of each convolution of ``spec``, in order."""
+    return [
+        (entry, stage_of(spec[i + 1 :])) for i, entry in enumerate(spec) if entry["type"] == "conv"
+    ]
+
+
+class Parts:
+    """The timed parts of one network at one batch (module docstring)."""
+
+    def __init__(self, network: str, batch: int, nodes: int, seed: int = 0):
+        spec = PRESETS[network]
+        (conv1, block), (conv2, stage) = _convs(spec)[:2]
+        if block is None or stage is None:
+            raise ValueError(f"{network}: its first two convolutions need channel-local chains")
+        rng = np.random.default_rng(seed)
+        self.backend = get_backend("cpu")
+        self.model = Model(spec, seed=seed)
+        self.optimizer = SGD(self.model.parameters(), SGDConfig(lr=0.01, momentum=0.9))
+        self.x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
+        self.labels = rng.integers(0, 10, batch)
+        c1, c2 = conv1["out"], conv2["out"]
+        self.w1 = (0.1 * rng.standard_normal((c1, 3, 5, 5))).astype(np.float32)
+        self.b1 = np.zeros(c1, np.float32)
+        self.w2 = (0.02 * rng.standard_normal((c2, c1, 5, 5))).astype(np.float32)
+        self.b2 = np.zeros(c2, np.float32)
+        self.block, self.stage = block, stage
+        self.padding1, self.padding2 = conv1["padding"], conv2["padding"]
+        # A middle node's share: its slice has a halo on both sides, as most nodes' do.
+        self.share = math.ceil(c2 / nodes)
+        start = min(self.share, c2 - self.share)
+        self.own = slice(start, start + self.share)
+        self.kernels = c2
+
+    def alone(self) -> float:
+        start = time.perf_counter()
+        logits = self.model.forward(self.x)
+        _, grad, _ = softmax_cross_entropy(logits, self.labels)
+        self.model.backward(grad)
+        self.optimizer.step(self.model.gradients())
+        return time.perf_counter() - start
+
+    def block_pass(self) -> tuple[float, np.ndarray]:
+        """(block forward + backward seconds, its output)."""
+        k = self.w1.shape[0]
+        start = time.perf_counter()
+        y, run = stage_forward(
+            self.backend, self.x, self.w1, self.b1, self.padding1, self.block, slice(0, k)
+        )
+        forward = time.perf_counter() - start
+        dy = np.ones_like(y)
+        start = time.perf_counter()
+        stage_backward(self.backend, run, dy, slice(0, k), False)
+        return forward + time.perf_counter() - start, y
+
+    def stage_pass(self, x: np.ndarray, own: slice) -> float:
+        """Forward + backward (input gradient too) of the stage for ``own`` of the kernels."""
+        wide = self.stage.widened(own, self.kernels)
+        relative = slice(own.start - wide.start, own.stop - wide.start)
+        grad = self.stage.grad_range(own, self.kernels)
+        grad = slice(grad.start - wide.start, grad.stop - wide.start)
+        start = time.perf_counter()
+        y, run = stage_forward(
+            self.backend, x, self.w2[wide], self.b2[wide], self.padding2, self.stage, relative
+        )
+        dy = np.ones((y.shape[0], grad.stop - grad.start, *y.shape[2:]), np.float32)
+        stage_backward(self.backend, run, dy, grad, True)
+        return time.perf_counter() - start
+
+
+def measure(network: str, batch: int, nodes: int, repeats: int) -> dict:
+    parts = Parts(network, batch, nodes)
+    times: dict[str, list[float]] = {"alone": [], "block": [], "stage": [], "full_stage": []}
+    for repeat in range(repeats + 1):
+        alone = parts.alone()
+        block, y = parts.block_pass()
+        stage = parts.stage_pass(y, parts.own)
+        full = parts.stage_pass(y, slice(0, parts.kernels))
+        if repeat:  # the first repeat faults every array in
+            for key, value in zip(times, (alone, block, stage, full), strict=True):
+                times[key].append(value)
+    alone, block, stage, full = (statistics.median(v) for v in times.values())
+    rest = max(alone - block - full, 0.0)
+    node = block + stage
+    ideal = full * parts.share / parts.kernels
+    return {
+        "network": network,
+        "batch": batch,
+        "nodes": nodes,
+        "share": parts.share,
+        "alone_s": alone,
+        "block_s": block,
+        "stage_s": stage,
+        "full_stage_s": full,
+        "rest_s": rest,
+        "stage_excess_s": stage - ideal,
+        "work": nodes * node / max(alone - rest, 1e-12),
+        "bound": alone / (node + rest),
+    }
+
+
+def show(r: dict) -> None:
+    print(f"{r['network']:16} {r['batch']:5d} {r['share']:5d} | {r['alone_s']:7.3f} "
+          f"{r['block_s']:7.3f} {r['stage_s']:7.3f} {r['full_stage_s']:7.3f} "
+          f"{r['rest_s']:6.3f} {r['stage_excess_s']:7.3f} | {r['work']:5.2f} "
+          f"{r['bound']:5.2f}x", flush=True)  # fmt: skip
+
+
+def capped(args: argparse.Namespace) -> list[dict]:
+    """The rows of the same measurement run in a child process capped at ``args.cap`` of a
+    core (cgroup v1 ``cpu``, one BLAS thread)."""
+    ensure_cpu_controller()
+    cap = CpuCap(f"hetconv-split-bound-{os.getpid()}", args.cap)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        command = [sys.executable, os.path.abspath(__file__), "--networks", *args.networks,
+                   "--batches", *map(str, args.batches), "--nodes", str(args.nodes),
+                   "--repeats", str(args.repeats), "--json", str(out), "--quiet"]  # fmt: skip
+        try:
+            cap.create()
+            subprocess.run(cap.prefix() + command, env=with_blas_threads(os.environ, 1), check=True)
+        finally:
+            cap.remove()
+        return json.loads(out.read_text())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--networks", nargs="+", default=["paper-150-800", "paper-500-1500"])
+    p.add_argument("--batches", nargs="+", type=int, default=[16, 64])
+    p.add_argument("--nodes", type=int, default=5, help="master + workers sharing conv2 (5)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats after a cold one (3)")
+    p.add_argument(
+        "--cap", type=float, metavar="F",
+        help="run capped at F of a core in a CPU cgroup, as the testbed does (root; e.g. 0.36)",
+    )  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in args.networks:
+        if name not in PRESETS:
+            p.error(f"unknown network {name!r}; choose from {', '.join(PRESETS)}")
+    if args.repeats < 1 or args.nodes < 1 or min(args.batches) < 1:
+        p.error("--repeats, --nodes and --batches must be positive")
+    if args.cap is not None:
+        try:
+            CpuCap("check", args.cap)
+        except ValueError as e:
+            p.error(str(e))
+        if os.geteuid() != 0:
+            p.error("--cap needs root (it creates a CPU cgroup)")
+    where = f"capped at {args.cap:g} core" if args.cap else "uncapped"
+    if not args.quiet:
+        print(
+            f"kernel split with a replicated first block, compute only: one BLAS thread, {where}, "
+            f"{args.nodes} nodes, median of {args.repeats} (seconds)"
+        )
+        print(
+            f"{'network':16} {'batch':>5} {'share':>5} | {'alone':>7} {'block':>7} "
+            f"{'stage':>7} {'full':>7} {'rest':>6} {'excess':>7} | {'work':>5} {'bound':>6}"
+        )
+    if args.cap:
+        rows = capped(args)
+        for r in rows:
+            r["cap"] = args.cap
+            show(r)
+    else:
+        rows = []
+        with threadpool_limits(1):
+            for name in args.networks:
+                for batch in args.batches:
+                    r = measure(name, batch, args.nodes, args.repeats)
+                    r["cap"] = None
+                    if not args.quiet:
+                        show(r)
+                    rows.append(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
