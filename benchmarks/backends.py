@@ -6,8 +6,12 @@ convolutions on random data (best of ``--repeats``) and prints GFLOPS and the fr
 the device's measured float32 GEMM speed (``Backend.gemm_gflops``: the speed a convolution
 lowered to GEMM could at best reach on that device).
 
+``--share N`` also times C2 with a worker's equal share of N nodes, ceil(kernels / N) of its
+kernels (layer ``C2/N``): a slice has as many positions per kernel as the whole layer, which
+changes how fast BLAS runs it.
+
     python benchmarks/backends.py [--backends cpu opencl] [--batch 16] [--networks ...]
-                                  [--repeats 3] [--json PATH]
+                                  [--share N] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ NETWORKS = {"50-500": (50, 500), "150-800": (150, 800), "300-1000": (300, 1000),
             "500-1500": (500, 1500)}  # fmt: skip
 
 
-def layer_shapes(c1: int, c2: int, batch: int) -> dict[str, ConvShape]:
-    """C1 (3 -> c1 on 32x32) and C2 (c1 -> c2 on 16x16), 5x5 'same', as in the paper."""
+def layer_shapes(c1: int, c2: int, batch: int, share: int = 0) -> dict[str, ConvShape]:
+    """C1 (3 -> c1 on 32x32) and C2 (c1 -> c2 on 16x16), 5x5 'same', as in the paper; with
+    ``share`` N also C2 with ceil(c2 / N) kernels (``C2/N``)."""
     same = Padding(2, 2, 2, 2)
-    return {
+    shapes = {
         "C1": ConvShape(batch, 3, 32, 32, c1, 5, 5, same),
         "C2": ConvShape(batch, c1, 16, 16, c2, 5, 5, same),
     }
+    if share:
+        shapes[f"C2/{share}"] = ConvShape(batch, c1, 16, 16, -(-c2 // share), 5, 5, same)
+    return shapes
 
 
 def _best(call, repeats: int, sync) -> float:
@@ -70,9 +78,15 @@ def main() -> None:
     parser.add_argument("--device", type=int, help="device number (non-cpu backends)")
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--share", type=int, default=0, metavar="N",
+        help="also time C2 with a worker's equal share of N nodes (layer C2/N)",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     args = parser.parse_args()
+    if args.share < 0 or args.batch < 1 or args.repeats < 1:
+        parser.error("--share must be >= 0, --batch and --repeats >= 1")
 
     rows = []
     print(
@@ -93,7 +107,7 @@ def main() -> None:
             peak = float("nan")
         print(f"{name}: {info.name}; GEMM peak {peak:.1f} GFLOPS", flush=True)
         for network in args.networks:
-            for layer, shape in layer_shapes(*NETWORKS[network], args.batch).items():
+            for layer, shape in layer_shapes(*NETWORKS[network], args.batch, args.share).items():
                 seconds = time_operations(backend, shape, args.repeats)
                 gflops = {op: shape.flops_forward / s / 1e9 for op, s in seconds.items()}
                 row = {

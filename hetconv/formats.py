@@ -255,10 +255,10 @@ class Palette8(TensorFormat):
         if array.dtype != self.host:
             return None
         shape = array.shape
-        if array.ndim >= 2:
-            lanes = array.reshape(shape[0], shape[1], -1)
+        if array.ndim >= 2:  # (rows, channels, values): sizes given, as any may be 0
+            lanes = array.reshape(shape[0], shape[1], math.prod(shape[2:]))
         else:
-            lanes = array.reshape(1, 1, -1)
+            lanes = array.reshape(1, 1, array.size)
         channels = lanes.shape[1]
         palette = np.zeros((channels, self.ENTRIES), np.float32)
         codes = np.empty(lanes.shape, np.uint8)
@@ -268,7 +268,7 @@ class Palette8(TensorFormat):
             if len(values) > self.ENTRIES:
                 return None
             palette[c, : len(values)] = values.view(np.float32)
-            codes[:, c] = index.reshape(lanes.shape[0], -1)
+            codes[:, c] = index.reshape(lanes.shape[0], lanes.shape[2])
         return palette, codes.reshape(shape)
 
     def fits(self, array: np.ndarray) -> bool:

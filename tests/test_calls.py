@@ -155,6 +155,12 @@ def test_palette8_refuses_what_does_not_fit_and_bytes_that_do_not_match(rng):
     data = b"".join(p8.encode(_pixels(rng)))
     with pytest.raises(errors.MalformedMessage, match="bytes of palette8 data"):
         p8.decode(data[:-1], (5, 3, 6, 7))
+    # empty tensors, however their zeros fall
+    for shape in [(0, 0), (0, 3, 2), (4, 0, 5), (2, 3, 0), (0,)]:
+        empty = np.zeros(shape, np.float32)
+        data = b"".join(p8.encode(empty))
+        assert len(data) == p8.nbytes(shape)
+        assert p8.decode(data, shape).shape == shape
     # a one-channel tensor of any rank
     flat = np.repeat(np.arange(7, dtype=np.float32), 3)
     back = p8.decode(b"".join(p8.encode(flat)), flat.shape)

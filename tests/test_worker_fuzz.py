@@ -42,7 +42,7 @@ from threadpoolctl import threadpool_limits
 from hetconv import wire
 from hetconv.backends import get_backend
 from hetconv.calls import READY, SERVICE_NAME
-from hetconv.formats import FORMATS
+from hetconv.formats import FORMATS, IMAGE_FORMATS
 from hetconv.master.client import WorkerClient
 from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.proto import worker_pb2 as pb
@@ -429,9 +429,9 @@ def mutate_phase(draw, draft: Draft) -> None:
 
 def mutate_dtype(draw, draft: Draft) -> None:
     header = draft.tensors[_pick(draw, draft)][0]
-    # Any value but those with a format (FLOAT32, FLOAT16, BFLOAT16: 1..3); a 16-bit dtype
-    # would only be refused for its byte count, and an empty tensor not at all.
-    known = sorted(FORMATS)
+    # Any value but those with a format (FLOAT32, FLOAT16, BFLOAT16, PALETTE8: 1..4); another
+    # format would only be refused for its byte count, and an empty tensor not at all.
+    known = sorted({**FORMATS, **IMAGE_FORMATS})
     assert known == list(range(known[0], known[-1] + 1))
     header.dtype = draw(
         st.one_of(st.integers(-(2**31), known[0] - 1), st.integers(known[-1] + 1, 2**31 - 1))

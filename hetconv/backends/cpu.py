@@ -304,17 +304,37 @@ class CpuBackend(Backend):
     def _grad_kernels(self, x, dy, shape):
         plan = _plan(shape, self.scratch_bytes)
         taps = plan.rows_per_group * shape.kw
-        grouped = np.empty((plan.groups, shape.k, plan.terms), np.float32)
+        # Row-lowered layers compute each group's gradient as (terms, K) = rows.T @ stacked.T:
+        # the same products as stacked @ rows, but BLAS runs this orientation faster when the
+        # positions (the inner dimension) far outnumber the kernels, as on a worker's slice
+        # (one thread, batch 64: 77-81 -> 102-105 GFLOPS for 160 kernels of paper-150-800's
+        # conv2, 105-106 -> 119-126 for 300 of paper-500-1500's, 2-5 % for whole layers;
+        # `python benchmarks/backends.py --backends cpu --batch 64 --share 5`). A fully lowered
+        # first layer (few terms) keeps the other orientation, which is as fast there.
+        swap = plan.rows_per_group == 1
+        grouped = np.empty(
+            (plan.groups, plan.terms, shape.k) if swap else (plan.groups, shape.k, plan.terms),
+            np.float32,
+        )
         for index, (chunk, first) in enumerate(self._chunks(plan)):
             lowered = self._lower(chunk, x, first)
             stacked = self._stack_output_grad(chunk, dy, first)
+            beta = 0.0 if index == 0 else 1.0
             for g in range(chunk.groups):
                 rows = self._group_rows(chunk, lowered, g)
-                _gemm(stacked, rows, grouped[g], beta=0.0 if index == 0 else 1.0)
+                if swap:
+                    _gemm(rows, stacked, grouped[g], True, True, beta)
+                else:
+                    _gemm(stacked, rows, grouped[g], beta=beta)
         dw = np.empty((shape.k, shape.c, shape.kh * shape.kw), np.float32)
-        grouped = grouped.reshape(plan.groups, shape.k, taps, shape.c)
+        if swap:
+            grouped = grouped.reshape(plan.groups, taps, shape.c, shape.k)
+            order = (2, 1, 0)
+        else:
+            grouped = grouped.reshape(plan.groups, shape.k, taps, shape.c)
+            order = (0, 2, 1)
         for g in range(plan.groups):
-            np.copyto(dw[:, :, g * taps : (g + 1) * taps], grouped[g].transpose(0, 2, 1))
+            np.copyto(dw[:, :, g * taps : (g + 1) * taps], grouped[g].transpose(order))
         db = dy.sum(axis=(0, 2, 3), dtype=np.float32)
         return dw.reshape(shape.k, shape.c, shape.kh, shape.kw), db
 
