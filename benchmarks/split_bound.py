@@ -23,10 +23,13 @@ cluster spends than the master alone on the same convolutions. The stage's exces
 ``full stage x share / kernels`` is what does not shrink with a share (the lowering of the
 whole input, the input gradient's fold, GEMMs with few kernels).
 
-Each repeat runs every part once, interleaved, so drift hits all alike; medians after one
-cold repeat. ``--cap F`` (root) runs the measurement in a CPU cgroup capped at F of a core, as
-the testbed caps each of its processes (the cap costs a little more than 1/F, and not equally
-for every part: the bound under a cap is the one a testbed run can reach).
+Each part repeats as its process would run it, step after step (the alone step; a node's
+block then its stage; the block then the whole stage), medians after one cold run: interleaved
+in one process, each part would fault in the pages the others freed (under a cap that made the
+block at paper-500-1500 batch 64 take 5.5-6 s instead of 3.5). ``--cap F`` (root) runs the
+measurement in a CPU cgroup capped at F of a core, as the testbed caps each of its processes
+(the cap costs a little more than 1/F, and not equally for every part: the bound under a cap is
+the one a testbed run can reach).
 
     python benchmarks/split_bound.py [--networks paper-150-800 paper-500-1500]
         [--batches 16 64] [--nodes 5] [--repeats 3] [--cap F] [--json PATH]
@@ -129,14 +132,23 @@ class Parts:
 def measure(network: str, batch: int, nodes: int, repeats: int) -> dict:
     parts = Parts(network, batch, nodes)
     times: dict[str, list[float]] = {"alone": [], "block": [], "stage": [], "full_stage": []}
+    # Each program repeats as its process would, step after step (the first run faults its
+    # arrays in and is left out): interleaved, each would fault in what the others freed.
     for repeat in range(repeats + 1):
         alone = parts.alone()
+        if repeat:
+            times["alone"].append(alone)
+    for repeat in range(repeats + 1):  # a node: its block, then its share of the stage
         block, y = parts.block_pass()
         stage = parts.stage_pass(y, parts.own)
+        if repeat:
+            times["block"].append(block)
+            times["stage"].append(stage)
+    for repeat in range(repeats + 1):  # the whole stage, as the master alone runs it
+        _, y = parts.block_pass()
         full = parts.stage_pass(y, slice(0, parts.kernels))
-        if repeat:  # the first repeat faults every array in
-            for key, value in zip(times, (alone, block, stage, full), strict=True):
-                times[key].append(value)
+        if repeat:
+            times["full_stage"].append(full)
     alone, block, stage, full = (statistics.median(v) for v in times.values())
     rest = max(alone - block - full, 0.0)
     node = block + stage
