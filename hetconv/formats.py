@@ -297,7 +297,7 @@ class Palette8(TensorFormat):
                 f"{name} has more than {self.ENTRIES} distinct values in a channel: it cannot "
                 f"travel as {self.label}"
             )
-        return [byte_segments(part)[0] for part in coded if part.size]
+        return _palette_segments(coded)
 
     def _parts(self, data, shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         expected = self.nbytes(shape)
@@ -344,7 +344,12 @@ class _Prepared(Palette8):
     def encode(self, array: np.ndarray, name: str = "tensor") -> list[memoryview]:
         if array is not self._array:
             raise ValueError(f"{name}: this palette encoding was made for another array")
-        return [byte_segments(part)[0] for part in self._coded if part.size]
+        return _palette_segments(self._coded)
+
+
+def _palette_segments(coded: tuple[np.ndarray, np.ndarray]) -> list[memoryview]:
+    """The wire bytes of (palette, indices): one view of each, the empty indices left out."""
+    return [byte_segments(part)[0] for part in coded if part.size]
 
 
 FLOAT32 = Float32()

@@ -83,9 +83,7 @@ class Calibration:
         """The network's convolutions at the traced batch, each replicated block's images as
         they travelled (:attr:`~hetconv.workload.ConvLayer.images_fit`)."""
         return [
-            dataclasses.replace(
-                layer, images_fit=self.replica_images.get(layer.name) == PALETTE8.label
-            )
+            _images_as_sent(layer, self.replica_images)
             for layer in network_layers(self.network, self.batch)
         ]
 
@@ -268,6 +266,12 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     return None
 
 
+def _images_as_sent(layer: ConvLayer, images: dict[str, str]) -> ConvLayer:
+    """``layer`` with its images counted as a trace's ``replica_images`` says they travelled
+    (float32 where it names none)."""
+    return dataclasses.replace(layer, images_fit=images.get(layer.name) == PALETTE8.label)
+
+
 def replicas(
     layers: Sequence[ConvLayer], modes: dict[str, str], images: dict[str, str] | None = None
 ) -> dict[str, ConvLayer]:
@@ -275,9 +279,8 @@ def replicas(
     from a trace's ``stage_modes`` (the block's is ``"replicated"``; it feeds the next) and
     ``replica_images`` (block -> the format its images travelled in; traces from before it
     was recorded sent float32)."""
-    images = images or {}
     return {
-        after.name: dataclasses.replace(layer, images_fit=images.get(layer.name) == PALETTE8.label)
+        after.name: _images_as_sent(layer, images or {})
         for layer, after in zip(layers, layers[1:], strict=False)
         if modes.get(layer.name) == REPLICATED
     }
