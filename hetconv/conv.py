@@ -171,6 +171,10 @@ class ConvSpec:
         head: (name, classes) of the network's final fully connected layer when this
             layer's stage output is its input, unchanged (a split head may run it on the
             stage's kernel slices: :mod:`hetconv.head`); None otherwise. Not compared.
+        images_fit: for a network's first layer, whether the images it takes fit the palette8
+            format (:meth:`hetconv.data.ImageDataset.palette_fit`, which training sets), which
+            they travel in to a replicated first block; the cost model counts float32 bytes
+            when they do not. Not compared.
     """
 
     name: str
@@ -184,6 +188,7 @@ class ConvSpec:
     phased_from: tuple[int, int] | None = field(default=None, compare=False)
     feeds: str | None = field(default=None, compare=False)
     head: tuple[str, int] | None = field(default=None, compare=False)
+    images_fit: bool = field(default=True, compare=False)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:

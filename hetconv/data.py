@@ -141,6 +141,20 @@ class ImageDataset:
         """(C, H, W) of one image: the network's input shape."""
         return tuple(int(n) for n in self.images.shape[1:])  # type: ignore[return-value]
 
+    def palette_fit(self) -> bool:
+        """Whether every batch of this dataset fits the palette8 image format (at most 256
+        distinct values in each channel), which a replicated first block's images travel in:
+        always for uint8 pixels; float32 values only when each channel of the whole dataset
+        holds at most 256 (normalising maps equal values to equal values)."""
+        if self.images.dtype == np.uint8:
+            return True
+        bits = self.images.view(np.uint32)
+        for c in range(bits.shape[1]):
+            # a few images first: most float datasets fail there, without sorting them all
+            if np.unique(bits[:16, c]).size > 256 or np.unique(bits[:, c]).size > 256:
+                return False
+        return True
+
     def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return normalised images and labels for ``indices``.
 

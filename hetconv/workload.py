@@ -73,7 +73,9 @@ class ConvLayer:
     def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
         """The layer ``spec`` describes, at ``batch`` images."""
         head = spec.head[1] if spec.head is not None else 0
-        return cls(spec.name, spec.shape(batch), spec.need_input_grad, spec.stage, head)
+        return cls(
+            spec.name, spec.shape(batch), spec.need_input_grad, spec.stage, head, spec.images_fit
+        )
 
     @property
     def kernels(self) -> int:

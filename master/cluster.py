@@ -739,7 +739,14 @@ class Cluster:
             costmodel.WireCosts(format=self.config.wire_format),
         )  # fmt: skip
         layers = [
-            ConvLayer(ly.name, ly.shape, ly.need_input_grad, ly.stage, self.heads.get(ly.name, 0))
+            ConvLayer(
+                ly.name,
+                ly.shape,
+                ly.need_input_grad,
+                ly.stage,
+                self.heads.get(ly.name, 0),
+                ly.images_fit,
+            )  # fmt: skip
             for ly in self._layers
         ]
         shares = {}

@@ -43,6 +43,7 @@ class PlannedLayer:
     shape: ConvShape
     need_input_grad: bool
     stage: StageSpec | None = None  # the channel-local layers after it (hetconv.stages)
+    images_fit: bool = True  # its images fit palette8 (hetconv.conv.ConvSpec.images_fit)
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,10 @@ class Planner:
 
         replica = None
         if block is not None and fused:
-            replica = ConvLayer(block.name, block.shape, block.need_input_grad, block.stage)
+            replica = ConvLayer(
+                block.name, block.shape, block.need_input_grad, block.stage,
+                images_fit=block.images_fit,
+            )  # fmt: skip
 
         def model_node(i: int) -> costmodel.Node:
             node = nodes[i]
@@ -271,7 +275,10 @@ def step_model(
     each layer from its probe (forward and backward of all its kernels), each worker's measured
     link and latency; the master's port (switched) or the medium (``"wifi"``) at ``capacity``
     (None: the fastest link)."""
-    modelled = [ConvLayer(ly.name, ly.shape, ly.need_input_grad, ly.stage) for ly in layers]
+    modelled = [
+        ConvLayer(ly.name, ly.shape, ly.need_input_grad, ly.stage, images_fit=ly.images_fit)
+        for ly in layers
+    ]
 
     def speeds(node: Node) -> dict[str, float]:
         return {

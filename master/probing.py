@@ -29,7 +29,9 @@ def planned_layers(layers: Sequence[ConvSpec], batch: int) -> list[PlannedLayer]
     """The shapes the cluster plans for: one :class:`PlannedLayer` per conv layer of the model
     at ``batch`` images per step."""
     return [
-        PlannedLayer(spec.name, spec.shape(batch), spec.need_input_grad, spec.stage)
+        PlannedLayer(
+            spec.name, spec.shape(batch), spec.need_input_grad, spec.stage, spec.images_fit
+        )
         for spec in layers
     ]
 

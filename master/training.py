@@ -306,7 +306,10 @@ class _Run:
         self.resumed: tuple[TrainingState, Path] | None = None
         if config.checkpoint_dir:
             self._find_checkpoint()
-        self.executor.prepare(self.model.conv_specs(), config.batch, log)
+        # What the plan counts for a replicated block's images: palette8 when they fit it.
+        fit = self.train_set.palette_fit()
+        specs = [dataclasses.replace(spec, images_fit=fit) for spec in self.model.conv_specs()]
+        self.executor.prepare(specs, config.batch, log)
         self.prediction = self._predict(config.batch)
         # Resident kernels (hetconv.master.resident): the executor updates those layers.
         self.resident = _resident_names(self.executor)

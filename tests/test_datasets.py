@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from hetconv.cli import main
+from hetconv.conv import LocalConv
 from hetconv.data import (
     DatasetError,
     ImageDataset,
@@ -490,3 +491,40 @@ def test_a_data_dir_of_no_known_kind_is_refused_before_workers_start(tmp_path, c
     out, err = capsys.readouterr()
     assert "notes.txt is a file but neither" in err
     assert "local worker" not in out + err
+
+
+def test_palette_fit_says_whether_every_channel_holds_at_most_256_values():
+    rng = np.random.default_rng(0)
+    labels = np.zeros(40, np.int64)
+    pixels = rng.integers(0, 256, (40, 3, 8, 8)).astype(np.uint8)
+    assert ImageDataset(pixels, labels).palette_fit()  # 8-bit pixels always fit
+    levels = rng.standard_normal(256).astype(np.float32)
+    few = levels[rng.integers(0, 256, (40, 2, 8, 8))]
+    stats = dict(mean=(0.0, 0.0), std=(1.0, 1.0))
+    assert ImageDataset(few, labels, **stats).palette_fit()  # 256 values in each channel
+    many = few.copy()
+    many[-1, 1, 0, 0] = 1e6  # a 257th value in one channel of the last image only
+    assert not ImageDataset(many, labels, **stats).palette_fit()
+    noise = rng.standard_normal((40, 2, 8, 8)).astype(np.float32)
+    assert not ImageDataset(noise, labels, **stats).palette_fit()
+
+
+@pytest.mark.parametrize("dtype, fit", [(np.uint8, True), (np.float32, False)])
+def test_training_tells_the_executor_whether_its_images_fit_palette8(tmp_path, dtype, fit):
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (24, 3, 32, 32)).astype(dtype)
+    if dtype == np.float32:
+        x += rng.uniform(0, 1, x.shape).astype(np.float32)  # floats of any value
+    np.savez(tmp_path / "d.npz", x=x, y=np.arange(24) % 10)
+    prepared = []
+
+    class Recording(LocalConv):
+        def prepare(self, layers, batch, log):
+            prepared.extend(layers)
+
+    config = TrainConfig(
+        steps=1, batch=4, dataset="npz", data_dir=str(tmp_path / "d.npz"),
+        holdout_fraction=0.25, eval_size=0, progress=False,
+    )  # fmt: skip
+    train(config, Recording())
+    assert [spec.images_fit for spec in prepared] == [fit, fit]

@@ -357,3 +357,17 @@ def test_a_trace_says_how_the_images_travelled_and_older_ones_sent_float32():
     assert (old.images_fit, new.images_fit) == (False, True)
     assert old.images_bytes == 4 * 16 * 3 * 32 * 32
     assert new.images_bytes == 3 * 1024 + 16 * 3 * 32 * 32
+
+
+def test_the_plan_counts_images_that_do_not_fit_palette8_as_float32():
+    from dataclasses import replace
+
+    from hetconv.master.probing import planned_layers
+
+    specs = Model(reference_spec(150, 800)).conv_specs()
+    floats = [replace(spec, images_fit=False) for spec in specs]
+    for given, fit in ((specs, True), (floats, False)):
+        assert [ly.images_fit for ly in planned_layers(given, 16)] == [fit, fit]
+        block = ConvLayer.from_spec(given[0], 16)
+        assert block.images_fit is fit
+        assert block.images_bytes == (3 * 1024 + 16 * 3 * 32 * 32 if fit else 4 * 16 * 3 * 32 * 32)
