@@ -738,17 +738,7 @@ class Cluster:
             self.config.master_compute,
             costmodel.WireCosts(format=self.config.wire_format),
         )  # fmt: skip
-        layers = [
-            ConvLayer(
-                ly.name,
-                ly.shape,
-                ly.need_input_grad,
-                ly.stage,
-                self.heads.get(ly.name, 0),
-                ly.images_fit,
-            )  # fmt: skip
-            for ly in self._layers
-        ]
+        layers = [ly.modelled(self.heads.get(ly.name, 0)) for ly in self._layers]
         shares = {}
         for ly in self._layers:
             plan = self.plans[ly.name].shares

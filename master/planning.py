@@ -45,6 +45,13 @@ class PlannedLayer:
     stage: StageSpec | None = None  # the channel-local layers after it (hetconv.stages)
     images_fit: bool = True  # its images fit palette8 (hetconv.conv.ConvSpec.images_fit)
 
+    def modelled(self, head: int = 0) -> ConvLayer:
+        """The layer as the cost model counts it; ``head``: the classes of a split head its
+        stage computes (0: none)."""
+        return ConvLayer(
+            self.name, self.shape, self.need_input_grad, self.stage, head, self.images_fit
+        )
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -207,13 +214,7 @@ class Planner:
         if not workers:
             return fallback
         fused = self.stages != UNFUSED and layer.stage is not None
-        modelled = ConvLayer(
-            layer.name,
-            layer.shape,
-            layer.need_input_grad,
-            layer.stage,
-            self.heads.get(layer.name, 0),
-        )
+        modelled = layer.modelled(self.heads.get(layer.name, 0))
         flops = modelled.step_passes * layer.shape.flops_forward
         fastest = max(nodes[j].link_bytes_per_second for j in workers)
         if self.capacity is not None:
@@ -221,10 +222,7 @@ class Planner:
 
         replica = None
         if block is not None and fused:
-            replica = ConvLayer(
-                block.name, block.shape, block.need_input_grad, block.stage,
-                images_fit=block.images_fit,
-            )  # fmt: skip
+            replica = block.modelled()
 
         def model_node(i: int) -> costmodel.Node:
             node = nodes[i]
@@ -275,10 +273,7 @@ def step_model(
     each layer from its probe (forward and backward of all its kernels), each worker's measured
     link and latency; the master's port (switched) or the medium (``"wifi"``) at ``capacity``
     (None: the fastest link)."""
-    modelled = [
-        ConvLayer(ly.name, ly.shape, ly.need_input_grad, ly.stage, images_fit=ly.images_fit)
-        for ly in layers
-    ]
+    modelled = [ly.modelled() for ly in layers]
 
     def speeds(node: Node) -> dict[str, float]:
         return {
