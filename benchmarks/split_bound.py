@@ -31,8 +31,16 @@ measurement in a CPU cgroup capped at F of a core, as the testbed caps each of i
 (the cap costs a little more than 1/F, and not equally for every part: the bound under a cap is
 the one a testbed run can reach).
 
+``--together`` also runs one node's work (its block, then its stage) in ``--nodes`` processes
+at once, each in a CPU cgroup of its own at ``--cap`` (uncapped without it), started together
+and repeated as above, as the testbed's master and workers compute at the same time on this
+machine's cores: ``node_together_s`` is the median of their medians, ``node_together_max_s``
+the slowest one's (a phase waits for its slowest node), and ``bound_together = alone /
+(node_together + rest)`` the bound on a machine whose nodes share its cores and caches (the
+master alone, the reference, runs by itself).
+
     python benchmarks/split_bound.py [--networks paper-150-800 paper-500-1500]
-        [--batches 16 64] [--nodes 5] [--repeats 3] [--cap F] [--json PATH]
+        [--batches 16 64] [--nodes 5] [--repeats 3] [--cap F] [--together] [--json PATH]
 """
 
 from __future__ import annotations
@@ -129,6 +137,17 @@ class Parts:
         return time.perf_counter() - start
 
 
+def node_passes(parts: Parts, repeats: int) -> list[float]:
+    """A node's work (its block, then its stage), ``repeats`` times after a cold run."""
+    times = []
+    for repeat in range(repeats + 1):
+        block, y = parts.block_pass()
+        stage = parts.stage_pass(y, parts.own)
+        if repeat:
+            times.append(block + stage)
+    return times
+
+
 def measure(network: str, batch: int, nodes: int, repeats: int) -> dict:
     parts = Parts(network, batch, nodes)
     times: dict[str, list[float]] = {"alone": [], "block": [], "stage": [], "full_stage": []}
@@ -170,10 +189,91 @@ def measure(network: str, batch: int, nodes: int, repeats: int) -> dict:
 
 
 def show(r: dict) -> None:
+    together = ""
+    if "bound_together" in r:
+        together = (f" | {r['node_together_s']:7.3f} {r['node_together_max_s']:7.3f} "
+                    f"{r['bound_together']:5.2f}x")  # fmt: skip
     print(f"{r['network']:16} {r['batch']:5d} {r['share']:5d} | {r['alone_s']:7.3f} "
           f"{r['block_s']:7.3f} {r['stage_s']:7.3f} {r['full_stage_s']:7.3f} "
           f"{r['rest_s']:6.3f} {r['stage_excess_s']:7.3f} | {r['work']:5.2f} "
-          f"{r['bound']:5.2f}x", flush=True)  # fmt: skip
+          f"{r['bound']:5.2f}x{together}", flush=True)  # fmt: skip
+
+
+def _wait_for(condition, what: str, children: list[subprocess.Popen], limit: float) -> None:
+    """Poll ``condition`` until it holds; a child that exits early, or ``limit`` seconds, is an
+    error that names ``what`` was awaited."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        failed = [c for c in children if c.poll() not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"a node process exited with {failed[0].returncode} ({what})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node processes not done after {limit:g} s ({what})")
+        time.sleep(0.01)
+
+
+def together(args: argparse.Namespace, network: str, batch: int) -> list[list[float]]:
+    """Each of ``args.nodes`` processes' node-work times, the processes run at once (each in
+    a cgroup capped at ``args.cap``, one BLAS thread) and released together once all are
+    ready."""
+    if args.cap:
+        ensure_cpu_controller()
+    caps = [
+        CpuCap(f"hetconv-split-bound-{os.getpid()}-{i}", args.cap)
+        for i in range(args.nodes if args.cap else 0)
+    ]
+    children: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        barrier = Path(tmp)
+        try:
+            for i in range(args.nodes):
+                command = [sys.executable, os.path.abspath(__file__), "--networks", network,
+                           "--batches", str(batch), "--nodes", str(args.nodes),
+                           "--repeats", str(args.repeats),
+                           "--node-only", str(barrier / str(i))]  # fmt: skip
+                prefix = []
+                if caps:
+                    caps[i].create()
+                    prefix = caps[i].prefix()
+                env = with_blas_threads(os.environ, 1)
+                children.append(subprocess.Popen(prefix + command, env=env))
+            ready = [barrier / f"{i}.ready" for i in range(args.nodes)]
+            _wait_for(lambda: all(r.exists() for r in ready), "getting ready", children, 600)
+            (barrier / "go").touch()
+            for child in children:
+                if child.wait() != 0:
+                    raise RuntimeError(f"a node process exited with {child.returncode}")
+            return [json.loads((barrier / f"{i}.json").read_text()) for i in range(args.nodes)]
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+            for cap in caps:
+                if cap.created:
+                    cap.remove()
+
+
+def node_only(args: argparse.Namespace) -> None:
+    """One of :func:`together`'s processes: set up, say ready, wait for the go, time, write."""
+    base = Path(args.node_only)
+    with threadpool_limits(1):
+        parts = Parts(args.networks[0], args.batches[0], args.nodes)
+        node_passes(parts, 0)  # fault the arrays in before the others start timing
+        Path(f"{base}.ready").touch()
+        go = base.parent / "go"
+        while not go.exists():
+            time.sleep(0.005)
+        times = node_passes(parts, args.repeats)
+    Path(f"{base}.json").write_text(json.dumps(times))
+
+
+def add_together(row: dict, runs: list[list[float]]) -> None:
+    """``row`` with what the node processes measured at once (module docstring)."""
+    medians = [statistics.median(times) for times in runs]
+    row["node_together_s"] = statistics.median(medians)
+    row["node_together_max_s"] = max(medians)
+    row["bound_together"] = row["alone_s"] / (row["node_together_s"] + row["rest_s"])
 
 
 def capped(args: argparse.Namespace) -> list[dict]:
@@ -204,9 +304,18 @@ def main(argv=None) -> None:
         "--cap", type=float, metavar="F",
         help="run capped at F of a core in a CPU cgroup, as the testbed does (root; e.g. 0.36)",
     )  # fmt: skip
+    p.add_argument(
+        "--together", action="store_true",
+        help="also time one node's work in --nodes processes at once (each capped at --cap), "
+        "as the testbed's nodes compute on this machine's shared cores",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--node-only", metavar="BARRIER", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.node_only:
+        node_only(args)
+        return
     for name in args.networks:
         if name not in PRESETS:
             p.error(f"unknown network {name!r}; choose from {', '.join(PRESETS)}")
@@ -220,6 +329,7 @@ def main(argv=None) -> None:
         if os.geteuid() != 0:
             p.error("--cap needs root (it creates a CPU cgroup)")
     where = f"capped at {args.cap:g} core" if args.cap else "uncapped"
+    together_head = f" | {'node x' + str(args.nodes):>7} {'slowest':>7} {'bound':>6}"
     if not args.quiet:
         print(
             f"kernel split with a replicated first block, compute only: one BLAS thread, {where}, "
@@ -228,22 +338,27 @@ def main(argv=None) -> None:
         print(
             f"{'network':16} {'batch':>5} {'share':>5} | {'alone':>7} {'block':>7} "
             f"{'stage':>7} {'full':>7} {'rest':>6} {'excess':>7} | {'work':>5} {'bound':>6}"
+            + (together_head if args.together else "")
         )
     if args.cap:
         rows = capped(args)
         for r in rows:
             r["cap"] = args.cap
+            if args.together:
+                add_together(r, together(args, r["network"], r["batch"]))
             show(r)
     else:
         rows = []
-        with threadpool_limits(1):
-            for name in args.networks:
-                for batch in args.batches:
+        for name in args.networks:
+            for batch in args.batches:
+                with threadpool_limits(1):
                     r = measure(name, batch, args.nodes, args.repeats)
-                    r["cap"] = None
-                    if not args.quiet:
-                        show(r)
-                    rows.append(r)
+                r["cap"] = None
+                if args.together:
+                    add_together(r, together(args, name, batch))
+                if not args.quiet:
+                    show(r)
+                rows.append(r)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -135,6 +135,11 @@ EXACT = (
     "--shares", "link", "--network", "{network}", "--stages", "fused", "--kernels", "resident",
     "--replicate", "first",
 )  # fmt: skip
+#: exact_head's modes with every node's share equal instead of planned from probes and links
+EQUAL_SHARES = (
+    "--shares", "compute", "--stages", "fused", "--kernels", "resident", "--replicate", "first",
+    "--overlap", "auto", "--head", "split", "--deterministic",
+)  # fmt: skip
 MODES: tuple[Mode, ...] = (
     Mode("kernel_split", (), "the paper's: every conv's kernels split by probe", in_all=False),
     Mode("float16", ("--wire-format", "float16"), "activations and their gradients as float16"),
@@ -192,6 +197,13 @@ MODES: tuple[Mode, ...] = (
         (*EXACT, "--overlap", "auto", "--head", "split"),
         "every exact mode with the split head: link shares, fused, resident, replicated, "
         "overlap (auto), the last stage answering logits (what `hetconv train` does by default)",
+        "--head",
+        in_all=False,
+    ),
+    Mode(
+        "exact_head_equal",
+        EQUAL_SHARES,
+        "exact_head with every node's share equal (--deterministic), not planned from probes",
         "--head",
         in_all=False,
     ),

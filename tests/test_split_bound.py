@@ -38,6 +38,19 @@ def test_split_bound_writes_one_row_per_network_and_batch(tmp_path):
     assert "tiny" in done.stdout and "bound" in done.stdout
 
 
+def test_split_bound_together_times_the_node_work_in_that_many_processes(tmp_path):
+    out = tmp_path / "rows.json"
+    done = _run("--networks", "tiny", "--batches", "2", "--nodes", "3", "--repeats", "2",
+                "--together", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (r,) = json.loads(out.read_text())
+    assert 0 < r["node_together_s"] <= r["node_together_max_s"]
+    bound = r["alone_s"] / (r["node_together_s"] + r["rest_s"])
+    assert abs(r["bound_together"] - bound) < 1e-9
+    assert "node x3" in done.stdout
+    assert not list(tmp_path.glob("*.ready"))  # the barrier files lived in a folder of its own
+
+
 def test_split_bound_refuses_bad_input_by_name():
     for argv, message in [
         (["--networks", "nope"], "unknown network 'nope'"),
