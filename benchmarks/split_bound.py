@@ -23,6 +23,13 @@ cluster spends than the master alone on the same convolutions. The stage's exces
 ``full stage x share / kernels`` is what does not shrink with a share (the lowering of the
 whole input, the input gradient's fold, GEMMs with few kernels).
 
+What a block split by images would reach: ``block_part`` times the block on a node's own
+ceil(batch / nodes) images, and ``bound_split_block = alone / (block_part + stage + rest)`` is
+the bound if every node computed the block for its own images only and the nodes exchanged the
+outputs (and, backward, their parts of its input gradient) at no cost; ``exchange_mb`` is what
+each node would receive forward and send backward per step for that (the other images' block
+outputs, float32).
+
 Each part repeats as its process would run it, step after step (the alone step; a node's
 block then its stage; the block then the whole stage), medians after one cold run: interleaved
 in one process, each part would fault in the pages the others freed (under a cap that made the
@@ -109,12 +116,14 @@ class Parts:
         self.optimizer.step(self.model.gradients())
         return time.perf_counter() - start
 
-    def block_pass(self) -> tuple[float, np.ndarray]:
-        """(block forward + backward seconds, its output)."""
+    def block_pass(self, images: int | None = None) -> tuple[float, np.ndarray]:
+        """(block forward + backward seconds, its output), of the first ``images`` images
+        (None: the whole batch)."""
         k = self.w1.shape[0]
+        x = self.x if images is None else self.x[:images]
         start = time.perf_counter()
         y, run = stage_forward(
-            self.backend, self.x, self.w1, self.b1, self.padding1, self.block, slice(0, k)
+            self.backend, x, self.w1, self.b1, self.padding1, self.block, slice(0, k)
         )
         forward = time.perf_counter() - start
         dy = np.ones_like(y)
@@ -150,7 +159,13 @@ def node_passes(parts: Parts, repeats: int) -> list[float]:
 
 def measure(network: str, batch: int, nodes: int, repeats: int) -> dict:
     parts = Parts(network, batch, nodes)
-    times: dict[str, list[float]] = {"alone": [], "block": [], "stage": [], "full_stage": []}
+    times: dict[str, list[float]] = {
+        "alone": [],
+        "block": [],
+        "stage": [],
+        "full_stage": [],
+        "block_part": [],
+    }
     # Each program repeats as its process would, step after step (the first run faults its
     # arrays in and is left out): interleaved, each would fault in what the others freed.
     for repeat in range(repeats + 1):
@@ -168,7 +183,12 @@ def measure(network: str, batch: int, nodes: int, repeats: int) -> dict:
         full = parts.stage_pass(y, slice(0, parts.kernels))
         if repeat:
             times["full_stage"].append(full)
-    alone, block, stage, full = (statistics.median(v) for v in times.values())
+    own_images = math.ceil(batch / nodes)
+    for repeat in range(repeats + 1):  # the block of a node's own images only
+        part, y = parts.block_pass(own_images)
+        if repeat:
+            times["block_part"].append(part)
+    alone, block, stage, full, part = (statistics.median(v) for v in times.values())
     rest = max(alone - block - full, 0.0)
     node = block + stage
     ideal = full * parts.share / parts.kernels
@@ -185,6 +205,9 @@ def measure(network: str, batch: int, nodes: int, repeats: int) -> dict:
         "stage_excess_s": stage - ideal,
         "work": nodes * node / max(alone - rest, 1e-12),
         "bound": alone / (node + rest),
+        "block_part_s": part,
+        "bound_split_block": alone / (part + stage + rest),
+        "exchange_mb": (batch - own_images) * y[:1].nbytes / 1e6,
     }
 
 
@@ -196,7 +219,8 @@ def show(r: dict) -> None:
     print(f"{r['network']:16} {r['batch']:5d} {r['share']:5d} | {r['alone_s']:7.3f} "
           f"{r['block_s']:7.3f} {r['stage_s']:7.3f} {r['full_stage_s']:7.3f} "
           f"{r['rest_s']:6.3f} {r['stage_excess_s']:7.3f} | {r['work']:5.2f} "
-          f"{r['bound']:5.2f}x{together}", flush=True)  # fmt: skip
+          f"{r['bound']:5.2f}x | {r['block_part_s']:7.3f} {r['exchange_mb']:6.1f} "
+          f"{r['bound_split_block']:5.2f}x{together}", flush=True)  # fmt: skip
 
 
 def _wait_for(condition, what: str, children: list[subprocess.Popen], limit: float) -> None:
@@ -338,7 +362,7 @@ def main(argv=None) -> None:
         print(
             f"{'network':16} {'batch':>5} {'share':>5} | {'alone':>7} {'block':>7} "
             f"{'stage':>7} {'full':>7} {'rest':>6} {'excess':>7} | {'work':>5} {'bound':>6}"
-            + (together_head if args.together else "")
+            f" | {'b.part':>7} {'MB':>6} {'split':>6}" + (together_head if args.together else "")
         )
     if args.cap:
         rows = capped(args)

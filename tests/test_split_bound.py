@@ -35,6 +35,11 @@ def test_split_bound_writes_one_row_per_network_and_batch(tmp_path):
             assert r[key] > 0, key
         node = r["block_s"] + r["stage_s"]
         assert abs(r["bound"] - r["alone_s"] / (node + r["rest_s"])) < 1e-9
+        split = r["block_part_s"] + r["stage_s"] + r["rest_s"]
+        assert abs(r["bound_split_block"] - r["alone_s"] / split) < 1e-9
+        # the other images' block outputs: tiny's 8 channels at 16x16 after the pool, float32
+        others = r["batch"] - -(-r["batch"] // 3)
+        assert r["exchange_mb"] == others * 8 * 16 * 16 * 4 / 1e6
     assert "tiny" in done.stdout and "bound" in done.stdout
 
 
