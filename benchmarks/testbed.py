@@ -208,6 +208,14 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
     ),
     Mode(
+        "exact_head_settle",
+        (*EXACT, "--overlap", "auto", "--head", "split", "--settle-steps", "2"),
+        "exact_head with the workers' shares settled once on their measured finish times after "
+        "two steps (use --warmup 4 so that the steps timed are after it)",
+        "--settle-steps",
+        in_all=False,
+    ),
+    Mode(
         "exact_head_bfloat16",
         (*EXACT, "--overlap", "auto", "--head", "split", "--wire-format", "bfloat16"),
         "exact_head, with activations and their gradients as bfloat16 on the wire",

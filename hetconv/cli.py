@@ -168,6 +168,15 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "busy, or freed up); 0 keeps the split fixed, as in the paper, until workers come or go",
     )
     where.add_argument(
+        "--settle-steps",
+        type=non_negative_int,
+        metavar="STEPS",
+        default=0,
+        help="after STEPS steps on the planned split, move kernels between the workers once by "
+        "their measured finish times (the probe of identical machines can differ by 10-16%%, "
+        "and the split follows it); 0, the default, keeps the planned split",
+    )
+    where.add_argument(
         "--stages",
         choices=("auto", "fused", "unfused"),  # hetconv.stages.STAGE_MODES
         default="auto",
@@ -523,6 +532,11 @@ def _run_train(args: argparse.Namespace) -> int:
                 "--deterministic never rebalances (shares must not follow measured speed): "
                 "drop --rebalance-every"
             )
+        if args.deterministic and args.settle_steps:
+            raise ValueError(
+                "--deterministic never settles (shares must not follow measured speed): "
+                "drop --settle-steps"
+            )
         if args.rebalance_every is None:
             args.rebalance_every = 0 if args.deterministic else 20
         cluster_config = ClusterConfig(
@@ -532,6 +546,7 @@ def _run_train(args: argparse.Namespace) -> int:
             share_policy=args.shares,
             network=args.network,
             rebalance_every=args.rebalance_every,
+            settle_steps=args.settle_steps,
             deterministic=args.deterministic,
             token=token,  # the embedded default's local workers are started with it too
             tls_ca=args.tls_ca,
@@ -714,7 +729,8 @@ _CONFIG_TABLES = {
     "training": ("steps", "epochs", "batch", "seed", "lr", "momentum", "weight_decay", "load"),
     "cluster": (
         "local", "worker", "workers_file", "local_workers", "connect_timeout", "master_compute",
-        "shares", "network", "wire_format", "rebalance_every", "stages", "deterministic",
+        "shares", "network", "wire_format", "rebalance_every", "settle_steps", "stages",
+        "deterministic",
         "tls_ca", "spot_check_every", "spot_check_sample", "discover", "discover_wait",
     ),
     "outputs": ("checkpoint_every", "tensorboard"),

@@ -117,6 +117,7 @@ from .replica import (
     timed,
 )
 from .resident import DEFAULT_SYNC_EVERY, ResidentKernels
+from .settling import SettleMonitor
 from .spotcheck import SpotCheckConfig, SpotChecker
 
 
@@ -157,6 +158,9 @@ class ClusterConfig:
         rebalance_change: the relative drift that counts: a node's factor (its median compute
             in the last period over its baseline, geometric mean over its layers) at least
             this far from 1.
+        settle_steps: after this many steps on the planned shares, move kernels between the
+            workers once by their measured finish times, where the probe's noise split
+            identical workers unequally (0: never). See :mod:`hetconv.master.settling`.
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
         wire_format: the format of activations and their gradients on the wire
@@ -212,6 +216,7 @@ class ClusterConfig:
     network: str = AUTO_NETWORK
     rebalance_every: int = 20
     rebalance_change: float = 0.3
+    settle_steps: int = 0
     token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
     wire_format: TensorFormat = FLOAT32
@@ -272,6 +277,7 @@ class Cluster:
         self.config = c = config or ClusterConfig()
         # Deterministic: measured speeds never move the split.
         self.drift = DriftMonitor(0 if c.deterministic else c.rebalance_every, c.rebalance_change)
+        self.settling = SettleMonitor(0 if c.deterministic else c.settle_steps)
         network = "switched" if c.network == AUTO_NETWORK else c.network  # until measured
         self.planner = Planner(
             c.master_compute,
@@ -817,11 +823,17 @@ class Cluster:
             drifted = self.drift.drifted(self.nodes)
             if drifted:
                 changed, reason = True, f"{drifted}: kernels re-split by measured speed"
+        if not changed and self.settling.due():
+            shares = {name: plan.shares for name, plan in self.plans.items()}
+            settled = self.settling.settle(self.nodes, shares)
+            if settled:
+                changed, reason = True, f"settled on the workers' finish times: {settled}"
         if changed:
             before = {name: plan.shares for name, plan in self.plans.items()}
             self._replan()
             if before != {name: plan.shares for name, plan in self.plans.items()}:
                 self.drift.forget()
+                self.settling.forget()
                 shares = {
                     name: {n.name: plan.shares[i] for i, n in enumerate(self.nodes)}
                     for name, plan in self.plans.items()
@@ -876,6 +888,7 @@ class Cluster:
         if checks is not None:
             record["spot_checks"] = checks
         self.drift.observe(runner.records, bool(self.membership.failed))
+        self.settling.observe(runner.records, bool(self.membership.failed))
         return record
 
     # -- the two calls of a ConvExecutor ---------------------------------------------------

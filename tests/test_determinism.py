@@ -219,6 +219,7 @@ def test_two_deterministic_command_line_runs_save_identical_weights(tmp_path):
     [
         (["--shares", "link"], "--deterministic splits kernels equally"),
         (["--rebalance-every", "5"], "--deterministic never rebalances"),
+        (["--settle-steps", "3"], "--deterministic never settles"),
     ],
 )
 def test_deterministic_refuses_what_would_follow_timings(args, message):
