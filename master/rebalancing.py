@@ -22,6 +22,16 @@ import numpy as np
 from .membership import ACTIVE, Node
 
 
+def per_layer(records: dict[str, dict], figure: str):
+    """``(node name, layer, forward + backward figure)`` of every layer in a step's
+    ``records`` (node name -> layer -> phase figures) that ran both phases; ``figure``:
+    ``"compute_seconds"`` or ``"wall_seconds"``."""
+    for name, layers in records.items():
+        for layer, figures in layers.items():
+            if "forward" in figures and "backward" in figures:
+                yield name, layer, figures["forward"][figure] + figures["backward"][figure]
+
+
 def drift_text(name: str, factor: float) -> str:
     """A node's drift in words: ``127.0.0.1:50052 2.1x slower than its own baseline at the same
     share`` (``factor``: its compute now over its baseline; below 1 it got faster)."""
@@ -63,16 +73,11 @@ class DriftMonitor:
             self._warming = False
             return
         with self._lock:
-            for name, layers in records.items():
-                for layer, figures in layers.items():
-                    if "forward" not in figures or "backward" not in figures:
-                        continue
-                    seconds = figures["forward"]["compute_seconds"]
-                    seconds += figures["backward"]["compute_seconds"]
-                    window = self._windows.setdefault(name, {}).setdefault(
-                        layer, collections.deque(maxlen=self.every)
-                    )
-                    window.append(seconds)
+            for name, layer, seconds in per_layer(records, "compute_seconds"):
+                window = self._windows.setdefault(name, {}).setdefault(
+                    layer, collections.deque(maxlen=self.every)
+                )
+                window.append(seconds)
 
     def drifted(self, nodes: Sequence[Node]) -> str:
         """Scale the figures of every active node whose speed has changed by ``change`` or

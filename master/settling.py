@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from hetconv.balance import kernel_shares
 
 from .membership import ACTIVE, Node
+from .rebalancing import per_layer
 
 
 def settled_shares(shares: Sequence[int], walls: Sequence[float]) -> list[int]:
@@ -76,14 +77,10 @@ class SettleMonitor:
             self._warming = False
             return
         with self._lock:
-            for name, layers in records.items():
-                for layer, figures in layers.items():
-                    if "forward" not in figures or "backward" not in figures:
-                        continue
-                    wall = figures["forward"]["wall_seconds"] + figures["backward"]["wall_seconds"]
-                    self._walls.setdefault(name, {}).setdefault(
-                        layer, collections.deque(maxlen=self.steps)
-                    ).append(wall)
+            for name, layer, wall in per_layer(records, "wall_seconds"):
+                self._walls.setdefault(name, {}).setdefault(
+                    layer, collections.deque(maxlen=self.steps)
+                ).append(wall)
             self._seen += 1
 
     def due(self) -> bool:
