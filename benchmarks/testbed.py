@@ -208,6 +208,14 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
     ),
     Mode(
+        "exact_head_serial_probe",
+        (*EXACT, "--overlap", "auto", "--head", "split", "--probe-nodes", "one-at-a-time"),
+        "exact_head with the nodes probed one at a time before training (the paper's way), "
+        "not all at once",
+        "--probe-nodes",
+        in_all=False,
+    ),
+    Mode(
         "exact_head_settle",
         (*EXACT, "--overlap", "auto", "--head", "split", "--settle-steps", "2"),
         "exact_head with the workers' shares settled once on their measured finish times after "

@@ -177,6 +177,14 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "and the split follows it); 0, the default, keeps the planned split",
     )
     where.add_argument(
+        "--probe-nodes",
+        choices=("together", "one-at-a-time"),
+        default="together",
+        help="together, the default: every node probes each layer at the same time, as they "
+        "compute it in training (nodes sharing a machine are measured as they will run); "
+        "one-at-a-time: each node with the machine to itself, as in the paper",
+    )
+    where.add_argument(
         "--stages",
         choices=("auto", "fused", "unfused"),  # hetconv.stages.STAGE_MODES
         default="auto",
@@ -547,6 +555,7 @@ def _run_train(args: argparse.Namespace) -> int:
             network=args.network,
             rebalance_every=args.rebalance_every,
             settle_steps=args.settle_steps,
+            probe_together=args.probe_nodes == "together",
             deterministic=args.deterministic,
             token=token,  # the embedded default's local workers are started with it too
             tls_ca=args.tls_ca,
@@ -730,7 +739,7 @@ _CONFIG_TABLES = {
     "cluster": (
         "local", "worker", "workers_file", "local_workers", "connect_timeout", "master_compute",
         "shares", "network", "wire_format", "rebalance_every", "settle_steps", "stages",
-        "deterministic",
+        "deterministic", "probe_nodes",
         "tls_ca", "spot_check_every", "spot_check_sample", "discover", "discover_wait",
     ),
     "outputs": ("checkpoint_every", "tensorboard"),

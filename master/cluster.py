@@ -129,6 +129,8 @@ class ClusterConfig:
         master_compute: whether the master computes a share of every layer itself (it always
             computes the slices of workers that fail).
         probe_repeats: timed probe runs per node and layer (the best counts).
+        probe_together: every node probes a layer at the same time, as they compute it in
+            training (:func:`~hetconv.master.probing.probe_every`); False: one at a time.
         deadline_floor: seconds every call may take at least.
         deadline_factor: a call's deadline is the floor plus this many times what the probe and
             the measured link predict for it.
@@ -205,6 +207,7 @@ class ClusterConfig:
 
     master_compute: bool = True
     probe_repeats: int = 2
+    probe_together: bool = True
     deadline_floor: float = 5.0
     deadline_factor: float = 10.0
     connect_timeout: float = 20.0
@@ -472,7 +475,9 @@ class Cluster:
             )
         self.connect()
         self._layers = probing.planned_layers(layers, batch)
-        probing.probe_every(self.nodes, self._layers, self.backend, c.probe_repeats, log)
+        probing.probe_every(
+            self.nodes, self._layers, self.backend, c.probe_repeats, log, c.probe_together
+        )
         for name, shares in (self.config.shares or {}).items():
             layer = next((e for e in self._layers if e.name == name), None)
             if layer is not None:

@@ -7,6 +7,7 @@ measured with echoes: the round trip of a tiny message (latency) and of 1 MiB ea
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -80,12 +81,21 @@ def probe_every(
     backend: Backend,
     repeats: int,
     log: TextIO | None = None,
+    together: bool = True,
 ) -> None:
-    """Probe every active node on every layer, one at a time (nodes on one machine must not
-    collide), into ``node.probe_seconds``; a line on ``log`` as each probe ends, so that a
-    large network's minute of probing is never a blank screen.
+    """Probe every active node on every layer into ``node.probe_seconds``; a line on ``log``
+    as each probe ends, so that a large network's minute of probing is never a blank screen.
 
-    Nodes not active (unreachable at start) are left for when they come.
+    With ``together`` (the default) every node probes a layer at the same time, as they all
+    compute it in training: nodes that share a machine (its cores, caches, memory bandwidth or
+    power budget) are then measured as they will run, not each with the machine to itself, and
+    probing takes one node's time per layer instead of the sum over nodes. Without it, one
+    node at a time (the paper's way). On this project's testbed, whose nodes share one
+    machine, a capped process alone varied by 20 % from one run to the next while five at
+    once agreed within 0.5 % (``benchmarks/testbed.py``, README "Probing at once").
+
+    Nodes not active (unreachable at start) are left for when they come. A probe that fails
+    raises its error once every probe of that layer has ended.
     """
     active = [node for node in nodes if node.state == ACTIVE]
     total, done = len(active) * len(layers), 0
@@ -93,23 +103,62 @@ def probe_every(
         print(
             f"probing {len(active)} node{'s' if len(active) != 1 else ''} on {len(layers)} "
             f"layer{'s' if len(layers) != 1 else ''} (forward + backward of each layer's real "
-            f"shape, best of {repeats}), one at a time:",
+            f"shape, best of {repeats}), "
+            f"{'all nodes at once' if together and len(active) > 1 else 'one at a time'}:",
             file=log,
             flush=True,
         )
-    for layer in layers:
-        s = layer.shape
-        what = f"{layer.name} ({s.c}->{s.k} channels, {s.kh}x{s.kw}, {s.h}x{s.w}, batch {s.n})"
-        for node in active:
-            start = time.perf_counter()
-            node.probe_seconds[layer.name] = probe(node, layer, backend, repeats)
+    lock = threading.Lock()
+
+    def one(node: Node, layer: PlannedLayer, start: float) -> None:
+        nonlocal done
+        seconds = probe(node, layer, backend, repeats)
+        with lock:
+            node.probe_seconds[layer.name] = seconds
             done += 1
             if log is not None:
-                took = time.perf_counter() - start
+                s, took = layer.shape, time.perf_counter() - start
+                what = (
+                    f"{layer.name} ({s.c}->{s.k} channels, {s.kh}x{s.kw}, {s.h}x{s.w}, batch {s.n})"
+                )
                 slow = f" (probing took {took:.0f} s)" if took >= 1 else ""
-                figure = 1e3 * node.probe_seconds[layer.name]
-                line = f"  [{done}/{total}] {what} on {node.name}: {figure:.1f} ms{slow}"
-                print(line, file=log, flush=True)
+                print(
+                    f"  [{done}/{total}] {what} on {node.name}: {1e3 * seconds:.1f} ms{slow}",
+                    file=log,
+                    flush=True,
+                )
+
+    for layer in layers:
+        if together and len(active) > 1:
+            _at_once(functools.partial(one, layer=layer), active)
+        else:
+            for node in active:
+                one(node, layer, time.perf_counter())
+
+
+def _at_once(one, active: Sequence[Node]) -> None:
+    """``one(node, start)`` for every node of ``active`` in threads started together (the
+    master's own probe, the last, in this thread); the first error is raised after all end."""
+    errors: list[BaseException] = []
+    start = time.perf_counter()
+
+    def run(node: Node) -> None:
+        try:
+            one(node, start=start)
+        except BaseException as e:  # handed to the caller once every probe has ended
+            errors.append(e)
+
+    workers = [node for node in active if node.client is not None]
+    local = [node for node in active if node.client is None]
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in workers]
+    for t in threads:
+        t.start()
+    for node in local:
+        run(node)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def probe_all(node: Node, layers: list[PlannedLayer], backend: Backend, repeats: int):
