@@ -173,8 +173,8 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         metavar="STEPS",
         default=0,
         help="after STEPS steps on the planned split, move kernels between the workers once by "
-        "their measured finish times (the probe of identical machines can differ by 10-16%%, "
-        "and the split follows it); 0, the default, keeps the planned split",
+        "their measured finish times (the probes of identical machines can differ by a few per "
+        "cent, and the split follows them); 0, the default, keeps the planned split",
     )
     where.add_argument(
         "--probe-nodes",

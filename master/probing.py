@@ -90,9 +90,10 @@ def probe_every(
     compute it in training: nodes that share a machine (its cores, caches, memory bandwidth or
     power budget) are then measured as they will run, not each with the machine to itself, and
     probing takes one node's time per layer instead of the sum over nodes. Without it, one
-    node at a time (the paper's way). On this project's testbed, whose nodes share one
-    machine, a capped process alone varied by 20 % from one run to the next while five at
-    once agreed within 0.5 % (``benchmarks/testbed.py``, README "Probing at once").
+    node at a time (the paper's way). On the testbed (``benchmarks/testbed.py --modes
+    exact_head exact_head_serial_probe``: five identical capped nodes on one machine) the
+    second layer's probes of the five differed by 8-21 % one at a time and by 1-5 % at once
+    (once 15 %: the master, while its workers agreed within 1 %).
 
     Nodes not active (unreachable at start) are left for when they come. A probe that fails
     raises its error once every probe of that layer has ended.

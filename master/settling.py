@@ -1,9 +1,10 @@
 """Shares that settle, once, on the workers' measured finish times a few steps after the plan.
 
 The probe times each node on the whole layer once, before training. On a shared machine the
-probes of identical nodes differ by up to 16 % (paper-150-800 on the testbed, best of 2), and
-the planned split follows that noise: the worker whose probe came out slow gets fewer kernels
-and waits for the others every step (``benchmarks/testbed.py --modes exact_head
+probes of identical nodes, one at a time, differ by up to 16-21 % (paper-150-800 on the
+testbed, best of 2; at once, as :func:`~.probing.probe_every` runs them by default, mostly
+1-5 %), and the planned split follows that noise: the worker whose probe came out slow gets
+fewer kernels and waits for the others every step (``benchmarks/testbed.py --modes exact_head
 exact_head_equal``). :mod:`.rebalancing` cannot see it: it compares a node with its own first
 steps, not with the other nodes.
 
