@@ -218,8 +218,8 @@ MODES: tuple[Mode, ...] = (
     Mode(
         "exact_head_settle",
         (*EXACT, "--overlap", "auto", "--head", "split", "--settle-steps", "2"),
-        "exact_head with the workers' shares settled once on their measured finish times after "
-        "two steps (use --warmup 4 so that the steps timed are after it)",
+        "exact_head with the nodes' shares settled once on their measured finish times after "
+        "two steps and two that warm up (use --warmup 5 so that the steps timed are after it)",
         "--settle-steps",
         in_all=False,
     ),

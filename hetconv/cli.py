@@ -172,9 +172,10 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         metavar="STEPS",
         default=0,
-        help="after STEPS steps on the planned split, move kernels between the workers once by "
-        "their measured finish times (the probes of identical machines can differ by a few per "
-        "cent, and the split follows them); 0, the default, keeps the planned split",
+        help="after STEPS steps on the planned split (and two more that warm up), move kernels "
+        "between the nodes, the master too, once by their measured finish times (the probes of "
+        "identical machines can differ by a few per cent, and the plan does not see all of the "
+        "master's own work); 0, the default, keeps the planned split",
     )
     where.add_argument(
         "--probe-nodes",

@@ -161,8 +161,9 @@ class ClusterConfig:
             in the last period over its baseline, geometric mean over its layers) at least
             this far from 1.
         settle_steps: after this many steps on the planned shares, move kernels between the
-            workers once by their measured finish times, where the probe's noise split
-            identical workers unequally (0: never). See :mod:`hetconv.master.settling`.
+            nodes (the master too) once by their measured finish times, where the probe's
+            noise or work the plan does not see split them unequally (0: never). See
+            :mod:`hetconv.master.settling`.
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
         wire_format: the format of activations and their gradients on the wire
@@ -832,7 +833,7 @@ class Cluster:
             shares = {name: plan.shares for name, plan in self.plans.items()}
             settled = self.settling.settle(self.nodes, shares)
             if settled:
-                changed, reason = True, f"settled on the workers' finish times: {settled}"
+                changed, reason = True, f"settled on the nodes' finish times: {settled}"
         if changed:
             before = {name: plan.shares for name, plan in self.plans.items()}
             self._replan()

@@ -688,6 +688,9 @@ class PhaseRunner:
         if waiting is not None:
             waiting()
         beside = time.perf_counter() - t0
+        # The master's wall in the phase, as a worker's is request to answer: from the phase's
+        # start (its calls started) until its own piece and what it does beside are done.
+        own_wall = time.perf_counter() - start if own.size else 0.0
         # The answers are taken in node order, whichever call finishes first, so the parts
         # that a job sums (backward's input gradient) are added in a fixed order: the master's
         # own, the pieces it covers, then the workers' in node order (a deterministic run
@@ -703,7 +706,7 @@ class PhaseRunner:
         computes = [master_seconds + beside]
         if own.size or covered or failed:
             kernels = own.size + sum(p.size for p in covered + failed)
-            stats = CallStats(compute_seconds=master_seconds)
+            stats = CallStats(compute_seconds=master_seconds, wall_seconds=own_wall)
             self._record(nodes[0], layer, job.phase, kernels, stats)
         for piece, answer in done:
             stats = job.accept(piece, answer)

@@ -1,4 +1,4 @@
-"""Shares that settle once on the workers' measured finish times (``--settle-steps``,
+"""Shares that settle once on the nodes' measured finish times (``--settle-steps``,
 :mod:`hetconv.master.settling`): the arithmetic, the monitor's once-only rule and what it
 leaves out, the flag, and a real cluster whose probe was off training exactly like local."""
 
@@ -14,7 +14,7 @@ from hetconv.conv import LocalConv
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.membership import LOST, Node
-from hetconv.master.settling import SettleMonitor, settled_shares
+from hetconv.master.settling import WARMING_STEPS, SettleMonitor, settled_shares
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 
@@ -66,6 +66,7 @@ def test_the_monitor_settles_once_after_its_steps_leaving_out_the_first_and_fail
     monitor, nodes = SettleMonitor(2), _nodes()
     shares = {"c": (40, 30, 30)}  # 100 kernels: 10 ms a kernel on the probes of w2
     monitor.observe(_records({"m": 0, "w1": 0.1, "w2": 9.0}), False)  # first after the plan
+    monitor.observe(_records({"m": 0, "w1": 9.0, "w2": 0.1}), False)  # and the second
     monitor.observe(_records({"m": 0, "w1": 0.1, "w2": 9.0}), True)  # a worker failed
     assert not monitor.due()
     for _ in range(2):  # w1 (30 kernels) finishes 60 ms before w2 (30 kernels)
@@ -79,14 +80,30 @@ def test_the_monitor_settles_once_after_its_steps_leaving_out_the_first_and_fail
     assert not monitor.due() and monitor.settle(nodes, shares) == ""  # once a run
 
 
+def test_the_master_settles_with_the_workers_once_its_wall_is_measured():
+    # The master's wall (the phase's start to its own piece done) is in the trace: a master
+    # whose extra work per step the plan did not see takes longer than its workers, and gives
+    # kernels to them. Without its wall (0, as above) it keeps its share.
+    monitor, nodes = SettleMonitor(1), _nodes()
+    for _ in range(WARMING_STEPS):
+        monitor.observe({}, False)
+    monitor.observe(_records({"m": 0.48, "w1": 0.30, "w2": 0.30}), False)
+    said = monitor.settle(nodes, {"c": (40, 30, 30)})
+    assert said == "c m 40->30 w1 30->35 w2 30->35"  # 40 / 0.48 and 30 / 0.30 kernels a second
+    assert nodes[0].probe_seconds["c"] == pytest.approx(1.0 * 40 / 30)
+    assert nodes[1].probe_seconds["c"] == pytest.approx(1.2 * 30 / 35)
+
+
 def test_small_differences_and_lost_workers_move_nothing():
     monitor, nodes = SettleMonitor(1, change=0.05), _nodes()
-    monitor.observe({}, False)
+    for _ in range(WARMING_STEPS):
+        monitor.observe({}, False)
     monitor.observe(_records({"m": 0, "w1": 0.300, "w2": 0.301}), False)
     assert monitor.settle(nodes, {"c": (40, 30, 30)}) == ""
     monitor, nodes = SettleMonitor(1), _nodes()
     nodes[2].state = LOST
-    monitor.observe({}, False)
+    for _ in range(WARMING_STEPS):
+        monitor.observe({}, False)
     monitor.observe(_records({"m": 0, "w1": 0.1, "w2": 0.9}), False)
     assert monitor.settle(nodes, {"c": (40, 30, 30)}) == ""  # one worker left: nothing to even
     assert nodes[1].probe_seconds["c"] == 1.2
@@ -94,11 +111,12 @@ def test_small_differences_and_lost_workers_move_nothing():
 
 def test_new_shares_before_settling_start_the_count_again():
     monitor = SettleMonitor(2)
-    for _ in range(3):
+    for _ in range(WARMING_STEPS + 2):
         monitor.observe(_records({"m": 0, "w1": 0.3, "w2": 0.4}), False)
     assert monitor.due()
     monitor.forget()
-    monitor.observe(_records({"m": 0, "w1": 0.3, "w2": 0.4}), False)  # warming again
+    for _ in range(WARMING_STEPS + 1):  # warming again, then one measured step
+        monitor.observe(_records({"m": 0, "w1": 0.3, "w2": 0.4}), False)
     assert not monitor.due()
 
 
@@ -137,7 +155,7 @@ def test_a_cluster_that_settles_trains_exactly_like_local(tmp_path):
     assert len(changes) <= 1
     if changes:
         reason = changes[0]["reason"]
-        assert reason.startswith("settled on the workers' finish times: ")
+        assert reason.startswith("settled on the nodes' finish times: ")
         if "conv2 " in reason:
             before = int(reason.split("conv2 ")[1].split(f"{slow} ")[1].split("->")[0])
             assert final[1] > before
