@@ -89,10 +89,10 @@ def probe_every(
     With ``together`` (the default) every node probes a layer at the same time, as they all
     compute it in training: nodes that share a machine (its cores, caches, memory bandwidth or
     power budget) are then measured as they will run, not each with the machine to itself, and
-    probing takes one node's time per layer instead of the sum over nodes. Without it, one
-    node at a time (the paper's way). On the testbed (``benchmarks/testbed.py --modes
-    exact_head exact_head_serial_probe``: five identical capped nodes on one machine) the
-    second layer's probes of the five differed by 8-21 % one at a time and by 1-5 % at once
+    on separate machines probing takes one node's time per layer instead of the sum over nodes.
+    Without it, one node at a time (the paper's way). On the testbed (``benchmarks/testbed.py
+    --modes exact_head exact_head_serial_probe``: five identical capped nodes on one machine)
+    the second layer's probes of the five differed by 8-21 % one at a time and by 1-5 % at once
     (once 15 %: the master, while its workers agreed within 1 %).
 
     Nodes not active (unreachable at start) are left for when they come. A probe that fails
