@@ -137,9 +137,15 @@ def _train(tmp_path, name, executor):
     spec = tmp_path / "net.json"
     spec.write_text(json.dumps(reference_spec(32, 128)))
     weights = tmp_path / f"{name}.npz"
-    config = TrainConfig(preset=str(spec), save=str(weights), **SMALL)
+    trace = str(tmp_path / f"{name}.jsonl")
+    config = TrainConfig(preset=str(spec), save=str(weights), trace=trace, **SMALL)
     result = train(config, executor, log=io.StringIO())
     return result, dict(np.load(weights))
+
+
+def _steps(tmp_path, name) -> list[dict]:
+    lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "step" in r and "nodes" in r]
 
 
 def test_a_cluster_that_settles_trains_exactly_like_local(tmp_path):
@@ -161,6 +167,12 @@ def test_a_cluster_that_settles_trains_exactly_like_local(tmp_path):
             assert final[1] > before
         assert tuple(changes[0]["shares"]["conv2"].values()) == final
     assert sum(final) == 128
+    # the master's wall (what it settles on) is in the trace: from the phase's start to its own
+    # piece done, which takes at least its compute
+    for record in _steps(tmp_path, "cluster"):
+        for phase in ("forward", "backward"):
+            mine = record["nodes"]["master"]["conv2"][phase]
+            assert mine["wall_seconds"] >= mine["compute_seconds"] > 0
     np.testing.assert_allclose(got.losses, local.losses, rtol=1e-6)
     for name in weights:
         np.testing.assert_allclose(weights[name], local_weights[name], rtol=0, atol=1e-6)
