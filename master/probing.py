@@ -7,7 +7,6 @@ measured with echoes: the round trip of a tiny message (latency) and of 1 MiB ea
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ import numpy as np
 from hetconv.backends import Backend
 from hetconv.conv import ConvSpec
 
+from .dispatch import Call
 from .membership import ACTIVE, Node
 from .planning import PlannedLayer
 
@@ -131,33 +131,30 @@ def probe_every(
 
     for layer in layers:
         if together and len(active) > 1:
-            _at_once(functools.partial(one, layer=layer), active)
+            _at_once(one, layer, active)
         else:
             for node in active:
                 one(node, layer, time.perf_counter())
 
 
-def _at_once(one, active: Sequence[Node]) -> None:
-    """``one(node, start)`` for every node of ``active`` in threads started together (the
-    master's own probe, the last, in this thread); the first error is raised after all end."""
-    errors: list[BaseException] = []
+def _at_once(one, layer: PlannedLayer, active: Sequence[Node]) -> None:
+    """``one(node, layer, start)`` for every node of ``active`` at once: each worker's on a
+    :class:`~.dispatch.Call` of its own, the master's in this thread; the first error (in node
+    order, the master's first) is raised once every probe has ended."""
     start = time.perf_counter()
-
-    def run(node: Node) -> None:
+    calls = [Call(one, node, layer, start) for node in active if node.client is not None]
+    errors: list[Exception] = []
+    for node in active:
+        if node.client is None:
+            try:
+                one(node, layer, start)
+            except Exception as e:  # raised once the workers' probes have ended too
+                errors.append(e)
+    for call in calls:
         try:
-            one(node, start=start)
-        except BaseException as e:  # handed to the caller once every probe has ended
+            call.result()
+        except Exception as e:
             errors.append(e)
-
-    workers = [node for node in active if node.client is not None]
-    local = [node for node in active if node.client is None]
-    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in workers]
-    for t in threads:
-        t.start()
-    for node in local:
-        run(node)
-    for t in threads:
-        t.join()
     if errors:
         raise errors[0]
 
