@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backends import Backend, PaddingSpec
+from .backends.base import KernelGradientSum
 from .layers import (
     AvgPool2d,
     BatchNorm2d,
@@ -541,13 +542,17 @@ def stage_backward(
     dy: np.ndarray,
     grad: slice,
     need_input_grad: bool,
-) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    kernel_sum: KernelGradientSum | None = None,
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """(input-gradient part or None, dw, db) of the owned kernels.
 
     Args:
         run: the forward's :class:`StageRun`.
         dy: float32 (N, len(grad), Ho', Wo'): the chain-output gradient of channels ``grad``
             of the widened slice (:meth:`StageSpec.grad_range`, made relative).
+        kernel_sum: where ``run`` is one image group of a batch, the batch's sum of kernel
+            gradients (:meth:`Backend.kernel_gradient_sum`): this group's are added to it and
+            dw and db come back None.
     """
     check_slices(run.out_shape[1], run.own, grad)
     expected = (run.out_shape[0], grad.stop - grad.start, *run.out_shape[2:])
@@ -559,7 +564,11 @@ def stage_backward(
         g = layer.backward(g)
     g_own = np.ascontiguousarray(g[:, run.own])
     w_own = np.ascontiguousarray(run.w[run.own])
-    dw, db = backend.conv_grad_kernels(run.x, g_own, w_own.shape[2:], run.padding)
+    dw = db = None
+    if kernel_sum is not None:
+        kernel_sum.add(run.x, g_own, w_own.shape[2:], run.padding)
+    else:
+        dw, db = backend.conv_grad_kernels(run.x, g_own, w_own.shape[2:], run.padding)
     dx = None
     if need_input_grad:
         dx = backend.conv_grad_input(g_own, w_own, run.x.shape[2:], run.padding)

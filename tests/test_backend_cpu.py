@@ -488,3 +488,31 @@ def test_gemm_lets_other_threads_run():
     stalled = sum(gap for gap in np.diff(edges) if gap > 0.02)
     assert stalled < 0.5 * (end - start), (stalled, end - start)
     assert out[0, 0] == n
+
+
+def test_a_kernel_memo_lays_the_kernels_out_once_for_its_calls():
+    """Inside one memo the kernels are rearranged once for every call that uses them (the
+    forward and the input gradient share the layout); outside it, every call does its own."""
+    rng = np.random.default_rng(11)
+    backend = CpuBackend()
+    x = rng.standard_normal((4, 16, 8, 8), dtype=np.float32)
+    w = rng.standard_normal((6, 16, 5, 5), dtype=np.float32)
+    dy = rng.standard_normal((4, 6, 8, 8), dtype=np.float32)
+    calls = []
+    real = backend._grouped_kernels.__func__
+
+    def counted(self, plan, kernels):
+        layout = real(self, plan, kernels)
+        calls.append(layout.ctypes.data)
+        return layout
+
+    backend._grouped_kernels = counted.__get__(backend)
+    memo = backend.kernel_memo()
+    for rows in (slice(0, 2), slice(2, 4)):
+        with memo:
+            backend.conv_forward(x[rows], w, None, 2)
+            backend.conv_grad_input(dy[rows], w, (8, 8), 2)
+    assert len(memo.layouts) == 1 and len(set(calls)) == 1 and len(calls) == 4
+    whole = backend.conv_forward(x, w, None, 2)  # outside: the thread's scratch, not the memo's
+    assert calls[-1] not in calls[:4]
+    assert_close(whole, CpuBackend().conv_forward(x, w, None, 2), "after the memo", 1e-6)

@@ -176,6 +176,42 @@ def test_memory_limit_runs_in_chunks_with_equal_results(device_backend):
         backend.memory_limit = saved
 
 
+@pytest.mark.parametrize("case", [GRID[2], GRID[5], GRID[6]], ids=["5x5", "16ch", "first"])
+def test_image_groups_in_a_memo_and_a_gradient_sum_equal_the_whole_batch(backend, case):
+    """A stage call's image groups (worker/overlap.py): every call inside one kernel memo, the
+    kernel gradients added group by group; the results are the whole batch's to round-off,
+    and a memo keeps no stale layout when other kernels come inside it."""
+    n, c, h, w, k, kh, kw, padding = case
+    problem = make_problem(np.random.default_rng(5), 2 * n + 1, c, h, w, k, kh, kw, padding)
+    x, wt, b, dy = problem.x, problem.w, problem.b, problem.dy
+    want = run_all(REFERENCE, problem)
+    groups = [slice(0, n), slice(n, 2 * n), slice(2 * n, 2 * n + 1)]
+    memo, total = backend.kernel_memo(), backend.kernel_gradient_sum()
+    forward, grad_input = [], []
+    for g in groups:
+        with memo:
+            forward.append(backend.conv_forward(x[g], wt, b, padding))
+            grad_input.append(backend.conv_grad_input(dy[g], wt, (h, w), padding))
+            total.add(x[g], dy[g], (kh, kw), padding)
+    dw, db = total.result()
+    got = (np.concatenate(forward), np.concatenate(grad_input), dw, db)
+    assert_results_close(got, want, RTOL, scales=term_scales(REFERENCE, problem))
+    other = np.ascontiguousarray(wt[::-1])  # other kernels, other address, same geometry
+    with memo:
+        flipped = backend.conv_forward(x, other, None, padding)
+    assert_close(flipped, REFERENCE.conv_forward(x, other, None, padding), "memo", RTOL, 1e-6)
+
+
+def test_a_gradient_sum_refuses_other_kernels_and_an_empty_result():
+    total = REFERENCE.kernel_gradient_sum()
+    with pytest.raises(ValueError, match="no part"):
+        total.result()
+    x = np.zeros((1, 3, 6, 6), np.float32)
+    total.add(x, np.zeros((1, 4, 6, 6), np.float32), (3, 3), 1)
+    with pytest.raises(ValueError, match="5 kernels .* a sum of 4"):
+        total.add(x, np.zeros((1, 5, 6, 6), np.float32), (3, 3), 1)
+
+
 def test_unknown_and_unavailable_backends_say_why():
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         get_backend("nope")

@@ -17,7 +17,6 @@ round-off.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -156,11 +155,14 @@ def forward_groups(
     slice ``w``, ``b``; the ``own`` kernels' output), in order, as each is computed: all are
     queued on ``service``'s device thread now, so group g + 1 computes while group g travels.
     ``keep`` gets the :class:`GroupedRun` once the last group is done, before its output is
-    handed on."""
+    handed on. The groups share one kernel memo (:meth:`~hetconv.backends.Backend.kernel_memo`):
+    ``w`` is rearranged for the device once, not once per group."""
     backend = service.backend
+    memo = backend.kernel_memo()
 
     def work(g: slice):
-        out = stage_forward(backend, x[g], w, b, padding, spec, own)
+        with memo:
+            out = stage_forward(backend, x[g], w, b, padding, spec, own)
         backend.synchronize()
         return out
 
@@ -235,7 +237,12 @@ class GroupedStart:
 
 class GroupedBackward:
     """A stage backward over a :class:`GroupedRun`, each group started on the device thread
-    as soon as its rows of ``dy`` have arrived (:meth:`progress`, from the receive loop)."""
+    as soon as its rows of ``dy`` have arrived (:meth:`progress`, from the receive loop).
+
+    The groups add their kernel gradients to one sum (:meth:`~hetconv.backends.Backend
+    .kernel_gradient_sum`, in group order: the device thread runs them in turn) and share one
+    kernel memo, so the kernels are rearranged for the input gradient once and the kernel
+    gradient is rearranged once, not once per group."""
 
     def __init__(
         self,
@@ -248,6 +255,8 @@ class GroupedBackward:
         self.submit, self.backend, self.run = submit, backend, run
         self.grad, self.need = grad, need_input_grad
         self.jobs: list[futures.Future] = []
+        self.memo = backend.kernel_memo()
+        self.kernel_sum = backend.kernel_gradient_sum()
 
     def progress(self, receiver) -> None:
         """Start every group whose rows of ``dy`` (the receiver's first tensor) are all in."""
@@ -259,7 +268,10 @@ class GroupedBackward:
             run = self.run.runs[len(self.jobs)]
 
             def work(run=run, rows=dy[g]):
-                out = stage_backward(self.backend, run, rows, self.grad, self.need)
+                with self.memo:
+                    out = stage_backward(
+                        self.backend, run, rows, self.grad, self.need, self.kernel_sum
+                    )
                 self.backend.synchronize()
                 return out
 
@@ -273,11 +285,7 @@ class GroupedBackward:
                 f"dy ended after {len(self.jobs)} of {len(self.run.groups)} image groups"
             )
         outs = [job.result() for job in self.jobs]
-        dw = outs[0][1].copy()
-        db = outs[0][2].copy()
-        for _, w, b in itertools.islice(outs, 1, None):
-            dw += w
-            db += b
+        dw, db = self.kernel_sum.result()
         dx = np.concatenate([o[0] for o in outs]) if self.need else None
         return dx, dw, db
 

@@ -15,6 +15,7 @@ clocks of :mod:`.clocks`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -387,10 +388,7 @@ class Backend(ABC):
         Returns:
             float32 (K, C, kh, kw) kernel gradient and float32 (K,) bias gradient.
         """
-        _check_array("input", x, 4)
-        _check_array("output gradient", dy, 4)
-        shape = conv_shape(x.shape, (dy.shape[1], x.shape[1], *kernel_hw), padding)
-        self._check_dy(dy, shape)
+        shape = self._grad_kernels_shape(x, dy, kernel_hw, padding)
         chunks = self._batch_chunks(shape)
         if len(chunks) == 1:
             return self._grad_kernels(x, dy, shape)
@@ -402,9 +400,32 @@ class Backend(ABC):
             db += part_b
         return dw, db
 
+    def _grad_kernels_shape(
+        self, x: np.ndarray, dy: np.ndarray, kernel_hw: tuple[int, int], padding: PaddingSpec
+    ) -> ConvShape:
+        """The geometry of a kernel-gradient call, its arguments checked."""
+        _check_array("input", x, 4)
+        _check_array("output gradient", dy, 4)
+        shape = conv_shape(x.shape, (dy.shape[1], x.shape[1], *kernel_hw), padding)
+        self._check_dy(dy, shape)
+        return shape
+
     @staticmethod
     def _check_dy(dy: np.ndarray, shape: ConvShape) -> None:
         check_shape("output gradient", dy, (shape.n, shape.k, *shape.out_hw))
+
+    def kernel_memo(self) -> contextlib.AbstractContextManager:
+        """A scope for the calls of one convolution made on parts of its batch (a stage call's
+        image groups): calls run inside it (``with memo:``, on any thread, one at a time) may
+        keep work that depends on the kernels alone, such as their layout for the device, and
+        reuse it for the same kernels. The caller promises that kernels passed inside do not
+        change in place while the memo lives. Here: nothing is kept."""
+        return contextlib.nullcontext()
+
+    def kernel_gradient_sum(self) -> KernelGradientSum:
+        """A sum of one convolution's kernel and bias gradients over parts of its batch,
+        added part by part (:class:`KernelGradientSum`)."""
+        return KernelGradientSum(self)
 
     def synchronize(self) -> None:  # noqa: B027 - a no-op for host backends
         """Wait for queued device work (a no-op for host backends); used when timing."""
@@ -473,3 +494,39 @@ class Backend(ABC):
     def _grad_kernels(
         self, x: np.ndarray, dy: np.ndarray, shape: ConvShape
     ) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class KernelGradientSum:
+    """One convolution's kernel and bias gradients summed over parts of its batch: each
+    :meth:`add` is :meth:`Backend.conv_grad_kernels` of one part (image group), and
+    :meth:`result` is their sum, equal to the whole batch's gradient to float32 round-off.
+    Backends that can accumulate in their own layout do so (the cpu backend's sums in the
+    layout of its GEMMs and rearranges once); this one adds the parts' gradients in order.
+    Parts are added one at a time, in the order they come."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.parts = 0
+        self._dw: np.ndarray | None = None
+        self._db: np.ndarray | None = None
+
+    def add(
+        self, x: np.ndarray, dy: np.ndarray, kernel_hw: tuple[int, int], padding: PaddingSpec
+    ) -> None:
+        dw, db = self.backend.conv_grad_kernels(x, dy, kernel_hw, padding)
+        if self._dw is None:
+            self._dw, self._db = dw, db
+        else:
+            self._dw += dw
+            self._db += db
+        self.parts += 1
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(dw, db) summed over every part added.
+
+        Raises:
+            ValueError: nothing was added.
+        """
+        if self._dw is None:
+            raise ValueError("no part of the batch was added to the kernel-gradient sum")
+        return self._dw, self._db

@@ -30,7 +30,15 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from scipy.linalg import blas
 
-from .base import Backend, ConvShape, DeviceInfo, fit_images, image_ranges
+from .base import (
+    Backend,
+    ConvShape,
+    DeviceInfo,
+    KernelGradientSum,
+    PaddingSpec,
+    fit_images,
+    image_ranges,
+)
 
 DEFAULT_SCRATCH_BYTES = 256 * 2**20
 # Below this many values per GEMM term group (kw * C) the full im2col lowering is used.
@@ -172,6 +180,7 @@ class _Scratch(threading.local):
 
     def __init__(self) -> None:
         self.buffers: dict[str, np.ndarray] = {}
+        self.memos: list[_KernelMemo] = []  # entered on this thread, innermost last
 
     def get(self, name: str, shape: tuple[int, ...], zero: bool = False) -> np.ndarray:
         size = int(np.prod(shape))
@@ -183,6 +192,60 @@ class _Scratch(threading.local):
         if zero:
             view.fill(0.0)
         return view
+
+
+class _KernelMemo:
+    """Kernel layouts kept for the calls run inside it (:meth:`Backend.kernel_memo`): the
+    image groups of one stage call rearrange their kernels once, not once per group and
+    operation (measured in ``benchmarks/overlap_groups.py``). Keyed by the kernels' address,
+    shape and strides; each entry keeps its kernels alive, so no other array takes that
+    address while the memo lives."""
+
+    def __init__(self, scratch: _Scratch):
+        self._scratch = scratch
+        self.layouts: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __enter__(self) -> _KernelMemo:
+        self._scratch.memos.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._scratch.memos.remove(self)
+
+
+class _CpuKernelGradientSum(KernelGradientSum):
+    """Image groups' kernel gradients accumulated by the GEMMs themselves (``beta = 1``) in
+    their own layout, rearranged into (K, C, kh, kw) once in :meth:`result`."""
+
+    def __init__(self, backend: CpuBackend):
+        super().__init__(backend)
+        self._shape: ConvShape | None = None
+        self._grouped: np.ndarray | None = None
+
+    def add(self, x, dy, kernel_hw, padding: PaddingSpec) -> None:
+        backend = self.backend
+        shape = backend._grad_kernels_shape(x, dy, kernel_hw, padding)
+        if self._shape is not None and (shape.k, shape.c, shape.kh, shape.kw) != (
+            self._shape.k, self._shape.c, self._shape.kh, self._shape.kw
+        ):  # fmt: skip
+            raise ValueError(
+                f"a part of {shape.k} kernels of {shape.c}x{shape.kh}x{shape.kw} added to a "
+                f"sum of {self._shape.k} of {self._shape.c}x{self._shape.kh}x{self._shape.kw}"
+            )
+        for images, chunk in backend._batch_chunks(shape):
+            first = self._grouped is None
+            if first:
+                self._grouped = backend._kernel_grad_buffer(chunk)
+                self._db = np.zeros(shape.k, np.float32)
+            backend._add_kernel_grads(x[images], dy[images], chunk, self._grouped, not first)
+            self._db += dy[images].sum(axis=(0, 2, 3), dtype=np.float32)
+            self._shape = chunk
+        self.parts += 1
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._grouped is None:
+            raise ValueError("no part of the batch was added to the kernel-gradient sum")
+        return self.backend._laid_out_kernel_grads(self._grouped, self._shape), self._db
 
 
 class CpuBackend(Backend):
@@ -255,15 +318,33 @@ class CpuBackend(Backend):
         start = group * plan.rows_per_group
         return lowered[start : start + plan.shape.out_hw[0]].reshape(plan.positions, plan.terms)
 
+    def kernel_memo(self) -> _KernelMemo:
+        return _KernelMemo(self._scratch)
+
+    def kernel_gradient_sum(self) -> _CpuKernelGradientSum:
+        return _CpuKernelGradientSum(self)
+
     def _grouped_kernels(self, plan: _Plan, w: np.ndarray) -> np.ndarray:
-        """Kernels as (groups, K, L*kw*C) matching the lowered column order."""
+        """Kernels as (groups, K, L*kw*C) matching the lowered column order (the innermost
+        memo's, when one is open on this thread and has them)."""
         s = plan.shape
         taps = plan.rows_per_group * s.kw
+        memo = self._scratch.memos[-1] if self._scratch.memos else None
+        if memo is not None:
+            key = (w.ctypes.data, w.shape, w.strides, plan.rows_per_group)
+            kept = memo.layouts.get(key)
+            if kept is not None:
+                return kept[1]
+            grouped = np.empty((plan.groups, s.k, taps, s.c), np.float32)
+        else:
+            grouped = self._scratch.get("kernels", (plan.groups, s.k, taps, s.c))
         flat = w.reshape(s.k, s.c, s.kh * s.kw)
-        grouped = self._scratch.get("kernels", (plan.groups, s.k, taps, s.c))
         for g in range(plan.groups):
             np.copyto(grouped[g], flat[:, :, g * taps : (g + 1) * taps].transpose(0, 2, 1))
-        return grouped.reshape(plan.groups, s.k, plan.terms)
+        layout = grouped.reshape(plan.groups, s.k, plan.terms)
+        if memo is not None:
+            memo.layouts[key] = (w, layout)
+        return layout
 
     def _stack_output_grad(self, plan: _Plan, dy: np.ndarray, first: int) -> np.ndarray:
         """dy of a chunk as (K, positions), positions ordered (row, image, column)."""
@@ -302,8 +383,23 @@ class CpuBackend(Backend):
         return y
 
     def _grad_kernels(self, x, dy, shape):
+        grouped = self._kernel_grad_buffer(shape)
+        self._add_kernel_grads(x, dy, shape, grouped, accumulate=False)
+        db = dy.sum(axis=(0, 2, 3), dtype=np.float32)
+        return self._laid_out_kernel_grads(grouped, shape), db
+
+    def _kernel_grad_buffer(self, shape: ConvShape) -> np.ndarray:
+        """An uninitialised buffer for :meth:`_add_kernel_grads` (its layout depends on the
+        kernels' geometry, not on the images)."""
         plan = _plan(shape, self.scratch_bytes)
-        taps = plan.rows_per_group * shape.kw
+        if plan.rows_per_group == 1:
+            return np.empty((plan.groups, plan.terms, shape.k), np.float32)
+        return np.empty((plan.groups, shape.k, plan.terms), np.float32)
+
+    def _add_kernel_grads(self, x, dy, shape, grouped: np.ndarray, accumulate: bool) -> None:
+        """The kernel gradient of ``x`` and ``dy`` in the GEMMs' layout, written into
+        ``grouped`` (or, with ``accumulate``, added to it)."""
+        plan = _plan(shape, self.scratch_bytes)
         # Row-lowered layers compute each group's gradient as (terms, K) = rows.T @ stacked.T:
         # the same products as stacked @ rows, but BLAS runs this orientation faster when the
         # positions (the inner dimension) far outnumber the kernels, as on a worker's slice
@@ -312,22 +408,23 @@ class CpuBackend(Backend):
         # `python benchmarks/backends.py --backends cpu --batch 64 --share 5`). A fully lowered
         # first layer (few terms) keeps the other orientation, which is as fast there.
         swap = plan.rows_per_group == 1
-        grouped = np.empty(
-            (plan.groups, plan.terms, shape.k) if swap else (plan.groups, shape.k, plan.terms),
-            np.float32,
-        )
         for index, (chunk, first) in enumerate(self._chunks(plan)):
             lowered = self._lower(chunk, x, first)
             stacked = self._stack_output_grad(chunk, dy, first)
-            beta = 0.0 if index == 0 else 1.0
+            beta = 1.0 if accumulate or index else 0.0
             for g in range(chunk.groups):
                 rows = self._group_rows(chunk, lowered, g)
                 if swap:
                     _gemm(rows, stacked, grouped[g], True, True, beta)
                 else:
                     _gemm(stacked, rows, grouped[g], beta=beta)
+
+    def _laid_out_kernel_grads(self, grouped: np.ndarray, shape: ConvShape) -> np.ndarray:
+        """(K, C, kh, kw) kernel gradient from :meth:`_add_kernel_grads`' layout."""
+        plan = _plan(shape, self.scratch_bytes)
+        taps = plan.rows_per_group * shape.kw
         dw = np.empty((shape.k, shape.c, shape.kh * shape.kw), np.float32)
-        if swap:
+        if plan.rows_per_group == 1:
             grouped = grouped.reshape(plan.groups, taps, shape.c, shape.k)
             order = (2, 1, 0)
         else:
@@ -335,8 +432,7 @@ class CpuBackend(Backend):
             order = (0, 2, 1)
         for g in range(plan.groups):
             np.copyto(dw[:, :, g * taps : (g + 1) * taps], grouped[g].transpose(order))
-        db = dy.sum(axis=(0, 2, 3), dtype=np.float32)
-        return dw.reshape(shape.k, shape.c, shape.kh, shape.kw), db
+        return dw.reshape(shape.k, shape.c, shape.kh, shape.kw)
 
     def _grad_input(self, dy, w, shape):
         plan = _plan(shape, self.scratch_bytes)
