@@ -357,3 +357,24 @@ def test_rows_decoded_early_are_not_decoded_again(fmt):
     np.testing.assert_array_equal(got[2:], values[2:])
     if fmt != "float32":  # (float32 rows are the received bytes themselves)
         np.testing.assert_array_equal(got[:2], -1)
+
+
+def test_the_group_benchmark_runs_and_checks_its_groups(tmp_path):
+    """``benchmarks/overlap_groups.py`` on the tiny preset: it runs the worker's own group
+    code, checks it against the whole batch (it exits non-zero when they differ) and writes
+    its rows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_groups.py"
+    out = tmp_path / "rows.json"
+    args = ["--networks", "tiny", "--batches", "5", "--kernels", "3", "16", "--repeats", "1"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args, "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["kernels"], r["groups"], r["group_images"]) for r in rows] == [(3, 3, 2), (16, 3, 2)]
+    assert all(r["whole_s"] > 0 and r["grouped_s"] > 0 for r in rows)
