@@ -162,8 +162,8 @@ class ClusterConfig:
             this far from 1.
         settle_steps: after this many steps on the planned shares, move kernels between the
             nodes (the master too) once by their measured finish times, where the probe's
-            noise or work the plan does not see split them unequally (0: never). See
-            :mod:`hetconv.master.settling`.
+            noise or work the plan does not see split them unequally (0: never; ignored when
+            ``deterministic``). See :mod:`hetconv.master.settling`.
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
         wire_format: the format of activations and their gradients on the wire
@@ -220,7 +220,7 @@ class ClusterConfig:
     network: str = AUTO_NETWORK
     rebalance_every: int = 20
     rebalance_change: float = 0.3
-    settle_steps: int = 0
+    settle_steps: int = 4
     token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
     wire_format: TensorFormat = FLOAT32

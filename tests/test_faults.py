@@ -287,7 +287,10 @@ def test_a_worker_that_gets_busy_gets_fewer_kernels(tmp_path):
         with LocalWorkers(1) as workers:
             addresses = workers.addresses + [busy]
             actions = {(24, None): get_busy}
-            config = dict(rebalance_every=8, rebalance_change=1.0, master_compute=False)
+            # (no settling: every change of shares here is the rebalancer's)
+            config = dict(
+                rebalance_every=8, rebalance_change=1.0, master_compute=False, settle_steps=0
+            )
             with Disturbed(addresses, actions, **config) as cluster:
                 got = _train(tmp_path, "busy", cluster, steps=steps)
                 events = list(cluster.events)
