@@ -216,11 +216,11 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
     ),
     Mode(
-        "exact_head_planned",
-        (*EXACT, "--overlap", "auto", "--head", "split", "--settle-steps", "0"),
-        "exact_head with the planned split kept: not settled on the nodes' measured finish "
-        "times after four steps, as hetconv train does by default (compare with --warmup 8: "
-        "the steps timed then come after the two that warm up after a move)",
+        "exact_head_settle",
+        (*EXACT, "--overlap", "auto", "--head", "split", "--settle-steps", "4"),
+        "exact_head with the nodes' shares settled once on their measured finish times after "
+        "four steps and two that warm up (use --warmup 8: the steps timed then come after the "
+        "two that warm up after a move)",
         "--settle-steps",
         in_all=False,
     ),

@@ -171,11 +171,12 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "--settle-steps",
         type=non_negative_int,
         metavar="STEPS",
-        help="after STEPS steps on the planned split (default 4, and two before them that warm "
-        "up), move kernels between the nodes, the master too, once by their measured finish "
-        "times where they differ beyond the steps' own scatter (the probes of identical "
-        "machines can differ by a few per cent, and the plan does not see all of the master's "
-        "own work); 0 keeps the planned split",
+        default=0,
+        help="after STEPS steps on the planned split (and two before them that warm up), move "
+        "kernels between the nodes, the master too, once by their measured finish times where "
+        "they differ beyond the steps' own scatter (the probes of identical machines can differ "
+        "by a few per cent, and the plan does not see all of the master's own work); 0, the "
+        "default, keeps the planned split (4 gives the guard a usable scatter)",
     )
     where.add_argument(
         "--probe-nodes",
@@ -548,8 +549,6 @@ def _run_train(args: argparse.Namespace) -> int:
             )
         if args.rebalance_every is None:
             args.rebalance_every = 0 if args.deterministic else 20
-        if args.settle_steps is None:
-            args.settle_steps = 0 if args.deterministic else 4
         cluster_config = ClusterConfig(
             master_compute=args.master_compute,
             connect_timeout=args.connect_timeout,

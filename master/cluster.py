@@ -220,7 +220,7 @@ class ClusterConfig:
     network: str = AUTO_NETWORK
     rebalance_every: int = 20
     rebalance_change: float = 0.3
-    settle_steps: int = 4
+    settle_steps: int = 0
     token: str | None = field(default=None, repr=False)  # never in a logged config
     tls_ca: str | None = None
     wire_format: TensorFormat = FLOAT32

@@ -54,7 +54,6 @@ def test_defaults_written_into_help_text_are_the_real_ones():
     real = {
         ("train", "--train-size"): TrainConfig.train_size,
         ("train", "--rebalance-every"): ClusterConfig.rebalance_every,
-        ("train", "--settle-steps"): ClusterConfig.settle_steps,
         ("train", "--spot-check-every"): SpotCheckConfig().every,
         ("worker", "--max-calls"): WorkerConfig.max_calls,
         ("worker", "--idle-timeout"): WorkerConfig.idle_timeout,
