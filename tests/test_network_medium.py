@@ -5,7 +5,9 @@ echo's time on a full-duplex link and at 2x on a half-duplex medium. The testbed
 full duplex (a token bucket on each end of a veth pair); redirecting both directions of a pair
 through one token bucket on an ifb device makes a half-duplex medium, as one Wi-Fi channel is.
 Real worker processes in network namespaces; root, ``ip`` and ``tc`` needed (skipped with the
-reason where they are missing).
+reason where they are missing). The ratio is timed on a shared machine: once in about 25 runs a
+full-duplex link measured 1.77x (over the 1.75x threshold), so a misclassified first
+measurement gets one more; two wrong in a row fail.
 """
 
 from __future__ import annotations
@@ -67,12 +69,17 @@ def test_a_full_duplex_link_is_switched_and_a_half_duplex_one_shared():
         try:
             full = probing.measure_medium([node], deadline=30.0)
             print(full.describe())
+            if full.shared:  # a noisy moment on this shared machine: one more measurement
+                full = probing.measure_medium([node], deadline=30.0)
+                print("again:", full.describe())
             assert not full.shared, full.describe()
             assert 1.3 < full.duplex_ratio < HALF, full.describe()
             ifb = f"{bed.tag}i"
             try:
                 _half_duplex(bed.links[0], ifb, RATE_MBIT)
                 half = probing.measure_medium([node], deadline=30.0)
+                if not half.shared:  # as above
+                    half = probing.measure_medium([node], deadline=30.0)
             finally:
                 subprocess.run(["ip", "link", "del", ifb], check=False, capture_output=True)
             print(half.describe())
