@@ -1,0 +1,95 @@
+"""``benchmarks/split_block.py``: the replicated block split by images across the testbed's
+nodes, compute and node-to-node exchange measured together (network namespaces, tc, CPU
+cgroups; root): its row, its check of the split, nothing left behind, bad input refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetconv.simulations import testbed
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "split_block.py"
+UNAVAILABLE = testbed.cluster_testbed_unavailable(testbed.SWITCHED_LINK)
+needs_testbed = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"testbed: {UNAVAILABLE}")
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=300
+    )
+
+
+def _module():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import split_block
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return split_block
+
+
+@needs_testbed
+def test_the_split_block_equals_the_replicated_one_and_the_testbed_goes_away(tmp_path):
+    out = tmp_path / "row.json"
+    done = _run("--network", "tiny", "--batch", "7", "--workers", "2", "--steps", "2",
+                "--rounds", "2", "--rate-mbit", "200", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    [row] = json.loads(out.read_text())
+    assert (row["network"], row["batch"], row["workers"], row["link"]) == (
+        "tiny", 7, 2, "switched"
+    )  # fmt: skip
+    assert row["rate_mbit"] == 200 and row["cap"] == pytest.approx(0.6)
+    assert row["split_check"] < 1e-4  # the nodes' kernel gradients sum to the replicated ones
+    for mode in ("replicated", "split"):
+        assert row[f"{mode}_s"] > 0
+        assert row[f"{mode}_speedup"] == pytest.approx(
+            row["alone_s"] / (row[f"{mode}_s"] + row["rest_s"])
+        )
+    assert row["split_exchange_s"] > 0
+    assert testbed.remove_stale() == []
+
+
+def test_image_and_kernel_ranges_cover_everything_once():
+    sb = _module()
+    for batch, nodes in [(16, 5), (64, 5), (7, 3), (5, 5)]:
+        ranges = sb.image_ranges(batch, nodes)
+        assert [r.start for r in ranges[1:]] == [r.stop for r in ranges[:-1]]
+        assert ranges[0].start == 0 and ranges[-1].stop == batch
+        sizes = [r.stop - r.start for r in ranges]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    kernels = sb.kernel_ranges(800, 5)
+    assert [(k.start, k.stop) for k in kernels] == [(i * 160, i * 160 + 160) for i in range(5)]
+
+
+def test_a_split_whose_gradients_do_not_add_up_fails_the_run(tmp_path):
+    sb = _module()
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((4, 3, 5, 5)).astype(np.float32) for _ in range(3)]
+    total = sum(parts)
+    for i, part in enumerate(parts):
+        np.save(tmp_path / f"replicated-{i}.npy", part)
+        np.save(tmp_path / f"split-{i}.npy", total / 3)  # other parts, the same sum
+    assert sb.check_split(tmp_path, 3) < 1e-6
+    np.save(tmp_path / "split-2.npy", total / 3 + 0.01)
+    with pytest.raises(RuntimeError, match="off by"):
+        sb.check_split(tmp_path, 3)
+
+
+def test_bad_input_is_refused_by_name():
+    for argv, message in [
+        (["--network", "nope"], "unknown network 'nope'"),
+        (["--workers", "0"], "must be positive"),
+        (["--batch", "3"], "gives some of the 5 nodes no image"),
+        (["--rate-mbit", "0"], "must be positive"),
+        (["--cap", "2"], "--cap must be in (0, 1]"),
+    ]:
+        done = _run(*argv)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert message in done.stderr, (argv, done.stderr)
