@@ -21,16 +21,21 @@ per node:
   block;
 * ``split``: the block forward on the node's own images, the all-gather, the same stage, the
   reduce-scatter, the block backward on its own images (bulk TCP, a thread per peer; no
-  overlap of exchange and compute).
+  overlap of exchange and compute);
+* ``split_workers``: the master computes the whole block as today and exchanges nothing; the
+  workers split the block's images among themselves as ``split`` does. The master then gets
+  fewer kernels: the shares are balanced from one warm-up step of this mode and of
+  ``replicated`` with equal shares (:func:`balanced_shares`). This keeps the master's side as
+  it is today: it still holds the whole block's output, so it could stand in for any worker.
 
 A step is the slowest node's, from the common go to its last byte; ``speedup = alone / (step +
 rest)``, where ``rest`` is what the master alone does beyond its block and its whole stage (the
 fc, the loss, the update), timed in the master's process. Only the nodes' compute and the
 exchange count: no gRPC, no kernels or head on the master's link, no hand-over. So these are
 what the split could reach at best, and ``replicated`` is the same bound for today's mode (the
-testbed's real steps ran about 10 % above it). The first step of each mode checks the split: the
-block's kernel gradients summed over the nodes must equal the replicated mode's to float32
-round-off (the block's backward is linear in the incoming gradient), or the run fails.
+testbed's real steps ran 8-20 % above it). A step of each mode after the warm-up checks the
+splits: the block's kernel gradients summed over the nodes must equal the replicated mode's to
+float32 round-off (the block's backward is linear in the incoming gradient), or the run fails.
 
     sudo .venv/bin/python benchmarks/split_block.py [--network paper-150-800] [--batch 16]
         [--workers 4] [--link switched] [--cap F] [--rate-mbit R] [--steps 5] [--rounds 2]
@@ -75,8 +80,9 @@ from hetconv.simulations.testbed import (  # noqa: E402
 )
 from hetconv.stages import stage_backward, stage_forward  # noqa: E402
 
-ALONE, REPLICATED, SPLIT = "alone", "replicated", "split"
-MODES = (REPLICATED, SPLIT)
+ALONE, REPLICATED, SPLIT, SPLIT_WORKERS = "alone", "replicated", "split", "split_workers"
+MODES = (REPLICATED, SPLIT, SPLIT_WORKERS)
+SPLITS = (SPLIT, SPLIT_WORKERS)
 
 
 def image_ranges(batch: int, nodes: int) -> list[slice]:
@@ -102,9 +108,14 @@ class Node:
         self.index, self.hosts = args.node, args.hosts
         nodes = len(self.hosts)
         self.parts = Parts(args.network, args.batch, nodes)
+        self.nodes = nodes
         self.images = image_ranges(args.batch, nodes)
         self.own = kernel_ranges(self.parts.kernels, nodes)[self.index]
         self.peers = [i for i in range(nodes) if i != self.index]
+        # split_workers: the master keeps the whole block, the workers split its images
+        self.worker_images = [slice(0, 0), *image_ranges(args.batch, nodes - 1)]
+        self.worker_peers = [i for i in range(1, nodes) if i != self.index]
+        self.workers_own = self.own  # its kernels in split_workers (set by ``shares``)
         self.pool = ThreadPoolExecutor(2 * len(self.peers))
         self.out: dict[int, socket.socket] = {}
         self.inc: dict[int, socket.socket] = {}
@@ -144,10 +155,11 @@ class Node:
             job.result()
         return time.perf_counter() - start
 
-    def _stage(self, y: np.ndarray) -> tuple[np.ndarray, float]:
-        """The node's share of the second layer's stage, forward then backward with the input
-        gradient (of ones at the stage's output, as ``split_bound.py``): (dx, seconds)."""
-        p, own = self.parts, self.own
+    def _stage(self, y: np.ndarray, own: slice) -> tuple[np.ndarray, float]:
+        """The node's ``own`` kernels of the second layer's stage, forward then backward with
+        the input gradient (of ones at the stage's output, as ``split_bound.py``): (dx,
+        seconds)."""
+        p = self.parts
         wide = p.stage.widened(own, p.kernels)
         relative = slice(own.start - wide.start, own.stop - wide.start)
         grad = p.stage.grad_range(own, p.kernels)
@@ -170,28 +182,46 @@ class Node:
         _, rw, rb = stage_backward(p.backend, run, g, slice(0, p.w1.shape[0]), False)
         return rw, rb
 
-    def replicated(self) -> dict:
+    def replicated(self, own: slice | None = None) -> dict:
         start = time.perf_counter()
         y, run = self._block_forward(slice(None))
-        dx, stage = self._stage(y)
+        own = self.own if own is None else own
+        dx, stage = self._stage(y, own)
         rw, _ = self._block_backward(run, dx)
-        return {"step_s": time.perf_counter() - start, "stage_s": stage, "exchange_s": 0.0}, rw
+        took = time.perf_counter() - start
+        kernels = own.stop - own.start
+        return {"step_s": took, "stage_s": stage, "exchange_s": 0.0, "kernels": kernels}, rw
 
     def split(self) -> dict:
+        return self._split(self.images, self.peers, self.own)
+
+    def split_workers(self) -> dict:
+        """The master computes the whole block (as today) and exchanges nothing; the workers
+        split the block's images among themselves."""
+        if self.index == 0:
+            return self.replicated(self.workers_own)
+        return self._split(self.worker_images, self.worker_peers, self.workers_own)
+
+    def shares(self, counts: str) -> dict:
+        """Set every node's kernel count in split_workers (``counts``: comma-separated)."""
+        counts = [int(c) for c in counts.split(",")]
+        if len(counts) != self.nodes or sum(counts) != self.parts.kernels or min(counts) < 1:
+            raise ValueError(f"shares {counts} do not split {self.parts.kernels} kernels")
+        start = sum(counts[: self.index])
+        self.workers_own = slice(start, start + counts[self.index])
+        return {"kernels": counts[self.index]}, None
+
+    def _split(self, images: list[slice], peers: list[int], own: slice) -> dict:
         start = time.perf_counter()
-        mine = self.images[self.index]
+        mine = images[self.index]
         y_own, run = self._block_forward(mine)
         y_own = np.ascontiguousarray(y_own)
         y = np.empty((self.parts.x.shape[0], *y_own.shape[1:]), np.float32)
         y[mine] = y_own
-        forward = self.exchange(
-            {i: y_own for i in self.peers}, {i: y[self.images[i]] for i in self.peers}
-        )
-        dx, stage = self._stage(y)
-        parts = {i: np.empty_like(dx[mine]) for i in self.peers}
-        backward = self.exchange(
-            {i: np.ascontiguousarray(dx[self.images[i]]) for i in self.peers}, parts
-        )
+        forward = self.exchange({i: y_own for i in peers}, {i: y[images[i]] for i in peers})
+        dx, stage = self._stage(y, own)
+        parts = {i: np.empty_like(dx[mine]) for i in peers}
+        backward = self.exchange({i: np.ascontiguousarray(dx[images[i]]) for i in peers}, parts)
         g = dx[mine].copy()
         for part in parts.values():
             g += part
@@ -201,6 +231,7 @@ class Node:
             "stage_s": stage,
             "exchange_s": forward + backward,
             "exchange_forward_s": forward,
+            "kernels": own.stop - own.start,
         }, rw
 
     def alone(self) -> dict:
@@ -215,19 +246,23 @@ class Node:
 
 
 def node_main(args: argparse.Namespace) -> None:
-    """A node's process: connect, then run each command read from stdin and print its JSON
-    (``check DIR``: also save the block's kernel gradient there)."""
+    """A node's process: connect, then run each command read from stdin and print its JSON:
+    a mode, ``MODE DIR`` (also save the block's kernel gradient in DIR), ``shares COUNTS``,
+    ``quit``."""
     with threadpool_limits(1):
         node = Node(args)
         node.connect(args.port)
         print("connected", flush=True)
         for line in sys.stdin:
-            what, *where = line.split()
+            what, *more = line.split()
             if what == "quit":
                 break
-            row, rw = getattr(node, what)()
-            if where and rw is not None:
-                np.save(Path(where[0]) / f"{what}-{node.index}.npy", rw)
+            if what == "shares":
+                row, _ = node.shares(more[0])
+            else:
+                row, rw = getattr(node, what)()
+                if more and rw is not None:
+                    np.save(Path(more[0]) / f"{what}-{node.index}.npy", rw)
             print(json.dumps(row), flush=True)
 
 
@@ -284,28 +319,54 @@ class Cluster:
 
 def check_split(folder: Path, nodes: int, rtol: float = 1e-4) -> float:
     """The largest difference between the block's kernel gradients summed over the nodes in
-    the two modes, over the largest gradient; raises past ``rtol``."""
-    sums = {
-        mode: sum(np.load(folder / f"{mode}-{i}.npy").astype(np.float64) for i in range(nodes))
-        for mode in MODES
-    }
-    scale = float(np.abs(sums[REPLICATED]).max()) or 1.0
-    error = float(np.abs(sums[SPLIT] - sums[REPLICATED]).max()) / scale
-    if not error <= rtol:
-        raise RuntimeError(f"the split block's kernel gradient is off by {error:.2e} (relative)")
-    return error
+    each split and in the replicated mode, over the largest gradient; raises past ``rtol``."""
+
+    def summed(mode: str) -> np.ndarray:
+        return sum(np.load(folder / f"{mode}-{i}.npy").astype(np.float64) for i in range(nodes))
+
+    want = summed(REPLICATED)
+    scale = float(np.abs(want).max()) or 1.0
+    worst = 0.0
+    for mode in SPLITS:
+        error = float(np.abs(summed(mode) - want).max()) / scale
+        if not error <= rtol:
+            raise RuntimeError(f"{mode}: the block's kernel gradient is off by {error:.2e}")
+        worst = max(worst, error)
+    return worst
+
+
+def balanced_shares(kernels: int, replicated: list[dict], workers_split: list[dict]) -> list[int]:
+    """Kernel counts for split_workers that finish every node together, from one step of
+    each with equal shares: a kernel costs the replicated stage's seconds per kernel; beside
+    its kernels the master computes the whole block (its replicated step less its stage) and
+    a worker its block part and the exchange (its split_workers step less its stage)."""
+    nodes = len(replicated)
+    per_kernel = statistics.median(r["stage_s"] / r["kernels"] for r in replicated)
+    master = replicated[0]["step_s"] - replicated[0]["stage_s"]
+    worker = statistics.median(r["step_s"] - r["stage_s"] for r in workers_split[1:])
+    step = (kernels * per_kernel + master + (nodes - 1) * worker) / nodes
+    first = min(max(round((step - master) / per_kernel), 1), kernels - (nodes - 1))
+    rest, extra = divmod(kernels - first, nodes - 1)
+    return [first] + [rest + (i < extra) for i in range(nodes - 1)]
 
 
 def measure(bed: ClusterTestbed, args: argparse.Namespace, log=sys.stderr) -> dict:
     cluster = Cluster(bed, args)
     steps: dict[str, list[float]] = {m: [] for m in (ALONE, *MODES)}
     nodes: dict[str, list[list[dict]]] = {m: [] for m in MODES}
-    rests: list[float] = []
+    rests: list[dict] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for mode in MODES:  # warm up, and check the split against the replicated block
+            # warm up; balance split_workers; check each split against the replicated block
+            warm = {mode: cluster.run(mode) for mode in MODES}
+            shares = balanced_shares(
+                sum(r["kernels"] for r in warm[REPLICATED]), warm[REPLICATED], warm[SPLIT_WORKERS]
+            )
+            cluster.run("shares", ",".join(map(str, shares)))
+            for mode in MODES:
                 cluster.run(mode, tmp)
             error = check_split(Path(tmp), len(bed.hosts))
+        print(f"split_workers shares: {shares}", file=log, flush=True)
         for what in (ALONE, "rest"):
             cluster.run(what)
         for round_ in range(args.rounds):
@@ -318,8 +379,7 @@ def measure(bed: ClusterTestbed, args: argparse.Namespace, log=sys.stderr) -> di
                         nodes[what].append(rows)
                 took = statistics.median(steps[what][-args.steps :])
                 print(f"round {round_ + 1}: {what} {took:.3f} s", file=log, flush=True)
-            parts = cluster.run("rest")[0]
-            rests.append(parts)
+            rests.append(cluster.run("rest")[0])
     finally:
         cluster.close()
     alone = statistics.median(steps[ALONE])
@@ -334,17 +394,15 @@ def measure(bed: ClusterTestbed, args: argparse.Namespace, log=sys.stderr) -> di
         "alone_s": alone,
         "rest_s": rest,
         "split_check": error,
+        "split_workers_shares": shares,
     }
     for mode in MODES:
         step = statistics.median(steps[mode])
         row[f"{mode}_s"] = step
         row[f"{mode}_speedup"] = alone / (step + rest)
-        row[f"{mode}_stage_s"] = statistics.median(
-            statistics.median(r["stage_s"] for r in rows) for rows in nodes[mode]
+        row[f"{mode}_exchange_s"] = statistics.median(
+            max(r["exchange_s"] for r in rows) for rows in nodes[mode]
         )
-    row["split_exchange_s"] = statistics.median(
-        max(r["exchange_s"] for r in rows) for rows in nodes[SPLIT]
-    )
     return row
 
 
@@ -396,12 +454,12 @@ def main(argv=None) -> None:
           f"{core:.0f} GFLOPS)", flush=True)  # fmt: skip
     with ClusterTestbed(args.workers, args.link, rate, cap) as bed:
         row = measure(bed, args)
-    print(f"{'alone s':>8} {'rest s':>7} | {'replicated s':>12} {'speedup':>7} | {'split s':>8} "
-          f"{'speedup':>7} {'exchange s':>10} | {'stage s, replicated / split':>27}")  # fmt: skip
-    print(f"{row['alone_s']:8.3f} {row['rest_s']:7.3f} | {row['replicated_s']:12.3f} "
-          f"{row['replicated_speedup']:6.2f}x | {row['split_s']:8.3f} {row['split_speedup']:6.2f}x "
-          f"{row['split_exchange_s']:10.3f} | {row['replicated_stage_s']:13.3f} / "
-          f"{row['split_stage_s']:.3f}", flush=True)  # fmt: skip
+    print(f"master alone {row['alone_s']:.3f} s, rest {row['rest_s']:.3f} s; one step, the "
+          "slowest node's:")  # fmt: skip
+    print(f"{'mode':14} {'step s':>8} {'speedup':>8} {'exchange s':>10}")
+    for mode in MODES:
+        print(f"{mode:14} {row[mode + '_s']:8.3f} {row[mode + '_speedup']:7.2f}x "
+              f"{row[mode + '_exchange_s']:10.3f}", flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps([row], indent=1) + "\n")
 

@@ -47,12 +47,15 @@ def test_the_split_block_equals_the_replicated_one_and_the_testbed_goes_away(tmp
     )  # fmt: skip
     assert row["rate_mbit"] == 200 and row["cap"] == pytest.approx(0.6)
     assert row["split_check"] < 1e-4  # the nodes' kernel gradients sum to the replicated ones
-    for mode in ("replicated", "split"):
+    for mode in ("replicated", "split", "split_workers"):
         assert row[f"{mode}_s"] > 0
         assert row[f"{mode}_speedup"] == pytest.approx(
             row["alone_s"] / (row[f"{mode}_s"] + row["rest_s"])
         )
-    assert row["split_exchange_s"] > 0
+    assert row["replicated_exchange_s"] == 0
+    assert row["split_exchange_s"] > 0 and row["split_workers_exchange_s"] > 0
+    shares = row["split_workers_shares"]
+    assert len(shares) == 3 and sum(shares) == 16 and min(shares) >= 1
     assert testbed.remove_stale() == []
 
 
@@ -76,10 +79,21 @@ def test_a_split_whose_gradients_do_not_add_up_fails_the_run(tmp_path):
     for i, part in enumerate(parts):
         np.save(tmp_path / f"replicated-{i}.npy", part)
         np.save(tmp_path / f"split-{i}.npy", total / 3)  # other parts, the same sum
+        np.save(tmp_path / f"split_workers-{i}.npy", total if i == 0 else 0 * part)
     assert sb.check_split(tmp_path, 3) < 1e-6
-    np.save(tmp_path / "split-2.npy", total / 3 + 0.01)
-    with pytest.raises(RuntimeError, match="off by"):
+    np.save(tmp_path / "split_workers-2.npy", total / 3 + 0.01)
+    with pytest.raises(RuntimeError, match="split_workers: .* off by"):
         sb.check_split(tmp_path, 3)
+
+
+def test_balanced_shares_give_the_master_fewer_kernels_for_its_whole_block():
+    sb = _module()
+    # 0.01 s a kernel; the master's whole block 0.4 s, a worker's part and exchange 0.1 s
+    replicated = [{"stage_s": 1.0, "kernels": 100, "step_s": 1.4}] * 5
+    workers = [{"stage_s": 1.0, "step_s": 1.4}] + [{"stage_s": 1.0, "step_s": 1.1}] * 4
+    shares = sb.balanced_shares(500, replicated, workers)
+    assert shares == [76, 106, 106, 106, 106]
+    # every node then takes 1.16 s: the master 0.76 + 0.4, a worker 1.06 + 0.1
 
 
 def test_bad_input_is_refused_by_name():
