@@ -6,8 +6,9 @@ full duplex (a token bucket on each end of a veth pair); redirecting both direct
 through one token bucket on an ifb device makes a half-duplex medium, as one Wi-Fi channel is.
 Real worker processes in network namespaces; root, ``ip`` and ``tc`` needed (skipped with the
 reason where they are missing). The ratio is timed on a shared machine: once in about 25 runs a
-full-duplex link measured 1.77x (over the 1.75x threshold), so a misclassified first
-measurement gets one more; two wrong in a row fail.
+full-duplex link measured 1.77x (over the 1.75x threshold). The master now times a ratio that
+close to the cut again (tested below with scripted echo times); the real-link test still gives
+a misclassified measurement one more, and two wrong in a row fail.
 """
 
 from __future__ import annotations
@@ -93,3 +94,49 @@ def test_a_full_duplex_link_is_switched_and_a_half_duplex_one_shared():
 
 
 HALF = probing.HALF_DUPLEX_RATIO
+
+
+class _Scripted:
+    """Echo times from a script: single echoes from ``ones`` and overlapping pairs from
+    ``pairs``, in order (every worker's echo at once takes 1 s)."""
+
+    def __init__(self, monkeypatch, ones: list[float], pairs: list[float]):
+        self.ones, self.pairs = list(ones), list(pairs)
+        monkeypatch.setattr(probing, "_echo_seconds", self._single)
+        monkeypatch.setattr(probing, "_together", self._together)
+
+    def _single(self, node, payload, deadline):
+        return self.ones.pop(0)
+
+    def _together(self, nodes, payloads, deadline, delays):
+        if len(nodes) == 2 and nodes[0] is nodes[1]:
+            return self.pairs.pop(0)
+        return 1.0
+
+
+class _Fake:
+    link_bytes_per_second, link_latency = 5e6, 0.001
+
+
+@pytest.mark.parametrize(
+    ("ones", "pairs", "shared", "echoes", "ratio"),
+    [
+        ([1.0] * 3, [1.52, 1.55, 1.60], False, 9, 1.52),  # clear: one round
+        ([1.0] * 3, [2.00, 1.99, 2.01], True, 9, 1.99),
+        # a full-duplex link's pairs all slow once: timed again, the pairs' best decides
+        ([1.0] * 6, [1.77, 1.80, 1.79, 1.53, 1.60, 1.56], False, 18, 1.53),
+        # a half-duplex medium's single echoes all slow once: the singles' best decides
+        ([1.16, 1.15, 1.17, 1.0, 1.01, 1.02], [1.99, 2.00, 1.98, 2.01, 2.0, 1.99], True, 18, 1.98),
+        # near the cut after every round: the last ratio decides
+        ([1.0] * 9, [1.76] * 9, True, 27, 1.76),
+    ],
+)
+def test_a_ratio_near_the_cut_is_timed_again_with_the_echoes_pooled(
+    monkeypatch, ones, pairs, shared, echoes, ratio
+):
+    script = _Scripted(monkeypatch, ones, pairs)
+    medium = probing.measure_medium([_Fake()], deadline=30.0)
+    assert medium.shared is shared, medium.describe()
+    assert medium.echoes == echoes
+    assert medium.duplex_ratio == pytest.approx(ratio)
+    assert script.ones == [] and script.pairs == []  # every scripted echo taken, no more
