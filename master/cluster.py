@@ -77,18 +77,15 @@ from hetconv.formats import FLOAT32, TensorFormat
 from hetconv.head import HEAD_MODES
 from hetconv.head import MASTER as HEAD_MASTER
 from hetconv.optim import SGDConfig
-from hetconv.overlap import AUTO as OVERLAP_AUTO
 from hetconv.overlap import OFF as OVERLAP_OFF
-from hetconv.overlap import ON as OVERLAP_ON
-from hetconv.overlap import OVERLAP_MODES, group_count, group_images
+from hetconv.overlap import OVERLAP_MODES
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import REPLICATE_MODES
 from hetconv.resident import KERNEL_MODES, RESIDENT, SENT
-from hetconv.stages import AUTO, FUSED, STAGE_MODES, UNFUSED
-from hetconv.workload import ConvLayer
+from hetconv.stages import FUSED, STAGE_MODES, UNFUSED
 
-from . import probing
+from . import modes, probing
 from .client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
 from .dispatch import Call, CallContext, FusedKernelSplit, KernelSplit, PhaseRunner, SplitStrategy
 from .events import EventLog
@@ -111,9 +108,6 @@ from .rebalancing import DriftMonitor
 from .replica import (
     REPLICATED,
     ReplicatedBlocks,
-    block_cost_factor,
-    block_seconds,
-    replica_refusal,
     timed,
 )
 from .resident import DEFAULT_SYNC_EVERY, ResidentKernels
@@ -319,6 +313,7 @@ class Cluster:
         self.heads: dict[str, int] = {}  # layer -> classes of the fc it splits (hetconv.head)
         self.head_fcs: dict[str, str] = {}  # layer -> that fc's name
         self.head_refused: str | None = None
+        self.replica_refused: str | None = None
         # replicated block -> its whole work over its convolution's (replica.block_cost_factor)
         self.block_cost: dict[str, float] = {}
         self.resident = ResidentKernels(
@@ -521,24 +516,9 @@ class Cluster:
     supports_head = True
 
     def _choose_heads(self, layers) -> None:
-        """Which layer's stage also computes the final fc on the nodes (:mod:`hetconv.head`):
-        the one whose fused, resident stage feeds it directly, unless ``head`` is master."""
-        self.heads, self.head_fcs, self.head_refused = {}, {}, None
-        if self.config.head == HEAD_MASTER:
-            return
-        for spec in layers:
-            if not spec.head:
-                continue
-            if self.kernel_modes.get(spec.name) != RESIDENT:
-                self.head_refused = (
-                    f"off: {spec.name}'s kernels are not resident "
-                    f"({self.kernel_modes.get(spec.name, SENT)}); the fc's columns would "
-                    "travel every step"
-                )
-                return
-            self.head_fcs[spec.name], self.heads[spec.name] = spec.head
-        if not self.heads and self.head_refused is None:
-            self.head_refused = "off: no fused stage feeds the final fc directly"
+        """Which layer's stage also computes the final fc on the nodes (:func:`.modes.heads`)."""
+        choice = modes.heads(self.config, layers, self.kernel_modes)
+        self.heads, self.head_fcs, self.head_refused = choice.heads, choice.fcs, choice.refused
 
     def head_split(self, layer: str) -> bool:
         """Whether ``layer``'s stage computes the final fc's logits on the nodes."""
@@ -558,128 +538,46 @@ class Cluster:
 
     def describe_head(self) -> str:
         """One line: which stage computes the fc on the nodes, or why none does."""
-        if self.heads:
-            return ", ".join(
-                f"{name} answers logits ({classes} classes), the fc's columns resident"
-                for name, classes in self.heads.items()
-            )
-        return self.head_refused or "off"
+        return modes.describe_head(modes.HeadChoice(self.heads, self.head_fcs, self.head_refused))
 
     def _choose_stage_modes(self, layers, batch: int) -> None:
-        """Each layer's stage mode: as configured, or (auto) by the cost model's bytes."""
-        for spec in layers:
-            mode = self.config.stages
-            if spec.stage is None:
-                mode = UNFUSED
-            elif mode == AUTO:
-                layer = ConvLayer.from_spec(spec, batch)
-                shares = self.plans[spec.name].shares if spec.name in self.plans else None
-                mode = costmodel.stage_mode(layer, spec.stage, shares or (1,) * len(self.nodes))
-            self.stage_modes[spec.name] = mode
+        """Each layer's stage mode (:func:`.modes.stage_modes`)."""
+        self.stage_modes.update(
+            modes.stage_modes(self.config, layers, batch, self.plans, self.nodes)
+        )
 
     def _choose_replica(self, layers, batch: int) -> None:
         """Whether every node computes the first convolution's block itself
-        (:mod:`hetconv.replica`): as configured where the network allows it, or (auto) where
-        the cost model predicts the step faster."""
-        self.replica_refused = None
-        if self.config.replicate == REPLICATE_OFF or not layers:
-            return
-        first = layers[0]
-        why = replica_refusal(first, self.stage_modes)
-        factor = 1.0
-        if why is None:  # every node computes the whole block: what it costs beyond its conv
-            probe = self.nodes[0].probe_seconds.get(first.name, 0.0)
-            factor = block_cost_factor(self.backend, first, batch, probe)
-        if why is None and self.config.replicate != REPLICATE_FIRST:
-            consumer = next(spec for spec in layers if spec.name == first.feeds)
-            plan = self.plans.get(consumer.name)
-            shares = plan.shares if plan is not None else (1,) * len(self.nodes)
-            workers = [n for i, n in enumerate(self.nodes) if i and shares[i]]
-            gain = costmodel.replicate_gain(
-                ConvLayer.from_spec(first, batch),
-                ConvLayer.from_spec(consumer, batch),
-                [
-                    block_seconds(self.nodes[0], n, first.name, consumer.name, factor)
-                    for n in [self.nodes[0], *workers]
-                ],
-                [n.link_bytes_per_second for n in workers],
-                wifi=self.planner.network == "wifi",
-                fmt=self.config.wire_format,
-            )
-            if gain <= 0:
-                why = f"the cost model predicts it {-1e3 * gain:.1f} ms slower per step"
-        if why is not None:
-            self.replica_refused = f"off: {why}"
-            return
-        self.replicas = ReplicatedBlocks({first.name: first.feeds}, {first.name: first.stage})
-        self.stage_modes[first.name] = REPLICATED
-        self.block_cost = {first.name: factor}
+        (:func:`.modes.replica`)."""
+        wifi = self.planner.network == "wifi"
+        choice = modes.replica(
+            self.config, layers, batch, self.stage_modes, self.plans, self.nodes, self.backend, wifi
+        )
+        self.replica_refused = choice.refused
+        if choice.blocks is not None:
+            self.replicas = choice.blocks
+            self.stage_modes[layers[0].name] = REPLICATED
+            self.block_cost = choice.block_cost
 
     def _choose_overlap(self, layers, batch: int) -> None:
-        """Images per group of each fused layer's worker calls (:mod:`hetconv.overlap`): as
-        configured where the stage allows it, or (auto) where the cost model says a worker's
-        answer streams, on the shares planned for the other modes."""
-        self.overlap_images = {}
-        for spec in layers:
-            if self.stage_modes.get(spec.name) != FUSED or spec.stage is None:
-                continue
-            if self.head_split(spec.name):  # it answers logits: nothing to stream
-                continue
-            images = 0
-            if self.config.overlap == OVERLAP_ON and not spec.stage.batchnorms:
-                images = group_images(batch)
-            elif self.config.overlap == OVERLAP_AUTO:
-                plan = self.plans.get(spec.name)
-                shares = plan.shares if plan is not None else (1,) * len(self.nodes)
-                layer = ConvLayer.from_spec(spec, batch)
-                images = costmodel.overlap_images(
-                    layer, spec.stage, shares, self.config.wire_format
-                )
-            if images and group_count(batch, images) > 1:
-                self.overlap_images[spec.name] = images
+        """Images per group of each fused layer's worker calls (:func:`.modes.overlap_images`)."""
+        self.overlap_images = modes.overlap_images(
+            self.config, layers, batch, self.stage_modes, self.heads, self.plans, self.nodes
+        )
 
     def describe_overlap(self) -> str:
         """One line: which fused layers run their calls in image groups, of how many."""
-        if not self.overlap_images:
-            return "off"
-        return ", ".join(
-            f"{name} in groups of {images} images" for name, images in self.overlap_images.items()
-        )
+        return modes.describe_overlap(self.overlap_images)
 
     def describe_replica(self) -> str:
         """One line: which block is replicated into which layer, or why none is."""
-        if self.replicas.feeds:
-            return ", ".join(
-                f"{block} computed on every node, {consumer}'s input not sent (the whole block "
-                f"costs {self.block_cost.get(block, 1.0):.1f}x its convolution's probe)"
-                for block, consumer in self.replicas.feeds.items()
-            )
-        return getattr(self, "replica_refused", None) or "off"
+        return modes.describe_replica(self.replicas, self.block_cost, self.replica_refused)
 
     def _choose_kernel_modes(self, layers, batch: int) -> None:
-        """Each layer's kernel mode: resident only where the layer runs fused at stride 1;
-        as configured, or (auto) by the cost model."""
-        for spec in layers:
-            mode = self.config.kernels
-            # A strided convolution runs as the stride-1 one of its phases: the executor gets
-            # a rearranged copy of the kernels each step, not the model's array to keep.
-            strided = getattr(spec, "phased_from", None) is not None
-            # Resident stages do not run batch norm (its parameters stay with the master): a
-            # stage holding one sends its kernels.
-            batchnorm = spec.stage is not None and spec.stage.batchnorms > 0
-            if self.stage_modes.get(spec.name) != FUSED or strided or batchnorm:
-                mode = SENT
-            elif mode == AUTO:
-                layer = ConvLayer.from_spec(spec, batch)
-                shares = self.plans[spec.name].shares if spec.name in self.plans else None
-                mode = costmodel.kernel_mode(
-                    layer,
-                    spec.stage,
-                    shares or (1,) * len(self.nodes),
-                    self.config.resident_sync_every,
-                    self.config.wire_format,
-                )
-            self.kernel_modes[spec.name] = mode
+        """Each layer's kernel mode (:func:`.modes.kernel_modes`)."""
+        self.kernel_modes.update(
+            modes.kernel_modes(self.config, layers, batch, self.stage_modes, self.plans, self.nodes)
+        )
 
     def resident_layers(self) -> list[str]:
         """The layers whose kernels live on the workers (the master's optimizer must skip
