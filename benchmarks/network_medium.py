@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,28 +27,6 @@ from hetconv.master import probing
 from hetconv.master.client import WorkerClient
 from hetconv.master.membership import Node
 from hetconv.simulations import testbed
-
-
-def _tc(*args: str) -> None:
-    subprocess.run(["tc", *args], check=True, capture_output=True, text=True)
-
-
-def half_duplex(link: testbed.Link, ifb: str, rate_mbit: float) -> None:
-    """Both directions of ``link`` through one token bucket on ``ifb``: a half-duplex medium."""
-    subprocess.run(["ip", "link", "add", ifb, "type", "ifb"], check=True)
-    subprocess.run(["ip", "link", "set", ifb, "up"], check=True)
-    rate = rate_mbit * 1e6 / 8
-    burst = max(2 * (testbed.MTU + testbed.ETHERNET_HEADER), int(rate * 1e-3))
-    _tc("qdisc", "replace", "dev", ifb, "root", "tbf", "rate", f"{rate_mbit:g}mbit",
-        "burst", str(burst), "limit", str(max(64 * 1024, int(rate * 0.5))))  # fmt: skip
-    _tc("qdisc", "del", "dev", link.host_if, "root")
-    _tc("qdisc", "add", "dev", link.host_if, "clsact")
-    for direction in ("egress", "ingress"):
-        everything = ("protocol", "all", "u32", "match", "u32", "0", "0")
-        redirect = ("action", "mirred", "egress", "redirect", "dev", ifb)
-        _tc("filter", "add", "dev", link.host_if, direction, *everything, *redirect)
-    subprocess.run(["ip", "netns", "exec", link.namespace, "tc", "qdisc", "del", "dev",
-                    link.ns_if, "root"], check=True)  # fmt: skip
 
 
 def trials(node: Node, count: int, shared: bool, log=sys.stderr) -> dict:
@@ -98,13 +75,9 @@ def main(argv=None) -> None:
         try:
             print(f"full duplex, {args.rate_mbit:g} Mbit/s each way:", file=sys.stderr)
             rows.append(trials(node, args.trials, shared=False))
-            ifb = f"{bed.tag}i"
-            try:
-                half_duplex(bed.links[0], ifb, args.rate_mbit)
-                print(f"half duplex, {args.rate_mbit:g} Mbit/s in all:", file=sys.stderr)
-                rows.append(trials(node, args.trials, shared=True))
-            finally:
-                subprocess.run(["ip", "link", "del", ifb], check=False, capture_output=True)
+            bed.half_duplex(bed.links[0], args.rate_mbit)
+            print(f"half duplex, {args.rate_mbit:g} Mbit/s in all:", file=sys.stderr)
+            rows.append(trials(node, args.trials, shared=True))
         finally:
             node.client.close()
     print(f"cut at {probing.HALF_DUPLEX_RATIO}x one echo; {args.trials} measurements per link")

@@ -157,20 +157,8 @@ class Node:
 
     def _stage(self, y: np.ndarray, own: slice) -> tuple[np.ndarray, float]:
         """The node's ``own`` kernels of the second layer's stage, forward then backward with
-        the input gradient (of ones at the stage's output, as ``split_bound.py``): (dx,
-        seconds)."""
-        p = self.parts
-        wide = p.stage.widened(own, p.kernels)
-        relative = slice(own.start - wide.start, own.stop - wide.start)
-        grad = p.stage.grad_range(own, p.kernels)
-        grad = slice(grad.start - wide.start, grad.stop - wide.start)
-        start = time.perf_counter()
-        out, run = stage_forward(
-            p.backend, y, p.w2[wide], p.b2[wide], p.padding2, p.stage, relative
-        )
-        dy = np.ones((out.shape[0], grad.stop - grad.start, *out.shape[2:]), np.float32)
-        dx, _, _ = stage_backward(p.backend, run, dy, grad, True)
-        return dx, time.perf_counter() - start
+        the input gradient (of ones at the stage's output): (dx, seconds)."""
+        return self.parts.stage_run(y, own)
 
     def _block_forward(self, images: slice):
         p = self.parts

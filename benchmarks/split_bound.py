@@ -133,6 +133,10 @@ class Parts:
 
     def stage_pass(self, x: np.ndarray, own: slice) -> float:
         """Forward + backward (input gradient too) of the stage for ``own`` of the kernels."""
+        return self.stage_run(x, own)[1]
+
+    def stage_run(self, x: np.ndarray, own: slice) -> tuple[np.ndarray, float]:
+        """:meth:`stage_pass`'s input gradient (of ones at the stage's output) and seconds."""
         wide = self.stage.widened(own, self.kernels)
         relative = slice(own.start - wide.start, own.stop - wide.start)
         grad = self.stage.grad_range(own, self.kernels)
@@ -142,8 +146,8 @@ class Parts:
             self.backend, x, self.w2[wide], self.b2[wide], self.padding2, self.stage, relative
         )
         dy = np.ones((y.shape[0], grad.stop - grad.start, *y.shape[2:]), np.float32)
-        stage_backward(self.backend, run, dy, grad, True)
-        return time.perf_counter() - start
+        dx, _, _ = stage_backward(self.backend, run, dy, grad, True)
+        return dx, time.perf_counter() - start
 
 
 def node_passes(parts: Parts, repeats: int) -> list[float]:

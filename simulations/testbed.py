@@ -223,6 +223,7 @@ class Testbed:
         self.links: list[Link] = []
         self.workers: list[WorkerProcess] = []
         self.processes: list[subprocess.Popen] = []  # everything started, workers included
+        self.ifbs: list[str] = []  # half-duplex media made (half_duplex)
 
     # setting up
 
@@ -272,6 +273,28 @@ class Testbed:
         _run("tc", "qdisc", "replace", "dev", link.host_if, "root", *tbf)
         _run("ip", "netns", "exec", link.namespace, "tc", "qdisc", "replace", "dev", link.ns_if,
              "root", *tbf)  # fmt: skip
+
+    def half_duplex(self, link: Link, rate_mbps: float) -> str:
+        """Both directions of ``link`` through one token bucket at ``rate_mbps``, on an ifb
+        device: a half-duplex medium, as one Wi-Fi channel is (the link's own buckets go).
+        Returns the device's name; teardown removes it."""
+        ifb = f"{self.tag}i{self.links.index(link)}"
+        _run("ip", "link", "add", ifb, "type", "ifb")
+        self.ifbs.append(ifb)
+        _run("ip", "link", "set", ifb, "up")
+        rate = rate_mbps * 1e6 / 8
+        burst = max(2 * (MTU + ETHERNET_HEADER), int(rate * 1e-3))
+        _run("tc", "qdisc", "replace", "dev", ifb, "root", "tbf", "rate", f"{rate_mbps:g}mbit",
+             "burst", str(burst), "limit", str(max(64 * 1024, int(rate * 0.5))))  # fmt: skip
+        _run("tc", "qdisc", "del", "dev", link.host_if, "root")
+        _run("tc", "qdisc", "add", "dev", link.host_if, "clsact")
+        everything = ("protocol", "all", "u32", "match", "u32", "0", "0")
+        redirect = ("action", "mirred", "egress", "redirect", "dev", ifb)
+        for direction in ("egress", "ingress"):
+            _run("tc", "filter", "add", "dev", link.host_if, direction, *everything, *redirect)
+        _run("ip", "netns", "exec", link.namespace, "tc", "qdisc", "del", "dev", link.ns_if,
+             "root")  # fmt: skip
+        return ifb
 
     def tbf_drops(self) -> int:
         """Packets the token buckets dropped so far (both ends of every link)."""
@@ -388,6 +411,9 @@ class Testbed:
                 _run("ip", "netns", "del", link.namespace, check=False)
             link.created.clear()
         self.links = []
+        for ifb in self.ifbs:
+            _run("ip", "link", "del", ifb, check=False)
+        self.ifbs = []
 
     def leftovers(self) -> list[str]:
         """Namespaces and interfaces with this testbed's tag still present (for the tests)."""

@@ -13,8 +13,6 @@ a misclassified measurement one more, and two wrong in a row fail.
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from hetconv.master import probing
@@ -28,28 +26,6 @@ needs_testbed = pytest.mark.skipif(
     UNAVAILABLE is not None, reason=f"shaped-link testbed: {UNAVAILABLE}"
 )
 RATE_MBIT = 40.0
-
-
-def _tc(*args: str) -> None:
-    subprocess.run(["tc", *args], check=True, capture_output=True, text=True)
-
-
-def _half_duplex(link: testbed.Link, ifb: str, rate_mbit: float) -> None:
-    """Both directions of ``link`` through one token bucket on ``ifb``: a half-duplex medium."""
-    subprocess.run(["ip", "link", "add", ifb, "type", "ifb"], check=True)
-    subprocess.run(["ip", "link", "set", ifb, "up"], check=True)
-    rate = rate_mbit * 1e6 / 8
-    burst = max(2 * (testbed.MTU + testbed.ETHERNET_HEADER), int(rate * 1e-3))
-    _tc("qdisc", "replace", "dev", ifb, "root", "tbf", "rate", f"{rate_mbit:g}mbit",
-        "burst", str(burst), "limit", str(max(64 * 1024, int(rate * 0.5))))  # fmt: skip
-    _tc("qdisc", "del", "dev", link.host_if, "root")
-    _tc("qdisc", "add", "dev", link.host_if, "clsact")
-    for direction in ("egress", "ingress"):
-        everything = ("protocol", "all", "u32", "match", "u32", "0", "0")
-        redirect = ("action", "mirred", "egress", "redirect", "dev", ifb)
-        _tc("filter", "add", "dev", link.host_if, direction, *everything, *redirect)
-    subprocess.run(["ip", "netns", "exec", link.namespace, "tc", "qdisc", "del", "dev",
-                    link.ns_if, "root"], check=True)  # fmt: skip
 
 
 def _connected(address: str, token: str) -> Node:
@@ -75,14 +51,10 @@ def test_a_full_duplex_link_is_switched_and_a_half_duplex_one_shared():
                 print("again:", full.describe())
             assert not full.shared, full.describe()
             assert 1.3 < full.duplex_ratio < HALF, full.describe()
-            ifb = f"{bed.tag}i"
-            try:
-                _half_duplex(bed.links[0], ifb, RATE_MBIT)
+            bed.half_duplex(bed.links[0], RATE_MBIT)
+            half = probing.measure_medium([node], deadline=30.0)
+            if not half.shared:  # as above
                 half = probing.measure_medium([node], deadline=30.0)
-                if not half.shared:  # as above
-                    half = probing.measure_medium([node], deadline=30.0)
-            finally:
-                subprocess.run(["ip", "link", "del", ifb], check=False, capture_output=True)
             print(half.describe())
             assert half.shared, half.describe()
             assert half.network == "wifi"
@@ -91,6 +63,7 @@ def test_a_full_duplex_link_is_switched_and_a_half_duplex_one_shared():
             assert half.together_bytes_per_s < 1.3 * RATE_MBIT * 1e6 / 8
         finally:
             node.client.close()
+    assert bed.leftovers() == []  # the half-duplex medium went with the testbed
 
 
 HALF = probing.HALF_DUPLEX_RATIO
