@@ -22,6 +22,11 @@ per node:
 * ``split``: the block forward on the node's own images, the all-gather, the same stage, the
   reduce-scatter, the block backward on its own images (bulk TCP, a thread per peer; no
   overlap of exchange and compute);
+* ``split_overlap``: ``split`` with the exchange beside compute: the stage forward of the
+  node's own images runs while the others' block outputs arrive; then the others' images'
+  forward and backward; their input-gradient parts go out while the own images' backward runs
+  (two stage calls instead of one, on fewer images each). ``exchange s`` is then the time spent
+  waiting for the exchange;
 * ``split_workers``: the master computes the whole block as today and exchanges nothing; the
   workers split the block's images among themselves as ``split`` does. The master then gets
   fewer kernels: the shares are balanced from one warm-up step of this mode and of
@@ -81,8 +86,9 @@ from hetconv.simulations.testbed import (  # noqa: E402
 from hetconv.stages import stage_backward, stage_forward  # noqa: E402
 
 ALONE, REPLICATED, SPLIT, SPLIT_WORKERS = "alone", "replicated", "split", "split_workers"
-MODES = (REPLICATED, SPLIT, SPLIT_WORKERS)
-SPLITS = (SPLIT, SPLIT_WORKERS)
+SPLIT_OVERLAP = "split_overlap"
+MODES = (REPLICATED, SPLIT, SPLIT_OVERLAP, SPLIT_WORKERS)
+SPLITS = (SPLIT, SPLIT_OVERLAP, SPLIT_WORKERS)
 
 
 def image_ranges(batch: int, nodes: int) -> list[slice]:
@@ -147,10 +153,18 @@ class Node:
 
     def exchange(self, sends: dict[int, np.ndarray], receives: dict[int, np.ndarray]) -> float:
         """Send each peer its array and fill each receive buffer from its peer, all at once."""
-        start = time.perf_counter()
+        return self.wait(self.start_exchange(sends, receives))
+
+    def start_exchange(self, sends: dict[int, np.ndarray], receives: dict[int, np.ndarray]):
+        """:meth:`exchange` started in the background: its jobs, for :meth:`wait`."""
         jobs = [self.pool.submit(self.out[i].sendall, memoryview(a).cast("B"))
                 for i, a in sends.items()]  # fmt: skip
-        jobs += [self.pool.submit(self._receive, self.inc[i], a) for i, a in receives.items()]
+        return jobs + [self.pool.submit(self._receive, self.inc[i], a) for i, a in receives.items()]
+
+    @staticmethod
+    def wait(jobs) -> float:
+        """Seconds spent waiting for ``jobs`` to finish (raising what one raised)."""
+        start = time.perf_counter()
         for job in jobs:
             job.result()
         return time.perf_counter() - start
@@ -219,6 +233,44 @@ class Node:
             "stage_s": stage,
             "exchange_s": forward + backward,
             "exchange_forward_s": forward,
+            "kernels": own.stop - own.start,
+        }, rw
+
+    def split_overlap(self) -> dict:
+        """``split`` with the exchange beside compute: the stage forward of the node's own
+        images runs while the others' block outputs arrive, then the others' images' forward
+        and backward; their input-gradient parts go out while the own images' backward runs."""
+        p, peers, own = self.parts, self.peers, self.own
+        start = time.perf_counter()
+        mine = self.images[self.index]
+        y_own, run = self._block_forward(mine)
+        y_own = np.ascontiguousarray(y_own)
+        at, offset = {}, 0  # where each peer's images sit among the others'
+        for i in peers:
+            size = self.images[i].stop - self.images[i].start
+            at[i], offset = slice(offset, offset + size), offset + size
+        y_rest = np.empty((offset, *y_own.shape[1:]), np.float32)
+        jobs = self.start_exchange({i: y_own for i in peers}, {i: y_rest[at[i]] for i in peers})
+        began = time.perf_counter()
+        own_pass = p.stage_forward(y_own, own)
+        stage = time.perf_counter() - began
+        waited = self.wait(jobs)
+        began = time.perf_counter()
+        dx_rest = p.stage_backward(*p.stage_forward(y_rest, own))
+        stage += time.perf_counter() - began
+        parts = {i: np.empty_like(y_own) for i in peers}
+        jobs = self.start_exchange({i: dx_rest[at[i]] for i in peers}, parts)
+        began = time.perf_counter()
+        g = p.stage_backward(*own_pass)
+        stage += time.perf_counter() - began
+        waited += self.wait(jobs)
+        for part in parts.values():
+            g += part
+        rw, _ = self._block_backward(run, g)
+        return {
+            "step_s": time.perf_counter() - start,
+            "stage_s": stage,
+            "exchange_s": waited,
             "kernels": own.stop - own.start,
         }, rw
 

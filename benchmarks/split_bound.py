@@ -137,17 +137,27 @@ class Parts:
 
     def stage_run(self, x: np.ndarray, own: slice) -> tuple[np.ndarray, float]:
         """:meth:`stage_pass`'s input gradient (of ones at the stage's output) and seconds."""
+        start = time.perf_counter()
+        dx = self.stage_backward(*self.stage_forward(x, own))
+        return dx, time.perf_counter() - start
+
+    def stage_forward(self, x: np.ndarray, own: slice):
+        """The stage's forward for ``own`` of the kernels (its slice widened by the halo):
+        what :meth:`stage_backward` takes."""
         wide = self.stage.widened(own, self.kernels)
         relative = slice(own.start - wide.start, own.stop - wide.start)
         grad = self.stage.grad_range(own, self.kernels)
         grad = slice(grad.start - wide.start, grad.stop - wide.start)
-        start = time.perf_counter()
         y, run = stage_forward(
             self.backend, x, self.w2[wide], self.b2[wide], self.padding2, self.stage, relative
         )
+        return y, run, grad
+
+    def stage_backward(self, y: np.ndarray, run, grad: slice) -> np.ndarray:
+        """The input gradient of a :meth:`stage_forward`, from ones at its output."""
         dy = np.ones((y.shape[0], grad.stop - grad.start, *y.shape[2:]), np.float32)
         dx, _, _ = stage_backward(self.backend, run, dy, grad, True)
-        return dx, time.perf_counter() - start
+        return dx
 
 
 def node_passes(parts: Parts, repeats: int) -> list[float]:
