@@ -224,17 +224,18 @@ class Node:
         dx, stage = self._stage(y, own)
         parts = {i: np.empty_like(dx[mine]) for i in peers}
         backward = self.exchange({i: np.ascontiguousarray(dx[images[i]]) for i in peers}, parts)
-        g = dx[mine].copy()
+        row = {"stage_s": stage, "exchange_s": forward + backward, "exchange_forward_s": forward}
+        return self._finish(start, run, dx[mine].copy(), parts, own, row)
+
+    def _finish(self, start: float, run, g: np.ndarray, parts: dict, own: slice, row: dict):
+        """A split step's end: the peers' ``parts`` added to the own images' input gradient
+        ``g``, the block backward on them; the step's row (``row`` and its seconds) and the
+        block's kernel gradient."""
         for part in parts.values():
             g += part
         rw, _ = self._block_backward(run, g)
-        return {
-            "step_s": time.perf_counter() - start,
-            "stage_s": stage,
-            "exchange_s": forward + backward,
-            "exchange_forward_s": forward,
-            "kernels": own.stop - own.start,
-        }, rw
+        row.update(step_s=time.perf_counter() - start, kernels=own.stop - own.start)
+        return row, rw
 
     def split_overlap(self) -> dict:
         """``split`` with the exchange beside compute: the stage forward of the node's own
@@ -264,15 +265,7 @@ class Node:
         g = p.stage_backward(*own_pass)
         stage += time.perf_counter() - began
         waited += self.wait(jobs)
-        for part in parts.values():
-            g += part
-        rw, _ = self._block_backward(run, g)
-        return {
-            "step_s": time.perf_counter() - start,
-            "stage_s": stage,
-            "exchange_s": waited,
-            "kernels": own.stop - own.start,
-        }, rw
+        return self._finish(start, run, g, parts, own, {"stage_s": stage, "exchange_s": waited})
 
     def alone(self) -> dict:
         return {"step_s": self.parts.alone()}, None

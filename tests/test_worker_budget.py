@@ -227,11 +227,15 @@ def test_concurrent_answers_nobody_reads_are_bounded_and_released(small_worker):
             for i, ch in enumerate(channels)
         ]
         with grpc.insecure_channel(small_worker.address) as probe_channel:
-            # Settled: every call refused, or in flight waiting for a reader that never comes.
+            # Settled: every call refused, or in flight waiting for a reader that never comes,
+            # its 34 MiB held (in flight, or its forward's state saved for a backward). A call
+            # counts in "calls" from the moment it comes in: one still being admitted, to be
+            # refused, once made "calls" read 3.
             held = wait_for(
                 lambda: (
                     (m := worker_memory(probe_channel))["calls"] + sum(c.done() for c in calls)
                     == len(calls)
+                    and m["in_flight"] + m["saved"] >= m["calls"] * 34 * MIB
                     and m
                 ),
                 "every call refused or held",
