@@ -282,10 +282,7 @@ class Testbed:
         _run("ip", "link", "add", ifb, "type", "ifb")
         self.ifbs.append(ifb)
         _run("ip", "link", "set", ifb, "up")
-        rate = rate_mbps * 1e6 / 8
-        burst = max(2 * (MTU + ETHERNET_HEADER), int(rate * 1e-3))
-        _run("tc", "qdisc", "replace", "dev", ifb, "root", "tbf", "rate", f"{rate_mbps:g}mbit",
-             "burst", str(burst), "limit", str(max(64 * 1024, int(rate * 0.5))))  # fmt: skip
+        _run("tc", "qdisc", "replace", "dev", ifb, "root", *_tbf(rate_mbps))
         _run("tc", "qdisc", "del", "dev", link.host_if, "root")
         _run("tc", "qdisc", "add", "dev", link.host_if, "clsact")
         everything = ("protocol", "all", "u32", "match", "u32", "0", "0")
