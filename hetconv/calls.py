@@ -16,6 +16,8 @@ moves)::
                                             slice), or with a split head z
     ResidentStageBackward  dy, dz       ew, eb, ef: the updated edge kernels, and dx when asked
     ReplicaForward x, w, b          (nothing): the worker keeps the replicated block's output
+    PutPart    p                    (nothing): a part of a split block's output or gradient
+    FetchPart  (nothing)            p: the gradient part a worker sent a lost one
     Describe   (DescribeRequest -> DeviceDescription)
     Probe      (ProbeRequest -> ProbeResult)
 
@@ -50,6 +52,10 @@ A replicated first block (:mod:`hetconv.replica`): ReplicaForward has a :class:`
 block (``replica_layer``) sends an empty ``x`` (the worker has the input) and its backward
 answers, instead of ``dx``, the block's kernel and bias gradient parts ``rw`` (k0, C0, kh0, kw0)
 and ``rb`` (k0,), from the geometry's ``replica`` (the block's ConvShape).
+
+A replicated block split by images (:mod:`hetconv.split`): PutPart and FetchPart carry one
+part ``p``, whose geometry is its own shape, (count, k0, Ho0', Wo0'): a block output on some
+images, or an input-gradient part for them.
 
 Activations and their gradients (``x``, ``y``, ``dy``, ``dx``) travel in the call's *wire
 format* (:mod:`hetconv.formats`: float32, or a 16-bit one the master chose); kernels and their
@@ -656,6 +662,19 @@ REPLICA_FORWARD = ConvCall(
     ),
     (),
 )
+
+
+def part_shape(s: Sequence[int]) -> Shape:
+    """``p``: a split block's part, whose geometry is its shape."""
+    return tuple(int(v) for v in s)
+
+
+PUT_PART = ConvCall(
+    "PutPart", pb.PUT_PART, (TensorRule("p", part_shape, activation=True),), ()
+)  # fmt: skip
+FETCH_PART = ConvCall(
+    "FetchPart", pb.FETCH_PART, (), (TensorRule("p", part_shape, activation=True),)
+)  # fmt: skip
 DESCRIBE = UnaryCall("Describe", pb.DescribeRequest, pb.DeviceDescription)
 PROBE = UnaryCall("Probe", pb.ProbeRequest, pb.ProbeResult)
 
@@ -673,6 +692,8 @@ CONV_CALLS: dict[str, ConvCall] = {
         RESIDENT_STAGE_FORWARD,
         RESIDENT_STAGE_BACKWARD,
         REPLICA_FORWARD,
+        PUT_PART,
+        FETCH_PART,
     )
 }
 #: The calls that do not.
@@ -689,11 +710,13 @@ __all__ = [
     "DESCRIBE",
     "ECHO",
     "FETCH_KERNELS",
+    "FETCH_PART",
     "FORWARD",
     "HANDLER_FACTORIES",
     "METHODS",
     "PLACE_KERNELS",
     "PROBE",
+    "PUT_PART",
     "READY",
     "REPLICA_FORWARD",
     "RESIDENT_STAGE_BACKWARD",

@@ -30,10 +30,12 @@ from hetconv.calls import (
     DESCRIBE,
     ECHO,
     FETCH_KERNELS,
+    FETCH_PART,
     FORWARD,
     METHODS,
     PLACE_KERNELS,
     PROBE,
+    PUT_PART,
     REPLICA_FORWARD,
     RESIDENT_STAGE_BACKWARD,
     RESIDENT_STAGE_FORWARD,
@@ -45,11 +47,12 @@ from hetconv.calls import (
     call_shape,
 )
 from hetconv.errors import MalformedHeader, MalformedMessage, WireError
-from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
+from hetconv.formats import FLOAT32, PALETTE8, TensorFormat, answer_dtype
 from hetconv.optim import SGDConfig
 from hetconv.proto import worker_pb2 as pb
 from hetconv.replica import ReplicaBlock
 from hetconv.security import bearer_metadata, read_pem
+from hetconv.split import SplitPlan
 from hetconv.stages import BatchNormSlice, StageSpec, ops_to_proto, pack_batchnorm
 from hetconv.wire import (
     BUNDLE_BYTES,
@@ -573,19 +576,33 @@ class WorkerClient:
         return got[y], got[stats_name], stats.add(before)
 
     def replica_forward(
-        self, session: int, step: int, block: ReplicaBlock, timeout: float = 600.0
+        self,
+        session: int,
+        step: int,
+        block: ReplicaBlock,
+        timeout: float = 600.0,
+        split: SplitPlan | None = None,
     ) -> CallStats:
         """Have the worker run the replicated ``block`` on the step's images and keep its
-        output for the next layer's stage calls of ``step`` (:mod:`hetconv.replica`)."""
+        output for the next layer's stage calls of ``step`` (:mod:`hetconv.replica`).
+
+        ``split``: the block split by images (:mod:`hetconv.split`): only this worker's images
+        travel, and the worker exchanges its output with the plan's other peers."""
         request = pb.ConvRequest(
             phase=REPLICA_FORWARD.phase, session=session, step=step, layer=block.layer,
-            padding=block.sides,
+            padding=block.sides, answer_dtype=answer_dtype(self.wire_format),
             stage=pb.StageDescription(
                 ops=ops_to_proto(block.stage), own_start=0, own_count=block.w.shape[0]
             ),
         )  # fmt: skip
-        arrays = list(zip(REPLICA_FORWARD.request_names, (block.x, block.w, block.b), strict=True))
-        formats = [block.x_format, FLOAT32, FLOAT32]  # the images: palette8 where they fit
+        x, x_format = block.x, block.x_format
+        if split is not None:
+            request.split.CopyFrom(split.request_for(self.address))
+            x = block.x[split.images(self.address)]
+            fits = block.x_format is not FLOAT32
+            x_format = (PALETTE8.prepared(x) or FLOAT32) if fits else FLOAT32
+        arrays = list(zip(REPLICA_FORWARD.request_names, (x, block.w, block.b), strict=True))
+        formats = [x_format, FLOAT32, FLOAT32]  # the images: palette8 where they fit
         _, stats = self._call(
             REPLICA_FORWARD, f"replica forward {block.layer}", request, arrays, [], {}, timeout, 0,
             formats,
@@ -608,6 +625,44 @@ class WorkerClient:
             before = dataclasses.replace(before, wall_seconds=time.perf_counter() - waited)
         request.replica_layer = replica.layer
         return before, _EMPTY_INPUT
+
+    def put_part(
+        self,
+        session: int,
+        step: int,
+        block: str,
+        source: int,
+        part: np.ndarray,
+        gradient: bool,
+        timeout: float = 600.0,
+    ) -> CallStats:
+        """Put a split block's ``part`` into the worker as node ``source`` (:mod:`hetconv.split`):
+        the master resends a lost worker's output (``gradient`` False) or its input-gradient
+        rows of this worker's images, from what it computed itself."""
+        request = pb.ConvRequest(
+            phase=PUT_PART.phase, session=session, step=step, layer=block,
+            part=pb.TensorPart(source=source, gradient=gradient),
+        )  # fmt: skip
+        _, stats = self._call(
+            PUT_PART, f"put part {block}", request, [("p", part)], [], {}, timeout, 0,
+            [self.wire_format],
+        )  # fmt: skip
+        return stats
+
+    def fetch_part(
+        self, session: int, step: int, block: str, source: int, timeout: float = 600.0
+    ) -> tuple[np.ndarray, CallStats]:
+        """The input-gradient rows of node ``source``'s images the worker computed in its
+        backward of ``step`` (sent to that node, which the master lost)."""
+        request = pb.ConvRequest(
+            phase=FETCH_PART.phase, session=session, step=step, layer=block,
+            answer_dtype=answer_dtype(self.wire_format),
+            part=pb.TensorPart(source=source, gradient=True),
+        )  # fmt: skip
+        got, stats = self._call(
+            FETCH_PART, f"fetch part {block}", request, [], ["p"], {}, timeout, 0
+        )  # fmt: skip
+        return got["p"], stats
 
     def stage_backward(
         self,

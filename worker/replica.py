@@ -69,6 +69,9 @@ class ReplicaCalls:
                 f"the block holds {spec.batchnorms} batch norm layers: a replicated block "
                 "does not run batch norm (its statistics and parameters stay with the master)"
             )
+        split = request.HasField("split")
+        if split and not request.split.peers:
+            raise InvalidCall("the split names no peers")
         d = request.stage
         if d.own_start != 0 or d.own_count != conv.k:
             raise InvalidCall(
@@ -99,6 +102,8 @@ class ReplicaCalls:
             return other == key
 
         service.budget.save(request.session, key, block, replaces=stale)
+        if split:  # this worker's images only: their output goes to the other peers
+            service.split.forward(request, x, run, block.y)
         return [], compute, receive
 
     def _block(self, request: pb.ConvRequest, what: str) -> _Block:
@@ -120,22 +125,30 @@ class ReplicaCalls:
                 f"the request names the replicated block {request.replica_layer!r} but also "
                 f"sends x {x.shape}: send an empty x"
             )
-        return self._block(request, "the stage forward").y
+        block = self._block(request, "the stage forward")
+        if self.service.split.is_split(request):  # every peer's part, once all have come
+            return self.service.split.input_for(request)
+        return block.y
 
     def gradients(self, request: pb.ConvRequest, dx: np.ndarray):
         """(rw, rb): the input-gradient part ``dx`` back through the named block."""
         block = self._block(request, "the stage backward")
-        run, service = block.run, self.service
+        service = self.service
+
+        def back(run: StageRun, g: np.ndarray):
+            def work():
+                out = stage_backward(service.backend, run, g, slice(0, run.out_shape[1]), False)
+                service.backend.synchronize()
+                return out
+
+            _, rw, rb = service._on_device(work)
+            return rw, rb
+
+        if service.split.is_split(request):  # the peers' rows of this worker's images too
+            return service.split.gradients(request, dx, back)
         if dx.shape != block.y.shape:
             raise InvalidCall(f"input gradient {dx.shape} does not match the block's output")
-
-        def work():
-            out = stage_backward(service.backend, run, dx, slice(0, run.out_shape[1]), False)
-            service.backend.synchronize()
-            return out
-
-        _, rw, rb = service._on_device(work)
-        return rw, rb
+        return back(block.run, dx)
 
 
 __all__ = ["ReplicaCalls"]

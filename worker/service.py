@@ -50,9 +50,11 @@ from hetconv.calls import (
     BACKWARD,
     DESCRIBE,
     ECHO,
+    FETCH_PART,
     FORWARD,
     METHODS,
     PROBE,
+    PUT_PART,
     REPLICA_FORWARD,
     SERVICE_NAME,
     STAGE_BACKWARD,
@@ -82,6 +84,7 @@ from hetconv.worker.overlap import Streamed
 from hetconv.worker.replica import ReplicaCalls
 from hetconv.worker.requests import request_padding
 from hetconv.worker.resident import ResidentCalls
+from hetconv.worker.split import SplitCalls
 from hetconv.worker.stages import StageCalls
 
 #: An answer's tensors: name, array, format on the wire.
@@ -211,6 +214,7 @@ class ConvWorkerService:
         self.scratch_trimmed = 0  # times the scratch was trimmed after a call
         self.requests = 0  # conv requests answered successfully
         self.replicas = ReplicaCalls(self)  # a replicated first block (hetconv.replica)
+        self.split = SplitCalls(self)  # the same split by images (hetconv.split)
         self.activity = Activity()  # the same, with bytes and sessions, since the last look
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
 
@@ -248,6 +252,7 @@ class ConvWorkerService:
         """Stop the idle watch and the device thread (after the server has stopped)."""
         self.idle.stop()
         self._device.shutdown(wait=False)
+        self.split.close()
 
     # -- unary calls ------------------------------------------------------------------------
 
@@ -618,6 +623,7 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
     service.resident = resident
     cores.update(resident.cores())
     cores[REPLICA_FORWARD] = service.replicas.forward
+    cores.update({PUT_PART: service.split.put, FETCH_PART: service.split.fetch})
     for call, core in cores.items():
         handlers[call.stream.name] = call.stream.handler(service.streamed(call, core))
         handlers[call.bundle.name] = call.bundle.handler(service.bundled(call, core))
@@ -643,6 +649,8 @@ def start_server(
         OSError: the address cannot be bound.
     """
     security = security or WorkerSecurity()
+    # a split block's peers are reached with this worker's own token (hetconv.split)
+    service.split.use(security.token, tls=security.tls_cert is not None)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=service.config.threads),
         # The token check runs before any handler, for every method of every service here.

@@ -27,6 +27,8 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESIDENT_STAGE_FORWARD: _ClassVar[Phase]
     RESIDENT_STAGE_BACKWARD: _ClassVar[Phase]
     REPLICA_FORWARD: _ClassVar[Phase]
+    PUT_PART: _ClassVar[Phase]
+    FETCH_PART: _ClassVar[Phase]
 
 class StageLayer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +54,8 @@ FETCH_KERNELS: Phase
 RESIDENT_STAGE_FORWARD: Phase
 RESIDENT_STAGE_BACKWARD: Phase
 REPLICA_FORWARD: Phase
+PUT_PART: Phase
+FETCH_PART: Phase
 STAGE_LAYER_UNSPECIFIED: StageLayer
 RELU: StageLayer
 LRN: StageLayer
@@ -128,8 +132,34 @@ class ResidentSlice(_message.Message):
     head_classes: int
     def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., head_classes: _Optional[int] = ...) -> None: ...
 
+class SplitPeer(_message.Message):
+    __slots__ = ("address", "start", "count")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    start: int
+    count: int
+    def __init__(self, address: _Optional[str] = ..., start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class SplitBlock(_message.Message):
+    __slots__ = ("node", "peers")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    peers: _containers.RepeatedCompositeFieldContainer[SplitPeer]
+    def __init__(self, node: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[SplitPeer, _Mapping]]] = ...) -> None: ...
+
+class TensorPart(_message.Message):
+    __slots__ = ("source", "gradient")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    source: int
+    gradient: bool
+    def __init__(self, source: _Optional[int] = ..., gradient: _Optional[bool] = ...) -> None: ...
+
 class ConvRequest(_message.Message):
-    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images")
+    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +173,8 @@ class ConvRequest(_message.Message):
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_LAYER_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     session: int
     step: int
@@ -156,7 +188,9 @@ class ConvRequest(_message.Message):
     resident: ResidentSlice
     replica_layer: str
     overlap_images: int
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ..., replica_layer: _Optional[str] = ..., overlap_images: _Optional[int] = ...) -> None: ...
+    split: SplitBlock
+    part: TensorPart
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ..., replica_layer: _Optional[str] = ..., overlap_images: _Optional[int] = ..., split: _Optional[_Union[SplitBlock, _Mapping]] = ..., part: _Optional[_Union[TensorPart, _Mapping]] = ...) -> None: ...
 
 class ConvResult(_message.Message):
     __slots__ = ("compute_seconds", "receive_seconds", "tensors", "timings_follow")

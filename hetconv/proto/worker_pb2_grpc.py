@@ -144,6 +144,26 @@ class ConvWorkerStub:
                 request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
                 response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
                 _registered_method=True)
+        self.PutPart = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/PutPart',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.PutPartBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/PutPartBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
+        self.FetchPart = channel.stream_stream(
+                '/hetconv.v1.ConvWorker/FetchPart',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                _registered_method=True)
+        self.FetchPartBundle = channel.unary_unary(
+                '/hetconv.v1.ConvWorker/FetchPartBundle',
+                request_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+                response_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                _registered_method=True)
 
 
 class ConvWorkerServicer:
@@ -289,6 +309,32 @@ class ConvWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutPart(self, request_iterator, context):
+        """A replicated block split by images (SplitBlock, TensorPart): worker to worker, and the
+        master's resends and fetches for a lost worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutPartBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchPart(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchPartBundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConvWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -399,6 +445,26 @@ def add_ConvWorkerServicer_to_server(servicer, server):
             ),
             'ReplicaForwardBundle': grpc.unary_unary_rpc_method_handler(
                     servicer.ReplicaForwardBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'PutPart': grpc.stream_stream_rpc_method_handler(
+                    servicer.PutPart,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'PutPartBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutPartBundle,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            ),
+            'FetchPart': grpc.stream_stream_rpc_method_handler(
+                    servicer.FetchPart,
+                    request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+                    response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            ),
+            'FetchPartBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchPartBundle,
                     request_deserializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
                     response_serializer=hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             ),
@@ -995,6 +1061,114 @@ class ConvWorker:
             request,
             target,
             '/hetconv.v1.ConvWorker/ReplicaForwardBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutPart(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/PutPart',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutPartBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/PutPartBundle',
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPart(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetconv.v1.ConvWorker/FetchPart',
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.SerializeToString,
+            hetconv_dot_proto_dot_worker__pb2.ConvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPartBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetconv.v1.ConvWorker/FetchPartBundle',
             hetconv_dot_proto_dot_worker__pb2.ConvBundle.SerializeToString,
             hetconv_dot_proto_dot_worker__pb2.ConvBundle.FromString,
             options,

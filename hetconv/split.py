@@ -1,0 +1,106 @@
+"""A replicated first block split by images among the workers (``--replicate split``).
+
+With a replicated block (:mod:`hetconv.replica`) every node computes the first block on every
+image: at paper-150-800 that is 24-33 % of a node's work, repeated on every node. Split, each
+worker computes it only on its own images (``SplitPlan``: the batch in contiguous runs, in
+proportion to the workers' speed) and the workers exchange the outputs node to node, so every
+worker still runs the next layer's stage on the whole batch. Backward, each worker's stage
+gives an input-gradient part over every image; it sends every other worker the rows of that
+worker's images and sums the rows it gets for its own, then back-propagates the sum through
+the block on its own images. The master keeps the whole block as before (its own kernels'
+part goes back through it on every image), so its link carries only each worker's images, not
+the whole batch: the exchange runs between the workers.
+
+The sum is exact to float32 round-off: the block's backward is linear in the incoming gradient
+and per image, so the block's kernel gradient over the batch is the sum over the workers of
+its gradient over their images of every worker's rows, plus the master's over every image of
+its own.
+
+Nothing lost (:mod:`hetconv.master.cluster`): the master holds the block's whole output and,
+for a lost worker's slice, computes its stage itself. So a worker lost in forward leaves its
+peers waiting for its output, which the master sends them as that worker (PutPart); lost in
+backward, the master sends the others that worker's input-gradient rows of their images from
+its own computation of the slice, fetches the rows the others computed for the lost worker's
+images (FetchPart), adds its own slice computation's rows of those images, and back-propagates
+that through its block on those images. A part a worker already has from a source is not taken
+twice, so a lost worker's parts that did arrive count once.
+
+The exchange is plain gRPC between workers, with the worker's own token: a worker serving TLS
+refuses to split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetconv.proto import worker_pb2 as pb
+
+
+def split_images(batch: int, weights) -> list[int]:
+    """``batch`` images in contiguous runs, one per weight, in proportion to the weights
+    (largest remainders), each at least one image.
+
+    Raises:
+        ValueError: fewer images than weights, or a weight that is not positive.
+    """
+    weights = [float(w) for w in weights]
+    if not weights or any(not w > 0 for w in weights):
+        raise ValueError(f"split weights must be positive, got {weights}")
+    if batch < len(weights):
+        raise ValueError(f"{batch} images cannot be split among {len(weights)} workers")
+    spare = batch - len(weights)  # one each first
+    total = sum(weights)
+    exact = [spare * w / total for w in weights]
+    counts = [int(e) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: spare - sum(counts)]:
+        counts[i] += 1
+    return [c + 1 for c in counts]
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Which worker computes the block on which images: (address, start, count) in image
+    order, tiling the batch."""
+
+    peers: tuple[tuple[str, int, int], ...]
+
+    @classmethod
+    def of(cls, addresses, counts) -> SplitPlan:
+        peers, start = [], 0
+        for address, count in zip(addresses, counts, strict=True):
+            peers.append((address, start, int(count)))
+            start += int(count)
+        if len(peers) < 2:
+            raise ValueError("a split needs at least two workers")
+        if len({a for a, _, _ in peers}) != len(peers):
+            raise ValueError(f"a split names a worker twice: {[a for a, _, _ in peers]}")
+        return cls(tuple(peers))
+
+    @property
+    def addresses(self) -> list[str]:
+        return [a for a, _, _ in self.peers]
+
+    @property
+    def batch(self) -> int:
+        _, start, count = self.peers[-1]
+        return start + count
+
+    def node(self, address: str) -> int:
+        """``address``'s index in the plan."""
+        return self.addresses.index(address)
+
+    def images(self, address: str) -> slice:
+        """The images ``address`` computes the block on."""
+        _, start, count = self.peers[self.node(address)]
+        return slice(start, start + count)
+
+    def request_for(self, address: str) -> pb.SplitBlock:
+        """What ``address``'s ReplicaForward carries."""
+        return pb.SplitBlock(
+            node=self.node(address),
+            peers=[pb.SplitPeer(address=a, start=s, count=c) for a, s, c in self.peers],
+        )
+
+
+__all__ = ["SplitPlan", "split_images"]

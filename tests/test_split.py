@@ -1,0 +1,191 @@
+"""A replicated block split by images (hetconv.split): real worker processes on loopback that
+compute the block on their own images and exchange the parts node to node.
+
+The workers' stage outputs equal the ones computed here from the whole block, their block
+gradients sum to the whole block's, also when one worker of the split is gone and the master
+resends its parts and fetches the rows meant for it; bad parts are refused, naming what was
+wrong.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import numpy as np
+import pytest
+
+from hetconv.backends import get_backend
+from hetconv.master.client import WorkerClient, WorkerError
+from hetconv.master.launch import LocalWorkers
+from hetconv.replica import ReplicaBlock
+from hetconv.split import SplitPlan, split_images
+from hetconv.stages import StageSpec, stage_backward, stage_forward
+
+BATCH, K1, K2 = 7, 4, 6
+PAD = (1, 1, 1, 1)
+LRN = StageSpec.from_entries(
+    [{"type": "relu"}, {"type": "lrn", "size": 3}, {"type": "maxpool", "kernel": 2}]
+)
+RELU = StageSpec.from_entries([{"type": "relu"}])
+GONE = "127.0.0.1:1"  # nothing listens there: a worker that is gone
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(3) as started:
+        yield started
+
+
+def _case():
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 256, (BATCH, 3, 8, 8)).astype(np.float32) / 255  # 8-bit pixels
+    block = ReplicaBlock(
+        "conv1", x, rng.standard_normal((K1, 3, 3, 3)).astype(np.float32),
+        rng.standard_normal(K1).astype(np.float32), PAD, LRN,
+    )  # fmt: skip
+    w2 = rng.standard_normal((K2, K1, 3, 3)).astype(np.float32)
+    b2 = rng.standard_normal(K2).astype(np.float32)
+    return block, w2, b2, rng
+
+
+def _forward_everywhere(clients, block, plan, session, step):
+    """Each live worker's ReplicaForward of ``plan``, started as the cluster starts them."""
+    pool = futures.ThreadPoolExecutor(len(clients))
+    for c in clients:
+        block.started[c.address] = pool.submit(c.replica_forward, session, step, block, 60.0, plan)
+    return pool
+
+
+def test_split_images_follow_the_weights():
+    assert split_images(16, [1, 1, 1, 1]) == [4, 4, 4, 4]
+    assert split_images(7, [1, 1, 1]) == [3, 2, 2]
+    assert sum(split_images(64, [2.0, 1.0, 1.0, 0.5])) == 64
+    assert split_images(3, [100, 1, 1]) == [1, 1, 1]  # at least one each
+    with pytest.raises(ValueError, match="cannot be split among 3"):
+        split_images(2, [1, 1, 1])
+    with pytest.raises(ValueError, match="positive"):
+        split_images(8, [1, 0])
+
+
+def _local(block, w2, b2, slices):
+    """Here: the whole block, each slice's stage forward, and their runs."""
+    backend = get_backend("cpu")
+    y1, run1 = stage_forward(backend, block.x, block.w, block.b, PAD, block.stage, slice(0, K1))
+    outs = [stage_forward(backend, y1, w2[s], b2[s], PAD, RELU, slice(0, s.stop - s.start))
+            for s in slices]  # fmt: skip
+    return backend, y1, run1, outs
+
+
+def test_split_workers_equal_the_whole_block(workers):
+    block, w2, b2, rng = _case()
+    clients = [WorkerClient(a) for a in workers.addresses]
+    plan = SplitPlan.of(workers.addresses, split_images(BATCH, [1, 1, 1]))
+    slices = [slice(0, 2), slice(2, 4), slice(4, 6)]
+    backend, y1, run1, outs = _local(block, w2, b2, slices)
+    try:
+        pool = _forward_everywhere(clients, block, plan, 21, 4)
+        got = list(pool.map(
+            lambda cs: cs[0].stage_forward(
+                21, 4, "conv2", y1, w2[cs[1]], b2[cs[1]], PAD, RELU, slice(0, 2), replica=block
+            ),
+            zip(clients, slices, strict=False),
+        ))  # fmt: skip
+        for (y, _, _), (want, _) in zip(got, outs, strict=True):
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+        # only the worker's own images went out: fewer bytes than the whole batch's
+        own = clients[0].replica_forward(29, 1, block, 60.0, plan).bytes_sent
+        assert own < clients[0].replica_forward(29, 1, block, 60.0).bytes_sent - 2 * 3 * 8 * 8
+        dys = [rng.standard_normal(want.shape).astype(np.float32) for want, _ in outs]
+        parts = [(np.empty_like(block.w), np.empty_like(block.b)) for _ in clients]
+        back = list(pool.map(
+            lambda c, dy, p: c.stage_backward(21, 4, "conv2", dy, 0, True, replica=("conv1", *p)),
+            clients, dys, parts,
+        ))  # fmt: skip
+        dx = sum(stage_backward(backend, run, dy, slice(0, 2), True)[0]
+                 for (_, run), dy in zip(outs, dys, strict=True))  # fmt: skip
+        _, want_rw, want_rb = stage_backward(backend, run1, dx, slice(0, K1), False)
+        assert all(b[0] is None for b in back)  # no input gradient travelled to the master
+        np.testing.assert_allclose(sum(p[0] for p in parts), want_rw, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(sum(p[1] for p in parts), want_rb, rtol=1e-4, atol=1e-4)
+        # each worker keeps the rows it sent the others, for a master that lost one
+        rows, _ = clients[0].fetch_part(21, 4, "conv1", 2)
+        mine = stage_backward(backend, outs[0][1], dys[0], slice(0, 2), True)[0]
+        np.testing.assert_allclose(rows, mine[plan.images(workers.addresses[2])], rtol=1e-5)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_lost_workers_parts_come_from_the_master(workers):
+    """Worker 2 of the split is gone before the step: the master sends its block output and,
+    backward, its slice's input-gradient rows to the others as it; it fetches their rows of
+    the lost worker's images and back-propagates them through its own block there."""
+    block, w2, b2, rng = _case()
+    addresses = [*workers.addresses[:2], GONE]
+    clients = [WorkerClient(a) for a in addresses[:2]]
+    plan = SplitPlan.of(addresses, split_images(BATCH, [1, 1, 1]))
+    lost = plan.images(GONE)
+    slices = [slice(0, 2), slice(2, 4), slice(4, 6)]  # the third, the lost worker's
+    backend, y1, run1, outs = _local(block, w2, b2, slices)
+    try:
+        pool = _forward_everywhere(clients, block, plan, 22, 9)
+        for c in clients:  # as the lost worker: its images' output, from the master's block
+            c.put_part(22, 9, "conv1", 2, np.ascontiguousarray(y1[lost]), False)
+        # a part from a source that came already is not taken twice
+        clients[0].put_part(22, 9, "conv1", 2, np.zeros_like(y1[lost]), False)
+        got = list(pool.map(
+            lambda cs: cs[0].stage_forward(
+                22, 9, "conv2", y1, w2[cs[1]], b2[cs[1]], PAD, RELU, slice(0, 2), replica=block
+            ),
+            zip(clients, slices, strict=False),
+        ))  # fmt: skip
+        for (y, _, _), (want, _) in zip(got, outs[:2], strict=True):
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+        dys = [rng.standard_normal(want.shape).astype(np.float32) for want, _ in outs]
+        dxs = [stage_backward(backend, run, dy, slice(0, 2), True)[0]
+               for (_, run), dy in zip(outs, dys, strict=True)]  # fmt: skip
+        parts = [(np.empty_like(block.w), np.empty_like(block.b)) for _ in clients]
+        pending = [pool.submit(c.stage_backward, 22, 9, "conv2", dy, 0, True,
+                               replica=("conv1", *p))
+                   for c, dy, p in zip(clients, dys, parts, strict=False)]  # fmt: skip
+        for c, address in zip(clients, addresses, strict=False):  # the lost slice's rows
+            c.put_part(22, 9, "conv1", 2, np.ascontiguousarray(dxs[2][plan.images(address)]), True)
+        for p in pending:
+            p.result()
+        # the rows of the lost worker's images: the others', fetched, and its own slice's
+        fetched = [c.fetch_part(22, 9, "conv1", 2)[0] for c in clients]
+        rows = np.zeros_like(dxs[0])
+        rows[lost] = dxs[2][lost] + sum(fetched)
+        _, mw, mb = stage_backward(backend, run1, rows, slice(0, K1), False)
+        _, want_rw, want_rb = stage_backward(backend, run1, sum(dxs), slice(0, K1), False)
+        np.testing.assert_allclose(mw + sum(p[0] for p in parts), want_rw, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(mb + sum(p[1] for p in parts), want_rb, rtol=1e-4, atol=1e-4)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_bad_parts_are_refused_naming_what_was_wrong(workers):
+    block, *_ = _case()
+    client = WorkerClient(workers.addresses[0])
+    plan = SplitPlan.of(workers.addresses[:2] + [GONE], split_images(BATCH, [1, 1, 1]))
+    try:
+        client.replica_forward(23, 5, block, 60.0, plan)
+        part = np.zeros((2, K1, 4, 4), np.float32)
+        with pytest.raises(WorkerError, match=r"expected 2 images' rows|expected \(2, 4, 4, 4\)"):
+            client.put_part(23, 5, "conv1", 1, part[:1], False)
+        with pytest.raises(WorkerError, match="this worker is node 0 of 3"):
+            client.put_part(23, 5, "conv1", 0, part, False)
+        with pytest.raises(WorkerError, match="at step 5 of it already"):
+            client.put_part(23, 4, "conv1", 1, part, False)
+        nan = part.copy()
+        nan[0, 0, 0, 0] = np.nan
+        with pytest.raises(WorkerError, match="NaN or Inf"):
+            client.put_part(23, 5, "conv1", 1, nan, False)
+        with pytest.raises(WorkerError, match="no backward of split block 'conv1' at step 5"):
+            client.fetch_part(23, 5, "conv1", 1)
+        holes = SplitPlan((plan.peers[0], (plan.peers[1][0], 4, 2)))
+        with pytest.raises(WorkerError, match="must tile the batch in order"):
+            client.replica_forward(23, 6, block, 60.0, holes)
+    finally:
+        client.close()

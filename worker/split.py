@@ -1,0 +1,392 @@
+"""The worker's side of a replicated block split by images (:mod:`hetconv.split`).
+
+A ReplicaForward that carries a :class:`~hetconv.proto.worker_pb2.SplitBlock` sends only this
+worker's own images: the worker runs the block on them, keeps what the block's backward needs,
+and sends its output on them to every other peer (PutPart, from a few sender threads, so the
+call answers once the block is computed). A stage call that names the block waits here until
+every peer's part has come (:meth:`SplitCalls.input_for`) and runs on the whole batch, in
+image order. Its backward's input-gradient part covers every image: the worker sends each
+other peer the rows of that peer's images, keeps them (FetchPart answers them to a master that
+lost the peer), waits for every other peer's rows of its own images, sums them with its own in
+peer order and back-propagates the sum through the block on its own images
+(:meth:`SplitCalls.gradients`).
+
+A part from a source the worker already has is ignored: the master resends a lost worker's
+parts as that worker, from what it computed itself, and whichever comes first counts (they are
+the same tensor, to float32 round-off). Parts may come before the worker's own ReplicaForward
+of the step; a part of an older step than the one held is refused (FAILED_PRECONDITION), one of
+a newer step replaces what was held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from hetconv.calls import FETCH_PART, PUT_PART
+from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
+from hetconv.formats import TensorFormat, answer_format
+from hetconv.proto import worker_pb2 as pb
+from hetconv.security import bearer_metadata
+from hetconv.wire import BUNDLE_BYTES, Bundle, channel_options, chunks, encode_tensors
+
+#: Peers a split may name (a LAN's laptops; far beyond any plan the master makes).
+MAX_PEERS = 64
+#: Seconds a stage call waits for its peers' parts when its own call has no deadline.
+PART_WAIT = 600.0
+
+
+class PartTimeout(MissingForward):
+    """The peers' parts did not all come in time (FAILED_PRECONDITION)."""
+
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@dataclass(frozen=True)
+class SplitLayout:
+    """Who computes the block on which images: ``peers`` (address, start, count) in image
+    order, tiling the batch; this worker is ``node``."""
+
+    node: int
+    peers: tuple[tuple[str, int, int], ...]
+
+    @classmethod
+    def from_proto(cls, split: pb.SplitBlock) -> SplitLayout:
+        peers = tuple((p.address, p.start, p.count) for p in split.peers)
+        if not 2 <= len(peers) <= MAX_PEERS:
+            raise InvalidCall(f"a split names {len(peers)} peers: 2 to {MAX_PEERS}")
+        if split.node >= len(peers):
+            raise InvalidCall(f"split node {split.node} is not one of its {len(peers)} peers")
+        at = 0
+        for i, (address, start, count) in enumerate(peers):
+            if not address:
+                raise InvalidCall(f"split peer {i} has no address")
+            if start != at or count < 1:
+                raise InvalidCall(
+                    f"split peer {i} has images {start}..{start + count}: the peers' images must "
+                    f"tile the batch in order (expected from {at}, at least one)"
+                )
+            at += count
+        return cls(split.node, peers)
+
+    @property
+    def batch(self) -> int:
+        _, start, count = self.peers[-1]
+        return start + count
+
+    def images(self, node: int) -> slice:
+        _, start, count = self.peers[node]
+        return slice(start, start + count)
+
+    @property
+    def own(self) -> slice:
+        return self.images(self.node)
+
+    @property
+    def others(self) -> list[int]:
+        return [i for i in range(len(self.peers)) if i != self.node]
+
+
+@dataclass
+class _Step:
+    """One (session, block)'s split step: what came, what was sent."""
+
+    step: int
+    layout: SplitLayout | None = None
+    run: object = None  # the block's StageRun on this worker's images
+    outputs: dict[int, np.ndarray] = field(default_factory=dict)  # source -> its images' output
+    gradients: dict[int, np.ndarray] = field(default_factory=dict)  # source -> rows of mine
+    sent: dict[int, np.ndarray] = field(default_factory=dict)  # node -> my rows of its images
+    y: np.ndarray | None = None  # the whole batch's output, once assembled
+    done: bool = False  # this worker's backward of the step has run
+
+    @property
+    def nbytes(self) -> int:
+        held = [*self.outputs.values(), *self.gradients.values(), *self.sent.values()]
+        return sum(a.nbytes for a in held) + (self.y.nbytes if self.y is not None else 0)
+
+
+class PeerLinks:
+    """Channels to the other workers, reused, and the threads that send them parts."""
+
+    def __init__(self, token: str | None = None, threads: int = 4):
+        self._metadata = bearer_metadata(token) if token is not None else None
+        self._channels: dict[str, tuple[grpc.Channel, object, object]] = {}
+        self._lock = threading.Lock()
+        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="hetconv-peer")
+        self.sent_bytes = 0
+
+    def _stubs(self, address: str):
+        with self._lock:
+            got = self._channels.get(address)
+            if got is None:
+                channel = grpc.insecure_channel(address, options=channel_options())
+                got = (channel, PUT_PART.stream.stub(channel), PUT_PART.bundle.stub(channel))
+                self._channels[address] = got
+            return got
+
+    def put(
+        self, address: str, request: pb.ConvRequest, part: np.ndarray, fmt: TensorFormat, timeout
+    ) -> None:
+        """Send ``part`` to ``address`` as PutPart ``request`` (blocking)."""
+        out = encode_tensors([("p", part)], [fmt])
+        request.tensors.extend(out.headers)
+        head = pb.ConvMessage(header=request)
+        _, stream, bundle = self._stubs(address)
+        if out.nbytes <= BUNDLE_BYTES:
+            bundle(Bundle(head, out.segments), timeout=timeout, metadata=self._metadata)
+        else:
+
+            def messages():
+                yield head
+                yield from chunks(out.segments)
+
+            for _ in stream(messages(), timeout=timeout, metadata=self._metadata):
+                pass
+        self.sent_bytes += out.nbytes
+
+    def put_later(self, address, request, part, fmt, timeout) -> futures.Future:
+        """:meth:`put` on a sender thread."""
+        return self._pool.submit(self.put, address, request, part, fmt, timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            for channel, *_ in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class SplitCalls:
+    """PutPart and FetchPart, and the split block's hooks for ReplicaForward and the stage
+    calls, on a :class:`~hetconv.worker.service.ConvWorkerService`."""
+
+    def __init__(self, service, token: str | None = None):
+        self.service = service
+        self.links = PeerLinks(token)
+        self._steps: dict[tuple[int, str], _Step] = {}
+        self._changed = threading.Condition()
+        self.failed_sends: list[str] = []  # the last few peers' refusals, for the log
+        self.tls = False
+
+    def use(self, token: str | None, tls: bool) -> None:
+        """Reach peers with ``token`` (the worker's own); a worker serving TLS refuses to
+        split (its peers would need a CA it does not have: not built)."""
+        self.links.close()
+        self.links, self.tls = PeerLinks(token), tls
+
+    # -- the step's record ------------------------------------------------------------------
+
+    def _record(self, session: int, layer: str, step: int) -> _Step:
+        """The record of (session, block) at ``step``, made (replacing an older step's) when
+        there is none; a call of an older step is refused. Under ``_changed``."""
+        key = (session, layer)
+        held = self._steps.get(key)
+        if held is not None and held.step > step:
+            raise MissingForward(
+                f"block {layer!r} step {step}: this worker is at step {held.step} of it already"
+            )
+        if held is None or held.step < step:
+            held = self._steps[key] = _Step(step)
+            self._limit()
+        return held
+
+    def _limit(self) -> None:
+        """At most the worker's sessions' worth of split records: the oldest go."""
+        while len(self._steps) > 2 * self.service.config.sessions:
+            del self._steps[next(iter(self._steps))]
+
+    def _held_bytes(self) -> int:
+        return sum(s.nbytes for s in self._steps.values())
+
+    def _take(self, request: pb.ConvRequest, part: np.ndarray, gradient: bool) -> None:
+        """File a part that came (PutPart), first one per source counting."""
+        source = request.part.source
+        if source >= MAX_PEERS:
+            raise InvalidCall(f"part source {source}: a split has at most {MAX_PEERS} peers")
+        if not np.isfinite(part).all():
+            raise InvalidCall("the part holds NaN or Inf")
+        with self._changed:
+            record = self._record(request.session, request.layer, request.step)
+            layout = record.layout
+            if layout is not None:
+                self._check_part(layout, source, part, gradient, record)
+            if self._held_bytes() + part.nbytes > self.service.config.memory_bytes // 2:
+                raise RequestTooLarge(
+                    "the split's parts would hold more than half this worker's memory budget"
+                )
+            into = record.gradients if gradient else record.outputs
+            into.setdefault(source, part)
+            self._changed.notify_all()
+
+    @staticmethod
+    def _check_part(layout: SplitLayout, source: int, part, gradient: bool, record) -> None:
+        if source >= len(layout.peers) or source == layout.node:
+            raise InvalidCall(
+                f"part source {source}: this worker is node {layout.node} of "
+                f"{len(layout.peers)} in the split"
+            )
+        rows = layout.images(layout.node if gradient else source)
+        count = rows.stop - rows.start
+        if part.ndim != 4 or part.shape[0] != count:
+            raise InvalidCall(
+                f"part {part.shape} from node {source}: expected {count} images' rows"
+            )
+        if record.run is not None:
+            want = (count, *record.run.out_shape[1:])
+            if part.shape != want:
+                raise InvalidCall(f"part {part.shape} from node {source}: expected {want}")
+
+    # -- the calls --------------------------------------------------------------------------
+
+    def put(self, messages):
+        request, (p,), receive = self.service._receive(messages, PUT_PART)
+        self._take(request, p, request.part.gradient)
+        return [], 0.0, receive
+
+    def fetch(self, messages):
+        request, _, receive = self.service._receive(messages, FETCH_PART)
+        if not request.part.gradient:
+            raise InvalidCall("FetchPart answers input-gradient parts only (set gradient)")
+        with self._changed:
+            record = self._steps.get((request.session, request.layer))
+            if record is None or record.step != request.step or not record.done:
+                have = "nothing" if record is None else f"step {record.step}"
+                raise MissingForward(
+                    f"no backward of split block {request.layer!r} at step {request.step} "
+                    f"has run here (have {have})"
+                )
+            part = record.sent.get(request.part.source)
+        if part is None:
+            raise InvalidCall(f"node {request.part.source} is not another peer of this split")
+        fmt = answer_format(request.answer_dtype)
+        return [("p", part, fmt)], 0.0, receive
+
+    # -- ReplicaForward ---------------------------------------------------------------------
+
+    def forward(self, request: pb.ConvRequest, x: np.ndarray, run, y: np.ndarray) -> None:
+        """A split ReplicaForward's end: ``y`` (the block's output on this worker's images,
+        ``x``) kept with ``run``, and sent to every other peer."""
+        if self.tls:
+            raise InvalidCall(
+                "this worker serves TLS, and a split block's peers talk plain gRPC (not built): "
+                "replicate the block whole"
+            )
+        layout = SplitLayout.from_proto(request.split)
+        own = layout.own
+        if x.shape[0] != own.stop - own.start:
+            raise InvalidCall(
+                f"x holds {x.shape[0]} images; this worker's part of the split is "
+                f"{own.stop - own.start}"
+            )
+        with self._changed:
+            record = self._record(request.session, request.layer, request.step)
+            if record.layout is not None and record.layout != layout:
+                raise InvalidCall("the split's peers changed within a step")
+            for source, part in list(record.outputs.items()):  # parts that came early
+                try:
+                    self._check_part(layout, source, part, False, record)
+                except InvalidCall:
+                    del record.outputs[source]
+            record.layout, record.run = layout, run
+            record.outputs[layout.node] = y
+            self._changed.notify_all()
+        self._send(request, layout, lambda node: y, gradient=False)
+
+    def _send(self, request, layout: SplitLayout, rows, gradient: bool) -> None:
+        fmt = answer_format(request.answer_dtype)
+        for node in layout.others:
+            part = pb.ConvRequest(
+                phase=PUT_PART.phase, session=request.session, step=request.step,
+                layer=request.layer if not gradient else request.replica_layer,
+                part=pb.TensorPart(source=layout.node, gradient=gradient),
+            )  # fmt: skip
+            address = layout.peers[node][0]
+            sent = self.links.put_later(address, part, rows(node), fmt, PART_WAIT)
+            sent.add_done_callback(lambda f, a=address: self._sent(f, a))
+
+    def _sent(self, done: futures.Future, address: str) -> None:
+        error = done.exception()
+        if error is not None:  # the master sees the peer lost, and covers it
+            detail = error.details() if isinstance(error, grpc.RpcError) else str(error)
+            self.failed_sends = [*self.failed_sends[-9:], f"{address}: {detail}"]
+
+    # -- the stage calls' hooks -------------------------------------------------------------
+
+    def _wait(self, request: pb.ConvRequest, block: str, ready, what: str) -> _Step:
+        deadline = time.monotonic() + PART_WAIT
+        with self._changed:
+            while True:
+                record = self._steps.get((request.session, block))
+                if record is not None and record.step == request.step and record.layout:
+                    missing = ready(record)
+                    if not missing:
+                        return record
+                elif record is not None and record.step > request.step:
+                    raise MissingForward(f"split block {block!r} moved on to step {record.step}")
+                else:
+                    missing = ["this worker's own ReplicaForward"]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PartTimeout(
+                        f"{what} of split block {block!r} step {request.step}: still waiting "
+                        f"for {', '.join(map(str, missing))} after {PART_WAIT:.0f} s"
+                    )
+                self._changed.wait(min(left, 1.0))
+
+    def is_split(self, request: pb.ConvRequest) -> bool:
+        """Whether the block a stage call names is split here at the call's step."""
+        with self._changed:
+            record = self._steps.get((request.session, request.replica_layer))
+            return record is not None and record.step == request.step and record.run is not None
+
+    def input_for(self, request: pb.ConvRequest) -> np.ndarray:
+        """The whole batch's block output, once every peer's part has come."""
+
+        def missing(record: _Step) -> list[str]:
+            return [f"node {i}" for i in range(len(record.layout.peers)) if i not in record.outputs]
+
+        record = self._wait(request, request.replica_layer, missing, "the stage forward")
+        with self._changed:
+            if record.y is None:
+                parts = [record.outputs[i] for i in range(len(record.layout.peers))]
+                record.y = np.concatenate(parts)
+            return record.y
+
+    def gradients(self, request: pb.ConvRequest, dx: np.ndarray, back) -> tuple:
+        """(rw, rb): the input-gradient part ``dx`` (every image) sent on to the peers by their
+        images, the peers' rows of this worker's images summed with its own, and that sum back
+        through the block on its own images (``back(run, g)``)."""
+        block = request.replica_layer
+        with self._changed:
+            record = self._steps.get((request.session, block))
+            layout = record.layout
+            if dx.shape != (layout.batch, *record.run.out_shape[1:]):
+                raise InvalidCall(f"input gradient {dx.shape} does not match the split block")
+            for node in layout.others:
+                record.sent[node] = np.ascontiguousarray(dx[layout.images(node)])
+        self._send(request, layout, lambda node: record.sent[node], gradient=True)
+
+        def missing(record: _Step) -> list[str]:
+            return [f"node {i}" for i in record.layout.others if i not in record.gradients]
+
+        record = self._wait(request, block, missing, "the stage backward")
+        g = np.array(dx[layout.own])
+        for node in layout.others:  # in peer order: the same sum on every run
+            g += record.gradients[node]
+        rw, rb = back(record.run, g)
+        with self._changed:
+            record.done = True
+            self._changed.notify_all()
+        return rw, rb
+
+    def close(self) -> None:
+        self.links.close()
+
+
+__all__ = ["MAX_PEERS", "PART_WAIT", "PartTimeout", "PeerLinks", "SplitCalls", "SplitLayout"]
