@@ -33,8 +33,9 @@ import numpy as np
 from hetconv.backends import ConvShape, conv_shape
 from hetconv.formats import FLOAT32, PALETTE8, TensorFormat
 
-OFF, FIRST, AUTO = "off", "first", "auto"
-REPLICATE_MODES = (OFF, FIRST, AUTO)
+OFF, FIRST, AUTO, SPLIT = "off", "first", "auto", "split"
+#: ``split``: as ``first``, the block split by images among the workers (:mod:`hetconv.split`).
+REPLICATE_MODES = (OFF, FIRST, AUTO, SPLIT)
 #: A replicated block's stage mode, as the plan and the trace's ``stage_modes`` record it.
 REPLICATED = "replicated"
 
@@ -61,6 +62,9 @@ class ReplicaBlock:
     # worker address -> its ReplicaForward of this step, started ahead (an object whose
     # result() gives the call's CallStats or raises its WorkerError): taken by the stage call
     started: dict = field(default_factory=dict, compare=False, repr=False)
+    # the block split by images among the workers this step (hetconv.split): the master's
+    # hetconv.master.replica.SplitStep; None: every worker computes every image
+    split: object = field(default=None, compare=False, repr=False)
 
     @property
     def shape(self) -> ConvShape:
@@ -86,5 +90,6 @@ class ReplicaBlock:
 
 
 __all__ = [
-    "AUTO", "FIRST", "OFF", "REPLICATED", "REPLICATE_MODES", "ReplicaBlock", "images_format"
+    "AUTO", "FIRST", "OFF", "REPLICATED", "REPLICATE_MODES", "SPLIT", "ReplicaBlock",
+    "images_format",
 ]  # fmt: skip

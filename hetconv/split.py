@@ -64,9 +64,10 @@ class SplitPlan:
     order, tiling the batch."""
 
     peers: tuple[tuple[str, int, int], ...]
+    round: int = 0  # the master's count of split blocks in the session (SplitBlock.round)
 
     @classmethod
-    def of(cls, addresses, counts) -> SplitPlan:
+    def of(cls, addresses, counts, round_: int = 0) -> SplitPlan:
         peers, start = [], 0
         for address, count in zip(addresses, counts, strict=True):
             peers.append((address, start, int(count)))
@@ -75,7 +76,7 @@ class SplitPlan:
             raise ValueError("a split needs at least two workers")
         if len({a for a, _, _ in peers}) != len(peers):
             raise ValueError(f"a split names a worker twice: {[a for a, _, _ in peers]}")
-        return cls(tuple(peers))
+        return cls(tuple(peers), round_)
 
     @property
     def addresses(self) -> list[str]:
@@ -99,6 +100,7 @@ class SplitPlan:
         """What ``address``'s ReplicaForward carries."""
         return pb.SplitBlock(
             node=self.node(address),
+            round=self.round,
             peers=[pb.SplitPeer(address=a, start=s, count=c) for a, s, c in self.peers],
         )
 

@@ -635,13 +635,15 @@ class WorkerClient:
         part: np.ndarray,
         gradient: bool,
         timeout: float = 600.0,
+        round_: int = 0,
     ) -> CallStats:
         """Put a split block's ``part`` into the worker as node ``source`` (:mod:`hetconv.split`):
         the master resends a lost worker's output (``gradient`` False) or its input-gradient
-        rows of this worker's images, from what it computed itself."""
+        rows of this worker's images, from what it computed itself; ``round_``: the split's
+        (:attr:`~hetconv.split.SplitPlan.round`)."""
         request = pb.ConvRequest(
             phase=PUT_PART.phase, session=session, step=step, layer=block,
-            part=pb.TensorPart(source=source, gradient=gradient),
+            part=pb.TensorPart(source=source, gradient=gradient, round=round_),
         )  # fmt: skip
         _, stats = self._call(
             PUT_PART, f"put part {block}", request, [("p", part)], [], {}, timeout, 0,

@@ -77,6 +77,7 @@ from hetconv.optim import SGDConfig
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.resident import RESIDENT, SENT
+from hetconv.split import SplitPlan, split_images
 from hetconv.stages import FUSED, UNFUSED
 
 from . import modes, probing
@@ -102,6 +103,7 @@ from .rebalancing import DriftMonitor
 from .replica import (
     REPLICATED,
     ReplicatedBlocks,
+    SplitStep,
     timed,
 )
 from .resident import ResidentKernels
@@ -188,6 +190,7 @@ class Cluster:
         self.step = 0
         self._layers: list[PlannedLayer] = []
         self.replicas = ReplicatedBlocks({}, {})  # a replicated first block (set by prepare)
+        self._split_rounds = 0  # split blocks so far (hetconv.split: SplitPlan.round)
         self.overlap_images: dict[str, int] = {}  # fused layer -> images per group (prepare)
 
     @property
@@ -644,6 +647,8 @@ class Cluster:
         }
         if self.replicas.feeds:  # replicated block -> the format its images travelled in
             record["replica_images"] = self.replicas.images_formats()
+            if splits := self.replicas.splits():  # split by images among the workers
+                record["replica_split"] = splits
         if self.resident.record:
             record["resident"] = self.resident.record  # bytes placed, fetched; steps replayed
         self._stage_steps = {}
@@ -669,7 +674,8 @@ class Cluster:
         if layer in self.replicas:  # computed here on every kernel, and on every worker
             self._stage_steps[layer] = REPLICATED
             sides = _sides(padding, w.shape[2:])
-            block = self.replicas.begin(layer, x, w, b, sides)
+            split = self._split_step(layer, x.shape[0])
+            block = self.replicas.begin(layer, x, w, b, sides, split)
             self._start_replicas(block)  # the workers compute it beside the master
             y, seconds = timed(self.replicas.forward, self.backend, layer, x, w, b, padding, sides)
             self.runner.local(layer, "forward", w.shape[0], seconds)
@@ -679,6 +685,34 @@ class Cluster:
         ctx = CallContext(self.session, self.step, layer)
         job = self.strategy.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]))
         return self.runner.run(self.strategy, job, layer, plan)
+
+    def _replica_workers(self, block: str) -> list[Node]:
+        """The active workers with a share of the layer ``block`` feeds: those that compute
+        the block this step."""
+        plan = self.plans.get(self.replicas.feeds[block])
+        if plan is None:
+            return []
+        return [
+            node for i, node in enumerate(self.nodes)
+            if i and node.state == ACTIVE and plan.shares[i]
+        ]  # fmt: skip
+
+    def _split_step(self, block: str, images: int) -> SplitStep | None:
+        """This step's split of ``block`` by images among its workers, in proportion to their
+        speed on the layer it feeds (:mod:`hetconv.split`); None when not split, or fewer
+        than two workers (or images) share it."""
+        workers = self._replica_workers(block) if self.replicas.split else []
+        addresses = [n.client.address for n in workers]
+        if len(workers) < 2 or images < len(workers) or len(set(addresses)) < len(addresses):
+            return None
+        consumer = self.replicas.feeds[block]
+        probes = [n.probe_seconds.get(consumer, 0.0) for n in workers]
+        weights = [1.0 / p if p > 0 else 1.0 for p in probes] if all(probes) else None
+        counts = split_images(images, weights or [1.0] * len(workers))
+        self._split_rounds += 1
+        plan = SplitPlan.of(addresses, counts, self._split_rounds)
+        clients = {n.client.address: n.client for n in workers}
+        return SplitStep(plan, clients, self.session, self.step, block)
 
     def _start_replicas(self, block) -> None:
         """Start the step's ReplicaForward on every active worker with a share of the layer the
@@ -695,8 +729,9 @@ class Cluster:
             transfer = block.nbytes / node.link_bytes_per_second + node.link_latency
             work = node.probe_seconds.get(probe, 0.0)
             timeout = self.config.deadline_floor + self.config.deadline_factor * (transfer + work)
+            split = block.split.plan if block.split is not None else None
             block.started[node.client.address] = Call(
-                node.client.replica_forward, self.session, self.step, block, timeout
+                node.client.replica_forward, self.session, self.step, block, timeout, split
             )
 
     def backward(self, layer, x, w, dy, padding, need_input_grad):

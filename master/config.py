@@ -12,6 +12,7 @@ from hetconv.overlap import OFF as OVERLAP_OFF
 from hetconv.overlap import OVERLAP_MODES
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import REPLICATE_MODES
+from hetconv.replica import SPLIT as REPLICATE_SPLIT
 from hetconv.resident import KERNEL_MODES, SENT
 from hetconv.stages import STAGE_MODES, UNFUSED
 
@@ -91,7 +92,9 @@ class ClusterConfig:
             images itself, so the next layer's input and input gradient do not travel
             (:mod:`hetconv.replica`; where the network allows it); ``"off"``: never;
             ``"auto"``: where the cost model predicts the step faster
-            (:func:`hetconv.costmodel.replicate_mode`).
+            (:func:`hetconv.costmodel.replicate_mode`); ``"split"``: as first, each worker
+            computing the block on its share of the images only, the workers exchanging the
+            parts node to node (:mod:`hetconv.split`; not with ``tls_ca``).
         overlap: ``"on"``: every fused layer whose stage holds no batch norm runs its worker
             calls in image groups, each group's output sent while the next computes and each
             group's backward started as soon as its gradient is in (:mod:`hetconv.overlap`);
@@ -142,6 +145,11 @@ class ClusterConfig:
         if self.replicate not in REPLICATE_MODES:
             raise ValueError(
                 f"replicate {self.replicate!r}; expected one of {', '.join(REPLICATE_MODES)}"
+            )
+        if self.replicate == REPLICATE_SPLIT and self.tls_ca is not None:
+            raise ValueError(
+                "replicate split: the workers exchange the block's parts over plain gRPC, "
+                "which TLS (--tls-ca) would not cover; replicate first instead"
             )
         if self.stages not in STAGE_MODES:
             raise ValueError(f"stages {self.stages!r}; expected one of {', '.join(STAGE_MODES)}")

@@ -84,6 +84,8 @@ class Call:
 
     def __init__(self, fn, *args, **kwargs):
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._watchers: list[threading.Event] = []
         self._value = self._error = None
         self._thread = threading.Thread(
             target=self._run, args=(fn, args, kwargs), name="hetconv-call", daemon=True
@@ -96,13 +98,54 @@ class Call:
         except BaseException as e:  # handed to the waiting thread
             self._error = e
         finally:
-            self._done.set()
+            with self._lock:
+                self._done.set()
+                for event in self._watchers:
+                    event.set()
+
+    def notify(self, event: threading.Event) -> None:
+        """Set ``event`` when the call ends (now, if it has)."""
+        with self._lock:
+            self._watchers.append(event)
+            if self._done.is_set():
+                event.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def failed(self) -> bool:
+        """Whether it ended with an error (an Exception; not a KeyboardInterrupt)."""
+        return self._done.is_set() and isinstance(self._error, Exception)
+
+    def error(self) -> BaseException | None:
+        return self._error
 
     def result(self):
         self._done.wait()
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def split_of(block: ReplicaBlock | None):
+    """The :class:`~.replica.SplitStep` of a stage's replicated input block, or None."""
+    return block.split if block is not None else None
+
+
+def lost_forward(block: ReplicaBlock | None, piece: Piece, x: np.ndarray) -> None:
+    """A worker piece computed here in a stage forward whose input block is split: its images'
+    rows of ``x`` (the block's output, every image) go to the split's other workers."""
+    split = split_of(block)
+    if split is not None and piece.index and split.covers(piece.node.client.address):
+        split.lost_forward(piece.node.client.address, x)
+
+
+def lost_backward(gradients: BlockGradients | None, piece: Piece, dx) -> bool:
+    """A worker piece computed here in a stage backward whose input block is split: its input
+    gradient goes to the split's other workers (True), not into the master's."""
+    if gradients is None or not piece.index or dx is None:
+        return False
+    return gradients.lost(piece.node.client.address, dx)
 
 
 def finite(*arrays) -> bool:
@@ -399,7 +442,13 @@ class _StageForward:
             mean, var = stats[2 * i].astype(np.float64), stats[2 * i + 1].astype(np.float64)
             layer.track(mean, var, count, part)
 
+    @property
+    def covers_early(self) -> bool:
+        """Whether a lost piece is computed as soon as it is lost (:class:`PhaseRunner`)."""
+        return split_of(self.replica) is not None
+
     def compute_locally(self, piece: Piece) -> None:
+        lost_forward(self.replica, piece, self.x)
         wide, own = self._wide(piece)
         batchnorm = _batchnorm_slices(self.batchnorm, wide)
         y, run = stage_forward(
@@ -509,8 +558,14 @@ class _StageBackward:
         dx, self.dw[sl], self.db[sl] = stage_backward(
             self.backend, run, dy, rel, self.need_input_grad
         )
-        self._add_dx(dx)
+        if not lost_backward(self.replica, piece, dx):
+            self._add_dx(dx)
         self._take_dbn(sl, batchnorm_grad_rows(run))
+
+    @property
+    def covers_early(self) -> bool:
+        """Whether a lost piece is computed as soon as it is lost (:class:`PhaseRunner`)."""
+        return self.replica is not None and self.replica.split is not None
 
     def _add_dx(self, part) -> None:
         if self.need_input_grad:
@@ -519,7 +574,7 @@ class _StageBackward:
     def accept(self, piece: Piece, answer) -> CallStats:
         dx_part, _, _, dbn, stats = answer
         if self.replica is not None:
-            self.replica.take(piece.index)
+            self.replica.take(piece.index, piece.node.client.address)
         else:
             self._add_dx(dx_part)
         self._take_dbn(piece.part, dbn)
@@ -541,7 +596,8 @@ class _StageBackward:
             self.dx = None
 
     def result(self):
-        return replica_input_grad(self.dx, self.x, self.replica), self.dw, self.db
+        dx = self.replica.later(self.dx) if self.replica is not None else self.dx
+        return replica_input_grad(dx, self.x, self.replica), self.dw, self.db
 
 
 class FusedKernelSplit(KernelSplit):
@@ -677,6 +733,10 @@ class PhaseRunner:
             call = Call(request.call, *request.args, timeout=timeout, **request.kwargs)
             calls.append((piece, call))
         t0 = time.perf_counter()
+        early = getattr(job, "covers_early", False)
+        if early:  # a split block's peers wait for these pieces' parts: computed first
+            for piece in covered:
+                job.compute_locally(piece)
         own = pieces[0]
         if own.size:
             job.compute_locally(own)
@@ -696,13 +756,13 @@ class PhaseRunner:
         # own, the pieces it covers, then the workers' in node order (a deterministic run
         # relies on it; tests/test_determinism.py).
         checked = self.spot_checks.seconds if self.spot_checks is not None else 0.0
-        done, failed = self._gather(job, calls, layer)
+        done, failed, lost_seconds = self._gather(job, calls, layer, early)
         if self.spot_checks is not None:  # master computation, not communication
             start += self.spot_checks.seconds - checked
         t0 = time.perf_counter()
-        for piece in covered + failed:
+        for piece in [] if early else covered + failed:
             job.compute_locally(piece)
-        master_seconds += time.perf_counter() - t0
+        master_seconds += time.perf_counter() - t0 + lost_seconds
         computes = [master_seconds + beside]
         if own.size or covered or failed:
             kernels = own.size + sum(p.size for p in covered + failed)
@@ -715,11 +775,41 @@ class PhaseRunner:
         self._account(time.perf_counter() - start, computes)
         return job.result()
 
-    def _gather(self, job: PhaseJob, calls: list[tuple[Piece, Call]], layer: str):
-        """Wait for every worker call; (answers, failed pieces). A failed worker, or one whose
-        answer fails the job's check or a spot check, is lost."""
-        done, failed = [], []
+    def _gather(
+        self, job: PhaseJob, calls: list[tuple[Piece, Call]], layer: str, early: bool = False
+    ):
+        """Wait for every worker call; (answers, failed pieces, seconds the master computed
+        failed pieces in). A failed worker, or one whose answer fails the job's check or a
+        spot check, is lost. Answers are taken in node order. ``early``: a call that fails
+        while the master waits for another is lost at once and its piece computed then (the
+        other workers of a split block wait for its parts)."""
+        done, failed, seconds = [], [], 0.0
+        lost: set[int] = set()
+        ended = threading.Event()
+        if early:
+            for _, call in calls:
+                call.notify(ended)
+
+        def lose(piece: Piece, e: BaseException) -> None:
+            nonlocal seconds
+            self.membership.lose(piece.node, e)
+            failed.append(piece)
+            lost.add(piece.index)
+            if early:
+                t0 = time.perf_counter()
+                job.compute_locally(piece)
+                seconds += time.perf_counter() - t0
+
         for piece, call in calls:
+            while early and not call.done():
+                ended.clear()
+                for other, pending in calls:  # a failure elsewhere is covered now
+                    if other.index not in lost and pending.done() and pending.failed():
+                        lose(other, pending.error())
+                if not call.done():
+                    ended.wait(0.5)
+            if piece.index in lost:
+                continue
             try:
                 answer = call.result()
                 job.check(piece, answer)
@@ -727,9 +817,8 @@ class PhaseRunner:
                     self.spot_checks.check(job, piece, answer, layer)
                 done.append((piece, answer))
             except Exception as e:  # WorkerError, or anything else a broken answer raises
-                self.membership.lose(piece.node, e)
-                failed.append(piece)
-        return done, failed
+                lose(piece, e)
+        return done, failed, seconds
 
     def _record(self, node: Node, layer: str, phase: str, kernels: int, stats: CallStats):
         per_layer = self.records.setdefault(node.name, {}).setdefault(layer, {"kernels": kernels})

@@ -22,6 +22,7 @@ from hetconv.overlap import ON as OVERLAP_ON
 from hetconv.overlap import group_count, group_images
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
+from hetconv.replica import SPLIT as REPLICATE_SPLIT
 from hetconv.resident import RESIDENT, SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED
 from hetconv.workload import ConvLayer
@@ -77,7 +78,7 @@ def replica(
     if why is None:  # every node computes the whole block: what it costs beyond its conv
         probe = nodes[0].probe_seconds.get(first.name, 0.0)
         factor = block_cost_factor(backend, first, batch, probe)
-    if why is None and config.replicate != REPLICATE_FIRST:
+    if why is None and config.replicate not in (REPLICATE_FIRST, REPLICATE_SPLIT):
         consumer = next(spec for spec in layers if spec.name == first.feeds)
         shares = _shares(plans, consumer.name, nodes)
         workers = [n for i, n in enumerate(nodes) if i and shares[i]]
@@ -96,7 +97,8 @@ def replica(
             why = f"the cost model predicts it {-1e3 * gain:.1f} ms slower per step"
     if why is not None:
         return ReplicaChoice(refused=f"off: {why}")
-    blocks = ReplicatedBlocks({first.name: first.feeds}, {first.name: first.stage})
+    split = config.replicate == REPLICATE_SPLIT
+    blocks = ReplicatedBlocks({first.name: first.feeds}, {first.name: first.stage}, split)
     return ReplicaChoice(blocks, {first.name: factor})
 
 
@@ -203,8 +205,13 @@ def describe_overlap(groups: Mapping[str, int]) -> str:
 def describe_replica(blocks: ReplicatedBlocks, block_cost: Mapping[str, float], refused) -> str:
     """One line: which block is replicated into which layer, or why none is."""
     if blocks.feeds:
+        where = (
+            "by the master whole and split by images among the workers, who exchange the parts"
+            if blocks.split
+            else "on every node"
+        )
         return ", ".join(
-            f"{block} computed on every node, {consumer}'s input not sent (the whole block "
+            f"{block} computed {where}, {consumer}'s input not sent (the whole block "
             f"costs {block_cost.get(block, 1.0):.1f}x its convolution's probe)"
             for block, consumer in blocks.feeds.items()
         )

@@ -18,7 +18,91 @@ import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.replica import REPLICATED, ReplicaBlock
+from hetconv.split import SplitPlan
 from hetconv.stages import stage_backward, stage_forward
+
+
+class SplitStep:
+    """A step's block split by images among the workers (:mod:`hetconv.split`), as the master
+    keeps it: the plan, the workers' clients, and what it covers for workers it loses.
+
+    The master computes a lost worker's slice of the next layer itself, as always. With the
+    block split that worker's peers also wait for its parts, so the master sends them, as that
+    worker: forward its images' block output (:meth:`lost_forward`), backward its slice's
+    input-gradient rows of their images (:meth:`lost_backward`), each as soon as the worker is
+    known lost. The rows of a lost worker's images, which it would have summed and taken
+    through the block, the master collects (:meth:`rows`): its own computation's, and what
+    every worker that answered computed for them (FetchPart).
+    """
+
+    def __init__(self, plan: SplitPlan, clients: dict, session: int, step: int, block: str):
+        self.plan, self.clients = plan, dict(clients)
+        self.session, self.step, self.block = session, step, block
+        self.lost: dict[int, np.ndarray | None] = {}  # node -> its slice's input gradient
+        self.sent_bytes = 0  # what the master put into workers for lost ones
+
+    def covers(self, address: str) -> bool:
+        """Whether ``address`` computes part of the block this step."""
+        return address in self.plan.addresses
+
+    def _put(self, source: int, rows, gradient: bool, timeout: float) -> None:
+        """``rows(address)`` put into every other worker of the plan, as node ``source``, in
+        parallel; a worker that is gone too is no matter (it is lost in its own call)."""
+        from .dispatch import Call  # (dispatch imports this module)
+
+        calls = []
+        for i, address in enumerate(self.plan.addresses):
+            if i == source or i in self.lost:
+                continue
+            part = np.ascontiguousarray(rows(address))
+            self.sent_bytes += part.nbytes
+            client = self.clients[address]
+            calls.append(Call(
+                client.put_part, self.session, self.step, self.block, source, part, gradient,
+                timeout, self.plan.round,
+            ))  # fmt: skip
+        for call in calls:
+            try:
+                call.result()
+            except Exception:  # noqa: BLE001 (that worker's own call fails and loses it)
+                pass
+
+    def lost_forward(self, address: str, y: np.ndarray, timeout: float = 60.0) -> None:
+        """Worker ``address`` is lost in forward: its images' rows of the block output ``y``
+        (the master's, every image) go to the others as it."""
+        node = self.plan.node(address)
+        self.lost.setdefault(node, None)
+        self._put(node, lambda _: y[self.plan.images(address)], False, timeout)
+
+    def lost_backward(self, address: str, dx: np.ndarray, timeout: float = 60.0) -> None:
+        """Worker ``address`` is lost in backward: its slice's input gradient ``dx`` (every
+        image, computed here) goes to the others by their images, as it; the rows of lost
+        workers' images stay for :meth:`rows`."""
+        node = self.plan.node(address)
+        self.lost[node] = dx
+        self._put(node, lambda a: dx[self.plan.images(a)], True, timeout)
+
+    def rows(self, answered: list[str], timeout: float = 60.0) -> np.ndarray | None:
+        """The input gradient the master back-propagates through its block for the lost
+        workers' images: zero but on those images, where it is every lost slice's rows (as
+        computed here) plus the rows each worker that ``answered`` computed for them. None when
+        nothing was lost."""
+        if not self.lost:
+            return None
+        dxs = [dx for dx in self.lost.values() if dx is not None]
+        if len(dxs) != len(self.lost):
+            raise RuntimeError(f"{self.block}: a worker lost in the split has no gradient here")
+        total = np.zeros_like(dxs[0])
+        for node in sorted(self.lost):
+            images = self.plan.images(self.plan.addresses[node])
+            for dx in dxs:
+                total[images] += dx[images]
+            for address in answered:
+                part, _ = self.clients[address].fetch_part(
+                    self.session, self.step, self.block, node, timeout
+                )
+                total[images] += part
+        return total
 
 
 def replica_refusal(first, stage_modes: dict[str, str]) -> str | None:
@@ -57,6 +141,30 @@ class BlockGradients:
         self._chain, self._backend = chain, backend
         self.master: tuple[np.ndarray, np.ndarray] | None = None  # (dw, db) of the master's part
         self.seconds = 0.0  # the master's block backward, in the phase (its convolution's part)
+        self.answered: list[str] = []  # the workers whose parts were taken, in order
+
+    @property
+    def split(self) -> SplitStep | None:
+        """The block split by images this step (:class:`SplitStep`), or None."""
+        return self.block.split
+
+    def lost(self, address: str, dx: np.ndarray) -> bool:
+        """A worker of the split lost: its slice's input gradient ``dx`` (computed here) goes
+        to the others as it (:meth:`SplitStep.lost_backward`); False (nothing done) when the
+        block is not split or ``address`` computed none of it."""
+        split = self.split
+        if split is None or not split.covers(address):
+            return False
+        split.lost_backward(address, dx)
+        return True
+
+    def later(self, dx: np.ndarray | None) -> np.ndarray | None:
+        """What the master back-propagates through its block after its own part: ``dx`` (the
+        pieces it covered outside a split), plus a split's rows of lost workers' images."""
+        rows = self.split.rows(self.answered) if self.split is not None else None
+        if rows is None:
+            return dx
+        return rows if dx is None else dx + rows
 
     def back_through(self, dx: np.ndarray | None) -> bool:
         """Back-propagate the master's input-gradient part ``dx`` through the block now (its
@@ -85,11 +193,12 @@ class BlockGradients:
     def part(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         return self._parts[index]
 
-    def take(self, index: int) -> None:
+    def take(self, index: int, address: str = "") -> None:
         rw, rb = self._parts.pop(index)
         self.dw += rw
         self.db += rb
         self.parts += 1
+        self.answered.append(address)
 
 
 def input_bytes(x: np.ndarray, replica: ReplicaBlock | None) -> int:
@@ -113,11 +222,13 @@ class ReplicatedBlocks:
     Args:
         feeds: block layer -> the layer whose input its output is.
         stages: block layer -> its :class:`~hetconv.stages.StageSpec`.
+        split: the workers split each block by images (:mod:`hetconv.split`).
     """
 
-    def __init__(self, feeds: dict[str, str], stages: dict[str, object]):
+    def __init__(self, feeds: dict[str, str], stages: dict[str, object], split: bool = False):
         self.feeds = dict(feeds)
         self.stages = dict(stages)
+        self.split = split
         self.block_of = {consumer: block for block, consumer in self.feeds.items()}
         self._current: dict[str, ReplicaBlock] = {}
         self._gradients: dict[str, BlockGradients] = {}
@@ -146,10 +257,10 @@ class ReplicatedBlocks:
     def __contains__(self, layer: str) -> bool:
         return layer in self.feeds
 
-    def begin(self, layer: str, x, w, b, sides) -> ReplicaBlock:
+    def begin(self, layer: str, x, w, b, sides, split: SplitStep | None = None) -> ReplicaBlock:
         """The step's block, kept for the next layer's calls (and for starting the workers'
-        ReplicaForward ahead of them)."""
-        block = ReplicaBlock(layer, x, w.copy(), b.copy(), sides, self.stages[layer])
+        ReplicaForward ahead of them); ``split``: split by images among the workers."""
+        block = ReplicaBlock(layer, x, w.copy(), b.copy(), sides, self.stages[layer], split=split)
         self._current[layer] = block
         self._gradients.pop(layer, None)
         self._chains.pop(layer, None)
@@ -167,6 +278,19 @@ class ReplicatedBlocks:
         """Block name -> the format its images travel in this step (``palette8``, ``float32``),
         for the trace."""
         return {layer: block.x_format.label for layer, block in self._current.items()}
+
+    def splits(self) -> dict[str, dict]:
+        """Block name -> how this step split it by images (:mod:`hetconv.split`): each
+        worker's images in plan order, and the bytes the master put into workers for ones it
+        lost (``covered_bytes``), for the trace."""
+        return {
+            layer: {
+                "images": [count for _, _, count in block.split.plan.peers],
+                "covered_bytes": block.split.sent_bytes,
+            }
+            for layer, block in self._current.items()
+            if block.split is not None
+        }
 
     def input_of(self, consumer: str) -> ReplicaBlock | None:
         """The replicated block whose output is ``consumer``'s input this step (None: none)."""
@@ -260,6 +384,7 @@ def timed(fn, *args):
 __all__ = [
     "REPLICATED",
     "BlockGradients",
+    "SplitStep",
     "block_cost_factor",
     "block_seconds",
     "ReplicatedBlocks",

@@ -68,6 +68,9 @@ from .dispatch import (
     WorkerRequest,
     _non_finite,
     finite,
+    lost_backward,
+    lost_forward,
+    split_of,
 )
 from .membership import ACTIVE, Membership, Node
 from .replica import input_bytes, replica_input_grad
@@ -268,7 +271,13 @@ class _ResidentForward:
         if not finite(self._out(piece)) and finite(self.x):
             raise _non_finite(piece, f"resident stage forward {self.ctx.layer}")
 
+    @property
+    def covers_early(self) -> bool:
+        """Whether a lost piece is computed as soon as it is lost (see PhaseRunner)."""
+        return split_of(self.replica) is not None
+
     def compute_locally(self, piece: Piece) -> None:
+        lost_forward(self.replica, piece, self.x)
         layer, part = self.layer, piece.part
         self.owner.recover(layer, piece.node.name)  # a lost worker's slice: replayed here
         wide = layer.wide(part)
@@ -402,7 +411,13 @@ class _ResidentBackward:
             self.owner.backend, run, dy, rel, self.need_input_grad
         )
         self._computed.append(part)
-        self._add_dx(dx)
+        if not lost_backward(self.replica, piece, dx):
+            self._add_dx(dx)
+
+    @property
+    def covers_early(self) -> bool:
+        """Whether a lost piece is computed as soon as it is lost (see PhaseRunner)."""
+        return self.replica is not None and self.replica.split is not None
 
     def while_waiting(self) -> None:
         """As :meth:`~.dispatch._StageBackward.while_waiting`: the master's part goes back
@@ -426,7 +441,7 @@ class _ResidentBackward:
             placed.pending = None
         self._edges.append((part, ew, eb, self._ef[piece.index]))
         if self.replica is not None:
-            self.replica.take(piece.index)
+            self.replica.take(piece.index, piece.node.client.address)
         else:
             self._add_dx(dx)
         return stats
@@ -447,7 +462,8 @@ class _ResidentBackward:
             df = self.df[part] if head else None
             layer.update_rows(part, self.dw[part], self.db[part], config, df)
         layer.started = True
-        dx = replica_input_grad(self.dx, self.x, self.replica)
+        dx = self.replica.later(self.dx) if self.replica is not None else self.dx
+        dx = replica_input_grad(dx, self.x, self.replica)
         if head:
             return dx, self.dw, self.db, self.df
         return dx, self.dw, self.db

@@ -9,13 +9,17 @@ wrong.
 
 from __future__ import annotations
 
+import json
 from concurrent import futures
 
 import numpy as np
 import pytest
+from exactness import FAST, same_as_local, train_strong_lrn
 
 from hetconv.backends import get_backend
+from hetconv.conv import LocalConv
 from hetconv.master.client import WorkerClient, WorkerError
+from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.replica import ReplicaBlock
 from hetconv.split import SplitPlan, split_images
@@ -176,7 +180,7 @@ def test_bad_parts_are_refused_naming_what_was_wrong(workers):
             client.put_part(23, 5, "conv1", 1, part[:1], False)
         with pytest.raises(WorkerError, match="this worker is node 0 of 3"):
             client.put_part(23, 5, "conv1", 0, part, False)
-        with pytest.raises(WorkerError, match="at step 5 of it already"):
+        with pytest.raises(WorkerError, match="at step 5 round 0 of it already"):
             client.put_part(23, 4, "conv1", 1, part, False)
         nan = part.copy()
         nan[0, 0, 0, 0] = np.nan
@@ -189,3 +193,81 @@ def test_bad_parts_are_refused_naming_what_was_wrong(workers):
             client.replica_forward(23, 6, block, 60.0, holes)
     finally:
         client.close()
+
+
+# -- training through a cluster -------------------------------------------------------------
+
+SHARES = {"conv1": (0, 1, 1, 6), "conv2": (4, 4, 4, 4)}
+SPLIT = dict(**FAST, shares=SHARES, stages="fused", replicate="split")
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
+
+
+@pytest.mark.parametrize("kernels", ["sent", "resident"])
+def test_a_split_block_trains_as_local(local, workers, tmp_path, kernels):
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**SPLIT, kernels=kernels)
+    with Cluster(workers.addresses, config=config) as cluster:
+        got = train_strong_lrn(tmp_path, "split", cluster, trace=str(trace))
+    same_as_local(got, local)
+    assert "split by images among the workers" in cluster.describe_replica()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in records if "step" in r]
+    assert all(r["stage_modes"] == {"conv1": "replicated", "conv2": "fused"} for r in steps)
+    # the batch of 8 split among the three workers (by their probes), nothing covered
+    for record in steps:
+        split = record["replica_split"]["conv1"]
+        assert len(split["images"]) == 3 and sum(split["images"]) == 8, split
+        assert split["covered_bytes"] == 0
+    assert not [e for e in cluster.events if e["event"] == "worker_lost"]
+
+
+class Killing(Cluster):
+    """SIGKILLs ``victim`` at step ``at``, before the stage call of ``when`` (forward: after
+    the block's ReplicaForward started; backward: between the two phases)."""
+
+    def __init__(self, addresses, victim, at, when, **config):
+        super().__init__(addresses, config=ClusterConfig(**{**SPLIT, **config}))
+        self.victim, self.at, self.when = victim, at, when
+
+    def _kill(self, phase: str) -> None:
+        if phase == self.when and self.step == self.at and self.victim.poll() is None:
+            self.victim.kill()
+            self.victim.wait()
+
+    def stage_forward(self, layer, *args, **kwargs):
+        self._kill("forward")
+        return super().stage_forward(layer, *args, **kwargs)
+
+    def stage_backward(self, layer, *args, **kwargs):
+        self._kill("backward")
+        return super().stage_backward(layer, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kernels, when", [("sent", "backward"), ("resident", "backward"), ("resident", "forward")]
+)
+def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels, when):
+    trace = tmp_path / "trace.jsonl"
+    with LocalWorkers(3) as started:
+        victim = started.processes[1]
+        with Killing(
+            started.addresses, victim, 4, when, kernels=kernels, resident_sync_every=3
+        ) as cluster:
+            got = train_strong_lrn(tmp_path, "killed", cluster, trace=str(trace))
+            lost = [e for e in cluster.events if e["event"] == "worker_lost"]
+    same_as_local(got, local)
+    assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 4)]
+    steps = {r["step"]: r for r in map(json.loads, trace.read_text().splitlines()) if "step" in r}
+    # at step 4 the master put the lost worker's parts into the other two: lost in forward,
+    # its images' block output, to each; then (lost in forward or backward) its slice's
+    # gradient rows of their images. From step 5 the two split the batch alone.
+    covered = steps[4]["replica_split"]["conv1"]
+    images = covered["images"][1]  # the victim's
+    per_image = 8 * 16 * 16 * 4  # the block's output on one image, float32
+    put = (2 * images if when == "forward" else 0) + 8 - images
+    assert covered["covered_bytes"] == put * per_image, covered
+    assert steps[5]["replica_split"]["conv1"] == {"images": [4, 4], "covered_bytes": 0}

@@ -97,6 +97,7 @@ class _Step:
     """One (session, block)'s split step: what came, what was sent."""
 
     step: int
+    round: int
     layout: SplitLayout | None = None
     run: object = None  # the block's StageRun on this worker's images
     outputs: dict[int, np.ndarray] = field(default_factory=dict)  # source -> its images' output
@@ -182,17 +183,19 @@ class SplitCalls:
 
     # -- the step's record ------------------------------------------------------------------
 
-    def _record(self, session: int, layer: str, step: int) -> _Step:
-        """The record of (session, block) at ``step``, made (replacing an older step's) when
-        there is none; a call of an older step is refused. Under ``_changed``."""
+    def _record(self, session: int, layer: str, step: int, round_: int) -> _Step:
+        """The record of (session, block) at ``step`` and ``round_``, made (replacing an older
+        one) when there is none; a call of an older step or round is refused. Under
+        ``_changed``."""
         key = (session, layer)
         held = self._steps.get(key)
-        if held is not None and held.step > step:
+        if held is not None and (held.step, held.round) > (step, round_):
             raise MissingForward(
-                f"block {layer!r} step {step}: this worker is at step {held.step} of it already"
+                f"block {layer!r} step {step} round {round_}: this worker is at step "
+                f"{held.step} round {held.round} of it already"
             )
-        if held is None or held.step < step:
-            held = self._steps[key] = _Step(step)
+        if held is None or (held.step, held.round) < (step, round_):
+            held = self._steps[key] = _Step(step, round_)
             self._limit()
         return held
 
@@ -212,7 +215,7 @@ class SplitCalls:
         if not np.isfinite(part).all():
             raise InvalidCall("the part holds NaN or Inf")
         with self._changed:
-            record = self._record(request.session, request.layer, request.step)
+            record = self._record(request.session, request.layer, request.step, request.part.round)
             layout = record.layout
             if layout is not None:
                 self._check_part(layout, source, part, gradient, record)
@@ -285,9 +288,9 @@ class SplitCalls:
                 f"{own.stop - own.start}"
             )
         with self._changed:
-            record = self._record(request.session, request.layer, request.step)
+            record = self._record(request.session, request.layer, request.step, request.split.round)
             if record.layout is not None and record.layout != layout:
-                raise InvalidCall("the split's peers changed within a step")
+                raise InvalidCall("the split's peers changed within a round")
             for source, part in list(record.outputs.items()):  # parts that came early
                 try:
                     self._check_part(layout, source, part, False, record)
@@ -296,15 +299,15 @@ class SplitCalls:
             record.layout, record.run = layout, run
             record.outputs[layout.node] = y
             self._changed.notify_all()
-        self._send(request, layout, lambda node: y, gradient=False)
+        self._send(request, layout, lambda node: y, False, request.split.round)
 
-    def _send(self, request, layout: SplitLayout, rows, gradient: bool) -> None:
+    def _send(self, request, layout: SplitLayout, rows, gradient: bool, round_: int) -> None:
         fmt = answer_format(request.answer_dtype)
         for node in layout.others:
             part = pb.ConvRequest(
                 phase=PUT_PART.phase, session=request.session, step=request.step,
                 layer=request.layer if not gradient else request.replica_layer,
-                part=pb.TensorPart(source=layout.node, gradient=gradient),
+                part=pb.TensorPart(source=layout.node, gradient=gradient, round=round_),
             )  # fmt: skip
             address = layout.peers[node][0]
             sent = self.links.put_later(address, part, rows(node), fmt, PART_WAIT)
@@ -370,7 +373,7 @@ class SplitCalls:
                 raise InvalidCall(f"input gradient {dx.shape} does not match the split block")
             for node in layout.others:
                 record.sent[node] = np.ascontiguousarray(dx[layout.images(node)])
-        self._send(request, layout, lambda node: record.sent[node], gradient=True)
+        self._send(request, layout, lambda node: record.sent[node], True, record.round)
 
         def missing(record: _Step) -> list[str]:
             return [f"node {i}" for i in record.layout.others if i not in record.gradients]

@@ -143,20 +143,24 @@ class SplitPeer(_message.Message):
     def __init__(self, address: _Optional[str] = ..., start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class SplitBlock(_message.Message):
-    __slots__ = ("node", "peers")
+    __slots__ = ("node", "peers", "round")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     node: int
     peers: _containers.RepeatedCompositeFieldContainer[SplitPeer]
-    def __init__(self, node: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[SplitPeer, _Mapping]]] = ...) -> None: ...
+    round: int
+    def __init__(self, node: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[SplitPeer, _Mapping]]] = ..., round: _Optional[int] = ...) -> None: ...
 
 class TensorPart(_message.Message):
-    __slots__ = ("source", "gradient")
+    __slots__ = ("source", "gradient", "round")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     source: int
     gradient: bool
-    def __init__(self, source: _Optional[int] = ..., gradient: _Optional[bool] = ...) -> None: ...
+    round: int
+    def __init__(self, source: _Optional[int] = ..., gradient: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
     __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part")
