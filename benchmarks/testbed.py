@@ -225,6 +225,14 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
     ),
     Mode(
+        "exact_head_split",
+        (*EXACT, "--overlap", "auto", "--head", "split", "--replicate", "split"),
+        "exact_head with the replicated block split by images among the workers, who exchange "
+        "its outputs and gradients node to node (switched links)",
+        "--replicate",
+        in_all=False,
+    ),
+    Mode(
         "exact_head_bfloat16",
         (*EXACT, "--overlap", "auto", "--head", "split", "--wire-format", "bfloat16"),
         "exact_head, with activations and their gradients as bfloat16 on the wire",

@@ -95,6 +95,7 @@ from .planning import (
     PlannedLayer,
     Planner,
     check_shares,
+    image_fractions,
     plan_record,
     shares_table,
     step_model,
@@ -357,7 +358,7 @@ class Cluster:
         if resident or consumers:
             self.planner = dataclasses.replace(
                 self.planner, resident=resident, replicas=consumers, heads=dict(self.heads),
-                block_cost=dict(self.block_cost),
+                block_cost=dict(self.block_cost), split_blocks=self.replicas.split,
             )  # fmt: skip
             self._replan()
         self._choose_overlap(layers, batch)
@@ -706,9 +707,8 @@ class Cluster:
         if len(workers) < 2 or images < len(workers) or len(set(addresses)) < len(addresses):
             return None
         consumer = self.replicas.feeds[block]
-        probes = [n.probe_seconds.get(consumer, 0.0) for n in workers]
-        weights = [1.0 / p if p > 0 else 1.0 for p in probes] if all(probes) else None
-        counts = split_images(images, weights or [1.0] * len(workers))
+        fractions = image_fractions([n.probe_seconds.get(consumer, 0.0) for n in workers])
+        counts = split_images(images, fractions)
         self._split_rounds += 1
         plan = SplitPlan.of(addresses, counts, self._split_rounds)
         clients = {n.client.address: n.client for n in workers}

@@ -97,8 +97,11 @@ def replica(
             why = f"the cost model predicts it {-1e3 * gain:.1f} ms slower per step"
     if why is not None:
         return ReplicaChoice(refused=f"off: {why}")
-    split = config.replicate == REPLICATE_SPLIT
+    # On one shared medium every byte the workers exchanged would cross it with the master's.
+    split = config.replicate == REPLICATE_SPLIT and not wifi
     blocks = ReplicatedBlocks({first.name: first.feeds}, {first.name: first.stage}, split)
+    if config.replicate == REPLICATE_SPLIT and wifi:
+        blocks.split_refused = "not split: the workers share one medium (wifi)"
     return ReplicaChoice(blocks, {first.name: factor})
 
 
@@ -210,9 +213,10 @@ def describe_replica(blocks: ReplicatedBlocks, block_cost: Mapping[str, float], 
             if blocks.split
             else "on every node"
         )
+        note = f"; {blocks.split_refused}" if blocks.split_refused else ""
         return ", ".join(
             f"{block} computed {where}, {consumer}'s input not sent (the whole block "
-            f"costs {block_cost.get(block, 1.0):.1f}x its convolution's probe)"
+            f"costs {block_cost.get(block, 1.0):.1f}x its convolution's probe){note}"
             for block, consumer in blocks.feeds.items()
         )
     return refused or "off"

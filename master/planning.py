@@ -114,6 +114,9 @@ class Planner:
         block_cost: replicated block name -> how many times its convolution's probe the whole
             block costs a node (its ReLU, LRN and pooling at full resolution too,
             :func:`~.replica.block_cost_factor`); 1 where not named.
+        split_blocks: the workers split the replicated blocks by images (:mod:`hetconv.split`):
+            the ``link`` policy counts each worker's share of the block's images, and the
+            exchange of its outputs and gradients on the worker's link, instead of the block.
     """
 
     master_compute: bool
@@ -128,6 +131,7 @@ class Planner:
     overlap: Mapping[str, int] = field(default_factory=dict)
     heads: Mapping[str, int] = field(default_factory=dict)
     block_cost: Mapping[str, float] = field(default_factory=dict)
+    split_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -198,6 +202,13 @@ class Planner:
         )
         return LayerPlan.of(shape, kernel_shares(k, speeds))
 
+    def _image_fractions(self, nodes, workers: list[int], layer: str) -> dict[int, float]:
+        """Worker index -> its fraction of a split block's images; empty when not split."""
+        if not self.split_blocks or len(workers) < 2:
+            return {}
+        probes = [nodes[i].probe_seconds.get(layer, 0.0) for i in workers]
+        return dict(zip(workers, image_fractions(probes), strict=True))
+
     def _link_aware(
         self,
         nodes,
@@ -223,6 +234,7 @@ class Planner:
         replica = None
         if block is not None and fused:
             replica = block.modelled()
+        fractions = self._image_fractions(nodes, workers, layer.name) if replica else {}
 
         def model_node(i: int) -> costmodel.Node:
             node = nodes[i]
@@ -232,6 +244,10 @@ class Planner:
                 block_flops = replica.step_passes * replica.shape.flops_forward
                 factor = self.block_cost.get(replica.name, 1)
                 block_s = block_seconds(nodes[0], node, replica.name, layer.name, factor)
+                if i in fractions:  # its images' share, and the exchange on its link
+                    s = layer.shape
+                    exchanged = 2 * (1 - fractions[i]) * 4 * s.n * s.c * s.h * s.w
+                    block_s = block_s * fractions[i] + exchanged / node.link_bytes_per_second
                 per_layer[replica.name] = block_flops / max(block_s, 1e-9) / 1e9
             if node.client is None:  # the master: its port is at least as fast as any link
                 return costmodel.Node(node.name, gflops, per_layer, bytes_per_s=fastest)
@@ -259,6 +275,17 @@ class Planner:
         for i, kernels in zip([0, *workers], split, strict=True):
             shares[i] = kernels
         return shares
+
+
+def image_fractions(seconds: Sequence[float]) -> list[float]:
+    """Each worker's fraction of a split block's images, by its ``seconds`` on the layer the
+    block feeds (as :meth:`hetconv.master.cluster.Cluster` splits them: in proportion to
+    speed)."""
+    weights = [1.0 / t if t > 0 else 1.0 for t in seconds]
+    if not all(t > 0 for t in seconds):
+        weights = [1.0] * len(seconds)
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def step_model(

@@ -229,6 +229,7 @@ class ReplicatedBlocks:
         self.feeds = dict(feeds)
         self.stages = dict(stages)
         self.split = split
+        self.split_refused: str | None = None  # why a split asked for is not made
         self.block_of = {consumer: block for block, consumer in self.feeds.items()}
         self._current: dict[str, ReplicaBlock] = {}
         self._gradients: dict[str, BlockGradients] = {}

@@ -270,4 +270,6 @@ def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels, when):
     per_image = 8 * 16 * 16 * 4  # the block's output on one image, float32
     put = (2 * images if when == "forward" else 0) + 8 - images
     assert covered["covered_bytes"] == put * per_image, covered
-    assert steps[5]["replica_split"]["conv1"] == {"images": [4, 4], "covered_bytes": 0}
+    after = steps[5]["replica_split"]["conv1"]
+    assert len(after["images"]) == 2 and sum(after["images"]) == 8, after
+    assert after["covered_bytes"] == 0
