@@ -481,7 +481,7 @@ def predict(
     )
     result = simulate_step(
         cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images, head=cal.heads,
-        sync_every=DEFAULT_SYNC_EVERY if synced else 0,
+        sync_every=DEFAULT_SYNC_EVERY if synced else 0, split_images=cal.replica_split,
     )  # fmt: skip
     return result, cal
 

@@ -47,7 +47,9 @@ from hetconv.overlap import OVERLAP_MODES, group_count, group_images
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import REPLICATED
+from hetconv.replica import SPLIT as REPLICATE_SPLIT
 from hetconv.resident import RESIDENT, SENT
+from hetconv.split import SplitPlan, split_images
 from hetconv.stages import AUTO, FUSED, UNFUSED, StageSpec
 from hetconv.wire import BUNDLE_BYTES
 from hetconv.workload import (
@@ -58,6 +60,7 @@ from hetconv.workload import (
     call_bytes,
     resident_call_bytes,
     resident_sync_bytes,
+    split_part,
     stage_call_bytes,
 )
 
@@ -604,6 +607,31 @@ def replicate_gain(
     return saved - max(block_seconds, default=0.0)
 
 
+def _exchange_seconds(layer: ConvLayer, part: ConvLayer, node: Node) -> float:
+    """A worker's exchange of a split block's parts in one phase: the other workers' images'
+    rows of ``layer``'s input (forward: their outputs in; backward: its rows of them out), at
+    its link's rate."""
+    others = layer.x_bytes * (layer.shape.n - part.shape.n) / max(layer.shape.n, 1)
+    rate = node.bytes_per_s
+    return others / rate if rate and math.isfinite(rate) else 0.0
+
+
+def _split_replicas(
+    cluster: Cluster, layer: ConvLayer, block: ConvLayer, shares, images=None
+) -> dict[str, ConvLayer]:
+    """Worker name -> its part of ``block`` split by images among the workers with a share of
+    ``layer`` (``images``: each one's count, in order; None: in proportion to their speed on
+    ``layer``); {} when fewer than two (the block is then computed whole)."""
+    workers = [n for n, share in zip(cluster.workers, shares[1:], strict=True) if share]
+    if len(workers) < 2 or layer.shape.n < len(workers):
+        return {}
+    if images is None:
+        images = split_images(layer.shape.n, [n.layer_gflops.get(layer.name, n.gflops)
+                                              for n in workers])  # fmt: skip
+    plan = SplitPlan.of([n.name for n in workers], images)
+    return {n.name: split_part(block, plan, n.name) for n in workers}
+
+
 def simulate_layer_phase(
     cluster: Cluster,
     layer: ConvLayer,
@@ -618,6 +646,7 @@ def simulate_layer_phase(
     head: int = 0,
     sync_every: int = 20,
     replica_tail_s: float = 0.0,
+    split_replicas: Mapping[str, ConvLayer] | None = None,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`Cluster.forward` / ``backward`` runs it, or fused
@@ -636,7 +665,10 @@ def simulate_layer_phase(
     output and its gradient, and the halo's and edges' fc columns. ``sync_every``: (resident)
     the steps between syncs of every slice, amortised into backward's answer (0: none).
     ``replica_tail_s``: (backward) the master's own backward through the replicated block,
-    which it runs in the phase after its own piece, as the workers compute."""
+    which it runs in the phase after its own piece, as the workers compute.
+    ``split_replicas``: the block split by images (:mod:`hetconv.split`): worker name -> its
+    part (:func:`~hetconv.workload.split_part`), whose images its ReplicaForward moves and
+    whose block it computes, plus the exchange of the others' parts on its link."""
     if head and not (fused and resident):
         raise ValueError(f"{layer.name}: a split head needs a fused stage with resident kernels")
     if fused and layer.stage is None:
@@ -652,14 +684,17 @@ def simulate_layer_phase(
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):
         if share:
+            block = (split_replicas or {}).get(node.name, replica)
             wire = _wire(
                 layer, phase, share, offset, step, cluster.wire.format, fused, resident,
-                sync_every, replica=replica, head=head,
+                sync_every, replica=block, head=head,
             )  # fmt: skip
             own = node.conv_seconds(layer, _computed(layer, share, offset, fused), passes)
             compute = own
-            if replica is not None:
-                block_s = node.conv_seconds(replica, replica.kernels, replica.passes(phase))
+            if block is not None:
+                block_s = node.conv_seconds(block, block.kernels, block.passes(phase))
+                if block.split_of is not None:  # and the others' parts, before the stage
+                    block_s += _exchange_seconds(layer, block, node)
                 compute += max(0.0, block_s - (replica_head_s if phase == FORWARD else 0.0))
             groups = group_count(layer.shape.n, overlap_images) if fused else 1
             piped = groups > 1
@@ -704,6 +739,7 @@ def simulate_step(
     overlap: str | Mapping[str, int] = OVERLAP_OFF,
     head: str | Mapping[str, object] = HEAD_MASTER,
     sync_every: int = 20,
+    split_images: Mapping[str, Sequence[int]] | None = None,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work.
@@ -723,7 +759,10 @@ def simulate_step(
     layer must run fused); the master's backward of it runs in the second layer's backward
     phase, after its own piece, as the workers compute (when the master computes a share).
     A per-layer ``stages`` mapping may name the block ``"replicated"``
-    instead (as a trace's ``stage_modes`` do).
+    instead (as a trace's ``stage_modes`` do). ``"split"``: as ``"first"``, the workers with a
+    share of the second layer splitting the block by images in proportion to their speed on it
+    (:mod:`hetconv.split`), or as ``split_images`` says (block name -> each one's images, as a
+    trace's ``replica_split`` records them; given, the block is split whatever ``replicate``).
 
     ``overlap`` as ``hetconv train --overlap``: ``"off"``, ``"on"`` (every fused layer whose
     stage holds no batch norm) or ``"auto"`` (:func:`overlap_images`); or per layer name, the
@@ -747,11 +786,11 @@ def simulate_step(
         if mode not in (RESIDENT, SENT, AUTO):
             raise ValueError(f"kernels {mode!r}; expected resident, sent or auto")
     modes = stages if isinstance(stages, Mapping) else {layer.name: stages for layer in layers}
-    if replicate not in (REPLICATE_OFF, REPLICATE_FIRST):
-        raise ValueError(f"replicate {replicate!r}; expected off or first")
+    if replicate not in (REPLICATE_OFF, REPLICATE_FIRST, REPLICATE_SPLIT):
+        raise ValueError(f"replicate {replicate!r}; expected off, first or split")
     if not isinstance(overlap, Mapping) and overlap not in OVERLAP_MODES:
         raise ValueError(f"overlap {overlap!r}; expected one of {', '.join(OVERLAP_MODES)}")
-    if replicate == REPLICATE_FIRST and layers:
+    if replicate in (REPLICATE_FIRST, REPLICATE_SPLIT) and layers:
         modes = {**modes, layers[0].name: REPLICATED}
     for mode in modes.values():
         if mode not in (FUSED, UNFUSED, AUTO, REPLICATED):
@@ -815,6 +854,10 @@ def simulate_step(
                 images = group_images(layer.shape.n)
             elif overlap == OVERLAP_AUTO:
                 images = overlap_images(layer, layer.stage, split, cluster.wire.format)
+        parts = {}
+        if replica is not None and (replicate == REPLICATE_SPLIT or split_images):
+            counts = (split_images or {}).get(replica.name)
+            parts = _split_replicas(cluster, layer, replica, split, counts)
         for phase in PHASES:
             phases.append(
                 simulate_layer_phase(
@@ -830,6 +873,7 @@ def simulate_step(
                     head=classes,
                     sync_every=sync_every,
                     replica_tail_s=tail_s,
+                    split_replicas=parts,
                 )  # fmt: skip
             )
     comm = sum(p.comm_s for p in phases)

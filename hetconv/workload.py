@@ -68,6 +68,10 @@ class ConvLayer:
     #: (normalised 8-bit pixels always do), so a worker's copy travels in a quarter of
     #: float32's bytes.
     images_fit: bool = True
+    #: as a replicated block split by images (:mod:`hetconv.split`), one worker's part of it:
+    #: (the :class:`~hetconv.split.SplitPlan`, the worker's address); ``shape`` then holds
+    #: only that worker's images. None: not split.
+    split_of: tuple | None = None
 
     @classmethod
     def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
@@ -305,7 +309,18 @@ def replica_forward_bytes(block: ConvLayer, step: int = 1000) -> CallBytes:
     if block.stage is not None:
         request.stage.ops.extend(ops_to_proto(block.stage))
     request.stage.own_count = s.k
+    if block.split_of is not None:  # one worker's images of a split block
+        plan, address = block.split_of
+        request.split.CopyFrom(plan.request_for(address))
     return _call_bytes(request, [], block, step)
+
+
+def split_part(block: ConvLayer, plan, address: str) -> ConvLayer:
+    """``block`` as worker ``address`` computes it in ``plan`` (a
+    :class:`~hetconv.split.SplitPlan`): on its images only."""
+    images = plan.images(address)
+    shape = dataclasses.replace(block.shape, n=images.stop - images.start)
+    return dataclasses.replace(block, shape=shape, split_of=(plan, address))
 
 
 def _with_replica(request, answer, layer, step, replica, forward: bool) -> CallBytes:

@@ -590,7 +590,7 @@ class WorkerClient:
         travel, and the worker exchanges its output with the plan's other peers."""
         request = pb.ConvRequest(
             phase=REPLICA_FORWARD.phase, session=session, step=step, layer=block.layer,
-            padding=block.sides, answer_dtype=answer_dtype(self.wire_format),
+            padding=block.sides,
             stage=pb.StageDescription(
                 ops=ops_to_proto(block.stage), own_start=0, own_count=block.w.shape[0]
             ),

@@ -287,6 +287,7 @@ class ReplicatedBlocks:
         return {
             layer: {
                 "images": [count for _, _, count in block.split.plan.peers],
+                "round": block.split.plan.round,
                 "covered_bytes": block.split.sent_bytes,
             }
             for layer, block in self._current.items()

@@ -36,6 +36,7 @@ from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, WireCosts, simulate
 from hetconv.formats import FLOAT32, PALETTE8, TensorFormat, format_named
 from hetconv.model import PRESETS
 from hetconv.replica import REPLICATED
+from hetconv.split import SplitPlan
 from hetconv.workload import (
     BACKWARD,
     FORWARD,
@@ -44,6 +45,7 @@ from hetconv.workload import (
     call_bytes,
     network_layers,
     resident_call_bytes,
+    split_part,
     stage_call_bytes,
 )
 
@@ -78,6 +80,8 @@ class Calibration:
     heads: dict[str, str] = field(default_factory=dict)
     # replicated block -> the format its images travelled in (palette8, float32); {}: float32
     replica_images: dict[str, str] = field(default_factory=dict)
+    # replicated block -> each worker's images where they split it (hetconv.split); {}: none
+    replica_split: dict[str, list[int]] = field(default_factory=dict)
 
     def layers(self) -> list[ConvLayer]:
         """The network's convolutions at the traced batch, each replicated block's images as
@@ -131,6 +135,7 @@ class Calibration:
             self.kernel_modes or "sent",
             overlap=self.overlap_images,
             head=self.heads,
+            split_images=self.replica_split,
         )
         return {
             "step_s": result.step_s,
@@ -228,6 +233,7 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
     names, split = _layout(record)
     by_name = {layer.name: layer for layer in layers}
     replica = replicas(layers, modes, record.get("replica_images"))
+    parts = split_parts(record, names, split, replica)
     if set(by_name) != set(split) or any(
         by_name[name].kernels != sum(kernels) for name, kernels in split.items()
     ):
@@ -243,7 +249,7 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
                 if share and phase in entry:
                     step = int(record.get("step", 0))
                     fused = modes.get(layer_name) == "fused" and layer.stage is not None
-                    block = replica.get(layer_name)
+                    block = parts.get(layer_name, {}).get(node, replica.get(layer_name))
                     if fused and kept.get(layer_name) == "resident":
                         head = layer.head if layer_name in heads else 0
                         want = resident_call_bytes(
@@ -264,6 +270,23 @@ def _matches(layers: Sequence[ConvLayer], record: dict) -> str | None:
                         )
             offset += share
     return None
+
+
+def split_parts(
+    record: dict, names: list[str], split: dict, replica: dict[str, ConvLayer]
+) -> dict[str, dict[str, ConvLayer]]:
+    """Layer name -> worker -> its part of the replicated block feeding the layer, where the
+    trace's ``replica_split`` says the workers split it by images (:mod:`hetconv.split`):
+    the workers with a share of the layer, in node order, each its images."""
+    out = {}
+    for consumer, block in replica.items():
+        how = record.get("replica_split", {}).get(block.name)
+        if how is None:
+            continue
+        workers = [n for n, k in zip(names[1:], split[consumer][1:], strict=True) if k]
+        plan = SplitPlan.of(workers, how["images"], int(how.get("round", 0)))
+        out[consumer] = {w: split_part(block, plan, w) for w in workers}
+    return out
 
 
 def _images_as_sent(layer: ConvLayer, images: dict[str, str]) -> ConvLayer:
@@ -374,19 +397,22 @@ def _layer_gflops(
     split: dict[str, list[int]],
     notes: list[str],
     replica: dict[str, ConvLayer] | None = None,
+    parts: dict[str, dict[str, ConvLayer]] | None = None,
 ) -> list[dict[str, float]]:
     """Per node and layer the GFLOPS of its share over the median compute seconds of each
     phase; a node that computed nothing gets the others' median.
 
     A worker's calls of the layer a replicated block feeds (``replica``: layer name -> block)
-    also computed the whole block: its time counts that work too, and the worker's figure for
-    the block is that layer's (the simulator adds the block's work back at it)."""
+    also computed the whole block (or, split, its ``parts``: layer -> worker -> its part): its
+    time counts that work too, and the worker's figure for the block is that layer's (the
+    simulator adds the block's work back at it)."""
     flops = np.zeros((len(node_names), len(layers)))
     seconds = np.zeros_like(flops)
     for (i, j, phase), times in calls.timings.items():
         layer = list(layers.values())[j]
         flops[i, j] += split[layer.name][i] * layer.passes(phase) * layer.flops_per_kernel
         block = (replica or {}).get(layer.name)
+        block = (parts or {}).get(layer.name, {}).get(node_names[i], block)  # its images'
         if i and block is not None:
             flops[i, j] += block.kernels * block.passes(phase) * block.flops_per_kernel
         seconds[i, j] += statistics.median(times)
@@ -477,7 +503,8 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
     calls = _Calls.gather(used, node_names, list(layers))
     modes = used[0].get("stage_modes", {})
     replica = replicas(list(layers.values()), modes, used[0].get("replica_images"))
-    layer_gflops = _layer_gflops(calls, node_names, layers, split, notes, replica)
+    parts = split_parts(used[0], node_names, split, replica)
+    layer_gflops = _layer_gflops(calls, node_names, layers, split, notes, replica, parts)
     links, wire = _links_and_wire(calls, node_names, notes)
     wire = dataclasses.replace(wire, format=_format_of(used[0]))
     measured = {
@@ -508,6 +535,9 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         overlap_images={k: int(v) for k, v in used[0].get("overlap_images", {}).items()},
         heads={k: str(v) for k, v in used[0].get("heads", {}).items()},
         replica_images={k: str(v) for k, v in used[0].get("replica_images", {}).items()},
+        replica_split={
+            k: [int(n) for n in v["images"]] for k, v in used[0].get("replica_split", {}).items()
+        },
     )
 
 

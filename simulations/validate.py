@@ -189,8 +189,9 @@ def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", w
     cluster = Cluster(nodes[0], workers, SWITCHED, master_compute=master_compute, wire=wire)
     comp = cal.comp_per_image_s * cal.batch
     result = simulate_step(
-        cluster, layers, cal.shares, comp, cal.stage_modes, cal.kernel_modes or "sent"
-    )
+        cluster, layers, cal.shares, comp, cal.stage_modes, cal.kernel_modes or "sent",
+        split_images=cal.replica_split,
+    )  # fmt: skip
     return result, gflops, cal
 
 

@@ -18,12 +18,16 @@ from exactness import FAST, same_as_local, train_strong_lrn
 
 from hetconv.backends import get_backend
 from hetconv.conv import LocalConv
+from hetconv.costmodel import Cluster as SimCluster
+from hetconv.costmodel import Node, simulate_step
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.replica import ReplicaBlock
+from hetconv.simulations.calibrate import calibrate
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import StageSpec, stage_backward, stage_forward
+from hetconv.workload import network_layers, split_part
 
 BATCH, K1, K2 = 7, 4, 6
 PAD = (1, 1, 1, 1)
@@ -223,6 +227,10 @@ def test_a_split_block_trains_as_local(local, workers, tmp_path, kernels):
         assert len(split["images"]) == 3 and sum(split["images"]) == 8, split
         assert split["covered_bytes"] == 0
     assert not [e for e in cluster.events if e["event"] == "worker_lost"]
+    # the simulator reads the trace: every call moved what the model counts for its images
+    cal = calibrate(str(trace))
+    assert cal.replica_split == {"conv1": split["images"]}
+    assert cal.check()["step_s"] > 0
 
 
 class Killing(Cluster):
@@ -273,3 +281,31 @@ def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels, when):
     after = steps[5]["replica_split"]["conv1"]
     assert len(after["images"]) == 2 and sum(after["images"]) == 8, after
     assert after["covered_bytes"] == 0
+
+
+def test_the_simulator_models_the_split():
+    """Each worker's ReplicaForward moves its images only and it computes the block on them,
+    plus the exchange on its link; the master's side is unchanged."""
+    layers = network_layers("paper-150-800", 16)
+    conv1, conv2 = layers
+    nodes = [Node(f"w{i}", 5.0, bytes_per_s=1e9) for i in range(4)]
+    cluster = SimCluster(Node("master", 5.0, bytes_per_s=1e9), tuple(nodes))
+    shares = {"conv1": (150, 0, 0, 0, 0), "conv2": (160, 160, 160, 160, 160)}
+    args = (cluster, layers, shares, 0.1, {"conv2": "fused"}, "resident")
+    whole = simulate_step(*args, replicate="first")
+    split = simulate_step(*args, replicate="split")
+    # as a trace says it: the block "replicated", its split's images
+    traced = {"conv1": "replicated", "conv2": "fused"}
+    given = simulate_step(*args[:4], traced, "resident", split_images={"conv1": [4, 4, 4, 4]})
+    assert given == split  # equal workers: 4 images each
+    (f_whole, b_whole), (f_split, b_split) = (
+        [p for p in r.phases if p.layer == "conv2"] for r in (whole, split)
+    )
+    # 3/4 of the images stay off each worker's link: 12 x 3 x 32 x 32 palette8 bytes each
+    assert f_whole.bytes - f_split.bytes == pytest.approx(4 * 12 * 3 * 32 * 32, abs=4 * 200)
+    # forward, the block and the exchange run as the master computes its own block; backward
+    # each worker's block on a quarter of the images, with the exchange, is shorter
+    assert max(b_split.worker_ends_s) < max(b_whole.worker_ends_s)
+    assert split.step_s < whole.step_s
+    part = split_part(conv1, SplitPlan.of(["w0", "w1"], [5, 11]), "w1")
+    assert part.shape.n == 11 and part.split_of[1] == "w1"
