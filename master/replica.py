@@ -21,6 +21,8 @@ from hetconv.replica import REPLICATED, ReplicaBlock
 from hetconv.split import SplitPlan
 from hetconv.stages import stage_backward, stage_forward
 
+from .call import Call
+
 
 class SplitStep:
     """A step's block split by images among the workers (:mod:`hetconv.split`), as the master
@@ -48,8 +50,6 @@ class SplitStep:
     def _put(self, source: int, rows, gradient: bool, timeout: float) -> None:
         """``rows(address)`` put into every other worker of the plan, as node ``source``, in
         parallel; a worker that is gone too is no matter (it is lost in its own call)."""
-        from .dispatch import Call  # (dispatch imports this module)
-
         calls = []
         for i, address in enumerate(self.plan.addresses):
             if i == source or i in self.lost:
