@@ -57,7 +57,7 @@ megabytes of maps, and needs no worker-to-worker links: it is what is built here
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -543,6 +543,7 @@ def stage_backward(
     grad: slice,
     need_input_grad: bool,
     kernel_sum: KernelGradientSum | None = None,
+    rows_first: Sequence[tuple[slice, Callable]] = (),
 ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """(input-gradient part or None, dw, db) of the owned kernels.
 
@@ -553,6 +554,10 @@ def stage_backward(
         kernel_sum: where ``run`` is one image group of a batch, the batch's sum of kernel
             gradients (:meth:`Backend.kernel_gradient_sum`): this group's are added to it and
             dw and db come back None.
+        rows_first: (images, done) pairs: with ``need_input_grad``, the input gradient of
+            those images is computed first, before the kernel gradients, and ``done(images,
+            rows)`` called with each as it is (a split block sends them to their peers:
+            :mod:`hetconv.split`). The input gradient is per image, so the rows are the same.
     """
     check_slices(run.out_shape[1], run.own, grad)
     expected = (run.out_shape[0], grad.stop - grad.start, *run.out_shape[2:])
@@ -564,15 +569,31 @@ def stage_backward(
         g = layer.backward(g)
     g_own = np.ascontiguousarray(g[:, run.own])
     w_own = np.ascontiguousarray(run.w[run.own])
+    dx = None
+    if need_input_grad and rows_first:
+        dx = np.empty(run.x.shape, np.float32)
+        left = np.ones(run.x.shape[0], bool)
+        for images, done in rows_first:
+            dx[images] = backend.conv_grad_input(g_own[images], w_own, run.x.shape[2:], run.padding)
+            left[images] = False
+            done(images, dx[images])
     dw = db = None
     if kernel_sum is not None:
         kernel_sum.add(run.x, g_own, w_own.shape[2:], run.padding)
     else:
         dw, db = backend.conv_grad_kernels(run.x, g_own, w_own.shape[2:], run.padding)
-    dx = None
-    if need_input_grad:
+    if need_input_grad and dx is None:
         dx = backend.conv_grad_input(g_own, w_own, run.x.shape[2:], run.padding)
+    elif need_input_grad and left.any():  # the rest, in runs of images
+        for rest in _runs(left):
+            dx[rest] = backend.conv_grad_input(g_own[rest], w_own, run.x.shape[2:], run.padding)
     return dx, dw, db
+
+
+def _runs(mask: np.ndarray) -> list[slice]:
+    """The runs of True in ``mask``, as slices."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [slice(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 __all__ = [

@@ -309,3 +309,22 @@ def test_the_simulator_models_the_split():
     assert split.step_s < whole.step_s
     part = split_part(conv1, SplitPlan.of(["w0", "w1"], [5, 11]), "w1")
     assert part.shape.n == 11 and part.split_of[1] == "w1"
+
+
+def test_a_stage_backward_gives_the_peers_rows_first():
+    """rows_first: the named images' input gradient comes first, each handed over as it is,
+    and the whole is what one pass gives (the input gradient is per image)."""
+    block, w2, b2, rng = _case()
+    backend, y1, _, outs = _local(block, w2, b2, [slice(0, K2)])
+    want, run = outs[0]
+    dy = rng.standard_normal(want.shape).astype(np.float32)
+    handed = []
+    first = [(slice(3, 5), lambda i, r: handed.append((i, r.copy()))),
+             (slice(0, 2), lambda i, r: handed.append((i, r.copy())))]  # fmt: skip
+    dx, dw, db = stage_backward(backend, run, dy, slice(0, K2), True, rows_first=first)
+    dx1, dw1, db1 = stage_backward(backend, run, dy, slice(0, K2), True)
+    np.testing.assert_allclose(dx, dx1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(dw, dw1)
+    assert [i for i, _ in handed] == [slice(3, 5), slice(0, 2)]
+    for images, rows in handed:
+        np.testing.assert_array_equal(rows, dx[images])

@@ -318,9 +318,11 @@ class ResidentCalls:
         grad = grad_range(run, dy.shape, request.stage.grad_start)
         replica = bool(request.replica_layer)
 
+        first = service.split.rows_first(request) if replica else ()
+
         def backward_work():
             need = request.need_input_grad or replica
-            out = stage_backward(service.backend, run, dy, grad, need)
+            out = stage_backward(service.backend, run, dy, grad, need, rows_first=first)
             service.backend.synchronize()
             return out
 

@@ -301,9 +301,11 @@ class SplitCalls:
             self._changed.notify_all()
         self._send(request, layout, lambda node: y, False, request.split.round)
 
-    def _send(self, request, layout: SplitLayout, rows, gradient: bool, round_: int) -> None:
+    def _send(self, request, layout: SplitLayout, rows, gradient: bool, round_: int, nodes=None):
+        """Put ``rows(node)`` into each other peer (``nodes``: only those), from the sender
+        threads."""
         fmt = answer_format(request.answer_dtype)
-        for node in layout.others:
+        for node in layout.others if nodes is None else nodes:
             part = pb.ConvRequest(
                 phase=PUT_PART.phase, session=request.session, step=request.step,
                 layer=request.layer if not gradient else request.replica_layer,
@@ -361,6 +363,28 @@ class SplitCalls:
                 record.y = np.concatenate(parts)
             return record.y
 
+    def rows_first(self, request: pb.ConvRequest) -> list[tuple[slice, object]]:
+        """For a stage backward naming a block split here: the other peers' images, each
+        with what sends their input-gradient rows as soon as the stage's backward has them
+        (:func:`~hetconv.stages.stage_backward`'s ``rows_first``), so the exchange runs beside
+        the kernel gradients; [] when the block is not split."""
+        if not self.is_split(request):
+            return []
+        with self._changed:
+            record = self._steps[(request.session, request.replica_layer)]
+            layout = record.layout
+
+        def sender(node: int):
+            def done(images: slice, rows: np.ndarray) -> None:
+                part = np.ascontiguousarray(rows)
+                with self._changed:
+                    record.sent[node] = part
+                self._send(request, layout, lambda _: part, True, record.round, [node])
+
+            return done
+
+        return [(layout.images(node), sender(node)) for node in layout.others]
+
     def gradients(self, request: pb.ConvRequest, dx: np.ndarray, back) -> tuple:
         """(rw, rb): the input-gradient part ``dx`` (every image) sent on to the peers by their
         images, the peers' rows of this worker's images summed with its own, and that sum back
@@ -371,9 +395,10 @@ class SplitCalls:
             layout = record.layout
             if dx.shape != (layout.batch, *record.run.out_shape[1:]):
                 raise InvalidCall(f"input gradient {dx.shape} does not match the split block")
-            for node in layout.others:
+            unsent = [node for node in layout.others if node not in record.sent]
+            for node in unsent:  # not sent as the backward computed them (rows_first)
                 record.sent[node] = np.ascontiguousarray(dx[layout.images(node)])
-        self._send(request, layout, lambda node: record.sent[node], True, record.round)
+        self._send(request, layout, lambda node: record.sent[node], True, record.round, unsent)
 
         def missing(record: _Step) -> list[str]:
             return [f"node {i}" for i in record.layout.others if i not in record.gradients]

@@ -150,8 +150,10 @@ class StageCalls:
         replica = bool(request.replica_layer)
         need = request.need_input_grad or replica
 
+        first = service.split.rows_first(request) if replica else ()
+
         def work():
-            out = stage_backward(service.backend, run, dy, grad, need)
+            out = stage_backward(service.backend, run, dy, grad, need, rows_first=first)
             service.backend.synchronize()
             return out
 
