@@ -180,12 +180,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--replicate",
-        choices=("off", "first"),
+        choices=("off", "first", "split"),
         default="off",
         help="first: every node computes the first convolution's block from the images, as "
         "`hetconv train --replicate first` (the second layer's input and input gradient do not "
-        "travel; each worker computes the whole first block); needs --stages fused or auto. "
-        "Default off (the paper's)",
+        "travel; each worker computes the whole first block); split: as first, each worker "
+        "computing the block on its share of the images and exchanging the parts with the "
+        "others on its own link (shares planned as for first); both need --stages fused or "
+        "auto. Default off (the paper's)",
     )
     parser.add_argument(
         "--overlap",
@@ -359,10 +361,10 @@ def run(args: argparse.Namespace) -> int:
     from .scenario import load_scenario, shipped_scenarios
     from .sweep import format_bandwidth_checks, format_table, run_scenario
 
-    if args.replicate == "first" and args.stages == "unfused":
+    if args.replicate != "off" and args.stages == "unfused":
         raise ValueError(
-            "--replicate first feeds the second layer, which must run fused: add --stages fused "
-            "(or auto)"
+            f"--replicate {args.replicate} feeds the second layer, which must run fused: add "
+            "--stages fused (or auto)"
         )
     if args.plot:
         from .plots import require_matplotlib

@@ -25,6 +25,7 @@ from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.replica import ReplicaBlock
 from hetconv.simulations.calibrate import calibrate
+from hetconv.simulations.cli import main as simulate_main
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import StageSpec, stage_backward, stage_forward
 from hetconv.workload import network_layers, split_part
@@ -328,3 +329,21 @@ def test_a_stage_backward_gives_the_peers_rows_first():
     assert [i for i, _ in handed] == [slice(3, 5), slice(0, 2)]
     for images, rows in handed:
         np.testing.assert_array_equal(rows, dx[images])
+
+
+def test_simulate_models_the_split_block(tmp_path, capsys):
+    rows = {}
+    for replicate in ("first", "split"):
+        out = tmp_path / f"{replicate}.json"
+        argv = ["gigabit-lan", "--preset", "paper-150-800", "--batch", "16", "--nodes", "5"]
+        argv += ["--stages", "fused", "--kernels", "resident", "--policy", "compute"]
+        assert simulate_main([*argv, "--replicate", replicate, "--json", str(out)]) == 0
+        (rows[replicate],) = [r for r in json.loads(out.read_text()) if r["policy"] == "compute"]
+    assert rows["split"]["replicate"] == "split"
+    assert rows["split"]["shares"] == rows["first"]["shares"]
+    # each worker's images only: 3/4 of the palette8 images stay off the master's link
+    saved = rows["first"]["mbytes_per_step"] - rows["split"]["mbytes_per_step"]
+    assert saved == pytest.approx(4 * 12 * 3 * 32 * 32 / 1e6, abs=0.01)
+    capsys.readouterr()
+    assert simulate_main(["gigabit-lan", "--replicate", "split"]) == 2
+    assert "--replicate split feeds the second layer" in capsys.readouterr().err
