@@ -233,6 +233,14 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
     ),
     Mode(
+        "exact_head_late",
+        (*EXACT, "--overlap", "auto", "--head", "split", "--start-ahead", "off"),
+        "exact_head with the second layer's stage calls sent when the master reaches it, not "
+        "started with the replicated block",
+        "--start-ahead",
+        in_all=False,
+    ),
+    Mode(
         "exact_head_bfloat16",
         (*EXACT, "--overlap", "auto", "--head", "split", "--wire-format", "bfloat16"),
         "exact_head, with activations and their gradients as bfloat16 on the wire",

@@ -229,6 +229,16 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "on where a worker's answer is over one message (1 MiB)",
     )
     where.add_argument(
+        "--start-ahead",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): where a replicated first block feeds a layer with resident "
+        "kernels, that layer's stage forward starts on the workers with the block, so they go "
+        "on from the block to the stage while the master still computes its own copy and the "
+        "layers after it (exact: a worker needs nothing more of the master for it); off: the "
+        "stage calls go out when the master reaches the layer",
+    )
+    where.add_argument(
         "--head",
         choices=("auto", "split", "master"),  # hetconv.head.HEAD_MODES
         default="auto",
@@ -568,6 +578,7 @@ def _run_train(args: argparse.Namespace) -> int:
             kernels=args.kernels,
             replicate=args.replicate,
             overlap=args.overlap,
+            start_ahead=args.start_ahead == "on",
             head=args.head,
             resident_sync_every=args.resident_sync_every,
             spot_checks=_spot_check_config(args),

@@ -71,8 +71,10 @@ import secrets
 from collections.abc import Sequence
 from typing import TextIO
 
+import numpy as np
+
 from hetconv import costmodel
-from hetconv.backends import Backend, Padding, PaddingSpec, get_backend
+from hetconv.backends import Backend, Padding, PaddingSpec, conv_shape, get_backend
 from hetconv.optim import SGDConfig
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
@@ -157,6 +159,9 @@ class Cluster:
         self.fused = FusedKernelSplit()
         self.stage_modes: dict[str, str] = {}  # layer -> FUSED or UNFUSED (set by prepare)
         self._stage_steps: dict[str, str] = {}  # layers run this step -> their mode
+        # layer -> its stage forward started with the block feeding it (_start_ahead)
+        self._ahead: dict[str, tuple] = {}
+        self._started_ahead: set[str] = set()  # layers whose stage forward did so this step
         self._events = EventLog()
         self.membership = Membership(
             [Node(MASTER, None)] + [Node(a, self._client(a)) for a in addresses],
@@ -648,6 +653,9 @@ class Cluster:
         }
         if self.replicas.feeds:  # replicated block -> the format its images travelled in
             record["replica_images"] = self.replicas.images_formats()
+            if self._started_ahead:  # stage forwards started with the block feeding them
+                record["started_ahead"] = sorted(self._started_ahead)
+                self._started_ahead = set()
             if splits := self.replicas.splits():  # split by images among the workers
                 record["replica_split"] = splits
         if self.resident.record:
@@ -678,6 +686,7 @@ class Cluster:
             split = self._split_step(layer, x.shape[0])
             block = self.replicas.begin(layer, x, w, b, sides, split)
             self._start_replicas(block)  # the workers compute it beside the master
+            self._start_ahead(block)  # and go on to the next layer's stage
             y, seconds = timed(self.replicas.forward, self.backend, layer, x, w, b, padding, sides)
             self.runner.local(layer, "forward", w.shape[0], seconds)
             return y
@@ -734,6 +743,34 @@ class Cluster:
                 node.client.replica_forward, self.session, self.step, block, timeout, split
             )
 
+    def _start_ahead(self, block) -> None:
+        """Start the stage forward of the layer ``block`` feeds on the workers now, with its
+        ReplicaForward, when that layer's kernels are resident and placed: a worker needs
+        nothing of the master for it (its input is the block it computes, its kernels its
+        own), so it goes on from the block to the stage while the master computes its own
+        block and the layers after it (which the model runs before it calls the next layer).
+        :meth:`stage_forward` finishes the phase."""
+        consumer = self.replicas.feeds[block.layer]
+        state = self.resident.layers.get(consumer)
+        plan = self.plans.get(consumer)
+        self._ahead.pop(consumer, None)
+        if not self.config.start_ahead or state is None or plan is None:
+            return
+        if self.kernel_modes.get(consumer) != RESIDENT:
+            return
+        conv = conv_shape(block.x.shape, block.w.shape, block.sides)
+        x = np.empty((conv.n, conv.k, *block.stage.output_hw(conv.out_hw)), np.float32)
+        split = self.resident.split
+        synced = self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
+        ctx = self._stage_context(consumer, x)
+        job = self.resident.forward_job(ctx, state, x, synced=synced, replica=block)
+        self._ahead[consumer] = (
+            self.step,
+            x,
+            synced,
+            self.runner.start(split, job, consumer, plan),
+        )
+
     def backward(self, layer, x, w, dy, padding, need_input_grad):
         if layer in self.replicas:
             earlier = self.replicas.early_seconds(layer)  # in the next layer's phase
@@ -766,6 +803,13 @@ class Cluster:
         if self.kernel_modes.get(layer) == RESIDENT:
             sides = _sides(padding, w.shape[2:])
             state = self.resident.layer(layer, w, b, stage, sides, head)
+            ahead = self._ahead.pop(layer, None)
+            if ahead is not None and ahead[0] == self.step and ahead[1].shape == x.shape:
+                _, placeholder, _, started = ahead  # started with the block (_start_ahead)
+                placeholder[...] = x
+                started.job.input_arrived()
+                self._started_ahead.add(layer)
+                return self.runner.finish(started)
             split = self.resident.split
             # Spot checks can sample this layer when every slice was just placed or synced.
             synced = self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)

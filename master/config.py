@@ -106,6 +106,10 @@ class ClusterConfig:
             instead of the stage's output (:mod:`hetconv.head`; that layer then runs whole
             batches, no overlap); ``"master"``: the fc runs on the master; ``"auto"``: split
             wherever it can be.
+        start_ahead: where a replicated block feeds a layer with resident kernels, start
+            that layer's stage forward on the workers with the block's ReplicaForward, so they
+            go on from the block to the stage while the master computes its own copy and the
+            layers after it (``hetconv train --start-ahead``).
     """
 
     master_compute: bool = True
@@ -134,6 +138,7 @@ class ClusterConfig:
     replicate: str = REPLICATE_OFF
     overlap: str = OVERLAP_OFF
     head: str = HEAD_MASTER
+    start_ahead: bool = True
 
     def __post_init__(self):
         if self.head not in HEAD_MODES:

@@ -628,6 +628,18 @@ def _phase_record(stats: CallStats) -> dict:
     }
 
 
+@dataclass
+class Started:
+    """A phase whose worker calls run (:meth:`PhaseRunner.start`), for its finish."""
+
+    job: PhaseJob
+    layer: str
+    pieces: list
+    calls: list
+    covered: list
+    at: float  # when the calls started: the phase's start
+
+
 class PhaseRunner:
     """Runs phase jobs over the membership's nodes and keeps the step's figures.
 
@@ -664,9 +676,14 @@ class PhaseRunner:
 
     def run(self, strategy: SplitStrategy, job: PhaseJob, layer: str, plan: LayerPlan):
         """Run ``job`` over the pieces ``strategy`` cuts ``plan`` into; returns its result."""
-        start = time.perf_counter()
-        nodes = self.membership.nodes
-        pieces = strategy.pieces(plan, nodes)
+        return self.finish(self.start(strategy, job, layer, plan))
+
+    def start(self, strategy: SplitStrategy, job: PhaseJob, layer: str, plan: LayerPlan):
+        """Start ``job``'s worker calls (a :class:`Started` for :meth:`finish`): the workers
+        compute from now on, while the master may still be computing what its own piece
+        needs (a layer whose input is a replicated block: :meth:`Cluster.forward`)."""
+        started_at = time.perf_counter()
+        pieces = strategy.pieces(plan, self.membership.nodes)
         calls, covered = [], []
         for piece in pieces[1:]:
             if not piece.size:
@@ -679,6 +696,14 @@ class PhaseRunner:
             timeout = self.deadline(node, plan, layer, piece.size, request.nbytes, job.images)
             call = Call(request.call, *request.args, timeout=timeout, **request.kwargs)
             calls.append((piece, call))
+        return Started(job, layer, pieces, calls, covered, started_at)
+
+    def finish(self, started: Started):
+        """Compute the master's piece of a started job, take the workers' answers, cover what
+        failed; the job's result."""
+        job, layer, pieces = started.job, started.layer, started.pieces
+        calls, covered, start = started.calls, started.covered, started.at
+        nodes = self.membership.nodes
         t0 = time.perf_counter()
         early = getattr(job, "covers_early", False)
         if early:  # a split block's peers wait for these pieces' parts: computed first

@@ -267,6 +267,14 @@ class _ResidentForward:
             input_bytes(self.x, self.replica) + hw.nbytes + hb.nbytes + hf.nbytes + out.nbytes,
         )  # fmt: skip
 
+    def input_arrived(self) -> None:
+        """``x`` holds the layer's input now (its calls started before it was computed,
+        :meth:`~.cluster.Cluster.forward`): the replay log's copy of it is made again."""
+        if self.replica is None:
+            raise RuntimeError(f"{self.ctx.layer}: only a replicated block's output comes late")
+        if self.x_kept is not None:  # float32: the workers computed it themselves
+            self.x_kept[...] = self.x
+
     def check(self, piece: Piece, answer) -> None:
         if not finite(self._out(piece)) and finite(self.x):
             raise _non_finite(piece, f"resident stage forward {self.ctx.layer}")

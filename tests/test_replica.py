@@ -112,6 +112,10 @@ class Killing(Cluster):
             self.victim.kill()
             self.victim.wait()
 
+    def _start_ahead(self, block):  # the block's ReplicaForward started, the stage's not
+        self._kill("forward")
+        return super()._start_ahead(block)
+
     def stage_forward(self, layer, *args, **kwargs):
         self._kill("forward")
         return super().stage_forward(layer, *args, **kwargs)

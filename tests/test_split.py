@@ -222,6 +222,8 @@ def test_a_split_block_trains_as_local(local, workers, tmp_path, kernels):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     steps = [r for r in records if "step" in r]
     assert all(r["stage_modes"] == {"conv1": "replicated", "conv2": "fused"} for r in steps)
+    # resident: from the second step conv2's stage forward started with the block's
+    assert all(r.get("started_ahead") == ["conv2"] for r in steps[1:]) == (kernels == "resident")
     # the batch of 8 split among the three workers (by their probes), nothing covered
     for record in steps:
         split = record["replica_split"]["conv1"]
@@ -246,6 +248,10 @@ class Killing(Cluster):
         if phase == self.when and self.step == self.at and self.victim.poll() is None:
             self.victim.kill()
             self.victim.wait()
+
+    def _start_ahead(self, block):  # the block's ReplicaForward started, the stage's not
+        self._kill("forward")
+        return super()._start_ahead(block)
 
     def stage_forward(self, layer, *args, **kwargs):
         self._kill("forward")
