@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 
+from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 
@@ -40,3 +41,33 @@ def same_as_local(got, local) -> None:
     assert weights.keys() == local[1].keys()
     for name in weights:
         np.testing.assert_allclose(weights[name], local[1][name], rtol=0, atol=1e-5, err_msg=name)
+
+
+class Killing(Cluster):
+    """A cluster of :attr:`BASE`'s configuration (and ``config``'s changes) that SIGKILLs the
+    worker process ``victim`` at step ``at``: between its forward and its backward
+    (``when="backward"``), or after the replicated block's ReplicaForward started, before the
+    second layer's stage calls (``"forward"``)."""
+
+    BASE: dict = {}
+
+    def __init__(self, addresses, victim, at, when="backward", **config):
+        super().__init__(addresses, config=ClusterConfig(**{**self.BASE, **config}))
+        self.victim, self.at, self.when = victim, at, when
+
+    def _kill(self, phase: str) -> None:
+        if phase == self.when and self.step == self.at and self.victim.poll() is None:
+            self.victim.kill()
+            self.victim.wait()
+
+    def _start_ahead(self, block):  # the block's ReplicaForward started, the stage's not
+        self._kill("forward")
+        return super()._start_ahead(block)
+
+    def stage_forward(self, layer, *args, **kwargs):
+        self._kill("forward")
+        return super().stage_forward(layer, *args, **kwargs)
+
+    def stage_backward(self, layer, *args, **kwargs):
+        self._kill("backward")
+        return super().stage_backward(layer, *args, **kwargs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import exactness
 import numpy as np
 import pytest
 from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
@@ -99,30 +100,8 @@ def test_replicated_first_block_trains_as_local(local, workers, tmp_path, kernel
     )
 
 
-class Killing(Cluster):
-    """SIGKILLs ``victim`` at step ``at``: between its forward and its backward, or (``when``
-    "forward") after the block's forward started its ReplicaForward, before the stage call."""
-
-    def __init__(self, addresses, victim, at, when="backward", **config):
-        super().__init__(addresses, config=ClusterConfig(**{**REPLICA, **config}))
-        self.victim, self.at, self.when = victim, at, when
-
-    def _kill(self, phase: str) -> None:
-        if phase == self.when and self.step == self.at and self.victim.poll() is None:
-            self.victim.kill()
-            self.victim.wait()
-
-    def _start_ahead(self, block):  # the block's ReplicaForward started, the stage's not
-        self._kill("forward")
-        return super()._start_ahead(block)
-
-    def stage_forward(self, layer, *args, **kwargs):
-        self._kill("forward")
-        return super().stage_forward(layer, *args, **kwargs)
-
-    def stage_backward(self, layer, *args, **kwargs):
-        self._kill("backward")
-        return super().stage_backward(layer, *args, **kwargs)
+class Killing(exactness.Killing):
+    BASE = REPLICA
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from concurrent import futures
 
+import exactness
 import numpy as np
 import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
@@ -236,30 +237,8 @@ def test_a_split_block_trains_as_local(local, workers, tmp_path, kernels):
     assert cal.check()["step_s"] > 0
 
 
-class Killing(Cluster):
-    """SIGKILLs ``victim`` at step ``at``, before the stage call of ``when`` (forward: after
-    the block's ReplicaForward started; backward: between the two phases)."""
-
-    def __init__(self, addresses, victim, at, when, **config):
-        super().__init__(addresses, config=ClusterConfig(**{**SPLIT, **config}))
-        self.victim, self.at, self.when = victim, at, when
-
-    def _kill(self, phase: str) -> None:
-        if phase == self.when and self.step == self.at and self.victim.poll() is None:
-            self.victim.kill()
-            self.victim.wait()
-
-    def _start_ahead(self, block):  # the block's ReplicaForward started, the stage's not
-        self._kill("forward")
-        return super()._start_ahead(block)
-
-    def stage_forward(self, layer, *args, **kwargs):
-        self._kill("forward")
-        return super().stage_forward(layer, *args, **kwargs)
-
-    def stage_backward(self, layer, *args, **kwargs):
-        self._kill("backward")
-        return super().stage_backward(layer, *args, **kwargs)
+class Killing(exactness.Killing):
+    BASE = SPLIT
 
 
 @pytest.mark.parametrize(
