@@ -233,6 +233,24 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
     ),
     Mode(
+        "exact_head_split_settle",
+        (
+            *EXACT,
+            "--overlap",
+            "auto",
+            "--head",
+            "split",
+            "--replicate",
+            "split",
+            "--settle-steps",
+            "4",
+        ),
+        "exact_head_split with the shares settled once on the nodes' measured finish times "
+        "after four steps (use --warmup 8)",
+        "--settle-steps",
+        in_all=False,
+    ),
+    Mode(
         "exact_head_late",
         (*EXACT, "--overlap", "auto", "--head", "split", "--start-ahead", "off"),
         "exact_head with the second layer's stage calls sent when the master reaches it, not "

@@ -332,3 +332,17 @@ def test_simulate_models_the_split_block(tmp_path, capsys):
     capsys.readouterr()
     assert simulate_main(["gigabit-lan", "--replicate", "split"]) == 2
     assert "--replicate split feeds the second layer" in capsys.readouterr().err
+
+
+def test_a_split_is_refused_where_the_exchange_cannot_go(workers, tmp_path):
+    """On one shared medium (wifi) the block is replicated whole; with TLS not at all split."""
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**{**SPLIT, "network": "wifi"}, kernels="resident")
+    with Cluster(workers.addresses, config=config) as cluster:
+        train_strong_lrn(tmp_path, "wifi", cluster, trace=str(trace), steps=2)
+    assert "not split: the workers share one medium (wifi)" in cluster.describe_replica()
+    steps = [r for r in map(json.loads, trace.read_text().splitlines()) if "step" in r]
+    assert steps and all("replica_split" not in r for r in steps)
+    assert all(r["stage_modes"]["conv1"] == "replicated" for r in steps)
+    with pytest.raises(ValueError, match="TLS"):
+        ClusterConfig(replicate="split", tls_ca="ca.pem")
