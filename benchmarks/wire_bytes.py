@@ -83,13 +83,15 @@ def _fused(fmt: TensorFormat):
     return layer_bytes
 
 
-def _fused_resident(fmt: TensorFormat, head: bool = False):
+def _fused_resident(fmt: TensorFormat, head: bool = False, split: bool = False):
     def layer_bytes(layer: ConvLayer, shares: Sequence[int], replica=None) -> int:
         if layer.stage is None:  # only fused layers keep their kernels
             return costmodel.layer_bytes(layer, shares, False, fmt)
         classes = layer.head if head else 0
         return round(
-            costmodel.resident_layer_bytes(layer, shares, fmt, replica=replica, head=classes)
+            costmodel.resident_layer_bytes(
+                layer, shares, fmt, replica=replica, head=classes, split=split
+            )
         )
 
     return layer_bytes
@@ -153,6 +155,14 @@ MODES: tuple[Mode, ...] = (
         "the last stage's workers keep the fc's columns and answer logits, not pooled maps): "
         "every exact mode",
         _fused_resident(FLOAT32, head=True),
+        replicate=True,
+    ),
+    Mode(
+        "fused_resident_split_head",
+        "every exact mode, the first block split by images among the workers (--replicate "
+        "split: each worker is sent its own images only; the workers exchange the block's "
+        "parts on their own links)",
+        _fused_resident(FLOAT32, head=True, split=True),
         replicate=True,
     ),
 )

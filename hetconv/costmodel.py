@@ -531,20 +531,32 @@ def resident_layer_bytes(
     sync_every: int = 20,
     replica: ConvLayer | None = None,
     head: int = 0,
+    split: bool = False,
 ) -> float:
     """Bytes one step of fused ``layer`` moves on the master's link with resident kernels
     (:mod:`hetconv.master.resident`): both phases' calls of every worker with a share, plus the
     syncs that bound the replay log, amortised over ``sync_every`` steps (0: none);
     ``replica`` as :func:`layer_bytes`'s; ``head``: the classes of a split head
-    (:mod:`hetconv.head`: logits instead of the stage output), 0 for none."""
+    (:mod:`hetconv.head`: logits instead of the stage output), 0 for none; ``split``: the
+    workers with a share split ``replica`` by images, equally (:mod:`hetconv.split`), each
+    sent its own images only."""
     if layer.stage is None:
         raise ValueError(f"{layer.name} has no stage: resident kernels need a fused stage")
+    parts = {}
+    if split and replica is not None:
+        workers = [f"worker {i}" for i, share in enumerate(shares[1:]) if share]
+        if len(workers) >= 2 and layer.shape.n >= len(workers):
+            plan = SplitPlan.of(workers, split_images(layer.shape.n, [1.0] * len(workers)))
+            parts = {i: split_part(replica, plan, w) for i, w in zip(
+                [i for i, share in enumerate(shares[1:]) if share], workers, strict=True
+            )}  # fmt: skip
     total, offset = 0.0, shares[0]
-    for share in shares[1:]:
+    for i, share in enumerate(shares[1:]):
         if share:
+            block = parts.get(i, replica)
             total += sum(
                 resident_call_bytes(
-                    layer, layer.stage, p, share, offset, step, fmt, replica, head
+                    layer, layer.stage, p, share, offset, step, fmt, block, head
                 ).total
                 for p in PHASES
             )

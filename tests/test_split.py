@@ -20,7 +20,7 @@ from exactness import FAST, same_as_local, train_strong_lrn
 from hetconv.backends import get_backend
 from hetconv.conv import LocalConv
 from hetconv.costmodel import Cluster as SimCluster
-from hetconv.costmodel import Node, simulate_step
+from hetconv.costmodel import Node, resident_layer_bytes, simulate_step
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
@@ -346,3 +346,13 @@ def test_a_split_is_refused_where_the_exchange_cannot_go(workers, tmp_path):
     assert all(r["stage_modes"]["conv1"] == "replicated" for r in steps)
     with pytest.raises(ValueError, match="TLS"):
         ClusterConfig(replicate="split", tls_ca="ca.pem")
+
+
+def test_the_master_link_carries_each_workers_images_only():
+    """What `benchmarks/wire_bytes.py` counts for the split: 3/4 of the images less per worker
+    (12 of 16, palette8), the rest of every call the same."""
+    conv1, conv2 = network_layers("paper-150-800", 16)
+    shares = (160, 160, 160, 160, 160)
+    whole = resident_layer_bytes(conv2, shares, replica=conv1, head=conv2.head)
+    split = resident_layer_bytes(conv2, shares, replica=conv1, head=conv2.head, split=True)
+    assert whole - split == pytest.approx(4 * 12 * 3 * 32 * 32, abs=4 * 200)
