@@ -542,18 +542,12 @@ def resident_layer_bytes(
     sent its own images only."""
     if layer.stage is None:
         raise ValueError(f"{layer.name} has no stage: resident kernels need a fused stage")
-    parts = {}
-    if split and replica is not None:
-        workers = [f"worker {i}" for i, share in enumerate(shares[1:]) if share]
-        if len(workers) >= 2 and layer.shape.n >= len(workers):
-            plan = SplitPlan.of(workers, split_images(layer.shape.n, [1.0] * len(workers)))
-            parts = {i: split_part(replica, plan, w) for i, w in zip(
-                [i for i, share in enumerate(shares[1:]) if share], workers, strict=True
-            )}  # fmt: skip
+    names = [f"worker {i}" for i in range(1, len(shares))]
+    parts = _split_replicas(names, shares, layer, replica) if split and replica else {}
     total, offset = 0.0, shares[0]
-    for i, share in enumerate(shares[1:]):
+    for name, share in zip(names, shares[1:], strict=True):
         if share:
-            block = parts.get(i, replica)
+            block = parts.get(name, replica)
             total += sum(
                 resident_call_bytes(
                     layer, layer.stage, p, share, offset, step, fmt, block, head
@@ -629,19 +623,19 @@ def _exchange_seconds(layer: ConvLayer, part: ConvLayer, node: Node) -> float:
 
 
 def _split_replicas(
-    cluster: Cluster, layer: ConvLayer, block: ConvLayer, shares, images=None
+    names: Sequence[str], shares, layer: ConvLayer, block: ConvLayer, weights=None, images=None
 ) -> dict[str, ConvLayer]:
-    """Worker name -> its part of ``block`` split by images among the workers with a share of
-    ``layer`` (``images``: each one's count, in order; None: in proportion to their speed on
-    ``layer``); {} when fewer than two (the block is then computed whole)."""
-    workers = [n for n, share in zip(cluster.workers, shares[1:], strict=True) if share]
+    """Worker name -> its part of ``block`` split by images among the workers (``names``, in
+    order) with a share of ``layer`` (``shares``, master first): ``images`` each, in order, or
+    in proportion to ``weights`` (per name; None: equal); {} when fewer than two (the block is
+    then computed whole)."""
+    workers = [name for name, share in zip(names, shares[1:], strict=True) if share]
     if len(workers) < 2 or layer.shape.n < len(workers):
         return {}
     if images is None:
-        images = split_images(layer.shape.n, [n.layer_gflops.get(layer.name, n.gflops)
-                                              for n in workers])  # fmt: skip
-    plan = SplitPlan.of([n.name for n in workers], images)
-    return {n.name: split_part(block, plan, n.name) for n in workers}
+        images = split_images(layer.shape.n, [(weights or {}).get(w, 1.0) for w in workers])
+    plan = SplitPlan.of(workers, images)
+    return {w: split_part(block, plan, w) for w in workers}
 
 
 def simulate_layer_phase(
@@ -869,7 +863,9 @@ def simulate_step(
         parts = {}
         if replica is not None and (replicate == REPLICATE_SPLIT or split_images):
             counts = (split_images or {}).get(replica.name)
-            parts = _split_replicas(cluster, layer, replica, split, counts)
+            names = [n.name for n in cluster.workers]
+            speed = {n.name: n.layer_gflops.get(layer.name, n.gflops) for n in cluster.workers}
+            parts = _split_replicas(names, split, layer, replica, speed, counts)
         for phase in PHASES:
             phases.append(
                 simulate_layer_phase(

@@ -767,7 +767,6 @@ class Cluster:
         self._ahead[consumer] = (
             self.step,
             x,
-            synced,
             self.runner.start(split, job, consumer, plan),
         )
 
@@ -805,7 +804,7 @@ class Cluster:
             state = self.resident.layer(layer, w, b, stage, sides, head)
             ahead = self._ahead.pop(layer, None)
             if ahead is not None and ahead[0] == self.step and ahead[1].shape == x.shape:
-                _, placeholder, _, started = ahead  # started with the block (_start_ahead)
+                _, placeholder, started = ahead  # started with the block (_start_ahead)
                 placeholder[...] = x
                 started.job.input_arrived()
                 self._started_ahead.add(layer)
