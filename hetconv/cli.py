@@ -207,7 +207,7 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
     )
     where.add_argument(
         "--replicate",
-        choices=("auto", "first", "split", "off"),  # hetconv.replica.REPLICATE_MODES
+        choices=("auto", "first", "split", "split_all", "off"),  # hetconv.replica.REPLICATE_MODES
         default="auto",
         help="first: every node computes the first convolution and the ReLU, LRN and pooling "
         "after it from the images itself, so the second layer's input is never sent and its "
@@ -215,7 +215,10 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "part of the first layer's kernel gradient, which the master sums; needs the second "
         "layer fused); split: as first, but each worker computes the block only on its share "
         "of the images and the workers exchange the outputs and gradients node to node "
-        "(switched networks: the workers must reach each other, over plain gRPC); off: never; "
+        "(switched networks: the workers must reach each other, over plain gRPC); split_all: "
+        "as split, with the master one of the nodes that split the images (it computes the "
+        "block on its share only, and exchanges outputs and gradients with the workers); off: "
+        "never; "
         "auto (default): where the cost model predicts the step faster",
     )
     where.add_argument(

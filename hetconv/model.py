@@ -477,7 +477,7 @@ class ConvStage:
         through the chain (a replicated block's, during the next layer's backward): the
         stage's backward then still has to finish, even with no gradient left to give it."""
         taken = getattr(self.conv.executor, "block_backward_taken", None)
-        return taken is not None and not self._fused and taken(self.conv.name)
+        return taken is not None and taken(self.conv.name)
 
     def __repr__(self) -> str:
         return f"ConvStage({self.conv!r}, {self.chain!r})"

@@ -33,9 +33,12 @@ import numpy as np
 from hetconv.backends import ConvShape, conv_shape
 from hetconv.formats import FLOAT32, PALETTE8, TensorFormat
 
-OFF, FIRST, AUTO, SPLIT = "off", "first", "auto", "split"
-#: ``split``: as ``first``, the block split by images among the workers (:mod:`hetconv.split`).
-REPLICATE_MODES = (OFF, FIRST, AUTO, SPLIT)
+OFF, FIRST, AUTO, SPLIT, SPLIT_ALL = "off", "first", "auto", "split", "split_all"
+#: ``split``: as ``first``, the block split by images among the workers (:mod:`hetconv.split`);
+#: ``split_all``: among the workers and the master.
+REPLICATE_MODES = (OFF, FIRST, AUTO, SPLIT, SPLIT_ALL)
+#: The modes that split the block by images.
+SPLITS = (SPLIT, SPLIT_ALL)
 #: A replicated block's stage mode, as the plan and the trace's ``stage_modes`` record it.
 REPLICATED = "replicated"
 
@@ -90,6 +93,7 @@ class ReplicaBlock:
 
 
 __all__ = [
-    "AUTO", "FIRST", "OFF", "REPLICATED", "REPLICATE_MODES", "SPLIT", "ReplicaBlock",
+    "AUTO", "FIRST", "OFF", "REPLICATED", "REPLICATE_MODES", "SPLIT", "SPLITS", "SPLIT_ALL",
+    "ReplicaBlock",
     "images_format",
 ]  # fmt: skip

@@ -652,17 +652,28 @@ class WorkerClient:
         return stats
 
     def fetch_part(
-        self, session: int, step: int, block: str, source: int, timeout: float = 600.0
+        self,
+        session: int,
+        step: int,
+        block: str,
+        source: int,
+        timeout: float = 600.0,
+        gradient: bool = True,
+        out: np.ndarray | None = None,
     ) -> tuple[np.ndarray, CallStats]:
         """The input-gradient rows of node ``source``'s images the worker computed in its
-        backward of ``step`` (sent to that node, which the master lost)."""
+        backward of ``step`` (sent to that node: one the master lost, or the master itself as
+        a peer, ``split_all``); ``gradient`` False: node ``source``'s images' block output the
+        worker holds (its own, for the master as a peer), written into ``out`` when given."""
         request = pb.ConvRequest(
             phase=FETCH_PART.phase, session=session, step=step, layer=block,
             answer_dtype=answer_dtype(self.wire_format),
-            part=pb.TensorPart(source=source, gradient=True),
+            part=pb.TensorPart(source=source, gradient=gradient),
         )  # fmt: skip
+        into = {"p": out} if out is not None else {}
         got, stats = self._call(
-            FETCH_PART, f"fetch part {block}", request, [], ["p"], {}, timeout, 0
+            FETCH_PART, f"fetch part {block}", request, [], ["p"], into, timeout,
+            out.nbytes if out is not None else 0,
         )  # fmt: skip
         return got["p"], stats
 

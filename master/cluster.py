@@ -79,6 +79,7 @@ from hetconv.optim import SGDConfig
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.resident import RESIDENT, SENT
+from hetconv.split import MASTER as MASTER_PEER
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import FUSED, UNFUSED
 
@@ -364,6 +365,7 @@ class Cluster:
             self.planner = dataclasses.replace(
                 self.planner, resident=resident, replicas=consumers, heads=dict(self.heads),
                 block_cost=dict(self.block_cost), split_blocks=self.replicas.split,
+                split_master=self.replicas.split_all,
             )  # fmt: skip
             self._replan()
         self._choose_overlap(layers, batch)
@@ -480,6 +482,8 @@ class Cluster:
     def stage_mode(self, layer: str) -> str:
         """``"fused"`` or ``"unfused"``: whether ``layer`` runs with its stage on the nodes."""
         default = FUSED if self.config.stages == FUSED else UNFUSED
+        if layer in self.replicas and self.replicas.split_all:  # the block fused here too
+            return FUSED
         return self.stage_modes.get(layer, default)
 
     def _replan(self) -> None:
@@ -708,11 +712,14 @@ class Cluster:
         ]  # fmt: skip
 
     def _split_step(self, block: str, images: int) -> SplitStep | None:
-        """This step's split of ``block`` by images among its workers, in proportion to their
-        speed on the layer it feeds (:mod:`hetconv.split`); None when not split, or fewer
-        than two workers (or images) share it."""
+        """This step's split of ``block`` by images among its workers (and the master, with
+        ``split_all``), in proportion to their speed on the layer it feeds
+        (:mod:`hetconv.split`); None when not split, or fewer than two nodes (or images)
+        share it."""
         workers = self._replica_workers(block) if self.replicas.split else []
         addresses = [n.client.address for n in workers]
+        if self.replicas.split_all and workers:
+            workers, addresses = [self.nodes[0], *workers], [MASTER_PEER, *addresses]
         if len(workers) < 2 or images < len(workers) or len(set(addresses)) < len(addresses):
             return None
         consumer = self.replicas.feeds[block]
@@ -720,7 +727,7 @@ class Cluster:
         counts = split_images(images, fractions)
         self._split_rounds += 1
         plan = SplitPlan.of(addresses, counts, self._split_rounds)
-        clients = {n.client.address: n.client for n in workers}
+        clients = {n.client.address: n.client for n in workers if n.client is not None}
         return SplitStep(plan, clients, self.session, self.step, block)
 
     def _start_replicas(self, block) -> None:
@@ -789,12 +796,32 @@ class Cluster:
         images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
         return CallContext(self.session, self.step, layer, images)
 
+    def _block_forward(self, layer, x, w, b, padding) -> np.ndarray:
+        """A replicated block split with the master a peer (``split_all``) as one fused stage:
+        the workers start it on their images (and the next layer's stage ahead), the master
+        computes its own images and exchanges parts with them (:meth:`ReplicatedBlocks.
+        stage_forward`)."""
+        self._stage_steps[layer] = REPLICATED
+        sides = _sides(padding, w.shape[2:])
+        block = self.replicas.begin(layer, x, w, b, sides, self._split_step(layer, x.shape[0]))
+        self._start_replicas(block)
+        started = dict(block.started)  # before the stage calls take them
+        self._start_ahead(block)
+        timeout = self.config.deadline_floor + self.config.deadline_factor * max(
+            (n.probe_seconds.get(layer, 0.0) for n in self.nodes), default=0.0
+        )
+        y, seconds = timed(self.replicas.stage_forward, self.backend, block, started, timeout)
+        self.runner.local(layer, "forward", w.shape[0], seconds)
+        return y
+
     def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=(), head=None):
         """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`, or
         with resident kernels :mod:`.resident`). ``batchnorm``: the model's batch norm layers
         of the stage, whose running statistics it moves (training). ``head``: the final fc's
         (name, weight) where :meth:`head_split` says so; the answer is then its output
         without the bias."""
+        if layer in self.replicas:  # split_all: the block fused here too
+            return self._block_forward(layer, x, w, b, padding)
         plan = self._plan(layer, x.shape, w.shape, padding)
         self._stage_steps[layer] = FUSED
         ctx = self._stage_context(layer, x)
@@ -828,6 +855,12 @@ class Cluster:
         ``head``: as :meth:`stage_forward`'s (``dy`` is then the logits' gradient, and the
         answer holds a fourth array, the fc columns' gradient of the rows the master
         computed, (C, P, classes))."""
+        if layer in self.replicas:  # split_all: the block fused here too
+            earlier = self.replicas.early_seconds(layer)  # in the next layer's phase
+            args = (self.backend, layer, dy)
+            out, seconds = timed(self.replicas.stage_backward, *args)
+            self.runner.local(layer, "backward", w.shape[0], seconds, earlier)
+            return out
         plan = self._plan(layer, x.shape, w.shape, padding)
         ctx = self._stage_context(layer, x)
         sides = _sides(padding, w.shape[2:])

@@ -12,7 +12,7 @@ from hetconv.overlap import OFF as OVERLAP_OFF
 from hetconv.overlap import OVERLAP_MODES
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import REPLICATE_MODES
-from hetconv.replica import SPLIT as REPLICATE_SPLIT
+from hetconv.replica import SPLITS as REPLICATE_SPLITS
 from hetconv.resident import KERNEL_MODES, SENT
 from hetconv.stages import STAGE_MODES, UNFUSED
 
@@ -151,10 +151,10 @@ class ClusterConfig:
             raise ValueError(
                 f"replicate {self.replicate!r}; expected one of {', '.join(REPLICATE_MODES)}"
             )
-        if self.replicate == REPLICATE_SPLIT and self.tls_ca is not None:
+        if self.replicate in REPLICATE_SPLITS and self.tls_ca is not None:
             raise ValueError(
-                "replicate split: the workers exchange the block's parts over plain gRPC, "
-                "which TLS (--tls-ca) would not cover; replicate first instead"
+                f"replicate {self.replicate}: the workers exchange the block's parts over plain "
+                "gRPC, which TLS (--tls-ca) would not cover; replicate first instead"
             )
         if self.stages not in STAGE_MODES:
             raise ValueError(f"stages {self.stages!r}; expected one of {', '.join(STAGE_MODES)}")

@@ -22,7 +22,8 @@ from hetconv.overlap import ON as OVERLAP_ON
 from hetconv.overlap import group_count, group_images
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
-from hetconv.replica import SPLIT as REPLICATE_SPLIT
+from hetconv.replica import SPLIT_ALL as REPLICATE_SPLIT_ALL
+from hetconv.replica import SPLITS as REPLICATE_SPLITS
 from hetconv.resident import RESIDENT, SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED
 from hetconv.workload import ConvLayer
@@ -78,7 +79,7 @@ def replica(
     if why is None:  # every node computes the whole block: what it costs beyond its conv
         probe = nodes[0].probe_seconds.get(first.name, 0.0)
         factor = block_cost_factor(backend, first, batch, probe)
-    if why is None and config.replicate not in (REPLICATE_FIRST, REPLICATE_SPLIT):
+    if why is None and config.replicate not in (REPLICATE_FIRST, *REPLICATE_SPLITS):
         consumer = next(spec for spec in layers if spec.name == first.feeds)
         shares = _shares(plans, consumer.name, nodes)
         workers = [n for i, n in enumerate(nodes) if i and shares[i]]
@@ -98,10 +99,16 @@ def replica(
     if why is not None:
         return ReplicaChoice(refused=f"off: {why}")
     # On one shared medium every byte the workers exchanged would cross it with the master's.
-    split = config.replicate == REPLICATE_SPLIT and not wifi
-    blocks = ReplicatedBlocks({first.name: first.feeds}, {first.name: first.stage}, split)
-    if config.replicate == REPLICATE_SPLIT and wifi:
+    split = config.replicate in REPLICATE_SPLITS and not wifi
+    # The master a peer of the split only where it computes.
+    split_all = split and config.replicate == REPLICATE_SPLIT_ALL and config.master_compute
+    blocks = ReplicatedBlocks(
+        {first.name: first.feeds}, {first.name: first.stage}, split and not split_all, split_all
+    )
+    if config.replicate in REPLICATE_SPLITS and wifi:
         blocks.split_refused = "not split: the workers share one medium (wifi)"
+    elif split and not split_all and config.replicate == REPLICATE_SPLIT_ALL:
+        blocks.split_refused = "split among the workers only: the master does not compute"
     return ReplicaChoice(blocks, {first.name: factor})
 
 
@@ -208,11 +215,14 @@ def describe_overlap(groups: Mapping[str, int]) -> str:
 def describe_replica(blocks: ReplicatedBlocks, block_cost: Mapping[str, float], refused) -> str:
     """One line: which block is replicated into which layer, or why none is."""
     if blocks.feeds:
-        where = (
-            "by the master whole and split by images among the workers, who exchange the parts"
-            if blocks.split
-            else "on every node"
-        )
+        if blocks.split_all:
+            where = "split by images among the master and the workers, who exchange the parts"
+        elif blocks.split:
+            where = (
+                "by the master whole and split by images among the workers, who exchange the parts"
+            )
+        else:
+            where = "on every node"
         note = f"; {blocks.split_refused}" if blocks.split_refused else ""
         return ", ".join(
             f"{block} computed {where}, {consumer}'s input not sent (the whole block "

@@ -117,6 +117,8 @@ class Planner:
         split_blocks: the workers split the replicated blocks by images (:mod:`hetconv.split`):
             the ``link`` policy counts each worker's share of the block's images, and the
             exchange of its outputs and gradients on the worker's link, instead of the block.
+        split_master: the master is one of the split's peers (``split_all``): the same for
+            its share of the images and its link.
     """
 
     master_compute: bool
@@ -132,6 +134,7 @@ class Planner:
     heads: Mapping[str, int] = field(default_factory=dict)
     block_cost: Mapping[str, float] = field(default_factory=dict)
     split_blocks: bool = False
+    split_master: bool = False
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -203,11 +206,13 @@ class Planner:
         return LayerPlan.of(shape, kernel_shares(k, speeds))
 
     def _image_fractions(self, nodes, workers: list[int], layer: str) -> dict[int, float]:
-        """Worker index -> its fraction of a split block's images; empty when not split."""
-        if not self.split_blocks or len(workers) < 2:
+        """Node index -> its fraction of a split block's images (the master's too with
+        :attr:`split_master`); empty when not split."""
+        peers = [0, *workers] if self.split_master else list(workers)
+        if not self.split_blocks or len(peers) < 2:
             return {}
-        probes = [nodes[i].probe_seconds.get(layer, 0.0) for i in workers]
-        return dict(zip(workers, image_fractions(probes), strict=True))
+        probes = [nodes[i].probe_seconds.get(layer, 0.0) for i in peers]
+        return dict(zip(peers, image_fractions(probes), strict=True))
 
     def _link_aware(
         self,

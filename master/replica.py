@@ -12,13 +12,14 @@ workers' parts to the kernel gradient of that part.
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.replica import REPLICATED, ReplicaBlock
-from hetconv.split import SplitPlan
+from hetconv.split import MASTER, SplitPlan
 from hetconv.stages import stage_backward, stage_forward
 
 from .call import Call
@@ -35,6 +36,11 @@ class SplitStep:
     known lost. The rows of a lost worker's images, which it would have summed and taken
     through the block, the master collects (:meth:`rows`): its own computation's, and what
     every worker that answered computed for them (FetchPart).
+
+    With the master a peer (``split_all``, :data:`~hetconv.split.MASTER` in the plan) the
+    master computes the block on its own images only (:meth:`forward_all`) and exchanges parts
+    like a worker (:meth:`backward_all`); what it covers for lost workers it then takes through
+    the block on their images itself (:meth:`finish_all`).
     """
 
     def __init__(self, plan: SplitPlan, clients: dict, session: int, step: int, block: str):
@@ -42,29 +48,57 @@ class SplitStep:
         self.session, self.step, self.block = session, step, block
         self.lost: dict[int, np.ndarray | None] = {}  # node -> its slice's input gradient
         self.sent_bytes = 0  # what the master put into workers for lost ones
+        # split_all: the master a peer
+        self.data: ReplicaBlock | None = None  # the step's block (images, kernels)
+        self.y: np.ndarray | None = None  # the block's output, every image, assembled here
+        self.run = None  # the master's StageRun on its own images
+        self.runs: dict[int, object] = {}  # node -> a StageRun computed here on its images
+        self.dx: np.ndarray | None = None  # the master's own input-gradient part, every image
+        self.fetched: set[int] = set()  # nodes whose rows of the master's images it summed
+        self.exchanged_bytes = 0  # what the master put into and fetched from workers as a peer
+        self._pending: list[Call] = []  # puts the master does not wait for
+
+    @property
+    def with_master(self) -> bool:
+        """Whether the master is one of the peers (``split_all``)."""
+        return self.plan.master is not None
 
     def covers(self, address: str) -> bool:
         """Whether ``address`` computes part of the block this step."""
         return address in self.plan.addresses
 
-    def _put(self, source: int, rows, gradient: bool, timeout: float) -> None:
+    def _put(self, source: int, rows, gradient: bool, timeout: float, wait: bool = True) -> int:
         """``rows(address)`` put into every other worker of the plan, as node ``source``, in
-        parallel; a worker that is gone too is no matter (it is lost in its own call)."""
-        calls = []
+        parallel; a worker that is gone too is no matter (it is lost in its own call).
+        ``wait``: until every put has ended (else :meth:`settle` does). The bytes put."""
+        calls, sent = [], 0
         for i, address in enumerate(self.plan.addresses):
-            if i == source or i in self.lost:
+            if i == source or i in self.lost or address == MASTER:
                 continue
             part = np.ascontiguousarray(rows(address))
-            self.sent_bytes += part.nbytes
+            sent += part.nbytes
             client = self.clients[address]
             calls.append(Call(
                 client.put_part, self.session, self.step, self.block, source, part, gradient,
                 timeout, self.plan.round,
             ))  # fmt: skip
+        if not wait:
+            self._pending.extend(calls)
+            return sent
         for call in calls:
             try:
                 call.result()
             except Exception:  # noqa: BLE001 (that worker's own call fails and loses it)
+                pass
+        return sent
+
+    def settle(self) -> None:
+        """Wait for the puts not waited for (their failures are their workers' calls')."""
+        pending, self._pending = self._pending, []
+        for call in pending:
+            try:
+                call.result()
+            except Exception:  # noqa: BLE001
                 pass
 
     def lost_forward(self, address: str, y: np.ndarray, timeout: float = 60.0) -> None:
@@ -72,7 +106,7 @@ class SplitStep:
         (the master's, every image) go to the others as it."""
         node = self.plan.node(address)
         self.lost.setdefault(node, None)
-        self._put(node, lambda _: y[self.plan.images(address)], False, timeout)
+        self.sent_bytes += self._put(node, lambda _: y[self.plan.images(address)], False, timeout)
 
     def lost_backward(self, address: str, dx: np.ndarray, timeout: float = 60.0) -> None:
         """Worker ``address`` is lost in backward: its slice's input gradient ``dx`` (every
@@ -80,7 +114,7 @@ class SplitStep:
         workers' images stay for :meth:`rows`."""
         node = self.plan.node(address)
         self.lost[node] = dx
-        self._put(node, lambda a: dx[self.plan.images(a)], True, timeout)
+        self.sent_bytes += self._put(node, lambda a: dx[self.plan.images(a)], True, timeout)
 
     def rows(self, answered: list[str], timeout: float = 60.0) -> np.ndarray | None:
         """The input gradient the master back-propagates through its block for the lost
@@ -103,6 +137,138 @@ class SplitStep:
                 )
                 total[images] += part
         return total
+
+    # -- the master as a peer (split_all) ----------------------------------------------------
+
+    def forward_all(self, backend: Backend, block: ReplicaBlock, started: dict, timeout: float):
+        """The block's output on every image, assembled here: the master's own images computed
+        here and put into every worker, each worker's own images' output fetched as soon as it
+        has it (FetchPart). A worker whose ReplicaForward (``started``: address -> its
+        :class:`~.call.Call`) fails, or whose output does not come, has its images computed
+        here: its stage call then fails, and the master puts them into the others as it."""
+        plan, k = self.plan, block.w.shape[0]
+        self.data = block
+        conv = block.shape
+        y = np.empty((conv.n, k, *block.stage.output_hw(conv.out_hw)), np.float32)
+        fetches = {}
+        for address in plan.workers:
+            node, rows = plan.node(address), y[plan.images(address)]
+            fetches[address] = Call(
+                self.clients[address].fetch_part, self.session, self.step, self.block, node,
+                timeout, gradient=False, out=rows,
+            )  # fmt: skip
+        own = plan.images(MASTER)
+        y[own], self.run = stage_forward(
+            backend, block.x[own], block.w, block.b, block.sides, block.stage, slice(0, k)
+        )
+        self.exchanged_bytes += self._put(plan.master, lambda _: y[own], False, timeout, False)
+        for address, call in fetches.items():
+            if _answered(call, started.get(address)):
+                self.exchanged_bytes += y[plan.images(address)].nbytes
+                continue
+            node, images = plan.node(address), plan.images(address)
+            y[images], self.runs[node] = stage_forward(
+                backend, block.x[images], block.w, block.b, block.sides, block.stage,
+                slice(0, k),
+            )  # fmt: skip
+        self.y = y
+        return y
+
+    def backward_all(self, backend: Backend, dx: np.ndarray | None, timeout: float = 60.0):
+        """The master's part of the block's kernel and bias gradients, as a peer: the rows of
+        its input-gradient part ``dx`` (every image; None: zeros) for each worker's images put
+        into it, the rows every worker computed for the master's images fetched and summed
+        with its own in plan order, the sum taken through the block on its images. A worker
+        lost before it gave its rows has them added by :meth:`finish_all`."""
+        plan = self.plan
+        self.dx = dx = np.zeros_like(self.y) if dx is None else dx
+        live = [a for a in plan.workers if plan.node(a) not in self.lost]
+        fetches = {
+            a: Call(
+                self.clients[a].fetch_part,
+                self.session,
+                self.step,
+                self.block,
+                plan.master,
+                timeout,
+            )
+            for a in live
+        }
+        self.exchanged_bytes += self._put(
+            plan.master, lambda a: dx[plan.images(a)], True, timeout, False
+        )
+        own = plan.images(MASTER)
+        g = np.array(dx[own])
+        for address in live:  # in plan order: the same sum on every run
+            try:
+                part, _ = fetches[address].result()
+            except Exception:  # noqa: BLE001 (lost: finish_all adds its slice's rows)
+                continue
+            g += part
+            self.exchanged_bytes += part.nbytes
+            self.fetched.add(plan.node(address))
+        _, dw, db = stage_backward(backend, self.run, g, slice(0, self.data.w.shape[0]), False)
+        return dw, db
+
+    def finish_all(self, backend: Backend, answered: list[str], timeout: float = 60.0):
+        """The block's kernel and bias gradients the lost workers' slices still owe, as
+        (dw, db), or None when nothing was lost: their rows of the master's images it did not
+        fetch from them, and every lost worker's images' whole gradient (its slice's rows
+        computed here, the master's own, each worker's that ``answered``, fetched) through the
+        block on those images (its forward run again here where the worker computed it)."""
+        self.settle()
+        if not self.lost:
+            return None
+        if any(dx is None for dx in self.lost.values()):
+            raise RuntimeError(f"{self.block}: a worker lost in the split has no gradient here")
+        plan, block = self.plan, self.data
+        k = block.w.shape[0]
+        dw, db = np.zeros_like(block.w), np.zeros_like(block.b)
+
+        def back(run, g) -> None:
+            _, w, b = stage_backward(backend, run, g, slice(0, k), False)
+            dw[...] += w
+            db[...] += b
+
+        own = plan.images(MASTER)
+        owed = [dx[own] for node, dx in sorted(self.lost.items()) if node not in self.fetched]
+        if owed:
+            back(self.run, np.sum(owed, axis=0, dtype=np.float32))
+        for node in sorted(self.lost):
+            address = plan.addresses[node]
+            images = plan.images(address)
+            g = np.array(self.dx[images])
+            for dx in (self.lost[n] for n in sorted(self.lost)):
+                g += dx[images]
+            for other in answered:
+                part, _ = self.clients[other].fetch_part(
+                    self.session, self.step, self.block, node, timeout
+                )
+                g += part
+            run = self.runs.get(node)
+            if run is None:
+                _, run = stage_forward(
+                    backend, block.x[images], block.w, block.b, block.sides, block.stage,
+                    slice(0, k),
+                )  # fmt: skip
+            back(run, g)
+        return dw, db
+
+
+def _answered(call: Call, replica: Call | None) -> bool:
+    """Whether ``call`` (a fetch of a worker's block output) answered; False as soon as the
+    worker's ReplicaForward (``replica``) failed."""
+    ended = threading.Event()
+    call.notify(ended)
+    if replica is not None:
+        replica.notify(ended)
+    while True:
+        ended.clear()
+        if call.done():
+            return not call.failed()
+        if replica is not None and replica.failed():
+            return False
+        ended.wait(0.5)
 
 
 def replica_refusal(first, stage_modes: dict[str, str]) -> str | None:
@@ -161,7 +327,8 @@ class BlockGradients:
     def later(self, dx: np.ndarray | None) -> np.ndarray | None:
         """What the master back-propagates through its block after its own part: ``dx`` (the
         pieces it covered outside a split), plus a split's rows of lost workers' images."""
-        rows = self.split.rows(self.answered) if self.split is not None else None
+        split = self.split
+        rows = split.rows(self.answered) if split is not None and not split.with_master else None
         if rows is None:
             return dx
         return rows if dx is None else dx + rows
@@ -169,8 +336,18 @@ class BlockGradients:
     def back_through(self, dx: np.ndarray | None) -> bool:
         """Back-propagate the master's input-gradient part ``dx`` through the block now (its
         layers, then its convolution's kernel gradients); False (nothing done) without a
-        chain, without ``dx``, or when done already this step."""
-        if self._chain is None or dx is None or self.master is not None:
+        chain, without ``dx``, or when done already this step. With the master a peer of a
+        split block (:meth:`SplitStep.backward_all`) it needs neither: it exchanges rows with
+        the workers (zeros for ``dx`` None) and takes its own images through the block."""
+        if self.master is not None:
+            return False
+        split = self.split
+        if split is not None and split.with_master:
+            start = time.perf_counter()
+            self.master = split.backward_all(self._backend, dx)
+            self.seconds = time.perf_counter() - start
+            return True
+        if self._chain is None or dx is None:
             return False
         g = self._chain(dx)
         start = time.perf_counter()
@@ -225,10 +402,19 @@ class ReplicatedBlocks:
         split: the workers split each block by images (:mod:`hetconv.split`).
     """
 
-    def __init__(self, feeds: dict[str, str], stages: dict[str, object], split: bool = False):
+    def __init__(
+        self,
+        feeds: dict[str, str],
+        stages: dict[str, object],
+        split: bool = False,
+        split_all: bool = False,
+    ):
         self.feeds = dict(feeds)
         self.stages = dict(stages)
-        self.split = split
+        self.split = split or split_all
+        # the master one of the split's peers: the block runs fused here (stage_forward)
+        self.split_all = split_all
+        self._runs: dict[str, object] = {}  # block -> the master's StageRun on every image
         self.split_refused: str | None = None  # why a split asked for is not made
         self.block_of = {consumer: block for block, consumer in self.feeds.items()}
         self._current: dict[str, ReplicaBlock] = {}
@@ -275,6 +461,47 @@ class ReplicatedBlocks:
             self.begin(layer, x, w, b, sides)
         return backend.conv_forward(x, w, b, padding)
 
+    def stage_forward(self, backend: Backend, block: ReplicaBlock, started: dict, timeout: float):
+        """``split_all``: the block's output on every image, the block run here as one fused
+        stage (so the model runs none of its layers): split, on the master's own images and
+        assembled with the workers' (:meth:`SplitStep.forward_all`); not split this step, on
+        every image."""
+        if block.split is not None:
+            return block.split.forward_all(backend, block, started, timeout)
+        k = block.w.shape[0]
+        y, self._runs[block.layer] = stage_forward(
+            backend, block.x, block.w, block.b, block.sides, block.stage, slice(0, k)
+        )
+        return y
+
+    def stage_backward(self, backend: Backend, layer: str, dy: np.ndarray | None):
+        """``split_all``: (None, dw, db), the block's kernel and bias gradients: split, the
+        master's part (taken in the next layer's backward, :meth:`BlockGradients.back_through`)
+        plus what lost workers owe (:meth:`SplitStep.finish_all`); not split, the master's part
+        ``dy`` through the block on every image; then the workers' parts."""
+        grads = self._gradients.pop(layer, None)
+        block = self._current[layer]
+        k = block.w.shape[0]
+        if block.split is not None:
+            if grads is None or grads.master is None:
+                raise RuntimeError(f"{layer}: the split block's own part was not taken")
+            if dy is not None:
+                raise RuntimeError(f"{layer}: a split block got a gradient outside its split")
+            dw, db = (np.array(a) for a in grads.master)
+            owed = block.split.finish_all(backend, grads.answered)
+            if owed is not None:
+                dw += owed[0]
+                db += owed[1]
+        else:
+            run = self._runs.pop(layer, None)
+            if run is None or dy is None:
+                raise RuntimeError(f"{layer}: the block's backward has no forward or gradient")
+            _, dw, db = stage_backward(backend, run, dy, slice(0, k), False)
+        if grads is not None:
+            dw += grads.dw
+            db += grads.db
+        return None, dw, db
+
     def images_formats(self) -> dict[str, str]:
         """Block name -> the format its images travel in this step (``palette8``, ``float32``),
         for the trace."""
@@ -284,15 +511,20 @@ class ReplicatedBlocks:
         """Block name -> how this step split it by images (:mod:`hetconv.split`): each
         worker's images in plan order, and the bytes the master put into workers for ones it
         lost (``covered_bytes``), for the trace."""
-        return {
-            layer: {
-                "images": [count for _, _, count in block.split.plan.peers],
-                "round": block.split.plan.round,
-                "covered_bytes": block.split.sent_bytes,
+        splits = {}
+        for layer, block in self._current.items():
+            split = block.split
+            if split is None:
+                continue
+            splits[layer] = {
+                "images": [count for _, _, count in split.plan.peers],
+                "round": split.plan.round,
+                "covered_bytes": split.sent_bytes,
             }
-            for layer, block in self._current.items()
-            if block.split is not None
-        }
+            if split.with_master:  # the master's index in images; what it exchanged as a peer
+                splits[layer]["master"] = split.plan.master
+                splits[layer]["exchanged_bytes"] = split.exchanged_bytes
+        return splits
 
     def input_of(self, consumer: str) -> ReplicaBlock | None:
         """The replicated block whose output is ``consumer``'s input this step (None: none)."""

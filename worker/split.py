@@ -11,6 +11,11 @@ lost the peer), waits for every other peer's rows of its own images, sums them w
 peer order and back-propagates the sum through the block on its own images
 (:meth:`SplitCalls.gradients`).
 
+The master may be a peer too (``split_all``: the peer marked ``master``, with no address):
+nothing is sent to it. It puts its own images' output and its rows of this worker's images like
+any peer, and fetches (FetchPart) this worker's own images' output, once the block has run, and
+the rows of its own images, as soon as the stage backward has them.
+
 A part from a source the worker already has is ignored: the master resends a lost worker's
 parts as that worker, from what it computed itself, and whichever comes first counts (they are
 the same tensor, to float32 round-off). Parts may come before the worker's own ReplicaForward
@@ -50,10 +55,12 @@ class PartTimeout(MissingForward):
 @dataclass(frozen=True)
 class SplitLayout:
     """Who computes the block on which images: ``peers`` (address, start, count) in image
-    order, tiling the batch; this worker is ``node``."""
+    order, tiling the batch; this worker is ``node``; ``master``: the master's node, when it
+    is a peer (it fetches its parts: none is sent to it)."""
 
     node: int
     peers: tuple[tuple[str, int, int], ...]
+    master: int | None = None
 
     @classmethod
     def from_proto(cls, split: pb.SplitBlock) -> SplitLayout:
@@ -62,9 +69,16 @@ class SplitLayout:
             raise InvalidCall(f"a split names {len(peers)} peers: 2 to {MAX_PEERS}")
         if split.node >= len(peers):
             raise InvalidCall(f"split node {split.node} is not one of its {len(peers)} peers")
+        masters = [i for i, p in enumerate(split.peers) if p.master]
+        if len(masters) > 1:
+            raise InvalidCall(
+                f"a split names {len(masters)} masters (peers {masters}): one at most"
+            )
+        if split.node in masters:
+            raise InvalidCall(f"split node {split.node} is the master's, not this worker's")
         at = 0
         for i, (address, start, count) in enumerate(peers):
-            if not address:
+            if not address and i not in masters:
                 raise InvalidCall(f"split peer {i} has no address")
             if start != at or count < 1:
                 raise InvalidCall(
@@ -72,7 +86,7 @@ class SplitLayout:
                     f"tile the batch in order (expected from {at}, at least one)"
                 )
             at += count
-        return cls(split.node, peers)
+        return cls(split.node, peers, masters[0] if masters else None)
 
     @property
     def batch(self) -> int:
@@ -251,8 +265,10 @@ class SplitCalls:
 
     def fetch(self, messages):
         request, _, receive = self.service._receive(messages, FETCH_PART)
-        if not request.part.gradient:
-            raise InvalidCall("FetchPart answers input-gradient parts only (set gradient)")
+        source = request.part.source
+        if not request.part.gradient or self._for_master(request):
+            part = self._fetch_waiting(request, source)
+            return [("p", part, answer_format(request.answer_dtype))], 0.0, receive
         with self._changed:
             record = self._steps.get((request.session, request.layer))
             if record is None or record.step != request.step or not record.done:
@@ -266,6 +282,34 @@ class SplitCalls:
             raise InvalidCall(f"node {request.part.source} is not another peer of this split")
         fmt = answer_format(request.answer_dtype)
         return [("p", part, fmt)], 0.0, receive
+
+    def _for_master(self, request: pb.ConvRequest) -> bool:
+        """Whether a FetchPart asks for the rows of the master's images (it is a peer)."""
+        with self._changed:
+            record = self._steps.get((request.session, request.layer))
+            layout = record.layout if record is not None else None
+            return layout is not None and layout.master == request.part.source
+
+    def _fetch_waiting(self, request: pb.ConvRequest, source: int) -> np.ndarray:
+        """What a FetchPart the master makes as a peer asks, once this worker has it: node
+        ``source``'s images' block output, or (gradient) this worker's rows of the master's
+        images."""
+        gradient = request.part.gradient
+        if source >= MAX_PEERS:
+            raise InvalidCall(f"part source {source}: a split has at most {MAX_PEERS} peers")
+
+        def missing(record: _Step) -> list[str]:
+            if source >= len(record.layout.peers):
+                raise InvalidCall(
+                    f"part source {source}: the split has {len(record.layout.peers)} peers"
+                )
+            held = record.sent if gradient else record.outputs
+            return [] if source in held else [f"node {source}'s part"]
+
+        what = "the master's rows" if gradient else "the block output"
+        record = self._wait(request, request.layer, missing, f"a fetch of {what}")
+        with self._changed:
+            return record.sent[source] if gradient else record.outputs[source]
 
     # -- ReplicaForward ---------------------------------------------------------------------
 
@@ -303,6 +347,8 @@ class SplitCalls:
         threads."""
         fmt = answer_format(request.answer_dtype)
         for node in layout.others if nodes is None else nodes:
+            if node == layout.master:  # it fetches what it needs
+                continue
             part = pb.ConvRequest(
                 phase=PUT_PART.phase, session=request.session, step=request.step,
                 layer=request.layer if not gradient else request.replica_layer,

@@ -133,14 +133,16 @@ class ResidentSlice(_message.Message):
     def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., head_classes: _Optional[int] = ...) -> None: ...
 
 class SplitPeer(_message.Message):
-    __slots__ = ("address", "start", "count")
+    __slots__ = ("address", "start", "count", "master")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    MASTER_FIELD_NUMBER: _ClassVar[int]
     address: str
     start: int
     count: int
-    def __init__(self, address: _Optional[str] = ..., start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+    master: bool
+    def __init__(self, address: _Optional[str] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., master: _Optional[bool] = ...) -> None: ...
 
 class SplitBlock(_message.Message):
     __slots__ = ("node", "peers", "round")
