@@ -251,6 +251,14 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
     ),
     Mode(
+        "exact_head_split_all",
+        (*EXACT, "--overlap", "auto", "--head", "split", "--replicate", "split_all"),
+        "exact_head_split with the master one of the block's peers: it computes the block on "
+        "its own share of the images and exchanges parts with the workers",
+        "--replicate",
+        in_all=False,
+    ),
+    Mode(
         "exact_head_late",
         (*EXACT, "--overlap", "auto", "--head", "split", "--start-ahead", "off"),
         "exact_head with the second layer's stage calls sent when the master reaches it, not "
@@ -508,6 +516,7 @@ def predict(
     result = simulate_step(
         cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images, head=cal.heads,
         sync_every=DEFAULT_SYNC_EVERY if synced else 0, split_images=cal.replica_split,
+        split_master=cal.split_master,
     )  # fmt: skip
     return result, cal
 

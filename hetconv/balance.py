@@ -45,7 +45,7 @@ from hetconv.overlap import ON as OVERLAP_ON
 from hetconv.overlap import group_count, group_images
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
-from hetconv.replica import SPLIT as REPLICATE_SPLIT
+from hetconv.replica import SPLITS as REPLICATE_SPLITS
 from hetconv.resident import SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, call_bytes, stage_call_bytes
@@ -363,7 +363,7 @@ def shares_for(
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if stages not in (FUSED, UNFUSED, AUTO):
         raise ValueError(f"stages {stages!r}; expected fused, unfused or auto")
-    replicated = replicate in (REPLICATE_FIRST, REPLICATE_SPLIT)  # split: shares as first's
+    replicated = replicate in (REPLICATE_FIRST, *REPLICATE_SPLITS)  # split: shares as first's
     block = layers[0] if replicated and len(layers) > 1 else None
     out = {}
     for layer in layers:

@@ -48,6 +48,7 @@ from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import REPLICATED
 from hetconv.replica import SPLIT as REPLICATE_SPLIT
+from hetconv.replica import SPLIT_ALL as REPLICATE_SPLIT_ALL
 from hetconv.resident import RESIDENT, SENT
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import AUTO, FUSED, UNFUSED, StageSpec
@@ -623,19 +624,48 @@ def _exchange_seconds(layer: ConvLayer, part: ConvLayer, node: Node) -> float:
 
 
 def _split_replicas(
-    names: Sequence[str], shares, layer: ConvLayer, block: ConvLayer, weights=None, images=None
+    names: Sequence[str],
+    shares,
+    layer: ConvLayer,
+    block: ConvLayer,
+    weights=None,
+    images=None,
+    master: str | None = None,
 ) -> dict[str, ConvLayer]:
     """Worker name -> its part of ``block`` split by images among the workers (``names``, in
-    order) with a share of ``layer`` (``shares``, master first): ``images`` each, in order, or
-    in proportion to ``weights`` (per name; None: equal); {} when fewer than two (the block is
-    then computed whole)."""
-    workers = [name for name, share in zip(names, shares[1:], strict=True) if share]
-    if len(workers) < 2 or layer.shape.n < len(workers):
+    order) with a share of ``layer`` (``shares``, master first), and with ``master`` (its name)
+    the master's first: ``images`` each, in order, or in proportion to ``weights`` (per name;
+    None: equal); {} when fewer than two nodes (the block is then computed whole)."""
+    peers = [name for name, share in zip(names, shares[1:], strict=True) if share]
+    if master is not None and peers:
+        peers = [master, *peers]
+    if len(peers) < 2 or layer.shape.n < len(peers):
         return {}
     if images is None:
-        images = split_images(layer.shape.n, [(weights or {}).get(w, 1.0) for w in workers])
-    plan = SplitPlan.of(workers, images)
-    return {w: split_part(block, plan, w) for w in workers}
+        images = split_images(layer.shape.n, [(weights or {}).get(w, 1.0) for w in peers])
+    plan = SplitPlan.of(peers, images)
+    return {w: split_part(block, plan, w) for w in peers}
+
+
+def _split_block_seconds(
+    cluster: Cluster, layer: ConvLayer, parts: Mapping[str, ConvLayer], phase: str
+) -> float:
+    """``split_all``: the master's phase of the block split with it one of the peers: its
+    own images' block and its exchange of parts (:func:`_exchange_seconds`) on its port; in
+    forward it ends only once every worker's output is in (their images' block and
+    exchange), so the slowest node's."""
+    master = cluster.master
+    own = parts[master.name]
+    seconds = master.conv_seconds(own, own.kernels, own.passes(phase))
+    seconds += _exchange_seconds(layer, own, master)
+    if phase != FORWARD:
+        return seconds
+    for node in cluster.workers:
+        part = parts.get(node.name)
+        if part is not None:
+            worker_s = node.conv_seconds(part, part.kernels, part.passes(phase))
+            seconds = max(seconds, worker_s + _exchange_seconds(layer, part, node))
+    return seconds
 
 
 def simulate_layer_phase(
@@ -746,6 +776,7 @@ def simulate_step(
     head: str | Mapping[str, object] = HEAD_MASTER,
     sync_every: int = 20,
     split_images: Mapping[str, Sequence[int]] | None = None,
+    split_master: Mapping[str, int] | None = None,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work.
@@ -769,6 +800,11 @@ def simulate_step(
     share of the second layer splitting the block by images in proportion to their speed on it
     (:mod:`hetconv.split`), or as ``split_images`` says (block name -> each one's images, as a
     trace's ``replica_split`` records them; given, the block is split whatever ``replicate``).
+    ``"split_all"``: as ``"split"``, the master one of the peers (first, as ``split_master``
+    says for a trace's blocks: block name -> the master's index in ``split_images``): it
+    computes the block on its own images, and its exchange of parts on its port, in the
+    block's forward phase (which ends once every worker's output is in) and in the next
+    layer's backward phase.
 
     ``overlap`` as ``hetconv train --overlap``: ``"off"``, ``"on"`` (every fused layer whose
     stage holds no batch norm) or ``"auto"`` (:func:`overlap_images`); or per layer name, the
@@ -792,11 +828,14 @@ def simulate_step(
         if mode not in (RESIDENT, SENT, AUTO):
             raise ValueError(f"kernels {mode!r}; expected resident, sent or auto")
     modes = stages if isinstance(stages, Mapping) else {layer.name: stages for layer in layers}
-    if replicate not in (REPLICATE_OFF, REPLICATE_FIRST, REPLICATE_SPLIT):
-        raise ValueError(f"replicate {replicate!r}; expected off, first or split")
+    if replicate not in (REPLICATE_OFF, REPLICATE_FIRST, REPLICATE_SPLIT, REPLICATE_SPLIT_ALL):
+        raise ValueError(f"replicate {replicate!r}; expected off, first, split or split_all")
+    for block, index in (split_master or {}).items():
+        if index != 0:
+            raise ValueError(f"{block}: the master is the split's first peer, not {index}")
     if not isinstance(overlap, Mapping) and overlap not in OVERLAP_MODES:
         raise ValueError(f"overlap {overlap!r}; expected one of {', '.join(OVERLAP_MODES)}")
-    if replicate in (REPLICATE_FIRST, REPLICATE_SPLIT) and layers:
+    if replicate in (REPLICATE_FIRST, REPLICATE_SPLIT, REPLICATE_SPLIT_ALL) and layers:
         modes = {**modes, layers[0].name: REPLICATED}
     for mode in modes.values():
         if mode not in (FUSED, UNFUSED, AUTO, REPLICATED):
@@ -804,13 +843,26 @@ def simulate_step(
     phases = []
     block: ConvLayer | None = None  # a replicated block, feeding the next layer
     tail = 0.0  # its backward on the master, in the next layer's backward phase
-    for layer in layers:
+    early = 0.0  # its forward on the master, which the workers' ReplicaForward runs beside
+    parts: dict[str, ConvLayer] = {}  # the block split by images: node name -> its part
+    for index, layer in enumerate(layers):
         if modes.get(layer.name) == REPLICATED:
             if block is not None or layer is not layers[0] or len(layers) < 2:
                 raise ValueError(f"{layer.name}: only the first of several layers replicates")
             block = layer
-            for phase in PHASES:  # the master alone, every kernel
-                seconds = cluster.master.conv_seconds(layer, layer.kernels, layer.passes(phase))
+            parts = _block_parts(
+                cluster, layers[index + 1], block, shares, replicate, split_images, split_master
+            )
+            with_master = cluster.master.name in parts
+            for phase in PHASES:
+                if with_master:  # its own images, and the exchange
+                    seconds = _split_block_seconds(cluster, layers[index + 1], parts, phase)
+                else:  # the master alone, every kernel
+                    seconds = cluster.master.conv_seconds(
+                        layer, layer.kernels, layer.passes(phase)
+                    )
+                if phase == FORWARD and cluster.master_compute:
+                    early = seconds  # the workers' ReplicaForward starts with it
                 if phase == BACKWARD and cluster.master_compute:
                     tail = seconds  # run inside the next layer's backward phase
                     seconds = 0.0
@@ -818,13 +870,8 @@ def simulate_step(
             continue
         replica, block = block, None
         tail_s = tail if replica is not None else 0.0
-        tail = 0.0
-        # The workers' ReplicaForward starts as the master computes the block itself.
-        early = (
-            cluster.master.conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
-            if replica is not None and cluster.master_compute
-            else 0.0
-        )
+        early_s = early if replica is not None else 0.0
+        tail = early = 0.0
         split = tuple(int(s) for s in shares[layer.name])
         if len(split) != len(cluster.nodes) or sum(split) != layer.kernels or min(split) < 0:
             raise ValueError(
@@ -860,12 +907,8 @@ def simulate_step(
                 images = group_images(layer.shape.n)
             elif overlap == OVERLAP_AUTO:
                 images = overlap_images(layer, layer.stage, split, cluster.wire.format)
+        worker_parts = {n: p for n, p in parts.items() if n != cluster.master.name}
         parts = {}
-        if replica is not None and (replicate == REPLICATE_SPLIT or split_images):
-            counts = (split_images or {}).get(replica.name)
-            names = [n.name for n in cluster.workers]
-            speed = {n.name: n.layer_gflops.get(layer.name, n.gflops) for n in cluster.workers}
-            parts = _split_replicas(names, split, layer, replica, speed, counts)
         for phase in PHASES:
             phases.append(
                 simulate_layer_phase(
@@ -877,11 +920,11 @@ def simulate_step(
                     resident=kept == RESIDENT,
                     replica=replica,
                     overlap_images=images,
-                    replica_head_s=early,
+                    replica_head_s=early_s,
                     head=classes,
                     sync_every=sync_every,
                     replica_tail_s=tail_s,
-                    split_replicas=parts,
+                    split_replicas=worker_parts,
                 )  # fmt: skip
             )
     comm = sum(p.comm_s for p in phases)
@@ -896,6 +939,34 @@ def simulate_step(
         bytes=sum(p.bytes for p in phases),
         phases=tuple(phases),
     )
+
+
+def _block_parts(
+    cluster: Cluster,
+    consumer: ConvLayer,
+    block: ConvLayer,
+    shares: Mapping[str, Sequence[int]],
+    replicate: str,
+    split_images: Mapping[str, Sequence[int]] | None,
+    split_master: Mapping[str, int] | None,
+) -> dict[str, ConvLayer]:
+    """Node name -> its part of the replicated ``block`` split by images (the master's too
+    with ``split_all``), by ``split_images`` where it names the block, else in proportion to
+    the nodes' speed on ``consumer``; {} when not split."""
+    counts = (split_images or {}).get(block.name)
+    with_master = (
+        block.name in (split_master or {})
+        if counts is not None
+        else replicate == REPLICATE_SPLIT_ALL and cluster.master_compute
+    )
+    if counts is None and replicate not in (REPLICATE_SPLIT, REPLICATE_SPLIT_ALL):
+        return {}
+    nodes = [cluster.master, *cluster.workers]
+    speed = {n.name: n.layer_gflops.get(consumer.name, n.gflops) for n in nodes}
+    names = [n.name for n in cluster.workers]
+    master = cluster.master.name if with_master else None
+    split = tuple(int(s) for s in shares[consumer.name])
+    return _split_replicas(names, split, consumer, block, speed, counts, master)
 
 
 __all__ = [

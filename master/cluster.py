@@ -807,11 +807,13 @@ class Cluster:
         self._start_replicas(block)
         started = dict(block.started)  # before the stage calls take them
         self._start_ahead(block)
-        timeout = self.config.deadline_floor + self.config.deadline_factor * max(
-            (n.probe_seconds.get(layer, 0.0) for n in self.nodes), default=0.0
-        )
+        slowest = max((n.probe_seconds.get(layer, 0.0) for n in self.nodes), default=0.0)
+        work = slowest * self.block_cost.get(layer, 1.0)  # the whole block, on every image
+        timeout = self.config.deadline_floor + self.config.deadline_factor * work
         y, seconds = timed(self.replicas.stage_forward, self.backend, block, started, timeout)
-        self.runner.local(layer, "forward", w.shape[0], seconds)
+        split = block.split
+        compute = split.compute["forward"] if split is not None else None
+        self.runner.local(layer, "forward", w.shape[0], seconds, compute=compute)
         return y
 
     def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=(), head=None):
@@ -857,9 +859,12 @@ class Cluster:
         computed, (C, P, classes))."""
         if layer in self.replicas:  # split_all: the block fused here too
             earlier = self.replicas.early_seconds(layer)  # in the next layer's phase
+            split = self.replicas.input_of(self.replicas.feeds[layer])
+            split = split.split if split is not None else None
             args = (self.backend, layer, dy)
             out, seconds = timed(self.replicas.stage_backward, *args)
-            self.runner.local(layer, "backward", w.shape[0], seconds, earlier)
+            compute = split.compute["backward"] if split is not None else None
+            self.runner.local(layer, "backward", w.shape[0], seconds, earlier, compute)
             return out
         plan = self._plan(layer, x.shape, w.shape, padding)
         ctx = self._stage_context(layer, x)

@@ -502,8 +502,9 @@ class _StageBackward:
             )  # fmt: skip
         dy = np.ascontiguousarray(self.dy[:, grad])
         rel = slice(grad.start - wide.start, grad.stop - wide.start)
+        first = self.replica.rows_first(piece.index) if self.replica is not None else ()
         dx, self.dw[sl], self.db[sl] = stage_backward(
-            self.backend, run, dy, rel, self.need_input_grad
+            self.backend, run, dy, rel, self.need_input_grad, rows_first=first
         )
         if not lost_backward(self.replica, piece, dx):
             self._add_dx(dx)
@@ -797,15 +798,24 @@ class PhaseRunner:
         per_layer[phase] = _phase_record(stats)
 
     def local(
-        self, layer: str, phase: str, kernels: int, seconds: float, earlier: float = 0.0
+        self,
+        layer: str,
+        phase: str,
+        kernels: int,
+        seconds: float,
+        earlier: float = 0.0,
+        compute: float | None = None,
     ) -> None:
         """Record and account a convolution the master ran alone (a replicated block's);
         ``earlier``: seconds of it already computed inside another layer's phase (a
-        replicated block's backward beside the workers), recorded but not accounted again."""
+        replicated block's backward beside the workers), recorded but not accounted again.
+        ``compute``: the seconds of it that were computation, where the rest was waiting for
+        workers (a block split with the master a peer); None: all of it."""
+        computed = seconds + earlier if compute is None else compute
         self._record(self.membership.nodes[0], layer, phase, kernels, CallStats(
-            compute_seconds=seconds + earlier, wall_seconds=seconds
+            compute_seconds=computed, wall_seconds=seconds
         ))  # fmt: skip
-        self._account(seconds, [seconds])
+        self._account(seconds, [seconds if compute is None else min(compute, seconds)])
 
     def _account(self, wall: float, computes: list[float]) -> None:
         conv = max(computes, default=0.0)

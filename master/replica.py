@@ -56,6 +56,8 @@ class SplitStep:
         self.dx: np.ndarray | None = None  # the master's own input-gradient part, every image
         self.fetched: set[int] = set()  # nodes whose rows of the master's images it summed
         self.exchanged_bytes = 0  # what the master put into and fetched from workers as a peer
+        self.compute = {"forward": 0.0, "backward": 0.0}  # the master's block computation, s
+        self.rows_put: set[int] = set()  # workers its own rows went to as its stage made them
         self._pending: list[Call] = []  # puts the master does not wait for
 
     @property
@@ -67,21 +69,20 @@ class SplitStep:
         """Whether ``address`` computes part of the block this step."""
         return address in self.plan.addresses
 
-    def _put(self, source: int, rows, gradient: bool, timeout: float, wait: bool = True) -> int:
-        """``rows(address)`` put into every other worker of the plan, as node ``source``, in
-        parallel; a worker that is gone too is no matter (it is lost in its own call).
-        ``wait``: until every put has ended (else :meth:`settle` does). The bytes put."""
+    def _put(
+        self, source: int, rows, gradient: bool, timeout: float, wait: bool = True, skip=()
+    ) -> int:
+        """``rows(address)`` put into every other worker of the plan (but the nodes in
+        ``skip``), as node ``source``, in parallel; a worker that is gone too is no matter (it
+        is lost in its own call). ``wait``: until every put has ended (else :meth:`settle`
+        does). The bytes put."""
         calls, sent = [], 0
         for i, address in enumerate(self.plan.addresses):
-            if i == source or i in self.lost or address == MASTER:
+            if i == source or i in self.lost or address == MASTER or i in skip:
                 continue
             part = np.ascontiguousarray(rows(address))
             sent += part.nbytes
-            client = self.clients[address]
-            calls.append(Call(
-                client.put_part, self.session, self.step, self.block, source, part, gradient,
-                timeout, self.plan.round,
-            ))  # fmt: skip
+            calls.append(self._put_one(address, source, part, gradient, timeout))
         if not wait:
             self._pending.extend(calls)
             return sent
@@ -91,6 +92,34 @@ class SplitStep:
             except Exception:  # noqa: BLE001 (that worker's own call fails and loses it)
                 pass
         return sent
+
+    def _put_one(self, address: str, source: int, part, gradient: bool, timeout: float) -> Call:
+        return Call(
+            self.clients[address].put_part, self.session, self.step, self.block, source, part,
+            gradient, timeout, self.plan.round,
+        )  # fmt: skip
+
+    def rows_first(self, timeout: float = 60.0) -> list[tuple[slice, object]]:
+        """With the master a peer: for its own piece's stage backward
+        (:func:`~hetconv.stages.stage_backward`'s ``rows_first``), each live worker's images,
+        with what puts the master's input-gradient rows of them into that worker as soon as
+        they are computed (the worker waits for them before its block backward)."""
+        plan = self.plan
+
+        def sender(address: str, node: int):
+            def done(images: slice, rows: np.ndarray) -> None:
+                part = np.ascontiguousarray(rows)
+                self._pending.append(self._put_one(address, plan.master, part, True, timeout))
+                self.exchanged_bytes += part.nbytes
+                self.rows_put.add(node)
+
+            return done
+
+        return [
+            (plan.images(address), sender(address, plan.node(address)))
+            for address in plan.workers
+            if plan.node(address) not in self.lost
+        ]
 
     def settle(self) -> None:
         """Wait for the puts not waited for (their failures are their workers' calls')."""
@@ -158,19 +187,23 @@ class SplitStep:
                 timeout, gradient=False, out=rows,
             )  # fmt: skip
         own = plan.images(MASTER)
+        start = time.perf_counter()
         y[own], self.run = stage_forward(
             backend, block.x[own], block.w, block.b, block.sides, block.stage, slice(0, k)
         )
+        self.compute["forward"] += time.perf_counter() - start
         self.exchanged_bytes += self._put(plan.master, lambda _: y[own], False, timeout, False)
         for address, call in fetches.items():
             if _answered(call, started.get(address)):
                 self.exchanged_bytes += y[plan.images(address)].nbytes
                 continue
             node, images = plan.node(address), plan.images(address)
+            start = time.perf_counter()
             y[images], self.runs[node] = stage_forward(
                 backend, block.x[images], block.w, block.b, block.sides, block.stage,
                 slice(0, k),
             )  # fmt: skip
+            self.compute["forward"] += time.perf_counter() - start
         self.y = y
         return y
 
@@ -195,7 +228,7 @@ class SplitStep:
             for a in live
         }
         self.exchanged_bytes += self._put(
-            plan.master, lambda a: dx[plan.images(a)], True, timeout, False
+            plan.master, lambda a: dx[plan.images(a)], True, timeout, False, self.rows_put
         )
         own = plan.images(MASTER)
         g = np.array(dx[own])
@@ -207,7 +240,9 @@ class SplitStep:
             g += part
             self.exchanged_bytes += part.nbytes
             self.fetched.add(plan.node(address))
+        start = time.perf_counter()
         _, dw, db = stage_backward(backend, self.run, g, slice(0, self.data.w.shape[0]), False)
+        self.compute["backward"] += time.perf_counter() - start
         return dw, db
 
     def finish_all(self, backend: Backend, answered: list[str], timeout: float = 60.0):
@@ -226,7 +261,9 @@ class SplitStep:
         dw, db = np.zeros_like(block.w), np.zeros_like(block.b)
 
         def back(run, g) -> None:
+            start = time.perf_counter()
             _, w, b = stage_backward(backend, run, g, slice(0, k), False)
+            self.compute["backward"] += time.perf_counter() - start
             dw[...] += w
             db[...] += b
 
@@ -313,6 +350,15 @@ class BlockGradients:
     def split(self) -> SplitStep | None:
         """The block split by images this step (:class:`SplitStep`), or None."""
         return self.block.split
+
+    def rows_first(self, piece_index: int) -> list:
+        """``rows_first`` for the stage backward of piece ``piece_index`` computed here: with
+        the master a peer of the split, its own piece's (0) rows of the workers' images go to
+        them first (:meth:`SplitStep.rows_first`); else none."""
+        split = self.split
+        if piece_index or split is None or not split.with_master or self.master is not None:
+            return []
+        return split.rows_first()
 
     def lost(self, address: str, dx: np.ndarray) -> bool:
         """A worker of the split lost: its slice's input gradient ``dx`` (computed here) goes

@@ -415,8 +415,9 @@ class _ResidentBackward:
             self.df[part] = columns_grad(self.dy, y)
         else:
             dy = np.ascontiguousarray(self.dy[:, grad])
+        first = self.replica.rows_first(piece.index) if self.replica is not None else ()
         dx, self.dw[part], self.db[part] = stage_backward(
-            self.owner.backend, run, dy, rel, self.need_input_grad
+            self.owner.backend, run, dy, rel, self.need_input_grad, rows_first=first
         )
         self._computed.append(part)
         if not lost_backward(self.replica, piece, dx):

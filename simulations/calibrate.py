@@ -82,6 +82,9 @@ class Calibration:
     replica_images: dict[str, str] = field(default_factory=dict)
     # replicated block -> each worker's images where they split it (hetconv.split); {}: none
     replica_split: dict[str, list[int]] = field(default_factory=dict)
+    # replicated block -> the master's index in replica_split's, where it was a peer too
+    # (--replicate split_all); {}: none
+    split_master: dict[str, int] = field(default_factory=dict)
 
     def layers(self) -> list[ConvLayer]:
         """The network's convolutions at the traced batch, each replicated block's images as
@@ -136,6 +139,7 @@ class Calibration:
             overlap=self.overlap_images,
             head=self.heads,
             split_images=self.replica_split,
+            split_master=self.split_master,
         )
         return {
             "step_s": result.step_s,
@@ -277,15 +281,18 @@ def split_parts(
 ) -> dict[str, dict[str, ConvLayer]]:
     """Layer name -> worker -> its part of the replicated block feeding the layer, where the
     trace's ``replica_split`` says the workers split it by images (:mod:`hetconv.split`):
-    the workers with a share of the layer, in node order, each its images."""
+    the workers with a share of the layer, in node order, each its images; the master's (its
+    name, ``names[0]``) too where it was a peer (first)."""
     out = {}
     for consumer, block in replica.items():
         how = record.get("replica_split", {}).get(block.name)
         if how is None:
             continue
-        workers = [n for n, k in zip(names[1:], split[consumer][1:], strict=True) if k]
-        plan = SplitPlan.of(workers, how["images"], int(how.get("round", 0)))
-        out[consumer] = {w: split_part(block, plan, w) for w in workers}
+        peers = [n for n, k in zip(names[1:], split[consumer][1:], strict=True) if k]
+        if how.get("master") is not None:
+            peers = [names[0], *peers]
+        plan = SplitPlan.of(peers, how["images"], int(how.get("round", 0)))
+        out[consumer] = {w: split_part(block, plan, w) for w in peers}
     return out
 
 
@@ -405,12 +412,20 @@ def _layer_gflops(
     A worker's calls of the layer a replicated block feeds (``replica``: layer name -> block)
     also computed the whole block (or, split, its ``parts``: layer -> worker -> its part): its
     time counts that work too, and the worker's figure for the block is that layer's (the
-    simulator adds the block's work back at it)."""
+    simulator adds the block's work back at it). The master's block, split with it a peer
+    (its part among ``parts``), counts its images only."""
     flops = np.zeros((len(node_names), len(layers)))
     seconds = np.zeros_like(flops)
+    own = {  # block -> the fraction of its images the master computed
+        block.name: parts[consumer][node_names[0]].shape.n / block.shape.n
+        for consumer, block in (replica or {}).items()
+        if node_names[0] in (parts or {}).get(consumer, {})
+    }
     for (i, j, phase), times in calls.timings.items():
         layer = list(layers.values())[j]
         flops[i, j] += split[layer.name][i] * layer.passes(phase) * layer.flops_per_kernel
+        if not i and layer.name in own:
+            flops[i, j] *= own[layer.name]
         block = (replica or {}).get(layer.name)
         block = (parts or {}).get(layer.name, {}).get(node_names[i], block)  # its images'
         if i and block is not None:
@@ -537,6 +552,11 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
         replica_images={k: str(v) for k, v in used[0].get("replica_images", {}).items()},
         replica_split={
             k: [int(n) for n in v["images"]] for k, v in used[0].get("replica_split", {}).items()
+        },
+        split_master={
+            k: int(v["master"])
+            for k, v in used[0].get("replica_split", {}).items()
+            if v.get("master") is not None
         },
     )
 

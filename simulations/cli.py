@@ -180,14 +180,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--replicate",
-        choices=("off", "first", "split"),
+        choices=("off", "first", "split", "split_all"),
         default="off",
         help="first: every node computes the first convolution's block from the images, as "
         "`hetconv train --replicate first` (the second layer's input and input gradient do not "
         "travel; each worker computes the whole first block); split: as first, each worker "
         "computing the block on its share of the images and exchanging the parts with the "
-        "others on its own link (shares planned as for first); both need --stages fused or "
-        "auto. Default off (the paper's)",
+        "others on its own link (shares planned as for first); split_all: as split, with the "
+        "master one of the nodes that share the images (its exchange on its port); all need "
+        "--stages fused or auto. Default off (the paper's)",
     )
     parser.add_argument(
         "--overlap",

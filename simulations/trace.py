@@ -73,7 +73,9 @@ def read_steps(path: str) -> list[dict]:
 
 def step_bytes(record: dict) -> int:
     """Bytes a step record's calls moved on the master's link, both ways, every node and layer
-    (resident kernels' placements and syncs included: the record's ``resident``)."""
+    (resident kernels' placements and syncs included: the record's ``resident``; and a split
+    block's parts the master put into or fetched from workers, its ``replica_split``: for lost
+    workers, and as a peer itself)."""
     calls = sum(
         figures[phase]["bytes_sent"] + figures[phase]["bytes_received"]
         for layers in record.get("nodes", {}).values()
@@ -85,7 +87,11 @@ def step_bytes(record: dict) -> int:
         figures.get("placed_bytes", 0) + figures.get("fetched_bytes", 0)
         for figures in record.get("resident", {}).values()
     )
-    return calls + kept
+    parts = sum(
+        split.get("covered_bytes", 0) + split.get("exchanged_bytes", 0)
+        for split in record.get("replica_split", {}).values()
+    )
+    return calls + kept + parts
 
 
 def read_trace(path: str) -> list[dict]:

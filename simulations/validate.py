@@ -190,7 +190,7 @@ def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", w
     comp = cal.comp_per_image_s * cal.batch
     result = simulate_step(
         cluster, layers, cal.shares, comp, cal.stage_modes, cal.kernel_modes or "sent",
-        split_images=cal.replica_split,
+        split_images=cal.replica_split, split_master=cal.split_master,
     )  # fmt: skip
     return result, gflops, cal
 

@@ -7,12 +7,18 @@ from __future__ import annotations
 import json
 
 import exactness
+import numpy as np
 import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
+from test_split import BATCH, K1, PAD, RELU, _case, _forward_everywhere, _local
 
 from hetconv.conv import LocalConv
+from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
+from hetconv.proto import worker_pb2 as pb
+from hetconv.split import MASTER, SplitPlan
+from hetconv.stages import stage_backward, stage_forward
 
 SHARES = {"conv1": (0, 1, 1, 6), "conv2": (4, 4, 4, 4)}
 SPLIT_ALL = dict(**FAST, shares=SHARES, stages="fused", replicate="split_all")
@@ -22,6 +28,102 @@ SPLIT_ALL = dict(**FAST, shares=SHARES, stages="fused", replicate="split_all")
 def workers():
     with LocalWorkers(3) as started:
         yield started
+
+
+def test_the_master_as_a_peer_exchanges_parts_with_the_workers(workers):
+    """The master computes the block on its own images and puts that output into the
+    workers, fetches theirs; backward it puts its rows of their images and fetches theirs of
+    its images; every piece summed equals the whole block's gradient here."""
+    block, w2, b2, rng = _case()
+    clients = [WorkerClient(a) for a in workers.addresses]
+    plan = SplitPlan.of([MASTER, *workers.addresses], [1, 2, 2, 2])
+    assert plan.master == 0 and plan.workers == workers.addresses
+    slices = [slice(0, 2), slice(2, 4), slice(4, 6)]  # conv2's kernels: one slice each
+    backend, y1, run1, outs = _local(block, w2, b2, slices)
+    own = plan.images(MASTER)
+    try:
+        pool = _forward_everywhere(clients, block, plan, 31, 2)
+        for i, c in enumerate(clients):  # each worker's own images' output, once computed
+            got, _ = c.fetch_part(31, 2, "conv1", i + 1, gradient=False)
+            np.testing.assert_allclose(got, y1[plan.images(c.address)], rtol=1e-5, atol=1e-6)
+        for c in clients:  # the master's own images' output, as node 0
+            c.put_part(31, 2, "conv1", 0, np.ascontiguousarray(y1[own]), False, 60.0, plan.round)
+        got = list(pool.map(
+            lambda cs: cs[0].stage_forward(
+                31, 2, "conv2", y1, w2[cs[1]], b2[cs[1]], PAD, RELU, slice(0, 2), replica=block
+            ),
+            zip(clients, slices, strict=False),
+        ))  # fmt: skip
+        for (y, _, _), (want, _) in zip(got, outs, strict=True):
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+        dys = [rng.standard_normal(want.shape).astype(np.float32) for want, _ in outs]
+        dx_master = rng.standard_normal(y1.shape).astype(np.float32)  # its own slice's rows
+        for c in clients:
+            rows = np.ascontiguousarray(dx_master[plan.images(c.address)])
+            c.put_part(31, 2, "conv1", 0, rows, True, 60.0, plan.round)
+        parts = [(np.empty_like(block.w), np.empty_like(block.b)) for _ in clients]
+        back = [pool.submit(
+            c.stage_backward, 31, 2, "conv2", dy, 0, True, replica=("conv1", *p)
+        ) for c, dy, p in zip(clients, dys, parts, strict=True)]  # fmt: skip
+        # the rows of the master's images, from each worker, as its backward has them
+        rows = [c.fetch_part(31, 2, "conv1", 0)[0] for c in clients]
+        for b in back:
+            b.result()
+        g = dx_master[own] + sum(rows)
+        _, run_own = stage_forward(backend, block.x[own], block.w, block.b, PAD, block.stage,
+                                   slice(0, K1))  # fmt: skip
+        _, mw, mb = stage_backward(backend, run_own, g, slice(0, K1), False)
+        dx = dx_master + sum(
+            stage_backward(backend, run, dy, slice(0, 2), True)[0]
+            for (_, run), dy in zip(outs, dys, strict=True)
+        )
+        _, want_rw, want_rb = stage_backward(backend, run1, dx, slice(0, K1), False)
+        np.testing.assert_allclose(mw + sum(p[0] for p in parts), want_rw, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(mb + sum(p[1] for p in parts), want_rb, rtol=1e-4, atol=1e-4)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_split_naming_the_master_badly_is_refused(workers):
+    block, *_ = _case()
+    client = WorkerClient(workers.addresses[0])
+    try:
+        good = SplitPlan.of([MASTER, workers.addresses[0]], [3, BATCH - 3])
+        request = good.request_for(workers.addresses[0])
+        assert [p.master for p in request.peers] == [True, False]
+        two = pb.SplitBlock(node=1, peers=[
+            pb.SplitPeer(start=0, count=3, master=True),
+            pb.SplitPeer(address=workers.addresses[0], start=3, count=2),
+            pb.SplitPeer(start=5, count=2, master=True),
+        ])  # fmt: skip
+        with pytest.raises(WorkerError, match="names 2 masters"):
+            client.replica_forward(41, 1, block, 60.0, _Plan(two))
+        mine = pb.SplitBlock(node=0, peers=[
+            pb.SplitPeer(address=workers.addresses[0], start=0, count=3, master=True),
+            pb.SplitPeer(address="127.0.0.1:1", start=3, count=4),
+        ])  # fmt: skip
+        with pytest.raises(WorkerError, match="is the master's"):
+            client.replica_forward(41, 2, block, 60.0, _Plan(mine))
+        client.replica_forward(41, 3, block, 60.0, good)
+        with pytest.raises(WorkerError, match="the split has 2 peers"):
+            client.fetch_part(41, 3, "conv1", 5, gradient=False)
+    finally:
+        client.close()
+
+
+class _Plan:
+    """A plan whose request is given as is (one SplitPlan would refuse to make)."""
+
+    def __init__(self, request: pb.SplitBlock):
+        self.request = request
+        self.images = lambda _: slice(
+            request.peers[request.node].start,
+            request.peers[request.node].start + request.peers[request.node].count,
+        )
+
+    def request_for(self, _):
+        return self.request
 
 
 @pytest.fixture(scope="module")
