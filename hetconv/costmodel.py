@@ -858,9 +858,7 @@ def simulate_step(
                 if with_master:  # its own images, and the exchange
                     seconds = _split_block_seconds(cluster, layers[index + 1], parts, phase)
                 else:  # the master alone, every kernel
-                    seconds = cluster.master.conv_seconds(
-                        layer, layer.kernels, layer.passes(phase)
-                    )
+                    seconds = cluster.master.conv_seconds(layer, layer.kernels, layer.passes(phase))
                 if phase == FORWARD and cluster.master_compute:
                     early = seconds  # the workers' ReplicaForward starts with it
                 if phase == BACKWARD and cluster.master_compute:

@@ -346,6 +346,14 @@ class _Prepared(Palette8):
             raise ValueError(f"{name}: this palette encoding was made for another array")
         return _palette_segments(self._coded)
 
+    def rows(self, rows: slice) -> tuple[np.ndarray, _Prepared]:
+        """``array[rows]`` and its encoding from this one, made without looking at its values
+        again: the same palette (it holds every value of the rows), their indices (a split
+        block's images: each worker's rows of the batch, :mod:`hetconv.split`)."""
+        part = self._array[rows]
+        palette, codes = self._coded
+        return part, _Prepared(part, (palette, np.ascontiguousarray(codes[rows])))
+
 
 def _palette_segments(coded: tuple[np.ndarray, np.ndarray]) -> list[memoryview]:
     """The wire bytes of (palette, indices): one view of each, the empty indices left out."""

@@ -2,29 +2,60 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 
 
-class Call:
-    """One worker call running on its own daemon thread.
+class _Threads:
+    """Daemon threads that run calls, kept between them: a call takes an idle one, or starts a
+    new one when none is idle, so the threads number the most calls ever in flight at once.
 
-    Not a thread pool: after Ctrl-C interrupts the main thread while it waits, a pool's
-    non-daemon threads can be left blocked on a lock the interrupted wait still holds, and the
-    interpreter joins them at exit forever (seen here). Daemon threads never keep it alive; a
-    call costs a thread start (~0.1 ms) next to calls of milliseconds.
+    Not a thread pool of the standard library: after Ctrl-C interrupts the main thread while it
+    waits, a pool's non-daemon threads can be left blocked on a lock the interrupted wait still
+    holds, and the interpreter joins them at exit forever (seen here). Daemon threads never keep
+    it alive. Kept, not one per call: starting a thread makes the starter wait until the new
+    thread runs, which under a CPU cap (a laptop's share of a core, ``benchmarks/testbed.py``)
+    cost the master tens of milliseconds a step in a profile (py-spy, 12-16 calls a step).
     """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def run(self, call: Call) -> None:
+        with self._lock:
+            start = not self._idle
+            if not start:
+                self._idle -= 1
+        self._jobs.put(call)
+        if start:
+            threading.Thread(target=self._serve, name="hetconv-call", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()._run()
+            with self._lock:
+                self._idle += 1
+
+
+_THREADS = _Threads()
+
+
+class Call:
+    """One worker call running on a daemon thread (:class:`_Threads`)."""
 
     def __init__(self, fn, *args, **kwargs):
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._watchers: list[threading.Event] = []
         self._value = self._error = None
-        self._thread = threading.Thread(
-            target=self._run, args=(fn, args, kwargs), name="hetconv-call", daemon=True
-        )
-        self._thread.start()
+        self._work = (fn, args, kwargs)
+        _THREADS.run(self)
 
-    def _run(self, fn, args, kwargs) -> None:
+    def _run(self) -> None:
+        fn, args, kwargs = self._work
+        self._work = None
         try:
             self._value = fn(*args, **kwargs)
         except BaseException as e:  # handed to the waiting thread

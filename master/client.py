@@ -47,7 +47,7 @@ from hetconv.calls import (
     call_shape,
 )
 from hetconv.errors import MalformedHeader, MalformedMessage, WireError
-from hetconv.formats import FLOAT32, PALETTE8, TensorFormat, answer_dtype
+from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
 from hetconv.optim import SGDConfig
 from hetconv.proto import worker_pb2 as pb
 from hetconv.replica import ReplicaBlock
@@ -598,9 +598,12 @@ class WorkerClient:
         x, x_format = block.x, block.x_format
         if split is not None:
             request.split.CopyFrom(split.request_for(self.address))
-            x = block.x[split.images(self.address)]
-            fits = block.x_format is not FLOAT32
-            x_format = (PALETTE8.prepared(x) or FLOAT32) if fits else FLOAT32
+            images = split.images(self.address)
+            rows = getattr(x_format, "rows", None)  # a prepared palette8 encoding of the batch
+            if rows is not None:  # this worker's rows of it
+                x, x_format = rows(images)
+            else:
+                x = block.x[images]
         arrays = list(zip(REPLICA_FORWARD.request_names, (x, block.w, block.b), strict=True))
         formats = [x_format, FLOAT32, FLOAT32]  # the images: palette8 where they fit
         _, stats = self._call(

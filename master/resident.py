@@ -345,8 +345,10 @@ class _ResidentBackward:
         self.replica = replica  # workers answer the replicated block's gradient parts into it
         self.images = x.shape[0]
         self.dx = None
-        self.dw = np.zeros_like(layer.w)  # rows the master computed; workers keep theirs
-        self.db = np.zeros_like(layer.b)
+        # rows the master computed; workers keep theirs. np.zeros, not zeros_like: the pages
+        # of rows nobody writes are never touched (calloc), not filled every step.
+        self.dw = np.zeros(layer.w.shape, np.float32)
+        self.db = np.zeros(layer.b.shape, np.float32)
         self.df = np.zeros(layer.f.shape, np.float32)
         self._edges: list[tuple[slice, np.ndarray, np.ndarray, np.ndarray]] = []
         self._ef: dict[int, np.ndarray] = {}  # where each piece's edge columns come back

@@ -142,6 +142,11 @@ def test_palette8_carries_normalised_pixels_bit_for_bit_in_a_quarter_of_the_byte
     assert b"".join(prepared.encode(x)) == data
     with pytest.raises(ValueError, match="made for another array"):
         prepared.encode(x.copy())
+    # a split block's rows of the batch: the batch's palette, their indices, exact
+    part, rows = prepared.rows(slice(1, 2))
+    assert np.array_equal(part.view(np.uint32), x[1:2].view(np.uint32))
+    back = p8.decode(b"".join(rows.encode(part)), part.shape)
+    assert np.array_equal(back.view(np.uint32), x[1:2].view(np.uint32))
 
 
 def test_palette8_refuses_what_does_not_fit_and_bytes_that_do_not_match(rng):
