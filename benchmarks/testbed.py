@@ -259,6 +259,42 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
     ),
     Mode(
+        "exact_head_split_none",
+        (
+            *EXACT,
+            "--overlap",
+            "auto",
+            "--head",
+            "split",
+            "--replicate",
+            "split_all",
+            "--master-block",
+            "none",
+        ),
+        "exact_head_split_all with the master computing none of the block: it fetches every "
+        "worker's output and sends them its input-gradient rows",
+        "--master-block",
+        in_all=False,
+    ),
+    Mode(
+        "exact_head_split_all_settle",
+        (
+            *EXACT,
+            "--overlap",
+            "auto",
+            "--head",
+            "split",
+            "--replicate",
+            "split_all",
+            "--settle-steps",
+            "4",
+        ),
+        "exact_head_split_all with the shares settled once on the nodes' measured finish times "
+        "after four steps (use --warmup 8)",
+        "--settle-steps",
+        in_all=False,
+    ),
+    Mode(
         "exact_head_late",
         (*EXACT, "--overlap", "auto", "--head", "split", "--start-ahead", "off"),
         "exact_head with the second layer's stage calls sent when the master reaches it, not "

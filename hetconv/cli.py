@@ -242,6 +242,15 @@ def _add_train_cluster(p: argparse.ArgumentParser) -> None:
         "stage calls go out when the master reaches the layer",
     )
     where.add_argument(
+        "--master-block",
+        choices=("share", "none"),  # hetconv.replica.MASTER_BLOCKS
+        default="share",
+        help="with --replicate split_all: share (default): the master computes the block on "
+        "its share of the images (by its speed), as a worker does; none: on none of them: it "
+        "fetches every worker's output and sends them its input-gradient rows, so its link "
+        "carries the block's output in and its gradient out but it computes none of the block",
+    )
+    where.add_argument(
         "--head",
         choices=("auto", "split", "master"),  # hetconv.head.HEAD_MODES
         default="auto",
@@ -582,6 +591,7 @@ def _run_train(args: argparse.Namespace) -> int:
             replicate=args.replicate,
             overlap=args.overlap,
             start_ahead=args.start_ahead == "on",
+            master_block=args.master_block,
             head=args.head,
             resident_sync_every=args.resident_sync_every,
             spot_checks=_spot_check_config(args),

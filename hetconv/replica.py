@@ -39,6 +39,9 @@ OFF, FIRST, AUTO, SPLIT, SPLIT_ALL = "off", "first", "auto", "split", "split_all
 REPLICATE_MODES = (OFF, FIRST, AUTO, SPLIT, SPLIT_ALL)
 #: The modes that split the block by images.
 SPLITS = (SPLIT, SPLIT_ALL)
+#: ``split_all``: the master computes the block on its share of the images, or on none.
+MASTER_BLOCK_SHARE, MASTER_BLOCK_NONE = "share", "none"
+MASTER_BLOCKS = (MASTER_BLOCK_SHARE, MASTER_BLOCK_NONE)
 #: A replicated block's stage mode, as the plan and the trace's ``stage_modes`` record it.
 REPLICATED = "replicated"
 
@@ -93,7 +96,8 @@ class ReplicaBlock:
 
 
 __all__ = [
-    "AUTO", "FIRST", "OFF", "REPLICATED", "REPLICATE_MODES", "SPLIT", "SPLITS", "SPLIT_ALL",
+    "AUTO", "FIRST", "MASTER_BLOCKS", "MASTER_BLOCK_NONE", "MASTER_BLOCK_SHARE", "OFF",
+    "REPLICATED", "REPLICATE_MODES", "SPLIT", "SPLITS", "SPLIT_ALL",
     "ReplicaBlock",
     "images_format",
 ]  # fmt: skip

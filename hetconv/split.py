@@ -82,8 +82,14 @@ class SplitPlan:
 
     @classmethod
     def of(cls, addresses, counts, round_: int = 0) -> SplitPlan:
+        """A plan of ``addresses``' ``counts`` images in turn; each at least one, but the
+        first's (the master's, as the cluster and the simulator place it), which may be none:
+        it then computes none of the block, fetches every worker's output and sends its
+        gradient rows (``--master-block none``)."""
         peers, start = [], 0
-        for address, count in zip(addresses, counts, strict=True):
+        for i, (address, count) in enumerate(zip(addresses, counts, strict=True)):
+            if int(count) < (0 if i == 0 else 1):
+                raise ValueError(f"split peer {address or 'master'} gets {count} images")
             peers.append((address, start, int(count)))
             start += int(count)
         if len(peers) < 2:

@@ -77,6 +77,7 @@ from hetconv import costmodel
 from hetconv.backends import Backend, Padding, PaddingSpec, conv_shape, get_backend
 from hetconv.optim import SGDConfig
 from hetconv.replica import FIRST as REPLICATE_FIRST
+from hetconv.replica import MASTER_BLOCK_NONE
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.resident import RESIDENT, SENT
 from hetconv.split import MASTER as MASTER_PEER
@@ -366,6 +367,7 @@ class Cluster:
                 self.planner, resident=resident, replicas=consumers, heads=dict(self.heads),
                 block_cost=dict(self.block_cost), split_blocks=self.replicas.split,
                 split_master=self.replicas.split_all,
+                master_images=self.config.master_block != MASTER_BLOCK_NONE,
             )  # fmt: skip
             self._replan()
         self._choose_overlap(layers, batch)
@@ -723,8 +725,12 @@ class Cluster:
         if len(workers) < 2 or images < len(workers) or len(set(addresses)) < len(addresses):
             return None
         consumer = self.replicas.feeds[block]
-        fractions = image_fractions([n.probe_seconds.get(consumer, 0.0) for n in workers])
-        counts = split_images(images, fractions)
+        if self.replicas.split_all and self.config.master_block == MASTER_BLOCK_NONE:
+            fractions = image_fractions([n.probe_seconds.get(consumer, 0.0) for n in workers[1:]])
+            counts = [0, *split_images(images, fractions)]  # the master computes none
+        else:
+            fractions = image_fractions([n.probe_seconds.get(consumer, 0.0) for n in workers])
+            counts = split_images(images, fractions)
         self._split_rounds += 1
         plan = SplitPlan.of(addresses, counts, self._split_rounds)
         clients = {n.client.address: n.client for n in workers if n.client is not None}

@@ -10,8 +10,8 @@ from hetconv.head import HEAD_MODES
 from hetconv.head import MASTER as HEAD_MASTER
 from hetconv.overlap import OFF as OVERLAP_OFF
 from hetconv.overlap import OVERLAP_MODES
+from hetconv.replica import MASTER_BLOCK_SHARE, MASTER_BLOCKS, REPLICATE_MODES
 from hetconv.replica import OFF as REPLICATE_OFF
-from hetconv.replica import REPLICATE_MODES
 from hetconv.replica import SPLITS as REPLICATE_SPLITS
 from hetconv.resident import KERNEL_MODES, SENT
 from hetconv.stages import STAGE_MODES, UNFUSED
@@ -110,6 +110,10 @@ class ClusterConfig:
             that layer's stage forward on the workers with the block's ReplicaForward, so they
             go on from the block to the stage while the master computes its own copy and the
             layers after it (``hetconv train --start-ahead``).
+        master_block: with ``replicate="split_all"``: ``"share"``, the master computes the
+            block on its share of the images (by its speed, as a worker); ``"none"``, on none:
+            it fetches every worker's output and sends its input-gradient rows, and computes
+            none of the block (``hetconv train --master-block``).
     """
 
     master_compute: bool = True
@@ -139,8 +143,13 @@ class ClusterConfig:
     overlap: str = OVERLAP_OFF
     head: str = HEAD_MASTER
     start_ahead: bool = True
+    master_block: str = MASTER_BLOCK_SHARE
 
     def __post_init__(self):
+        if self.master_block not in MASTER_BLOCKS:
+            raise ValueError(
+                f"master_block {self.master_block!r}; expected one of {', '.join(MASTER_BLOCKS)}"
+            )
         if self.head not in HEAD_MODES:
             raise ValueError(f"head {self.head!r}; expected one of {', '.join(HEAD_MODES)}")
         if self.overlap not in OVERLAP_MODES:

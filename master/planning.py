@@ -119,6 +119,8 @@ class Planner:
             exchange of its outputs and gradients on the worker's link, instead of the block.
         split_master: the master is one of the split's peers (``split_all``): the same for
             its share of the images and its link.
+        master_images: with ``split_master``, the master computes the block on its share of
+            the images (False: on none, ``--master-block none``; its link still exchanges).
     """
 
     master_compute: bool
@@ -135,6 +137,7 @@ class Planner:
     block_cost: Mapping[str, float] = field(default_factory=dict)
     split_blocks: bool = False
     split_master: bool = False
+    master_images: bool = True
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -211,6 +214,9 @@ class Planner:
         peers = [0, *workers] if self.split_master else list(workers)
         if not self.split_blocks or len(peers) < 2:
             return {}
+        if self.split_master and not self.master_images:  # the master computes none
+            probes = [nodes[i].probe_seconds.get(layer, 0.0) for i in workers]
+            return {0: 0.0, **dict(zip(workers, image_fractions(probes), strict=True))}
         probes = [nodes[i].probe_seconds.get(layer, 0.0) for i in peers]
         return dict(zip(peers, image_fractions(probes), strict=True))
 

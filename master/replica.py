@@ -187,12 +187,13 @@ class SplitStep:
                 timeout, gradient=False, out=rows,
             )  # fmt: skip
         own = plan.images(MASTER)
-        start = time.perf_counter()
-        y[own], self.run = stage_forward(
-            backend, block.x[own], block.w, block.b, block.sides, block.stage, slice(0, k)
-        )
-        self.compute["forward"] += time.perf_counter() - start
-        self.exchanged_bytes += self._put(plan.master, lambda _: y[own], False, timeout, False)
+        if own.stop > own.start:  # (--master-block none: it computes none of it)
+            start = time.perf_counter()
+            y[own], self.run = stage_forward(
+                backend, block.x[own], block.w, block.b, block.sides, block.stage, slice(0, k)
+            )
+            self.compute["forward"] += time.perf_counter() - start
+            self.exchanged_bytes += self._put(plan.master, lambda _: y[own], False, timeout, False)
         for address, call in fetches.items():
             if _answered(call, started.get(address)):
                 self.exchanged_bytes += y[plan.images(address)].nbytes
@@ -215,7 +216,10 @@ class SplitStep:
         lost before it gave its rows has them added by :meth:`finish_all`."""
         plan = self.plan
         self.dx = dx = np.zeros_like(self.y) if dx is None else dx
+        own = plan.images(MASTER)
         live = [a for a in plan.workers if plan.node(a) not in self.lost]
+        if own.stop == own.start:  # it computes none of the block: it only gives its rows
+            live = []
         fetches = {
             a: Call(
                 self.clients[a].fetch_part,
@@ -230,7 +234,6 @@ class SplitStep:
         self.exchanged_bytes += self._put(
             plan.master, lambda a: dx[plan.images(a)], True, timeout, False, self.rows_put
         )
-        own = plan.images(MASTER)
         g = np.array(dx[own])
         for address in live:  # in plan order: the same sum on every run
             try:
@@ -240,6 +243,8 @@ class SplitStep:
             g += part
             self.exchanged_bytes += part.nbytes
             self.fetched.add(plan.node(address))
+        if self.run is None:
+            return np.zeros_like(self.data.w), np.zeros_like(self.data.b)
         start = time.perf_counter()
         _, dw, db = stage_backward(backend, self.run, g, slice(0, self.data.w.shape[0]), False)
         self.compute["backward"] += time.perf_counter() - start
@@ -269,7 +274,7 @@ class SplitStep:
 
         own = plan.images(MASTER)
         owed = [dx[own] for node, dx in sorted(self.lost.items()) if node not in self.fetched]
-        if owed:
+        if owed and self.run is not None:
             back(self.run, np.sum(owed, axis=0, dtype=np.float32))
         for node in sorted(self.lost):
             address = plan.addresses[node]

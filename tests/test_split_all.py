@@ -13,12 +13,17 @@ from exactness import FAST, same_as_local, train_strong_lrn
 from test_split import BATCH, K1, PAD, RELU, _case, _forward_everywhere, _local
 
 from hetconv.conv import LocalConv
+from hetconv.costmodel import Cluster as SimCluster
+from hetconv.costmodel import Node, simulate_step
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.proto import worker_pb2 as pb
+from hetconv.simulations.calibrate import calibrate
+from hetconv.simulations.cli import main as simulate_main
 from hetconv.split import MASTER, SplitPlan
 from hetconv.stages import stage_backward, stage_forward
+from hetconv.workload import network_layers
 
 SHARES = {"conv1": (0, 1, 1, 6), "conv2": (4, 4, 4, 4)}
 SPLIT_ALL = dict(**FAST, shares=SHARES, stages="fused", replicate="split_all")
@@ -131,10 +136,14 @@ def local(tmp_path_factory):
     return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
 
 
-@pytest.mark.parametrize("kernels", ["sent", "resident"])
-def test_a_block_split_with_the_master_trains_as_local(local, workers, tmp_path, kernels):
+@pytest.mark.parametrize(
+    "kernels, master_block", [("sent", "share"), ("resident", "share"), ("resident", "none")]
+)
+def test_a_block_split_with_the_master_trains_as_local(
+    local, workers, tmp_path, kernels, master_block
+):
     trace = tmp_path / "trace.jsonl"
-    config = ClusterConfig(**SPLIT_ALL, kernels=kernels)
+    config = ClusterConfig(**SPLIT_ALL, kernels=kernels, master_block=master_block)
     with Cluster(workers.addresses, config=config) as cluster:
         got = train_strong_lrn(tmp_path, "split_all", cluster, trace=str(trace))
     same_as_local(got, local)
@@ -145,8 +154,14 @@ def test_a_block_split_with_the_master_trains_as_local(local, workers, tmp_path,
         split = record["replica_split"]["conv1"]
         assert len(split["images"]) == 4 and sum(split["images"]) == 8, split
         assert split["master"] == 0 and split["covered_bytes"] == 0
+        assert (split["images"][0] == 0) == (master_block == "none")
         assert split["exchanged_bytes"] > 0
     assert not [e for e in cluster.events if e["event"] == "worker_lost"]
+    # the simulator reads the trace: the master's images, first, and its exchange
+    cal = calibrate(str(trace))
+    assert cal.replica_split == {"conv1": split["images"]}
+    assert cal.split_master == {"conv1": 0}
+    assert cal.check()["step_s"] > 0
 
 
 class Killing(exactness.Killing):
@@ -154,15 +169,23 @@ class Killing(exactness.Killing):
 
 
 @pytest.mark.parametrize(
-    "kernels, when", [("sent", "backward"), ("resident", "backward"), ("resident", "forward")]
+    "kernels, when, master_block",
+    [
+        ("sent", "backward", "share"),
+        ("resident", "backward", "share"),
+        ("resident", "forward", "share"),
+        ("resident", "backward", "none"),
+        ("resident", "forward", "none"),
+    ],
 )
-def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels, when):
+def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels, when, master_block):
     trace = tmp_path / "trace.jsonl"
     with LocalWorkers(3) as started:
         victim = started.processes[1]
         with Killing(
-            started.addresses, victim, 4, when, kernels=kernels, resident_sync_every=3
-        ) as cluster:
+            started.addresses, victim, 4, when, kernels=kernels, resident_sync_every=3,
+            master_block=master_block,
+        ) as cluster:  # fmt: skip
             got = train_strong_lrn(tmp_path, "killed", cluster, trace=str(trace))
             lost = [e for e in cluster.events if e["event"] == "worker_lost"]
     same_as_local(got, local)
@@ -180,3 +203,41 @@ def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels, when):
     after = steps[5]["replica_split"]["conv1"]
     assert len(after["images"]) == 3 and sum(after["images"]) == 8, after
     assert after["covered_bytes"] == 0
+
+
+def test_the_simulator_models_the_master_as_a_peer():
+    """The master computes the block on its own images and exchanges parts on its port: its
+    block phases shrink by its share of the images, forward waits for the slowest worker's
+    output, and the trace's form (its index in split_images) gives the same step."""
+    layers = network_layers("paper-150-800", 16)
+    nodes = [Node(f"w{i}", 5.0, bytes_per_s=1e9) for i in range(4)]
+    cluster = SimCluster(Node("master", 5.0, bytes_per_s=1e9), tuple(nodes))
+    shares = {"conv1": (150, 0, 0, 0, 0), "conv2": (160, 160, 160, 160, 160)}
+    args = (cluster, layers, shares, 0.1, {"conv2": "fused"}, "resident")
+    split = simulate_step(*args, replicate="split")
+    everyone = simulate_step(*args, replicate="split_all")
+    traced = {"conv1": "replicated", "conv2": "fused"}
+    given = simulate_step(
+        *args[:4], traced, "resident", split_images={"conv1": [4, 3, 3, 3, 3]},
+        split_master={"conv1": 0},
+    )  # fmt: skip
+    assert given == everyone  # equal nodes: 16 images as 4, 3, 3, 3, 3
+    block = {r: [p for p in s.phases if p.layer == "conv1"] for r, s in
+             (("split", split), ("all", everyone))}  # fmt: skip
+    # the master's own block: 4 of 16 images plus its exchange, against all 16
+    assert block["all"][0].conv_s < block["split"][0].conv_s
+    with pytest.raises(ValueError, match="the split's first peer"):
+        simulate_step(*args[:4], traced, "resident", split_images={"conv1": [3, 4, 3, 3, 3]},
+                      split_master={"conv1": 1})  # fmt: skip
+
+
+def test_simulate_models_the_master_as_a_peer(tmp_path):
+    rows = {}
+    for replicate in ("split", "split_all"):
+        out = tmp_path / f"{replicate}.json"
+        argv = ["gigabit-lan", "--preset", "paper-150-800", "--batch", "16", "--nodes", "5"]
+        argv += ["--stages", "fused", "--kernels", "resident", "--policy", "compute"]
+        assert simulate_main([*argv, "--replicate", replicate, "--json", str(out)]) == 0
+        (rows[replicate],) = [r for r in json.loads(out.read_text()) if r["policy"] == "compute"]
+    assert rows["split_all"]["replicate"] == "split_all"
+    assert rows["split_all"]["step_s"] != rows["split"]["step_s"]

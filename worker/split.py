@@ -80,10 +80,11 @@ class SplitLayout:
         for i, (address, start, count) in enumerate(peers):
             if not address and i not in masters:
                 raise InvalidCall(f"split peer {i} has no address")
-            if start != at or count < 1:
+            if start != at or count < (0 if i in masters else 1):
                 raise InvalidCall(
                     f"split peer {i} has images {start}..{start + count}: the peers' images must "
-                    f"tile the batch in order (expected from {at}, at least one)"
+                    f"tile the batch in order (expected from {at}, at least one but the "
+                    "master's)"
                 )
             at += count
         return cls(split.node, peers, masters[0] if masters else None)
@@ -104,6 +105,11 @@ class SplitLayout:
     @property
     def others(self) -> list[int]:
         return [i for i in range(len(self.peers)) if i != self.node]
+
+    @property
+    def senders(self) -> list[int]:
+        """The peers that compute the block on some images (a master may compute none)."""
+        return [i for i, (_, _, count) in enumerate(self.peers) if count]
 
 
 @dataclass
@@ -392,12 +398,12 @@ class SplitCalls:
         """The whole batch's block output, once every peer's part has come."""
 
         def missing(record: _Step) -> list[str]:
-            return [f"node {i}" for i in range(len(record.layout.peers)) if i not in record.outputs]
+            return [f"node {i}" for i in record.layout.senders if i not in record.outputs]
 
         record = self._wait(request, request.replica_layer, missing, "the stage forward")
         with self._changed:
             if record.y is None:
-                parts = [record.outputs[i] for i in range(len(record.layout.peers))]
+                parts = [record.outputs[i] for i in record.layout.senders]
                 record.y = np.concatenate(parts)
             return record.y
 
@@ -421,7 +427,9 @@ class SplitCalls:
 
             return done
 
-        return [(layout.images(node), sender(node)) for node in layout.others]
+        return [
+            (layout.images(node), sender(node)) for node in layout.others if node in layout.senders
+        ]
 
     def gradients(self, request: pb.ConvRequest, dx: np.ndarray, back) -> tuple:
         """(rw, rb): the input-gradient part ``dx`` (every image) sent on to the peers by their
