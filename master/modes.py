@@ -21,6 +21,7 @@ from hetconv.overlap import AUTO as OVERLAP_AUTO
 from hetconv.overlap import ON as OVERLAP_ON
 from hetconv.overlap import group_count, group_images
 from hetconv.replica import FIRST as REPLICATE_FIRST
+from hetconv.replica import MASTER_BLOCK_NONE
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import SPLIT_ALL as REPLICATE_SPLIT_ALL
 from hetconv.replica import SPLITS as REPLICATE_SPLITS
@@ -105,6 +106,7 @@ def replica(
     blocks = ReplicatedBlocks(
         {first.name: first.feeds}, {first.name: first.stage}, split and not split_all, split_all
     )
+    blocks.master_images = config.master_block != MASTER_BLOCK_NONE
     if config.replicate in REPLICATE_SPLITS and wifi:
         blocks.split_refused = "not split: the workers share one medium (wifi)"
     elif split and not split_all and config.replicate == REPLICATE_SPLIT_ALL:
@@ -215,7 +217,12 @@ def describe_overlap(groups: Mapping[str, int]) -> str:
 def describe_replica(blocks: ReplicatedBlocks, block_cost: Mapping[str, float], refused) -> str:
     """One line: which block is replicated into which layer, or why none is."""
     if blocks.feeds:
-        if blocks.split_all:
+        if blocks.split_all and not blocks.master_images:
+            where = (
+                "split by images among the workers, who exchange the parts with each other and "
+                "the master (which computes none of it)"
+            )
+        elif blocks.split_all:
             where = "split by images among the master and the workers, who exchange the parts"
         elif blocks.split:
             where = (

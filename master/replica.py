@@ -465,6 +465,7 @@ class ReplicatedBlocks:
         self.split = split or split_all
         # the master one of the split's peers: the block runs fused here (stage_forward)
         self.split_all = split_all
+        self.master_images = True  # split_all: the master computes the block on its share
         self._runs: dict[str, object] = {}  # block -> the master's StageRun on every image
         self.split_refused: str | None = None  # why a split asked for is not made
         self.block_of = {consumer: block for block, consumer in self.feeds.items()}
