@@ -135,6 +135,8 @@ EXACT = (
     "--shares", "link", "--network", "{network}", "--stages", "fused", "--kernels", "resident",
     "--replicate", "first",
 )  # fmt: skip
+#: every exact mode at once with the split head (exact_head), and the variants built on it
+EXACT_HEAD = (*EXACT, "--overlap", "auto", "--head", "split")
 #: exact_head's modes with every node's share equal instead of planned from probes and links
 EQUAL_SHARES = (
     "--shares", "compute", "--stages", "fused", "--kernels", "resident", "--replicate", "first",
@@ -194,7 +196,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head",
-        (*EXACT, "--overlap", "auto", "--head", "split"),
+        EXACT_HEAD,
         "every exact mode with the split head: link shares, fused, resident, replicated, "
         "overlap (auto), the last stage answering logits (what `hetconv train` does by default)",
         "--head",
@@ -209,7 +211,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_serial_probe",
-        (*EXACT, "--overlap", "auto", "--head", "split", "--probe-nodes", "one-at-a-time"),
+        (*EXACT_HEAD, "--probe-nodes", "one-at-a-time"),
         "exact_head with the nodes probed one at a time before training (the paper's way), "
         "not all at once",
         "--probe-nodes",
@@ -217,7 +219,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_settle",
-        (*EXACT, "--overlap", "auto", "--head", "split", "--settle-steps", "4"),
+        (*EXACT_HEAD, "--settle-steps", "4"),
         "exact_head with the nodes' shares settled once on their measured finish times after "
         "four steps and two that warm up (use --warmup 8: the steps timed then come after the "
         "two that warm up after a move)",
@@ -226,7 +228,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_split",
-        (*EXACT, "--overlap", "auto", "--head", "split", "--replicate", "split"),
+        (*EXACT_HEAD, "--replicate", "split"),
         "exact_head with the replicated block split by images among the workers, who exchange "
         "its outputs and gradients node to node (switched links)",
         "--replicate",
@@ -234,17 +236,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_split_settle",
-        (
-            *EXACT,
-            "--overlap",
-            "auto",
-            "--head",
-            "split",
-            "--replicate",
-            "split",
-            "--settle-steps",
-            "4",
-        ),
+        (*EXACT_HEAD, "--replicate", "split", "--settle-steps", "4"),
         "exact_head_split with the shares settled once on the nodes' measured finish times "
         "after four steps (use --warmup 8)",
         "--settle-steps",
@@ -252,7 +244,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_split_all",
-        (*EXACT, "--overlap", "auto", "--head", "split", "--replicate", "split_all"),
+        (*EXACT_HEAD, "--replicate", "split_all"),
         "exact_head_split with the master one of the block's peers: it computes the block on "
         "its own share of the images and exchanges parts with the workers",
         "--replicate",
@@ -260,17 +252,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_split_none",
-        (
-            *EXACT,
-            "--overlap",
-            "auto",
-            "--head",
-            "split",
-            "--replicate",
-            "split_all",
-            "--master-block",
-            "none",
-        ),
+        (*EXACT_HEAD, "--replicate", "split_all", "--master-block", "none"),
         "exact_head_split_all with the master computing none of the block: it fetches every "
         "worker's output and sends them its input-gradient rows",
         "--master-block",
@@ -278,17 +260,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_split_all_settle",
-        (
-            *EXACT,
-            "--overlap",
-            "auto",
-            "--head",
-            "split",
-            "--replicate",
-            "split_all",
-            "--settle-steps",
-            "4",
-        ),
+        (*EXACT_HEAD, "--replicate", "split_all", "--settle-steps", "4"),
         "exact_head_split_all with the shares settled once on the nodes' measured finish times "
         "after four steps (use --warmup 8)",
         "--settle-steps",
@@ -296,7 +268,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_late",
-        (*EXACT, "--overlap", "auto", "--head", "split", "--start-ahead", "off"),
+        (*EXACT_HEAD, "--start-ahead", "off"),
         "exact_head with the second layer's stage calls sent when the master reaches it, not "
         "started with the replicated block",
         "--start-ahead",
@@ -304,7 +276,7 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "exact_head_bfloat16",
-        (*EXACT, "--overlap", "auto", "--head", "split", "--wire-format", "bfloat16"),
+        (*EXACT_HEAD, "--wire-format", "bfloat16"),
         "exact_head, with activations and their gradients as bfloat16 on the wire",
         "--head",
         in_all=False,

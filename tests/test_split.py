@@ -66,6 +66,14 @@ def _forward_everywhere(clients, block, plan, session, step):
     return pool
 
 
+def same_block_gradients(parts, want_rw, want_rb, master=None) -> None:
+    """The workers' block gradient parts, each (rw, rb), plus the master's (mw, mb) when given,
+    sum to the whole block's gradients."""
+    mw, mb = master if master is not None else (0, 0)
+    np.testing.assert_allclose(mw + sum(p[0] for p in parts), want_rw, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(mb + sum(p[1] for p in parts), want_rb, rtol=1e-4, atol=1e-4)
+
+
 def test_split_images_follow_the_weights():
     assert split_images(16, [1, 1, 1, 1]) == [4, 4, 4, 4]
     assert split_images(7, [1, 1, 1]) == [3, 2, 2]
@@ -115,8 +123,7 @@ def test_split_workers_equal_the_whole_block(workers):
                  for (_, run), dy in zip(outs, dys, strict=True))  # fmt: skip
         _, want_rw, want_rb = stage_backward(backend, run1, dx, slice(0, K1), False)
         assert all(b[0] is None for b in back)  # no input gradient travelled to the master
-        np.testing.assert_allclose(sum(p[0] for p in parts), want_rw, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(sum(p[1] for p in parts), want_rb, rtol=1e-4, atol=1e-4)
+        same_block_gradients(parts, want_rw, want_rb)
         # each worker keeps the rows it sent the others, for a master that lost one
         rows, _ = clients[0].fetch_part(21, 4, "conv1", 2)
         mine = stage_backward(backend, outs[0][1], dys[0], slice(0, 2), True)[0]
@@ -168,8 +175,7 @@ def test_a_lost_workers_parts_come_from_the_master(workers):
         rows[lost] = dxs[2][lost] + sum(fetched)
         _, mw, mb = stage_backward(backend, run1, rows, slice(0, K1), False)
         _, want_rw, want_rb = stage_backward(backend, run1, sum(dxs), slice(0, K1), False)
-        np.testing.assert_allclose(mw + sum(p[0] for p in parts), want_rw, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(mb + sum(p[1] for p in parts), want_rb, rtol=1e-4, atol=1e-4)
+        same_block_gradients(parts, want_rw, want_rb, (mw, mb))
     finally:
         for c in clients:
             c.close()
