@@ -474,7 +474,8 @@ class ConvStage:
 
     def backward_pending(self) -> bool:
         """Whether the executor already ran the master's part of this step's gradient back
-        through the chain (a replicated block's, during the next layer's backward): the
+        through the chain, or fused, through the whole block (a replicated block's, during the
+        next layer's backward; fused where the master is a peer of its split): the
         stage's backward then still has to finish, even with no gradient left to give it."""
         taken = getattr(self.conv.executor, "block_backward_taken", None)
         return taken is not None and taken(self.conv.name)

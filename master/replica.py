@@ -561,8 +561,10 @@ class ReplicatedBlocks:
 
     def splits(self) -> dict[str, dict]:
         """Block name -> how this step split it by images (:mod:`hetconv.split`): each
-        worker's images in plan order, and the bytes the master put into workers for ones it
-        lost (``covered_bytes``), for the trace."""
+        node's images in plan order, and the bytes the master put into workers for ones it
+        lost (``covered_bytes``); with the master a peer (``split_all``), its index among them
+        (``master``) and the bytes it put and fetched as one (``exchanged_bytes``). For the
+        trace."""
         splits = {}
         for layer, block in self._current.items():
             split = block.split
