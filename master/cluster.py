@@ -687,13 +687,10 @@ class Cluster:
 
     def forward(self, layer, x, w, b, padding):
         if layer in self.replicas:  # computed here on every kernel, and on every worker
-            self._stage_steps[layer] = REPLICATED
-            sides = _sides(padding, w.shape[2:])
-            split = self._split_step(layer, x.shape[0])
-            block = self.replicas.begin(layer, x, w, b, sides, split)
-            self._start_replicas(block)  # the workers compute it beside the master
-            self._start_ahead(block)  # and go on to the next layer's stage
-            y, seconds = timed(self.replicas.forward, self.backend, layer, x, w, b, padding, sides)
+            block, _ = self._begin_block(layer, x, w, b, padding)
+            y, seconds = timed(
+                self.replicas.forward, self.backend, layer, x, w, b, padding, block.sides
+            )
             self.runner.local(layer, "forward", w.shape[0], seconds)
             return y
         plan = self._plan(layer, x.shape, w.shape, padding)
@@ -802,17 +799,25 @@ class Cluster:
         images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
         return CallContext(self.session, self.step, layer, images)
 
+    def _begin_block(self, layer, x, w, b, padding):
+        """The step's replicated block ``layer`` (split by images where it is) and the
+        workers' ReplicaForward calls started on it, the next layer's stage calls started
+        ahead with them: (block, address -> its ReplicaForward call, taken before the stage
+        calls take them)."""
+        self._stage_steps[layer] = REPLICATED
+        sides = _sides(padding, w.shape[2:])
+        block = self.replicas.begin(layer, x, w, b, sides, self._split_step(layer, x.shape[0]))
+        self._start_replicas(block)  # the workers compute it beside the master
+        started = dict(block.started)
+        self._start_ahead(block)  # and go on to the next layer's stage
+        return block, started
+
     def _block_forward(self, layer, x, w, b, padding) -> np.ndarray:
         """A replicated block split with the master a peer (``split_all``) as one fused stage:
         the workers start it on their images (and the next layer's stage ahead), the master
         computes its own images and exchanges parts with them (:meth:`ReplicatedBlocks.
         stage_forward`)."""
-        self._stage_steps[layer] = REPLICATED
-        sides = _sides(padding, w.shape[2:])
-        block = self.replicas.begin(layer, x, w, b, sides, self._split_step(layer, x.shape[0]))
-        self._start_replicas(block)
-        started = dict(block.started)  # before the stage calls take them
-        self._start_ahead(block)
+        block, started = self._begin_block(layer, x, w, b, padding)
         slowest = max((n.probe_seconds.get(layer, 0.0) for n in self.nodes), default=0.0)
         work = slowest * self.block_cost.get(layer, 1.0)  # the whole block, on every image
         timeout = self.config.deadline_floor + self.config.deadline_factor * work
@@ -865,8 +870,7 @@ class Cluster:
         computed, (C, P, classes))."""
         if layer in self.replicas:  # split_all: the block fused here too
             earlier = self.replicas.early_seconds(layer)  # in the next layer's phase
-            split = self.replicas.input_of(self.replicas.feeds[layer])
-            split = split.split if split is not None else None
+            split = self.replicas.split_of(layer)
             args = (self.backend, layer, dy)
             out, seconds = timed(self.replicas.stage_backward, *args)
             compute = split.compute["backward"] if split is not None else None

@@ -152,20 +152,32 @@ class SplitStep:
         nothing was lost."""
         if not self.lost:
             return None
-        dxs = [dx for dx in self.lost.values() if dx is not None]
-        if len(dxs) != len(self.lost):
-            raise RuntimeError(f"{self.block}: a worker lost in the split has no gradient here")
+        dxs = self._lost_gradients(list(self.lost))
         total = np.zeros_like(dxs[0])
         for node in sorted(self.lost):
             images = self.plan.images(self.plan.addresses[node])
-            for dx in dxs:
-                total[images] += dx[images]
-            for address in answered:
-                part, _ = self.clients[address].fetch_part(
-                    self.session, self.step, self.block, node, timeout
-                )
-                total[images] += part
+            self._add_lost_rows(total[images], node, dxs, answered, timeout)
         return total
+
+    def _lost_gradients(self, nodes: list[int]) -> list[np.ndarray]:
+        """The lost slices' input gradients (computed here), of ``nodes`` in that order."""
+        dxs = [self.lost[node] for node in nodes]
+        if any(dx is None for dx in dxs):
+            raise RuntimeError(f"{self.block}: a worker lost in the split has no gradient here")
+        return dxs
+
+    def _add_lost_rows(self, rows: np.ndarray, node: int, dxs, answered, timeout: float):
+        """Add into ``rows`` (lost node ``node``'s images' rows) what that node would have
+        summed: every lost slice's rows of them (``dxs``), then each worker's that
+        ``answered`` (FetchPart)."""
+        images = self.plan.images(self.plan.addresses[node])
+        for dx in dxs:
+            rows += dx[images]
+        for address in answered:
+            part, _ = self.clients[address].fetch_part(
+                self.session, self.step, self.block, node, timeout
+            )
+            rows += part
 
     # -- the master as a peer (split_all) ----------------------------------------------------
 
@@ -259,8 +271,7 @@ class SplitStep:
         self.settle()
         if not self.lost:
             return None
-        if any(dx is None for dx in self.lost.values()):
-            raise RuntimeError(f"{self.block}: a worker lost in the split has no gradient here")
+        dxs = self._lost_gradients(sorted(self.lost))
         plan, block = self.plan, self.data
         k = block.w.shape[0]
         dw, db = np.zeros_like(block.w), np.zeros_like(block.b)
@@ -277,16 +288,9 @@ class SplitStep:
         if owed and self.run is not None:
             back(self.run, np.sum(owed, axis=0, dtype=np.float32))
         for node in sorted(self.lost):
-            address = plan.addresses[node]
-            images = plan.images(address)
+            images = plan.images(plan.addresses[node])
             g = np.array(self.dx[images])
-            for dx in (self.lost[n] for n in sorted(self.lost)):
-                g += dx[images]
-            for other in answered:
-                part, _ = self.clients[other].fetch_part(
-                    self.session, self.step, self.block, node, timeout
-                )
-                g += part
+            self._add_lost_rows(g, node, dxs, answered, timeout)
             run = self.runs.get(node)
             if run is None:
                 _, run = stage_forward(
@@ -525,6 +529,11 @@ class ReplicatedBlocks:
             backend, block.x, block.w, block.b, block.sides, block.stage, slice(0, k)
         )
         return y
+
+    def split_of(self, layer: str) -> SplitStep | None:
+        """Block ``layer``'s split this step (None: not split, or no step yet)."""
+        block = self._current.get(layer)
+        return block.split if block is not None else None
 
     def stage_backward(self, backend: Backend, layer: str, dy: np.ndarray | None):
         """``split_all``: (None, dw, db), the block's kernel and bias gradients: split, the
