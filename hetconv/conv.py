@@ -13,7 +13,7 @@ import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -232,14 +232,34 @@ class ConvSpec:
         return (self.kernels, *self.shape(1).out_hw)
 
 
-class ConvExecutor(Protocol):
-    """Computes the convolutions of named layers, forward and backward."""
+class ConvExecutor:
+    """Computes the convolutions of named layers, forward and backward.
+
+    The whole contract a model and a training run use, every hook declared here with what an
+    executor that has no such feature does: a subclass overrides the calls it supports, and
+    callers call them without probing. :class:`LocalConv` runs everything in this process; the
+    master's cluster overrides every hook.
+    """
+
+    #: Whether :meth:`stage_forward` and :meth:`stage_backward` run *fused stages*
+    #: (:mod:`hetconv.stages`): a convolution and the channel-local layers after it on each
+    #: node's kernel slice. A model groups a convolution with its stage only where this is
+    #: True, and asks :meth:`stage_mode` per layer whether to run them fused.
+    supports_stages: bool = False
+    #: Whether a fused stage may also compute the network's final fully connected layer on
+    #: its slices (:mod:`hetconv.head`); the model asks :meth:`head_split` per layer.
+    supports_head: bool = False
+    #: The format of activations and their gradients on the wire (its label).
+    wire_format: str = "float32"
+    #: Whether the work goes to other processes (a cluster): only then does a training run
+    #: time the master's other work to ask :meth:`predict_step`.
+    distributed: bool = False
 
     def forward(
         self, layer: str, x: np.ndarray, w: np.ndarray, b: np.ndarray, padding: PaddingSpec
     ) -> np.ndarray:
         """float32 (N, K, Ho, Wo) feature maps of ``x`` (N, C, H, W) with kernels ``w``."""
-        ...
+        raise NotImplementedError
 
     def backward(
         self,
@@ -251,11 +271,10 @@ class ConvExecutor(Protocol):
         need_input_grad: bool,
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """(input gradient or None, kernel gradient, bias gradient) for output gradient ``dy``."""
-        ...
+        raise NotImplementedError
 
     def prepare(self, layers: Sequence[ConvSpec], batch: int, log: TextIO | None) -> None:
         """Called once before training with the model's conv layers (e.g. to probe devices)."""
-        ...
 
     def plan_record(self) -> dict | None:
         """How the work is split, for the first record a training run writes to its trace (after
@@ -266,33 +285,36 @@ class ConvExecutor(Protocol):
         master's cluster gives its nodes (name, description, probe seconds per layer, measured
         link) and each layer's kernel shares, node by node.
         """
-        ...
+        return None
+
+    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+        """The step predicted for this executor against the master alone's (``step_s``,
+        ``alone_s``, ``speedup``; ``data_parallel_s`` given the model's ``spec``), from the
+        master's other work per step alone (``comp_alone_s``) and beside it (``comp_s``);
+        None: nothing to predict (one process)."""
+        return None
 
     def begin_step(self, step: int) -> None:
         """Calls until the next ``begin_step`` belong to training step ``step``."""
-        ...
 
     def end_step(self) -> dict:
         """Trace fields for the step just done: at least ``comm_seconds`` and
         ``conv_seconds`` (seconds spent moving data, and computing on the slowest node)."""
-        ...
+        return {"comm_seconds": 0.0, "conv_seconds": 0.0}
+
+    def redo_step(self) -> bool:
+        """Whether the step's passes must run again before its update (a node caught
+        answering wrong values was taken out mid-step); the training loop asks after each."""
+        return False
 
     def close(self) -> None:
         """Release connections and threads."""
-        ...
 
-
-class StageExecutor(ConvExecutor, Protocol):
-    """An executor that can also run *fused stages* (:mod:`hetconv.stages`): a convolution and
-    the channel-local layers after it, on each node's kernel slice. A model groups a
-    convolution with its stage when its executor has ``supports_stages = True``, and asks
-    :meth:`stage_mode` per layer whether to run them fused."""
-
-    supports_stages: bool
+    # -- fused stages (supports_stages) ----------------------------------------------------
 
     def stage_mode(self, layer: str) -> str:
         """``"fused"`` or ``"unfused"`` for the named layer."""
-        ...
+        return "unfused"
 
     def stage_forward(
         self,
@@ -303,13 +325,16 @@ class StageExecutor(ConvExecutor, Protocol):
         padding: PaddingSpec,
         stage,
         batchnorm=(),
+        head=None,
     ) -> np.ndarray:
         """float32 (N, K, Ho', Wo'): the stage's output (after its last layer, e.g. pooled).
 
         ``batchnorm``: the model's :class:`~hetconv.layers.BatchNorm2d` layers of the stage,
         in order; training, the executor moves their running statistics by the batch's (not
-        ``num_batches_tracked``: the caller counts the batch)."""
-        ...
+        ``num_batches_tracked``: the caller counts the batch). ``head``: the final fc's
+        (name, weight) where :meth:`head_split` says so; the answer is then the fc's output
+        without its bias (N, classes)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no fused stages")
 
     def stage_backward(
         self,
@@ -322,29 +347,54 @@ class StageExecutor(ConvExecutor, Protocol):
         need_input_grad: bool,
         stage,
         batchnorm=(),
-    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        head=None,
+    ) -> tuple:
         """(input gradient or None, kernel gradient, bias gradient) for the gradient ``dy`` of
-        the stage's output; sets the ``grads`` of the ``batchnorm`` layers (as forward's)."""
-        ...
-
-
-class HeadExecutor(StageExecutor, Protocol):
-    """A stage executor that can also compute the network's final fully connected layer on the
-    slices of the stage that feeds it (:mod:`hetconv.head`). A model groups that stage and the
-    fc when its executor has ``supports_head = True`` and asks :meth:`head_split` per layer;
-    where it says so, :meth:`stage_forward` and :meth:`stage_backward` get ``head=(fc name,
-    fc weight)``: forward answers the fc's output without its bias (N, classes), backward takes
-    its gradient for ``dy`` and answers a fourth array, the gradient of the fc columns
-    (C, P, classes) of the rows the executor does not update itself."""
-
-    supports_head: bool
+        the stage's output; sets the ``grads`` of the ``batchnorm`` layers (as forward's).
+        With ``head``, ``dy`` is the logits' gradient and a fourth array answers the gradient
+        of the fc columns (C, P, classes) of the rows the executor does not update itself."""
+        raise NotImplementedError(f"{type(self).__name__} runs no fused stages")
 
     def head_split(self, layer: str) -> bool:
         """Whether the named layer's stage computes the final fc."""
-        ...
+        return False
+
+    def hold_block_backward(self, layer: str, chain) -> None:
+        """The model's back-propagation through ``layer``'s block layers after its
+        convolution, this step (``chain``: a callable from the block's output gradient to its
+        convolution's); an executor that replicates the block may run it early."""
+
+    def block_backward_taken(self, layer: str) -> bool:
+        """Whether this step's gradient already went back through ``layer``'s block layers
+        (the model then runs them only on what came after)."""
+        return False
+
+    # -- kernels kept by the executor (resident) -------------------------------------------
+
+    def resident_parameters(self) -> list[str]:
+        """Parameter names (``layer.weight``) the executor keeps and updates itself: the
+        model's optimizer skips them."""
+        return []
+
+    def attach_optimizer(self, sgd) -> None:
+        """The optimizer settings resident parameters are updated with (before the first
+        step)."""
+
+    def gather_resident(self) -> dict:
+        """Fetch every resident parameter into the model's arrays (for a checkpoint or a
+        save); returns their momentum buffers by parameter name."""
+        return {}
+
+    def load_resident_momentum(self, momentum: dict) -> None:
+        """Momentum buffers of resident parameters, from a checkpoint (by parameter name)."""
 
 
-class LocalConv:
+#: Kept names: an executor of fused stages and of a split head is a :class:`ConvExecutor`
+#: with :attr:`~ConvExecutor.supports_stages` / :attr:`~ConvExecutor.supports_head` set.
+StageExecutor = HeadExecutor = ConvExecutor
+
+
+class LocalConv(ConvExecutor):
     """Runs every convolution on one backend in this process.
 
     Args:
@@ -368,17 +418,8 @@ class LocalConv:
         self._seconds += time.perf_counter() - start
         return dx, dw, db
 
-    def prepare(self, layers, batch, log):
-        pass
-
-    def plan_record(self):
-        return None
-
     def begin_step(self, step):
         self._seconds = 0.0
 
     def end_step(self):
         return {"comm_seconds": 0.0, "conv_seconds": self._seconds}
-
-    def close(self):
-        pass

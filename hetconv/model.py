@@ -424,9 +424,8 @@ class ConvStage:
         if not self._fused:
             for layer in (conv, *self._steps):
                 x = layer.forward(x)
-            hold = getattr(conv.executor, "hold_block_backward", None)
-            if hold is not None:  # a replicated block's, run early by the next layer's backward
-                hold(conv.name, self._chain_backward)
+            # A replicated block's, which the executor may run early (the next layer's backward).
+            conv.executor.hold_block_backward(conv.name, self._chain_backward)
             return x
         x, w, padding = conv.executed(x)
         conv._x, conv._w, conv._padding = x, w, padding
@@ -477,8 +476,7 @@ class ConvStage:
         through the chain, or fused, through the whole block (a replicated block's, during the
         next layer's backward; fused where the master is a peer of its split): the
         stage's backward then still has to finish, even with no gradient left to give it."""
-        taken = getattr(self.conv.executor, "block_backward_taken", None)
-        return taken is not None and taken(self.conv.name)
+        return self.conv.executor.block_backward_taken(self.conv.name)
 
     def __repr__(self) -> str:
         return f"ConvStage({self.conv!r}, {self.chain!r})"
@@ -558,7 +556,7 @@ class Model:
         # What the passes run: the layers, or with an executor that supports fused stages,
         # each convolution with its channel-local chain as one ConvStage.
         self.blocks: list[Layer | ConvStage] = chunked(self.layers)
-        if getattr(self.executor, "supports_stages", False):
+        if self.executor.supports_stages:
             self.blocks = []
             i = 0
             while i < len(self.layers):
@@ -573,7 +571,7 @@ class Model:
             # The last stage feeding the final fc directly: the executor may split the fc too.
             last = self.blocks[-2:]
             if (
-                getattr(self.executor, "supports_head", False)
+                self.executor.supports_head
                 and len(last) == 2
                 and isinstance(last[0], ConvStage)
                 and isinstance(last[1], Linear)

@@ -75,6 +75,7 @@ import numpy as np
 
 from hetconv import costmodel
 from hetconv.backends import Backend, Padding, PaddingSpec, conv_shape, get_backend
+from hetconv.conv import ConvExecutor
 from hetconv.optim import SGDConfig
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import MASTER_BLOCK_NONE
@@ -121,7 +122,7 @@ def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
     return p.top, p.bottom, p.left, p.right
 
 
-class Cluster:
+class Cluster(ConvExecutor):
     """A :class:`~hetconv.conv.ConvExecutor` over the master and its workers.
 
     Args:
@@ -388,6 +389,7 @@ class Cluster:
 
     supports_stages = True
     supports_head = True
+    distributed = True
 
     def _choose_heads(self, layers) -> None:
         """Which layer's stage also computes the final fc on the nodes (:func:`.modes.heads`)."""

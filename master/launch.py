@@ -10,6 +10,7 @@ import threading
 import time
 
 from hetconv.calls import READY
+from hetconv.conv import ConvExecutor
 from hetconv.security import TOKEN_ENV, check_token
 
 
@@ -147,7 +148,7 @@ class LocalWorkers:
         self.stop()
 
 
-class EmbeddedCluster:
+class EmbeddedCluster(ConvExecutor):
     """A :class:`~hetconv.master.cluster.Cluster` over local worker processes that it starts
     when training is ready to begin (so bad arguments fail before any process starts) and
     stops on :meth:`close`. The executor of ``hetconv train`` with no workers named.
@@ -198,6 +199,7 @@ class EmbeddedCluster:
         return self.cluster.backward(layer, x, w, dy, padding, need_input_grad)
 
     supports_stages = True  # fused stages (hetconv.stages), as the cluster runs them
+    distributed = True
 
     def stage_mode(self, layer):
         return self.cluster.stage_mode(layer)

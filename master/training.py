@@ -245,13 +245,7 @@ class _Totals:
 def _resident_names(executor: ConvExecutor) -> set[str]:
     """Parameter names of the layers whose kernels the executor keeps and updates itself
     (with a split head, the final fc's weight too: :mod:`hetconv.head`)."""
-    parameters = getattr(executor, "resident_parameters", None)
-    if parameters is not None:
-        return set(parameters())
-    layers = getattr(executor, "resident_layers", None)
-    if layers is None:
-        return set()
-    return {f"{name}.{key}" for name in layers() for key in ("weight", "bias")}
+    return set(executor.resident_parameters())
 
 
 def _plan_record(
@@ -340,8 +334,7 @@ class _Run:
     def _predict(self, batch: int) -> dict | None:
         """The executor's predicted step against the master alone's, when it can say
         (``predict_step``): the master's other work timed here, once."""
-        predict = getattr(self.executor, "predict_step", None)
-        if predict is None:
+        if not self.executor.distributed:
             return None
         seconds = self.model.other_seconds(batch)
         # Fused stages run their layers on the nodes, not on the master.
@@ -352,7 +345,7 @@ class _Run:
             for layer in block.chain
         }
         comp = sum(t for name, t in seconds.items() if name not in fused)
-        return predict(sum(seconds.values()), comp, self.spec)
+        return self.executor.predict_step(sum(seconds.values()), comp, self.spec)
 
     def _find_checkpoint(self) -> None:
         config = self.config
@@ -369,7 +362,7 @@ class _Run:
             seed=config.seed,
             sgd=config.sgd,
             initial_weights=self.model.parameters(),
-            wire_format=getattr(self.executor, "wire_format", "float32"),  # local: nothing travels
+            wire_format=self.executor.wire_format,
         )
         self.resumed = resume_point(
             self.checkpoints,
@@ -548,8 +541,7 @@ class _Run:
         loss, hits = self._forward_backward(x, labels, step)
         # A worker caught answering wrong values (a spot check) is out; what it answered
         # earlier in this step passed its checks but may be wrong where not sampled: again.
-        redo = getattr(self.executor, "redo_step", None)
-        while redo is not None and redo():
+        while self.executor.redo_step():
             loss, hits = self._forward_backward(x, labels, step)
         if not math.isfinite(loss):
             raise FloatingPointError(

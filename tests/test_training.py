@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hetconv.cli import main
-from hetconv.conv import LocalConv
+from hetconv.conv import ConvExecutor, LocalConv
 from hetconv.master.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
 
@@ -78,8 +78,9 @@ def test_trace_has_one_object_per_step(tmp_path):
         assert r["comp_seconds"] == pytest.approx(r["seconds"] - r["conv_seconds"])
 
 
-class Unplanned:
-    """An executor written before ``plan_record`` joined the protocol (it has none)."""
+class Unplanned(ConvExecutor):
+    """An executor that overrides none of the optional hooks (``plan_record`` included): the
+    contract's do-nothing defaults serve it."""
 
     def __init__(self):
         self.local = LocalConv()
