@@ -1,4 +1,9 @@
-"""The committed code in hetconv/proto must be what grpc_tools generates from protos/ today."""
+"""The committed code in hetconv/proto must be what grpc_tools generates from protos/ today.
+
+Only the messages (``_pb2.py``) and their type stubs (``_pb2.pyi``) are generated and committed:
+the service stubs and servicer glue are built from the call table (``hetconv.calls``), so the
+``--grpc_python_out`` plugin is not run.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ protoc = pytest.importorskip(
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOS = ROOT / "protos"
-SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+SUFFIXES = ("_pb2.py", "_pb2.pyi")
 
 
 def _proto_files() -> list[Path]:
@@ -25,7 +30,7 @@ def _proto_files() -> list[Path]:
 
 def _regenerate_command(protos: list[Path]) -> str:
     return (
-        "python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. "
+        "python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. "
         + " ".join(f"protos/{p.as_posix()}" for p in protos)
         + f"  (run from {ROOT})"
     )
@@ -47,7 +52,6 @@ def generated(tmp_path_factory) -> Path:
         f"-I{well_known}",
         f"--python_out={out}",
         f"--pyi_out={out}",
-        f"--grpc_python_out={out}",
         *(str(PROTOS / p) for p in _proto_files()),
     ]
     status = protoc.main(args)
@@ -96,3 +100,11 @@ def test_committed_code_is_up_to_date(generated, target):
             f"Regenerate it with:\n{_regenerate_command(_proto_files())}\n\n{excerpt}",
             pytrace=False,
         )
+
+
+def test_no_generated_service_stubs():
+    """The call table builds the stubs; a committed ``_pb2_grpc.py`` would be dead code."""
+    stale = sorted(
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "hetconv").rglob("*_pb2_grpc.py")
+    )
+    assert not stale, f"generated service stubs are not used (hetconv.calls builds them): {stale}"
