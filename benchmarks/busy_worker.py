@@ -31,7 +31,7 @@ from threadpoolctl import threadpool_limits
 
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.simulations.trace import read_steps
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from hetconv.conv import LocalConv
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.simulations.trace import read_steps, step_bytes
 
 

@@ -44,7 +44,7 @@ from hetconv.formats import format_named
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.master.spotcheck import DEFAULT_EVERY, SpotCheckConfig
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.simulations.trace import read_steps
 from hetconv.workload import network_layers
 

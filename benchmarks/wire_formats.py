@@ -34,7 +34,7 @@ from hetconv.conv import LocalConv
 from hetconv.formats import FLOAT32, FORMATS
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.simulations.trace import read_steps, step_bytes
 from hetconv.workload import network_layers
 

@@ -470,8 +470,8 @@ def _run_train(args: argparse.Namespace) -> int:
     from hetconv.master.cluster import Cluster, ClusterConfig
     from hetconv.master.launch import EmbeddedCluster
     from hetconv.master.membership import read_workers_file
-    from hetconv.master.rundir import RunDir
-    from hetconv.master.training import TrainConfig, TrainingInterrupted, train
+    from hetconv.training.rundir import RunDir
+    from hetconv.training import TrainConfig, TrainingInterrupted, train
     from hetconv.security import read_pem, resolve_token
 
     from .optim import SGDConfig
@@ -637,7 +637,7 @@ def _train_discovered(config, cluster_config, named: list[str], wait: float):
     train with it and the ``named`` workers, and keep browsing (joiners and leavers)."""
     from hetconv.master.cluster import Cluster
     from hetconv.master.discovery import Discovery
-    from hetconv.master.training import train
+    from hetconv.training import train
 
     try:
         discovery = Discovery(has_token=cluster_config.token is not None)
@@ -797,7 +797,7 @@ def _config_actions() -> dict[str, argparse.Action]:
 def _write_run_config(path: Path, args: argparse.Namespace) -> None:
     """Write the run's resolved flags (defaults filled in, paths made absolute)."""
     from hetconv.data import infer_dataset
-    from hetconv.master.rundir import write_config
+    from hetconv.training.rundir import write_config
     from hetconv.model import PRESETS
 
     values = dict(vars(args))
@@ -807,7 +807,7 @@ def _write_run_config(path: Path, args: argparse.Namespace) -> None:
         values["dataset"] = "synthetic"
         values["train_size"] = values["train_size"] or 10_000
     if values["steps"] is None and values["epochs"] is None:
-        values["steps"] = 300  # hetconv.master.training.total_steps's default
+        values["steps"] = 300  # hetconv.training.config.total_steps's default
     for key in _CONFIG_PATHS:
         if values[key]:
             values[key] = os.path.abspath(values[key])
@@ -866,7 +866,7 @@ def _explicit_train_flags(argv: list[str]) -> set[str]:
 
 def _apply_config(args: argparse.Namespace, argv: list[str]) -> None:
     """Fill ``args`` from ``args.config``: every flag not given on the command line."""
-    from hetconv.master.rundir import read_config
+    from hetconv.training.rundir import read_config
 
     path = args.config
     values = read_config(path)
@@ -916,7 +916,7 @@ def _final_checkpoint_status(checkpoint_dir: str | None, steps: int) -> int:
     (the disk filled, the folder vanished: training reported the failure and went on)."""
     if not checkpoint_dir:
         return 0
-    from hetconv.master.checkpoint import CheckpointDir
+    from hetconv.training.checkpoint import CheckpointDir
 
     checkpoints = CheckpointDir(checkpoint_dir)
     final = checkpoints.file_for(steps)
@@ -1278,9 +1278,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 def _run_evaluate(args: argparse.Namespace) -> int:
     from hetconv.conv import LocalConv
-    from hetconv.master.checkpoint import read_weights
-    from hetconv.master.rundir import CONFIG_NAME, find_run, read_config
-    from hetconv.master.training import TrainConfig, check_classes, evaluate, load_datasets
+    from hetconv.training.checkpoint import read_weights
+    from hetconv.training.rundir import CONFIG_NAME, find_run, read_config
+    from hetconv.training.config import TrainConfig
+    from hetconv.training.datasets import check_classes, evaluate, load_datasets
     from hetconv.model import Model, load_spec
 
     if not os.path.exists(args.model):
@@ -1348,7 +1349,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from .report import ReportUnavailable, draw_report
+    from hetconv.training.report import ReportUnavailable, draw_report
 
     try:
         figures = draw_report(args.run, args.out)
@@ -1390,7 +1391,7 @@ def main(argv: list[str] | None = None) -> int:
             _apply_config(args, argv)
         return args.func(args)
     except KeyboardInterrupt as e:
-        from hetconv.master.training import TrainingInterrupted
+        from hetconv.training import TrainingInterrupted
 
         if isinstance(e, TrainingInterrupted):
             saved = [f"model {e.model}"] if e.model is not None else []

@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from hetconv.master.cluster import Cluster, ClusterConfig
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.model import reference_spec
 
 RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)

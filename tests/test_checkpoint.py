@@ -22,16 +22,16 @@ import pytest
 from hetconv.cli import main
 from hetconv.conv import LocalConv
 from hetconv.data import epoch_order
-from hetconv.master import checkpoint as checkpoint_module
-from hetconv.master.checkpoint import (
+from hetconv.training import checkpoint as checkpoint_module
+from hetconv.training.checkpoint import (
     CheckpointDir,
     CheckpointError,
     TrainingState,
     read_checkpoint,
 )
-from hetconv.master.fingerprint import fingerprint_differences
-from hetconv.master.trace import _cut_trace
-from hetconv.master.training import TrainConfig, train
+from hetconv.training.fingerprint import fingerprint_differences
+from hetconv.training.trace import _cut_trace
+from hetconv.training import TrainConfig, train
 
 # 48 images at batch 8: 6 steps per epoch, so 10 steps cross an epoch boundary.
 RUN = dict(batch=8, train_size=48, eval_size=8, progress=False)

@@ -27,7 +27,7 @@ from hetconv.data import (
     load_image_folder,
     load_npz,
 )
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 
 # A network for 3x20x24 images and 4 classes (a spec file's last fc says its outputs; a
 # preset's follows the dataset).

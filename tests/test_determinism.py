@@ -30,7 +30,7 @@ from hetconv.master.dispatch import KernelSplit, PhaseRunner, WorkerRequest
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.membership import LOST, Node
 from hetconv.master.planning import LayerPlan, PlannedLayer, Planner
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 
 SMALL = dict(steps=6, batch=8, train_size=64, eval_size=16, progress=False)
 TINY_KERNELS = {"conv1": 8, "conv2": 16}  # the tiny preset's convolutions

@@ -27,7 +27,7 @@ from hetconv.calls import READY as READY_LINE
 from hetconv.conv import LocalConv
 from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.worker.service import ConvWorkerService, start_server
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="stops and kills with POSIX signals")

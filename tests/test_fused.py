@@ -29,7 +29,7 @@ from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.proto import worker_pb2 as pb
 from hetconv.simulations.calibrate import calibrate
 from hetconv.stages import (

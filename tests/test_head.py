@@ -21,7 +21,7 @@ from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 from hetconv.backends import get_backend
 from hetconv.head import columns_grad, head_columns, partial_logits, stage_grad
 from hetconv.layers import Linear
-from hetconv.master.checkpoint import POINTER_NAME, read_checkpoint
+from hetconv.training.checkpoint import POINTER_NAME, read_checkpoint
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers

@@ -17,7 +17,7 @@ from hetconv.backends import BackendUnavailable, backend_class
 from hetconv.conv import LocalConv
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 
 
 def _missing(name: str) -> str:

@@ -48,7 +48,7 @@ def test_defaults_written_into_help_text_are_the_real_ones():
     """Options whose default is computed later say it in words; the numbers must be true."""
     from hetconv.master.cluster import ClusterConfig
     from hetconv.master.spotcheck import SpotCheckConfig
-    from hetconv.master.training import TrainConfig
+    from hetconv.training import TrainConfig
     from hetconv.worker.service import WorkerConfig
 
     real = {

@@ -37,12 +37,12 @@ from hetconv.costmodel import (
 )
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.formats import BFLOAT16, FLOAT32
-from hetconv.master.checkpoint import POINTER_NAME, read_checkpoint
+from hetconv.training.checkpoint import POINTER_NAME, read_checkpoint
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.resident import as_received
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import edge_rows, placement_version
 from hetconv.simulations.calibrate import calibrate

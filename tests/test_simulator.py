@@ -35,7 +35,7 @@ from hetconv.costmodel import (
 from hetconv.master.cluster import Cluster as RealCluster
 from hetconv.master.cluster import ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
 from hetconv.simulations.calibrate import calibrate, read_plan
 from hetconv.simulations.cli import POLICIES as CLI_POLICIES

@@ -481,7 +481,7 @@ CLUSTER_SHARES = {"conv1": (2, 3, 1), "conv2": (5, 2, 5), "conv3": (0, 7, 3)}
 def _train_spec(tmp_path, name, executor, steps=8, trace=None):
     import io
 
-    from hetconv.master.training import TrainConfig, train
+    from hetconv.training import TrainConfig, train
 
     spec = tmp_path / "net.json"
     spec.write_text(json.dumps(CLUSTER_SPEC))
@@ -532,7 +532,7 @@ def test_a_resumed_run_with_batchnorm_and_dropout_equals_an_unbroken_one(tmp_pat
     5 steps, then resumed to 10, is bit for bit the 10-step run."""
     import io
 
-    from hetconv.master.training import TrainConfig, train
+    from hetconv.training import TrainConfig, train
 
     spec = tmp_path / "net.json"
     spec.write_text(json.dumps(CLUSTER_SPEC))

@@ -44,7 +44,7 @@ from hetconv.master.spotcheck import (
     stage_forward_sample,
     tolerance,
 )
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.stages import StageSpec, stage_backward, stage_forward
 
 LIAR = Path(__file__).with_name("lying_worker.py")

@@ -12,7 +12,7 @@ import pytest
 
 from hetconv.cli import main
 from hetconv.conv import ConvExecutor, LocalConv
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
 
 SMALL_RUN = [

@@ -24,7 +24,7 @@ from hetconv.formats import BFLOAT16, FLOAT16, FLOAT32
 from hetconv.master.client import WorkerClient
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.training import TrainConfig, train
+from hetconv.training import TrainConfig, train
 from hetconv.proto import worker_pb2 as pb
 from hetconv.workload import BACKWARD, FORWARD, PHASES, call_bytes, network_layers
 

@@ -65,7 +65,7 @@ def _phase_bytes(figures: dict) -> int:
 
 
 def step_row(record: dict) -> dict[str, float | int]:
-    """The ``metrics.csv`` row of a trace's step record (see :mod:`hetconv.master.trace`)."""
+    """The ``metrics.csv`` row of a trace's step record (see :mod:`hetconv.training.trace`)."""
     row: dict[str, float | int] = {
         "step": int(record["step"]),
         "epoch": int(record["epoch"]),

@@ -5,9 +5,9 @@
     runs/NAME/
       config.toml     the run's resolved flags: `hetconv train --config runs/NAME/config.toml`
                       runs it again
-      metrics.csv     one row per step (hetconv.metrics)
-      trace.jsonl     the trace (hetconv.master.trace)
-      checkpoints/    checkpoints (hetconv.master.checkpoint); --resume continues from them
+      metrics.csv     one row per step (hetconv.training.metrics)
+      trace.jsonl     the trace (hetconv.training.trace)
+      checkpoints/    checkpoints (hetconv.training.checkpoint); --resume continues from them
       model.npz       the weights after the last step (or where Ctrl-C stopped it)
       tensorboard/    TensorBoard event files (--tensorboard)
       figures/        `hetconv report runs/NAME`
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from hetconv.metrics import (
+from .metrics import (
     FIXED_COLUMNS,
     columns_for,
     format_cell,
@@ -192,7 +192,7 @@ def _replace_text(path: Path, text: str) -> None:
 
 
 class MetricsCsv:
-    """Writes ``metrics.csv`` as steps and evaluations come (:mod:`hetconv.metrics`).
+    """Writes ``metrics.csv`` as steps and evaluations come (:mod:`hetconv.training.metrics`).
 
     A step's row is appended and flushed at once, so an interrupted run keeps every step it
     traced. A node seen for the first time adds columns and an evaluation fills cells of an

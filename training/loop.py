@@ -1,7 +1,9 @@
-"""The training loop: data order, SGD steps, progress, held-out evaluation and the trace.
+"""The training loop: data order, SGD steps, progress, held-out evaluation, checkpoints and the
+trace.
 
 The loop does not know where convolutions run: it trains a :class:`~hetconv.model.Model`
-whose executor is local today and the master's cluster when workers are named.
+whose executor is local (:class:`hetconv.conv.LocalConv`) or the master's cluster when workers
+are named; it imports nothing of the cluster.
 """
 
 from __future__ import annotations
@@ -20,180 +22,23 @@ import numpy as np
 from tqdm import tqdm
 
 from hetconv.conv import ConvExecutor, LocalConv
-from hetconv.data import (
-    DATASETS,
-    ImageDataset,
-    LoadedData,
-    epoch_order,
-    load_dataset,
-    synthetic_cifar,
-)
+from hetconv.data import epoch_order
 from hetconv.layers import softmax_cross_entropy
-from hetconv.model import ConvStage, Model, load_spec, walk_spec
-from hetconv.optim import SGD, SGDConfig
+from hetconv.model import ConvStage, Model, load_spec
+from hetconv.optim import SGD
 from hetconv.stages import FUSED
 
-from .checkpoint import DEFAULT_KEEP, CheckpointDir, TrainingState, read_weights, resume_point
+from .checkpoint import CheckpointDir, TrainingState, read_weights, resume_point
+from .config import TrainConfig, TrainResult, total_steps
+from .console import announce, summarize
+from .datasets import check_classes, evaluate, load_datasets
 from .fingerprint import compute_environment, order_digest, run_fingerprint
 from .rundir import MetricsLog
 from .stopping import StopAtStepBoundary, TrainingInterrupted
 from .trace import Trace
 
-# Synthetic held-out data is drawn with a seed far from any training seed.
-_SYNTHETIC_EVAL_SEED_OFFSET = 1_000_003
-SYNTHETIC_HELD_OUT = 2_000  # images in the synthetic held-out set (more with --eval-size)
-DEFAULT_CHECKPOINT_EVERY = 100
 # "checkpoint written" lines on the console at most this often (the trace records every one).
 _CHECKPOINT_MESSAGE_SECONDS = 5.0
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything one training run needs; the CLI fills it from its flags."""
-
-    preset: str = "tiny"
-    dataset: str = "synthetic"  # one of hetconv.data.DATASETS, or "auto" (needs data_dir)
-    data_dir: str | None = None  # a file or folder; see hetconv.data.load_dataset
-    holdout_fraction: float | None = None  # for data without a held-out part of its own
-    steps: int | None = None
-    epochs: float | None = None
-    batch: int = 32
-    seed: int = 0
-    sgd: SGDConfig = field(default_factory=SGDConfig)
-    train_size: int = 10_000  # synthetic set only
-    eval_size: int | None = None  # held-out images evaluated (None: all; 0: no evaluation)
-    eval_every: int | None = None  # steps between evaluations (besides every epoch and the end)
-    eval_batch: int = 200
-    trace: str | None = None
-    run_dir: str | None = None  # the run folder the outputs are in (announced; see master.rundir)
-    metrics: str | None = None  # metrics.csv (hetconv.metrics)
-    tensorboard: str | None = None  # a folder for TensorBoard event files (needs tensorboardX)
-    save: str | None = None  # also written when a signal stops the run at a step boundary
-    load: str | None = None  # a model .npz, a checkpoint file or folder, or a run folder
-    progress: bool = True
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | None = None  # steps; DEFAULT_CHECKPOINT_EVERY with a directory
-    checkpoint_keep: int = DEFAULT_KEEP
-    resume: bool = False
-
-    def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise ValueError(f"batch must be >= 1, got {self.batch}")
-        if self.steps is not None and self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.epochs is not None and not self.epochs > 0:
-            raise ValueError(f"epochs must be > 0, got {self.epochs}")
-        if self.steps is not None and self.epochs is not None:
-            raise ValueError("give either steps or epochs, not both")
-        if self.dataset not in (*DATASETS, "auto"):
-            raise ValueError(
-                f"dataset {self.dataset!r} is not one of {', '.join(DATASETS)} or auto"
-            )
-        if self.dataset == "synthetic" and self.data_dir:
-            raise ValueError(
-                f"the synthetic dataset reads no files, so --data-dir {self.data_dir} would be "
-                "ignored: drop --dataset synthetic (the kind is then inferred from the path) "
-                "or name the dataset it holds"
-            )
-        if self.dataset != "synthetic" and not self.data_dir:
-            raise ValueError(f"the {self.dataset} dataset needs --data-dir")
-        if self.holdout_fraction is not None and not 0 < self.holdout_fraction < 1:
-            raise ValueError(
-                f"--holdout-fraction must lie between 0 and 1, got {self.holdout_fraction}"
-            )
-        if self.holdout_fraction is not None and self.dataset == "synthetic":
-            raise ValueError("--holdout-fraction needs --data-dir (synthetic data has its own)")
-        if self.train_size < 1 or (self.eval_size is not None and self.eval_size < 0):
-            raise ValueError("train size must be >= 1 and eval size >= 0")
-        if self.eval_every is not None and self.eval_every < 1:
-            raise ValueError(f"evaluation interval must be >= 1, got {self.eval_every}")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint interval must be >= 1, got {self.checkpoint_every}")
-        if self.checkpoint_keep < 1:
-            raise ValueError(f"checkpoints to keep must be >= 1, got {self.checkpoint_keep}")
-        if not self.checkpoint_dir:
-            if self.checkpoint_every is not None:
-                raise ValueError("--checkpoint-every needs --checkpoint-dir")
-            if self.resume:
-                raise ValueError("--resume needs --checkpoint-dir")
-
-    @property
-    def checkpoint_interval(self) -> int:
-        """Steps between checkpoints (only meaningful with ``checkpoint_dir``)."""
-        return self.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    losses: list[float]
-    train_accuracy: float  # over the last epoch's worth of steps, at most 50
-    eval_accuracy: float | None
-    eval_loss: float | None
-    seconds: float
-    conv_seconds: float
-    images_per_second: float
-
-
-def load_datasets(config: TrainConfig) -> LoadedData:
-    """The training and held-out sets of the configured dataset (its kind resolved when
-    ``auto``; the held-out set cut to ``eval_size``)."""
-    if config.dataset == "synthetic":
-        train = synthetic_cifar(config.train_size, seed=config.seed)
-        held = synthetic_cifar(
-            max(config.eval_size or SYNTHETIC_HELD_OUT, 1),
-            seed=config.seed + _SYNTHETIC_EVAL_SEED_OFFSET,
-        )
-        data = LoadedData("synthetic", train, held, "synthetic images of another seed")
-    else:
-        data = load_dataset(
-            config.dataset, config.data_dir, holdout_fraction=config.holdout_fraction
-        )
-    if config.eval_size is not None and config.eval_size < len(data.held_out):
-        data = dataclasses.replace(data, held_out=data.held_out.split(config.eval_size)[0])
-    return data
-
-
-def check_classes(spec: list[dict], data: ImageDataset, preset: str) -> None:
-    """Refuse a network whose outputs do not match the dataset's classes, naming both."""
-    try:
-        layers = list(walk_spec(spec, data.image_shape))
-    except ValueError as e:
-        shape = "x".join(map(str, data.image_shape))
-        raise ValueError(
-            f"network {preset} cannot take the dataset's {shape} images: {e}"
-        ) from None
-    outputs = layers[-1].output_shape if layers else data.image_shape
-    if outputs != (data.num_classes,):
-        last = f"its last layer ({layers[-1].name})" if layers else "it"
-        raise ValueError(
-            f"network {preset} gives {', '.join(map(str, outputs))} outputs from {last}, but the "
-            f"dataset has {data.num_classes} classes: give a .json spec whose last fc has "
-            f'"out": {data.num_classes}'
-        )
-
-
-def evaluate(model: Model, data: ImageDataset, batch: int = 200) -> tuple[float, float]:
-    """(mean loss, accuracy) of ``model`` on ``data``."""
-    total_loss, correct = 0.0, 0
-    for start in range(0, len(data), batch):
-        indices = np.arange(start, min(start + batch, len(data)))
-        x, y = data.batch(indices)
-        with model.evaluating():
-            logits = model.forward(x)
-        loss, _, hits = softmax_cross_entropy(logits, y)
-        total_loss += loss * len(indices)
-        correct += int(hits.sum())
-    return total_loss / max(len(data), 1), correct / max(len(data), 1)
-
-
-def total_steps(config: TrainConfig, train_size: int) -> int:
-    steps_per_epoch = max(1, train_size // config.batch)
-    if config.steps is not None:
-        return config.steps
-    if config.epochs is not None:
-        return max(1, math.ceil(config.epochs * steps_per_epoch))
-    return 300
 
 
 def train(
@@ -204,7 +49,7 @@ def train(
     """Train ``config.preset`` and evaluate it on held-out data.
 
     With ``config.checkpoint_dir`` the state is checkpointed every ``checkpoint_interval``
-    steps and after the last one (see :mod:`hetconv.master.checkpoint`); with
+    steps and after the last one (see :mod:`hetconv.training.checkpoint`); with
     ``config.resume`` the run continues from the latest checkpoint there, and with the same
     executor computes exactly what the uninterrupted run would have: the same losses and
     weights, bit for bit, on one machine with a fixed BLAS thread count.
@@ -305,7 +150,7 @@ class _Run:
         specs = [dataclasses.replace(spec, images_fit=fit) for spec in self.model.conv_specs()]
         self.executor.prepare(specs, config.batch, log)
         self.prediction = self._predict(config.batch)
-        # Resident kernels (hetconv.master.resident): the executor updates those layers.
+        # Resident kernels (the cluster's, hetconv.master.resident): the executor updates them.
         self.resident = _resident_names(self.executor)
         if self.resident:
             self.executor.attach_optimizer(config.sgd)
@@ -378,50 +223,7 @@ class _Run:
 
     def announce(self) -> None:
         """Say what is about to run and, on a resume, from where."""
-        config, log = self.config, self.log
-        what = f"{len(self.train_set)} images, {len(self.test_set)} held out"
-        if self.data.kind != "synthetic":
-            train = self.train_set
-            what = (
-                f"{len(train)} images of {'x'.join(map(str, train.image_shape))}, "
-                f"{train.num_classes} classes; {len(self.test_set)} held out: "
-                f"{self.data.held_out_from}"
-            )
-            if self.data.kind != config.dataset:
-                what += f"; {self.data.kind} inferred from the path"
-        source = self.data.kind if self.data.kind == "synthetic" else config.data_dir
-        print(
-            f"training {config.preset} on {source} ({what}): {self.steps} steps of batch "
-            f"{config.batch}",
-            file=log,
-        )
-        if config.run_dir is not None:
-            print(f"run folder: {config.run_dir}", file=log)
-        if self.loaded_from is not None:
-            print(f"starting from the weights of {self.loaded_from}", file=log)
-        if self.prediction is not None:
-            p = self.prediction
-            print(
-                f"predicted: {_seconds(p['step_s'])} per step, {p['speedup']:.2f}x the master "
-                f"alone ({_seconds(p['alone_s'])}: its own probe of every layer and the rest of "
-                "its step)" + _peer(p),
-                file=log,
-            )
-        if self.resumed is None:
-            return
-        state, path = self.resumed
-        print(f"resumed from step {self.start_step} (checkpoint {path})", file=log)
-        changed = [
-            f"{key} {state.environment.get(key)} there, {value} here"
-            for key, value in self.environment.items()
-            if state.environment.get(key) != value
-        ]
-        if changed:
-            print(
-                f"note: {'; '.join(changed)}: the result can differ from an uninterrupted "
-                "run by float32 round-off",
-                file=log,
-            )
+        announce(self)
 
     def run_steps(self) -> float:
         """Open the trace, write the plan, run the steps; returns the training seconds, those
@@ -664,7 +466,7 @@ class _Run:
 
     def summary(self, seconds: float) -> TrainResult:
         """Save the weights if asked, and report (with the final evaluation's figures)."""
-        config, log, totals, steps = self.config, self.log, self.totals, self.steps
+        config, totals, steps = self.config, self.totals, self.steps
         eval_loss = eval_accuracy = None
         if self.final_eval is not None:
             eval_loss, eval_accuracy = self.final_eval
@@ -679,49 +481,5 @@ class _Run:
             conv_seconds=totals.conv_seconds,
             images_per_second=steps * config.batch / seconds,
         )
-        summary = (
-            f"done: {steps} steps in {seconds:.1f} s ({result.images_per_second:.0f} images/s, "
-            f"convolutions {100 * totals.conv_seconds / seconds:.0f}% of the time); "
-            f"final loss {totals.losses[-1]:.3f}"
-        )
-        if eval_accuracy is not None:
-            summary += (
-                f"; held-out accuracy {100 * eval_accuracy:.1f}% on {len(self.test_set)} "
-                f"images (chance {100 / self.train_set.num_classes:.0f}%)"
-            )
-        print(summary, file=log)
-        timed = max(steps - 1, 1)
-        comm, conv, comp = 1e3 * totals.breakdown / timed
-        print(
-            f"per step (mean of {timed}): communication {comm:.1f} ms, convolution "
-            f"(slowest node) {conv:.1f} ms, other computation {comp:.1f} ms",
-            file=log,
-        )
-        if self.prediction is not None and totals.breakdown.sum() > 0:
-            step = totals.breakdown.sum() / timed  # the mean step after the first
-            alone = self.prediction["alone_s"]
-            print(
-                f"measured: {_seconds(step)} per step, {alone / step:.2f}x the master alone "
-                f"({_seconds(alone)}, from its own measured speed; predicted "
-                f"{self.prediction['speedup']:.2f}x)",
-                file=log,
-            )
-        if config.save:
-            print(f"weights saved to {os.fspath(config.save)}", file=log)
+        summarize(self, result)
         return result
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.2f} s" if value >= 1 else f"{1e3 * value:.0f} ms"
-
-
-def _peer(prediction: dict) -> str:
-    """The data-parallel peer's predicted step, when there is one, as a clause."""
-    peer = prediction.get("data_parallel_s")
-    if peer is None:
-        return ""
-    faster = "faster" if peer < prediction["step_s"] else "slower"
-    return (
-        f"; plain data parallelism on the same nodes: {_seconds(peer)}, "
-        f"{prediction['alone_s'] / peer:.2f}x ({faster}; `hetconv plan` compares every way)"
-    )
