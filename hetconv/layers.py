@@ -1,10 +1,12 @@
 """Layers with forward and backward passes: numpy, float32, NCHW.
 
 Semantics follow PyTorch's modules of the same name (``nn.Conv2d``, ``nn.ReLU``,
-``nn.LocalResponseNorm``, ``nn.MaxPool2d``, ``nn.AvgPool2d``, ``nn.AdaptiveAvgPool2d(1)``,
-``nn.BatchNorm2d``, ``nn.Dropout``, ``nn.Linear``) so that weights move between the two
-unchanged. Each layer keeps what its backward pass needs from the last forward pass;
-``backward`` stores parameter gradients in ``grads`` and returns the input gradient.
+``nn.LocalResponseNorm``, ``nn.MaxPool2d`` and ``nn.AvgPool2d`` (one :class:`Pool2d` with a
+``mode``), ``nn.AdaptiveAvgPool2d(1)``, ``nn.BatchNorm2d`` (:mod:`hetconv.batchnorm`),
+``nn.Dropout``, ``nn.Linear``) so that weights move between the two unchanged. The base class,
+:class:`~hetconv.graph.Layer`, is the graph's. Each layer keeps what its backward pass needs
+from the last forward pass; ``backward`` stores parameter gradients in ``grads`` and returns
+the input gradient.
 ``training`` (True by default, as in PyTorch) selects training or evaluation behaviour
 (batch statistics or running statistics; dropout on or off); ``buffers`` holds state that
 is saved with the weights but not trained (batch norm's running statistics).
@@ -18,32 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from .backends import Padding, PaddingSpec, conv_shape
+from .batchnorm import BatchNorm2d, batch_statistics
 from .conv import ConvExecutor, ConvSpec, LocalConv, StridePhases, kernel_pair
-
-
-class Layer:
-    """Base class: a named step of the network with optional parameters."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.params: dict[str, np.ndarray] = {}
-        self.grads: dict[str, np.ndarray] = {}
-        self.buffers: dict[str, np.ndarray] = {}
-        self.training = True
-        self.input_shape: tuple[int, ...] | None = None  # per sample, set by the model
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    def backward(self, dy: np.ndarray) -> np.ndarray | None:
-        raise NotImplementedError
-
-    def output_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Per-sample output shape (no batch axis) for a per-sample input shape."""
-        return input_shape
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
+from .graph import Layer
 
 
 class Conv2d(Layer):
@@ -80,6 +59,7 @@ class Conv2d(Layer):
         self.need_input_grad = True
         self.stage = None  # the channel-local layers after it (a StageSpec), set by the model
         self.head = None  # (name, classes) of the final fc its stage feeds, set by the model
+        self.feeds = None  # the conv its stage's output feeds unchanged, set by the model
         self.params = {
             "weight": np.zeros((out_channels, in_channels, kh, kw), np.float32),
             "bias": np.zeros(out_channels, np.float32),
@@ -102,6 +82,7 @@ class Conv2d(Layer):
             self.need_input_grad,
             self.stage,
             self.stride,
+            feeds=self.feeds,
             head=self.head,
         )
 
@@ -256,16 +237,26 @@ def pool_output_shape(input_shape: tuple[int, ...], kernel: int, stride: int) ->
     return (c, (h - kernel) // stride + 1, (w - kernel) // stride + 1)
 
 
-class MaxPool2d(Layer):
-    """Max pooling (no padding, floor mode), ``torch.nn.MaxPool2d`` semantics.
+#: What :class:`Pool2d` computes over each window, by mode.
+POOL_MODES = ("max", "avg")
 
-    Ties go to the first maximum in row-major window order, as in PyTorch, so gradients
-    match even where ReLU makes whole windows zero.
+
+class Pool2d(Layer):
+    """Max or average pooling (no padding, floor mode): ``torch.nn.MaxPool2d(kernel, stride)``
+    with ``mode="max"``, ``torch.nn.AvgPool2d(kernel, stride)`` with ``mode="avg"``.
+
+    Max pooling's ties go to the first maximum in row-major window order, as in PyTorch, so
+    gradients match even where ReLU makes whole windows zero.
     """
 
-    def __init__(self, name: str, kernel_size: int = 2, stride: int | None = None):
+    def __init__(
+        self, name: str, kernel_size: int = 2, stride: int | None = None, mode: str = "max"
+    ):
         super().__init__(name)
+        if mode not in POOL_MODES:
+            raise ValueError(f"{name}: pool mode {mode!r}; expected one of {POOL_MODES}")
         self.kernel_size, self.stride = pool_geometry(kernel_size, stride)
+        self.mode = mode
 
     def output_shape(self, input_shape):
         try:
@@ -281,12 +272,20 @@ class MaxPool2d(Layer):
         _, ho, wo = self.output_shape(x.shape[1:])
         k = self.kernel_size
         y = self._tap(x, 0, 0, ho, wo).copy()
+        if self.mode == "max":
+            for t in range(1, k * k):
+                np.maximum(y, self._tap(x, t // k, t % k, ho, wo), out=y)
+            self._x, self._y = x, y
+            return y
         for t in range(1, k * k):
-            np.maximum(y, self._tap(x, t // k, t % k, ho, wo), out=y)
-        self._x, self._y = x, y
+            y += self._tap(x, t // k, t % k, ho, wo)
+        y *= np.float32(1.0 / (k * k))
+        self._x_shape = x.shape
         return y
 
     def backward(self, dy):
+        if self.mode == "avg":
+            return self._avg_backward(dy)
         k = self.kernel_size
         ho, wo = dy.shape[2:]
         x, y = self._x, self._y
@@ -309,35 +308,7 @@ class MaxPool2d(Layer):
                 left *= hit
         return dx
 
-
-class AvgPool2d(Layer):
-    """Average pooling (no padding, floor mode), ``torch.nn.AvgPool2d(kernel, stride)``."""
-
-    def __init__(self, name: str, kernel_size: int = 2, stride: int | None = None):
-        super().__init__(name)
-        self.kernel_size, self.stride = pool_geometry(kernel_size, stride)
-
-    def output_shape(self, input_shape):
-        try:
-            return pool_output_shape(input_shape, self.kernel_size, self.stride)
-        except ValueError as e:
-            raise ValueError(f"{self.name}: {e}") from None
-
-    def _tap(self, a: np.ndarray, i: int, j: int, ho: int, wo: int) -> np.ndarray:
-        s = self.stride
-        return a[:, :, i : i + s * (ho - 1) + 1 : s, j : j + s * (wo - 1) + 1 : s]
-
-    def forward(self, x):
-        _, ho, wo = self.output_shape(x.shape[1:])
-        k = self.kernel_size
-        y = self._tap(x, 0, 0, ho, wo).copy()
-        for t in range(1, k * k):
-            y += self._tap(x, t // k, t % k, ho, wo)
-        y *= np.float32(1.0 / (k * k))
-        self._x_shape = x.shape
-        return y
-
-    def backward(self, dy):
+    def _avg_backward(self, dy):
         k = self.kernel_size
         ho, wo = dy.shape[2:]
         dx = np.zeros(self._x_shape, np.float32)
@@ -345,6 +316,19 @@ class AvgPool2d(Layer):
         for t in range(k * k):
             self._tap(dx, t // k, t % k, ho, wo)[...] += share
         return dx
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.mode!r})"
+
+
+def MaxPool2d(name: str, kernel_size: int = 2, stride: int | None = None) -> Pool2d:
+    """A max-pool: :class:`Pool2d` with ``mode="max"``."""
+    return Pool2d(name, kernel_size, stride, "max")
+
+
+def AvgPool2d(name: str, kernel_size: int = 2, stride: int | None = None) -> Pool2d:
+    """An average pool: :class:`Pool2d` with ``mode="avg"``."""
+    return Pool2d(name, kernel_size, stride, "avg")
 
 
 class GlobalAvgPool2d(Layer):
@@ -364,7 +348,7 @@ class GlobalAvgPool2d(Layer):
 
 
 # Image-local layers: each image's output depends on that image's input alone.
-IMAGE_LOCAL = (ReLU, LocalResponseNorm, MaxPool2d, AvgPool2d, GlobalAvgPool2d)
+IMAGE_LOCAL = (ReLU, LocalResponseNorm, Pool2d, GlobalAvgPool2d)
 # What one chunk of :class:`ImageChunks` takes in: a few L2-sized chunks beat whole batches.
 CHUNK_BYTES = 2**20
 
@@ -454,128 +438,6 @@ def chunked(layers: Sequence[Layer], chunk_bytes: int = CHUNK_BYTES) -> list[Lay
         if layer is not None:
             out.append(layer)
     return out
-
-
-def batch_statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-channel batch statistics of float32 NCHW ``x``, as :class:`BatchNorm2d` trains.
-
-    Returns:
-        float64 (C,) mean and biased variance over (N, H, W), and the float32 centred ``x``
-        (``x`` less its mean cast to float32), the variance's source.
-
-    .. note:: Summed in float64. Channel by channel the result depends only on that channel's
-        values: a slice of the channels has the statistics of those channels of the whole.
-    """
-    mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
-    centred = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
-    var = np.square(centred, dtype=np.float64).mean(axis=(0, 2, 3))
-    return mean, var, centred
-
-
-class BatchNorm2d(Layer):
-    """Batch normalisation per channel, ``torch.nn.BatchNorm2d(C, eps, momentum)`` semantics.
-
-    Parameters: ``weight`` float32 (C,) (ones at start), ``bias`` float32 (C,) (zeros).
-    Buffers: ``running_mean`` (zeros), ``running_var`` (ones), ``num_batches_tracked`` int64.
-    Training normalises by the batch's mean and biased variance over (N, H, W) and moves the
-    running statistics by ``momentum`` towards the batch's mean and *unbiased* variance;
-    evaluation normalises by the running statistics.
-
-    .. note:: The batch statistics are summed in float64, then used in float32.
-    """
-
-    def __init__(self, name: str, channels: int, eps: float = 1e-5, momentum: float = 0.1):
-        super().__init__(name)
-        if not eps > 0:
-            raise ValueError(f"{name}: batchnorm eps must be > 0, got {eps}")
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"{name}: batchnorm momentum must be in [0, 1], got {momentum}")
-        self.channels, self.eps, self.momentum = channels, float(eps), float(momentum)
-        self.params = {
-            "weight": np.ones(channels, np.float32),
-            "bias": np.zeros(channels, np.float32),
-        }
-        self.buffers = {
-            "running_mean": np.zeros(channels, np.float32),
-            "running_var": np.ones(channels, np.float32),
-            "num_batches_tracked": np.zeros((), np.int64),
-        }
-
-    def reset_parameters(self) -> None:
-        """PyTorch's start: weight 1, bias 0, running mean 0, running variance 1, count 0."""
-        self.params["weight"][...] = 1
-        self.params["bias"][...] = 0
-        self.buffers["running_mean"][...] = 0
-        self.buffers["running_var"][...] = 1
-        self.buffers["num_batches_tracked"][...] = 0
-
-    @staticmethod
-    def _per_channel(v: np.ndarray) -> np.ndarray:
-        return v.reshape(1, -1, 1, 1)
-
-    def track(
-        self, mean: np.ndarray, var: np.ndarray, count: int, channels: slice = slice(None)
-    ) -> None:
-        """Move the running statistics of ``channels`` by ``momentum`` towards a batch's.
-
-        The training forward calls it for every channel; a master whose workers ran the
-        forward of channel slices (fused stages, :mod:`hetconv.stages`) calls it once per
-        slice with the statistics they answered, with the same result bit for bit (the update
-        is elementwise). ``num_batches_tracked`` is not counted here: once per batch, by the
-        caller.
-
-        Args:
-            mean, var: float64 (c,): the batch's per-channel mean and *biased* variance, as
-                :func:`batch_statistics` returns them.
-            count: the values per channel the statistics were taken over (N * H * W).
-            channels: which of the layer's channels they are.
-        """
-        m = self.momentum
-        unbiased = var * count / max(count - 1, 1)
-        running_mean = self.buffers["running_mean"][channels]
-        running_var = self.buffers["running_var"][channels]
-        if mean.shape != running_mean.shape or var.shape != running_var.shape:
-            raise ValueError(
-                f"{self.name}: batch statistics of shapes {mean.shape} and {var.shape} for "
-                f"{running_mean.shape[0]} channels"
-            )
-        running_mean[...] = (1 - m) * running_mean + m * mean
-        running_var[...] = (1 - m) * running_var + m * unbiased
-
-    def forward(self, x):
-        gamma, beta = self.params["weight"], self.params["bias"]
-        if not self.training:
-            inv_std = 1.0 / np.sqrt(self.buffers["running_var"] + np.float32(self.eps))
-            scale = (gamma * inv_std).astype(np.float32)
-            shift = (beta - self.buffers["running_mean"] * scale).astype(np.float32)
-            self._eval_scale = scale
-            self._x_hat = None
-            return x * self._per_channel(scale) + self._per_channel(shift)
-        count = x.shape[0] * x.shape[2] * x.shape[3]
-        mean, var, centred = batch_statistics(x)
-        inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-        x_hat = centred * self._per_channel(inv_std)
-        self.track(mean, var, count)
-        self.buffers["num_batches_tracked"] += 1
-        self.batch_stats = (mean, var)  # what a fused stage answers for the master's track()
-        self._x_hat, self._inv_std = x_hat, inv_std
-        return x_hat * self._per_channel(gamma) + self._per_channel(beta)
-
-    def backward(self, dy):
-        gamma = self.params["weight"]
-        if self._x_hat is None:  # evaluation mode: an affine map per channel
-            self.grads = {"weight": np.zeros_like(gamma), "bias": dy.sum(axis=(0, 2, 3))}
-            return dy * self._per_channel(self._eval_scale)
-        x_hat, inv_std = self._x_hat, self._inv_std
-        count = dy.shape[0] * dy.shape[2] * dy.shape[3]
-        d_beta = dy.sum(axis=(0, 2, 3), dtype=np.float64)
-        d_gamma = (dy * x_hat).sum(axis=(0, 2, 3), dtype=np.float64)
-        self.grads = {"weight": d_gamma.astype(np.float32), "bias": d_beta.astype(np.float32)}
-        # dx = gamma * inv_std * (dy - mean(dy) - x_hat * mean(dy * x_hat))
-        dx = dy - self._per_channel((d_beta / count).astype(np.float32))
-        dx -= x_hat * self._per_channel((d_gamma / count).astype(np.float32))
-        dx *= self._per_channel((gamma * inv_std).astype(np.float32))
-        return dx
 
 
 class Dropout(Layer):
@@ -671,3 +533,28 @@ def softmax_cross_entropy(
     grad[rows, labels] -= 1.0
     grad /= np.float32(n)
     return loss, grad.astype(np.float32, copy=False), logits.argmax(axis=1) == labels
+
+
+__all__ = [
+    "CHUNK_BYTES",
+    "IMAGE_LOCAL",
+    "POOL_MODES",
+    "AvgPool2d",
+    "BatchNorm2d",
+    "Conv2d",
+    "Dropout",
+    "GlobalAvgPool2d",
+    "ImageChunks",
+    "Layer",
+    "Linear",
+    "LocalResponseNorm",
+    "MaxPool2d",
+    "Pool2d",
+    "ReLU",
+    "batch_statistics",
+    "chunked",
+    "pool_geometry",
+    "pool_output_shape",
+    "saved_arrays",
+    "softmax_cross_entropy",
+]

@@ -1,44 +1,48 @@
-"""Networks built from a small declarative spec, the named presets, and weight files.
+"""Networks built from a model spec, the named presets, and weight files.
 
-A spec is a list of layer objects, in order, followed implicitly by softmax cross-entropy::
+The spec (a list of layer objects, each naming the layers it reads, the layer before it by
+default) and its walk are :mod:`hetconv.spec`; the names are importable from here too.
+Parameter names are PyTorch's (``conv1.weight`` as K x C x kh x kw, ``fc.weight`` as out x
+in, ``bn1.running_mean``), so a weight file loads into the equivalent ``nn.Module`` with
+``load_state_dict``; the layers are created and initialised in the spec's order.
 
-    {"type": "conv", "name": "conv1", "out": 50, "kernel": 5, "padding": "same", "stride": 1}
-    {"type": "batchnorm", "eps": 1e-5, "momentum": 0.1}
-    {"type": "relu"}
-    {"type": "lrn", "size": 5}               # optional alpha, beta, k
-    {"type": "maxpool", "kernel": 2, "stride": 2}
-    {"type": "avgpool", "kernel": 2}
-    {"type": "gap"}
-    {"type": "dropout", "p": 0.5}
-    {"type": "fc", "name": "fc", "out": 10}
+:class:`Model` runs the spec's graph (:mod:`hetconv.graph`): its steps (:attr:`Model.blocks`:
+layers, runs of image-local layers in chunks, and with an executor that supports them, fused
+stages and the split head) in the spec's order, each on the outputs of the steps it reads;
+the gradient of a tensor that feeds several steps is their sum, in a fixed order. A stage or a
+chunked run is only ever a chain: each of its layers the only reader of the one before, and
+reading nothing else.
 
-The spec is strict: :data:`LAYER_OPTIONS` lists, per layer type, every key it accepts with its
-type, range and default; an unknown type, an unknown key, a value of the wrong type or out of
-range and a missing required key are errors naming the layer, the key and what is accepted.
-Parameter names are PyTorch's (``conv1.weight`` as K x C x kh x kw, ``fc.weight`` as out x in,
-``bn1.running_mean``), so a weight file loads into the equivalent ``nn.Module`` with
-``load_state_dict``.
+Where layers of several inputs go (``add`` and ``concat``, the next layer types): an entry in
+:data:`~hetconv.spec.LAYER_OPTIONS` and :data:`~hetconv.spec.LAYER_ARITY` (``2`` or more) and
+its shape rule in :func:`hetconv.spec._output_shape` (it gets every input's shape); a
+:class:`~hetconv.graph.Layer` subclass with ``arity`` set, whose ``forward`` takes the inputs
+and whose ``backward`` returns a tuple of their gradients (:mod:`hetconv.layers`); its builder
+in :data:`BUILDERS` here; its ONNX node in :mod:`hetconv.onnx_export` (``Add``, ``Concat``);
+and where a worker may not run it, nothing: :func:`~hetconv.graph.LayerGraph.chain` never fuses
+a layer of two inputs into a stage, :func:`~hetconv.graph.graph_forward` and
+:func:`~hetconv.graph.graph_backward` already pass several inputs and sum the gradients.
+:meth:`Model.other_seconds` times each step on random input of its first input's shape: a
+layer of several inputs needs one array per input there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import json
 import math
 import os
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .conv import ConvExecutor, ConvSpec, LocalConv, kernel_pair
+from .conv import ConvExecutor, ConvSpec, LocalConv
+from .graph import LayerGraph, graph_backward, graph_forward
 from .layers import (
-    AvgPool2d,
+    IMAGE_LOCAL,
     BatchNorm2d,
     Conv2d,
     Dropout,
@@ -47,355 +51,29 @@ from .layers import (
     Layer,
     Linear,
     LocalResponseNorm,
-    MaxPool2d,
+    Pool2d,
     ReLU,
     chunked,
-    pool_output_shape,
 )
-from .stages import FUSED, StageSpec, stage_of
-
-CIFAR_INPUT = (3, 32, 32)
-
-_REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class Option:
-    """One key a layer type accepts: what it takes (for messages), how a value is checked
-    (``check`` returns the value to use or raises ValueError), and its default."""
-
-    accepts: str
-    check: Callable[[object], object]
-    default: object = _REQUIRED
-
-    def describe(self, key: str) -> str:
-        if self.default is _REQUIRED:
-            return f"{key} ({self.accepts}, required)"
-        default = "none" if self.default is None else json.dumps(self.default)
-        return f"{key} ({self.accepts}, default {default})"
-
-
-def _is_int(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
-
-
-def _int(low: int) -> Callable[[object], int]:
-    def check(value: object) -> int:
-        if not _is_int(value) or value < low:  # type: ignore[operator]
-            raise ValueError
-        return int(value)  # type: ignore[arg-type]
-
-    return check
-
-
-def _int_or_pair(low: int) -> Callable[[object], int | tuple[int, int]]:
-    def check(value: object) -> int | tuple[int, int]:
-        if isinstance(value, (list, tuple)):
-            if len(value) != 2 or not all(_is_int(v) and v >= low for v in value):
-                raise ValueError
-            return (int(value[0]), int(value[1]))
-        return _int(low)(value)
-
-    return check
-
-
-def _number(low: float, high: float, low_open: bool = False, high_open: bool = False):
-    def check(value: object) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-            raise ValueError
-        v = float(value)  # type: ignore[arg-type]
-        if not math.isfinite(v) or v < low or v > high:
-            raise ValueError
-        if (low_open and v == low) or (high_open and v == high):
-            raise ValueError
-        return v
-
-    return check
-
-
-def _padding(value: object):
-    if value in ("same", "valid"):
-        return value
-    if isinstance(value, (list, tuple)):
-        if len(value) not in (2, 4) or not all(_is_int(v) and v >= 0 for v in value):
-            raise ValueError
-        return tuple(int(v) for v in value)
-    return _int(0)(value)
-
-
-def _name(value: object) -> str:
-    if not isinstance(value, str) or not value or "." in value:
-        raise ValueError
-    return value
-
-
-_POOL = {
-    "kernel": Option("int >= 1", _int(1), 2),
-    "stride": Option("int >= 1; the kernel when absent", _int(1), None),
-}
-#: Per layer type, every key it accepts besides ``type`` and ``name`` (a non-empty string
-#: without dots, unique in the model; default: the type numbered among its kind, ``relu2``).
-LAYER_OPTIONS: dict[str, dict[str, Option]] = {
-    "conv": {
-        "out": Option("int >= 1: output channels", _int(1)),
-        "kernel": Option("int >= 1 or [kh, kw]", _int_or_pair(1), 3),
-        "padding": Option(
-            '"same", "valid", int >= 0, [ph, pw] or [top, bottom, left, right]', _padding, 0
-        ),
-        "stride": Option("int >= 1 or [sh, sw]", _int_or_pair(1), 1),
-    },
-    "relu": {},
-    "lrn": {
-        "size": Option("int >= 1: channels in the window", _int(1), 5),
-        "alpha": Option("finite number", _number(-math.inf, math.inf), 1e-4),
-        "beta": Option("finite number", _number(-math.inf, math.inf), 0.75),
-        "k": Option("finite number", _number(-math.inf, math.inf), 1.0),
-    },
-    "maxpool": dict(_POOL),
-    "avgpool": dict(_POOL),
-    "gap": {},
-    "batchnorm": {
-        "eps": Option("number > 0", _number(0.0, math.inf, low_open=True), 1e-5),
-        "momentum": Option("number in [0, 1]", _number(0.0, 1.0), 0.1),
-    },
-    "dropout": {"p": Option("number in [0, 1)", _number(0.0, 1.0, high_open=True), 0.5)},
-    "fc": {"out": Option("int >= 1: outputs", _int(1))},
-}
-LAYER_TYPES = tuple(LAYER_OPTIONS)
-#: Layer types that need a C x H x W input (every one but relu, dropout and fc).
-_NEEDS_MAPS = ("conv", "lrn", "maxpool", "avgpool", "gap", "batchnorm")
-
-
-def accepted_keys(kind: str) -> str:
-    """What a layer type accepts, for messages: ``"name (string), out (int >= 1, ...), ..."``."""
-    keys = ["type", "name (string)"]
-    keys += [option.describe(key) for key, option in LAYER_OPTIONS[kind].items()]
-    return ", ".join(keys)
-
-
-def check_entry(index: int, entry: object) -> tuple[str, str | None, dict]:
-    """(type, name or None, options with defaults filled in) of one spec entry.
-
-    Raises:
-        ValueError: the entry is not an object, or has an unknown type, an unknown key, a
-            missing required key or a value of the wrong type or range; the message names
-            the layer's index, the key and what the type accepts.
-    """
-    if not isinstance(entry, Mapping):
-        raise ValueError(f'layer {index} is {entry!r}, not an object with a "type"')
-    kind = entry.get("type")
-    if not isinstance(kind, str) or kind not in LAYER_OPTIONS:
-        raise ValueError(
-            f"layer {index} has type {kind!r}; accepted types: {', '.join(LAYER_TYPES)}"
-        )
-    label = f"layer {index} ({kind})"
-    name = None
-    if "name" in entry:
-        try:
-            name = _name(entry["name"])
-        except ValueError:
-            raise ValueError(
-                f"{label}: name {entry['name']!r} must be a non-empty string without dots"
-            ) from None
-        label = f"layer {index} ({kind} {name!r})"
-    schema = LAYER_OPTIONS[kind]
-    unknown = [key for key in entry if key not in schema and key not in ("type", "name")]
-    if unknown:
-        keys = ", ".join(map(repr, unknown))
-        raise ValueError(
-            f"{label}: unknown key{'s' if len(unknown) > 1 else ''} {keys}; "
-            f"{kind} accepts {accepted_keys(kind)}"
-        )
-    options = {}
-    for key, option in schema.items():
-        if key not in entry:
-            if option.default is _REQUIRED:
-                raise ValueError(
-                    f"{label}: missing key {key!r}; {kind} accepts {accepted_keys(kind)}"
-                )
-            options[key] = option.default
-            continue
-        try:
-            options[key] = option.check(entry[key])
-        except (ValueError, TypeError):
-            raise ValueError(
-                f"{label}: {key} is {entry[key]!r}; expected {option.accepts}"
-            ) from None
-    if kind in ("maxpool", "avgpool") and options["stride"] is None:
-        options["stride"] = options["kernel"]
-    return kind, name, options
-
-
-def check_spec(spec: Sequence[Mapping]) -> None:
-    """Check every entry (:func:`check_entry`) and that names are unique: all of a spec that
-    does not depend on the input's shape (:func:`walk_spec` checks the shapes too).
-
-    Raises:
-        ValueError: naming the layer's index, and its type, name or key.
-    """
-    if isinstance(spec, (str, bytes, Mapping)) or not isinstance(spec, Sequence):
-        raise ValueError(f"a model spec is a list of layer objects, got {type(spec).__name__}")
-    counts: dict[str, int] = {}
-    names: dict[str, int] = {}
-    for index, entry in enumerate(spec):
-        kind, given, _ = check_entry(index, entry)
-        counts[kind] = counts.get(kind, 0) + 1
-        name = given if given is not None else f"{kind}{counts[kind]}"
-        if name in names:
-            raise ValueError(
-                f"layer {index} ({kind}) is named {name!r}, as layer {names[name]} is: "
-                "names must be unique"
-            )
-        names[name] = index
-
-
-def reference_spec(c1: int, c2: int, classes: int = 10) -> list[dict]:
-    """The reference paper's network: two 5x5 convolutions with LRN and pooling, then FC."""
-    return [
-        {"type": "conv", "name": "conv1", "out": c1, "kernel": 5, "padding": "same"},
-        {"type": "relu"},
-        {"type": "lrn", "size": 5},
-        {"type": "maxpool", "kernel": 2, "stride": 2},
-        {"type": "conv", "name": "conv2", "out": c2, "kernel": 5, "padding": "same"},
-        {"type": "relu"},
-        {"type": "lrn", "size": 5},
-        {"type": "maxpool", "kernel": 2, "stride": 2},
-        {"type": "fc", "name": "fc", "out": classes},
-    ]
-
-
-PRESETS: dict[str, list[dict]] = {
-    "tiny": reference_spec(8, 16),
-    "paper-50-500": reference_spec(50, 500),
-    "paper-150-800": reference_spec(150, 800),
-    "paper-300-1000": reference_spec(300, 1000),
-    "paper-500-1500": reference_spec(500, 1500),
-}
-
-
-def load_spec(preset_or_path: str, classes: int | None = None) -> list[dict]:
-    """A preset by name, or a spec from a JSON file (a list of layer objects).
-
-    Args:
-        preset_or_path: a name in :data:`PRESETS` or the path of a ``.json`` file.
-        classes: a preset's last ``fc`` gets this many outputs (a dataset's class count;
-            None: the preset's 10). A file's spec is returned as written: its last ``fc``
-            says its outputs.
-
-    Raises:
-        ValueError: an unknown preset, a file that cannot be read, is not a JSON list or has
-            an entry :func:`check_spec` refuses (before any shape is known).
-    """
-    if preset_or_path in PRESETS:
-        spec = copy.deepcopy(PRESETS[preset_or_path])
-        if classes is not None:
-            last_fc = max(i for i, entry in enumerate(spec) if entry["type"] == "fc")
-            if not _is_int(classes) or classes < 1:
-                raise ValueError(f"classes must be an int >= 1, got {classes!r}")
-            spec[last_fc]["out"] = int(classes)
-        return spec
-    path = Path(preset_or_path)
-    if path.suffix == ".json" and path.is_file():
-        try:
-            spec = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read model spec {path}: {e}") from None
-        if not isinstance(spec, list):
-            raise ValueError(f"model spec {path} must be a JSON list of layer objects")
-        try:
-            check_spec(spec)
-        except ValueError as e:
-            raise ValueError(f"model spec {path}: {e}") from None
-        return spec
-    raise ValueError(
-        f"unknown preset {preset_or_path!r}; choose one of {', '.join(PRESETS)} "
-        "or give a .json spec file"
-    )
-
-
-@dataclass(frozen=True)
-class SpecLayer:
-    """One entry of a model spec, with the shapes it maps between (per sample, no batch axis).
-
-    Attributes:
-        index: its position in the spec.
-        kind: ``entry["type"]``.
-        name: ``entry["name"]``, or the type numbered among its kind (``relu2``).
-        entry: the spec's dict.
-        input_shape, output_shape: what flows in and out.
-        conv: the convolution's geometry, for a ``conv`` entry; None otherwise.
-        options: every key of the type (:data:`LAYER_OPTIONS`), checked, defaults filled in.
-    """
-
-    index: int
-    kind: str
-    name: str
-    entry: Mapping
-    input_shape: tuple[int, ...]
-    output_shape: tuple[int, ...]
-    conv: ConvSpec | None = None
-    options: Mapping = field(default_factory=dict)
-
-
-def walk_spec(
-    spec: Sequence[Mapping], input_shape: tuple[int, ...] = CIFAR_INPUT
-) -> Iterator[SpecLayer]:
-    """Each layer of a model spec with its input and output shape, in order, allocating no
-    weights: the one set of shape rules that :class:`Model` builds with and the cost model
-    reads convolutions from. A network's first layer, if a convolution, needs no input
-    gradient.
-
-    Checks the spec (:func:`check_spec`: every entry against :data:`LAYER_OPTIONS`, unique
-    names), then that each layer fits the shape that reaches it.
-
-    Raises:
-        ValueError: naming the layer's index, and its type, name or key.
-    """
-    check_spec(spec)
-    shape = tuple(input_shape)
-    counts: dict[str, int] = {}
-    for index, entry in enumerate(spec):
-        kind, given, options = check_entry(index, entry)
-        counts[kind] = counts.get(kind, 0) + 1
-        name = given if given is not None else f"{kind}{counts[kind]}"
-        conv, out = None, shape
-        try:
-            if kind in _NEEDS_MAPS and len(shape) != 3:
-                raise ValueError(f"needs a C x H x W input, gets {shape}")
-            if kind == "conv":
-                stride = kernel_pair(options["stride"])
-                conv = ConvSpec(
-                    name, shape, options["out"], kernel_pair(options["kernel"]),
-                    options["padding"], index > 0,
-                    _stage_after(spec, index), stride, head=_head_after(spec, index),
-                )  # fmt: skip
-                out = conv.output_shape
-            elif kind in ("maxpool", "avgpool"):
-                out = pool_output_shape(shape, options["kernel"], options["stride"])
-            elif kind == "gap":
-                out = (shape[0], 1, 1)
-            elif kind == "fc":
-                out = (options["out"],)
-        except ValueError as e:
-            raise ValueError(f"layer {index} ({name}): {e}") from None
-        yield SpecLayer(index, kind, name, entry, shape, out, conv, options)
-        shape = out
-
-
-def _stage_after(spec: Sequence[Mapping], index: int) -> StageSpec | None:
-    """The stage after the conv at ``index``; None when none (entries already checked)."""
-    return stage_of(spec[index + 1 :])
-
-
-def _head_after(spec: Sequence[Mapping], index: int) -> tuple[str, int] | None:
-    """(name, classes) of the network's final fc when the stage of the conv at ``index``
-    feeds it directly (:mod:`hetconv.head`); None otherwise (entries already checked)."""
-    stage = _stage_after(spec, index)
-    last = spec[-1]
-    if stage is None or last.get("type") != "fc" or index + len(stage.ops) + 2 != len(spec):
-        return None
-    count = sum(entry.get("type") == "fc" for entry in spec)
-    return last.get("name") or f"fc{count}", int(last["out"])
+from .spec import (
+    CIFAR_INPUT,
+    LAYER_ARITY,
+    LAYER_OPTIONS,
+    LAYER_TYPES,
+    PRESETS,
+    Option,
+    SpecLayer,
+    accepted_keys,
+    check_entry,
+    check_spec,
+    load_spec,
+    reference_spec,
+    spec_graph,
+    stage_chain,
+    walk_spec,
+)
+from .stageops import POOL_MODES
+from .stages import FUSED, StageSpec
 
 
 class ConvStage:
@@ -406,6 +84,8 @@ class ConvStage:
     them one after another exactly as a model without stages does; fused, the executor runs
     them on every node's kernel slice and only the stage's output comes back.
     """
+
+    arity = 1
 
     def __init__(self, conv: Conv2d, chain: Sequence[Layer], stage: StageSpec):
         self.conv, self.chain, self.stage = conv, list(chain), stage
@@ -489,6 +169,8 @@ class HeadStage:
     master adds the parts and the fc's bias. Otherwise (the executor's choice per layer) the
     stage and the fc run one after the other, as without it."""
 
+    arity = 1
+
     def __init__(self, stage: ConvStage, fc: Linear):
         self.stage, self.fc = stage, fc
         self.name = stage.name
@@ -543,73 +225,77 @@ class Model:
         self.executor = executor if executor is not None else LocalConv()
         self.layers: list[Layer] = []
         self.output_shape: tuple[int, ...] = self.input_shape
-        stages: dict[int, StageSpec] = {}
+        self.graph: LayerGraph = spec_graph(self.spec)
+        self._kinds = [entry["type"] for entry in self.spec]
         for item in walk_spec(self.spec, self.input_shape):
-            layer = self._build(item)
+            layer = BUILDERS[item.kind](self, item)
             layer.input_shape = item.input_shape
             self.layers.append(layer)
             self.output_shape = item.output_shape
-            if item.conv is not None and item.conv.stage is not None:
-                layer.stage = item.conv.stage
-                layer.head = item.conv.head
-                stages[item.index] = item.conv.stage
-        # What the passes run: the layers, or with an executor that supports fused stages,
-        # each convolution with its channel-local chain as one ConvStage.
-        self.blocks: list[Layer | ConvStage] = chunked(self.layers)
-        if self.executor.supports_stages:
-            self.blocks = []
-            i = 0
-            while i < len(self.layers):
-                stage = stages.get(i)
-                if stage is None:
-                    self.blocks.append(self.layers[i])
-                    i += 1
-                    continue
-                chain = self.layers[i + 1 : i + 1 + len(stage.ops)]
-                self.blocks.append(ConvStage(self.layers[i], chain, stage))  # type: ignore[arg-type]
-                i += 1 + len(stage.ops)
-            # The last stage feeding the final fc directly: the executor may split the fc too.
-            last = self.blocks[-2:]
-            if (
-                self.executor.supports_head
-                and len(last) == 2
-                and isinstance(last[0], ConvStage)
-                and isinstance(last[1], Linear)
-            ):
-                self.blocks[-2:] = [HeadStage(last[0], last[1])]
+            if item.conv is not None:
+                layer.feeds = item.conv.feeds
+                if item.conv.stage is not None:
+                    layer.stage, layer.head = item.conv.stage, item.conv.head
+        # What the passes run: the layers (runs of image-local ones in chunks), or with an
+        # executor that supports fused stages, each convolution with its channel-local chain
+        # as one ConvStage; and the steps each reads.
+        groups = self._staged() if self.executor.supports_stages else self._chunked()
+        self.blocks: list[Layer | ConvStage | HeadStage] = [self._step(g) for g in groups]
+        self.block_inputs = self.graph.step_inputs(groups)
         self.init_weights(seed)
 
-    def _build(self, item: SpecLayer) -> Layer:
-        name, options, kind = item.name, item.options, item.kind
-        if item.conv is not None:
-            conv = item.conv
-            layer = Conv2d(
-                name,
-                conv.input_shape[0],
-                conv.kernels,
-                conv.kernel_size,
-                conv.padding,
-                self.executor,
-                conv.stride,
-            )
-            layer.need_input_grad = conv.need_input_grad
-            return layer
-        if kind == "relu":
-            return ReLU(name)
-        if kind == "lrn":
-            return LocalResponseNorm(name, **options)
-        if kind == "maxpool":
-            return MaxPool2d(name, options["kernel"], options["stride"])
-        if kind == "avgpool":
-            return AvgPool2d(name, options["kernel"], options["stride"])
-        if kind == "gap":
-            return GlobalAvgPool2d(name)
-        if kind == "batchnorm":
-            return BatchNorm2d(name, item.input_shape[0], options["eps"], options["momentum"])
-        if kind == "dropout":
-            # Its own masks, the same for the same model seed (and not the weights' stream).
-            return Dropout(name, options["p"], seed=(self.seed, item.index))
-        return Linear(name, int(np.prod(item.input_shape)), options["out"])
+    def _chunked(self) -> list[list[int]]:
+        """The layers' positions grouped into steps: each chain of image-local layers one
+        step (:class:`~hetconv.layers.ImageChunks`), every other layer alone."""
+        groups: list[list[int]] = []
+        taken: set[int] = set()
+        for i, layer in enumerate(self.layers):
+            if i in taken:
+                continue
+            group = [i]
+            if isinstance(layer, IMAGE_LOCAL):
+                group += self.graph.chain(i, lambda j: isinstance(self.layers[j], IMAGE_LOCAL))
+            taken.update(group)
+            groups.append(group)
+        return groups
+
+    def _staged(self) -> list[list[int]]:
+        """The layers' positions grouped into steps: each convolution with its stage's
+        chain, and the last stage with the final fc where the executor may split the fc too
+        (:class:`HeadStage`: the fc is the output and reads the stage alone)."""
+        groups: list[list[int]] = []
+        taken: set[int] = set()
+        for i, layer in enumerate(self.layers):
+            if i in taken:
+                continue
+            group = [i]
+            if isinstance(layer, Conv2d) and layer.stage is not None:
+                group += stage_chain(self.graph, self._kinds, i)
+            taken.update(group)
+            groups.append(group)
+        last = len(self.layers) - 1
+        if self.executor.supports_head and len(groups) > 1 and groups[-1] == [last]:
+            stage = groups[-2]
+            if (
+                isinstance(self.layers[last], Linear)
+                and isinstance(self.layers[stage[0]], Conv2d)
+                and len(stage) > 1
+                and self.graph.follower(stage[-1]) == last
+            ):
+                groups[-2:] = [[*stage, last]]
+        return groups
+
+    def _step(self, group: Sequence[int]) -> Layer | ConvStage | HeadStage:
+        """What runs the layers at ``group`` (positions along a chain) as one step."""
+        layers = [self.layers[i] for i in group]
+        first = layers[0]
+        if isinstance(first, Conv2d) and len(layers) > 1 and first.stage is not None:
+            chain = layers[1 : 1 + len(first.stage.ops)]
+            stage = ConvStage(first, chain, first.stage)
+            if len(layers) == 2 + len(chain):
+                return HeadStage(stage, layers[-1])  # type: ignore[arg-type]
+            return stage
+        return ImageChunks(layers) if len(layers) > 1 else first
 
     # -- modes -------------------------------------------------------------------------------
 
@@ -668,17 +354,10 @@ class Model:
 
     def conv_specs(self) -> list[ConvSpec]:
         """The convolution layers as executors see them (what ``executor.prepare`` takes): a
-        strided one as the stride-1 convolution of its phases (:attr:`ConvSpec.executed`)."""
-        specs = []
-        for i, layer in enumerate(self.layers):
-            if not isinstance(layer, Conv2d):
-                continue
-            spec = layer.spec.executed
-            after = i + 1 + (len(spec.stage.ops) if spec.stage is not None else 0)
-            if after < len(self.layers) and isinstance(self.layers[after], Conv2d):
-                spec = dataclasses.replace(spec, feeds=self.layers[after].name)
-            specs.append(spec)
-        return specs
+        strided one as the stride-1 convolution of its phases (:attr:`ConvSpec.executed`);
+        each one's stage, the convolution its stage feeds and the final fc it feeds as the
+        spec's graph says (:func:`~hetconv.spec.walk_spec`)."""
+        return [layer.spec.executed for layer in self.conv_layers()]
 
     def other_seconds(self, batch: int, repeats: int = 2) -> dict[str, float]:
         """Seconds of each non-convolutional layer's forward and backward on ``batch`` images'
@@ -688,7 +367,7 @@ class Model:
         running statistics and dropout's masks, is left as it was)."""
         rng = np.random.default_rng(0)
         out = {}
-        for step in chunked(self.layers):
+        for step in map(self._step, self._chunked()):
             if isinstance(step, Conv2d):
                 continue
             layers = step.layers if isinstance(step, ImageChunks) else [step]
@@ -782,13 +461,80 @@ class Model:
         for layer in self.layers:
             if isinstance(layer, Dropout):
                 layer.step = step
-        for block in self.blocks:
-            x = block.forward(x)
-        return x
+        return graph_forward(self.blocks, self.block_inputs, x)
 
     def backward(self, grad: np.ndarray) -> None:
-        """Back-propagate the loss gradient w.r.t. the logits; fills every layer's ``grads``."""
-        for block in reversed(self.blocks):
-            if grad is None and not (isinstance(block, ConvStage) and block.backward_pending()):
-                break
-            grad = block.backward(grad)
+        """Back-propagate the loss gradient w.r.t. the logits; fills every layer's ``grads``
+        (a tensor that feeds several steps gets the sum of their gradients)."""
+        graph_backward(self.blocks, self.block_inputs, grad, _backward_pending)
+
+
+def _backward_pending(block: object) -> bool:
+    """Whether ``block``'s backward has to run even with no gradient for it
+    (:meth:`ConvStage.backward_pending`)."""
+    return isinstance(block, ConvStage) and block.backward_pending()
+
+
+def _conv(model: Model, item: SpecLayer) -> Conv2d:
+    conv = item.conv
+    assert conv is not None
+    layer = Conv2d(
+        item.name, conv.input_shape[0], conv.kernels, conv.kernel_size, conv.padding,
+        model.executor, conv.stride,
+    )  # fmt: skip
+    layer.need_input_grad = conv.need_input_grad
+    return layer
+
+
+def _pool(model: Model, item: SpecLayer) -> Pool2d:
+    options = item.options
+    return Pool2d(item.name, options["kernel"], options["stride"], POOL_MODES[item.kind])
+
+
+def _batchnorm(model: Model, item: SpecLayer) -> BatchNorm2d:
+    options = item.options
+    return BatchNorm2d(item.name, item.input_shape[0], options["eps"], options["momentum"])
+
+
+def _dropout(model: Model, item: SpecLayer) -> Dropout:
+    # Its own masks, the same for the same model seed (and not the weights' stream).
+    return Dropout(item.name, item.options["p"], seed=(model.seed, item.index))
+
+
+def _linear(model: Model, item: SpecLayer) -> Linear:
+    return Linear(item.name, int(np.prod(item.input_shape)), item.options["out"])
+
+
+#: Per layer type, what builds its layer object (its weights are set by ``init_weights``).
+BUILDERS: dict[str, Callable[[Model, SpecLayer], Layer]] = {
+    "conv": _conv,
+    "relu": lambda model, item: ReLU(item.name),
+    "lrn": lambda model, item: LocalResponseNorm(item.name, **item.options),
+    "maxpool": _pool,
+    "avgpool": _pool,
+    "gap": lambda model, item: GlobalAvgPool2d(item.name),
+    "batchnorm": _batchnorm,
+    "dropout": _dropout,
+    "fc": _linear,
+}
+
+__all__ = [
+    "BUILDERS",
+    "CIFAR_INPUT",
+    "LAYER_ARITY",
+    "LAYER_OPTIONS",
+    "LAYER_TYPES",
+    "PRESETS",
+    "ConvStage",
+    "HeadStage",
+    "Model",
+    "Option",
+    "SpecLayer",
+    "accepted_keys",
+    "check_entry",
+    "check_spec",
+    "load_spec",
+    "reference_spec",
+    "spec_graph",
+    "walk_spec",
+]

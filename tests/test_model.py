@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hetconv.conv import ConvSpec
-from hetconv.layers import Conv2d, Linear, LocalResponseNorm, MaxPool2d, ReLU
+from hetconv.layers import Conv2d, Linear, LocalResponseNorm, Pool2d, ReLU
 from hetconv.model import CIFAR_INPUT, PRESETS, Model, load_spec, reference_spec, walk_spec
 from hetconv.workload import ConvLayer, conv_layers
 
@@ -55,8 +55,8 @@ def test_preset_parameter_shapes(preset, c1, c2):
     assert all(v.dtype == np.float32 for v in params.values())
     assert model.output_shape == (10,)
     assert [type(layer) for layer in model.layers] == [
-        Conv2d, ReLU, LocalResponseNorm, MaxPool2d,
-        Conv2d, ReLU, LocalResponseNorm, MaxPool2d,
+        Conv2d, ReLU, LocalResponseNorm, Pool2d,
+        Conv2d, ReLU, LocalResponseNorm, Pool2d,
         Linear,
     ]  # fmt: skip
     assert [layer.name for layer in model.conv_layers()] == ["conv1", "conv2"]
