@@ -1,0 +1,130 @@
+"""The calls of a replicated block (:mod:`hetconv.replica`) and a block split by images
+(:mod:`hetconv.split`): run the block on the worker ahead of the next layer's stage calls, and put
+or fetch a split block's parts. A mixin of :class:`~hetconv.master.client.WorkerClient`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from hetconv.calls import FETCH_PART, PUT_PART, REPLICA_FORWARD
+from hetconv.formats import FLOAT32, answer_dtype
+from hetconv.master.client_connection import CallStats
+from hetconv.proto import worker_pb2 as pb
+from hetconv.replica import ReplicaBlock
+from hetconv.split import SplitPlan
+from hetconv.stages import ops_to_proto
+
+_EMPTY_INPUT = np.empty((0, 0, 0, 0), np.float32)  # x of a call whose input the worker has
+
+
+class BlockCalls:
+    """ReplicaForward, PutPart and FetchPart, over the client's :meth:`_call`."""
+
+    def replica_forward(
+        self,
+        session: int,
+        step: int,
+        block: ReplicaBlock,
+        timeout: float = 600.0,
+        split: SplitPlan | None = None,
+    ) -> CallStats:
+        """Have the worker run the replicated ``block`` on the step's images and keep its
+        output for the next layer's stage calls of ``step`` (:mod:`hetconv.replica`).
+
+        ``split``: the block split by images (:mod:`hetconv.split`): only this worker's images
+        travel, and the worker exchanges its output with the plan's other peers."""
+        request = pb.ConvRequest(
+            phase=REPLICA_FORWARD.phase, session=session, step=step, layer=block.layer,
+            padding=block.sides,
+            stage=pb.StageDescription(
+                ops=ops_to_proto(block.stage), own_start=0, own_count=block.w.shape[0]
+            ),
+        )  # fmt: skip
+        x, x_format = block.x, block.x_format
+        if split is not None:
+            request.split.CopyFrom(split.request_for(self.address))
+            images = split.images(self.address)
+            rows = getattr(x_format, "rows", None)  # a prepared palette8 encoding of the batch
+            if rows is not None:  # this worker's rows of it
+                x, x_format = rows(images)
+            else:
+                x = block.x[images]
+        arrays = list(zip(REPLICA_FORWARD.request_names, (x, block.w, block.b), strict=True))
+        formats = [x_format, FLOAT32, FLOAT32]  # the images: palette8 where they fit
+        _, stats = self._call(
+            REPLICA_FORWARD, f"replica forward {block.layer}", request, arrays, [], {}, timeout, 0,
+            formats,
+        )  # fmt: skip
+        return stats
+
+    def _replicate(self, request, session, step, x, replica, timeout):
+        """With a replicated block: run it on the worker (or wait for the ReplicaForward the
+        master started ahead, ``replica.started``), name it in ``request``; returns the
+        ReplicaForward's figures and the ``x`` to send (empty). A call started ahead counts
+        only the wait for it as wall time: the rest ran beside the master's own work."""
+        if replica is None:
+            return CallStats(), x
+        pending = replica.started.pop(self.address, None)
+        if pending is None:
+            before = self.replica_forward(session, step, replica, timeout)
+        else:
+            waited = time.perf_counter()
+            before = pending.result()  # its WorkerError, if it failed
+            before = dataclasses.replace(before, wall_seconds=time.perf_counter() - waited)
+        request.replica_layer = replica.layer
+        return before, _EMPTY_INPUT
+
+    def put_part(
+        self,
+        session: int,
+        step: int,
+        block: str,
+        source: int,
+        part: np.ndarray,
+        gradient: bool,
+        timeout: float = 600.0,
+        round_: int = 0,
+    ) -> CallStats:
+        """Put a split block's ``part`` into the worker as node ``source`` (:mod:`hetconv.split`):
+        the master resends a lost worker's output (``gradient`` False) or its input-gradient
+        rows of this worker's images, from what it computed itself; ``round_``: the split's
+        (:attr:`~hetconv.split.SplitPlan.round`)."""
+        request = pb.ConvRequest(
+            phase=PUT_PART.phase, session=session, step=step, layer=block,
+            part=pb.TensorPart(source=source, gradient=gradient, round=round_),
+        )  # fmt: skip
+        _, stats = self._call(
+            PUT_PART, f"put part {block}", request, [("p", part)], [], {}, timeout, 0,
+            [self.wire_format],
+        )  # fmt: skip
+        return stats
+
+    def fetch_part(
+        self,
+        session: int,
+        step: int,
+        block: str,
+        source: int,
+        timeout: float = 600.0,
+        gradient: bool = True,
+        out: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, CallStats]:
+        """The input-gradient rows of node ``source``'s images the worker computed in its
+        backward of ``step`` (sent to that node: one the master lost, or the master itself as
+        a peer, ``split_all``); ``gradient`` False: node ``source``'s images' block output the
+        worker holds (its own, for the master as a peer), written into ``out`` when given."""
+        request = pb.ConvRequest(
+            phase=FETCH_PART.phase, session=session, step=step, layer=block,
+            answer_dtype=answer_dtype(self.wire_format),
+            part=pb.TensorPart(source=source, gradient=gradient),
+        )  # fmt: skip
+        into = {"p": out} if out is not None else {}
+        got, stats = self._call(
+            FETCH_PART, f"fetch part {block}", request, [], ["p"], into, timeout,
+            out.nbytes if out is not None else 0,
+        )  # fmt: skip
+        return got["p"], stats
