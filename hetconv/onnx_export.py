@@ -19,18 +19,20 @@ spec           ONNX
 ``fc``         Flatten (when its input is not flat yet), then Gemm with ``transB = 1``
 =============  ==========================================================================
 
-The graph takes float32 ``input`` (N, C, H, W), N free, normalised as in training, and gives
-``logits`` float32 (N, classes): :meth:`hetconv.model.Model.forward` in evaluation mode.
+A layer's node reads the outputs of the layers it names as its inputs (the one before it by
+default). The graph takes float32 ``input`` (N, C, H, W), N free, normalised as in training,
+and gives ``logits`` float32 (N, classes): :meth:`hetconv.model.Model.forward` in evaluation mode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from .backends import Padding
-from .model import Model, walk_spec
+from .model import Model
+from .spec import SpecLayer, walk_spec
 
 #: The opset the graph declares: every operator above has had its present form since then,
 #: and runtimes from 2022 on run it.
@@ -49,13 +51,92 @@ def _onnx():
     return onnx
 
 
+class _Graph:
+    """The nodes and initializers of the graph being built, and the weights they read."""
+
+    def __init__(self, onnx, state: Mapping[str, np.ndarray]):
+        self.helper, self.numpy_helper = onnx.helper, onnx.numpy_helper
+        self.state = state
+        self.nodes: list = []
+        self.initializers: list = []
+
+    def weight(self, key: str) -> str:
+        """``key``'s array as an initializer of its name."""
+        array = np.asarray(self.state[key], np.float32)
+        self.initializers.append(self.numpy_helper.from_array(array, key))
+        return key
+
+    def node(self, op: str, inputs: list[str], out: str, name: str, **attributes) -> str:
+        self.nodes.append(self.helper.make_node(op, inputs, [out], name=name, **attributes))
+        return out
+
+
+def _conv(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+    conv, layer = item.conv, item.name
+    pads = Padding.resolve(conv.padding, conv.kernel_size)
+    inputs = [x, g.weight(f"{layer}.weight"), g.weight(f"{layer}.bias")]
+    return g.node(
+        "Conv", inputs, out, layer,
+        kernel_shape=list(conv.kernel_size), strides=list(conv.stride),
+        pads=[pads.top, pads.left, pads.bottom, pads.right],
+    )  # fmt: skip
+
+
+def _lrn(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+    o = item.options
+    if o["size"] % 2 == 0:
+        g.nodes.extend(_even_lrn(g.helper, g.numpy_helper, g.initializers, item.name, x, out, o))
+        return out
+    return g.node(
+        "LRN", [x], out, item.name, size=o["size"], alpha=o["alpha"], beta=o["beta"], bias=o["k"]
+    )
+
+
+def _pool(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+    o = item.options
+    op = "MaxPool" if item.kind == "maxpool" else "AveragePool"
+    return g.node(
+        op, [x], out, item.name, kernel_shape=[o["kernel"]] * 2, strides=[o["stride"]] * 2
+    )
+
+
+def _batchnorm(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+    keys = ("weight", "bias", "running_mean", "running_var")
+    inputs = [x] + [g.weight(f"{item.name}.{key}") for key in keys]
+    return g.node("BatchNormalization", inputs, out, item.name, epsilon=item.options["eps"])
+
+
+def _fc(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+    layer = item.name
+    if len(item.input_shape) != 1:
+        x = g.node("Flatten", [x], f"{layer}.flatten", f"{layer}.flatten", axis=1)
+    inputs = [x, g.weight(f"{layer}.weight"), g.weight(f"{layer}.bias")]
+    return g.node("Gemm", inputs, out, layer, transB=1)
+
+
+#: Per layer type, what adds its nodes: (graph, layer, input tensor, output name) -> the
+#: tensor that holds its output.
+NODES: dict[str, Callable[[_Graph, SpecLayer, str, str], str]] = {
+    "conv": _conv,
+    "relu": lambda g, item, x, out: g.node("Relu", [x], out, item.name),
+    "lrn": _lrn,
+    "maxpool": _pool,
+    "avgpool": _pool,
+    "gap": lambda g, item, x, out: g.node("GlobalAveragePool", [x], out, item.name),
+    "batchnorm": _batchnorm,
+    "dropout": lambda g, item, x, out: x,  # the identity in evaluation
+    "fc": _fc,
+}
+
+
 def build_onnx(
     spec: Sequence[Mapping],
     weights: Mapping[str, np.ndarray],
     input_shape: tuple[int, int, int],
     name: str = "hetconv",
 ):
-    """The network ``spec`` with ``weights`` as a checked ``onnx.ModelProto``.
+    """The network ``spec`` with ``weights`` as a checked ``onnx.ModelProto``: a node per
+    layer (:data:`NODES`), each reading the outputs of the layers it names as inputs.
 
     Args:
         spec: the model spec (:mod:`hetconv.model`).
@@ -69,81 +150,24 @@ def build_onnx(
             missing.
     """
     onnx = _onnx()
-    helper, numpy_helper = onnx.helper, onnx.numpy_helper
     model = Model(spec, input_shape)
     model.load_state(dict(weights))
-    state = model.state()
-
-    nodes, initializers = [], []
-
-    def weight(key: str) -> str:
-        initializers.append(numpy_helper.from_array(np.asarray(state[key], np.float32), key))
-        return key
-
+    g = _Graph(onnx, model.state())
+    tensors: dict[str, str] = {}  # layer -> the tensor of its output
     current = "input"
     for item in walk_spec(spec, input_shape):
-        kind, layer, o = item.kind, item.name, item.options
-        out = f"{layer}/output" if item.index < len(spec) - 1 else "logits"
-        if kind == "dropout":
-            continue
-        if kind == "conv":
-            conv = item.conv
-            pads = Padding.resolve(conv.padding, conv.kernel_size)
-            inputs = [current, weight(f"{layer}.weight"), weight(f"{layer}.bias")]
-            node = helper.make_node(
-                "Conv", inputs, [out], name=layer,
-                kernel_shape=list(conv.kernel_size), strides=list(conv.stride),
-                pads=[pads.top, pads.left, pads.bottom, pads.right],
-            )  # fmt: skip
-        elif kind == "relu":
-            node = helper.make_node("Relu", [current], [out], name=layer)
-        elif kind == "lrn" and o["size"] % 2 == 0:
-            nodes.extend(_even_lrn(helper, numpy_helper, initializers, layer, current, out, o))
-            current = out
-            continue
-        elif kind == "lrn":
-            node = helper.make_node(
-                "LRN", [current], [out], name=layer,
-                size=o["size"], alpha=o["alpha"], beta=o["beta"], bias=o["k"],
-            )  # fmt: skip
-        elif kind in ("maxpool", "avgpool"):
-            op = "MaxPool" if kind == "maxpool" else "AveragePool"
-            node = helper.make_node(
-                op, [current], [out], name=layer,
-                kernel_shape=[o["kernel"]] * 2, strides=[o["stride"]] * 2,
-            )  # fmt: skip
-        elif kind == "gap":
-            node = helper.make_node("GlobalAveragePool", [current], [out], name=layer)
-        elif kind == "batchnorm":
-            inputs = [current] + [
-                weight(f"{layer}.{key}")
-                for key in ("weight", "bias", "running_mean", "running_var")
-            ]
-            node = helper.make_node(
-                "BatchNormalization", inputs, [out], name=layer, epsilon=o["eps"]
-            )
-        else:  # fc
-            if len(item.input_shape) != 1:
-                flat = f"{layer}.flatten"
-                nodes.append(helper.make_node("Flatten", [current], [flat], name=flat, axis=1))
-                current = flat
-            inputs = [current, weight(f"{layer}.weight"), weight(f"{layer}.bias")]
-            node = helper.make_node("Gemm", inputs, [out], name=layer, transB=1)
-        nodes.append(node)
-        current = out
+        x = tensors[item.inputs[0]] if item.inputs else "input"
+        out = f"{item.name}/output" if item.index < len(spec) - 1 else "logits"
+        current = tensors[item.name] = NODES[item.kind](g, item, x, out)
     if current != "logits":  # the spec ends in dropout (or is empty): name the output
-        nodes.append(helper.make_node("Identity", [current], ["logits"], name="logits"))
-
+        g.node("Identity", [current], "logits", "logits")
+    helper, float32 = onnx.helper, onnx.TensorProto.FLOAT
     graph = helper.make_graph(
-        nodes,
+        g.nodes,
         name,
-        [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, ["N", *input_shape])],
-        [
-            helper.make_tensor_value_info(
-                "logits", onnx.TensorProto.FLOAT, ["N", *model.output_shape]
-            )
-        ],
-        initializer=initializers,
+        [helper.make_tensor_value_info("input", float32, ["N", *input_shape])],
+        [helper.make_tensor_value_info("logits", float32, ["N", *model.output_shape])],
+        initializer=g.initializers,
     )
     proto = helper.make_model(
         graph, producer_name="hetconv", opset_imports=[helper.make_opsetid("", OPSET)]
@@ -203,4 +227,4 @@ def export_onnx(
     _onnx().save_model(proto, str(path))
 
 
-__all__ = ["IR_VERSION", "OPSET", "build_onnx", "export_onnx"]
+__all__ = ["IR_VERSION", "NODES", "OPSET", "build_onnx", "export_onnx"]
