@@ -155,7 +155,7 @@ def graph_backward(
         if dy is None and not pending(step):
             continue
         out = step.backward(dy)
-        parts = out if getattr(step, "arity", 1) > 1 else (out,)
+        parts = out if step.arity > 1 else (out,)
         for i, g in zip(inputs[s], parts, strict=True):
             if g is None:
                 continue

@@ -203,10 +203,11 @@ class HeadStage:
 
 
 class Model:
-    """A feed-forward network: layers in order, softmax cross-entropy on top.
+    """A feed-forward network: the spec's layers as a graph (:attr:`graph`; each reads the
+    layers its entry names, the one before it by default), softmax cross-entropy on top.
 
     Args:
-        spec: list of layer dicts (see the module docstring).
+        spec: list of layer dicts (:mod:`hetconv.spec`).
         input_shape: per-sample (C, H, W).
         seed: initialisation seed; the same seed always gives the same weights.
         executor: where the convolutions run (default: the cpu backend in this process).
@@ -244,35 +245,38 @@ class Model:
         self.block_inputs = self.graph.step_inputs(groups)
         self.init_weights(seed)
 
-    def _chunked(self) -> list[list[int]]:
-        """The layers' positions grouped into steps: each chain of image-local layers one
-        step (:class:`~hetconv.layers.ImageChunks`), every other layer alone."""
+    def _groups(self, chain_of: Callable[[int], list[int]]) -> list[list[int]]:
+        """The layers' positions grouped into steps, in the spec's order: each layer not yet
+        in a step starts one, with the layers ``chain_of`` it gives (a chain after it)."""
         groups: list[list[int]] = []
         taken: set[int] = set()
-        for i, layer in enumerate(self.layers):
-            if i in taken:
-                continue
-            group = [i]
-            if isinstance(layer, IMAGE_LOCAL):
-                group += self.graph.chain(i, lambda j: isinstance(self.layers[j], IMAGE_LOCAL))
-            taken.update(group)
-            groups.append(group)
+        for i in range(len(self.layers)):
+            if i not in taken:
+                groups.append([i, *chain_of(i)])
+                taken.update(groups[-1])
         return groups
 
+    def _chunked(self) -> list[list[int]]:
+        """Steps: each chain of image-local layers one (:class:`~hetconv.layers.ImageChunks`),
+        every other layer alone."""
+
+        def image_local(i: int) -> bool:
+            return isinstance(self.layers[i], IMAGE_LOCAL)
+
+        return self._groups(lambda i: self.graph.chain(i, image_local) if image_local(i) else [])
+
     def _staged(self) -> list[list[int]]:
-        """The layers' positions grouped into steps: each convolution with its stage's
-        chain, and the last stage with the final fc where the executor may split the fc too
+        """Steps: each convolution with its stage's chain, every other layer alone; and the
+        last stage with the final fc where the executor may split the fc too
         (:class:`HeadStage`: the fc is the output and reads the stage alone)."""
-        groups: list[list[int]] = []
-        taken: set[int] = set()
-        for i, layer in enumerate(self.layers):
-            if i in taken:
-                continue
-            group = [i]
+
+        def stage(i: int) -> list[int]:
+            layer = self.layers[i]
             if isinstance(layer, Conv2d) and layer.stage is not None:
-                group += stage_chain(self.graph, self._kinds, i)
-            taken.update(group)
-            groups.append(group)
+                return stage_chain(self.graph, self._kinds, i)
+            return []
+
+        groups = self._groups(stage)
         last = len(self.layers) - 1
         if self.executor.supports_head and len(groups) > 1 and groups[-1] == [last]:
             stage = groups[-2]
