@@ -81,6 +81,7 @@ def run_scenario(
     nodes as ``head`` says (``hetconv train --head``); with
     ``data_parallel``, also the data-parallel peer at every point (:func:`data_parallel_rows`)."""
     rows = []
+    modes = dict(stages=stages, kernels=kernels, replicate=replicate, overlap=overlap, head=head)
     for network in networks or scenario.networks:
         for batch in batches or scenario.batches:
             layers = network_layers(network, batch)
@@ -101,54 +102,51 @@ def run_scenario(
                         )  # fmt: skip
                     check = {}
                     if scenario.paper and size > 1:
-                        # The paper's split, as it ran it: compute shares, convolutions only.
-                        split = results.get(COMPUTE) if stages == UNFUSED else None
-                        split = split or simulate_step(
-                            cluster, layers, shares_for(cluster, layers, COMPUTE), comp
-                        )
-                        got = bandwidth_check(
-                            layers, split.local_s, split.conv_s, split.comp_s, bandwidth
-                        )
-                        check = {
-                            "paper_mbytes": got.paper_bytes / 1e6,
-                            "comm_budget_s": got.budget_s,
-                            "consistent_mbps": got.consistent_mbps
-                            if math.isfinite(got.consistent_mbps)
-                            else None,
-                            "bandwidth_consistent": got.consistent,
-                        }
+                        check = _paper_check(cluster, layers, comp, results, stages, bandwidth)
+                    point = {"scenario": scenario.name, "network": network, "batch": batch,
+                             "nodes": size, "bandwidth_mbps": float(bandwidth)}  # fmt: skip
                     for policy, result in results.items():
-                        rows.append(
-                            Row(
-                                scenario=scenario.name,
-                                network=network,
-                                batch=batch,
-                                nodes=size,
-                                bandwidth_mbps=float(bandwidth),
-                                policy=policy,
-                                step_s=result.step_s,
-                                comm_s=result.comm_s,
-                                conv_s=result.conv_s,
-                                comp_s=result.comp_s,
-                                speedup=result.speedup,
-                                local_s=result.local_s,
-                                amdahl_bound=result.amdahl_bound,
-                                workers_used=result.workers_used(),
-                                mbytes_per_step=result.bytes / 1e6,
-                                shares={k: list(v) for k, v in result.shares.items()},
-                                stages=stages,
-                                kernels=kernels,
-                                replicate=replicate,
-                                overlap=overlap,
-                                head=head,
-                                comp_basis=scenario.comp_basis,
-                                **check,
-                            )
-                        )
+                        rows.append(_row(scenario, point, policy, result, modes, check))
                     if data_parallel:
                         rows += data_parallel_rows(scenario.name, network, batch, bandwidth,
                                                    size, cluster, comp, check)  # fmt: skip
     return rows
+
+
+def _paper_check(cluster, layers, comp, results: dict, stages: str, bandwidth: float) -> dict:
+    """The paper's bandwidth check of a point (:func:`bandwidth_check`), as Row fields: on the
+    paper's split as it ran it, compute shares, convolutions only."""
+    split = results.get(COMPUTE) if stages == UNFUSED else None
+    split = split or simulate_step(cluster, layers, shares_for(cluster, layers, COMPUTE), comp)
+    got = bandwidth_check(layers, split.local_s, split.conv_s, split.comp_s, bandwidth)
+    return {
+        "paper_mbytes": got.paper_bytes / 1e6,
+        "comm_budget_s": got.budget_s,
+        "consistent_mbps": got.consistent_mbps if math.isfinite(got.consistent_mbps) else None,
+        "bandwidth_consistent": got.consistent,
+    }
+
+
+def _row(scenario: Scenario, point: dict, policy: str, result, modes: dict, check: dict) -> Row:
+    """One policy's Row at one ``point`` of the grid (scenario, network, batch, nodes,
+    bandwidth) under ``modes`` (stages, kernels, replicate, overlap, head)."""
+    return Row(
+        **point,
+        policy=policy,
+        step_s=result.step_s,
+        comm_s=result.comm_s,
+        conv_s=result.conv_s,
+        comp_s=result.comp_s,
+        speedup=result.speedup,
+        local_s=result.local_s,
+        amdahl_bound=result.amdahl_bound,
+        workers_used=result.workers_used(),
+        mbytes_per_step=result.bytes / 1e6,
+        shares={k: list(v) for k, v in result.shares.items()},
+        **modes,
+        comp_basis=scenario.comp_basis,
+        **check,
+    )
 
 
 def data_parallel_rows(
