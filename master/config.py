@@ -16,7 +16,7 @@ from hetconv.replica import SPLITS as REPLICATE_SPLITS
 from hetconv.resident import KERNEL_MODES, SENT
 from hetconv.stages import STAGE_MODES, UNFUSED
 
-from .planning import AUTO_NETWORK, COMPUTE_POLICY
+from .planning import AUTO_NETWORK, COMPUTE_POLICY, LINK_POLICY, NETWORKS, SHARE_POLICIES
 from .resident import DEFAULT_SYNC_EVERY
 from .spotcheck import SpotCheckConfig
 
@@ -56,13 +56,13 @@ class ClusterConfig:
         rebalance_every: every this many steps, nodes whose measured compute has drifted from
             their own at the same share earlier get their figures scaled and the kernels are
             split again (0: the split stays as planned, as in the paper, except when workers
-            come or go). See :mod:`hetconv.master.rebalancing`.
+            come or go; ignored when ``deterministic``). See :mod:`hetconv.master.rebalancing`.
         rebalance_change: the relative drift that counts: a node's factor (its median compute
             in the last period over its baseline, geometric mean over its layers) at least
             this far from 1.
         settle_steps: after this many steps on the planned shares, move kernels between the
             nodes (the master too) once by their measured finish times, where the probe's
-            noise or work the plan does not see split them unequally (0: never; ignored when
+            noise or work the plan does not see split them unequally (0: never; refused with
             ``deterministic``). See :mod:`hetconv.master.settling`.
         token, tls_ca: credentials for the workers (see
             :class:`~hetconv.master.client.WorkerClient`).
@@ -146,6 +146,11 @@ class ClusterConfig:
     master_block: str = MASTER_BLOCK_SHARE
 
     def __post_init__(self):
+        self._check_modes()
+        self._check_ranges()
+        self._check_policy()
+
+    def _check_modes(self) -> None:
         if self.master_block not in MASTER_BLOCKS:
             raise ValueError(
                 f"master_block {self.master_block!r}; expected one of {', '.join(MASTER_BLOCKS)}"
@@ -169,9 +174,51 @@ class ClusterConfig:
             raise ValueError(f"stages {self.stages!r}; expected one of {', '.join(STAGE_MODES)}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels {self.kernels!r}; expected one of {', '.join(KERNEL_MODES)}")
+
+    def _check_ranges(self) -> None:
+        """What the command line's flag types refuse, refused here too."""
         if self.resident_sync_every < 0:
             raise ValueError(
                 f"resident sync interval must be >= 0 steps, got {self.resident_sync_every}"
+            )
+        positive = {
+            "probe_repeats": self.probe_repeats,
+            "connect_timeout": self.connect_timeout,
+            "deadline_floor": self.deadline_floor,
+            "deadline_factor": self.deadline_factor,
+            "retry_min": self.retry_min,
+            "rebalance_change": self.rebalance_change,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.retry_max < self.retry_min:
+            raise ValueError(
+                f"retry_max ({self.retry_max}) must be at least retry_min ({self.retry_min})"
+            )
+        for name, value in (("rebalance_every", self.rebalance_every),
+                            ("settle_steps", self.settle_steps)):  # fmt: skip
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 steps, got {value}")
+
+    def _check_policy(self) -> None:
+        if self.share_policy not in SHARE_POLICIES:
+            raise ValueError(
+                f"share_policy {self.share_policy!r}; expected one of {', '.join(SHARE_POLICIES)}"
+            )
+        if self.network not in (AUTO_NETWORK, *NETWORKS):
+            raise ValueError(
+                f"network {self.network!r}; expected one of {AUTO_NETWORK}, {', '.join(NETWORKS)}"
+            )
+        if self.deterministic and self.share_policy == LINK_POLICY:
+            raise ValueError(
+                "--deterministic splits kernels equally, --shares link by measured links: "
+                "drop one of them"
+            )
+        if self.deterministic and self.settle_steps:
+            raise ValueError(
+                "--deterministic never settles (shares must not follow measured speed): "
+                "drop --settle-steps"
             )
 
 

@@ -209,57 +209,6 @@ worker, --network, --bandwidth) or name a scenario (a shipped name, see `hetconv
 HERE_GFLOPS = 120.0
 
 
-def _device(text: str) -> tuple[float, float | None]:
-    """``GFLOPS`` or ``GFLOPS@MBIT``."""
-    import argparse
-
-    speed, _, link = text.partition("@")
-    try:
-        gflops, mbit = float(speed), (float(link) if link else None)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not GFLOPS or GFLOPS@MBIT (e.g. 45 or 45@100)"
-        ) from None
-    if not gflops > 0 or (mbit is not None and not mbit > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: GFLOPS and Mbit/s must be positive")
-    return gflops, mbit
-
-
-def add_arguments(parser) -> None:
-    from hetconv.argtypes import positive_float, positive_int
-    from hetconv.model import PRESETS
-
-    parser.add_argument("scenario", nargs="?", metavar="SCENARIO",
-                        help="a shipped scenario's name or a .toml file (instead of --master "
-                        "and --worker)")  # fmt: skip
-    parser.add_argument("--preset", default="paper-50-500", choices=list(PRESETS),
-                        help="the network (default paper-50-500)")  # fmt: skip
-    parser.add_argument("--batch", type=positive_int, default=16,
-                        help="images per step (default 16)")  # fmt: skip
-    parser.add_argument("--nodes", type=positive_int,
-                        help="with a scenario: the master and this many - 1 of its workers "
-                        "(default: every listed one)")  # fmt: skip
-    parser.add_argument("--master", type=positive_float, metavar="GFLOPS",
-                        help="the master's convolution speed")  # fmt: skip
-    parser.add_argument("--worker", type=_device, action="append", default=[],
-                        metavar="GFLOPS[@MBIT]",
-                        help="a worker's speed, and its own link when it differs (repeat per "
-                        "worker)")  # fmt: skip
-    parser.add_argument("--network", choices=("switched", "wifi"),
-                        help="switched: a port per node (gigabit Ethernet); wifi: one shared "
-                        "half-duplex medium (default: the scenario's, else wifi)")  # fmt: skip
-    parser.add_argument("--bandwidth", type=positive_float, metavar="MBIT",
-                        help="the link's real throughput, Mbit/s (default: the scenario's, "
-                        "else 100 for wifi, 940 switched)")  # fmt: skip
-    parser.add_argument(
-        "--latency-ms",
-        type=positive_float,
-        default=None,
-        help="round trip master <-> worker (default: the scenario's, else 3)",
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the ranked strategies as JSON")
-
-
 def described_scenario(args):
     """The scenario the arguments describe (a named one with overrides, or one made of
     --master and --worker)."""

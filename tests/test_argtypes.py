@@ -36,7 +36,7 @@ def test_good_values_pass_through_with_their_type():
 
 def test_the_commands_use_them():
     from hetconv import cli
-    from hetconv.simulations import cli as simulate_cli
+    from hetconv.cli import simulate as simulate_cli
     from hetconv.simulations import validate
 
     parser = argparse.ArgumentParser()

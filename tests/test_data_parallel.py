@@ -29,7 +29,7 @@ from hetconv.dataparallel import (
     simulate_data_parallel,
 )
 from hetconv.model import PRESETS, Model, load_spec
-from hetconv.simulations.cli import main as simulate_main
+from hetconv.cli.simulate import main as simulate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "ddp_rank.py"

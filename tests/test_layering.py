@@ -1,5 +1,6 @@
-"""Imports go one way: the core, then master, worker and the simulator on it, the command line on
-top; no module imports itself back through others (lazy imports inside functions count too)."""
+"""Imports go one way: the core, then master, worker, the simulator and the training run on it,
+the command line on top; no module imports itself back through others (lazy imports inside
+functions count too)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Source folder -> installed package (pyproject's package-dir).
 PACKAGES = {"hetconv": "hetconv", "master": "hetconv.master", "worker": "hetconv.worker",
-            "simulations": "hetconv.simulations"}  # fmt: skip
+            "simulations": "hetconv.simulations", "training": "hetconv.training",
+            "cli": "hetconv.cli"}  # fmt: skip
+#: The rooms above the core; the core (hetconv.*, but for them) imports none of them.
+ROOMS = ("hetconv.master", "hetconv.worker", "hetconv.simulations", "hetconv.training",
+         "hetconv.cli")  # fmt: skip
+#: ``python -m hetconv`` runs the command line: the one core module that imports it.
+ENTRY_POINT = "hetconv.__main__"
 
 
 def _modules() -> dict[str, Path]:
@@ -57,14 +64,20 @@ def test_the_graph_sees_the_project():
     assert "hetconv.master.cluster" in graph and "hetconv.master.dispatch" in graph
     assert "hetconv.master.dispatch" in graph["hetconv.master.cluster"]
     assert "hetconv.backends" in graph["hetconv.conv"]
+    assert "hetconv.training.loop" in graph and "hetconv.cli.train" in graph
+    assert "hetconv.training" in graph["hetconv.cli.train"]
 
 
 def test_rooms_import_only_downwards():
     rules = {
-        "hetconv.master": ("hetconv.worker", "hetconv.simulations", "hetconv.cli"),
-        "hetconv.worker": ("hetconv.master", "hetconv.simulations", "hetconv.cli"),
-        "hetconv.simulations": ("hetconv.worker", "hetconv.cli"),
-    }
+        "hetconv.master": ("hetconv.worker", "hetconv.simulations", "hetconv.training",
+                           "hetconv.cli"),
+        "hetconv.worker": ("hetconv.master", "hetconv.simulations", "hetconv.training",
+                           "hetconv.cli"),
+        "hetconv.simulations": ("hetconv.worker", "hetconv.training", "hetconv.cli"),
+        "hetconv.training": ("hetconv.master", "hetconv.worker", "hetconv.simulations",
+                             "hetconv.cli"),
+    }  # fmt: skip
     bad = {}
     for name, imported in _graph().items():
         for room, forbidden in rules.items():
@@ -72,6 +85,17 @@ def test_rooms_import_only_downwards():
                 wrong = sorted(m for m in imported if m.startswith(forbidden))
                 if wrong:
                     bad[name] = wrong
+    assert bad == {}
+
+
+def test_the_core_imports_no_room_above_it():
+    bad = {}
+    for name, imported in _graph().items():
+        in_core = name == "hetconv" or not name.startswith(ROOMS)
+        if in_core and name != ENTRY_POINT:
+            wrong = sorted(m for m in imported if m.startswith(ROOMS))
+            if wrong:
+                bad[name] = wrong
     assert bad == {}
 
 

@@ -318,7 +318,7 @@ def test_link_shares_give_workers_more_when_their_maps_move_beside_the_compute()
 
 
 def test_simulate_models_overlap(tmp_path):
-    from hetconv.simulations.cli import main as simulate_main
+    from hetconv.cli.simulate import main as simulate_main
 
     rows = {}
     for overlap in ("off", "on"):

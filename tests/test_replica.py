@@ -27,7 +27,7 @@ from hetconv.master.launch import LocalWorkers
 from hetconv.model import Model, reference_spec
 from hetconv.replica import ReplicaBlock
 from hetconv.simulations.calibrate import calibrate, replicas
-from hetconv.simulations.cli import main as simulate_main
+from hetconv.cli.simulate import main as simulate_main
 from hetconv.simulations.trace import read_steps, step_bytes
 from hetconv.stages import StageSpec
 from hetconv.workload import (

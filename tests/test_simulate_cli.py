@@ -10,7 +10,7 @@ import pytest
 
 from hetconv.cli import build_parser
 from hetconv.cli import main as hetconv_main
-from hetconv.simulations.cli import main as simulate_main
+from hetconv.cli.simulate import main as simulate_main
 from hetconv.simulations.paper import (
     PAPER_COMP_FRACTIONS,
     PAPER_NETWORKS,

@@ -39,7 +39,8 @@ from hetconv.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
 from hetconv.simulations.calibrate import calibrate, read_plan
 from hetconv.simulations.cli import POLICIES as CLI_POLICIES
-from hetconv.simulations.cli import add_arguments, main, run
+from hetconv.cli.simulate import add_arguments, main
+from hetconv.simulations.cli import run
 from hetconv.simulations.scenario import (
     Population,
     load_scenario,

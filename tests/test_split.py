@@ -26,7 +26,7 @@ from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.replica import ReplicaBlock
 from hetconv.simulations.calibrate import calibrate
-from hetconv.simulations.cli import main as simulate_main
+from hetconv.cli.simulate import main as simulate_main
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import StageSpec, stage_backward, stage_forward
 from hetconv.workload import network_layers, split_part

@@ -29,7 +29,7 @@ from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.proto import worker_pb2 as pb
 from hetconv.simulations.calibrate import calibrate
-from hetconv.simulations.cli import main as simulate_main
+from hetconv.cli.simulate import main as simulate_main
 from hetconv.split import MASTER, SplitPlan
 from hetconv.stages import stage_backward, stage_forward
 from hetconv.workload import network_layers

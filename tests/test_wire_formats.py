@@ -421,7 +421,7 @@ def test_a_16_bit_trace_calibrates_the_simulator(runs):
 
 
 def test_a_scenario_names_its_wire_format_and_the_flag_replaces_it(tmp_path, capsys):
-    from hetconv.simulations.cli import main
+    from hetconv.cli.simulate import main
     from hetconv.simulations.scenario import load_scenario
 
     base = load_scenario("gigabit-lan")

@@ -4,16 +4,13 @@ at the end, what it did against what was predicted (:func:`summarize`)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from .config import TrainResult
 
-if TYPE_CHECKING:
-    from .loop import _Run
 
-
-def announce(run: _Run) -> None:
-    """Say what is about to run and, on a resume, from where."""
+def announce(run) -> None:
+    """Say what is about to run and, on a resume, from where (``run``: the loop's
+    :class:`~hetconv.training.loop._Run`)."""
     config, log = run.config, run.log
     what = f"{len(run.train_set)} images, {len(run.test_set)} held out"
     if run.data.kind != "synthetic":
@@ -59,7 +56,7 @@ def announce(run: _Run) -> None:
         )
 
 
-def summarize(run: _Run, result: TrainResult) -> None:
+def summarize(run, result: TrainResult) -> None:
     """Report the run's ``result``: speed, loss, held-out accuracy, the step's breakdown and
     the measured speedup against the predicted one."""
     config, log, totals, steps = run.config, run.log, run.totals, run.steps

@@ -26,8 +26,10 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from .config import require_tensorboard
 from .metrics import (
     FIXED_COLUMNS,
     columns_for,
@@ -165,6 +167,47 @@ class RunDir:
     @property
     def figures(self) -> Path:
         return self.path / FIGURES_NAME
+
+
+@dataclass(frozen=True)
+class RunFolderConfig:
+    """Whether and where a run keeps its folder (``hetconv train``'s ``--run-dir``, ``--name``,
+    ``--no-run-dir``, ``--resume``, ``--tensorboard``); the checks refuse what the command line
+    refuses.
+
+    Args:
+        root: the folder that holds runs.
+        name: the run's folder name (None: the local time).
+        enabled: False: no run folder, only the outputs named on their own.
+        resume: continue a run: the one ``name`` names, or the checkpoints in
+            ``checkpoint_dir`` in a new folder.
+        checkpoint_dir: checkpoints named on their own (then ``resume`` needs no name).
+        tensorboard: also write TensorBoard event files into the folder.
+    """
+
+    root: str = "runs"
+    name: str | None = None
+    enabled: bool = True
+    resume: bool = False
+    checkpoint_dir: str | None = None
+    tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensorboard:
+            require_tensorboard()
+        if not self.enabled:
+            for flag, given in (("--name", self.name), ("--tensorboard", self.tensorboard)):
+                if given:
+                    raise ValueError(f"{flag} needs a run folder: drop --no-run-dir")
+        elif self.resume and not self.name and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir or --name: the run to continue")
+
+    def choose(self) -> RunDir | None:
+        """The run's folder (:meth:`RunDir.choose`; not yet made), or None without one."""
+        if not self.enabled:
+            return None
+        # resume with checkpoint_dir alone continues those checkpoints in a new run folder.
+        return RunDir.choose(self.root, self.name, resume=self.resume and bool(self.name))
 
 
 def find_run(path: str | os.PathLike) -> Path | None:

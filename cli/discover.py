@@ -1,0 +1,101 @@
+"""``hetconv train --discover``: the workers found on the LAN, less those named already and
+those that refuse this master's token or TLS, joined as they appear while training."""
+
+from __future__ import annotations
+
+from hetconv.training import train
+
+
+def train_discovered(config, cluster_config, named: list[str], wait: float):
+    """``hetconv train --discover``: browse the LAN for ``wait`` seconds, say what was found,
+    train with it and the ``named`` workers, and keep browsing (joiners and leavers)."""
+    from hetconv.master.cluster import Cluster
+    from hetconv.master.discovery import Discovery
+
+    try:
+        discovery = Discovery(has_token=cluster_config.token is not None)
+    except OSError as e:
+        raise OSError(
+            f"--discover cannot browse the LAN (multicast DNS): {e}; name workers with --worker"
+        ) from None
+    try:
+        print(f"looking for workers on the LAN (DNS-SD/mDNS) for {wait:g} s ...", flush=True)
+        found = _accepting(_not_named(discovery.wait(wait), named, cluster_config), cluster_config)
+        for refusal in discovery.take_refusals():
+            print(f"found {refusal.address}, not used: {refusal.reason}")
+        if found:
+            listed = "; ".join(w.describe() for w in found)
+            print(f"found {len(found)} worker{'s' if len(found) != 1 else ''}: {listed}")
+        else:
+            other = "other " if named else ""
+            print(
+                f"found no {other}worker yet; still looking while training (workers join as "
+                "they appear)"
+            )
+        addresses = named + [w.address for w in found]
+        if not addresses and not cluster_config.master_compute:
+            raise ValueError(
+                f"--discover found no worker in {wait:g} s and --no-master-compute leaves "
+                "nothing to compute: start workers first, or give --discover-wait more"
+            )
+        with Cluster(addresses, config=cluster_config) as cluster:
+            cluster.membership.follow(discovery, [w.address for w in found])
+            return train(config, cluster)
+    finally:
+        discovery.close()
+
+
+def _accepting(found, cluster_config) -> list:
+    """The workers ``found`` on the LAN minus those that refuse this master's token or fail
+    its TLS check (another user's workers, or a stranger's), each said."""
+    from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
+
+    kept = []
+    for worker in found:
+        if not worker.token_required and cluster_config.tls_ca is None:
+            kept.append(worker)
+            continue
+        client = WorkerClient(
+            worker.address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+        )
+        try:
+            client.describe()
+        except (WorkerAuthError, WorkerTLSError) as e:
+            print(f"found {worker.address}, not used: {e}")
+            continue
+        except WorkerError:  # not reachable now: the cluster reports it and retries
+            pass
+        finally:
+            client.close()
+        kept.append(worker)
+    return kept
+
+
+def _not_named(found, named: list[str], cluster_config) -> list:
+    """The workers ``found`` on the LAN that are not among the ``named`` ones, by address or
+    by worker process (the instance id their advertisement carries and Describe returns: a
+    worker named as ``localhost:P`` is found at its LAN address), saying which were left."""
+    from hetconv.master.client import WorkerClient, WorkerError
+
+    found = [w for w in found if w.address not in named]
+    if not found or not named:
+        return found
+    named_ids = {}
+    for address in named:
+        client = WorkerClient(
+            address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+        )
+        try:
+            named_ids[f"{client.describe().instance_id:016x}"] = address
+        except WorkerError:  # not reachable now: the cluster reports it
+            pass
+        finally:
+            client.close()
+    kept = []
+    for worker in found:
+        twin = named_ids.get(worker.properties.get("instance", ""))
+        if twin is None:
+            kept.append(worker)
+        else:
+            print(f"found {worker.address}: the worker named as {twin}; using it")
+    return kept
