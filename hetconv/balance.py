@@ -158,43 +158,15 @@ def _phase_terms(
     guess = layer.kernels // (workers + 1)
     fmt = cluster.wire.format  # of x, y, dy and dx; kernels are float32
     x_bytes = layer.x_wire_bytes(fmt)
-    maps = layer.map_wire_bytes(fmt)  # one kernel's feature maps
-    halo_forward = halo_backward = 0.0
-    if fused:
-        s = layer.shape
-        ho, wo = layer.stage.output_hw(s.out_hw)
-        maps = fmt.nbytes((s.n, 1, ho, wo))  # one kernel's stage output
-        halo = 2 * layer.stage.halo
-        reach = sum(layer.stage.grad_reach)
-        halo_forward = (halo * layer.kernel_bytes) / rates  # their weights, sent
-        halo_backward = (reach * maps) / rates  # their output gradient, sent
-    fixed_forward = fixed_backward = 0.0
-    if fused and resident and head:
-        s = layer.shape
-        ho, wo = layer.stage.output_hw(s.out_hw)
-        logits = FLOAT32.nbytes((s.n, head))
-        columns = FLOAT32.nbytes((2 * layer.stage.halo, ho * wo, head))
-        fixed_forward = (logits + columns) / rates  # z back, the halo's columns out
-        fixed_backward = (logits + columns) / rates  # dz out, the edges' columns back
-        maps = 0
-        halo_backward = 0.0
+    maps, halo_forward, halo_backward, fixed_forward, fixed_backward = _fused_bytes(
+        layer, fmt, rates, fused, resident, head
+    )
     per_kernel = maps if resident else layer.kernel_bytes + maps  # weights, maps (or outputs)
     dx = x_bytes if layer.need_input_grad else 0
     block = np.zeros((2, len(nodes) - 1))  # a replicated block's work on each worker
+    master_block = 0.0
     if replica is not None:
-        x_bytes = replica.images_bytes + replica.kernel_bytes * replica.kernels
-        dx = replica.kernel_bytes * replica.kernels
-        for row, phase in enumerate((FORWARD, BACKWARD)):
-            block[row] = [
-                n.conv_seconds(replica, replica.kernels, replica.passes(phase)) for n in nodes[1:]
-            ]
-        master_block = 0.0
-        if cluster.master_compute:  # the workers start it as the master computes its own
-            head = nodes[0].conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
-            block[0] = np.maximum(block[0] - head, 0.0)
-            # and the master takes its part back through its block in the backward phase,
-            # after its own piece, as the workers compute
-            master_block = nodes[0].conv_seconds(replica, replica.kernels, replica.passes(BACKWARD))
+        x_bytes, dx, block, master_block = _replicated_block(cluster, replica)
     terms = np.zeros((4, len(nodes)))
     calls = [_call_seconds(cluster, layer, p, guess, fused, groups) for p in (FORWARD, BACKWARD)]
     terms[0, 1:] = calls[0] + rtts + x_bytes / rates
@@ -223,6 +195,59 @@ def _phase_terms(
     if not cluster.master_compute:
         terms[1, 0] = terms[3, 0] = math.inf
     return terms
+
+
+def _fused_bytes(
+    layer: ConvLayer, fmt, rates: np.ndarray, fused, resident: bool, head: int
+) -> tuple:
+    """What :func:`_phase_terms` moves per kernel and per call beside the input: (one kernel's
+    maps or stage output in bytes; per worker the seconds of the halo's weights sent forward
+    and of its output gradient sent backward; of a split head's fixed forward and backward
+    traffic)."""
+    maps = layer.map_wire_bytes(fmt)  # one kernel's feature maps
+    halo_forward = halo_backward = 0.0
+    if fused:
+        s = layer.shape
+        ho, wo = layer.stage.output_hw(s.out_hw)
+        maps = fmt.nbytes((s.n, 1, ho, wo))  # one kernel's stage output
+        halo = 2 * layer.stage.halo
+        reach = sum(layer.stage.grad_reach)
+        halo_forward = (halo * layer.kernel_bytes) / rates  # their weights, sent
+        halo_backward = (reach * maps) / rates  # their output gradient, sent
+    fixed_forward = fixed_backward = 0.0
+    if fused and resident and head:
+        s = layer.shape
+        ho, wo = layer.stage.output_hw(s.out_hw)
+        logits = FLOAT32.nbytes((s.n, head))
+        columns = FLOAT32.nbytes((2 * layer.stage.halo, ho * wo, head))
+        fixed_forward = (logits + columns) / rates  # z back, the halo's columns out
+        fixed_backward = (logits + columns) / rates  # dz out, the edges' columns back
+        maps = 0
+        halo_backward = 0.0
+    return maps, halo_forward, halo_backward, fixed_forward, fixed_backward
+
+
+def _replicated_block(cluster: Cluster, replica: ConvLayer) -> tuple[int, int, np.ndarray, float]:
+    """A replicated first block in :func:`_phase_terms`: (what a worker is sent instead of the
+    input, and answers instead of an input-gradient part, in bytes; the block's forward and
+    backward seconds on each worker, rows (forward, backward); the master's own block backward,
+    seconds)."""
+    nodes = cluster.nodes
+    x_bytes = replica.images_bytes + replica.kernel_bytes * replica.kernels
+    dx = replica.kernel_bytes * replica.kernels
+    block = np.zeros((2, len(nodes) - 1))
+    for row, phase in enumerate((FORWARD, BACKWARD)):
+        block[row] = [
+            n.conv_seconds(replica, replica.kernels, replica.passes(phase)) for n in nodes[1:]
+        ]
+    master_block = 0.0
+    if cluster.master_compute:  # the workers start it as the master computes its own
+        ahead = nodes[0].conv_seconds(replica, replica.kernels, replica.passes(FORWARD))
+        block[0] = np.maximum(block[0] - ahead, 0.0)
+        # and the master takes its part back through its block in the backward phase,
+        # after its own piece, as the workers compute
+        master_block = nodes[0].conv_seconds(replica, replica.kernels, replica.passes(BACKWARD))
+    return x_bytes, dx, block, master_block
 
 
 def _split(terms: np.ndarray, chosen: np.ndarray, kernels: int) -> tuple[float, np.ndarray]:
