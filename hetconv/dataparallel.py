@@ -329,28 +329,8 @@ def simulate_data_parallel(
     conv_fractions = [
         _conv_fraction(n, layers, p, batch) for n, p in zip(ranks, profiles, strict=True)
     ]
-    if image_seconds is not None:
-        if len(image_seconds) != len(ranks) or not all(t > 0 for t in image_seconds):
-            raise ValueError(
-                f"image_seconds needs {len(ranks)} positive values, one per rank, got "
-                f"{list(image_seconds)}"
-            )
-        profiles = [p.scaled(t / p.total_s) for p, t in zip(profiles, image_seconds, strict=True)]
-    if batches is None:
-        batches = proportional_batches(batch, [p.total_s for p in profiles])
-    elif len(batches) != len(ranks) or sum(batches) != batch or min(batches) < 0:
-        raise ValueError(
-            f"batches {list(batches)} must be {len(ranks)} counts >= 0 summing to {batch}"
-        )
-    # Per rank: when its forward ends and each conv block's backward ends (last block first).
-    forward_end = [p.forward_s * b for p, b in zip(profiles, batches, strict=True)]
-    block_ends = []
-    for p, b, start in zip(profiles, batches, forward_end, strict=True):
-        ends, t = [], start
-        for seconds in p.backward_s:
-            t += seconds * b
-            ends.append(t)
-        block_ends.append(ends)
+    profiles, batches = _rank_batches(profiles, batch, image_seconds, batches)
+    forward_end, block_ends = _timeline(profiles, batches)
     compute_ends = [
         ends[-1] if ends else f for ends, f in zip(block_ends, forward_end, strict=True)
     ]
@@ -360,20 +340,9 @@ def simulate_data_parallel(
     exchange_all = exchange_seconds(cluster, total_bytes, algorithm, costs)
     ends: list[float] = []
     if overlap:
-        blocks = len(layers)
-        t = 0.0
-        exchange = 0.0
-        for size, block in buckets(spec, costs):
-            # Ready once every rank's backward has passed the bucket's earliest conv block
-            # (-1: no conv weights in it: ready when backward starts).
-            if block < 0 or not blocks:
-                ready = max(forward_end)
-            else:
-                ready = max(ends_[blocks - 1 - block] for ends_ in block_ends)
-            took = exchange_seconds(cluster, size, algorithm, costs)
-            exchange += took
-            t = max(t, ready) + took
-            ends.append(t)
+        exchange, t, ends = _bucket_exchange(
+            cluster, spec, len(layers), algorithm, costs, forward_end, block_ends
+        )
         step = max(compute, t)
     else:
         exchange = exchange_all
@@ -400,6 +369,74 @@ def simulate_data_parallel(
         local_s=local,
         bucket_ends_s=tuple(ends),
     )
+
+
+def _rank_batches(
+    profiles: list[_Profile],
+    batch: int,
+    image_seconds: Sequence[float] | None,
+    batches: Sequence[int] | None,
+) -> tuple[list[_Profile], Sequence[int]]:
+    """The ranks' profiles scaled to ``image_seconds`` (when measured), and their batch slices:
+    ``batches`` checked, or proportional to speed."""
+    if image_seconds is not None:
+        if len(image_seconds) != len(profiles) or not all(t > 0 for t in image_seconds):
+            raise ValueError(
+                f"image_seconds needs {len(profiles)} positive values, one per rank, got "
+                f"{list(image_seconds)}"
+            )
+        profiles = [p.scaled(t / p.total_s) for p, t in zip(profiles, image_seconds, strict=True)]
+    if batches is None:
+        batches = proportional_batches(batch, [p.total_s for p in profiles])
+    elif len(batches) != len(profiles) or sum(batches) != batch or min(batches) < 0:
+        raise ValueError(
+            f"batches {list(batches)} must be {len(profiles)} counts >= 0 summing to {batch}"
+        )
+    return profiles, batches
+
+
+def _timeline(
+    profiles: Sequence[_Profile], batches: Sequence[int]
+) -> tuple[list[float], list[list[float]]]:
+    """Per rank: when its forward ends, and when each conv block's backward ends (last block
+    first), seconds into the step."""
+    forward_end = [p.forward_s * b for p, b in zip(profiles, batches, strict=True)]
+    block_ends = []
+    for p, b, start in zip(profiles, batches, forward_end, strict=True):
+        ends, t = [], start
+        for seconds in p.backward_s:
+            t += seconds * b
+            ends.append(t)
+        block_ends.append(ends)
+    return forward_end, block_ends
+
+
+def _bucket_exchange(
+    cluster: Cluster,
+    spec: Sequence[Mapping],
+    blocks: int,
+    algorithm: str,
+    costs: CollectiveCosts,
+    forward_end: Sequence[float],
+    block_ends: Sequence[Sequence[float]],
+) -> tuple[float, float, list[float]]:
+    """The buckets exchanged during backward (DDP), each once every rank has passed its earliest
+    conv block: (seconds exchanging, when the last ends, when each ends)."""
+    t = 0.0
+    exchange = 0.0
+    ends = []
+    for size, block in buckets(spec, costs):
+        # Ready once every rank's backward has passed the bucket's earliest conv block
+        # (-1: no conv weights in it: ready when backward starts).
+        if block < 0 or not blocks:
+            ready = max(forward_end)
+        else:
+            ready = max(ends_[blocks - 1 - block] for ends_ in block_ends)
+        took = exchange_seconds(cluster, size, algorithm, costs)
+        exchange += took
+        t = max(t, ready) + took
+        ends.append(t)
+    return exchange, t, ends
 
 
 def _conv_fraction(node: Node, layers: Sequence[ConvLayer], profile: _Profile, batch: int):
