@@ -71,24 +71,21 @@ import secrets
 from collections.abc import Sequence
 from typing import TextIO
 
-import numpy as np
-
 from hetconv import costmodel
-from hetconv.backends import Backend, Padding, PaddingSpec, conv_shape, get_backend
+from hetconv.backends import Backend, get_backend
 from hetconv.conv import ConvExecutor
 from hetconv.optim import SGDConfig
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import MASTER_BLOCK_NONE
 from hetconv.replica import OFF as REPLICATE_OFF
-from hetconv.resident import RESIDENT, SENT
-from hetconv.split import MASTER as MASTER_PEER
-from hetconv.split import SplitPlan, split_images
+from hetconv.resident import RESIDENT
 from hetconv.stages import FUSED, UNFUSED
 
-from . import modes, probing
+from . import modes, probing, runs
 from .client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
 from .config import ClusterConfig
-from .dispatch import Call, CallContext, FusedKernelSplit, KernelSplit, PhaseRunner, SplitStrategy
+from .dispatch import Call, PhaseRunner, SplitStrategy
+from .dispatch import KernelSplit as KernelSplitStrategy
 from .events import EventLog
 from .membership import ACTIVE, ALIAS, LOST, MASTER, READY, Membership, Node, NodeState
 from .planning import (
@@ -100,26 +97,16 @@ from .planning import (
     PlannedLayer,
     Planner,
     check_shares,
-    image_fractions,
     plan_record,
     shares_table,
     step_model,
 )
 from .rebalancing import DriftMonitor
-from .replica import (
-    REPLICATED,
-    ReplicatedBlocks,
-    SplitStep,
-    timed,
-)
+from .replica import REPLICATED, ReplicatedBlocks
 from .resident import ResidentKernels
+from .runs import RunContext
 from .settling import SettleMonitor
 from .spotcheck import SpotChecker
-
-
-def _sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
-    p = Padding.resolve(padding, kernel_hw)
-    return p.top, p.bottom, p.left, p.right
 
 
 class Cluster(ConvExecutor):
@@ -146,7 +133,7 @@ class Cluster(ConvExecutor):
         self.drift = DriftMonitor(0 if c.deterministic else c.rebalance_every, c.rebalance_change)
         self.settling = SettleMonitor(0 if c.deterministic else c.settle_steps)
         network = "switched" if c.network == AUTO_NETWORK else c.network  # until measured
-        self.planner = Planner(
+        planner = Planner(
             c.master_compute,
             c.share_policy,
             network,
@@ -158,13 +145,6 @@ class Cluster(ConvExecutor):
         if not addresses and not c.master_compute and not c.workers_file:
             raise ValueError("no workers and --no-master-compute: nothing would compute")
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        self.strategy = strategy or KernelSplit()
-        self.fused = FusedKernelSplit()
-        self.stage_modes: dict[str, str] = {}  # layer -> FUSED or UNFUSED (set by prepare)
-        self._stage_steps: dict[str, str] = {}  # layers run this step -> their mode
-        # layer -> its stage forward started with the block feeding it (_start_ahead)
-        self._ahead: dict[str, tuple] = {}
-        self._started_ahead: set[str] = set()  # layers whose stage forward did so this step
         self._events = EventLog()
         self.membership = Membership(
             [Node(MASTER, None)] + [Node(a, self._client(a)) for a in addresses],
@@ -181,13 +161,8 @@ class Cluster(ConvExecutor):
             self.membership, c.deadline_floor, c.deadline_factor, self.spot_checks
         )
         self.session = secrets.randbits(64)
-        self.kernel_modes: dict[str, str] = {}  # layer -> RESIDENT or SENT (set by prepare)
-        self.heads: dict[str, int] = {}  # layer -> classes of the fc it splits (hetconv.head)
-        self.head_fcs: dict[str, str] = {}  # layer -> that fc's name
         self.head_refused: str | None = None
         self.replica_refused: str | None = None
-        # replicated block -> its whole work over its convolution's (replica.block_cost_factor)
-        self.block_cost: dict[str, float] = {}
         self.resident = ResidentKernels(
             self.session,
             self.backend,
@@ -195,12 +170,16 @@ class Cluster(ConvExecutor):
             self._transfer_deadline,
             sync_every=c.resident_sync_every,
         )
-        self.plans: dict[str, LayerPlan] = {}
+        # What every layer's way of running shares (runs.RunContext), and each prepared
+        # layer's way (runs.build_runs, at prepare); a layer not prepared runs by the default.
+        self.ctx = RunContext(
+            self.backend, self.runner, self.session, c, self.membership, self.resident,
+            strategy or KernelSplitStrategy(), planner, ReplicatedBlocks({}, {}),
+        )  # fmt: skip
+        self.runs: dict[str, runs.KernelSplit] = {}
+        self._unseen: dict[str, runs.KernelSplit] = {}
         self.step = 0
         self._layers: list[PlannedLayer] = []
-        self.replicas = ReplicatedBlocks({}, {})  # a replicated first block (set by prepare)
-        self._split_rounds = 0  # split blocks so far (hetconv.split: SplitPlan.round)
-        self.overlap_images: dict[str, int] = {}  # fused layer -> images per group (prepare)
 
     @property
     def nodes(self) -> list[Node]:
@@ -354,27 +333,7 @@ class Cluster(ConvExecutor):
                     name, layer.shape.k, shares, len(self.nodes), self.config.master_compute
                 )
         self._replan()
-        self._choose_stage_modes(layers, batch)
-        self._choose_replica(layers, batch)
-        self._choose_kernel_modes(layers, batch)
-        # The modes change what each layer's calls move: plan the shares again knowing them,
-        # then judge overlap on those shares (on shares planned for whole inputs and kernels
-        # travelling, the workers may have none), and plan again with its groups.
-        resident = frozenset(name for name, mode in self.kernel_modes.items() if mode == RESIDENT)
-        consumers = {consumer: block for block, consumer in self.replicas.feeds.items()}
-        self._choose_heads(layers)
-        if resident or consumers:
-            self.planner = dataclasses.replace(
-                self.planner, resident=resident, replicas=consumers, heads=dict(self.heads),
-                block_cost=dict(self.block_cost), split_blocks=self.replicas.split,
-                split_master=self.replicas.split_all,
-                master_images=self.config.master_block != MASTER_BLOCK_NONE,
-            )  # fmt: skip
-            self._replan()
-        self._choose_overlap(layers, batch)
-        if self.overlap_images:
-            self.planner = dataclasses.replace(self.planner, overlap=dict(self.overlap_images))
-            self._replan()
+        self._choose_runs(layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
             print(self.describe_shares(), file=log)
@@ -391,14 +350,107 @@ class Cluster(ConvExecutor):
     supports_head = True
     distributed = True
 
-    def _choose_heads(self, layers) -> None:
-        """Which layer's stage also computes the final fc on the nodes (:func:`.modes.heads`)."""
-        choice = modes.heads(self.config, layers, self.kernel_modes)
-        self.heads, self.head_fcs, self.head_refused = choice.heads, choice.fcs, choice.refused
+    def _choose_runs(self, layers, batch: int) -> None:
+        """Each layer's way of running (:mod:`.runs`), from the modes :mod:`.modes` chooses in
+        turn: the stage modes, whether the first block replicates, the kernel modes, the split
+        head; then the shares planned again knowing what each layer's calls move, overlap
+        judged on those shares, and the shares planned again with its groups."""
+        c, plans, nodes = self.config, self.plans, self.nodes
+        stage_modes = modes.stage_modes(c, layers, batch, plans, nodes)
+        wifi = self.planner.network == "wifi"
+        choice = modes.replica(c, layers, batch, stage_modes, plans, nodes, self.backend, wifi)
+        self.replica_refused = choice.refused
+        if choice.blocks is not None:
+            self.ctx.replicas = choice.blocks
+            stage_modes[layers[0].name] = REPLICATED
+        kernel_modes = modes.kernel_modes(c, layers, batch, stage_modes, plans, nodes)
+        head = modes.heads(c, layers, kernel_modes)
+        self.head_refused = head.refused
+        resident = frozenset(name for name, mode in kernel_modes.items() if mode == RESIDENT)
+        consumers = {consumer: block for block, consumer in self.replicas.feeds.items()}
+        if resident or consumers:
+            self.planner = dataclasses.replace(
+                self.planner, resident=resident, replicas=consumers, heads=dict(head.heads),
+                block_cost=dict(choice.block_cost), split_blocks=self.replicas.split,
+                split_master=self.replicas.split_all,
+                master_images=c.master_block != MASTER_BLOCK_NONE,
+            )  # fmt: skip
+            self._replan()
+        overlap = modes.overlap_images(c, layers, batch, stage_modes, head.heads, plans, nodes)
+        if overlap:
+            self.planner = dataclasses.replace(self.planner, overlap=dict(overlap))
+            self._replan()
+        heads = {name: (head.fcs[name], classes) for name, classes in head.heads.items()}
+        self.runs = runs.build_runs(
+            self.ctx, stage_modes, kernel_modes, overlap, heads, choice.block_cost
+        )
+
+    def _run(self, layer: str) -> runs.KernelSplit:
+        """``layer``'s way of running; a layer the cluster was not prepared for runs fused
+        where the configuration says fused, else split by kernels (sent)."""
+        run = self.runs.get(layer) or self._unseen.get(layer)
+        if run is None:
+            way = runs.FusedStage if self.config.stages == FUSED else runs.KernelSplit
+            run = self._unseen[layer] = way(self.ctx, layer)
+        return run
+
+    # -- what the ways chose, by layer (views of self.runs) ----------------------------------
+
+    @property
+    def planner(self) -> Planner:
+        return self.ctx.planner
+
+    @planner.setter
+    def planner(self, planner: Planner) -> None:
+        self.ctx.planner = planner
+
+    @property
+    def plans(self) -> dict[str, LayerPlan]:
+        """Layer -> its shares over the nodes."""
+        return self.ctx.plans
+
+    @property
+    def replicas(self) -> ReplicatedBlocks:
+        """The replicated first block, if any (:mod:`.replica`)."""
+        return self.ctx.replicas
+
+    @property
+    def stage_modes(self) -> dict[str, str]:
+        """Layer -> fused, unfused or replicated."""
+        return {name: run.stage_mode for name, run in self.runs.items()}
+
+    @property
+    def kernel_modes(self) -> dict[str, str]:
+        """Layer -> resident or sent."""
+        return {name: run.kernels for name, run in self.runs.items()}
+
+    @property
+    def heads(self) -> dict[str, int]:
+        """Layer -> classes of the final fc its stage computes on the nodes (hetconv.head)."""
+        return {name: run.head[1] for name, run in self.runs.items() if run.head}
+
+    @property
+    def head_fcs(self) -> dict[str, str]:
+        """Layer -> the name of the fc its stage computes on the nodes."""
+        return {name: run.head[0] for name, run in self.runs.items() if run.head}
+
+    @property
+    def overlap_images(self) -> dict[str, int]:
+        """Fused layer -> images per group of its worker calls (hetconv.overlap)."""
+        return {name: run.overlap_images for name, run in self.runs.items() if run.overlap_images}
+
+    @property
+    def block_cost(self) -> dict[str, float]:
+        """Replicated block -> its whole work over its convolution's probe."""
+        return {
+            name: run.block_cost
+            for name, run in self.runs.items()
+            if isinstance(run, runs.ReplicatedBlock)
+        }
 
     def head_split(self, layer: str) -> bool:
         """Whether ``layer``'s stage computes the final fc's logits on the nodes."""
-        return layer in self.heads
+        return layer in self.runs and self.runs[layer].head is not None
 
     def hold_block_backward(self, layer: str, chain) -> None:
         """The model's back-propagation through ``layer``'s block layers after its convolution,
@@ -416,31 +468,6 @@ class Cluster(ConvExecutor):
         """One line: which stage computes the fc on the nodes, or why none does."""
         return modes.describe_head(modes.HeadChoice(self.heads, self.head_fcs, self.head_refused))
 
-    def _choose_stage_modes(self, layers, batch: int) -> None:
-        """Each layer's stage mode (:func:`.modes.stage_modes`)."""
-        self.stage_modes.update(
-            modes.stage_modes(self.config, layers, batch, self.plans, self.nodes)
-        )
-
-    def _choose_replica(self, layers, batch: int) -> None:
-        """Whether every node computes the first convolution's block itself
-        (:func:`.modes.replica`)."""
-        wifi = self.planner.network == "wifi"
-        choice = modes.replica(
-            self.config, layers, batch, self.stage_modes, self.plans, self.nodes, self.backend, wifi
-        )
-        self.replica_refused = choice.refused
-        if choice.blocks is not None:
-            self.replicas = choice.blocks
-            self.stage_modes[layers[0].name] = REPLICATED
-            self.block_cost = choice.block_cost
-
-    def _choose_overlap(self, layers, batch: int) -> None:
-        """Images per group of each fused layer's worker calls (:func:`.modes.overlap_images`)."""
-        self.overlap_images = modes.overlap_images(
-            self.config, layers, batch, self.stage_modes, self.heads, self.plans, self.nodes
-        )
-
     def describe_overlap(self) -> str:
         """One line: which fused layers run their calls in image groups, of how many."""
         return modes.describe_overlap(self.overlap_images)
@@ -448,12 +475,6 @@ class Cluster(ConvExecutor):
     def describe_replica(self) -> str:
         """One line: which block is replicated into which layer, or why none is."""
         return modes.describe_replica(self.replicas, self.block_cost, self.replica_refused)
-
-    def _choose_kernel_modes(self, layers, batch: int) -> None:
-        """Each layer's kernel mode (:func:`.modes.kernel_modes`)."""
-        self.kernel_modes.update(
-            modes.kernel_modes(self.config, layers, batch, self.stage_modes, self.plans, self.nodes)
-        )
 
     def resident_layers(self) -> list[str]:
         """The layers whose kernels live on the workers (the master's optimizer must skip
@@ -485,10 +506,10 @@ class Cluster(ConvExecutor):
 
     def stage_mode(self, layer: str) -> str:
         """``"fused"`` or ``"unfused"``: whether ``layer`` runs with its stage on the nodes."""
-        default = FUSED if self.config.stages == FUSED else UNFUSED
-        if layer in self.replicas and self.replicas.split_all:  # the block fused here too
-            return FUSED
-        return self.stage_modes.get(layer, default)
+        run = self.runs.get(layer)
+        if run is None:
+            return FUSED if self.config.stages == FUSED else UNFUSED
+        return run.model_mode
 
     def _replan(self) -> None:
         """Shares of every layer over the active nodes (called between steps)."""
@@ -594,7 +615,7 @@ class Cluster(ConvExecutor):
     def begin_step(self, step: int) -> None:
         """Start a training step: admit workers that came (back), re-plan if the membership
         changed; calls until the next step belong to ``step``."""
-        self.step = self._events.step = step
+        self.step = self.ctx.step = self._events.step = step
         self.runner.start_step()
         self.resident.start_step()
         if self.spot_checks is not None:
@@ -637,38 +658,38 @@ class Cluster(ConvExecutor):
         totals of the distributed calls (``cluster_wall_seconds`` = comm + conv), and the
         membership events since the last step."""
         events = self._events.take_step_events()
-        runner = self.runner
+        runner, ran = self.runner, self.ctx.ran
         record = {
             "comm_seconds": runner.comm,
             "conv_seconds": runner.conv,
             "cluster_wall_seconds": runner.wall,
             "wire_format": self.config.wire_format.label,  # of the bytes counted in "nodes"
             "nodes": runner.records,
-            "stage_modes": self._stage_steps,  # layer -> how it ran this step
-            "kernel_modes": {name: self.kernel_modes.get(name, SENT) for name in self._stage_steps},
+            "stage_modes": ran,  # layer -> how it ran this step
+            "kernel_modes": {name: self._run(name).kernels for name in ran},
             # fused layers whose worker calls ran in image groups -> images per group
             "overlap_images": {
-                name: self.overlap_images[name]
-                for name, mode in self._stage_steps.items()
-                if mode == FUSED and name in self.overlap_images
+                name: self._run(name).overlap_images
+                for name, mode in ran.items()
+                if mode == FUSED and self._run(name).overlap_images
             },
             # layers that computed the final fc on the nodes (hetconv.head) -> that fc
             "heads": {
-                name: self.head_fcs[name]
-                for name, mode in self._stage_steps.items()
-                if mode == FUSED and name in self.head_fcs
+                name: self._run(name).head[0]
+                for name, mode in ran.items()
+                if mode == FUSED and self._run(name).head
             },
         }
         if self.replicas.feeds:  # replicated block -> the format its images travelled in
             record["replica_images"] = self.replicas.images_formats()
-            if self._started_ahead:  # stage forwards started with the block feeding them
-                record["started_ahead"] = sorted(self._started_ahead)
-                self._started_ahead = set()
+            if self.ctx.started_ahead:  # stage forwards started with the block feeding them
+                record["started_ahead"] = sorted(self.ctx.started_ahead)
+                self.ctx.started_ahead = set()
             if splits := self.replicas.splits():  # split by images among the workers
                 record["replica_split"] = splits
         if self.resident.record:
             record["resident"] = self.resident.record  # bytes placed, fetched; steps replayed
-        self._stage_steps = {}
+        self.ctx.ran = {}
         if events:
             record["events"] = events
         checks = self.spot_checks.record() if self.spot_checks is not None else None
@@ -678,190 +699,20 @@ class Cluster(ConvExecutor):
         self.settling.observe(runner.records, bool(self.membership.failed))
         return record
 
-    # -- the two calls of a ConvExecutor ---------------------------------------------------
-
-    def _plan(self, layer: str, x_shape, w_shape, padding: PaddingSpec) -> LayerPlan:
-        plan = self.plans.get(layer)
-        if plan is None or plan.shape.k != w_shape[0] or plan.shape.c != x_shape[1]:
-            plan = self.planner.plan_unseen(self.nodes, x_shape, w_shape, padding)
-            self.plans[layer] = plan
-        return plan
+    # -- the calls of a ConvExecutor: each goes to the layer's way of running (.runs) -----
 
     def forward(self, layer, x, w, b, padding):
-        if layer in self.replicas:  # computed here on every kernel, and on every worker
-            block, _ = self._begin_block(layer, x, w, b, padding)
-            y, seconds = timed(
-                self.replicas.forward, self.backend, layer, x, w, b, padding, block.sides
-            )
-            self.runner.local(layer, "forward", w.shape[0], seconds)
-            return y
-        plan = self._plan(layer, x.shape, w.shape, padding)
-        self._stage_steps.setdefault(layer, UNFUSED)
-        ctx = CallContext(self.session, self.step, layer)
-        job = self.strategy.forward(ctx, self.backend, x, w, b, _sides(padding, w.shape[2:]))
-        return self.runner.run(self.strategy, job, layer, plan)
-
-    def _replica_workers(self, block: str) -> list[Node]:
-        """The active workers with a share of the layer ``block`` feeds: those that compute
-        the block this step."""
-        plan = self.plans.get(self.replicas.feeds[block])
-        if plan is None:
-            return []
-        return [
-            node for i, node in enumerate(self.nodes)
-            if i and node.state == ACTIVE and plan.shares[i]
-        ]  # fmt: skip
-
-    def _split_step(self, block: str, images: int) -> SplitStep | None:
-        """This step's split of ``block`` by images among its workers (and the master, with
-        ``split_all``), in proportion to their speed on the layer it feeds
-        (:mod:`hetconv.split`); None when not split, or fewer than two nodes (or images)
-        share it."""
-        workers = self._replica_workers(block) if self.replicas.split else []
-        addresses = [n.client.address for n in workers]
-        if self.replicas.split_all and workers:
-            workers, addresses = [self.nodes[0], *workers], [MASTER_PEER, *addresses]
-        if len(workers) < 2 or images < len(workers) or len(set(addresses)) < len(addresses):
-            return None
-        consumer = self.replicas.feeds[block]
-        if self.replicas.split_all and self.config.master_block == MASTER_BLOCK_NONE:
-            fractions = image_fractions([n.probe_seconds.get(consumer, 0.0) for n in workers[1:]])
-            counts = [0, *split_images(images, fractions)]  # the master computes none
-        else:
-            fractions = image_fractions([n.probe_seconds.get(consumer, 0.0) for n in workers])
-            counts = split_images(images, fractions)
-        self._split_rounds += 1
-        plan = SplitPlan.of(addresses, counts, self._split_rounds)
-        clients = {n.client.address: n.client for n in workers if n.client is not None}
-        return SplitStep(plan, clients, self.session, self.step, block)
-
-    def _start_replicas(self, block) -> None:
-        """Start the step's ReplicaForward on every active worker with a share of the layer the
-        block feeds, now, so the workers compute the block while the master computes its own
-        copy and the layers after it; the stage calls wait for them (a failure is theirs)."""
-        consumer = self.replicas.feeds[block.layer]
-        plan = self.plans.get(consumer)
-        if plan is None:
-            return
-        probe = block.layer
-        for i, node in enumerate(self.nodes):
-            if not i or node.state != ACTIVE or not plan.shares[i]:
-                continue
-            transfer = block.nbytes / node.link_bytes_per_second + node.link_latency
-            work = node.probe_seconds.get(probe, 0.0)
-            timeout = self.config.deadline_floor + self.config.deadline_factor * (transfer + work)
-            split = block.split.plan if block.split is not None else None
-            block.started[node.client.address] = Call(
-                node.client.replica_forward, self.session, self.step, block, timeout, split
-            )
-
-    def _start_ahead(self, block) -> None:
-        """Start the stage forward of the layer ``block`` feeds on the workers now, with its
-        ReplicaForward, when that layer's kernels are resident and placed: a worker needs
-        nothing of the master for it (its input is the block it computes, its kernels its
-        own), so it goes on from the block to the stage while the master computes its own
-        block and the layers after it (which the model runs before it calls the next layer).
-        :meth:`stage_forward` finishes the phase."""
-        consumer = self.replicas.feeds[block.layer]
-        state = self.resident.layers.get(consumer)
-        plan = self.plans.get(consumer)
-        self._ahead.pop(consumer, None)
-        if not self.config.start_ahead or state is None or plan is None:
-            return
-        if self.kernel_modes.get(consumer) != RESIDENT:
-            return
-        conv = conv_shape(block.x.shape, block.w.shape, block.sides)
-        x = np.empty((conv.n, conv.k, *block.stage.output_hw(conv.out_hw)), np.float32)
-        split = self.resident.split
-        synced = self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
-        ctx = self._stage_context(consumer, x)
-        job = self.resident.forward_job(ctx, state, x, synced=synced, replica=block)
-        self._ahead[consumer] = (
-            self.step,
-            x,
-            self.runner.start(split, job, consumer, plan),
-        )
+        return self._run(layer).forward(x, w, b, padding)
 
     def backward(self, layer, x, w, dy, padding, need_input_grad):
-        if layer in self.replicas:
-            earlier = self.replicas.early_seconds(layer)  # in the next layer's phase
-            args = (self.backend, layer, x, w, dy, padding, need_input_grad)
-            out, seconds = timed(self.replicas.backward, *args)
-            self.runner.local(layer, "backward", w.shape[0], seconds, earlier)
-            return out
-        plan = self._plan(layer, x.shape, w.shape, padding)
-        ctx = CallContext(self.session, self.step, layer)
-        sides = _sides(padding, w.shape[2:])
-        job = self.strategy.backward(ctx, self.backend, x, w, dy, sides, need_input_grad)
-        return self.runner.run(self.strategy, job, layer, plan)
-
-    def _stage_context(self, layer: str, x) -> CallContext:
-        """A fused stage call's context: its image groups where the layer overlaps (both
-        phases alike, so a grouped forward's backward streams too)."""
-        images = self.overlap_images.get(layer, 0) if x.shape[0] > 1 else 0
-        return CallContext(self.session, self.step, layer, images)
-
-    def _begin_block(self, layer, x, w, b, padding):
-        """The step's replicated block ``layer`` (split by images where it is) and the
-        workers' ReplicaForward calls started on it, the next layer's stage calls started
-        ahead with them: (block, address -> its ReplicaForward call, taken before the stage
-        calls take them)."""
-        self._stage_steps[layer] = REPLICATED
-        sides = _sides(padding, w.shape[2:])
-        block = self.replicas.begin(layer, x, w, b, sides, self._split_step(layer, x.shape[0]))
-        self._start_replicas(block)  # the workers compute it beside the master
-        started = dict(block.started)
-        self._start_ahead(block)  # and go on to the next layer's stage
-        return block, started
-
-    def _block_forward(self, layer, x, w, b, padding) -> np.ndarray:
-        """A replicated block split with the master a peer (``split_all``) as one fused stage:
-        the workers start it on their images (and the next layer's stage ahead), the master
-        computes its own images and exchanges parts with them (:meth:`ReplicatedBlocks.
-        stage_forward`)."""
-        block, started = self._begin_block(layer, x, w, b, padding)
-        slowest = max((n.probe_seconds.get(layer, 0.0) for n in self.nodes), default=0.0)
-        work = slowest * self.block_cost.get(layer, 1.0)  # the whole block, on every image
-        timeout = self.config.deadline_floor + self.config.deadline_factor * work
-        y, seconds = timed(self.replicas.stage_forward, self.backend, block, started, timeout)
-        split = block.split
-        compute = split.compute["forward"] if split is not None else None
-        self.runner.local(layer, "forward", w.shape[0], seconds, compute=compute)
-        return y
+        return self._run(layer).backward(x, w, dy, padding, need_input_grad)
 
     def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=(), head=None):
-        """A fused stage's forward over the nodes (:class:`~.dispatch.FusedKernelSplit`, or
-        with resident kernels :mod:`.resident`). ``batchnorm``: the model's batch norm layers
-        of the stage, whose running statistics it moves (training). ``head``: the final fc's
-        (name, weight) where :meth:`head_split` says so; the answer is then its output
+        """A fused stage's forward over the nodes. ``batchnorm``: the model's batch norm
+        layers of the stage, whose running statistics it moves (training). ``head``: the final
+        fc's (name, weight) where :meth:`head_split` says so; the answer is then its output
         without the bias."""
-        if layer in self.replicas:  # split_all: the block fused here too
-            return self._block_forward(layer, x, w, b, padding)
-        plan = self._plan(layer, x.shape, w.shape, padding)
-        self._stage_steps[layer] = FUSED
-        ctx = self._stage_context(layer, x)
-        self._check_head(layer, head)
-        if self.kernel_modes.get(layer) == RESIDENT:
-            sides = _sides(padding, w.shape[2:])
-            state = self.resident.layer(layer, w, b, stage, sides, head)
-            ahead = self._ahead.pop(layer, None)
-            if ahead is not None and ahead[0] == self.step and ahead[1].shape == x.shape:
-                _, placeholder, started = ahead  # started with the block (_start_ahead)
-                placeholder[...] = x
-                started.job.input_arrived()
-                self._started_ahead.add(layer)
-                return self.runner.finish(started)
-            split = self.resident.split
-            # Spot checks can sample this layer when every slice was just placed or synced.
-            synced = self.resident.arrange(state, split.pieces(plan, self.nodes), self.step)
-            replica = self.replicas.input_of(layer)
-            job = self.resident.forward_job(ctx, state, x, synced=synced, replica=replica)
-            return self.runner.run(split, job, layer, plan)
-        sides = _sides(padding, w.shape[2:])
-        job = self.fused.forward(
-            ctx, self.backend, x, w, b, sides, stage, batchnorm, self.replicas.input_of(layer)
-        )
-        return self.runner.run(self.fused, job, layer, plan)
+        return self._run(layer).stage_forward(x, w, b, padding, stage, batchnorm, head)
 
     def stage_backward(
         self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=(), head=None
@@ -870,35 +721,8 @@ class Cluster(ConvExecutor):
         ``head``: as :meth:`stage_forward`'s (``dy`` is then the logits' gradient, and the
         answer holds a fourth array, the fc columns' gradient of the rows the master
         computed, (C, P, classes))."""
-        if layer in self.replicas:  # split_all: the block fused here too
-            earlier = self.replicas.early_seconds(layer)  # in the next layer's phase
-            split = self.replicas.split_of(layer)
-            args = (self.backend, layer, dy)
-            out, seconds = timed(self.replicas.stage_backward, *args)
-            compute = split.compute["backward"] if split is not None else None
-            self.runner.local(layer, "backward", w.shape[0], seconds, earlier, compute)
-            return out
-        plan = self._plan(layer, x.shape, w.shape, padding)
-        ctx = self._stage_context(layer, x)
-        sides = _sides(padding, w.shape[2:])
-        self._check_head(layer, head)
-        if self.kernel_modes.get(layer) == RESIDENT:
-            state = self.resident.layer(layer, w, b, stage, sides, head)
-            replica = self.replicas.gradients_for(layer, self.backend)
-            job = self.resident.backward_job(ctx, state, x, dy, need_input_grad, replica)
-            return self.runner.run(self.resident.split, job, layer, plan)
-        job = self.fused.backward(
-            ctx, self.backend, x, w, dy, sides, need_input_grad, b=b, stage=stage,
-            batchnorm=batchnorm, replica=self.replicas.gradients_for(layer, self.backend),
-        )  # fmt: skip
-        return self.runner.run(self.fused, job, layer, plan)
-
-    def _check_head(self, layer: str, head) -> None:
-        if (head is not None) != self.head_split(layer):
-            raise RuntimeError(
-                f"{layer}: called {'with' if head is not None else 'without'} a split head, "
-                f"but the cluster planned it {'with' if self.head_split(layer) else 'without'}"
-            )
+        run = self._run(layer)
+        return run.stage_backward(x, w, b, dy, padding, need_input_grad, stage, batchnorm, head)
 
     def __enter__(self) -> Cluster:
         return self

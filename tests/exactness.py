@@ -9,7 +9,8 @@ import json
 import numpy as np
 
 from hetconv.master.cluster import Cluster, ClusterConfig
-from hetconv.training import TrainConfig, train
+from hetconv.master.runs import ReplicatedBlock
+from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
 
 RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
@@ -60,9 +61,17 @@ class Killing(Cluster):
             self.victim.kill()
             self.victim.wait()
 
-    def _start_ahead(self, block):  # the block's ReplicaForward started, the stage's not
-        self._kill("forward")
-        return super()._start_ahead(block)
+    def prepare(self, *args, **kwargs):
+        super().prepare(*args, **kwargs)
+        for run in self.runs.values():
+            if isinstance(run, ReplicatedBlock):  # its ReplicaForward started, the stage's not
+                start_ahead = run.consumer.start_ahead
+
+                def kill_then_start(block, start_ahead=start_ahead):
+                    self._kill("forward")
+                    return start_ahead(block)
+
+                run.consumer.start_ahead = kill_then_start
 
     def stage_forward(self, layer, *args, **kwargs):
         self._kill("forward")
