@@ -72,14 +72,22 @@ class ConvLayer:
     #: (the :class:`~hetconv.split.SplitPlan`, the worker's address); ``shape`` then holds
     #: only that worker's images. None: not split.
     split_of: tuple | None = None
+    #: whether it is strided (it runs as the stride-1 convolution of its phases, whose kernels
+    #: are a rearranged copy each step: :mod:`hetconv.modetable` keeps them sent). Not compared.
+    strided: bool = dataclasses.field(default=False, compare=False)
+    #: the convolution its stage output feeds unchanged (:attr:`hetconv.conv.ConvSpec.feeds`),
+    #: into which its block may be replicated; None: another layer follows. Not compared.
+    feeds: str | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
         """The layer ``spec`` describes, at ``batch`` images."""
         head = spec.head[1] if spec.head is not None else 0
+        strided = spec.phased_from is not None or spec.stride != (1, 1)
         return cls(
-            spec.name, spec.shape(batch), spec.need_input_grad, spec.stage, head, spec.images_fit
-        )
+            spec.name, spec.shape(batch), spec.need_input_grad, spec.stage, head, spec.images_fit,
+            strided=strided, feeds=spec.feeds,
+        )  # fmt: skip
 
     @property
     def kernels(self) -> int:

@@ -3,10 +3,11 @@ whether the first block is replicated, its kernel mode (resident or sent), which
 the final fc (a split head), and how many images each group of its calls streams.
 
 Each is as configured where the layer allows it, or (``auto``) what the cost model predicts
-faster on the shares planned so far. These are functions of the configuration, the layers, the
-nodes (their probes and links) and the current plans; :meth:`.cluster.Cluster.prepare` calls
-them in order, plans the shares again as the modes change what each layer's calls move, and
-keeps what they choose.
+faster on the shares planned so far, by the rules of :mod:`hetconv.modetable`, which the
+simulator (:func:`hetconv.costmodel.simulate_step`) applies too. These are functions of the
+configuration, the layers, the nodes (their probes and links) and the current plans;
+:meth:`.cluster.Cluster.prepare` calls them in order, plans the shares again as the modes
+change what each layer's calls move, and keeps what they choose.
 """
 
 from __future__ import annotations
@@ -14,24 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hetconv import costmodel
+from hetconv import modetable
 from hetconv.backends import Backend
-from hetconv.head import MASTER as HEAD_MASTER
-from hetconv.overlap import AUTO as OVERLAP_AUTO
-from hetconv.overlap import ON as OVERLAP_ON
-from hetconv.overlap import group_count, group_images
-from hetconv.replica import FIRST as REPLICATE_FIRST
-from hetconv.replica import MASTER_BLOCK_NONE
+from hetconv.modetable import ModeFlags
 from hetconv.replica import OFF as REPLICATE_OFF
-from hetconv.replica import SPLIT_ALL as REPLICATE_SPLIT_ALL
-from hetconv.replica import SPLITS as REPLICATE_SPLITS
-from hetconv.resident import RESIDENT, SENT
-from hetconv.stages import AUTO, FUSED, UNFUSED
+from hetconv.stages import UNFUSED
 from hetconv.workload import ConvLayer
 
 from .membership import Node
 from .planning import LayerPlan
-from .replica import REPLICATED, ReplicatedBlocks, block_cost_factor, block_seconds, replica_refusal
+from .replica import REPLICATED, ReplicatedBlocks, block_cost_factor
 
 
 def _shares(plans: Mapping[str, LayerPlan], layer: str, nodes: Sequence[Node]) -> tuple:
@@ -41,19 +34,16 @@ def _shares(plans: Mapping[str, LayerPlan], layer: str, nodes: Sequence[Node]) -
 
 
 def stage_modes(config, layers, batch: int, plans, nodes) -> dict[str, str]:
-    """Each layer's stage mode: as configured, or (auto) by the cost model's bytes; unfused
-    where no channel-local layers follow the convolution."""
-    modes = {}
-    for spec in layers:
-        mode = config.stages
-        if spec.stage is None:
-            mode = UNFUSED
-        elif mode == AUTO:
-            shares = plans[spec.name].shares if spec.name in plans else None
-            layer = ConvLayer.from_spec(spec, batch)
-            mode = costmodel.stage_mode(layer, spec.stage, shares or (1,) * len(nodes))
-        modes[spec.name] = mode
-    return modes
+    """Each layer's stage mode (:func:`hetconv.modetable.stage_mode`): as configured, or
+    (auto) by the cost model's bytes; unfused where no channel-local layers follow the
+    convolution."""
+    flags = ModeFlags.of(config)
+    return {
+        spec.name: modetable.stage_mode(
+            flags, ConvLayer.from_spec(spec, batch), _shares(plans, spec.name, nodes)
+        )
+        for spec in layers
+    }
 
 
 @dataclass
@@ -70,75 +60,60 @@ class ReplicaChoice:
 def replica(
     config, layers, batch: int, modes: Mapping[str, str], plans, nodes, backend: Backend, wifi
 ) -> ReplicaChoice:
-    """Whether every node computes the first convolution's block itself: as configured where
-    the network allows it, or (auto) where the cost model predicts the step faster."""
+    """Whether every node computes the first convolution's block itself
+    (:func:`hetconv.modetable.replica`): as configured where the network allows it, or (auto)
+    where the cost model predicts the step faster, each node's whole block timed from its
+    probes and the block as timed here."""
     if config.replicate == REPLICATE_OFF or not layers:
         return ReplicaChoice()
-    first = layers[0]
-    why = replica_refusal(first, modes)
+    flags = ModeFlags.of(config)
+    first = ConvLayer.from_spec(layers[0], batch)
     factor = 1.0
-    if why is None:  # every node computes the whole block: what it costs beyond its conv
+    if modetable.replica_refusal(first, modes.get(first.feeds)) is None:
+        # every node computes the whole block: what it costs beyond its conv
         probe = nodes[0].probe_seconds.get(first.name, 0.0)
-        factor = block_cost_factor(backend, first, batch, probe)
-    if why is None and config.replicate not in (REPLICATE_FIRST, *REPLICATE_SPLITS):
+        factor = block_cost_factor(backend, layers[0], batch, probe)
+
+    def gain() -> float:
         consumer = next(spec for spec in layers if spec.name == first.feeds)
-        shares = _shares(plans, consumer.name, nodes)
-        workers = [n for i, n in enumerate(nodes) if i and shares[i]]
-        gain = costmodel.replicate_gain(
-            ConvLayer.from_spec(first, batch),
-            ConvLayer.from_spec(consumer, batch),
-            [
-                block_seconds(nodes[0], n, first.name, consumer.name, factor)
-                for n in [nodes[0], *workers]
-            ],
-            [n.link_bytes_per_second for n in workers],
-            wifi=wifi,
-            fmt=config.wire_format,
-        )
-        if gain <= 0:
-            why = f"the cost model predicts it {-1e3 * gain:.1f} ms slower per step"
-    if why is not None:
-        return ReplicaChoice(refused=f"off: {why}")
-    # On one shared medium every byte the workers exchanged would cross it with the master's.
-    split = config.replicate in REPLICATE_SPLITS and not wifi
-    # The master a peer of the split only where it computes.
-    split_all = split and config.replicate == REPLICATE_SPLIT_ALL and config.master_compute
+        seconds = [
+            modetable.block_seconds(
+                nodes[0].probe_seconds, n.probe_seconds, first.name, consumer.name, factor
+            )
+            for n in nodes
+        ]
+        return modetable.replica_gain(
+            flags, first, ConvLayer.from_spec(consumer, batch),
+            _shares(plans, consumer.name, nodes), seconds,
+            [n.link_bytes_per_second for n in nodes[1:]], wifi,
+        )  # fmt: skip
+
+    decision = modetable.replica(flags, first, modes.get(first.feeds), wifi, gain)
+    if not decision.replicated:
+        return ReplicaChoice(refused=decision.refused)
     blocks = ReplicatedBlocks(
-        {first.name: first.feeds}, {first.name: first.stage}, split and not split_all, split_all
-    )
-    blocks.master_images = config.master_block != MASTER_BLOCK_NONE
-    if config.replicate in REPLICATE_SPLITS and wifi:
-        blocks.split_refused = "not split: the workers share one medium (wifi)"
-    elif split and not split_all and config.replicate == REPLICATE_SPLIT_ALL:
-        blocks.split_refused = "split among the workers only: the master does not compute"
+        {first.name: first.feeds}, {first.name: layers[0].stage}, decision.split,
+        decision.split_all,
+    )  # fmt: skip
+    blocks.master_images = decision.master_images
+    blocks.split_refused = decision.split_refused
     return ReplicaChoice(blocks, {first.name: factor})
 
 
 def kernel_modes(config, layers, batch: int, modes: Mapping[str, str], plans, nodes):
-    """Each layer's kernel mode: resident only where the layer runs fused at stride 1 without
-    batch norm; as configured, or (auto) by the cost model."""
-    kernels = {}
-    for spec in layers:
-        mode = config.kernels
-        # A strided convolution runs as the stride-1 one of its phases: the executor gets
-        # a rearranged copy of the kernels each step, not the model's array to keep.
-        strided = getattr(spec, "phased_from", None) is not None
-        # Resident stages do not run batch norm (its parameters stay with the master): a
-        # stage holding one sends its kernels.
-        batchnorm = spec.stage is not None and spec.stage.batchnorms > 0
-        if modes.get(spec.name) != FUSED or strided or batchnorm:
-            mode = SENT
-        elif mode == AUTO:
-            shares = plans[spec.name].shares if spec.name in plans else None
-            mode = costmodel.kernel_mode(
-                ConvLayer.from_spec(spec, batch),
-                spec.stage,
-                shares or (1,) * len(nodes),
-                config.resident_sync_every,
-                config.wire_format,
-            )
-        kernels[spec.name] = mode
-    return kernels
+    """Each layer's kernel mode (:func:`hetconv.modetable.kernel_mode`): resident only where
+    the layer runs fused at stride 1 without batch norm; as configured, or (auto) by the cost
+    model."""
+    flags = ModeFlags.of(config)
+    return {
+        spec.name: modetable.kernel_mode(
+            flags,
+            ConvLayer.from_spec(spec, batch),
+            modes.get(spec.name, UNFUSED),
+            _shares(plans, spec.name, nodes),
+        )
+        for spec in layers
+    }
 
 
 @dataclass
@@ -154,45 +129,33 @@ class HeadChoice:
 
 def heads(config, layers, kernels: Mapping[str, str]) -> HeadChoice:
     """The layer whose fused, resident stage feeds the final fc directly computes it, unless
-    ``head`` is master."""
-    choice = HeadChoice()
-    if config.head == HEAD_MASTER:
-        return choice
+    ``head`` is master (:func:`hetconv.modetable.split_heads`)."""
+    described = [ConvLayer.from_spec(spec, 1) for spec in layers]
+    names, refused = modetable.split_heads(ModeFlags.of(config), described, kernels)
+    choice = HeadChoice(refused=refused)
     for spec in layers:
-        if not spec.head:
-            continue
-        if kernels.get(spec.name) != RESIDENT:
-            choice.refused = (
-                f"off: {spec.name}'s kernels are not resident "
-                f"({kernels.get(spec.name, SENT)}); the fc's columns would travel every step"
-            )
-            return choice
-        choice.fcs[spec.name], choice.heads[spec.name] = spec.head
-    if not choice.heads:  # (the loop returned on a refusal)
-        choice.refused = "off: no fused stage feeds the final fc directly"
+        if spec.name in names:
+            choice.fcs[spec.name], choice.heads[spec.name] = spec.head
     return choice
 
 
 def overlap_images(config, layers, batch: int, modes, head_layers, plans, nodes):
-    """Images per group of each fused layer's worker calls (:mod:`hetconv.overlap`): as
-    configured where the stage allows it, or (auto) where the cost model says a worker's
-    answer streams, on the shares planned for the other modes. A layer with a split head
-    (in ``head_layers``) answers logits: nothing to stream."""
+    """Images per group of each fused layer's worker calls
+    (:func:`hetconv.modetable.overlap_images`): as configured where the stage allows it, or
+    (auto) where the cost model says a worker's answer streams, on the shares planned for the
+    other modes. A layer with a split head (in ``head_layers``) answers logits: nothing to
+    stream."""
+    flags = ModeFlags.of(config)
     groups = {}
     for spec in layers:
-        if modes.get(spec.name) != FUSED or spec.stage is None or spec.name in head_layers:
-            continue
-        images = 0
-        if config.overlap == OVERLAP_ON and not spec.stage.batchnorms:
-            images = group_images(batch)
-        elif config.overlap == OVERLAP_AUTO:
-            images = costmodel.overlap_images(
-                ConvLayer.from_spec(spec, batch),
-                spec.stage,
-                _shares(plans, spec.name, nodes),
-                config.wire_format,
-            )
-        if images and group_count(batch, images) > 1:
+        images = modetable.overlap_images(
+            flags,
+            ConvLayer.from_spec(spec, batch),
+            modes.get(spec.name, UNFUSED),
+            spec.name in head_layers,
+            _shares(plans, spec.name, nodes),
+        )
+        if images:
             groups[spec.name] = images
     return groups
 
