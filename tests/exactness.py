@@ -10,8 +10,8 @@ import numpy as np
 
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.runs import ReplicatedBlock
-from hetconv.master.training import TrainConfig, train
 from hetconv.model import reference_spec
+from hetconv.training import TrainConfig, train
 
 RUN = dict(steps=20, batch=8, train_size=48, eval_size=16, progress=False)
 # The tiny network with a strong normalisation (alpha 1 instead of 1e-4): with the usual alpha
