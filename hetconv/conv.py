@@ -156,21 +156,24 @@ class ConvSpec:
         kernels: output channels K.
         kernel_size: (kh, kw).
         padding: as the layer passes it to the executor (see :class:`~hetconv.backends.Padding`).
-        need_input_grad: False for a network's first layer: nothing consumes that gradient.
-        stage: the channel-local layers that follow it in the model
-            (a :class:`hetconv.stages.StageSpec`), which an executor that supports stages may
-            run with it on each kernel slice; None when a conv or fc follows. Not compared:
-            it describes what follows the convolution, not the convolution.
+        need_input_grad: False for a layer that reads the network's input (its first):
+            nothing consumes that gradient.
+        stage: the channel-local layers that follow it along the model's graph, each the only
+            reader of the one before and reading nothing else (a
+            :class:`hetconv.stages.StageSpec`), which an executor that supports stages may run
+            with it on each kernel slice; None when none does. Not compared: it describes what
+            follows the convolution, not the convolution.
         stride: (sh, sw). Executors see a strided convolution as :attr:`executed`, the
             stride-1 convolution of its phases (:class:`StridePhases`).
         phased_from: on an :attr:`executed` spec, the stride of the convolution it stands for
             (None: it is the layer's own): its kernels are then a rearranged copy of the
             layer's each step, which an executor must not keep and update in place.
         feeds: the convolution whose input is this layer's stage output, unchanged (no other
-            layer between them); None when another layer follows the stage. Not compared.
-        head: (name, classes) of the network's final fully connected layer when this
-            layer's stage output is its input, unchanged (a split head may run it on the
-            stage's kernel slices: :mod:`hetconv.head`); None otherwise. Not compared.
+            layer between them, and no other layer reading it); None otherwise. Not compared.
+        head: (name, classes) of the network's final fully connected layer (its output)
+            when this layer's stage output is its input, unchanged, and nothing else's (a
+            split head may run it on the stage's kernel slices: :mod:`hetconv.head`); None
+            otherwise. Not compared.
         images_fit: for a network's first layer, whether the images it takes fit the palette8
             format (:meth:`hetconv.data.ImageDataset.palette_fit`, which training sets), which
             they travel in to a replicated first block; the cost model counts float32 bytes

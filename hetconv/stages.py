@@ -1,8 +1,11 @@
 """Fused worker stages: a convolution slice and the channel-local layers after it, run together.
 
 A *stage* is one convolution plus the chain of channel-local layers that follows it in the
-model's spec (ReLU, local response normalisation, max-pool, average pool, global average pool:
-the leading run of these after the convolution, batch norm included). Dropout ends a stage and
+model's graph (ReLU, local response normalisation, max-pool, average pool, global average pool,
+batch norm: the run of these after the convolution, each the only reader of the one before
+and reading nothing else; in a sequential spec, the leading run after the convolution).
+The values that describe a stage (:class:`StageOp`, :class:`StageSpec`,
+:class:`BatchNormSlice`) are :mod:`hetconv.stageops`'s, re-exported here. Dropout ends a stage and
 runs on the master, after the stage's output: its masks are drawn by the master's model. The
 node that owns a slice of the convolution's kernels (output channels) also runs the chain on
 them and answers the chain's output (the pooled maps); backward takes the gradient of that
