@@ -13,7 +13,7 @@ onnx = pytest.importorskip("onnx", reason="the onnx extra builds the graph; inst
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime runs the graph; install the dev extra")
 
 from hetconv.cli import main  # noqa: E402
-from hetconv.model import Model, load_spec  # noqa: E402
+from hetconv.model import Model, load_spec, walk_spec  # noqa: E402
 from hetconv.onnx_export import IR_VERSION, OPSET, build_onnx  # noqa: E402
 
 EVERY_LAYER = [
@@ -80,6 +80,21 @@ def test_onnxruntime_gives_our_logits(spec, input_shape):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert np.abs(want).max() > 0.05  # logits that are not all near zero: the check can fail
     np.testing.assert_allclose(_run(proto, x[:1]), want[:1], rtol=1e-4, atol=1e-4)  # any N
+
+
+def test_named_inputs_export_the_graph_the_default_does():
+    names = [item.name for item in walk_spec(EVERY_LAYER, INPUT)]
+    named = [dict(EVERY_LAYER[0])]
+    named += [
+        {**entry, "inputs": [before]}
+        for entry, before in zip(EVERY_LAYER[1:], names[:-1], strict=True)
+    ]
+    state = _trained_looking(EVERY_LAYER, INPUT).state()
+    default, explicit = build_onnx(EVERY_LAYER, state, INPUT), build_onnx(named, state, INPUT)
+    assert default.SerializeToString() == explicit.SerializeToString()
+    assert [list(n.input)[:1] for n in default.graph.node][:3] == [
+        ["input"], ["conv1/output"], ["bn1/output"]
+    ]  # fmt: skip
 
 
 def test_the_graph_is_evaluation_mode():
