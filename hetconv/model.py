@@ -13,17 +13,25 @@ the gradient of a tensor that feeds several steps is their sum, in a fixed order
 chunked run is only ever a chain: each of its layers the only reader of the one before, and
 reading nothing else.
 
-Where layers of several inputs go (``add`` and ``concat``, the next layer types): an entry in
-:data:`~hetconv.spec.LAYER_OPTIONS` and :data:`~hetconv.spec.LAYER_ARITY` (``2`` or more) and
-its shape rule in :func:`hetconv.spec._output_shape` (it gets every input's shape); a
-:class:`~hetconv.graph.Layer` subclass with ``arity`` set, whose ``forward`` takes the inputs
-and whose ``backward`` returns a tuple of their gradients (:mod:`hetconv.layers`); its builder
-in :data:`BUILDERS` here; its ONNX node in :mod:`hetconv.onnx_export` (``Add``, ``Concat``);
-and where a worker may not run it, nothing: :func:`~hetconv.graph.LayerGraph.chain` never fuses
-a layer of two inputs into a stage, :func:`~hetconv.graph.graph_forward` and
-:func:`~hetconv.graph.graph_backward` already pass several inputs and sum the gradients.
-:meth:`Model.other_seconds` times each step on random input of its first input's shape: a
-layer of several inputs needs one array per input there.
+Where layers of several inputs go (``add`` and ``concat``, the next layer types), each an
+addition:
+
+* :mod:`hetconv.spec`: the type's keys in :data:`~hetconv.spec.LAYER_OPTIONS`, its count of
+  inputs in :data:`~hetconv.spec.LAYER_ARITY` (its entries must then name them), and its shape
+  rule in ``_output_shape`` (which gets every input's shape);
+* :mod:`hetconv.layers`: a :class:`~hetconv.graph.Layer` subclass with ``arity`` set, whose
+  ``forward`` takes the inputs in order and whose ``backward`` returns a tuple of their
+  gradients;
+* here, its builder in :data:`BUILDERS`; in :mod:`hetconv.onnx_export`, its node builder in
+  :data:`~hetconv.onnx_export.NODES` (``Add``, ``Concat``; it gets every input's tensor).
+
+In the package, nothing else: :meth:`~hetconv.graph.LayerGraph.chain` never fuses a layer
+that reads two tensors into a stage or a chunked run, and :func:`~hetconv.graph.graph_forward`
+and :func:`~hetconv.graph.graph_backward` already pass several inputs and sum the gradients
+where a tensor feeds several layers. Beyond the package: :meth:`Model.other_seconds` times each
+step on random input of its first input's shape (one array per input, then), and the PyTorch
+twins of a spec that check us (``torch_twin`` in ``tests/test_spec.py``,
+``benchmarks/ddp_rank.py``) chain an ``nn.Sequential``: they will follow the inputs too.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class _Graph:
         return out
 
 
-def _conv(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+def _conv(g: _Graph, item: SpecLayer, xs: list[str], out: str) -> str:
+    x = xs[0]
     conv, layer = item.conv, item.name
     pads = Padding.resolve(conv.padding, conv.kernel_size)
     inputs = [x, g.weight(f"{layer}.weight"), g.weight(f"{layer}.bias")]
@@ -82,7 +83,8 @@ def _conv(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
     )  # fmt: skip
 
 
-def _lrn(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+def _lrn(g: _Graph, item: SpecLayer, xs: list[str], out: str) -> str:
+    x = xs[0]
     o = item.options
     if o["size"] % 2 == 0:
         g.nodes.extend(_even_lrn(g.helper, g.numpy_helper, g.initializers, item.name, x, out, o))
@@ -92,7 +94,8 @@ def _lrn(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
     )
 
 
-def _pool(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+def _pool(g: _Graph, item: SpecLayer, xs: list[str], out: str) -> str:
+    x = xs[0]
     o = item.options
     op = "MaxPool" if item.kind == "maxpool" else "AveragePool"
     return g.node(
@@ -100,13 +103,15 @@ def _pool(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
     )
 
 
-def _batchnorm(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+def _batchnorm(g: _Graph, item: SpecLayer, xs: list[str], out: str) -> str:
+    x = xs[0]
     keys = ("weight", "bias", "running_mean", "running_var")
     inputs = [x] + [g.weight(f"{item.name}.{key}") for key in keys]
     return g.node("BatchNormalization", inputs, out, item.name, epsilon=item.options["eps"])
 
 
-def _fc(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
+def _fc(g: _Graph, item: SpecLayer, xs: list[str], out: str) -> str:
+    x = xs[0]
     layer = item.name
     if len(item.input_shape) != 1:
         x = g.node("Flatten", [x], f"{layer}.flatten", f"{layer}.flatten", axis=1)
@@ -114,17 +119,17 @@ def _fc(g: _Graph, item: SpecLayer, x: str, out: str) -> str:
     return g.node("Gemm", inputs, out, layer, transB=1)
 
 
-#: Per layer type, what adds its nodes: (graph, layer, input tensor, output name) -> the
+#: Per layer type, what adds its nodes: (graph, layer, its input tensors, output name) -> the
 #: tensor that holds its output.
-NODES: dict[str, Callable[[_Graph, SpecLayer, str, str], str]] = {
+NODES: dict[str, Callable[[_Graph, SpecLayer, list[str], str], str]] = {
     "conv": _conv,
-    "relu": lambda g, item, x, out: g.node("Relu", [x], out, item.name),
+    "relu": lambda g, item, xs, out: g.node("Relu", xs, out, item.name),
     "lrn": _lrn,
     "maxpool": _pool,
     "avgpool": _pool,
-    "gap": lambda g, item, x, out: g.node("GlobalAveragePool", [x], out, item.name),
+    "gap": lambda g, item, xs, out: g.node("GlobalAveragePool", xs, out, item.name),
     "batchnorm": _batchnorm,
-    "dropout": lambda g, item, x, out: x,  # the identity in evaluation
+    "dropout": lambda g, item, xs, out: xs[0],  # the identity in evaluation
     "fc": _fc,
 }
 
@@ -156,9 +161,9 @@ def build_onnx(
     tensors: dict[str, str] = {}  # layer -> the tensor of its output
     current = "input"
     for item in walk_spec(spec, input_shape):
-        x = tensors[item.inputs[0]] if item.inputs else "input"
+        xs = [tensors[name] for name in item.inputs] or ["input"]
         out = f"{item.name}/output" if item.index < len(spec) - 1 else "logits"
-        current = tensors[item.name] = NODES[item.kind](g, item, x, out)
+        current = tensors[item.name] = NODES[item.kind](g, item, xs, out)
     if current != "logits":  # the spec ends in dropout (or is empty): name the output
         g.node("Identity", [current], "logits", "logits")
     helper, float32 = onnx.helper, onnx.TensorProto.FLOAT
