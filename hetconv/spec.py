@@ -268,26 +268,30 @@ def _inputs_of(
     if (
         not isinstance(given, (list, tuple))
         or not given
-        or not all(isinstance(name, str) for name in given)
+        or not all(isinstance(source, str) for source in given)
     ):
         raise ValueError(
             f"{label}: inputs is {given!r}; expected a list of the names of earlier layers"
         )
     if len(given) != arity:
+        none_more = (
+            " (no layer type takes more than one yet)" if max(LAYER_ARITY.values()) == 1 else ""
+        )
         raise ValueError(
-            f"{label} reads {len(given)} inputs ({', '.join(map(repr, given))}); {kind} takes "
-            f"{arity} (no layer type takes more than one yet)"
+            f"{label} reads {len(given)} input{'s' if len(given) > 1 else ''} "
+            f"({', '.join(map(repr, given))}); {kind} takes "
+            f"{arity}{none_more}"
         )
     out = []
-    for name in given:
-        at = names.get(name)
+    for source in given:
+        at = names.get(source)
         if at is None:
-            raise ValueError(f"{label}: input {name!r} names no layer of the model")
+            raise ValueError(f"{label}: input {source!r} names no layer of the model")
         if at == index:
-            raise ValueError(f"{label}: input {name!r} is the layer itself: a cycle")
+            raise ValueError(f"{label}: input {source!r} is the layer itself: a cycle")
         if at > index:
             raise ValueError(
-                f"{label}: input {name!r} is layer {at}, after it: a layer reads earlier "
+                f"{label}: input {source!r} is layer {at}, after it: a layer reads earlier "
                 "layers only (a later one would make a cycle)"
             )
         out.append(at)

@@ -175,6 +175,9 @@ def test_a_layer_of_two_inputs_needs_them_named(add_type):
     spec = [{"type": "conv", "out": 2, "kernel": 1}, {"type": "add"}, {"type": "fc", "out": 2}]
     with pytest.raises(ValueError, match=r"layer 1 \(add 'add1'\): add reads 2 layers: name"):
         check_spec(spec)
+    spec[1]["inputs"] = ["conv1"]
+    with pytest.raises(ValueError, match=r"add 'add1'\) reads 1 input \('conv1'\); add takes 2$"):
+        check_spec(spec)
 
 
 # ---------------------------------------------------------------------------- the graph
