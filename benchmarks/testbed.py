@@ -54,348 +54,64 @@ Rerun on a quiet machine for the record::
 Everything it creates (namespaces, bridge, ifb, tc, cgroups, processes) is removed on the way
 out, also on Ctrl-C, SIGTERM and errors; a run killed outright leaves namespaces and cgroups
 that the next run removes (:func:`~hetconv.simulations.testbed.remove_stale`).
+
+The modes are in ``testbed_modes.py``, the prediction in ``testbed_predict.py`` (beside this
+file); every name is importable from here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hetconv.argtypes import positive
-from hetconv.master.resident import DEFAULT_SYNC_EVERY
-from hetconv.simulations.testbed import (
+# The modules beside this one, also where it is loaded by path rather than run.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.append(_HERE)
+
+from testbed_modes import (  # noqa: E402
+    ALL,
+    BASE,
+    DEFAULT_MODES,
+    EQUAL_SHARES,
+    EXACT,
+    EXACT_HEAD,
+    FABRIC,
+    MODES,
+    Mode,
+    modes_named,
+    runnable_modes,
+    train_help,
+)
+from testbed_predict import measured, predict, predict_alone  # noqa: E402
+from testbed_scale import (  # noqa: E402
+    LAPTOP_GFLOPS,
+    LAPTOP_LINK_MBIT,
+    MAX_TOTAL_CAP,
+    Scale,
+    measure_core_gflops,
+)
+
+from hetconv.argtypes import positive  # noqa: E402
+from hetconv.simulations.testbed import (  # noqa: E402
     LINK_KINDS,
-    SHARED_LINK,
     SWITCHED_LINK,
     ClusterTestbed,
     CpuCap,
     cluster_testbed_unavailable,
     remove_stale,
     tcp_goodput_mbps,
-    with_blas_threads,
 )
-from hetconv.simulations.trace import read_plan, read_steps, step_bytes
-from hetconv.simulations.validate import probe_speeds
 
-#: Sum of the caps of all processes, at most: leaves this 2-core machine a little for the
-#: kernel, tc and the benchmark itself.
-MAX_TOTAL_CAP = 1.8
-#: What ``hetconv`` compute on one laptop core reaches, GFLOPS (see the module docstring).
-LAPTOP_GFLOPS = 60.0
-#: The real links the testbed's are scaled from, Mbit/s.
-LAPTOP_LINK_MBIT = {SWITCHED_LINK: 1000.0, SHARED_LINK: 100.0}
-#: The cost model's fabric for each testbed link.
-FABRIC = {SWITCHED_LINK: "switched", SHARED_LINK: "wifi"}
 MASTER_ALONE = "master_alone"
-ALL = "all"
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One way to train through the workers: extra ``hetconv train`` flags.
-
-    ``flags`` may hold ``{network}``, replaced by ``switched`` or ``wifi`` (what the testbed's
-    link is to ``hetconv train --network``). ``needs``: a flag ``hetconv train --help`` must
-    list for the mode to run. ``in_all``: part of the ``all`` row."""
-
-    name: str
-    flags: tuple[str, ...]
-    about: str
-    needs: str | None = None
-    in_all: bool = True
-
-    def arguments(self, link: str) -> list[str]:
-        """``hetconv train``'s flags: the kernel split's (:data:`BASE`), then the mode's, which
-        override them (argparse keeps an option's last value)."""
-        return [flag.replace("{network}", FABRIC[link]) for flag in (*BASE, *self.flags)]
-
-
-#: The paper's kernel split, which every mode changes one thing of: shares by probe, plain
-#: convolutions on the workers, kernels sent every step, nothing replicated or overlapped, the
-#: fully connected layer on the master (``hetconv train``'s own defaults are link-aware shares,
-#: and fused stages, resident kernels, the replicated block, overlap and the split head where
-#: the cost model picks them).
-BASE = (
-    "--shares", "compute", "--stages", "unfused", "--kernels", "sent", "--replicate", "off",
-    "--overlap", "off", "--head", "master",
-)  # fmt: skip
-#: Every exact mode's flags at once (link-aware shares, fused stages, resident kernels, the
-#: replicated first block), without overlap.
-EXACT = (
-    "--shares", "link", "--network", "{network}", "--stages", "fused", "--kernels", "resident",
-    "--replicate", "first",
-)  # fmt: skip
-#: every exact mode at once with the split head (exact_head), and the variants built on it
-EXACT_HEAD = (*EXACT, "--overlap", "auto", "--head", "split")
-#: exact_head's modes with every node's share equal instead of planned from probes and links
-EQUAL_SHARES = (
-    "--shares", "compute", "--stages", "fused", "--kernels", "resident", "--replicate", "first",
-    "--overlap", "auto", "--head", "split", "--deterministic",
-)  # fmt: skip
-MODES: tuple[Mode, ...] = (
-    Mode("kernel_split", (), "the paper's: every conv's kernels split by probe", in_all=False),
-    Mode("float16", ("--wire-format", "float16"), "activations and their gradients as float16"),
-    Mode("bfloat16", ("--wire-format", "bfloat16"), "the same as bfloat16", in_all=False),
-    Mode("link_shares", ("--shares", "link", "--network", "{network}"), "link-aware shares"),
-    Mode("fused", ("--stages", "fused"), "workers run the layers after their conv", "--stages"),
-    Mode(
-        "resident",
-        ("--stages", "fused", "--kernels", "resident"),
-        "fused, and workers keep their kernel slices and update them",
-        "--kernels",
-    ),
-    Mode(
-        "replica",
-        ("--stages", "fused", "--replicate", "first"),
-        "fused, and every node computes the first block from the images",
-        "--replicate",
-    ),
-    Mode(
-        "overlap",
-        ("--stages", "fused", "--overlap", "on"),
-        "fused, and workers send each image group's output while computing the next",
-        "--overlap",
-    ),
-    Mode(
-        "head",
-        ("--stages", "fused", "--kernels", "resident", "--head", "split"),
-        "fused, resident, and the last stage's workers keep the fc's columns and answer logits",
-        "--head",
-    ),
-    Mode(
-        "exact_whole",
-        EXACT,
-        "every exact mode but overlap: link shares, fused, resident, replicated first block",
-        "--replicate",
-        in_all=False,
-    ),
-    Mode(
-        "exact",
-        (*EXACT, "--overlap", "auto"),
-        "every exact mode at once: link shares, fused, resident, replicated, overlap (where "
-        "a worker's answer is over one message)",
-        "--overlap",
-        in_all=False,
-    ),
-    Mode(
-        "exact_bfloat16",
-        (*EXACT, "--overlap", "auto", "--wire-format", "bfloat16"),
-        "exact, with activations and their gradients as bfloat16 on the wire",
-        "--overlap",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head",
-        EXACT_HEAD,
-        "every exact mode with the split head: link shares, fused, resident, replicated, "
-        "overlap (auto), the last stage answering logits (what `hetconv train` does by default)",
-        "--head",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_equal",
-        EQUAL_SHARES,
-        "exact_head with every node's share equal (--deterministic), not planned from probes",
-        "--head",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_serial_probe",
-        (*EXACT_HEAD, "--probe-nodes", "one-at-a-time"),
-        "exact_head with the nodes probed one at a time before training (the paper's way), "
-        "not all at once",
-        "--probe-nodes",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_settle",
-        (*EXACT_HEAD, "--settle-steps", "4"),
-        "exact_head with the nodes' shares settled once on their measured finish times after "
-        "four steps and two that warm up (use --warmup 8: the steps timed then come after the "
-        "two that warm up after a move)",
-        "--settle-steps",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_split",
-        (*EXACT_HEAD, "--replicate", "split"),
-        "exact_head with the replicated block split by images among the workers, who exchange "
-        "its outputs and gradients node to node (switched links)",
-        "--replicate",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_split_settle",
-        (*EXACT_HEAD, "--replicate", "split", "--settle-steps", "4"),
-        "exact_head_split with the shares settled once on the nodes' measured finish times "
-        "after four steps (use --warmup 8)",
-        "--settle-steps",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_split_all",
-        (*EXACT_HEAD, "--replicate", "split_all"),
-        "exact_head_split with the master one of the block's peers: it computes the block on "
-        "its own share of the images and exchanges parts with the workers",
-        "--replicate",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_split_none",
-        (*EXACT_HEAD, "--replicate", "split_all", "--master-block", "none"),
-        "exact_head_split_all with the master computing none of the block: it fetches every "
-        "worker's output and sends them its input-gradient rows",
-        "--master-block",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_split_all_settle",
-        (*EXACT_HEAD, "--replicate", "split_all", "--settle-steps", "4"),
-        "exact_head_split_all with the shares settled once on the nodes' measured finish times "
-        "after four steps (use --warmup 8)",
-        "--settle-steps",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_late",
-        (*EXACT_HEAD, "--start-ahead", "off"),
-        "exact_head with the second layer's stage calls sent when the master reaches it, not "
-        "started with the replicated block",
-        "--start-ahead",
-        in_all=False,
-    ),
-    Mode(
-        "exact_head_bfloat16",
-        (*EXACT_HEAD, "--wire-format", "bfloat16"),
-        "exact_head, with activations and their gradients as bfloat16 on the wire",
-        "--head",
-        in_all=False,
-    ),
-)
-DEFAULT_MODES = (
-    "kernel_split", "float16", "link_shares", "fused", "resident", "replica", "overlap", "head",
-    "exact_whole", "exact", "exact_head", ALL,
-)  # fmt: skip
-
-
-def modes_named(names: Sequence[str]) -> list[str]:
-    """``names`` checked against :data:`MODES` (and ``all``).
-
-    Raises:
-        ValueError: an unknown name (the message lists the known ones).
-    """
-    known = [m.name for m in MODES] + [ALL]
-    for name in names:
-        if name not in known:
-            raise ValueError(f"mode {name!r} is not one of {', '.join(known)}")
-    return list(dict.fromkeys(names))
-
-
-def train_help() -> str:
-    """What ``hetconv train --help`` prints (to see which modes' flags exist)."""
-    done = subprocess.run(
-        [sys.executable, "-I", "-m", "hetconv", "train", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return done.stdout
-
-
-def runnable_modes(names: Sequence[str], help_text: str) -> tuple[list[Mode], list[str]]:
-    """The modes of ``names`` that ``hetconv train`` offers, in order (``all`` as a mode of
-    the flags of every offered ``in_all`` mode), and a note for each one left out."""
-    table = {m.name: m for m in MODES}
-    offered = {m.name for m in MODES if m.needs is None or m.needs in help_text}
-    chosen, notes = [], []
-    for name in names:
-        if name == ALL:
-            parts = [m for m in MODES if m.in_all and m.name in offered]
-            if not parts:
-                notes.append("all: no mode offered to combine")
-                continue
-            flags = tuple(flag for m in parts for flag in m.flags)
-            chosen.append(Mode(ALL, flags, " + ".join(m.name for m in parts), in_all=False))
-        elif name in offered:
-            chosen.append(table[name])
-        else:
-            notes.append(f"{name}: skipped, `hetconv train --help` lists no {table[name].needs}")
-    return chosen, notes
-
-
-# -- scaling -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Scale:
-    """How the testbed maps to laptops: compute and links scaled by the same factor."""
-
-    cap: float  # of a core, per process
-    core_gflops: float  # this machine's core on the network's convolutions
-    laptop_gflops: float
-    laptop_link_mbit: float  # the real link: gigabit, or Wi-Fi's 100 Mbit/s
-
-    @property
-    def factor(self) -> float:
-        """The testbed's compute (and link) over a laptop's."""
-        return self.cap * self.core_gflops / self.laptop_gflops
-
-    @property
-    def rate_mbit(self) -> float:
-        return self.factor * self.laptop_link_mbit
-
-
-def measure_core_gflops(network: str, batch: int, repeats: int = 3) -> float:
-    """GFLOPS of one core of this machine on ``network``'s convolutions at ``batch``: forward,
-    kernel gradient and (where the layer needs it) input gradient of every conv layer with the
-    cpu backend on one BLAS thread, best of ``repeats``, total FLOPs over total seconds. Runs in
-    a process of its own, uncapped, and counts the process's CPU seconds, not wall seconds: a
-    capped process gets CPU seconds, so that is the speed its cap is a fraction of, and other
-    load on the machine does not enter (short of what it does to the caches)."""
-    code = (
-        "import time\n"
-        "import numpy as np\n"
-        "from hetconv.backends import get_backend\n"
-        "from hetconv.workload import network_layers\n"
-        "backend = get_backend('cpu')\n"
-        "rng = np.random.default_rng(0)\n"
-        "flops = seconds = 0.0\n"
-        f"for layer in network_layers({network!r}, {batch}):\n"
-        "    s = layer.shape\n"
-        "    x = rng.standard_normal((s.n, s.c, s.h, s.w), dtype=np.float32)\n"
-        "    w = rng.standard_normal((s.k, s.c, s.kh, s.kw), dtype=np.float32)\n"
-        "    b = np.zeros(s.k, np.float32)\n"
-        "    dy = rng.standard_normal((s.n, s.k, *s.out_hw), dtype=np.float32)\n"
-        "    pad = s.padding.sides\n"
-        "    best = float('inf')\n"
-        f"    for _ in range({repeats}):\n"
-        "        start = time.process_time()\n"
-        "        backend.conv_forward(x, w, b, pad)\n"
-        "        backend.conv_grad_kernels(x, dy, (s.kh, s.kw), pad)\n"
-        "        if layer.need_input_grad:\n"
-        "            backend.conv_grad_input(dy, w, (s.h, s.w), pad)\n"
-        "        best = min(best, time.process_time() - start)\n"
-        "    seconds += best\n"
-        "    flops += s.flops_forward * layer.step_passes\n"
-        "print(flops / seconds / 1e9)\n"
-    )
-    env = with_blas_threads(os.environ, 1)
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", code], capture_output=True, text=True, env=env, timeout=600
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"measuring this core failed:\n{done.stderr.strip()}")
-    return float(done.stdout.split()[-1])
 
 
 # -- a run and its row ---------------------------------------------------------------------------
@@ -427,145 +143,6 @@ class Row:
     flags: list[str] = field(default_factory=list)
     shares: dict[str, list[int]] = field(default_factory=dict)
     note: str = ""
-
-
-def measured(traces: Sequence[str], warmup: int) -> tuple[float, float, int]:
-    """(median step seconds, median megabytes on the master's link per step, steps used) of
-    the steps of every trace in ``traces`` (the rounds of one mode) after each one's first
-    ``warmup``.
-
-    Raises:
-        ValueError: no step is left after the warmup.
-    """
-    steps = [record for trace in traces for record in read_steps(trace)[warmup:]]
-    if not steps:
-        raise ValueError(f"traces {', '.join(traces)} have no step after {warmup} warmup steps")
-    seconds = statistics.median(r["seconds"] for r in steps)
-    megabytes = statistics.median(step_bytes(r) for r in steps) / 1e6
-    return seconds, megabytes, len(steps)
-
-
-def predict(
-    trace: str,
-    link: str,
-    rate_mbps: float,
-    rtt_s: float,
-    cap: float,
-    master_port_shaped: bool = True,
-    speeds: str = "trace",
-):
-    """The simulator's step for the run in ``trace`` on the testbed: :mod:`hetconv.costmodel`
-    with the run's shares and comp from the trace
-    (:func:`~hetconv.simulations.calibrate.calibrate`), every node's per-layer convolution
-    speed from the trace's ``compute_seconds`` (``speeds="trace"``) or from the probe the master
-    ran before training (``"probe"``, the trace's plan record), the links at the TCP goodput of
-    ``rate_mbps`` (switched: every worker's cable and, when shaped, the master's port; shared:
-    one medium for every transfer, both ways), ``rtt_s``, and the ``this-machine`` scenario's
-    per-call software costs scaled by ``1 / cap`` (CPU work of a process capped at ``cap``).
-
-    Returns (StepResult, Calibration).
-
-    Raises:
-        ValueError: the trace cannot be calibrated (for instance a mode whose bytes the cost
-            model does not count yet).
-    """
-    from hetconv.costmodel import MBIT, SWITCHED, WIFI, Cluster, Node, simulate_step
-    from hetconv.simulations.calibrate import calibrate
-    from hetconv.simulations.scenario import load_scenario
-
-    cal = calibrate(trace)
-    layers = cal.layers()
-    if speeds == "probe":
-        gflops = probe_speeds(trace, cal, layers)
-    elif speeds == "trace":
-        gflops = cal.layer_gflops
-    else:
-        raise ValueError(f"speeds {speeds!r} is not 'trace' or 'probe'")
-    main = max(layers, key=lambda layer: layer.shape.flops_forward).name
-    rate = MBIT * tcp_goodput_mbps(rate_mbps)
-    nodes = [
-        Node(name, per_layer.get(main) or statistics.mean(per_layer.values()), per_layer)
-        for name, per_layer in zip(cal.node_names, gflops, strict=True)
-    ]
-    base = load_scenario("this-machine").wire
-    wire = replace(
-        base,
-        bundle_call_s=base.bundle_call_s / cap,
-        stream_call_s=base.stream_call_s / cap,
-        software_bytes_per_s=base.software_bytes_per_s * cap,
-        sum_bytes_per_s=base.sum_bytes_per_s * cap,
-        format=cal.wire.format,
-    )
-    master_compute = any(split[0] for split in cal.shares.values())
-    if link == SWITCHED_LINK:
-        port = rate if master_port_shaped else math.inf
-        master = Node(nodes[0].name, nodes[0].gflops, nodes[0].layer_gflops, bytes_per_s=port)
-        workers = tuple(
-            Node(n.name, n.gflops, n.layer_gflops, bytes_per_s=rate, rtt_s=rtt_s) for n in nodes[1:]
-        )
-        cluster = Cluster(master, workers, SWITCHED, master_compute=master_compute, wire=wire)
-    else:
-        workers = tuple(Node(n.name, n.gflops, n.layer_gflops, rtt_s=rtt_s) for n in nodes[1:])
-        cluster = Cluster(nodes[0], workers, WIFI, rate, master_compute=master_compute, wire=wire)
-    comp = cal.comp_per_image_s * cal.batch
-    # The modes the run traced (fused stages, resident kernels, overlap): their calls' bytes
-    # and work.
-    modes = cal.stage_modes, cal.kernel_modes or "sent"
-    # Resident slices are synced every 20 steps (hetconv train's --resident-sync-every): the
-    # prediction counts the syncs where one fell among the steps measured, as the run paid them
-    # (a testbed run shorter than the interval measures none).
-    used = set(cal.step_numbers)
-    synced = any(
-        "fetched_bytes" in per_layer
-        for record in read_steps(trace)
-        if record["step"] in used
-        for per_layer in record.get("resident", {}).values()
-    )
-    result = simulate_step(
-        cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images, head=cal.heads,
-        sync_every=DEFAULT_SYNC_EVERY if synced else 0, split_images=cal.replica_split,
-        split_master=cal.split_master,
-    )  # fmt: skip
-    return result, cal
-
-
-def predict_alone(cal) -> float | None:
-    """The master alone's step predicted from a cluster run's calibration ``cal``: what the
-    run's plan record predicted for it (``prediction.alone_s``: the master's probe of every
-    layer, forward and backward of all its kernels, plus its own timing of every other layer
-    at the batch, both at its cap before training). A trace without that figure: the probes
-    plus the run's comp, which is not the master alone's (fused stages, a replicated block
-    and a split head run much of its ReLU, LRN, pooling and fc inside the phases or on the
-    workers: 13-30 % low on the reference networks). None when the master computed nothing
-    (no probe of its own)."""
-    start = min(cal.step_numbers) if cal.step_numbers else None
-    alone = _plan_prediction(cal.path, start).get("alone_s")
-    if isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0:
-        return float(alone)
-    plan = read_plan(cal.path, start)
-    probes = plan.nodes[0].probe_seconds
-    if not probes or not all(name in probes for name in cal.shares):
-        return None
-    return sum(probes[name] for name in cal.shares) + cal.comp_per_image_s * cal.batch
-
-
-def _plan_prediction(path: str, step: int | None) -> dict:
-    """The ``prediction`` of the trace's plan record that step ``step`` ran under (the latest
-    at or before it; without ``step``, the latest); {} when there is none."""
-    found: dict = {}
-    with open(path, encoding="utf-8") as trace:
-        for line in trace:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict) or record.get("event") != "plan":
-                continue
-            if step is not None and record.get("start_step", 0) > step:
-                continue
-            prediction = record.get("prediction")
-            found = prediction if isinstance(prediction, dict) else {}
-    return found
 
 
 def _run_timeout(network: str, batch: int, steps: int, cap: float, core: float, rate: float):
@@ -613,7 +190,36 @@ def run_configuration(
         file=log,
         flush=True,
     )  # fmt: skip
-    traces: dict[str, list[str]] = {MASTER_ALONE: [], **{m.name: [] for m in modes}}
+    runs = [(MASTER_ALONE, ["--local"])] + [(m.name, m.arguments(link)) for m in modes]
+    traces, failures, rtt, cap_received = _run_all(
+        args, workers, link, runs, cap, rate, timeout, common, scratch, log, before_teardown
+    )
+    base = dict(
+        network=args.network, batch=args.batch, workers=workers, link=link, rate_mbit=rate,
+        laptop_link_mbit=scale.laptop_link_mbit, cap=cap, scale=scale.factor,
+        core_gflops=core_gflops, laptop_gflops=args.laptop_gflops, rtt_ms=1e3 * rtt,
+        cap_received=cap_received,
+    )  # fmt: skip
+    return _rows(args, link, modes, traces, failures, base, rate, rtt, cap)
+
+
+def _run_all(
+    args: argparse.Namespace,
+    workers: int,
+    link: str,
+    runs: Sequence[tuple[str, list[str]]],
+    cap: float,
+    rate: float,
+    timeout: float,
+    common: list[str],
+    scratch: Path,
+    log,
+    before_teardown: Callable[[ClusterTestbed], None] | None,
+) -> tuple[dict[str, list[str]], dict[str, str], float, float]:
+    """The testbed for (``workers``, ``link``) with its links and caps checked, and every run
+    of ``runs`` (name, flags) in it ``--rounds`` times; returns each run's traces, why a run
+    failed (by name), the links' round trip and what the caps gave, over the cap."""
+    traces: dict[str, list[str]] = {name: [] for name, _ in runs}
     failures: dict[str, str] = {}
     with ClusterTestbed(workers, link, rate, cap, not args.master_port_unlimited) as bed:
         for note in bed.notes:
@@ -639,7 +245,6 @@ def run_configuration(
         )
         addresses = bed.start_workers()  # (idle while the master trains alone)
         connect = ["--connect-timeout", "180"] + [f for a in addresses for f in ("--worker", a)]
-        runs = [(MASTER_ALONE, ["--local"])] + [(m.name, m.arguments(link)) for m in modes]
         for round_number in range(args.rounds):
             for name, flags in runs:
                 if name in failures:
@@ -669,15 +274,24 @@ def run_configuration(
             "for the cores; the cluster's rows are pessimistic",
             file=log,
         )
+    return traces, failures, rtt, cap_received
 
+
+def _rows(
+    args: argparse.Namespace,
+    link: str,
+    modes: Sequence[Mode],
+    traces: dict[str, list[str]],
+    failures: dict[str, str],
+    base: dict,
+    rate: float,
+    rtt: float,
+    cap: float,
+) -> list[Row]:
+    """The rows of one configuration, the master alone first: each mode's measured step
+    (``traces``; a failed one's reason from ``failures``) beside its prediction."""
     rows = []
     local_s, _, local_used = measured(traces[MASTER_ALONE], args.warmup)
-    base = dict(
-        network=args.network, batch=args.batch, workers=workers, link=link, rate_mbit=rate,
-        laptop_link_mbit=scale.laptop_link_mbit, cap=cap, scale=scale.factor,
-        core_gflops=core_gflops, laptop_gflops=args.laptop_gflops, rtt_ms=1e3 * rtt,
-        cap_received=cap_received,
-    )  # fmt: skip
     local_predicted = None
     for mode in modes:
         if mode.name in failures:
@@ -918,18 +532,32 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "ALL",
+    "BASE",
+    "DEFAULT_MODES",
+    "EQUAL_SHARES",
+    "EXACT",
+    "EXACT_HEAD",
+    "FABRIC",
+    "LAPTOP_GFLOPS",
+    "LAPTOP_LINK_MBIT",
+    "MASTER_ALONE",
+    "MAX_TOTAL_CAP",
     "MODES",
     "Mode",
     "Row",
     "Scale",
+    "build_parser",
+    "check_arguments",
     "format_table",
     "main",
     "measure_core_gflops",
     "measured",
+    "modes_named",
     "predict",
     "predict_alone",
     "run_configuration",
     "runnable_modes",
+    "train_help",
 ]
 
 

@@ -1,0 +1,174 @@
+"""The simulator's prediction of a ``benchmarks/testbed.py`` run, from its trace: the cluster
+runs' steps (:func:`predict`) and the master alone's (:func:`predict_alone`); and what the
+traces measured (:func:`measured`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import replace
+
+from hetconv.master.resident import DEFAULT_SYNC_EVERY
+from hetconv.simulations.testbed import SWITCHED_LINK, tcp_goodput_mbps
+from hetconv.simulations.trace import read_plan, read_steps, step_bytes
+from hetconv.simulations.validate import probe_speeds
+
+
+def measured(traces: Sequence[str], warmup: int) -> tuple[float, float, int]:
+    """(median step seconds, median megabytes on the master's link per step, steps used) of
+    the steps of every trace in ``traces`` (the rounds of one mode) after each one's first
+    ``warmup``.
+
+    Raises:
+        ValueError: no step is left after the warmup.
+    """
+    steps = [record for trace in traces for record in read_steps(trace)[warmup:]]
+    if not steps:
+        raise ValueError(f"traces {', '.join(traces)} have no step after {warmup} warmup steps")
+    seconds = statistics.median(r["seconds"] for r in steps)
+    megabytes = statistics.median(step_bytes(r) for r in steps) / 1e6
+    return seconds, megabytes, len(steps)
+
+
+def predict(
+    trace: str,
+    link: str,
+    rate_mbps: float,
+    rtt_s: float,
+    cap: float,
+    master_port_shaped: bool = True,
+    speeds: str = "trace",
+):
+    """The simulator's step for the run in ``trace`` on the testbed: :mod:`hetconv.costmodel`
+    with the run's shares and comp from the trace
+    (:func:`~hetconv.simulations.calibrate.calibrate`), every node's per-layer convolution
+    speed from the trace's ``compute_seconds`` (``speeds="trace"``) or from the probe the master
+    ran before training (``"probe"``, the trace's plan record), the links at the TCP goodput of
+    ``rate_mbps`` (switched: every worker's cable and, when shaped, the master's port; shared:
+    one medium for every transfer, both ways), ``rtt_s``, and the ``this-machine`` scenario's
+    per-call software costs scaled by ``1 / cap`` (CPU work of a process capped at ``cap``).
+
+    Returns (StepResult, Calibration).
+
+    Raises:
+        ValueError: the trace cannot be calibrated (for instance a mode whose bytes the cost
+            model does not count yet).
+    """
+    from hetconv.costmodel import simulate_step
+    from hetconv.simulations.calibrate import calibrate
+
+    cal = calibrate(trace)
+    layers = cal.layers()
+    if speeds == "probe":
+        gflops = probe_speeds(trace, cal, layers)
+    elif speeds == "trace":
+        gflops = cal.layer_gflops
+    else:
+        raise ValueError(f"speeds {speeds!r} is not 'trace' or 'probe'")
+    cluster = _testbed_cluster(cal, gflops, layers, link, rate_mbps, rtt_s, cap, master_port_shaped)
+    comp = cal.comp_per_image_s * cal.batch
+    # The modes the run traced (fused stages, resident kernels, overlap): their calls' bytes
+    # and work.
+    modes = cal.stage_modes, cal.kernel_modes or "sent"
+    # Resident slices are synced every 20 steps (hetconv train's --resident-sync-every): the
+    # prediction counts the syncs where one fell among the steps measured, as the run paid them
+    # (a testbed run shorter than the interval measures none).
+    synced = _synced(trace, cal)
+    result = simulate_step(
+        cluster, layers, cal.shares, comp, *modes, overlap=cal.overlap_images, head=cal.heads,
+        sync_every=DEFAULT_SYNC_EVERY if synced else 0, split_images=cal.replica_split,
+        split_master=cal.split_master,
+    )  # fmt: skip
+    return result, cal
+
+
+def predict_alone(cal) -> float | None:
+    """The master alone's step predicted from a cluster run's calibration ``cal``: what the
+    run's plan record predicted for it (``prediction.alone_s``: the master's probe of every
+    layer, forward and backward of all its kernels, plus its own timing of every other layer
+    at the batch, both at its cap before training). A trace without that figure: the probes
+    plus the run's comp, which is not the master alone's (fused stages, a replicated block
+    and a split head run much of its ReLU, LRN, pooling and fc inside the phases or on the
+    workers: 13-30 % low on the reference networks). None when the master computed nothing
+    (no probe of its own)."""
+    start = min(cal.step_numbers) if cal.step_numbers else None
+    alone = _plan_prediction(cal.path, start).get("alone_s")
+    if isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0:
+        return float(alone)
+    plan = read_plan(cal.path, start)
+    probes = plan.nodes[0].probe_seconds
+    if not probes or not all(name in probes for name in cal.shares):
+        return None
+    return sum(probes[name] for name in cal.shares) + cal.comp_per_image_s * cal.batch
+
+
+def _plan_prediction(path: str, step: int | None) -> dict:
+    """The ``prediction`` of the trace's plan record that step ``step`` ran under (the latest
+    at or before it; without ``step``, the latest); {} when there is none."""
+    found: dict = {}
+    with open(path, encoding="utf-8") as trace:
+        for line in trace:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict) or record.get("event") != "plan":
+                continue
+            if step is not None and record.get("start_step", 0) > step:
+                continue
+            prediction = record.get("prediction")
+            found = prediction if isinstance(prediction, dict) else {}
+    return found
+
+
+def _testbed_cluster(
+    cal, gflops, layers, link: str, rate_mbps: float, rtt_s: float, cap: float,
+    master_port_shaped: bool,
+):  # fmt: skip
+    """The cost model's cluster of a testbed run (see :func:`predict`): the nodes at
+    ``gflops`` per layer, the links at the TCP goodput of ``rate_mbps``, the per-call software
+    costs of the ``this-machine`` scenario scaled by ``1 / cap``."""
+    from hetconv.costmodel import MBIT, SWITCHED, WIFI, Cluster, Node
+    from hetconv.simulations.scenario import load_scenario
+
+    main = max(layers, key=lambda layer: layer.shape.flops_forward).name
+    rate = MBIT * tcp_goodput_mbps(rate_mbps)
+    nodes = [
+        Node(name, per_layer.get(main) or statistics.mean(per_layer.values()), per_layer)
+        for name, per_layer in zip(cal.node_names, gflops, strict=True)
+    ]
+    base = load_scenario("this-machine").wire
+    wire = replace(
+        base,
+        bundle_call_s=base.bundle_call_s / cap,
+        stream_call_s=base.stream_call_s / cap,
+        software_bytes_per_s=base.software_bytes_per_s * cap,
+        sum_bytes_per_s=base.sum_bytes_per_s * cap,
+        format=cal.wire.format,
+    )
+    master_compute = any(split[0] for split in cal.shares.values())
+    if link == SWITCHED_LINK:
+        port = rate if master_port_shaped else math.inf
+        master = Node(nodes[0].name, nodes[0].gflops, nodes[0].layer_gflops, bytes_per_s=port)
+        workers = tuple(
+            Node(n.name, n.gflops, n.layer_gflops, bytes_per_s=rate, rtt_s=rtt_s) for n in nodes[1:]
+        )
+        cluster = Cluster(master, workers, SWITCHED, master_compute=master_compute, wire=wire)
+    else:
+        workers = tuple(Node(n.name, n.gflops, n.layer_gflops, rtt_s=rtt_s) for n in nodes[1:])
+        cluster = Cluster(nodes[0], workers, WIFI, rate, master_compute=master_compute, wire=wire)
+    return cluster
+
+
+def _synced(trace: str, cal) -> bool:
+    """Whether a resident slice was synced among the steps measured (see :func:`predict`)."""
+    used = set(cal.step_numbers)
+    synced = any(
+        "fetched_bytes" in per_layer
+        for record in read_steps(trace)
+        if record["step"] in used
+        for per_layer in record.get("resident", {}).values()
+    )
+    return synced
