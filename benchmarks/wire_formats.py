@@ -34,8 +34,8 @@ from hetconv.conv import LocalConv
 from hetconv.formats import FLOAT32, FORMATS
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.training import TrainConfig, train
 from hetconv.simulations.trace import read_steps, step_bytes
+from hetconv.training import TrainConfig, train
 from hetconv.workload import network_layers
 
 
@@ -50,7 +50,7 @@ def _even_shares(preset: str, batch: int, workers: int) -> dict[str, tuple[int, 
     }
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "paper-50-500"])
     parser.add_argument(
@@ -62,8 +62,11 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
-    args = parser.parse_args()
+    return parser
 
+
+def main() -> None:
+    args = _parser().parse_args()
     rows = []
     print(
         f"{'preset':<14} {'run':<16} {'MB/step':>8} {'final loss':>10} {'eval acc':>8} "
@@ -77,52 +80,13 @@ def main() -> None:
             losses: dict[str, np.ndarray] = {}
             for name, fmt in runs:
                 trace = str(Path(tmp) / f"{preset}-{name}.jsonl")
-                config = TrainConfig(
-                    preset=preset,
-                    steps=steps,
-                    batch=args.batch,
-                    seed=args.seed,
-                    train_size=args.train_size,
-                    eval_size=args.eval_size,
-                    progress=False,
-                    trace=trace,
-                )
-                start = time.perf_counter()
-                if fmt is None:
-                    result = train(config, LocalConv(), log=io.StringIO())
-                else:
-                    cluster_config = ClusterConfig(shares=shares, wire_format=fmt)
-                    with Cluster(workers.addresses, config=cluster_config) as cluster:
-                        result = train(config, cluster, log=io.StringIO())
-                seconds = time.perf_counter() - start
-                curve = np.array(result.losses)
-                losses[name] = curve
-                reference = losses["local"] if fmt is FLOAT32 else losses.get("cluster-float32")
-                gap = np.abs(curve - reference) if reference is not None else np.zeros(1)
-                diff, early = float(gap.max()), float(gap[:20].max())
-                row = {
-                    "preset": preset,
-                    "run": name,
-                    "wire_format": fmt.label if fmt is not None else None,
-                    "batch": args.batch,
-                    "steps": steps,
-                    "workers": 0 if fmt is None else args.workers,
-                    "bytes_per_step": 0.0 if fmt is None else _bytes_per_step(trace),
-                    "final_loss": float(curve[-10:].mean()),
-                    "eval_accuracy": result.eval_accuracy,
-                    "eval_loss": result.eval_loss,
-                    "max_abs_loss_diff": diff,
-                    "max_abs_loss_diff_first_20": early,
-                    "diff_against": "local"
-                    if fmt is FLOAT32
-                    else (None if fmt is None else "cluster-float32"),
-                    "seconds": seconds,
-                }
+                row = _run(args, workers, preset, steps, shares, name, fmt, trace, losses)
                 rows.append(row)
                 print(
                     f"{preset:<14} {name:<16} {row['bytes_per_step'] / 1e6:>8.2f} "
                     f"{row['final_loss']:>10.4f} {row['eval_accuracy']:>8.3f} "
-                    f"{row['eval_loss']:>9.4f} {early:>10.2e} {diff:>11.2e} {seconds:>6.0f}",
+                    f"{row['eval_loss']:>9.4f} {row['max_abs_loss_diff_first_20']:>10.2e} "
+                    f"{row['max_abs_loss_diff']:>11.2e} {row['seconds']:>6.0f}",
                     flush=True,
                 )
     print(
@@ -134,6 +98,60 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+
+
+def _run(
+    args: argparse.Namespace,
+    workers: LocalWorkers,
+    preset: str,
+    steps: int,
+    shares: dict[str, tuple[int, ...]],
+    name: str,
+    fmt,
+    trace: str,
+    losses: dict[str, np.ndarray],
+) -> dict:
+    """One training run, local (``fmt`` None) or through the cluster in wire format ``fmt``;
+    its loss curve goes into ``losses`` under ``name``; returns its row."""
+    config = TrainConfig(
+        preset=preset,
+        steps=steps,
+        batch=args.batch,
+        seed=args.seed,
+        train_size=args.train_size,
+        eval_size=args.eval_size,
+        progress=False,
+        trace=trace,
+    )
+    start = time.perf_counter()
+    if fmt is None:
+        result = train(config, LocalConv(), log=io.StringIO())
+    else:
+        cluster_config = ClusterConfig(shares=shares, wire_format=fmt)
+        with Cluster(workers.addresses, config=cluster_config) as cluster:
+            result = train(config, cluster, log=io.StringIO())
+    seconds = time.perf_counter() - start
+    curve = np.array(result.losses)
+    losses[name] = curve
+    reference = losses["local"] if fmt is FLOAT32 else losses.get("cluster-float32")
+    gap = np.abs(curve - reference) if reference is not None else np.zeros(1)
+    diff, early = float(gap.max()), float(gap[:20].max())
+    return {
+        "preset": preset,
+        "run": name,
+        "wire_format": fmt.label if fmt is not None else None,
+        "batch": args.batch,
+        "steps": steps,
+        "workers": 0 if fmt is None else args.workers,
+        "bytes_per_step": 0.0 if fmt is None else _bytes_per_step(trace),
+        "final_loss": float(curve[-10:].mean()),
+        "eval_accuracy": result.eval_accuracy,
+        "eval_loss": result.eval_loss,
+        "max_abs_loss_diff": diff,
+        "max_abs_loss_diff_first_20": early,
+        "diff_against": "local" if fmt is FLOAT32 else (None if fmt is None else "cluster-float32"),
+        "seconds": seconds,
+    }
 
 
 if __name__ == "__main__":
