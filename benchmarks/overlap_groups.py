@@ -55,7 +55,7 @@ class DeviceThread:
         self.backend = backend
         self._pool = ThreadPoolExecutor(1)
 
-    def _submit_device(self, fn):
+    def submit(self, fn):
         return self._pool.submit(fn)
 
     def close(self):
@@ -105,7 +105,7 @@ def measure(network: str, batch: int, kernels: int, repeats: int) -> dict:
         kept = []
         outputs = forward_groups(service, x, w, b, pad, spec, own, groups, kept.append)
         y = np.concatenate(list(outputs))
-        backward = GroupedBackward(service._submit_device, backend, kept[0], own, True)
+        backward = GroupedBackward(service.submit, backend, kept[0], own, True)
         backward.progress(Arrived(dy))
         return y, backward.result()
 

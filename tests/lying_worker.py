@@ -93,8 +93,10 @@ class LyingStageCalls(StageCalls):
 def main(argv: list[str]) -> int:
     kind, from_step = argv[0], int(argv[1])
     seed = int(argv[2]) if len(argv) > 2 else 0
+    liar = LyingService(kind, from_step, seed)
+    LyingStageCalls.service = liar  # the stage handlers lie as their service does
     service_module.StageCalls = LyingStageCalls  # start_server builds the stage handlers
-    server, address = start_server(LyingService(kind, from_step, seed), "127.0.0.1:0")
+    server, address = start_server(liar, "127.0.0.1:0")
     print(READY, address, flush=True)
     stop = threading.Event()
 

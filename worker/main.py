@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -266,6 +268,47 @@ def _serve_until(
                 print(summary.describe(), file=out, flush=True)
 
 
+def _print_limits(
+    config: WorkerConfig, limit: str, memory: str, security: WorkerSecurity, out: TextIO
+) -> None:
+    """The request limit, the memory budget, the sessions kept and the security in force."""
+    print(f"max request: {limit}", file=out)
+    print(f"memory: {memory}", file=out)
+    print(f"sessions: {config.sessions} masters at once (--sessions sets it)", file=out)
+    print(security.describe(), file=out)
+
+
+def _print_stopped(line: str, out: TextIO) -> None:
+    """The last line, to a launcher that may be gone already."""
+    try:
+        print(line, file=out)
+        out.flush()
+    except (BrokenPipeError, ValueError):
+        # The launcher that read our output is gone (the usual way --exit-on-stdin-close
+        # fires); the Python docs' recipe keeps the exit-time flush from failing too.
+        if out is sys.stdout:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+@contextmanager
+def _stop_on_signals(exit_on_stdin_close: bool) -> Iterator[threading.Event]:
+    """An event that SIGINT and SIGTERM set (and, with ``exit_on_stdin_close``, the end of
+    standard input); the signals' previous handlers come back after."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if exit_on_stdin_close:
+        threading.Thread(target=_set_at_end_of_input, args=(stop,), daemon=True).start()
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_worker(
     listen: str,
     backend: Backend | str = "cpu",
@@ -317,21 +360,10 @@ def run_worker(
     )
     service = ConvWorkerService(backend, config)
     _print_device(backend, startup_probe, out)
-    print(f"max request: {limit}", file=out)
-    print(f"memory: {memory}", file=out)
-    print(f"sessions: {config.sessions} masters at once (--sessions sets it)", file=out)
-    print(security.describe(), file=out)
+    _print_limits(config, limit, memory, security, out)
     # Handlers first: a launcher may signal the moment it reads the ready line.
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    if exit_on_stdin_close:
-        threading.Thread(target=_set_at_end_of_input, args=(stop,), daemon=True).start()
-    advertisement = None
-    try:
+    with _stop_on_signals(exit_on_stdin_close) as stop:
+        advertisement = None
         server, address = start_server(service, listen, security)
         try:
             warning = open_worker_warning(address, security)  # names the port bound, not 0
@@ -346,15 +378,5 @@ def run_worker(
             service.health.enter_graceful_shutdown()
             server.stop(grace=5).wait()
             service.close()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    try:
-        print(f"hetconv worker on {address} stopped after {service.requests} requests", file=out)
-        out.flush()
-    except (BrokenPipeError, ValueError):
-        # The launcher that read our output is gone (the usual way --exit-on-stdin-close
-        # fires); the Python docs' recipe keeps the exit-time flush from failing too.
-        if out is sys.stdout:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _print_stopped(f"hetconv worker on {address} stopped after {service.requests} requests", out)
     return 0

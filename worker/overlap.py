@@ -29,6 +29,7 @@ from hetconv.formats import TensorFormat
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import StageRun, StageSpec, stage_backward, stage_forward
 from hetconv.wire import chunks
+from hetconv.worker.context import WorkerContext
 
 
 def image_groups(n: int, per_group: int) -> list[slice]:
@@ -141,7 +142,7 @@ class Streamed:
 
 
 def forward_groups(
-    service,
+    device,
     x: np.ndarray,
     w: np.ndarray,
     b: np.ndarray,
@@ -153,11 +154,13 @@ def forward_groups(
 ) -> Iterator[np.ndarray]:
     """Every group's stage output (``x``'s rows of each group through the stage of the widened
     slice ``w``, ``b``; the ``own`` kernels' output), in order, as each is computed: all are
-    queued on ``service``'s device thread now, so group g + 1 computes while group g travels.
-    ``keep`` gets the :class:`GroupedRun` once the last group is done, before its output is
-    handed on. The groups share one kernel memo (:meth:`~hetconv.backends.Backend.kernel_memo`):
-    ``w`` is rearranged for the device once, not once per group."""
-    backend = service.backend
+    queued on the device thread now, so group g + 1 computes while group g travels (``device``:
+    a :class:`~hetconv.worker.context.WorkerContext`, or anything with its ``backend`` and
+    ``submit``). ``keep`` gets the :class:`GroupedRun` once the last group is done, before its
+    output is handed on. The groups share one kernel memo
+    (:meth:`~hetconv.backends.Backend.kernel_memo`): ``w`` is rearranged for the device once,
+    not once per group."""
+    backend = device.backend
     memo = backend.kernel_memo()
 
     def work(g: slice):
@@ -166,7 +169,7 @@ def forward_groups(
         backend.synchronize()
         return out
 
-    pending = [service._submit_device(lambda g=g: work(g)) for g in groups]
+    pending = [device.submit(lambda g=g: work(g)) for g in groups]
     return _outputs(pending, lambda runs: keep(GroupedRun(list(groups), runs, x, w)))
 
 
@@ -210,8 +213,8 @@ class GroupedStart:
     forward's run (``kept_for(request)``); when that forward ran in image groups, each group's
     backward starts as soon as its rows are in (:meth:`progress`, the receive loop's hook)."""
 
-    def __init__(self, service, kept_for: Callable[[pb.ConvRequest], object]):
-        self.service, self.kept_for = service, kept_for
+    def __init__(self, context: WorkerContext, kept_for: Callable[[pb.ConvRequest], object]):
+        self.context, self.kept_for = context, kept_for
         self.started: float | None = None  # when the first group was queued
         self._looked = False
         self._backward: GroupedBackward | None = None
@@ -224,7 +227,7 @@ class GroupedStart:
                 return
             grad = grad_range(run, receiver.arrays[0].shape, request.stage.grad_start)
             need = request.need_input_grad or bool(request.replica_layer)
-            submit, backend = self.service._submit_device, self.service.backend
+            submit, backend = self.context.submit, self.context.backend
             self._backward = GroupedBackward(submit, backend, run, grad, need)
             self.started = time.perf_counter()
         if self._backward is not None:

@@ -24,6 +24,7 @@ from hetconv.calls import REPLICA_FORWARD
 from hetconv.errors import InvalidCall, RequestTooLarge
 from hetconv.proto import worker_pb2 as pb
 from hetconv.stages import StageRun, kept_bytes, spec_from_proto, stage_backward, stage_forward
+from hetconv.worker.context import WorkerContext
 from hetconv.worker.requests import request_padding
 
 
@@ -41,18 +42,18 @@ class _Block:
 
 class ReplicaCalls:
     """ReplicaForward's core, and the two hooks the stage calls use, on a
-    :class:`~hetconv.worker.service.ConvWorkerService`."""
+    :class:`~hetconv.worker.context.WorkerContext`."""
 
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, context: WorkerContext):
+        self.context = context
 
     @staticmethod
     def _key(layer: str) -> tuple[str, int]:
         return (f"replica {layer}", 0)
 
     def forward(self, messages: Iterator):
-        service = self.service
-        request, (x, w, b), receive = service._receive(messages, REPLICA_FORWARD)
+        ctx = self.context
+        request, (x, w, b), receive = ctx.receive(messages, REPLICA_FORWARD)
         padding = request_padding(request)
         if x.ndim != 4 or w.ndim != 4:
             raise InvalidCall(f"x {x.shape} and w {w.shape} must both have 4 dimensions")
@@ -81,19 +82,19 @@ class ReplicaCalls:
         if not (np.isfinite(x).all() and np.isfinite(w).all() and np.isfinite(b).all()):
             raise InvalidCall("x, w or b holds NaN or Inf")
         kept = 6 * 4 * conv.n * conv.k * conv.out_hw[0] * conv.out_hw[1]
-        if kept > service.config.max_request_bytes:
+        if kept > ctx.config.max_request_bytes:
             raise RequestTooLarge(
                 f"the block would hold {kept} bytes: beyond this worker's limit of "
-                f"{service.config.max_request_bytes} bytes per request"
+                f"{ctx.config.max_request_bytes} bytes per request"
             )
         start = time.perf_counter()
 
         def work():
-            out = stage_forward(service.backend, x, w, b, padding, spec, slice(0, conv.k))
-            service.backend.synchronize()
+            out = stage_forward(ctx.backend, x, w, b, padding, spec, slice(0, conv.k))
+            ctx.backend.synchronize()
             return out
 
-        y, run = service._on_device(work)
+        y, run = ctx.run(work)
         compute = time.perf_counter() - start
         block = _Block(request.step, run, np.ascontiguousarray(y))
         key = self._key(request.layer)
@@ -101,9 +102,9 @@ class ReplicaCalls:
         def stale(other, state) -> bool:
             return other == key
 
-        service.budget.save(request.session, key, block, replaces=stale)
+        ctx.keep(request, key, block, replaces=stale)
         if split:  # this worker's images only: their output goes to the other peers
-            service.split.forward(request, x, run, block.y)
+            ctx.split.forward(request, x, run, block.y)
         return [], compute, receive
 
     def _block(self, request: pb.ConvRequest, what: str) -> _Block:
@@ -114,7 +115,7 @@ class ReplicaCalls:
                 f"{request.step} (have {have}); send ReplicaForward first"
             )
 
-        return self.service.kept_for_step(request, self._key(request.replica_layer), missing)
+        return self.context.kept_for_step(request, self._key(request.replica_layer), missing)
 
     def input_for(self, request: pb.ConvRequest, x: np.ndarray) -> np.ndarray:
         """The layer's input: ``x`` as sent, or the named block's output (``x`` then empty)."""
@@ -126,26 +127,26 @@ class ReplicaCalls:
                 f"sends x {x.shape}: send an empty x"
             )
         block = self._block(request, "the stage forward")
-        if self.service.split.is_split(request):  # every peer's part, once all have come
-            return self.service.split.input_for(request)
+        if self.context.split.is_split(request):  # every peer's part, once all have come
+            return self.context.split.input_for(request)
         return block.y
 
     def gradients(self, request: pb.ConvRequest, dx: np.ndarray):
         """(rw, rb): the input-gradient part ``dx`` back through the named block."""
         block = self._block(request, "the stage backward")
-        service = self.service
+        ctx = self.context
 
         def back(run: StageRun, g: np.ndarray):
             def work():
-                out = stage_backward(service.backend, run, g, slice(0, run.out_shape[1]), False)
-                service.backend.synchronize()
+                out = stage_backward(ctx.backend, run, g, slice(0, run.out_shape[1]), False)
+                ctx.backend.synchronize()
                 return out
 
-            _, rw, rb = service._on_device(work)
+            _, rw, rb = ctx.run(work)
             return rw, rb
 
-        if service.split.is_split(request):  # the peers' rows of this worker's images too
-            return service.split.gradients(request, dx, back)
+        if ctx.split.is_split(request):  # the peers' rows of this worker's images too
+            return ctx.split.gradients(request, dx, back)
         if dx.shape != block.y.shape:
             raise InvalidCall(f"input gradient {dx.shape} does not match the block's output")
         return back(block.run, dx)

@@ -3,7 +3,7 @@
 PlaceKernels puts a kernel slice of a layer on this worker with its SGD state (momentum
 buffers, settings) and a version; the worker keeps it, per session and layer, until another
 placement of that layer replaces it or the session is evicted (least recently used, the
-service's ``sessions`` bound). ResidentStageForward runs the fused stage with the slice's own
+worker's ``sessions`` bound). ResidentStageForward runs the fused stage with the slice's own
 kernels and the halo kernels the request brings; ResidentStageBackward computes the slice's
 gradients, applies the SGD update to the slice in place (version + 1) and answers the updated
 edge kernels (its neighbours' next halo) and the input-gradient part. FetchKernels answers
@@ -42,6 +42,7 @@ from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.resident import edge_rows, sgd_config, version_text
 from hetconv.stages import StageRun, StageSpec, spec_from_proto, stage_backward, stage_forward
+from hetconv.worker.context import WorkerContext, answer
 from hetconv.worker.overlap import (
     GroupedRun,
     GroupedStart,
@@ -83,12 +84,11 @@ class _Run:
 
 
 class ResidentCalls:
-    """The four resident handlers' cores on a
-    :class:`~hetconv.worker.service.ConvWorkerService` (its backend, device lock, request
-    checks and session bound)."""
+    """The four resident handlers' cores on a :class:`~hetconv.worker.context.WorkerContext`
+    (its request checks, device thread and session bound)."""
 
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, context: WorkerContext):
+        self.context = context
         self._lock = threading.Lock()
         # session -> layer -> the slice this worker holds
         self._slices: OrderedDict[int, dict[str, _Slice]] = OrderedDict()
@@ -127,7 +127,7 @@ class ResidentCalls:
     # -- the calls ---------------------------------------------------------------------------
 
     def place(self, messages: Iterator):
-        request, (w, b, mw, mb, f, mf), receive = self.service._receive(messages, PLACE_KERNELS)
+        request, (w, b, mw, mb, f, mf), receive = self.context.receive(messages, PLACE_KERNELS)
         ref = request.resident
         if w.ndim != 4 or w.shape[0] < 1:
             raise InvalidCall(f"w has shape {w.shape}, expected (k >= 1, C, kh, kw)")
@@ -173,24 +173,22 @@ class ResidentCalls:
             layers = self._slices.setdefault(request.session, {})
             layers[request.layer] = placed
             self._slices.move_to_end(request.session)
-            while len(self._slices) > self.service.config.sessions:
+            while len(self._slices) > self.context.config.sessions:
                 gone, _ = self._slices.popitem(last=False)
                 for key in [k for k in self._runs if k[0] == gone]:
                     del self._runs[key]
         return [], 0.0, receive
 
     def fetch(self, messages: Iterator):
-        request, _, receive = self.service._receive(messages, FETCH_KERNELS)
+        request, _, receive = self.context.receive(messages, FETCH_KERNELS)
         held = self._held(request)
         formats = FETCH_KERNELS.answer_formats()
         arrays = (held.w, held.b, held.mw, held.mb, held.f, held.mf)
-        return [(n, a, f) for (n, f), a in zip(formats.items(), arrays, strict=True)], 0.0, receive
+        return answer(formats, arrays), 0.0, receive
 
-    def forward(self, messages: Iterator):
-        service = self.service
-        request, (x, hw, hb, hf), receive = service._receive(messages, RESIDENT_STAGE_FORWARD)
-        x = service.replicas.input_for(request, x)
-        held = self._held(request)
+    def _check_forward(self, request: pb.ConvRequest, x, hw, hb, hf, held: _Slice):
+        """A resident stage forward's request against the slice held: (padding, spec, the
+        widened slice's ConvShape); InvalidCall or RequestTooLarge naming what is wrong."""
         padding = request_padding(request)
         ref, d = request.resident, request.stage
         k = held.w.shape[0]
@@ -228,12 +226,20 @@ class ResidentCalls:
         # As StageForward: the stage's intermediates, a few times the widened feature maps,
         # must fit the worker's limit too.
         kept = 6 * 4 * conv.n * conv.k * conv.out_hw[0] * conv.out_hw[1]
-        if kept > service.config.max_request_bytes:
+        if kept > self.context.config.max_request_bytes:
             raise RequestTooLarge(
                 f"the stage would hold {kept} bytes: beyond this worker's limit of "
-                f"{service.config.max_request_bytes} bytes per request"
+                f"{self.context.config.max_request_bytes} bytes per request"
             )
-        before = ref.halo_before
+        return padding, spec, conv
+
+    def forward(self, messages: Iterator):
+        ctx = self.context
+        request, (x, hw, hb, hf), receive = ctx.receive(messages, RESIDENT_STAGE_FORWARD)
+        x = ctx.replicas.input_for(request, x)
+        held = self._held(request)
+        padding, spec, conv = self._check_forward(request, x, hw, hb, hf, held)
+        k, before = held.w.shape[0], request.resident.halo_before
         w = np.concatenate([hw[:before], held.w, hw[before:]])
         b = np.concatenate([hb[:before], held.b, hb[before:]])
         own = slice(before, before + k)
@@ -252,19 +258,19 @@ class ResidentCalls:
                         request.step, held.version, run, spec
                     )
 
-            outputs = forward_groups(service, x, w, b, padding, spec, own, groups, keep)
+            outputs = forward_groups(ctx, x, w, b, padding, spec, own, groups, keep)
             shape = (x.shape[0], k, *spec.output_hw(conv.out_hw))
             tensors = [(name, shape, fmt), (z_name, (x.shape[0], 0), z_fmt)]  # no head: no z
             return Streamed(tensors, ((0, y) for y in outputs), start, receive)
         f = np.concatenate([hf[:before], held.f, hf[before:]]) if held.classes else None
 
         def forward_work():
-            y, run = stage_forward(service.backend, x, w, b, padding, spec, own)
+            y, run = stage_forward(ctx.backend, x, w, b, padding, spec, own)
             z = partial_logits(y, held.f) if f is not None else np.empty((len(x), 0), np.float32)
-            service.backend.synchronize()
+            ctx.backend.synchronize()
             return y, run, z
 
-        y, run, z = service._on_device(forward_work)
+        y, run, z = ctx.run(forward_work)
         compute = time.perf_counter() - start
         kept = _Run(request.step, held.version, run, spec, (f, y) if f is not None else None)
         with self._lock:
@@ -289,9 +295,9 @@ class ResidentCalls:
         return held, kept
 
     def backward(self, messages: Iterator):
-        service = self.service
-        grouped = GroupedStart(service, lambda request: self._kept(request)[1].run)
-        request, (dy, dz), receive = service._receive(
+        ctx = self.context
+        grouped = GroupedStart(ctx, lambda request: self._kept(request)[1].run)
+        request, (dy, dz), receive = ctx.receive(
             messages, RESIDENT_STAGE_BACKWARD, grouped.progress
         )
         held, kept = self._kept(request)
@@ -318,17 +324,17 @@ class ResidentCalls:
         grad = grad_range(run, dy.shape, request.stage.grad_start)
         replica = bool(request.replica_layer)
 
-        first = service.split.rows_first(request) if replica else ()
+        first = ctx.split.rows_first(request) if replica else ()
 
         def backward_work():
             need = request.need_input_grad or replica
-            out = stage_backward(service.backend, run, dy, grad, need, rows_first=first)
-            service.backend.synchronize()
+            out = stage_backward(ctx.backend, run, dy, grad, need, rows_first=first)
+            ctx.backend.synchronize()
             return out
 
-        dx, dw, db = grouped.result() if grouped.started else service._on_device(backward_work)
+        dx, dw, db = grouped.result() if grouped.started else ctx.run(backward_work)
         # the block's gradients before the update: a refused call leaves the slice as it was
-        through = service.replicas.gradients(request, dx) if replica else None
+        through = ctx.replicas.gradients(request, dx) if replica else None
         with self._lock:
             del self._runs[request.session, request.layer]
             # The update, in place: bitwise what the master's SGD gives these rows.
@@ -351,8 +357,7 @@ class ResidentCalls:
             arrays += through
         elif request.need_input_grad:
             arrays.append(dx)
-        answer = [(name, a, f) for (name, f), a in zip(formats.items(), arrays, strict=True)]
-        return answer, time.perf_counter() - start, receive
+        return answer(formats, arrays), time.perf_counter() - start, receive
 
 
 __all__ = ["ResidentCalls", "StaleSlice"]

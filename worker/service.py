@@ -24,16 +24,16 @@ that waits on its client for ``idle_timeout`` seconds is ended (:mod:`hetconv.wo
 The handler pool is larger than the calls in flight, so health checks and Describe are answered
 while every call slot is taken; convolutions run one at a time on one device thread, so the
 backend's scratch buffers exist once, and are trimmed after a call that grew them.
+
+The calls of each feature (fused stages, resident kernels, the replicated and split block) are
+served by handlers built on one :class:`~hetconv.worker.context.WorkerContext`: what they read,
+run on the device and keep goes through it, never through the service.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import secrets
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -63,94 +63,27 @@ from hetconv.calls import (
     input_shape,
     map_shape,
 )
-from hetconv.errors import InvalidCall, MalformedMessage, MissingForward, RequestTooLarge, WireError
-from hetconv.formats import FLOAT32, TensorFormat, answer_format, format_of
+from hetconv.errors import InvalidCall, MissingForward, WireError
+from hetconv.formats import FLOAT32, answer_format, format_of
 from hetconv.proto import worker_pb2 as pb
-from hetconv.wire import (
-    Bundle,
-    TensorReceiver,
-    WireTensor,
-    check_tensors,
-    chunks,
-    encode_tensors,
-    receive_stream,
-    server_options,
-)
+from hetconv.wire import Bundle, chunks, encode_tensors, server_options
 from hetconv.worker.activity import Activity
 from hetconv.worker.auth import WorkerSecurity
-from hetconv.worker.budget import Dropped, MemoryBudget, OverBudget
+from hetconv.worker.budget import MemoryBudget, OverBudget
+from hetconv.worker.config import SPARE_THREADS, WorkerConfig
+from hetconv.worker.context import Answer, DeviceThread, Received, WorkerContext, answer
 from hetconv.worker.idle import IdleTimeout, IdleWatch, Watched
 from hetconv.worker.overlap import Streamed
 from hetconv.worker.replica import ReplicaCalls
-from hetconv.worker.requests import request_padding
+from hetconv.worker.requests import RequestReader, request_padding
 from hetconv.worker.resident import ResidentCalls
 from hetconv.worker.split import SplitCalls
 from hetconv.worker.stages import StageCalls
 
-#: An answer's tensors: name, array, format on the wire.
-_Answer = list[tuple[str, np.ndarray, TensorFormat]]
 #: What a call's core returns: the answer's tensors, compute and receive seconds.
-_Core = Callable[[Iterator], tuple[_Answer, float, float]]
+_Core = Callable[[Iterator], tuple[Answer, float, float]]
 
 
-def _answer(formats: dict[str, TensorFormat], arrays) -> _Answer:
-    """The answer's tensors: ``arrays`` in the order of ``formats`` (a call's answer formats)."""
-    return [(name, a, fmt) for (name, fmt), a in zip(formats.items(), arrays, strict=True)]
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """How a worker serves.
-
-    Args:
-        max_request_bytes: the largest request (all tensors together) it accepts; bigger ones are
-            refused with RESOURCE_EXHAUSTED instead of swapping the machine to death.
-        sessions: masters whose forward inputs it keeps at once (least recently used goes;
-            ``hetconv worker --sessions N``); each may keep ``memory_bytes / sessions``.
-        probe_repeats: timed runs per probe when the master does not say (best is reported).
-        memory_bytes: what calls in flight and saved forward states may hold together
-            (``--memory-mib``); a call that does not fit is refused with RESOURCE_EXHAUSTED
-            before anything is allocated.
-        max_calls: calls (convolutions and probes) in flight at once; one more is refused with
-            RESOURCE_EXHAUSTED at once (``--max-calls``).
-        idle_timeout: seconds a call may wait on its client, for a message or for it to take
-            an answer chunk, before it is ended (``--idle-timeout``); None: never.
-        streams_per_connection: concurrent calls one client connection may have (HTTP/2
-            ``SETTINGS_MAX_CONCURRENT_STREAMS``; more wait in the client).
-    """
-
-    max_request_bytes: int = 2 << 30
-    sessions: int = 4
-    probe_repeats: int = 2
-    memory_bytes: int = 4 << 30
-    max_calls: int = 16
-    idle_timeout: float | None = 10.0
-    streams_per_connection: int = 8
-
-    def __post_init__(self):
-        if self.sessions < 1:
-            raise ValueError(f"sessions must be at least 1, got {self.sessions}")
-        for name in ("memory_bytes", "max_calls", "streams_per_connection"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.idle_timeout is not None and self.idle_timeout <= 0:
-            raise ValueError(f"idle_timeout must be positive or None, got {self.idle_timeout}")
-        if self.max_request_bytes > self.memory_bytes:
-            raise ValueError(
-                f"a request may hold {self.max_request_bytes >> 20} MiB (--max-request-mib), "
-                f"more than the whole memory budget of {self.memory_bytes >> 20} MiB "
-                "(--memory-mib)"
-            )
-
-    @property
-    def threads(self) -> int:
-        """gRPC handler threads: one per call in flight, and :data:`SPARE_THREADS` more."""
-        return self.max_calls + SPARE_THREADS
-
-
-#: Handler threads beyond ``max_calls``: health checks, Describe and refusals of calls over the
-#: limit are served by these while every call slot is taken.
-SPARE_THREADS = 8
 #: Describe's trailing metadata key: what the memory budget holds (:class:`Holding`).
 MEMORY_METADATA = "hetconv-memory"
 
@@ -163,19 +96,6 @@ class _Saved:
     x: np.ndarray
     w: np.ndarray
     padding: tuple[int, int, int, int]
-
-
-def release_free_memory() -> None:
-    """Give the C allocator's free pages back to the system (glibc ``malloc_trim``; elsewhere
-    nothing): after a call that grew the scratch, its freed medium-sized blocks would otherwise
-    stay in the process's resident memory."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        pass
 
 
 class ConvWorkerService:
@@ -194,7 +114,7 @@ class ConvWorkerService:
         # good, so counted in it); a call that grows them beyond is trimmed after. Trimmed
         # after every call, the next call faults its buffers in afresh: at paper-500-1500
         # batch 64 that cost a worker's backward 0.3-0.6 s of its 2.3 s (one thread).
-        self.scratch_keep = min(
+        scratch_keep = min(
             2 * int(getattr(backend, "scratch_bytes", 0)), self.config.memory_bytes // 4
         )
         # calls in flight, and what each Forward leaves for its Backward under
@@ -203,39 +123,20 @@ class ConvWorkerService:
             self.config.memory_bytes,
             self.config.sessions,
             self.config.max_calls,
-            reserved_bytes=self.scratch_keep,
+            reserved_bytes=scratch_keep,
         )
         self.idle = IdleWatch(self.config.idle_timeout)
         # One convolution at a time, always on this one thread: per-thread scratch exists once.
-        self._device = futures.ThreadPoolExecutor(1, thread_name_prefix="hetconv-device")
-        # Held by every device job: code that runs the backend on its own thread under it still
-        # runs one call at a time (but keeps scratch of its own; prefer _on_device).
-        self._device_lock = threading.Lock()
-        self.scratch_trimmed = 0  # times the scratch was trimmed after a call
+        self.device = DeviceThread(backend, scratch_keep)
         self.requests = 0  # conv requests answered successfully
-        self.replicas = ReplicaCalls(self)  # a replicated first block (hetconv.replica)
-        self.split = SplitCalls(self)  # the same split by images (hetconv.split)
         self.activity = Activity()  # the same, with bytes and sessions, since the last look
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
-
-    def _on_device(self, work: Callable[[], object]):
-        """``work()`` on the device thread (after any call before it); its result."""
-        return self._submit_device(work).result()
-
-    def _submit_device(self, work: Callable[[], object]) -> futures.Future:
-        """``work()`` queued on the device thread (after any call before it)."""
-
-        def job():
-            try:
-                with self._device_lock:
-                    return work()
-            finally:
-                trim = getattr(self.backend, "trim_scratch", None)
-                if trim is not None and trim(self.scratch_keep):
-                    self.scratch_trimmed += 1
-                    release_free_memory()
-
-        return self._device.submit(job)
+        self.reader = RequestReader(self.config.max_request_bytes, self.budget, self.activity)
+        # What the feature handlers use of the worker: every request they read goes through
+        # _receive (so a service that wraps it sees every call's request).
+        self.context = WorkerContext(backend, self.config, self.budget, self.device, self._receive)
+        self.context.replicas = ReplicaCalls(self.context)  # a replicated block (hetconv.replica)
+        self.context.split = SplitCalls(self.context)  # the same split by images (hetconv.split)
 
     @contextmanager
     def _in_flight(self, name: str, context) -> Iterator[Watched]:
@@ -251,8 +152,8 @@ class ConvWorkerService:
     def close(self) -> None:
         """Stop the idle watch and the device thread (after the server has stopped)."""
         self.idle.stop()
-        self._device.shutdown(wait=False)
-        self.split.close()
+        self.device.close()
+        self.context.split.close()
 
     # -- unary calls ------------------------------------------------------------------------
 
@@ -261,7 +162,7 @@ class ConvWorkerService:
         # What the memory budget holds, as trailing metadata (the message's fields stay as
         # they are): budget=...,in_flight=...,...,idle_ended=N,scratch_trimmed=N
         memory = self.budget.holding().as_metadata()
-        extra = f"idle_ended={self.idle.ended},scratch_trimmed={self.scratch_trimmed}"
+        extra = f"idle_ended={self.idle.ended},scratch_trimmed={self.device.trimmed}"
         context.set_trailing_metadata(((MEMORY_METADATA, f"{memory},{extra}"),))
         return pb.DeviceDescription(
             backend=info.backend,
@@ -297,7 +198,7 @@ class ConvWorkerService:
                 self.budget.current().reserve(needed, f"a probe of {shape}")
             except OverBudget as e:
                 context.abort(e.status, f"probe: {e}")
-            seconds = self._on_device(
+            seconds = self.device.run(
                 lambda: self.backend.time_step(shape, repeats, request.with_grad_input)
             )
         passes = 3 if request.with_grad_input else 2
@@ -307,102 +208,13 @@ class ConvWorkerService:
 
     # -- streaming calls --------------------------------------------------------------------
 
-    def _receive(
-        self, messages: Iterator, call: ConvCall, progress=None
-    ) -> tuple[pb.ConvRequest, list[np.ndarray], float]:
-        """Read and check a call's request; ``progress`` as :func:`~hetconv.wire.receive_stream`'s
-        (given the request and the receiver)."""
-        start = time.perf_counter()
-
-        def receiver_for(first: pb.ConvMessage) -> TensorReceiver:
-            kind = first.WhichOneof("kind")
-            if kind != "header":
-                raise MalformedMessage(f"stream started with {kind}, not a header")
-            request = first.header
-            if request.phase != call.phase:
-                known = request.phase in pb.Phase.values()
-                phase = pb.Phase.Name(request.phase) if known else request.phase
-                raise InvalidCall(
-                    f"request phase {phase} sent to the {pb.Phase.Name(call.phase)} call"
-                )
-            names = call.request_names
-            if names is None:  # any tensors, as the header names them
-                names = [h.name for h in request.tensors]
-            tensors = check_tensors(request.tensors, names, self.config.max_request_bytes)
-            if call is not ECHO:
-                answer_format(request.answer_dtype)  # one it knows, before any data is read
-            if call is FORWARD:
-                self._check_forward(request, tensors)
-            elif call is BACKWARD and len(tensors[0].shape) != 4:
-                raise InvalidCall(
-                    f"dy has shape {tensors[0].shape}, expected 4 dimensions (N, k, Ho, Wo)"
-                )
-            self._admit(call, request, tensors)  # before any array is allocated
-            return TensorReceiver.of(tensors)
-
-        def advanced(first: pb.ConvMessage, receiver: TensorReceiver) -> None:
-            progress(first.header, receiver)
-
-        first, arrays = receive_stream(messages, receiver_for, advanced if progress else None)
-        self.activity.received(first.header.session, sum(h.nbytes for h in first.header.tensors))
-        return first.header, arrays, time.perf_counter() - start
-
-    def _admit(self, call: ConvCall, request: pb.ConvRequest, tensors: list[WireTensor]) -> None:
-        """Reserve what the call will hold: its request arrays (and staging buffers for a format
-        that converts on arrival) and its answer, twice (the arrays and their encoded bytes).
-        A call whose answer size is not known here is covered once it is computed (:meth:`_run`).
-
-        Raises:
-            OverBudget: it does not fit the memory budget, or a Forward's saved state could
-                never fit a session's share.
-        """
-        memory = self.budget.current()
-        if memory is None:  # a core called outside a handler: nothing to meter
-            return
-        memory.session = request.session
-        need = 0
-        for t in tensors:
-            need += FLOAT32.nbytes(t.shape)
-            if t.format is not FLOAT32:
-                need += t.format.nbytes(t.shape)
-        fmt = answer_format(request.answer_dtype) if call is not ECHO else FLOAT32
-        if call is FORWARD:
-            x, w, _ = (t.shape for t in tensors)
-            self.budget.check_state(FLOAT32.nbytes(x) + FLOAT32.nbytes(w), "this Forward")
-            shape = conv_shape(x, w, request_padding(request))
-            need += FORWARD.answer_bytes(shape) + FORWARD.answer_bytes(shape, fmt=fmt)
-        elif call is BACKWARD:
-            saved = self.budget.saved(request.session, (request.layer, request.kernel_offset))
-            if saved is not None:
-                shape = conv_shape(saved.x.shape, saved.w.shape, saved.padding)
-                grad = request.need_input_grad
-                need += BACKWARD.answer_bytes(shape, grad) + BACKWARD.answer_bytes(shape, grad, fmt)
-        elif call is ECHO:
-            need *= 2
-        memory.reserve(need, f"this {call.name}", request.session)
-
-    def _check_forward(self, request: pb.ConvRequest, tensors: list[WireTensor]) -> None:
-        request_padding(request)
-        x, w, b = (t.shape for t in tensors)
-        if len(x) != 4 or len(w) != 4:
-            raise InvalidCall(f"x {x} and w {w} must both have 4 dimensions (NCHW, KCHW)")
-        if b != (w[0],):
-            raise InvalidCall(f"b has shape {b}, expected ({w[0]},) for {w[0]} kernels")
-        try:
-            shape = conv_shape(x, w, tuple(request.padding))
-        except ValueError as e:
-            raise InvalidCall(str(e)) from None
-        # The request's size is bounded on arrival; what it implies must be too: a few bytes
-        # with a huge padding would otherwise ask for gigabytes of output.
-        answer = FORWARD.answer_bytes(shape, fmt=answer_format(request.answer_dtype))
-        if answer + tensors[0].format.nbytes(x) > self.config.max_request_bytes:
-            raise RequestTooLarge(
-                f"the feature maps would hold {answer} bytes: beyond this worker's limit "
-                f"of {self.config.max_request_bytes} bytes per request"
-            )
+    def _receive(self, messages: Iterator, call: ConvCall, progress=None) -> Received:
+        """Read and check a call's request (:class:`~hetconv.worker.requests.RequestReader`):
+        every call's, the feature handlers' too, comes through here."""
+        return self.reader.receive(messages, call, progress)
 
     @staticmethod
-    def _result(tensors: _Answer, compute: float, receive: float):
+    def _result(tensors: Answer, compute: float, receive: float):
         out = encode_tensors([(name, a) for name, a, _ in tensors], [f for *_, f in tensors])
         result = pb.ConvResult(
             compute_seconds=compute, receive_seconds=receive, tensors=out.headers
@@ -508,11 +320,11 @@ class ConvWorkerService:
             self.backend.synchronize()
             return y
 
-        y = self._on_device(work)
+        y = self.device.run(work)
         compute = time.perf_counter() - start
         self._save(request, _Saved(request.step, x, w, padding))
         formats = FORWARD.answer_formats(fmt=answer_format(request.answer_dtype))
-        return _answer(formats, (y,)), compute, receive
+        return answer(formats, (y,)), compute, receive
 
     def backward(self, messages: Iterator):
         request, (dy,), receive = self._receive(messages, BACKWARD)
@@ -533,12 +345,12 @@ class ConvWorkerService:
             self.backend.synchronize()
             return out
 
-        out = self._on_device(work)
+        out = self.device.run(work)
         # dw, db and, when asked for, dx; dx in the format asked for, dw and db float32
         formats = BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype)
         )
-        return _answer(formats, out), time.perf_counter() - start, receive
+        return answer(formats, out), time.perf_counter() - start, receive
 
     def echo(self, messages: Iterator):
         request, arrays, receive = self._receive(messages, ECHO)
@@ -570,7 +382,7 @@ class ConvWorkerService:
                 have = "only kernels from " + ", ".join(map(str, others)) if others else ""
                 dropped = self.budget.dropped(request.session, (layer, offset))
                 if not others and dropped is not None:
-                    raise MissingForward(self._dropped_message(request, dropped))
+                    raise MissingForward(self.context.dropped_message(request, dropped))
                 have = have or "nothing"
             where = f" from kernel {offset}" if offset else ""
             raise MissingForward(
@@ -578,36 +390,6 @@ class ConvWorkerService:
                 f"session (have {have}); send Forward first",
             )
         return saved
-
-    def kept_for_step(self, request: pb.ConvRequest, key, missing: Callable[[str], str]):
-        """What the request's session keeps under ``key`` for the request's step; else
-        MissingForward naming why: the memory budget dropped it, or ``missing(have)`` (``have``:
-        "nothing", or the step it holds)."""
-        kept = self.budget.saved(request.session, key)
-        if kept is None or kept.step != request.step:
-            if kept is None and (dropped := self.budget.dropped(request.session, key)) is not None:
-                raise MissingForward(self._dropped_message(request, dropped))
-            raise MissingForward(missing("nothing" if kept is None else f"step {kept.step}"))
-        return kept
-
-    def _dropped_message(self, request: pb.ConvRequest, dropped: Dropped) -> str:
-        head = f"no forward pass of layer {request.layer!r} at step {request.step} for this session"
-        mib = self.config.memory_bytes >> 20
-        if dropped.cause == "share":
-            share = self.budget.session_share >> 20
-            return (
-                f"{head}: this worker dropped its saved inputs to keep the session within its "
-                f"share of the memory budget (--memory-mib {mib} MiB, less the device "
-                f"scratch, / {self.config.sessions} sessions = {share} MiB); start it with a "
-                "larger --memory-mib or a smaller --sessions"
-            )
-        n = self.config.sessions
-        return (
-            f"{head}: this worker dropped the session's saved inputs to make room for "
-            f"another master's (it keeps {n} session{'s' if n != 1 else ''} at once in a "
-            f"memory budget of {mib} MiB, and more masters use it); start it with a larger "
-            "--sessions or --memory-mib"
-        )
 
 
 def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
@@ -617,13 +399,12 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
         PROBE.name: PROBE.method.handler(service.probe),
     }
     cores = {FORWARD: service.forward, BACKWARD: service.backward, ECHO: service.echo}
-    stages = StageCalls(service)  # fused stages (hetconv.worker.stages)
+    context = service.context  # the feature handlers use only it
+    stages = StageCalls(context)  # fused stages (hetconv.worker.stages)
     cores.update({STAGE_FORWARD: stages.forward, STAGE_BACKWARD: stages.backward})
-    resident = ResidentCalls(service)  # resident kernels (hetconv.worker.resident)
-    service.resident = resident
-    cores.update(resident.cores())
-    cores[REPLICA_FORWARD] = service.replicas.forward
-    cores.update({PUT_PART: service.split.put, FETCH_PART: service.split.fetch})
+    cores.update(ResidentCalls(context).cores())  # resident kernels (hetconv.worker.resident)
+    cores[REPLICA_FORWARD] = context.replicas.forward
+    cores.update({PUT_PART: context.split.put, FETCH_PART: context.split.fetch})
     for call, core in cores.items():
         handlers[call.stream.name] = call.stream.handler(service.streamed(call, core))
         handlers[call.bundle.name] = call.bundle.handler(service.bundled(call, core))
@@ -650,7 +431,7 @@ def start_server(
     """
     security = security or WorkerSecurity()
     # a split block's peers are reached with this worker's own token (hetconv.split)
-    service.split.use(security.token, tls=security.tls_cert is not None)
+    service.context.split.use(security.token, tls=security.tls_cert is not None)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=service.config.threads),
         # The token check runs before any handler, for every method of every service here.
@@ -690,4 +471,4 @@ def start_server(
     return server, f"{host}:{port}"
 
 
-__all__ = ["ConvWorkerService", "WorkerConfig", "start_server"]
+__all__ = ["SPARE_THREADS", "ConvWorkerService", "WorkerConfig", "start_server"]

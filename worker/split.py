@@ -39,6 +39,7 @@ from hetconv.formats import TensorFormat, answer_format
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import bearer_metadata
 from hetconv.wire import BUNDLE_BYTES, Bundle, channel_options, chunks, encode_tensors
+from hetconv.worker.context import WorkerContext
 
 #: Peers a split may name (a LAN's laptops; far beyond any plan the master makes).
 MAX_PEERS = 64
@@ -183,10 +184,10 @@ class PeerLinks:
 
 class SplitCalls:
     """PutPart and FetchPart, and the split block's hooks for ReplicaForward and the stage
-    calls, on a :class:`~hetconv.worker.service.ConvWorkerService`."""
+    calls, on a :class:`~hetconv.worker.context.WorkerContext`."""
 
-    def __init__(self, service, token: str | None = None):
-        self.service = service
+    def __init__(self, context: WorkerContext, token: str | None = None):
+        self.context = context
         self.links = PeerLinks(token)
         self._steps: dict[tuple[int, str], _Step] = {}
         self._changed = threading.Condition()
@@ -218,7 +219,7 @@ class SplitCalls:
 
     def _limit(self) -> None:
         """At most the worker's sessions' worth of split records: the oldest go."""
-        while len(self._steps) > 2 * self.service.config.sessions:
+        while len(self._steps) > 2 * self.context.config.sessions:
             del self._steps[next(iter(self._steps))]
 
     def _held_bytes(self) -> int:
@@ -236,7 +237,7 @@ class SplitCalls:
             layout = record.layout
             if layout is not None:
                 self._check_part(layout, source, part, gradient, record)
-            if self._held_bytes() + part.nbytes > self.service.config.memory_bytes // 2:
+            if self._held_bytes() + part.nbytes > self.context.config.memory_bytes // 2:
                 raise RequestTooLarge(
                     "the split's parts would hold more than half this worker's memory budget"
                 )
@@ -265,12 +266,12 @@ class SplitCalls:
     # -- the calls --------------------------------------------------------------------------
 
     def put(self, messages):
-        request, (p,), receive = self.service._receive(messages, PUT_PART)
+        request, (p,), receive = self.context.receive(messages, PUT_PART)
         self._take(request, p, request.part.gradient)
         return [], 0.0, receive
 
     def fetch(self, messages):
-        request, _, receive = self.service._receive(messages, FETCH_PART)
+        request, _, receive = self.context.receive(messages, FETCH_PART)
         source = request.part.source
         if not request.part.gradient or self._for_master(request):
             part = self._fetch_waiting(request, source)

@@ -38,6 +38,7 @@ from hetconv.stages import (
     stage_forward,
     unpack_batchnorm,
 )
+from hetconv.worker.context import WorkerContext, answer
 from hetconv.worker.overlap import (
     GroupedRun,
     GroupedStart,
@@ -62,11 +63,11 @@ class _Kept:
 
 
 class StageCalls:
-    """The two stage handlers' cores, on a :class:`~hetconv.worker.service.ConvWorkerService`
-    (its backend, device lock, request checks and limits)."""
+    """The two stage handlers' cores, on a :class:`~hetconv.worker.context.WorkerContext`
+    (its request checks, device thread, limits and kept states)."""
 
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, context: WorkerContext):
+        self.context = context
 
     def _check_forward(self, request: pb.ConvRequest, x, w, b, bn):
         padding = request_padding(request)
@@ -96,17 +97,18 @@ class StageCalls:
         shape = StageShape(conv, d.own_count, d.own_count, out_hw)
         kept = 6 * 4 * conv.n * conv.k * conv.out_hw[0] * conv.out_hw[1]
         need = STAGE_FORWARD.answer_bytes(shape, fmt=fmt) + kept
-        if need > self.service.config.max_request_bytes:
+        limit = self.context.config.max_request_bytes
+        if need > limit:
             raise RequestTooLarge(
                 f"the stage would hold {need} bytes: beyond this worker's limit of "
-                f"{self.service.config.max_request_bytes} bytes per request"
+                f"{limit} bytes per request"
             )
         return padding, spec, slice(d.own_start, d.own_start + d.own_count), batchnorm
 
     def forward(self, messages: Iterator):
-        service = self.service
-        request, (x, w, b, bn), receive = service._receive(messages, STAGE_FORWARD)
-        x = service.replicas.input_for(request, x)
+        ctx = self.context
+        request, (x, w, b, bn), receive = ctx.receive(messages, STAGE_FORWARD)
+        x = ctx.replicas.input_for(request, x)
         padding, spec, own, batchnorm = self._check_forward(request, x, w, b, bn)
         groups = check_overlap(request, spec, x.shape[0])
         start = time.perf_counter()
@@ -116,7 +118,7 @@ class StageCalls:
             def keep(run: GroupedRun) -> None:
                 self._keep(request, _Kept(request.step, run))
 
-            outputs = forward_groups(service, x, w, b, padding, spec, own, groups, keep)
+            outputs = forward_groups(ctx, x, w, b, padding, spec, own, groups, keep)
             y_name, stats_name = STAGE_FORWARD.answer_names()
             owned = own.stop - own.start
             out_hw = spec.output_hw(conv_shape(x.shape, w.shape, padding).out_hw)
@@ -128,46 +130,44 @@ class StageCalls:
             return Streamed(tensors, parts, start, receive)
 
         def work():
-            out = stage_forward(service.backend, x, w, b, padding, spec, own, batchnorm)
-            service.backend.synchronize()
+            out = stage_forward(ctx.backend, x, w, b, padding, spec, own, batchnorm)
+            ctx.backend.synchronize()
             return out
 
-        y, run = service._on_device(work)  # the device thread: one scratch, trimmed
+        y, run = ctx.run(work)  # the device thread: one scratch, trimmed
         compute = time.perf_counter() - start
         self._keep(request, _Kept(request.step, run))
         stats = batch_statistics_rows(run)
         formats = STAGE_FORWARD.answer_formats(fmt=fmt)
-        answer = [(name, a, f) for (name, f), a in zip(formats.items(), (y, stats), strict=True)]
-        return answer, compute, receive
+        return answer(formats, (y, stats)), compute, receive
 
     def backward(self, messages: Iterator):
-        service = self.service
-        grouped = GroupedStart(service, self._kept_for)
-        request, (dy,), receive = service._receive(messages, STAGE_BACKWARD, grouped.progress)
+        ctx = self.context
+        grouped = GroupedStart(ctx, self._kept_for)
+        request, (dy,), receive = ctx.receive(messages, STAGE_BACKWARD, grouped.progress)
         run = self._kept_for(request)
         grad = grad_range(run, dy.shape, request.stage.grad_start)
         start = grouped.started or time.perf_counter()
         replica = bool(request.replica_layer)
         need = request.need_input_grad or replica
 
-        first = service.split.rows_first(request) if replica else ()
+        first = ctx.split.rows_first(request) if replica else ()
 
         def work():
-            out = stage_backward(service.backend, run, dy, grad, need, rows_first=first)
-            service.backend.synchronize()
+            out = stage_backward(ctx.backend, run, dy, grad, need, rows_first=first)
+            ctx.backend.synchronize()
             return out
 
-        dx, dw, db = grouped.result() if grouped.started else service._on_device(work)
+        dx, dw, db = grouped.result() if grouped.started else ctx.run(work)
         formats = STAGE_BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype), replica
         )
         arrays = [dw, db, batchnorm_grad_rows(run)]
         if replica:  # the input gradient goes on through the block; its gradients travel
-            arrays += service.replicas.gradients(request, dx)
+            arrays += ctx.replicas.gradients(request, dx)
         elif request.need_input_grad:
             arrays.append(dx)
-        answer = [(name, a, f) for (name, f), a in zip(formats.items(), arrays, strict=True)]
-        return answer, time.perf_counter() - start, receive
+        return answer(formats, arrays), time.perf_counter() - start, receive
 
     # -- what forward keeps ------------------------------------------------------------------
 
@@ -183,7 +183,7 @@ class StageCalls:
         def stale(other: tuple[str, int], state) -> bool:
             return other[0] == key[0] and state.step != kept.step
 
-        self.service.budget.save(request.session, key, kept, replaces=stale)
+        self.context.keep(request, key, kept, replaces=stale)
 
     def _kept_for(self, request: pb.ConvRequest) -> StageRun:
         def missing(have: str) -> str:
@@ -193,7 +193,7 @@ class StageCalls:
                 f"{have}); send StageForward first"
             )
 
-        return self.service.kept_for_step(request, self._key(request), missing).run
+        return self.context.kept_for_step(request, self._key(request), missing).run
 
 
 __all__ = ["StageCalls"]
