@@ -989,6 +989,110 @@ LAYER_NAMES = st.sampled_from(["conv1", "conv2"])
 STEPS = st.integers(0, 2)
 
 
+class _CallOrder(RuleBasedStateMachine):
+    """The state machine of :func:`test_forward_and_backward_in_any_order`, on ``channel``
+    (set by the test) against a worker that keeps ``capacity`` sessions."""
+
+    channel: grpc.Channel
+    capacity = WorkerConfig().sessions
+
+    def __init__(self) -> None:
+        super().__init__()
+        # More sessions than the worker keeps, so that some get evicted.
+        self.sessions = [fresh_session() for _ in range(self.capacity + 2)]
+        self.saved: OrderedDict[int, dict[str, Saved]] = OrderedDict()
+        self.evicted: set[int] = set()  # sessions whose saved inputs the worker dropped
+        self.last_forward: tuple | None = None
+
+    def _target(self, data) -> tuple[int, str, Saved | None]:
+        """A (session, layer) the model holds a Forward for, or any."""
+        anywhere = st.tuples(st.sampled_from(self.sessions), LAYER_NAMES)
+        held = [(s, layer) for s, layers in self.saved.items() for layer in layers]
+        session, layer = data.draw(st.sampled_from(held) | anywhere if held else anywhere)
+        return session, layer, self.saved.get(session, {}).get(layer)
+
+    def _forwarded(self, args, answer: Answer) -> None:
+        session, layer, step, x, w, b, padding = args
+        assert answer.code == OK, answer.details
+        expected = reference("conv_forward", x, w, b, padding)
+        np.testing.assert_allclose(answer.arrays[0], expected, rtol=1e-5, atol=1e-6)
+        self.saved.setdefault(session, {})[layer] = Saved(step, x, w, padding, expected.shape)
+        self.saved.move_to_end(session)
+        self.evicted.discard(session)
+        while len(self.saved) > self.capacity:
+            self.evicted.add(self.saved.popitem(last=False)[0])
+
+    @rule(
+        layer=LAYER_NAMES,
+        step=STEPS,
+        geometry=geometries(),
+        seed=SEEDS,
+        transport=st.sampled_from(TRANSPORTS),
+        data=st.data(),
+    )
+    def forward(self, layer, step, geometry, seed, transport, data):
+        session = data.draw(st.sampled_from(self.sessions))
+        args = (session, layer, step, *geometry.arrays(seed), geometry.padding)
+        payload = _forward_payload(*args, transport, data.draw)
+        self._forwarded(args, send(self.channel, "Forward", transport, payload))
+        self.last_forward = args
+
+    @precondition(lambda self: self.last_forward is not None)
+    @rule(transport=st.sampled_from(TRANSPORTS), data=st.data())
+    def forward_again(self, transport, data):
+        """The last Forward once more (a master's retry): the same answer."""
+        payload = _forward_payload(*self.last_forward, transport, data.draw)
+        self._forwarded(self.last_forward, send(self.channel, "Forward", transport, payload))
+
+    @rule(
+        need_input_grad=st.booleans(),
+        seed=SEEDS,
+        transport=st.sampled_from(TRANSPORTS),
+        data=st.data(),
+    )
+    def backward(self, need_input_grad, seed, transport, data):
+        session, layer, held = self._target(data)
+        step = data.draw(st.just(held.step) | STEPS if held else STEPS)
+        shape = held.y_shape if held else (1, 1, 1, 1)
+        dy = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+        payload = _backward_payload(session, layer, step, dy, need_input_grad, transport, data.draw)
+        answer = send(self.channel, "Backward", transport, payload)
+        if held is None or held.step != step:
+            event("backward: FAILED_PRECONDITION")
+            assert_refused(answer, frozenset({PRECONDITION}), "Backward", "unheld forward")
+            if held is None and session in self.evicted:  # eviction is named as the cause
+                assert "dropped the session's saved inputs" in answer.details, answer.details
+            else:
+                assert "send Forward first" in answer.details, answer.details
+            return
+        event("backward: OK")
+        assert answer.code == OK, answer.details
+        got = answer.tensors()
+        dw, db = reference("conv_grad_kernels", held.x, dy, held.w.shape[2:], held.padding)
+        np.testing.assert_allclose(got["dw"], dw, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["db"], db, rtol=1e-5, atol=1e-6)
+        assert ("dx" in got) == need_input_grad
+        if need_input_grad:
+            dx = reference("conv_grad_input", dy, held.w, held.x.shape[2:], held.padding)
+            np.testing.assert_allclose(got["dx"], dx, rtol=1e-5, atol=1e-6)
+
+    @rule(transport=st.sampled_from(TRANSPORTS), data=st.data())
+    def backward_with_a_wrong_dy(self, transport, data):
+        session, layer, held = self._target(data)
+        step = held.step if held else 0
+        n, k, ho, wo = held.y_shape if held else (1, 1, 1, 1)
+        shape = data.draw(
+            st.sampled_from([(n + 1, k, ho, wo), (n, k + 1, ho, wo), (n, k, ho, wo + 1)])
+        )
+        payload = _backward_payload(
+            session, layer, step, np.zeros(shape, np.float32), False, transport, data.draw
+        )
+        answer = send(self.channel, "Backward", transport, payload)
+        expect = INVALID if held is not None else PRECONDITION
+        event(f"wrong dy: {expect.name}")
+        assert_refused(answer, frozenset({expect}), "Backward", f"dy {shape}")
+
+
 def test_forward_and_backward_in_any_order(channel):
     """Forward and Backward calls of a few sessions, layers and steps in any order, repeated
     and duplicated, each through a stream or a bundle, against a model of the worker's cache
@@ -999,109 +1103,9 @@ def test_forward_and_backward_in_any_order(channel):
     FAILED_PRECONDITION; one with a dy of the wrong shape for what it holds is
     INVALID_ARGUMENT.
     """
-    capacity = WorkerConfig().sessions
-
-    class CallOrder(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            # More sessions than the worker keeps, so that some get evicted.
-            self.sessions = [fresh_session() for _ in range(capacity + 2)]
-            self.saved: OrderedDict[int, dict[str, Saved]] = OrderedDict()
-            self.evicted: set[int] = set()  # sessions whose saved inputs the worker dropped
-            self.last_forward: tuple | None = None
-
-        def _target(self, data) -> tuple[int, str, Saved | None]:
-            """A (session, layer) the model holds a Forward for, or any."""
-            anywhere = st.tuples(st.sampled_from(self.sessions), LAYER_NAMES)
-            held = [(s, layer) for s, layers in self.saved.items() for layer in layers]
-            session, layer = data.draw(st.sampled_from(held) | anywhere if held else anywhere)
-            return session, layer, self.saved.get(session, {}).get(layer)
-
-        def _forwarded(self, args, answer: Answer) -> None:
-            session, layer, step, x, w, b, padding = args
-            assert answer.code == OK, answer.details
-            expected = reference("conv_forward", x, w, b, padding)
-            np.testing.assert_allclose(answer.arrays[0], expected, rtol=1e-5, atol=1e-6)
-            self.saved.setdefault(session, {})[layer] = Saved(step, x, w, padding, expected.shape)
-            self.saved.move_to_end(session)
-            self.evicted.discard(session)
-            while len(self.saved) > capacity:
-                self.evicted.add(self.saved.popitem(last=False)[0])
-
-        @rule(
-            layer=LAYER_NAMES,
-            step=STEPS,
-            geometry=geometries(),
-            seed=SEEDS,
-            transport=st.sampled_from(TRANSPORTS),
-            data=st.data(),
-        )
-        def forward(self, layer, step, geometry, seed, transport, data):
-            session = data.draw(st.sampled_from(self.sessions))
-            args = (session, layer, step, *geometry.arrays(seed), geometry.padding)
-            payload = _forward_payload(*args, transport, data.draw)
-            self._forwarded(args, send(channel, "Forward", transport, payload))
-            self.last_forward = args
-
-        @precondition(lambda self: self.last_forward is not None)
-        @rule(transport=st.sampled_from(TRANSPORTS), data=st.data())
-        def forward_again(self, transport, data):
-            """The last Forward once more (a master's retry): the same answer."""
-            payload = _forward_payload(*self.last_forward, transport, data.draw)
-            self._forwarded(self.last_forward, send(channel, "Forward", transport, payload))
-
-        @rule(
-            need_input_grad=st.booleans(),
-            seed=SEEDS,
-            transport=st.sampled_from(TRANSPORTS),
-            data=st.data(),
-        )
-        def backward(self, need_input_grad, seed, transport, data):
-            session, layer, held = self._target(data)
-            step = data.draw(st.just(held.step) | STEPS if held else STEPS)
-            shape = held.y_shape if held else (1, 1, 1, 1)
-            dy = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-            payload = _backward_payload(
-                session, layer, step, dy, need_input_grad, transport, data.draw
-            )
-            answer = send(channel, "Backward", transport, payload)
-            if held is None or held.step != step:
-                event("backward: FAILED_PRECONDITION")
-                assert_refused(answer, frozenset({PRECONDITION}), "Backward", "unheld forward")
-                if held is None and session in self.evicted:  # eviction is named as the cause
-                    assert "dropped the session's saved inputs" in answer.details, answer.details
-                else:
-                    assert "send Forward first" in answer.details, answer.details
-                return
-            event("backward: OK")
-            assert answer.code == OK, answer.details
-            got = answer.tensors()
-            dw, db = reference("conv_grad_kernels", held.x, dy, held.w.shape[2:], held.padding)
-            np.testing.assert_allclose(got["dw"], dw, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(got["db"], db, rtol=1e-5, atol=1e-6)
-            assert ("dx" in got) == need_input_grad
-            if need_input_grad:
-                dx = reference("conv_grad_input", dy, held.w, held.x.shape[2:], held.padding)
-                np.testing.assert_allclose(got["dx"], dx, rtol=1e-5, atol=1e-6)
-
-        @rule(transport=st.sampled_from(TRANSPORTS), data=st.data())
-        def backward_with_a_wrong_dy(self, transport, data):
-            session, layer, held = self._target(data)
-            step = held.step if held else 0
-            n, k, ho, wo = held.y_shape if held else (1, 1, 1, 1)
-            shape = data.draw(
-                st.sampled_from([(n + 1, k, ho, wo), (n, k + 1, ho, wo), (n, k, ho, wo + 1)])
-            )
-            payload = _backward_payload(
-                session, layer, step, np.zeros(shape, np.float32), False, transport, data.draw
-            )
-            answer = send(channel, "Backward", transport, payload)
-            expect = INVALID if held is not None else PRECONDITION
-            event(f"wrong dy: {expect.name}")
-            assert_refused(answer, frozenset({expect}), "Backward", f"dy {shape}")
-
     run_state_machine_as_test(
-        CallOrder, settings=settings(FUZZ, max_examples=30, stateful_step_count=25)
+        type("CallOrder", (_CallOrder,), {"channel": channel}),
+        settings=settings(FUZZ, max_examples=30, stateful_step_count=25),
     )
 
 
