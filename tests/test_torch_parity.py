@@ -21,6 +21,10 @@ torch = pytest.importorskip(
 nn = torch.nn
 F = torch.nn.functional
 
+import hetconv.model as model_module  # noqa: E402
+import hetconv.spec as spec_module  # noqa: E402
+from hetconv.conv import LocalConv  # noqa: E402
+from hetconv.graph import Layer  # noqa: E402
 from hetconv.layers import (  # noqa: E402
     Conv2d,
     LocalResponseNorm,
@@ -258,3 +262,65 @@ def test_conv_same_padding_matches_torch(kernel, channels):
     _layer_vs_torch(layer, lambda t: F.conv2d(t, weight, bias, padding="same"), x)
     _close(layer.grads["weight"], weight.grad, "conv weight gradient")
     _close(layer.grads["bias"], bias.grad, "conv bias gradient")
+
+
+class _Add(Layer):
+    """Test only: a layer of two inputs, their sum (the next issue's ``add``)."""
+
+    arity = 2
+
+    def forward(self, a, b):
+        return a + b
+
+    def backward(self, dy):
+        return dy, dy
+
+
+class _Staged(LocalConv):
+    supports_stages = True
+
+
+RESIDUAL = [
+    {"type": "conv", "name": "c1", "out": 6, "kernel": 3, "padding": 1},
+    {"type": "relu"},
+    {"type": "conv", "name": "ca", "out": 6, "kernel": 3, "padding": 1},
+    {"type": "conv", "name": "cb", "out": 6, "kernel": 1, "inputs": ["relu1"]},
+    {"type": "add", "name": "sum", "inputs": ["ca", "cb"]},
+    {"type": "relu"},
+    {"type": "maxpool", "kernel": 2},
+    {"type": "fc", "name": "fc", "out": 10},
+]
+
+
+class ResidualNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.ca = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
+        self.cb, self.fc = nn.Conv2d(6, 6, 1), nn.Linear(6 * 16 * 16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.c1(x))  # feeds both convolutions: its gradient is their sum
+        x = F.max_pool2d(F.relu(self.ca(x) + self.cb(x)), 2)
+        return self.fc(torch.flatten(x, 1))
+
+
+@pytest.mark.parametrize("executor", [None, _Staged()], ids=["plain", "staged"])
+def test_a_residual_graph_against_torch(monkeypatch, executor):
+    monkeypatch.setitem(spec_module.LAYER_OPTIONS, "add", {})
+    monkeypatch.setitem(spec_module.LAYER_ARITY, "add", 2)
+    monkeypatch.setitem(model_module.BUILDERS, "add", lambda model, item: _Add(item.name))
+    model = Model(RESIDUAL, seed=5, executor=executor)
+    net = ResidualNet()
+    net.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in model.parameters().items()})
+    x, labels = _batch(4, seed=2)
+
+    loss, grad, _ = softmax_cross_entropy(model.forward(x), labels)
+    model.backward(grad)
+    t_loss = F.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(labels))
+    t_loss.backward()
+
+    assert loss == pytest.approx(t_loss.item(), rel=1e-5)
+    grads = model.gradients()
+    for name, p in net.named_parameters():
+        assert np.abs(grads[name]).max() > 0, name
+        _close(grads[name], p.grad, f"d loss / d {name}")
