@@ -37,16 +37,13 @@ from fractions import Fraction
 import numpy as np
 from scipy.optimize import linprog
 
-from hetconv.costmodel import Cluster, overlap_images, simulate_layer_phase
+from hetconv.costmodel import Cluster, simulate_layer_phase, step_modes
 from hetconv.formats import FLOAT32
 from hetconv.head import MASTER as HEAD_MASTER
 from hetconv.overlap import OFF as OVERLAP_OFF
-from hetconv.overlap import ON as OVERLAP_ON
-from hetconv.overlap import group_count, group_images
-from hetconv.replica import FIRST as REPLICATE_FIRST
+from hetconv.overlap import group_count
 from hetconv.replica import OFF as REPLICATE_OFF
-from hetconv.replica import SPLITS as REPLICATE_SPLITS
-from hetconv.resident import SENT
+from hetconv.resident import RESIDENT, SENT
 from hetconv.stages import AUTO, FUSED, UNFUSED
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, call_bytes, stage_call_bytes
 
@@ -376,38 +373,31 @@ def shares_for(
     head: str = HEAD_MASTER,
 ) -> dict[str, tuple[int, ...]]:
     """Per layer name, kernels per node (master first) under ``policy``; the ``link`` policy
-    plans a layer with a stage as fused when ``stages`` is ``"fused"`` or ``"auto"`` (with
-    pooling the fused mode moves fewer bytes, so ``auto`` then picks it), its kernels as kept
-    on the workers when ``kernels`` is ``"resident"`` or ``"auto"`` (likewise), and with
-    ``replicate`` ``"first"`` the first layer as the master's alone and the second as fed by
-    it (:mod:`hetconv.replica`), and a fused layer's calls overlapped as ``overlap`` says
-    (``hetconv train --overlap``; ``"auto"`` asks the cost model with the compute shares),
-    and the layer feeding the final fc as computing it (:mod:`hetconv.head`) where ``head`` is
-    not ``"master"`` and its kernels stay on the workers."""
+    plans each layer in the modes the simulated step runs it in (the mode table's for these
+    flags, :func:`~hetconv.coststep.step_modes`, judged on the compute shares): fused or not,
+    its kernels kept on the workers or sent, fed by the replicated first block
+    (:mod:`hetconv.replica`), its calls overlapped in image groups, its stage computing the
+    final fc (:mod:`hetconv.head`). A replicated block is the master's alone under either
+    policy."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if stages not in (FUSED, UNFUSED, AUTO):
         raise ValueError(f"stages {stages!r}; expected fused, unfused or auto")
-    replicated = replicate in (REPLICATE_FIRST, *REPLICATE_SPLITS)  # split: shares as first's
-    block = layers[0] if replicated and len(layers) > 1 else None
+    compute = {layer.name: tuple(compute_shares(cluster, layer)) for layer in layers}
+    modes = step_modes(cluster, layers, compute, stages, kernels, replicate, overlap, head)
+    block = next((layer for layer in layers if layer.name == modes.block), None)
     out = {}
-    for layer in layers:
+    for index, layer in enumerate(layers):
         if layer is block:  # every node computes it; the master's share is all
             out[layer.name] = (layer.kernels,) + (0,) * len(cluster.workers)
         elif policy == COMPUTE:
-            out[layer.name] = tuple(compute_shares(cluster, layer))
+            out[layer.name] = compute[layer.name]
         else:
-            fused = stages != UNFUSED and layer.stage is not None
-            resident = fused and kernels != SENT
-            replica = block if fused and block is not None and layer is layers[1] else None
-            classes = layer.head if resident and head != HEAD_MASTER else 0
-            images = 0
-            streams = fused and not classes  # a split head answers logits: nothing to stream
-            if streams and overlap == OVERLAP_ON and not layer.stage.batchnorms:
-                images = group_images(layer.shape.n)
-            elif streams and overlap not in (OVERLAP_ON, OVERLAP_OFF):  # auto
-                split = compute_shares(cluster, layer)
-                images = overlap_images(layer, layer.stage, split, cluster.wire.format)
+            fused = modes.stages[layer.name] == FUSED
+            resident = modes.kernels[layer.name] == RESIDENT
+            replica = block if block is not None and index == 1 else None
+            classes = modes.heads.get(layer.name, 0)
+            images = modes.overlap[layer.name]
             out[layer.name] = tuple(
                 link_aware_shares(cluster, layer, fused, resident, replica, images, classes)
             )
