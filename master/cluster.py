@@ -71,21 +71,17 @@ import secrets
 from collections.abc import Sequence
 from typing import TextIO
 
-from hetconv import costmodel
 from hetconv.backends import Backend, get_backend
 from hetconv.conv import ConvExecutor
 from hetconv.optim import SGDConfig
-from hetconv.replica import FIRST as REPLICATE_FIRST
-from hetconv.replica import MASTER_BLOCK_NONE
-from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.resident import RESIDENT
 from hetconv.stages import FUSED, UNFUSED
 
-from . import modes, probing, runs
-from .client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
+from . import connecting, modes, probing, records, runs
+from .client import WorkerClient
 from .config import ClusterConfig
-from .dispatch import Call, PhaseRunner, SplitStrategy
 from .dispatch import KernelSplit as KernelSplitStrategy
+from .dispatch import PhaseRunner, SplitStrategy
 from .events import EventLog
 from .membership import ACTIVE, ALIAS, LOST, MASTER, READY, Membership, Node, NodeState
 from .planning import (
@@ -97,12 +93,9 @@ from .planning import (
     PlannedLayer,
     Planner,
     check_shares,
-    plan_record,
-    shares_table,
-    step_model,
 )
-from .rebalancing import DriftMonitor
-from .replica import REPLICATED, ReplicatedBlocks
+from .rebalancing import DriftMonitor, replan_reason
+from .replica import ReplicatedBlocks
 from .resident import ResidentKernels
 from .runs import RunContext
 from .settling import SettleMonitor
@@ -134,13 +127,9 @@ class Cluster(ConvExecutor):
         self.settling = SettleMonitor(0 if c.deterministic else c.settle_steps)
         network = "switched" if c.network == AUTO_NETWORK else c.network  # until measured
         planner = Planner(
-            c.master_compute,
-            c.share_policy,
-            network,
-            fixed=c.shares,
-            deterministic=c.deterministic,
-            stages=c.stages,
-        )
+            c.master_compute, c.share_policy, network, fixed=c.shares,
+            deterministic=c.deterministic, stages=c.stages,
+        )  # fmt: skip
         self.medium: probing.Medium | None = None
         if not addresses and not c.master_compute and not c.workers_file:
             raise ValueError("no workers and --no-master-compute: nothing would compute")
@@ -164,12 +153,9 @@ class Cluster(ConvExecutor):
         self.head_refused: str | None = None
         self.replica_refused: str | None = None
         self.resident = ResidentKernels(
-            self.session,
-            self.backend,
-            self.membership,
-            self._transfer_deadline,
+            self.session, self.backend, self.membership, self._transfer_deadline,
             sync_every=c.resident_sync_every,
-        )
+        )  # fmt: skip
         # What every layer's way of running shares (runs.RunContext), and each prepared
         # layer's way (runs.build_runs, at prepare); a layer not prepared runs by the default.
         self.ctx = RunContext(
@@ -192,10 +178,6 @@ class Cluster(ConvExecutor):
         return self.config.wire_format.label
 
     @property
-    def _pending(self) -> list[Node]:
-        return self.membership.pending
-
-    @property
     def events(self) -> list[dict]:
         """Everything that happened to the membership and the shares, in order."""
         return self._events.events
@@ -212,23 +194,20 @@ class Cluster(ConvExecutor):
 
     # -- setting up ------------------------------------------------------------------------
 
-    def _connect(self, node: Node, timeout: float | None = None) -> None:
-        deadline = max(self.config.deadline_floor, 10.0)
-        probing.connect(node, self.config.connect_timeout, deadline, timeout)
-
     def _reconnect(self, node: Node) -> dict[str, float]:
         """A lost or joining worker: connect, probe every layer (the monitor thread). Raises
         :class:`~.membership.WorkerAlias` before probing a member's worker process again."""
-        self._connect(node, timeout=min(2.0, self.config.connect_timeout))
+        connecting.connect(node, self.config, timeout=min(2.0, self.config.connect_timeout))
         self.membership.check_alias(node)
         probes = probing.probe_all(node, self._layers, self.backend, self.config.probe_repeats)
         self.drift.forget_node(node.name)  # it may come back as another machine, or less busy
         return probes
 
     def connect(self) -> None:
-        """Ask every worker what it runs on and measure its link. A worker that does not
-        answer in ``connect_timeout`` starts lost (event ``worker_lost``; the monitor retries
-        it).
+        """Ask every worker what it runs on and measure its link (:mod:`.connecting`). A
+        worker that does not answer in ``connect_timeout`` starts lost (event
+        ``worker_lost``; the monitor retries it). With ``network`` auto and link shares, the
+        planner then assumes the medium measured.
 
         Raises:
             WorkerAuthError, WorkerTLSError: a worker refused the token, or its TLS handshake
@@ -236,31 +215,20 @@ class Cluster(ConvExecutor):
             ValueError: two addresses reach one worker process.
             RuntimeError: no worker answered and the master does not compute.
         """
+        c = self.config
         probing.describe_master(self.nodes[0], self.backend)
         workers = self.nodes[1:]
-        # Describe all at once: absent workers cost connect_timeout once, not each.
-        calls = [(node, Call(node.client.describe)) for node in workers]
-        unreachable: dict[str, WorkerError] = {}
-        for node, call in calls:
-            try:
-                call.result()
-            except (WorkerAuthError, WorkerTLSError):
-                raise
-            except WorkerError as e:
-                unreachable[node.name] = e
-        for node in workers:  # one at a time: the link measurements must not share the link
-            if node.name not in unreachable:
-                try:
-                    self._connect(node)
-                except (WorkerAuthError, WorkerTLSError):
-                    raise
-                except WorkerError as e:
-                    unreachable[node.name] = e
-        self._refuse_aliases([n for n in workers if n.name not in unreachable])
-        reached = [n for n in workers if n.name not in unreachable]
-        if self.config.network == AUTO_NETWORK and self.config.share_policy == LINK_POLICY:
-            self._measure_medium(reached)
-        if len(unreachable) == len(workers) and workers and not self.config.master_compute:
+        unreachable = connecting.reach_workers(workers, c)
+        if c.network == AUTO_NETWORK and c.share_policy == LINK_POLICY:
+            reached = [n for n in workers if n.name not in unreachable]
+            self.medium = connecting.measure_medium(reached, c, self._events.emit)
+            if self.medium is not None:
+                self.planner = dataclasses.replace(
+                    self.planner,
+                    network=self.medium.network,
+                    capacity=self.medium.capacity_bytes_per_s,
+                )
+        if len(unreachable) == len(workers) and workers and not c.master_compute:
             reasons = "; ".join(str(e) for e in unreachable.values())
             raise RuntimeError(
                 f"no worker could be reached and the master does not compute "
@@ -270,38 +238,6 @@ class Cluster(ConvExecutor):
             if node.name in unreachable:
                 node.description = "not reached yet"
                 self.membership.lose(node, unreachable[node.name], at_start=True)
-
-    def _measure_medium(self, workers: list[Node]) -> None:
-        """Measure whether the workers share one medium and what they carry together; the
-        planner then assumes what was measured. A worker that fails its echo here is left to
-        the first step (it is lost there and retried as usual)."""
-        if not workers:
-            return
-        deadline = self.config.deadline_floor + self.config.deadline_factor
-        try:
-            self.medium = probing.measure_medium(workers, deadline)
-        except WorkerError as e:
-            self._events.emit("network_unmeasured", reason=str(e))
-            return
-        self.planner = dataclasses.replace(
-            self.planner,
-            network=self.medium.network,
-            capacity=self.medium.capacity_bytes_per_s,
-        )
-
-    @staticmethod
-    def _refuse_aliases(nodes: list[Node]) -> None:
-        seen: dict[int, Node] = {}
-        for node in nodes:
-            if not node.instance_id:
-                continue
-            first = seen.setdefault(node.instance_id, node)
-            if first is not node:
-                raise ValueError(
-                    f"workers {first.name} and {node.name} are one worker process (instance id "
-                    f"{node.instance_id:016x}) under two addresses: name it once (each name "
-                    "would get its own share of every layer)"
-                )
 
     def prepare(self, layers, batch: int, log: TextIO | None = None) -> None:
         """Connect, probe every node on every layer's real shape, set the shares, and start
@@ -316,11 +252,8 @@ class Cluster(ConvExecutor):
         c = self.config
         if log is not None and len(self.nodes) > 1:
             count = len(self.nodes) - 1
-            print(
-                f"connecting to {count} worker{'s' if count != 1 else ''} (device, link) ...",
-                file=log,
-                flush=True,
-            )
+            s = "s" if count != 1 else ""
+            print(f"connecting to {count} worker{s} (device, link) ...", file=log, flush=True)
         self.connect()
         self._layers = probing.planned_layers(layers, batch)
         probing.probe_every(
@@ -333,57 +266,15 @@ class Cluster(ConvExecutor):
                     name, layer.shape.k, shares, len(self.nodes), self.config.master_compute
                 )
         self._replan()
-        self._choose_runs(layers, batch)
+        self.runs = runs.choose_runs(self, layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
-            print(self.describe_shares(), file=log)
-            modes = ", ".join(f"{name} {mode}" for name, mode in self.stage_modes.items())
-            print(f"stages ({self.config.stages}): {modes}", file=log)
-            modes = ", ".join(f"{name} {mode}" for name, mode in self.kernel_modes.items())
-            print(f"kernels ({self.config.kernels}): {modes}", file=log)
-            print(f"replicate ({self.config.replicate}): {self.describe_replica()}", file=log)
-            print(f"overlap ({self.config.overlap}): {self.describe_overlap()}", file=log)
-            print(f"head ({self.config.head}): {self.describe_head()}", file=log)
+            print(records.describe_plan(self), file=log)
         self.membership.start_monitor()
 
     supports_stages = True
     supports_head = True
     distributed = True
-
-    def _choose_runs(self, layers, batch: int) -> None:
-        """Each layer's way of running (:mod:`.runs`), from the modes :mod:`.modes` chooses in
-        turn: the stage modes, whether the first block replicates, the kernel modes, the split
-        head; then the shares planned again knowing what each layer's calls move, overlap
-        judged on those shares, and the shares planned again with its groups."""
-        c, plans, nodes = self.config, self.plans, self.nodes
-        stage_modes = modes.stage_modes(c, layers, batch, plans, nodes)
-        wifi = self.planner.network == "wifi"
-        choice = modes.replica(c, layers, batch, stage_modes, plans, nodes, self.backend, wifi)
-        self.replica_refused = choice.refused
-        if choice.blocks is not None:
-            self.ctx.replicas = choice.blocks
-            stage_modes[layers[0].name] = REPLICATED
-        kernel_modes = modes.kernel_modes(c, layers, batch, stage_modes, plans, nodes)
-        head = modes.heads(c, layers, kernel_modes)
-        self.head_refused = head.refused
-        resident = frozenset(name for name, mode in kernel_modes.items() if mode == RESIDENT)
-        consumers = {consumer: block for block, consumer in self.replicas.feeds.items()}
-        if resident or consumers:
-            self.planner = dataclasses.replace(
-                self.planner, resident=resident, replicas=consumers, heads=dict(head.heads),
-                block_cost=dict(choice.block_cost), split_blocks=self.replicas.split,
-                split_master=self.replicas.split_all,
-                master_images=c.master_block != MASTER_BLOCK_NONE,
-            )  # fmt: skip
-            self._replan()
-        overlap = modes.overlap_images(c, layers, batch, stage_modes, head.heads, plans, nodes)
-        if overlap:
-            self.planner = dataclasses.replace(self.planner, overlap=dict(overlap))
-            self._replan()
-        heads = {name: (head.fcs[name], classes) for name, classes in head.heads.items()}
-        self.runs = runs.build_runs(
-            self.ctx, stage_modes, kernel_modes, overlap, heads, choice.block_cost
-        )
 
     def _run(self, layer: str) -> runs.KernelSplit:
         """``layer``'s way of running; a layer the cluster was not prepared for runs fused
@@ -466,7 +357,7 @@ class Cluster(ConvExecutor):
 
     def describe_head(self) -> str:
         """One line: which stage computes the fc on the nodes, or why none does."""
-        return modes.describe_head(modes.HeadChoice(self.heads, self.head_fcs, self.head_refused))
+        return records.describe_head(self)
 
     def describe_overlap(self) -> str:
         """One line: which fused layers run their calls in image groups, of how many."""
@@ -518,92 +409,16 @@ class Cluster(ConvExecutor):
 
     def describe_shares(self) -> str:
         """A table: per node, its device, link, and per layer its probe time and kernels."""
-        c = self.config
-        table = shares_table(self.nodes, self.plans, c.master_compute, c.deterministic)
-        lines = [table]
-        if self.medium is not None:
-            lines.append(self.medium.describe())
-        if c.share_policy == LINK_POLICY and self._workers_idle():
-            lines.append(
-                "--shares link: every worker would slow every layer down over its link (the "
-                "master alone is predicted faster), so the master computes them all; "
-                "--shares compute splits by compute speed alone"
-            )
-        return "\n".join(lines)
+        return records.describe_shares(self)
 
     def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
-        """The cost model's step for the plan and modes chosen, on the nodes as probed and
-        measured, against the master alone's (its own probe of every layer); ``comp_alone_s``
-        and ``comp_s``: the master's other work per step alone and in the cluster (fused
-        stages take theirs to the nodes). None when the master probed no layer (it does not
-        compute): nothing to compare with."""
-        master = self.nodes[0]
-        if not self._layers or not all(ly.name in master.probe_seconds for ly in self._layers):
-            return None
-        active = [i for i, n in enumerate(self.nodes) if i == 0 or n.state == ACTIVE]
-        nodes = [self.nodes[i] for i in active]
-        model = step_model(
-            nodes, self._layers, self.planner.network, self.planner.capacity,
-            self.config.master_compute,
-            costmodel.WireCosts(format=self.config.wire_format),
-        )  # fmt: skip
-        layers = [ly.modelled(self.heads.get(ly.name, 0)) for ly in self._layers]
-        shares = {}
-        for ly in self._layers:
-            plan = self.plans[ly.name].shares
-            shares[ly.name] = [plan[i] for i in active]
-            shares[ly.name][0] += sum(plan) - sum(shares[ly.name])  # a lost node's: the master's
-        stages = {
-            name: (FUSED if mode == FUSED else UNFUSED) for name, mode in self.stage_modes.items()
-        }
-        replicate = REPLICATE_FIRST if self.replicas.feeds else REPLICATE_OFF
-        result = costmodel.simulate_step(
-            model, layers, shares, comp_s, stages, dict(self.kernel_modes), replicate,
-            dict(self.overlap_images), dict(self.heads),
-        )  # fmt: skip
-        alone = sum(master.probe_seconds[ly.name] for ly in self._layers) + comp_alone_s
-        out = {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
-        if spec is not None and model.workers:  # the peer: every node the whole model
-            from hetconv.dataparallel import simulate_data_parallel
-
-            batch = self._layers[0].shape.n
-            peer = simulate_data_parallel(model, spec, batch, comp_alone_s)
-            out["data_parallel_s"] = peer.step_s
-        return out
-
-    def _workers_idle(self) -> bool:
-        """Whether the plan gives no active worker any kernel of any layer."""
-        active = [i for i, n in enumerate(self.nodes) if i and n.state == ACTIVE]
-        return bool(active) and all(
-            not plan.shares[i] for plan in self.plans.values() for i in active
-        )
+        """The cost model's step for the plan and modes chosen against the master alone's
+        (:func:`.records.predict_step`)."""
+        return records.predict_step(self, comp_alone_s, comp_s, spec)
 
     def plan_record(self) -> dict:
-        """The plan as data (nodes, probes, links, shares, whether deterministic, the wire
-        format, the spot-check settings) for the trace's first record."""
-        c = self.config
-        record = plan_record(self.nodes, self.plans, c.master_compute, c.deterministic)
-        record = {
-            **record,
-            "wire_format": self.config.wire_format.label,
-            "stages": c.stages,
-            "stage_modes": dict(self.stage_modes),
-            "kernels": c.kernels,
-            "kernel_modes": dict(self.kernel_modes),
-            "share_policy": c.share_policy,
-            "network": self.planner.network,
-            "spot_checks": dataclasses.asdict(c.spot_checks),
-            "replicate": c.replicate,
-            "replicated": dict(self.replicas.feeds),  # block -> the layer it feeds
-            "block_cost": dict(self.block_cost),  # block -> whole block over its conv probe
-            "overlap": c.overlap,
-            "overlap_images": dict(self.overlap_images),  # fused layer -> images per group
-            "head": c.head,
-            "heads": dict(self.head_fcs),  # layer -> the fc it computes on the nodes
-        }
-        if self.medium is not None:
-            record["medium"] = self.medium.record()
-        return record
+        """The plan as data for the trace's first record (:func:`.records.plan_record`)."""
+        return records.plan_record(self)
 
     def close(self) -> None:
         """Stop the monitor and close every channel (cancelling calls in flight, e.g. after
@@ -620,18 +435,10 @@ class Cluster(ConvExecutor):
         self.resident.start_step()
         if self.spot_checks is not None:
             self.spot_checks.start_step(step)
-        changed = self.membership.admit().changed
-        reason = "workers came or went"
-        if not changed and self.drift.due(step):
-            drifted = self.drift.drifted(self.nodes)
-            if drifted:
-                changed, reason = True, f"{drifted}: kernels re-split by measured speed"
-        if not changed and self.settling.due():
-            shares = {name: plan.shares for name, plan in self.plans.items()}
-            settled = self.settling.settle(self.nodes, shares)
-            if settled:
-                changed, reason = True, f"settled on the nodes' finish times: {settled}"
-        if changed:
+        came_or_went = self.membership.admit().changed
+        monitors = (self.drift, self.settling)
+        reason = replan_reason(came_or_went, *monitors, self.nodes, self.plans, step)
+        if reason is not None:
             before = {name: plan.shares for name, plan in self.plans.items()}
             self._replan()
             if before != {name: plan.shares for name, plan in self.plans.items()}:
@@ -654,49 +461,12 @@ class Cluster(ConvExecutor):
         return redo
 
     def end_step(self) -> dict:
-        """This step's trace fields: per node and layer what moved and took how long, the
-        totals of the distributed calls (``cluster_wall_seconds`` = comm + conv), and the
-        membership events since the last step."""
-        events = self._events.take_step_events()
-        runner, ran = self.runner, self.ctx.ran
-        record = {
-            "comm_seconds": runner.comm,
-            "conv_seconds": runner.conv,
-            "cluster_wall_seconds": runner.wall,
-            "wire_format": self.config.wire_format.label,  # of the bytes counted in "nodes"
-            "nodes": runner.records,
-            "stage_modes": ran,  # layer -> how it ran this step
-            "kernel_modes": {name: self._run(name).kernels for name in ran},
-            # fused layers whose worker calls ran in image groups -> images per group
-            "overlap_images": {
-                name: self._run(name).overlap_images
-                for name, mode in ran.items()
-                if mode == FUSED and self._run(name).overlap_images
-            },
-            # layers that computed the final fc on the nodes (hetconv.head) -> that fc
-            "heads": {
-                name: self._run(name).head[0]
-                for name, mode in ran.items()
-                if mode == FUSED and self._run(name).head
-            },
-        }
-        if self.replicas.feeds:  # replicated block -> the format its images travelled in
-            record["replica_images"] = self.replicas.images_formats()
-            if self.ctx.started_ahead:  # stage forwards started with the block feeding them
-                record["started_ahead"] = sorted(self.ctx.started_ahead)
-                self.ctx.started_ahead = set()
-            if splits := self.replicas.splits():  # split by images among the workers
-                record["replica_split"] = splits
-        if self.resident.record:
-            record["resident"] = self.resident.record  # bytes placed, fetched; steps replayed
-        self.ctx.ran = {}
-        if events:
-            record["events"] = events
-        checks = self.spot_checks.record() if self.spot_checks is not None else None
-        if checks is not None:
-            record["spot_checks"] = checks
-        self.drift.observe(runner.records, bool(self.membership.failed))
-        self.settling.observe(runner.records, bool(self.membership.failed))
+        """This step's trace fields (:func:`.records.step_record`); the drift and settling
+        monitors observe the step's calls."""
+        record = records.step_record(self, self._events.take_step_events())
+        self.ctx.ran, self.ctx.started_ahead = {}, set()
+        self.drift.observe(self.runner.records, bool(self.membership.failed))
+        self.settling.observe(self.runner.records, bool(self.membership.failed))
         return record
 
     # -- the calls of a ConvExecutor: each goes to the layer's way of running (.runs) -----

@@ -204,11 +204,11 @@ class ClusterConfig:
     def _check_policy(self) -> None:
         if self.share_policy not in SHARE_POLICIES:
             raise ValueError(
-                f"share_policy {self.share_policy!r}; expected one of {', '.join(SHARE_POLICIES)}"
+                f"share policy {self.share_policy!r} is not one of {', '.join(SHARE_POLICIES)}"
             )
         if self.network not in (AUTO_NETWORK, *NETWORKS):
             raise ValueError(
-                f"network {self.network!r}; expected one of {AUTO_NETWORK}, {', '.join(NETWORKS)}"
+                f"network {self.network!r} is not one of {', '.join(NETWORKS)} (or {AUTO_NETWORK})"
             )
         if self.deterministic and self.share_policy == LINK_POLICY:
             raise ValueError(

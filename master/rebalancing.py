@@ -119,3 +119,22 @@ class DriftMonitor:
         with self._lock:
             self._windows.pop(name, None)
             self._baselines.pop(name, None)
+
+
+def replan_reason(
+    came_or_went: bool, drift: DriftMonitor, settling, nodes: Sequence[Node], plans, step: int
+) -> str | None:
+    """Why the shares are planned again at ``step``, or None: workers came or went, a node's
+    compute drifted (``drift``), or the shares settle on the nodes' finish times (``settling``,
+    a :class:`~.settling.SettleMonitor`); ``plans``: layer -> its current plan."""
+    if came_or_went:
+        return "workers came or went"
+    if drift.due(step):
+        drifted = drift.drifted(nodes)
+        if drifted:
+            return f"{drifted}: kernels re-split by measured speed"
+    if settling.due():
+        settled = settling.settle(nodes, {name: plan.shares for name, plan in plans.items()})
+        if settled:
+            return f"settled on the nodes' finish times: {settled}"
+    return None

@@ -23,7 +23,9 @@ the backend, the phase runner, the plans, the step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,6 +36,7 @@ from hetconv.split import MASTER as MASTER_PEER
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import FUSED, UNFUSED
 
+from . import modes
 from .call import Call
 from .config import ClusterConfig
 from .dispatch import CallContext, FusedKernelSplit, PhaseRunner, SplitStrategy
@@ -41,6 +44,9 @@ from .membership import ACTIVE, Membership, Node
 from .planning import LayerPlan, Planner, image_fractions
 from .replica import REPLICATED, ReplicatedBlocks, SplitStep, timed
 from .resident import ResidentKernels
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 
 def sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
@@ -423,7 +429,43 @@ def build_runs(
     return {name: runs[name] for name in stage_modes}  # in the model's order
 
 
+def choose_runs(cluster: Cluster, layers, batch: int) -> dict[str, KernelSplit]:
+    """Each layer's way of running, from the modes :mod:`.modes` chooses for the
+    ``cluster`` at prepare, in turn: the stage modes, whether the first block replicates, the
+    kernel modes, the split head; then the shares planned again knowing what each layer's
+    calls move, overlap judged on those shares, and the shares planned again with its
+    groups."""
+    c, plans, nodes = cluster.config, cluster.plans, cluster.nodes
+    stage_modes = modes.stage_modes(c, layers, batch, plans, nodes)
+    wifi = cluster.planner.network == "wifi"
+    choice = modes.replica(c, layers, batch, stage_modes, plans, nodes, cluster.backend, wifi)
+    cluster.replica_refused = choice.refused
+    if choice.blocks is not None:
+        cluster.ctx.replicas = choice.blocks
+        stage_modes[layers[0].name] = REPLICATED
+    kernel_modes = modes.kernel_modes(c, layers, batch, stage_modes, plans, nodes)
+    head = modes.heads(c, layers, kernel_modes)
+    cluster.head_refused = head.refused
+    resident = frozenset(name for name, mode in kernel_modes.items() if mode == RESIDENT)
+    consumers = {consumer: block for block, consumer in cluster.replicas.feeds.items()}
+    if resident or consumers:
+        cluster.planner = dataclasses.replace(
+            cluster.planner, resident=resident, replicas=consumers, heads=dict(head.heads),
+            block_cost=dict(choice.block_cost), split_blocks=cluster.replicas.split,
+            split_master=cluster.replicas.split_all,
+            master_images=c.master_block != MASTER_BLOCK_NONE,
+        )  # fmt: skip
+        cluster._replan()
+    overlap = modes.overlap_images(c, layers, batch, stage_modes, head.heads, plans, nodes)
+    if overlap:
+        cluster.planner = dataclasses.replace(cluster.planner, overlap=dict(overlap))
+        cluster._replan()
+    heads = {name: (head.fcs[name], classes) for name, classes in head.heads.items()}
+    return build_runs(cluster.ctx, stage_modes, kernel_modes, overlap, heads, choice.block_cost)
+
+
 __all__ = [
+    "choose_runs",
     "WAYS",
     "FusedStage",
     "KernelSplit",

@@ -97,7 +97,7 @@ def test_tensorboard_without_tensorboardx_is_refused_by_both(tmp_path, monkeypat
         (dict(rebalance_every=-1), "rebalance_every must be >= 0"),
         (dict(settle_steps=-1), "settle_steps must be >= 0"),
         (dict(retry_min=2.0, retry_max=1.0), "retry_max"),
-        (dict(share_policy="fastest"), "share_policy 'fastest'"),
+        (dict(share_policy="fastest"), "share policy 'fastest'"),
         (dict(network="ethernet"), "network 'ethernet'"),
         (dict(stages="sometimes"), "stages 'sometimes'"),
         (dict(resident_sync_every=-1), "resident sync interval must be >= 0"),

@@ -25,6 +25,7 @@ import pytest
 from hetconv.backends import get_backend
 from hetconv.calls import READY as READY_LINE
 from hetconv.conv import LocalConv
+from hetconv.master import connecting
 from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.training import TrainConfig, train
@@ -354,7 +355,7 @@ def test_one_worker_under_two_names_still_trains_exactly(local, tmp_path, monkey
     # and 8 kernels, so the worker holds two slices of each layer at once, told apart by their
     # kernel offsets. Before, the second Forward replaced the first's kernels and the first
     # name's Backward returned the input gradient of the other slice.
-    monkeypatch.setattr(Cluster, "_refuse_aliases", staticmethod(lambda nodes: None))
+    monkeypatch.setattr(connecting, "refuse_aliases", lambda nodes: None)
     with LocalWorkers(1) as workers:
         (address,) = workers.addresses
         shares = {"conv1": (0, 4, 4), "conv2": (0, 8, 8)}

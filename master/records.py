@@ -1,0 +1,199 @@
+"""What the cluster tells about itself: the plan table it prints, the plan and step records
+of the trace, and the step the cost model predicts for the plan chosen.
+
+Functions of a :class:`~.cluster.Cluster`'s state; they change nothing of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from hetconv import costmodel
+from hetconv.replica import FIRST as REPLICATE_FIRST
+from hetconv.replica import OFF as REPLICATE_OFF
+from hetconv.replica import SPLIT as REPLICATE_SPLIT
+from hetconv.replica import SPLIT_ALL as REPLICATE_SPLIT_ALL
+from hetconv.stages import FUSED, UNFUSED
+
+from . import modes
+from .membership import ACTIVE
+from .planning import LINK_POLICY, shares_table, step_model
+from .planning import plan_record as shares_record
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
+
+def describe_shares(cluster: Cluster) -> str:
+    """A table: per node, its device, link, and per layer its probe time and kernels."""
+    c = cluster.config
+    lines = [shares_table(cluster.nodes, cluster.plans, c.master_compute, c.deterministic)]
+    if cluster.medium is not None:
+        lines.append(cluster.medium.describe())
+    if c.share_policy == LINK_POLICY and workers_idle(cluster):
+        lines.append(
+            "--shares link: every worker would slow every layer down over its link (the "
+            "master alone is predicted faster), so the master computes them all; "
+            "--shares compute splits by compute speed alone"
+        )
+    return "\n".join(lines)
+
+
+def describe_plan(cluster: Cluster) -> str:
+    """The shares table, then one line per mode: how each layer runs and why."""
+    c = cluster.config
+    stages = ", ".join(f"{name} {mode}" for name, mode in cluster.stage_modes.items())
+    kernels = ", ".join(f"{name} {mode}" for name, mode in cluster.kernel_modes.items())
+    return "\n".join([
+        describe_shares(cluster),
+        f"stages ({c.stages}): {stages}",
+        f"kernels ({c.kernels}): {kernels}",
+        f"replicate ({c.replicate}): {cluster.describe_replica()}",
+        f"overlap ({c.overlap}): {modes.describe_overlap(cluster.overlap_images)}",
+        f"head ({c.head}): {describe_head(cluster)}",
+    ])  # fmt: skip
+
+
+def describe_head(cluster: Cluster) -> str:
+    """One line: which stage computes the fc on the nodes, or why none does."""
+    choice = modes.HeadChoice(cluster.heads, cluster.head_fcs, cluster.head_refused)
+    return modes.describe_head(choice)
+
+
+def workers_idle(cluster: Cluster) -> bool:
+    """Whether the plan gives no active worker any kernel of any layer."""
+    active = [i for i, n in enumerate(cluster.nodes) if i and n.state == ACTIVE]
+    return bool(active) and all(
+        not plan.shares[i] for plan in cluster.plans.values() for i in active
+    )
+
+
+def replicate_mode(cluster: Cluster) -> str:
+    """The replicated block as the simulator names it: off, first, or split by images among
+    the workers (split) or the master and the workers (split_all)."""
+    replicas = cluster.replicas
+    if not replicas.feeds:
+        return REPLICATE_OFF
+    if replicas.split_all:
+        return REPLICATE_SPLIT_ALL
+    return REPLICATE_SPLIT if replicas.split else REPLICATE_FIRST
+
+
+def predict_step(cluster: Cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+    """The cost model's step for the plan and modes chosen, on the nodes as probed and
+    measured, against the master alone's (its own probe of every layer); ``comp_alone_s`` and
+    ``comp_s``: the master's other work per step alone and in the cluster (fused stages take
+    theirs to the nodes). None when the master probed no layer (it does not compute): nothing
+    to compare with."""
+    layers, nodes, master = cluster._layers, cluster.nodes, cluster.nodes[0]
+    if not layers or not all(ly.name in master.probe_seconds for ly in layers):
+        return None
+    active = [i for i, n in enumerate(nodes) if i == 0 or n.state == ACTIVE]
+    c, planner = cluster.config, cluster.planner
+    model = step_model(
+        [nodes[i] for i in active], layers, planner.network, planner.capacity,
+        c.master_compute, costmodel.WireCosts(format=c.wire_format),
+    )  # fmt: skip
+    heads = cluster.heads
+    modelled = [ly.modelled(heads.get(ly.name, 0)) for ly in layers]
+    shares = {}
+    for ly in layers:
+        plan = cluster.plans[ly.name].shares
+        shares[ly.name] = [plan[i] for i in active]
+        shares[ly.name][0] += sum(plan) - sum(shares[ly.name])  # a lost node's: the master's
+    stages = {
+        name: (FUSED if mode == FUSED else UNFUSED) for name, mode in cluster.stage_modes.items()
+    }
+    result = costmodel.simulate_step(
+        model, modelled, shares, comp_s, stages, cluster.kernel_modes, replicate_mode(cluster),
+        cluster.overlap_images, heads,
+    )  # fmt: skip
+    alone = sum(master.probe_seconds[ly.name] for ly in layers) + comp_alone_s
+    out = {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
+    if spec is not None and model.workers:  # the peer: every node the whole model
+        from hetconv.dataparallel import simulate_data_parallel
+
+        peer = simulate_data_parallel(model, spec, layers[0].shape.n, comp_alone_s)
+        out["data_parallel_s"] = peer.step_s
+    return out
+
+
+def plan_record(cluster: Cluster) -> dict:
+    """The plan as data (nodes, probes, links, shares, whether deterministic, the wire format,
+    the spot-check settings, each layer's modes) for the trace's first record."""
+    c = cluster.config
+    record = {
+        **shares_record(cluster.nodes, cluster.plans, c.master_compute, c.deterministic),
+        "wire_format": c.wire_format.label,
+        "stages": c.stages,
+        "stage_modes": cluster.stage_modes,
+        "kernels": c.kernels,
+        "kernel_modes": cluster.kernel_modes,
+        "share_policy": c.share_policy,
+        "network": cluster.planner.network,
+        "spot_checks": dataclasses.asdict(c.spot_checks),
+        "replicate": c.replicate,
+        "replicated": dict(cluster.replicas.feeds),  # block -> the layer it feeds
+        "block_cost": cluster.block_cost,  # block -> whole block over its conv probe
+        "overlap": c.overlap,
+        "overlap_images": cluster.overlap_images,  # fused layer -> images per group
+        "head": c.head,
+        "heads": cluster.head_fcs,  # layer -> the fc it computes on the nodes
+    }
+    if cluster.medium is not None:
+        record["medium"] = cluster.medium.record()
+    return record
+
+
+def step_record(cluster: Cluster, events: list[dict]) -> dict:
+    """This step's trace fields: per node and layer what moved and took how long, the totals
+    of the distributed calls (``cluster_wall_seconds`` = comm + conv), how each layer ran, and
+    the membership ``events`` since the last step."""
+    runner, ran, run = cluster.runner, cluster.ctx.ran, cluster._run
+    record = {
+        "comm_seconds": runner.comm,
+        "conv_seconds": runner.conv,
+        "cluster_wall_seconds": runner.wall,
+        "wire_format": cluster.config.wire_format.label,  # of the bytes counted in "nodes"
+        "nodes": runner.records,
+        "stage_modes": ran,  # layer -> how it ran this step
+        "kernel_modes": {name: run(name).kernels for name in ran},
+        # fused layers whose worker calls ran in image groups -> images per group
+        "overlap_images": {
+            name: run(name).overlap_images
+            for name, mode in ran.items()
+            if mode == FUSED and run(name).overlap_images
+        },
+        # layers that computed the final fc on the nodes (hetconv.head) -> that fc
+        "heads": {
+            name: run(name).head[0]
+            for name, mode in ran.items()
+            if mode == FUSED and run(name).head
+        },
+    }
+    replicas = cluster.replicas
+    if replicas.feeds:  # replicated block -> the format its images travelled in
+        record["replica_images"] = replicas.images_formats()
+        if cluster.ctx.started_ahead:  # stage forwards started with the block feeding them
+            record["started_ahead"] = sorted(cluster.ctx.started_ahead)
+        if splits := replicas.splits():  # split by images among the workers
+            record["replica_split"] = splits
+    if cluster.resident.record:
+        record["resident"] = cluster.resident.record  # bytes placed, fetched; steps replayed
+    if events:
+        record["events"] = events
+    checks = cluster.spot_checks.record() if cluster.spot_checks is not None else None
+    if checks is not None:
+        record["spot_checks"] = checks
+    return record
+
+
+__all__ = [
+    "describe_plan",
+    "describe_shares",
+    "plan_record",
+    "predict_step",
+    "replicate_mode",
+    "step_record",
+]
