@@ -71,7 +71,7 @@ FLAGS = {
     "wire_format": (FLOAT32, BFLOAT16),
     "master_compute": (True, False),
 }
-CASES = 600  # of the grid, sampled; every flag value many times over
+CASES = 2000  # of the grid, sampled; every flag value many times over
 
 
 @pytest.fixture(scope="module")
