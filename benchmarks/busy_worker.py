@@ -31,8 +31,8 @@ from threadpoolctl import threadpool_limits
 
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.training import TrainConfig, train
 from hetconv.simulations.trace import read_steps
+from hetconv.training import TrainConfig, train
 
 
 def _pin(pid: int, cpus: set[int]) -> None:

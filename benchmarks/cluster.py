@@ -37,8 +37,8 @@ import numpy as np
 from hetconv.conv import LocalConv
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.training import TrainConfig, train
 from hetconv.simulations.trace import read_steps, step_bytes
+from hetconv.training import TrainConfig, train
 
 
 def _run(config: TrainConfig, executor) -> list[dict]:

@@ -44,8 +44,8 @@ from hetconv.formats import format_named
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.master.spotcheck import DEFAULT_EVERY, SpotCheckConfig
-from hetconv.training import TrainConfig, train
 from hetconv.simulations.trace import read_steps
+from hetconv.training import TrainConfig, train
 from hetconv.workload import network_layers
 
 LIAR = Path(__file__).resolve().parents[1] / "tests" / "lying_worker.py"

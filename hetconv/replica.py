@@ -19,7 +19,7 @@ travel with every step's ReplicaForward.
 Which block is replicated: ``--replicate first`` replicates the first convolution's block when
 the network starts with a convolution (stride 1, no batch norm in its block) whose block feeds
 the next convolution directly and that next layer runs as a fused stage; ``auto`` does so when
-the cost model predicts the step faster (:func:`hetconv.costmodel.replicate_mode`); ``off``
+the cost model predicts the step faster (:func:`hetconv.modetable.replica`); ``off``
 never. Generalising to the first k blocks needs a worker to chain blocks; not built.
 """
 

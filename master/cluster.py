@@ -153,7 +153,7 @@ class Cluster(ConvExecutor):
         self.head_refused: str | None = None
         self.replica_refused: str | None = None
         self.resident = ResidentKernels(
-            self.session, self.backend, self.membership, self._transfer_deadline,
+            self.session, self.backend, self.membership, c.transfer_deadline,
             sync_every=c.resident_sync_every,
         )  # fmt: skip
         # What every layer's way of running shares (runs.RunContext), and each prepared
@@ -176,6 +176,10 @@ class Cluster(ConvExecutor):
     def wire_format(self) -> str:
         """The format of activations and their gradients on the wire (its label)."""
         return self.config.wire_format.label
+
+    @property
+    def _pending(self) -> list[Node]:
+        return self.membership.pending
 
     @property
     def events(self) -> list[dict]:
@@ -390,10 +394,6 @@ class Cluster(ConvExecutor):
     def load_resident_momentum(self, momentum: dict) -> None:
         """Momentum buffers of resident layers, from a checkpoint (by parameter name)."""
         self.resident.load_momentum(momentum)
-
-    def _transfer_deadline(self, node: Node, nbytes: int) -> float:
-        transfer = nbytes / node.link_bytes_per_second + node.link_latency
-        return self.config.deadline_floor + self.config.deadline_factor * transfer
 
     def stage_mode(self, layer: str) -> str:
         """``"fused"`` or ``"unfused"``: whether ``layer`` runs with its stage on the nodes."""

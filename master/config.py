@@ -92,7 +92,7 @@ class ClusterConfig:
             images itself, so the next layer's input and input gradient do not travel
             (:mod:`hetconv.replica`; where the network allows it); ``"off"``: never;
             ``"auto"``: where the cost model predicts the step faster
-            (:func:`hetconv.costmodel.replicate_mode`); ``"split"``: as first, each worker
+            (:func:`hetconv.modetable.replica`); ``"split"``: as first, each worker
             computing the block on its share of the images only, the workers exchanging the
             parts node to node (:mod:`hetconv.split`; not with ``tls_ca``).
         overlap: ``"on"``: every fused layer whose stage holds no batch norm runs its worker
@@ -144,6 +144,11 @@ class ClusterConfig:
     head: str = HEAD_MASTER
     start_ahead: bool = True
     master_block: str = MASTER_BLOCK_SHARE
+
+    def transfer_deadline(self, node, nbytes: int) -> float:
+        """Seconds a call moving ``nbytes`` over ``node``'s measured link may take."""
+        transfer = nbytes / node.link_bytes_per_second + node.link_latency
+        return self.deadline_floor + self.deadline_factor * transfer
 
     def __post_init__(self):
         self._check_modes()

@@ -1,13 +1,13 @@
 """What the cluster tells about itself: the plan table it prints, the plan and step records
 of the trace, and the step the cost model predicts for the plan chosen.
 
-Functions of a :class:`~.cluster.Cluster`'s state; they change nothing of it.
+Functions of a :class:`~.cluster.Cluster`'s state (the ``cluster`` argument); they change
+nothing of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from hetconv import costmodel
 from hetconv.replica import FIRST as REPLICATE_FIRST
@@ -21,11 +21,8 @@ from .membership import ACTIVE
 from .planning import LINK_POLICY, shares_table, step_model
 from .planning import plan_record as shares_record
 
-if TYPE_CHECKING:
-    from .cluster import Cluster
 
-
-def describe_shares(cluster: Cluster) -> str:
+def describe_shares(cluster) -> str:
     """A table: per node, its device, link, and per layer its probe time and kernels."""
     c = cluster.config
     lines = [shares_table(cluster.nodes, cluster.plans, c.master_compute, c.deterministic)]
@@ -40,7 +37,7 @@ def describe_shares(cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
-def describe_plan(cluster: Cluster) -> str:
+def describe_plan(cluster) -> str:
     """The shares table, then one line per mode: how each layer runs and why."""
     c = cluster.config
     stages = ", ".join(f"{name} {mode}" for name, mode in cluster.stage_modes.items())
@@ -55,13 +52,13 @@ def describe_plan(cluster: Cluster) -> str:
     ])  # fmt: skip
 
 
-def describe_head(cluster: Cluster) -> str:
+def describe_head(cluster) -> str:
     """One line: which stage computes the fc on the nodes, or why none does."""
     choice = modes.HeadChoice(cluster.heads, cluster.head_fcs, cluster.head_refused)
     return modes.describe_head(choice)
 
 
-def workers_idle(cluster: Cluster) -> bool:
+def workers_idle(cluster) -> bool:
     """Whether the plan gives no active worker any kernel of any layer."""
     active = [i for i, n in enumerate(cluster.nodes) if i and n.state == ACTIVE]
     return bool(active) and all(
@@ -69,7 +66,7 @@ def workers_idle(cluster: Cluster) -> bool:
     )
 
 
-def replicate_mode(cluster: Cluster) -> str:
+def replicate_mode(cluster) -> str:
     """The replicated block as the simulator names it: off, first, or split by images among
     the workers (split) or the master and the workers (split_all)."""
     replicas = cluster.replicas
@@ -80,7 +77,7 @@ def replicate_mode(cluster: Cluster) -> str:
     return REPLICATE_SPLIT if replicas.split else REPLICATE_FIRST
 
 
-def predict_step(cluster: Cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
     """The cost model's step for the plan and modes chosen, on the nodes as probed and
     measured, against the master alone's (its own probe of every layer); ``comp_alone_s`` and
     ``comp_s``: the master's other work per step alone and in the cluster (fused stages take
@@ -107,7 +104,7 @@ def predict_step(cluster: Cluster, comp_alone_s: float, comp_s: float, spec=None
     }
     result = costmodel.simulate_step(
         model, modelled, shares, comp_s, stages, cluster.kernel_modes, replicate_mode(cluster),
-        cluster.overlap_images, heads,
+        cluster.overlap_images, heads, c.resident_sync_every,
     )  # fmt: skip
     alone = sum(master.probe_seconds[ly.name] for ly in layers) + comp_alone_s
     out = {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
@@ -119,7 +116,7 @@ def predict_step(cluster: Cluster, comp_alone_s: float, comp_s: float, spec=None
     return out
 
 
-def plan_record(cluster: Cluster) -> dict:
+def plan_record(cluster) -> dict:
     """The plan as data (nodes, probes, links, shares, whether deterministic, the wire format,
     the spot-check settings, each layer's modes) for the trace's first record."""
     c = cluster.config
@@ -146,7 +143,7 @@ def plan_record(cluster: Cluster) -> dict:
     return record
 
 
-def step_record(cluster: Cluster, events: list[dict]) -> dict:
+def step_record(cluster, events: list[dict]) -> dict:
     """This step's trace fields: per node and layer what moved and took how long, the totals
     of the distributed calls (``cluster_wall_seconds`` = comm + conv), how each layer ran, and
     the membership ``events`` since the last step."""

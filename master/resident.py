@@ -51,50 +51,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetconv.backends import Backend
-from hetconv.formats import FLOAT32
-from hetconv.head import columns_grad, head_columns, partial_logits, stage_grad
+from hetconv.head import columns_grad, head_columns, stage_grad
 from hetconv.optim import SGDConfig, sgd_update
-from hetconv.resident import edge_rows, placement_version
-from hetconv.stages import StageRun, StageSpec, stage_backward, stage_forward
+from hetconv.resident import placement_version
+from hetconv.stages import StageSpec, stage_backward, stage_forward
 
-from .client import CallStats, WorkerError
+from .client import WorkerError
 from .dispatch import (
-    BACKWARD,
-    FORWARD,
     CallContext,
-    FusedKernelSplit,
     PhaseJob,
     Piece,
-    WorkerRequest,
-    _non_finite,
     finite,
-    lost_backward,
-    lost_forward,
-    split_of,
 )
+from .fused import FusedKernelSplit
 from .membership import ACTIVE, Membership, Node
-from .replica import input_bytes, replica_input_grad
-from .spotcheck import stage_forward_sample
+from .resident_jobs import _Logged, _ResidentBackward, _ResidentForward
 
 #: Steps between syncs of every resident slice (FetchKernels), bounding the replay log.
 DEFAULT_SYNC_EVERY = 20
 #: The replay log's bytes per layer beyond which its slices are synced early.
 DEFAULT_LOG_LIMIT = 512 << 20
-
-
-@dataclass
-class _Logged:
-    """One step of a slice's updates, as the master can recompute it."""
-
-    x: np.ndarray  # the layer input (shared by the layer's slices)
-    hw: np.ndarray
-    hb: np.ndarray
-    hf: np.ndarray  # the halo's fc columns of a split head; (halo, 0, 0) without
-    # the stage-output gradient of the slice's gradient range; with a split head, the
-    # logits' gradient (N, classes), shared by the layer's slices
-    dy: np.ndarray
-    grad_start: int  # within the widened slice
-    step: int = -1
 
 
 @dataclass
@@ -112,14 +88,6 @@ class Placement:
 
     def log_bytes(self) -> int:
         return sum(e.dy.nbytes + e.hw.nbytes + e.hf.nbytes for e in self.log)
-
-
-def as_received(array: np.ndarray, fmt) -> np.ndarray:
-    """A copy of ``array`` as a worker receives it in wire format ``fmt`` (rounded when the
-    format is 16-bit): what the replay log must keep to recompute the worker's update."""
-    if fmt.exact:
-        return np.array(array)
-    return fmt.to_host(fmt.to_wire(array))
 
 
 class ResidentLayer:
@@ -210,274 +178,6 @@ class ResidentLayer:
         """The parameters this layer's slices hold, as the optimizer names them."""
         names = [f"{self.name}.weight", f"{self.name}.bias"]
         return names + ([f"{self.head_name}.weight"] if self.head_weight is not None else [])
-
-
-class _ResidentForward:
-    """A resident fused stage's forward: workers get the input and their slice's halo."""
-
-    phase = FORWARD
-
-    def __init__(self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, runs, synced, replica):
-        self.owner, self.ctx, self.layer, self.runs = owner, ctx, layer, runs
-        self.replica = replica  # workers compute x themselves from it (hetconv.replica)
-        self.synced = synced  # every slice placed or synced just now: the master is current
-        self.x = x
-        self.x_kept: np.ndarray | None = None  # one copy per step for the replay log
-        self.images = x.shape[0]
-        kh, kw = layer.w.shape[2:]
-        s = layer.sides
-        ho, wo = x.shape[2] + s[0] + s[1] - kh + 1, x.shape[3] + s[2] + s[3] - kw + 1
-        out_hw = layer.stage.output_hw((ho, wo))
-        # A split head: each piece's partial logits (summed in piece order at the end); the
-        # stage outputs of the pieces the master computes are kept for their backward.
-        self.z: dict[int, np.ndarray] = {}
-        self.y = np.empty((x.shape[0], layer.kernels, *out_hw), np.float32)
-
-    def _out(self, piece: Piece) -> np.ndarray:
-        """Where a piece's answer goes: its partial logits, or its channels of the output."""
-        if self.layer.classes:
-            return self.z.setdefault(
-                piece.index, np.empty((self.images, self.layer.classes), np.float32)
-            )
-        return self.y[:, piece.part]
-
-    def worker_request(self, piece: Piece) -> WorkerRequest:
-        layer, ctx, part = self.layer, self.ctx, piece.part
-        placed = layer.placements[piece.node.name]
-        hw, hb, hf, before = layer.halo(part)
-        if self.x_kept is None:  # the input as the worker has it: as sent, or computed there
-            fmt = FLOAT32 if self.replica is not None else piece.node.client.wire_format
-            self.x_kept = as_received(self.x, fmt)
-        placed.pending = (self.x_kept, hw, hb, hf)
-        out = self._out(piece)
-        kwargs = {"out": out, "kernel_offset": layer.wide(part).start}
-        if layer.classes:
-            kwargs["hf"] = hf
-        if self.replica is not None:
-            kwargs["replica"] = self.replica
-        if ctx.overlap_images:
-            kwargs["overlap_images"] = ctx.overlap_images
-        return WorkerRequest(
-            piece.node.client.resident_stage_forward,
-            (
-                ctx.session, ctx.step, ctx.layer, self.x, hw, hb, before, placed.version,
-                layer.sides, layer.stage, part.stop - part.start,
-            ),
-            kwargs,
-            input_bytes(self.x, self.replica) + hw.nbytes + hb.nbytes + hf.nbytes + out.nbytes,
-        )  # fmt: skip
-
-    def input_arrived(self) -> None:
-        """``x`` holds the layer's input now (its calls started before it was computed,
-        :meth:`~.cluster.Cluster.forward`): the replay log's copy of it is made again."""
-        if self.replica is None:
-            raise RuntimeError(f"{self.ctx.layer}: only a replicated block's output comes late")
-        if self.x_kept is not None:  # float32: the workers computed it themselves
-            self.x_kept[...] = self.x
-
-    def check(self, piece: Piece, answer) -> None:
-        if not finite(self._out(piece)) and finite(self.x):
-            raise _non_finite(piece, f"resident stage forward {self.ctx.layer}")
-
-    @property
-    def covers_early(self) -> bool:
-        """Whether a lost piece is computed as soon as it is lost (see PhaseRunner)."""
-        return split_of(self.replica) is not None
-
-    def compute_locally(self, piece: Piece) -> None:
-        lost_forward(self.replica, piece, self.x)
-        layer, part = self.layer, piece.part
-        self.owner.recover(layer, piece.node.name)  # a lost worker's slice: replayed here
-        wide = layer.wide(part)
-        own = slice(part.start - wide.start, part.stop - wide.start)
-        y, run = stage_forward(
-            self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides, layer.stage, own
-        )
-        self.y[:, part] = y
-        if layer.classes:
-            self._out(piece)[...] = partial_logits(y, layer.f[part])
-        self.runs[layer.name, part.start, part.stop] = run
-        if layer.classes:  # its backward needs the owned channels' output
-            self.owner.maps[layer.name, part.start, part.stop] = y
-
-    def accept(self, piece: Piece, answer) -> CallStats:
-        return answer[1]
-
-    def spot_sample(self, piece: Piece, answer, draw):
-        """Sampled stage outputs next to the master's (:mod:`.spotcheck`), on a step whose
-        slices were all placed or synced just before this forward, so the master's weights are
-        the workers' exactly; none otherwise (a spot check of a resident layer waits for a
-        sync: forcing one on every due step would fetch every slice that often)."""
-        if not self.synced or self.layer.classes:
-            return []  # a split head answers logits: not sampled (see the module's docstring)
-        layer, fmt = self.layer, piece.node.client.wire_format
-        sample = draw(*self.x.shape[:2])
-        return stage_forward_sample(
-            fmt, self.x, layer.w, layer.b, layer.sides, layer.stage, self.y, sample
-        )
-
-    def result(self):
-        """The stage output, or with a split head the summed partial logits (no bias)."""
-        if not self.layer.classes:
-            return self.y
-        parts = [self.z[i] for i in sorted(self.z)]
-        return (
-            np.sum(parts, axis=0, dtype=np.float32)
-            if parts
-            else np.zeros((self.images, self.layer.classes), np.float32)
-        )
-
-
-class _ResidentBackward:
-    """A resident fused stage's backward: workers get the stage-output gradient of their
-    owned and halo channels (with a split head, the logits' gradient ``dy`` (N, classes),
-    the same for all), update their slice and answer their edge kernels and input-gradient
-    part; the master updates the rows it computed, at the end (every piece has read the
-    weights of this step by then)."""
-
-    phase = BACKWARD
-
-    def __init__(
-        self, owner: ResidentKernels, ctx, layer: ResidentLayer, x, dy, need, runs, replica
-    ):
-        self.owner, self.ctx, self.layer, self.x, self.dy = owner, ctx, layer, x, dy
-        self.need_input_grad, self.runs = need, runs
-        self.replica = replica  # workers answer the replicated block's gradient parts into it
-        self.images = x.shape[0]
-        self.dx = None
-        # rows the master computed; workers keep theirs. np.zeros, not zeros_like: the pages
-        # of rows nobody writes are never touched (calloc), not filled every step.
-        self.dw = np.zeros(layer.w.shape, np.float32)
-        self.db = np.zeros(layer.b.shape, np.float32)
-        self.df = np.zeros(layer.f.shape, np.float32)
-        self._edges: list[tuple[slice, np.ndarray, np.ndarray, np.ndarray]] = []
-        self._ef: dict[int, np.ndarray] = {}  # where each piece's edge columns come back
-        self._computed: list[slice] = []
-
-    def _add_dx(self, part) -> None:
-        if self.need_input_grad:
-            self.dx = part if self.dx is None else self.dx + part
-
-    def worker_request(self, piece: Piece) -> WorkerRequest:
-        layer, ctx, part = self.layer, self.ctx, piece.part
-        placed = layer.placements[piece.node.name]
-        wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
-        head = layer.classes > 0
-        dz = self.dy if head else None
-        dy = self.dy[:, grad] if not head else np.empty((self.images, 0, 0, 0), np.float32)
-        rows = edge_rows(part.stop - part.start, layer.stage.halo)
-        ew = np.empty((len(rows), *layer.w.shape[1:]), np.float32)
-        eb = np.empty(len(rows), np.float32)
-        ef = self._ef[piece.index] = np.empty((len(rows), *layer.f.shape[1:]), np.float32)
-        fmt = piece.node.client.wire_format
-        dx_bytes = fmt.nbytes(self.x.shape) if self.need_input_grad else 0
-        kwargs: dict = {"edges_out": (ew, eb, ef)}
-        if head:
-            kwargs["dz"] = dz
-        if self.replica is not None:
-            kwargs["replica"] = self.replica.request(piece.index)
-            dx_bytes = self.replica.nbytes
-        kwargs["answer_bytes"] = ew.nbytes + eb.nbytes + ef.nbytes + dx_bytes
-        if ctx.overlap_images:
-            kwargs["grouped"] = True
-        sent = dy.nbytes + (dz.nbytes if dz is not None else 0)
-        return WorkerRequest(
-            piece.node.client.resident_stage_backward,
-            (
-                ctx.session, ctx.step, ctx.layer, dy, grad.start - wide.start, placed.version,
-                self.need_input_grad,
-            ),
-            kwargs,
-            sent + kwargs["answer_bytes"],
-        )  # fmt: skip
-
-    def check(self, piece: Piece, answer) -> None:
-        dx, ew, eb, _ = answer
-        through = self.replica.part(piece.index) if self.replica is not None else ()
-        given = self.dy if self.layer.classes else self.dy[:, piece.part]
-        if not finite(ew, eb, dx, *through) and finite(self.x, given):
-            raise _non_finite(piece, f"resident stage backward {self.ctx.layer}")
-
-    def compute_locally(self, piece: Piece) -> None:
-        layer, part = self.layer, piece.part
-        self.owner.recover(layer, piece.node.name)
-        wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
-        key = (layer.name, part.start, part.stop)
-        run: StageRun | None = self.runs.pop(key, None)
-        y = self.owner.maps.pop(key, None)
-        own = slice(part.start - wide.start, part.stop - wide.start)
-        if run is None or (layer.classes and y is None):  # the worker's forward ran there
-            y, run = stage_forward(
-                self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides,
-                layer.stage, own,
-            )  # fmt: skip
-        rel = slice(grad.start - wide.start, grad.stop - wide.start)
-        if layer.classes:
-            dy = stage_grad(self.dy, layer.f[grad], y.shape[2:])
-            self.df[part] = columns_grad(self.dy, y)
-        else:
-            dy = np.ascontiguousarray(self.dy[:, grad])
-        first = self.replica.rows_first(piece.index) if self.replica is not None else ()
-        dx, self.dw[part], self.db[part] = stage_backward(
-            self.owner.backend, run, dy, rel, self.need_input_grad, rows_first=first
-        )
-        self._computed.append(part)
-        if not lost_backward(self.replica, piece, dx):
-            self._add_dx(dx)
-
-    @property
-    def covers_early(self) -> bool:
-        """Whether a lost piece is computed as soon as it is lost (see PhaseRunner)."""
-        return self.replica is not None and self.replica.split is not None
-
-    def while_waiting(self) -> None:
-        """As :meth:`~.dispatch._StageBackward.while_waiting`: the master's part goes back
-        through a replicated block while the workers compute."""
-        if self.replica is not None and self.replica.back_through(self.dx):
-            self.dx = None
-
-    def accept(self, piece: Piece, answer) -> CallStats:
-        dx, ew, eb, stats = answer
-        layer, part = self.layer, piece.part
-        placed = layer.placements[piece.node.name]
-        placed.version += 1
-        wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
-        if placed.pending is not None:
-            x, hw, hb, hf = placed.pending
-            if layer.classes:  # the logits' gradient, float32 whatever the wire
-                dy = self.dy
-            else:
-                dy = as_received(self.dy[:, grad], piece.node.client.wire_format)
-            placed.log.append(_Logged(x, hw, hb, hf, dy, grad.start - wide.start, self.ctx.step))
-            placed.pending = None
-        self._edges.append((part, ew, eb, self._ef[piece.index]))
-        if self.replica is not None:
-            self.replica.take(piece.index, piece.node.client.address)
-        else:
-            self._add_dx(dx)
-        return stats
-
-    def result(self):
-        layer, config = self.layer, self.owner.sgd
-        # What this step changes on the master, so that a step computed again (a spot check
-        # caught a worker elsewhere) starts from where this one did (ResidentKernels.undo_step).
-        before = [(part, *(np.array(a[part]) for a in layer.arrays())) for part in self._computed]
-        self.owner.undo.setdefault(layer.name, (layer.started, before))
-        for part, ew, eb, ef in self._edges:
-            rows = part.start + edge_rows(part.stop - part.start, layer.stage.halo)
-            layer.w[rows], layer.b[rows] = ew, eb
-            if layer.classes:
-                layer.f[rows] = ef
-        head = layer.classes > 0
-        for part in self._computed:
-            df = self.df[part] if head else None
-            layer.update_rows(part, self.dw[part], self.db[part], config, df)
-        layer.started = True
-        dx = self.replica.later(self.dx) if self.replica is not None else self.dx
-        dx = replica_input_grad(dx, self.x, self.replica)
-        if head:
-            return dx, self.dw, self.db, self.df
-        return dx, self.dw, self.db
 
 
 class ResidentSplit(FusedKernelSplit):

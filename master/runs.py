@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,14 +38,13 @@ from hetconv.stages import FUSED, UNFUSED
 from . import modes
 from .call import Call
 from .config import ClusterConfig
-from .dispatch import CallContext, FusedKernelSplit, PhaseRunner, SplitStrategy
+from .dispatch import CallContext, PhaseRunner, SplitStrategy
+from .fused import FusedKernelSplit
 from .membership import ACTIVE, Membership, Node
 from .planning import LayerPlan, Planner, image_fractions
-from .replica import REPLICATED, ReplicatedBlocks, SplitStep, timed
+from .replica import REPLICATED, ReplicatedBlocks, timed
 from .resident import ResidentKernels
-
-if TYPE_CHECKING:
-    from .cluster import Cluster
+from .split_step import SplitStep
 
 
 def sides(padding: PaddingSpec, kernel_hw) -> tuple[int, int, int, int]:
@@ -429,7 +427,7 @@ def build_runs(
     return {name: runs[name] for name in stage_modes}  # in the model's order
 
 
-def choose_runs(cluster: Cluster, layers, batch: int) -> dict[str, KernelSplit]:
+def choose_runs(cluster, layers, batch: int) -> dict[str, KernelSplit]:
     """Each layer's way of running, from the modes :mod:`.modes` chooses for the
     ``cluster`` at prepare, in turn: the stage modes, whether the first block replicates, the
     kernel modes, the split head; then the shares planned again knowing what each layer's

@@ -22,6 +22,7 @@ import pytest
 from hetconv.cli import main
 from hetconv.conv import LocalConv
 from hetconv.data import epoch_order
+from hetconv.training import TrainConfig, train
 from hetconv.training import checkpoint as checkpoint_module
 from hetconv.training.checkpoint import (
     CheckpointDir,
@@ -31,7 +32,6 @@ from hetconv.training.checkpoint import (
 )
 from hetconv.training.fingerprint import fingerprint_differences
 from hetconv.training.trace import _cut_trace
-from hetconv.training import TrainConfig, train
 
 # 48 images at batch 8: 6 steps per epoch, so 10 steps cross an epoch boundary.
 RUN = dict(batch=8, train_size=48, eval_size=8, progress=False)

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from hetconv.cli import main
+from hetconv.training import TrainConfig, train
 from hetconv.training import checkpoint as checkpoint_module
 from hetconv.training.checkpoint import CheckpointDir, CheckpointError
-from hetconv.training import TrainConfig, train
 
 TRAIN = [sys.executable, "-m", "hetconv", "train", "--local", "--no-progress", "--batch", "8"]
 TRAIN += ["--train-size", "48", "--eval-size", "8", "--steps", "3"]

@@ -23,8 +23,8 @@ import pytest
 from hetconv.conv import LocalConv
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.training import TrainConfig, train
 from hetconv.model import Model, reference_spec
+from hetconv.training import TrainConfig, train
 
 SMALL = dict(steps=5, batch=8, train_size=64, eval_size=16, progress=False)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetconv.cli.simulate import main as simulate_main
 from hetconv.costmodel import SWITCHED, WIFI, Cluster, Node
 from hetconv.dataparallel import (
     PARAMETER_SERVER,
@@ -29,7 +30,6 @@ from hetconv.dataparallel import (
     simulate_data_parallel,
 )
 from hetconv.model import PRESETS, Model, load_spec
-from hetconv.cli.simulate import main as simulate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "ddp_rank.py"

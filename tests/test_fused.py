@@ -29,7 +29,6 @@ from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.training import TrainConfig, train
 from hetconv.proto import worker_pb2 as pb
 from hetconv.simulations.calibrate import calibrate
 from hetconv.stages import (
@@ -43,6 +42,7 @@ from hetconv.stages import (
     stage_forward,
     stage_of,
 )
+from hetconv.training import TrainConfig, train
 from hetconv.workload import conv_layers, network_layers, stage_call_bytes
 
 PADDING = (2, 2, 2, 2)

@@ -21,12 +21,12 @@ from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 from hetconv.backends import get_backend
 from hetconv.head import columns_grad, head_columns, partial_logits, stage_grad
 from hetconv.layers import Linear
-from hetconv.training.checkpoint import POINTER_NAME, read_checkpoint
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.model import Model, reference_spec
 from hetconv.optim import SGDConfig
+from hetconv.training.checkpoint import POINTER_NAME, read_checkpoint
 from hetconv.workload import conv_layers, resident_call_bytes
 
 # tiny: conv2 has 16 kernels, LRN size 5 (halo 4): uneven shares, one smaller than the halo
@@ -215,10 +215,10 @@ def test_link_shares_and_the_simulator_count_logits_not_maps(tmp_path):
     the link-aware split gives the workers more of the layer, and the simulator predicts the
     step faster with fewer bytes."""
     from hetconv.balance import link_aware_shares, shares_for
+    from hetconv.cli.simulate import main as simulate_main
     from hetconv.costmodel import Cluster as SimCluster
     from hetconv.costmodel import Node as SimNode
     from hetconv.costmodel import simulate_step
-    from hetconv.cli.simulate import main as simulate_main
     from hetconv.workload import network_layers
 
     layers = network_layers("paper-150-800", 16)

@@ -15,8 +15,8 @@ import numpy as np
 
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.training import TrainConfig, train
 from hetconv.model import Model, reference_spec
+from hetconv.training import TrainConfig, train
 
 FAST = dict(deadline_floor=1.0, deadline_factor=5.0, retry_min=0.2, retry_max=1.0)
 

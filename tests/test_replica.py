@@ -17,6 +17,7 @@ import pytest
 from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.balance import link_aware_shares
+from hetconv.cli.simulate import main as simulate_main
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.costmodel import Node as SimNode
 from hetconv.costmodel import replica_bytes, replicate_gain, simulate_step
@@ -27,7 +28,6 @@ from hetconv.master.launch import LocalWorkers
 from hetconv.model import Model, reference_spec
 from hetconv.replica import ReplicaBlock
 from hetconv.simulations.calibrate import calibrate, replicas
-from hetconv.cli.simulate import main as simulate_main
 from hetconv.simulations.trace import read_steps, step_bytes
 from hetconv.stages import StageSpec
 from hetconv.workload import (

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hetconv.cli import main
-from hetconv.training.rundir import MetricsCsv
 from hetconv.training.report import DPI, FIGSIZE, _binned, _moving_average, draw_report
+from hetconv.training.rundir import MetricsCsv
 
 pytest.importorskip("matplotlib")
 Image = pytest.importorskip("PIL.Image")

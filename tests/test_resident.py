@@ -37,16 +37,16 @@ from hetconv.costmodel import (
 )
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.formats import BFLOAT16, FLOAT32
-from hetconv.training.checkpoint import POINTER_NAME, read_checkpoint
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.master.resident import as_received
-from hetconv.training import TrainConfig, train
+from hetconv.master.resident_jobs import as_received
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import edge_rows, placement_version
 from hetconv.simulations.calibrate import calibrate
 from hetconv.stages import StageSpec
+from hetconv.training import TrainConfig, train
+from hetconv.training.checkpoint import POINTER_NAME, read_checkpoint
 from hetconv.workload import conv_layers, network_layers, resident_call_bytes
 
 # tiny: conv1 8 kernels, conv2 16; LRN size 5 (halo 4). Shares smaller than the halo, a node

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from hetconv.cli import main
-from hetconv.training.rundir import MetricsCsv, read_config, toml_value, write_config
-from hetconv.training.metrics import FIXED_COLUMNS, read_metrics
 from hetconv.simulations.trace import read_records, step_bytes
+from hetconv.training.metrics import FIXED_COLUMNS, read_metrics
+from hetconv.training.rundir import MetricsCsv, read_config, toml_value, write_config
 
 if sys.version_info >= (3, 11):
     import tomllib

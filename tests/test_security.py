@@ -37,9 +37,9 @@ from hetconv.conv import LocalConv
 from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerUnavailable
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers, stop_processes
-from hetconv.training import TrainConfig, train
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import TOKEN_ENV, bearer_metadata, resolve_token
+from hetconv.training import TrainConfig, train
 from hetconv.worker.auth import TokenInterceptor, WorkerSecurity, is_loopback, open_worker_warning
 from hetconv.worker.main import available_memory_bytes, default_max_request_bytes
 from hetconv.worker.service import ConvWorkerService, start_server

@@ -15,8 +15,8 @@ from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.membership import LOST, Node
 from hetconv.master.settling import WARMING_STEPS, SettleMonitor, settled_shares
-from hetconv.training import TrainConfig, train
 from hetconv.model import reference_spec
+from hetconv.training import TrainConfig, train
 
 SMALL = dict(steps=7, batch=16, train_size=64, eval_size=16, progress=False)
 

@@ -20,6 +20,7 @@ from hetconv.balance import (
     link_aware_shares,
     shares_for,
 )
+from hetconv.cli.simulate import add_arguments, main
 from hetconv.costmodel import (
     MBIT,
     SWITCHED,
@@ -35,11 +36,9 @@ from hetconv.costmodel import (
 from hetconv.master.cluster import Cluster as RealCluster
 from hetconv.master.cluster import ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
 from hetconv.simulations.calibrate import calibrate, read_plan
 from hetconv.simulations.cli import POLICIES as CLI_POLICIES
-from hetconv.cli.simulate import add_arguments, main
 from hetconv.simulations.cli import run
 from hetconv.simulations.scenario import (
     Population,
@@ -50,6 +49,7 @@ from hetconv.simulations.scenario import (
 from hetconv.simulations.sweep import run_scenario
 from hetconv.simulations.trace import is_plan, read_records, read_steps
 from hetconv.simulations.validate import predict
+from hetconv.training import TrainConfig, train
 from hetconv.wire import BUNDLE_BYTES
 from hetconv.workload import BACKWARD, FORWARD, call_bytes, network_layers
 

@@ -18,6 +18,7 @@ import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
 
 from hetconv.backends import get_backend
+from hetconv.cli.simulate import main as simulate_main
 from hetconv.conv import LocalConv
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.costmodel import Node, resident_layer_bytes, simulate_step
@@ -26,7 +27,6 @@ from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.replica import ReplicaBlock
 from hetconv.simulations.calibrate import calibrate
-from hetconv.cli.simulate import main as simulate_main
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import StageSpec, stage_backward, stage_forward
 from hetconv.workload import network_layers, split_part

@@ -21,6 +21,7 @@ from test_split import (
     same_block_gradients,
 )
 
+from hetconv.cli.simulate import main as simulate_main
 from hetconv.conv import LocalConv
 from hetconv.costmodel import Cluster as SimCluster
 from hetconv.costmodel import Node, simulate_step
@@ -29,7 +30,6 @@ from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.proto import worker_pb2 as pb
 from hetconv.simulations.calibrate import calibrate
-from hetconv.cli.simulate import main as simulate_main
 from hetconv.split import MASTER, SplitPlan
 from hetconv.stages import stage_backward, stage_forward
 from hetconv.workload import network_layers

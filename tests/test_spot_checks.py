@@ -44,8 +44,8 @@ from hetconv.master.spotcheck import (
     stage_forward_sample,
     tolerance,
 )
-from hetconv.training import TrainConfig, train
 from hetconv.stages import StageSpec, stage_backward, stage_forward
+from hetconv.training import TrainConfig, train
 
 LIAR = Path(__file__).with_name("lying_worker.py")
 RUN = dict(steps=10, batch=8, train_size=64, eval_size=16, progress=False)

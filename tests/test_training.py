@@ -12,8 +12,8 @@ import pytest
 
 from hetconv.cli import main
 from hetconv.conv import ConvExecutor, LocalConv
-from hetconv.training import TrainConfig, train
 from hetconv.model import PRESETS, Model
+from hetconv.training import TrainConfig, train
 
 SMALL_RUN = [
     "--steps",

@@ -24,8 +24,8 @@ from hetconv.formats import BFLOAT16, FLOAT16, FLOAT32
 from hetconv.master.client import WorkerClient
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
-from hetconv.training import TrainConfig, train
 from hetconv.proto import worker_pb2 as pb
+from hetconv.training import TrainConfig, train
 from hetconv.workload import BACKWARD, FORWARD, PHASES, call_bytes, network_layers
 
 HALF = (FLOAT16, BFLOAT16)

@@ -1,0 +1,308 @@
+"""One step of a replicated block split by images (:mod:`hetconv.split`): the master's part
+of the exchange between the peers, and the cover of a peer that is lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from hetconv.backends import Backend
+from hetconv.replica import ReplicaBlock
+from hetconv.split import MASTER, SplitPlan
+from hetconv.stages import stage_backward, stage_forward
+
+from .call import Call
+
+
+class SplitStep:
+    """A step's block split by images among the workers (:mod:`hetconv.split`), as the master
+    keeps it: the plan, the workers' clients, and what it covers for workers it loses.
+
+    The master computes a lost worker's slice of the next layer itself, as always. With the
+    block split that worker's peers also wait for its parts, so the master sends them, as that
+    worker: forward its images' block output (:meth:`lost_forward`), backward its slice's
+    input-gradient rows of their images (:meth:`lost_backward`), each as soon as the worker is
+    known lost. The rows of a lost worker's images, which it would have summed and taken
+    through the block, the master collects (:meth:`rows`): its own computation's, and what
+    every worker that answered computed for them (FetchPart).
+
+    With the master a peer (``split_all``, :data:`~hetconv.split.MASTER` in the plan) the
+    master computes the block on its own images only (:meth:`forward_all`) and exchanges parts
+    like a worker (:meth:`backward_all`); what it covers for lost workers it then takes through
+    the block on their images itself (:meth:`finish_all`).
+    """
+
+    def __init__(self, plan: SplitPlan, clients: dict, session: int, step: int, block: str):
+        self.plan, self.clients = plan, dict(clients)
+        self.session, self.step, self.block = session, step, block
+        self.lost: dict[int, np.ndarray | None] = {}  # node -> its slice's input gradient
+        self.sent_bytes = 0  # what the master put into workers for lost ones
+        # split_all: the master a peer
+        self.data: ReplicaBlock | None = None  # the step's block (images, kernels)
+        self.y: np.ndarray | None = None  # the block's output, every image, assembled here
+        self.run = None  # the master's StageRun on its own images
+        self.runs: dict[int, object] = {}  # node -> a StageRun computed here on its images
+        self.dx: np.ndarray | None = None  # the master's own input-gradient part, every image
+        self.fetched: set[int] = set()  # nodes whose rows of the master's images it summed
+        self.exchanged_bytes = 0  # what the master put into and fetched from workers as a peer
+        self.compute = {"forward": 0.0, "backward": 0.0}  # the master's block computation, s
+        self.rows_put: set[int] = set()  # workers its own rows went to as its stage made them
+        self._pending: list[Call] = []  # puts the master does not wait for
+
+    @property
+    def with_master(self) -> bool:
+        """Whether the master is one of the peers (``split_all``)."""
+        return self.plan.master is not None
+
+    def covers(self, address: str) -> bool:
+        """Whether ``address`` computes part of the block this step."""
+        return address in self.plan.addresses
+
+    def _put(
+        self, source: int, rows, gradient: bool, timeout: float, wait: bool = True, skip=()
+    ) -> int:
+        """``rows(address)`` put into every other worker of the plan (but the nodes in
+        ``skip``), as node ``source``, in parallel; a worker that is gone too is no matter (it
+        is lost in its own call). ``wait``: until every put has ended (else :meth:`settle`
+        does). The bytes put."""
+        calls, sent = [], 0
+        for i, address in enumerate(self.plan.addresses):
+            if i == source or i in self.lost or address == MASTER or i in skip:
+                continue
+            part = np.ascontiguousarray(rows(address))
+            sent += part.nbytes
+            calls.append(self._put_one(address, source, part, gradient, timeout))
+        if not wait:
+            self._pending.extend(calls)
+            return sent
+        for call in calls:
+            try:
+                call.result()
+            except Exception:  # noqa: BLE001 (that worker's own call fails and loses it)
+                pass
+        return sent
+
+    def _put_one(self, address: str, source: int, part, gradient: bool, timeout: float) -> Call:
+        return Call(
+            self.clients[address].put_part, self.session, self.step, self.block, source, part,
+            gradient, timeout, self.plan.round,
+        )  # fmt: skip
+
+    def rows_first(self, timeout: float = 60.0) -> list[tuple[slice, object]]:
+        """With the master a peer: for its own piece's stage backward
+        (:func:`~hetconv.stages.stage_backward`'s ``rows_first``), each live worker's images,
+        with what puts the master's input-gradient rows of them into that worker as soon as
+        they are computed (the worker waits for them before its block backward)."""
+        plan = self.plan
+
+        def sender(address: str, node: int):
+            def done(images: slice, rows: np.ndarray) -> None:
+                part = np.ascontiguousarray(rows)
+                self._pending.append(self._put_one(address, plan.master, part, True, timeout))
+                self.exchanged_bytes += part.nbytes
+                self.rows_put.add(node)
+
+            return done
+
+        return [
+            (plan.images(address), sender(address, plan.node(address)))
+            for address in plan.workers
+            if plan.node(address) not in self.lost
+        ]
+
+    def settle(self) -> None:
+        """Wait for the puts not waited for (their failures are their workers' calls')."""
+        pending, self._pending = self._pending, []
+        for call in pending:
+            try:
+                call.result()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def lost_forward(self, address: str, y: np.ndarray, timeout: float = 60.0) -> None:
+        """Worker ``address`` is lost in forward: its images' rows of the block output ``y``
+        (the master's, every image) go to the others as it."""
+        node = self.plan.node(address)
+        self.lost.setdefault(node, None)
+        self.sent_bytes += self._put(node, lambda _: y[self.plan.images(address)], False, timeout)
+
+    def lost_backward(self, address: str, dx: np.ndarray, timeout: float = 60.0) -> None:
+        """Worker ``address`` is lost in backward: its slice's input gradient ``dx`` (every
+        image, computed here) goes to the others by their images, as it; the rows of lost
+        workers' images stay for :meth:`rows`."""
+        node = self.plan.node(address)
+        self.lost[node] = dx
+        self.sent_bytes += self._put(node, lambda a: dx[self.plan.images(a)], True, timeout)
+
+    def rows(self, answered: list[str], timeout: float = 60.0) -> np.ndarray | None:
+        """The input gradient the master back-propagates through its block for the lost
+        workers' images: zero but on those images, where it is every lost slice's rows (as
+        computed here) plus the rows each worker that ``answered`` computed for them. None when
+        nothing was lost."""
+        if not self.lost:
+            return None
+        dxs = self._lost_gradients(list(self.lost))
+        total = np.zeros_like(dxs[0])
+        for node in sorted(self.lost):
+            images = self.plan.images(self.plan.addresses[node])
+            self._add_lost_rows(total[images], node, dxs, answered, timeout)
+        return total
+
+    def _lost_gradients(self, nodes: list[int]) -> list[np.ndarray]:
+        """The lost slices' input gradients (computed here), of ``nodes`` in that order."""
+        dxs = [self.lost[node] for node in nodes]
+        if any(dx is None for dx in dxs):
+            raise RuntimeError(f"{self.block}: a worker lost in the split has no gradient here")
+        return dxs
+
+    def _add_lost_rows(self, rows: np.ndarray, node: int, dxs, answered, timeout: float):
+        """Add into ``rows`` (lost node ``node``'s images' rows) what that node would have
+        summed: every lost slice's rows of them (``dxs``), then each worker's that
+        ``answered`` (FetchPart)."""
+        images = self.plan.images(self.plan.addresses[node])
+        for dx in dxs:
+            rows += dx[images]
+        for address in answered:
+            part, _ = self.clients[address].fetch_part(
+                self.session, self.step, self.block, node, timeout
+            )
+            rows += part
+
+    # -- the master as a peer (split_all) ----------------------------------------------------
+
+    def forward_all(self, backend: Backend, block: ReplicaBlock, started: dict, timeout: float):
+        """The block's output on every image, assembled here: the master's own images computed
+        here and put into every worker, each worker's own images' output fetched as soon as it
+        has it (FetchPart). A worker whose ReplicaForward (``started``: address -> its
+        :class:`~.call.Call`) fails, or whose output does not come, has its images computed
+        here: its stage call then fails, and the master puts them into the others as it."""
+        plan, k = self.plan, block.w.shape[0]
+        self.data = block
+        conv = block.shape
+        y = np.empty((conv.n, k, *block.stage.output_hw(conv.out_hw)), np.float32)
+        fetches = {}
+        for address in plan.workers:
+            node, rows = plan.node(address), y[plan.images(address)]
+            fetches[address] = Call(
+                self.clients[address].fetch_part, self.session, self.step, self.block, node,
+                timeout, gradient=False, out=rows,
+            )  # fmt: skip
+        own = plan.images(MASTER)
+        if own.stop > own.start:  # (--master-block none: it computes none of it)
+            start = time.perf_counter()
+            y[own], self.run = stage_forward(
+                backend, block.x[own], block.w, block.b, block.sides, block.stage, slice(0, k)
+            )
+            self.compute["forward"] += time.perf_counter() - start
+            self.exchanged_bytes += self._put(plan.master, lambda _: y[own], False, timeout, False)
+        for address, call in fetches.items():
+            if _answered(call, started.get(address)):
+                self.exchanged_bytes += y[plan.images(address)].nbytes
+                continue
+            node, images = plan.node(address), plan.images(address)
+            start = time.perf_counter()
+            y[images], self.runs[node] = stage_forward(
+                backend, block.x[images], block.w, block.b, block.sides, block.stage,
+                slice(0, k),
+            )  # fmt: skip
+            self.compute["forward"] += time.perf_counter() - start
+        self.y = y
+        return y
+
+    def backward_all(self, backend: Backend, dx: np.ndarray | None, timeout: float = 60.0):
+        """The master's part of the block's kernel and bias gradients, as a peer: the rows of
+        its input-gradient part ``dx`` (every image; None: zeros) for each worker's images put
+        into it, the rows every worker computed for the master's images fetched and summed
+        with its own in plan order, the sum taken through the block on its images. A worker
+        lost before it gave its rows has them added by :meth:`finish_all`."""
+        plan = self.plan
+        self.dx = dx = np.zeros_like(self.y) if dx is None else dx
+        own = plan.images(MASTER)
+        live = [a for a in plan.workers if plan.node(a) not in self.lost]
+        if own.stop == own.start:  # it computes none of the block: it only gives its rows
+            live = []
+        fetches = {
+            a: Call(
+                self.clients[a].fetch_part,
+                self.session,
+                self.step,
+                self.block,
+                plan.master,
+                timeout,
+            )
+            for a in live
+        }
+        self.exchanged_bytes += self._put(
+            plan.master, lambda a: dx[plan.images(a)], True, timeout, False, self.rows_put
+        )
+        g = np.array(dx[own])
+        for address in live:  # in plan order: the same sum on every run
+            try:
+                part, _ = fetches[address].result()
+            except Exception:  # noqa: BLE001 (lost: finish_all adds its slice's rows)
+                continue
+            g += part
+            self.exchanged_bytes += part.nbytes
+            self.fetched.add(plan.node(address))
+        if self.run is None:
+            return np.zeros_like(self.data.w), np.zeros_like(self.data.b)
+        start = time.perf_counter()
+        _, dw, db = stage_backward(backend, self.run, g, slice(0, self.data.w.shape[0]), False)
+        self.compute["backward"] += time.perf_counter() - start
+        return dw, db
+
+    def finish_all(self, backend: Backend, answered: list[str], timeout: float = 60.0):
+        """The block's kernel and bias gradients the lost workers' slices still owe, as
+        (dw, db), or None when nothing was lost: their rows of the master's images it did not
+        fetch from them, and every lost worker's images' whole gradient (its slice's rows
+        computed here, the master's own, each worker's that ``answered``, fetched) through the
+        block on those images (its forward run again here where the worker computed it)."""
+        self.settle()
+        if not self.lost:
+            return None
+        dxs = self._lost_gradients(sorted(self.lost))
+        plan, block = self.plan, self.data
+        k = block.w.shape[0]
+        dw, db = np.zeros_like(block.w), np.zeros_like(block.b)
+
+        def back(run, g) -> None:
+            start = time.perf_counter()
+            _, w, b = stage_backward(backend, run, g, slice(0, k), False)
+            self.compute["backward"] += time.perf_counter() - start
+            dw[...] += w
+            db[...] += b
+
+        own = plan.images(MASTER)
+        owed = [dx[own] for node, dx in sorted(self.lost.items()) if node not in self.fetched]
+        if owed and self.run is not None:
+            back(self.run, np.sum(owed, axis=0, dtype=np.float32))
+        for node in sorted(self.lost):
+            images = plan.images(plan.addresses[node])
+            g = np.array(self.dx[images])
+            self._add_lost_rows(g, node, dxs, answered, timeout)
+            run = self.runs.get(node)
+            if run is None:
+                _, run = stage_forward(
+                    backend, block.x[images], block.w, block.b, block.sides, block.stage,
+                    slice(0, k),
+                )  # fmt: skip
+            back(run, g)
+        return dw, db
+
+
+def _answered(call: Call, replica: Call | None) -> bool:
+    """Whether ``call`` (a fetch of a worker's block output) answered; False as soon as the
+    worker's ReplicaForward (``replica``) failed."""
+    ended = threading.Event()
+    call.notify(ended)
+    if replica is not None:
+        replica.notify(ended)
+    while True:
+        ended.clear()
+        if call.done():
+            return not call.failed()
+        if replica is not None and replica.failed():
+            return False
+        ended.wait(0.5)
