@@ -130,13 +130,13 @@ def _testbed_cluster(
     """The cost model's cluster of a testbed run (see :func:`predict`): the nodes at
     ``gflops`` per layer, the links at the TCP goodput of ``rate_mbps``, the per-call software
     costs of the ``this-machine`` scenario scaled by ``1 / cap``."""
-    from hetconv.costmodel import MBIT, SWITCHED, WIFI, Cluster, Node
+    from hetconv.costmodel import MBIT, SWITCHED, WIFI, SimCluster, SimNode
     from hetconv.simulations.scenario import load_scenario
 
     main = max(layers, key=lambda layer: layer.shape.flops_forward).name
     rate = MBIT * tcp_goodput_mbps(rate_mbps)
     nodes = [
-        Node(name, per_layer.get(main) or statistics.mean(per_layer.values()), per_layer)
+        SimNode(name, per_layer.get(main) or statistics.mean(per_layer.values()), per_layer)
         for name, per_layer in zip(cal.node_names, gflops, strict=True)
     ]
     base = load_scenario("this-machine").wire
@@ -151,14 +151,17 @@ def _testbed_cluster(
     master_compute = any(split[0] for split in cal.shares.values())
     if link == SWITCHED_LINK:
         port = rate if master_port_shaped else math.inf
-        master = Node(nodes[0].name, nodes[0].gflops, nodes[0].layer_gflops, bytes_per_s=port)
+        master = SimNode(nodes[0].name, nodes[0].gflops, nodes[0].layer_gflops, bytes_per_s=port)
         workers = tuple(
-            Node(n.name, n.gflops, n.layer_gflops, bytes_per_s=rate, rtt_s=rtt_s) for n in nodes[1:]
+            SimNode(n.name, n.gflops, n.layer_gflops, bytes_per_s=rate, rtt_s=rtt_s)
+            for n in nodes[1:]
         )
-        cluster = Cluster(master, workers, SWITCHED, master_compute=master_compute, wire=wire)
+        cluster = SimCluster(master, workers, SWITCHED, master_compute=master_compute, wire=wire)
     else:
-        workers = tuple(Node(n.name, n.gflops, n.layer_gflops, rtt_s=rtt_s) for n in nodes[1:])
-        cluster = Cluster(nodes[0], workers, WIFI, rate, master_compute=master_compute, wire=wire)
+        workers = tuple(SimNode(n.name, n.gflops, n.layer_gflops, rtt_s=rtt_s) for n in nodes[1:])
+        cluster = SimCluster(
+            nodes[0], workers, WIFI, rate, master_compute=master_compute, wire=wire
+        )
     return cluster
 
 

@@ -209,22 +209,22 @@ def predict_ddp(args: argparse.Namespace, link: str, rate: float, cap: float, co
     """The simulator's DDP step for ``run``: ring all-reduce, bucketed overlap, the ranks'
     probed speeds and slices, the testbed's links (TCP goodput) and round trip, the
     collective's software costs at ``cap``. Returns the DataParallelResult."""
-    from hetconv.costmodel import MBIT, SWITCHED, WIFI, Cluster, Node, local_step_seconds
+    from hetconv.costmodel import MBIT, SWITCHED, WIFI, SimCluster, SimNode, local_step_seconds
     from hetconv.dataparallel import RING, CollectiveCosts, simulate_data_parallel
     from hetconv.workload import network_layers
 
     goodput = MBIT * tcp_goodput_mbps(rate)
     gflops = cap * core
     workers = tuple(
-        Node(f"w{i}", gflops, bytes_per_s=goodput if link == SWITCHED_LINK else math.inf,
+        SimNode(f"w{i}", gflops, bytes_per_s=goodput if link == SWITCHED_LINK else math.inf,
              rtt_s=run.rtt_s)
         for i in range(len(run.batches) - 1)
     )  # fmt: skip
     if link == SWITCHED_LINK:
         port = math.inf if args.master_port_unlimited else goodput
-        cluster = Cluster(Node("master", gflops, bytes_per_s=port), workers, SWITCHED)
+        cluster = SimCluster(SimNode("master", gflops, bytes_per_s=port), workers, SWITCHED)
     else:
-        cluster = Cluster(Node("master", gflops), workers, WIFI, goodput)
+        cluster = SimCluster(SimNode("master", gflops), workers, WIFI, goodput)
     # The profile's split between convolutions and the rest (it times the overlap only; the
     # totals are the probed speeds): torch alone's step less its modelled convolutions.
     conv = local_step_seconds(cluster.master, network_layers(args.network, args.batch), 0.0)

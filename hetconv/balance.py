@@ -37,7 +37,7 @@ from fractions import Fraction
 import numpy as np
 from scipy.optimize import linprog
 
-from hetconv.costmodel import Cluster, simulate_layer_phase, step_modes
+from hetconv.costmodel import SimCluster, simulate_layer_phase, step_modes
 from hetconv.formats import FLOAT32
 from hetconv.head import MASTER as HEAD_MASTER
 from hetconv.overlap import OFF as OVERLAP_OFF
@@ -95,7 +95,7 @@ COMPUTE, LINK = "compute", "link"
 POLICIES = (COMPUTE, LINK)
 
 
-def compute_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
+def compute_shares(cluster: SimCluster, layer: ConvLayer) -> list[int]:
     """The paper's shares: kernels in proportion to 1 / each node's probe time of the layer."""
     probes = [node.probe_seconds(layer) for node in cluster.nodes]
     if not cluster.master_compute:
@@ -104,7 +104,7 @@ def compute_shares(cluster: Cluster, layer: ConvLayer) -> list[int]:
 
 
 def _call_seconds(
-    cluster: Cluster, layer: ConvLayer, phase: str, kernels: int, fused, groups: int = 1
+    cluster: SimCluster, layer: ConvLayer, phase: str, kernels: int, fused, groups: int = 1
 ) -> float:
     """The fixed cost of a worker's call of ``phase`` at about ``kernels`` kernels (in
     ``groups`` > 1 image groups it streams, :mod:`hetconv.overlap`)."""
@@ -117,7 +117,7 @@ def _call_seconds(
 
 
 def _phase_terms(
-    cluster: Cluster,
+    cluster: SimCluster,
     layer: ConvLayer,
     workers: int,
     fused=False,
@@ -224,7 +224,9 @@ def _fused_bytes(
     return maps, halo_forward, halo_backward, fixed_forward, fixed_backward
 
 
-def _replicated_block(cluster: Cluster, replica: ConvLayer) -> tuple[int, int, np.ndarray, float]:
+def _replicated_block(
+    cluster: SimCluster, replica: ConvLayer
+) -> tuple[int, int, np.ndarray, float]:
     """A replicated first block in :func:`_phase_terms`: (what a worker is sent instead of the
     input, and answers instead of an input-gradient part, in bytes; the block's forward and
     backward seconds on each worker, rows (forward, backward); the master's own block backward,
@@ -271,7 +273,7 @@ def _split(terms: np.ndarray, chosen: np.ndarray, kernels: int) -> tuple[float, 
 
 
 def link_aware_shares(
-    cluster: Cluster,
+    cluster: SimCluster,
     layer: ConvLayer,
     fused: bool = False,
     resident: bool = False,
@@ -344,7 +346,7 @@ def link_aware_shares(
 
 
 def _layer_seconds(
-    cluster: Cluster,
+    cluster: SimCluster,
     layer: ConvLayer,
     shares,
     fused: bool = False,
@@ -363,7 +365,7 @@ def _layer_seconds(
 
 
 def shares_for(
-    cluster: Cluster,
+    cluster: SimCluster,
     layers,
     policy: str,
     stages: str = UNFUSED,

@@ -63,7 +63,7 @@ class WireCosts:
 
 
 @dataclass(frozen=True)
-class Node:
+class SimNode:
     """A device in a simulated cluster.
 
     Args:
@@ -106,7 +106,7 @@ class Node:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class SimCluster:
     """A master and its workers on one network.
 
     Args:
@@ -121,8 +121,8 @@ class Cluster:
         wire: per-call and software costs.
     """
 
-    master: Node
-    workers: tuple[Node, ...]
+    master: SimNode
+    workers: tuple[SimNode, ...]
     fabric: str = SWITCHED
     medium_bytes_per_s: float = math.inf
     master_compute: bool = True
@@ -135,7 +135,7 @@ class Cluster:
             raise ValueError("no workers and the master does not compute: nothing would")
 
     @property
-    def nodes(self) -> tuple[Node, ...]:
+    def nodes(self) -> tuple[SimNode, ...]:
         return (self.master, *self.workers)
 
     def shared_bytes_per_s(self) -> tuple[float, float]:
@@ -150,4 +150,4 @@ class Cluster:
         return cap, cap
 
 
-__all__ = ["FABRICS", "MBIT", "SWITCHED", "WIFI", "Cluster", "Node", "WireCosts"]
+__all__ = ["FABRICS", "MBIT", "SWITCHED", "WIFI", "SimCluster", "SimNode", "WireCosts"]

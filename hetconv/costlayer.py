@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetconv.costbytes import _computed, _wire
-from hetconv.costcluster import Cluster, Node
+from hetconv.costcluster import SimCluster, SimNode
 from hetconv.costphase import WorkerCall, simulate_phase
 from hetconv.overlap import group_count
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer
@@ -30,7 +30,7 @@ class PhaseResult:
     worker_ends_s: tuple[float, ...]
 
 
-def _exchange_seconds(layer: ConvLayer, part: ConvLayer, node: Node) -> float:
+def _exchange_seconds(layer: ConvLayer, part: ConvLayer, node: SimNode) -> float:
     """A worker's exchange of a split block's parts in one phase: the other workers' images'
     rows of ``layer``'s input (forward: their outputs in; backward: its rows of them out), at
     its link's rate."""
@@ -44,7 +44,7 @@ class _LayerCall:
     """What every worker call of one layer phase shares (:func:`simulate_layer_phase`'s
     arguments)."""
 
-    cluster: Cluster
+    cluster: SimCluster
     layer: ConvLayer
     phase: str
     step: int
@@ -55,7 +55,7 @@ class _LayerCall:
     head: int
     sync_every: int
 
-    def worker(self, node: Node, share: int, offset: int, block: ConvLayer | None):
+    def worker(self, node: SimNode, share: int, offset: int, block: ConvLayer | None):
         """``node``'s call for ``share`` kernels from ``offset``, its block (part) ``block``:
         (the call, its compute seconds, its bytes)."""
         layer, phase = self.layer, self.phase
@@ -92,7 +92,7 @@ class _LayerCall:
 
 
 def simulate_layer_phase(
-    cluster: Cluster,
+    cluster: SimCluster,
     layer: ConvLayer,
     phase: str,
     shares: Sequence[int],

@@ -45,7 +45,7 @@ from hetconv.costbytes import (
     resident_layer_bytes,
     stage_mode,
 )
-from hetconv.costcluster import FABRICS, MBIT, SWITCHED, WIFI, Cluster, Node, WireCosts
+from hetconv.costcluster import FABRICS, MBIT, SWITCHED, WIFI, SimCluster, SimNode, WireCosts
 from hetconv.costlayer import PhaseResult, simulate_layer_phase
 from hetconv.costphase import WorkerCall, simulate_phase
 from hetconv.coststep import StepModes, StepResult, local_step_seconds, simulate_step, step_modes
@@ -57,8 +57,8 @@ __all__ = [
     "REPLICATED",
     "SWITCHED",
     "WIFI",
-    "Cluster",
-    "Node",
+    "SimCluster",
+    "SimNode",
     "PhaseResult",
     "StepModes",
     "StepResult",

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from hetconv import modetable
 from hetconv.costbytes import _split_replicas
-from hetconv.costcluster import WIFI, Cluster, Node
+from hetconv.costcluster import WIFI, SimCluster, SimNode
 from hetconv.costlayer import PhaseResult, _exchange_seconds, simulate_layer_phase
 from hetconv.head import MASTER as HEAD_MASTER
 from hetconv.modetable import ModeFlags
@@ -103,7 +103,7 @@ class StepResult:
         return sum(any(s[i] for s in self.shares.values()) for i in range(1, width))
 
 
-def local_step_seconds(master: Node, layers: Sequence[ConvLayer], comp_s: float) -> float:
+def local_step_seconds(master: SimNode, layers: Sequence[ConvLayer], comp_s: float) -> float:
     """The step of local training on ``master`` alone: every convolution, no transfers."""
     # Summed phase by phase, as simulate_step sums, so one node gives exactly speedup 1.
     conv = sum(
@@ -135,7 +135,7 @@ class StepModes:
 
 
 def _flags(
-    cluster: Cluster, stages, kernels, replicate, overlap, head, sync_every, master_block
+    cluster: SimCluster, stages, kernels, replicate, overlap, head, sync_every, master_block
 ) -> ModeFlags:
     """The mode flags among the arguments (a per-layer mapping is no flag: its place holds the
     default), in the cluster's wire format and master."""
@@ -171,7 +171,7 @@ def _split(shares: Mapping[str, Sequence[int]], layer: ConvLayer) -> tuple[int, 
     return tuple(int(s) for s in shares[layer.name])
 
 
-def _gain(cluster: Cluster, flags: ModeFlags, layers, shares, first: ConvLayer) -> float:
+def _gain(cluster: SimCluster, flags: ModeFlags, layers, shares, first: ConvLayer) -> float:
     """:func:`~hetconv.modetable.replica_gain` on the simulated nodes, their probes as a
     master's probing would time them (a master that does not compute probes nothing)."""
     consumer = next(layer for layer in layers if layer.name == first.feeds)
@@ -215,7 +215,7 @@ def _replica(cluster, flags: ModeFlags, layers, shares, stages, given: bool):
 
 
 def step_modes(
-    cluster: Cluster,
+    cluster: SimCluster,
     layers: Sequence[ConvLayer],
     shares: Mapping[str, Sequence[int]],
     stages: str | Mapping[str, str] = UNFUSED,
@@ -285,7 +285,7 @@ def _heads(flags: ModeFlags, layers, kept: Mapping[str, str], head) -> dict[str,
 
 
 def _split_block_seconds(
-    cluster: Cluster, layer: ConvLayer, parts: Mapping[str, ConvLayer], phase: str
+    cluster: SimCluster, layer: ConvLayer, parts: Mapping[str, ConvLayer], phase: str
 ) -> float:
     """``split_all``: the master's phase of the block split with it one of the peers: its
     own images' block and its exchange of parts (:func:`_exchange_seconds`) on its port; in
@@ -306,7 +306,7 @@ def _split_block_seconds(
 
 
 def _block_parts(
-    cluster: Cluster,
+    cluster: SimCluster,
     consumer: ConvLayer,
     block: ConvLayer,
     shares: Mapping[str, Sequence[int]],
@@ -333,7 +333,7 @@ def _block_parts(
     return _split_replicas(names, split, consumer, block, speed, counts, master)
 
 
-def _block_phases(cluster: Cluster, block: ConvLayer, consumer: ConvLayer, parts):
+def _block_phases(cluster: SimCluster, block: ConvLayer, consumer: ConvLayer, parts):
     """The replicated ``block``'s phases on the master (alone, every kernel; or its own
     images and the exchange, ``parts`` naming it), and (its forward, which the workers'
     ReplicaForward runs beside; its backward, run inside the consumer's backward phase)."""
@@ -351,7 +351,7 @@ def _block_phases(cluster: Cluster, block: ConvLayer, consumer: ConvLayer, parts
     return phases, early, tail
 
 
-def _checked_shares(cluster: Cluster, shares, layer: ConvLayer) -> tuple[int, ...]:
+def _checked_shares(cluster: SimCluster, shares, layer: ConvLayer) -> tuple[int, ...]:
     split = _split(shares, layer)
     if len(split) != len(cluster.nodes) or sum(split) != layer.kernels or min(split) < 0:
         raise ValueError(
@@ -364,7 +364,7 @@ def _checked_shares(cluster: Cluster, shares, layer: ConvLayer) -> tuple[int, ..
 
 
 def simulate_step(
-    cluster: Cluster,
+    cluster: SimCluster,
     layers: Sequence[ConvLayer],
     shares: Mapping[str, Sequence[int]],
     comp_s: float,
@@ -434,7 +434,7 @@ def simulate_step(
     return _step_result(cluster, layers, shares, comp_s, phases)
 
 
-def _step_result(cluster: Cluster, layers, shares, comp_s: float, phases) -> StepResult:
+def _step_result(cluster: SimCluster, layers, shares, comp_s: float, phases) -> StepResult:
     comm = sum(p.comm_s for p in phases)
     conv = sum(p.conv_s for p in phases)
     return StepResult(

@@ -6,7 +6,7 @@ gradients are averaged with weights equal to each node's share of the batch, whi
 the weighted average of per-slice mean gradients is the global batch's mean gradient. A step:
 
 * **Compute** (every rank at once): forward and backward of the whole model on the rank's
-  slice. Convolutions at the node's per-layer throughput (:meth:`~hetconv.costmodel.Node
+  slice. Convolutions at the node's per-layer throughput (:meth:`~hetconv.costmodel.SimNode
   .conv_seconds`), the rest at the master's ``comp`` per image scaled by the node's speed
   relative to the master's (``gflops`` ratio); a third of it in forward, two thirds in
   backward, spread over the blocks in proportion to their convolution's output maps (what the
@@ -31,7 +31,7 @@ the weighted average of per-slice mean gradients is the global batch's mean grad
   backward both have. Without overlap, one exchange of every gradient after the slowest rank's
   backward.
 
-A link here is what :class:`~hetconv.costmodel.Cluster` says: on a switched network every
+A link here is what :class:`~hetconv.costmodel.SimCluster` says: on a switched network every
 node's own port (the master's ``bytes_per_s`` too), full duplex; on Wi-Fi one half-duplex
 medium (``medium_bytes_per_s``) that every transfer, between any two nodes, shares.
 """
@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hetconv.balance import kernel_shares
-from hetconv.costmodel import WIFI, Cluster, Node, local_step_seconds
+from hetconv.costmodel import WIFI, SimCluster, SimNode, local_step_seconds
 from hetconv.model import load_spec, walk_spec
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, conv_layers
 
@@ -191,7 +191,9 @@ class _Profile:
         return _Profile(self.forward_s * factor, tuple(b * factor for b in self.backward_s))
 
 
-def _profile(node: Node, master: Node, layers: Sequence[ConvLayer], comp_s: float) -> _Profile:
+def _profile(
+    node: SimNode, master: SimNode, layers: Sequence[ConvLayer], comp_s: float
+) -> _Profile:
     batch = layers[0].shape.n if layers else 1
     other = comp_s / batch * master.gflops / node.gflops
     maps = [layer.map_bytes for layer in layers] or [1]
@@ -210,12 +212,12 @@ def _profile(node: Node, master: Node, layers: Sequence[ConvLayer], comp_s: floa
 # -- the exchange --------------------------------------------------------------------------------
 
 
-def _ranks(cluster: Cluster) -> tuple[Node, ...]:
+def _ranks(cluster: SimCluster) -> tuple[SimNode, ...]:
     return cluster.nodes if cluster.master_compute else cluster.workers
 
 
 def exchange_seconds(
-    cluster: Cluster, nbytes: float, algorithm: str, costs: CollectiveCosts | None = None
+    cluster: SimCluster, nbytes: float, algorithm: str, costs: CollectiveCosts | None = None
 ) -> float:
     """Seconds to sum ``nbytes`` of gradients over the ranks of ``cluster`` (every node; the
     workers only where the master computes nothing) with ``algorithm``, links idle."""
@@ -245,7 +247,7 @@ def exchange_seconds(
     return 2 * (one_way + latency) + adds
 
 
-def master_link_bytes(cluster: Cluster, nbytes: float, algorithm: str) -> float:
+def master_link_bytes(cluster: SimCluster, nbytes: float, algorithm: str) -> float:
     """Gradient bytes through the master's link in one exchange, both directions."""
     n = len(_ranks(cluster))
     if algorithm == RING:
@@ -293,7 +295,7 @@ class DataParallelResult:
 
 
 def simulate_data_parallel(
-    cluster: Cluster,
+    cluster: SimCluster,
     network: str | Sequence[Mapping],
     batch: int,
     comp_s: float,
@@ -412,7 +414,7 @@ def _timeline(
 
 
 def _bucket_exchange(
-    cluster: Cluster,
+    cluster: SimCluster,
     spec: Sequence[Mapping],
     blocks: int,
     algorithm: str,
@@ -439,7 +441,7 @@ def _bucket_exchange(
     return exchange, t, ends
 
 
-def _conv_fraction(node: Node, layers: Sequence[ConvLayer], profile: _Profile, batch: int):
+def _conv_fraction(node: SimNode, layers: Sequence[ConvLayer], profile: _Profile, batch: int):
     """The convolutions' part of a rank's modelled compute."""
     if not layers or profile.total_s <= 0:
         return 0.0

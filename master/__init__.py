@@ -1,1 +1,2 @@
-"""The coordinator: the training loop today; the worker pool, probing and dispatch build on it."""
+"""The coordinator: the cluster (a ConvExecutor over the workers) and its rooms: membership,
+probing, planning, each layer's way of running, dispatch, the worker client."""

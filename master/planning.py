@@ -247,7 +247,7 @@ class Planner:
             replica = block.modelled()
         fractions = self._image_fractions(nodes, workers, layer.name) if replica else {}
 
-        def model_node(i: int) -> costmodel.Node:
+        def model_node(i: int) -> costmodel.SimNode:
             node = nodes[i]
             gflops = flops / max(node.probe_seconds.get(layer.name, seconds[i]), 1e-9) / 1e9
             per_layer = {}
@@ -261,13 +261,13 @@ class Planner:
                     block_s = block_s * fractions[i] + exchanged / node.link_bytes_per_second
                 per_layer[replica.name] = block_flops / max(block_s, 1e-9) / 1e9
             if node.client is None:  # the master: its port is at least as fast as any link
-                return costmodel.Node(node.name, gflops, per_layer, bytes_per_s=fastest)
-            return costmodel.Node(
+                return costmodel.SimNode(node.name, gflops, per_layer, bytes_per_s=fastest)
+            return costmodel.SimNode(
                 node.name, gflops, per_layer, bytes_per_s=node.link_bytes_per_second,
                 rtt_s=node.link_latency,
             )  # fmt: skip
 
-        model = costmodel.Cluster(
+        model = costmodel.SimCluster(
             master=model_node(0),
             workers=tuple(model_node(i) for i in workers),
             # On Wi-Fi every transfer, both ways, shares one medium: as fast as measured with
@@ -306,7 +306,7 @@ def step_model(
     capacity: float | None,
     master_compute: bool,
     wire: costmodel.WireCosts | None = None,
-) -> costmodel.Cluster:
+) -> costmodel.SimCluster:
     """The cost model's cluster of ``nodes`` (master first, as measured): each node's speed on
     each layer from its probe (forward and backward of all its kernels), each worker's measured
     link and latency; the master's port (switched) or the medium (``"wifi"``) at ``capacity``
@@ -327,10 +327,10 @@ def step_model(
         per_layer = speeds(node)
         gflops = float(np.median(list(per_layer.values()))) if per_layer else 1.0
         if i == 0:
-            made.append(costmodel.Node(node.name, gflops, per_layer, bytes_per_s=fastest))
+            made.append(costmodel.SimNode(node.name, gflops, per_layer, bytes_per_s=fastest))
         else:
             made.append(
-                costmodel.Node(
+                costmodel.SimNode(
                     node.name,
                     gflops,
                     per_layer,
@@ -338,7 +338,7 @@ def step_model(
                     rtt_s=node.link_latency,
                 )  # fmt: skip
             )
-    return costmodel.Cluster(
+    return costmodel.SimCluster(
         master=made[0],
         workers=tuple(made[1:]),
         fabric=network,

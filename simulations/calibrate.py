@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, WireCosts, simulate_step
+from hetconv.costmodel import MBIT, SWITCHED, SimCluster, SimNode, WireCosts, simulate_step
 from hetconv.formats import FLOAT32, PALETTE8, TensorFormat, format_named
 from hetconv.model import PRESETS
 from hetconv.replica import REPLICATED
@@ -105,14 +105,14 @@ class Calibration:
             out.append(DeviceSpec(name, gflops, dict(per_layer), link, 0.0))
         return out
 
-    def traced_cluster(self) -> Cluster:
+    def traced_cluster(self) -> SimCluster:
         """The cluster that ran, as measured: each worker's own link, the master's port the sum
         of them (the calls ran concurrently, so each measured rate was already shared)."""
         devices = self.devices()
         links = [MBIT * d.bandwidth_mbps for d in devices[1:]]
-        master = Node(devices[0].name, devices[0].gflops, devices[0].layer_gflops, sum(links))
+        master = SimNode(devices[0].name, devices[0].gflops, devices[0].layer_gflops, sum(links))
         workers = tuple(
-            Node(d.name, d.gflops, d.layer_gflops, link, 0.0)
+            SimNode(d.name, d.gflops, d.layer_gflops, link, 0.0)
             for d, link in zip(devices[1:], links, strict=True)
         )
         wire = WireCosts(
@@ -123,7 +123,7 @@ class Calibration:
             compute_stall=self.wire.compute_stall,
             format=self.wire.format,
         )
-        return Cluster(master, workers, SWITCHED, master_compute=True, wire=wire)
+        return SimCluster(master, workers, SWITCHED, master_compute=True, wire=wire)
 
     def check(self) -> dict[str, float]:
         """The simulator's step for the traced cluster with the traced shares (compare with

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetconv.balance import shares_for
-from hetconv.costmodel import Cluster, local_step_seconds, simulate_step
+from hetconv.costmodel import SimCluster, local_step_seconds, simulate_step
 from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
 from hetconv.formats import BFLOAT16, FLOAT32
 from hetconv.workload import network_layers
@@ -86,7 +86,7 @@ class Candidate:
         }
 
 
-def candidates(cluster: Cluster, network: str, batch: int, comp_s: float) -> list[Candidate]:
+def candidates(cluster: SimCluster, network: str, batch: int, comp_s: float) -> list[Candidate]:
     """Every strategy on ``cluster`` for ``network`` at ``batch`` (``comp_s``: the master's
     non-convolutional seconds of a step), fastest first."""
     layers = network_layers(network, batch)
@@ -132,7 +132,7 @@ def candidates(cluster: Cluster, network: str, batch: int, comp_s: float) -> lis
     return sorted(out, key=lambda c: c.step_s)
 
 
-def _with_format(cluster: Cluster, fmt) -> Cluster:
+def _with_format(cluster: SimCluster, fmt) -> SimCluster:
     import dataclasses
 
     return dataclasses.replace(cluster, wire=dataclasses.replace(cluster.wire, format=fmt))

@@ -78,7 +78,7 @@ import numpy as np
 
 from hetconv.backends import AUTO_PROBE
 from hetconv.balance import POLICIES
-from hetconv.costmodel import FABRICS, MBIT, WIFI, Cluster, Node, WireCosts
+from hetconv.costmodel import FABRICS, MBIT, WIFI, SimCluster, SimNode, WireCosts
 from hetconv.formats import FORMAT_LABELS, format_named
 from hetconv.model import load_spec
 
@@ -211,10 +211,10 @@ class Scenario:
             return None
         return 1 + len(self.workers) + self.population.count
 
-    def _node(self, device: DeviceSpec, bandwidth_mbps: float, latency_ms: float) -> Node:
+    def _node(self, device: DeviceSpec, bandwidth_mbps: float, latency_ms: float) -> SimNode:
         layer_gflops = {name: device.gflops * f for name, f in self.layer_efficiency.items()}
         layer_gflops.update(device.layer_gflops)
-        return Node(
+        return SimNode(
             device.name,
             device.gflops,
             layer_gflops,
@@ -222,7 +222,7 @@ class Scenario:
             1e-3 * (device.latency_ms if device.latency_ms is not None else latency_ms),
         )
 
-    def cluster(self, nodes: int, bandwidth_mbps: float | None = None) -> Cluster:
+    def cluster(self, nodes: int, bandwidth_mbps: float | None = None) -> SimCluster:
         """The cluster of ``nodes`` nodes (the master and ``nodes - 1`` workers) with the
         network at ``bandwidth_mbps`` (default: the scenario's). Devices that name their own link
         keep it."""
@@ -232,7 +232,7 @@ class Scenario:
         workers = tuple(
             self._node(d, bandwidth, self.latency_ms) for d in self.worker_devices(nodes - 1)
         )
-        return Cluster(
+        return SimCluster(
             master=self._node(self.master, bandwidth, 0.0),
             workers=workers,
             fabric=self.fabric,

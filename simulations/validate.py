@@ -160,7 +160,7 @@ def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", w
 
     Returns (StepResult, per-node layer GFLOPS used, calibration of the trace).
     """
-    from hetconv.costmodel import MBIT, SWITCHED, Cluster, Node, simulate_step
+    from hetconv.costmodel import MBIT, SWITCHED, SimCluster, SimNode, simulate_step
 
     from .calibrate import calibrate
     from .scenario import load_scenario
@@ -176,17 +176,17 @@ def predict(trace: str, rate_mbps: float, rtt_s: float, speeds: str = "trace", w
     main = max(layers, key=lambda layer: layer.shape.flops_forward).name
     link = MBIT * tcp_goodput_mbps(rate_mbps)
     nodes = [
-        Node(name, per_layer.get(main) or statistics.mean(per_layer.values()), per_layer)
+        SimNode(name, per_layer.get(main) or statistics.mean(per_layer.values()), per_layer)
         for name, per_layer in zip(cal.node_names, gflops, strict=True)
     ]
     # The master's side: one shaped veth per worker, so no capacity shared between workers
     # (an unlimited port; each flow is capped by its worker's link).
     workers = tuple(
-        Node(n.name, n.gflops, n.layer_gflops, bytes_per_s=link, rtt_s=rtt_s) for n in nodes[1:]
+        SimNode(n.name, n.gflops, n.layer_gflops, bytes_per_s=link, rtt_s=rtt_s) for n in nodes[1:]
     )
     wire = wire if wire is not None else load_scenario("this-machine").wire
     master_compute = any(split[0] for split in cal.shares.values())
-    cluster = Cluster(nodes[0], workers, SWITCHED, master_compute=master_compute, wire=wire)
+    cluster = SimCluster(nodes[0], workers, SWITCHED, master_compute=master_compute, wire=wire)
     comp = cal.comp_per_image_s * cal.batch
     result = simulate_step(
         cluster, layers, cal.shares, comp, cal.stage_modes, cal.kernel_modes or "sent",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hetconv.cli.simulate import main as simulate_main
-from hetconv.costmodel import SWITCHED, WIFI, Cluster, Node
+from hetconv.costmodel import SWITCHED, WIFI, SimCluster, SimNode
 from hetconv.dataparallel import (
     PARAMETER_SERVER,
     RING,
@@ -38,15 +38,17 @@ MBYTE = 1e6
 LINKS_ONLY = CollectiveCosts(message_s=0.0, tcp_bytes_per_s=math.inf, sum_bytes_per_s=math.inf)
 
 
-def _switched(workers: int, rate: float = 100 * MBYTE, gflops=(50.0,)) -> Cluster:
+def _switched(workers: int, rate: float = 100 * MBYTE, gflops=(50.0,)) -> SimCluster:
     speeds = [gflops[i % len(gflops)] for i in range(workers + 1)]
-    master = Node("m", speeds[0], bytes_per_s=rate)
-    nodes = tuple(Node(f"w{i}", s, bytes_per_s=rate) for i, s in enumerate(speeds[1:]))
-    return Cluster(master, nodes, SWITCHED)
+    master = SimNode("m", speeds[0], bytes_per_s=rate)
+    nodes = tuple(SimNode(f"w{i}", s, bytes_per_s=rate) for i, s in enumerate(speeds[1:]))
+    return SimCluster(master, nodes, SWITCHED)
 
 
-def _wifi(workers: int, rate: float = 100 * MBYTE) -> Cluster:
-    return Cluster(Node("m", 50.0), tuple(Node(f"w{i}", 50.0) for i in range(workers)), WIFI, rate)
+def _wifi(workers: int, rate: float = 100 * MBYTE) -> SimCluster:
+    return SimCluster(
+        SimNode("m", 50.0), tuple(SimNode(f"w{i}", 50.0) for i in range(workers)), WIFI, rate
+    )
 
 
 # -- the model's parameters and batches ---------------------------------------------------------

@@ -527,11 +527,10 @@ def test_the_cost_model_picks_fused_and_counts_fewer_bytes(network):
 
 
 def test_the_simulator_models_each_mode():
-    from hetconv.costmodel import MBIT, SWITCHED, Node, simulate_step
-    from hetconv.costmodel import Cluster as SimCluster
+    from hetconv.costmodel import MBIT, SWITCHED, SimCluster, SimNode, simulate_step
 
-    workers = tuple(Node(f"w{i}", 100.0, bytes_per_s=MBIT * 100) for i in range(4))
-    cluster = SimCluster(Node("master", 100.0), workers, SWITCHED, medium_bytes_per_s=MBIT * 100)
+    workers = tuple(SimNode(f"w{i}", 100.0, bytes_per_s=MBIT * 100) for i in range(4))
+    cluster = SimCluster(SimNode("master", 100.0), workers, SWITCHED, medium_bytes_per_s=MBIT * 100)
     layers = network_layers("paper-150-800", 16)
     shares = {layer.name: kernel_shares(layer.kernels, [1.0] * 5) for layer in layers}
     steps = {mode: simulate_step(cluster, layers, shares, 0.1, mode) for mode in STAGE_MODES}

@@ -216,9 +216,7 @@ def test_link_shares_and_the_simulator_count_logits_not_maps(tmp_path):
     step faster with fewer bytes."""
     from hetconv.balance import link_aware_shares, shares_for
     from hetconv.cli.simulate import main as simulate_main
-    from hetconv.costmodel import Cluster as SimCluster
-    from hetconv.costmodel import Node as SimNode
-    from hetconv.costmodel import simulate_step
+    from hetconv.costmodel import SimCluster, SimNode, simulate_step
     from hetconv.workload import network_layers
 
     layers = network_layers("paper-150-800", 16)

@@ -12,8 +12,7 @@ import random
 
 import pytest
 
-from hetconv.costmodel import MBIT, SWITCHED, WIFI, Node, WireCosts, step_modes
-from hetconv.costmodel import Cluster as SimCluster
+from hetconv.costmodel import MBIT, SWITCHED, WIFI, SimCluster, SimNode, WireCosts, step_modes
 from hetconv.formats import BFLOAT16, FLOAT32
 from hetconv.head import HEAD_MODES
 from hetconv.master import modes
@@ -131,7 +130,7 @@ def _both(case, networks, rng: random.Random):
     specs, where = networks[name]
     layers = network_layers(where, batch)
     figures = _nodes(rng, count)
-    sim_nodes = [Node(f"n{i}", g, bytes_per_s=link) for i, (g, link) in enumerate(figures)]
+    sim_nodes = [SimNode(f"n{i}", g, bytes_per_s=link) for i, (g, link) in enumerate(figures)]
     cluster = SimCluster(
         sim_nodes[0], tuple(sim_nodes[1:]), network, figures[0][1],
         flags["master_compute"], WireCosts(format=flags["wire_format"]),
@@ -226,8 +225,8 @@ def test_the_simulator_follows_the_table_where_it_drifted(networks):
     """Where the simulator's rules had drifted from the master's: a strided or batch-norm
     stage sends its kernels, a split on a shared medium is refused, a block that does not
     feed a convolution directly is not replicated."""
-    fast = Node("w", 40.0, bytes_per_s=10 * MBIT)
-    cluster = SimCluster(Node("m", 40.0), (fast, dataclasses.replace(fast, name="v")), WIFI, 1e6)
+    fast = SimNode("w", 40.0, bytes_per_s=10 * MBIT)
+    cluster = SimCluster(SimNode("m", 40.0), (fast, dataclasses.replace(fast, name="v")), WIFI, 1e6)
 
     def chosen(name, **flags):
         layers = network_layers(networks[name][1], 16)

@@ -17,9 +17,14 @@ import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
 
 from hetconv.backends import get_backend
-from hetconv.costmodel import Cluster as SimCluster
-from hetconv.costmodel import Node as SimNode
-from hetconv.costmodel import WorkerCall, overlap_images, simulate_phase, simulate_step
+from hetconv.costmodel import (
+    SimCluster,
+    SimNode,
+    WorkerCall,
+    overlap_images,
+    simulate_phase,
+    simulate_step,
+)
 from hetconv.errors import MalformedMessage
 from hetconv.master import client as client_module
 from hetconv.master.client import WorkerClient, WorkerError

@@ -18,9 +18,7 @@ from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.balance import link_aware_shares
 from hetconv.cli.simulate import main as simulate_main
-from hetconv.costmodel import Cluster as SimCluster
-from hetconv.costmodel import Node as SimNode
-from hetconv.costmodel import replica_bytes, replicate_gain, simulate_step
+from hetconv.costmodel import SimCluster, SimNode, replica_bytes, replicate_gain, simulate_step
 from hetconv.formats import FLOAT32, PALETTE8
 from hetconv.master.client import CallStats, WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig

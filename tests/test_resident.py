@@ -29,13 +29,13 @@ from hetconv.conv import LocalConv
 from hetconv.costmodel import (
     MBIT,
     SWITCHED,
-    Node,
+    SimCluster,
+    SimNode,
     kernel_mode,
     layer_bytes,
     resident_layer_bytes,
     simulate_step,
 )
-from hetconv.costmodel import Cluster as SimCluster
 from hetconv.formats import BFLOAT16, FLOAT32
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
@@ -339,8 +339,8 @@ def test_cost_model_and_simulator_count_resident_kernels():
         assert kernel_mode(layer, layer.stage, split) == "resident"
         assert kernel_mode(layer, None, split) == "sent"
         assert resident_layer_bytes(layer, split) < layer_bytes(layer, split, True)
-    workers = tuple(Node(f"w{i}", 100.0, bytes_per_s=MBIT * 100) for i in range(4))
-    cluster = SimCluster(Node("master", 100.0), workers, SWITCHED, medium_bytes_per_s=MBIT * 100)
+    workers = tuple(SimNode(f"w{i}", 100.0, bytes_per_s=MBIT * 100) for i in range(4))
+    cluster = SimCluster(SimNode("master", 100.0), workers, SWITCHED, medium_bytes_per_s=MBIT * 100)
     fused = simulate_step(cluster, layers, shares, 0.1, "fused")
     resident = simulate_step(cluster, layers, shares, 0.1, "fused", "resident")
     auto = simulate_step(cluster, layers, shares, 0.1, "fused", "auto")

@@ -25,8 +25,8 @@ from hetconv.costmodel import (
     MBIT,
     SWITCHED,
     WIFI,
-    Cluster,
-    Node,
+    SimCluster,
+    SimNode,
     WireCosts,
     WorkerCall,
     local_step_seconds,
@@ -144,10 +144,10 @@ def test_conv_layers_have_the_models_geometry(preset):
 
 def _cluster(workers=3, mbps=100.0, fabric=SWITCHED, gflops=100.0, master_gflops=100.0):
     nodes = tuple(
-        Node(f"w{i}", gflops, bytes_per_s=MBIT * mbps, rtt_s=1e-3) for i in range(workers)
+        SimNode(f"w{i}", gflops, bytes_per_s=MBIT * mbps, rtt_s=1e-3) for i in range(workers)
     )
-    master = Node("master", master_gflops, bytes_per_s=MBIT * mbps)
-    return Cluster(master, nodes, fabric, medium_bytes_per_s=MBIT * mbps)
+    master = SimNode("master", master_gflops, bytes_per_s=MBIT * mbps)
+    return SimCluster(master, nodes, fabric, medium_bytes_per_s=MBIT * mbps)
 
 
 def test_one_node_is_local_training():
@@ -188,9 +188,11 @@ def test_more_bandwidth_is_never_slower(fabric, policy):
 
 
 def test_link_aware_shares_give_a_terrible_link_nothing():
-    good = [Node(f"good{i}", 200.0, bytes_per_s=MBIT * 1000, rtt_s=3e-4) for i in range(2)]
-    awful = Node("awful", 2000.0, bytes_per_s=MBIT * 0.05, rtt_s=0.05)  # fast, but on 50 kbit/s
-    cluster = Cluster(Node("master", 100.0, bytes_per_s=MBIT * 1000), (*good, awful), SWITCHED)
+    good = [SimNode(f"good{i}", 200.0, bytes_per_s=MBIT * 1000, rtt_s=3e-4) for i in range(2)]
+    awful = SimNode("awful", 2000.0, bytes_per_s=MBIT * 0.05, rtt_s=0.05)  # fast, but on 50 kbit/s
+    cluster = SimCluster(
+        SimNode("master", 100.0, bytes_per_s=MBIT * 1000), (*good, awful), SWITCHED
+    )
     for layer in network_layers("paper-300-1000", 64):
         assert compute_shares(cluster, layer)[3] > 0  # the paper's rule sees only its speed
         shares = link_aware_shares(cluster, layer)
@@ -255,8 +257,8 @@ def test_wifi_shares_one_medium_where_a_switch_separates_directions():
 def test_a_phase_pays_call_costs_round_trips_and_compute():
     layer = network_layers("tiny", 8)[1]
     wire = WireCosts(bundle_call_s=1e-3, stream_call_s=5e-3, software_bytes_per_s=math.inf)
-    worker = Node("w", 1.0, bytes_per_s=math.inf, rtt_s=0.01)
-    cluster = Cluster(Node("m", 1.0), (worker,), SWITCHED, wire=wire)
+    worker = SimNode("w", 1.0, bytes_per_s=math.inf, rtt_s=0.01)
+    cluster = SimCluster(SimNode("m", 1.0), (worker,), SWITCHED, wire=wire)
     shares = {layer.name: (8, 8)}
     phase = simulate_step(cluster, [layer], shares, 0.0).phases[0]
     compute = worker.conv_seconds(layer, 8, 1)

@@ -18,8 +18,8 @@ import pytest
 
 from hetconv.costmodel import (
     SWITCHED,
-    Cluster,
-    Node,
+    SimCluster,
+    SimNode,
     WireCosts,
     WorkerCall,
     simulate_phase,
@@ -173,10 +173,10 @@ def test_a_step_with_streamed_calls_pays_the_stall_and_bundled_ones_do_not():
     shares = {"conv1": (25, 25), "conv2": (250, 250)}
     assert call_bytes(layers[0], "forward", 25).bundled
     assert not call_bytes(layers[1], "forward", 250).bundled
-    master, worker = Node("m", 50.0), Node("w", 50.0, bytes_per_s=12.5e6, rtt_s=1e-4)
+    master, worker = SimNode("m", 50.0), SimNode("w", 50.0, bytes_per_s=12.5e6, rtt_s=1e-4)
 
     def step(stall: float):
-        cluster = Cluster(master, (worker,), SWITCHED, wire=WireCosts(compute_stall=stall))
+        cluster = SimCluster(master, (worker,), SWITCHED, wire=WireCosts(compute_stall=stall))
         return simulate_step(cluster, layers, shares, 0.0)
 
     for plain, stalled in zip(step(0.0).phases, step(0.4).phases, strict=True):

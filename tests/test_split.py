@@ -20,8 +20,7 @@ from exactness import FAST, same_as_local, train_strong_lrn
 from hetconv.backends import get_backend
 from hetconv.cli.simulate import main as simulate_main
 from hetconv.conv import LocalConv
-from hetconv.costmodel import Cluster as SimCluster
-from hetconv.costmodel import Node, resident_layer_bytes, simulate_step
+from hetconv.costmodel import SimCluster, SimNode, resident_layer_bytes, simulate_step
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
@@ -280,8 +279,8 @@ def test_the_simulator_models_the_split():
     plus the exchange on its link; the master's side is unchanged."""
     layers = network_layers("paper-150-800", 16)
     conv1, conv2 = layers
-    nodes = [Node(f"w{i}", 5.0, bytes_per_s=1e9) for i in range(4)]
-    cluster = SimCluster(Node("master", 5.0, bytes_per_s=1e9), tuple(nodes))
+    nodes = [SimNode(f"w{i}", 5.0, bytes_per_s=1e9) for i in range(4)]
+    cluster = SimCluster(SimNode("master", 5.0, bytes_per_s=1e9), tuple(nodes))
     shares = {"conv1": (150, 0, 0, 0, 0), "conv2": (160, 160, 160, 160, 160)}
     args = (cluster, layers, shares, 0.1, {"conv2": "fused"}, "resident")
     whole = simulate_step(*args, replicate="first")

@@ -23,8 +23,7 @@ from test_split import (
 
 from hetconv.cli.simulate import main as simulate_main
 from hetconv.conv import LocalConv
-from hetconv.costmodel import Cluster as SimCluster
-from hetconv.costmodel import Node, simulate_step
+from hetconv.costmodel import SimCluster, SimNode, simulate_step
 from hetconv.master.client import WorkerClient, WorkerError
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
@@ -219,8 +218,8 @@ def test_the_simulator_models_the_master_as_a_peer():
     block phases shrink by its share of the images, forward waits for the slowest worker's
     output, and the trace's form (its index in split_images) gives the same step."""
     layers = network_layers("paper-150-800", 16)
-    nodes = [Node(f"w{i}", 5.0, bytes_per_s=1e9) for i in range(4)]
-    cluster = SimCluster(Node("master", 5.0, bytes_per_s=1e9), tuple(nodes))
+    nodes = [SimNode(f"w{i}", 5.0, bytes_per_s=1e9) for i in range(4)]
+    cluster = SimCluster(SimNode("master", 5.0, bytes_per_s=1e9), tuple(nodes))
     shares = {"conv1": (150, 0, 0, 0, 0), "conv2": (160, 160, 160, 160, 160)}
     args = (cluster, layers, shares, 0.1, {"conv2": "fused"}, "resident")
     split = simulate_step(*args, replicate="split")
