@@ -17,6 +17,7 @@ from hetconv.optim import SGDConfig
 from hetconv.security import read_pem, resolve_token
 from hetconv.training import TrainConfig, TrainingInterrupted, train
 from hetconv.training.checkpoint import CheckpointDir
+from hetconv.training.config import TRAIN_SIZE_WITH_DATA
 from hetconv.training.rundir import RunDir, RunFolderConfig
 
 from .common import HelpFormatter
@@ -100,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
 
 def train_config(args: argparse.Namespace, run_dir: RunDir | None) -> TrainConfig:
     """The run's :class:`TrainConfig` from the flags, its outputs in ``run_dir`` unless named."""
+    if args.data_dir and args.train_size is not None:  # given, even at the default's value
+        raise ValueError(TRAIN_SIZE_WITH_DATA)
     return TrainConfig(
         preset=args.preset,
         # --data-dir without --dataset: the kind is inferred from the path, never ignored.

@@ -128,3 +128,10 @@ def test_local_training_imports_nothing_of_the_master(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_train_size_given_with_a_data_dir_is_refused_at_the_default_value_too(tmp_path, capsys):
+    # The configuration cannot tell 10000 given from 10000 by default; the command line can.
+    argv = ["train", "--run-dir", str(tmp_path), "--data-dir", str(tmp_path / "data.npz")]
+    assert main([*argv, "--train-size", "10000", "--steps", "1"]) == 2
+    assert "drop --train-size" in capsys.readouterr().err

@@ -18,6 +18,14 @@ DEFAULT_STEPS = 300  # when neither steps nor epochs is given
 DEFAULT_TRAIN_SIZE = 10_000  # the synthetic training set's images
 
 
+#: Why a synthetic set's size goes with no --data-dir (the command line refuses the flag given
+#: at all, its default's value too; a TrainConfig any value but the default).
+TRAIN_SIZE_WITH_DATA = (
+    "--train-size sizes the synthetic set; with --data-dir the whole training set is "
+    "used (--steps or --epochs say how much of it to see): drop --train-size"
+)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs; the CLI fills it from its flags."""
@@ -68,10 +76,7 @@ class TrainConfig:
                 f"dataset {self.dataset!r} is not one of {', '.join(DATASETS)} or auto"
             )
         if self.data_dir and self.train_size != DEFAULT_TRAIN_SIZE:
-            raise ValueError(
-                "--train-size sizes the synthetic set; with --data-dir the whole training set is "
-                "used (--steps or --epochs say how much of it to see): drop --train-size"
-            )
+            raise ValueError(TRAIN_SIZE_WITH_DATA)
         if self.dataset == "synthetic" and self.data_dir:
             raise ValueError(
                 f"the synthetic dataset reads no files, so --data-dir {self.data_dir} would be "
