@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from hetconv import modetable
 from hetconv.backends import Backend
 from hetconv.replica import REPLICATED, ReplicaBlock
 from hetconv.stages import stage_backward, stage_forward
@@ -345,20 +346,16 @@ def block_cost_factor(backend: Backend, first, batch: int, probe_seconds: float)
 
 
 def block_seconds(master, node, block: str, consumer: str, factor: float) -> float:
-    """``node``'s whole replicated block, forward and backward, in seconds: the master's (its
-    probe of the block's convolution times ``factor``, :func:`block_cost_factor`: the whole
-    block as timed here at prepare) times how much slower ``node`` is than the master on the
-    probe of the layer the block feeds. That long probe, not the block convolution's own:
-    a short probe with a large output varies 2x from one run to the next with where its
-    memory comes from (paper-500-1500 at batch 64 and a 0.36 cap: 0.8 s or 1.6 s on equal
-    nodes), the next layer's by a few per cent. ``master``, ``node``: planning nodes with
-    ``probe_seconds``; without the consumer's probes, the node's own block probe times
-    ``factor``."""
-    mine, theirs = node.probe_seconds.get(consumer, 0.0), master.probe_seconds.get(consumer, 0.0)
-    base = master.probe_seconds.get(block, 0.0) * factor
-    if mine > 0 and theirs > 0 and base > 0:
-        return base * mine / theirs
-    return node.probe_seconds.get(block, 0.0) * factor
+    """``node``'s whole replicated block, forward and backward, in seconds, by the mode
+    table's rule (:func:`hetconv.modetable.block_seconds`) on planning nodes' probes:
+    the master's probe of the block's convolution times ``factor``
+    (:func:`block_cost_factor`: the whole block as timed here at prepare) times how much slower
+    ``node`` is than the master on the probe of the layer the block feeds. That long probe,
+    not the block convolution's own: a short probe with a large output varies 2x from one run
+    to the next with where its memory comes from (paper-500-1500 at batch 64 and a 0.36 cap:
+    0.8 s or 1.6 s on equal nodes), the next layer's by a few per cent."""
+    probes = (master.probe_seconds, node.probe_seconds)
+    return modetable.block_seconds(*probes, block, consumer, factor)
 
 
 def timed(fn, *args):
