@@ -11,6 +11,9 @@ every time.
 step (a layer followed by its only consumer, which reads nothing else): a convolution's fused
 stage and a run of image-local layers in chunks. :func:`graph_forward` and
 :func:`graph_backward` run the steps (layers, or such chains run as one) in order.
+
+The layers that join branches are here too: :class:`Add` (the elementwise sum of its inputs)
+and :class:`Concat` (its inputs along channels), each reading two tensors or more.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ NETWORK_INPUT = -1
 class Layer:
     """Base class: a named step of the network with optional parameters.
 
-    A layer reads ``arity`` tensors (one for every layer type today): ``forward`` takes them
+    A layer reads ``arity`` tensors (one for most types): ``forward`` takes them
     in its ``inputs`` order and returns its output; ``backward`` takes the output's gradient
     and returns the input's (None where nothing needs it), or for a layer of several inputs
     a tuple of one gradient per input.
@@ -43,6 +46,7 @@ class Layer:
         self.buffers: dict[str, np.ndarray] = {}
         self.training = True
         self.input_shape: tuple[int, ...] | None = None  # per sample, set by the model
+        self.input_shapes: tuple[tuple[int, ...], ...] = ()  # each input's, set by the model
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -163,4 +167,62 @@ def graph_backward(
     return grads.get(NETWORK_INPUT)
 
 
-__all__ = ["NETWORK_INPUT", "Layer", "LayerGraph", "graph_backward", "graph_forward"]
+class Add(Layer):
+    """The elementwise sum of ``arity`` inputs of one shape (a residual connection), summed
+    in their order; its backward gives each input the output's gradient."""
+
+    def __init__(self, name: str, arity: int = 2):
+        super().__init__(name)
+        self.arity = int(arity)
+
+    def forward(self, *xs: np.ndarray) -> np.ndarray:
+        shapes = [x.shape for x in xs]
+        if len(xs) != self.arity or len(set(shapes)) != 1:
+            raise ValueError(
+                f"{self.name}: add takes {self.arity} inputs of one shape, got {shapes}"
+            )
+        y = xs[0] + xs[1]
+        for x in xs[2:]:
+            y += x
+        return y
+
+    def backward(self, dy: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (dy,) * self.arity
+
+
+class Concat(Layer):
+    """``arity`` inputs (N, C_i, H, W) joined along channels, in their order; its backward
+    gives each input its channels of the output's gradient."""
+
+    def __init__(self, name: str, arity: int = 2):
+        super().__init__(name)
+        self.arity = int(arity)
+        self._channels: list[int] = []
+
+    def forward(self, *xs: np.ndarray) -> np.ndarray:
+        shapes = [x.shape for x in xs]
+        rest = [(s[0], *s[2:]) for s in shapes]
+        if len(xs) != self.arity or any(len(s) != 4 for s in shapes) or len(set(rest)) != 1:
+            raise ValueError(
+                f"{self.name}: concat takes {self.arity} inputs (N, C, H, W) of one N, H and W, "
+                f"got {shapes}"
+            )
+        self._channels = [s[1] for s in shapes]
+        return np.concatenate(xs, axis=1)
+
+    def backward(self, dy: np.ndarray) -> tuple[np.ndarray, ...]:
+        ends = np.cumsum([0, *self._channels])
+        return tuple(
+            np.ascontiguousarray(dy[:, a:b]) for a, b in zip(ends[:-1], ends[1:], strict=True)
+        )
+
+
+__all__ = [
+    "NETWORK_INPUT",
+    "Add",
+    "Concat",
+    "Layer",
+    "LayerGraph",
+    "graph_backward",
+    "graph_forward",
+]

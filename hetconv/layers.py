@@ -22,13 +22,14 @@ import numpy as np
 from .backends import Padding, PaddingSpec, conv_shape
 from .batchnorm import BatchNorm2d, batch_statistics
 from .conv import ConvExecutor, ConvSpec, LocalConv, StridePhases, kernel_pair
-from .graph import Layer
+from .graph import Add, Concat, Layer
 
 
 class Conv2d(Layer):
-    """Convolution with bias; the arithmetic runs on a :class:`ConvExecutor`.
+    """Convolution, with a bias or without; the arithmetic runs on a :class:`ConvExecutor`.
 
-    Parameters: ``weight`` float32 (K, C, kh, kw), ``bias`` float32 (K,).
+    Parameters: ``weight`` float32 (K, C, kh, kw), ``bias`` float32 (K,) unless ``bias`` is
+    False (PyTorch's ``bias=False``: no such parameter; executors get :attr:`bias`, zeros).
     ``need_input_grad`` is False for a network's first layer: nothing consumes that gradient.
 
     .. note:: A stride above 1 runs as the stride-1 convolution of the input's phases
@@ -46,6 +47,7 @@ class Conv2d(Layer):
         padding: PaddingSpec = 0,
         executor: ConvExecutor | None = None,
         stride: int | tuple[int, int] = 1,
+        bias: bool = True,
     ):
         super().__init__(name)
         kh, kw = kernel_pair(kernel_size)
@@ -64,8 +66,19 @@ class Conv2d(Layer):
             "weight": np.zeros((out_channels, in_channels, kh, kw), np.float32),
             "bias": np.zeros(out_channels, np.float32),
         }
+        self.has_bias = bool(bias)
+        self._zero_bias = None if self.has_bias else self.params.pop("bias")
         self._x: np.ndarray | None = None
         self._phases: StridePhases | None = None
+
+    @property
+    def bias(self) -> np.ndarray:
+        """The bias executors add: the parameter, or zeros (never trained) without one."""
+        return self.params["bias"] if self.has_bias else self._zero_bias
+
+    def set_grads(self, dw: np.ndarray, db: np.ndarray) -> None:
+        """``grads`` from the kernel and bias gradients (no bias entry without a bias)."""
+        self.grads = {"weight": dw, "bias": db} if self.has_bias else {"weight": dw}
 
     @property
     def spec(self) -> ConvSpec:
@@ -113,7 +126,7 @@ class Conv2d(Layer):
     def forward(self, x):
         x, w, padding = self.executed(x)
         self._x, self._w, self._padding = x, w, padding
-        return self.executor.forward(self.name, x, w, self.params["bias"], padding)
+        return self.executor.forward(self.name, x, w, self.bias, padding)
 
     def backward(self, dy):
         if self._x is None:
@@ -122,7 +135,7 @@ class Conv2d(Layer):
             self.name, self._x, self._w, dy, self._padding, self.need_input_grad
         )
         dx, dw = self.restore(dx, dw)
-        self.grads = {"weight": dw, "bias": db}
+        self.set_grads(dw, db)
         return dx
 
     def output_shape(self, input_shape):
@@ -539,8 +552,10 @@ __all__ = [
     "CHUNK_BYTES",
     "IMAGE_LOCAL",
     "POOL_MODES",
+    "Add",
     "AvgPool2d",
     "BatchNorm2d",
+    "Concat",
     "Conv2d",
     "Dropout",
     "GlobalAvgPool2d",

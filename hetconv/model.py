@@ -13,25 +13,28 @@ the gradient of a tensor that feeds several steps is their sum, in a fixed order
 chunked run is only ever a chain: each of its layers the only reader of the one before, and
 reading nothing else.
 
-Where layers of several inputs go (``add`` and ``concat``, the next layer types), each an
+Where a layer type of several inputs goes (``add`` and ``concat`` are two), each an
 addition:
 
 * :mod:`hetconv.spec`: the type's keys in :data:`~hetconv.spec.LAYER_OPTIONS`, its count of
   inputs in :data:`~hetconv.spec.LAYER_ARITY` (its entries must then name them), and its shape
   rule in ``_output_shape`` (which gets every input's shape);
-* :mod:`hetconv.layers`: a :class:`~hetconv.graph.Layer` subclass with ``arity`` set, whose
-  ``forward`` takes the inputs in order and whose ``backward`` returns a tuple of their
-  gradients;
+* :mod:`hetconv.graph` (re-exported by :mod:`hetconv.layers`): a
+  :class:`~hetconv.graph.Layer` subclass with ``arity`` set, whose ``forward`` takes the
+  inputs in order and whose ``backward`` returns a tuple of their gradients
+  (:class:`~hetconv.graph.Add`, :class:`~hetconv.graph.Concat`);
 * here, its builder in :data:`BUILDERS`; in :mod:`hetconv.onnx_export`, its node builder in
   :data:`~hetconv.onnx_export.NODES` (``Add``, ``Concat``; it gets every input's tensor).
 
 In the package, nothing else: :meth:`~hetconv.graph.LayerGraph.chain` never fuses a layer
 that reads two tensors into a stage or a chunked run, and :func:`~hetconv.graph.graph_forward`
-and :func:`~hetconv.graph.graph_backward` already pass several inputs and sum the gradients
-where a tensor feeds several layers. Beyond the package: :meth:`Model.other_seconds` times each
-step on random input of its first input's shape (one array per input, then), and the PyTorch
-twins of a spec that check us (``torch_twin`` in ``tests/test_spec.py``,
-``benchmarks/ddp_rank.py``) chain an ``nn.Sequential``: they will follow the inputs too.
+and :func:`~hetconv.graph.graph_backward` pass several inputs and sum the gradients where a
+tensor feeds several layers; :meth:`Model.other_seconds` times each step on one random array
+per input. Beyond the package, the PyTorch twins of a spec that check us (``torch_twin`` in
+``tests/test_spec.py``, ``benchmarks/ddp_rank.py``'s ``SpecNet``) follow the inputs too.
+
+A ``conv`` with ``"bias": false`` has no ``bias`` parameter (nor gradient, weight-file entry
+or ONNX input); executors still get a bias, :attr:`~hetconv.layers.Conv2d.bias`, zeros.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ from .conv import ConvExecutor, ConvSpec, LocalConv
 from .graph import LayerGraph, graph_backward, graph_forward
 from .layers import (
     IMAGE_LOCAL,
+    Add,
     BatchNorm2d,
+    Concat,
     Conv2d,
     Dropout,
     GlobalAvgPool2d,
@@ -119,7 +124,7 @@ class ConvStage:
         conv._x, conv._w, conv._padding = x, w, padding
         extra = {"head": head} if head is not None else {}
         y = conv.executor.stage_forward(
-            conv.name, x, w, conv.params["bias"], padding, self.stage, self.batchnorm, **extra
+            conv.name, x, w, conv.bias, padding, self.stage, self.batchnorm, **extra
         )
         for layer in self.batchnorm:  # the executor moved the running statistics
             if layer.training:
@@ -144,13 +149,13 @@ class ConvStage:
             return dy
         extra = {"head": head} if head is not None else {}
         out = conv.executor.stage_backward(
-            conv.name, conv._x, conv._w, conv.params["bias"], dy, conv._padding,
+            conv.name, conv._x, conv._w, conv.bias, dy, conv._padding,
             conv.need_input_grad, self.stage, self.batchnorm, **extra,
         )  # fmt: skip
         dx, dw, db = out[:3]
         self.head_grad = out[3] if head is not None else None
         dx, dw = conv.restore(dx, dw)
-        conv.grads = {"weight": dw, "bias": db}
+        conv.set_grads(dw, db)
         return dx
 
     def _chain_backward(self, dy: np.ndarray) -> np.ndarray:
@@ -239,6 +244,7 @@ class Model:
         for item in walk_spec(self.spec, self.input_shape):
             layer = BUILDERS[item.kind](self, item)
             layer.input_shape = item.input_shape
+            layer.input_shapes = item.input_shapes
             self.layers.append(layer)
             self.output_shape = item.output_shape
             if item.conv is not None:
@@ -375,8 +381,9 @@ class Model:
         """Seconds of each non-convolutional layer's forward and backward on ``batch`` images'
         worth of random input, the best of ``repeats`` (the first also faults its arrays in),
         run as the passes run them: image-local layers in image chunks, a chunked run's time
-        split evenly among its layers (copies of the layers: the model's state, batch norm's
-        running statistics and dropout's masks, is left as it was)."""
+        split evenly among its layers, a layer of several inputs on one array per input
+        (copies of the layers: the model's state, batch norm's running statistics and
+        dropout's masks, is left as it was)."""
         rng = np.random.default_rng(0)
         out = {}
         for step in map(self._step, self._chunked()):
@@ -386,11 +393,14 @@ class Model:
             twin = copy.deepcopy(step)
             if isinstance(twin, Dropout):
                 twin.step = 0
-            x = rng.standard_normal((batch, *layers[0].input_shape)).astype(np.float32)
+            xs = [
+                rng.standard_normal((batch, *shape)).astype(np.float32)
+                for shape in layers[0].input_shapes
+            ]
             best = math.inf
             for _ in range(max(1, repeats)):
                 start = time.perf_counter()
-                y = twin.forward(x)
+                y = twin.forward(*xs)
                 twin.backward(np.ones_like(y))
                 best = min(best, time.perf_counter() - start)
                 del y
@@ -410,7 +420,7 @@ class Model:
                 continue
             weight = layer.params["weight"]
             bound = 1.0 / np.sqrt(np.prod(weight.shape[1:]))
-            for key in ("weight", "bias"):
+            for key in [key for key in ("weight", "bias") if key in layer.params]:
                 p = layer.params[key]
                 p[...] = rng.uniform(-bound, bound, size=p.shape).astype(np.float32)
 
@@ -492,7 +502,7 @@ def _conv(model: Model, item: SpecLayer) -> Conv2d:
     assert conv is not None
     layer = Conv2d(
         item.name, conv.input_shape[0], conv.kernels, conv.kernel_size, conv.padding,
-        model.executor, conv.stride,
+        model.executor, conv.stride, item.options["bias"],
     )  # fmt: skip
     layer.need_input_grad = conv.need_input_grad
     return layer
@@ -528,6 +538,8 @@ BUILDERS: dict[str, Callable[[Model, SpecLayer], Layer]] = {
     "batchnorm": _batchnorm,
     "dropout": _dropout,
     "fc": _linear,
+    "add": lambda model, item: Add(item.name, len(item.input_shapes)),
+    "concat": lambda model, item: Concat(item.name, len(item.input_shapes)),
 }
 
 __all__ = [

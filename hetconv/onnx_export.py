@@ -7,7 +7,7 @@ initializers under their PyTorch names.
 =============  ==========================================================================
 spec           ONNX
 =============  ==========================================================================
-``conv``       Conv (pads top, left, bottom, right; strides; bias)
+``conv``       Conv (pads top, left, bottom, right; strides; the bias where it has one)
 ``relu``       Relu
 ``lrn``        LRN (odd sizes; an even size's window is centred as PyTorch's, not ONNX's, so it
                is built from Mul, Pad, AveragePool, Pow)
@@ -17,6 +17,8 @@ spec           ONNX
 ``batchnorm``  BatchNormalization with the running statistics (inference mode)
 ``dropout``    nothing: the identity in evaluation
 ``fc``         Flatten (when its input is not flat yet), then Gemm with ``transB = 1``
+``add``        Add (two inputs), Sum (more)
+``concat``     Concat along axis 1 (channels)
 =============  ==========================================================================
 
 A layer's node reads the outputs of the layers it names as its inputs (the one before it by
@@ -75,7 +77,9 @@ def _conv(g: _Graph, item: SpecLayer, xs: list[str], out: str) -> str:
     x = xs[0]
     conv, layer = item.conv, item.name
     pads = Padding.resolve(conv.padding, conv.kernel_size)
-    inputs = [x, g.weight(f"{layer}.weight"), g.weight(f"{layer}.bias")]
+    inputs = [x, g.weight(f"{layer}.weight")]
+    if item.options["bias"]:
+        inputs.append(g.weight(f"{layer}.bias"))
     return g.node(
         "Conv", inputs, out, layer,
         kernel_shape=list(conv.kernel_size), strides=list(conv.stride),
@@ -131,6 +135,8 @@ NODES: dict[str, Callable[[_Graph, SpecLayer, list[str], str], str]] = {
     "batchnorm": _batchnorm,
     "dropout": lambda g, item, xs, out: xs[0],  # the identity in evaluation
     "fc": _fc,
+    "add": lambda g, item, xs, out: g.node("Add" if len(xs) == 2 else "Sum", xs, out, item.name),
+    "concat": lambda g, item, xs, out: g.node("Concat", xs, out, item.name, axis=1),
 }
 
 

@@ -11,13 +11,16 @@ A spec is a list of layer objects, in order, followed implicitly by softmax cros
     {"type": "gap"}
     {"type": "dropout", "p": 0.5}
     {"type": "fc", "name": "fc", "out": 10}
+    {"type": "add", "inputs": ["bn2", "relu1"]}      # the elementwise sum, same shapes
+    {"type": "concat", "inputs": ["relu3", "relu5"]} # along channels, same H and W
 
 The spec is strict: :data:`LAYER_OPTIONS` lists, per layer type, every key it accepts with its
 type, range and default; an unknown type, an unknown key, a value of the wrong type or out of
 range and a missing required key are errors naming the layer, the key and what is accepted.
 
 Layers as a graph. Every layer may name what it reads, ``"inputs": ["conv2"]``: the names of
-earlier layers, as many as its type takes (:data:`LAYER_ARITY`: one for every type today).
+earlier layers, as many as its type takes (:data:`LAYER_ARITY`: one, or for ``add`` and
+``concat`` two or more, which they must name).
 Without ``inputs`` a layer reads the layer before it (the first, the network's input), so a
 list without any is the sequential network it always was. The last layer's output is the
 network's output. Refused, naming the layer and the input: a name that is no layer's, the
@@ -111,6 +114,12 @@ def _padding(value: object):
     return _int(0)(value)
 
 
+def _bool(value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError
+    return bool(value)
+
+
 def _name(value: object) -> str:
     if not isinstance(value, str) or not value or "." in value:
         raise ValueError
@@ -132,6 +141,7 @@ LAYER_OPTIONS: dict[str, dict[str, Option]] = {
             '"same", "valid", int >= 0, [ph, pw] or [top, bottom, left, right]', _padding, 0
         ),
         "stride": Option("int >= 1 or [sh, sw]", _int_or_pair(1), 1),
+        "bias": Option("true or false: whether it has a bias", _bool, True),
     },
     "relu": {},
     "lrn": {
@@ -149,12 +159,17 @@ LAYER_OPTIONS: dict[str, dict[str, Option]] = {
     },
     "dropout": {"p": Option("number in [0, 1)", _number(0.0, 1.0, high_open=True), 0.5)},
     "fc": {"out": Option("int >= 1: outputs", _int(1))},
+    "add": {},
+    "concat": {},
 }
 LAYER_TYPES = tuple(LAYER_OPTIONS)
-#: How many tensors each layer type reads (named by ``inputs``; one for every type today).
-LAYER_ARITY: dict[str, int] = {kind: 1 for kind in LAYER_TYPES}
-#: Layer types that need a C x H x W input (every one but relu, dropout and fc).
-_NEEDS_MAPS = ("conv", "lrn", "maxpool", "avgpool", "gap", "batchnorm")
+#: How many tensors each layer type reads (named by ``inputs``): (fewest, most; None: no
+#: limit). One for every type but ``add`` and ``concat``, which read two or more.
+LAYER_ARITY: dict[str, tuple[int, int | None]] = {
+    kind: (2, None) if kind in ("add", "concat") else (1, 1) for kind in LAYER_TYPES
+}
+#: Layer types that need a C x H x W input (every one but relu, dropout, fc and add).
+_NEEDS_MAPS = ("conv", "lrn", "maxpool", "avgpool", "gap", "batchnorm", "concat")
 
 
 #: The keys every layer type accepts besides its options.
@@ -259,10 +274,11 @@ def _inputs_of(
     """The positions of the layers entry ``index`` reads (:data:`NETWORK_INPUT`: the
     network's input), checked against the model's layer names (``names``: name -> index)."""
     label = f"layer {index} ({kind} {name!r})"
-    arity = LAYER_ARITY[kind]
+    fewest, most = LAYER_ARITY[kind]
+    takes = str(fewest) if fewest == most else f"{fewest} or more"
     if "inputs" not in entry:
-        if arity != 1:
-            raise ValueError(f"{label}: {kind} reads {arity} layers: name them in inputs")
+        if fewest != 1:
+            raise ValueError(f"{label}: {kind} reads {takes} layers: name them in inputs")
         return (index - 1,) if index > 0 else (NETWORK_INPUT,)
     given = entry["inputs"]
     if (
@@ -273,14 +289,10 @@ def _inputs_of(
         raise ValueError(
             f"{label}: inputs is {given!r}; expected a list of the names of earlier layers"
         )
-    if len(given) != arity:
-        none_more = (
-            " (no layer type takes more than one yet)" if max(LAYER_ARITY.values()) == 1 else ""
-        )
+    if len(given) < fewest or (most is not None and len(given) > most):
         raise ValueError(
             f"{label} reads {len(given)} input{'s' if len(given) > 1 else ''} "
-            f"({', '.join(map(repr, given))}); {kind} takes "
-            f"{arity}{none_more}"
+            f"({', '.join(map(repr, given))}); {kind} takes {takes}"
         )
     out = []
     for source in given:
@@ -454,8 +466,16 @@ def spec_options(entry: Mapping) -> dict:
 def _output_shape(kind: str, options: Mapping, shapes: Sequence[tuple[int, ...]], conv):
     """A layer's output shape from its inputs' (``conv``: its ConvSpec, for a ``conv``)."""
     shape = shapes[0]
-    if kind in _NEEDS_MAPS and len(shape) != 3:
-        raise ValueError(f"needs a C x H x W input, gets {shape}")
+    if kind in _NEEDS_MAPS and any(len(s) != 3 for s in shapes):
+        raise ValueError(f"needs a C x H x W input, gets {', '.join(map(str, shapes))}")
+    if kind == "add" and len(set(shapes)) != 1:
+        raise ValueError(f"add sums inputs of one shape, gets {', '.join(map(str, shapes))}")
+    if kind == "concat":
+        if len({s[1:] for s in shapes}) != 1:
+            raise ValueError(
+                f"concat joins inputs of one height and width, gets {', '.join(map(str, shapes))}"
+            )
+        return (sum(s[0] for s in shapes), *shape[1:])
     if kind == "conv":
         return conv.output_shape
     if kind in ("maxpool", "avgpool"):

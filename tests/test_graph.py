@@ -67,7 +67,7 @@ class Fixed(Layer):
 def add_type(monkeypatch):
     """An ``add`` layer type of two inputs, for this test only."""
     monkeypatch.setitem(spec_module.LAYER_OPTIONS, "add", {})
-    monkeypatch.setitem(spec_module.LAYER_ARITY, "add", 2)
+    monkeypatch.setitem(spec_module.LAYER_ARITY, "add", (2, 2))
     monkeypatch.setitem(model_module.BUILDERS, "add", lambda model, item: Add2(item.name))
 
 

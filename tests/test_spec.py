@@ -124,7 +124,9 @@ def test_a_json_file_with_an_unknown_key_is_refused_when_read(tmp_path, capsys):
 
 def test_defaults_are_filled_in():
     layers = {item.name: item for item in walk_spec(MODERN, INPUT)}
-    assert layers["conv1"].options == {"out": 6, "kernel": 3, "padding": 1, "stride": 2}
+    assert layers["conv1"].options == {
+        "out": 6, "kernel": 3, "padding": 1, "stride": 2, "bias": True
+    }  # fmt: skip
     assert layers["avgpool1"].options == {"kernel": 2, "stride": 2}
     assert layers["bn1"].options == {"eps": 1e-5, "momentum": 0.1}
     assert layers["dropout1"].options == {"p": 0.3}

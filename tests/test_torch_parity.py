@@ -21,10 +21,7 @@ torch = pytest.importorskip(
 nn = torch.nn
 F = torch.nn.functional
 
-import hetconv.model as model_module  # noqa: E402
-import hetconv.spec as spec_module  # noqa: E402
 from hetconv.conv import LocalConv  # noqa: E402
-from hetconv.graph import Layer  # noqa: E402
 from hetconv.layers import (  # noqa: E402
     Conv2d,
     LocalResponseNorm,
@@ -264,18 +261,6 @@ def test_conv_same_padding_matches_torch(kernel, channels):
     _close(layer.grads["bias"], bias.grad, "conv bias gradient")
 
 
-class _Add(Layer):
-    """Test only: a layer of two inputs, their sum (the next issue's ``add``)."""
-
-    arity = 2
-
-    def forward(self, a, b):
-        return a + b
-
-    def backward(self, dy):
-        return dy, dy
-
-
 class _Staged(LocalConv):
     supports_stages = True
 
@@ -305,10 +290,7 @@ class ResidualNet(nn.Module):
 
 
 @pytest.mark.parametrize("executor", [None, _Staged()], ids=["plain", "staged"])
-def test_a_residual_graph_against_torch(monkeypatch, executor):
-    monkeypatch.setitem(spec_module.LAYER_OPTIONS, "add", {})
-    monkeypatch.setitem(spec_module.LAYER_ARITY, "add", 2)
-    monkeypatch.setitem(model_module.BUILDERS, "add", lambda model, item: _Add(item.name))
+def test_a_residual_graph_against_torch(executor):
     model = Model(RESIDUAL, seed=5, executor=executor)
     net = ResidualNet()
     net.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in model.parameters().items()})
