@@ -114,7 +114,7 @@ def parameter_tensors(spec: Sequence[Mapping]) -> list[tuple[str, int, int]]:
             tensors += [
                 (f"{layer.name}.weight", weight, conv_index),
                 (f"{layer.name}.bias", c.kernels, conv_index),
-            ]
+            ][: 2 if layer.options["bias"] else 1]
         elif layer.kind == "fc":
             inputs = math.prod(layer.input_shape)
             outputs = layer.output_shape[0]

@@ -353,12 +353,63 @@ def reference_spec(c1: int, c2: int, classes: int = 10) -> list[dict]:
     ]
 
 
+def _conv_bn(name: str, bn: str, out: int, kernel: int = 3, stride: int = 1, **extra) -> list:
+    """A convolution without bias (batch norm follows, as in torchvision) and its batch norm."""
+    padding = kernel // 2
+    conv = {"type": "conv", "name": name, "out": out, "kernel": kernel, "padding": padding}
+    conv.update(stride=stride, bias=False, **extra)
+    return [conv, {"type": "batchnorm", "name": bn}]
+
+
+def resnet_spec(stages: Sequence[tuple[int, int]], stem: int, classes: int = 10) -> list[dict]:
+    """A CIFAR ResNet of basic blocks (He et al. 2016): a 3x3 stem of ``stem`` channels with
+    batch norm and ReLU, then per stage ``(channels, blocks)`` basic blocks (conv3x3-BN-ReLU-
+    conv3x3-BN, plus the shortcut, then ReLU); the first block of every stage after the first
+    strides 2, and where the shape changes the shortcut is a 1x1 convolution with batch norm
+    (option B). Global average pooling and ``fc`` close it. Block ``b`` of stage ``s`` names
+    its layers ``s{s}b{b}_conv1``, ``_bn1``, ``_relu1``, ``_conv2``, ``_bn2``, ``_sc``,
+    ``_scbn``, ``_add``, ``_out``."""
+    spec = [*_conv_bn("conv1", "bn1", stem), {"type": "relu", "name": "relu1"}]
+    last, channels = "relu1", stem
+    for s, (out, blocks) in enumerate(stages, start=1):
+        for b in range(blocks):
+            p, stride = f"s{s}b{b}_", 2 if s > 1 and b == 0 else 1
+            spec += _conv_bn(p + "conv1", p + "bn1", out, stride=stride, inputs=[last])
+            spec += [{"type": "relu", "name": p + "relu1"}, *_conv_bn(p + "conv2", p + "bn2", out)]
+            shortcut = last
+            if stride != 1 or out != channels:
+                spec += _conv_bn(p + "sc", p + "scbn", out, 1, stride, inputs=[last])
+                shortcut = p + "scbn"
+            spec += [
+                {"type": "add", "name": p + "add", "inputs": [p + "bn2", shortcut]},
+                {"type": "relu", "name": p + "out"},
+            ]
+            last, channels = p + "out", out
+    return spec + [{"type": "gap", "name": "gap"}, {"type": "fc", "name": "fc", "out": classes}]
+
+
+def vgg_spec(plan: Sequence[int | str], classes: int = 10) -> list[dict]:
+    """VGG with batch norm for CIFAR: per number in ``plan`` a 3x3 convolution (padding 1, no
+    bias), batch norm and ReLU, per ``"M"`` a 2x2 max-pool; then one ``fc``."""
+    spec: list[dict] = []
+    for item in plan:
+        if item == "M":
+            spec.append({"type": "maxpool", "kernel": 2, "stride": 2})
+        else:
+            n = sum(entry["type"] == "conv" for entry in spec) + 1
+            spec += [*_conv_bn(f"conv{n}", f"bn{n}", int(item)), {"type": "relu"}]
+    return spec + [{"type": "fc", "name": "fc", "out": classes}]
+
+
 PRESETS: dict[str, list[dict]] = {
     "tiny": reference_spec(8, 16),
     "paper-50-500": reference_spec(50, 500),
     "paper-150-800": reference_spec(150, 800),
     "paper-300-1000": reference_spec(300, 1000),
     "paper-500-1500": reference_spec(500, 1500),
+    "resnet20": resnet_spec([(16, 3), (32, 3), (64, 3)], stem=16),
+    "resnet18": resnet_spec([(64, 2), (128, 2), (256, 2), (512, 2)], stem=64),
+    "vgg11": vgg_spec([64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]),
 }
 
 

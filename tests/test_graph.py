@@ -116,8 +116,8 @@ def test_inputs_default_to_the_layer_before():
         assert np.array_equal(a, b), k
 
 
-def test_every_preset_is_a_chain_of_default_inputs():
-    for spec in PRESETS.values():
+def test_every_preset_but_the_residual_ones_is_a_chain_of_default_inputs():
+    for spec in [spec for name, spec in PRESETS.items() if not name.startswith("resnet")]:
         graph = spec_module.spec_graph(spec)
         assert graph.inputs == ((NETWORK_INPUT,), *((i,) for i in range(len(spec) - 1)))
 
