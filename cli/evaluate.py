@@ -7,9 +7,9 @@ import os
 import sys
 
 from hetconv.argtypes import positive_float, positive_int
-from hetconv.model import PRESETS
 
 from .common import HelpFormatter
+from .modes import add_model_flag
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +26,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("model", metavar="MODEL", help="weights: .npz, checkpoint, or run folder")
-    p.add_argument("--preset", help=f"network: one of {', '.join(PRESETS)}, or a .json spec")
+    add_model_flag(p)
     p.add_argument(
         "--dataset",
         choices=["synthetic", "cifar10", "cifar100", "folder", "npz", "auto"],
@@ -56,7 +56,8 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hetconv.conv import LocalConv
-    from hetconv.model import Model, load_spec
+    from hetconv.model import Model
+    from hetconv.onnx_import import load_network
     from hetconv.training.checkpoint import read_weights
     from hetconv.training.config import TrainConfig
     from hetconv.training.datasets import check_classes, evaluate, load_datasets
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     data = load_datasets(config)
     if not len(data.held_out):
         raise ValueError(f"the {data.kind} dataset has no held-out images to evaluate")
-    spec = load_spec(preset)
+    spec = load_network(preset).spec
     check_classes(spec, data.held_out, preset)
     weights, what = read_weights(args.model)
     model = Model(spec, seed=0, executor=LocalConv(), input_shape=data.held_out.image_shape)

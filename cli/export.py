@@ -8,6 +8,7 @@ from hetconv.argtypes import positive_int
 from hetconv.model import PRESETS
 
 from .common import HelpFormatter
+from .modes import add_model_flag
 
 
 def _shape_chw(text: str) -> tuple[int, int, int]:
@@ -36,11 +37,12 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("weights", metavar="MODEL.npz", help="the weights file")
     which = p.add_mutually_exclusive_group(required=True)
+    add_model_flag(which)
     which.add_argument("--spec", metavar="SPEC.json", help="the network's .json spec")
-    which.add_argument("--preset", choices=list(PRESETS), help="the network's preset")
     p.add_argument(
-        "--input-shape", type=_shape_chw, required=True, metavar="C,H,W",
-        help="the images' channels, height and width",
+        "--input-shape", type=_shape_chw, metavar="C,H,W",
+        help="the images' channels, height and width (required but for an .onnx network, "
+        "whose graph says them)",
     )  # fmt: skip
     p.add_argument(
         "--classes", type=positive_int, metavar="N",
@@ -53,22 +55,23 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hetconv.model import load_spec
     from hetconv.onnx_export import export_onnx
+    from hetconv.onnx_import import load_network
 
-    if args.spec is not None:
-        if args.classes is not None:
-            raise ValueError("--classes is for a preset; a spec's last fc says its outputs")
-        if not args.spec.endswith(".json"):
-            raise ValueError(f"--spec {args.spec}: expected a .json file")
-        spec = load_spec(args.spec)
-    else:
-        spec = load_spec(args.preset, classes=args.classes)
+    if args.spec is not None and not args.spec.endswith(".json"):
+        raise ValueError(f"--spec {args.spec}: expected a .json file")
+    name = args.spec if args.spec is not None else args.preset
+    if args.classes is not None and name not in PRESETS:
+        raise ValueError("--classes is for a preset; a spec's last fc says its outputs")
+    network = load_network(name, classes=args.classes)
+    input_shape = args.input_shape or network.input_shape
+    if input_shape is None:
+        raise ValueError("--input-shape is required: a preset or a .json spec does not say it")
     try:
         with np.load(args.weights, allow_pickle=False) as data:
             weights = {k: data[k] for k in data.files}
     except (OSError, ValueError, EOFError, AttributeError) as e:
         raise ValueError(f"cannot read weights from {args.weights}: {e}") from None
-    export_onnx(spec, weights, args.input_shape, args.output)
+    export_onnx(network.spec, weights, input_shape, args.output)
     print(f"wrote {args.output}")
     return 0

@@ -12,6 +12,7 @@ from .common import CommandParser
 from .devices import add as add_devices
 from .evaluate import add as add_evaluate
 from .export import add as add_export
+from .import_model import add as add_import
 from .plan import add as add_plan
 from .report import add as add_report
 from .simulate import add as add_simulate
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
     for add in (add_train, add_worker, add_evaluate, add_report, add_devices, add_simulate,
-                add_plan, add_export):  # fmt: skip
+                add_plan, add_export, add_import):  # fmt: skip
         add(sub)
     return parser
 

@@ -1,7 +1,8 @@
 """The mode flags, declared once for ``hetconv train``, ``simulate`` and ``plan``: how each layer
 runs (``--stages``, ``--kernels``, ``--replicate``, ``--master-block``, ``--overlap``, ``--head``,
 ``--start-ahead``), what travels (``--wire-format``), how kernels are shared (``--shares``) and
-what the network is (``--network``).
+what the network is (``--network``); and ``--model``, the CNN every command that names one
+takes alike (:func:`add_model_flag`).
 
 A command adds the flags it takes with :func:`add_mode_flags`, giving its own defaults (train:
 ``auto``, what runs fastest; simulate: the paper's modes, so its predictions compare with the
@@ -203,3 +204,35 @@ SIMULATE_DEFAULTS = {
 }
 
 __all__ = ["FLAGS", "SIMULATE_DEFAULTS", "TRAIN_DEFAULTS", "ModeFlag", "add_mode_flags"]
+
+
+def model_help() -> str:
+    """What ``--model`` takes, said once for every command that names a network."""
+    from hetconv.model import PRESETS
+
+    return (
+        f"the network: a preset ({', '.join(PRESETS)}), a .json spec, or an .onnx graph "
+        "exported from PyTorch (torch.onnx.export; its weights are the initial ones); "
+        "--preset is its other name"
+    )
+
+
+def add_model_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    default: str | None = None,
+    *,
+    dest: str = "preset",
+    help: str | None = None,
+    **kwargs,
+) -> argparse.Action:
+    """``--model NETWORK`` (``--preset`` its other name, the same ``dest``, so config files,
+    resumes and command lines that say ``--preset`` keep working)."""
+    return parser.add_argument(
+        "--model",
+        "--preset",
+        dest=dest,
+        default=default,
+        metavar="NETWORK",
+        help=help or model_help(),
+        **kwargs,
+    )

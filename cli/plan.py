@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 
 from hetconv.argtypes import positive_float, positive_int
-from hetconv.model import PRESETS
 from hetconv.simulations.plan import DESCRIPTION, run
 
 from .common import HelpFormatter
-from .modes import add_mode_flags
+from .modes import add_mode_flags, add_model_flag
 
 
 def _device(text: str) -> tuple[float, float | None]:
@@ -32,8 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", nargs="?", metavar="SCENARIO",
                         help="a shipped scenario's name or a .toml file (instead of --master "
                         "and --worker)")  # fmt: skip
-    parser.add_argument("--preset", default="paper-50-500", choices=list(PRESETS),
-                        help="the network (default paper-50-500)")  # fmt: skip
+    add_model_flag(parser, "paper-50-500")
     parser.add_argument("--batch", type=positive_int, default=16,
                         help="images per step (default 16)")  # fmt: skip
     parser.add_argument("--nodes", type=positive_int,

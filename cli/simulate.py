@@ -11,7 +11,7 @@ from hetconv.argtypes import positive
 from hetconv.simulations.cli import DESCRIPTION, POLICIES, run
 
 from .common import HelpFormatter
-from .modes import SIMULATE_DEFAULTS, add_mode_flags
+from .modes import SIMULATE_DEFAULTS, add_mode_flags, add_model_flag
 
 MAX_NODES = 4096
 
@@ -123,14 +123,14 @@ def _add_cluster(parser: argparse.ArgumentParser) -> None:
         help="network bandwidths in Mbit/s, e.g. 5 or 5,100,1000 (Wi-Fi medium or switch "
         "ports); devices that name their own link keep it",
     )
-    parser.add_argument(
-        "--preset",
+    add_model_flag(
+        parser,
         dest="network",
         type=_names,
         action="extend",
-        metavar="NAME",
-        help="the networks to simulate, as `hetconv train --preset`: presets or .json spec "
-        "files, e.g. paper-50-500,paper-500-1500 (replaces the scenario's)",
+        help="the networks to simulate, as `hetconv train --model` takes one: presets, .json "
+        "specs or .onnx graphs, e.g. paper-50-500,paper-500-1500 (replaces the scenario's; "
+        "--preset is its other name)",
     )
     parser.add_argument(
         "--network",

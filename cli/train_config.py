@@ -52,7 +52,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _config_key(action: argparse.Action) -> str:
-    return next(o for o in action.option_strings if o.startswith("--"))[2:]
+    return action.dest.replace("_", "-")  # --model's is preset, the name it had before
 
 
 def _config_actions() -> dict[str, argparse.Action]:

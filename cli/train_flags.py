@@ -7,9 +7,8 @@ import argparse
 import os
 
 from hetconv.argtypes import non_negative_int, number_at_least, positive_float, positive_int
-from hetconv.model import PRESETS
 
-from .modes import TRAIN_DEFAULTS, add_mode_flags
+from .modes import TRAIN_DEFAULTS, add_mode_flags, add_model_flag
 
 #: What train adds to the mode flags' meaning.
 _MODE_NOTES = {
@@ -172,11 +171,7 @@ def _add_train_security(p: argparse.ArgumentParser) -> None:
         help="talk TLS to the workers, trusting certificates signed by this CA "
         "(or this self-signed certificate)",
     )
-    p.add_argument(
-        "--preset",
-        default="tiny",
-        help=f"network: one of {', '.join(PRESETS)}, or a .json spec file",
-    )
+    add_model_flag(p, "tiny")
     p.add_argument(
         "--dataset",
         choices=["synthetic", "cifar10", "cifar100", "folder", "npz", "auto"],

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 from hetconv.balance import kernel_shares
 from hetconv.costmodel import WIFI, SimCluster, SimNode, local_step_seconds
-from hetconv.model import load_spec, walk_spec
+from hetconv.model import walk_spec
+from hetconv.onnx_import import load_network
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, conv_layers
 
 RING, PARAMETER_SERVER = "ring", "ps"
@@ -324,7 +325,7 @@ def simulate_data_parallel(
         :class:`DataParallelResult`; ``batches`` master first, 0 where it computes nothing.
     """
     costs = costs or CollectiveCosts()
-    spec = load_spec(network) if isinstance(network, str) else list(network)
+    spec = load_network(network).spec if isinstance(network, str) else list(network)
     layers = conv_layers(spec, batch)
     ranks = _ranks(cluster)
     profiles = [_profile(node, cluster.master, layers, comp_s) for node in ranks]

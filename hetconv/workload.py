@@ -33,7 +33,8 @@ from hetconv import calls
 from hetconv.backends import ConvShape
 from hetconv.conv import ConvSpec
 from hetconv.formats import FLOAT32, TensorFormat, answer_dtype
-from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
+from hetconv.model import CIFAR_INPUT, walk_spec
+from hetconv.onnx_import import load_network
 from hetconv.proto import worker_pb2 as pb
 from hetconv.replica import images_format
 from hetconv.resident import edge_rows
@@ -170,8 +171,10 @@ def conv_layers(
 
 
 def network_layers(network: str, batch: int) -> list[ConvLayer]:
-    """:func:`conv_layers` of a preset name (``paper-50-500``, ...) or a ``.json`` spec file."""
-    return conv_layers(load_spec(network), batch)
+    """:func:`conv_layers` of a preset name (``paper-50-500``, ...), a ``.json`` spec file or
+    an ``.onnx`` graph (at its own input shape)."""
+    named = load_network(network)
+    return conv_layers(named.spec, batch, named.input_shape or CIFAR_INPUT)
 
 
 # -- bytes on the wire ---------------------------------------------------------------------------

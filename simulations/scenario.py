@@ -80,7 +80,7 @@ from hetconv.backends import AUTO_PROBE
 from hetconv.balance import POLICIES
 from hetconv.costmodel import FABRICS, MBIT, WIFI, SimCluster, SimNode, WireCosts
 from hetconv.formats import FORMAT_LABELS, format_named
-from hetconv.model import load_spec
+from hetconv.onnx_import import load_network
 
 from .paper import paper_comp_fraction
 
@@ -517,7 +517,7 @@ def parse_scenario(data: dict, path: str = "<scenario>") -> Scenario:
     networks = sweep.items("networks", "text", ...)
     for network in networks:
         try:
-            load_spec(network)
+            load_network(network)
         except ValueError as e:
             sweep.fail("networks", f"names an unknown network: {e}")
     scenario = Scenario(

@@ -30,7 +30,7 @@ TRAIN_SIZE_WITH_DATA = (
 class TrainConfig:
     """Everything one training run needs; the CLI fills it from its flags."""
 
-    preset: str = "tiny"
+    preset: str = "tiny"  # a preset, a .json spec or an .onnx graph (onnx_import.load_network)
     dataset: str = "synthetic"  # one of hetconv.data.DATASETS, or "auto" (needs data_dir)
     data_dir: str | None = None  # a file or folder; see hetconv.data.load_dataset
     holdout_fraction: float | None = None  # for data without a held-out part of its own

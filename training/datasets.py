@@ -49,10 +49,14 @@ def check_classes(spec: list[dict], data: ImageDataset, preset: str) -> None:
     outputs = layers[-1].output_shape if layers else data.image_shape
     if outputs != (data.num_classes,):
         last = f"its last layer ({layers[-1].name})" if layers else "it"
+        fix = (
+            f"export it from PyTorch with a last layer of {data.num_classes} outputs"
+            if str(preset).lower().endswith(".onnx")
+            else f'give a .json spec whose last fc has "out": {data.num_classes}'
+        )
         raise ValueError(
             f"network {preset} gives {', '.join(map(str, outputs))} outputs from {last}, but the "
-            f"dataset has {data.num_classes} classes: give a .json spec whose last fc has "
-            f'"out": {data.num_classes}'
+            f"dataset has {data.num_classes} classes: {fix}"
         )
 
 

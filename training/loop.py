@@ -24,7 +24,8 @@ from tqdm import tqdm
 from hetconv.conv import ConvExecutor, LocalConv
 from hetconv.data import epoch_order
 from hetconv.layers import softmax_cross_entropy
-from hetconv.model import ConvStage, Model, load_spec
+from hetconv.model import ConvStage, Model
+from hetconv.onnx_import import load_network
 from hetconv.optim import SGD
 from hetconv.stages import FUSED
 
@@ -117,7 +118,8 @@ class _Run:
         self.config, self.log = config, log
         self.data = load_datasets(config)
         self.train_set, self.test_set = self.data.train, self.data.held_out
-        self.spec = load_spec(config.preset, classes=self.train_set.num_classes)
+        network = load_network(config.preset, classes=self.train_set.num_classes)
+        self.spec = network.spec
         if len(self.train_set) < config.batch:
             raise ValueError(
                 f"batch {config.batch} is larger than the training set ({len(self.train_set)})"
@@ -137,6 +139,8 @@ class _Run:
                 self.model.load_state(weights)
             except ValueError as e:
                 raise ValueError(f"cannot load {self.loaded_from}: {e}") from None
+        elif network.weights is not None:  # an .onnx graph's: its initial weights
+            self.model.load_state(network.weights)
         self.steps = total_steps(config, len(self.train_set))
         self.steps_per_epoch = len(self.train_set) // config.batch
         self.environment = compute_environment()
