@@ -41,9 +41,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hetconv.backends import Padding
 from hetconv.dataparallel import proportional_batches
 from hetconv.model import CIFAR_INPUT, load_spec, walk_spec
-from hetconv.workload import conv_layers
 
 
 class LRN(nn.Module):
@@ -66,18 +66,20 @@ class LRN(nn.Module):
 
 class SpecNet(nn.Module):
     """A hetconv model spec as a torch module: its layers in order, named as hetconv names
-    them (so ``conv1.weight`` is hetconv's ``conv1.weight``)."""
+    them (so ``conv1.weight`` is hetconv's ``conv1.weight``), each reading the layers the
+    spec names as its inputs (``add`` sums them in order, ``concat`` joins their channels)."""
 
     def __init__(self, spec: Sequence[Mapping], input_shape=CIFAR_INPUT):
         super().__init__()
         self.order: list[str] = []
-        shapes = iter(conv_layers(spec, 1, input_shape))
+        self.inputs: list[tuple[str, ...]] = []  # per layer, what it reads ("": the input)
         for item in walk_spec(spec, input_shape):
             options, kind = item.options, item.kind
             if item.conv is not None:
-                c, layer = item.conv, next(shapes)
+                c = item.conv  # the layer's own padding (not its stride phases')
+                sides = Padding.resolve(c.padding, c.kernel_size).sides
                 module = _Conv(c.input_shape[0], c.kernels, c.kernel_size, c.stride,
-                               layer.shape.padding.sides)  # fmt: skip
+                               sides, options["bias"])  # fmt: skip
             elif kind == "relu":
                 module = nn.ReLU()
             elif kind == "lrn":
@@ -97,24 +99,44 @@ class SpecNet(nn.Module):
             elif kind == "fc":
                 fc = nn.Linear(int(np.prod(item.input_shape)), item.output_shape[0])
                 module = fc if len(item.input_shape) == 1 else _FlattenLinear(fc)
+            elif kind in ("add", "concat"):
+                module = _Join(kind)
             else:
                 raise ValueError(f"layer {item.name}: type {kind!r} has no torch twin here")
             self.add_module(item.name, module)
             self.order.append(item.name)
+            self.inputs.append(item.inputs or ("",))
 
     def forward(self, x):
-        for name in self.order:
-            x = getattr(self, name)(x)
+        values = {"": x}
+        for name, sources in zip(self.order, self.inputs, strict=True):
+            x = values[name] = getattr(self, name)(*(values[s] for s in sources))
         return x
+
+
+class _Join(nn.Module):
+    """``add`` (the sum of the inputs, in order) or ``concat`` (along channels)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, *xs):
+        if self.kind == "concat":
+            return torch.cat(xs, 1)
+        y = xs[0] + xs[1]
+        for x in xs[2:]:
+            y = y + x
+        return y
 
 
 class _Conv(nn.Module):
     """A convolution with hetconv's padding (top, bottom, left, right: asymmetric where
     ``"same"`` has an even kernel) and its parameter names."""
 
-    def __init__(self, channels, kernels, kernel_size, stride, sides):
+    def __init__(self, channels, kernels, kernel_size, stride, sides, bias=True):
         super().__init__()
-        conv = nn.Conv2d(channels, kernels, kernel_size, stride=stride)
+        conv = nn.Conv2d(channels, kernels, kernel_size, stride=stride, bias=bias)
         self.weight, self.bias, self.stride = conv.weight, conv.bias, stride
         top, bottom, left, right = sides
         self.symmetric = (top, left) == (bottom, right)

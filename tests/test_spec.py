@@ -359,8 +359,20 @@ torch = pytest.importorskip(
 )
 
 
+class _Join(torch.nn.Module):
+    """``add`` (the inputs' sum, in order) or ``concat`` (along channels)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, *xs):
+        return torch.cat(xs, 1) if self.kind == "concat" else sum(xs[1:], xs[0])
+
+
 def torch_twin(spec, input_shape):
-    """The spec as a torch module with our layer names (so state dicts are the same)."""
+    """The spec as a torch module with our layer names (so state dicts are the same), each
+    layer reading the inputs the spec names."""
     nn = torch.nn
     net = nn.Module()
     order = []
@@ -369,7 +381,9 @@ def torch_twin(spec, input_shape):
         if kind == "conv":
             c = item.conv
             pad = c.padding if c.padding == "same" else o["padding"]
-            module = nn.Conv2d(c.input_shape[0], c.kernels, c.kernel_size, c.stride, pad)
+            module = nn.Conv2d(
+                c.input_shape[0], c.kernels, c.kernel_size, c.stride, pad, bias=o["bias"]
+            )
         elif kind == "batchnorm":
             module = nn.BatchNorm2d(item.input_shape[0], o["eps"], o["momentum"])
         elif kind == "relu":
@@ -384,14 +398,23 @@ def torch_twin(spec, input_shape):
             module = nn.AdaptiveAvgPool2d(1)
         elif kind == "dropout":
             module = nn.Dropout(o["p"])
+        elif kind in ("add", "concat"):
+            module = _Join(kind)
         else:
             module = nn.Sequential(
                 nn.Flatten(), nn.Linear(int(np.prod(item.input_shape)), o["out"])
             )
             item = item.__class__(**{**item.__dict__, "name": item.name + "_"})
         net.add_module(item.name, module)
-        order.append(module)
-    net.forward = lambda x: torch.nn.Sequential(*order)(x)
+        order.append((item.name, module, item.inputs or ("",)))
+
+    def forward(x):
+        values = {"": x}
+        for name, module, sources in order:
+            x = values[name] = module(*(values[source] for source in sources))
+        return x
+
+    net.forward = forward
     return net
 
 
