@@ -21,6 +21,8 @@ LRN                       ``lrn`` (odd sizes, where ONNX's window is PyTorch's)
 Flatten, Reshape          nothing: ``fc`` flattens its input (axis 1, or a reshape to batch x
                           the rest)
 Identity, Constant        nothing: another name for a tensor or a value
+Shape, Gather, Unsqueeze  nothing: arithmetic on shapes (a view's with a dynamic batch), on
+                          constants only
 ========================  ======================================================================
 
 Anything else is refused, naming the node and its operator, or the attribute the spec cannot
@@ -412,6 +414,10 @@ def _simple(kind: str):
 
 def _merge(kind: str):
     def handler(imp: _Importer, node, attrs: dict, used: set[str]) -> None:
+        if kind == "concat" and all(name in imp.constants for name in node.input):
+            values = [imp.constants[name] for name in node.input]  # a shape being built
+            imp.constants[node.output[0]] = np.concatenate(values, attrs.get("axis", 0))
+            return
         if kind == "concat" and attrs.get("axis") not in (1, -3):
             raise _Refused(
                 f"{_label(node)}: attribute axis = {attrs.get('axis')}: hetconv concatenates "
@@ -505,6 +511,38 @@ def _constant(imp: _Importer, node, attrs: dict, used: set[str]) -> None:
     imp.constants[node.output[0]] = imp.onnx.numpy_helper.to_array(attrs["value"])
 
 
+def _shape(imp: _Importer, node, attrs: dict, used: set[str]) -> None:
+    """The shape of a feature map, as a constant whose batch is 0: Reshape's "as the input's"
+    (torch writes ``x.view(x.size(0), -1)`` with a dynamic batch as Shape, Gather, Unsqueeze,
+    Concat, Reshape)."""
+    x = imp.source(node)
+    shape = imp.shapes.get(x)
+    if not shape or any(d is None for d in shape[1:]):
+        raise _Refused(f"{_label(node)}: the shape of {x!r} is not known")
+    value = np.array([0, *shape[1:]], np.int64)
+    imp.constants[node.output[0]] = value[attrs.get("start", 0) : attrs.get("end", len(value))]
+
+
+def _on_constants(compute):
+    """An operator imported on constants only (shape arithmetic), never on feature maps."""
+
+    def handler(imp: _Importer, node, attrs: dict, used: set[str]) -> None:
+        values = []
+        for index, name in enumerate(node.input):
+            values.append(imp.constant(node, index, f"input {index}") if name else None)
+        imp.constants[node.output[0]] = np.asarray(compute(values, attrs))
+
+    return handler
+
+
+def _unsqueeze(values: list, attrs: dict) -> np.ndarray:
+    axes = attrs["axes"] if "axes" in attrs else values[1].reshape(-1)
+    out = values[0]
+    for axis in sorted(int(a) for a in axes):
+        out = np.expand_dims(out, axis if axis >= 0 else axis + out.ndim + 1)
+    return out
+
+
 _NODES = {
     "Conv": _conv,
     "BatchNormalization": _batchnorm,
@@ -521,6 +559,9 @@ _NODES = {
     "Reshape": _reshape,
     "Identity": _identity,
     "Constant": _constant,
+    "Shape": _shape,
+    "Gather": _on_constants(lambda v, a: np.take(v[0], v[1], axis=a.get("axis", 0))),
+    "Unsqueeze": _on_constants(_unsqueeze),
 }
 #: The ONNX operators imported.
 OPERATORS = tuple(_NODES)

@@ -156,6 +156,32 @@ def test_a_chain_gives_torchs_logits_and_an_evaluation_export_too():
     assert (conv["kernel"], conv["stride"], conv["padding"]) == ([3, 2], [1, 2], [1, 0])
 
 
+def test_a_view_before_the_linear_layer_imports_with_a_fixed_or_a_dynamic_batch():
+    class View(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4 * 6 * 6, 3)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.fc(y.view(y.size(0), -1))
+
+    model = _seeded(View, seed=6)
+    x = np.random.default_rng(6).standard_normal((5, 3, 8, 8), dtype=np.float32)
+    for dynamic in (None, {"input": {0: "N"}}):
+        f = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                model, (torch.zeros(2, 3, 8, 8),), f, dynamo=False, dynamic_axes=dynamic,
+                input_names=["input"], output_names=["logits"],
+            )  # fmt: skip
+        imported = import_onnx(f.getvalue())
+        assert [entry["type"] for entry in imported.spec] == ["conv", "fc"]
+        ours = _logits(imported.spec, imported.weights, imported.input_shape, x)
+        np.testing.assert_allclose(ours, _torch_logits(model, x), rtol=1e-5, atol=2e-6)
+
+
 def test_an_evaluation_export_folds_batch_norm_and_keeps_the_logits():
     """torch's default export folds batch norm into the convolution before it: the logits
     stay, batch norm goes (the docs say to export with TrainingMode.PRESERVE)."""
