@@ -33,6 +33,21 @@ EVERY_LAYER = [
     {"type": "fc", "name": "fc", "out": 5},
 ]
 INPUT = (3, 15, 14)
+#: Residual and branching: a conv without bias, add of two and of three, concat, a 1x1 stride-2
+#: projection.
+BRANCHING = [
+    {"type": "conv", "name": "conv1", "out": 4, "padding": 1, "bias": False},
+    {"type": "batchnorm", "name": "bn1"},
+    {"type": "relu", "name": "r1"},
+    {"type": "conv", "name": "conv2", "out": 4, "padding": 1},
+    {"type": "add", "name": "res", "inputs": ["conv2", "r1"]},
+    {"type": "conv", "name": "proj", "out": 5, "kernel": 1, "stride": 2, "inputs": ["res"]},
+    {"type": "maxpool", "name": "pool", "inputs": ["r1"]},
+    {"type": "concat", "name": "cat", "inputs": ["proj", "pool"]},
+    {"type": "conv", "name": "conv3", "out": 9, "kernel": 1, "bias": False},
+    {"type": "add", "name": "sum3", "inputs": ["conv3", "cat", "conv3"]},
+    {"type": "fc", "name": "fc", "out": 4},
+]
 
 
 def _trained_looking(spec, input_shape, seed=0) -> Model:
@@ -62,6 +77,7 @@ def _ours(model: Model, x: np.ndarray) -> np.ndarray:
     "spec, input_shape",
     [
         pytest.param(EVERY_LAYER, INPUT, id="every-layer"),
+        pytest.param(BRANCHING, (3, 8, 8), id="add-concat-no-bias"),
         pytest.param(load_spec("tiny"), (3, 32, 32), id="tiny"),
         pytest.param(load_spec("tiny", classes=3), (1, 20, 12), id="tiny-gray-3-classes"),
     ],

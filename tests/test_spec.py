@@ -470,6 +470,40 @@ def test_a_model_with_every_new_layer_matches_torch_in_training_and_eval():
         _close(model.forward(x), net(torch.from_numpy(x)), "eval logits")
 
 
+def test_a_spec_with_add_concat_and_convs_without_bias_matches_its_torch_twin():
+    spec = [
+        {"type": "conv", "name": "conv1", "out": 4, "padding": 1, "bias": False},
+        {"type": "batchnorm", "name": "bn1"},
+        {"type": "relu", "name": "r1"},
+        {"type": "conv", "name": "conv2", "out": 4, "padding": 1, "stride": 2, "bias": False},
+        {"type": "conv", "name": "proj", "out": 4, "kernel": 1, "stride": 2, "inputs": ["r1"]},
+        {"type": "add", "name": "sum", "inputs": ["conv2", "proj"]},
+        {"type": "avgpool", "name": "pool", "kernel": 2, "stride": 2, "inputs": ["r1"]},
+        {"type": "concat", "name": "cat", "inputs": ["sum", "pool", "proj"]},
+        {"type": "gap"},
+        {"type": "fc", "name": "fc", "out": 3},
+    ]
+    model = Model(spec, INPUT, seed=8)
+    net = torch_twin(spec, INPUT)
+    _load_into(net, model)
+    net.train()
+    rng = np.random.default_rng(4)
+    x, labels = rng.standard_normal((3, *INPUT), dtype=np.float32), np.array([0, 2, 1])
+    logits = model.forward(x)
+    loss, grad, _ = softmax_cross_entropy(logits, labels)
+    model.backward(grad)
+    t_logits = net(torch.from_numpy(x))
+    torch.nn.functional.cross_entropy(t_logits, torch.from_numpy(labels)).backward()
+    _close(logits, t_logits, "logits")
+    theirs = dict(net.named_parameters())
+    assert {name.replace("fc.", "fc_.1.") for name in model.gradients()} == set(theirs)
+    for name, g in model.gradients().items():
+        _close(g, theirs[name.replace("fc.", "fc_.1.")].grad, f"d{name}", rtol=2e-4, floor=1e-3)
+    net.eval()
+    with model.evaluating():
+        _close(model.forward(x), net(torch.from_numpy(x)), "eval logits")
+
+
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
 def test_dropout_in_eval_matches_torch():
     model = Model(MODERN, INPUT, seed=6)
