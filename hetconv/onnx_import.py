@@ -63,28 +63,15 @@ def _onnx():
 
 
 @dataclass
-class ImportedNetwork:
-    """What an ONNX graph holds for us.
-
-    Attributes:
-        spec: the model spec, one layer per operator that computes.
-        weights: name -> float32 array, every parameter and running statistic of ``spec``.
-        input_shape: the per-sample (C, H, W) the graph takes.
-    """
-
-    spec: list[dict]
-    weights: dict[str, np.ndarray]
-    input_shape: tuple[int, int, int]
-
-
-@dataclass
 class Network:
-    """A network as a command names it (:func:`load_network`).
+    """A network as a command names it (:func:`load_network`), or an ONNX graph's
+    (:func:`import_onnx`).
 
     Attributes:
-        spec: its model spec.
-        weights: its initial weights (an ``.onnx`` graph's), or None: the seed's.
-        input_shape: the per-sample (C, H, W) it was made for, when it says (a graph).
+        spec: its model spec (a graph's: one layer per operator that computes).
+        weights: a graph's initial weights (every parameter and running statistic of ``spec``
+            as :class:`~hetconv.model.Model` names them), or None: the seed's.
+        input_shape: the per-sample (C, H, W) a graph takes; None for a preset or a spec.
     """
 
     spec: list[dict]
@@ -111,13 +98,12 @@ def load_network(name: str, classes: int | None = None) -> Network:
     if is_onnx(name):
         if not Path(name).is_file():
             raise ValueError(f"ONNX graph {name} does not exist")
-        imported = import_onnx(name)
-        return Network(imported.spec, imported.weights, imported.input_shape)
+        return import_onnx(name)
     return Network(load_spec(name, classes=classes))
 
 
 class _Refused(ValueError):
-    pass
+    """What the spec cannot express, naming the node (the caller names the graph)."""
 
 
 def _label(node) -> str:
@@ -271,7 +257,7 @@ class _Importer:
 
     # -- the walk -----------------------------------------------------------------------
 
-    def run(self) -> ImportedNetwork:
+    def run(self) -> Network:
         live = self._live_nodes()
         used = {name for node in live for name in node.input} | {self.output}
         for node in live:
@@ -288,7 +274,7 @@ class _Importer:
             raise _Refused(f"the graph's output {self.output!r} is computed by no layer")
         if self.layer_of[self.output] != self.spec[-1]["name"]:
             raise _Refused(f"the graph's output {self.output!r} is not its last layer's")
-        return ImportedNetwork(self.spec, self.weights, self.input_shape)
+        return Network(self.spec, self.weights, self.input_shape)
 
     def _live_nodes(self) -> list:
         """The nodes the output depends on, in the graph's order."""
@@ -567,7 +553,7 @@ _NODES = {
 OPERATORS = tuple(_NODES)
 
 
-def import_onnx(source) -> ImportedNetwork:
+def import_onnx(source) -> Network:
     """The network of an ONNX graph, checked: its spec fits its input and its weights fit
     the spec.
 
@@ -579,17 +565,15 @@ def import_onnx(source) -> ImportedNetwork:
             cannot express, naming the node and its operator; the ``onnx`` package missing.
     """
     onnx = _onnx()
-    where = "the graph"
-    if isinstance(source, (bytes, bytearray)):
-        proto = onnx.load_from_string(bytes(source))
-    elif isinstance(source, onnx.ModelProto):
-        proto = source
-    else:
-        where = f"ONNX graph {source}"
-        try:
-            proto = onnx.load(str(source))
-        except Exception as e:  # noqa: BLE001 - onnx raises DecodeError, OSError, ...
-            raise ValueError(f"cannot read {where}: {e}") from None
+    where = "the graph" if isinstance(source, (bytes, onnx.ModelProto)) else f"ONNX graph {source}"
+    try:
+        if isinstance(source, onnx.ModelProto):
+            proto = source
+        else:
+            read = onnx.load_from_string if isinstance(source, bytes) else onnx.load
+            proto = read(source if isinstance(source, bytes) else str(source))
+    except Exception as e:  # noqa: BLE001 - onnx raises DecodeError, OSError, ...
+        raise ValueError(f"cannot read {where}: {e}") from None
     try:
         imported = _Importer(onnx, proto).run()
     except _Refused as e:
@@ -602,11 +586,4 @@ def import_onnx(source) -> ImportedNetwork:
     return imported
 
 
-__all__ = [
-    "OPERATORS",
-    "ImportedNetwork",
-    "Network",
-    "import_onnx",
-    "is_onnx",
-    "load_network",
-]
+__all__ = ["OPERATORS", "Network", "import_onnx", "is_onnx", "load_network"]
