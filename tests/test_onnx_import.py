@@ -144,6 +144,62 @@ def test_a_residual_network_with_a_branch_gives_torchs_logits():
     np.testing.assert_allclose(ours, _torch_logits(model, x), rtol=1e-5, atol=2e-6)
 
 
+class _Block(nn.Module):
+    """A CIFAR ResNet's basic block, a 1x1 stride-2 projection where the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class ResNet20(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16)
+        blocks, cin = [], 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(3):
+                blocks.append(_Block(cin, cout, stride if i == 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        y = self.layers(torch.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(y, 1), 1))
+
+
+def test_a_pytorch_resnet20_imports_as_the_resnet20_preset():
+    model = _seeded(ResNet20, seed=7)
+    imported = import_onnx(_export(model, (3, 32, 32)))
+
+    def convs(spec):
+        keys = ("out", "kernel", "stride", "padding", "bias")
+        return sorted(tuple(e.get(k) for k in keys) for e in spec if e["type"] == "conv")
+
+    def kinds(spec):
+        return sorted(entry["type"] for entry in spec)
+
+    preset = load_network("resnet20").spec
+    assert convs(imported.spec) == convs(preset)
+    assert kinds(imported.spec) == kinds(preset)
+    x = np.random.default_rng(7).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    ours = _logits(imported.spec, imported.weights, imported.input_shape, x)
+    np.testing.assert_allclose(ours, _torch_logits(model, x), rtol=1e-4, atol=1e-5)
+
+
 def test_a_chain_gives_torchs_logits_and_an_evaluation_export_too():
     model = _seeded(Chain, seed=2)
     x = np.random.default_rng(2).standard_normal((2, 3, 16, 16), dtype=np.float32)
