@@ -174,6 +174,9 @@ class ConvSpec:
             when this layer's stage output is its input, unchanged, and nothing else's (a
             split head may run it on the stage's kernel slices: :mod:`hetconv.head`); None
             otherwise. Not compared.
+        bias: whether the layer has a bias parameter (``"bias": false``: the executor gets a
+            zero bias it must never update; kernels kept on the workers would train it, so such
+            a layer's kernels are sent: :func:`hetconv.modetable.keeps_kernels`). Not compared.
         images_fit: for a network's first layer, whether the images it takes fit the palette8
             format (:meth:`hetconv.data.ImageDataset.palette_fit`, which training sets), which
             they travel in to a replicated first block; the cost model counts float32 bytes
@@ -192,6 +195,7 @@ class ConvSpec:
     feeds: str | None = field(default=None, compare=False)
     head: tuple[str, int] | None = field(default=None, compare=False)
     images_fit: bool = field(default=True, compare=False)
+    bias: bool = field(default=True, compare=False)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -217,6 +221,7 @@ class ConvSpec:
         return ConvSpec(
             self.name, phases.phased_input_shape, self.kernels, phases.taps, 0,
             self.need_input_grad, self.stage, phased_from=self.stride, feeds=self.feeds,
+            bias=self.bias,
             head=self.head,
         )  # fmt: skip
 

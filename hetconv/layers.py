@@ -97,6 +97,7 @@ class Conv2d(Layer):
             self.stride,
             feeds=self.feeds,
             head=self.head,
+            bias=self.has_bias,
         )
 
     def executed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, PaddingSpec]:

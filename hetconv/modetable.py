@@ -109,10 +109,11 @@ def stage_mode(flags: ModeFlags, layer: ConvLayer, shares: Sequence[int]) -> str
 def keeps_kernels(layer: ConvLayer, mode: str) -> bool:
     """Whether ``layer`` may keep its kernels on the workers in stage mode ``mode``: only
     fused, at stride 1 (a strided layer runs as the stride-1 convolution of its phases, whose
-    kernels are a rearranged copy each step) and without batch norm in its stage (resident
-    stages do not run it: its parameters stay with the master)."""
+    kernels are a rearranged copy each step), without batch norm in its stage (resident
+    stages do not run it: its parameters stay with the master) and with a bias (the workers'
+    update would train a layer's zero bias)."""
     batchnorm = layer.stage is not None and layer.stage.batchnorms > 0
-    return mode == FUSED and not layer.strided and not batchnorm
+    return mode == FUSED and not layer.strided and not batchnorm and layer.bias
 
 
 def kernel_mode(flags: ModeFlags, layer: ConvLayer, mode: str, shares: Sequence[int]) -> str:

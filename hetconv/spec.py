@@ -505,7 +505,7 @@ def _conv_spec(
     return ConvSpec(
         names[index], shape, options["out"], kernel_pair(options["kernel"]),
         options["padding"], graph.inputs[index] != (NETWORK_INPUT,),
-        stage, kernel_pair(options["stride"]), feeds=feeds, head=head,
+        stage, kernel_pair(options["stride"]), feeds=feeds, head=head, bias=options["bias"],
     )  # fmt: skip
 
 

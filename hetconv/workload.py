@@ -79,6 +79,9 @@ class ConvLayer:
     #: the convolution its stage output feeds unchanged (:attr:`hetconv.conv.ConvSpec.feeds`),
     #: into which its block may be replicated; None: another layer follows. Not compared.
     feeds: str | None = dataclasses.field(default=None, compare=False)
+    #: whether it has a bias parameter (without one, kernels kept on the workers would train
+    #: the zero bias: :mod:`hetconv.modetable` keeps them sent). Not compared.
+    bias: bool = dataclasses.field(default=True, compare=False)
 
     @classmethod
     def from_spec(cls, spec: ConvSpec, batch: int) -> ConvLayer:
@@ -87,7 +90,7 @@ class ConvLayer:
         strided = spec.phased_from is not None or spec.stride != (1, 1)
         return cls(
             spec.name, spec.shape(batch), spec.need_input_grad, spec.stage, head, spec.images_fit,
-            strided=strided, feeds=spec.feeds,
+            strided=strided, feeds=spec.feeds, bias=spec.bias,
         )  # fmt: skip
 
     @property
