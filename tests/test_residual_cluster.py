@@ -5,7 +5,8 @@ gradient, batch norm's running statistics), also in the step a worker is SIGKILL
 Why step by step on the cluster's own weights, not two 20-step trajectories compared at the
 end: resnet20 at batch 4 is chaotic in float32. Two local runs whose initial weights differ by
 1e-7 relative (float32's last bits) end 20 steps apart by up to 0.7 in a weight and 6 % in a
-loss; a kernel split reorders sums exactly that much (each node's GEMM has other sizes). So
+loss (`python benchmarks/trajectory_sensitivity.py`); a kernel split reorders sums exactly that
+much (each node's GEMM has other sizes). So
 each step is compared on the same state: the local model gets the cluster model's weights and
 statistics, both compute the step, and the cluster's update carries the trajectory on.
 
