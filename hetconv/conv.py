@@ -318,6 +318,12 @@ class ConvExecutor:
     def close(self) -> None:
         """Release connections and threads."""
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- fused stages (supports_stages) ----------------------------------------------------
 
     def stage_mode(self, layer: str) -> str:

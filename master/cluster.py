@@ -182,6 +182,11 @@ class Cluster(ConvExecutor):
         return self.membership.pending
 
     @property
+    def planned_layers(self) -> list[PlannedLayer]:
+        """The prepared convolutions, as probed and planned."""
+        return self._layers
+
+    @property
     def events(self) -> list[dict]:
         """Everything that happened to the membership and the shares, in order."""
         return self._events.events
@@ -269,7 +274,7 @@ class Cluster(ConvExecutor):
                 check_shares(
                     name, layer.shape.k, shares, len(self.nodes), self.config.master_compute
                 )
-        self._replan()
+        self.replan()
         self.runs = runs.choose_runs(self, layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:
@@ -280,7 +285,7 @@ class Cluster(ConvExecutor):
     supports_head = True
     distributed = True
 
-    def _run(self, layer: str) -> runs.KernelSplit:
+    def run_of(self, layer: str) -> runs.KernelSplit:
         """``layer``'s way of running; a layer the cluster was not prepared for runs fused
         where the configuration says fused, else split by kernels (sent)."""
         run = self.runs.get(layer) or self._unseen.get(layer)
@@ -402,7 +407,7 @@ class Cluster(ConvExecutor):
             return FUSED if self.config.stages == FUSED else UNFUSED
         return run.model_mode
 
-    def _replan(self) -> None:
+    def replan(self) -> None:
         """Shares of every layer over the active nodes (called between steps)."""
         everyone = self.membership.everyone_started_is_active()
         self.plans.update(self.planner.plan(self.nodes, self._layers, everyone))
@@ -440,7 +445,7 @@ class Cluster(ConvExecutor):
         reason = replan_reason(came_or_went, *monitors, self.nodes, self.plans, step)
         if reason is not None:
             before = {name: plan.shares for name, plan in self.plans.items()}
-            self._replan()
+            self.replan()
             if before != {name: plan.shares for name, plan in self.plans.items()}:
                 self.drift.forget()
                 self.settling.forget()
@@ -472,17 +477,17 @@ class Cluster(ConvExecutor):
     # -- the calls of a ConvExecutor: each goes to the layer's way of running (.runs) -----
 
     def forward(self, layer, x, w, b, padding):
-        return self._run(layer).forward(x, w, b, padding)
+        return self.run_of(layer).forward(x, w, b, padding)
 
     def backward(self, layer, x, w, dy, padding, need_input_grad):
-        return self._run(layer).backward(x, w, dy, padding, need_input_grad)
+        return self.run_of(layer).backward(x, w, dy, padding, need_input_grad)
 
     def stage_forward(self, layer, x, w, b, padding, stage, batchnorm=(), head=None):
         """A fused stage's forward over the nodes. ``batchnorm``: the model's batch norm
         layers of the stage, whose running statistics it moves (training). ``head``: the final
         fc's (name, weight) where :meth:`head_split` says so; the answer is then its output
         without the bias."""
-        return self._run(layer).stage_forward(x, w, b, padding, stage, batchnorm, head)
+        return self.run_of(layer).stage_forward(x, w, b, padding, stage, batchnorm, head)
 
     def stage_backward(
         self, layer, x, w, b, dy, padding, need_input_grad, stage, batchnorm=(), head=None
@@ -491,14 +496,8 @@ class Cluster(ConvExecutor):
         ``head``: as :meth:`stage_forward`'s (``dy`` is then the logits' gradient, and the
         answer holds a fourth array, the fc columns' gradient of the rows the master
         computed, (C, P, classes))."""
-        run = self._run(layer)
+        run = self.run_of(layer)
         return run.stage_backward(x, w, b, dy, padding, need_input_grad, stage, batchnorm, head)
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 __all__ = [

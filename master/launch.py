@@ -270,9 +270,3 @@ class EmbeddedCluster(ConvExecutor):
             if self._blas_limit is not None:
                 self._blas_limit.restore_original_limits()
                 self._blas_limit = None
-
-    def __enter__(self) -> EmbeddedCluster:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

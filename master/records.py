@@ -83,7 +83,7 @@ def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict
     ``comp_s``: the master's other work per step alone and in the cluster (fused stages take
     theirs to the nodes). None when the master probed no layer (it does not compute): nothing
     to compare with."""
-    layers, nodes, master = cluster._layers, cluster.nodes, cluster.nodes[0]
+    layers, nodes, master = cluster.planned_layers, cluster.nodes, cluster.nodes[0]
     if not layers or not all(ly.name in master.probe_seconds for ly in layers):
         return None
     active = [i for i, n in enumerate(nodes) if i == 0 or n.state == ACTIVE]
@@ -147,7 +147,7 @@ def step_record(cluster, events: list[dict]) -> dict:
     """This step's trace fields: per node and layer what moved and took how long, the totals
     of the distributed calls (``cluster_wall_seconds`` = comm + conv), how each layer ran, and
     the membership ``events`` since the last step."""
-    runner, ran, run = cluster.runner, cluster.ctx.ran, cluster._run
+    runner, ran, run = cluster.runner, cluster.ctx.ran, cluster.run_of
     record = {
         "comm_seconds": runner.comm,
         "conv_seconds": runner.conv,

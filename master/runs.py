@@ -453,11 +453,11 @@ def choose_runs(cluster, layers, batch: int) -> dict[str, KernelSplit]:
             split_master=cluster.replicas.split_all,
             master_images=c.master_block != MASTER_BLOCK_NONE,
         )  # fmt: skip
-        cluster._replan()
+        cluster.replan()
     overlap = modes.overlap_images(c, layers, batch, stage_modes, head.heads, plans, nodes)
     if overlap:
         cluster.planner = dataclasses.replace(cluster.planner, overlap=dict(overlap))
-        cluster._replan()
+        cluster.replan()
     heads = {name: (head.fcs[name], classes) for name, classes in head.heads.items()}
     return build_runs(cluster.ctx, stage_modes, kernel_modes, overlap, heads, choice.block_cost)
 

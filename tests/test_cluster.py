@@ -197,7 +197,7 @@ def test_link_policy_gives_a_worker_behind_a_slow_link_no_kernels(workers):
         cluster.prepare(model.conv_specs(), batch=16, log=None)
         cluster.nodes[2].link_bytes_per_second = 5e6 / 8
         cluster.nodes[2].link_latency = 0.005
-        cluster._replan()
+        cluster.replan()
         return cluster
 
     with prepared("link") as cluster:

@@ -129,7 +129,7 @@ class _MisProbed(Cluster):
     def prepare(self, layers, batch, log=None):
         super().prepare(layers, batch, log)
         self.nodes[1].probe_seconds["conv2"] *= 4
-        self._replan()
+        self.replan()
 
 
 def _train(tmp_path, name, executor):
