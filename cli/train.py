@@ -77,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
         created = run_dir.make()
         if run_dir.config.is_file():  # a resume: kept until the run is known to continue
             previous_config = run_dir.config.read_bytes()
-        write_run_config(run_dir.config, args)
     try:
+        if run_dir is not None:  # in the try: a refusal here leaves no run folder either
+            write_run_config(run_dir.config, args)
         result = _train(args, config, cluster_config, addresses)
     except TrainingInterrupted as e:
         e.resume_command = _resume_command(args, run_dir)
