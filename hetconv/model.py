@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from .conv import ConvExecutor, ConvSpec, LocalConv
+from .description import Description, write_description
 from .graph import LayerGraph, graph_backward, graph_forward
 from .layers import (
     IMAGE_LOCAL,
@@ -445,13 +446,15 @@ class Model:
         for name, value in state.items():
             params[name][...] = value
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, description: Description | None = None) -> None:
         """Write the parameters and buffers as an .npz file (written to a temporary name, then
-        renamed)."""
+        renamed), with ``description`` (the spec, input and normalisation) as its comment."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
             np.savez(f, **self.state())
+        if description is not None:
+            write_description(tmp, description)
         os.replace(tmp, path)
 
     def load(self, path: str | os.PathLike) -> None:

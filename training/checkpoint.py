@@ -16,7 +16,9 @@ Each ``ckpt-*.npz`` is a plain ``np.savez`` archive, readable with ``allow_pickl
 - ``meta``: uint8, UTF-8 JSON: format and version, ``step`` (steps completed, the next step to
   run), the data-order position (``seed``, ``epoch``, ``position`` = batches of that epoch
   already used, ``steps_per_epoch``, ``order_sha256`` of that epoch's order), the clocks
-  (``conv_seconds``, ``train_seconds``) and the run's ``fingerprint``.
+  (``conv_seconds``, ``train_seconds``), the run's ``fingerprint``, and the ``description``
+  of the network (:mod:`hetconv.description`: its spec, input shape, classes and the input's
+  normalisation; absent in checkpoints written before it was recorded).
 
 **Data order and randomness.** The loop keeps no random generator between steps: the order of
 epoch ``e`` is :func:`hetconv.data.epoch_order` ``(n, seed, e)``, a fresh
@@ -51,6 +53,7 @@ from typing import BinaryIO, TextIO
 import numpy as np
 
 from hetconv.data import epoch_order
+from hetconv.description import Description, read_description
 
 from .fingerprint import fingerprint_differences, order_digest
 
@@ -58,6 +61,8 @@ __all__ = [
     "CheckpointDir",
     "CheckpointError",
     "TrainingState",
+    "read_model",
+    "read_weights",
     "resume_point",
 ]
 
@@ -92,6 +97,7 @@ class TrainingState:
         train_seconds: wall-clock training seconds so far.
         fingerprint: :func:`run_fingerprint` of the run.
         environment: :func:`compute_environment` of the process that wrote it.
+        description: the network, its input and the input's normalisation (None: unknown).
     """
 
     step: int
@@ -109,6 +115,7 @@ class TrainingState:
     train_seconds: float
     fingerprint: dict
     environment: dict = field(default_factory=dict)
+    description: Description | None = None
 
 
 # -- run identity ---------------------------------------------------------------------------
@@ -134,6 +141,8 @@ def _to_arrays(state: TrainingState) -> dict[str, np.ndarray]:
         "fingerprint": state.fingerprint,
         "environment": state.environment,
     }
+    if state.description is not None:
+        meta["description"] = state.description.as_json()
     arrays: dict[str, np.ndarray] = {
         "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode("utf-8"), np.uint8),
         "loop/losses": np.asarray(state.losses, np.float64),
@@ -180,6 +189,8 @@ def read_checkpoint(path: str | os.PathLike) -> TrainingState:
             fingerprint=dict(meta["fingerprint"]),
             environment=dict(meta.get("environment") or {}),
         )
+        if meta.get("description") is not None:
+            state.description = Description.from_json(meta["description"])
         for name, value in arrays.items():
             group, _, key = name.partition("/")
             if group not in ("model", "momentum") or value.dtype != np.float32:
@@ -451,7 +462,17 @@ def resume_point(
 
 
 def read_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
-    """The model parameters a path holds, and what was read, for ``--load`` and evaluation.
+    """The model parameters a path holds, and what was read (:func:`read_model` without the
+    description), for ``--load``."""
+    weights, _, what = read_model(path)
+    return weights, what
+
+
+def read_model(
+    path: str | os.PathLike,
+) -> tuple[dict[str, np.ndarray], Description | None, str]:
+    """The model parameters a path holds, their description (None for a file written before
+    weight files described themselves, or by ``np.savez`` elsewhere) and what was read.
 
     ``path`` may be a model ``.npz`` (:meth:`hetconv.model.Model.save`, or ``np.savez`` of a
     PyTorch state dict), a checkpoint file, a checkpoint folder (its latest checkpoint), or a
@@ -463,7 +484,7 @@ def read_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
     path = Path(path)
     if path.is_dir():
         if (path / "model.npz").is_file():
-            return read_weights(path / "model.npz")
+            return read_model(path / "model.npz")
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         found = CheckpointDir(folder).load_latest()
         if found is None:
@@ -472,15 +493,18 @@ def read_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
                 "file or folder, or a run folder"
             )
         state, file = found
-        return state.model, f"checkpoint {file} (step {state.step})"
+        return state.model, state.description, f"checkpoint {file} (step {state.step})"
     try:
         archive = np.load(path, allow_pickle=False)
         if not isinstance(archive, np.lib.npyio.NpzFile):
             raise ValueError("not an .npz archive of named arrays")
         with archive:
+            weights = None
             if "meta" not in archive.files:
-                return {name: archive[name] for name in archive.files}, f"model {path}"
+                weights = {name: archive[name] for name in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise ValueError(f"cannot read weights from {path}: {e}") from None
+    if weights is not None:
+        return weights, read_description(path), f"model {path}"
     state = read_checkpoint(path)
-    return state.model, f"checkpoint {path} (step {state.step})"
+    return state.model, state.description, f"checkpoint {path} (step {state.step})"

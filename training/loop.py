@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from hetconv.conv import ConvExecutor, LocalConv
 from hetconv.data import epoch_order
+from hetconv.description import Description
 from hetconv.layers import softmax_cross_entropy
 from hetconv.model import ConvStage, Model
 from hetconv.onnx_import import load_network
@@ -125,6 +126,7 @@ class _Run:
                 f"batch {config.batch} is larger than the training set ({len(self.train_set)})"
             )
         check_classes(self.spec, self.train_set, config.preset)
+        self.description = Description.of(config.preset, self.spec, self.data)
         self.executor = executor if executor is not None else LocalConv()
         self.model = Model(
             self.spec,
@@ -455,6 +457,7 @@ class _Run:
             train_seconds=self._elapsed(),
             fingerprint=self.fingerprint,
             environment=self.environment,
+            description=self.description,
         )
 
     def _save_model(self) -> Path | None:
@@ -465,7 +468,7 @@ class _Run:
             self.executor.gather_resident()
         path = Path(self.config.save)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.model.save(path)
+        self.model.save(path, self.description)
         return path
 
     def summary(self, seconds: float) -> TrainResult:
