@@ -24,15 +24,24 @@ spec           ONNX
 A layer's node reads the outputs of the layers it names as its inputs (the one before it by
 default). The graph takes float32 ``input`` (N, C, H, W), N free, normalised as in training,
 and gives ``logits`` float32 (N, classes): :meth:`hetconv.model.Model.forward` in evaluation mode.
+
+Given the weight file's :class:`~hetconv.description.Description`, the model's metadata
+(``metadata_props``) states the normalisation (``normalisation``, its formula; ``mean``,
+``std``, ``pixel_scale``, ``raw``), ``input_shape``, ``classes``, ``class_names`` and
+``network``; with ``normalise`` the graph starts with the normalisation itself (Div by 255 for
+uint8 pixels, Sub mean, Div std, per channel), so ``input`` takes the raw values as the data
+held them (pixels 0..255 as float32), and ``input`` in the metadata says which one it takes.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from .backends import Padding
+from .description import UINT8, Description
 from .model import Model
 from .spec import SpecLayer, walk_spec
 
@@ -145,6 +154,8 @@ def build_onnx(
     weights: Mapping[str, np.ndarray],
     input_shape: tuple[int, int, int],
     name: str = "hetconv",
+    description: Description | None = None,
+    normalise: bool = False,
 ):
     """The network ``spec`` with ``weights`` as a checked ``onnx.ModelProto``: a node per
     layer (:data:`NODES`), each reading the outputs of the layers it names as inputs.
@@ -155,19 +166,25 @@ def build_onnx(
             (parameters and batch norm's running statistics; checked against the spec).
         input_shape: per-sample (C, H, W).
         name: the graph's name.
+        description: what the metadata states (the input's normalisation, classes...).
+        normalise: start the graph with ``description``'s normalisation (raw values in).
 
     Raises:
-        ValueError: a spec or weights that do not fit each other, or the ``onnx`` package
-            missing.
+        ValueError: a spec or weights that do not fit each other, ``normalise`` without a
+            description, or the ``onnx`` package missing.
     """
     onnx = _onnx()
     model = Model(spec, input_shape)
     model.load_state(dict(weights))
     g = _Graph(onnx, model.state())
     tensors: dict[str, str] = {}  # layer -> the tensor of its output
-    current = "input"
+    first = current = "input"
+    if normalise:
+        if description is None:
+            raise ValueError("the graph cannot normalise its input: the normalisation is unknown")
+        first = _normalising_nodes(g, description)
     for item in walk_spec(spec, input_shape):
-        xs = [tensors[name] for name in item.inputs] or ["input"]
+        xs = [tensors[name] for name in item.inputs] or [first]
         out = f"{item.name}/output" if item.index < len(spec) - 1 else "logits"
         current = tensors[item.name] = NODES[item.kind](g, item, xs, out)
     if current != "logits":  # the spec ends in dropout (or is empty): name the output
@@ -184,8 +201,49 @@ def build_onnx(
         graph, producer_name="hetconv", opset_imports=[helper.make_opsetid("", OPSET)]
     )
     proto.ir_version = IR_VERSION
+    if description is not None:
+        helper.set_model_props(proto, _metadata(description, normalise))
     onnx.checker.check_model(proto, full_check=True)
     return proto
+
+
+def _normalising_nodes(g: _Graph, description: Description) -> str:
+    """``input``'s raw values as training normalised them, in the order and precision of
+    :meth:`hetconv.dataset.ImageDataset.batch` (float32); returns the normalised tensor."""
+
+    def constant(key: str, values) -> str:
+        array = np.asarray(values, np.float32)
+        g.initializers.append(g.numpy_helper.from_array(array.reshape(1, -1, 1, 1), key))
+        return key
+
+    x = "input"
+    if description.raw == UINT8:
+        x = g.node("Div", [x, constant("normalise.255", [255.0])], "input/scaled", "scale")
+    elif description.scale != 1.0:
+        x = g.node("Mul", [x, constant("normalise.scale", [description.scale])], "input/scaled",
+                   "scale")  # fmt: skip
+    x = g.node("Sub", [x, constant("normalise.mean", description.mean)], "input/centred", "centre")
+    return g.node("Div", [x, constant("normalise.std", description.std)], "input/normalised",
+                  "normalise")  # fmt: skip
+
+
+def _metadata(description: Description, normalise: bool) -> dict[str, str]:
+    """The model's ``metadata_props``: strings, lists as JSON."""
+    raw = "pixels 0..255 as float32" if description.raw == UINT8 else "values as the data held"
+    props = {
+        "network": description.network,
+        "input": f"raw: {raw} (the graph normalises)" if normalise else "normalised",
+        "normalisation": f"input = {description.formula()} per channel c",
+        "mean": json.dumps(list(description.mean)),
+        "std": json.dumps(list(description.std)),
+        "pixel_scale": repr(description.scale),
+        "raw": description.raw,
+        "input_shape": json.dumps(list(description.input_shape)),
+        "classes": str(description.classes),
+    }
+    if description.class_names:
+        props["class_names"] = json.dumps(list(description.class_names))
+    return props
 
 
 def _even_lrn(helper, numpy_helper, initializers, layer, x, out, o) -> list:
@@ -232,9 +290,11 @@ def export_onnx(
     weights: Mapping[str, np.ndarray],
     input_shape: tuple[int, int, int],
     path,
+    description: Description | None = None,
+    normalise: bool = False,
 ) -> None:
     """Write :func:`build_onnx`'s graph to ``path``."""
-    proto = build_onnx(spec, weights, input_shape)
+    proto = build_onnx(spec, weights, input_shape, description=description, normalise=normalise)
     _onnx().save_model(proto, str(path))
 
 
