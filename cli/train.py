@@ -22,7 +22,7 @@ from hetconv.training.rundir import RunDir, RunFolderConfig
 
 from .common import HelpFormatter
 from .train_config import write_run_config
-from .train_flags import RUN_DIR_VARIABLE, add_train_arguments
+from .train_flags import FIRST_TIER, MORE_OPTIONS, RUN_DIR_VARIABLE, add_train_arguments
 
 DESCRIPTION = (
     "Train a CNN preset on the synthetic set (offline, the default) or your data "
@@ -50,6 +50,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         "train", help="train a network", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     add_train_arguments(p)
+    p.set_help_tiers(FIRST_TIER, MORE_OPTIONS)
     p.set_defaults(func=run)
 
 

@@ -1,5 +1,7 @@
-"""``hetconv train``'s flags, by group: where convolutions run, how (the mode flags, declared in
-:mod:`.modes`), balancing, spot checks, security, the run, checkpoints and the run folder."""
+"""``hetconv train``'s flags, by group: the network and the data, training, where convolutions
+run, how kernels are shared, how each layer runs (the mode flags, declared in :mod:`.modes`),
+spot checks, security, checkpoints and the run folder; and which of them ``--help`` shows
+(:data:`FIRST_TIER`; ``--help-all`` shows every one)."""
 
 from __future__ import annotations
 
@@ -12,24 +14,46 @@ from .modes import TRAIN_DEFAULTS, add_mode_flags, add_model_flag
 
 #: What train adds to the mode flags' meaning.
 _MODE_NOTES = {
-    "shares": "default link; compute with --deterministic (which splits equally) and for the "
-    "embedded default's loopback workers",
+    "shares": "default: link with named or discovered workers; compute for the embedded "
+    "default's loopback workers and with --deterministic (which splits equally)",
     "network": "what --shares link assumes of it",
 }
-_LINK_MODES = ("shares", "network", "wire_format")
-_LAYER_MODES = ("stages", "kernels", "replicate", "overlap", "start_ahead", "master_block", "head")
+_SHARING_MODES = ("shares", "network")
+_LAYER_MODES = (
+    "wire_format", "stages", "kernels", "replicate", "overlap", "start_ahead", "master_block",
+    "head",
+)  # fmt: skip
+
+#: The options ``hetconv train --help`` shows; ``--help-all`` shows every one.
+FIRST_TIER = (
+    "preset", "data_dir", "steps", "epochs", "batch", "lr", "local", "worker",
+    "workers_file", "discover", "name", "resume", "save", "load", "config",
+)  # fmt: skip
+#: What ``--help`` leaves to ``--help-all``, in words.
+MORE_OPTIONS = "the modes, balancing, tuning, spot checks, security, checkpoints, outputs"
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """Every flag of ``hetconv train``."""
+    """Every flag of ``hetconv train``, in groups (``--help-all`` shows them so)."""
+    data = p.add_argument_group("the network and the data")
+    run = p.add_argument_group("training")
     where = p.add_argument_group("where convolutions run")
+    sharing = p.add_argument_group("how kernels are shared between the nodes")
+    modes = p.add_argument_group(
+        "how each layer runs (the modes)",
+        "Each mode's auto picks, per layer, what the cost model predicts faster; every mode "
+        "computes the same function as one process.",
+    )
+    checks = p.add_argument_group("spot checks of workers' answers")
+    add_model_flag(data, "tiny")
+    _add_data(data)
+    _add_train_run(run)
     _add_where(where)
-    add_mode_flags(where, {k: TRAIN_DEFAULTS[k] for k in _LINK_MODES}, notes=_MODE_NOTES)
-    _add_balance(where)
-    add_mode_flags(where, {k: TRAIN_DEFAULTS[k] for k in _LAYER_MODES})
-    _add_exactness(where)
+    add_mode_flags(sharing, {k: TRAIN_DEFAULTS[k] for k in _SHARING_MODES}, notes=_MODE_NOTES)
+    _add_balance(sharing)
+    add_mode_flags(modes, {k: TRAIN_DEFAULTS[k] for k in _LAYER_MODES})
+    _add_exactness(sharing, modes, checks)
     _add_train_security(p)
-    _add_train_run(p)
     _add_train_checkpoints(p)
     _add_train_outputs(p)
 
@@ -88,9 +112,9 @@ def _add_where(where: argparse._ArgumentGroup) -> None:
     )
 
 
-def _add_balance(where: argparse._ArgumentGroup) -> None:
+def _add_balance(sharing: argparse._ArgumentGroup) -> None:
     """How the kernels' split follows the nodes' measured speed."""
-    where.add_argument(
+    sharing.add_argument(
         "--rebalance-every",
         type=non_negative_int,
         metavar="STEPS",
@@ -98,7 +122,7 @@ def _add_balance(where: argparse._ArgumentGroup) -> None:
         "drifted 30%% or more from the figure their share was planned with (a laptop that got "
         "busy, or freed up); 0 keeps the split fixed, as in the paper, until workers come or go",
     )
-    where.add_argument(
+    sharing.add_argument(
         "--settle-steps",
         type=non_negative_int,
         metavar="STEPS",
@@ -106,22 +130,26 @@ def _add_balance(where: argparse._ArgumentGroup) -> None:
         help="after STEPS steps on the planned split (and two before them that warm up), move "
         "kernels between the nodes, the master too, once by their measured finish times where "
         "they differ beyond the steps' own scatter (the probes of identical machines can differ "
-        "by a few per cent, and the plan does not see all of the master's own work); 0, the "
-        "default, keeps the planned split (4 gives the guard a usable scatter)",
+        "by a few per cent, and the plan does not see all of the master's own work); 0 keeps "
+        "the planned split (4 gives the guard a usable scatter)",
     )
-    where.add_argument(
+    sharing.add_argument(
         "--probe-nodes",
         choices=("together", "one-at-a-time"),
         default="together",
-        help="together, the default: every node probes each layer at the same time, as they "
+        help="together: every node probes each layer at the same time, as they "
         "compute it in training (nodes sharing a machine are measured as they will run); "
         "one-at-a-time: each node with the machine to itself, as in the paper",
     )
 
 
-def _add_exactness(where: argparse._ArgumentGroup) -> None:
+def _add_exactness(
+    sharing: argparse._ArgumentGroup,
+    modes: argparse._ArgumentGroup,
+    checks: argparse._ArgumentGroup,
+) -> None:
     """Resident slices' syncs, bitwise repeatable runs and the spot checks of workers' answers."""
-    where.add_argument(
+    modes.add_argument(
         "--resident-sync-every",
         type=non_negative_int,
         default=20,
@@ -130,7 +158,7 @@ def _add_exactness(where: argparse._ArgumentGroup) -> None:
         "master's replay log, which keeps what a lost worker's updates need, spans this many "
         "steps; 0: only when the log grows past 512 MB per layer",
     )
-    where.add_argument(
+    sharing.add_argument(
         "--deterministic",
         action="store_true",
         help="make two runs with the same flags over the same workers bitwise identical: "
@@ -139,7 +167,7 @@ def _add_exactness(where: argparse._ArgumentGroup) -> None:
         "(implies --rebalance-every 0). A worker lost or joining mid-run still changes the "
         "split. Not with --shares link",
     )
-    where.add_argument(
+    checks.add_argument(
         "--spot-check-every",
         type=non_negative_int,
         metavar="STEPS",
@@ -148,7 +176,7 @@ def _add_exactness(where: argparse._ArgumentGroup) -> None:
         "wrong: a broken driver, a bad overclock) for the rest of the run, computing its "
         "share itself; 0: never",
     )
-    where.add_argument(
+    checks.add_argument(
         "--spot-check-sample",
         type=positive_int,
         metavar="N",
@@ -171,8 +199,11 @@ def _add_train_security(p: argparse.ArgumentParser) -> None:
         help="talk TLS to the workers, trusting certificates signed by this CA "
         "(or this self-signed certificate)",
     )
-    add_model_flag(p, "tiny")
-    p.add_argument(
+
+
+def _add_data(data: argparse._ArgumentGroup) -> None:
+    """What the data is: its kind, where it is, what is held out of it."""
+    data.add_argument(
         "--dataset",
         choices=["synthetic", "cifar10", "cifar100", "folder", "npz", "auto"],
         help="what --data-dir holds (default: inferred from it; synthetic without it, an "
@@ -180,14 +211,14 @@ def _add_train_security(p: argparse.ArgumentParser) -> None:
         "or the folder it extracts to; folder = train/<class>/<image> and val/ (or test/); "
         "npz = arrays x_train, y_train, x_test, y_test (or x, y)",
     )
-    p.add_argument(
+    data.add_argument(
         "--data-dir",
         metavar="PATH",
         help="the dataset: a CIFAR tarball (cifar-10-python.tar.gz from "
         "https://www.cs.toronto.edu/~kriz/cifar.html) or its folder, an image folder, or an "
         ".npz file; input shape and class count come from it",
     )
-    p.add_argument(
+    data.add_argument(
         "--holdout-fraction",
         type=positive_float,
         metavar="F",
@@ -197,60 +228,60 @@ def _add_train_security(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_train_run(p: argparse.ArgumentParser) -> None:
-    """The network, the data, the length of training and the optimizer."""
-    length = p.add_mutually_exclusive_group()
+def _add_train_run(run: argparse._ArgumentGroup) -> None:
+    """The length of training, the optimizer, evaluation, the weights in and out."""
+    length = run.add_mutually_exclusive_group()
     length.add_argument(
         "--steps",
         type=positive_int,
-        help="SGD steps (300 when neither --steps nor --epochs is given)",
+        help="SGD steps (default 300 unless --epochs is given)",
     )
     length.add_argument("--epochs", type=positive_float, help="passes over the training set")
-    p.add_argument("--batch", type=positive_int, default=32, help="images per step")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights, data and order")
-    p.add_argument("--lr", type=positive_float, default=0.01, help="learning rate")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay")
-    p.add_argument(
+    run.add_argument("--batch", type=positive_int, default=32, help="images per step")
+    run.add_argument("--seed", type=int, default=0, help="seed for weights, data and order")
+    run.add_argument("--lr", type=positive_float, default=0.01, help="learning rate")
+    run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
+    run.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay")
+    run.add_argument(
         "--train-size",
         type=positive_int,
         metavar="N",
         help="images in the synthetic training set (default 10000; not with --data-dir, whose "
         "whole training set is used)",
     )
-    p.add_argument(
+    run.add_argument(
         "--eval-size",
         type=non_negative_int,
         metavar="N",
         help="evaluate on the first N held-out images (default: all of them; 0: no "
         "evaluation); the synthetic held-out set has 2000 unless N asks for more",
     )
-    p.add_argument(
+    run.add_argument(
         "--eval-every",
         type=positive_int,
         metavar="STEPS",
         help="also evaluate every STEPS steps (always: after every epoch and at the end); "
         "each evaluation is printed and traced",
     )
-    p.add_argument(
+    run.add_argument(
         "--save",
         metavar="NPZ",
         help="write the trained weights (PyTorch names) here instead of the run folder's "
         "model.npz (also when Ctrl-C stops the run)",
     )
-    p.add_argument(
+    run.add_argument(
         "--load",
         metavar="PATH",
         help="start from these weights: a model .npz, a checkpoint file or folder, or a run "
         "folder (its model.npz, else its latest checkpoint)",
     )
-    p.add_argument(
+    run.add_argument(
         "--trace",
         metavar="JSONL",
         help="write the trace (one JSON object per step) here instead of the run folder's "
         "trace.jsonl",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_train_checkpoints(p: argparse.ArgumentParser) -> None:
@@ -291,7 +322,7 @@ def _add_train_outputs(p: argparse.ArgumentParser) -> None:
         "--run-dir",
         metavar="DIR",
         default=os.environ.get(RUN_DIR_VARIABLE) or "runs",
-        help=f"the folder that holds runs (${RUN_DIR_VARIABLE} sets the default)",
+        help=f"the folder that holds runs; ${RUN_DIR_VARIABLE}, when set, is its default",
     )
     outputs.add_argument(
         "--name",
