@@ -218,13 +218,12 @@ def modes_named(names: Sequence[str]) -> list[str]:
 
 
 def train_help() -> str:
-    """What ``hetconv train --help`` prints (to see which modes' flags exist)."""
-    done = subprocess.run(
-        [sys.executable, "-I", "-m", "hetconv", "train", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    """What ``hetconv train --help-all`` prints (to see which modes' flags exist); ``--help``
+    where a hetconv from before ``--help-all`` listed every flag there."""
+    command = [sys.executable, "-I", "-m", "hetconv", "train"]
+    done = subprocess.run([*command, "--help-all"], capture_output=True, text=True)
+    if done.returncode != 0:
+        done = subprocess.run([*command, "--help"], capture_output=True, text=True, check=True)
     return done.stdout
 
 
