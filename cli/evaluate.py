@@ -20,8 +20,10 @@ def add(sub: argparse._SubParsersAction) -> None:
             "Evaluate saved weights on a dataset's held-out images and print the loss and "
             "accuracy. MODEL is a model .npz (hetconv train's model.npz or --save), a "
             "checkpoint file or folder, or a run folder (its model.npz, else its latest "
-            "checkpoint). Inside a run folder, the network and data default to the run's "
-            "config.toml; flags given here override it."
+            "checkpoint). The network is the one the weights record (what hetconv train "
+            "writes does), else the run's; inside a run folder, the data default to the run's "
+            "config.toml; flags given here override both. The images are normalised as the "
+            "weights record (the training data's mean and std)."
         ),
         formatter_class=HelpFormatter,
     )
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from hetconv.conv import LocalConv
     from hetconv.model import Model
     from hetconv.onnx_import import load_network
-    from hetconv.training.checkpoint import read_weights
+    from hetconv.training.checkpoint import read_model
     from hetconv.training.config import TrainConfig
     from hetconv.training.datasets import check_classes, evaluate, load_datasets
     from hetconv.training.rundir import CONFIG_NAME, find_run, read_config
@@ -76,7 +78,13 @@ def run(args: argparse.Namespace) -> int:
     dataset = setting("dataset") or ("auto" if data_dir else "synthetic")
     if args.data_dir and not args.dataset:
         dataset = "auto"  # another dataset than the run's: infer its kind
-    preset = setting("preset", "tiny")
+    weights, described, what = read_model(args.model)
+    spec_recorded = args.preset is None and described is not None
+    if spec_recorded:
+        preset, spec = described.network, list(described.spec)
+    else:
+        preset = setting("preset", "tiny")
+        spec = load_network(preset).spec
     config = TrainConfig(
         preset=preset,
         dataset=dataset,
@@ -90,17 +98,17 @@ def run(args: argparse.Namespace) -> int:
     data = load_datasets(config)
     if not len(data.held_out):
         raise ValueError(f"the {data.kind} dataset has no held-out images to evaluate")
-    spec = load_network(preset).spec
-    check_classes(spec, data.held_out, preset)
-    weights, what = read_weights(args.model)
-    model = Model(spec, seed=0, executor=LocalConv(), input_shape=data.held_out.image_shape)
+    held_out = _normalised_as_recorded(data.held_out, described)
+    check_classes(spec, held_out, preset)
+    model = Model(spec, seed=0, executor=LocalConv(), input_shape=held_out.image_shape)
     try:
         model.load_state(weights)
     except ValueError as e:
         raise ValueError(f"{what} does not fit network {preset}: {e}") from None
     if run is not None:
-        print(f"network and data from {run / CONFIG_NAME}", file=sys.stderr)
-    loss, accuracy = evaluate(model, data.held_out, args.batch)
+        what_from = "data" if spec_recorded else "network and data"
+        print(f"{what_from} from {run / CONFIG_NAME}", file=sys.stderr)
+    loss, accuracy = evaluate(model, held_out, args.batch)
     source = data.kind if data.kind == "synthetic" else data_dir
     print(
         f"{what}: held-out loss {loss:.4f}, accuracy {100 * accuracy:.2f}% on "
@@ -108,3 +116,17 @@ def run(args: argparse.Namespace) -> int:
         f"{100 / data.held_out.num_classes:.0f}%)"
     )
     return 0
+
+
+def _normalised_as_recorded(held_out, described):
+    """The held-out set normalised by the mean and std the weights were trained with, where
+    they record them for images of this kind (the same as the data's own for the run's data)."""
+    import dataclasses
+
+    from hetconv.description import UINT8
+
+    if described is None or len(described.mean) != held_out.image_shape[0]:
+        return held_out
+    if (described.raw == UINT8) != (held_out.images.dtype.name == "uint8"):
+        return held_out
+    return dataclasses.replace(held_out, mean=described.mean, std=described.std)
