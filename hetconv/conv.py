@@ -168,6 +168,8 @@ class ConvSpec:
         phased_from: on an :attr:`executed` spec, the stride of the convolution it stands for
             (None: it is the layer's own): its kernels are then a rearranged copy of the
             layer's each step, which an executor must not keep and update in place.
+        written: on an :attr:`executed` spec of a strided layer, the layer as the spec wrote it
+            (what the console names); None: it is the layer's own. Not compared.
         feeds: the convolution whose input is this layer's stage output, unchanged (no other
             layer between them, and no other layer reading it); None otherwise. Not compared.
         head: (name, classes) of the network's final fully connected layer (its output)
@@ -196,6 +198,7 @@ class ConvSpec:
     head: tuple[str, int] | None = field(default=None, compare=False)
     images_fit: bool = field(default=True, compare=False)
     bias: bool = field(default=True, compare=False)
+    written: ConvSpec | None = field(default=None, compare=False, repr=False)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -222,7 +225,7 @@ class ConvSpec:
             self.name, phases.phased_input_shape, self.kernels, phases.taps, 0,
             self.need_input_grad, self.stage, phased_from=self.stride, feeds=self.feeds,
             bias=self.bias,
-            head=self.head,
+            head=self.head, written=self,
         )  # fmt: skip
 
     def shape(self, batch: int) -> ConvShape:

@@ -44,6 +44,7 @@ class PlannedLayer:
     need_input_grad: bool
     stage: StageSpec | None = None  # the channel-local layers after it (hetconv.stages)
     images_fit: bool = True  # its images fit palette8 (hetconv.conv.ConvSpec.images_fit)
+    label: str = ""  # the layer as written, for the console (.probing.layer_label)
 
     def modelled(self, head: int = 0) -> ConvLayer:
         """The layer as the cost model counts it; ``head``: the classes of a split head its

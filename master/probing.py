@@ -7,6 +7,9 @@ measured with echoes: the round trip of a tiny message (latency) and of 1 MiB ea
 
 from __future__ import annotations
 
+import functools
+import ipaddress
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -31,10 +34,69 @@ def planned_layers(layers: Sequence[ConvSpec], batch: int) -> list[PlannedLayer]
     at ``batch`` images per step."""
     return [
         PlannedLayer(
-            spec.name, spec.shape(batch), spec.need_input_grad, spec.stage, spec.images_fit
+            spec.name,
+            spec.shape(batch),
+            spec.need_input_grad,
+            spec.stage,
+            spec.images_fit,
+            layer_label(spec, batch),
         )
         for spec in layers
     ]
+
+
+def layer_label(spec: ConvSpec, batch: int) -> str:
+    """``spec``'s layer as the network's spec wrote it, for the console: ``conv3 (32->64
+    channels, 3x3, stride 2, 8x8, batch 32)``; a strided layer's stride phases (what executors
+    compute, :class:`hetconv.conv.StridePhases`) are not the user's business."""
+    own = spec.written if spec.written is not None else spec
+    (c, h, w), (kh, kw), (sh, sw) = own.input_shape, own.kernel_size, own.stride
+    stride = "" if (sh, sw) == (1, 1) else f", stride {sh}" if sh == sw else f", stride {sh}x{sw}"
+    return f"{own.name} ({c}->{own.kernels} channels, {kh}x{kw}{stride}, {h}x{w}, batch {batch})"
+
+
+def host_of(address: str) -> str:
+    """The host part of a worker's ``HOST:PORT`` (``[::1]:50051``: ``::1``)."""
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 or "]" in address else address
+    return host.strip("[]")
+
+
+@functools.cache
+def _own_addresses() -> frozenset[str]:
+    """Every address of this machine's interfaces (``ifaddr``, zeroconf's dependency; without
+    it, what the host name resolves to)."""
+    found = set()
+    try:
+        import ifaddr
+
+        for adapter in ifaddr.get_adapters():
+            for ip in adapter.ips:
+                found.add(ip.ip if isinstance(ip.ip, str) else ip.ip[0])  # IPv6: a tuple
+    except ImportError:
+        pass
+    try:
+        found.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    return frozenset(found)
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether the worker at ``address`` (``HOST:PORT``) runs on the master's machine: its
+    host is loopback, or resolves to one of this machine's own addresses. Such a worker
+    shares the master's cores, memory and power, and its link is a memory copy."""
+    host = host_of(address)
+    try:
+        ips = {str(ipaddress.ip_address(host))}
+    except ValueError:  # a name: what it resolves to (the master has connected to it)
+        try:
+            ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+    own = _own_addresses()
+    return bool(ips) and all(
+        ipaddress.ip_address(ip.split("%")[0]).is_loopback or ip in own for ip in ips
+    )
 
 
 def describe_master(node: Node, backend: Backend) -> None:
@@ -119,7 +181,7 @@ def probe_every(
             done += 1
             if log is not None:
                 s, took = layer.shape, time.perf_counter() - start
-                what = (
+                what = layer.label or (
                     f"{layer.name} ({s.c}->{s.k} channels, {s.kh}x{s.kw}, {s.h}x{s.w}, batch {s.n})"
                 )
                 slow = f" (probing took {took:.0f} s)" if took >= 1 else ""
@@ -186,11 +248,15 @@ class Medium:
         shared: whether the workers' transfers share one half-duplex medium (Wi-Fi): a request
             going out and an answer coming back slow each other.
         duplex_ratio: two echoes of one worker, the second started half an echo later, took
-            this many times one echo (1.5: full duplex; 2: half duplex).
+            this many times one echo (1.5: full duplex; 2: half duplex); 0 on loopback (not
+            timed).
         together_bytes_per_s: every worker's echo at once, bytes both ways over the wall time:
             what the master's port (switched) or the medium (Wi-Fi) carries in all.
         alone_bytes_per_s: the fastest worker's echo rate measured alone.
         echoes: how many echoes the duplex ratio was timed from (single and overlapping).
+        loopback: every worker is on the master's machine (:func:`on_this_machine`): their
+            transfers are memory copies that share its cores, no medium to detect (the two
+            directions would compete for the CPUs and look like a shared medium at random).
     """
 
     shared: bool
@@ -198,10 +264,12 @@ class Medium:
     together_bytes_per_s: float
     alone_bytes_per_s: float
     echoes: int = 0
+    loopback: bool = False
 
     @property
     def network(self) -> str:
-        """The cost model's fabric: ``"wifi"`` (one shared medium) or ``"switched"``."""
+        """The cost model's fabric: ``"wifi"`` (one shared medium) or ``"switched"`` (also
+        loopback's: each direction its own)."""
         return "wifi" if self.shared else "switched"
 
     @property
@@ -210,6 +278,15 @@ class Medium:
         return max(self.together_bytes_per_s, self.alone_bytes_per_s)
 
     def describe(self) -> str:
+        rates = (
+            f"all workers at once {self.together_bytes_per_s / 1e6:.0f} MB/s, the fastest "
+            f"alone {self.alone_bytes_per_s / 1e6:.0f} MB/s"
+        )
+        if self.loopback:
+            return (
+                "network: loopback (this machine): every worker runs on the master's machine, "
+                f"so no medium was measured (planned as switched); {rates}"
+            )
         kind = "one shared medium (Wi-Fi-like)" if self.shared else "switched (full duplex)"
         return (
             f"network: {kind}: overlapping echoes took {self.duplex_ratio:.2f}x one echo "
@@ -221,7 +298,8 @@ class Medium:
     def record(self) -> dict:
         return {
             "network": self.network,
-            "duplex_ratio": self.duplex_ratio,
+            "loopback": self.loopback,
+            "duplex_ratio": self.duplex_ratio if not self.loopback else None,
             "duplex_echoes": self.echoes,
             "together_bytes_per_second": self.together_bytes_per_s,
             "alone_bytes_per_second": self.alone_bytes_per_s,
@@ -273,10 +351,7 @@ def measure_medium(workers: Sequence[Node], deadline: float, repeats: int = 3) -
     if not workers:
         raise ValueError("no workers to measure the network with")
     fastest = max(workers, key=lambda n: n.link_bytes_per_second)
-    rate = fastest.link_bytes_per_second
-    low, high = MEDIUM_PROBE_BYTES
-    size = int(min(max(rate * MEDIUM_PROBE_SECONDS / 2, low), high)) // 4 * 4
-    payload = np.zeros(size // 4, np.float32)
+    payload = _medium_payload(fastest.link_bytes_per_second)
     ones: list[float] = []
     pairs: list[float] = []
     for _ in range(MEDIUM_ROUNDS):
@@ -290,10 +365,35 @@ def measure_medium(workers: Sequence[Node], deadline: float, repeats: int = 3) -
         if abs(ratio - HALF_DUPLEX_RATIO) >= AMBIGUOUS_RATIO:
             break
     alone = 2 * payload.nbytes / max(one - fastest.link_latency, 1e-9)
+    together = _together_rate(workers, payload, deadline, repeats)
+    return Medium(ratio >= HALF_DUPLEX_RATIO, ratio, together, alone, len(ones) + 2 * len(pairs))
+
+
+def loopback_medium(workers: Sequence[Node], deadline: float, repeats: int = 3) -> Medium:
+    """The network of ``workers`` that all run on the master's machine: loopback, no medium
+    to detect (the duplex ratio is not timed); what they carry together is measured as
+    :func:`measure_medium` does. Raises WorkerError if an echo fails."""
+    if not workers:
+        raise ValueError("no workers to measure the network with")
+    fastest = max(workers, key=lambda n: n.link_bytes_per_second)
+    payload = _medium_payload(fastest.link_bytes_per_second)
+    together = _together_rate(workers, payload, deadline, repeats)
+    return Medium(False, 0.0, together, fastest.link_bytes_per_second, 0, loopback=True)
+
+
+def _medium_payload(rate: float) -> np.ndarray:
+    """About :data:`MEDIUM_PROBE_SECONDS` of a link of ``rate`` bytes per second."""
+    low, high = MEDIUM_PROBE_BYTES
+    size = int(min(max(rate * MEDIUM_PROBE_SECONDS / 2, low), high)) // 4 * 4
+    return np.zeros(size // 4, np.float32)
+
+
+def _together_rate(workers: Sequence[Node], payload, deadline: float, repeats: int) -> float:
+    """Bytes per second both ways of every worker's echo of ``payload`` at once (best of
+    ``repeats``)."""
     payloads = [payload] * len(workers)
     together_s = min(
         _together(workers, payloads, deadline, [0.0] * len(workers)) for _ in range(repeats)
     )
     latency = max(n.link_latency for n in workers)
-    together = 2 * payload.nbytes * len(workers) / max(together_s - latency, 1e-9)
-    return Medium(ratio >= HALF_DUPLEX_RATIO, ratio, together, alone, len(ones) + 2 * len(pairs))
+    return 2 * payload.nbytes * len(workers) / max(together_s - latency, 1e-9)
