@@ -44,7 +44,8 @@ workers whose line is removed from it leave at the next step boundary.
 The split is not fixed once, as in the paper: every ``rebalance_every`` steps each node's
 compute is compared with its own at the same share earlier, and a node that got markedly slower
 (a laptop whose owner started something) or faster has its figure scaled and the shares are
-planned again.
+planned again. A worker left with no kernel of any layer is probed again now and then, so it
+can earn work back (:class:`~.rebalancing.IdleProbes`).
 
 A *deterministic* cluster (``deterministic=True``, ``hetconv train --deterministic``) makes two
 runs with the same settings over the same workers bitwise identical: no timing decides a share
@@ -94,7 +95,7 @@ from .planning import (
     Planner,
     check_shares,
 )
-from .rebalancing import DriftMonitor, replan_reason
+from .rebalancing import DriftMonitor, IdleProbes, replan_reason
 from .replica import ReplicatedBlocks
 from .resident import ResidentKernels
 from .runs import RunContext
@@ -145,6 +146,7 @@ class Cluster(ConvExecutor):
             retry_max=c.retry_max,
             workers_file=c.workers_file,
         )
+        self.idle = IdleProbes(self.drift.every, self._reconnect, self.membership, self._events)
         self.spot_checks = SpotChecker(c.spot_checks) if c.spot_checks.every else None
         self.runner = PhaseRunner(
             self.membership, c.deadline_floor, c.deadline_factor, self.spot_checks
@@ -442,7 +444,7 @@ class Cluster(ConvExecutor):
             self.spot_checks.start_step(step)
         came_or_went = self.membership.admit().changed
         monitors = (self.drift, self.settling)
-        reason = replan_reason(came_or_went, *monitors, self.nodes, self.plans, step)
+        reason = replan_reason(came_or_went, *monitors, self.nodes, self.plans, step, self.idle)
         if reason is not None:
             before = {name: plan.shares for name, plan in self.plans.items()}
             self.replan()
@@ -466,9 +468,10 @@ class Cluster(ConvExecutor):
         return redo
 
     def end_step(self) -> dict:
-        """This step's trace fields (:func:`.records.step_record`); the drift and settling
-        monitors observe the step's calls."""
-        record = records.step_record(self, self._events.take_step_events())
+        """This step's trace fields (:func:`.records.step_record`, and ``idle``: workers with
+        no kernel, probed again when due); the drift and settling monitors observe its calls."""
+        idle = self.idle.watch(self.step, self.plans)  # (its events belong to this step)
+        record = {**records.step_record(self, self._events.take_step_events()), **idle}
         self.ctx.ran, self.ctx.started_ahead = {}, set()
         self.drift.observe(self.runner.records, bool(self.membership.failed))
         self.settling.observe(self.runner.records, bool(self.membership.failed))

@@ -2,12 +2,16 @@
 
 A worker is ``active`` (it gets a share), ``lost`` (a call failed; the monitor thread retries it
 with exponential backoff) or ``ready`` (it answered and was probed again; it becomes active at
-the next step boundary, so a step never changes membership half-way). Workers named in the
-workers file join the same way, starting lost with no backoff; workers whose line is removed
-leave at the next step boundary (workers named with ``--worker`` stay). A worker that cannot be
-reached when training starts starts lost, and joins like one that came back. Workers found on
-the LAN (``hetconv train --discover``, :mod:`.discovery`) are handled as lines of the file: one
-that appears joins, one that stops being advertised leaves (:meth:`Membership.follow`).
+the next step boundary, so a step never changes membership half-way). An active worker the
+planner gives no kernel of any layer is *idle* (:meth:`Membership.idle_workers`): it answers
+but computes nothing, and :class:`~.rebalancing.IdleProbes` probes it again now and then so
+that it can earn work back; the trace and the figures tell it apart from a lost one. Workers
+named in the workers file join the same way, starting lost with no backoff; workers whose line
+is removed leave at the next step boundary (workers named with ``--worker`` stay). A worker
+that cannot be reached when training starts starts lost, and joins like one that came back.
+Workers found on the LAN (``hetconv train --discover``, :mod:`.discovery`) are handled as lines
+of the file: one that appears joins, one that stops being advertised leaves
+(:meth:`Membership.follow`).
 
 One worker process reached under two addresses (``127.0.0.1:P`` and ``localhost:P``) would be
 counted twice: a worker that answers with the instance id of another member (Describe's
@@ -21,8 +25,9 @@ import enum
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetconv.argtypes import parse_address
 
@@ -415,6 +420,22 @@ class Membership:
         for node, kind in admitted:
             self._events.emit(kind, node.name, device=node.description)
         return Admission(leaving, admitted, changed)
+
+    def idle_workers(self, plans: Mapping[str, Any]) -> list[Node]:
+        """Active workers that hold no kernel of any layer in ``plans`` (layer -> its plan, with
+        ``shares`` over the nodes, master first): they answer, but compute nothing (a
+        worker the planner found not worth its share), unlike a lost one. None before the
+        first plan, and none a plan has not split over yet (a worker admitted since)."""
+        if not plans:
+            return []
+        with self.lock:
+            return [
+                node
+                for i, node in enumerate(self.nodes)
+                if i > 0
+                and node.state == ACTIVE
+                and all(i < len(plan.shares) and not plan.shares[i] for plan in plans.values())
+            ]
 
     def everyone_started_is_active(self) -> bool:
         """No worker lost and none joined since the start (fixed shares still apply)."""

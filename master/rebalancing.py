@@ -8,6 +8,20 @@ it, and the shares would feed on that.) A machine that gets busy slows down on e
 a node's factor is the geometric mean over its layers: one noisy layer does not move it. A
 factor at least ``change`` away from 1 scales the node's probe figures, and the planner splits
 the kernels again.
+
+One check moves a node's figures by :data:`MOST_DRIFT` at most: a period's median whose baseline
+was taken while the machine was busy for a moment (on one machine shared by master and workers,
+8.8x slower in one period, 7.3x faster in the next) would otherwise swing the shares from one
+end to the other; a drift that lasts goes on moving it at the next check. One noisy step does
+not move it at all: the median of a period needs at least three steps, and half of them.
+
+A worker whose shares all drop to zero (the ``link`` policy finds it a net loss at its figures)
+would never be measured again: no call, no compute time. :class:`IdleProbes` probes such an
+*idle* worker again, on a thread beside the training, ``every`` steps after it fell idle; its
+fresh figures replace the scaled ones and the shares are planned again at the next step
+boundary, so a worker that was busy for a while earns its work back. A probe that leaves it
+idle doubles the wait before the next (at most :data:`MOST_IDLE_WAIT` periods); a probe that
+fails loses the worker, as a failed call does.
 """
 
 from __future__ import annotations
@@ -19,7 +33,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .membership import ACTIVE, Node
+from .call import Call
+from .membership import ACTIVE, Membership, Node
+
+#: The most one check scales a node's figures by (either way).
+MOST_DRIFT = 4.0
+#: The longest wait before probing an idle worker again, in periods of ``every`` steps.
+MOST_IDLE_WAIT = 16
 
 
 def per_layer(records: dict[str, dict], figure: str):
@@ -102,9 +122,13 @@ class DriftMonitor:
                     continue
                 factor = float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-12)))))
                 if abs(factor - 1) >= self.change:
+                    scale = min(max(factor, 1 / MOST_DRIFT), MOST_DRIFT)
                     for layer in node.probe_seconds:
-                        node.probe_seconds[layer] *= factor
-                    drifted.append(drift_text(node.name, factor))
+                        node.probe_seconds[layer] *= scale
+                    text = drift_text(node.name, factor)
+                    if scale != factor:
+                        text += f" (its figures moved {MOST_DRIFT:.0f}x, the most one check may)"
+                    drifted.append(text)
         return "; ".join(drifted)
 
     def forget(self) -> None:
@@ -121,14 +145,91 @@ class DriftMonitor:
             self._baselines.pop(name, None)
 
 
+class IdleProbes:
+    """Idle workers (active, no kernel of any layer) probed again so they can earn work back.
+
+    Args:
+        every: steps from a worker falling idle to its first probe (0: never probed again).
+        probe: times every layer on a worker (connects, measures its link, probes), returning
+            layer -> seconds; raises if it cannot (the cluster's own, as for a worker that
+            comes back).
+        membership: the cluster's (who is idle; a worker whose probe fails is lost).
+        events: where ``worker_idle`` and ``worker_reprobed`` go (an
+            :class:`~.events.EventLog`).
+    """
+
+    def __init__(self, every: int, probe, membership: Membership, events):
+        self.every = every
+        self._probe, self._membership, self._events = probe, membership, events
+        self._due: dict[str, int] = {}  # idle worker -> the step its next probe starts after
+        self._wait: dict[str, int] = {}  # worker -> steps between probes now (kept: it doubles)
+        self._calls: dict[str, tuple[Node, Call]] = {}  # probes in flight
+
+    def watch(self, step: int, plans) -> dict:
+        """At the end of ``step``: note who is idle (event ``worker_idle`` as one falls idle)
+        and start the probes due. Returns the step record's ``idle`` (the idle workers' names)
+        when there are any, else ``{}``; ``plans``: layer -> its plan."""
+        idle = self._membership.idle_workers(plans)
+        names = {node.name for node in idle}
+        for name in set(self._due) - names:  # it has work again, or is lost or gone
+            del self._due[name]
+        for node in idle:
+            if node.name not in self._due:
+                wait = self._wait.setdefault(node.name, self.every)
+                self._due[node.name] = step + wait
+                then = f"probed again after step {step + wait}" if self.every else "not probed"
+                why = f"it answers but has no kernel of any layer; {then}"
+                self._events.emit("worker_idle", node.name, reason=why)
+            elif self.every and step >= self._due[node.name] and node.name not in self._calls:
+                self._calls[node.name] = (node, Call(self._probe, node))
+        return {"idle": sorted(names)} if names else {}
+
+    def take(self, step: int, drift: DriftMonitor) -> str:
+        """At the start of ``step``: the probes that have ended. Each worker's figures become
+        what it measured now (its drift forgotten); one that failed is lost. Which workers
+        were probed, in words ('' if none)."""
+        probed = []
+        for name, (node, call) in list(self._calls.items()):
+            if not call.done():
+                continue
+            del self._calls[name]
+            if call.failed():
+                self._membership.lose(node, call.error())
+                continue
+            seconds = call.result()
+            node.probe_seconds.update(seconds)
+            drift.forget_node(name)
+            wait = min(2 * self._wait.get(name, self.every), MOST_IDLE_WAIT * self.every)
+            self._wait[name] = wait
+            if name in self._due:  # if still idle after this step's plan, the next probe
+                self._due[name] = step + wait
+            figures = ", ".join(f"{layer} {1e3 * t:.1f} ms" for layer, t in seconds.items())
+            self._events.emit("worker_reprobed", name, probe=figures)
+            probed.append(name)
+        if not probed:
+            return ""
+        were = "was" if len(probed) == 1 else "were"
+        return f"{', '.join(probed)} had no kernel and {were} probed again"
+
+
 def replan_reason(
-    came_or_went: bool, drift: DriftMonitor, settling, nodes: Sequence[Node], plans, step: int
+    came_or_went: bool,
+    drift: DriftMonitor,
+    settling,
+    nodes: Sequence[Node],
+    plans,
+    step: int,
+    idle: IdleProbes | None = None,
 ) -> str | None:
-    """Why the shares are planned again at ``step``, or None: workers came or went, a node's
-    compute drifted (``drift``), or the shares settle on the nodes' finish times (``settling``,
-    a :class:`~.settling.SettleMonitor`); ``plans``: layer -> its current plan."""
+    """Why the shares are planned again at ``step``, or None: workers came or went, an idle
+    worker was probed again (``idle``), a node's compute drifted (``drift``), or the shares
+    settle on the nodes' finish times (``settling``, a :class:`~.settling.SettleMonitor`);
+    ``plans``: layer -> its current plan."""
+    probed = idle.take(step, drift) if idle is not None else ""
     if came_or_went:
         return "workers came or went"
+    if probed:
+        return probed
     if drift.due(step):
         drifted = drift.drifted(nodes)
         if drifted:

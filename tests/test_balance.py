@@ -1,15 +1,23 @@
-"""Tests for hetconv.balance: largest-remainder kernel shares and their offsets."""
+"""Tests for hetconv.balance: largest-remainder kernel shares and their offsets; and the rule
+that moves shares with measured speed (hetconv.master.rebalancing) without starving a worker."""
 
 from __future__ import annotations
 
 import math
+import threading
 from fractions import Fraction
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from hetconv.backends import ConvShape, Padding
 from hetconv.balance import kernel_shares, offsets
+from hetconv.master.events import EventLog
+from hetconv.master.membership import LOST, MASTER, Membership, Node
+from hetconv.master.planning import PlannedLayer, Planner
+from hetconv.master.rebalancing import MOST_DRIFT, DriftMonitor, IdleProbes, replan_reason
+from hetconv.master.settling import SettleMonitor
 
 # Probe times over a range far wider than any real device's (a nanosecond to decades); the
 # extremes of the float range are covered by test_extreme_but_positive_finite_times.
@@ -200,3 +208,157 @@ def test_offsets_are_the_running_sum_of_shares(kernels, times):
     # The slices tile range(kernels) exactly.
     covered = [k for first, n in zip(starts, shares, strict=True) for k in range(first, first + n)]
     assert covered == list(range(kernels))
+
+
+# -- shares that follow measured speed: no worker starved for good ------------------------------
+
+
+class _Answers:
+    """A worker's client stand-in: the planner needs only that it is not the master."""
+
+    def close(self) -> None:
+        pass
+
+
+def _cluster_nodes(worker_seconds: float = 0.01) -> list[Node]:
+    return [
+        Node(MASTER, None, probe_seconds={"conv1": 0.01}),
+        Node("10.0.0.2:50051", _Answers(), probe_seconds={"conv1": worker_seconds}),
+    ]
+
+
+_LAYER = PlannedLayer("conv1", ConvShape(8, 3, 8, 8, 16, 3, 3, Padding(1, 1, 1, 1)), False)
+
+
+def _plans(nodes: list[Node]) -> dict:
+    return Planner(master_compute=True).plan(nodes, [_LAYER], everyone_active=True)
+
+
+def _observe(monitor: DriftMonitor, node: Node, seconds: float) -> None:
+    phases = {"forward": {"compute_seconds": seconds}, "backward": {"compute_seconds": 0.0}}
+    monitor.observe({node.name: {"conv1": phases}}, any_failed=False)
+
+
+def _baseline(monitor: DriftMonitor, node: Node, seconds: float = 0.01) -> None:
+    for _ in range(1 + monitor.every):  # the first step warms up, then the baseline's period
+        _observe(monitor, node, seconds)
+    assert monitor.drifted([node]) == ""
+
+
+def test_one_slow_step_neither_moves_a_figure_nor_zeroes_a_worker():
+    nodes = _cluster_nodes()
+    worker = nodes[1]
+    monitor = DriftMonitor(every=4, change=0.3)
+    _baseline(monitor, worker)
+    for seconds in (0.01, 0.5, 0.01, 0.01):  # one step 50x slower (the machine was busy)
+        _observe(monitor, worker, seconds)
+    assert monitor.drifted(nodes) == ""
+    assert worker.probe_seconds["conv1"] == 0.01
+    assert _plans(nodes)["conv1"].shares == (8, 8)
+
+
+def test_one_check_moves_a_figure_by_a_bounded_factor():
+    nodes = _cluster_nodes()
+    worker = nodes[1]
+    monitor = DriftMonitor(every=4, change=0.3)
+    _baseline(monitor, worker)
+    for _ in range(4):  # 50x slower for a whole period
+        _observe(monitor, worker, 0.5)
+    said = monitor.drifted(nodes)
+    assert said.startswith("10.0.0.2:50051 50.0x slower"), said
+    assert f"moved {MOST_DRIFT:.0f}x, the most one check may" in said
+    assert worker.probe_seconds["conv1"] == pytest.approx(0.01 * MOST_DRIFT)
+    assert _plans(nodes)["conv1"].shares[1] > 0  # fewer kernels, but not none
+
+
+def _idle_probes(nodes: list[Node], probe, every: int = 2):
+    events = EventLog()
+    membership = Membership(
+        nodes, fixed={n.name for n in nodes[1:]}, events=events, make_client=None,
+        reconnect=None, retry_min=1.0, retry_max=2.0,
+    )  # fmt: skip
+    return IdleProbes(every, probe, membership, events), events
+
+
+def _step(idle: IdleProbes, drift: DriftMonitor, nodes, plans, step: int):
+    """A step boundary as the cluster takes it: finished probes, a re-plan if one is due, then
+    the step's end; returns (the plans, why they were made again or None, the record's idle)."""
+    reason = replan_reason(False, drift, SettleMonitor(0), nodes, plans, step, idle)
+    if reason is not None:
+        plans = _plans(nodes)
+    return plans, reason, idle.watch(step, plans)
+
+
+def _settle(idle: IdleProbes) -> None:
+    """Wait for the probes in flight (they run on threads of their own)."""
+    for _, call in list(idle._calls.values()):
+        call.notify(done := threading.Event())
+        assert done.wait(10)
+
+
+def test_a_worker_with_no_share_is_probed_again_and_earns_work_back():
+    nodes = _cluster_nodes(worker_seconds=1e4)  # as if its figures had drifted far up
+    worker = nodes[1]
+    probed = []
+
+    def probe(node):
+        probed.append(node.name)
+        return {"conv1": 0.01}  # it is as fast as the master again
+
+    idle, events = _idle_probes(nodes, probe, every=2)
+    drift = DriftMonitor(every=2, change=0.3)
+    plans = _plans(nodes)
+    assert plans["conv1"].shares == (16, 0)
+    plans, reason, record = _step(idle, drift, nodes, plans, 0)
+    assert (reason, record) == (None, {"idle": [worker.name]})
+    assert [e["event"] for e in events.events] == ["worker_idle"]
+    assert "no kernel of any layer; probed again after step 2" in events.events[0]["reason"]
+    plans, reason, record = _step(idle, drift, nodes, plans, 1)
+    assert not probed  # not yet: it fell idle at step 0
+    plans, reason, record = _step(idle, drift, nodes, plans, 2)
+    _settle(idle)
+    assert probed == [worker.name]
+    plans, reason, record = _step(idle, drift, nodes, plans, 3)
+    assert reason == f"{worker.name} had no kernel and was probed again"
+    assert worker.probe_seconds["conv1"] == 0.01
+    assert plans["conv1"].shares == (8, 8) and record == {}
+    assert [e["event"] for e in events.events] == ["worker_idle", "worker_reprobed"]
+
+
+def test_a_probe_that_finds_a_worker_still_slow_waits_twice_as_long():
+    nodes = _cluster_nodes(worker_seconds=1e4)
+    probed = []
+
+    def probe(node):
+        probed.append(node.name)
+        return {"conv1": 1e4}  # still far too slow to be worth a kernel
+
+    idle, _ = _idle_probes(nodes, probe, every=2)
+    drift, plans = DriftMonitor(every=2, change=0.3), _plans(nodes)
+    starts = []
+    for step in range(16):
+        before = len(probed)
+        plans, _, record = _step(idle, drift, nodes, plans, step)
+        _settle(idle)
+        if len(probed) > before:
+            starts.append(step)
+        assert record == {"idle": [nodes[1].name]}
+    # idle after step 0: probed after step 2, then 4 steps after that probe ended (step 3)
+    assert starts == [2, 7], starts
+
+
+def test_a_worker_whose_probe_fails_is_lost_not_idle():
+    nodes = _cluster_nodes(worker_seconds=1e4)
+
+    def probe(node):
+        raise ConnectionError("worker gone")
+
+    idle, events = _idle_probes(nodes, probe, every=1)
+    drift, plans = DriftMonitor(every=1, change=0.3), _plans(nodes)
+    for step in range(3):
+        plans, _, record = _step(idle, drift, nodes, plans, step)
+        _settle(idle)
+    assert nodes[1].state == LOST
+    assert record == {}
+    kinds = [e["event"] for e in events.events]
+    assert kinds == ["worker_idle", "worker_lost"], kinds
