@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from hetconv.cli import main
-from hetconv.training.report import DPI, FIGSIZE, _binned, _moving_average, draw_report
+from hetconv.training.metrics import read_metrics
+from hetconv.training.report import (
+    DPI,
+    FIGSIZE,
+    _binned,
+    _moving_average,
+    draw_report,
+    lost_steps,
+    node_notes,
+)
 from hetconv.training.rundir import MetricsCsv
 
 pytest.importorskip("matplotlib")
@@ -113,3 +122,30 @@ def test_what_cannot_be_drawn_is_refused_by_name(tmp_path, capsys):
     assert main(["report", str(path)]) == 2
     assert "lacks the columns epoch, accuracy" in capsys.readouterr().err
     assert not (tmp_path / "figures").exists()
+
+
+def test_a_worker_with_no_share_is_told_apart_from_a_lost_one(tmp_path, rng):
+    # 10.0.0.3 answers with no kernel at steps 100-199 (the trace's "idle"), computes again
+    # from 200, and is lost at step 240 (no cells at all from there).
+    table = MetricsCsv(tmp_path / "metrics.csv")
+    for step in range(300):
+        nodes = ["master", "10.0.0.2:50051"] + (["10.0.0.3:50051"] if step < 240 else [])
+        idle = 100 <= step < 200
+        record = _record(step, rng, [n for n in nodes if not (idle and n == "10.0.0.3:50051")])
+        if idle:
+            record["idle"] = ["10.0.0.3:50051"]
+        table.step(record)
+    table.close()
+    metrics = read_metrics(tmp_path / "metrics.csv")
+    share = metrics.node("share", "10.0.0.3:50051")
+    assert share[99] > 0 and share[150] == 0 and share[200] > 0 and np.isnan(share[250])
+    assert metrics.node("bytes", "10.0.0.3:50051")[150] == 0
+    assert lost_steps(metrics, "10.0.0.3:50051") == [240]
+    assert node_notes(metrics) == {
+        "10.0.0.3:50051": "idle: no share at steps 100-199; lost at step 240"
+    }
+    figures = draw_report(tmp_path)
+    assert [f.name for f in figures if f.path] == [
+        "loss", "accuracy", "step_time", "nodes", "bytes"
+    ]  # fmt: skip
+    assert_png(tmp_path / "figures" / "bytes.png")

@@ -20,7 +20,9 @@ Columns, in order (times in seconds, bytes on the master's link both ways)::
 
 A run with workers has the three per-node columns for every node it ever used, master first
 (the master's cover for a lost worker counts as its own share); a ``--local`` run has none.
-Cells a row has no value for are empty.
+Cells a row has no value for are empty. A worker that answers but had no kernel in a step
+(*idle*: the trace's ``idle``) has 0 in its three cells; a lost worker's, or one not yet
+joined, are empty: the figures tell the two apart (:mod:`.report`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ def step_row(record: dict) -> dict[str, float | int]:
         row[node_column("share", node)] = kernels / total_kernels if total_kernels else 0.0
         row[node_column("compute_seconds", node)] = compute
         row[node_column("bytes", node)] = node_bytes
+    for node in record.get("idle") or ():  # it answers, but computed nothing
+        if node not in nodes:
+            for prefix in NODE_PREFIXES:
+                row[node_column(prefix, node)] = 0.0 if prefix != "bytes" else 0
     # Resident kernels' placements and syncs (the record's ``resident``) cross the link too.
     kept = sum(
         figures.get("placed_bytes", 0) + figures.get("fetched_bytes", 0)

@@ -12,6 +12,11 @@ Each is a PNG in the run's ``figures/`` folder, sized for a report page (8 x 4.5
   workers);
 - ``bytes.png``: megabytes on the master's link per step, per node (runs with workers).
 
+In both, a worker that answered but had no kernel (``metrics.csv``'s zeros) is drawn at 0 and
+named ``idle: no share`` with its steps, and one that was lost (its cells empty from a step
+on) has its line broken there, a dotted line at that step, and ``lost at step N`` beside its
+name (:func:`node_notes`), so a worker with no work is never mistaken for one that crashed.
+
 Runs of many steps are drawn as means over bins of consecutive steps (the legend or the axis
 says so), so the lines stay readable. matplotlib is optional (``pip install 'hetconv[plot]'``),
 imported only here, and draws with its non-interactive Agg backend.
@@ -180,6 +185,51 @@ def _step_time(metrics: Metrics, path: Path) -> Path:
     return path
 
 
+def _spans(steps: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of consecutive rows where ``mask`` holds, as (first step, last step)."""
+    edges = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1
+    return [(int(steps[a]), int(steps[b])) for a, b in zip(starts, ends, strict=True)]
+
+
+def lost_steps(metrics: Metrics, node: str) -> list[int]:
+    """The steps at which ``node`` was lost: its cells empty after a step that had them."""
+    present = ~np.isnan(metrics.node("share", node))
+    return [int(s) for s in metrics["step"][1:][present[:-1] & ~present[1:]]]
+
+
+def node_notes(metrics: Metrics) -> dict[str, str]:
+    """Per node, what happened to it beside its figures, for a legend: ``idle: no share at
+    steps 240-299`` (it answered, with no kernel), ``lost at step 240``, both joined by ``; ``
+    (the first two of each, then how many more); nodes with nothing to say are left out."""
+    notes = {}
+    for node in metrics.nodes:
+        share = metrics.node("share", node)
+        idle = _spans(metrics["step"], share == 0)
+        said = [f"steps {a}-{b}" if b > a else f"step {a}" for a, b in idle[:2]]
+        if len(idle) > 2:
+            said.append(f"{len(idle) - 2} more")
+        parts = [f"idle: no share at {', '.join(said)}"] if idle else []
+        lost = lost_steps(metrics, node)
+        if lost:
+            more = f" and {len(lost) - 2} more" if len(lost) > 2 else ""
+            parts.append(f"lost at step {', '.join(map(str, lost[:2]))}{more}")
+        if parts:
+            notes[node] = "; ".join(parts)
+    return notes
+
+
+def _label(node: str, notes: dict[str, str]) -> str:
+    return f"{node} ({notes[node]})" if node in notes else node
+
+
+def _mark_losses(ax, metrics: Metrics, colours: dict[str, str]) -> None:
+    """A dotted line in the node's colour at each step a node was lost."""
+    for node in metrics.nodes:
+        for step in lost_steps(metrics, node):
+            ax.axvline(step + 1, color=colours[node], linestyle=":", linewidth=1.5)
+
+
 def _node_colours(nodes: list[str]) -> dict[str, str]:
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                "#7f7f7f", "#bcbd22", "#17becf"]  # fmt: skip
@@ -192,16 +242,21 @@ def _nodes(metrics: Metrics, path: Path) -> Path:
     colours = _node_colours(metrics.nodes)
     x = _trained(metrics)
     marker = "o" if len(metrics) < 30 else None
+    notes = node_notes(metrics)
     for index, node in enumerate(metrics.nodes):
+        # Empty cells (not joined yet, or lost) are NaN: the line breaks there, and a bin
+        # holding one is left out; an idle node's zeros are drawn.
         share, compute = metrics.node("share", node), metrics.node("compute_seconds", node)
-        present = ~np.isnan(share)  # a node that joined late has no cells before
         # Equal shares draw one line over another: a dash pattern per node keeps both seen.
-        style = {"color": colours[node], "linewidth": 2, "marker": marker, "label": node,
+        style = {"color": colours[node], "linewidth": 2, "marker": marker,
+                 "label": _label(node, notes),
                  "linestyle": ("-", "--", ":", "-.")[index % 4]}  # fmt: skip
-        bx, bs = _binned(x[present], 100 * share[present], width)
+        bx, bs = _binned(x, 100 * share, width)
         top.plot(bx, bs, **style)
-        bx, bc = _binned(x[present], 1e3 * compute[present], width)
+        bx, bc = _binned(x, 1e3 * compute, width)
         bottom.plot(bx, bc, **style)
+    for ax in (top, bottom):
+        _mark_losses(ax, metrics, colours)
     per = "" if width == 1 else f", mean over {width} steps"
     top.set_ylabel("share of kernels (%)", fontsize=11)
     top.set_ylim(-2, 102)
@@ -220,11 +275,13 @@ def _bytes(metrics: Metrics, path: Path) -> Path:
     colours = _node_colours(metrics.nodes)
     x = _trained(metrics)
     series = []
+    notes = node_notes(metrics)
     for node in metrics.nodes:
         values = np.nan_to_num(metrics.node("bytes", node)) / 1e6
         bx, bv = _binned(x, values, width)
         if np.any(bv > 0):
-            series.append((bv, node, colours[node]))
+            series.append((bv, _label(node, notes), colours[node]))
+    _mark_losses(ax, metrics, colours)
     if series:
         ax.stackplot(bx, *[s[0] for s in series], labels=[s[1] for s in series],
                      colors=[s[2] for s in series], alpha=0.85)  # fmt: skip
@@ -290,4 +347,12 @@ def draw_report(run: str | os.PathLike, out: str | os.PathLike | None = None) ->
     return figures
 
 
-__all__ = ["DPI", "FIGSIZE", "Figure", "ReportUnavailable", "draw_report"]
+__all__ = [
+    "DPI",
+    "FIGSIZE",
+    "Figure",
+    "ReportUnavailable",
+    "draw_report",
+    "lost_steps",
+    "node_notes",
+]
