@@ -32,11 +32,17 @@ from hetconv.dataset import (
     LoadedData,
     channel_stats,
 )
-from hetconv.imagefolder import HELD_OUT_FOLDERS, IMAGE_SUFFIXES, load_image_folder
+from hetconv.imagefolder import (
+    EXPECTED_LAYOUT,
+    IMAGE_SUFFIXES,
+    is_image_folder,
+    load_image_folder,
+)
 from hetconv.npz import load_npz
 from hetconv.synthetic import synthetic_cifar
 
 __all__ = [
+    "CIFAR_CLASSES",
     "CIFAR_MEAN",
     "CIFAR_STD",
     "DATASETS",
@@ -59,6 +65,22 @@ __all__ = [
 # What `hetconv train --dataset` names; the first reads no files.
 DATASETS = ("synthetic", "cifar10", "cifar100", "folder", "npz")
 
+# The class names the official files' metadata (batches.meta, meta) gives, in label order.
+CIFAR_CLASSES = {
+    "cifar10": tuple("airplane automobile bird cat deer dog frog horse ship truck".split()),
+    "cifar100": tuple(
+        """apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus
+        butterfly camel can castle caterpillar cattle chair chimpanzee clock cloud cockroach couch
+        crab crocodile cup dinosaur dolphin elephant flatfish forest fox girl hamster house
+        kangaroo keyboard lamp lawn_mower leopard lion lizard lobster man maple_tree motorcycle
+        mountain mouse mushroom oak_tree orange orchid otter palm_tree pear pickup_truck pine_tree
+        plain plate poppy porcupine possum rabbit raccoon ray road rocket rose sea seal shark
+        shrew skunk skyscraper snail snake spider squirrel streetcar sunflower sweet_pepper table
+        tank telephone television tiger tractor train trout tulip turtle wardrobe whale
+        willow_tree wolf woman worm""".split()
+    ),
+}
+
 
 # --------------------------------------------------------------------------------------------
 # Any dataset: what a path holds, and its training and held-out sets
@@ -70,8 +92,9 @@ def infer_dataset(path: str | os.PathLike) -> str:
 
     Looks for, in order: an ``.npz`` file, a CIFAR tarball (its first member's folder tells
     CIFAR-10 from CIFAR-100), a folder holding ``cifar-10-batches-py/`` or
-    ``data_batch_1`` (CIFAR-10), ``cifar-100-python/`` or a ``train`` file (CIFAR-100), and a
-    folder with ``train/`` and ``val/`` (or ``test/``) subfolders (an image folder).
+    ``data_batch_1`` (CIFAR-10), ``cifar-100-python/`` or a ``train`` file (CIFAR-100), and an
+    image folder: one with a ``train/`` subfolder, or (without ``val/`` or ``test/``) class
+    folders holding images (:func:`~hetconv.imagefolder.is_image_folder`).
 
     Raises:
         DatasetError: the path does not exist or holds none of these; the message says what was
@@ -92,7 +115,7 @@ def infer_dataset(path: str | os.PathLike) -> str:
     for layout in (_CIFAR10, _CIFAR100):
         if (path / layout.folder).is_dir() or (path / layout.splits["train"][0]).is_file():
             return layout.kind
-    if (path / "train").is_dir() and any((path / h).is_dir() for h in HELD_OUT_FOLDERS):
+    if is_image_folder(path):
         return "folder"
     entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     shown = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")
@@ -104,8 +127,8 @@ def infer_dataset(path: str | os.PathLike) -> str:
 _LOOKED_FOR = (
     "--data-dir takes the CIFAR-10 or CIFAR-100 python-version tarball "
     "(cifar-10-python.tar.gz, cifar-100-python.tar.gz) or the folder it extracts to, an .npz "
-    "file (x_train, y_train, x_test, y_test; or x, y), or a folder with train/ and val/ (or "
-    "test/) holding one subfolder of images per class; --dataset names the kind outright"
+    f"file (x_train, y_train, x_test, y_test; or x, y), or an image folder: {EXPECTED_LAYOUT}; "
+    "--dataset names the kind outright"
 )
 
 
@@ -120,7 +143,7 @@ def load_dataset(
         holdout_fraction: hold out this fraction of the training data (a fixed-seed random
             choice) when the dataset has no held-out part of its own (an ``.npz`` of ``x`` and
             ``y``; an image folder without ``val/`` or ``test/``); default
-            :data:`DEFAULT_HOLDOUT_FRACTION` for an ``.npz``. Refused for datasets that have one.
+            :data:`DEFAULT_HOLDOUT_FRACTION`. Refused for datasets that have one.
 
     Non-CIFAR data is normalised by the per-channel mean and std of its training set; CIFAR
     keeps the published constants (:data:`CIFAR_MEAN`, :data:`CIFAR_STD`).
@@ -133,7 +156,9 @@ def load_dataset(
             raise DatasetError(f"{layout.title} has its own test set: drop --holdout-fraction")
         sets = _load_cifar(layout, Path(path), ("train", "test"))
         test_files = ", ".join(layout.splits["test"])
-        return LoadedData(kind, sets["train"], sets["test"], f"the official {test_files}")
+        return LoadedData(
+            kind, sets["train"], sets["test"], f"the official {test_files}", CIFAR_CLASSES[kind]
+        )
     if kind == "npz":
         return load_npz(path, holdout_fraction)
     if kind == "folder":

@@ -184,12 +184,27 @@ def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, .
 @dataclass(frozen=True)
 class LoadedData:
     """A dataset read from files: its kind (one of :data:`DATASETS`), the training set, the
-    held-out set, and where the held-out set came from (for messages)."""
+    held-out set, where the held-out set came from (for messages), and the classes' names:
+    ``class_names[i]`` is class ``i``'s (an image folder's class folders, CIFAR's published
+    names, an ``.npz``'s ``class_names`` array), or None when the data names none."""
 
     kind: str
     train: ImageDataset
     held_out: ImageDataset
     held_out_from: str
+    class_names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        names = self.class_names
+        if names is None:
+            return
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"class_names must be a sequence of str, got {names!r}")
+        object.__setattr__(self, "class_names", tuple(names))
+        if len(self.class_names) != self.train.num_classes:
+            raise ValueError(
+                f"{len(self.class_names)} class names for {self.train.num_classes} classes"
+            )
 
 
 def _holdout(

@@ -1,5 +1,10 @@
 """A folder of images with one subfolder per class (torchvision's ImageFolder layout), each
-image decoded once with Pillow."""
+image decoded once with Pillow.
+
+Two layouts: an ImageFolder root, ``ROOT/<class>/<image>`` (what
+``torchvision.datasets.ImageFolder(ROOT)`` reads), and one split into ``ROOT/train/<class>/...``
+and ``ROOT/val/<class>/...`` (or ``test/``; ``val/`` or ``test/`` may be missing). Data without a
+held-out folder of its own has a fixed random fraction of its images held out."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from hetconv.dataset import (
+    DEFAULT_HOLDOUT_FRACTION,
     DatasetError,
     ImageDataset,
     LoadedData,
@@ -21,43 +27,48 @@ from hetconv.dataset import (
 # torchvision's ImageFolder extensions (IMG_EXTENSIONS), matched case-insensitively.
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 HELD_OUT_FOLDERS = ("val", "test")
+EXPECTED_LAYOUT = (
+    "one folder of images per class, ROOT/<class>/<image> (torchvision's ImageFolder), or "
+    "ROOT/train/<class>/<image> with val/ (or test/) beside it or not"
+)
+
+
+def is_image_folder(root: str | os.PathLike) -> bool:
+    """Whether ``root`` is laid out as an image folder: it holds ``train/``, or no ``val/`` or
+    ``test/`` but class folders of which at least one holds an image (at any depth)."""
+    root = Path(root)
+    if not root.is_dir():
+        return False
+    if (root / "train").is_dir():
+        return True
+    if any((root / h).is_dir() for h in HELD_OUT_FOLDERS):
+        return False
+    return any(_holds_an_image(folder) for folder in _subfolders(root))
 
 
 def load_image_folder(root: str | os.PathLike, holdout_fraction: float | None = None) -> LoadedData:
-    """Read ``root/train/<class>/<image>`` and ``root/val/<class>/<image>`` (or ``test/``).
+    """Read an image folder: ``root/<class>/<image>``, or ``root/train/<class>/<image>`` and
+    ``root/val/<class>/<image>`` (or ``test/``).
 
-    Classes are the subfolders of ``train/`` sorted by name, numbered from 0 (torchvision's
-    ImageFolder convention); images are files with one of :data:`IMAGE_SUFFIXES`, found at any
-    depth below their class folder. Every image is decoded once (Pillow), converted to RGB and
-    must have the size of the others. The held-out set is ``val/`` (or, without one, ``test/``);
-    without either, ``holdout_fraction`` of ``train/`` is held out.
+    Classes are the class folders (of ``train/``, when there is one) sorted by name, numbered
+    from 0 (torchvision's ImageFolder convention); images are files with one of
+    :data:`IMAGE_SUFFIXES`, found at any depth below their class folder. Every image is decoded
+    once (Pillow), converted to RGB and must have the size of the others. The held-out set is
+    ``val/`` (or, without one, ``test/``); without either, ``holdout_fraction`` of the images
+    (:data:`DEFAULT_HOLDOUT_FRACTION` by default: a fixed random choice) is held out.
     """
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist or is not a directory")
-    train_dir = root / "train"
-    if not train_dir.is_dir():
-        raise DatasetError(
-            f"{root} has no train/ folder; expected train/<class>/<image> and "
-            "val/<class>/<image> (or test/)"
-        )
-    # With both, val/ is evaluated on while training and test/ is left alone for later.
-    held_out_dirs = [root / h for h in HELD_OUT_FOLDERS if (root / h).is_dir()][:1]
-    if not held_out_dirs and holdout_fraction is None:
-        raise DatasetError(
-            f"{root} has train/ but no val/ or test/ folder; add one, or give "
-            "--holdout-fraction to hold out part of train/"
-        )
-    if held_out_dirs and holdout_fraction is not None:
-        raise DatasetError(
-            f"{root} has its own {held_out_dirs[0].name}/ folder: drop --holdout-fraction"
-        )
+    train_dir, held_dir = _layout(root)
+    if held_dir is not None and holdout_fraction is not None:
+        raise DatasetError(f"{root} has its own {held_dir.name}/ folder: drop --holdout-fraction")
     classes = _class_names(train_dir)
     if not classes:
-        raise DatasetError(f"{train_dir} holds no class folders; expected train/<class>/<image>")
+        where = "ROOT/train/<class>/<image>" if train_dir != root else EXPECTED_LAYOUT
+        raise DatasetError(f"{train_dir} holds no class folders; expected {where}")
     train_files = _class_files(train_dir, classes, classes)
-    if held_out_dirs:
-        held_dir = held_out_dirs[0]
+    if held_dir is not None:
         held_classes = _class_names(held_dir)
         unknown = [c for c in held_classes if c not in classes]
         if unknown:
@@ -71,24 +82,56 @@ def load_image_folder(root: str | os.PathLike, holdout_fraction: float | None = 
     images = _decode_images([f for f, _ in train_files + held_files])
     labels = np.asarray([label for _, label in train_files + held_files], np.int64)
     n = len(train_files)
-    whole = ImageDataset(
-        images, labels, len(classes), f"{root.name}/train", *_placeholder_stats(images)
-    )
-    if held_out_dirs:
-        train = whole.subset(np.arange(n), f"{root.name}/train")
-        held_out = whole.subset(np.arange(n, len(whole)), f"{root.name}/{held_out_dirs[0].name}")
-        source = f"{held_out_dirs[0].name}/"
+    train_name = f"{root.name}/train" if train_dir != root else root.name
+    whole = ImageDataset(images, labels, len(classes), train_name, *_placeholder_stats(images))
+    if held_dir is not None:
+        train = whole.subset(np.arange(n), train_name)
+        held_out = whole.subset(np.arange(n, len(whole)), f"{root.name}/{held_dir.name}")
+        source = f"{held_dir.name}/"
     else:
-        train, held_out = _holdout(whole, holdout_fraction, root)
-        source = f"{holdout_fraction:.0%} of train/ (a fixed random choice; --holdout-fraction)"
+        fraction = DEFAULT_HOLDOUT_FRACTION if holdout_fraction is None else holdout_fraction
+        train, held_out = _holdout(whole, fraction, root)
+        of = "train/" if train_dir != root else f"{root.name}/"
+        source = f"{fraction:.0%} of {of} (a fixed random choice; --holdout-fraction)"
     train, held_out = _normalised(train, held_out)
-    return LoadedData("folder", train, held_out, source)
+    return LoadedData("folder", train, held_out, source, tuple(classes))
+
+
+def _layout(root: Path) -> tuple[Path, Path | None]:
+    """(the folder of the training classes, the held-out folder or None) of an image folder;
+    refuses a held-out folder without ``train/``."""
+    if (root / "train").is_dir():
+        # With both, val/ is evaluated on while training and test/ is left alone for later.
+        held = [root / h for h in HELD_OUT_FOLDERS if (root / h).is_dir()]
+        return root / "train", (held[0] if held else None)
+    held = [h for h in HELD_OUT_FOLDERS if (root / h).is_dir()]
+    if held:
+        others = [p.name + "/" for p in _subfolders(root) if p.name not in held]
+        besides = f" (beside {', '.join(others[:8])})" if others else ""
+        raise DatasetError(
+            f"{root} has {' and '.join(h + '/' for h in held)} but no train/ folder{besides}; "
+            f"expected {EXPECTED_LAYOUT}"
+        )
+    return root, None
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    """The folders in ``folder``, sorted by name; hidden ones (``.ipynb_checkpoints``) are
+    not classes."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _holds_an_image(folder: Path) -> bool:
+    return any(_is_image(p) and p.is_file() for p in folder.rglob("*"))
+
+
+def _is_image(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_SUFFIXES and not path.name.startswith(".")
 
 
 def _class_names(folder: Path) -> list[str]:
-    """The class folders in ``folder``, sorted by name; hidden ones (``.ipynb_checkpoints``)
-    are not classes."""
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """The class folders in ``folder``, sorted by name."""
+    return [p.name for p in _subfolders(folder)]
 
 
 def _class_files(
@@ -97,11 +140,7 @@ def _class_files(
     """(image file, class index) for every image below ``folder/<class>``, sorted."""
     files: list[tuple[Path, int]] = []
     for name in present:
-        found = sorted(
-            p
-            for p in (folder / name).rglob("*")
-            if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file()
-        )
+        found = sorted(p for p in (folder / name).rglob("*") if _is_image(p) and p.is_file())
         if not found:
             raise DatasetError(
                 f"class folder {folder / name} holds no images "

@@ -28,7 +28,8 @@ def load_npz(path: str | os.PathLike, holdout_fraction: float | None = None) -> 
     ``x, y`` (``holdout_fraction`` of it is held out, :data:`DEFAULT_HOLDOUT_FRACTION` by
     default). Images are (N, C, H, W) or (N, H, W, C) (the channel axis is the one of size 1
     to 4), or (N, H, W) for one channel; uint8 pixels, or floats (kept as float32). Labels are
-    (N,) non-negative integers; the classes are ``0..max label``.
+    (N,) non-negative integers; the classes are ``0..max label``, or, when the file also holds
+    ``class_names`` (a 1-D array of strings, class ``i``'s name at ``i``), one per name.
     """
     path = Path(path)
     if not path.is_file():
@@ -49,6 +50,7 @@ def load_npz(path: str | os.PathLike, holdout_fraction: float | None = None) -> 
                     f"{path} holds arrays {', '.join(sorted(keys)) or '(none)'}; expected "
                     f"x_train, y_train, x_test and y_test, or x and y"
                 )
+            names = _npz_class_names(archive, path) if "class_names" in keys else None
     except DatasetError:
         raise
     except ValueError as e:  # an object array: numpy would have to unpickle it
@@ -58,7 +60,7 @@ def load_npz(path: str | os.PathLike, holdout_fraction: float | None = None) -> 
     if "x" in arrays:
         x, y = _npz_images(arrays["x"], path, "x"), _npz_labels(arrays["y"], path, "y")
         _same_count(x, y, path, "x", "y")
-        classes = int(y.max()) + 1 if y.size else 1
+        classes = _class_count(names, path, y)
         whole = ImageDataset(x, y, classes, path.name, *_placeholder_stats(x))
         fraction = DEFAULT_HOLDOUT_FRACTION if holdout_fraction is None else holdout_fraction
         train, held_out = _holdout(whole, fraction, path)
@@ -79,14 +81,14 @@ def load_npz(path: str | os.PathLike, holdout_fraction: float | None = None) -> 
                 f"{path}: x_test images are {xt.dtype} {xt.shape[1:]} but x_train's are "
                 f"{x.dtype} {x.shape[1:]}; expected the same shape and type"
             )
-        classes = int(max(y.max(initial=0), yt.max(initial=0))) + 1
+        classes = _class_count(names, path, y, yt)
         train = ImageDataset(x, y, classes, path.name, *_placeholder_stats(x))
         held_out = ImageDataset(xt, yt, classes, f"{path.name} test", *_placeholder_stats(x))
         source = "x_test, y_test"
     if not len(train):
         raise DatasetError(f"{path}: the training set is empty")
     train, held_out = _normalised(train, held_out)
-    return LoadedData("npz", train, held_out, source)
+    return LoadedData("npz", train, held_out, source, names)
 
 
 def _npz_images(x: np.ndarray, path: Path, key: str) -> np.ndarray:
@@ -132,6 +134,28 @@ def _npz_labels(y: np.ndarray, path: Path, key: str) -> np.ndarray:
     if y.size and y.min() < 0:
         raise DatasetError(f"{path}: {key} holds label {y.min()}; labels must be >= 0")
     return y.astype(np.int64)
+
+
+def _npz_class_names(archive, path: Path) -> tuple[str, ...]:
+    names = archive["class_names"]
+    if names.ndim != 1 or names.dtype.kind != "U" or not names.size:
+        raise DatasetError(
+            f"{path}: class_names is {names.dtype} of shape {names.shape}; expected a 1-D array "
+            "of strings, class i's name at i"
+        )
+    return tuple(str(n) for n in names)
+
+
+def _class_count(names: tuple[str, ...] | None, path: Path, *labels: np.ndarray) -> int:
+    """The number of classes: one per name, else ``0..max label``."""
+    top = max(int(y.max(initial=0)) for y in labels)
+    if names is None:
+        return top + 1
+    if top >= len(names):
+        raise DatasetError(
+            f"{path}: label {top} but {len(names)} class_names; expected one name per class"
+        )
+    return len(names)
 
 
 def _same_count(x: np.ndarray, y: np.ndarray, path: Path, xkey: str, ykey: str) -> None:

@@ -448,6 +448,22 @@ def test_cifar100_uses_the_fine_labels(tmp_path: Path, where: str) -> None:
     np.testing.assert_array_equal(loaded.held_out.labels, batches["test"][b"fine_labels"])
     np.testing.assert_array_equal(loaded.held_out.images.reshape(4, -1), batches["test"][b"data"])
     assert len(load_cifar100(path, "test")) == 4
+    # The published names, in label order (what the official meta file lists).
+    names = loaded.class_names
+    assert len(names) == 100 and names[:3] == ("apple", "aquarium_fish", "baby")
+    assert names[-1] == "worm" and list(names) == sorted(names)
+
+
+def test_cifar10_names_its_classes(tmp_path: Path) -> None:
+    _write_cifar(tmp_path)
+    names = load_dataset("cifar10", tmp_path).class_names
+    assert names == ("airplane", "automobile", "bird", "cat", "deer") + (
+        "dog",
+        "frog",
+        "horse",
+        "ship",
+        "truck",
+    )
 
 
 def test_cifar100_labels_out_of_range_and_missing_fine_labels(tmp_path: Path) -> None:

@@ -144,14 +144,11 @@ def test_images_of_two_sizes_are_refused_naming_both(tmp_path: Path) -> None:
         (lambda r: (r / "val" / "emu").mkdir(), "val has class folder(s) emu that train/ lacks"),
         (lambda r: (r / "train" / "cat" / "000.png").write_bytes(b"nope"), "000.png: cannot"),
         (
-            lambda r: (
-                [p.rename(r / "other" / p.name) for p in (r / "val").iterdir()]
-                and (r / "val").rmdir()
-            ),
-            "no val/ or test/ folder; add one, or give --holdout",
+            lambda r: (r / "train").rename(r / "training"),
+            "has val/ but no train/ folder (beside other/, training/); expected one folder",
         ),
     ],
-    ids=["empty-class", "unknown-class", "not-an-image", "no-held-out"],
+    ids=["empty-class", "unknown-class", "not-an-image", "no-train"],
 )
 def test_a_bad_image_folder_is_refused_naming_the_problem(tmp_path: Path, damage, message):
     root = tmp_path / "d"
@@ -295,7 +292,7 @@ def test_inference_refuses_what_it_does_not_know_naming_what_it_looked_for(tmp_p
             infer_dataset(path)
         message = str(info.value)
         assert str(path) in message and found in message
-        assert "cifar-10-python.tar.gz" in message and "train/ and val/" in message
+        assert "cifar-10-python.tar.gz" in message and "ROOT/<class>/<image>" in message
 
 
 def test_a_tar_of_something_else_is_refused(tmp_path: Path) -> None:
@@ -411,7 +408,7 @@ def test_the_whole_held_out_set_is_evaluated_by_default(tmp_path: Path) -> None:
         (["--dataset", "synthetic", "--data-dir", "{d}"], "synthetic dataset reads no files"),
         (["--dataset", "npz"], "the npz dataset needs --data-dir"),
         (["--data-dir", "{d}/train/ant/000.png"], "000.png is a file but neither"),
-        (["--data-dir", "{d}/train"], "cannot tell which dataset"),
+        (["--data-dir", "{d}/train/ant"], "cannot tell which dataset"),  # no class folders
         (
             ["--data-dir", "{d}", "--preset", "{d}-10.json"],
             "-10.json gives 10 outputs from its last layer (fc), but "
@@ -425,7 +422,7 @@ def test_the_whole_held_out_set_is_evaluated_by_default(tmp_path: Path) -> None:
         "synthetic-dir",
         "no-dir",
         "png-file",
-        "class-dir",
+        "image-dir",
         "classes",
         "no-data",
         "fraction",
