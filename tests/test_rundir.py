@@ -20,7 +20,13 @@ import pytest
 from hetconv.cli import main
 from hetconv.simulations.trace import read_records, step_bytes
 from hetconv.training.metrics import FIXED_COLUMNS, read_metrics
-from hetconv.training.rundir import MetricsCsv, read_config, toml_value, write_config
+from hetconv.training.rundir import (
+    MetricsCsv,
+    RunDir,
+    read_config,
+    toml_value,
+    write_config,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -156,6 +162,20 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_folder(tmp_path, capsy
     assert main([*args, "--load", str(tmp_path / "missing.npz")]) == 2
     assert "missing.npz" in capsys.readouterr().err
     assert not (tmp_path / "broken").exists()
+
+
+@pytest.mark.parametrize("steps", [0, 1])
+def test_a_folder_is_discarded_only_while_its_trace_holds_no_step(tmp_path, steps):
+    """A run that failed after its plan record but before its first step leaves nothing."""
+    run = RunDir(tmp_path, "r")
+    assert run.make()
+    run.config.write_text('[run]\nname = "r"\n')
+    run.metrics.write_text("step,loss\n")
+    records = [{"event": "plan", "start_step": 0}] + [{"step": i} for i in range(steps)]
+    run.trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run.checkpoints.mkdir()
+    run.discard_if_empty()
+    assert run.path.exists() == bool(steps)
 
 
 def test_load_and_evaluate_take_a_model_a_checkpoint_or_a_run(local_run, tmp_path, capsys):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import os
 import re
@@ -117,14 +118,13 @@ class RunDir:
 
     def discard_if_empty(self) -> None:
         """Remove the folder of a run that failed before its first step: nothing in it but
-        its config, an empty trace, a metrics header, empty checkpoints/ and tensorboard/."""
+        its config, a trace of no step (its plan record at most), a metrics header, empty
+        checkpoints/ and tensorboard/ (so the same ``--name`` can be tried again)."""
         try:
             lines = self.metrics.read_text(encoding="utf-8").count("\n")
         except OSError:
             lines = 0
-        if lines > 1 or self.model.exists():
-            return
-        if self.trace.is_file() and self.trace.stat().st_size:
+        if lines > 1 or self.model.exists() or _trace_has_a_step(self.trace):
             return
         if self.checkpoints.is_dir() and any(self.checkpoints.iterdir()):
             return
@@ -208,6 +208,24 @@ class RunFolderConfig:
             return None
         # resume with checkpoint_dir alone continues those checkpoints in a new run folder.
         return RunDir.choose(self.root, self.name, resume=self.resume and bool(self.name))
+
+
+def _trace_has_a_step(path: Path) -> bool:
+    """Whether the trace at ``path`` holds a step's record (one with ``step``), or anything
+    that cannot be read as records (kept: it is not known to be empty)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if not isinstance(record, dict) or "step" in record:
+                    return True
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return False
 
 
 def find_run(path: str | os.PathLike) -> Path | None:
