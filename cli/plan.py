@@ -7,9 +7,17 @@ import argparse
 
 from hetconv.argtypes import positive_float, positive_int
 from hetconv.simulations.plan import DESCRIPTION, run
+from hetconv.training import TrainConfig
 
 from .common import HelpFormatter
 from .modes import add_mode_flags, add_model_flag
+
+#: Which GFLOPS figure --master and --worker take (the same probe the worker prints at start).
+PROBE_FIGURE = (
+    "the GFLOPS `hetconv devices` prints for its device (the probe: paper-50-500's C2 at batch "
+    "8, forward and backward), measured on an otherwise idle machine; `hetconv worker` prints "
+    "the same probe at start, lower when other work shares its cores"
+)
 
 
 def _device(text: str) -> tuple[float, float | None]:
@@ -31,18 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", nargs="?", metavar="SCENARIO",
                         help="a shipped scenario's name or a .toml file (instead of --master "
                         "and --worker)")  # fmt: skip
-    add_model_flag(parser, "paper-50-500")
-    parser.add_argument("--batch", type=positive_int, default=16,
-                        help="images per step (default 16)")  # fmt: skip
+    # train's defaults, so that a plan without them describes the run `hetconv train` makes
+    add_model_flag(parser, TrainConfig.preset)
+    parser.add_argument("--batch", type=positive_int, default=TrainConfig.batch,
+                        help="images per step, as `hetconv train --batch`")  # fmt: skip
     parser.add_argument("--nodes", type=positive_int,
                         help="with a scenario: the master and this many - 1 of its workers "
                         "(default: every listed one)")  # fmt: skip
     parser.add_argument("--master", type=positive_float, metavar="GFLOPS",
-                        help="the master's convolution speed")  # fmt: skip
+                        help=f"the master's convolution speed: {PROBE_FIGURE}")  # fmt: skip
     parser.add_argument("--worker", type=_device, action="append", default=[],
                         metavar="GFLOPS[@MBIT]",
-                        help="a worker's speed, and its own link when it differs (repeat per "
-                        "worker)")  # fmt: skip
+                        help=f"a worker's convolution speed ({PROBE_FIGURE}), and its own link "
+                        "when it differs (repeat per worker)")  # fmt: skip
     add_mode_flags(
         parser,
         {"network": None},

@@ -1,6 +1,6 @@
-"""``hetconv simulate``: its flags (the mode flags from :mod:`.modes`, with the paper's modes
-as defaults) and :func:`main`, the command alone (``python -m hetconv.cli.simulate``); what it
-runs is :func:`hetconv.simulations.cli.run`."""
+"""``hetconv simulate``: its flags (the mode flags from :mod:`.modes`, with ``hetconv train``'s
+defaults, and ``--paper-modes`` for the paper's) and :func:`main`, the command alone (``python
+-m hetconv.cli.simulate``); what it runs is :func:`hetconv.simulations.cli.run`."""
 
 from __future__ import annotations
 
@@ -8,34 +8,31 @@ import argparse
 import sys
 
 from hetconv.argtypes import positive
-from hetconv.simulations.cli import DESCRIPTION, POLICIES, run
+from hetconv.simulations.cli import DESCRIPTION, PAPER_MODES, POLICIES, run
 
 from .common import HelpFormatter
-from .modes import SIMULATE_DEFAULTS, add_mode_flags, add_model_flag
+from .modes import TRAIN_DEFAULTS, add_mode_flags, add_model_flag
 
 MAX_NODES = 4096
 
-#: The mode flags' choices here, in the order simulate has always listed them (no auto
-#: replication: the simulator predicts a named one).
+#: The mode flags simulate takes; their defaults are train's, so that a prediction describes
+#: the run `hetconv train` makes (a test keeps them equal).
+MODE_DESTS = ("stages", "kernels", "replicate", "overlap", "head")
+DEFAULTS = {**{dest: TRAIN_DEFAULTS[dest] for dest in MODE_DESTS}, "wire_format": None}
+#: The mode flags' choices here, in the order simulate has always listed them.
 _CHOICES = {
     "stages": ("unfused", "fused", "auto"),
     "kernels": ("sent", "resident", "auto"),
-    "replicate": ("off", "first", "split", "split_all"),
+    "replicate": ("off", "first", "split", "split_all", "auto"),
     "overlap": ("off", "on", "auto"),
     "head": ("master", "split", "auto"),
 }
-#: What simulate adds to the mode flags' meaning: its defaults are the paper's.
+#: What simulate adds to the mode flags' meaning.
 _NOTES = {
     "wire_format": "replaces the scenario's [wire] format; default float32",
-    "stages": "the default here is the paper's, so predictions compare with the paper's; auto "
-    "is what `hetconv train` does by default. The master's other work (comp) is as the "
-    "scenario or trace says, in every mode",
-    "kernels": "resident counts halo kernels out, edge kernels back and a sync every 20 steps; "
-    "the default here is the paper's; auto is what `hetconv train` does by default",
-    "replicate": "the default here is the paper's; split's shares are planned as for first",
-    "overlap": "the default here is the paper's; auto is what `hetconv train` does by default",
-    "head": "the default here is the paper's; auto, what `hetconv train` does by default, "
-    "splits it",
+    "stages": "the master's other work (comp) is as the scenario or trace says, in every mode",
+    "kernels": "resident counts halo kernels out, edge kernels back and a sync every 20 steps",
+    "replicate": "split's shares are planned as for first",
 }
 
 
@@ -94,7 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scenarios on both sides of an option (:func:`main` and ``hetconv simulate`` do).
     """
     _add_cluster(parser)
-    add_mode_flags(parser, SIMULATE_DEFAULTS, choices=_CHOICES, notes=_NOTES)
+    add_mode_flags(parser, DEFAULTS, choices=_CHOICES, notes=_NOTES)
+    parser.add_argument(
+        "--paper-modes",
+        action="store_true",
+        help="predict the reference paper's way of running instead of `hetconv train`'s "
+        "defaults: "
+        + " ".join(f"--{dest} {mode}" for dest, mode in PAPER_MODES.items())
+        + " (a mode flag beside it is refused)",
+    )
     _add_outputs(parser)
 
 

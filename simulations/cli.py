@@ -11,6 +11,7 @@ import argparse
 import csv
 import json
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,6 +55,8 @@ def _describe_comp(scenario, networks) -> str:
             shown.append(f"{network} {per_image:g} ms/image (hetconv's numpy, measured here)")
         elif figure.conv_fraction is not None:
             shown.append(f"{network} {100 * (1 - figure.conv_fraction):.1f} % of a local step")
+        elif figure.how:
+            shown.append(f"{network} {figure.how}")
         else:
             fixed = f" + {1e3 * figure.fixed_s:g} ms" if figure.fixed_s else ""
             shown.append(f"{network} {1e3 * (figure.per_image_s or 0):g} ms/image{fixed}")
@@ -156,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     from .scenario import shipped_scenarios
     from .sweep import format_bandwidth_checks, format_table, run_scenario
 
-    if args.replicate != "off" and args.stages == "unfused":
+    _paper_modes(args)
+    if args.replicate not in ("off", "auto") and args.stages == "unfused":
         raise ValueError(
             f"--replicate {args.replicate} feeds the second layer, which must run fused: add "
             "--stages fused (or auto)"
@@ -216,6 +220,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``--paper-modes``: the reference paper's modes (convolutions only, kernels sent every step),
+#: in place of ``hetconv train``'s defaults.
+PAPER_MODES = {
+    "stages": "unfused",
+    "kernels": "sent",
+    "replicate": "off",
+    "overlap": "off",
+    "head": "master",
+}
+
+
+def _paper_modes(args: argparse.Namespace) -> None:
+    """With ``--paper-modes``, the paper's modes in ``args``; a mode flag given beside it (one
+    not at ``hetconv train``'s default, auto) is refused."""
+    if not getattr(args, "paper_modes", False):
+        return
+    given = [
+        f"--{dest} {getattr(args, dest)}"
+        for dest, mode in PAPER_MODES.items()
+        if getattr(args, dest) not in ("auto", mode)
+    ]
+    if given:
+        raise ValueError(
+            f"--paper-modes sets the paper's modes; drop {', '.join(given)} or --paper-modes"
+        )
+    for dest, mode in PAPER_MODES.items():
+        setattr(args, dest, mode)
+
+
 def _scenarios(args: argparse.Namespace) -> list:
     """The scenarios to run: those named, calibrated from ``--from-trace`` when given, with
     the wire format and comp basis the arguments ask for."""
@@ -237,6 +270,11 @@ def _scenarios(args: argparse.Namespace) -> list:
         scenarios = [replace(s, wire=replace(s.wire, **wire)) for s in scenarios]
     if args.comp == "paper":
         scenarios = [s.with_paper_comp(args.network or s.networks) for s in scenarios]
+    else:  # a network without a figure (a .json spec, an .onnx graph): measured here
+        from .comptime import with_measured_comp
+
+        log = None if args.quiet else sys.stdout
+        scenarios = [with_measured_comp(s, args.network or s.networks, log) for s in scenarios]
     return scenarios
 
 

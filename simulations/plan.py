@@ -19,6 +19,7 @@ others; when one machine alone is predicted fastest, the plan says so plainly.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -86,12 +87,24 @@ class Candidate:
         }
 
 
+def train_command(network: str, batch: int, workers: int, flags: str = "") -> str:
+    """The ``hetconv train`` command line that trains ``network`` at ``batch`` on a cluster of
+    ``workers`` workers (0: ``--local``), one ``--worker HOST:PORT`` placeholder each, then
+    ``flags``."""
+    words = ["hetconv train", f"--model {shlex.quote(network)}", f"--batch {batch}"]
+    words += ["--worker HOST:PORT"] * workers if workers else ["--local"]
+    return " ".join(words + ([flags] if flags else []))
+
+
 def candidates(cluster: SimCluster, network: str, batch: int, comp_s: float) -> list[Candidate]:
     """Every strategy on ``cluster`` for ``network`` at ``batch`` (``comp_s``: the master's
-    non-convolutional seconds of a step), fastest first."""
+    non-convolutional seconds of a step), fastest first; each hetconv strategy's ``how`` is
+    the command that runs it (:func:`train_command`), one ``--worker`` per worker."""
     layers = network_layers(network, batch)
     alone = local_step_seconds(cluster.master, layers, comp_s)
-    out = [Candidate("one machine", ONE_MACHINE, alone, 1.0, 0.0, True, "hetconv train --local")]
+    local = train_command(network, batch, 0)
+    out = [Candidate("one machine", ONE_MACHINE, alone, 1.0, 0.0, True, local)]
+    workers = len(cluster.workers)
     if cluster.workers:
         for label, stages, kernels, replicate, overlap, head, policy, fmt, flags in MODES:
             if replicate != "off" and len(layers) < 2:
@@ -108,7 +121,7 @@ def candidates(cluster: SimCluster, network: str, batch: int, comp_s: float) -> 
                     alone / got.step_s,
                     got.bytes / 1e6,
                     fmt is FLOAT32,
-                    f"hetconv train {flags}",
+                    train_command(network, batch, workers, flags),
                     got.workers_used(),
                 )
             )
@@ -214,7 +227,7 @@ def described_scenario(args):
     --master and --worker)."""
     import dataclasses
 
-    from .scenario import CompFigure, DeviceSpec, Scenario, load_scenario
+    from .scenario import DEFAULT_COMP_MS_PER_IMAGE, CompFigure, DeviceSpec, Scenario, load_scenario
 
     fabric = {"switched": "switched", "wifi": "wifi"}.get(args.network or "")
     if args.scenario:
@@ -245,6 +258,9 @@ def described_scenario(args):
         for name, figure in here.comp.items()
         if figure.per_image_s is not None
     }
+    measured = args.preset not in comp and args.preset not in DEFAULT_COMP_MS_PER_IMAGE
+    if measured:  # the user's own network: its share of a local step here, at the master's
+        comp[args.preset] = _measured_share(args.preset)
     workers = tuple(
         DeviceSpec(f"worker-{i + 1}", gflops, {}, mbit)
         for i, (gflops, mbit) in enumerate(args.worker)
@@ -265,19 +281,57 @@ def described_scenario(args):
         layer_efficiency={"conv1": 0.2},  # a 3-channel first layer runs far below peak
         wire=here.wire,
     )
-    note = (
-        f"the master's non-convolutional work: this machine's, measured, scaled by "
-        f"{HERE_GFLOPS:g} / {args.master:g} GFLOPS; a first layer's convolution at 0.2 of a "
-        "device's GFLOPS"
-    )
+    if measured:
+        how = comp[args.preset].how
+        note = (
+            f"the master's non-convolutional work: {how}, held at the master's convolution "
+            "time; a first layer's convolution at 0.2 of a device's GFLOPS"
+        )
+    else:
+        note = (
+            f"the master's non-convolutional work: this project's machine's, measured, scaled "
+            f"by {HERE_GFLOPS:g} / {args.master:g} GFLOPS; a first layer's convolution at 0.2 "
+            "of a device's GFLOPS"
+        )
     return scenario, note
+
+
+def _measured_share(network: str):
+    """``network``'s non-convolutional time as a share of its local step, measured here
+    (:func:`~.comptime.measure_comp`), so that a described master's figure follows its
+    convolution speed as this machine's follows this machine's."""
+    from .comptime import measure_comp
+    from .scenario import CompFigure
+
+    got = measure_comp(network)
+    fraction = got.conv_per_image_s / (got.conv_per_image_s + got.per_image_s)
+    how = (
+        f"{network} {got.describe()} (convolutions {100 * fraction:.0f} % of the local step there)"
+    )
+    return CompFigure(conv_fraction=fraction, how=how)
+
+
+def _placeholders(workers: int) -> str:
+    """What the commands' ``--worker HOST:PORT`` placeholders stand for."""
+    return (
+        f"the command names one --worker HOST:PORT per worker of this cluster ({workers}): put "
+        "each worker's address there (`hetconv worker` prints it: `masters use: ...`), or "
+        "replace them with --discover to find the workers on the LAN"
+    )
 
 
 def run(args) -> int:
     import json
     from pathlib import Path
 
+    from .comptime import with_measured_comp
+
     scenario, note = described_scenario(args)
+    if note is None:  # a named scenario: a network without a figure is measured here
+        scenario = with_measured_comp(scenario, [args.preset])
+        figure = scenario.comp.get(args.preset)
+        if figure is not None and figure.how:
+            note = f"the master's non-convolutional work: {args.preset} {figure.how}"
     nodes = args.nodes or scenario.max_nodes() or 1 + len(scenario.workers)
     cluster = scenario.cluster(nodes)
     layers = network_layers(args.preset, args.batch)
@@ -292,6 +346,8 @@ def run(args) -> int:
     if note:
         print(f"  {note}")
     print(format_plan(ranked))
+    if ranked[0].kind == "hetconv":
+        print(_placeholders(nodes - 1))
     print(verdict(ranked))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

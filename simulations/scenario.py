@@ -149,6 +149,7 @@ class CompFigure:
     per_image_s: float | None = None
     fixed_s: float = 0.0
     conv_fraction: float | None = None
+    how: str = ""  # where the figure comes from, when not a scenario file (said in its output)
 
     def seconds(self, batch: int, local_conv_s: float) -> float:
         if self.conv_fraction is not None:

@@ -378,7 +378,7 @@ def test_model_names_the_network_in_every_command_and_preset_is_its_other_name(t
         args = parser.parse_args(["simulate", flag, "a.onnx,paper-50-500"])
         assert args.network == ["a.onnx", "paper-50-500"]
     assert parser.parse_args(["train"]).preset == "tiny"
-    assert parser.parse_args(["plan"]).preset == "paper-50-500"
+    assert parser.parse_args(["plan"]).preset == "tiny"  # train's default
 
 
 def test_a_runs_config_keeps_the_network_under_preset(tmp_path):

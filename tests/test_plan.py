@@ -67,3 +67,66 @@ def test_bad_descriptions_are_refused_naming_why(argv, message, capsys):
         status = e.code
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+# -- any model, train's defaults, a command to paste ---------------------------------------------
+
+SPEC = [
+    {"type": "conv", "out": 8, "kernel": 3, "padding": 1},
+    {"type": "relu"},
+    {"type": "maxpool", "kernel": 2},
+    {"type": "conv", "out": 16, "kernel": 3, "padding": 1},
+    {"type": "relu"},
+    {"type": "fc", "out": 5},
+]
+
+
+@pytest.fixture
+def own_spec(tmp_path):
+    path = tmp_path / "my.json"
+    path.write_text(json.dumps(SPEC))
+    return str(path)
+
+
+def test_a_json_model_is_planned_its_other_work_measured_here(tmp_path, capsys, own_spec):
+    rows, text = _plan(tmp_path, capsys, *LAPTOPS, "--model", own_spec)
+    assert {r["kind"] for r in rows} == {"hetconv", "data-parallel", "one machine"}
+    assert f"plan for {own_spec} at batch 32" in text
+    assert "measured here just now" in text and "no non-convolutional time" not in text
+    # a named scenario measures it alike (its machines' figures are this one's, as for presets)
+    rows, text = _plan(tmp_path, capsys, "gigabit-lan", "--nodes", "2", "--model", own_spec)
+    assert f"{own_spec} measured here just now" in text
+    assert rows[0]["step_s"] > 0
+
+
+def test_plan_defaults_are_trains():
+    from hetconv.cli import build_parser
+    from hetconv.training import TrainConfig
+
+    parser = build_parser()
+    train = parser.parse_args(["train"])
+    plan = parser.parse_args(["plan"])
+    assert (plan.preset, plan.batch) == (train.preset, train.batch)
+    assert (plan.preset, plan.batch) == (TrainConfig.preset, TrainConfig.batch)
+
+
+def test_the_fastest_command_names_each_worker_of_the_cluster(tmp_path, capsys):
+    rows, text = _plan(tmp_path, capsys, *LAPTOPS, "--bandwidth", "60", "--model", "paper-50-500")
+    assert rows[0]["kind"] == "hetconv"
+    verdict = next(line for line in text.splitlines() if line.startswith("fastest:"))
+    assert rows[0]["how"] in verdict
+    assert rows[0]["how"].startswith("hetconv train --model paper-50-500 --batch 32 ")
+    for r in rows:
+        if r["kind"] == "hetconv":  # two workers described: two placeholders, never none
+            assert r["how"].count("--worker HOST:PORT") == 2 and "--local" not in r["how"]
+        elif r["kind"] == "one machine":
+            assert "--local" in r["how"] and "--worker" not in r["how"]
+    assert "one --worker HOST:PORT per worker of this cluster (2)" in text
+    assert "--discover" in text
+
+
+def test_worker_help_says_which_gflops_figure(capsys):
+    with pytest.raises(SystemExit):
+        hetconv_main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the GFLOPS `hetconv devices` prints" in text and "otherwise idle machine" in text

@@ -279,3 +279,49 @@ def test_breakdown_figure_is_report_sized_on_a_log_axis_with_every_bar_visible(s
         ]
     finally:
         plt.close(fig)
+
+
+# -- any model, train's modes --------------------------------------------------------------------
+
+
+def test_a_json_model_gets_its_other_work_measured_here(tmp_path, capsys):
+    spec = tmp_path / "my.json"
+    spec.write_text(
+        json.dumps(
+            [
+                {"type": "conv", "out": 8, "kernel": 3, "padding": 1},
+                {"type": "relu"},
+                {"type": "maxpool", "kernel": 2},
+                {"type": "conv", "out": 16, "kernel": 3, "padding": 1},
+                {"type": "fc", "out": 4},
+            ]
+        )
+    )
+    rows = tmp_path / "rows.json"
+    argv = ["this-machine", "--model", str(spec), "--nodes", "1..2", "--batch", "16"]
+    assert simulate_main([*argv, "--json", str(rows)]) == 0
+    out = capsys.readouterr().out
+    assert f"measuring {spec}'s non-convolutional time here" in out
+    assert f"{spec} measured here just now" in out  # the assumptions name where comp came from
+    assert all(r["comp_s"] > 0 for r in json.loads(rows.read_text()))
+
+
+def test_simulate_defaults_to_trains_modes():
+    parser = build_parser()
+    train = parser.parse_args(["train"])
+    simulate = parser.parse_args(["simulate", "cpu-cluster"])
+    for dest in ("stages", "kernels", "replicate", "overlap", "head", "wire_format"):
+        assert getattr(simulate, dest) in (getattr(train, dest), None), dest
+    assert simulate.wire_format is None  # the scenario's [wire] format, float32 unless it says
+    assert simulate.stages == "auto" and not simulate.paper_modes
+
+
+def test_paper_modes_sets_the_papers_and_refuses_a_mode_beside_it(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert simulate_main(["cpu-cluster", "--nodes", "2", *FAST, "--paper-modes", "--json",
+                          str(out)]) == 0  # fmt: skip
+    (row,) = [r for r in json.loads(out.read_text()) if r["policy"] == "compute"]
+    assert (row["stages"], row["kernels"], row["replicate"], row["overlap"], row["head"]) == (
+        "unfused", "sent", "off", "off", "master")  # fmt: skip
+    assert simulate_main(["cpu-cluster", *FAST, "--paper-modes", "--stages", "fused"]) == 2
+    assert "--paper-modes sets the paper's modes; drop --stages fused" in capsys.readouterr().err
