@@ -208,7 +208,8 @@ def _add_data(data: argparse._ArgumentGroup) -> None:
         choices=["synthetic", "cifar10", "cifar100", "folder", "npz", "auto"],
         help="what --data-dir holds (default: inferred from it; synthetic without it, an "
         "offline CIFAR-shaped set): cifar10/cifar100 = the official python-version tarball "
-        "or the folder it extracts to; folder = train/<class>/<image> and val/ (or test/); "
+        "or the folder it extracts to; folder = <class>/<image> (torchvision's ImageFolder), "
+        "or train/<class>/<image> with val/ or test/ or neither; "
         "npz = arrays x_train, y_train, x_test, y_test (or x, y)",
     )
     data.add_argument(
@@ -223,8 +224,8 @@ def _add_data(data: argparse._ArgumentGroup) -> None:
         type=positive_float,
         metavar="F",
         help="hold out this fraction of the training data for evaluation, for data without "
-        "a held-out part of its own (an .npz of x and y: 0.1 by default; a folder with only "
-        "train/)",
+        "a held-out part of its own (an .npz of x and y, an image folder without val/ or "
+        "test/): 0.1 by default",
     )
 
 
