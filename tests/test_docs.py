@@ -4,6 +4,7 @@ fits on a screen or so."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 import unicodedata
@@ -180,3 +181,138 @@ def test_the_link_and_command_checks_catch_what_they_should(tmp_path):
     assert argvs == [["train", "--steps", "3", "--batch", "8"], ["plan", "--nodes", "2"]]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--no-such-flag"])
+
+
+# -- statements the code could contradict ---------------------------------------------------------
+
+#: Where the pages say a flag's default: "`--network auto`, the default", "(`--backend auto`,
+#: the worker's default)" (not "`--overlap on` (the default, `auto`, ...)", which names it).
+_FLAG_DEFAULT = re.compile(
+    r"`(?:hetconv (?P<command>\w+) )?(?P<flag>--[\w-]+) (?P<value>[^`\s]+)`,?\s+\(?"
+    r"the (?:(?P<whose>\w+)'s )?default\b(?!, `)"
+)
+#: Other statements of a default in words: (pattern, command, flag, words -> the value).
+_WORDED_DEFAULTS = [
+    (r"default (\d+) steps", "train", "--steps", int),
+    (r"trains the `([\w-]+)` network", "train", "--model", str),
+    (r"starts (two|three|four|\d+) local worker", "train", "--local-workers", "number"),
+    (r"`hetconv worker`[^.]*?serves on ([\d.]+:\d+)|# serves on ([\d.]+:\d+)", "worker",
+     "--listen", str),
+    (r"every (\d+)(?:st|nd|rd|th) step \(the default\)", "train", "--spot-check-every", int),
+    (r"hence the default of (\d+)", "train", "--spot-check-every", int),
+]  # fmt: skip
+_NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4}
+
+
+def _page_text(page: Path) -> str:
+    return " ".join(page.read_text(encoding="utf-8").split())  # lines joined
+
+
+def _resolved_defaults() -> dict[tuple[str, str], set[str]]:
+    """(command, flag) -> every value its default takes: the parser's, and for train's flags
+    resolved by the run (--shares, --rebalance-every, --steps ...) what the demo and a run on
+    named workers resolve and write into config.toml."""
+    import tempfile
+
+    from hetconv.cli.train import cluster_config_of, train_config
+    from hetconv.cli.train_config import write_run_config
+    from hetconv.master.spotcheck import SpotCheckConfig
+    from hetconv.training.rundir import read_config
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    values: dict[tuple[str, str], set[str]] = {}
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            for flag in action.option_strings:
+                values[(name, flag)] = {str(action.default)}
+    train = commands.choices["train"]
+    for workers in ([], ["127.0.0.1:50051"]):
+        args = parser.parse_args(["train", *(w for a in workers for w in ("--worker", a))])
+        train_config(args, None)
+        cluster_config_of(args, workers, None)
+        with tempfile.TemporaryDirectory() as folder:
+            write_run_config(Path(folder) / "config.toml", args)
+            recorded = read_config(Path(folder) / "config.toml")
+        for action in train._actions:
+            value = recorded.get(action.dest.replace("_", "-"))
+            for flag in action.option_strings:
+                if value is not None:
+                    values[("train", flag)].add(str(value))
+    values[("train", "--spot-check-every")].add(str(SpotCheckConfig().every))
+    return values
+
+
+def _stated_defaults(page: Path) -> list[tuple[str, str, str, str]]:
+    """(command, flag, value, the words) for each default the page states."""
+    text = _page_text(page)
+    found = []
+    for m in _FLAG_DEFAULT.finditer(text):
+        command = m.group("command") or m.group("whose") or "train"
+        found.append((command, m.group("flag"), m.group("value"), m.group(0)))
+    for pattern, command, flag, kind in _WORDED_DEFAULTS:
+        for m in re.finditer(pattern, text):
+            word = next(g for g in m.groups() if g)
+            value = _NUMBERS.get(word, word) if kind == "number" else kind(word)
+            found.append((command, flag, str(value), m.group(0)))
+    return found
+
+
+def test_the_defaults_the_pages_state_are_the_code_s():
+    resolved = _resolved_defaults()
+    wrong, stated = [], 0
+    for page in PAGES:
+        for command, flag, value, words in _stated_defaults(page):
+            stated += 1
+            if (command, flag) not in resolved:
+                wrong.append(f"{_page_id(page)}: {words!r}: hetconv {command} has no {flag}")
+            elif value not in resolved[(command, flag)]:
+                wrong.append(
+                    f"{_page_id(page)}: {words!r}: the default of hetconv {command} {flag} is "
+                    + " or ".join(sorted(resolved[(command, flag)]))
+                )
+    assert not wrong, "; ".join(wrong)
+    assert stated >= 8, f"only {stated} defaults found in the pages: has their wording changed?"
+
+
+#: The cuda backend's status: its tests passed on an NVIDIA H100 (docs/backends.md). A page
+#: that says it never ran on a GPU contradicts that.
+_NEVER_ON_A_GPU = re.compile(
+    r"(?:has not|hasn't|never|not yet)\s+(?:yet\s+)?(?:been\s+)?(?:run|tested|ran)\s+on\s+"
+    r"(?:a|any|an)\s+(?:real\s+)?(?:GPU|NVIDIA)",
+    re.I,
+)
+
+
+def test_no_page_says_the_cuda_backend_never_ran_on_a_gpu():
+    said = [
+        f"{_page_id(page)}: {m.group(0)!r}"
+        for page in PAGES
+        for m in _NEVER_ON_A_GPU.finditer(_page_text(page))
+    ]
+    assert not said, "the cuda backend's tests passed on an NVIDIA H100: " + "; ".join(said)
+    assert re.search(r"Tested on an NVIDIA H100: its tests pass", _page_text(ROOT / "docs" /
+                     "backends.md"))  # fmt: skip
+
+
+def test_the_statement_checks_catch_what_they_should(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`hetconv worker` serves on 0.0.0.0:50051. (`--network auto`, the default) and "
+        "`--overlap on` (the default, `auto`, turns it on). `--backend gpu` (the worker's "
+        "default). Trains the `tiny` network; default 400 steps. The cuda backend has not yet "
+        "run on a GPU.",
+        encoding="utf-8",
+    )
+    stated = {(c, f, v) for c, f, v, _ in _stated_defaults(page)}
+    assert stated == {
+        ("worker", "--listen", "0.0.0.0:50051"),
+        ("train", "--network", "auto"),
+        ("worker", "--backend", "gpu"),
+        ("train", "--steps", "400"),
+    }
+    resolved = _resolved_defaults()
+    assert "gpu" not in resolved[("worker", "--backend")]
+    assert "400" not in resolved[("train", "--steps")]
+    assert {"link", "compute"} <= resolved[("train", "--shares")]
+    assert _NEVER_ON_A_GPU.search(_page_text(page))
