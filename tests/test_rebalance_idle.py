@@ -1,0 +1,136 @@
+"""A worker left with no kernel is probed again and earns its work back (real worker processes).
+
+Two workers on loopback, one of which is slow while a flag file exists (its calls and its
+probes sleep). Its figures are scaled far up at step 1, as a drift far up leaves them (the
+``link`` policy then gives such a worker nothing; which drift does that depends on timing, so
+the test scales the figures itself), and the shares are planned again: it has no kernel. At
+step 2 it is normal again. It must be probed again (after step 3: ``rebalance_every`` steps
+after it fell idle), get kernels back, and be listed as idle in the trace meanwhile, never as
+lost. No assertion on any time: the probes on a busy machine say what they say, so "kernels
+back" is some kernel of some layer (the shares over the two workers and the master follow
+their fresh figures).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from hetconv.calls import READY as READY_LINE
+from hetconv.master.cluster import Cluster, ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.training import TrainConfig, train
+
+RUN = dict(steps=8, batch=8, train_size=64, eval_size=0, progress=False)
+
+SLOW_WORKER = """
+import os, sys, time
+from hetconv.backends import get_backend
+from hetconv.calls import READY
+from hetconv.worker.service import ConvWorkerService, start_server
+
+class Slow(ConvWorkerService):
+    def _slow(self):
+        if os.path.exists(sys.argv[1]):
+            time.sleep(0.05)
+
+    def forward(self, messages):
+        self._slow()
+        return super().forward(messages)
+
+    def backward(self, messages):
+        self._slow()
+        return super().backward(messages)
+
+    def probe(self, request, context):
+        self._slow()
+        return super().probe(request, context)
+
+server, address = start_server(Slow(get_backend("cpu")), "127.0.0.1:0")
+print(READY, address, flush=True)
+server.wait_for_termination()
+"""
+
+
+class Scripted(Cluster):
+    """A cluster that runs ``actions[step](cluster)`` at that step's boundary, first."""
+
+    def __init__(self, addresses, actions, **config):
+        super().__init__(addresses, config=ClusterConfig(**config))
+        self.actions = actions
+
+    def begin_step(self, step):
+        if step in self.actions:
+            self.actions[step](self)
+        super().begin_step(step)
+
+
+def _train(tmp_path, executor) -> list[dict]:
+    """Train on ``executor``; the trace's step records."""
+    trace = tmp_path / "trace.jsonl"
+    train(TrainConfig(trace=str(trace), **RUN), executor, log=io.StringIO())
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    return [r for r in records if "step" in r and "loss" in r]
+
+
+@pytest.fixture
+def slow_worker(tmp_path):
+    flag = tmp_path / "slow"
+    flag.touch()
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WORKER, str(flag)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    address = None
+    for line in process.stdout:
+        if line.startswith(READY_LINE):
+            address = line[len(READY_LINE) :].strip()
+            break
+    assert address, "the slow worker did not start"
+    try:
+        yield address, flag
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_a_worker_starved_of_kernels_is_probed_again_and_gets_them_back(tmp_path, slow_worker):
+    address, flag = slow_worker
+    index = 2  # master, the normal worker, then this one
+    kernels = {}
+
+    def drifted_far(cluster):
+        node = cluster.nodes[index]
+        for layer in node.probe_seconds:
+            node.probe_seconds[layer] *= 1e4
+        cluster.replan()
+        kernels["idle"] = [plan.shares[index] for plan in cluster.plans.values()]
+
+    def probe_done(cluster):  # wait for the probe in flight, so no step count depends on time
+        for _, call in list(cluster.idle._calls.values()):
+            call.notify(done := threading.Event())
+            assert done.wait(60), "the probe did not end"
+
+    actions = {1: drifted_far, 2: lambda cluster: flag.unlink(), 5: probe_done}
+    config = dict(rebalance_every=2, rebalance_change=100.0, settle_steps=0, probe_repeats=1)
+    with LocalWorkers(1) as workers:
+        with Scripted(workers.addresses + [address], actions, **config) as cluster:
+            steps = _train(tmp_path, cluster)
+            events = [(e["event"], e.get("worker"), e["step"]) for e in cluster.events]
+            reasons = [e["reason"] for e in cluster.events if e["event"] == "shares_changed"]
+            after = [plan.shares[index] for plan in cluster.plans.values()]
+    assert kernels["idle"] == [0, 0]
+    assert any(after), after  # kernels back
+    assert ("worker_idle", address, 1) in events
+    reprobed = [step for kind, who, step in events if kind == "worker_reprobed" and who == address]
+    assert reprobed and 4 <= reprobed[0] <= 5, events
+    assert any(f"{address} had no kernel and was probed again" in r for r in reasons), reasons
+    assert not [e for e in events if e[0] == "worker_lost"]
+    idle_steps = [r["step"] for r in steps if address in r.get("idle", ())]
+    assert idle_steps == list(range(1, reprobed[0])), idle_steps
+    assert address in steps[-1]["nodes"]  # it computed in the last step
