@@ -20,6 +20,7 @@ from . import modes
 from .membership import ACTIVE
 from .planning import LINK_POLICY, shares_table, step_model
 from .planning import plan_record as shares_record
+from .probing import on_this_machine
 
 
 def describe_shares(cluster) -> str:
@@ -107,7 +108,12 @@ def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict
         cluster.overlap_images, heads, c.resident_sync_every,
     )  # fmt: skip
     alone = sum(master.probe_seconds[ly.name] for ly in layers) + comp_alone_s
-    out = {"step_s": result.step_s, "alone_s": alone, "speedup": alone / result.step_s}
+    out = {
+        "step_s": result.step_s,
+        "alone_s": alone,
+        "speedup": alone / result.step_s,
+        "workers": len(active) - 1,  # reached: 0 predicts the master alone against itself
+    }
     if spec is not None and model.workers:  # the peer: every node the whole model
         from hetconv.dataparallel import simulate_data_parallel
 
@@ -137,6 +143,8 @@ def plan_record(cluster) -> dict:
         "overlap_images": cluster.overlap_images,  # fused layer -> images per group
         "head": c.head,
         "heads": cluster.head_fcs,  # layer -> the fc it computes on the nodes
+        # workers on the master's machine (loopback or its own address): they share its cores
+        "this_machine": [node.name for node in cluster.nodes[1:] if on_this_machine(node.name)],
     }
     if cluster.medium is not None:
         record["medium"] = cluster.medium.record()
@@ -148,7 +156,10 @@ def step_record(cluster, events: list[dict]) -> dict:
     of the distributed calls (``cluster_wall_seconds`` = comm + conv), how each layer ran, and
     the membership ``events`` since the last step."""
     runner, ran, run = cluster.runner, cluster.ctx.ran, cluster.run_of
+    master = cluster.nodes[0].name
     record = {
+        # workers whose answers this step took (none: the master computed the step alone)
+        "workers_computed": sum(1 for name in runner.records if name != master),
         "comm_seconds": runner.comm,
         "conv_seconds": runner.conv,
         "cluster_wall_seconds": runner.wall,

@@ -1,5 +1,11 @@
 """What a training run says on its console: what is about to run (:func:`announce`) and,
-at the end, what it did against what was predicted (:func:`summarize`)."""
+at the end, what it did against what was predicted (:func:`summarize`).
+
+The verdict compares a cluster's step with the master alone's as timed after the run (the same
+network and batch, trained as ``--local`` trains them); the prediction before the run is the
+master's probe, labelled so. A run in which no worker computed is the master alone: no ratio.
+Workers on the master's machine compete with it for its cores, and the lines say so.
+"""
 
 from __future__ import annotations
 
@@ -32,13 +38,9 @@ def announce(run) -> None:
     if run.loaded_from is not None:
         print(f"starting from the weights of {run.loaded_from}", file=log)
     if run.prediction is not None:
-        p = run.prediction
-        print(
-            f"predicted: {_seconds(p['step_s'])} per step, {p['speedup']:.2f}x the master "
-            f"alone ({_seconds(p['alone_s'])}: its own probe of every layer and the rest of "
-            "its step)" + _peer(p),
-            file=log,
-        )
+        print(_predicted(run.prediction), file=log)
+    if note := _this_machine(run.plan, now=True):
+        print(note, file=log)
     if run.resumed is None:
         return
     state, path = run.resumed
@@ -79,17 +81,73 @@ def summarize(run, result: TrainResult) -> None:
         f"(slowest node) {conv:.1f} ms, other computation {comp:.1f} ms",
         file=log,
     )
-    if run.prediction is not None and totals.breakdown.sum() > 0:
+    if run.executor.distributed and run.steps_run and totals.breakdown.sum() > 0:
         step = totals.breakdown.sum() / timed  # the mean step after the first
-        alone = run.prediction["alone_s"]
-        print(
-            f"measured: {_seconds(step)} per step, {alone / step:.2f}x the master alone "
-            f"({_seconds(alone)}, from its own measured speed; predicted "
-            f"{run.prediction['speedup']:.2f}x)",
-            file=log,
-        )
+        print(verdict(run, step), file=log)
+        if run.worker_steps and (note := _this_machine(run.plan, now=False)):
+            print(note, file=log)
     if config.save:
         print(f"weights saved to {os.fspath(config.save)}", file=log)
+
+
+def verdict(run, step: float) -> str:
+    """The measured step (``step`` seconds) against the master alone's as timed after the run
+    (``run.alone_seconds``), and against the prediction; a run in which no worker computed
+    is said to be the master alone, with no ratio (it would compare the master with itself)."""
+    if not run.worker_steps:
+        return (
+            f"measured: {_seconds(step)} per step, but no worker computed in any of the "
+            f"{run.steps_run} steps run here (every worker lost, or given no kernels): the run "
+            "was the master alone, so there is no speedup to report"
+        )
+    alone = run.alone_seconds
+    ratio = alone / step
+    way = "faster than" if ratio >= 1 else "slower than"
+    line = (
+        f"measured: {_seconds(step)} per step, {ratio:.2f}x the master alone: {way} it "
+        f"({_seconds(alone)} per step, timed after the run: the same network and batch "
+        f"trained as --local trains them"
+    )
+    p = run.prediction
+    if p is not None and p.get("workers", 1):
+        line += f"; predicted {p['speedup']:.2f}x, estimated from the master's probe"
+    line += ")"
+    if run.worker_steps < run.steps_run:
+        line += f"; workers computed in {run.worker_steps} of the {run.steps_run} steps"
+    return line
+
+
+def _predicted(p: dict) -> str:
+    """The start's line: the cost model's step against the master alone's, as estimated
+    from its probe; none to compare when no worker was reached."""
+    if not p.get("workers", 1):
+        return (
+            f"predicted: {_seconds(p['step_s'])} per step: no worker reached yet, so the "
+            "master alone (nothing to compare it with until one joins)"
+        )
+    return (
+        f"predicted: {_seconds(p['step_s'])} per step, {p['speedup']:.2f}x the master "
+        f"alone (estimated from its probe: {_seconds(p['alone_s'])}, every layer and the "
+        "rest of its step)" + _peer(p)
+    )
+
+
+def _this_machine(plan: dict | None, now: bool) -> str:
+    """A note when workers run on the master's machine (the plan's ``this_machine``): they
+    compete with it for its cores, so the figures are not what separate machines give."""
+    here = (plan or {}).get("this_machine") or []
+    if not here:
+        return ""
+    workers = len(plan.get("nodes", [])) - 1
+    who = (
+        f"every worker {'runs' if now else 'ran'} on this machine"
+        if len(here) >= workers
+        else f"{len(here)} of the {workers} workers {'run' if now else 'ran'} on this machine"
+    )
+    return (
+        f"note: {who} ({', '.join(here)}), competing with the master for its cores: the "
+        "speedup is not what separate machines would give (`hetconv plan` predicts them)"
+    )
 
 
 def _seconds(value: float) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
 from tqdm import tqdm
 
 from hetconv.conv import ConvExecutor, LocalConv
@@ -37,10 +38,15 @@ from .datasets import check_classes, evaluate, load_datasets
 from .fingerprint import compute_environment, order_digest, run_fingerprint
 from .rundir import MetricsLog
 from .stopping import StopAtStepBoundary, TrainingInterrupted
-from .trace import Trace
+from .trace import Trace, model_record
 
 # "checkpoint written" lines on the console at most this often (the trace records every one).
 _CHECKPOINT_MESSAGE_SECONDS = 5.0
+# Evaluation lines on the console: at most one per this fraction of the run's steps (the trace
+# and the metrics get every evaluation).
+_EVAL_LINES = 10
+#: Steps the verdict times the master alone for (after one more, left out: warming up).
+ALONE_STEPS = 3
 
 
 def train(
@@ -110,6 +116,47 @@ def _plan_record(
     return {"event": "plan", "start_step": start_step, **plan}
 
 
+def time_master_alone(spec: list[dict], data, config: TrainConfig) -> float:
+    """Seconds per SGD step of ``spec`` trained in this process as ``--local`` trains it
+    (:class:`LocalConv`), on ``data``'s first batches of ``config.batch``: the median of
+    :data:`ALONE_STEPS` steps after one left out (warming up; the median: one step slowed by
+    another process does not decide). A fresh model: nothing of a run's weights or optimizer
+    is touched."""
+    batch, per_epoch = config.batch, max(len(data) // config.batch, 1)
+    model = Model(spec, seed=config.seed, executor=LocalConv(), input_shape=data.image_shape)
+    optimizer = SGD(model.parameters(), config.sgd)
+    order = epoch_order(len(data), config.seed, 0)
+    seconds = []
+    for step in range(ALONE_STEPS + 1):
+        position = step % per_epoch
+        indices = order[position * batch : (position + 1) * batch]
+        start = time.perf_counter()
+        x, labels = data.batch(indices)
+        _, grad, _ = softmax_cross_entropy(model.forward(x, step=step), labels)
+        model.backward(grad)
+        optimizer.step(model.gradients())
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds[1:]))
+
+
+def _master_alone(run: _Run) -> float:
+    """The master alone's seconds per step (:func:`time_master_alone`, with the BLAS threads
+    the process had before the run's executor took any), traced (event ``master_alone``):
+    what the verdict compares ``run``'s cluster with."""
+    tqdm.write(
+        f"timing the master alone ({ALONE_STEPS} steps as --local trains them) to compare",
+        file=run.log,
+    )
+    with threadpool_limits(limits=run.blas_threads, user_api="blas"):
+        seconds = time_master_alone(run.spec, run.train_set, run.config)
+    # No "step" key: trace readers take the records that have one as the steps.
+    run.trace.write({
+        "event": "master_alone", "seconds_per_step": seconds, "timed_steps": ALONE_STEPS,
+        "batch": run.config.batch,
+    })  # fmt: skip
+    return seconds
+
+
 class _Run:
     """One call of :func:`train`: the constructor sets it up (data, model, the checkpoint to
     continue from, the executor, the optimizer), then :meth:`announce`, :meth:`run_steps` and
@@ -154,6 +201,10 @@ class _Run:
         # What the plan counts for a replicated block's images: palette8 when they fit it.
         fit = self.train_set.palette_fit()
         specs = [dataclasses.replace(spec, images_fit=fit) for spec in self.model.conv_specs()]
+        # BLAS as this process has it (an embedded cluster's master gives cores to its workers
+        # at prepare): the master alone is timed with it, as --local would train.
+        blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        self.blas_threads = max(blas, default=None)
         self.executor.prepare(specs, config.batch, log)
         self.prediction = self._predict(config.batch)
         # Resident kernels (the cluster's, hetconv.master.resident): the executor updates them.
@@ -173,12 +224,20 @@ class _Run:
                     {k: v for k, v in momentum.items() if k in self.resident}
                 )
             self.start_step, self.totals = state.step, _Totals.restored(state)
+        # The trace's first record (None: a local run); the console reads the cluster there.
+        self.plan = _plan_record(self.executor, self.start_step, self.prediction)
+        if self.plan is not None:  # what was trained: the trace alone can be simulated again
+            shape = self.train_set.image_shape
+            self.plan["model"] = model_record(config.preset, self.spec, shape, config.batch)
+        self.steps_run = self.worker_steps = 0  # steps of this call; those a worker computed in
+        self.alone_seconds: float | None = None  # the master alone, timed after the run
         self.trace = Trace(None)
         self.metrics = MetricsLog(None, None)
         self._order = np.empty(0, np.int64)  # the data order of the current epoch
         self._stop: StopAtStepBoundary | None = None
         self._start = 0.0  # perf_counter when this run's first step began
         self._eval_seconds = 0.0  # evaluations since then: not training time
+        self._eval_printed = self.start_step  # the last evaluation printed on the console
         self.final_eval: tuple[float, float] | None = None  # (loss, accuracy) after the last step
         self._last_message = -math.inf
 
@@ -245,12 +304,13 @@ class _Run:
             )
         try:
             self.metrics = MetricsLog(config.metrics, config.tensorboard, resume_step)
-            plan = _plan_record(self.executor, self.start_step, self.prediction)
-            if plan is not None:
-                self.trace.write(plan)
+            if self.plan is not None:
+                self.trace.write(self.plan)
             self._loop()
             if len(self.test_set):
                 self.final_eval = self._evaluate(self.steps, final=True)
+            if self.executor.distributed and self.worker_steps:
+                self.alone_seconds = _master_alone(self)
         finally:
             self.trace.close()
             self.metrics.close()
@@ -290,7 +350,10 @@ class _Run:
         }
         self.trace.write(record)
         self.metrics.evaluation(record)
-        if not final:
+        # About _EVAL_LINES lines a run: one when the evaluation is a tenth of the run's steps
+        # past the last one printed (hundreds of epochs' lines would flood the console).
+        if not final and done - self._eval_printed >= self.steps / _EVAL_LINES:
+            self._eval_printed = done
             tqdm.write(
                 f"eval after step {done} (epoch {epoch:.2f}): held-out loss {loss:.3f}, "
                 f"accuracy {100 * accuracy:.1f}% on {len(self.test_set)} images",
@@ -362,6 +425,8 @@ class _Run:
         # The paper's terms: communication + convolution (slowest node) + the rest.
         comp = max(seconds - comm - conv, 0.0)
         totals.conv_seconds += conv
+        self.steps_run += 1
+        self.worker_steps += bool(cluster.get("workers_computed"))
         if step > 0 or self.steps == 1:
             totals.breakdown += (comm, conv, comp)
         totals.losses.append(loss)
