@@ -34,6 +34,7 @@ from hetconv.dataset import (
 )
 from hetconv.imagefolder import (
     EXPECTED_LAYOUT,
+    HELD_OUT_FOLDERS,
     IMAGE_SUFFIXES,
     is_image_folder,
     load_image_folder,
@@ -117,6 +118,9 @@ def infer_dataset(path: str | os.PathLike) -> str:
             return layout.kind
     if is_image_folder(path):
         return "folder"
+    held = [f"{h}/" for h in HELD_OUT_FOLDERS if (path / h).is_dir()]
+    if held:
+        raise DatasetError(f"{path} has {' and '.join(held)} but no train/ folder; {_LOOKED_FOR}")
     entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     shown = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")
     raise DatasetError(

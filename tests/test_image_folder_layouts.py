@@ -103,7 +103,7 @@ def _no_images(root: Path) -> None:
     [
         (_empty, "auto", "cannot tell which dataset {root} holds (it holds nothing)"),
         (_empty, "folder", "{root} holds no class folders; expected one folder of images per"),
-        (_held_out_only, "auto", "cannot tell which dataset {root} holds (it holds val/)"),
+        (_held_out_only, "auto", "{root} has val/ but no train/ folder; --data-dir takes"),
         (_held_out_only, "folder", "{root} has val/ but no train/ folder; expected one folder"),
         (_loose_images, "auto", "cannot tell which dataset {root} holds (it holds 1.png)"),
         (_loose_images, "folder", "{root} holds no class folders; expected one folder"),
