@@ -192,8 +192,9 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
         "--trace-preset",
         dest="trace_network",
         metavar="NAME",
-        help="the network the traced run trained, as its --preset (default: detected from the "
-        "trace)",
+        help="the network the traced run trained, as its --model, where the trace should not "
+        "say (default: the one its plan record names; a trace of an older hetconv: the preset "
+        "that matches it)",
     )
     parser.add_argument("--trace-network", dest="trace_network", help=argparse.SUPPRESS)
     parser.add_argument(

@@ -4,9 +4,11 @@ From the step records (:func:`~.trace.read_trace`: records without ``"step"``, s
 record where a run starts, are skipped; the first step, which warms caches and connections, is
 left out when there are more):
 
-* **Which network** ran: the preset whose conv layers have the trace's names and kernel counts
-  *and* whose calls, computed by :func:`~hetconv.workload.call_bytes`, move exactly
-  the bytes the trace recorded (or the network given).
+* **Which network** ran: the one the plan record names (its ``model``: a preset, or a spec's
+  file, or where that file is gone the spec the record holds), else the preset whose conv
+  layers have the trace's names and kernel counts (or the network given); either way its calls,
+  computed by :func:`~hetconv.workload.call_bytes`, must move exactly the bytes the trace
+  recorded.
 * **Throughput** of every node on every layer: the FLOPs of its share (forward, kernel gradient,
   input gradient where the layer needs it) over the ``compute_seconds`` it reported, the median
   over steps of each phase (a shared machine's outliers would otherwise dominate).
@@ -50,7 +52,7 @@ from hetconv.workload import (
 )
 
 from .scenario import CompFigure, DeviceSpec, Scenario
-from .trace import MASTER, read_plan, read_trace
+from .trace import MASTER, read_plan, read_trace, recorded_network
 
 
 @dataclass
@@ -318,6 +320,7 @@ def replicas(
 
 def _detect_network(records: list[dict], network: str | None, path: str) -> str:
     batch = int(records[0]["batch"])
+    network = network or recorded_network(path)
     candidates = [network] if network else list(PRESETS)
     reasons = []
     for name in candidates:

@@ -13,10 +13,14 @@ A trace holds two kinds of record:
                 "probe_seconds": {"conv1": 0.0123, ...},
                 "link_bytes_per_second": ... or null, "link_latency_seconds": ... or null}, ...],
      "shares": {"conv1": [kernels per node, in the order of "nodes"], ...},
-     "wire_format": "float32"}
+     "wire_format": "float32",
+     "model": {"name": "tiny" or "net.json", "spec": [...], "input_shape": [3, 32, 32],
+               "batch": 32}}
 
   the nodes in order, master first (a master that computes nothing has no probe figures), with
-  what the master measured before training and the shares it chose from that.
+  what the master measured before training and the shares it chose from that; and what was
+  trained (:func:`hetconv.training.trace.model_record`; absent in older traces), which
+  :func:`recorded_network` reads.
 
 Readers of steps (:func:`read_steps`, :func:`read_trace`) skip every record without ``"step"``;
 :func:`read_plan` reads the plan that a run's steps were trained under.
@@ -220,6 +224,48 @@ def read_plan(path: str, step: int | None = None) -> Plan:
     return plans[-1]
 
 
+def recorded_model(path: str) -> dict | None:
+    """The ``model`` of the trace's latest plan record that has one (None: none does, a trace
+    of an older hetconv or of a local run)."""
+    models = [r["model"] for r in read_records(path) if is_plan(r) and "model" in r]
+    if models and not isinstance(models[-1], dict):
+        raise ValueError(f"trace {path}: the plan record's model is not an object")
+    return models[-1] if models else None
+
+
+def recorded_network(path: str) -> str | None:
+    """The network the trace's run trained, as ``--model`` names one: a preset by name; a
+    spec's file where it still holds the spec the trace recorded, else that spec written to a
+    temporary ``.json`` file of the same name (removed when the process ends); None where the
+    trace records no model."""
+    from hetconv.model import PRESETS
+
+    model = recorded_model(path)
+    if model is None:
+        return None
+    name, spec = str(model.get("name", "")), model.get("spec")
+    if name in PRESETS or not isinstance(spec, list):
+        return name or None
+    try:
+        if json.loads(Path(name).read_text(encoding="utf-8")) == spec:
+            return name
+    except (OSError, ValueError):
+        pass  # moved, changed or an .onnx graph: the recorded spec is what was trained
+    return _spec_file(Path(name).stem or "model", spec)
+
+
+def _spec_file(stem: str, spec: list) -> str:
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="hetconv-trace-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = Path(folder) / f"{stem}.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    return str(path)
+
+
 __all__ = [
     "MASTER",
     "Plan",
@@ -228,6 +274,8 @@ __all__ = [
     "is_step",
     "parse_plan",
     "read_plan",
+    "recorded_model",
+    "recorded_network",
     "read_records",
     "read_steps",
     "read_trace",

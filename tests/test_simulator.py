@@ -480,6 +480,35 @@ def test_simulate_from_trace_command(real_trace, capsys):
     assert "tiny" in out
 
 
+def test_a_trace_records_its_model_so_simulate_needs_nothing_else(real_trace, tmp_path, capsys):
+    (plan,) = [r for r in read_records(str(real_trace)) if is_plan(r)]
+    assert plan["model"]["name"] == "tiny" and plan["model"]["batch"] == TRACE_BATCH
+    assert plan["model"]["input_shape"] == [3, 32, 32] and plan["model"]["spec"][0]["type"]
+    # A network of the user's own, its spec file gone by the time the trace is simulated: no
+    # preset matches it, and the trace alone says what ran.
+    spec = [
+        {"type": "conv", "name": "c1", "out": 6, "kernel": 3, "padding": 1},
+        {"type": "relu"},
+        {"type": "maxpool", "kernel": 2},
+        {"type": "conv", "name": "c2", "out": 10, "kernel": 3, "padding": 1},
+        {"type": "fc", "out": 10},
+    ]
+    path, trace = tmp_path / "mine.json", tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(spec))
+    config = TrainConfig(preset=str(path), steps=1, batch=8, train_size=8, eval_size=0,
+                         trace=str(trace), progress=False)  # fmt: skip
+    with LocalWorkers(1) as workers:
+        with RealCluster(workers.addresses) as cluster:
+            train(config, cluster, log=io.StringIO())
+    path.unlink()
+    assert main(["--from-trace", str(trace), "--nodes", "1..2"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated from" in out and "mine.json" in out
+    assert calibrate(str(trace)).network.endswith("mine.json")
+    with pytest.raises(ValueError, match="does not match network tiny"):  # still an override
+        calibrate(str(trace), "tiny")
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 ROW_FIELDS = {

@@ -3,15 +3,40 @@
 Most records are a step's (they have ``step``). A run whose executor has a plan (see
 :meth:`hetconv.conv.ConvExecutor.plan_record`) first writes ``{"event": "plan", "start_step":
 ..., ...}``, which has no ``step``; a resumed run writes its own after those of earlier runs.
-Readers take the records with a ``step`` as the steps and tolerate any others.
+Readers take the records with a ``step`` as the steps and tolerate any others. The plan record
+says what was trained, :func:`model_record`, so that the trace alone is enough to simulate the
+run again (``hetconv simulate --from-trace``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
+
+
+def model_record(
+    name: str, spec: Sequence[Mapping], input_shape: Sequence[int], batch: int
+) -> dict:
+    """The plan record's ``"model"``: the network as ``--model`` named it (a preset, or a
+    file's path as given), its spec (the layers, JSON as a ``.json`` spec holds them), the
+    (C, H, W) of one image and the batch."""
+    return {
+        "name": str(name),
+        "spec": json.loads(json.dumps(list(spec), default=_plain)),
+        "input_shape": [int(v) for v in input_shape],
+        "batch": int(batch),
+    }
+
+
+def _plain(value: object) -> object:
+    """A numpy scalar or array in a spec (an imported graph's) as plain JSON."""
+    tolist = getattr(value, "tolist", None)
+    if tolist is None:
+        raise TypeError(f"{type(value).__name__} {value!r} in a model spec is not JSON")
+    return tolist()
 
 
 class Trace:
