@@ -15,7 +15,9 @@ def add(sub: argparse._SubParsersAction) -> None:
             "List every backend (cpu, opencl, cuda), whether it can run here and why not, "
             "its devices with the numbers `hetconv worker --backend B --device N` takes, "
             "and a probe figure for each (the paper-50-500 C2 convolution at batch 8, "
-            "forward + backward)."
+            "forward + backward, best of 2, with this process's threads): the probe `hetconv "
+            "worker` prints at start, and the GFLOPS `hetconv plan --master` and `--worker` "
+            "take. Run it on an otherwise idle machine: other work lowers the figure."
         ),
         formatter_class=HelpFormatter,
     )
@@ -33,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     flops = 3 * AUTO_PROBE.flops_forward
+    if not args.no_probe:
+        print(_probe_note())
     for name in KNOWN_BACKENDS:
         try:
             cls = backend_class(name)
@@ -55,3 +59,22 @@ def run(args: argparse.Namespace) -> int:
                     line += f"  probe failed: {e}"
             print(line, flush=True)
     return 0
+
+
+def _probe_note() -> str:
+    """What the probe figures are, and a warning when the machine is busy (they read low)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    busy = (
+        f"; this machine is busy now (load {load:.1f} on {cores} cores), so they read low: "
+        "run it again when idle"
+        if load >= 0.5 * cores
+        else ""
+    )
+    return (
+        "probe: forward + backward of paper-50-500's C2 at batch 8, best of 2, with this "
+        "process's threads; its GFLOPS is what `hetconv plan --master/--worker` takes and what "
+        f"`hetconv worker` prints at start{busy}"
+    )

@@ -130,3 +130,28 @@ def test_worker_help_says_which_gflops_figure(capsys):
         hetconv_main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "the GFLOPS `hetconv devices` prints" in text and "otherwise idle machine" in text
+
+
+@pytest.mark.parametrize("load, busy", [(0.0, False), (64.0, True)])
+def test_the_probe_lines_say_what_their_gflops_are(monkeypatch, load, busy):
+    """The worker's startup probe and `hetconv devices` time the same thing; both say so, say
+    which figure `plan` takes, and warn when the machine is busy (the figure then reads low)."""
+    import io
+    import os
+
+    from hetconv.backends import get_backend
+    from hetconv.cli import devices
+    from hetconv.worker.main import _print_device
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load), raising=False)
+    backend = get_backend("cpu")
+    monkeypatch.setattr(type(backend), "time_step", lambda self, *a, **k: 0.1)
+    out = io.StringIO()
+    _print_device(backend, True, out)
+    line = out.getvalue().splitlines()[-1]
+    assert line.startswith("probe: 100.0 ms") and "GFLOPS with the threads above" in line
+    assert "`hetconv devices` times" in line and "`hetconv plan --worker` takes" in line
+    assert ("busy now" in line) is busy
+    note = devices._probe_note()
+    assert "`hetconv plan --master/--worker` takes" in note and "`hetconv worker`" in note
+    assert ("busy now" in note) is busy

@@ -201,11 +201,21 @@ def _print_device(backend: Backend, startup_probe: bool, out: TextIO) -> None:
         file=out,
     )
     if startup_probe:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         seconds = backend.time_step(STARTUP_PROBE, repeats=2)
         gflops = 3 * STARTUP_PROBE.flops_forward / seconds / 1e9
+        # The same probe as `hetconv devices` (and what `hetconv plan --worker` takes), but
+        # timed now, with this worker's threads, beside whatever else this machine runs.
+        busy = (
+            f"; this one is busy now (load {load:.1f} on {os.cpu_count()} cores), so it reads low"
+            if load >= 0.5 * (os.cpu_count() or 1)
+            else ""
+        )
         print(
             f"probe: {1e3 * seconds:.1f} ms for forward + backward of paper-50-500 C2 at batch "
-            f"{STARTUP_PROBE.n} ({gflops:.0f} GFLOPS)",
+            f"{STARTUP_PROBE.n} ({gflops:.0f} GFLOPS with the threads above, best of 2: the "
+            "probe `hetconv devices` times, whose figure on an idle machine `hetconv plan "
+            f"--worker` takes{busy})",
             file=out,
         )
 
