@@ -324,6 +324,9 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
+    from hetconv.onnx_import import load_network
+    from hetconv.spec import CIFAR_INPUT
+
     from .comptime import with_measured_comp
 
     scenario, note = described_scenario(args)
@@ -339,9 +342,10 @@ def run(args) -> int:
         args.preset, args.batch, local_step_seconds(cluster.master, layers, 0.0)
     )
     ranked = candidates(cluster, args.preset, args.batch, comp)
+    shape = "x".join(map(str, load_network(args.preset).input_shape or CIFAR_INPUT))
     print(
-        f"plan for {args.preset} at batch {args.batch} on {scenario.description} "
-        f"({nodes} node{'s' if nodes != 1 else ''})"
+        f"plan for {args.preset} ({shape} images) at batch {args.batch} on "
+        f"{scenario.description} ({nodes} node{'s' if nodes != 1 else ''})"
     )
     if note:
         print(f"  {note}")

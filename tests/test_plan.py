@@ -91,7 +91,7 @@ def own_spec(tmp_path):
 def test_a_json_model_is_planned_its_other_work_measured_here(tmp_path, capsys, own_spec):
     rows, text = _plan(tmp_path, capsys, *LAPTOPS, "--model", own_spec)
     assert {r["kind"] for r in rows} == {"hetconv", "data-parallel", "one machine"}
-    assert f"plan for {own_spec} at batch 32" in text
+    assert f"plan for {own_spec} (3x32x32 images) at batch 32" in text
     assert "measured here just now" in text and "no non-convolutional time" not in text
     # a named scenario measures it alike (its machines' figures are this one's, as for presets)
     rows, text = _plan(tmp_path, capsys, "gigabit-lan", "--nodes", "2", "--model", own_spec)
