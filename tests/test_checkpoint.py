@@ -22,6 +22,7 @@ import pytest
 from hetconv.cli import main
 from hetconv.conv import LocalConv
 from hetconv.data import epoch_order
+from hetconv.description import Description
 from hetconv.training import TrainConfig, train
 from hetconv.training import checkpoint as checkpoint_module
 from hetconv.training.checkpoint import (
@@ -35,6 +36,17 @@ from hetconv.training.trace import _cut_trace
 
 # 48 images at batch 8: 6 steps per epoch, so 10 steps cross an epoch boundary.
 RUN = dict(batch=8, train_size=48, eval_size=8, progress=False)
+DESCRIPTION = Description(
+    network="net.json",
+    spec=({"type": "conv", "name": "conv1", "out": 4, "kernel": 5}, {"type": "fc", "out": 2}),
+    input_shape=(3, 8, 8),
+    classes=2,
+    mean=(0.1, 0.2, 1 / 3),
+    std=(0.5, 0.25, 1 / 7),
+    scale=1 / 255,
+    raw="uint8 0..255",
+    class_names=("cat", "dog"),
+)
 
 
 def make_state(step: int, rng: np.random.Generator | None = None) -> TrainingState:
@@ -58,6 +70,7 @@ def make_state(step: int, rng: np.random.Generator | None = None) -> TrainingSta
         train_seconds=1 / 7,
         fingerprint={"batch": 8, "lr": 0.01, "spec": [{"type": "relu"}]},
         environment={"cpu_count": 2, "OMP_NUM_THREADS": None},
+        description=DESCRIPTION,
     )
 
 
@@ -107,6 +120,16 @@ def test_every_state_field_round_trips(tmp_path):
     with np.load(path, allow_pickle=False) as archive:  # plain arrays and JSON, no pickle
         meta = json.loads(archive["meta"].tobytes())
     assert meta["format"] == "hetconv-checkpoint" and meta["step"] == 7
+    assert meta["description"]["spec"][0]["name"] == "conv1"  # the network, in plain JSON
+
+
+def test_a_checkpoint_without_a_description_reads_as_unknown(tmp_path):
+    """As written before checkpoints recorded their network: no key in meta, None read."""
+    state = dataclasses.replace(make_state(2), description=None)
+    path = CheckpointDir(tmp_path).write(state)
+    with np.load(path, allow_pickle=False) as archive:
+        assert "description" not in json.loads(archive["meta"].tobytes())
+    assert read_checkpoint(path).description is None
 
 
 def test_state_before_the_first_momentum_buffer_round_trips(tmp_path):
