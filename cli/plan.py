@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the master's convolution speed: {PROBE_FIGURE}")  # fmt: skip
     parser.add_argument("--worker", type=_device, action="append", default=[],
                         metavar="GFLOPS[@MBIT]",
-                        help=f"a worker's convolution speed ({PROBE_FIGURE}), and its own link "
-                        "when it differs (repeat per worker)")  # fmt: skip
+                        help="a worker's convolution speed, GFLOPS as for --master, and its "
+                        "own link's Mbit/s when it differs (repeat per worker)")  # fmt: skip
     add_mode_flags(
         parser,
         {"network": None},

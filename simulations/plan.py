@@ -214,7 +214,9 @@ the whole model and a speed-proportional slice of the batch), or one machine alo
 Describe the cluster on the command line (--master GFLOPS, a --worker GFLOPS[@MBIT] per
 worker, --network, --bandwidth) or name a scenario (a shipped name, see `hetconv simulate
 --list`, or a .toml file; --nodes says how many of its nodes). A device's GFLOPS is what
-`hetconv devices` prints for it (its probe), or a datasheet's fp32 peak times ~0.5."""
+`hetconv devices` prints for it (its probe) on an otherwise idle machine, or a datasheet's fp32
+peak times ~0.5. The network and batch default to `hetconv train`'s; a .json or .onnx network's
+non-convolutional time is measured here, in a few local steps."""
 
 #: This project's 2-vCPU machine's non-convolutional milliseconds per image (the
 #: ``this-machine`` scenario's [comp], measured), at its ~120 GFLOPS; a described master's is
@@ -314,8 +316,8 @@ def _measured_share(network: str):
 def _placeholders(workers: int) -> str:
     """What the commands' ``--worker HOST:PORT`` placeholders stand for."""
     return (
-        f"the command names one --worker HOST:PORT per worker of this cluster ({workers}): put "
-        "each worker's address there (`hetconv worker` prints it: `masters use: ...`), or "
+        f"the command below names one --worker HOST:PORT per worker of this cluster ({workers}): "
+        "put each worker's address there (`hetconv worker` prints it: `masters use: ...`), or "
         "replace them with --discover to find the workers on the LAN"
     )
 
