@@ -12,9 +12,10 @@ moves)::
     StageBackward  dy               dw, db, dbn of the owned kernels, and dx when asked
     PlaceKernels   w, b, mw, mb, f, mf  (nothing): the worker now holds that slice (resident)
     FetchKernels   (nothing)        w, b, mw, mb, f, mf of the slice the worker holds
-    ResidentStageForward   x, hw, hb, hf    y, as StageForward (own kernels from the worker's
-                                            slice), or with a split head z
-    ResidentStageBackward  dy, dz       ew, eb, ef: the updated edge kernels, and dx when asked
+    ResidentStageForward   x, hw, hb, hf, bn    y, as StageForward (own kernels from the
+                                            worker's slice), or with a split head z; stats
+    ResidentStageBackward  dy, dz       ew, eb, ef: the updated edge kernels, dbn, and dx when
+                                        asked
     ReplicaForward x, w, b          (nothing): the worker keeps the replicated block's output
     PutPart    p                    (nothing): a part of a split block's output or gradient
     FetchPart  (nothing)            p: the gradient part a worker sent a lost one
@@ -67,6 +68,8 @@ from hetconv.callshapes import (
     part_shape,
     replica_bias_shape,
     replica_kernel_shape,
+    resident_bn_shape,
+    resident_dbn_shape,
     resident_grad_shape,
     resident_input_shape,
     resident_logits_shape,
@@ -74,6 +77,7 @@ from hetconv.callshapes import (
     resident_replica_bias_shape,
     resident_replica_kernel_shape,
     resident_sent_input_shape,
+    resident_stats_shape,
     slice_bias_shape,
     slice_head_shape,
     slice_kernel_shape,
@@ -393,11 +397,13 @@ RESIDENT_STAGE_FORWARD = ConvCall(
         TensorRule("hw", halo_kernel_shape),
         TensorRule("hb", halo_bias_shape),
         TensorRule("hf", halo_head_shape),
+        TensorRule("bn", resident_bn_shape),
     ),
     # z: float32 whatever the wire format (N x classes values: nothing to save)
     (
         TensorRule("y", resident_output_shape, activation=True),
         TensorRule("z", resident_logits_shape),
+        TensorRule("stats", resident_stats_shape),
     ),
 )
 RESIDENT_STAGE_BACKWARD = ConvCall(
@@ -411,6 +417,7 @@ RESIDENT_STAGE_BACKWARD = ConvCall(
         TensorRule("ew", edge_kernel_shape),
         TensorRule("eb", edge_bias_shape),
         TensorRule("ef", edge_head_shape),
+        TensorRule("dbn", resident_dbn_shape),
         TensorRule("dx", resident_input_shape, input_grad_only=True, activation=True),
         TensorRule("rw", resident_replica_kernel_shape, replica_only=True),
         TensorRule("rb", resident_replica_bias_shape, replica_only=True),

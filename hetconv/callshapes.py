@@ -272,6 +272,21 @@ def resident_grad_shape(s: ResidentStageShape) -> Shape:
     return (n, 0 if s.classes else grad, *hw)
 
 
+def resident_bn_shape(s: ResidentStageShape) -> Shape:
+    """``bn``: as :func:`stage_bn_shape`, of the widened slice."""
+    return stage_bn_shape(s.stage)
+
+
+def resident_stats_shape(s: ResidentStageShape) -> Shape:
+    """``stats``: as :func:`stage_stats_shape`, of the owned channels."""
+    return stage_stats_shape(s.stage)
+
+
+def resident_dbn_shape(s: ResidentStageShape) -> Shape:
+    """``dbn``: as :func:`stage_dbn_shape`, of the owned channels."""
+    return stage_dbn_shape(s.stage)
+
+
 def edge_kernel_shape(s: ResidentStageShape) -> Shape:
     """``ew``: (edges, C, kh, kw)."""
     c = s.stage.conv
@@ -313,6 +328,8 @@ __all__ = [
     "part_shape",
     "replica_bias_shape",
     "replica_kernel_shape",
+    "resident_bn_shape",
+    "resident_dbn_shape",
     "resident_grad_shape",
     "resident_input_shape",
     "resident_logits_shape",
@@ -320,6 +337,7 @@ __all__ = [
     "resident_replica_bias_shape",
     "resident_replica_kernel_shape",
     "resident_sent_input_shape",
+    "resident_stats_shape",
     "slice_bias_shape",
     "slice_head_shape",
     "slice_kernel_shape",

@@ -109,11 +109,10 @@ def stage_mode(flags: ModeFlags, layer: ConvLayer, shares: Sequence[int]) -> str
 def keeps_kernels(layer: ConvLayer, mode: str) -> bool:
     """Whether ``layer`` may keep its kernels on the workers in stage mode ``mode``: only
     fused, at stride 1 (a strided layer runs as the stride-1 convolution of its phases, whose
-    kernels are a rearranged copy each step), without batch norm in its stage (resident
-    stages do not run it: its parameters stay with the master) and with a bias (the workers'
-    update would train a layer's zero bias)."""
-    batchnorm = layer.stage is not None and layer.stage.batchnorms > 0
-    return mode == FUSED and not layer.strided and not batchnorm and layer.bias
+    kernels are a rearranged copy each step). Batch norm in its stage runs there with its
+    parameters sent each call (they stay with the master), and a layer without bias keeps its
+    zero bias on the workers, never updated (:mod:`hetconv.master.resident`)."""
+    return mode == FUSED and not layer.strided
 
 
 def kernel_mode(flags: ModeFlags, layer: ConvLayer, mode: str, shares: Sequence[int]) -> str:

@@ -367,6 +367,7 @@ def resident_call_bytes(
     fmt: TensorFormat = FLOAT32,
     replica: ConvLayer | None = None,
     head: int = 0,
+    training: bool = True,
 ) -> CallBytes:
     """Bytes of one resident fused stage call (:mod:`hetconv.master.resident`) of ``layer``
     for a worker holding ``kernels`` kernels from ``kernel_offset``: forward sends ``x`` and the
@@ -375,7 +376,9 @@ def resident_call_bytes(
     for a first layer) a ``dx`` part. The syncs that bound the replay log are
     :func:`resident_sync_bytes`. ``replica`` as :func:`stage_call_bytes`'s. ``head``: the
     classes of a split head (:mod:`hetconv.head`): the halo's and edges' fc columns travel
-    too, and logits and their gradient instead of the stage output and its gradient."""
+    too, and logits and their gradient instead of the stage output and its gradient. A
+    stage's batch norms add what :func:`stage_call_bytes` says they add (``training`` as
+    there): their parameters stay with the master and travel with each call."""
     call = {FORWARD: calls.RESIDENT_STAGE_FORWARD, BACKWARD: calls.RESIDENT_STAGE_BACKWARD}.get(
         phase
     )
@@ -386,8 +389,8 @@ def resident_call_bytes(
     grad = stage.grad_range(own, layer.kernels)
     s = dataclasses.replace(layer.shape, k=wide.stop - wide.start)
     stage_shape = calls.StageShape(
-        s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw),
-        replica=replica.shape if replica is not None else None,
+        s, kernels, grad.stop - grad.start, stage.output_hw(s.out_hw), stage.batchnorms, training,
+        replica.shape if replica is not None else None,
     )  # fmt: skip
     shape = calls.ResidentStageShape(stage_shape, len(edge_rows(kernels, stage.halo)), head)
     request = pb.ConvRequest(
@@ -401,6 +404,7 @@ def resident_call_bytes(
         request.stage.own_count = kernels
         request.resident.count = kernels
         request.resident.halo_before = own.start - wide.start
+        request.stage.batchnorm_eval = bool(stage.batchnorms) and not training
         request.kernel_offset = wide.start
     else:
         request.need_input_grad = layer.need_input_grad and replica is None

@@ -23,7 +23,7 @@ from hetconv.master.client_connection import CallStats
 from hetconv.optim import SGDConfig
 from hetconv.proto import worker_pb2 as pb
 from hetconv.replica import ReplicaBlock
-from hetconv.stages import StageSpec, ops_to_proto
+from hetconv.stages import BatchNormSlice, StageSpec, ops_to_proto, pack_batchnorm
 from hetconv.wire import BUNDLE_BYTES
 
 
@@ -45,19 +45,21 @@ class ResidentCalls:
         sgd: SGDConfig,
         timeout: float = 600.0,
         head: tuple[np.ndarray, np.ndarray] | None = None,
+        fixed_bias: bool = False,
     ) -> CallStats:
         """Put kernels ``offset ..`` of ``layer`` (``w`` (k, C, kh, kw), ``b`` (k,)) on the
         worker with their momentum buffers ``mw``, ``mb`` and the optimizer's settings, at
         ``version``; it replaces what the worker held of the layer. ``head``: a split head's
         fc columns of the slice's channels and their momentum, (f, mf), each (k, P, classes)
-        (:mod:`hetconv.head`)."""
+        (:mod:`hetconv.head`). ``fixed_bias``: the layer has no bias (``b``, ``mb`` zeros): the
+        worker never updates them."""
         f, mf = head if head is not None else (_no_head(w.shape[0]),) * 2
         request = pb.ConvRequest(
             phase=PLACE_KERNELS.phase, session=session, layer=layer, kernel_offset=offset,
             resident=pb.ResidentSlice(
                 version=version, count=w.shape[0], momentum_started=momentum_started,
                 lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay,
-                head_classes=f.shape[2],
+                head_classes=f.shape[2], fixed_bias=fixed_bias,
             ),
         )  # fmt: skip
         arrays = list(zip(PLACE_KERNELS.request_names, (w, b, mw, mb, f, mf), strict=True))
@@ -108,13 +110,20 @@ class ResidentCalls:
         replica: ReplicaBlock | None = None,
         overlap_images: int = 0,
         hf: np.ndarray | None = None,
+        batchnorm: Sequence[BatchNormSlice] = (),
+        stats_out: np.ndarray | None = None,
     ) -> tuple[np.ndarray, CallStats]:
         """A fused stage on the worker's resident slice (``own_count`` kernels at ``version``)
         widened by the halo kernels ``hw``, ``hb`` (``halo_before`` of them before it);
         ``replica`` and ``overlap_images`` as :meth:`stage_forward`'s. ``hf``: with a split
         head (the slice was placed with one), the halo channels' fc columns (halo, P,
         classes); the answer is then the slice's partial logits (N, classes) (into ``out``,
-        when given) instead of its stage output."""
+        when given) instead of its stage output. ``batchnorm``: as :meth:`stage_forward`'s, of
+        the widened slice; training, the owned channels' batch statistics (float32 (2 per batch
+        norm, own_count)) are written into ``stats_out``, which must then be given."""
+        training = all(bn.training for bn in batchnorm)
+        if any(bn.training != training for bn in batchnorm):
+            raise ValueError(f"{layer}: the stage's batch norms are not all in one mode")
         classes = hf.shape[2] if hf is not None else 0
         if hf is None:
             hf = _no_head(hw.shape[0])
@@ -123,7 +132,8 @@ class ResidentCalls:
             padding=padding, kernel_offset=kernel_offset,
             answer_dtype=answer_dtype(self.wire_format),
             stage=pb.StageDescription(
-                ops=ops_to_proto(stage), own_start=halo_before, own_count=own_count
+                ops=ops_to_proto(stage), own_start=halo_before, own_count=own_count,
+                batchnorm_eval=bool(batchnorm) and not training,
             ),
             resident=pb.ResidentSlice(version=version, count=own_count, halo_before=halo_before),
             overlap_images=overlap_images,
@@ -132,14 +142,19 @@ class ResidentCalls:
         widened = (own_count + hw.shape[0], *hw.shape[1:])
         conv = call_shape(x.shape, widened, padding)
         out_hw = stage.output_hw(conv.out_hw)
-        shape = ResidentStageShape(StageShape(conv, own_count, 0, out_hw), 0, classes)
+        stage_shape = StageShape(conv, own_count, 0, out_hw, len(batchnorm), training)
+        shape = ResidentStageShape(stage_shape, 0, classes)
+        bn = pack_batchnorm(batchnorm, widened[0])
         before, x = self._replicate(request, session, step, x, replica, timeout)
-        y, z = RESIDENT_STAGE_FORWARD.answer_names()
+        y, z, stats_name = RESIDENT_STAGE_FORWARD.answer_names()
         want = z if classes else y
+        dests = {want: out} if out is not None else {}
+        if stats_out is not None:
+            dests[stats_name] = stats_out
         got, stats = self._call(
             RESIDENT_STAGE_FORWARD, f"resident stage forward {layer}", request,
-            list(zip(RESIDENT_STAGE_FORWARD.request_names, (x, hw, hb, hf), strict=True)),
-            [y, z], {want: out} if out is not None else {}, timeout,
+            list(zip(RESIDENT_STAGE_FORWARD.request_names, (x, hw, hb, hf, bn), strict=True)),
+            [y, z, stats_name], dests, timeout,
             RESIDENT_STAGE_FORWARD.answer_bytes(shape, fmt=fmt),
             list(RESIDENT_STAGE_FORWARD.request_formats(fmt).values()), stream=overlap_images > 0,
         )  # fmt: skip
@@ -160,13 +175,15 @@ class ResidentCalls:
         replica: tuple[str, np.ndarray, np.ndarray] | None = None,
         grouped: bool = False,
         dz: np.ndarray | None = None,
+        dbn_out: np.ndarray | None = None,
     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, CallStats]:
         """(input-gradient part or None, ew, eb): the worker updates its resident slice (at
         ``version``; it then holds ``version + 1``) and answers its updated edge kernels;
         ``replica`` and ``grouped`` as :meth:`stage_backward`'s. ``dz``: with a split head,
         the logits' gradient (N, classes), sent instead of ``dy`` (then (N, 0, Ho', Wo'));
         ``edges_out`` may then hold a third array, for the edge channels' updated fc columns
-        ``ef`` (edges, P, classes)."""
+        ``ef`` (edges, P, classes). ``dbn_out``: where the stage's batch norms' weight and bias
+        gradients of the owned channels go (float32 (2 per batch norm, owned))."""
         if dz is None:
             dz = np.empty((dy.shape[0], 0), np.float32)
         request = pb.ConvRequest(
@@ -181,6 +198,8 @@ class ResidentCalls:
         dests = dict(zip(expect[:3], edges_out, strict=False)) if edges_out is not None else {}
         if replica is not None:
             dests.update(rw=replica[1], rb=replica[2])
+        if dbn_out is not None:
+            dests["dbn"] = dbn_out
         answer = answer_bytes if answer_bytes is not None else BUNDLE_BYTES + 1
         got, stats = self._call(
             RESIDENT_STAGE_BACKWARD, f"resident stage backward {layer}", request,

@@ -41,6 +41,15 @@ their channels (a view of the model's fc weight, :func:`~hetconv.head.head_colum
 momentum, placed, fetched, updated, logged and replayed with the kernels; forward answers
 partial logits, which the master sums (:attr:`_ResidentForward.result`), and backward sends the
 logits' gradient. The halo and edge rows carry the halo and edge channels' columns too.
+
+Batch norm in the stage: its weight and bias stay the master's (its optimizer updates them).
+Each resident stage call sends them as the sent-kernel fused stage does (:mod:`.fused`: the
+widened slice's rows, in evaluation the running statistics too); the forward's answer carries
+the owned channels' batch statistics, which move the running statistics as there, and the
+backward's their weight and bias gradients. The replay log keeps the batch norms' rows each
+step's forward was sent, so a replay normalises as the worker did. A convolution without bias
+(:attr:`ResidentKernels.no_bias`) is placed with ``fixed_bias``: neither the worker nor the
+master's own rows, replay or sync ever change its zero bias.
 """
 
 from __future__ import annotations
@@ -63,7 +72,7 @@ from .dispatch import (
     Piece,
     finite,
 )
-from .fused import FusedKernelSplit
+from .fused import FusedKernelSplit, _check_batchnorm
 from .membership import ACTIVE, Membership, Node
 from .resident_jobs import _Logged, _ResidentBackward, _ResidentForward
 
@@ -102,6 +111,8 @@ class ResidentLayer:
 
     def __init__(self, name: str, w: np.ndarray, b: np.ndarray, stage: StageSpec, sides, head=None):
         self.name, self.w, self.b, self.stage, self.sides = name, w, b, stage, sides
+        self.bias = True  # False: a convolution without bias, whose zero b is never updated
+        self.batchnorm: list = []  # the stage's BatchNorm2d layers (the model's), in order
         self.mw = np.zeros_like(w)
         self.mb = np.zeros_like(b)
         self.head_name, self.head_weight = head if head is not None else (None, None)
@@ -148,9 +159,12 @@ class ResidentLayer:
         their split head columns' gradient)."""
         w, b, mw, mb = self.w[part], self.b[part], self.mw[part], self.mb[part]
         bw = sgd_update(w, dw, mw if self.started else None, config)
-        bb = sgd_update(b, db, mb if self.started else None, config)
         if bw is not None:
-            mw[...], mb[...] = bw, bb
+            mw[...] = bw
+        if self.bias:
+            bb = sgd_update(b, db, mb if self.started else None, config)
+            if bb is not None:
+                mb[...] = bb
         if df is not None:
             f = np.array(self.f[part])  # the view is strided: update a copy, write it back
             bf = sgd_update(f, df, self.mf[part] if self.started else None, config)
@@ -167,7 +181,9 @@ class ResidentLayer:
         """The momentum buffers as the optimizer names them (none before the first update)."""
         if not self.started:
             return {}
-        out = {f"{self.name}.weight": self.mw.copy(), f"{self.name}.bias": self.mb.copy()}
+        out = {f"{self.name}.weight": self.mw.copy()}
+        if self.bias:
+            out[f"{self.name}.bias"] = self.mb.copy()
         if self.head_weight is not None:  # back to the fc weight's (classes, C * P)
             out[f"{self.head_name}.weight"] = np.ascontiguousarray(
                 self.mf.transpose(2, 0, 1)
@@ -176,7 +192,7 @@ class ResidentLayer:
 
     def parameter_names(self) -> list[str]:
         """The parameters this layer's slices hold, as the optimizer names them."""
-        names = [f"{self.name}.weight", f"{self.name}.bias"]
+        names = [f"{self.name}.weight"] + ([f"{self.name}.bias"] if self.bias else [])
         return names + ([f"{self.head_name}.weight"] if self.head_weight is not None else [])
 
 
@@ -216,6 +232,8 @@ class ResidentKernels:
         self.sync_every, self.log_limit_bytes = sync_every, log_limit_bytes
         self.sgd: SGDConfig | None = None
         self.layers: dict[str, ResidentLayer] = {}
+        #: layers without bias (the cluster sets it at prepare): their zero bias stays zero
+        self.no_bias: frozenset[str] = frozenset()
         self.split = ResidentSplit()
         # stage outputs of the pieces the master computed, for a split head's backward
         self.maps: dict[tuple[str, int, int], np.ndarray] = {}
@@ -251,9 +269,13 @@ class ResidentKernels:
 
     # -- the layers --------------------------------------------------------------------------
 
-    def layer(self, name: str, w, b, stage: StageSpec, sides, head=None) -> ResidentLayer:
+    def layer(
+        self, name: str, w, b, stage: StageSpec, sides, head=None, batchnorm=()
+    ) -> ResidentLayer:
         """The resident state of layer ``name``, bound to the model's arrays at first use;
-        ``head``: its split head, (the fc's name, its weight array)."""
+        ``head``: its split head, (the fc's name, its weight array); ``batchnorm``: the
+        model's batch norm layers of the stage (their parameters stay the master's)."""
+        _check_batchnorm(name, stage, batchnorm)
         if self.sgd is None:
             raise RuntimeError(
                 f"{name}: resident kernels need the optimizer's settings "
@@ -271,6 +293,7 @@ class ResidentKernels:
             )
         if layer is None:
             layer = ResidentLayer(name, w, b, stage, sides, head)
+            layer.bias = name not in self.no_bias
             mw, mb = (
                 self._momentum.pop(f"{name}.weight", None),
                 self._momentum.pop(f"{name}.bias", None),
@@ -282,6 +305,7 @@ class ResidentKernels:
                 if mf is not None:
                     layer.mf[...] = head_columns(mf, layer.kernels)
             self.layers[name] = layer
+        layer.batchnorm = list(batchnorm)
         return layer
 
     def load_momentum(self, momentum: dict[str, np.ndarray]) -> None:
@@ -341,6 +365,7 @@ class ResidentKernels:
             stats = node.client.place_kernels(
                 self.session, layer.name, part.start, version, *arrays[:4], layer.started,
                 self.sgd, timeout=self.deadline(node, nbytes), head=arrays[4:],
+                fixed_bias=not layer.bias,
             )  # fmt: skip
         except WorkerError as e:
             self.membership.lose(node, e)  # its piece is covered by the master this step
@@ -396,7 +421,9 @@ class ResidentKernels:
         for e in placed.log:
             ww = np.concatenate([e.hw[:before], w, e.hw[before:]])
             bb = np.concatenate([e.hb[:before], b, e.hb[before:]])
-            y, run = stage_forward(self.backend, e.x, ww, bb, layer.sides, layer.stage, own)
+            y, run = stage_forward(
+                self.backend, e.x, ww, bb, layer.sides, layer.stage, own, list(e.bn)
+            )
             if head:  # the stage-output gradient from the logits' gradient, as the worker did
                 ff = np.concatenate([e.hf[:before], f, e.hf[before:]])
                 rel = layer.stage.grad_range(own, ww.shape[0])
@@ -407,9 +434,12 @@ class ResidentKernels:
                 dy = e.dy
             _, dw, db = stage_backward(self.backend, run, dy, rel, False)
             bw = sgd_update(w, dw, mw if started else None, config)
-            bm = sgd_update(b, db, mb if started else None, config)
             if bw is not None:
-                mw[...], mb[...] = bw, bm
+                mw[...] = bw
+            if layer.bias:  # without bias, b and mb stay zero as on the worker
+                bm = sgd_update(b, db, mb if started else None, config)
+                if bm is not None:
+                    mb[...] = bm
             if head:
                 bf = sgd_update(f, df, mf if started else None, config)
                 if bf is not None:

@@ -10,7 +10,13 @@ import numpy as np
 from hetconv.formats import FLOAT32
 from hetconv.head import columns_grad, partial_logits, stage_grad
 from hetconv.resident import edge_rows
-from hetconv.stages import StageRun, stage_backward, stage_forward
+from hetconv.stages import (
+    StageRun,
+    batch_statistics_rows,
+    batchnorm_grad_rows,
+    stage_backward,
+    stage_forward,
+)
 
 from .client import CallStats
 from .dispatch import (
@@ -24,6 +30,7 @@ from .dispatch import (
     lost_forward,
     split_of,
 )
+from .fused import _batchnorm_slices, _check_rows
 from .replica import input_bytes, replica_input_grad
 from .spotcheck import stage_forward_sample
 
@@ -41,6 +48,7 @@ class _Logged:
     dy: np.ndarray
     grad_start: int  # within the widened slice
     step: int = -1
+    bn: tuple = ()  # the BatchNormSlices of the widened slice the forward was sent
 
 
 def as_received(array: np.ndarray, fmt) -> np.ndarray:
@@ -71,6 +79,21 @@ class _ResidentForward:
         # stage outputs of the pieces the master computes are kept for their backward.
         self.z: dict[int, np.ndarray] = {}
         self.y = np.empty((x.shape[0], layer.kernels, *out_hw), np.float32)
+        # The stage's batch norms (:mod:`.fused`'s rules): each piece's batch statistics.
+        self.batchnorm = list(layer.batchnorm)
+        self.training = all(bn.training for bn in self.batchnorm)
+        self.counts = [x.shape[0] * h * w for h, w in layer.stage.batchnorm_hw((ho, wo))]
+        rows = 2 * len(self.batchnorm) if self.training else 0
+        self.stats: dict[int, np.ndarray] = {}
+        self._stats_rows = rows
+
+    def _track(self, part: slice, stats: np.ndarray) -> None:
+        """Move the running statistics of ``part`` by its rows of batch mean and variance."""
+        if not self.training:
+            return
+        for i, (layer, count) in enumerate(zip(self.batchnorm, self.counts, strict=True)):
+            mean, var = stats[2 * i].astype(np.float64), stats[2 * i + 1].astype(np.float64)
+            layer.track(mean, var, count, part)
 
     def _out(self, piece: Piece) -> np.ndarray:
         """Where a piece's answer goes: its partial logits, or its channels of the output."""
@@ -87,9 +110,14 @@ class _ResidentForward:
         if self.x_kept is None:  # the input as the worker has it: as sent, or computed there
             fmt = FLOAT32 if self.replica is not None else piece.node.client.wire_format
             self.x_kept = as_received(self.x, fmt)
-        placed.pending = (self.x_kept, hw, hb, hf)
+        bn = _batchnorm_slices(self.batchnorm, layer.wide(part))
+        placed.pending = (self.x_kept, hw, hb, hf, tuple(bn))
         out = self._out(piece)
+        stats = self.stats[piece.index] = np.empty((self._stats_rows, piece.size), np.float32)
         kwargs = {"out": out, "kernel_offset": layer.wide(part).start}
+        if bn:
+            kwargs |= {"batchnorm": bn, "stats_out": stats}
+        bn_bytes = sum(a.nbytes for one in bn for a in _bn_arrays(one)) + stats.nbytes
         if layer.classes:
             kwargs["hf"] = hf
         if self.replica is not None:
@@ -103,7 +131,8 @@ class _ResidentForward:
                 layer.sides, layer.stage, part.stop - part.start,
             ),
             kwargs,
-            input_bytes(self.x, self.replica) + hw.nbytes + hb.nbytes + hf.nbytes + out.nbytes,
+            input_bytes(self.x, self.replica) + hw.nbytes + hb.nbytes + hf.nbytes + out.nbytes
+            + bn_bytes,
         )  # fmt: skip
 
     def input_arrived(self) -> None:
@@ -115,8 +144,10 @@ class _ResidentForward:
             self.x_kept[...] = self.x
 
     def check(self, piece: Piece, answer) -> None:
+        what = f"resident stage forward {self.ctx.layer}"
         if not finite(self._out(piece)) and finite(self.x):
-            raise _non_finite(piece, f"resident stage forward {self.ctx.layer}")
+            raise _non_finite(piece, what)
+        _check_rows(piece, what, self.stats[piece.index], self._stats_rows)
 
     @property
     def covers_early(self) -> bool:
@@ -130,8 +161,10 @@ class _ResidentForward:
         wide = layer.wide(part)
         own = slice(part.start - wide.start, part.stop - wide.start)
         y, run = stage_forward(
-            self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides, layer.stage, own
-        )
+            self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides, layer.stage, own,
+            _batchnorm_slices(self.batchnorm, wide),
+        )  # fmt: skip
+        self._track(part, batch_statistics_rows(run))
         self.y[:, part] = y
         if layer.classes:
             self._out(piece)[...] = partial_logits(y, layer.f[part])
@@ -140,6 +173,8 @@ class _ResidentForward:
             self.owner.maps[layer.name, part.start, part.stop] = y
 
     def accept(self, piece: Piece, answer) -> CallStats:
+        if self.batchnorm:
+            self._track(piece.part, self.stats[piece.index])
         return answer[1]
 
     def spot_sample(self, piece: Piece, answer, draw):
@@ -147,6 +182,8 @@ class _ResidentForward:
         slices were all placed or synced just before this forward, so the master's weights are
         the workers' exactly; none otherwise (a spot check of a resident layer waits for a
         sync: forcing one on every due step would fetch every slice that often)."""
+        if self.batchnorm:
+            return None  # as the fused stage's: batch norm reads every image, samples a few
         if not self.synced or self.layer.classes:
             return []  # a split head answers logits: not sampled (see the module's docstring)
         layer, fmt = self.layer, piece.node.client.wire_format
@@ -190,6 +227,15 @@ class _ResidentBackward:
         self._edges: list[tuple[slice, np.ndarray, np.ndarray, np.ndarray]] = []
         self._ef: dict[int, np.ndarray] = {}  # where each piece's edge columns come back
         self._computed: list[slice] = []
+        # the stage's batch norms: their weight and bias gradients, filled piece by piece
+        self.batchnorm = list(layer.batchnorm)
+        self._dbn: dict[int, np.ndarray] = {}
+        for bn in self.batchnorm:
+            bn.grads = {name: np.zeros_like(p) for name, p in bn.params.items()}
+
+    def _take_dbn(self, part: slice, dbn: np.ndarray) -> None:
+        for i, bn in enumerate(self.batchnorm):
+            bn.grads["weight"][part], bn.grads["bias"][part] = dbn[2 * i], dbn[2 * i + 1]
 
     def _add_dx(self, part) -> None:
         if self.need_input_grad:
@@ -208,13 +254,14 @@ class _ResidentBackward:
         ef = self._ef[piece.index] = np.empty((len(rows), *layer.f.shape[1:]), np.float32)
         fmt = piece.node.client.wire_format
         dx_bytes = fmt.nbytes(self.x.shape) if self.need_input_grad else 0
-        kwargs: dict = {"edges_out": (ew, eb, ef)}
+        dbn = self._dbn[piece.index] = np.empty((2 * len(self.batchnorm), piece.size), np.float32)
+        kwargs: dict = {"edges_out": (ew, eb, ef), "dbn_out": dbn}
         if head:
             kwargs["dz"] = dz
         if self.replica is not None:
             kwargs["replica"] = self.replica.request(piece.index)
             dx_bytes = self.replica.nbytes
-        kwargs["answer_bytes"] = ew.nbytes + eb.nbytes + ef.nbytes + dx_bytes
+        kwargs["answer_bytes"] = ew.nbytes + eb.nbytes + ef.nbytes + dbn.nbytes + dx_bytes
         if ctx.overlap_images:
             kwargs["grouped"] = True
         sent = dy.nbytes + (dz.nbytes if dz is not None else 0)
@@ -232,8 +279,10 @@ class _ResidentBackward:
         dx, ew, eb, _ = answer
         through = self.replica.part(piece.index) if self.replica is not None else ()
         given = self.dy if self.layer.classes else self.dy[:, piece.part]
+        what = f"resident stage backward {self.ctx.layer}"
         if not finite(ew, eb, dx, *through) and finite(self.x, given):
-            raise _non_finite(piece, f"resident stage backward {self.ctx.layer}")
+            raise _non_finite(piece, what)
+        _check_rows(piece, what, self._dbn[piece.index], 2 * len(self.batchnorm))
 
     def compute_locally(self, piece: Piece) -> None:
         layer, part = self.layer, piece.part
@@ -244,9 +293,10 @@ class _ResidentBackward:
         y = self.owner.maps.pop(key, None)
         own = slice(part.start - wide.start, part.stop - wide.start)
         if run is None or (layer.classes and y is None):  # the worker's forward ran there
+            # (training: the same batch statistics; the running ones moved by them once, then)
             y, run = stage_forward(
                 self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides,
-                layer.stage, own,
+                layer.stage, own, _batchnorm_slices(self.batchnorm, wide),
             )  # fmt: skip
         rel = slice(grad.start - wide.start, grad.stop - wide.start)
         if layer.classes:
@@ -259,6 +309,7 @@ class _ResidentBackward:
             self.owner.backend, run, dy, rel, self.need_input_grad, rows_first=first
         )
         self._computed.append(part)
+        self._take_dbn(part, batchnorm_grad_rows(run))
         if not lost_backward(self.replica, piece, dx):
             self._add_dx(dx)
 
@@ -280,14 +331,16 @@ class _ResidentBackward:
         placed.version += 1
         wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
         if placed.pending is not None:
-            x, hw, hb, hf = placed.pending
+            x, hw, hb, hf, bn = placed.pending
             if layer.classes:  # the logits' gradient, float32 whatever the wire
                 dy = self.dy
             else:
                 dy = as_received(self.dy[:, grad], piece.node.client.wire_format)
-            placed.log.append(_Logged(x, hw, hb, hf, dy, grad.start - wide.start, self.ctx.step))
+            start = grad.start - wide.start
+            placed.log.append(_Logged(x, hw, hb, hf, dy, start, self.ctx.step, bn))
             placed.pending = None
         self._edges.append((part, ew, eb, self._ef[piece.index]))
+        self._take_dbn(part, self._dbn[piece.index])
         if self.replica is not None:
             self.replica.take(piece.index, piece.node.client.address)
         else:
@@ -315,3 +368,9 @@ class _ResidentBackward:
         if head:
             return dx, self.dw, self.db, self.df
         return dx, self.dw, self.db
+
+
+def _bn_arrays(bn) -> list[np.ndarray]:
+    """The arrays a :class:`~hetconv.stages.BatchNormSlice` sends (running ones in evaluation)."""
+    arrays = [bn.weight, bn.bias]
+    return arrays if bn.training else [*arrays, bn.running_mean, bn.running_var]

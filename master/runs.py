@@ -235,7 +235,8 @@ class ResidentStage(FusedStage):
         plan = ctx.plan(self.name, x.shape, w.shape, padding)
         ctx.ran[self.name] = FUSED
         self._check_head(head)
-        state = ctx.resident.layer(self.name, w, b, stage, sides(padding, w.shape[2:]), head)
+        at = sides(padding, w.shape[2:])
+        state = ctx.resident.layer(self.name, w, b, stage, at, head, batchnorm)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == ctx.step and ahead[1].shape == x.shape:
             _, placeholder, started = ahead
@@ -254,7 +255,8 @@ class ResidentStage(FusedStage):
         ctx = self.ctx
         plan = ctx.plan(self.name, x.shape, w.shape, padding)
         self._check_head(head)
-        state = ctx.resident.layer(self.name, w, b, stage, sides(padding, w.shape[2:]), head)
+        at = sides(padding, w.shape[2:])
+        state = ctx.resident.layer(self.name, w, b, stage, at, head, batchnorm)
         replica = ctx.replicas.gradients_for(self.name, ctx.backend)
         job = ctx.resident.backward_job(self._call(x), state, x, dy, need_input_grad, replica)
         return ctx.runner.run(ctx.resident.split, job, self.name, plan)
@@ -442,6 +444,7 @@ def choose_runs(cluster, layers, batch: int) -> dict[str, KernelSplit]:
         cluster.ctx.replicas = choice.blocks
         stage_modes[layers[0].name] = REPLICATED
     kernel_modes = modes.kernel_modes(c, layers, batch, stage_modes, plans, nodes)
+    cluster.resident.no_bias = frozenset(spec.name for spec in layers if not spec.bias)
     head = modes.heads(c, layers, kernel_modes)
     cluster.head_refused = head.refused
     resident = frozenset(name for name, mode in kernel_modes.items() if mode == RESIDENT)

@@ -48,6 +48,12 @@ SPECS = {
         _conv("conv1", 32), {"type": "batchnorm"}, {"type": "relu"}, POOL,
         _conv("conv2", 128), {"type": "batchnorm"}, {"type": "relu"}, POOL, FC,
     ],
+    # convolutions without bias before batch norm (as PyTorch's CNNs write them)
+    "nobias": [
+        _conv("conv1", 32, 3, bias=False), {"type": "batchnorm"}, {"type": "relu"}, POOL,
+        _conv("conv2", 128, 3, bias=False), {"type": "batchnorm"}, {"type": "relu"}, POOL,
+        {"type": "dropout"}, FC,
+    ],
     # the first block feeds dropout, not a convolution; the last stage feeds dropout, not the fc
     "dropout": [
         _conv("conv1", 32), {"type": "relu"}, POOL, {"type": "dropout"},
@@ -222,9 +228,9 @@ def test_every_flag_combination_on_one_network(networks):
 
 
 def test_the_simulator_follows_the_table_where_it_drifted(networks):
-    """Where the simulator's rules had drifted from the master's: a strided or batch-norm
-    stage sends its kernels, a split on a shared medium is refused, a block that does not
-    feed a convolution directly is not replicated."""
+    """Where the simulator's rules had drifted from the master's: a strided stage sends its
+    kernels (a batch-norm stage and a convolution without bias keep them), a split on a shared
+    medium is refused, a block that does not feed a convolution directly is not replicated."""
     fast = SimNode("w", 40.0, bytes_per_s=10 * MBIT)
     cluster = SimCluster(SimNode("m", 40.0), (fast, dataclasses.replace(fast, name="v")), WIFI, 1e6)
 
@@ -237,7 +243,9 @@ def test_the_simulator_follows_the_table_where_it_drifted(networks):
         "conv1": "resident",
         "conv2": "sent",
     }
-    assert set(chosen("batchnorm", stages="fused", kernels="resident").kernels.values()) == {"sent"}
+    for name in ("batchnorm", "nobias"):
+        kernels = chosen(name, stages="fused", kernels="resident").kernels
+        assert set(kernels.values()) == {"resident"}, name
     split = chosen("paper-50-500", stages="fused", replicate="split")
     assert split.block == "conv1" and split.replicate == "first"
     assert split.replica.split_refused == "not split: the workers share one medium (wifi)"

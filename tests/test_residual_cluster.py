@@ -163,10 +163,10 @@ def test_resnet20_with_a_worker_killed_mid_step_computes_every_step_as_locally(s
     assert [(e["worker"], e["step"]) for e in lost] == [(started.addresses[1], 5)]
 
 
-def test_a_conv_without_bias_keeps_its_kernels_with_the_master(workers):
-    # Workers that keep a slice update its bias too: a zero bias the model never trains would
-    # move. So a bias-free conv's kernels are sent, whatever --kernels says (master and
-    # simulator alike: the mode table's keeps_kernels).
+def test_a_conv_without_bias_keeps_its_kernels_on_the_workers_too(workers):
+    # A bias-free conv's slice is placed with fixed_bias: the workers never update its zero
+    # bias (tests/test_resident_batchnorm.py trains such layers), so --kernels resident keeps
+    # it there as any other (master and simulator alike: the mode table's keeps_kernels).
     spec = [
         {"type": "conv", "name": "conv1", "out": 8, "kernel": 3, "padding": 1, "bias": False},
         {"type": "relu"},
@@ -177,9 +177,9 @@ def test_a_conv_without_bias_keeps_its_kernels_with_the_master(workers):
         {"type": "fc", "name": "fc", "out": 10},
     ]
     layers = [ConvLayer.from_spec(c, BATCH) for c in Model(spec, seed=0).conv_specs()]
-    assert [keeps_kernels(layer, FUSED) for layer in layers] == [False, True]
+    assert [keeps_kernels(layer, FUSED) for layer in layers] == [True, True]
     config = ClusterConfig(stages="fused", kernels="resident", **FAST)
     with Cluster(workers.addresses, config=config) as cluster:
         Model(spec, seed=0, executor=cluster)
         cluster.prepare(Model(spec, seed=0).conv_specs(), BATCH, None)
-        assert cluster.kernel_modes == {"conv1": "sent", "conv2": "resident"}
+        assert cluster.kernel_modes == {"conv1": "resident", "conv2": "resident"}

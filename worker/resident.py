@@ -9,6 +9,13 @@ gradients, applies the SGD update to the slice in place (version + 1) and answer
 edge kernels (its neighbours' next halo) and the input-gradient part. FetchKernels answers
 the slice and its momentum at the version asked for.
 
+A stage with batch norm runs it as StageForward does: the request brings the batch norms'
+weight and bias of the widened slice (their running statistics in evaluation), the forward
+answers the owned channels' batch statistics and the backward their weight and bias
+gradients; the master keeps and updates those parameters. A slice placed with ``fixed_bias``
+(a convolution without bias) keeps its bias and its momentum exactly zero: the update skips
+them.
+
 Every call names the version it expects; a slice at another version (or none) is refused with
 FAILED_PRECONDITION naming both, so a stale slice is never computed with.
 
@@ -41,7 +48,16 @@ from hetconv.head import columns_grad, partial_logits, stage_grad
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.resident import edge_rows, sgd_config, version_text
-from hetconv.stages import StageRun, StageSpec, spec_from_proto, stage_backward, stage_forward
+from hetconv.stages import (
+    StageRun,
+    StageSpec,
+    batch_statistics_rows,
+    batchnorm_grad_rows,
+    spec_from_proto,
+    stage_backward,
+    stage_forward,
+    unpack_batchnorm,
+)
 from hetconv.worker.context import WorkerContext, answer
 from hetconv.worker.overlap import (
     GroupedRun,
@@ -71,6 +87,7 @@ class _Slice:
     f: np.ndarray  # the split head's columns (k, P, classes); (k, 0, 0) without a head
     mf: np.ndarray
     classes: int = 0
+    fixed_bias: bool = False  # a convolution without bias: b and mb stay zero
 
 
 @dataclass
@@ -159,6 +176,8 @@ class ResidentCalls:
             raise InvalidCall("w or b holds NaN or Inf")
         if not np.isfinite(f).all():
             raise InvalidCall("f (the split head's columns) holds NaN or Inf")
+        if ref.fixed_bias and (b.any() or mb.any()):
+            raise InvalidCall("fixed_bias is set (a layer without bias), but b or mb is not zero")
         placed = _Slice(
             request.kernel_offset,
             *(np.array(a, np.float32) for a in (w, b, mw, mb)),  # owned and writable
@@ -168,6 +187,7 @@ class ResidentCalls:
             f=np.array(f, np.float32),
             mf=np.array(mf, np.float32),
             classes=classes,
+            fixed_bias=ref.fixed_bias,
         )
         with self._lock:
             layers = self._slices.setdefault(request.session, {})
@@ -186,9 +206,10 @@ class ResidentCalls:
         arrays = (held.w, held.b, held.mw, held.mb, held.f, held.mf)
         return answer(formats, arrays), 0.0, receive
 
-    def _check_forward(self, request: pb.ConvRequest, x, hw, hb, hf, held: _Slice):
+    def _check_forward(self, request: pb.ConvRequest, x, hw, hb, hf, bn, held: _Slice):
         """A resident stage forward's request against the slice held: (padding, spec, the
-        widened slice's ConvShape); InvalidCall or RequestTooLarge naming what is wrong."""
+        widened slice's ConvShape, its batch norms); InvalidCall or RequestTooLarge naming
+        what is wrong."""
         padding = request_padding(request)
         ref, d = request.resident, request.stage
         k = held.w.shape[0]
@@ -208,6 +229,9 @@ class ResidentCalls:
             spec = spec_from_proto(d.ops)
             conv = conv_shape(x.shape, (k + hw.shape[0], *held.w.shape[1:]), padding)
             spec.output_hw(conv.out_hw)
+            batchnorm = unpack_batchnorm(bn, spec.batchnorms, not d.batchnorm_eval)
+            for i, one in enumerate(batchnorm):
+                one.check(i, conv.k)
         except ValueError as e:
             raise InvalidCall(str(e)) from None
         positions = int(np.prod(spec.output_hw(conv.out_hw)))
@@ -217,12 +241,6 @@ class ResidentCalls:
                 f"halo columns hf {hf.shape} and the slice's f {held.f.shape} do not fit the "
                 f"stage: hf must be {want}, f ({k}, {positions}, {held.classes})"
             )
-        if spec.batchnorms:
-            # The master sends a layer whose stage holds batch norm with its kernels (StageForward)
-            raise InvalidCall(
-                f"the stage holds {spec.batchnorms} batch norm layers: resident stages do not "
-                "run batch norm; send it with StageForward"
-            )
         # As StageForward: the stage's intermediates, a few times the widened feature maps,
         # must fit the worker's limit too.
         kept = 6 * 4 * conv.n * conv.k * conv.out_hw[0] * conv.out_hw[1]
@@ -231,14 +249,14 @@ class ResidentCalls:
                 f"the stage would hold {kept} bytes: beyond this worker's limit of "
                 f"{self.context.config.max_request_bytes} bytes per request"
             )
-        return padding, spec, conv
+        return padding, spec, conv, batchnorm
 
     def forward(self, messages: Iterator):
         ctx = self.context
-        request, (x, hw, hb, hf), receive = ctx.receive(messages, RESIDENT_STAGE_FORWARD)
+        request, (x, hw, hb, hf, bn), receive = ctx.receive(messages, RESIDENT_STAGE_FORWARD)
         x = ctx.replicas.input_for(request, x)
         held = self._held(request)
-        padding, spec, conv = self._check_forward(request, x, hw, hb, hf, held)
+        padding, spec, conv, batchnorm = self._check_forward(request, x, hw, hb, hf, bn, held)
         k, before = held.w.shape[0], request.resident.halo_before
         w = np.concatenate([hw[:before], held.w, hw[before:]])
         b = np.concatenate([hb[:before], held.b, hb[before:]])
@@ -247,9 +265,8 @@ class ResidentCalls:
         if groups is not None and held.classes:
             raise InvalidCall("a split head's stage answers logits: it does not run in groups")
         start = time.perf_counter()
-        (name, fmt), (z_name, z_fmt) = RESIDENT_STAGE_FORWARD.answer_formats(
-            fmt=answer_format(request.answer_dtype)
-        ).items()
+        formats = RESIDENT_STAGE_FORWARD.answer_formats(fmt=answer_format(request.answer_dtype))
+        (name, fmt), (z_name, z_fmt), (s_name, s_fmt) = formats.items()
         if groups is not None:  # each group's output goes as soon as it is computed
 
             def keep(run: GroupedRun) -> None:
@@ -260,12 +277,16 @@ class ResidentCalls:
 
             outputs = forward_groups(ctx, x, w, b, padding, spec, own, groups, keep)
             shape = (x.shape[0], k, *spec.output_hw(conv.out_hw))
-            tensors = [(name, shape, fmt), (z_name, (x.shape[0], 0), z_fmt)]  # no head: no z
+            tensors = [  # no head: no z; no batch norm (check_overlap): no stats
+                (name, shape, fmt),
+                (z_name, (x.shape[0], 0), z_fmt),
+                (s_name, (0, k), s_fmt),
+            ]
             return Streamed(tensors, ((0, y) for y in outputs), start, receive)
         f = np.concatenate([hf[:before], held.f, hf[before:]]) if held.classes else None
 
         def forward_work():
-            y, run = stage_forward(ctx.backend, x, w, b, padding, spec, own)
+            y, run = stage_forward(ctx.backend, x, w, b, padding, spec, own, batchnorm)
             z = partial_logits(y, held.f) if f is not None else np.empty((len(x), 0), np.float32)
             ctx.backend.synchronize()
             return y, run, z
@@ -277,7 +298,8 @@ class ResidentCalls:
             self._runs[request.session, request.layer] = kept
         if f is not None:  # the logits' part instead of the maps
             y = np.empty((y.shape[0], 0, *y.shape[2:]), np.float32)
-        return [(name, y, fmt), (z_name, z, z_fmt)], compute, receive
+        stats = batch_statistics_rows(run)
+        return [(name, y, fmt), (z_name, z, z_fmt), (s_name, stats, s_fmt)], compute, receive
 
     def _kept(self, request: pb.ConvRequest) -> tuple[_Slice, _Run]:
         """The slice a resident stage backward names and its forward's run of the same step
@@ -339,9 +361,12 @@ class ResidentCalls:
             del self._runs[request.session, request.layer]
             # The update, in place: bitwise what the master's SGD gives these rows.
             mw = sgd_update(held.w, dw, held.mw if held.started else None, held.config)
-            mb = sgd_update(held.b, db, held.mb if held.started else None, held.config)
             if mw is not None:
-                held.mw[...], held.mb[...] = mw, mb
+                held.mw[...] = mw
+            if not held.fixed_bias:  # a layer without bias keeps b and mb zero
+                mb = sgd_update(held.b, db, held.mb if held.started else None, held.config)
+                if mb is not None:
+                    held.mb[...] = mb
             if df is not None:
                 mf = sgd_update(held.f, df, held.mf if held.started else None, held.config)
                 if mf is not None:
@@ -352,7 +377,7 @@ class ResidentCalls:
         formats = RESIDENT_STAGE_BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype), replica
         )
-        arrays = [held.w[rows], held.b[rows], held.f[rows]]
+        arrays = [held.w[rows], held.b[rows], held.f[rows], batchnorm_grad_rows(run)]
         if through is not None:
             arrays += through
         elif request.need_input_grad:

@@ -113,7 +113,7 @@ class StageDescription(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[StageOp, _Mapping]]] = ..., own_start: _Optional[int] = ..., own_count: _Optional[int] = ..., grad_start: _Optional[int] = ..., batchnorm_eval: _Optional[bool] = ...) -> None: ...
 
 class ResidentSlice(_message.Message):
-    __slots__ = ("version", "count", "halo_before", "momentum_started", "lr", "momentum", "weight_decay", "head_classes")
+    __slots__ = ("version", "count", "halo_before", "momentum_started", "lr", "momentum", "weight_decay", "head_classes", "fixed_bias")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     HALO_BEFORE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class ResidentSlice(_message.Message):
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     HEAD_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    FIXED_BIAS_FIELD_NUMBER: _ClassVar[int]
     version: int
     count: int
     halo_before: int
@@ -130,7 +131,8 @@ class ResidentSlice(_message.Message):
     momentum: float
     weight_decay: float
     head_classes: int
-    def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., head_classes: _Optional[int] = ...) -> None: ...
+    fixed_bias: bool
+    def __init__(self, version: _Optional[int] = ..., count: _Optional[int] = ..., halo_before: _Optional[int] = ..., momentum_started: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., head_classes: _Optional[int] = ..., fixed_bias: _Optional[bool] = ...) -> None: ...
 
 class SplitPeer(_message.Message):
     __slots__ = ("address", "start", "count", "master")
