@@ -31,7 +31,8 @@ def add(sub: argparse._SubParsersAction) -> None:
         description=(
             "Write the network of trained weights as an ONNX graph in evaluation mode, checked "
             "with onnx.checker: it takes float32 `input` (N, C, H, W), normalised as in "
-            "training, and gives `logits` (N, classes). MODEL is a model .npz (hetconv train's "
+            "training (raw pixels with --include-normalisation), and gives `logits` "
+            "(N, classes). MODEL is a model .npz (hetconv train's "
             "model.npz or --save), a checkpoint file or folder, or a run folder; what hetconv "
             "train writes says its network, input shape, classes and normalisation, so nothing "
             "else is needed, and the graph's metadata states them. Weights written before "
@@ -46,14 +47,14 @@ def add(sub: argparse._SubParsersAction) -> None:
     which = p.add_mutually_exclusive_group()
     add_model_flag(
         which,
-        help=f"{model_help()} (default: the network MODEL records; needed for weights that "
-        "record none)",
+        help=f"{model_help()}; without it, the network MODEL records (weights that record none "
+        "need it)",
     )
     which.add_argument("--spec", metavar="SPEC.json", help="a .json spec (as --model SPEC.json)")
     p.add_argument(
         "--input-shape", type=_shape_chw, metavar="C,H,W",
-        help="the images' channels, height and width (default: what MODEL records, or an "
-        ".onnx network's graph)",
+        help="the images' channels, height and width; without it, what MODEL records, or an "
+        ".onnx network's graph",
     )  # fmt: skip
     p.add_argument(
         "--classes", type=positive_int, metavar="N",
