@@ -61,7 +61,7 @@ class Description:
         uint8 = train.images.dtype == np.uint8
         return cls(
             network=str(network),
-            spec=tuple(dict(layer) for layer in spec),
+            spec=tuple(json.loads(json.dumps(list(spec), default=_plain))),  # as read back
             input_shape=train.image_shape,
             classes=int(train.num_classes),
             mean=tuple(map(float, train.mean)),
@@ -134,6 +134,13 @@ class Description:
         x -= np.asarray(self.mean, np.float32).reshape(1, -1, 1, 1)
         x /= np.asarray(self.std, np.float32).reshape(1, -1, 1, 1)
         return x
+
+
+def _plain(value: object) -> object:
+    """A numpy scalar or array in a spec as the JSON value it stands for."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} {value!r} is not JSON")
 
 
 def _encoded(description: Description) -> bytes:

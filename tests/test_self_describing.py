@@ -103,6 +103,10 @@ def test_the_description_takes_the_datas_class_names_and_float_values():
     assert described.scale == 1.0 and described.formula() == "(value - mean[c]) / std[c]"
     assert Description.from_json(json.loads(json.dumps(described.as_json()))) == described
     np.testing.assert_array_equal(described.normalise(values), train.batch(np.arange(4))[0])
+    # numpy numbers and tuples in a spec (an imported graph's) are written as JSON values
+    spec = [{"type": "conv", "out": np.int64(3), "padding": (1, np.int32(1))}]
+    described = Description.of("net.onnx", spec, data)
+    assert described.spec == ({"type": "conv", "out": 3, "padding": [1, 1]},)
 
 
 @pytest.mark.parametrize("which", ["", "model.npz", "checkpoints", "checkpoints/ckpt-00000003.npz"])
