@@ -177,8 +177,8 @@ class ConvSpec:
             split head may run it on the stage's kernel slices: :mod:`hetconv.head`); None
             otherwise. Not compared.
         bias: whether the layer has a bias parameter (``"bias": false``: the executor gets a
-            zero bias it must never update; kernels kept on the workers would train it, so such
-            a layer's kernels are sent: :func:`hetconv.modetable.keeps_kernels`). Not compared.
+            zero bias it must never update; kernels kept on the workers keep it fixed at zero:
+            :mod:`hetconv.master.resident`). Not compared.
         images_fit: for a network's first layer, whether the images it takes fit the palette8
             format (:meth:`hetconv.data.ImageDataset.palette_fit`, which training sets), which
             they travel in to a replicated first block; the cost model counts float32 bytes

@@ -11,7 +11,7 @@ trace's ``stage_modes`` records them; a layer not named: unfused).
 
 ``kernels`` as ``hetconv train --kernels``: ``"sent"``, ``"resident"`` or ``"auto"``
 (:func:`~hetconv.costbytes.kernel_mode`), or per layer name; only fused layers at stride 1
-without batch norm keep their kernels.
+keep their kernels.
 
 ``replicate`` ``"first"``: the first layer's block is computed by every node
 (:mod:`hetconv.replica`) where the mode table allows it

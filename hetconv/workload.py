@@ -79,8 +79,8 @@ class ConvLayer:
     #: the convolution its stage output feeds unchanged (:attr:`hetconv.conv.ConvSpec.feeds`),
     #: into which its block may be replicated; None: another layer follows. Not compared.
     feeds: str | None = dataclasses.field(default=None, compare=False)
-    #: whether it has a bias parameter (without one, kernels kept on the workers would train
-    #: the zero bias: :mod:`hetconv.modetable` keeps them sent). Not compared.
+    #: whether it has a bias parameter (without one, kernels kept on the workers keep a fixed
+    #: zero bias: :mod:`hetconv.master.resident`). Not compared.
     bias: bool = dataclasses.field(default=True, compare=False)
 
     @classmethod

@@ -102,8 +102,8 @@ def replica(
 
 def kernel_modes(config, layers, batch: int, modes: Mapping[str, str], plans, nodes):
     """Each layer's kernel mode (:func:`hetconv.modetable.kernel_mode`): resident only where
-    the layer runs fused at stride 1 without batch norm; as configured, or (auto) by the cost
-    model."""
+    the layer runs fused at stride 1 (batch norm and no bias allowed); as configured, or (auto)
+    by the cost model."""
     flags = ModeFlags.of(config)
     return {
         spec.name: modetable.kernel_mode(

@@ -298,8 +298,10 @@ class ResidentKernels:
                 self._momentum.pop(f"{name}.weight", None),
                 self._momentum.pop(f"{name}.bias", None),
             )
-            if mw is not None and mb is not None:
-                layer.mw[...], layer.mb[...], layer.started = mw, mb, True
+            if mw is not None and (mb is not None or not layer.bias):
+                layer.mw[...], layer.started = mw, True
+                if mb is not None:
+                    layer.mb[...] = mb
             if head is not None:
                 mf = self._momentum.pop(f"{head[0]}.weight", None)
                 if mf is not None:

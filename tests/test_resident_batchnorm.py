@@ -29,6 +29,7 @@ from hetconv.optim import SGDConfig
 from hetconv.resident import placement_version
 from hetconv.stages import FUSED, BatchNormSlice, StageSpec
 from hetconv.training import TrainConfig, train
+from hetconv.training.checkpoint import POINTER_NAME, read_checkpoint
 from hetconv.workload import conv_layers, network_layers, resident_call_bytes
 
 # conv1 8 kernels without bias, batch norm; conv2 16 without bias, batch norm and a strong LRN
@@ -51,13 +52,14 @@ SHARES = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
 RESIDENT = dict(**FAST, shares=SHARES, stages="fused", kernels="resident")
 
 
-def _train(tmp_path, name, executor, trace=None):
-    """:data:`RUN` of :data:`SPEC` through ``executor``: (losses, final evaluation, saved
-    weights and running statistics by name)."""
+def _train(tmp_path, name, executor, trace=None, **overrides):
+    """:data:`RUN` of :data:`SPEC` through ``executor`` (``overrides`` replace RUN's settings):
+    (losses, final evaluation, saved weights and running statistics by name)."""
     spec = tmp_path / "bn.json"
     spec.write_text(json.dumps(SPEC))
     weights = tmp_path / f"{name}.npz"
-    config = TrainConfig(preset=str(spec), save=str(weights), trace=trace, **RUN)
+    run = {**RUN, **overrides}
+    config = TrainConfig(preset=str(spec), save=str(weights), trace=trace, **run)
     result = train(config, executor, log=io.StringIO())
     return result.losses, (result.eval_loss, result.eval_accuracy), dict(np.load(weights))
 
@@ -153,6 +155,39 @@ def test_a_worker_killed_mid_step_is_replayed_with_its_batch_norm(local, tmp_pat
 
 class KillingResident(Killing):
     BASE = RESIDENT
+
+
+def test_checkpoints_gather_the_slices_and_a_resume_places_them_again(local, workers, tmp_path):
+    """Checkpoints written with resident kernels hold what the same cluster sending its
+    kernels holds (weights, running statistics, momentum: none for the missing biases); a run
+    resumed from one places the slices again and ends as local training does."""
+    runs = {}
+    for kernels in ("sent", "resident"):
+        config = ClusterConfig(**{**RESIDENT, "kernels": kernels})
+        with Cluster(workers.addresses, config=config) as cluster:
+            folder = str(tmp_path / kernels)
+            runs[kernels] = _train(
+                tmp_path, kernels, cluster, checkpoint_dir=folder, checkpoint_every=2
+            )
+    _same(runs["resident"], local)
+    for step in (2, 4):
+        sent = read_checkpoint(tmp_path / "sent" / f"ckpt-{step:08d}.npz")
+        resident = read_checkpoint(tmp_path / "resident" / f"ckpt-{step:08d}.npz")
+        assert "conv1.bias" not in resident.momentum and "conv1.weight" in resident.momentum
+        for what in ("model", "momentum"):
+            a, b = getattr(sent, what), getattr(resident, what)
+            assert a.keys() == b.keys()
+            for name in a:
+                np.testing.assert_allclose(b[name], a[name], atol=1e-6, err_msg=f"{step} {name}")
+    folder = tmp_path / "resumed"
+    folder.mkdir()
+    name = "ckpt-00000002.npz"
+    (folder / name).write_bytes((tmp_path / "resident" / name).read_bytes())
+    (folder / POINTER_NAME).write_text(f"{name}\n")
+    with Cluster(workers.addresses, config=ClusterConfig(**RESIDENT)) as cluster:
+        resumed = _train(tmp_path, "resumed", cluster, checkpoint_dir=str(folder), resume=True)
+        _zero_biases(cluster)
+    _same(resumed, local)
 
 
 def test_keeps_kernels_allows_batch_norm_and_no_bias():
