@@ -1,14 +1,15 @@
 """A worker left with no kernel is probed again and earns its work back (real worker processes).
 
-Two workers on loopback, one of which is slow while a flag file exists (its calls and its
-probes sleep). Its figures are scaled far up at step 1, as a drift far up leaves them (the
-``link`` policy then gives such a worker nothing; which drift does that depends on timing, so
-the test scales the figures itself), and the shares are planned again: it has no kernel. At
-step 2 it is normal again. It must be probed again (after step 3: ``rebalance_every`` steps
-after it fell idle), get kernels back, and be listed as idle in the trace meanwhile, never as
-lost. No assertion on any time: the probes on a busy machine say what they say, so "kernels
-back" is some kernel of some layer (the shares over the two workers and the master follow
-their fresh figures).
+Two workers on loopback, one of which is slow while a flag file exists (its calls sleep three
+times their compute more, and say so: ``test_faults.BUSY_WORKER``). Its figures are scaled far
+up at step 1, as a drift far up leaves them (the ``link`` policy then gives such a worker
+nothing; which drift does that depends on timing, so the test scales the figures itself), and
+the shares are planned again: it has no kernel. At step 2 it is normal again. It must be probed
+again (``rebalance_every`` steps after it fell idle), get kernels back, and be listed as idle
+in the trace meanwhile, never as lost. No assertion on any time: the probes on
+a busy machine say what they say (best of 3, against a moment's stall), so "kernels back" is
+some kernel of some layer, and "idle from step 1" allows a start on which its first probe
+already came out too slow for a kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import threading
 
 import pytest
+from test_faults import BUSY_WORKER
 
 from hetconv.calls import READY as READY_LINE
 from hetconv.master.cluster import Cluster, ClusterConfig
@@ -27,34 +29,6 @@ from hetconv.master.launch import LocalWorkers
 from hetconv.training import TrainConfig, train
 
 RUN = dict(steps=8, batch=8, train_size=64, eval_size=0, progress=False)
-
-SLOW_WORKER = """
-import os, sys, time
-from hetconv.backends import get_backend
-from hetconv.calls import READY
-from hetconv.worker.service import ConvWorkerService, start_server
-
-class Slow(ConvWorkerService):
-    def _slow(self):
-        if os.path.exists(sys.argv[1]):
-            time.sleep(0.05)
-
-    def forward(self, messages):
-        self._slow()
-        return super().forward(messages)
-
-    def backward(self, messages):
-        self._slow()
-        return super().backward(messages)
-
-    def probe(self, request, context):
-        self._slow()
-        return super().probe(request, context)
-
-server, address = start_server(Slow(get_backend("cpu")), "127.0.0.1:0")
-print(READY, address, flush=True)
-server.wait_for_termination()
-"""
 
 
 class Scripted(Cluster):
@@ -83,7 +57,7 @@ def slow_worker(tmp_path):
     flag = tmp_path / "slow"
     flag.touch()
     process = subprocess.Popen(
-        [sys.executable, "-c", SLOW_WORKER, str(flag)],
+        [sys.executable, "-c", BUSY_WORKER, str(flag)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     address = None
@@ -117,7 +91,7 @@ def test_a_worker_starved_of_kernels_is_probed_again_and_gets_them_back(tmp_path
             assert done.wait(60), "the probe did not end"
 
     actions = {1: drifted_far, 2: lambda cluster: flag.unlink(), 5: probe_done}
-    config = dict(rebalance_every=2, rebalance_change=100.0, settle_steps=0, probe_repeats=1)
+    config = dict(rebalance_every=2, rebalance_change=100.0, settle_steps=0, probe_repeats=3)
     with LocalWorkers(1) as workers:
         with Scripted(workers.addresses + [address], actions, **config) as cluster:
             steps = _train(tmp_path, cluster)
@@ -126,11 +100,12 @@ def test_a_worker_starved_of_kernels_is_probed_again_and_gets_them_back(tmp_path
             after = [plan.shares[index] for plan in cluster.plans.values()]
     assert kernels["idle"] == [0, 0]
     assert any(after), after  # kernels back
-    assert ("worker_idle", address, 1) in events
+    fell = [step for kind, who, step in events if kind == "worker_idle" and who == address]
+    assert fell and fell[0] <= 1, events
     reprobed = [step for kind, who, step in events if kind == "worker_reprobed" and who == address]
-    assert reprobed and 4 <= reprobed[0] <= 5, events
+    assert reprobed and fell[0] + 2 < reprobed[0] <= 5, events
     assert any(f"{address} had no kernel and was probed again" in r for r in reasons), reasons
     assert not [e for e in events if e[0] == "worker_lost"]
     idle_steps = [r["step"] for r in steps if address in r.get("idle", ())]
-    assert idle_steps == list(range(1, reprobed[0])), idle_steps
+    assert idle_steps == list(range(fell[0], reprobed[0])), idle_steps
     assert address in steps[-1]["nodes"]  # it computed in the last step
