@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from hetconv.balance import kernel_shares
 from hetconv.costmodel import WIFI, SimCluster, SimNode, local_step_seconds
-from hetconv.model import walk_spec
+from hetconv.model import CIFAR_INPUT, walk_spec
 from hetconv.onnx_import import load_network
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, conv_layers
 
@@ -99,15 +99,18 @@ class CollectiveCosts:
 # -- the model's parameters ----------------------------------------------------------------------
 
 
-def parameter_tensors(spec: Sequence[Mapping]) -> list[tuple[str, int, int]]:
+def parameter_tensors(
+    spec: Sequence[Mapping], input_shape: tuple[int, int, int] = CIFAR_INPUT
+) -> list[tuple[str, int, int]]:
     """Every parameter tensor of a model spec, in the model's order: (name, elements, index of
-    the last convolution at or before it among the spec's convolutions, -1 before the first).
+    the last convolution at or before it among the spec's convolutions, -1 before the first),
+    for images of ``input_shape`` (C, H, W: a fully connected layer's inputs follow it).
 
     Convolutions and fully connected layers have a weight and a bias, batch norm a scale and a
     shift per channel; the other layer types have none.
     """
     tensors, conv_index = [], -1
-    for layer in walk_spec(spec):
+    for layer in walk_spec(spec, input_shape):
         if layer.conv is not None:
             conv_index += 1
             c = layer.conv
@@ -132,18 +135,24 @@ def parameter_tensors(spec: Sequence[Mapping]) -> list[tuple[str, int, int]]:
     return tensors
 
 
-def parameter_bytes(spec: Sequence[Mapping]) -> int:
+def parameter_bytes(
+    spec: Sequence[Mapping], input_shape: tuple[int, int, int] = CIFAR_INPUT
+) -> int:
     """Bytes of every parameter (and so of every gradient) of a model spec, float32."""
-    return FLOAT32_BYTES * sum(count for _, count, _ in parameter_tensors(spec))
+    return FLOAT32_BYTES * sum(count for _, count, _ in parameter_tensors(spec, input_shape))
 
 
-def buckets(spec: Sequence[Mapping], costs: CollectiveCosts) -> list[tuple[int, int]]:
+def buckets(
+    spec: Sequence[Mapping],
+    costs: CollectiveCosts,
+    input_shape: tuple[int, int, int] = CIFAR_INPUT,
+) -> list[tuple[int, int]]:
     """DDP's gradient buckets: (bytes, index of the earliest conv block whose gradient it
     holds, -1 for none), in the order they fill (the model's parameters reversed). A bucket
     closes once it reaches its cap (the first's is smaller), so a large tensor goes alone."""
     out: list[tuple[int, int]] = []
     size, block, cap = 0, math.inf, costs.first_bucket_bytes
-    for _, count, conv_index in reversed(parameter_tensors(spec)):
+    for _, count, conv_index in reversed(parameter_tensors(spec, input_shape)):
         size += FLOAT32_BYTES * count
         block = min(block, conv_index)
         if size >= cap:
@@ -325,8 +334,10 @@ def simulate_data_parallel(
         :class:`DataParallelResult`; ``batches`` master first, 0 where it computes nothing.
     """
     costs = costs or CollectiveCosts()
-    spec = load_network(network).spec if isinstance(network, str) else list(network)
-    layers = conv_layers(spec, batch)
+    named = load_network(network) if isinstance(network, str) else None
+    spec = named.spec if named is not None else list(network)
+    shape = (named.input_shape if named is not None else None) or CIFAR_INPUT  # a graph's own
+    layers = conv_layers(spec, batch, shape)
     ranks = _ranks(cluster)
     profiles = [_profile(node, cluster.master, layers, comp_s) for node in ranks]
     conv_fractions = [
@@ -339,12 +350,12 @@ def simulate_data_parallel(
     ]
     compute = max(compute_ends)
     conv_fraction = conv_fractions[compute_ends.index(compute)]
-    total_bytes = parameter_bytes(spec)
+    total_bytes = parameter_bytes(spec, shape)
     exchange_all = exchange_seconds(cluster, total_bytes, algorithm, costs)
     ends: list[float] = []
     if overlap:
         exchange, t, ends = _bucket_exchange(
-            cluster, spec, len(layers), algorithm, costs, forward_end, block_ends
+            cluster, spec, len(layers), algorithm, costs, forward_end, block_ends, shape
         )
         step = max(compute, t)
     else:
@@ -422,13 +433,14 @@ def _bucket_exchange(
     costs: CollectiveCosts,
     forward_end: Sequence[float],
     block_ends: Sequence[Sequence[float]],
+    input_shape: tuple[int, int, int] = CIFAR_INPUT,
 ) -> tuple[float, float, list[float]]:
     """The buckets exchanged during backward (DDP), each once every rank has passed its earliest
     conv block: (seconds exchanging, when the last ends, when each ends)."""
     t = 0.0
     exchange = 0.0
     ends = []
-    for size, block in buckets(spec, costs):
+    for size, block in buckets(spec, costs, input_shape):
         # Ready once every rank's backward has passed the bucket's earliest conv block
         # (-1: no conv weights in it: ready when backward starts).
         if block < 0 or not blocks:

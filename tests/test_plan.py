@@ -155,3 +155,34 @@ def test_the_probe_lines_say_what_their_gflops_are(monkeypatch, load, busy):
     note = devices._probe_note()
     assert "`hetconv plan --master/--worker` takes" in note and "`hetconv worker`" in note
     assert ("busy now" in note) is busy
+
+
+def test_an_onnx_model_is_planned_at_its_own_image_shape(tmp_path, capsys):
+    """A graph's input fixes its shapes: the kernel split, the data-parallel peer and the
+    measured other work all take its 3x16x16, not CIFAR's 3x32x32."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnx")
+    from hetconv.costmodel import local_step_seconds
+    from hetconv.dataparallel import simulate_data_parallel
+    from hetconv.simulations.scenario import load_scenario
+    from hetconv.workload import network_layers
+
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16 * 8 * 8, 4),
+    )
+    graph = tmp_path / "net.onnx"
+    torch.onnx.export(net, (torch.zeros(2, 3, 16, 16),), str(graph), dynamo=False,
+                      input_names=["input"], output_names=["logits"])  # fmt: skip
+    rows, text = _plan(tmp_path, capsys, *LAPTOPS, "--model", str(graph))
+    assert f"plan for {graph} (3x16x16 images)" in text and "measured here just now" in text
+    master = load_scenario("this-machine").cluster(1)  # one node: data parallelism is local
+    alone = simulate_data_parallel(master, str(graph), 16, 0.0).step_s
+    assert alone == pytest.approx(
+        local_step_seconds(master.master, network_layers(str(graph), 16), 0.0)
+    )
