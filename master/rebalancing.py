@@ -193,6 +193,8 @@ class IdleProbes:
             if not call.done():
                 continue
             del self._calls[name]
+            if node.state != ACTIVE:  # lost meanwhile: the monitor probes it as it comes back
+                continue
             if call.failed():
                 self._membership.lose(node, call.error())
                 continue
