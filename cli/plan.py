@@ -34,6 +34,19 @@ def _device(text: str) -> tuple[float, float | None]:
     return gflops, mbit
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    """``C,H,W``: the shape of one image."""
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not C,H,W: three positive integers (e.g. 3,64,64)"
+        )
+    return shape
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hetconv plan``."""
     parser.add_argument("scenario", nargs="?", metavar="SCENARIO",
@@ -43,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_flag(parser, TrainConfig.preset)
     parser.add_argument("--batch", type=positive_int, default=TrainConfig.batch,
                         help="images per step, as `hetconv train --batch`")  # fmt: skip
+    parser.add_argument("--input-shape", type=_shape, metavar="C,H,W",
+                        help="the shape of one image of the training data (`hetconv train` "
+                        "prints it: N images of CxHxW); default: an .onnx graph's own, else "
+                        "CIFAR's 3,32,32")  # fmt: skip
     parser.add_argument("--nodes", type=positive_int,
                         help="with a scenario: the master and this many - 1 of its workers "
                         "(default: every listed one)")  # fmt: skip

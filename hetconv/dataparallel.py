@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from hetconv.balance import kernel_shares
 from hetconv.costmodel import WIFI, SimCluster, SimNode, local_step_seconds
 from hetconv.model import CIFAR_INPUT, walk_spec
-from hetconv.onnx_import import load_network
+from hetconv.onnx_import import Network, load_network
 from hetconv.workload import BACKWARD, FORWARD, ConvLayer, conv_layers
 
 RING, PARAMETER_SERVER = "ring", "ps"
@@ -314,6 +314,7 @@ def simulate_data_parallel(
     costs: CollectiveCosts | None = None,
     image_seconds: Sequence[float] | None = None,
     batches: Sequence[int] | None = None,
+    input_shape: tuple[int, int, int] | None = None,
 ) -> DataParallelResult:
     """One step of heterogeneous data parallelism on ``cluster``.
 
@@ -329,14 +330,14 @@ def simulate_data_parallel(
         image_seconds: per rank, measured seconds per image of a whole training step; replaces
             the modelled total (keeping its forward/backward profile).
         batches: per rank, the batch slice; default proportional to speed.
+        input_shape: the (C, H, W) of an image; default: a graph's own, else CIFAR's.
 
     Returns:
         :class:`DataParallelResult`; ``batches`` master first, 0 where it computes nothing.
     """
     costs = costs or CollectiveCosts()
-    named = load_network(network) if isinstance(network, str) else None
-    spec = named.spec if named is not None else list(network)
-    shape = (named.input_shape if named is not None else None) or CIFAR_INPUT  # a graph's own
+    named = load_network(network) if isinstance(network, str) else Network(list(network))
+    spec, shape = named.spec, input_shape or named.input_shape or CIFAR_INPUT
     layers = conv_layers(spec, batch, shape)
     ranks = _ranks(cluster)
     profiles = [_profile(node, cluster.master, layers, comp_s) for node in ranks]

@@ -48,17 +48,23 @@ class CompMeasurement:
 
 
 def measure_comp(
-    network: str, batch: int = MEASURE_BATCH, steps: int = MEASURE_STEPS
+    network: str,
+    batch: int = MEASURE_BATCH,
+    steps: int = MEASURE_STEPS,
+    input_shape: tuple[int, int, int] | None = None,
 ) -> CompMeasurement:
     """Time ``steps`` local training steps of ``network`` (as ``--model`` names it) at
-    ``batch`` random images of its input shape (a graph's own, else CIFAR's 3x32x32) after one
-    warm-up step; the non-convolutional seconds per image of the fastest step.
+    ``batch`` random images of ``input_shape`` (C, H, W; default: a graph's own, else CIFAR's
+    3x32x32) after one warm-up step; the non-convolutional seconds per image of the fastest
+    step.
 
     Raises:
-        ValueError: a network :func:`~hetconv.onnx_import.load_network` refuses.
+        ValueError: a network :func:`~hetconv.onnx_import.load_network` refuses, or shapes
+            that do not fit it.
     """
     stamp = _stamp(network)
-    return _measure(network, stamp, batch, steps)
+    shape = tuple(input_shape) if input_shape is not None else None
+    return _measure(network, stamp, batch, steps, shape)
 
 
 def _stamp(network: str) -> float | None:
@@ -70,7 +76,9 @@ def _stamp(network: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _measure(network: str, stamp: float | None, batch: int, steps: int) -> CompMeasurement:
+def _measure(
+    network: str, stamp: float | None, batch: int, steps: int, shape: tuple | None
+) -> CompMeasurement:
     from hetconv.conv import LocalConv
     from hetconv.layers import softmax_cross_entropy
     from hetconv.model import Model
@@ -79,7 +87,7 @@ def _measure(network: str, stamp: float | None, batch: int, steps: int) -> CompM
     from hetconv.spec import CIFAR_INPUT
 
     named = load_network(network)
-    shape = tuple(named.input_shape or CIFAR_INPUT)
+    shape = tuple(shape or named.input_shape or CIFAR_INPUT)
     executor = LocalConv()
     model = Model(named.spec, input_shape=shape, seed=0, executor=executor)
     classes = int(np.prod(model.output_shape))
@@ -105,16 +113,17 @@ def _measure(network: str, stamp: float | None, batch: int, steps: int) -> CompM
     )
 
 
-def with_measured_comp(scenario, networks: Sequence[str], log=None):
+def with_measured_comp(scenario, networks: Sequence[str], log=None, input_shape=None):
     """``scenario`` with a ``[comp]`` figure measured here (:func:`measure_comp`) for each of
     ``networks`` it has none for (neither its own ``[comp]`` nor the table measured for the
     presets), unchanged where it has them all; ``log`` (a text stream) is told what is being
-    measured, which takes a few seconds per network."""
+    measured, which takes a few seconds per network. With ``input_shape`` (C, H, W) every
+    network is measured at it: the figures at hand are for the networks' own shapes."""
     from .scenario import DEFAULT_COMP_MS_PER_IMAGE, CompFigure
 
     missing = [
-        n for n in dict.fromkeys(networks) if n not in scenario.comp
-        and n not in DEFAULT_COMP_MS_PER_IMAGE
+        n for n in dict.fromkeys(networks) if input_shape is not None
+        or (n not in scenario.comp and n not in DEFAULT_COMP_MS_PER_IMAGE)
     ]  # fmt: skip
     if not missing:
         return scenario
@@ -122,7 +131,7 @@ def with_measured_comp(scenario, networks: Sequence[str], log=None):
     for network in missing:
         if log is not None:
             print(f"measuring {network}'s non-convolutional time here ...", file=log, flush=True)
-        got = measure_comp(network)
+        got = measure_comp(network, input_shape=input_shape)
         comp[network] = CompFigure(per_image_s=got.per_image_s, how=got.describe())
     return dataclasses.replace(scenario, comp=comp)
 

@@ -27,7 +27,9 @@ from hetconv.balance import shares_for
 from hetconv.costmodel import SimCluster, local_step_seconds, simulate_step
 from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
 from hetconv.formats import BFLOAT16, FLOAT32
-from hetconv.workload import network_layers
+from hetconv.onnx_import import load_network
+from hetconv.spec import CIFAR_INPUT
+from hetconv.workload import conv_layers
 
 #: hetconv's modes, in the order they were built: (label, stages, kernels, replicate, overlap,
 #: head, policy, wire format, the ``hetconv train`` flags).
@@ -96,11 +98,26 @@ def train_command(network: str, batch: int, workers: int, flags: str = "") -> st
     return " ".join(words + ([flags] if flags else []))
 
 
-def candidates(cluster: SimCluster, network: str, batch: int, comp_s: float) -> list[Candidate]:
-    """Every strategy on ``cluster`` for ``network`` at ``batch`` (``comp_s``: the master's
-    non-convolutional seconds of a step), fastest first; each hetconv strategy's ``how`` is
-    the command that runs it (:func:`train_command`), one ``--worker`` per worker."""
-    layers = network_layers(network, batch)
+def network_shape(network: str, given: Sequence[int] | None = None) -> tuple[int, int, int]:
+    """The (C, H, W) of ``network``'s images: ``given``, else a graph's own, else CIFAR's."""
+    if given:
+        return tuple(given)
+    return tuple(load_network(network).input_shape or CIFAR_INPUT)
+
+
+def candidates(
+    cluster: SimCluster,
+    network: str,
+    batch: int,
+    comp_s: float,
+    input_shape: Sequence[int] | None = None,
+) -> list[Candidate]:
+    """Every strategy on ``cluster`` for ``network`` at ``batch`` of images of ``input_shape``
+    (:func:`network_shape`; ``comp_s``: the master's non-convolutional seconds of a step),
+    fastest first; each hetconv strategy's ``how`` is the command that runs it
+    (:func:`train_command`), one ``--worker`` per worker."""
+    shape = network_shape(network, input_shape)
+    layers = conv_layers(load_network(network).spec, batch, shape)
     alone = local_step_seconds(cluster.master, layers, comp_s)
     local = train_command(network, batch, 0)
     out = [Candidate("one machine", ONE_MACHINE, alone, 1.0, 0.0, True, local)]
@@ -127,7 +144,9 @@ def candidates(cluster: SimCluster, network: str, batch: int, comp_s: float) -> 
             )
         for algorithm in ALGORITHMS:
             for overlap in (True, False):
-                got = simulate_data_parallel(cluster, network, batch, comp_s, algorithm, overlap)
+                got = simulate_data_parallel(
+                    cluster, network, batch, comp_s, algorithm, overlap, input_shape=shape
+                )
                 name = "ring all-reduce" if algorithm == "ring" else "parameter server (master)"
                 label = f"data parallelism, {name}" + (", overlapped" if overlap else "")
                 out.append(
@@ -260,16 +279,19 @@ def described_scenario(args):
         for name, figure in here.comp.items()
         if figure.per_image_s is not None
     }
-    measured = args.preset not in comp and args.preset not in DEFAULT_COMP_MS_PER_IMAGE
-    if measured:  # the user's own network: its share of a local step here, at the master's
-        comp[args.preset] = _measured_share(args.preset)
+    measured = args.input_shape is not None or (
+        args.preset not in comp and args.preset not in DEFAULT_COMP_MS_PER_IMAGE
+    )
+    if measured:  # the user's own network or shape: its share of a local step here
+        comp[args.preset] = _measured_share(args.preset, args.input_shape)
     workers = tuple(
         DeviceSpec(f"worker-{i + 1}", gflops, {}, mbit)
         for i, (gflops, mbit) in enumerate(args.worker)
     )
     scenario = Scenario(
         name="described",
-        description=f"a master at {args.master:g} GFLOPS and {len(workers)} workers on "
+        description=f"a master at {args.master:g} GFLOPS and {len(workers)} "
+        f"worker{'s' if len(workers) != 1 else ''} on "
         f"{'Wi-Fi' if fabric == 'wifi' else 'switched Ethernet'} at {bandwidth:g} Mbit/s",
         fabric=fabric,
         bandwidth_mbps=bandwidth,
@@ -298,14 +320,15 @@ def described_scenario(args):
     return scenario, note
 
 
-def _measured_share(network: str):
+def _measured_share(network: str, input_shape=None):
     """``network``'s non-convolutional time as a share of its local step, measured here
-    (:func:`~.comptime.measure_comp`), so that a described master's figure follows its
-    convolution speed as this machine's follows this machine's."""
+    (:func:`~.comptime.measure_comp`, on images of ``input_shape`` where given), so that a
+    described master's figure follows its convolution speed as this machine's follows this
+    machine's."""
     from .comptime import measure_comp
     from .scenario import CompFigure
 
-    got = measure_comp(network)
+    got = measure_comp(network, input_shape=input_shape)
     fraction = got.conv_per_image_s / (got.conv_per_image_s + got.per_image_s)
     how = (
         f"{network} {got.describe()} (convolutions {100 * fraction:.0f} % of the local step there)"
@@ -326,27 +349,24 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from hetconv.onnx_import import load_network
-    from hetconv.spec import CIFAR_INPUT
-
     from .comptime import with_measured_comp
 
     scenario, note = described_scenario(args)
     if note is None:  # a named scenario: a network without a figure is measured here
-        scenario = with_measured_comp(scenario, [args.preset])
+        scenario = with_measured_comp(scenario, [args.preset], input_shape=args.input_shape)
         figure = scenario.comp.get(args.preset)
         if figure is not None and figure.how:
             note = f"the master's non-convolutional work: {args.preset} {figure.how}"
     nodes = args.nodes or scenario.max_nodes() or 1 + len(scenario.workers)
     cluster = scenario.cluster(nodes)
-    layers = network_layers(args.preset, args.batch)
+    shape = network_shape(args.preset, args.input_shape)
+    layers = conv_layers(load_network(args.preset).spec, args.batch, shape)
     comp = scenario.comp_seconds(
         args.preset, args.batch, local_step_seconds(cluster.master, layers, 0.0)
     )
-    ranked = candidates(cluster, args.preset, args.batch, comp)
-    shape = "x".join(map(str, load_network(args.preset).input_shape or CIFAR_INPUT))
+    ranked = candidates(cluster, args.preset, args.batch, comp, shape)
     print(
-        f"plan for {args.preset} ({shape} images) at batch {args.batch} on "
+        f"plan for {args.preset} ({'x'.join(map(str, shape))} images) at batch {args.batch} on "
         f"{scenario.description} ({nodes} node{'s' if nodes != 1 else ''})"
     )
     if note:

@@ -186,3 +186,17 @@ def test_an_onnx_model_is_planned_at_its_own_image_shape(tmp_path, capsys):
     assert alone == pytest.approx(
         local_step_seconds(master.master, network_layers(str(graph), 16), 0.0)
     )
+
+
+def test_the_training_datas_image_shape_is_planned_for(tmp_path, capsys):
+    """Images of 3x64x64 (an ImageFolder of the user's own) cost four times CIFAR's
+    convolutions; the plan says the shape it planned for and measures the other work at it."""
+    small, _ = _plan(tmp_path, capsys, *LAPTOPS)
+    rows, text = _plan(tmp_path, capsys, *LAPTOPS, "--input-shape", "3,64,64")
+    assert "plan for tiny (3x64x64 images) at batch 32" in text
+    assert "on 3x64x64 random images" in text
+    alone = {r["kind"]: r["step_s"] for r in rows}["one machine"]
+    assert alone > 2 * {r["kind"]: r["step_s"] for r in small}["one machine"]
+    with pytest.raises(SystemExit):
+        hetconv_main(["plan", *LAPTOPS, "--input-shape", "3,64"])
+    assert "'3,64' is not C,H,W" in capsys.readouterr().err
