@@ -663,12 +663,12 @@ def _same_as_local_bn(got, local):
 
 def test_fused_batchnorm_cluster_trains_as_local(local_bn, workers, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    config = ClusterConfig(**FAST, shares=BN_SHARES, stages="fused", kernels="resident")
+    config = ClusterConfig(**FAST, shares=BN_SHARES, stages="fused", kernels="sent")
     with Cluster(workers.addresses, config=config) as cluster:
         got = _train_bn(tmp_path, "fused", cluster, trace=str(trace))
         kernel_modes = dict(cluster.kernel_modes)
     _same_as_local_bn(got, local_bn)
-    # resident kernels asked for, but a stage with batch norm sends its kernels
+    # kernels sent with the batch norm rows (resident: tests/test_resident_batchnorm.py)
     assert kernel_modes == {"conv1": "sent", "conv2": "sent"}
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     steps = [r for r in records if "step" in r]
