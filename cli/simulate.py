@@ -156,7 +156,8 @@ def _add_cluster(parser: argparse.ArgumentParser) -> None:
         choices=("scenario", "paper"),
         default="scenario",
         help="the master's non-convolutional time: scenario (its [comp] table, or hetconv's "
-        "numpy measured on this project's machine) or paper (the reference paper's reported "
+        "numpy measured on this project's machine for a preset, or here and now, in a few "
+        "local steps, for a .json or .onnx network) or paper (the reference paper's reported "
         "share of a one-device step: 25 %% for paper-50-500 and 13 %% for paper-500-1500, "
         "interpolated for the other two, at every batch)",
     )
