@@ -29,7 +29,7 @@ from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.training import TrainConfig, train
 
-RUN = dict(steps=20, batch=8, train_size=64, eval_size=0, progress=False)
+RUN = dict(steps=12, batch=8, train_size=64, eval_size=0, progress=False)
 
 
 class Scripted(Cluster):
