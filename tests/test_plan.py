@@ -4,6 +4,7 @@ with the command that runs it, one machine named plainly when nothing beats it."
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -177,8 +178,10 @@ def test_an_onnx_model_is_planned_at_its_own_image_shape(tmp_path, capsys):
         torch.nn.Linear(16 * 8 * 8, 4),
     )
     graph = tmp_path / "net.onnx"
-    torch.onnx.export(net, (torch.zeros(2, 3, 16, 16),), str(graph), dynamo=False,
-                      input_names=["input"], output_names=["logits"])  # fmt: skip
+    with warnings.catch_warnings():  # the exporter's deprecation notes
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.zeros(2, 3, 16, 16),), str(graph), dynamo=False,
+                          input_names=["input"], output_names=["logits"])  # fmt: skip
     rows, text = _plan(tmp_path, capsys, *LAPTOPS, "--model", str(graph))
     assert f"plan for {graph} (3x16x16 images)" in text and "measured here just now" in text
     master = load_scenario("this-machine").cluster(1)  # one node: data parallelism is local
