@@ -105,8 +105,8 @@ def verdict(run, step: float) -> str:
     way = "faster than" if ratio >= 1 else "slower than"
     line = (
         f"measured: {_seconds(step)} per step, {ratio:.2f}x the master alone: {way} it "
-        f"({_seconds(alone)} per step, timed after the run: the same network and batch "
-        f"trained as --local trains them"
+        f"({_seconds(alone)} per step, timed after the run: {run.alone_steps} steps of the same "
+        f"network and batch trained as --local trains them"
     )
     p = run.prediction
     if p is not None and p.get("workers", 1):

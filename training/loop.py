@@ -45,8 +45,9 @@ _CHECKPOINT_MESSAGE_SECONDS = 5.0
 # Evaluation lines on the console: at most one per this fraction of the run's steps (the trace
 # and the metrics get every evaluation).
 _EVAL_LINES = 10
-#: Steps the verdict times the master alone for (after one more, left out: warming up).
-ALONE_STEPS = 3
+#: The verdict times the master alone for at least ALONE_STEPS steps (after one more, left out:
+#: warming up), and for more, up to ALONE_MAX_STEPS, while they add up to under ALONE_SECONDS.
+ALONE_STEPS, ALONE_MAX_STEPS, ALONE_SECONDS = 3, 10, 1.0
 
 
 def train(
@@ -116,18 +117,22 @@ def _plan_record(
     return {"event": "plan", "start_step": start_step, **plan}
 
 
-def time_master_alone(spec: list[dict], data, config: TrainConfig) -> float:
-    """Seconds per SGD step of ``spec`` trained in this process as ``--local`` trains it
-    (:class:`LocalConv`), on ``data``'s first batches of ``config.batch``: the median of
-    :data:`ALONE_STEPS` steps after one left out (warming up; the median: one step slowed by
-    another process does not decide). A fresh model: nothing of a run's weights or optimizer
-    is touched."""
+def time_master_alone(spec: list[dict], data, config: TrainConfig) -> list[float]:
+    """Seconds of each SGD step of ``spec`` trained in this process as ``--local`` trains it
+    (:class:`LocalConv`), on ``data``'s first batches of ``config.batch``, one left out
+    (warming up): :data:`ALONE_STEPS` of them, more while they add up to under
+    :data:`ALONE_SECONDS` (a small network's steps scatter on a busy machine), at most
+    :data:`ALONE_MAX_STEPS`. A fresh model: nothing of a run's weights or optimizer is
+    touched."""
     batch, per_epoch = config.batch, max(len(data) // config.batch, 1)
     model = Model(spec, seed=config.seed, executor=LocalConv(), input_shape=data.image_shape)
     optimizer = SGD(model.parameters(), config.sgd)
     order = epoch_order(len(data), config.seed, 0)
-    seconds = []
-    for step in range(ALONE_STEPS + 1):
+    seconds: list[float] = []
+    step = 0
+    while len(seconds) <= ALONE_STEPS or (
+        len(seconds) <= ALONE_MAX_STEPS and sum(seconds[1:]) < ALONE_SECONDS
+    ):
         position = step % per_epoch
         indices = order[position * batch : (position + 1) * batch]
         start = time.perf_counter()
@@ -136,25 +141,26 @@ def time_master_alone(spec: list[dict], data, config: TrainConfig) -> float:
         model.backward(grad)
         optimizer.step(model.gradients())
         seconds.append(time.perf_counter() - start)
-    return float(np.median(seconds[1:]))
+        step += 1
+    return seconds[1:]
 
 
-def _master_alone(run: _Run) -> float:
-    """The master alone's seconds per step (:func:`time_master_alone`, with the BLAS threads
-    the process had before the run's executor took any), traced (event ``master_alone``):
-    what the verdict compares ``run``'s cluster with."""
-    tqdm.write(
-        f"timing the master alone ({ALONE_STEPS} steps as --local trains them) to compare",
-        file=run.log,
-    )
+def _master_alone(run: _Run) -> tuple[float, int]:
+    """The master alone's seconds per step and the steps timed: the median step of
+    :func:`time_master_alone` (one slowed by another process does not decide), with the BLAS
+    threads the process had before the run's executor took any; traced (event
+    ``master_alone``). What the verdict compares ``run``'s cluster with."""
+    tqdm.write("timing the master alone (a few steps as --local trains them) to compare",
+               file=run.log)  # fmt: skip
     with threadpool_limits(limits=run.blas_threads, user_api="blas"):
-        seconds = time_master_alone(run.spec, run.train_set, run.config)
+        steps = time_master_alone(run.spec, run.train_set, run.config)
+    seconds = float(np.median(steps))
     # No "step" key: trace readers take the records that have one as the steps.
     run.trace.write({
-        "event": "master_alone", "seconds_per_step": seconds, "timed_steps": ALONE_STEPS,
+        "event": "master_alone", "seconds_per_step": seconds, "steps_seconds": steps,
         "batch": run.config.batch,
     })  # fmt: skip
-    return seconds
+    return seconds, len(steps)
 
 
 class _Run:
@@ -230,7 +236,7 @@ class _Run:
             shape = self.train_set.image_shape
             self.plan["model"] = model_record(config.preset, self.spec, shape, config.batch)
         self.steps_run = self.worker_steps = 0  # steps of this call; those a worker computed in
-        self.alone_seconds: float | None = None  # the master alone, timed after the run
+        self.alone_seconds, self.alone_steps = 0.0, 0  # the master alone, timed after the run
         self.trace = Trace(None)
         self.metrics = MetricsLog(None, None)
         self._order = np.empty(0, np.int64)  # the data order of the current epoch
@@ -310,7 +316,7 @@ class _Run:
             if len(self.test_set):
                 self.final_eval = self._evaluate(self.steps, final=True)
             if self.executor.distributed and self.worker_steps:
-                self.alone_seconds = _master_alone(self)
+                self.alone_seconds, self.alone_steps = _master_alone(self)
         finally:
             self.trace.close()
             self.metrics.close()
