@@ -52,7 +52,7 @@ from hetconv.workload import (
 )
 
 from .scenario import CompFigure, DeviceSpec, Scenario
-from .trace import MASTER, read_plan, read_trace, recorded_network
+from .trace import MASTER, read_plan, read_trace, recorded_model, recorded_network
 
 
 @dataclass
@@ -515,6 +515,9 @@ def calibrate(path: str, network: str | None = None) -> Calibration:
     """
     used, notes = _steps_of_one_split(_in_node_order(path, read_trace(path)))
     name = _detect_network(used, network, path)
+    recorded = (recorded_model(path) or {}).get("name") if network is None else None
+    if recorded and recorded != name:
+        notes.append(f"network {recorded} as the trace recorded it (the file is gone or changed)")
     batch = int(used[0]["batch"])
     layers = {layer.name: layer for layer in network_layers(name, batch)}
     node_names, split = _layout(used[0])

@@ -503,7 +503,7 @@ def test_a_trace_records_its_model_so_simulate_needs_nothing_else(real_trace, tm
     path.unlink()
     assert main(["--from-trace", str(trace), "--nodes", "1..2"]) == 0
     out = capsys.readouterr().out
-    assert "calibrated from" in out and "mine.json" in out
+    assert "calibrated from" in out and f"note: network {path} as the trace recorded it" in out
     assert calibrate(str(trace)).network.endswith("mine.json")
     with pytest.raises(ValueError, match="does not match network tiny"):  # still an override
         calibrate(str(trace), "tiny")
