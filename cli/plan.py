@@ -10,7 +10,7 @@ from hetconv.simulations.plan import DESCRIPTION, run
 from hetconv.training import TrainConfig
 
 from .common import HelpFormatter
-from .modes import add_mode_flags, add_model_flag
+from .modes import add_mode_flags, add_model_flag, model_help
 
 #: Which GFLOPS figure --master and --worker take (the same probe the worker prints at start).
 PROBE_FIGURE = (
@@ -53,7 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a shipped scenario's name or a .toml file (instead of --master "
                         "and --worker)")  # fmt: skip
     # train's defaults, so that a plan without them describes the run `hetconv train` makes
-    add_model_flag(parser, TrainConfig.preset)
+    add_model_flag(
+        parser,
+        TrainConfig.preset,
+        help=model_help() + "; or a run folder or its model.npz: the network it trained, at "
+        "its image shape",
+    )
     parser.add_argument("--batch", type=positive_int, default=TrainConfig.batch,
                         help="images per step, as `hetconv train --batch`")  # fmt: skip
     parser.add_argument("--input-shape", type=_shape, metavar="C,H,W",

@@ -111,15 +111,18 @@ def candidates(
     batch: int,
     comp_s: float,
     input_shape: Sequence[int] | None = None,
+    model: str | None = None,
 ) -> list[Candidate]:
     """Every strategy on ``cluster`` for ``network`` at ``batch`` of images of ``input_shape``
     (:func:`network_shape`; ``comp_s``: the master's non-convolutional seconds of a step),
     fastest first; each hetconv strategy's ``how`` is the command that runs it
-    (:func:`train_command`), one ``--worker`` per worker."""
+    (:func:`train_command`, its ``--model`` ``model``, default ``network``), one ``--worker``
+    per worker."""
     shape = network_shape(network, input_shape)
     layers = conv_layers(load_network(network).spec, batch, shape)
     alone = local_step_seconds(cluster.master, layers, comp_s)
-    local = train_command(network, batch, 0)
+    named = model or network
+    local = train_command(named, batch, 0)
     out = [Candidate("one machine", ONE_MACHINE, alone, 1.0, 0.0, True, local)]
     workers = len(cluster.workers)
     if cluster.workers:
@@ -138,7 +141,7 @@ def candidates(
                     alone / got.step_s,
                     got.bytes / 1e6,
                     fmt is FLOAT32,
-                    train_command(network, batch, workers, flags),
+                    train_command(named, batch, workers, flags),
                     got.workers_used(),
                 )
             )
@@ -345,12 +348,52 @@ def _placeholders(workers: int) -> str:
     )
 
 
+def trained_model(name: str) -> tuple[str, tuple[int, int, int], str] | None:
+    """A run folder or a model ``.npz`` that says what it holds
+    (:mod:`hetconv.description`): its spec as a temporary ``.json`` file, its image shape and
+    the network as its ``--model`` named it; None for any other name (a preset, a spec, a
+    graph).
+
+    Raises:
+        ValueError: a folder without ``model.npz``, or weights that do not say what they are.
+    """
+    from pathlib import Path
+
+    from hetconv.description import read_description
+
+    from .trace import spec_file
+
+    path = Path(name)
+    if path.is_dir():
+        path = path / "model.npz"
+        if not path.is_file():
+            raise ValueError(
+                f"{name} holds no model.npz (a run folder's, written when it ends): name the "
+                "network with --model NET (a preset, a .json spec or an .onnx graph)"
+            )
+    elif path.suffix != ".npz":
+        return None
+    described = read_description(path)
+    if described is None:
+        raise ValueError(
+            f"{path} does not say which network it holds (written before weight files "
+            "described themselves): name the network with --model NET"
+        )
+    stem = Path(described.network).stem or "model"
+    return spec_file(stem, list(described.spec)), described.input_shape, described.network
+
+
 def run(args) -> int:
     import json
     from pathlib import Path
 
     from .comptime import with_measured_comp
 
+    given, model = args.preset, None
+    trained = trained_model(args.preset)
+    if trained is not None:  # a run's own network, at the run's image shape
+        args.preset, shape, model = trained
+        args.input_shape = args.input_shape or shape
     scenario, note = described_scenario(args)
     if note is None:  # a named scenario: a network without a figure is measured here
         scenario = with_measured_comp(scenario, [args.preset], input_shape=args.input_shape)
@@ -364,13 +407,15 @@ def run(args) -> int:
     comp = scenario.comp_seconds(
         args.preset, args.batch, local_step_seconds(cluster.master, layers, 0.0)
     )
-    ranked = candidates(cluster, args.preset, args.batch, comp, shape)
+    ranked = candidates(cluster, args.preset, args.batch, comp, shape, model)
+    trained_as = f"{model} as trained there, " if model else ""
+    images = "x".join(map(str, shape))
     print(
-        f"plan for {args.preset} ({'x'.join(map(str, shape))} images) at batch {args.batch} on "
+        f"plan for {given} ({trained_as}{images} images) at batch {args.batch} on "
         f"{scenario.description} ({nodes} node{'s' if nodes != 1 else ''})"
     )
-    if note:
-        print(f"  {note}")
+    if note:  # a run's network by the name it trained under, not its spec's temporary file
+        print(f"  {note.replace(args.preset, model) if model else note}")
     print(format_plan(ranked))
     if ranked[0].kind == "hetconv":
         print(_placeholders(nodes - 1))

@@ -251,10 +251,12 @@ def recorded_network(path: str) -> str | None:
             return name
     except (OSError, ValueError):
         pass  # moved, changed or an .onnx graph: the recorded spec is what was trained
-    return _spec_file(Path(name).stem or "model", spec)
+    return spec_file(Path(name).stem or "model", spec)
 
 
-def _spec_file(stem: str, spec: list) -> str:
+def spec_file(stem: str, spec: list) -> str:
+    """``spec`` as a temporary ``STEM.json`` file (removed when the process ends), for what
+    takes a network as ``--model`` names one."""
     import atexit
     import shutil
     import tempfile
@@ -276,6 +278,7 @@ __all__ = [
     "read_plan",
     "recorded_model",
     "recorded_network",
+    "spec_file",
     "read_records",
     "read_steps",
     "read_trace",

@@ -203,3 +203,28 @@ def test_the_training_datas_image_shape_is_planned_for(tmp_path, capsys):
     with pytest.raises(SystemExit):
         hetconv_main(["plan", *LAPTOPS, "--input-shape", "3,64"])
     assert "'3,64' is not C,H,W" in capsys.readouterr().err
+
+
+def test_a_run_folder_or_its_model_npz_is_planned_as_it_trained(tmp_path, capsys):
+    """Weights that describe themselves name the network and the image shape it trained at."""
+    import numpy as np
+
+    from hetconv.description import FLOAT32, Description, write_description
+
+    run = tmp_path / "runs" / "shapes1"
+    run.mkdir(parents=True)
+    np.savez(run / "model.npz", **{"c1.weight": np.zeros((8, 3, 3, 3), np.float32)})
+    described = Description("mine.json", tuple(SPEC), (3, 24, 24), 5, (0.5,) * 3, (0.25,) * 3,
+                            1.0, FLOAT32)  # fmt: skip
+    write_description(run / "model.npz", described)
+    for given in (run, run / "model.npz"):
+        rows, text = _plan(tmp_path, capsys, *LAPTOPS, "--model", str(given))
+        assert f"plan for {given} (mine.json as trained there, 3x24x24 images)" in text
+        assert "mine.json measured here just now" in text and "on 3x24x24 random images" in text
+        assert all(r["how"].startswith("hetconv train --model mine.json ") for r in rows
+                   if r["kind"] != "data-parallel")  # fmt: skip
+    np.savez(tmp_path / "plain.npz", a=np.zeros(2))
+    for given, message in ((tmp_path / "plain.npz", "does not say which network it holds"),
+                           (tmp_path / "runs", "holds no model.npz")):  # fmt: skip
+        assert hetconv_main(["plan", *LAPTOPS, "--model", str(given)]) == 2
+        assert message in capsys.readouterr().err
