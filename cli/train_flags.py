@@ -262,7 +262,7 @@ def _add_train_run(run: argparse._ArgumentGroup) -> None:
         type=positive_int,
         metavar="STEPS",
         help="also evaluate every STEPS steps (always: after every epoch and at the end); "
-        "each evaluation is printed and traced",
+        "each is traced, about ten a run printed",
     )
     run.add_argument(
         "--save",
