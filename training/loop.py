@@ -47,7 +47,7 @@ _CHECKPOINT_MESSAGE_SECONDS = 5.0
 _EVAL_LINES = 10
 #: The verdict times the master alone for at least ALONE_STEPS steps (after one more, left out:
 #: warming up), and for more, up to ALONE_MAX_STEPS, while they add up to under ALONE_SECONDS.
-ALONE_STEPS, ALONE_MAX_STEPS, ALONE_SECONDS = 3, 10, 1.0
+ALONE_STEPS, ALONE_MAX_STEPS, ALONE_SECONDS = 3, 10, 0.5
 
 
 def train(
