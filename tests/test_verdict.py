@@ -151,3 +151,16 @@ def test_about_ten_evaluation_lines_a_run_and_every_evaluation_in_the_trace(tmp_
     evals = [r for r in _records(trace) if r.get("event") == "eval"]
     assert [r["trained_steps"] for r in evals] == list(range(1, 21))
     assert [r["final"] for r in evals] == [False] * 19 + [True]
+
+
+def test_workers_partly_on_this_machine_are_counted_in_the_note():
+    from hetconv.training.console import _this_machine
+
+    nodes = [{"name": "master"}, {"name": "127.0.0.1:50052"}, {"name": "10.0.0.7:50051"}]
+    plan = {"nodes": nodes, "this_machine": ["127.0.0.1:50052"]}
+    assert _this_machine(plan, now=True).startswith(
+        "note: 1 of the 2 workers run on this machine (127.0.0.1:50052), competing with the "
+        "master for its cores: "
+    )
+    assert _this_machine({"nodes": nodes, "this_machine": []}, now=False) == ""
+    assert _this_machine(None, now=False) == ""  # a local run: no plan
