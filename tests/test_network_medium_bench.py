@@ -24,6 +24,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # ~25 s; the same measurement on the same links: tests/test_network_medium.py
 @pytest.mark.skipif(UNAVAILABLE is not None, reason=f"testbed: {UNAVAILABLE}")
 def test_both_links_are_measured_and_the_testbed_goes_away(tmp_path):
     out = tmp_path / "rows.json"

@@ -120,7 +120,13 @@ def lockstep(cluster: Cluster, steps: int = STEPS) -> None:
     assert len(kinked) <= steps // 4, kinked
 
 
-@pytest.mark.parametrize("stages", ["unfused", "fused", "auto"])
+# Fused and auto run with -m slow (~75 s each): the killed-mid-step test below runs the same
+# lockstep with fused stages, and auto only picks fused or unfused per layer (the choice: the
+# mode table's tests).
+@pytest.mark.parametrize(
+    "stages",
+    ["unfused", *(pytest.param(s, marks=pytest.mark.slow) for s in ("fused", "auto"))],
+)
 def test_resnet20_through_two_workers_computes_every_step_as_locally(workers, stages):
     # kernels sent: the lockstep compares gradients and applies its own SGD; resident kernels
     # are updated on the workers (their batch-norm stages: tests/test_resident_batchnorm.py)
@@ -155,7 +161,9 @@ class KilledMidStep(Cluster):
         return super().stage_backward(layer, *args, **kwargs)
 
 
-@pytest.mark.parametrize("stages", ["unfused", "fused"])
+# Unfused runs with -m slow (~85 s): fused is the same kill in the same lockstep, and
+# tests/test_faults.py kills a worker mid-step with unfused stages.
+@pytest.mark.parametrize("stages", [pytest.param("unfused", marks=pytest.mark.slow), "fused"])
 def test_resnet20_with_a_worker_killed_mid_step_computes_every_step_as_locally(stages):
     with LocalWorkers(2) as started:
         victim = started.processes[1]
