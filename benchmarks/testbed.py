@@ -37,9 +37,9 @@ every layer (all kernels) plus its own timing of every other layer at the batch,
 before training (:func:`predict_alone`).
 
 Modes are a table (:data:`MODES`): a new one is one line. A mode that needs a ``hetconv train``
-flag runs only when ``hetconv train --help`` lists it: ``fused`` (``--stages fused``) is skipped,
-with a note, until that flag lands, and runs from then on. ``all`` is every available mode marked
-``in_all`` at once.
+flag runs only when ``hetconv train --help-all`` lists it: ``fused`` (``--stages fused``) is
+skipped, with a note, until that flag lands, and runs from then on. ``all`` is every available
+mode marked ``in_all`` at once.
 
 Every process shares this machine with whatever else runs on it: a cap is a ceiling, not a
 reservation. On a loaded machine the N + 1 processes of a cluster run get less than their caps
