@@ -120,12 +120,10 @@ def lockstep(cluster: Cluster, steps: int = STEPS) -> None:
     assert len(kinked) <= steps // 4, kinked
 
 
-# Fused and auto run with -m slow (~75 s each): the killed-mid-step test below runs the same
-# lockstep with fused stages, and auto only picks fused or unfused per layer (the choice: the
-# mode table's tests).
+# Auto runs with -m slow (~70 s on a busy machine): it only picks fused or unfused per layer,
+# both tested here, and its choice is the mode table's (tests/test_mode_table.py).
 @pytest.mark.parametrize(
-    "stages",
-    ["unfused", *(pytest.param(s, marks=pytest.mark.slow) for s in ("fused", "auto"))],
+    "stages", ["unfused", "fused", pytest.param("auto", marks=pytest.mark.slow)]
 )
 def test_resnet20_through_two_workers_computes_every_step_as_locally(workers, stages):
     # kernels sent: the lockstep compares gradients and applies its own SGD; resident kernels
@@ -161,9 +159,11 @@ class KilledMidStep(Cluster):
         return super().stage_backward(layer, *args, **kwargs)
 
 
-# Unfused runs with -m slow (~85 s): fused is the same kill in the same lockstep, and
-# tests/test_faults.py kills a worker mid-step with unfused stages.
-@pytest.mark.parametrize("stages", [pytest.param("unfused", marks=pytest.mark.slow), "fused"])
+# Both run with -m slow (~50-90 s each on a busy machine): the lockstep is the one above, and
+# a worker killed mid-step leaves every step as local's in tests/test_faults.py (unfused),
+# tests/test_fused.py (fused, with and without batch norm) and tests/test_resident_batchnorm.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", ["unfused", "fused"])
 def test_resnet20_with_a_worker_killed_mid_step_computes_every_step_as_locally(stages):
     with LocalWorkers(2) as started:
         victim = started.processes[1]
