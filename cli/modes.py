@@ -4,10 +4,10 @@ runs (``--stages``, ``--kernels``, ``--replicate``, ``--master-block``, ``--over
 what the network is (``--network``); and ``--model``, the CNN every command that names one
 takes alike (:func:`add_model_flag`).
 
-A command adds the flags it takes with :func:`add_mode_flags`, giving its own defaults (train:
-``auto``, what runs fastest; simulate: the paper's modes, so its predictions compare with the
-paper's) and, where it offers fewer, its own choices. Each flag's help is its meaning, said here
-once, and the command's default.
+A command adds the flags it takes with :func:`add_mode_flags`, giving its defaults (train's,
+``auto``, what runs fastest, for train, simulate and plan alike; ``hetconv simulate
+--paper-modes`` asks for the paper's) and, where it offers fewer, its own choices. Each flag's
+help is its meaning, said here once, and the command's default.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-#: simulate's defaults: the paper's modes.
-PAPER = "the paper's"
 
 
 @dataclass(frozen=True)
@@ -193,17 +190,7 @@ TRAIN_DEFAULTS = {
     "shares": None,
     "network": "auto",
 }
-#: simulate's defaults: the paper's modes (what `hetconv train` does by default is auto).
-SIMULATE_DEFAULTS = {
-    "stages": "unfused",
-    "kernels": "sent",
-    "replicate": "off",
-    "overlap": "off",
-    "head": "master",
-    "wire_format": None,
-}
-
-__all__ = ["FLAGS", "SIMULATE_DEFAULTS", "TRAIN_DEFAULTS", "ModeFlag", "add_mode_flags"]
+__all__ = ["FLAGS", "TRAIN_DEFAULTS", "ModeFlag", "add_mode_flags"]
 
 
 def model_help() -> str:

@@ -331,6 +331,7 @@ def test_simulate_models_overlap(tmp_path):
         argv = ["low-mid-range", "--preset", "paper-150-800", "--batch", "64", "--nodes", "5"]
         argv += ["--bandwidth", "100"]
         argv += ["--stages", "fused", "--kernels", "resident", "--replicate", "first"]
+        argv += ["--head", "master"]  # the last stage answers its maps, which overlap streams
         argv += ["--policy", "link", "--no-data-parallel", "--quiet"]
         assert simulate_main([*argv, "--overlap", overlap, "--json", str(out)]) == 0
         (rows[overlap],) = json.loads(out.read_text())

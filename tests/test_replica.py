@@ -279,7 +279,7 @@ def test_simulate_models_the_replicated_block(tmp_path, capsys):
     assert rows["first"]["shares"]["conv1"] == [150, 0, 0, 0, 0]
     assert rows["first"]["mbytes_per_step"] < rows["off"]["mbytes_per_step"] / 2
     capsys.readouterr()
-    assert simulate_main(["gigabit-lan", "--replicate", "first"]) == 2
+    assert simulate_main(["gigabit-lan", "--stages", "unfused", "--replicate", "first"]) == 2
     assert "--replicate first feeds the second layer" in capsys.readouterr().err
 
 

@@ -335,7 +335,7 @@ def test_simulate_models_the_split_block(tmp_path, capsys):
     saved = rows["first"]["mbytes_per_step"] - rows["split"]["mbytes_per_step"]
     assert saved == pytest.approx(4 * 12 * 3 * 32 * 32 / 1e6, abs=0.01)
     capsys.readouterr()
-    assert simulate_main(["gigabit-lan", "--replicate", "split"]) == 2
+    assert simulate_main(["gigabit-lan", "--stages", "unfused", "--replicate", "split"]) == 2
     assert "--replicate split feeds the second layer" in capsys.readouterr().err
 
 

@@ -442,7 +442,7 @@ def test_a_scenario_names_its_wire_format_and_the_flag_replaces_it(tmp_path, cap
     rows = {}
     for flag in ("float32", "float16"):
         json_path = tmp_path / f"{flag}.json"
-        args = [str(path), "--wire-format", flag, "--policy", "compute", "--quiet"]
+        args = [str(path), "--wire-format", flag, "--policy", "compute", "--quiet", "--paper-modes"]
         assert main([*args, "--json", str(json_path)]) == 0
         rows[flag] = json.loads(json_path.read_text())
     capsys.readouterr()
