@@ -14,9 +14,19 @@ three ways:
   its own least recently saved layers, never another master's and never the state being saved;
 * in sessions, to ``sessions`` (``hetconv worker --sessions N``): the least recently used goes.
 
+What a worker keeps beyond a call that is no cache -- resident kernel slices with their momentum
+and split-head columns, the parts other workers put for a split block -- is *held*
+(:meth:`MemoryBudget.hold`): charged to the same budget before it is allocated, refused
+(RESOURCE_EXHAUSTED, naming what and the budget) when it does not fit even with every other
+session's saved states evicted, and never evicted itself: only its owner lets it go.
+
 Whatever is dropped is remembered (bounded) with its cause, so a Backward that finds nothing
 can say why. Calls in flight are bounded in number too (``max_calls``): one more is refused
-with RESOURCE_EXHAUSTED at once instead of queueing behind the others.
+with RESOURCE_EXHAUSTED at once instead of queueing behind the others. A call that only waits
+(for another worker's part) gives its slot back while it waits (:meth:`MemoryBudget.waiting`):
+waiting calls have a bound of their own, the same number, so they never starve the calls that
+compute. Whoever watches the slots (the health service) hears when the last one is taken and
+when one comes back.
 
 The state of the call in progress is never evicted; a single state larger than a session's share
 is refused before the call computes anything.
@@ -27,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +88,8 @@ class Holding:
     saved: int
     sessions: int
     states: int
+    held: int = 0  # resident slices, parts put by peers (MemoryBudget.hold)
+    waiting: int = 0  # calls that wait, their slots given back (MemoryBudget.waiting)
 
     def describe(self) -> str:
         def count(n: int, what: str) -> str:
@@ -85,7 +97,8 @@ class Holding:
 
         return (
             f"{_mib(self.reserved)} of device scratch, {_mib(self.in_flight)} for "
-            f"{count(self.calls, 'call')} in flight and {_mib(self.saved)} of "
+            f"{count(self.calls, 'call')} in flight, {_mib(self.held)} held (resident "
+            f"slices, parts) and {_mib(self.saved)} of "
             f"{count(self.states, 'saved forward state')} of {count(self.sessions, 'session')}"
         )
 
@@ -109,6 +122,7 @@ class CallMemory:
         self.budget, self.name, self.session = budget, name, session
         self.held = 0
         self.closed = False
+        self.waiting = False  # its slot is given back while it waits (MemoryBudget.waiting)
 
     def reserve(self, nbytes: int, what: str, session: int | None = None) -> None:
         """Hold ``nbytes`` more for this call (see :meth:`MemoryBudget.reserve`)."""
@@ -153,6 +167,13 @@ class MemoryBudget:
         self._dropped_sessions: OrderedDict[int, Dropped] = OrderedDict()
         self._dropped_states: OrderedDict[tuple[int, StateKey], Dropped] = OrderedDict()
         self._local = threading.local()
+        self._held: dict[Hashable, int] = {}  # what hold() keeps, by its key
+        self._held_bytes = 0
+        self._waiting = 0
+        self._full = False  # every call slot taken (what on_slots last heard)
+        #: Told ``True`` when the last call slot is taken and ``False`` when one comes back
+        #: (under the budget's lock: it must not call back into the budget).
+        self.on_slots: Callable[[bool], None] | None = None
 
     @property
     def session_share(self) -> int:
@@ -160,27 +181,35 @@ class MemoryBudget:
         return (self.total - self.reserved) // self.sessions
 
     @property
-    def _free_total(self) -> int:  # what calls and saved states may hold together
-        return self.total - self.reserved
+    def _free_total(self) -> int:  # what calls, held bytes and saved states may hold together
+        return self.total - self.reserved - self._held_bytes
 
     # -- calls in flight ----------------------------------------------------------------------
 
     @contextmanager
-    def call(self, name: str, session: int | None = None) -> Iterator[CallMemory]:
+    def call(
+        self, name: str, session: int | None = None, waits: bool = False
+    ) -> Iterator[CallMemory]:
         """A call in flight for the duration of the ``with``: its reservations are released on
         exit, however it exits. The call is this thread's current one (:meth:`current`).
+        ``waits``: a call that only waits (FetchPart), counted among the waiting calls from the
+        start instead of taking a call slot.
 
         Raises:
-            OverBudget: ``max_calls`` calls are in flight already.
+            OverBudget: ``max_calls`` calls are in flight already (``waits``: waiting).
         """
-        with self._lock:
-            if self._calls >= self.max_calls:
-                raise OverBudget(
-                    f"{self._calls} calls in flight, the most this worker takes at once "
-                    f"(--max-calls {self.max_calls}); try again when one has ended"
-                )
-            self._calls += 1
         memory = CallMemory(self, name, session)
+        with self._lock:
+            if waits:
+                self._start_waiting(memory)
+            else:
+                if self._calls >= self.max_calls:
+                    raise OverBudget(
+                        f"{self._calls} calls in flight, the most this worker takes at once "
+                        f"(--max-calls {self.max_calls}); try again when one has ended"
+                    )
+                self._calls += 1
+                self._slots_changed()
         previous = getattr(self._local, "current", None)
         self._local.current = memory
         try:
@@ -201,7 +230,39 @@ class MemoryBudget:
             memory.closed = True
             self._in_flight -= memory.held
             memory.held = 0
+            if memory.waiting:
+                self._waiting -= 1
+            else:
+                self._calls -= 1
+                self._slots_changed()
+
+    @contextmanager
+    def waiting(self, memory: CallMemory | None = None) -> Iterator[None]:
+        """The ``with`` body of call ``memory`` (default: this thread's) only waits (for another
+        worker's part): its call slot is given back meanwhile and taken again after, even when
+        every slot is taken by then (the call is finishing). Nothing happens for no call, or a
+        call that waits already.
+
+        Raises:
+            OverBudget: ``max_calls`` calls wait already.
+        """
+        memory = memory if memory is not None else self.current()
+        if memory is None or memory.waiting or memory.closed:
+            yield
+            return
+        with self._lock:
+            self._start_waiting(memory)
             self._calls -= 1
+            self._slots_changed()
+        try:
+            yield
+        finally:
+            with self._lock:
+                if memory.waiting and not memory.closed:
+                    memory.waiting = False
+                    self._waiting -= 1
+                    self._calls += 1
+                    self._slots_changed()
 
     def reserve(
         self, memory: CallMemory, nbytes: int, what: str, session: int | None = None
@@ -219,17 +280,42 @@ class MemoryBudget:
         with self._lock:
             if memory.closed:
                 raise RuntimeError(f"{memory.name}: reserving for a call that has ended")
-            own = sum(size for _, size in self._saved.get(session, {}).values())
-            if self._in_flight + own + nbytes > self._free_total:
-                raise OverBudget(
-                    f"{what} needs {_mib(nbytes)} more, and this worker's memory budget of "
-                    f"{_mib(self.total)} (--memory-mib) holds {self._holding().describe()}"
-                )
-            while self._in_flight + self._saved_bytes + nbytes > self._free_total:
-                victim = next(s for s in self._saved if s != session)
-                self._drop_session(victim)
+            self._make_room(nbytes, what, session)
             self._in_flight += nbytes
             memory.held += nbytes
+
+    # -- held beyond a call -------------------------------------------------------------------
+
+    def hold(self, key: Hashable, nbytes: int, what: str, session: int | None = None) -> None:
+        """Hold ``nbytes`` under ``key`` beyond any call (a resident slice, the parts peers
+        put), replacing what ``key`` held, before they are allocated. Saved states of sessions
+        other than ``session`` are evicted, least recently used first, when that makes room;
+        what is held is never evicted (:meth:`release` lets it go).
+
+        Raises:
+            OverBudget: it does not fit even with every other session's states gone (``key``
+                keeps what it held).
+        """
+        nbytes = max(0, int(nbytes))
+        with self._lock:
+            had = self._held.get(key, 0)
+            if nbytes > had:
+                self._make_room(nbytes - had, what, session)
+            self._held_bytes += nbytes - had
+            if nbytes:
+                self._held[key] = nbytes
+            else:
+                self._held.pop(key, None)
+
+    def release(self, key: Hashable) -> None:
+        """Let go of what :meth:`hold` keeps under ``key`` (nothing: nothing happens)."""
+        with self._lock:
+            self._held_bytes -= self._held.pop(key, 0)
+
+    def held(self, key: Hashable) -> int:
+        """The bytes held under ``key``."""
+        with self._lock:
+            return self._held.get(key, 0)
 
     # -- saved states -------------------------------------------------------------------------
 
@@ -242,7 +328,8 @@ class MemoryBudget:
         if nbytes > self.session_share:
             raise OverBudget(
                 f"{what} would keep {_mib(nbytes)} for its backward pass, more than a "
-                f"session's share of this worker's memory budget ({_mib(self._free_total)} of "
+                "session's share of this worker's memory budget "
+                f"({_mib(self.total - self.reserved)} of "
                 f"--memory-mib {_mib(self.total)} beside the device scratch, / {self.sessions} "
                 f"sessions (--sessions) = {_mib(self.session_share)})"
             )
@@ -317,6 +404,13 @@ class MemoryBudget:
             entry = self._saved.get(session, {}).get(key)
             return None if entry is None else entry[0]
 
+    def discard(self, session: int, key: StateKey) -> None:
+        """Let go of the state kept under (``session``, ``key``), its backward done."""
+        with self._lock:
+            entry = self._saved.get(session, {}).pop(key, None)
+            if entry is not None:
+                self._saved_bytes -= entry[1]
+
     def keys(self, session: int) -> list[StateKey]:
         """The keys ``session`` keeps states under, least recently saved first."""
         with self._lock:
@@ -342,7 +436,38 @@ class MemoryBudget:
             saved=self._saved_bytes,
             sessions=len(self._saved),
             states=sum(len(s) for s in self._saved.values()),
+            held=self._held_bytes,
+            waiting=self._waiting,
         )
+
+    def _make_room(self, nbytes: int, what: str, session: int | None) -> None:
+        """Evict other sessions' saved states until ``nbytes`` more fit; OverBudget, evicting
+        nothing, when they cannot."""
+        own = sum(size for _, size in self._saved.get(session, {}).values())
+        if self._in_flight + own + nbytes > self._free_total:
+            raise OverBudget(
+                f"{what} needs {_mib(nbytes)} more, and this worker's memory budget of "
+                f"{_mib(self.total)} (--memory-mib) holds {self._holding().describe()}"
+            )
+        while self._in_flight + self._saved_bytes + nbytes > self._free_total:
+            victim = next(s for s in self._saved if s != session)
+            self._drop_session(victim)
+
+    def _start_waiting(self, memory: CallMemory) -> None:
+        if self._waiting >= self.max_calls:
+            raise OverBudget(
+                f"{self._waiting} calls waiting on other workers' parts, the most this worker "
+                f"lets wait at once (--max-calls {self.max_calls}); try again when one has ended"
+            )
+        self._waiting += 1
+        memory.waiting = True
+
+    def _slots_changed(self) -> None:
+        full = self._calls >= self.max_calls
+        if full != self._full:
+            self._full = full
+            if self.on_slots is not None:
+                self.on_slots(full)
 
     def _drop_session(self, session: int) -> None:
         slices = self._saved.pop(session)

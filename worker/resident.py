@@ -16,6 +16,13 @@ gradients; the master keeps and updates those parameters. A slice placed with ``
 (a convolution without bias) keeps its bias and its momentum exactly zero: the update skips
 them.
 
+What a slice holds (kernels, bias, momentum, split-head columns) is held in the worker's memory
+budget from before it is copied until the layer is placed again or its session goes
+(:meth:`~hetconv.worker.budget.MemoryBudget.hold`): a placement that does not fit is refused
+(RESOURCE_EXHAUSTED) naming the layer and the budget, as is a session's layer beyond
+:data:`MAX_LAYERS`. What a forward keeps for its backward (the stage's run) is a saved state in
+the same budget, as a fused stage's is. Placed state holding NaN or Inf is refused.
+
 Every call names the version it expects; a slice at another version (or none) is refused with
 FAILED_PRECONDITION naming both, so a stale slice is never computed with.
 
@@ -53,6 +60,7 @@ from hetconv.stages import (
     StageSpec,
     batch_statistics_rows,
     batchnorm_grad_rows,
+    kept_bytes,
     spec_from_proto,
     stage_backward,
     stage_forward,
@@ -68,6 +76,9 @@ from hetconv.worker.overlap import (
     grad_range,
 )
 from hetconv.worker.requests import request_padding
+
+#: Resident layers one session may place on a worker (a network's convolutions are far fewer).
+MAX_LAYERS = 256
 
 
 class StaleSlice(MissingForward):
@@ -99,6 +110,12 @@ class _Run:
     # a split head: the widened slice's fc columns and the owned channels' stage output
     head: tuple[np.ndarray, np.ndarray] | None = None
 
+    @property
+    def held_bytes(self) -> int:
+        """What it keeps for the backward, for the worker's memory budget."""
+        head = sum(a.nbytes for a in self.head) if self.head is not None else 0
+        return kept_bytes(self.run) + head
+
 
 class ResidentCalls:
     """The four resident handlers' cores on a :class:`~hetconv.worker.context.WorkerContext`
@@ -109,7 +126,6 @@ class ResidentCalls:
         self._lock = threading.Lock()
         # session -> layer -> the slice this worker holds
         self._slices: OrderedDict[int, dict[str, _Slice]] = OrderedDict()
-        self._runs: dict[tuple[int, str], _Run] = {}
 
     def cores(self) -> dict:
         """Each resident call's core, by call."""
@@ -172,12 +188,14 @@ class ResidentCalls:
             config = sgd_config(ref)
         except ValueError as e:
             raise InvalidCall(f"optimizer settings: {e}") from None
-        if not (np.isfinite(w).all() and np.isfinite(b).all()):
-            raise InvalidCall("w or b holds NaN or Inf")
-        if not np.isfinite(f).all():
-            raise InvalidCall("f (the split head's columns) holds NaN or Inf")
+        for names, arrays in (("w or b", (w, b)), ("mw or mb (the momentum)", (mw, mb))):
+            if not all(np.isfinite(a).all() for a in arrays):
+                raise InvalidCall(f"{names} holds NaN or Inf")
+        if not (np.isfinite(f).all() and np.isfinite(mf).all()):
+            raise InvalidCall("f or mf (the split head's columns, their momentum) holds NaN or Inf")
         if ref.fixed_bias and (b.any() or mb.any()):
             raise InvalidCall("fixed_bias is set (a layer without bias), but b or mb is not zero")
+        self._hold(request, 4 * sum(a.size for a in (w, b, mw, mb, f, mf)))
         placed = _Slice(
             request.kernel_offset,
             *(np.array(a, np.float32) for a in (w, b, mw, mb)),  # owned and writable
@@ -194,10 +212,24 @@ class ResidentCalls:
             layers[request.layer] = placed
             self._slices.move_to_end(request.session)
             while len(self._slices) > self.context.config.sessions:
-                gone, _ = self._slices.popitem(last=False)
-                for key in [k for k in self._runs if k[0] == gone]:
-                    del self._runs[key]
+                gone, held = self._slices.popitem(last=False)
+                for layer in held:
+                    self.context.budget.release(("resident", gone, layer))
         return [], 0.0, receive
+
+    def _hold(self, request: pb.ConvRequest, nbytes: int) -> None:
+        """Hold a placement's ``nbytes`` in the memory budget before it is copied; refused
+        (RESOURCE_EXHAUSTED) beyond :data:`MAX_LAYERS` layers or the budget."""
+        with self._lock:
+            layers = self._slices.get(request.session, {})
+            if request.layer not in layers and len(layers) >= MAX_LAYERS:
+                raise RequestTooLarge(
+                    f"layer {request.layer!r}: this session has resident slices of "
+                    f"{len(layers)} layers on this worker, the most one session may place"
+                )
+        what = f"the resident slice of layer {request.layer!r} (kernels, momentum, head)"
+        key = ("resident", request.session, request.layer)
+        self.context.budget.hold(key, nbytes, what, request.session)
 
     def fetch(self, messages: Iterator):
         request, _, receive = self.context.receive(messages, FETCH_KERNELS)
@@ -270,10 +302,7 @@ class ResidentCalls:
         if groups is not None:  # each group's output goes as soon as it is computed
 
             def keep(run: GroupedRun) -> None:
-                with self._lock:
-                    self._runs[request.session, request.layer] = _Run(
-                        request.step, held.version, run, spec
-                    )
+                self._keep(request, _Run(request.step, held.version, run, spec))
 
             outputs = forward_groups(ctx, x, w, b, padding, spec, own, groups, keep)
             shape = (x.shape[0], k, *spec.output_hw(conv.out_hw))
@@ -293,9 +322,9 @@ class ResidentCalls:
 
         y, run, z = ctx.run(forward_work)
         compute = time.perf_counter() - start
-        kept = _Run(request.step, held.version, run, spec, (f, y) if f is not None else None)
-        with self._lock:
-            self._runs[request.session, request.layer] = kept
+        self._keep(
+            request, _Run(request.step, held.version, run, spec, (f, y) if f is not None else None)
+        )
         if f is not None:  # the logits' part instead of the maps
             y = np.empty((y.shape[0], 0, *y.shape[2:]), np.float32)
         stats = batch_statistics_rows(run)
@@ -305,16 +334,22 @@ class ResidentCalls:
         """The slice a resident stage backward names and its forward's run of the same step
         and version; MissingForward (FAILED_PRECONDITION) naming what is held otherwise."""
         held = self._held(request)
-        with self._lock:
-            kept = self._runs.get((request.session, request.layer))
-        if kept is None or kept.step != request.step or kept.version != held.version:
-            have = "nothing" if kept is None else f"step {kept.step}"
-            raise MissingForward(
+
+        def missing(have: str) -> str:
+            return (
                 f"no resident stage forward of layer {request.layer!r} at step {request.step} "
                 f"with version {version_text(held.version)} (have {have}); send "
                 "ResidentStageForward first"
             )
+
+        kept = self.context.kept_for_step(request, _run_key(request), missing)
+        if kept.version != held.version:
+            raise MissingForward(missing(f"version {version_text(kept.version)}"))
         return held, kept
+
+    def _keep(self, request: pb.ConvRequest, kept: _Run) -> None:
+        """Keep a forward's run for its backward, in the worker's memory budget."""
+        self.context.keep(request, _run_key(request), kept)
 
     def backward(self, messages: Iterator):
         ctx = self.context
@@ -357,8 +392,8 @@ class ResidentCalls:
         dx, dw, db = grouped.result() if grouped.started else ctx.run(backward_work)
         # the block's gradients before the update: a refused call leaves the slice as it was
         through = ctx.replicas.gradients(request, dx) if replica else None
+        self.context.budget.discard(request.session, _run_key(request))
         with self._lock:
-            del self._runs[request.session, request.layer]
             # The update, in place: bitwise what the master's SGD gives these rows.
             mw = sgd_update(held.w, dw, held.mw if held.started else None, held.config)
             if mw is not None:
@@ -385,4 +420,9 @@ class ResidentCalls:
         return answer(formats, arrays), time.perf_counter() - start, receive
 
 
-__all__ = ["ResidentCalls", "StaleSlice"]
+def _run_key(request: pb.ConvRequest) -> tuple[str, int]:
+    """The key a resident stage forward's run is kept under in its session's saved states."""
+    return (f"resident {request.layer}", 0)
+
+
+__all__ = ["MAX_LAYERS", "ResidentCalls", "StaleSlice"]
