@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 
 from hetconv.calls import FETCH_PART, PUT_PART
-from hetconv.errors import InvalidCall, MissingForward, RequestTooLarge
+from hetconv.errors import InvalidCall, MissingForward
 from hetconv.formats import TensorFormat, answer_format
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import bearer_metadata
@@ -237,10 +237,9 @@ class SplitCalls:
             layout = record.layout
             if layout is not None:
                 self._check_part(layout, source, part, gradient, record)
-            if self._held_bytes() + part.nbytes > self.context.config.memory_bytes // 2:
-                raise RequestTooLarge(
-                    "the split's parts would hold more than half this worker's memory budget"
-                )
+            # held in the worker's one memory budget: refused (RESOURCE_EXHAUSTED) when over it
+            held = self._held_bytes() + part.nbytes
+            self.context.budget.hold("split parts", held, "the split's parts", request.session)
             into = record.gradients if gradient else record.outputs
             into.setdefault(source, part)
             self._changed.notify_all()
