@@ -94,17 +94,18 @@ class ReplicaCalls:
             ctx.backend.synchronize()
             return out
 
-        y, run = ctx.run(work)
-        compute = time.perf_counter() - start
-        block = _Block(request.step, run, np.ascontiguousarray(y))
         key = self._key(request.layer)
 
         def stale(other, state) -> bool:
             return other == key
 
-        ctx.keep(request, key, block, replaces=stale)
-        if split:  # this worker's images only: their output goes to the other peers
-            ctx.split.forward(request, x, run, block.y)
+        with ctx.split.computing(request):  # a FetchPart of its output waits, not idle
+            y, run = ctx.run(work)
+            compute = time.perf_counter() - start
+            block = _Block(request.step, run, np.ascontiguousarray(y))
+            ctx.keep(request, key, block, replaces=stale)
+            if split:  # this worker's images only: their output goes to the other peers
+                ctx.split.forward(request, x, run, block.y)
         return [], compute, receive
 
     def _block(self, request: pb.ConvRequest, what: str) -> _Block:

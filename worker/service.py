@@ -21,8 +21,11 @@ What a worker holds is bounded as a whole (:mod:`hetconv.worker.budget`): every 
 its bytes from the header before any tensor is allocated and releases them when it ends, the
 saved forward states share the same budget, and calls in flight are bounded in number. A call
 that waits on its client for ``idle_timeout`` seconds is ended (:mod:`hetconv.worker.idle`).
-The handler pool is larger than the calls in flight, so health checks and Describe are answered
-while every call slot is taken; convolutions run one at a time on one device thread, so the
+FetchPart, a call that only waits for a part, takes no call slot: waiting calls have a bound
+of their own, so they never starve the calls that compute. Health says NOT_SERVING while every
+call slot is taken (one more call would be refused) and SERVING again once one comes back. The
+handler pool is larger than the calls in flight and those waiting, so health checks and
+Describe are answered while every call slot is taken; convolutions run one at a time on one device thread, so the
 backend's scratch buffers exist once, and are trimmed after a call that grew them.
 
 The calls of each feature (fused stages, resident kernels, the replicated and split block) are
@@ -139,15 +142,18 @@ class ConvWorkerService:
         self.context.split = SplitCalls(self.context)  # the same split by images (hetconv.split)
 
     @contextmanager
-    def _in_flight(self, name: str, context) -> Iterator[Watched]:
+    def _in_flight(self, name: str, context, waits: bool = False) -> Iterator[Watched]:
         """A call in flight: counted and metered by the budget, watched for idling. A call
-        over the budget's limit on calls is refused here (RESOURCE_EXHAUSTED)."""
+        over the budget's limit on calls is refused here (RESOURCE_EXHAUSTED). ``waits``: a
+        call that only waits, counted among the waiting calls instead of taking a slot."""
         with ExitStack() as stack:
             try:
-                stack.enter_context(self.budget.call(name))
+                memory = stack.enter_context(self.budget.call(name, waits=waits))
             except OverBudget as e:
                 context.abort(e.status, f"{name}: {e}")
-            yield stack.enter_context(self.idle.call(context, name))
+            # a wait on other nodes ends with the call, idle ones by the watch (worker/split.py)
+            memory.watched = stack.enter_context(self.idle.call(context, name))
+            yield memory.watched
 
     def close(self) -> None:
         """Stop the idle watch and the device thread (after the server has stopped)."""
@@ -252,7 +258,7 @@ class ConvWorkerService:
         """The handler of a streaming call: header and chunks in, header and chunks out."""
 
         def handler(messages: Iterator, context) -> Iterator:
-            with self._in_flight(call.name, context) as watched:
+            with self._in_flight(call.name, context, call is FETCH_PART) as watched:
                 try:
                     got = self._run(call, core, watched.messages(messages), context)
                 except IdleTimeout:
@@ -293,7 +299,7 @@ class ConvWorkerService:
         """The handler of a call whose request and answer are each one ``ConvBundle``."""
 
         def handler(bundle: Bundle, context) -> Bundle:
-            with self._in_flight(call.name, context):
+            with self._in_flight(call.name, context, call is FETCH_PART):
                 got = self._run(call, core, iter([bundle]), context)
                 if isinstance(got, Streamed):  # one message: computed whole, then sent
                     try:
@@ -464,8 +470,14 @@ def start_server(
             f"cannot listen on {listen}: the port is in use or the address is not this machine's"
         )
     server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def slots(full: bool) -> None:  # NOT_SERVING while no call could be taken
+        status = health_pb2.HealthCheckResponse
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, status.NOT_SERVING if full else status.SERVING)
+
+    slots(False)
+    service.budget.on_slots = slots
     host = listen.rsplit(":", 1)[0]
     service.health = health_servicer  # so shutdown can report NOT_SERVING first
     return server, f"{host}:{port}"

@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 
 from hetconv.calls import FETCH_PART, PUT_PART
-from hetconv.errors import InvalidCall, MissingForward
+from hetconv.errors import InvalidCall, MissingForward, WireError
 from hetconv.formats import TensorFormat, answer_format
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import bearer_metadata
@@ -45,12 +45,23 @@ from hetconv.worker.context import WorkerContext
 MAX_PEERS = 64
 #: Seconds a stage call waits for its peers' parts when its own call has no deadline.
 PART_WAIT = 600.0
+#: Seconds a part put into a peer may take (a peer that takes it no faster is no matter here:
+#: the master loses it in its own call).
+PART_SEND = 60.0
+#: Sender threads per session: a peer that never answers holds only its session's.
+SENDERS = 4
 
 
 class PartTimeout(MissingForward):
     """The peers' parts did not all come in time (FAILED_PRECONDITION)."""
 
     status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class CallerGone(WireError):
+    """The call that waited was cancelled by its caller, or ended by the idle watch."""
+
+    status = grpc.StatusCode.CANCELLED
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,48 @@ class SplitLayout:
         return [i for i, (_, _, count) in enumerate(self.peers) if count]
 
 
+class _Caller:
+    """The gRPC call this thread serves, as a wait on other nodes sees it: whether its caller
+    is still there, how long it may still take, and its idle clock (the service's watch of the
+    call, :class:`~hetconv.worker.idle.Watched`; none when a core is called directly)."""
+
+    def __init__(self, context: WorkerContext, changed: threading.Condition):
+        memory = context.budget.current()
+        self.watched = getattr(memory, "watched", None)
+        self.call = self.watched.context if self.watched is not None else None
+        self.start = time.monotonic()
+        self.gone = False
+        if self.call is not None:
+
+            def ended() -> None:
+                self.gone = True
+                with changed:
+                    changed.notify_all()
+
+            if not self.call.add_callback(ended):
+                self.gone = True
+
+    def time_left(self, most: float) -> float:
+        """Seconds the call may still take: its deadline's, at most ``most``."""
+        left = self.call.time_remaining() if self.call is not None else None
+        return most if left is None else max(0.0, min(most, left))
+
+    def waited(self) -> float:
+        return time.monotonic() - self.start
+
+    def check(self, idle: bool, raising: bool = True) -> None:
+        """Raise :class:`CallerGone` when the call has ended (its caller went, or the idle watch
+        ended it); start (``idle``) or stop the call's idle clock."""
+        if self.watched is not None:
+            if not idle:
+                self.watched.waiting_since = None
+            elif self.watched.waiting_since is None:
+                self.watched.waiting_since = time.monotonic()
+        if raising and (self.gone or (self.call is not None and not self.call.is_active())):
+            expired = self.watched.expired if self.watched is not None else None
+            raise CallerGone(expired or "the caller cancelled the call while it waited on peers")
+
+
 @dataclass
 class _Step:
     """One (session, block)'s split step: what came, what was sent."""
@@ -126,6 +179,7 @@ class _Step:
     sent: dict[int, np.ndarray] = field(default_factory=dict)  # node -> my rows of its images
     y: np.ndarray | None = None  # the whole batch's output, once assembled
     done: bool = False  # this worker's backward of the step has run
+    backward: bool = False  # this worker's stage backward of the step has begun
 
     @property
     def nbytes(self) -> int:
@@ -134,9 +188,10 @@ class _Step:
 
 
 class PeerLinks:
-    """Channels to the other workers, reused, and the threads that send them parts."""
+    """One session's channels to the other workers, reused, and the threads that send them
+    parts (each put with a deadline, :data:`PART_SEND`)."""
 
-    def __init__(self, token: str | None = None, threads: int = 4):
+    def __init__(self, token: str | None = None, threads: int = SENDERS):
         self._metadata = bearer_metadata(token) if token is not None else None
         self._channels: dict[str, tuple[grpc.Channel, object, object]] = {}
         self._lock = threading.Lock()
@@ -188,25 +243,69 @@ class SplitCalls:
 
     def __init__(self, context: WorkerContext, token: str | None = None):
         self.context = context
-        self.links = PeerLinks(token)
+        self.token = token
+        self._links: dict[int, PeerLinks] = {}  # session -> its senders, oldest first
         self._steps: dict[tuple[int, str], _Step] = {}
+        self._latest: dict[int, int] = {}  # session -> the latest step its master called
+        self._busy: set[tuple[int, str, int]] = set()  # ReplicaForwards computing here
         self._changed = threading.Condition()
         self.tls = False
 
     def use(self, token: str | None, tls: bool) -> None:
         """Reach peers with ``token`` (the worker's own); a worker serving TLS refuses to
         split (its peers would need a CA it does not have: not built)."""
-        self.links.close()
-        self.links, self.tls = PeerLinks(token), tls
+        self.close()
+        self.token, self.tls = token, tls
+
+    def links(self, session: int) -> PeerLinks:
+        """``session``'s senders: a peer that never takes its parts holds only those (their
+        puts end at :data:`PART_SEND`); at most the worker's sessions' worth are kept."""
+        with self._changed:
+            links = self._links.pop(session, None) or PeerLinks(self.token)
+            self._links[session] = links  # the most recent last
+            old = list(self._links)[: max(0, len(self._links) - self.context.config.sessions)]
+            gone = [self._links.pop(s) for s in old]
+        for links_ in gone:
+            links_.close()
+        return links
+
+    def called(self, session: int, step: int) -> None:
+        """The master called this worker at ``step`` of ``session``: parts may name at most
+        the next step (:meth:`_take`)."""
+        with self._changed:
+            self._latest.pop(session, None)
+            self._latest[session] = max(step, self._latest.get(session, step))
+            while len(self._latest) > 4 * self.context.config.sessions:
+                del self._latest[next(iter(self._latest))]
+
+    def computing(self, request: pb.ConvRequest) -> object:
+        """A context: block ``request.layer`` of this step is computed here meanwhile (a
+        FetchPart waiting for it is not idle)."""
+        split, key = self, (request.session, request.layer, request.step)
+
+        class _Computing:
+            def __enter__(self):
+                with split._changed:
+                    split._busy.add(key)
+
+            def __exit__(self, *_):
+                with split._changed:
+                    split._busy.discard(key)
+                    split._changed.notify_all()
+
+        self.called(request.session, request.step)
+        return _Computing()
 
     # -- the step's record ------------------------------------------------------------------
 
     def _record(self, session: int, layer: str, step: int, round_: int) -> _Step:
         """The record of (session, block) at ``step`` and ``round_``, made (replacing an older
-        one) when there is none; a call of an older step or round is refused. Under
-        ``_changed``."""
+        one) when there is none; a call of an older step or round is refused, but for a record
+        only peers' parts made (a part naming a step ahead: it goes). Under ``_changed``."""
         key = (session, layer)
         held = self._steps.get(key)
+        if held is not None and held.layout is None and (held.step, held.round) > (step, round_):
+            held = None
         if held is not None and (held.step, held.round) > (step, round_):
             raise MissingForward(
                 f"block {layer!r} step {step} round {round_}: this worker is at step "
@@ -233,6 +332,12 @@ class SplitCalls:
         if not np.isfinite(part).all():
             raise InvalidCall("the part holds NaN or Inf")
         with self._changed:
+            latest = self._latest.get(request.session)
+            if latest is not None and request.step > latest + 1:
+                raise InvalidCall(
+                    f"a part of step {request.step}: session {request.session} is at step "
+                    f"{latest} here, and a part may be at most one step ahead"
+                )
             record = self._record(request.session, request.layer, request.step, request.part.round)
             layout = record.layout
             if layout is not None:
@@ -312,8 +417,13 @@ class SplitCalls:
             held = record.sent if gradient else record.outputs
             return [] if source in held else [f"node {source}'s part"]
 
+        def idle(record: _Step | None) -> bool:  # nothing it waits for is computed here
+            if gradient:
+                return record is None or not record.backward
+            return (request.session, request.layer, request.step) not in self._busy
+
         what = "the master's rows" if gradient else "the block output"
-        record = self._wait(request, request.layer, missing, f"a fetch of {what}")
+        record = self._wait(request, request.layer, missing, f"a fetch of {what}", idle)
         with self._changed:
             return record.sent[source] if gradient else record.outputs[source]
 
@@ -363,30 +473,42 @@ class SplitCalls:
             address = layout.peers[node][0]
             # A failed send is no matter here: the master loses that peer in its own call
             # and covers it (hetconv.split).
-            self.links.put_later(address, part, rows(node), fmt, PART_WAIT)
+            self.links(request.session).put_later(address, part, rows(node), fmt, PART_SEND)
 
     # -- the stage calls' hooks -------------------------------------------------------------
 
-    def _wait(self, request: pb.ConvRequest, block: str, ready, what: str) -> _Step:
-        deadline = time.monotonic() + PART_WAIT
+    def _wait(self, request: pb.ConvRequest, block: str, ready, what: str, idle=None) -> _Step:
+        """The record of ``block`` at the request's step once ``ready(record)`` names nothing
+        missing. The wait ends with its call: when the caller cancels or its deadline passes,
+        at :data:`PART_WAIT`, and, while ``idle(record)`` (nothing it waits for is computed
+        here), at the worker's idle timeout (:mod:`hetconv.worker.idle`)."""
+        caller = _Caller(self.context, self._changed)
+        deadline = time.monotonic() + caller.time_left(PART_WAIT)
         with self._changed:
-            while True:
-                record = self._steps.get((request.session, block))
-                if record is not None and record.step == request.step and record.layout:
-                    missing = ready(record)
-                    if not missing:
-                        return record
-                elif record is not None and record.step > request.step:
-                    raise MissingForward(f"split block {block!r} moved on to step {record.step}")
-                else:
-                    missing = ["this worker's own ReplicaForward"]
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PartTimeout(
-                        f"{what} of split block {block!r} step {request.step}: still waiting "
-                        f"for {', '.join(map(str, missing))} after {PART_WAIT:.0f} s"
-                    )
-                self._changed.wait(min(left, 1.0))
+            try:
+                while True:
+                    record = self._steps.get((request.session, block))
+                    if record is not None and record.step == request.step and record.layout:
+                        missing = ready(record)
+                        if not missing:
+                            return record
+                    elif record is not None and record.step > request.step:
+                        raise MissingForward(
+                            f"split block {block!r} moved on to step {record.step}"
+                        )
+                    else:
+                        missing = ["this worker's own ReplicaForward"]
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise PartTimeout(
+                            f"{what} of split block {block!r} step {request.step}: still "
+                            f"waiting for {', '.join(map(str, missing))} after "
+                            f"{caller.waited():.0f} s"
+                        )
+                    caller.check(idle is not None and idle(record))
+                    self._changed.wait(min(left, 1.0))
+            finally:
+                caller.check(False, raising=False)
 
     def is_split(self, request: pb.ConvRequest) -> bool:
         """Whether the block a stage call names is split here at the call's step."""
@@ -417,6 +539,7 @@ class SplitCalls:
         with self._changed:
             record = self._steps[(request.session, request.replica_layer)]
             layout = record.layout
+            record.backward = True
 
         def sender(node: int):
             def done(images: slice, rows: np.ndarray) -> None:
@@ -460,7 +583,10 @@ class SplitCalls:
         return rw, rb
 
     def close(self) -> None:
-        self.links.close()
+        with self._changed:
+            links, self._links = list(self._links.values()), {}
+        for each in links:
+            each.close()
 
 
 __all__ = ["MAX_PEERS", "PART_WAIT", "PartTimeout", "PeerLinks", "SplitCalls", "SplitLayout"]
