@@ -3,6 +3,8 @@ those that refuse this master's token or TLS, joined as they appear while traini
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from hetconv.training import train
 
 
@@ -20,9 +22,12 @@ def train_discovered(config, cluster_config, named: list[str], wait: float):
         ) from None
     try:
         print(f"looking for workers on the LAN (DNS-SD/mDNS) for {wait:g} s ...", flush=True)
-        found = _accepting(_not_named(discovery.wait(wait), named, cluster_config), cluster_config)
+        found = _not_named(discovery.wait(wait), named, cluster_config)
+        found = _accepting(_answering(found), cluster_config)
         for refusal in discovery.take_refusals():
             print(f"found {refusal.address}, not used: {refusal.reason}")
+        for notice in discovery.take_notices():
+            print(notice)
         if found:
             listed = "; ".join(w.describe() for w in found)
             print(f"found {len(found)} worker{'s' if len(found) != 1 else ''}: {listed}")
@@ -45,30 +50,59 @@ def train_discovered(config, cluster_config, named: list[str], wait: float):
         discovery.close()
 
 
+def _answering(found) -> list:
+    """The workers ``found`` on the LAN that a TCP connection reaches now (tried all at once,
+    a second each): the others are not waited for at start but tried while training like
+    workers that appear, so advertisements nobody answers at do not hold up the start."""
+    from hetconv.master.discovery import JOIN_BOUND, reach
+
+    with ThreadPoolExecutor(JOIN_BOUND) as pool:
+        errors = list(pool.map(lambda worker: reach(worker.address), found))
+    silent = [w.address for w, error in zip(found, errors, strict=True) if error is not None]
+    if silent:
+        count = len(silent)
+        shown = ", ".join(silent[:3]) + (", ..." if count > 3 else "")
+        print(
+            f"found {count} more advertised worker{'s' if count != 1 else ''} that nothing "
+            f"answers at yet ({shown}): tried while training, each joins when it answers"
+        )
+    return [w for w, error in zip(found, errors, strict=True) if error is None]
+
+
 def _accepting(found, cluster_config) -> list:
     """The workers ``found`` on the LAN minus those that refuse this master's token or fail
-    its TLS check (another user's workers, or a stranger's), each said."""
+    its TLS check (another user's workers, or a stranger's), each said. Asked concurrently."""
+    from hetconv.master.discovery import JOIN_BOUND
+
+    with ThreadPoolExecutor(JOIN_BOUND) as pool:
+        refusals = list(pool.map(lambda worker: _refusal(worker, cluster_config), found))
+    kept = []
+    for worker, refusal in zip(found, refusals, strict=True):
+        if refusal is None:
+            kept.append(worker)
+        else:
+            print(f"found {worker.address}, not used: {refusal}")
+    return kept
+
+
+def _refusal(worker, cluster_config) -> str | None:
+    """Why a worker found on the LAN refuses this master (its token, its TLS check), or None."""
     from hetconv.master.client import WorkerAuthError, WorkerClient, WorkerError, WorkerTLSError
 
-    kept = []
-    for worker in found:
-        if not worker.token_required and cluster_config.tls_ca is None:
-            kept.append(worker)
-            continue
-        client = WorkerClient(
-            worker.address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
-        )
-        try:
-            client.describe()
-        except (WorkerAuthError, WorkerTLSError) as e:
-            print(f"found {worker.address}, not used: {e}")
-            continue
-        except WorkerError:  # not reachable now: the cluster reports it and retries
-            pass
-        finally:
-            client.close()
-        kept.append(worker)
-    return kept
+    if not worker.token_required and cluster_config.tls_ca is None:
+        return None
+    client = WorkerClient(
+        worker.address, 2.0, token=cluster_config.token, tls_ca=cluster_config.tls_ca
+    )
+    try:
+        client.describe()
+    except (WorkerAuthError, WorkerTLSError) as e:
+        return str(e)
+    except WorkerError:  # not reachable now: the cluster reports it and retries
+        pass
+    finally:
+        client.close()
+    return None
 
 
 def _not_named(found, named: list[str], cluster_config) -> list:

@@ -11,7 +11,9 @@ is removed leave at the next step boundary (workers named with ``--worker`` stay
 that cannot be reached when training starts starts lost, and joins like one that came back.
 Workers found on the LAN (``hetconv train --discover``, :mod:`.discovery`) are handled as lines
 of the file: one that appears joins, one that stops being advertised leaves
-(:meth:`Membership.follow`).
+(:meth:`Membership.follow`). Those never reached yet are tried concurrently, apart from the
+monitor (:class:`~.discovery.Joiners`), so that a flood of advertisements nobody answers at
+cannot hold up the others; each address keeps its backoff while it comes and goes.
 
 One worker process reached under two addresses (``127.0.0.1:P`` and ``localhost:P``) would be
 counted twice: a worker that answers with the instance id of another member (Describe's
@@ -36,6 +38,8 @@ from .events import EventLog, short_reason
 
 MASTER = "master"
 FROM_FILE, FROM_LAN = "workers file", "LAN"
+#: LAN addresses whose backoff is remembered after their advertisement went (it may come back).
+REMEMBERED_BACKOFFS = 4096
 #: Why a worker leaves, by what named it.
 LEAVE_REASONS = {
     FROM_FILE: "removed from the workers file",
@@ -173,6 +177,8 @@ class Membership:
         self._listed: set[str] = set()  # what the workers file named when last read
         self._discovery = None  # a Discovery browsing the LAN (follow), or None
         self._discovered: set[str] = set()  # what it found advertised when last polled
+        self._joiners = None  # a discovery.Joiners trying LAN joiners never reached (follow)
+        self._lan_backoffs: dict[str, Backoff] = {}  # LAN joiners gone before they answered
         self._aliases: set[str] = set()  # file joiners refused as aliases (while listed)
         self._fixed = set(fixed)
         self._closed = threading.Event()
@@ -225,6 +231,8 @@ class Membership:
                 if node.name not in listed:
                     self.pending.remove(node)
                     dropped.append(node)
+                    if node.source == FROM_LAN:
+                        self._remember_backoff(node)
             for node in self.nodes[1:]:
                 # Only workers the file or the LAN named can leave through them: --worker ones
                 # stay. A worker named again before its step boundary stays too.
@@ -235,12 +243,25 @@ class Membership:
                     source = FROM_FILE if address in self._listed else FROM_LAN
                     client = self._make_client(address)
                     node = Node(address, client, state=LOST, joined=True, source=source)
+                    if source == FROM_LAN and address in self._lan_backoffs:
+                        node.backoff = self._lan_backoffs.pop(address)
                     self.pending.append(node)
                     known.add(address)
         for node in dropped:
             node.client.close()
+            if node.source == FROM_LAN and node.state == LOST:  # never answered: quiet (a flood)
+                continue
             reason = LEAVE_REASONS.get(node.source, LEAVE_REASONS[FROM_FILE])
             self._events.emit("worker_removed", node.name, reason=reason)
+
+    def _remember_backoff(self, node: Node) -> None:
+        """Under the lock: a LAN joiner's advertisement went before it answered; should it
+        come back, it is tried when its backoff says, not at once."""
+        if node.backoff.failures:
+            self._lan_backoffs.pop(node.name, None)
+            self._lan_backoffs[node.name] = node.backoff
+            while len(self._lan_backoffs) > REMEMBERED_BACKOFFS:
+                del self._lan_backoffs[next(iter(self._lan_backoffs))]
 
     # -- workers found on the LAN ------------------------------------------------------
 
@@ -249,7 +270,10 @@ class Membership:
         them advertised, like lines of the workers file; ``found``: the addresses it had found
         when the node list was built (they leave when they unregister, unless also named with
         ``--worker``). Call before the monitor starts."""
+        from .discovery import Joiners
+
         self._discovery = discovery
+        self._joiners = Joiners(self._try_rejoin, self._retry_later)
         self._discovered = set(found)
         self._fixed -= self._discovered
         for node in self.nodes[1:]:
@@ -259,6 +283,8 @@ class Membership:
     def _poll_discovery(self) -> None:
         for refusal in self._discovery.take_refusals():
             self._events.emit("worker_refused", refusal.address, reason=refusal.reason)
+        for notice in self._discovery.take_notices():
+            self._events.emit("advertisements_dropped", reason=notice)
         addresses = self._discovery.poll()
         if addresses is None:
             return
@@ -294,6 +320,8 @@ class Membership:
     def close(self) -> None:
         """Stop the monitor and close every channel (cancelling calls in flight)."""
         self._closed.set()
+        if self._joiners is not None:
+            self._joiners.close()
         for node in self.nodes + self.pending:
             if node.client is not None:
                 node.client.close()
@@ -315,10 +343,20 @@ class Membership:
                     for n in self.nodes[1:] + self.pending
                     if n.state == LOST and n.backoff.retry_at <= now
                 ]
+                joining = {id(n) for n in self.pending}
+            if self._joiners is not None:  # LAN joiners never reached: concurrently, apart
+                lan = [n for n in due if n.source == FROM_LAN and self._never_reached(n, joining)]
+                self._joiners.submit(lan)
+                taken = {id(n) for n in lan}
+                due = [n for n in due if id(n) not in taken]
             for node in due:
                 if self._closed.is_set():
                     return
                 self._try_rejoin(node)
+
+    @staticmethod
+    def _never_reached(node: Node, joining: set[int]) -> bool:
+        return id(node) in joining or not node.was_active
 
     def _try_rejoin(self, node: Node) -> None:
         try:
@@ -337,6 +375,8 @@ class Membership:
         with self.lock:
             node.probe_seconds.update(probes)
             node.state = READY
+        if node.source == FROM_LAN and self._discovery is not None:
+            self._discovery.mark_reached(node.name)  # a flood of newcomers never displaces it
 
     def _refuse_found(self, node: Node, error: Exception) -> bool:
         """A joiner found on the LAN that refused this master's token or failed its TLS

@@ -1,0 +1,219 @@
+"""A flood of advertisements cannot starve ``--discover``: joiners are tried concurrently (the
+never-tried first), each address nobody answers at backs off on its own, at most
+``MAX_TRACKED`` advertisements are tracked (the oldest never reached dropped first, said once a
+minute), and addresses no other machine reaches a worker at (loopback, link-local) are refused
+with a line.
+
+The advertisements are offered to :class:`~hetconv.master.discovery.Discovery` directly (the
+multicast side is tested in network namespaces in ``test_discovery.py``, as root); the worker
+that must join through the flood is a real worker process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from hetconv.master import discovery
+from hetconv.master.cluster import ACTIVE, READY, Cluster, ClusterConfig
+from hetconv.master.discovery import Discovery, Joiners
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.membership import Backoff
+from hetconv.training import TrainConfig, train
+
+TXT = {"version": "test", "backend": "cpu", "device": "test", "token": "none"}
+
+
+def _lan(max_tracked: int = discovery.MAX_TRACKED) -> Discovery:
+    return Discovery(has_token=False, max_tracked=max_tracked, browse=False)
+
+
+# -- what is tracked ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ips, kind",
+    [(["127.0.0.1"], "loopback"), (["169.254.10.2"], "link-local"), (["0.0.0.0"], "non-unicast")],
+)
+def test_an_address_no_other_machine_reaches_is_refused_with_a_line(ips, kind):
+    lan = _lan()
+    lan.offer("spoof._hetconv._tcp.local.", ips, 50051, TXT)
+    assert lan.workers() == [] and lan.poll() == []
+    (refusal,) = lan.take_refusals()
+    assert refusal.address == f"{ips[0]}:50051"
+    assert f"only {kind} addresses ({ips[0]})" in refusal.reason
+    assert "--worker" in refusal.reason
+    lan.offer("spoof._hetconv._tcp.local.", ips, 50051, TXT)  # said once
+    assert lan.take_refusals() == []
+    lan.close()
+
+
+def test_loopback_beside_a_lan_address_is_left_out_silently():
+    lan = _lan()
+    lan.offer("w._hetconv._tcp.local.", ["127.0.0.1", "198.51.100.7"], 50051, TXT)
+    (worker,) = lan.workers()
+    assert worker.address == "198.51.100.7:50051" and worker.addresses == ("198.51.100.7",)
+    assert lan.take_refusals() == []
+    lan.close()
+
+
+def test_the_cap_drops_the_oldest_never_reached_and_says_so_once():
+    lan = _lan(max_tracked=4)
+    for i in range(4):
+        lan.offer(f"w{i}._hetconv._tcp.local.", [f"198.51.100.{i + 1}"], 50051, TXT)
+    assert lan.take_notices() == []
+    lan.mark_reached("198.51.100.1:50051")  # w0, the oldest, answered
+    for i in range(4, 7):
+        lan.offer(f"w{i}._hetconv._tcp.local.", [f"198.51.100.{i + 1}"], 50051, TXT)
+    tracked = {w.service.split(".")[0] for w in lan.workers()}
+    assert tracked == {"w0", "w4", "w5", "w6"}  # w1..w3 never reached: dropped, oldest first
+    (notice,) = lan.take_notices()  # one line, not one per advertisement
+    assert notice.startswith("more than 4 workers advertised on the LAN: tracking 4, 1 ")
+    assert "oldest never reached first" in notice
+    for address in ("198.51.100.5", "198.51.100.6", "198.51.100.7"):
+        lan.mark_reached(f"{address}:50051")
+    lan.offer("late._hetconv._tcp.local.", ["198.51.100.99"], 50051, TXT)
+    assert "late" not in {w.service.split(".")[0] for w in lan.workers()}  # all four answered
+    lan.close()
+
+
+def test_an_advertisement_not_announced_whole_is_resolved_off_the_browser_thread():
+    """The browser thread hands out every advertisement in turn: one whose records must be
+    asked for (3 s each when nobody answers) would hold up all the others."""
+    from zeroconf import ServiceStateChange
+    from zeroconf._cache import DNSCache
+
+    asked = threading.Event()
+
+    class Silent:  # a zeroconf with nothing in its cache, whose questions go unanswered
+        cache = DNSCache()
+
+        def get_service_info(self, service_type, name, timeout):
+            asked.set()
+            time.sleep(timeout / 1000)
+
+    lan = _lan()
+    began = time.monotonic()
+    for i in range(20):
+        name = f"fake{i}._hetconv._tcp.local."
+        lan._on_change(Silent(), discovery.SERVICE_TYPE, name, ServiceStateChange.Added)
+    assert time.monotonic() - began < 0.5
+    assert asked.wait(5)
+    lan.close()
+
+
+# -- trying joiners ---------------------------------------------------------------------------
+
+
+def test_joiners_are_tried_concurrently_the_never_tried_first():
+    tried, lock = [], threading.Lock()
+
+    def join(node):
+        with lock:
+            tried.append(node.name)
+
+    def unreachable(node, error):
+        with lock:
+            tried.append(f"unreachable {node.name}")
+
+    server = socket.create_server(("127.0.0.1", 0))
+    real = f"127.0.0.1:{server.getsockname()[1]}"
+    nodes = [
+        SimpleNamespace(name=f"198.51.100.{i}:50051", backoff=Backoff(failures=1 + i % 3))
+        for i in range(8)
+    ]
+    nodes.append(SimpleNamespace(name=real, backoff=Backoff()))
+    joiners = Joiners(join, unreachable, bound=4, timeout=0.5)
+    began = time.monotonic()
+    joiners.submit(nodes)  # four of them (the bound): the rest wait for the next submit
+    while joiners.busy():
+        time.sleep(0.01)
+    assert time.monotonic() - began < 2  # four at once, each on its own deadline
+    assert real in tried  # the one never tried went first
+    assert len(tried) == 4
+    assert sum(t.startswith("unreachable") for t in tried) == 3  # then the fewest failures
+    joiners.close()
+    server.close()
+
+
+# -- a real worker joining through a flood --------------------------------------------------
+
+
+class Flooded(Cluster):
+    """A cluster that runs ``actions[step]`` just before that step begins."""
+
+    def __init__(self, actions, **config):
+        super().__init__([], config=ClusterConfig(retry_min=0.5, retry_max=4.0, **config))
+        self.actions = actions
+
+    def begin_step(self, step):
+        action = self.actions.get(step)
+        if action:
+            action(self)
+        super().begin_step(step)
+
+
+@contextlib.contextmanager
+def tarpits(count: int):
+    """``count`` addresses that accept TCP connections and never answer (a backlog nobody
+    reads): a gRPC connection to one waits for its deadline."""
+    servers = [socket.create_server(("127.0.0.1", 0), backlog=64) for _ in range(count)]
+    try:
+        yield [f"127.0.0.1:{s.getsockname()[1]}" for s in servers]
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_a_worker_advertised_in_a_flood_joins_at_the_next_step_boundary(tmp_path, monkeypatch):
+    """100 advertisements: 40 at addresses that accept and never answer, 60 at TEST-NET
+    addresses nobody answers at; then a real worker. Tried one by one (2 s each) it waited
+    minutes; it is ready within seconds and joins at the next step boundary."""
+    monkeypatch.setattr(discovery, "refused_kind", lambda ip: None)  # loopback plays the LAN
+    lan = _lan()
+    waited = {}
+    with LocalWorkers(1) as workers, tarpits(40) as silent:
+        (real,) = workers.addresses
+        flood = silent + [f"198.51.100.{i}:{50000 + i}" for i in range(60)]
+
+        def advertise_flood(cluster):
+            for i, address in enumerate(flood):
+                host, port = address.rsplit(":", 1)
+                lan.offer(f"fake{i}._hetconv._tcp.local.", [host], int(port), TXT)
+            time.sleep(1.5)  # the first tries under way
+
+        def advertise_real(cluster):
+            host, port = real.rsplit(":", 1)
+            lan.offer("real._hetconv._tcp.local.", [host], int(port), TXT)
+            began = time.monotonic()
+            while not any(n.name == real and n.state in (READY, ACTIVE) for n in _all(cluster)):
+                assert time.monotonic() - began < 20, "the real worker was starved by the flood"
+                time.sleep(0.05)
+            waited["seconds"] = time.monotonic() - began
+
+        with Flooded({2: advertise_flood, 3: advertise_real}) as cluster:
+            cluster.membership.follow(lan, [])
+            config = TrainConfig(steps=5, batch=8, train_size=40, eval_size=0, progress=False)
+            train(config, cluster, log=io.StringIO())
+            events = [(e["event"], e.get("worker"), e["step"]) for e in cluster.events]
+            dropped = [e for e in cluster.events if e["event"] == "advertisements_dropped"]
+            unreachable = {
+                e["worker"] for e in cluster.events if e["event"] == "worker_unreachable"
+            }
+    lan.close()
+    assert ("worker_joined", real, 3) in events
+    assert waited["seconds"] < 10
+    assert len(dropped) == 1 and "tracking 64" in dropped[0]["reason"]
+    assert unreachable and unreachable <= set(flood)  # the flood was tried, and backed off
+    assert not any(kind == "worker_joined" and who != real for kind, who, _ in events)
+
+
+def _all(cluster):
+    with cluster.membership.lock:
+        return list(cluster.nodes + cluster._pending)
