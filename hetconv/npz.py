@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 from pathlib import Path
@@ -20,6 +21,87 @@ from hetconv.dataset import (
 
 _NPZ_SPLIT_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
+#: The most labels may ask for: a label past it is a damaged file, not a class.
+MAX_CLASSES = 100_000
+
+
+def memory_budget() -> int:
+    """Bytes an archive's arrays may take in all: the memory the system can give now (Linux's
+    ``MemAvailable``), else half the physical memory, else 4 GiB."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2
+    except (AttributeError, ValueError, OSError):
+        return 4 << 30
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _member_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) -> int:
+    """The bytes member ``key`` declares, checked against the zip's size of it, without
+    reading its data."""
+    with archive.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else None
+        shape, _, dtype = (header or np.lib.format.read_array_header_2_0)(f)
+        data = info.file_size - f.tell()
+    if dtype.hasobject:
+        raise ValueError(f"{key} holds Python objects: cannot read it without unpickling")
+    declared = math.prod(shape) * dtype.itemsize
+    if declared != data:
+        raise ValueError(
+            f"{key} declares {dtype} {shape} ({_size(declared)}) but holds {_size(data)}: "
+            "a damaged or forged file"
+        )
+    return declared
+
+
+def read_arrays(
+    path: str | os.PathLike, keys: set[str] | None = None, budget: int | None = None
+) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` (those in ``keys``, or all), read without unpickling and with
+    bounded memory: every member's declared size (its ``.npy`` header and the zip's size of
+    it) is checked before anything is decompressed, and their sum against ``budget`` bytes
+    (:func:`memory_budget` by default).
+
+    Raises:
+        ValueError: the file is no ``.npz``, damaged, or declares more than the budget (the
+            message names what; the caller names the file).
+    """
+    budget = memory_budget() if budget is None else budget
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = {
+                info.filename[: -len(".npy")]: info
+                for info in archive.infolist()
+                if info.filename.endswith(".npy") and (keys is None or info.filename[:-4] in keys)
+            }
+            sizes = {key: _member_header(archive, info, key) for key, info in members.items()}
+            if sum(sizes.values()) > budget:
+                largest = max(sizes, key=sizes.get)
+                raise ValueError(
+                    f"its arrays declare {_size(sum(sizes.values()))} ({largest}: "
+                    f"{_size(sizes[largest])}), more than the {_size(budget)} of memory "
+                    "available"
+                )
+            arrays = {}
+            for key, info in members.items():
+                with archive.open(info) as f:
+                    arrays[key] = np.lib.format.read_array(f, allow_pickle=False)
+            return arrays
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"not an .npz archive ({e})") from None
+    except (EOFError, zipfile.LargeZipFile, NotImplementedError, RuntimeError) as e:
+        raise ValueError(f"damaged ({e})") from None
+
 
 def load_npz(path: str | os.PathLike, holdout_fraction: float | None = None) -> LoadedData:
     """Read an ``.npz`` of images and labels (never unpickling anything).
@@ -35,26 +117,25 @@ def load_npz(path: str | os.PathLike, holdout_fraction: float | None = None) -> 
     if not path.is_file():
         raise DatasetError(f"npz file {path} does not exist or is not a file")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            keys = set(archive.files)
-            if set(_NPZ_SPLIT_KEYS) <= keys:
-                if holdout_fraction is not None:
-                    raise DatasetError(
-                        f"{path} has its own x_test and y_test: drop --holdout-fraction"
-                    )
-                arrays = {key: archive[key] for key in _NPZ_SPLIT_KEYS}
-            elif {"x", "y"} <= keys:
-                arrays = {"x": archive["x"], "y": archive["y"]}
-            else:
-                raise DatasetError(
-                    f"{path} holds arrays {', '.join(sorted(keys)) or '(none)'}; expected "
-                    f"x_train, y_train, x_test and y_test, or x and y"
-                )
-            names = _npz_class_names(archive, path) if "class_names" in keys else None
+        with zipfile.ZipFile(path) as archive:
+            keys = {n[: -len(".npy")] for n in archive.namelist() if n.endswith(".npy")}
+        if set(_NPZ_SPLIT_KEYS) <= keys:
+            if holdout_fraction is not None:
+                raise DatasetError(f"{path} has its own x_test and y_test: drop --holdout-fraction")
+            wanted = set(_NPZ_SPLIT_KEYS)
+        elif {"x", "y"} <= keys:
+            wanted = {"x", "y"}
+        else:
+            raise DatasetError(
+                f"{path} holds arrays {', '.join(sorted(keys)) or '(none)'}; expected "
+                f"x_train, y_train, x_test and y_test, or x and y"
+            )
+        arrays = read_arrays(path, wanted | ({"class_names"} & keys))
+        names = _npz_class_names(arrays.pop("class_names"), path) if "class_names" in keys else None
     except DatasetError:
         raise
-    except ValueError as e:  # an object array: numpy would have to unpickle it
-        raise DatasetError(f"{path}: cannot read its arrays without unpickling ({e})") from e
+    except ValueError as e:
+        raise DatasetError(f"{path}: {e}") from None
     except (OSError, zipfile.BadZipFile, EOFError) as e:
         raise DatasetError(f"{path}: not a readable .npz archive ({e})") from e
     if "x" in arrays:
@@ -131,18 +212,24 @@ def _npz_labels(y: np.ndarray, path: Path, key: str) -> np.ndarray:
         raise DatasetError(
             f"{path}: {key} is {y.dtype} of shape {y.shape}; expected (N,) integer class labels"
         )
-    if y.size and y.min() < 0:
+    if y.size and y.min() < 0:  # min and max in the labels' own type: uint64's are exact
         raise DatasetError(f"{path}: {key} holds label {y.min()}; labels must be >= 0")
+    if y.size and y.max() >= MAX_CLASSES:
+        raise DatasetError(
+            f"{path}: {key} holds label {y.max()} (at index {int(y.argmax())}); labels are "
+            f"classes 0..N-1, and at most {MAX_CLASSES} classes are supported"
+        )
     return y.astype(np.int64)
 
 
-def _npz_class_names(archive, path: Path) -> tuple[str, ...]:
-    names = archive["class_names"]
+def _npz_class_names(names: np.ndarray, path: Path) -> tuple[str, ...]:
     if names.ndim != 1 or names.dtype.kind != "U" or not names.size:
         raise DatasetError(
             f"{path}: class_names is {names.dtype} of shape {names.shape}; expected a 1-D array "
             "of strings, class i's name at i"
         )
+    if names.size > MAX_CLASSES:
+        raise DatasetError(f"{path}: {names.size} class_names; at most {MAX_CLASSES} are supported")
     return tuple(str(n) for n in names)
 
 

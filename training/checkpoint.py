@@ -54,6 +54,7 @@ import numpy as np
 
 from hetconv.data import epoch_order
 from hetconv.description import Description, read_description
+from hetconv.npz import read_arrays
 
 from .fingerprint import fingerprint_differences, order_digest
 
@@ -161,9 +162,12 @@ def read_checkpoint(path: str | os.PathLike) -> TrainingState:
         CheckpointError: naming the file and what is wrong with it.
     """
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}  # reads all: checks CRCs
+        arrays = read_arrays(path)  # reads all: checks CRCs (and declared sizes first)
+        if "meta" not in arrays:
+            raise ValueError("no meta member")
         meta = json.loads(arrays.pop("meta").tobytes().decode("utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError(f"its meta is a JSON {type(meta).__name__}, not an object")
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(
                 f"format {meta.get('format')!r} version {meta.get('version')!r}, "
@@ -194,12 +198,13 @@ def read_checkpoint(path: str | os.PathLike) -> TrainingState:
         for name, value in arrays.items():
             group, _, key = name.partition("/")
             if group not in ("model", "momentum") or value.dtype != np.float32:
-                raise ValueError(f"unexpected member {name} ({value.dtype})")
+                raise ValueError(f"unexpected member {name} ({value.dtype}; expected float32)")
             getattr(state, group)[key] = value
         if not state.model:
             raise ValueError("no model parameters")
     except (OSError, EOFError, KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
-        raise CheckpointError(f"checkpoint {os.fspath(path)} is unreadable: {e}") from None
+        what = f"no {e}" if isinstance(e, KeyError) else e
+        raise CheckpointError(f"checkpoint {os.fspath(path)} is unreadable: {what}") from None
     return state
 
 
@@ -495,16 +500,26 @@ def read_model(
         state, file = found
         return state.model, state.description, f"checkpoint {file} (step {state.step})"
     try:
-        archive = np.load(path, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise ValueError("not an .npz archive of named arrays")
-        with archive:
-            weights = None
-            if "meta" not in archive.files:
-                weights = {name: archive[name] for name in archive.files}
+        with zipfile.ZipFile(path) as archive:
+            checkpoint = "meta.npy" in archive.namelist()
+        weights = None if checkpoint else _floating(read_arrays(path), path)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise ValueError(f"cannot read weights from {path}: {e}") from None
+        why = "not an .npz archive of named arrays" if isinstance(e, zipfile.BadZipFile) else e
+        raise ValueError(f"cannot read weights from {path}: {why}") from None
     if weights is not None:
         return weights, read_description(path), f"model {path}"
     state = read_checkpoint(path)
     return state.model, state.description, f"checkpoint {path} (step {state.step})"
+
+
+def _floating(weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+    """``weights`` as float32, refusing any that are not real floating-point numbers."""
+    if not weights:
+        raise ValueError("it holds no arrays")
+    for name, value in weights.items():
+        if value.dtype.kind != "f":
+            raise ValueError(
+                f"{name} is {value.dtype}; weights must be real floating-point numbers "
+                "(float32, or float64 converted)"
+            )
+    return {name: value.astype(np.float32, copy=False) for name, value in weights.items()}

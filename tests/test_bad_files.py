@@ -1,0 +1,115 @@
+"""Bad files end in one line naming the file and what is wrong, read with bounded memory: weights,
+checkpoints, datasets (declared sizes checked before anything is decompressed), and a full disk
+mid-run (the model and a checkpoint saved where the disk allows, the resume command printed)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetconv import npz
+from hetconv.dataset import DatasetError
+from hetconv.npz import load_npz
+from hetconv.training.checkpoint import read_model
+
+WEIGHTS = {"conv1.weight": np.ones((4, 3, 3, 3), np.float32), "fc.bias": np.zeros(10, np.float32)}
+
+
+def _npy_declaring(shape: tuple[int, ...], data: bytes = b"\0" * 64) -> bytes:
+    """An .npy header declaring float32 ``shape``, followed by only ``data``."""
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}"
+    header += " " * (117 - len(header)) + "\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode() + data
+
+
+def _bomb(path: Path, mib: int) -> None:
+    """An honest .npz whose one member is ``mib`` MiB of zeros, deflated to a few KiB."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("x.npy", "w", force_zip64=True) as f:
+            f.write(_npy_declaring((mib << 18,), b""))
+            for _ in range(mib):
+                f.write(bytes(1 << 20))
+        archive.writestr("y.npy", _npy_declaring((1,), b"\0" * 4))
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (np.array(["a"] * 108).reshape(4, 3, 3, 3), "conv1.weight is <U1; weights must be real"),
+        (np.ones((4, 3, 3, 3), np.int32), "conv1.weight is int32; weights must be real"),
+        (np.ones((4, 3, 3, 3), np.complex64), "conv1.weight is complex64; weights must be real"),
+    ],
+    ids=["strings", "integers", "complex"],
+)
+def test_weights_that_are_not_real_floats_are_refused_naming_the_key(tmp_path, value, message):
+    path = tmp_path / "model.npz"
+    np.savez(path, **{**WEIGHTS, "conv1.weight": value})
+    with pytest.raises(ValueError, match=message) as info:
+        read_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_float64_weights_are_read_as_float32(tmp_path):
+    path = tmp_path / "model.npz"
+    np.savez(path, **{k: v.astype(np.float64) for k, v in WEIGHTS.items()})
+    weights, _, _ = read_model(path)
+    assert {v.dtype for v in weights.values()} == {np.dtype(np.float32)}
+
+
+def test_a_checkpoint_whose_meta_is_a_list_is_refused_naming_it(tmp_path):
+    path = tmp_path / "ckpt-00000002.npz"
+    meta = np.frombuffer(json.dumps([1, 2]).encode(), np.uint8)
+    np.savez(path, meta=meta, **{f"model/{k}": v for k, v in WEIGHTS.items()})
+    with pytest.raises(ValueError, match="meta is a JSON list, not an object") as info:
+        read_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_an_npy_declaring_16_gib_is_refused_before_reading(tmp_path):
+    path = tmp_path / "model.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("conv1.weight.npy", _npy_declaring((1 << 32,)))
+    with pytest.raises(ValueError, match=r"declares float32 \(4294967296,\) \(16.0 GiB\)") as info:
+        read_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_truncated_weights_file_is_refused_naming_it(tmp_path):
+    whole = tmp_path / "whole.npz"
+    np.savez(whole, **WEIGHTS)
+    path = tmp_path / "model.npz"
+    path.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(ValueError, match="not an .npz archive") as info:
+        read_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_zip_bomb_dataset_is_refused_before_decompressing(tmp_path, monkeypatch):
+    path = tmp_path / "bomb.npz"
+    _bomb(path, 32)
+    assert path.stat().st_size < 1 << 20
+    monkeypatch.setattr(npz, "memory_budget", lambda: 8 << 20)
+    with pytest.raises(DatasetError, match=r"declare 32.0 MiB .*more than the 8.0 MiB") as info:
+        load_npz(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        (np.array([0, 1, 10**6, 2], np.int64), "holds label 1000000 \\(at index 2\\)"),
+        (np.array([0, 1, 2**64 - 1, 2], np.uint64), "holds label 18446744073709551615"),
+    ],
+    ids=["a-million", "uint64-max"],
+)
+def test_huge_labels_are_refused_naming_the_label(tmp_path, labels, message):
+    path = tmp_path / "data.npz"
+    np.savez(path, x=np.zeros((4, 3, 8, 8), np.uint8), y=labels)
+    with pytest.raises(DatasetError, match=message) as info:
+        load_npz(path)
+    assert str(path) in str(info.value) and "at most 100000 classes" in str(info.value)
