@@ -5,6 +5,7 @@ reader of files shares."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -237,3 +238,24 @@ def _normalised(train: ImageDataset, held_out: ImageDataset) -> tuple[ImageDatas
 def _placeholder_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Mean 0, std 1 per channel, until the training set's own are computed."""
     return (0.0,) * x.shape[1], (1.0,) * x.shape[1]
+
+
+def memory_budget() -> int:
+    """Bytes an archive's arrays may take in all: the memory the system can give now (Linux's
+    ``MemAvailable``), else half the physical memory, else 4 GiB."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2
+    except (AttributeError, ValueError, OSError):
+        return 4 << 30
+
+
+def byte_size(n: int) -> str:
+    """``n`` bytes in MiB or GiB."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

@@ -22,6 +22,8 @@ from hetconv.dataset import (
     _holdout,
     _normalised,
     _placeholder_stats,
+    byte_size,
+    memory_budget,
 )
 
 # torchvision's ImageFolder extensions (IMG_EXTENSIONS), matched case-insensitively.
@@ -161,19 +163,40 @@ def _decode_images(files: Sequence[Path]) -> np.ndarray:
     first: tuple[Path, tuple[int, int]] | None = None
     for i, path in enumerate(files):
         try:
-            with Image.open(path) as img:
+            with Image.open(path) as img:  # reads the header: the size, before decoding
+                size = img.size[::-1]
+                if first is None:
+                    _check_decoded_size(path, size, len(files))
+                    first = (path, size)
+                    out = np.empty((len(files), 3, *size), np.uint8)
+                elif size != first[1]:
+                    _differ(first, path, size)
                 rgb = np.asarray(img.convert("RGB"))
+        except DatasetError:
+            raise
         except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
             raise DatasetError(f"{path}: cannot decode the image ({e})") from e
-        if first is None:
-            first = (path, rgb.shape[:2])
-            out = np.empty((len(files), 3, *rgb.shape[:2]), np.uint8)
-        elif rgb.shape[:2] != first[1]:
-            (h0, w0), (h, w) = first[1], rgb.shape[:2]
-            raise DatasetError(
-                f"images differ in size: {first[0]} is {w0}x{h0} but {path} is {w}x{h} "
-                "(width x height); every image must have one size: resize them first"
-            )
+        if rgb.shape[:2] != first[1]:
+            _differ(first, path, rgb.shape[:2])
         out[i] = rgb.transpose(2, 0, 1)
     assert out is not None  # _class_files found at least one image
     return out
+
+
+def _check_decoded_size(path: Path, size: tuple[int, int], count: int) -> None:
+    """Refuse images whose decoded pixels (``count`` of ``size``, RGB) would not fit in memory."""
+    need, budget = count * 3 * size[0] * size[1], memory_budget()
+    if need > budget:
+        raise DatasetError(
+            f"{path} is {size[1]}x{size[0]}: {count} images of that size take "
+            f"{byte_size(need)} decoded, more than the {byte_size(budget)} of memory available; "
+            "resize them first"
+        )
+
+
+def _differ(first: tuple[Path, tuple[int, int]], path: Path, size: tuple[int, int]) -> None:
+    (h0, w0), (h, w) = first[1], size
+    raise DatasetError(
+        f"images differ in size: {first[0]} is {w0}x{h0} but {path} is {w}x{h} "
+        "(width x height); every image must have one size: resize them first"
+    )

@@ -17,32 +17,14 @@ from hetconv.dataset import (
     _holdout,
     _normalised,
     _placeholder_stats,
+    byte_size,
+    memory_budget,
 )
 
 _NPZ_SPLIT_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 #: The most labels may ask for: a label past it is a damaged file, not a class.
 MAX_CLASSES = 100_000
-
-
-def memory_budget() -> int:
-    """Bytes an archive's arrays may take in all: the memory the system can give now (Linux's
-    ``MemAvailable``), else half the physical memory, else 4 GiB."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2
-    except (AttributeError, ValueError, OSError):
-        return 4 << 30
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _member_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) -> int:
@@ -58,7 +40,7 @@ def _member_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) ->
     declared = math.prod(shape) * dtype.itemsize
     if declared != data:
         raise ValueError(
-            f"{key} declares {dtype} {shape} ({_size(declared)}) but holds {_size(data)}: "
+            f"{key} declares {dtype} {shape} ({byte_size(declared)}) but holds {byte_size(data)}: "
             "a damaged or forged file"
         )
     return declared
@@ -88,8 +70,8 @@ def read_arrays(
             if sum(sizes.values()) > budget:
                 largest = max(sizes, key=sizes.get)
                 raise ValueError(
-                    f"its arrays declare {_size(sum(sizes.values()))} ({largest}: "
-                    f"{_size(sizes[largest])}), more than the {_size(budget)} of memory "
+                    f"its arrays declare {byte_size(sum(sizes.values()))} ({largest}: "
+                    f"{byte_size(sizes[largest])}), more than the {byte_size(budget)} of memory "
                     "available"
                 )
             arrays = {}

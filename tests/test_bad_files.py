@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +114,40 @@ def test_huge_labels_are_refused_naming_the_label(tmp_path, labels, message):
     with pytest.raises(DatasetError, match=message) as info:
         load_npz(path)
     assert str(path) in str(info.value) and "at most 100000 classes" in str(info.value)
+
+
+def _png_folder(root: Path, size: tuple[int, int], count: int) -> None:
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(count):
+            Image.new("RGB", size).save(root / c / f"{i}.png")
+
+
+def test_images_too_large_for_memory_are_refused_before_decoding(tmp_path, monkeypatch):
+    from hetconv import imagefolder
+    from hetconv.imagefolder import load_image_folder
+
+    _png_folder(tmp_path / "images", (300, 200), 3)
+    monkeypatch.setattr(imagefolder, "memory_budget", lambda: 1 << 20)
+    decoded = []
+    monkeypatch.setattr(np, "asarray", lambda *a, **k: decoded.append(a) or None)
+    with pytest.raises(DatasetError, match=r"is 300x200: 6 images of that size take 1.0 MiB") as e:
+        load_image_folder(tmp_path / "images")
+    assert str(tmp_path / "images" / "a" / "0.png") in str(e.value) and not decoded
+
+
+def test_an_image_of_another_size_is_refused_before_decoding_it(tmp_path, monkeypatch):
+    from hetconv.imagefolder import load_image_folder
+
+    _png_folder(tmp_path / "images", (8, 8), 2)
+    # A PNG whose header declares 9000x9000 and holds no pixels: refused on its header alone.
+    ihdr = struct.pack(">IIBBBBB", 9000, 9000, 8, 2, 0, 0, 0)
+    chunks = b"".join(
+        struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        for kind, data in ((b"IHDR", ihdr), (b"IDAT", zlib.compress(b"\0" * 64)))
+    )
+    (tmp_path / "images" / "b" / "9.png").write_bytes(b"\x89PNG\r\n\x1a\n" + chunks)
+    with pytest.raises(DatasetError, match=r"images differ in size: .* is 9000x9000"):
+        load_image_folder(tmp_path / "images")
