@@ -10,9 +10,12 @@ wrong.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from concurrent import futures
 
 import exactness
+import grpc
 import numpy as np
 import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
@@ -204,6 +207,112 @@ def test_bad_parts_are_refused_naming_what_was_wrong(workers):
             client.replica_forward(23, 6, block, 60.0, holes)
     finally:
         client.close()
+
+
+def test_a_part_naming_a_far_step_is_refused_and_never_blocks_the_block(workers):
+    """A peer's part may name at most the step after the session's latest here; one that only
+    parts made (a session the worker has not seen) gives way to the master's own call."""
+    block, *_ = _case()
+    client = WorkerClient(workers.addresses[0])
+    plan = SplitPlan.of(workers.addresses[:2] + [GONE], split_images(BATCH, [1, 1, 1]))
+    part = np.zeros((2, K1, 4, 4), np.float32)
+    try:
+        client.replica_forward(31, 5, block, 60.0, plan)
+        with pytest.raises(WorkerError, match="session 31 is at step 5 here, and a part may"):
+            client.put_part(31, 2**64 - 1, "conv1", 1, part, False)
+        client.put_part(31, 6, "conv1", 1, part, False)  # the next step's may come first
+        client.replica_forward(31, 6, block, 60.0, plan)
+        client.put_part(32, 2**64 - 1, "conv1", 1, part, False)  # no call of session 32 yet
+        client.replica_forward(32, 1, block, 60.0, plan)
+        client.put_part(32, 1, "conv1", 1, part, False)
+    finally:
+        client.close()
+
+
+def test_a_fetch_that_waits_ends_with_its_caller_and_frees_the_worker():
+    """FetchParts for a part that never comes end with their callers, hold no call slot
+    after, end at the idle timeout when their callers wait on, and SIGTERM stops the worker
+    at once while one waits."""
+    from test_worker_process import WorkerProcess
+
+    worker = WorkerProcess("--backend", "cpu", "--max-calls", "4", "--idle-timeout", "2")
+    try:
+        client = WorkerClient(worker.wait_ready())
+        with futures.ThreadPoolExecutor(5) as pool:
+            fetches = [pool.submit(client.fetch_part, 41, 1, "conv1", 0, 1.0, False)
+                       for _ in range(4)]  # fmt: skip
+            for f in fetches:
+                with pytest.raises(WorkerError, match="DEADLINE_EXCEEDED|[Dd]eadline"):
+                    f.result(timeout=30)
+            x = np.ones((1, 1, 4, 4), np.float32)
+            w, b = np.ones((1, 1, 3, 3), np.float32), np.zeros(1, np.float32)
+            y, _ = client.forward(42, 1, "conv", x, w, b, PAD, timeout=10.0)  # a slot is free
+            assert y[0, 0, 1, 1] == 9
+            started = time.monotonic()
+            with pytest.raises(WorkerError, match="--idle-timeout"):
+                client.fetch_part(41, 1, "conv1", 0, 30.0, False)
+            assert time.monotonic() - started < 10
+            waiting = pool.submit(client.fetch_part, 41, 1, "conv1", 0, 60.0, False)
+            time.sleep(0.5)
+            started = time.monotonic()
+            worker.popen.terminate()
+            worker.popen.wait(timeout=10)
+            assert time.monotonic() - started < 5, worker.output()
+            with pytest.raises(WorkerError):
+                waiting.result(timeout=10)
+        client.close()
+    finally:
+        worker.stop()
+
+
+def test_a_tarpit_peer_holds_only_its_own_sessions_senders(workers):
+    """ReplicaForwards naming a peer that never answers hold that session's sender threads
+    only (each put ends at its deadline): a legitimate split through the same worker runs."""
+    block, w2, b2, rng = _case()
+    tarpit, hole, release = _tarpit()
+    clients = [WorkerClient(a) for a in workers.addresses[:2]]
+    try:
+        for step in range(1, 9):  # more puts to the tarpit than a session has senders
+            bad = SplitPlan.of([workers.addresses[0], hole], split_images(BATCH, [1, 1]))
+            clients[0].replica_forward(51, step, block, 60.0, bad)
+        plan = SplitPlan.of(workers.addresses[:2], split_images(BATCH, [1, 1]))
+        slices = [slice(0, 3), slice(3, 6)]
+        _, y1, _, outs = _local(block, w2, b2, slices)
+        pool = _forward_everywhere(clients, block, plan, 52, 1)
+        got = list(pool.map(
+            lambda cs: cs[0].stage_forward(
+                52, 1, "conv2", y1, w2[cs[1]], b2[cs[1]], PAD, RELU, slice(0, 3), replica=block,
+                timeout=20.0,
+            ),
+            zip(clients, slices, strict=True),
+        ))  # fmt: skip
+        for (y, _, _), (want, _) in zip(got, outs, strict=True):
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    finally:
+        for c in clients:
+            c.close()
+        release.set()
+        tarpit.stop(0)
+
+
+def _tarpit():
+    """A gRPC server that takes every call and answers none (until the event is set)."""
+    release = threading.Event()
+
+    def hold(request, context):
+        release.wait()
+        return b""
+
+    class Holds(grpc.GenericRpcHandler):
+        def service(self, details):
+            if details.method.endswith("Bundle"):
+                return grpc.unary_unary_rpc_method_handler(hold)
+            return grpc.stream_stream_rpc_method_handler(lambda it, c: iter([hold(it, c)]))
+
+    server = grpc.server(futures.ThreadPoolExecutor(32), handlers=[Holds()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}", release
 
 
 # -- training through a cluster -------------------------------------------------------------
