@@ -82,7 +82,9 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         metavar="N",
         help="convolution calls in flight at once (default 16); one more is refused at once "
-        "(RESOURCE_EXHAUSTED); health checks and Describe are answered beside them",
+        "(RESOURCE_EXHAUSTED) and health says NOT_SERVING while all are taken; as many calls "
+        "that only wait for another worker's part may wait besides; health checks and "
+        "Describe are answered beside them",
     )
     p.add_argument(
         "--idle-timeout",
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from hetconv.backends import get_backend
     from hetconv.security import resolve_token
     from hetconv.worker.auth import WorkerSecurity
-    from hetconv.worker.main import limit_threads, run_worker
+    from hetconv.worker.main import exit_within, limit_threads, run_worker
     from hetconv.worker.service import WorkerConfig
 
     parse_address(args.listen, "--listen")
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     memory = args.memory_limit << 20 if args.memory_limit else None
     print(limit_threads(args.threads), flush=True)  # before the backend: auto probes
     backend = get_backend(args.backend, device=args.device, memory_limit=memory)
-    return run_worker(
+    status = run_worker(
         args.listen,
         backend,
         config,
@@ -182,3 +184,5 @@ def run(args: argparse.Namespace) -> int:
         advertise=not args.no_advertise,
         report_every=args.report_every,
     )
+    exit_within(status)  # a thread still waiting (a device job, a silent peer) holds no exit
+    return status

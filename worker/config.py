@@ -19,7 +19,8 @@ class WorkerConfig:
             (``--memory-mib``); a call that does not fit is refused with RESOURCE_EXHAUSTED
             before anything is allocated.
         max_calls: calls (convolutions and probes) in flight at once; one more is refused with
-            RESOURCE_EXHAUSTED at once (``--max-calls``).
+            RESOURCE_EXHAUSTED at once (``--max-calls``). Calls that only wait for another
+            worker's part (FetchPart) take no slot: as many may wait besides.
         idle_timeout: seconds a call may wait on its client, for a message or for it to take
             an answer chunk, before it is ended (``--idle-timeout``); None: never.
         streams_per_connection: concurrent calls one client connection may have (HTTP/2
@@ -51,12 +52,13 @@ class WorkerConfig:
 
     @property
     def threads(self) -> int:
-        """gRPC handler threads: one per call in flight, and :data:`SPARE_THREADS` more."""
-        return self.max_calls + SPARE_THREADS
+        """gRPC handler threads: one per call in flight, one per call that only waits (as
+        many), and :data:`SPARE_THREADS` more."""
+        return 2 * self.max_calls + SPARE_THREADS
 
 
-#: Handler threads beyond ``max_calls``: health checks, Describe and refusals of calls over the
-#: limit are served by these while every call slot is taken.
+#: Handler threads beyond the calls in flight and those waiting: health checks, Describe and
+#: refusals of calls over the limit are served by these while every call slot is taken.
 SPARE_THREADS = 8
 
 

@@ -1,4 +1,11 @@
-"""The worker process: serve convolutions until SIGINT/SIGTERM, then stop gracefully."""
+"""The worker process: serve convolutions until SIGINT/SIGTERM, then stop gracefully.
+
+Stopping is bounded whatever the worker waits on: the calls in flight get
+:data:`SHUTDOWN_GRACE` seconds to end, then are cancelled (a call waiting on a peer's part ends
+with its call); a thread still busy after that (a device job, a send to a peer that never
+answers) does not hold the process: :func:`exit_within` ends it :data:`EXIT_WITHIN` seconds
+later.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +36,11 @@ STARTUP_PROBE = AUTO_PROBE
 
 #: The most one request may hold by default, whatever the memory: 2 GiB.
 MAX_REQUEST_CAP = 2 << 30
+
+#: Seconds the calls in flight get to end once a worker is told to stop; then they are cancelled.
+SHUTDOWN_GRACE = 3.0
+#: Seconds a stopped worker's process may take to exit (:func:`exit_within`).
+EXIT_WITHIN = 2.0
 
 
 def available_memory_bytes(meminfo: str | os.PathLike = "/proc/meminfo") -> int | None:
@@ -181,7 +193,8 @@ def _with_limits(
         )
     memory = (
         f"{config.memory_bytes >> 20} MiB{memory_why} for requests in flight, their answers, "
-        f"saved forward states and device scratch; at most {config.max_calls} calls at once "
+        "saved forward states, resident slices, parts from peers and device scratch; at most "
+        f"{config.max_calls} calls at once "
         "(--max-calls), "
         + (
             f"each ended after {config.idle_timeout:g} s idle on its client (--idle-timeout)"
@@ -319,6 +332,27 @@ def _stop_on_signals(exit_on_stdin_close: bool) -> Iterator[threading.Event]:
             signal.signal(s, handler)
 
 
+def exit_within(status: int, seconds: float = EXIT_WITHIN) -> None:
+    """End this process with ``status`` ``seconds`` from now unless it has exited by then.
+
+    A stopped worker's process exits once its threads have: the server's handler threads
+    (joined at exit) and the peer senders. One still waiting -- on a device job, on a peer
+    that never answers -- would hold the exit for as long; this bounds it. For the process that
+    runs the worker only (``hetconv worker``), after :func:`run_worker` has returned.
+    """
+
+    def end() -> None:
+        time.sleep(seconds)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+    threading.Thread(target=end, name="hetconv-exit", daemon=True).start()
+
+
 def run_worker(
     listen: str,
     backend: Backend | str = "cpu",
@@ -386,7 +420,7 @@ def run_worker(
             if advertisement is not None:
                 advertisement.close()
             service.health.enter_graceful_shutdown()
-            server.stop(grace=5).wait()
+            server.stop(grace=SHUTDOWN_GRACE).wait()
             service.close()
     _print_stopped(f"hetconv worker on {address} stopped after {service.requests} requests", out)
     return 0

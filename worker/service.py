@@ -19,14 +19,16 @@ it came in. A format the worker does not know is refused with INVALID_ARGUMENT n
 
 What a worker holds is bounded as a whole (:mod:`hetconv.worker.budget`): every call reserves
 its bytes from the header before any tensor is allocated and releases them when it ends, the
-saved forward states share the same budget, and calls in flight are bounded in number. A call
+saved forward states, resident slices and the parts peers put share the same budget, and
+calls in flight are bounded in number. A call
 that waits on its client for ``idle_timeout`` seconds is ended (:mod:`hetconv.worker.idle`).
 FetchPart, a call that only waits for a part, takes no call slot: waiting calls have a bound
 of their own, so they never starve the calls that compute. Health says NOT_SERVING while every
 call slot is taken (one more call would be refused) and SERVING again once one comes back. The
 handler pool is larger than the calls in flight and those waiting, so health checks and
-Describe are answered while every call slot is taken; convolutions run one at a time on one device thread, so the
-backend's scratch buffers exist once, and are trimmed after a call that grew them.
+Describe are answered while every call slot is taken; convolutions run one at a time on one
+device thread, so the backend's scratch buffers exist once, and are trimmed after a call that
+grew them.
 
 The calls of each feature (fused stages, resident kernels, the replicated and split block) are
 served by handlers built on one :class:`~hetconv.worker.context.WorkerContext`: what they read,
