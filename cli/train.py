@@ -19,6 +19,7 @@ from hetconv.training import TrainConfig, TrainingInterrupted, train
 from hetconv.training.checkpoint import CheckpointDir
 from hetconv.training.config import TRAIN_SIZE_WITH_DATA
 from hetconv.training.rundir import RunDir, RunFolderConfig
+from hetconv.training.trace import RunFileError
 
 from .common import HelpFormatter
 from .train_config import write_run_config
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if run_dir is not None:  # in the try: a refusal here leaves no run folder either
             write_run_config(run_dir.config, args)
         result = _train(args, config, cluster_config, addresses)
-    except TrainingInterrupted as e:
+    except (TrainingInterrupted, RunFileError) as e:  # a full disk too: the resume command
         e.resume_command = _resume_command(args, run_dir)
         raise
     except BaseException as e:

@@ -4,7 +4,9 @@ mid-run (the model and a checkpoint saved where the disk allows, the resume comm
 
 from __future__ import annotations
 
+import errno
 import json
+import shlex
 import struct
 import zipfile
 import zlib
@@ -151,3 +153,61 @@ def test_an_image_of_another_size_is_refused_before_decoding_it(tmp_path, monkey
     (tmp_path / "images" / "b" / "9.png").write_bytes(b"\x89PNG\r\n\x1a\n" + chunks)
     with pytest.raises(DatasetError, match=r"images differ in size: .* is 9000x9000"):
         load_image_folder(tmp_path / "images")
+
+
+SMALL = ["--local", "--steps", "4", "--batch", "8", "--train-size", "32", "--eval-size", "8"]
+SMALL += ["--eval-every", "2", "--no-progress"]
+
+
+def _error_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_full_disk_at_the_metrics_rewrite_saves_the_model_and_a_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    from hetconv.cli import main
+    from hetconv.training import rundir
+
+    runs = tmp_path / "runs"
+    assert main(["train", *SMALL, "--run-dir", str(runs), "--name", "whole"]) == 0
+
+    def full_disk(path, *args, **kwargs):  # the rewrite at the evaluation after step 2 fails
+        path = Path(path)
+        rows = path.with_name("metrics.csv")
+        rewrite = path.name.startswith("metrics.csv.tmp") and rows.is_file()
+        if rewrite and len(rows.read_text().splitlines()) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(rundir, "open", full_disk, raising=False)
+    capsys.readouterr()
+    assert main(["train", *SMALL, "--run-dir", str(runs), "--name", "full"]) == 2
+    line = _error_line(capsys)
+    run = runs / "full"
+    checkpoint = run / "checkpoints" / "ckpt-00000002.npz"
+    assert line.startswith(f"hetconv train: error: cannot write {run / 'metrics.csv'}: No space")
+    assert f"stopped after step 2: saved model {run / 'model.npz'}, checkpoint {checkpoint}" in line
+    assert (run / "model.npz").is_file() and checkpoint.is_file()
+    assert not list(run.glob("*.tmp*"))  # nothing half-written left behind
+    command = line.split(f"to continue from {checkpoint}: ")[1]
+    monkeypatch.undo()
+    assert main(shlex.split(command)[1:]) == 0  # the printed command finishes the run
+    with np.load(run / "model.npz") as resumed, np.load(runs / "whole" / "model.npz") as whole:
+        assert all(np.array_equal(resumed[k], whole[k]) for k in whole.files)
+    with open(run / "metrics.csv") as f:
+        assert [row.split(",")[0] for row in f.read().splitlines()[1:]] == ["0", "1", "2", "3"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_trace_on_a_full_device_ends_in_one_line_naming_it(tmp_path, capsys):
+    from hetconv.cli import main
+
+    runs = tmp_path / "runs"
+    argv = ["train", *SMALL, "--run-dir", str(runs), "--name", "r", "--trace", "/dev/full"]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert "error: cannot write /dev/full: No space left on device; stopped after step 1" in line
+    assert f"saved model {runs / 'r' / 'model.npz'}" in line and line.endswith("--resume")

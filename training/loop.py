@@ -38,7 +38,7 @@ from .datasets import check_classes, evaluate, load_datasets
 from .fingerprint import compute_environment, order_digest, run_fingerprint
 from .rundir import MetricsLog
 from .stopping import StopAtStepBoundary, TrainingInterrupted
-from .trace import Trace, model_record
+from .trace import RunFileError, Trace, model_record
 
 # "checkpoint written" lines on the console at most this often (the trace records every one).
 _CHECKPOINT_MESSAGE_SECONDS = 5.0
@@ -70,8 +70,10 @@ def train(
     """
     run = _Run(config, executor, log if log is not None else sys.stderr)
     run.announce()
-    seconds = run.run_steps()
-    return run.summary(seconds)
+    try:
+        return run.summary(run.run_steps())
+    except RunFileError as e:  # a full disk: save what it allows, say how to continue
+        raise e.stop(len(run.totals.losses), run._save_model, run.checkpoints, run._state) from None
 
 
 @dataclass
@@ -538,8 +540,12 @@ class _Run:
         if self.resident:  # the workers' kernel slices into the model first
             self.executor.gather_resident()
         path = Path(self.config.save)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.model.save(path, self.description)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.model.save(path, self.description)
+        except OSError as e:
+            path.with_name(path.name + ".tmp").unlink(missing_ok=True)  # Model.save's
+            raise RunFileError(path, e) from None
         return path
 
     def summary(self, seconds: float) -> TrainResult:

@@ -39,6 +39,7 @@ from .metrics import (
     row_nodes,
     step_row,
 )
+from .trace import RunFileError, close_and_cut
 
 CONFIG_NAME = "config.toml"
 METRICS_NAME = "metrics.csv"
@@ -247,8 +248,10 @@ def _replace_text(path: Path, text: str) -> None:
         with open(temporary, "w", newline="", encoding="utf-8") as f:
             f.write(text)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as e:
         temporary.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise RunFileError(path, e) from None
         raise
 
 
@@ -314,8 +317,14 @@ class MetricsCsv:
         if self._add_nodes(row_nodes(row)):
             self._rewrite()
         else:
-            self._file.write(self._line(row))
-            self._file.flush()
+            end = self._file.tell()
+            try:
+                self._file.write(self._line(row))
+                self._file.flush()
+            except OSError as e:  # no torn row: the file is cut back to the rows before
+                close_and_cut(self._file, self.path, end)
+                self._file = None
+                raise RunFileError(self.path, e) from None
         return row
 
     def evaluation(self, trained_steps: int, loss: float, accuracy: float) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -54,6 +54,7 @@ class Trace:
         self.kept = self.dropped = 0
         self._record_start = 0
         self._file: TextIO | None = None
+        self.path = path
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         if path and resume_step is not None:
@@ -65,21 +66,36 @@ class Trace:
     def write(self, record: dict) -> None:
         if self._file is not None:
             self._record_start = self._file.tell()
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as e:
+                self._failed(e)
 
     def replace_last(self, record: dict) -> None:
         """Rewrite the record written last (the file ends with it)."""
         if self._file is not None:
-            self._file.seek(self._record_start)
-            self._file.truncate()
+            try:
+                self._file.seek(self._record_start)
+                self._file.truncate()
+            except OSError as e:
+                self._failed(e)
             self.write(record)
 
     def sync(self) -> None:
         """Make what is written durable, so a checkpoint never gets ahead of its trace."""
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError as e:
+                self._failed(e)
+
+    def _failed(self, error: OSError) -> None:
+        """A write failed (a full disk): no torn record is left, and the error names the file."""
+        close_and_cut(self._file, Path(self.path), self._record_start)
+        self._file = None
+        raise RunFileError(self.path, error) from None
 
     def close(self) -> None:
         if self._file is not None:
@@ -125,3 +141,67 @@ def _cut_trace(path: Path, resume_step: int) -> tuple[int, int]:
             kept += 1
         f.truncate(offset)
     return kept, len(lines) - kept
+
+
+# -- a write that failed --------------------------------------------------------------------
+
+
+class RunFileError(OSError):
+    """Writing one of the run's files failed (a full disk, a folder gone): the message names
+    the file; :meth:`stop` saves what the disk allows and adds it, and how to continue."""
+
+    def __init__(self, path: str | os.PathLike, error: OSError):
+        super().__init__(error.errno, error.strerror or str(error))
+        self.path = Path(path)
+        self.step: int | None = None
+        self.saved: list[str] = []
+        self.latest: Path | None = None
+        self.resume_command = "the same command with --resume"
+
+    def __str__(self) -> str:
+        text = f"cannot write {self.path}: {self.strerror}"
+        if self.step is None:
+            return text
+        text += f"; stopped after step {self.step}: " + (", ".join(self.saved) or "nothing saved")
+        if self.latest is None:
+            return text + "; there is no checkpoint to continue from"
+        return f"{text}; to continue from {self.latest}: {self.resume_command}"
+
+    def stop(
+        self,
+        step: int,
+        save_model: Callable[[], Path | None],
+        checkpoints,
+        state: Callable[[int], object],
+    ) -> RunFileError:
+        """After ``step`` steps: write the model (``save_model``) and, into ``checkpoints``
+        (a :class:`~.checkpoint.CheckpointDir` or None), ``state(step)``, each where the disk
+        allows; returns this error, saying what was saved."""
+        self.step = step
+        try:
+            model = save_model()
+            self.saved += [f"saved model {model}"] if model is not None else []
+        except OSError as e:
+            self.saved.append(f"the model could not be saved ({e})")
+        if checkpoints is None:
+            return self
+        target = checkpoints.file_for(step)
+        try:
+            if checkpoints.pointer() != target or not target.is_file():
+                checkpoints.write(state(step))
+            self.saved.append(f"checkpoint {target}")
+        except OSError as e:
+            self.saved.append(f"no checkpoint at step {step} ({e.strerror or e})")
+        latest = checkpoints.pointer()
+        self.latest = latest if latest is not None and latest.is_file() else None
+        return self
+
+
+def close_and_cut(file: TextIO, path: Path, end: int) -> None:
+    """Close ``file`` after a failed write (what it still buffers is dropped) and cut ``path``
+    back to ``end`` bytes."""
+    for undo in (file.close, lambda: os.truncate(path, end)):
+        try:
+            undo()
+        except OSError:
+            pass
