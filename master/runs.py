@@ -310,12 +310,16 @@ class ReplicatedBlock(KernelSplit):
         if len(workers) < 2 or images < len(workers) or len(set(addresses)) < len(addresses):
             return None
         consumer = self.consumer.name
+
+        def fractions(nodes) -> list[float]:  # --deterministic: equal, no timing decides them
+            if ctx.config.deterministic:
+                return [1.0] * len(nodes)
+            return image_fractions([n.probe_seconds.get(consumer, 0.0) for n in nodes])
+
         if replicas.split_all and ctx.config.master_block == MASTER_BLOCK_NONE:
-            fractions = image_fractions([n.probe_seconds.get(consumer, 0.0) for n in workers[1:]])
-            counts = [0, *split_images(images, fractions)]  # the master computes none
+            counts = [0, *split_images(images, fractions(workers[1:]))]  # the master: none
         else:
-            fractions = image_fractions([n.probe_seconds.get(consumer, 0.0) for n in workers])
-            counts = split_images(images, fractions)
+            counts = split_images(images, fractions(workers))
         self._rounds += 1
         plan = SplitPlan.of(addresses, counts, self._rounds)
         clients = {n.client.address: n.client for n in workers if n.client is not None}

@@ -351,6 +351,34 @@ def test_a_split_block_trains_as_local(local, workers, tmp_path, kernels):
     assert cal.check()["step_s"] > 0
 
 
+@pytest.mark.parametrize("replicate", ["split", "split_all"])
+def test_a_deterministic_split_takes_equal_shares_whatever_the_probes(
+    workers, tmp_path, monkeypatch, replicate
+):
+    """--deterministic: no timing splits the images (a worker that probes three times slower
+    still gets its equal share), so the same run twice gives the same weights bitwise."""
+    from hetconv.master import probing
+
+    real = probing.probe
+
+    def skewed(node, layer, *args):
+        slow = node.client is not None and node.client.address == workers.addresses[1]
+        return real(node, layer, *args) * (3.0 if slow else 1.0)
+
+    monkeypatch.setattr(probing, "probe", skewed)
+    config = ClusterConfig(**{**SPLIT, "replicate": replicate}, deterministic=True)
+    runs = []
+    for i in range(2):
+        trace = tmp_path / f"trace{i}.jsonl"
+        with Cluster(workers.addresses, config=config) as cluster:
+            runs.append(train_strong_lrn(tmp_path, f"d{i}", cluster, trace=str(trace), steps=3))
+        steps = [json.loads(line) for line in trace.read_text().splitlines()]
+        images = {tuple(r["replica_split"]["conv1"]["images"]) for r in steps if "step" in r}
+        assert images == ({(3, 3, 2)} if replicate == "split" else {(2, 2, 2, 2)}), images
+    for name in runs[0][1]:
+        assert np.array_equal(runs[0][1][name], runs[1][1][name]), name
+
+
 class Killing(exactness.Killing):
     BASE = SPLIT
 
