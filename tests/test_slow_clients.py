@@ -156,7 +156,8 @@ def test_calls_over_the_limit_are_refused_at_once_naming_it():
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2 calls in flight" in info.value.details()
         assert "--max-calls 2" in info.value.details()
-        assert _health(channels[2], timeout=1.0) == health_pb2.HealthCheckResponse.SERVING
+        # answered beside the full slots, and saying no call can be taken now
+        assert _health(channels[2], timeout=1.0) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         for s in stalled:
             s.release()
