@@ -10,7 +10,7 @@ from pathlib import Path
 from hetconv.data import infer_dataset
 from hetconv.model import PRESETS
 from hetconv.training.config import DEFAULT_STEPS, DEFAULT_TRAIN_SIZE
-from hetconv.training.rundir import read_config, write_config
+from hetconv.training.rundir import read_config_tables, write_config
 
 from .train_flags import add_train_arguments
 
@@ -112,6 +112,8 @@ def _config_value(path: str, key: str, action: argparse.Action, value: object) -
     if wrong or isinstance(value, (bool, list, dict)):
         raise refuse("expected " + ("a string" if action.type is None else "a number"))
     if action.type is not None:
+        if isinstance(value, str) and _numeric(action.type, value):
+            raise refuse("expected a number, not a string (no quotes)")
         try:
             value = action.type(str(value))
         except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
@@ -119,6 +121,34 @@ def _config_value(path: str, key: str, action: argparse.Action, value: object) -
     if action.choices is not None and value not in action.choices:
         raise refuse(f"expected one of {', '.join(map(str, action.choices))}")
     return value
+
+
+def _numeric(parse, text: str) -> bool:
+    """Whether flag type ``parse`` makes a number of ``text``."""
+    try:
+        return isinstance(parse(text), (int, float))
+    except (argparse.ArgumentTypeError, TypeError, ValueError):
+        return False
+
+
+def _config_values(path: str) -> dict[str, object]:
+    """The keys of config ``path``, each checked to stand in its own table, once."""
+    values: dict[str, object] = {}
+    keys = _config_actions()
+    for table, key, value in read_config_tables(path):
+        if table not in _CONFIG_TABLES:
+            raise ValueError(
+                f"config {path}: unknown table [{table}] (the tables are "
+                f"{', '.join(f'[{t}]' for t in _CONFIG_TABLES)})"
+            )
+        dest = key.replace("-", "_")
+        home = next((t for t, dests in _CONFIG_TABLES.items() if dest in dests), "training")
+        if key in values:
+            raise ValueError(f"config {path}: {key} is given twice")
+        if home != table and key in keys:
+            raise ValueError(f"config {path}: [{table}] {key}: {key} belongs in [{home}]")
+        values[key] = value
+    return values
 
 
 def _explicit_train_flags(argv: list[str]) -> set[str]:
@@ -133,7 +163,7 @@ def _explicit_train_flags(argv: list[str]) -> set[str]:
 def apply_config(args: argparse.Namespace, argv: list[str]) -> None:
     """Fill ``args`` from ``args.config``: every flag not given on the command line."""
     path = args.config
-    values = read_config(path)
+    values = _config_values(path)
     actions = _config_actions()
     explicit = _explicit_train_flags(argv)
     parser = _train_parser()

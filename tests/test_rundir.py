@@ -126,6 +126,10 @@ def test_command_line_flags_override_the_config(local_run, tmp_path):
         ("steps = 3\n", "stands outside a table"),
         ("[training]\nsteps = 3\n[data]\nsteps = 4\n", "steps is given twice"),
         ("[training\n", "is not TOML"),
+        ("[training]\nsteps = '2'\n", "steps = '2': expected a number, not a string"),
+        ("[training]\nsteps = 2\n[extras]\nx = 1\n", "unknown table [extras]"),
+        ("[data]\nsteps = 2\n", "[data] steps: steps belongs in [training]"),
+        ("[training]\nwire-format = 'float16'\n", "wire-format belongs in [cluster]"),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_key(tmp_path, capsys, text, message):

@@ -513,6 +513,20 @@ def read_config(path: str | os.PathLike) -> dict[str, object]:
         ValueError: unreadable, not TOML, a value outside a table, or a key in two tables (the
             message names the file and key).
     """
+    flat: dict[str, object] = {}
+    for _, key, value in read_config_tables(path):
+        if key in flat:
+            raise ValueError(f"config {path}: {key} is given twice")
+        flat[key] = value
+    return flat
+
+
+def read_config_tables(path: str | os.PathLike) -> list[tuple[str, str, object]]:
+    """(table, key, value) of every key of a config file, in the file's order.
+
+    Raises:
+        ValueError: unreadable, not TOML, or a value outside a table (naming the file and key).
+    """
     toml = _toml()
     try:
         with open(path, "rb") as f:
@@ -521,18 +535,17 @@ def read_config(path: str | os.PathLike) -> dict[str, object]:
         raise ValueError(f"cannot read config {path}: {e.strerror or e}") from None
     except toml.TOMLDecodeError as e:
         raise ValueError(f"config {path} is not TOML: {e}") from None
-    flat: dict[str, object] = {}
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config {path} is not UTF-8 text ({e.reason})") from None
+    found = []
     for section, table in document.items():
         if not isinstance(table, dict):
             raise ValueError(
                 f"config {path}: {section} = {table!r} stands outside a table ([data], "
                 "[training], ...)"
             )
-        for key, value in table.items():
-            if key in flat:
-                raise ValueError(f"config {path}: {key} is given twice")
-            flat[key] = value
-    return flat
+        found += [(section, key, value) for key, value in table.items()]
+    return found
 
 
 __all__ = [
@@ -544,6 +557,7 @@ __all__ = [
     "find_run",
     "node_column",
     "read_config",
+    "read_config_tables",
     "tensorboard_tag",
     "toml_value",
     "write_config",
