@@ -415,3 +415,76 @@ def test_fused_stage_states_are_held_in_the_same_budget(small_worker):
         client.close()
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "share of the memory budget" in str(info.value)
+
+
+# -- what a worker holds beyond a call: resident slices ------------------------------------------
+
+
+def _place(client: WorkerClient, session: int, layer: str, w, mw=None, mf=None) -> None:
+    from hetconv.optim import SGDConfig
+
+    k = w.shape[0]
+    b = np.zeros(k, np.float32)
+    mw = np.zeros_like(w) if mw is None else mw
+    head = None
+    if mf is not None:
+        head = (np.zeros_like(mf), mf)
+    client.place_kernels(
+        session, layer, 0, 1, w, b, mw, b.copy(), True, SGDConfig(), timeout=TIMEOUT, head=head
+    )
+
+
+def test_resident_slices_are_held_in_the_budget_and_refused_by_name():
+    """One session placing 12 MiB resident slices (kernels and momentum) under 40 layer names
+    on a worker with --memory-mib 256: the placements that fit are held (Describe's ``held``),
+    the first that does not is refused with RESOURCE_EXHAUSTED naming the layer and the budget,
+    before anything is copied, and the worker's resident memory stays near the budget (before:
+    all 40 held, 480 MiB beyond it). The worker still serves: a held layer placed again, and a
+    Forward. Momentum holding NaN or Inf is refused, as a layer beyond a session's 256."""
+    process = WorkerProcess("--backend", "cpu", "--memory-mib", "256")
+    client = WorkerClient(process.wait_ready())
+    session = _session()
+    w = np.random.default_rng(5).standard_normal((384, 256, 4, 4), dtype=np.float32)  # 6 MiB
+    try:
+        with grpc.insecure_channel(process.address) as channel:
+            placed = 0
+            with pytest.raises(WorkerError) as info:
+                for placed in range(40):
+                    _place(client, session, f"conv{placed}", w)
+            held = worker_memory(channel)
+            assert 5 <= placed < 40
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"resident slice of layer 'conv{placed}'" in str(info.value)
+            assert "memory budget of 256.0 MiB (--memory-mib)" in str(info.value)
+            assert held["held"] == placed * 2 * w.nbytes + placed * 2 * 384 * 4
+            assert held["held"] + held["in_flight"] + held["saved"] + held["reserved"] <= 256 * MIB
+            rss = rss_mib(process.popen.pid)
+            if rss is not None:
+                assert rss < 420, rss  # the budget, the interpreter, and the last request
+            _place(client, session, "conv0", w)  # a layer held is replaced, not added
+            assert worker_memory(channel)["held"] == held["held"]
+
+            small = np.ones((2, 3, 3, 3), np.float32)
+            nan = small.copy()
+            nan[0, 0, 0, 0] = np.nan
+            with pytest.raises(WorkerError, match=r"mw or mb \(the momentum\) holds NaN") as bad:
+                _place(client, _session(), "conv", small, mw=nan)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            inf = np.full((2, 4, 10), np.inf, np.float32)
+            with pytest.raises(WorkerError, match="f or mf .* holds NaN or Inf"):
+                _place(client, _session(), "conv", small, mf=inf)
+
+            from hetconv.worker.resident import MAX_LAYERS
+
+            many = _session()
+            for i in range(MAX_LAYERS):
+                _place(client, many, f"layer{i}", small)
+            with pytest.raises(WorkerError, match="the most one session may place") as cap:
+                _place(client, many, "one more", small)
+            assert cap.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            _place(client, many, "layer0", small)  # placed again: no new layer
+        x = np.ones((1, 3, 4, 4), np.float32)
+        client.forward(_session(), 1, "plain", x, small, np.zeros(2, np.float32), (1, 1, 1, 1))
+    finally:
+        client.close()
+        process.stop()
