@@ -121,7 +121,7 @@ class Discovery:
         self._refusals: list[Refusal] = []  # not handed out yet
         self._refused: set[str] = set()  # service names refused (reported once)
         self._notices: list[str] = []  # not handed out yet
-        self._dropped = 0  # advertisements dropped since the last notice
+        self._dropped = 0  # advertisements dropped so far
         self._noticed_at = -NOTICE_EVERY  # time.monotonic() of the last notice
         self._resolving: set[str] = set()  # service names being resolved
         self._version = 0  # bumped at every change of _found
@@ -237,11 +237,10 @@ class Discovery:
             self._notices.append(
                 f"more than {self._max_tracked} workers advertised on the LAN: tracking "
                 f"{self._max_tracked}, {self._dropped} advertisement"
-                f"{'s' if self._dropped != 1 else ''} dropped (the oldest never reached first; "
-                "workers that answered are kept); if these are not yours, someone floods the "
-                "LAN: name your workers with --worker"
+                f"{'s' if self._dropped != 1 else ''} dropped so far (the oldest never reached "
+                "first; workers that answered are kept); if these are not yours, someone floods "
+                "the LAN: name your workers with --worker"
             )
-            self._dropped = 0
         return bool(never_reached)
 
     def mark_reached(self, address: str) -> None:

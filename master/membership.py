@@ -40,6 +40,8 @@ MASTER = "master"
 FROM_FILE, FROM_LAN = "workers file", "LAN"
 #: LAN addresses whose backoff is remembered after their advertisement went (it may come back).
 REMEMBERED_BACKOFFS = 4096
+#: Seconds between two lines about advertised workers that do not answer (one line for all).
+UNANSWERED_EVERY = 60.0
 #: Why a worker leaves, by what named it.
 LEAVE_REASONS = {
     FROM_FILE: "removed from the workers file",
@@ -179,6 +181,8 @@ class Membership:
         self._discovered: set[str] = set()  # what it found advertised when last polled
         self._joiners = None  # a discovery.Joiners trying LAN joiners never reached (follow)
         self._lan_backoffs: dict[str, Backoff] = {}  # LAN joiners gone before they answered
+        self._unanswered: dict[str, str] = {}  # LAN joiners that failed since the last line
+        self._unanswered_said = -UNANSWERED_EVERY  # time.monotonic() of that line
         self._aliases: set[str] = set()  # file joiners refused as aliases (while listed)
         self._fixed = set(fixed)
         self._closed = threading.Event()
@@ -285,6 +289,7 @@ class Membership:
             self._events.emit("worker_refused", refusal.address, reason=refusal.reason)
         for notice in self._discovery.take_notices():
             self._events.emit("advertisements_dropped", reason=notice)
+        self._say_unanswered()
         addresses = self._discovery.poll()
         if addresses is None:
             return
@@ -391,12 +396,37 @@ class Membership:
         self._events.emit("worker_refused", node.name, reason=short_reason(str(error)))
         return True
 
+    def _say_unanswered(self) -> None:
+        """One line for every advertised worker never reached that failed since the last
+        (at most one a minute: a flood of advertisements is one line, not one per address)."""
+        now = time.monotonic()
+        with self.lock:
+            if not self._unanswered or now - self._unanswered_said < UNANSWERED_EVERY:
+                return
+            unanswered, self._unanswered = self._unanswered, {}
+            self._unanswered_said = now
+        first, why = next(iter(unanswered.items()))
+        count = len(unanswered)
+        self._events.emit(
+            "advertised_workers_unanswered",
+            count=count,
+            reason=f"{first}{f' and {count - 1} more' if count > 1 else ''}: {why}; each is "
+            f"tried again on its own backoff (up to {self._retry[1]:g} s)",
+        )
+
     def _retry_later(self, node: Node, e: Exception) -> None:
-        """Reaching ``node`` failed: try again after a longer delay, saying so now and then."""
+        """Reaching ``node`` failed: try again after a longer delay, saying so now and then
+        (for workers advertised on the LAN and never reached, in one line for all)."""
         with self.lock:
             node.backoff.failures += 1
             delay = node.backoff.delay(*self._retry)
             node.backoff.retry_at = time.monotonic() + delay
+            member = any(n is node for n in self.nodes)  # else a joiner, or one gone
+            quiet = node.source == FROM_LAN and not (member and node.was_active)
+            if quiet:
+                self._unanswered[node.name] = short_reason(str(e))
+        if quiet:
+            return
         if node.backoff.failures == 1 or node.backoff.failures % 5 == 0:
             self._events.emit(
                 "worker_unreachable", node.name, attempts=node.backoff.failures,
