@@ -85,6 +85,8 @@ from hetconv.onnx_import import load_network
 from .paper import paper_comp_fraction
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
+#: The largest cluster a sweep may ask for (``hetconv simulate --nodes`` has the same bound).
+MAX_NODES = 4096
 
 #: The master's non-convolutional time per image (ms) when a scenario gives none: hetconv's own
 #: numpy layers (ReLU, LRN, pooling, FC, loss, SGD) measured on this project's 2-vCPU machine
@@ -545,6 +547,8 @@ def parse_scenario(data: dict, path: str = "<scenario>") -> Scenario:
     if scenario.fabric == WIFI and master.has("bandwidth_mbps"):
         master.fail("bandwidth_mbps", "is for a switched network; Wi-Fi shares one medium")
     largest, limit = max(scenario.nodes), scenario.max_nodes()
+    if largest > MAX_NODES:
+        sweep.fail("nodes", f"asks for {largest} nodes; at most {MAX_NODES} can be simulated")
     if limit is not None and largest > limit:
         sweep.fail("nodes", f"asks for {largest} nodes; the scenario has {limit} devices")
     return scenario

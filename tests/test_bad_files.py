@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shlex
 import struct
 import zipfile
@@ -211,3 +212,15 @@ def test_a_trace_on_a_full_device_ends_in_one_line_naming_it(tmp_path, capsys):
     line = _error_line(capsys)
     assert "error: cannot write /dev/full: No space left on device; stopped after step 1" in line
     assert f"saved model {runs / 'r' / 'model.npz'}" in line and line.endswith("--resume")
+
+
+def test_a_scenario_asking_for_a_hundred_million_nodes_is_refused(tmp_path):
+    from hetconv.simulations.scenario import MAX_NODES, SCENARIO_DIR, load_scenario
+
+    text = (SCENARIO_DIR / "cpu-cluster.toml").read_text()
+    path = tmp_path / "huge.toml"
+    path.write_text(re.sub(r"(?m)^nodes = .*$", "nodes = [100000000]", text))
+    message = f"nodes asks for 100000000 nodes; at most {MAX_NODES} can be simulated"
+    with pytest.raises(ValueError, match=message) as info:
+        load_scenario(str(path))
+    assert str(path) in str(info.value)
