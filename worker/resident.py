@@ -191,8 +191,10 @@ class ResidentCalls:
         for names, arrays in (("w or b", (w, b)), ("mw or mb (the momentum)", (mw, mb))):
             if not all(np.isfinite(a).all() for a in arrays):
                 raise InvalidCall(f"{names} holds NaN or Inf")
-        if not (np.isfinite(f).all() and np.isfinite(mf).all()):
-            raise InvalidCall("f or mf (the split head's columns, their momentum) holds NaN or Inf")
+        if not np.isfinite(f).all():
+            raise InvalidCall("f (the split head's columns) holds NaN or Inf")
+        if not np.isfinite(mf).all():
+            raise InvalidCall("mf (the split head's columns' momentum) holds NaN or Inf")
         if ref.fixed_bias and (b.any() or mb.any()):
             raise InvalidCall("fixed_bias is set (a layer without bias), but b or mb is not zero")
         self._hold(request, 4 * sum(a.size for a in (w, b, mw, mb, f, mf)))
