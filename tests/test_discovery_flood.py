@@ -143,6 +143,28 @@ def test_joiners_are_tried_concurrently_the_never_tried_first():
     server.close()
 
 
+def test_at_start_advertised_workers_nothing_answers_at_are_not_waited_for(capsys):
+    from hetconv.cli.discover import _answering
+
+    server = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    answering = f"127.0.0.1:{server.getsockname()[1]}"
+    refusing = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    silent = [f"198.51.100.{i}:50051" for i in range(1, 21)]
+    found = [
+        discovery.FoundWorker(f"w{i}", address, (address.split(":")[0],), TXT)
+        for i, address in enumerate([*silent, refusing, answering])
+    ]
+    began = time.monotonic()
+    assert _answering(found) == found[-1:]
+    assert time.monotonic() - began < 3.5  # 21 addresses, 16 at once, a second each at most
+    out = capsys.readouterr().out
+    assert out.startswith("found 21 more advertised workers that nothing answers at yet (")
+    assert "tried while training" in out
+    server.close()
+
+
 # -- a real worker joining through a flood --------------------------------------------------
 
 
