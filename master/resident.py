@@ -54,16 +54,17 @@ master's own rows, replay or sync ever change its zero bias.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hetconv.backends import Backend
-from hetconv.head import columns_grad, head_columns, stage_grad
+from hetconv.head import head_columns
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import placement_version
-from hetconv.stages import StageSpec, stage_backward, stage_forward
+from hetconv.stages import StageSpec
 
 from .client import WorkerError
 from .dispatch import (
@@ -74,7 +75,8 @@ from .dispatch import (
 )
 from .fused import FusedKernelSplit, _check_batchnorm
 from .membership import ACTIVE, Membership, Node
-from .resident_jobs import _Logged, _ResidentBackward, _ResidentForward
+from .resident_jobs import _Logged, _ResidentBackward, _ResidentForward, replay
+from .spotcheck import REPLAY_RTOL, UPDATE_RTOL, Comparison, SpotCheckFailed, as_received
 
 #: Steps between syncs of every resident slice (FetchKernels), bounding the replay log.
 DEFAULT_SYNC_EVERY = 20
@@ -94,6 +96,10 @@ class Placement:
     synced_step: int
     log: list[_Logged] = field(default_factory=list)
     pending: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    # spot checks: the kernels whose forward answers are kept for the replay at the next sync
+    # (drawn in secret at each placement and sync), and this step's answer until logged
+    watch: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    answer: np.ndarray | None = None
 
     def log_bytes(self) -> int:
         return sum(e.dy.nbytes + e.hw.nbytes + e.hf.nbytes for e in self.log)
@@ -235,6 +241,8 @@ class ResidentKernels:
         #: layers without bias (the cluster sets it at prepare): their zero bias stays zero
         self.no_bias: frozenset[str] = frozenset()
         self.split = ResidentSplit()
+        #: the cluster's spot checks (None: off): each sync replays a sample of the slice
+        self.spot_checks = None
         # stage outputs of the pieces the master computed, for a split head's backward
         self.maps: dict[tuple[str, int, int], np.ndarray] = {}
         self._placements = 0
@@ -373,7 +381,13 @@ class ResidentKernels:
             self.membership.lose(node, e)  # its piece is covered by the master this step
             return
         self._count(layer.name, "placed_bytes", stats.bytes_sent)
-        layer.placements[node.name] = Placement(node, part, version, arrays, layer.started, step)
+        placed = Placement(node, part, version, arrays, layer.started, step)
+        layer.placements[node.name] = placed
+        self._watch(layer, placed, step)
+
+    def _watch(self, layer: ResidentLayer, placed: Placement, step: int) -> None:
+        if self.spot_checks is not None:
+            placed.watch = self.spot_checks.watch(layer.name, placed.node.name, placed.part, step)
 
     def _gather(
         self, layer: ResidentLayer, placed: Placement, keep: bool, step: int | None = None
@@ -395,7 +409,7 @@ class ResidentKernels:
                     self.membership.lose(node, WorkerError(node.name, "fetch: NaN or Inf"))
             except WorkerError as e:
                 self.membership.lose(node, e)
-        if not fetched:
+        if not fetched or not self._audit(layer, placed, outs):
             self.recover(layer, node.name)
             return
         for dest, value in zip(layer.arrays(), outs, strict=True):
@@ -404,6 +418,7 @@ class ResidentKernels:
             placed.synced, placed.synced_started = outs, layer.started
             placed.synced_step = step if step is not None else placed.synced_step
             placed.log.clear()
+            self._watch(layer, placed, placed.synced_step)
         else:
             del layer.placements[node.name]
 
@@ -413,43 +428,53 @@ class ResidentKernels:
         placed = layer.placements.pop(node_name, None)
         if placed is None:
             return
-        part, config = placed.part, self.sgd
-        w, b, mw, mb, f, mf = (np.array(a) for a in placed.synced)
-        started = placed.synced_started
-        wide = layer.wide(part)
-        before = part.start - wide.start
-        own = slice(before, before + part.stop - part.start)
-        head = layer.classes > 0
-        for e in placed.log:
-            ww = np.concatenate([e.hw[:before], w, e.hw[before:]])
-            bb = np.concatenate([e.hb[:before], b, e.hb[before:]])
-            y, run = stage_forward(
-                self.backend, e.x, ww, bb, layer.sides, layer.stage, own, list(e.bn)
-            )
-            if head:  # the stage-output gradient from the logits' gradient, as the worker did
-                ff = np.concatenate([e.hf[:before], f, e.hf[before:]])
-                rel = layer.stage.grad_range(own, ww.shape[0])
-                dy = stage_grad(e.dy, ff[rel], y.shape[2:])
-                df = columns_grad(e.dy, y)
-            else:
-                rel = slice(e.grad_start, e.grad_start + e.dy.shape[1])
-                dy = e.dy
-            _, dw, db = stage_backward(self.backend, run, dy, rel, False)
-            bw = sgd_update(w, dw, mw if started else None, config)
-            if bw is not None:
-                mw[...] = bw
-            if layer.bias:  # without bias, b and mb stay zero as on the worker
-                bm = sgd_update(b, db, mb if started else None, config)
-                if bm is not None:
-                    mb[...] = bm
-            if head:
-                bf = sgd_update(f, df, mf if started else None, config)
-                if bf is not None:
-                    mf[...] = bf
-            started = True
+        part = placed.part
+        replayed = replay(self.backend, layer, placed, part, self.sgd)
         self._count(layer.name, "replayed_steps", len(placed.log))
-        for dest, value in zip(layer.arrays(), (w, b, mw, mb, f, mf), strict=True):
+        for dest, value in zip(layer.arrays(), replayed.state, strict=True):
             dest[part] = value
+
+    def _audit(self, layer: ResidentLayer, placed: Placement, outs) -> bool:
+        """A spot check of a fetched slice (:mod:`.spotcheck`), when its log holds a due step:
+        the watched kernels are replayed from the sync, and their forward answers of every
+        logged step and their fetched rows (weights, biases, momentum: the worker's updates)
+        compared with the master's; with a split head the whole slice is replayed and its
+        partial logits compared too. False: the worker was caught (lost, kept out).
+
+        The master's float32 is not the worker's bit for bit (another BLAS, other threads),
+        and over steps a value within round-off of a ReLU's zero or a max-pool's tie can go
+        the other way in one kernel and move that kernel's update by a percent, spreading to
+        its LRN neighbours: so the forward answers are allowed
+        :data:`~.spotcheck.REPLAY_RTOL` of their scale, and the updates are compared as a
+        whole: the fetched change since the sync over the replayed one (their projection: 1
+        for an honest worker, 1.01 for one that scales its updates by 1.01, 0 for one that
+        skips them) must be 1 within :data:`~.spotcheck.UPDATE_RTOL`, and what is left of it
+        (the change's part that is not the replayed one) under a tenth of the replayed."""
+        checker = self.spot_checks
+        if checker is None or not any(checker.due_at(e.step) for e in placed.log):
+            return True
+        node, part = placed.node, placed.part
+        fmt = node.client.wire_format
+        start = time.perf_counter()
+        compared: list[Comparison] = []
+        changes: list[tuple[np.ndarray, ...]] = []  # per array: fetched, synced, replayed
+        for rows in [part] if layer.classes else [slice(k, k + 1) for k in placed.watch.tolist()]:
+            got = replay(self.backend, layer, placed, rows, self.sgd)
+            compared += _answers(layer, placed, got, fmt)
+            at = slice(rows.start - part.start, rows.stop - part.start)
+            changes += [
+                (fetched[at], synced[at], want)
+                for fetched, synced, want in zip(outs, placed.synced, got.state, strict=True)
+            ]
+        compared += _updates(changes, f"kernels {_names(placed.watch, layer.classes, part)}")
+        try:
+            checker.compare(node, layer.name, "replay", compared)
+        except SpotCheckFailed as e:
+            self.membership.lose(node, e)
+            return False
+        finally:
+            checker.seconds += time.perf_counter() - start
+        return True
 
     def gather(self) -> dict[str, np.ndarray]:
         """Every slice into the master's arrays (each stays placed; a free sync); returns
@@ -478,6 +503,65 @@ class ResidentKernels:
     ) -> PhaseJob:
         """``replica``: a :class:`~.replica.BlockGradients` the workers' parts go into."""
         return _ResidentBackward(self, ctx, layer, x, dy, need, self.split._runs, replica)
+
+
+_STATE = ("weights", "biases", "weight momentum", "bias momentum", "fc columns", "fc momentum")
+
+
+def _answers(layer: ResidentLayer, placed: Placement, got, fmt) -> list[Comparison]:
+    """The worker's kept forward answers of every logged step next to the replay's: a split
+    head's partial logits (the whole slice replayed), or a watched kernel's stage outputs."""
+    out = []
+    k = got.rows.start
+    index = int(np.searchsorted(placed.watch, k))
+    watched = not layer.classes and index < len(placed.watch) and placed.watch[index] == k
+    for e, y, z in zip(
+        placed.log, got.outputs, got.logits or [None] * len(placed.log), strict=True
+    ):
+        if e.answer is None:
+            continue
+        if z is not None:
+            what = f"partial logits of step {e.step}"
+            out.append(_compared("z", what, e.answer, as_received(fmt, z)))
+        elif watched:
+            what = f"stage outputs of kernel {k} in step {e.step}"
+            out.append(_compared("y", what, e.answer[:, index], as_received(fmt, y[:, 0])))
+    return out
+
+
+def _compared(tensor: str, what: str, got: np.ndarray, want: np.ndarray) -> Comparison:
+    want = want.astype(np.float64)
+    scale = float(np.abs(want).max(initial=0.0))
+    return Comparison(tensor, what, got, want, scale, True, REPLAY_RTOL)
+
+
+def _names(watch: np.ndarray, head: bool, part: slice) -> str:
+    return f"{part.start}..{part.stop - 1}" if head else ",".join(map(str, watch.tolist()))
+
+
+def _updates(changes, kernels: str) -> list[Comparison]:
+    """The fetched change since the sync of the parameters (weights, biases, fc columns) and
+    of their momentum, each against the replayed change: its projection on it (1 when
+    honest) and the rest's size over the replayed change's."""
+    out = []
+    for name, arrays in (("parameters", changes[0::6] + changes[1::6] + changes[4::6]),
+                         ("momentum", changes[2::6] + changes[3::6] + changes[5::6])):  # fmt: skip
+        got = np.concatenate([(f.astype(np.float64) - s).ravel() for f, s, _ in arrays])
+        want = np.concatenate([(w.astype(np.float64) - s).ravel() for _, s, w in arrays])
+        energy = float(want @ want)
+        if energy == 0.0:
+            if got.any():
+                out.append(Comparison("update", f"{name} of {kernels}: changed, replayed "
+                    "unchanged", got, want, 0.0, False))  # fmt: skip
+            continue
+        ratio = float(got @ want) / energy
+        rest = float(np.linalg.norm(got - ratio * want)) / np.sqrt(energy)
+        what = f"{name} of {kernels} as updated since the sync (their change over the master's)"
+        one = np.ones(1)
+        out.append(Comparison("update", what, np.array([ratio]), one, 1.0, False, UPDATE_RTOL))
+        what = f"{name} of {kernels}: what their change holds besides the master's"
+        out.append(Comparison("update", what, np.array([rest]), np.zeros(1), 1.0, False, 0.1))
+    return out
 
 
 __all__ = [

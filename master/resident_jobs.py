@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from hetconv.formats import FLOAT32
 from hetconv.head import columns_grad, partial_logits, stage_grad
+from hetconv.optim import sgd_update
 from hetconv.resident import edge_rows
 from hetconv.stages import (
     StageRun,
@@ -49,6 +51,104 @@ class _Logged:
     grad_start: int  # within the widened slice
     step: int = -1
     bn: tuple = ()  # the BatchNormSlices of the widened slice the forward was sent
+    # what the worker answered of the forward: its watched kernels' stage outputs (as they
+    # arrived), or with a split head its partial logits; None: not kept (spot checks off)
+    answer: np.ndarray | None = None
+
+
+@dataclass
+class Replayed:
+    """The end of a replay of rows ``rows`` of a slice: their six arrays after the logged steps
+    (w, b, mw, mb, f, mf), and per logged step their stage outputs and, where ``rows`` is the
+    whole slice of a split head, its partial logits."""
+
+    rows: slice
+    state: tuple[np.ndarray, ...]
+    outputs: list[np.ndarray]
+    logits: list[np.ndarray]
+
+
+def _within(a: slice, b: slice) -> slice:
+    return slice(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def replay(backend, layer, placed, rows: slice, config) -> Replayed:
+    """Recompute the updates a worker made of rows ``rows`` of its slice since the last sync,
+    from the synced copy and the log (:mod:`.resident`).
+
+    A row's update reads the stage's neighbours (an LRN's halo), whose updates read theirs: a
+    step ``t`` before the end needs the rows ``t`` halos wider (within the slice; those beyond
+    it are the logged halo's). So a few rows cost a few rows' work when the stage has no halo,
+    and at most the slice's; ``rows`` = the slice is the whole slice's replay, the same
+    operations in the same order as the worker's."""
+    part, stage, kernels = placed.part, layer.stage, layer.kernels
+    updates = [rows]  # the rows each logged step updates, last first
+    for _ in range(len(placed.log) - 1):
+        updates.append(_within(stage.widened(updates[-1], kernels), part))
+    updates = updates[::-1] if placed.log else []
+    held = _within(stage.widened(updates[0], kernels), part) if placed.log else rows
+    offset = slice(held.start - part.start, held.stop - part.start)
+    w, b, mw, mb, f, mf = (np.array(a[offset]) for a in placed.synced)
+    started, whole = placed.synced_started, layer.wide(part)
+    skip = part.start - whole.start  # the logged halo: the rows before the slice first
+    outputs, logits = [], []
+    head = layer.classes > 0
+    for rows_now, e in zip(updates, placed.log, strict=True):
+        wide = stage.widened(rows_now, kernels)
+        before, after = part.start - wide.start, wide.stop - part.stop
+        cut = (skip - max(before, 0), skip, skip + max(after, 0))
+        ww, bb = _widen(e.hw, w, cut), _widen(e.hb, b, cut)
+        own = slice(rows_now.start - wide.start, rows_now.stop - wide.start)
+        bn = [_bn_rows(one, wide.start - whole.start, wide.stop - whole.start) for one in e.bn]
+        y, run = stage_forward(backend, e.x, ww, bb, layer.sides, stage, own, bn)
+        at = slice(rows.start - rows_now.start, rows.stop - rows_now.start)
+        outputs.append(y[:, at])
+        ff = _widen(e.hf, f, cut)
+        if head and rows_now == part:
+            logits.append(partial_logits(y, ff[own]))
+        if head:  # the stage-output gradient from the logits' gradient, as the worker did
+            rel = stage.grad_range(own, ww.shape[0])
+            dy = stage_grad(e.dy, ff[rel], y.shape[2:])
+            df = columns_grad(e.dy, y)
+        else:
+            grad = stage.grad_range(rows_now, kernels)
+            first = whole.start + e.grad_start  # the logged gradient's first channel
+            dy = e.dy[:, grad.start - first : grad.stop - first]
+            rel = slice(grad.start - wide.start, grad.stop - wide.start)
+        _, dw, db = stage_backward(backend, run, dy, rel, False)
+        keep = slice(rows_now.start - held.start, rows_now.stop - held.start)
+        w, b, mw, mb, f, mf = (np.array(a[keep]) for a in (w, b, mw, mb, f, mf))
+        bw = sgd_update(w, dw, mw if started else None, config)
+        if bw is not None:
+            mw[...] = bw
+        if layer.bias:  # without bias, b and mb stay zero as on the worker
+            bm = sgd_update(b, db, mb if started else None, config)
+            if bm is not None:
+                mb[...] = bm
+        if head:
+            bf = sgd_update(f, df, mf if started else None, config)
+            if bf is not None:
+                mf[...] = bf
+        started, held = True, rows_now
+    return Replayed(rows, (w, b, mw, mb, f, mf), outputs, logits)
+
+
+def _widen(halo: np.ndarray, held: np.ndarray, cut: tuple[int, int, int]) -> np.ndarray:
+    """The widened rows: the logged halo's beyond the slice (``halo[cut[0]:cut[1]]`` before
+    it, ``halo[cut[1]:cut[2]]`` after), the held ones within."""
+    return np.concatenate([halo[cut[0] : cut[1]], held, halo[cut[1] : cut[2]]])
+
+
+def _bn_rows(bn, start: int, stop: int):
+    """Rows ``start:stop`` of a logged :class:`~hetconv.stages.BatchNormSlice`."""
+    running = (bn.running_mean, bn.running_var)
+    return dataclasses.replace(
+        bn,
+        weight=bn.weight[start:stop],
+        bias=bn.bias[start:stop],
+        running_mean=None if running[0] is None else running[0][start:stop],
+        running_var=None if running[1] is None else running[1][start:stop],
+    )
 
 
 def as_received(array: np.ndarray, fmt) -> np.ndarray:
@@ -175,6 +275,12 @@ class _ResidentForward:
     def accept(self, piece: Piece, answer) -> CallStats:
         if self.batchnorm:
             self._track(piece.part, self.stats[piece.index])
+        placed = self.layer.placements.get(piece.node.name)
+        if placed is not None and placed.pending is not None:  # kept for the sync's replay
+            if self.layer.classes:
+                placed.answer = np.array(self._out(piece))
+            elif len(placed.watch):
+                placed.answer = self.y[:, placed.watch]  # a copy
         return answer[1]
 
     def spot_sample(self, piece: Piece, answer, draw):
@@ -333,12 +439,13 @@ class _ResidentBackward:
         if placed.pending is not None:
             x, hw, hb, hf, bn = placed.pending
             if layer.classes:  # the logits' gradient, float32 whatever the wire
-                dy = self.dy
+                dy = np.array(self.dy)  # a copy: the caller may reuse its array
             else:
                 dy = as_received(self.dy[:, grad], piece.node.client.wire_format)
             start = grad.start - wide.start
-            placed.log.append(_Logged(x, hw, hb, hf, dy, start, self.ctx.step, bn))
-            placed.pending = None
+            logged = _Logged(x, hw, hb, hf, dy, start, self.ctx.step, bn, placed.answer)
+            placed.log.append(logged)
+            placed.pending = placed.answer = None
         self._edges.append((part, ew, eb, self._ef[piece.index]))
         self._take_dbn(part, self._dbn[piece.index])
         if self.replica is not None:

@@ -208,6 +208,7 @@ class ResidentStage(FusedStage):
     def __init__(self, ctx: RunContext, name: str, overlap_images: int = 0, head=None):
         super().__init__(ctx, name, overlap_images)
         self.head = head
+        ctx.resident.spot_checks = ctx.runner.spot_checks  # a sync replays a sample of a slice
         # its stage forward started with the block feeding it: (step, input placeholder, call)
         self._ahead: tuple | None = None
 

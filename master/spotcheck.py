@@ -52,6 +52,7 @@ float32 (``tests/test_spot_checks.py``).
 
 from __future__ import annotations
 
+import secrets
 import time
 import zlib
 from collections.abc import Sequence
@@ -75,6 +76,15 @@ DEFAULT_IMAGES = 2
 DEFAULT_CHANNELS = 2
 #: The largest error over the scale allowed between a worker's float32 and the master's.
 DEFAULT_RTOL = 1e-4
+#: A resident slice's forward answers, replayed at a sync (:mod:`.resident`): the replay's
+#: weights may differ from the worker's in a kernel by a percent of the updates (a ReLU or
+#: max-pool tie gone the other way on round-off), so a percent of their scale is allowed; a
+#: lie of the kind a glance at the loss would not show (x1.5) is fifty times that.
+REPLAY_RTOL = 1e-2
+#: How far from 1 the worker's updates of a resident slice since its sync may be over the
+#: master's replay of them (their projection): an honest cpu worker's are 1 within 1e-4
+#: (``benchmarks/spot_checks.py``); one that scales its updates by 1.01 is 1.01.
+UPDATE_RTOL = 2e-3
 #: One unit in the last place, relative to the value, of each 16-bit wire format (by label):
 #: float16 keeps 11 significant bits, bfloat16 8.
 FORMAT_ULP = {"float32": 0.0, "float16": 2.0**-10, "bfloat16": 2.0**-7}
@@ -96,6 +106,11 @@ class SpotCheckConfig:
         channels: input channels sampled per backward answer (all, if the layer has fewer).
         seed: picks the samples, with the step, layer, phase and node.
         rtol: the largest error over the scale allowed between two float32 computations.
+        unpredictable: the steps checked and the samples drawn also follow a secret the
+            master draws when the run starts (a worker cannot tell them from the step
+            number): each step is checked with probability ``1 / every``; False: every
+            ``every``-th step from step 0, the samples following the settings alone (a run
+            repeated checks the same values).
     """
 
     every: int = DEFAULT_EVERY
@@ -104,6 +119,7 @@ class SpotCheckConfig:
     channels: int = DEFAULT_CHANNELS
     seed: int = 0
     rtol: float = DEFAULT_RTOL
+    unpredictable: bool = True
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -131,8 +147,9 @@ class Sample:
 class Comparison:
     """One tensor of a sample: its short name (``y``, ``dw``, ``db``, ``dx``: the trace's) and
     what was sampled of it (for messages), the worker's values, the master's, their scale (the
-    largest value the master computed for it and what shares its scale), and whether it
-    travelled in the wire format (then rounded to it on both sides)."""
+    largest value the master computed for it and what shares its scale), whether it
+    travelled in the wire format (then rounded to it on both sides), and its own ``rtol``
+    (None: the configuration's)."""
 
     tensor: str
     what: str
@@ -140,6 +157,7 @@ class Comparison:
     want: np.ndarray
     scale: float
     wire_rounded: bool
+    rtol: float | None = None
 
 
 class SpotCheckFailed(WorkerError):
@@ -193,23 +211,41 @@ class SpotChecker:
     summary for the trace.
 
     A job is checked when it has a ``spot_sample(piece, answer, draw)`` method returning the
-    :class:`Comparison` of every tensor sampled (None: this job cannot be sampled), where
-    ``draw(images, channels)`` gives the :class:`Sample` for a batch of ``images`` with
-    ``channels`` input channels (the kernel split's jobs do, see :mod:`.dispatch`); a job of
-    a strategy without one is not checked.
+    :class:`Comparison` of every tensor sampled (None or empty: nothing of this answer can be
+    compared now, and nothing is counted), where ``draw(images, channels)`` gives the
+    :class:`Sample` for a batch of ``images`` with ``channels`` input channels (the kernel
+    split's jobs do, see :mod:`.dispatch`); a job of a strategy without one is not checked.
+    Answers compared later (a resident slice's, at its sync: :mod:`.resident`) go through
+    :meth:`compare`.
     """
 
     def __init__(self, config: SpotCheckConfig):
         self.config = config
+        #: mixed into every draw (``unpredictable``): known to the master alone
+        self.secret = secrets.randbits(64) if config.unpredictable else None
         self.step = 0
         self.due = False
         self.start_step(0)
 
+    def _rng(self, *words: int) -> np.random.Generator:
+        key = [self.config.seed & 0xFFFFFFFF, *words]
+        if self.secret is not None:
+            key += [self.secret & 0xFFFFFFFF, self.secret >> 32]
+        return np.random.default_rng(key)
+
+    def due_at(self, step: int) -> bool:
+        """Whether the answers of ``step`` are checked."""
+        every = self.config.every
+        if every <= 0:
+            return False
+        if self.secret is None:
+            return step % every == 0
+        return every == 1 or bool(self._rng(step, 0xD0E).random() < 1 / every)
+
     def start_step(self, step: int) -> None:
         """Calls from now on belong to ``step``."""
         self.step = step
-        every = self.config.every
-        self.due = every > 0 and step % every == 0
+        self.due = self.due_at(step)
         self.summary: dict[str, dict] = {}  # worker -> checks, worst, where
         self.seconds = 0.0
         self.caught: list[str] = []  # workers caught in this step, not yet redone
@@ -220,14 +256,20 @@ class SpotChecker:
         """The kernels of ``part``, the images of a batch of ``images`` and the input channels
         of ``channels`` to recompute."""
         c = self.config
-        rng = np.random.default_rng(
-            [c.seed & 0xFFFFFFFF, self.step, zlib.crc32(layer.encode()), _PHASES[phase], node_index]
-        )
+        rng = self._rng(self.step, zlib.crc32(layer.encode()), _PHASES[phase], node_index)
         size = part.stop - part.start
         kernels = rng.choice(size, min(c.kernels, size), replace=False) + part.start
         chosen = rng.choice(images, min(c.images, images), replace=False)
         inputs = rng.choice(channels, min(c.channels, channels), replace=False)
         return Sample(np.sort(kernels), np.sort(chosen), np.sort(inputs))
+
+    def watch(self, layer: str, node: str, part: slice, step: int) -> np.ndarray:
+        """The kernels of a resident slice ``part`` whose answers are kept from ``step`` on
+        and replayed at its next sync (:mod:`.resident`): drawn when the slice is placed or
+        synced, so its worker cannot know them."""
+        rng = self._rng(step, zlib.crc32(layer.encode()), 2, zlib.crc32(node.encode()))
+        size = part.stop - part.start
+        return np.sort(rng.choice(size, min(self.config.kernels, size), replace=False)) + part.start
 
     def check(self, job, piece, answer, layer: str) -> None:
         """Recompute a sample of ``answer`` (``piece``'s, from a worker) on a due step.
@@ -245,18 +287,28 @@ class SpotChecker:
                 return self.sample(layer, job.phase, piece.index, piece.part, images, channels)
 
             comparisons = spot_sample(piece, answer, draw)
-            if comparisons is None:  # this job cannot be sampled (it says why)
-                return
-            self._compare(piece.node, layer, job.phase, comparisons)
+            if comparisons:  # None or empty: nothing of it can be compared (it says why)
+                self._compare(piece.node, layer, job.phase, comparisons)
         finally:
             self.seconds += time.perf_counter() - start
+
+    def compare(self, node, layer: str, phase: str, comparisons: Sequence[Comparison]) -> None:
+        """Compare ``comparisons`` of ``node``'s answers made outside a phase (a resident
+        slice's replay at its sync), counted in this step's record.
+
+        Raises:
+            SpotCheckFailed: a value is off by more than the tolerance.
+        """
+        if comparisons:
+            self._compare(node, layer, phase, comparisons)
 
     def _compare(self, node, layer: str, phase: str, comparisons: Sequence[Comparison]) -> None:
         fmt = node.client.wire_format
         entry = self.summary.setdefault(node.name, {"checks": 0, "worst": 0.0})
         entry["checks"] += 1
         for comparison in comparisons:
-            relative, absolute = tolerance(self.config.rtol, fmt, comparison.wire_rounded)
+            rtol = comparison.rtol or self.config.rtol
+            relative, absolute = tolerance(rtol, fmt, comparison.wire_rounded)
             error, worst = relative_error(comparison)
             if error >= entry["worst"]:
                 entry.update(worst=float(f"{error:.3g}"), at=f"{layer} {phase} {comparison.tensor}")
@@ -277,9 +329,9 @@ class SpotChecker:
         return caught
 
     def record(self) -> dict | None:
-        """The step's checks for its trace record: per worker the answers checked and the
-        worst error over scale (and where), and the seconds the checks took; None when
-        nothing was checked."""
+        """The step's checks for its trace record: per worker the answers compared (an answer
+        of which nothing could be compared is not counted) and the worst error over scale (and
+        where), and the seconds the checks took; None when nothing was compared."""
         if not self.summary:
             return None
         return {"seconds": self.seconds, "workers": self.summary}

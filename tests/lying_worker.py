@@ -14,6 +14,12 @@ before they are sent, by KIND:
 * ``noise``: every value times ``1 + 1e-3 * N(0, 1)`` (a small relative perturbation);
 * ``honest``: nothing (the same process, answering right: the control).
 
+and, in what spot checks of the default modes (resident kernels, a split head) must catch:
+
+* ``every_other``: every other forward answer (of any call) times 1.5, the others right;
+* ``update``: each SGD update of its resident slices (weights, biases, fc columns) times 1.01;
+* ``head``: a split head's partial logits times 1.5.
+
 It stops when its standard input closes or on SIGTERM.
 """
 
@@ -26,11 +32,15 @@ import numpy as np
 
 from hetconv.backends import get_backend
 from hetconv.calls import READY
+from hetconv.worker import resident as resident_module
 from hetconv.worker import service as service_module
+from hetconv.worker.resident import ResidentCalls
 from hetconv.worker.service import ConvWorkerService, start_server
 from hetconv.worker.stages import StageCalls
 
 KINDS = ("scale", "kernel", "noise", "honest")
+SAMPLED = ("every_other", "update", "head")  # the spot checks' lies, below
+KINDS += SAMPLED
 
 
 class LyingService(ConvWorkerService):
@@ -44,12 +54,14 @@ class LyingService(ConvWorkerService):
         self.rng = np.random.default_rng(seed)
         self.step = -1
 
-    def _receive(self, messages, call):
-        request, arrays, receive = super()._receive(messages, call)
+    def _receive(self, messages, call, *progress):
+        request, arrays, receive = super()._receive(messages, call, *progress)
         self.step = request.step  # the master calls a worker one call at a time
         return request, arrays, receive
 
     def _lie(self, phase: str, arrays: list[np.ndarray]) -> None:
+        if self.kind in SAMPLED:
+            return lie_sampled(self, phase, arrays)
         if self.step < self.from_step or self.kind == "honest":
             return
         if self.kind == "kernel":
@@ -90,12 +102,60 @@ class LyingStageCalls(StageCalls):
         return tensors, compute, receive
 
 
+# -- the spot checks' lies ---------------------------------------------------------------------
+
+
+def lie_sampled(liar: LyingService, phase: str, arrays: list[np.ndarray]) -> None:
+    """``every_other``: every other forward answer (y, or a split head's logits) times 1.5."""
+    if liar.kind != "every_other" or phase != "forward" or liar.step < liar.from_step:
+        return
+    liar.forwards = getattr(liar, "forwards", 0) + 1
+    if liar.forwards % 2 == 0:
+        for a in arrays[:2]:  # a resident stage's y and z; not its batch statistics
+            a *= 1.5
+
+
+class LyingResidentCalls(ResidentCalls):
+    """The resident kernel calls (:mod:`hetconv.worker.resident`), lying as their service's
+    kind says: in their forward answers (``every_other``, ``head``)."""
+
+    service: LyingService
+
+    def forward(self, messages):
+        out = super().forward(messages)
+        liar = self.service
+        if isinstance(out, tuple) and liar.step >= liar.from_step:
+            tensors = out[0]
+            if liar.kind == "head" and tensors[1][1].size:
+                tensors[1][1][...] *= 1.5  # z: the partial logits
+            else:
+                lie_sampled(liar, "forward", [a for _, a, _ in tensors])
+        return out
+
+
+def lying_update(liar: LyingService):
+    """``update``: the worker's SGD rule with every change of a parameter times 1.01."""
+    right = resident_module.sgd_update
+
+    def sgd_update(param, grad, buf, config):
+        before = np.array(param)
+        momentum = right(param, grad, buf, config)
+        if liar.kind == "update" and liar.step >= liar.from_step:
+            param[...] = before + np.float32(1.01) * (param - before)
+        return momentum
+
+    return sgd_update
+
+
 def main(argv: list[str]) -> int:
     kind, from_step = argv[0], int(argv[1])
     seed = int(argv[2]) if len(argv) > 2 else 0
     liar = LyingService(kind, from_step, seed)
     LyingStageCalls.service = liar  # the stage handlers lie as their service does
     service_module.StageCalls = LyingStageCalls  # start_server builds the stage handlers
+    LyingResidentCalls.service = liar
+    service_module.ResidentCalls = LyingResidentCalls
+    resident_module.sgd_update = lying_update(liar)
     server, address = start_server(liar, "127.0.0.1:0")
     print(READY, address, flush=True)
     stop = threading.Event()
