@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from hetconv.proto import worker_pb2 as pb
 
 
@@ -66,6 +68,19 @@ def split_images(batch: int, weights) -> list[int]:
     for i in by_remainder[: spare - sum(counts)]:
         counts[i] += 1
     return [c + 1 for c in counts]
+
+
+#: Values of each sender's block output a FetchPart sample asks for at most.
+MAX_SAMPLE = 4096
+
+
+def part_sample(part: np.ndarray, seed: int, node: int, count: int) -> np.ndarray:
+    """``count`` values of node ``node``'s images' block output ``part``, at places drawn from
+    ``seed`` (the same on the worker that received it and on the master that checks it: the
+    sender, which put it before the seed was drawn, cannot know them), as float32."""
+    rng = np.random.default_rng([seed, node])
+    flat = np.ascontiguousarray(part).reshape(-1)
+    return flat[rng.integers(0, flat.size, count)].astype(np.float32)
 
 
 #: The master's address in a :class:`SplitPlan` (``split_all``): it serves nothing.
@@ -138,4 +153,4 @@ class SplitPlan:
         )
 
 
-__all__ = ["MASTER", "SplitPlan", "split_images"]
+__all__ = ["MASTER", "MAX_SAMPLE", "SplitPlan", "part_sample", "split_images"]

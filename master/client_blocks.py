@@ -128,3 +128,20 @@ class BlockCalls:
             out.nbytes if out is not None else 0,
         )  # fmt: skip
         return got["p"], stats
+
+    def fetch_samples(
+        self, session: int, step: int, block: str, seed: int, count: int, timeout: float = 60.0
+    ) -> np.ndarray:
+        """``count`` values of every sender's part of split block ``block`` at ``step`` as the
+        worker received them, at places drawn from ``seed``
+        (:func:`~hetconv.split.part_sample`): one row per sender of the split, in plan order
+        (float32). The master compares them with its own block output: a peer that put wrong
+        values into the others is the one blamed."""
+        request = pb.ConvRequest(
+            phase=FETCH_PART.phase, session=session, step=step, layer=block,
+            part=pb.TensorPart(sample=count, sample_seed=seed),
+        )  # fmt: skip
+        got, _ = self._call(
+            FETCH_PART, f"sample parts {block}", request, [], ["p"], {}, timeout, 0,
+        )  # fmt: skip
+        return got["p"]

@@ -52,6 +52,7 @@ from .client import CallStats, WorkerError
 from .membership import ACTIVE, Membership, Node
 from .planning import LayerPlan
 from .replica import BlockGradients
+from .split_step import blame_parts
 from .spotcheck import (
     Sample,
     SpotChecker,
@@ -462,6 +463,9 @@ class PhaseRunner:
                 continue
             try:
                 answer = call.result()
+                if blame_parts(job, piece, self.membership, self.spot_checks):
+                    done.append((piece, answer))  # on a peer's wrong part: the step is redone
+                    continue
                 job.check(piece, answer)
                 if self.spot_checks is not None:
                     self.spot_checks.check(job, piece, answer, layer)

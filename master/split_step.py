@@ -3,6 +3,7 @@ of the exchange between the peers, and the cover of a peer that is lost."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 
@@ -10,10 +11,12 @@ import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.replica import ReplicaBlock
-from hetconv.split import MASTER, SplitPlan
+from hetconv.split import MASTER, SplitPlan, part_sample
 from hetconv.stages import stage_backward, stage_forward
 
 from .call import Call
+from .client import WorkerError
+from .spotcheck import SpotCheckFailed
 
 
 class SplitStep:
@@ -50,6 +53,7 @@ class SplitStep:
         self.compute = {"forward": 0.0, "backward": 0.0}  # the master's block computation, s
         self.rows_put: set[int] = set()  # workers its own rows went to as its stage made them
         self._pending: list[Call] = []  # puts the master does not wait for
+        self.blamed: set[str] = set()  # workers whose parts were found wrong this step
 
     @property
     def with_master(self) -> bool:
@@ -89,6 +93,29 @@ class SplitStep:
             self.clients[address].put_part, self.session, self.step, self.block, source, part,
             gradient, timeout, self.plan.round,
         )  # fmt: skip
+
+    def check_parts(self, address: str, x: np.ndarray, timeout: float = 30.0) -> list[str]:
+        """The workers whose parts worker ``address`` received differ from ``x`` (the block's
+        output on every image, as the master has it) at a sample of places drawn now
+        (:func:`~hetconv.split.part_sample`); [] when every part agrees. The master's own
+        parts are not checked (it put them from ``x``)."""
+        plan = self.plan
+        seed = secrets.randbits(64)
+        got = self.clients[address].fetch_samples(
+            self.session, self.step, self.block, seed, PART_SAMPLE, timeout
+        )
+        senders = [(i, a) for i, (a, _, count) in enumerate(plan.peers) if count]
+        if got.shape != (len(senders), PART_SAMPLE):
+            raise WorkerError(address, f"a sample of the parts of shape {got.shape}")
+        liars = []
+        for row, (node, sender) in zip(got, senders, strict=True):
+            if sender == MASTER or node in self.lost:
+                continue
+            want = part_sample(x[plan.images(sender)], seed, node, PART_SAMPLE)
+            scale = float(np.abs(want).max())
+            if np.abs(row - want).max() > PART_RTOL * scale:
+                liars.append(sender)
+        return liars
 
     def rows_first(self, timeout: float = 60.0) -> list[tuple[slice, object]]:
         """With the master a peer: for its own piece's stage backward
@@ -290,6 +317,51 @@ class SplitStep:
                 )  # fmt: skip
             back(run, g)
         return dw, db
+
+
+#: Values of each sender's part a receiver is asked for after its stage forward.
+PART_SAMPLE = 64
+#: The largest difference over the sample's scale between a part as a worker received it and
+#: the master's block output: a bfloat16 wire's rounding (2**-7) and float32 round-off, with
+#: room; a part scaled by 1.5 is off by a third of its values.
+PART_RTOL = 1e-2
+
+
+def blame_parts(job, piece, membership, spot_checks, timeout: float = 30.0) -> bool:
+    """Before a split block's receiver's stage forward answer is checked or used: ask the
+    worker (``piece``'s) for a sample of every part it received, at places drawn now (the
+    senders put their parts before, so none can know them), and compare it with the master's
+    block output (``job.x``). Every sender whose part differs is lost and kept out for the run
+    (:class:`~.spotcheck.SpotCheckFailed`; with spot checks on, the step is computed again), not
+    the receiver, which computed on what it got, and the step is computed again without them.
+    True when the answer was computed on a wrong part (it is then neither checked nor kept:
+    the step is redone). Part of the spot checks: nothing is sampled with them off."""
+    block = getattr(job, "replica", None)  # forward: the ReplicaBlock; backward: its gradients
+    split = getattr(block, "split", None)
+    if split is None or not piece.index or spot_checks is None:
+        return False
+    if split.blamed:  # a part was wrong this step: the answers on it are redone, not checked
+        return True
+    address = piece.node.client.address
+    if not isinstance(block, ReplicaBlock) or not split.covers(address):
+        return False
+    liars = split.check_parts(address, job.x, timeout)
+    for liar in liars:
+        if liar in split.blamed:
+            continue
+        split.blamed.add(liar)
+        node = next(
+            n for n in membership.nodes if n.client is not None and n.client.address == liar
+        )
+        error = SpotCheckFailed(
+            node.name,
+            f"forward {split.block}: the block output it put into worker {piece.node.name} "
+            f"differs from the master's by more than {PART_RTOL:g} of its scale: finite but "
+            "wrong; not re-admitted this run",
+        )
+        membership.lose(node, error)
+        spot_checks.caught.append(node.name)
+    return bool(liars)
 
 
 def _answered(call: Call, replica: Call | None) -> bool:

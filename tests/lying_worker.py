@@ -12,7 +12,15 @@ before they are sent, by KIND:
 * ``kernel``: the first kernel of its slice only: its feature maps, kernel and bias
   gradients times 1.5 (input gradients untouched: the hardest for a sampler);
 * ``noise``: every value times ``1 + 1e-3 * N(0, 1)`` (a small relative perturbation);
-* ``honest``: nothing (the same process, answering right: the control).
+* ``honest``: nothing (the same process, answering right: the control);
+
+and, as a peer of a block split by images (``--replicate split``, ``split_all``), in what it
+puts into the other workers only (its own answers stay right):
+
+* ``parts``: the block output of its images times 1.5;
+* ``rows``: the input-gradient rows of the others' images times 1.5;
+* ``withhold``: nothing at all (its peers wait for parts that never come);
+* ``farstep``: besides each right part, one naming step 2**64-1.
 
 and, in what spot checks of the default modes (resident kernels, a split head) must catch:
 
@@ -32,13 +40,17 @@ import numpy as np
 
 from hetconv.backends import get_backend
 from hetconv.calls import READY
+from hetconv.proto import worker_pb2 as pb
 from hetconv.worker import resident as resident_module
 from hetconv.worker import service as service_module
 from hetconv.worker.resident import ResidentCalls
 from hetconv.worker.service import ConvWorkerService, start_server
+from hetconv.worker.split import SplitCalls
 from hetconv.worker.stages import StageCalls
 
-KINDS = ("scale", "kernel", "noise", "honest")
+ANSWERS = ("scale", "kernel", "noise", "honest")
+PARTS = ("parts", "rows", "withhold", "farstep")
+KINDS = ANSWERS + PARTS
 SAMPLED = ("every_other", "update", "head")  # the spot checks' lies, below
 KINDS += SAMPLED
 
@@ -62,7 +74,7 @@ class LyingService(ConvWorkerService):
     def _lie(self, phase: str, arrays: list[np.ndarray]) -> None:
         if self.kind in SAMPLED:
             return lie_sampled(self, phase, arrays)
-        if self.step < self.from_step or self.kind == "honest":
+        if self.step < self.from_step or self.kind in ("honest", *PARTS):
             return
         if self.kind == "kernel":
             if phase == "forward":
@@ -86,6 +98,29 @@ class LyingService(ConvWorkerService):
         tensors, compute, receive = super().backward(messages)
         self._lie("backward", [a for _, a, _ in tensors])
         return tensors, compute, receive
+
+
+class LyingSplitCalls(SplitCalls):
+    """The split block's exchange (:mod:`hetconv.worker.split`), lying in the parts it puts
+    into its peers as its service's kind says."""
+
+    service: LyingService
+
+    def _send(self, request, layout, rows, gradient: bool, round_: int, nodes=None):
+        liar = self.service
+        if request.step < liar.from_step or liar.kind not in PARTS:
+            return super()._send(request, layout, rows, gradient, round_, nodes)
+        if liar.kind == "withhold":
+            return None
+        if liar.kind == "farstep":
+            far = pb.ConvRequest()
+            far.CopyFrom(request)
+            far.step = 2**64 - 1
+            super()._send(far, layout, rows, gradient, round_, nodes)
+            return super()._send(request, layout, rows, gradient, round_, nodes)
+        wrong = (liar.kind == "parts") != gradient  # parts: outputs; rows: gradient rows
+        scaled = (lambda node: rows(node) * np.float32(1.5)) if wrong else rows
+        return super()._send(request, layout, scaled, gradient, round_, nodes)
 
 
 class LyingStageCalls(StageCalls):
@@ -151,6 +186,8 @@ def main(argv: list[str]) -> int:
     kind, from_step = argv[0], int(argv[1])
     seed = int(argv[2]) if len(argv) > 2 else 0
     liar = LyingService(kind, from_step, seed)
+    LyingSplitCalls.service = liar
+    liar.context.split = LyingSplitCalls(liar.context)  # before the server takes its handlers
     LyingStageCalls.service = liar  # the stage handlers lie as their service does
     service_module.StageCalls = LyingStageCalls  # start_server builds the stage handlers
     LyingResidentCalls.service = liar

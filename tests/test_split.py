@@ -379,6 +379,31 @@ def test_a_deterministic_split_takes_equal_shares_whatever_the_probes(
         assert np.array_equal(runs[0][1][name], runs[1][1][name]), name
 
 
+@pytest.mark.parametrize("kernels", ["sent", "resident"])
+def test_a_peer_that_puts_wrong_block_outputs_is_the_one_dropped(local, workers, tmp_path, kernels):
+    """A peer that puts its images' block output x1.5 into the others (its own answers right):
+    each receiver's sample of the parts it got, compared with the master's block output, blames
+    the sender; the honest receivers stay, the liar is kept out, training equals local."""
+    from test_spot_checks import lying_worker
+
+    from hetconv.master.spotcheck import SpotCheckConfig
+
+    with lying_worker("parts") as liar:
+        addresses = [*workers.addresses[:2], liar]
+        checks = SpotCheckConfig(every=1)
+        config = ClusterConfig(**SPLIT, kernels=kernels, spot_checks=checks)
+        with Cluster(addresses, config=config) as cluster:
+            got = train_strong_lrn(tmp_path, "parts", cluster)
+            events = list(cluster.events)
+            states = {node.name: node.state for node in cluster.nodes}
+    same_as_local(got, local)
+    lost = [(e["worker"], e["reason"]) for e in events if e["event"] == "worker_lost"]
+    assert [w for w, _ in lost] == [liar], lost
+    assert "the block output it put into worker" in lost[0][1]
+    assert states[liar] == "distrusted"
+    assert all(states[a] == "active" for a in workers.addresses[:2])
+
+
 class Killing(exactness.Killing):
     BASE = SPLIT
 

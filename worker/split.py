@@ -27,41 +27,29 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
 from hetconv.calls import FETCH_PART, PUT_PART
-from hetconv.errors import InvalidCall, MissingForward, WireError
-from hetconv.formats import TensorFormat, answer_format
+from hetconv.errors import InvalidCall, MissingForward
+from hetconv.formats import FLOAT32, answer_format
 from hetconv.proto import worker_pb2 as pb
-from hetconv.security import bearer_metadata
-from hetconv.wire import BUNDLE_BYTES, Bundle, channel_options, chunks, encode_tensors
+from hetconv.split import MAX_SAMPLE, part_sample
 from hetconv.worker.context import WorkerContext
+from hetconv.worker.peers import PART_SEND, CallerGone, PeerLinks, WaitingCall
 
 #: Peers a split may name (a LAN's laptops; far beyond any plan the master makes).
 MAX_PEERS = 64
 #: Seconds a stage call waits for its peers' parts when its own call has no deadline.
 PART_WAIT = 600.0
-#: Seconds a part put into a peer may take (a peer that takes it no faster is no matter here:
-#: the master loses it in its own call).
-PART_SEND = 60.0
-#: Sender threads per session: a peer that never answers holds only its session's.
-SENDERS = 4
 
 
 class PartTimeout(MissingForward):
     """The peers' parts did not all come in time (FAILED_PRECONDITION)."""
 
     status = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class CallerGone(WireError):
-    """The call that waited was cancelled by its caller, or ended by the idle watch."""
-
-    status = grpc.StatusCode.CANCELLED
 
 
 @dataclass(frozen=True)
@@ -124,48 +112,6 @@ class SplitLayout:
         return [i for i, (_, _, count) in enumerate(self.peers) if count]
 
 
-class _Caller:
-    """The gRPC call this thread serves, as a wait on other nodes sees it: whether its caller
-    is still there, how long it may still take, and its idle clock (the service's watch of the
-    call, :class:`~hetconv.worker.idle.Watched`; none when a core is called directly)."""
-
-    def __init__(self, context: WorkerContext, changed: threading.Condition):
-        memory = context.budget.current()
-        self.watched = getattr(memory, "watched", None)
-        self.call = self.watched.context if self.watched is not None else None
-        self.start = time.monotonic()
-        self.gone = False
-        if self.call is not None:
-
-            def ended() -> None:
-                self.gone = True
-                with changed:
-                    changed.notify_all()
-
-            if not self.call.add_callback(ended):
-                self.gone = True
-
-    def time_left(self, most: float) -> float:
-        """Seconds the call may still take: its deadline's, at most ``most``."""
-        left = self.call.time_remaining() if self.call is not None else None
-        return most if left is None else max(0.0, min(most, left))
-
-    def waited(self) -> float:
-        return time.monotonic() - self.start
-
-    def check(self, idle: bool, raising: bool = True) -> None:
-        """Raise :class:`CallerGone` when the call has ended (its caller went, or the idle watch
-        ended it); start (``idle``) or stop the call's idle clock."""
-        if self.watched is not None:
-            if not idle:
-                self.watched.waiting_since = None
-            elif self.watched.waiting_since is None:
-                self.watched.waiting_since = time.monotonic()
-        if raising and (self.gone or (self.call is not None and not self.call.is_active())):
-            expired = self.watched.expired if self.watched is not None else None
-            raise CallerGone(expired or "the caller cancelled the call while it waited on peers")
-
-
 @dataclass
 class _Step:
     """One (session, block)'s split step: what came, what was sent."""
@@ -185,56 +131,6 @@ class _Step:
     def nbytes(self) -> int:
         held = [*self.outputs.values(), *self.gradients.values(), *self.sent.values()]
         return sum(a.nbytes for a in held) + (self.y.nbytes if self.y is not None else 0)
-
-
-class PeerLinks:
-    """One session's channels to the other workers, reused, and the threads that send them
-    parts (each put with a deadline, :data:`PART_SEND`)."""
-
-    def __init__(self, token: str | None = None, threads: int = SENDERS):
-        self._metadata = bearer_metadata(token) if token is not None else None
-        self._channels: dict[str, tuple[grpc.Channel, object, object]] = {}
-        self._lock = threading.Lock()
-        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="hetconv-peer")
-
-    def _stubs(self, address: str):
-        with self._lock:
-            got = self._channels.get(address)
-            if got is None:
-                channel = grpc.insecure_channel(address, options=channel_options())
-                got = (channel, PUT_PART.stream.stub(channel), PUT_PART.bundle.stub(channel))
-                self._channels[address] = got
-            return got
-
-    def put(
-        self, address: str, request: pb.ConvRequest, part: np.ndarray, fmt: TensorFormat, timeout
-    ) -> None:
-        """Send ``part`` to ``address`` as PutPart ``request`` (blocking)."""
-        out = encode_tensors([("p", part)], [fmt])
-        request.tensors.extend(out.headers)
-        head = pb.ConvMessage(header=request)
-        _, stream, bundle = self._stubs(address)
-        if out.nbytes <= BUNDLE_BYTES:
-            bundle(Bundle(head, out.segments), timeout=timeout, metadata=self._metadata)
-        else:
-
-            def messages():
-                yield head
-                yield from chunks(out.segments)
-
-            for _ in stream(messages(), timeout=timeout, metadata=self._metadata):
-                pass
-
-    def put_later(self, address, request, part, fmt, timeout) -> futures.Future:
-        """:meth:`put` on a sender thread."""
-        return self._pool.submit(self.put, address, request, part, fmt, timeout)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-        with self._lock:
-            for channel, *_ in self._channels.values():
-                channel.close()
-            self._channels.clear()
 
 
 class SplitCalls:
@@ -376,6 +272,8 @@ class SplitCalls:
 
     def fetch(self, messages):
         request, _, receive = self.context.receive(messages, FETCH_PART)
+        if request.part.sample:
+            return [("p", self._sampled(request), FLOAT32)], 0.0, receive
         source = request.part.source
         if not request.part.gradient or self._for_master(request):
             part = self._fetch_waiting(request, source)
@@ -393,6 +291,24 @@ class SplitCalls:
             raise InvalidCall(f"node {request.part.source} is not another peer of this split")
         fmt = answer_format(request.answer_dtype)
         return [("p", part, fmt)], 0.0, receive
+
+    def _sampled(self, request: pb.ConvRequest) -> np.ndarray:
+        """A FetchPart ``sample``: that many values of every sender's block output as it came
+        here (this worker's own included), at places drawn from ``sample_seed``
+        (:func:`~hetconv.split.part_sample`), one row per sender in peer order; once every
+        part has come."""
+        count = request.part.sample
+        if count > MAX_SAMPLE:
+            raise InvalidCall(f"a sample of {count} values per part: at most {MAX_SAMPLE}")
+
+        def missing(record: _Step) -> list[str]:
+            return [f"node {i}" for i in record.layout.senders if i not in record.outputs]
+
+        record = self._wait(request, request.layer, missing, "a sample of the parts", bool)
+        seed = request.part.sample_seed
+        with self._changed:
+            parts = [(i, record.outputs[i]) for i in record.layout.senders]
+        return np.stack([part_sample(part, seed, i, count) for i, part in parts])
 
     def _for_master(self, request: pb.ConvRequest) -> bool:
         """Whether a FetchPart asks for the rows of the master's images (it is a peer)."""
@@ -482,7 +398,7 @@ class SplitCalls:
         missing. The wait ends with its call: when the caller cancels or its deadline passes,
         at :data:`PART_WAIT`, and, while ``idle(record)`` (nothing it waits for is computed
         here), at the worker's idle timeout (:mod:`hetconv.worker.idle`)."""
-        caller = _Caller(self.context, self._changed)
+        caller = WaitingCall(self.context, self._changed)
         deadline = time.monotonic() + caller.time_left(PART_WAIT)
         with self._changed:
             try:
@@ -589,4 +505,4 @@ class SplitCalls:
             each.close()
 
 
-__all__ = ["MAX_PEERS", "PART_WAIT", "PartTimeout", "PeerLinks", "SplitCalls", "SplitLayout"]
+__all__ = ["MAX_PEERS", "PART_WAIT", "CallerGone", "PartTimeout", "SplitCalls", "SplitLayout"]

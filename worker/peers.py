@@ -1,0 +1,129 @@
+"""A worker's calls to and waits on its peers of a block split by images
+(:mod:`hetconv.worker.split`): the senders that put parts into the other workers, each put with
+a deadline and each session with threads of its own, and the call that waits for parts, which
+ends with its caller.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from hetconv.calls import PUT_PART
+from hetconv.errors import WireError
+from hetconv.formats import TensorFormat
+from hetconv.proto import worker_pb2 as pb
+from hetconv.security import bearer_metadata
+from hetconv.wire import BUNDLE_BYTES, Bundle, channel_options, chunks, encode_tensors
+from hetconv.worker.context import WorkerContext
+
+#: Seconds a part put into a peer may take (a peer that takes it no faster is no matter here:
+#: the master loses it in its own call).
+PART_SEND = 60.0
+#: Sender threads per session: a peer that never answers holds only its session's.
+SENDERS = 4
+
+
+class CallerGone(WireError):
+    """The call that waited was cancelled by its caller, or ended by the idle watch."""
+
+    status = grpc.StatusCode.CANCELLED
+
+
+class PeerLinks:
+    """One session's channels to the other workers, reused, and the threads that send them
+    parts (each put with a deadline, :data:`PART_SEND`)."""
+
+    def __init__(self, token: str | None = None, threads: int = SENDERS):
+        self._metadata = bearer_metadata(token) if token is not None else None
+        self._channels: dict[str, tuple[grpc.Channel, object, object]] = {}
+        self._lock = threading.Lock()
+        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="hetconv-peer")
+
+    def _stubs(self, address: str):
+        with self._lock:
+            got = self._channels.get(address)
+            if got is None:
+                channel = grpc.insecure_channel(address, options=channel_options())
+                got = (channel, PUT_PART.stream.stub(channel), PUT_PART.bundle.stub(channel))
+                self._channels[address] = got
+            return got
+
+    def put(
+        self, address: str, request: pb.ConvRequest, part: np.ndarray, fmt: TensorFormat, timeout
+    ) -> None:
+        """Send ``part`` to ``address`` as PutPart ``request`` (blocking)."""
+        out = encode_tensors([("p", part)], [fmt])
+        request.tensors.extend(out.headers)
+        head = pb.ConvMessage(header=request)
+        _, stream, bundle = self._stubs(address)
+        if out.nbytes <= BUNDLE_BYTES:
+            bundle(Bundle(head, out.segments), timeout=timeout, metadata=self._metadata)
+        else:
+
+            def messages():
+                yield head
+                yield from chunks(out.segments)
+
+            for _ in stream(messages(), timeout=timeout, metadata=self._metadata):
+                pass
+
+    def put_later(self, address, request, part, fmt, timeout) -> futures.Future:
+        """:meth:`put` on a sender thread."""
+        return self._pool.submit(self.put, address, request, part, fmt, timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            for channel, *_ in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class WaitingCall:
+    """The gRPC call this thread serves, as a wait on other nodes sees it: whether its caller
+    is still there, how long it may still take, and its idle clock (the service's watch of the
+    call, :class:`~hetconv.worker.idle.Watched`; none when a core is called directly)."""
+
+    def __init__(self, context: WorkerContext, changed: threading.Condition):
+        memory = context.budget.current()
+        self.watched = getattr(memory, "watched", None)
+        self.call = self.watched.context if self.watched is not None else None
+        self.start = time.monotonic()
+        self.gone = False
+        if self.call is not None:
+
+            def ended() -> None:
+                self.gone = True
+                with changed:
+                    changed.notify_all()
+
+            if not self.call.add_callback(ended):
+                self.gone = True
+
+    def time_left(self, most: float) -> float:
+        """Seconds the call may still take: its deadline's, at most ``most``."""
+        left = self.call.time_remaining() if self.call is not None else None
+        return most if left is None else max(0.0, min(most, left))
+
+    def waited(self) -> float:
+        return time.monotonic() - self.start
+
+    def check(self, idle: bool, raising: bool = True) -> None:
+        """Raise :class:`CallerGone` when the call has ended (its caller went, or the idle watch
+        ended it); start (``idle``) or stop the call's idle clock."""
+        if self.watched is not None:
+            if not idle:
+                self.watched.waiting_since = None
+            elif self.watched.waiting_since is None:
+                self.watched.waiting_since = time.monotonic()
+        if raising and (self.gone or (self.call is not None and not self.call.is_active())):
+            expired = self.watched.expired if self.watched is not None else None
+            raise CallerGone(expired or "the caller cancelled the call while it waited on peers")
+
+
+__all__ = ["PART_SEND", "SENDERS", "CallerGone", "PeerLinks", "WaitingCall"]
