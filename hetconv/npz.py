@@ -25,6 +25,9 @@ _NPZ_SPLIT_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 #: The most labels may ask for: a label past it is a damaged file, not a class.
 MAX_CLASSES = 100_000
+#: A member over BOMB_MIN_BYTES that deflates more than BOMB_RATIO to 1 is a zip bomb: image
+#: data never compresses so far (deflate's best is about 1030 to 1, on constant bytes).
+BOMB_RATIO, BOMB_MIN_BYTES = 200, 64 << 20
 
 
 def _member_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) -> int:
@@ -38,6 +41,11 @@ def _member_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) ->
     if dtype.hasobject:
         raise ValueError(f"{key} holds Python objects: cannot read it without unpickling")
     declared = math.prod(shape) * dtype.itemsize
+    if info.file_size > max(BOMB_MIN_BYTES, BOMB_RATIO * info.compress_size):
+        raise ValueError(
+            f"{key} declares {byte_size(info.file_size)} compressed "
+            f"{info.file_size // max(info.compress_size, 1)} to 1: a zip bomb, not data"
+        )
     if declared != data:
         raise ValueError(
             f"{key} declares {dtype} {shape} ({byte_size(declared)}) but holds {byte_size(data)}: "

@@ -103,6 +103,14 @@ def test_a_zip_bomb_dataset_is_refused_before_decompressing(tmp_path, monkeypatc
     assert str(path) in str(info.value)
 
 
+def test_a_zip_bomb_is_refused_whatever_the_memory(tmp_path, monkeypatch):
+    path = tmp_path / "bomb.npz"
+    _bomb(path, 32)
+    monkeypatch.setattr(npz, "BOMB_MIN_BYTES", 16 << 20)  # 6.4 GB in the wild; 32 MiB here
+    with pytest.raises(DatasetError, match=r"x declares 32.0 MiB compressed \d+ to 1: a zip bomb"):
+        load_npz(path)
+
+
 @pytest.mark.parametrize(
     "labels, message",
     [

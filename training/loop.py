@@ -38,7 +38,7 @@ from .datasets import check_classes, evaluate, load_datasets
 from .fingerprint import compute_environment, order_digest, run_fingerprint
 from .rundir import MetricsLog
 from .stopping import StopAtStepBoundary, TrainingInterrupted
-from .trace import RunFileError, Trace, model_record
+from .trace import RunFileError, Trace, model_record, written
 
 # "checkpoint written" lines on the console at most this often (the trace records every one).
 _CHECKPOINT_MESSAGE_SECONDS = 5.0
@@ -540,13 +540,8 @@ class _Run:
         if self.resident:  # the workers' kernel slices into the model first
             self.executor.gather_resident()
         path = Path(self.config.save)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.model.save(path, self.description)
-        except OSError as e:
-            path.with_name(path.name + ".tmp").unlink(missing_ok=True)  # Model.save's
-            raise RunFileError(path, e) from None
-        return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return written(path, lambda: self.model.save(path, self.description))
 
     def summary(self, seconds: float) -> TrainResult:
         """Save the weights if asked, and report (with the final evaluation's figures)."""

@@ -197,6 +197,17 @@ class RunFileError(OSError):
         return self
 
 
+def written(path: Path, write: Callable[[], None]) -> Path:
+    """``path``, after ``write()`` wrote it (through ``path.tmp``, as :meth:`Model.save` does);
+    a failure leaves no temporary file and raises :class:`RunFileError` naming ``path``."""
+    try:
+        write()
+    except OSError as e:
+        path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+        raise RunFileError(path, e) from None
+    return path
+
+
 def close_and_cut(file: TextIO, path: Path, end: int) -> None:
     """Close ``file`` after a failed write (what it still buffers is dropped) and cut ``path``
     back to ``end`` bytes."""
