@@ -171,8 +171,9 @@ def _add_exactness(
         "--spot-check-every",
         type=non_negative_int,
         metavar="STEPS",
-        help="every STEPS steps (default 4; 1: every step), the master recomputes a few values "
-        "of every worker answer and drops a worker whose values are wrong (finite but "
+        help="on one step in STEPS, drawn at random (default 4; 1: every step), the master "
+        "recomputes a few values of every worker answer (resident kernels: at their next "
+        "sync) and drops a worker whose values are wrong (finite but "
         "wrong: a broken driver, a bad overclock) for the rest of the run, computing its "
         "share itself; 0: never",
     )

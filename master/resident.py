@@ -32,6 +32,15 @@ exactly as the worker did, and covers it like any lost worker's piece. The log i
 sync every ``sync_every`` steps (FetchKernels of every slice; the bytes are counted in the step
 record under ``resident``) or sooner when it outgrows ``log_limit_bytes``.
 
+Spot checks, by the same replay (:mod:`.spotcheck`): with checks on, each placement and sync
+draws in secret a few kernels of the slice whose forward answers the log keeps (with a split
+head, the slice's partial logits); at the next sync (or fetch) the master replays those
+kernels from the synced copy (a kernel's update reads its stage neighbours', so going back each
+step widens the rows by the halo; the logged halo beyond the slice) and compares the answers of
+every step since and the fetched rows with its own (:meth:`ResidentKernels._audit`): the
+answers between syncs and the worker's own updates are checked, not only the first forward
+after a sync. A worker caught is lost and kept out; its slice is replayed whole from the sync.
+
 When shares change (a worker joins or is lost, a rebalance), a slice whose range moved is
 fetched (or replayed, its worker gone) into the master's arrays and the new ranges are placed
 with new versions before the layer's next forward.

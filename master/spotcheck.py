@@ -2,10 +2,12 @@
 
 A worker can answer with finite but wrong numbers (a broken driver, a bad overclock, a laptop
 that lies). Nothing else would notice: the shapes are right, the values finite, and training
-goes on to a different model. So every ``every`` steps (default :data:`DEFAULT_EVERY`), for
-every answer of every worker in that step, the master picks a few kernels of the worker's slice,
-a few images and a few input channels, recomputes exactly those values itself and compares them
-with the answer:
+goes on to a different model. So on one step in ``every`` on average (default
+:data:`DEFAULT_EVERY`; each step drawn with probability ``1 / every`` from a secret the master
+draws when the run starts, so a worker cannot tell the checked steps from the step numbers),
+for every answer of every worker in that step, the master picks a few kernels of the worker's
+slice, a few images and a few input channels, recomputes exactly those values itself and
+compares them with the answer:
 
 * forward: the feature maps of the sampled kernels on the sampled images (a ``kernels`` x
   ``images`` convolution);
@@ -15,7 +17,20 @@ with the answer:
   part on the sampled images and input channels (over all its kernels: the part is a sum over
   them).
 
-So every tensor a worker returns is sampled. The master computes the samples in float64 by FFT
+Resident kernels (:mod:`.resident`) are the workers' own between syncs, so their answers can
+be recomputed only from the last synced copy: at each sync (FetchKernels) of a slice whose
+steps since include a checked one, the master replays a few kernels of it drawn in secret at
+the sync before (the whole slice with a split head, whose answer is a sum over it) from the
+synced copy and its replay log, and compares the worker's forward answers of every step since
+(it keeps the drawn kernels' stage outputs, or the split head's partial logits) and the
+fetched slice (the worker's own SGD updates): :meth:`SpotChecker.compare`, with the tolerances
+:data:`REPLAY_RTOL` and :data:`UPDATE_RTOL` (the replay is float32 on the master's BLAS, not
+the worker's bit for bit). A worker caught there is lost and kept out as below; its slice is
+replayed from the sync (the updates it should have made) and the step is computed again.
+
+So every tensor a worker returns is sampled. An answer of which nothing can be compared (a
+resident forward between syncs, a fused stage holding batch norm) is not counted as a check.
+The master computes the samples in float64 by FFT
 (scipy), independent of every backend: a bug its own backend shared with a worker's would not
 hide, and a few kernels' gradients over a whole batch cost less this way than a backend's
 lowering of the input. A mismatch raises :class:`SpotCheckFailed`, a
@@ -30,10 +45,11 @@ it again). Answers it gave in unchecked steps (``every`` above 1), or that passe
 earlier steps, stay in the weights: sampling bounds how long a lie goes unseen, not what it
 costs until then (``benchmarks/spot_checks.py`` measures both).
 
-What is sampled follows from the seed, the step, the layer, the phase and the node, so a run
-repeated with the same settings checks the same values. A check only reads: an honest worker's
-answer is used unchanged, so checks never change what a run computes (``--deterministic`` runs
-stay bitwise identical).
+What is sampled follows from the secret, the seed, the step, the layer, the phase and the
+node; with ``unpredictable=False`` not the secret (every ``every``-th step from step 0 is
+checked), so a run repeated with the same settings checks the same values. A check only
+reads: an honest worker's answer is used unchanged, so checks never change what a run computes
+(``--deterministic`` runs stay bitwise identical).
 
 Tolerance (:func:`tolerance`): the sample's largest error over its scale (the largest value
 the master computed for that tensor; the kernel and bias gradients of a kernel share one
