@@ -232,3 +232,37 @@ def test_a_scenario_asking_for_a_hundred_million_nodes_is_refused(tmp_path):
     with pytest.raises(ValueError, match=message) as info:
         load_scenario(str(path))
     assert str(path) in str(info.value)
+
+
+def test_a_full_disk_that_takes_the_checkpoint_too_names_the_latest_one(
+    tmp_path, monkeypatch, capsys
+):
+    from hetconv.cli import main
+    from hetconv.training import checkpoint, rundir
+
+    real_write = checkpoint._write_npz
+
+    def full_from_step_2(file, arrays):
+        if json.loads(arrays["meta"].tobytes())["step"] >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(file, arrays)
+
+    def full_at_rewrite(path, *args, **kwargs):
+        if (
+            Path(path).name.startswith("metrics.csv.tmp")
+            and Path(path).with_name("metrics.csv").is_file()
+        ):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_write_npz", full_from_step_2)
+    monkeypatch.setattr(rundir, "open", full_at_rewrite, raising=False)
+    runs = tmp_path / "runs"
+    argv = ["train", *SMALL, "--checkpoint-every", "1", "--run-dir", str(runs), "--name", "r"]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    folder = runs / "r" / "checkpoints"
+    assert "stopped after step 2: saved model" in line
+    assert "no checkpoint at step 2 (No space left on device)" in line
+    assert f"to continue from {folder / 'ckpt-00000001.npz'}: hetconv train" in line
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt-00000001.npz", "latest"]
