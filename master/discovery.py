@@ -191,8 +191,9 @@ class Discovery:
                 self._refuse(
                     name,
                     f"{ips[0]}:{port}",
-                    f"it advertises only {kinds} addresses ({', '.join(ips)}), which no other "
-                    "machine reaches it at: name a worker on this machine with --worker",
+                    f"it advertises only {kinds} addresses ({', '.join(ips)}), which masters do "
+                    "not take from the LAN: name the worker with --worker (one on this machine "
+                    "as 127.0.0.1:PORT)",
                 )
             return
         ip = choose_address(usable, self._networks)

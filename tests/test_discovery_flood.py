@@ -64,6 +64,16 @@ def test_loopback_beside_a_lan_address_is_left_out_silently():
     lan.close()
 
 
+def test_a_worker_advertises_no_loopback_and_link_local_only_when_nothing_else():
+    from hetconv.worker.advertise import InterfaceAddress, advertised_ips
+
+    lo, ll = InterfaceAddress("127.0.0.1", "lo"), InterfaceAddress("169.254.3.4", "eth1")
+    lan = InterfaceAddress("192.168.1.20", "wlan0")
+    assert advertised_ips([lo, ll, lan]) == ["192.168.1.20"]
+    assert advertised_ips([lo, ll]) == ["169.254.3.4"]  # a cable, no DHCP: the master says why
+    assert advertised_ips([lo]) == []
+
+
 def test_the_cap_drops_the_oldest_never_reached_and_says_so_once():
     lan = _lan(max_tracked=4)
     for i in range(4):

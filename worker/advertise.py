@@ -32,6 +32,10 @@ class InterfaceAddress:
     def loopback(self) -> bool:
         return ipaddress.ip_address(self.ip).is_loopback
 
+    @property
+    def link_local(self) -> bool:
+        return ipaddress.ip_address(self.ip).is_link_local
+
 
 def interface_addresses() -> list[InterfaceAddress]:
     """Every IPv4 address of this machine's interfaces, loopback included (``ifaddr``: Linux,
@@ -98,13 +102,23 @@ def txt_properties(
     }
 
 
+def advertised_ips(addresses: list[InterfaceAddress]) -> list[str]:
+    """The IPv4 addresses a worker advertises: none loopback, and none link-local when another
+    remains (masters take neither from the LAN: a link-local-only worker is advertised, and a
+    master says why it does not call it)."""
+    beyond = sorted({a.ip for a in addresses if not a.loopback})
+    routable = sorted({a.ip for a in addresses if not a.loopback and not a.link_local})
+    return routable or beyond
+
+
 class Advertisement:
     """A worker registered under :data:`SERVICE_TYPE` on its non-loopback addresses until
     :meth:`close`.
 
     Args:
         port: the port it serves on.
-        addresses: the IPv4 addresses to advertise (loopback ones are left out).
+        addresses: the IPv4 addresses to advertise (loopback ones are left out, and link-local
+            ones when another remains: masters take neither from the LAN).
         properties: its TXT record (:func:`txt_properties`).
         instance_id: its worker process's id: the service and host names carry it, so workers
             on machines (or network namespaces) with one host name do not collide.
@@ -123,7 +137,7 @@ class Advertisement:
     ):
         from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
-        ips = sorted({a.ip for a in addresses if not a.loopback})
+        ips = advertised_ips(addresses)
         if not ips:
             raise ValueError("no address beyond loopback to advertise")
         self.addresses = ips
