@@ -26,6 +26,7 @@ from test_worker_process import (
     _session,
     forward_messages,
     health_status,
+    probe_method,
     reference,
     stream_method,
 )
@@ -163,3 +164,46 @@ def test_sigterm_stops_a_worker_that_waits_within_seconds(spawn):
     assert status == 0, output
     assert "stopped after" in output and "Traceback" not in output
     assert seconds < 15
+
+
+def test_a_call_whose_caller_goes_while_it_waits_for_the_device_never_runs(spawn):
+    """Two Forwards queued behind a long Probe on the device, their callers gone (a 0.3 s
+    deadline) before their turn: their jobs are dropped, never computed for nobody (Describe's
+    ``device_dropped``), and the worker answers the next Forward."""
+    worker = spawn()
+    with grpc.insecure_channel(worker.address) as channel:
+        # about 15 GFLOP a repeat: seconds on one thread, however fast the machine
+        probe = probe_method(channel).future(
+            pb.ProbeRequest(
+                n=16, c=64, h=64, w=64, k=64, kh=3, kw=3, padding=[1, 1, 1, 1],
+                repeats=5, with_grad_input=True,
+            ),
+            timeout=120,
+        )  # fmt: skip
+        wait_for(lambda: worker_memory(channel)["calls"] == 1, "the probe in flight")
+        time.sleep(0.3)  # on the device
+
+        def queued() -> grpc.StatusCode:
+            call = stream_method(channel, "Forward")(
+                iter(forward_messages(_session())), timeout=0.3
+            )
+            try:
+                list(call)
+            except grpc.RpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+
+        results: list[grpc.StatusCode] = []
+        threads = [threading.Thread(target=lambda: results.append(queued())) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        assert results == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
+        assert not probe.done()
+        probe.result()
+        held = wait_for(
+            lambda: (m := worker_memory(channel))["calls"] == 0 and m, "the calls ended"
+        )
+        assert held["device_dropped"] == 2
+    _forward_works(worker.address)

@@ -37,6 +37,7 @@ from hetconv.formats import TensorFormat
 from hetconv.proto import worker_pb2 as pb
 from hetconv.worker.budget import Dropped, MemoryBudget
 from hetconv.worker.config import WorkerConfig
+from hetconv.worker.idle import CallEnded
 
 if TYPE_CHECKING:
     from hetconv.calls import ConvCall
@@ -65,10 +66,22 @@ def release_free_memory() -> None:
         pass
 
 
+#: Seconds between looks at whether a call waiting for the device still has its caller.
+CALLER_LOOK = 0.25
+
+
+def caller_alive(budget: MemoryBudget) -> Callable[[], bool] | None:
+    """Whether the caller of the call this thread serves is still there (its gRPC context is
+    active); None when this thread serves no watched call (a core called directly)."""
+    watched = getattr(budget.current(), "watched", None)
+    return watched.context.is_active if watched is not None else None
+
+
 class DeviceThread:
     """The one thread every convolution runs on, a job at a time, in order: per-thread scratch
     exists once. After each job the backend's scratch is trimmed to ``keep`` bytes (a job that
-    grew it beyond gives the rest back).
+    grew it beyond gives the rest back). A job whose caller goes while it is still queued is
+    dropped, never run (:meth:`run`).
 
     Args:
         backend: the device.
@@ -79,6 +92,7 @@ class DeviceThread:
         self.backend = backend
         self.keep = keep
         self.trimmed = 0  # times the scratch was trimmed after a job
+        self.dropped = 0  # queued jobs dropped, their caller gone
         self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="hetconv-device")
         # Held by every job: code that runs the backend on its own thread under it still runs
         # one call at a time (but keeps scratch of its own; prefer run).
@@ -99,9 +113,24 @@ class DeviceThread:
 
         return self._pool.submit(job)
 
-    def run(self, work: Callable[[], object]):
-        """``work()`` on the device thread (after any job before it); its result."""
-        return self.submit(work).result()
+    def run(self, work: Callable[[], object], alive: Callable[[], bool] | None = None):
+        """``work()`` on the device thread (after any job before it); its result. ``alive``:
+        whether the caller is still there, looked at while the job waits its turn.
+
+        Raises:
+            CallEnded: the caller went before the job started (it never runs).
+        """
+        future = self.submit(work)
+        if alive is None:
+            return future.result()
+        while True:
+            try:
+                return future.result(timeout=CALLER_LOOK)
+            except futures.TimeoutError:
+                if not alive() and future.cancel():
+                    self.dropped += 1
+                    gone = "the caller went while the call waited for the device"
+                    raise CallEnded(gone) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -153,8 +182,12 @@ class WorkerContext:
         return self._receive(messages, call, progress)
 
     def run(self, work: Callable[[], object]):
-        """``work()`` on the device thread, after any job before it; its result."""
-        return self._device.run(work)
+        """``work()`` on the device thread, after any job before it; its result.
+
+        Raises:
+            CallEnded: the call's caller went before the job started (it never runs).
+        """
+        return self._device.run(work, caller_alive(self.budget))
 
     def submit(self, work: Callable[[], object]) -> futures.Future:
         """``work()`` queued on the device thread, after any job before it."""
@@ -206,4 +239,12 @@ class WorkerContext:
         )
 
 
-__all__ = ["Answer", "DeviceThread", "Received", "WorkerContext", "answer", "release_free_memory"]
+__all__ = [
+    "Answer",
+    "DeviceThread",
+    "Received",
+    "WorkerContext",
+    "answer",
+    "caller_alive",
+    "release_free_memory",
+]

@@ -27,7 +27,14 @@ import grpc
 from hetconv.errors import WireError
 
 
-class IdleTimeout(WireError):
+class CallEnded(WireError):
+    """A call that is over already (its caller went, or the idle watch ended it): nothing is
+    left to answer."""
+
+    status = grpc.StatusCode.CANCELLED
+
+
+class IdleTimeout(CallEnded):
     """A call whose client sent or read nothing for the idle timeout."""
 
     status = grpc.StatusCode.DEADLINE_EXCEEDED
@@ -150,4 +157,4 @@ class IdleWatch:
                 _end_call(watched.context, watched.expired)
 
 
-__all__ = ["IdleTimeout", "IdleWatch", "Watched"]
+__all__ = ["CallEnded", "IdleTimeout", "IdleWatch", "Watched"]

@@ -76,8 +76,15 @@ from hetconv.worker.activity import Activity
 from hetconv.worker.auth import WorkerSecurity
 from hetconv.worker.budget import MemoryBudget, OverBudget
 from hetconv.worker.config import SPARE_THREADS, WorkerConfig
-from hetconv.worker.context import Answer, DeviceThread, Received, WorkerContext, answer
-from hetconv.worker.idle import IdleTimeout, IdleWatch, Watched
+from hetconv.worker.context import (
+    Answer,
+    DeviceThread,
+    Received,
+    WorkerContext,
+    answer,
+    caller_alive,
+)
+from hetconv.worker.idle import CallEnded, IdleWatch, Watched
 from hetconv.worker.overlap import Streamed
 from hetconv.worker.replica import ReplicaCalls
 from hetconv.worker.requests import RequestReader, request_padding
@@ -170,7 +177,10 @@ class ConvWorkerService:
         # What the memory budget holds, as trailing metadata (the message's fields stay as
         # they are): budget=...,in_flight=...,...,idle_ended=N,scratch_trimmed=N
         memory = self.budget.holding().as_metadata()
-        extra = f"idle_ended={self.idle.ended},scratch_trimmed={self.device.trimmed}"
+        extra = (
+            f"idle_ended={self.idle.ended},scratch_trimmed={self.device.trimmed},"
+            f"device_dropped={self.device.dropped}"
+        )
         context.set_trailing_metadata(((MEMORY_METADATA, f"{memory},{extra}"),))
         return pb.DeviceDescription(
             backend=info.backend,
@@ -207,7 +217,8 @@ class ConvWorkerService:
             except OverBudget as e:
                 context.abort(e.status, f"probe: {e}")
             seconds = self.device.run(
-                lambda: self.backend.time_step(shape, repeats, request.with_grad_input)
+                lambda: self.backend.time_step(shape, repeats, request.with_grad_input),
+                caller_alive(self.budget),
             )
         passes = 3 if request.with_grad_input else 2
         return pb.ProbeResult(
@@ -243,7 +254,7 @@ class ConvWorkerService:
             tensors, compute, receive = got
             if memory is not None:  # the answer, when _admit could not foresee it
                 memory.cover(2 * sum(a.nbytes for _, a, _ in tensors), f"{call.name}'s answer")
-        except IdleTimeout:
+        except CallEnded:
             raise  # the call is over already: nothing to answer
         except WireError as e:
             context.abort(e.status, f"{call.name}: {e}")
@@ -263,8 +274,8 @@ class ConvWorkerService:
             with self._in_flight(call.name, context, call is FETCH_PART) as watched:
                 try:
                     got = self._run(call, core, watched.messages(messages), context)
-                except IdleTimeout:
-                    return  # ended by the idle watch, with its status: nothing more to send
+                except CallEnded:
+                    return  # ended by the idle watch or its caller: nothing more to send
                 if isinstance(got, Streamed):
                     stream = self._streaming(call, got, context)
                 else:
@@ -302,7 +313,10 @@ class ConvWorkerService:
 
         def handler(bundle: Bundle, context) -> Bundle:
             with self._in_flight(call.name, context, call is FETCH_PART):
-                got = self._run(call, core, iter([bundle]), context)
+                try:
+                    got = self._run(call, core, iter([bundle]), context)
+                except CallEnded as e:  # its caller is gone: the status is for the record
+                    context.abort(e.status, f"{call.name}: {e}")
                 if isinstance(got, Streamed):  # one message: computed whole, then sent
                     try:
                         tensors, compute, receive = got.collect()
@@ -328,7 +342,7 @@ class ConvWorkerService:
             self.backend.synchronize()
             return y
 
-        y = self.device.run(work)
+        y = self.device.run(work, caller_alive(self.budget))
         compute = time.perf_counter() - start
         self._save(request, _Saved(request.step, x, w, padding))
         formats = FORWARD.answer_formats(fmt=answer_format(request.answer_dtype))
@@ -353,7 +367,7 @@ class ConvWorkerService:
             self.backend.synchronize()
             return out
 
-        out = self.device.run(work)
+        out = self.device.run(work, caller_alive(self.budget))
         # dw, db and, when asked for, dx; dx in the format asked for, dw and db float32
         formats = BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype)
