@@ -147,7 +147,10 @@ class Discovery:
                     self._changed.notify_all()
                 self._refused.discard(name)  # it may come back with another configuration
             return
-        info = ServiceInfo(service_type, name)
+        try:
+            info = ServiceInfo(service_type, name)
+        except Exception:  # a name not of the type (a forged pointer): nothing to resolve
+            return
         if info.load_from_cache(zeroconf):
             self._resolved(name, info)
             return

@@ -116,6 +116,10 @@ def test_an_advertisement_not_announced_whole_is_resolved_off_the_browser_thread
         lan._on_change(Silent(), discovery.SERVICE_TYPE, name, ServiceStateChange.Added)
     assert time.monotonic() - began < 0.5
     assert asked.wait(5)
+    # a pointer to a name of another type is ignored, not an exception in the browser's thread
+    lan._on_change(
+        Silent(), discovery.SERVICE_TYPE, "x._other._tcp.local.", ServiceStateChange.Added
+    )
     lan.close()
 
 
