@@ -488,3 +488,25 @@ def test_resident_slices_are_held_in_the_budget_and_refused_by_name():
     finally:
         client.close()
         process.stop()
+
+
+def test_parts_put_by_peers_are_held_in_the_budget(small_worker):
+    """PutPart of 16 MiB block outputs under new block names: what the parts hold shows in
+    Describe's ``held`` and counts against the one budget, so the first that does not fit is
+    refused naming the budget and what it holds (before: outside the budget, up to half of
+    it)."""
+    client = WorkerClient(small_worker.address)
+    part = np.ones((16, 16, 128, 128), np.float32)  # 16 MiB
+    session = _session()
+    try:
+        with grpc.insecure_channel(small_worker.address) as channel:
+            with pytest.raises(WorkerError) as info:
+                for put in range(8):
+                    client.put_part(session, 1, f"block{put}", 1, part, False, timeout=TIMEOUT)
+            held = worker_memory(channel)
+    finally:
+        client.close()
+    assert put >= 2 and held["held"] == put * part.nbytes
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "the split's parts needs" in str(info.value)
+    assert "memory budget of 96.0 MiB (--memory-mib) holds" in str(info.value)
