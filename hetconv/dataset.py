@@ -257,5 +257,7 @@ def memory_budget() -> int:
 
 
 def byte_size(n: int) -> str:
-    """``n`` bytes in MiB or GiB."""
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+    """``n`` bytes in GiB, MiB or bytes."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
