@@ -13,7 +13,7 @@ from hetconv.simulations.cli import DESCRIPTION, PAPER_MODES, POLICIES, run
 from .common import HelpFormatter
 from .modes import TRAIN_DEFAULTS, add_mode_flags, add_model_flag
 
-MAX_NODES = 4096
+MAX_NODES = 1024
 
 #: The mode flags simulate takes; their defaults are train's, so that a prediction describes
 #: the run `hetconv train` makes (a test keeps them equal).

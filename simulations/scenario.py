@@ -86,7 +86,7 @@ from .paper import paper_comp_fraction
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 #: The largest cluster a sweep may ask for (``hetconv simulate --nodes`` has the same bound).
-MAX_NODES = 4096
+MAX_NODES = 1024
 
 #: The master's non-convolutional time per image (ms) when a scenario gives none: hetconv's own
 #: numpy layers (ReLU, LRN, pooling, FC, loss, SGD) measured on this project's 2-vCPU machine
