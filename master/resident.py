@@ -444,7 +444,8 @@ class ResidentKernels:
             dest[part] = value
 
     def _audit(self, layer: ResidentLayer, placed: Placement, outs) -> bool:
-        """A spot check of a fetched slice (:mod:`.spotcheck`), when its log holds a due step:
+        """A spot check of a fetched slice (:mod:`.spotcheck`) when it is due (one sync in
+        ``every``, drawn in secret: :meth:`~.spotcheck.SpotChecker.replay_due`):
         the watched kernels are replayed from the sync, and their forward answers of every
         logged step and their fetched rows (weights, biases, momentum: the worker's updates)
         compared with the master's; with a split head the whole slice is replayed and its
@@ -460,7 +461,7 @@ class ResidentKernels:
         skips them) must be 1 within :data:`~.spotcheck.UPDATE_RTOL`, and what is left of it
         (the change's part that is not the replayed one) under a tenth of the replayed."""
         checker = self.spot_checks
-        if checker is None or not any(checker.due_at(e.step) for e in placed.log):
+        if checker is None or not placed.log or not checker.replay_due(placed, layer.name):
             return True
         node, part = placed.node, placed.part
         fmt = node.client.wire_format

@@ -286,16 +286,15 @@ class _ResidentForward:
     def spot_sample(self, piece: Piece, answer, draw):
         """Sampled stage outputs next to the master's (:mod:`.spotcheck`), on a step whose
         slices were all placed or synced just before this forward, so the master's weights are
-        the workers' exactly; none otherwise (a spot check of a resident layer waits for a
-        sync: forcing one on every due step would fetch every slice that often)."""
-        if self.batchnorm:
-            return None  # as the fused stage's: batch norm reads every image, samples a few
+        the workers' exactly; none otherwise: the answers between syncs are compared at the
+        next sync, by replay (:meth:`~.resident.ResidentKernels._audit`)."""
         if not self.synced or self.layer.classes:
-            return []  # a split head answers logits: not sampled (see the module's docstring)
+            return []  # a split head's logits: compared at the next sync, replayed whole
         layer, fmt = self.layer, piece.node.client.wire_format
         sample = draw(*self.x.shape[:2])
+        bn = _batchnorm_slices(self.batchnorm, slice(0, layer.kernels))  # every image's
         return stage_forward_sample(
-            fmt, self.x, layer.w, layer.b, layer.sides, layer.stage, self.y, sample
+            fmt, self.x, layer.w, layer.b, layer.sides, layer.stage, self.y, sample, bn
         )
 
     def result(self):

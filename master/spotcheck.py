@@ -18,8 +18,8 @@ compares them with the answer:
   them).
 
 Resident kernels (:mod:`.resident`) are the workers' own between syncs, so their answers can
-be recomputed only from the last synced copy: at each sync (FetchKernels) of a slice whose
-steps since include a checked one, the master replays a few kernels of it drawn in secret at
+be recomputed only from the last synced copy: at one sync (FetchKernels) of a slice in
+``every``, drawn in secret, the master replays a few kernels of it drawn in secret at
 the sync before (the whole slice with a split head, whose answer is a sum over it) from the
 synced copy and its replay log, and compares the worker's forward answers of every step since
 (it keeps the drawn kernels' stage outputs, or the split head's partial logits) and the
@@ -77,6 +77,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import fft as sfft
 
+from hetconv.batchnorm import BatchNorm2d
 from hetconv.formats import FLOAT16, TensorFormat
 
 from .client import WorkerError
@@ -257,6 +258,21 @@ class SpotChecker:
         if self.secret is None:
             return step % every == 0
         return every == 1 or bool(self._rng(step, 0xD0E).random() < 1 / every)
+
+    def replay_due(self, placed, layer: str) -> bool:
+        """Whether a resident slice's steps since its sync are replayed and compared now
+        (:mod:`.resident`): one sync in ``every``, drawn in secret (a replay recomputes every
+        step of the slice since, so one in ``every`` costs what checking one step in
+        ``every`` would); predictably, when one of its logged steps is due."""
+        if self.secret is None:
+            return any(self.due_at(e.step) for e in placed.log)
+        every = self.config.every
+        key = (
+            placed.synced_step,
+            zlib.crc32(layer.encode()),
+            zlib.crc32(placed.node.name.encode()),
+        )
+        return every == 1 or bool(self._rng(*key, 0xA0D).random() < 1 / every)
 
     def start_step(self, step: int) -> None:
         """Calls from now on belong to ``step``."""
@@ -465,34 +481,46 @@ def _correlate(inputs: np.ndarray, w: np.ndarray, size, out_hw) -> np.ndarray:
     return maps[..., : out_hw[0], : out_hw[1]]
 
 
-def _stage_run(stage, maps: np.ndarray):
-    """The stage's layers (fresh objects, the code every node runs) over float32 ``maps``;
-    (output, layers with their saved state)."""
-    layers = stage.build("spot")
+def _stage_run(stage, maps: np.ndarray, batchnorm: Sequence = (), rows: slice = slice(0, 0)):
+    """The stage's layers (fresh objects, the code every node runs) over float32 ``maps`` of
+    kernels ``rows``, its batch norms with ``batchnorm``'s rows (BatchNormSlice of the whole
+    layer: a channel's statistics are its own); (output, layers with their saved state)."""
+    layers = stage.build("spot", maps.shape[1])
+    given = iter(batchnorm)
     a = maps.astype(np.float32)
     for layer in layers:
+        if isinstance(layer, BatchNorm2d):
+            bn = next(given)
+            layer.params = {"weight": bn.weight[rows], "bias": bn.bias[rows]}
+            layer.training = bn.training
+            if not bn.training:
+                layer.buffers["running_mean"][...] = bn.running_mean[rows]
+                layer.buffers["running_var"][...] = bn.running_var[rows]
         a = layer.forward(a)
     return a, layers
 
 
 def stage_forward_sample(
-    fmt: TensorFormat, x, w, b, sides, stage, y, sample: Sample
+    fmt: TensorFormat, x, w, b, sides, stage, y, sample: Sample, batchnorm: Sequence = ()
 ) -> list[Comparison]:
     """A fused stage's forward: the stage output ``y`` (N, K, Ho', Wo') a worker wrote for the
     sampled kernels on the sampled images, against the master's: the convolution of each
     sampled kernel's halo-widened range (float64 by FFT, as :func:`kernel_forward_sample`) put
-    through the stage's layers, rounded to ``fmt`` as the output travelled."""
+    through the stage's layers, rounded to ``fmt`` as the output travelled. A stage's batch
+    norms (``batchnorm``: the layer's BatchNormSlices, every channel) normalise a channel by
+    its own statistics over the batch: with them every image is computed, a few compared."""
     ks, images = sample.kernels, sample.images
     top, bottom, left, right = sides
     size = (x.shape[2] + top + bottom, x.shape[3] + left + right)
     out_hw = (size[0] - w.shape[2] + 1, size[1] - w.shape[3] + 1)
-    inputs = _spectrum(as_received(fmt, x[images]), size, (top, left))
+    batch = np.arange(x.shape[0]) if batchnorm else images
+    inputs = _spectrum(as_received(fmt, x[batch]), size, (top, left))
     want = np.empty((len(images), len(ks), *y.shape[2:]), np.float32)
     for i, k in enumerate(ks.tolist()):
         wide = stage.widened(slice(k, k + 1), w.shape[0])
         maps = _correlate(inputs, w[wide], size, out_hw) + b[wide][:, None, None]
-        out, _ = _stage_run(stage, maps)
-        want[:, i] = out[:, k - wide.start]
+        out, _ = _stage_run(stage, maps, batchnorm, wide)
+        want[:, i] = out[images if batchnorm else slice(None), k - wide.start]
     want = _as_answered(fmt, want)
     scale = float(np.abs(want).max(initial=0.0))
     what = f"stage outputs of kernels {_names(ks)}, images {_names(images)}"
@@ -500,14 +528,15 @@ def stage_forward_sample(
 
 
 def stage_backward_sample(
-    fmt: TensorFormat, x, w, b, dy, sides, stage, dw, db, sample: Sample
+    fmt: TensorFormat, x, w, b, dy, sides, stage, dw, db, sample: Sample, batchnorm: Sequence = ()
 ) -> list[Comparison]:
     """A fused stage's backward: the kernel gradients ``dw`` a worker wrote for the sampled
     kernels and input channels and their bias gradients ``db`` (each summed over every image),
     against the master's: each sampled kernel's halo-widened forward over the whole batch
     (float64 convolution by FFT, then the stage's layers), the stage-output gradient of its
     range as the worker received it put back through those layers, and the kernel gradient by
-    FFT. The input-gradient part is not sampled here: it sums over the whole slice, whose
+    FFT; ``batchnorm`` as :func:`stage_forward_sample`'s (the whole batch is computed here
+    anyway). The input-gradient part is not sampled here: it sums over the whole slice, whose
     stage the master would have to run again (the kernel split samples it)."""
     ks, cs = sample.kernels, sample.channels
     top, bottom, left, right = sides
@@ -522,7 +551,7 @@ def stage_backward_sample(
         wide = stage.widened(slice(k, k + 1), w.shape[0])
         grad = stage.grad_range(slice(k, k + 1), w.shape[0])
         maps = _correlate(inputs, w[wide], size, out_hw) + b[wide][:, None, None]
-        out, layers = _stage_run(stage, maps)
+        out, layers = _stage_run(stage, maps, batchnorm, wide)
         g = np.zeros(out.shape, np.float32)
         g[:, grad.start - wide.start : grad.stop - wide.start] = as_received(fmt, dy[:, grad])
         for layer in reversed(layers):

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from hetconv.backends import get_backend
+from hetconv.batchnorm import BatchNorm2d
 from hetconv.calls import READY as READY_LINE
 from hetconv.cli import main
 from hetconv.conv import LocalConv
@@ -44,7 +45,7 @@ from hetconv.master.spotcheck import (
     stage_forward_sample,
     tolerance,
 )
-from hetconv.stages import StageSpec, stage_backward, stage_forward
+from hetconv.stages import BatchNormSlice, StageSpec, stage_backward, stage_forward
 from hetconv.training import TrainConfig, train
 
 LIAR = Path(__file__).with_name("lying_worker.py")
@@ -161,6 +162,39 @@ def test_a_lying_worker_is_caught_in_fused_stages(tmp_path):
     assert lost["worker"] == liar and lost["step"] == 0
     assert "forward conv1: spot check failed" in lost["reason"], lost["reason"]
     assert got[2][0]["stage_modes"] == {"conv1": "fused", "conv2": "fused"}
+
+
+def test_a_lying_worker_is_caught_in_fused_stages_with_batch_norm(tmp_path):
+    # A stage holding batch norm is sampled too (a channel's statistics are its own: the
+    # sampled kernels' stages over every image); before, it was never checked.
+    spec = tmp_path / "bn.json"
+    spec.write_text(json.dumps(BATCHNORM_SPEC))
+    run = dict(preset=str(spec), steps=3)
+    with LocalWorkers(1) as workers, lying_worker("scale") as liar:
+        addresses = workers.addresses + [liar]
+        config = dict(stages="fused", shares={"conv1": (3, 3, 2), "conv2": (6, 5, 5)})
+        with Paused(addresses, **config) as cluster:
+            got = _train(tmp_path, "bn-liar", cluster, **run)
+            events = list(cluster.events)
+    (lost,) = [e for e in events if e["event"] == "worker_lost"]
+    assert lost["worker"] == liar and lost["step"] == 0
+    assert "forward conv1: spot check failed" in lost["reason"], lost["reason"]
+    assert got[2][0]["stage_modes"] == {"conv1": "fused", "conv2": "fused"}
+    assert set(got[2][1]["spot_checks"]["workers"]) == set(workers.addresses)
+
+
+BATCHNORM_SPEC = [
+    {"type": "conv", "name": "conv1", "out": 8, "kernel": 3, "padding": 1, "bias": False},
+    {"type": "batchnorm"},
+    {"type": "relu"},
+    {"type": "maxpool", "kernel": 2},
+    {"type": "conv", "name": "conv2", "out": 16, "kernel": 3, "padding": 1},
+    {"type": "batchnorm"},
+    {"type": "relu"},
+    {"type": "lrn", "size": 3, "alpha": 1.0, "beta": 0.75, "k": 1.0},
+    {"type": "maxpool", "kernel": 2},
+    {"type": "fc", "name": "fc", "out": 10},
+]
 
 
 STRONG_SPEC = [
@@ -411,6 +445,70 @@ def test_stage_samples_of_honest_answers_pass_and_lies_fail(rng, fmt):
     for name, array in [("y", y), ("dw", dw), ("db", db)]:
         array *= 1.5
         assert _failures(both(), fmt) == [name], name
+        array /= 1.5
+
+
+BATCHNORM_STAGE = StageSpec.from_entries(
+    [
+        {"type": "batchnorm"},
+        {"type": "relu"},
+        {"type": "lrn", "size": 3, "alpha": 1.0, "beta": 0.75, "k": 1.0},
+        {"type": "maxpool", "kernel": 2},
+    ]
+)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "evaluation"])
+def test_stage_samples_with_batch_norm_pass_honest_answers_and_fail_lies(rng, training):
+    # Batch norm normalises a channel by its own statistics over the batch: the sampled
+    # kernels' stages over every image are computable, a few images compared. Before, a stage
+    # with batch norm was never sampled.
+    backend = get_backend("cpu")
+    n, c, h, k, sides = 6, 3, 8, 8, (1, 1, 1, 1)
+    x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+    w = rng.standard_normal((k, c, 3, 3), dtype=np.float32)
+    b = rng.standard_normal(k, dtype=np.float32)
+    norm = BatchNorm2d("bn", k)
+    norm.params["weight"][...] = rng.uniform(0.5, 2.0, k)
+    norm.params["bias"][...] = rng.standard_normal(k)
+    norm.buffers["running_mean"][...] = rng.standard_normal(k)
+    norm.buffers["running_var"][...] = rng.uniform(0.5, 2.0, k)
+    norm.training = training
+    part = slice(3, 6)
+    wide = BATCHNORM_STAGE.widened(part, k)
+    grad = BATCHNORM_STAGE.grad_range(part, k)
+    own = slice(part.start - wide.start, part.stop - wide.start)
+    bn = [BatchNormSlice.of(norm, wide)]
+    y_part, run = stage_forward(backend, x, w[wide], b[wide], sides, BATCHNORM_STAGE, own, bn)
+    y = np.zeros((n, k, *y_part.shape[2:]), np.float32)
+    y[:, part] = y_part
+    dy = rng.standard_normal(y.shape, dtype=np.float32)
+    rel = slice(grad.start - wide.start, grad.stop - wide.start)
+    _, dw_part, db_part = stage_backward(backend, run, dy[:, grad], rel, False)
+    dw, db = np.zeros_like(w), np.zeros(k, np.float32)
+    dw[part], db[part] = dw_part, db_part
+    sample = SpotChecker(SpotCheckConfig(kernels=2, images=2, channels=2)).sample(
+        "conv", "forward", 1, part, n, c
+    )
+    whole = [BatchNormSlice.of(norm, slice(0, k))]
+
+    def both():
+        forward = stage_forward_sample(
+            FLOAT32, x, w, b, sides, BATCHNORM_STAGE, y, sample, batchnorm=whole
+        )
+        backward = stage_backward_sample(
+            FLOAT32, x, w, b, dy, sides, BATCHNORM_STAGE, dw, db, sample, batchnorm=whole
+        )
+        return forward + backward
+
+    assert _failures(both(), FLOAT32) == []
+    lies = [("y", y), ("dw", dw), ("db", db)]
+    if training:  # a channel's mean is taken out: its conv bias gets no gradient to scale
+        assert np.abs(db).max() < 1e-5 * np.abs(dw).max()
+        lies.pop()
+    for name, array in lies:
+        array *= 1.5
+        assert _failures(both(), FLOAT32) == [name], name
         array /= 1.5
 
 
