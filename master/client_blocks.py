@@ -129,6 +129,18 @@ class BlockCalls:
         )  # fmt: skip
         return got["p"], stats
 
+    def missing_parts(self, session: int, step: int, block: str, timeout: float = 10.0):
+        """The nodes of split block ``block`` at ``step`` whose block output has not come to
+        the worker yet (plan indices), answered at once."""
+        request = pb.ConvRequest(
+            phase=FETCH_PART.phase, session=session, step=step, layer=block,
+            part=pb.TensorPart(missing=True),
+        )  # fmt: skip
+        got, _ = self._call(
+            FETCH_PART, f"missing parts {block}", request, [], ["p"], {}, timeout, 0,
+        )  # fmt: skip
+        return [int(v) for v in got["p"]]
+
     def fetch_samples(
         self, session: int, step: int, block: str, seed: int, count: int, timeout: float = 60.0
     ) -> np.ndarray:

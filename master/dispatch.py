@@ -52,7 +52,7 @@ from .client import CallStats, WorkerError
 from .membership import ACTIVE, Membership, Node
 from .planning import LayerPlan
 from .replica import BlockGradients
-from .split_step import blame_parts
+from .split_step import blame_parts, silent_peers
 from .spotcheck import (
     Sample,
     SpotChecker,
@@ -457,6 +457,9 @@ class PhaseRunner:
                 for other, pending in calls:  # a failure elsewhere is covered now
                     if other.index not in lost and pending.done() and pending.failed():
                         lose(other, pending.error())
+                for other, e in silent_peers(job, calls):  # a peer whose parts never came
+                    if other.index not in lost:
+                        lose(other, e)
                 if not call.done():
                     ended.wait(0.5)
             if piece.index in lost:

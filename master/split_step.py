@@ -3,6 +3,7 @@ of the exchange between the peers, and the cover of a peer that is lost."""
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
@@ -54,6 +55,8 @@ class SplitStep:
         self.rows_put: set[int] = set()  # workers its own rows went to as its stage made them
         self._pending: list[Call] = []  # puts the master does not wait for
         self.blamed: set[str] = set()  # workers whose parts were found wrong this step
+        self._answered_at: dict[str, float] = {}  # worker -> when its stage forward answered
+        self._next_ask = 0.0  # when to ask receivers what they lack next
 
     @property
     def with_master(self) -> bool:
@@ -93,6 +96,43 @@ class SplitStep:
             self.clients[address].put_part, self.session, self.step, self.block, source, part,
             gradient, timeout, self.plan.round,
         )  # fmt: skip
+
+    def silent(self, calls: list, links: dict, per_image: int) -> dict[str, str]:
+        """Peer address -> why it is silent: asked at most twice a second, each receiver whose
+        stage call (``calls``: (address, call)) has not answered names the parts it lacks; a
+        peer whose own stage call answered (it had its images' block output) :data:`PART_GRACE`
+        seconds ago, plus four times its part's transfer (``links``: address -> bytes per
+        second; ``per_image``: the block output's bytes per image), is silent when one lacks
+        its part."""
+        now = time.monotonic()
+        for address, call in calls:
+            if call.done() and not call.failed():
+                self._answered_at.setdefault(address, now)
+        if now < self._next_ask:
+            return {}
+        self._next_ask = now + 0.5
+        silent = {}
+        for receiver, call in calls:
+            if call.done() or not self.covers(receiver):
+                continue
+            try:
+                missing = self.clients[receiver].missing_parts(self.session, self.step, self.block)
+            except Exception:  # noqa: BLE001 (that worker's own call fails and loses it)
+                continue
+            for node in missing:
+                sender = self.plan.addresses[node] if node < len(self.plan.peers) else MASTER
+                answered = self._answered_at.get(sender)
+                if sender == MASTER or answered is None:
+                    continue
+                images = self.plan.images(sender)
+                rate = min(links.get(sender, math.inf), links.get(receiver, math.inf))
+                grace = PART_GRACE + 4 * (images.stop - images.start) * per_image / rate
+                if now - answered > grace:
+                    silent[sender] = (
+                        f"it answered its stage forward {now - answered:.1f} s ago, but worker "
+                        f"{receiver} never got its part: not re-admitted this run"
+                    )
+        return silent
 
     def check_parts(self, address: str, x: np.ndarray, timeout: float = 30.0) -> list[str]:
         """The workers whose parts worker ``address`` received differ from ``x`` (the block's
@@ -362,6 +402,40 @@ def blame_parts(job, piece, membership, spot_checks, timeout: float = 30.0) -> b
         membership.lose(node, error)
         spot_checks.caught.append(node.name)
     return bool(liars)
+
+
+#: Seconds a receiver may still lack a peer's part after that peer's own stage forward answered
+#: (its parts were on their way before) before the peer is taken for silent, beyond four times
+#: the part's transfer over the slower of their measured links.
+PART_GRACE = 0.5
+
+
+class SilentPeer(WorkerError):
+    """A peer had its images' block output (its own stage forward answered), but a receiver
+    never got it: it is lost and kept out for the run (its receivers would wait for it at
+    every step)."""
+
+    keep_out = True
+
+
+def silent_peers(job, calls) -> list:
+    """While the master waits for a split block's stage forward answers (``calls``: (piece,
+    call)): the pieces of peers whose part some receiver still lacks :data:`PART_GRACE`
+    seconds after their own stage forward answered, each with its :class:`SilentPeer` error;
+    the master covers them (it puts their parts into the others as them), not the
+    receivers."""
+    block = getattr(job, "replica", None)
+    split = block.split if isinstance(block, ReplicaBlock) else None
+    if split is None:
+        return []
+    links = {p.node.client.address: p.node.link_bytes_per_second for p, _ in calls}
+    receivers = [(p.node.client.address, c) for p, c in calls]
+    silent = split.silent(receivers, links, job.x[0].nbytes)
+    return [
+        (piece, SilentPeer(piece.node.name, f"forward {split.block}: {silent[address]}"))
+        for piece, _ in calls
+        if (address := piece.node.client.address) in silent
+    ]
 
 
 def _answered(call: Call, replica: Call | None) -> bool:

@@ -379,7 +379,7 @@ def test_a_deterministic_split_takes_equal_shares_whatever_the_probes(
         assert np.array_equal(runs[0][1][name], runs[1][1][name]), name
 
 
-@pytest.mark.parametrize("kernels", ["sent", "resident"])
+@pytest.mark.parametrize("kernels", [pytest.param("sent", marks=pytest.mark.slow), "resident"])
 def test_a_peer_that_puts_wrong_block_outputs_is_the_one_dropped(local, workers, tmp_path, kernels):
     """A peer that puts its images' block output x1.5 into the others (its own answers right):
     each receiver's sample of the parts it got, compared with the master's block output, blames
@@ -402,6 +402,27 @@ def test_a_peer_that_puts_wrong_block_outputs_is_the_one_dropped(local, workers,
     assert "the block output it put into worker" in lost[0][1]
     assert states[liar] == "distrusted"
     assert all(states[a] == "active" for a in workers.addresses[:2])
+
+
+def test_a_peer_that_withholds_its_parts_is_the_one_dropped(local, workers, tmp_path):
+    """A peer that computes its images' block output but puts it into nobody: the receivers
+    say which parts they lack, and the peer whose own stage forward answered before is
+    dropped (its parts put by the master as it), not the receivers waiting for it."""
+    from test_spot_checks import lying_worker
+
+    with lying_worker("withhold") as liar:
+        addresses = [*workers.addresses[:2], liar]
+        config = ClusterConfig(**{**SPLIT, "deadline_floor": 5.0}, kernels="resident")
+        with Cluster(addresses, config=config) as cluster:
+            started = time.monotonic()
+            got = train_strong_lrn(tmp_path, "withheld", cluster)
+            took = time.monotonic() - started
+            events = list(cluster.events)
+    same_as_local(got, local)
+    lost = [(e["worker"], e["step"], e["reason"]) for e in events if e["event"] == "worker_lost"]
+    assert [(w, step) for w, step, _ in lost] == [(liar, 0)], lost
+    assert "never got its part" in lost[0][2]
+    assert took < 60, took
 
 
 class Killing(exactness.Killing):

@@ -274,6 +274,8 @@ class SplitCalls:
         request, _, receive = self.context.receive(messages, FETCH_PART)
         if request.part.sample:
             return [("p", self._sampled(request), FLOAT32)], 0.0, receive
+        if request.part.missing:
+            return [("p", self._missing(request), FLOAT32)], 0.0, receive
         source = request.part.source
         if not request.part.gradient or self._for_master(request):
             part = self._fetch_waiting(request, source)
@@ -309,6 +311,16 @@ class SplitCalls:
         with self._changed:
             parts = [(i, record.outputs[i]) for i in record.layout.senders]
         return np.stack([part_sample(part, seed, i, count) for i, part in parts])
+
+    def _missing(self, request: pb.ConvRequest) -> np.ndarray:
+        """A FetchPart ``missing``: the senders whose block output of the request's step has
+        not come here yet, at once (none when this worker has no split of it)."""
+        with self._changed:
+            record = self._steps.get((request.session, request.layer))
+            if record is None or record.step != request.step or record.layout is None:
+                return np.zeros(0, np.float32)
+            gone = [i for i in record.layout.senders if i not in record.outputs]
+        return np.array(gone, np.float32)
 
     def _for_master(self, request: pb.ConvRequest) -> bool:
         """Whether a FetchPart asks for the rows of the master's images (it is a peer)."""

@@ -157,18 +157,20 @@ class SplitBlock(_message.Message):
     def __init__(self, node: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[SplitPeer, _Mapping]]] = ..., round: _Optional[int] = ...) -> None: ...
 
 class TensorPart(_message.Message):
-    __slots__ = ("source", "gradient", "round", "sample", "sample_seed")
+    __slots__ = ("source", "gradient", "round", "sample", "sample_seed", "missing")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SEED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     source: int
     gradient: bool
     round: int
     sample: int
     sample_seed: int
-    def __init__(self, source: _Optional[int] = ..., gradient: _Optional[bool] = ..., round: _Optional[int] = ..., sample: _Optional[int] = ..., sample_seed: _Optional[int] = ...) -> None: ...
+    missing: bool
+    def __init__(self, source: _Optional[int] = ..., gradient: _Optional[bool] = ..., round: _Optional[int] = ..., sample: _Optional[int] = ..., sample_seed: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
     __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part")
