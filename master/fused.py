@@ -152,12 +152,10 @@ class _StageForward:
 
     def spot_sample(self, piece: Piece, answer, draw: Callable[[int, int], Sample]):
         """Sampled stage outputs next to the master's (:mod:`.spotcheck`)."""
-        if self.batchnorm:
-            # Batch norm reads every image of a channel; the samples hold a few: not checked.
-            return None
         fmt, sample = piece.node.client.wire_format, draw(*self.x.shape[:2])
+        bn = _batchnorm_slices(self.batchnorm, slice(0, self.w.shape[0]))  # every image's
         return stage_forward_sample(
-            fmt, self.x, self.w, self.b, self.sides, self.stage, self.y, sample
+            fmt, self.x, self.w, self.b, self.sides, self.stage, self.y, sample, bn
         )
 
     def result(self):
@@ -270,12 +268,12 @@ class _StageBackward:
 
     def spot_sample(self, piece: Piece, answer, draw: Callable[[int, int], Sample]):
         """Sampled kernel gradients next to the master's (:mod:`.spotcheck`)."""
-        if self.batchnorm:
-            return None  # as the forward: batch norm reads every image, samples hold a few
         fmt, sample = piece.node.client.wire_format, draw(*self.x.shape[:2])
+        bn = _batchnorm_slices(self.batchnorm, slice(0, self.w.shape[0]))
         return stage_backward_sample(
-            fmt, self.x, self.w, self.b, self.dy, self.sides, self.stage, self.dw, self.db, sample
-        )
+            fmt, self.x, self.w, self.b, self.dy, self.sides, self.stage, self.dw, self.db, sample,
+            bn,
+        )  # fmt: skip
 
     def while_waiting(self) -> None:
         """With a replicated block before the layer, the master's input-gradient part goes
