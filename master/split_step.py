@@ -55,6 +55,8 @@ class SplitStep:
         self.rows_put: set[int] = set()  # workers its own rows went to as its stage made them
         self._pending: list[Call] = []  # puts the master does not wait for
         self.blamed: set[str] = set()  # workers whose parts were found wrong this step
+        self.suspects: dict[str, str] = {}  # split_all: worker -> what of its output was wrong
+        self.check_seconds = 0.0  # split_all: the master's recomputation of workers' images
         self._answered_at: dict[str, float] = {}  # worker -> when its stage forward answered
         self._next_ask = 0.0  # when to ask receivers what they lack next
 
@@ -267,6 +269,7 @@ class SplitStep:
         for address, call in fetches.items():
             if _answered(call, started.get(address)):
                 self.exchanged_bytes += y[plan.images(address)].nbytes
+                self._check_own(backend, block, y, address)
                 continue
             node, images = plan.node(address), plan.images(address)
             start = time.perf_counter()
@@ -277,6 +280,21 @@ class SplitStep:
             self.compute["forward"] += time.perf_counter() - start
         self.y = y
         return y
+
+    def _check_own(self, backend: Backend, block: ReplicaBlock, y: np.ndarray, address: str):
+        """One image of worker ``address``'s fetched block output ``y``, drawn now, computed
+        here and compared: a worker that gave the master (and its peers alike) a wrong output
+        is a suspect, lost by :func:`blame_parts` (the receivers' samples would agree)."""
+        images = self.plan.images(address)
+        i = images.start + secrets.randbelow(images.stop - images.start)
+        start = time.perf_counter()
+        want, _ = stage_forward(
+            backend, block.x[i : i + 1], block.w, block.b, block.sides, block.stage,
+            slice(0, block.w.shape[0]),
+        )  # fmt: skip
+        self.check_seconds += time.perf_counter() - start  # a check's, not the block's share
+        if np.abs(y[i] - want[0]).max() > PART_RTOL * float(np.abs(want).max()):
+            self.suspects[address] = f"its block output of image {i}"
 
     def backward_all(self, backend: Backend, dx: np.ndarray | None, timeout: float = 60.0):
         """The master's part of the block's kernel and bias gradients, as a peer: the rows of
@@ -380,6 +398,8 @@ def blame_parts(job, piece, membership, spot_checks, timeout: float = 30.0) -> b
     split = getattr(block, "split", None)
     if split is None or not piece.index or spot_checks is None:
         return False
+    for liar, what in list(split.suspects.items()):  # split_all: outputs it fetched, wrong
+        _blame(split, membership, spot_checks, liar, f"{what}, fetched by the master,")
     if split.blamed:  # a part was wrong this step: the answers on it are redone, not checked
         return True
     address = piece.node.client.address
@@ -387,21 +407,24 @@ def blame_parts(job, piece, membership, spot_checks, timeout: float = 30.0) -> b
         return False
     liars = split.check_parts(address, job.x, timeout)
     for liar in liars:
-        if liar in split.blamed:
-            continue
-        split.blamed.add(liar)
-        node = next(
-            n for n in membership.nodes if n.client is not None and n.client.address == liar
-        )
-        error = SpotCheckFailed(
-            node.name,
-            f"forward {split.block}: the block output it put into worker {piece.node.name} "
-            f"differs from the master's by more than {PART_RTOL:g} of its scale: finite but "
-            "wrong; not re-admitted this run",
-        )
-        membership.lose(node, error)
-        spot_checks.caught.append(node.name)
+        what = f"the block output it put into worker {piece.node.name}"
+        _blame(split, membership, spot_checks, liar, what)
     return bool(liars)
+
+
+def _blame(split: SplitStep, membership, spot_checks, liar: str, what: str) -> None:
+    """Worker ``liar`` is lost and kept out (once a step); the step is computed again."""
+    if liar in split.blamed:
+        return
+    split.blamed.add(liar)
+    node = next(n for n in membership.nodes if n.client is not None and n.client.address == liar)
+    error = SpotCheckFailed(
+        node.name,
+        f"forward {split.block}: {what} differs from the master's by more than {PART_RTOL:g} "
+        "of its scale: finite but wrong; not re-admitted this run",
+    )
+    membership.lose(node, error)
+    spot_checks.caught.append(node.name)
 
 
 #: Seconds a receiver may still lack a peer's part after that peer's own stage forward answered

@@ -20,7 +20,9 @@ puts into the other workers only (its own answers stay right):
 * ``parts``: the block output of its images times 1.5;
 * ``rows``: the input-gradient rows of the others' images times 1.5;
 * ``withhold``: nothing at all (its peers wait for parts that never come);
-* ``farstep``: besides each right part, one naming step 2**64-1.
+* ``farstep``: besides each right part, one naming step 2**64-1;
+* ``output``: the block output of its images times 1.5 wherever it goes (its peers, the
+  master's FetchPart, its own stage calls): a consistent liar.
 
 and, in what spot checks of the default modes (resident kernels, a split head) must catch:
 
@@ -49,7 +51,7 @@ from hetconv.worker.split import SplitCalls
 from hetconv.worker.stages import StageCalls
 
 ANSWERS = ("scale", "kernel", "noise", "honest")
-PARTS = ("parts", "rows", "withhold", "farstep")
+PARTS = ("parts", "rows", "withhold", "farstep", "output")
 KINDS = ANSWERS + PARTS
 SAMPLED = ("every_other", "update", "head")  # the spot checks' lies, below
 KINDS += SAMPLED
@@ -106,9 +108,14 @@ class LyingSplitCalls(SplitCalls):
 
     service: LyingService
 
+    def forward(self, request, x, run, y):
+        if self.service.kind == "output" and request.step >= self.service.from_step:
+            y *= np.float32(1.5)  # what it keeps, puts and answers alike
+        return super().forward(request, x, run, y)
+
     def _send(self, request, layout, rows, gradient: bool, round_: int, nodes=None):
         liar = self.service
-        if request.step < liar.from_step or liar.kind not in PARTS:
+        if request.step < liar.from_step or liar.kind not in PARTS or liar.kind == "output":
             return super()._send(request, layout, rows, gradient, round_, nodes)
         if liar.kind == "withhold":
             return None

@@ -172,6 +172,31 @@ def test_a_block_split_with_the_master_trains_as_local(
     assert cal.check()["step_s"] > 0
 
 
+@pytest.mark.parametrize("kind", ["output", "parts"])
+def test_a_peer_lying_in_its_block_output_is_the_one_dropped(workers, tmp_path, kind):
+    """With the master a peer: a worker whose block output is x1.5 everywhere (its peers, the
+    master's fetch, its own stage calls: ``output``) is caught by the master computing one of
+    its images again; one that lies only in what it puts into its peers (``parts``), by the
+    receivers' samples. Only the liar is dropped, the honest workers stay."""
+    from test_spot_checks import lying_worker
+
+    from hetconv.master.spotcheck import SpotCheckConfig
+
+    with lying_worker(kind) as liar:
+        addresses = [*workers.addresses[:2], liar]
+        checks = SpotCheckConfig(every=1)
+        config = ClusterConfig(**SPLIT_ALL, kernels="resident", spot_checks=checks)
+        with Cluster(addresses, config=config) as cluster:
+            got = train_strong_lrn(tmp_path, kind, cluster)
+            events = list(cluster.events)
+            states = {node.name: node.state for node in cluster.nodes}
+    lost = [(e["worker"], e["reason"]) for e in events if e["event"] == "worker_lost"]
+    assert [w for w, _ in lost] == [liar], lost
+    assert ("fetched by the master" in lost[0][1]) == (kind == "output"), lost
+    assert all(states[a] == "active" for a in workers.addresses[:2])
+    assert np.isfinite(got[0]).all()  # (the step computed again is not yet exact here)
+
+
 class Killing(exactness.Killing):
     BASE = SPLIT_ALL
 
