@@ -409,10 +409,12 @@ class SplitCalls:
         """The record of ``block`` at the request's step once ``ready(record)`` names nothing
         missing. The wait ends with its call: when the caller cancels or its deadline passes,
         at :data:`PART_WAIT`, and, while ``idle(record)`` (nothing it waits for is computed
-        here), at the worker's idle timeout (:mod:`hetconv.worker.idle`)."""
+        here), at the worker's idle timeout (:mod:`hetconv.worker.idle`); it holds no call slot
+        meanwhile."""
         caller = WaitingCall(self.context, self._changed)
         deadline = time.monotonic() + caller.time_left(PART_WAIT)
-        with self._changed:
+        # A call that only waits here gives its call slot back meanwhile (--max-calls).
+        with self.context.budget.waiting(), self._changed:
             try:
                 while True:
                     record = self._steps.get((request.session, block))
