@@ -1,22 +1,33 @@
-"""Our cpu backend and training step against PyTorch's, side by side in one run.
+"""Our cpu engine against PyTorch's, layer by layer and step by step, in one process.
 
-For C1 and C2 of every reference network at batch 16 and 64, times forward + both backward
-convolutions (input gradient and kernel/bias gradient) of ours and of torch, interleaved so
-both see the same machine load, and prints the ratio ours/torch (< 1: ours is faster). Then
-times one whole training step (forward, backward, SGD) of each network at batch 16 against
-the same network in torch (rows with layer "step").
+For each network, batch and thread count: every distinct layer at its real shape (from the
+network's spec, :func:`hetconv.spec.walk_spec`) -- a convolution as three rows (forward, input
+gradient, kernel and bias gradient), every other layer as forward + backward -- ours (the
+model's own layer objects, the cpu backend) against torch's faster formulation of the same
+layer (the data-parallel peer's twin, ``benchmarks/ddp_rank.py``: LRN as shifted slice-adds),
+interleaved so both see the same machine load, median of ``--repeats``. Then one whole
+training step (forward, backward, SGD with momentum and weight decay: ``hetconv train
+--local``'s model against the torch twin), layer "step". Each row carries the network, layer,
+kind, batch, threads, cap, the CPU's name, the BLAS kernel (threadpoolctl's architecture),
+ours_s, torch_s and ratio = ours_s / torch_s (< 1: ours is faster).
 
-    python benchmarks/conv_vs_torch.py [--quick] [--threads N] [--repeats R] [--json PATH]
+    python benchmarks/conv_vs_torch.py [--network N ...] [--batch B ...] [--threads T ...]
+        [--repeats R] [--kinds K ...] [--quick] [--json PATH]
+
+Layers repeated at the same shape (a ResNet's blocks) are timed once. The cap is always
+"none": the process runs uncapped (a cgroup quota needs privileges this script does not take;
+benchmarks/vs_ddp.py runs capped processes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -27,55 +38,42 @@ except ImportError:  # pragma: no cover - benchmark needs the reference
     sys.exit("this benchmark compares against PyTorch: pip install -e '.[dev]'")
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from hetconv.backends import CpuBackend
-from hetconv.layers import softmax_cross_entropy
-from hetconv.model import PRESETS, Model
-from hetconv.optim import SGD, SGDConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp_rank import torch_model  # noqa: E402 - benchmarks/ddp_rank.py: the torch twin
 
-NETWORKS = ["paper-50-500", "paper-150-800", "paper-300-1000", "paper-500-1500"]
+from hetconv.backends import CpuBackend  # noqa: E402
+from hetconv.layers import softmax_cross_entropy  # noqa: E402
+from hetconv.model import PRESETS, Model, load_spec, walk_spec  # noqa: E402
+from hetconv.optim import SGD, SGDConfig  # noqa: E402
+
+NETWORKS = ["paper-500-1500", "resnet20", "vgg11"]
+KINDS = {
+    "relu": "relu", "lrn": "lrn", "maxpool": "maxpool", "avgpool": "avgpool",
+    "batchnorm": "batchnorm fwd+bwd", "fc": "fc", "add": "add", "gap": "gap",
+    "concat": "concat", "dropout": "dropout",
+}  # fmt: skip
+CONV_KINDS = ("conv forward", "conv input gradient", "conv kernel gradient")
 
 
-def conv_layers(network: str) -> list[tuple[str, int, int, int]]:
-    """(layer, in channels, out channels, input size) of the network's convolutions."""
-    spec = [entry for entry in PRESETS[network] if entry["type"] == "conv"]
-    c1, c2 = spec[0]["out"], spec[1]["out"]
-    return [("C1", 3, c1, 32), ("C2", c1, c2, 16)]
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def torch_module(spec: list[dict], input_shape=(3, 32, 32)) -> torch.nn.Module:
-    """The PyTorch equivalent of a hetconv spec, with the same parameter names."""
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.steps: list = []
-            c, h, w = input_shape
-            for entry in spec:
-                kind = entry["type"]
-                if kind == "conv":
-                    conv = torch.nn.Conv2d(c, entry["out"], entry["kernel"], padding="same")
-                    self.add_module(entry["name"], conv)
-                    self.steps.append(conv)
-                    c = entry["out"]
-                elif kind == "relu":
-                    self.steps.append(torch.relu)
-                elif kind == "lrn":
-                    self.steps.append(torch.nn.LocalResponseNorm(entry["size"]))
-                elif kind == "maxpool":
-                    k = entry["kernel"]
-                    self.steps.append(lambda x, k=k: F.max_pool2d(x, k))
-                    h, w = h // k, w // k
-                elif kind == "fc":
-                    fc = torch.nn.Linear(c * h * w, entry["out"])
-                    self.add_module(entry["name"], fc)
-                    self.steps.append(lambda x, fc=fc: fc(x.flatten(1)))
-
-        def forward(self, x):
-            for step in self.steps:
-                x = step(x)
-            return x
-
-    return Net()
+def blas_kernel() -> str:
+    """The BLAS libraries' kernels, as threadpoolctl reports them (``openblas Haswell``)."""
+    found = {
+        f"{i['internal_api']} {i.get('architecture') or '?'}"
+        for i in threadpool_info()
+        if i["user_api"] == "blas"
+    }
+    return "; ".join(sorted(found)) or "none"
 
 
 def interleaved(ours, theirs, repeats: int) -> tuple[float, float]:
@@ -93,39 +91,110 @@ def interleaved(ours, theirs, repeats: int) -> tuple[float, float]:
     return statistics.median(times_ours), statistics.median(times_theirs)
 
 
-def bench_conv(backend, c: int, k: int, size: int, batch: int, repeats: int) -> tuple[float, float]:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, c, size, size), dtype=np.float32)
-    w = (rng.standard_normal((k, c, 5, 5), dtype=np.float32) / np.sqrt(25 * c)).astype(np.float32)
-    b = rng.standard_normal(k, dtype=np.float32)
-    dy = rng.standard_normal((batch, k, size, size), dtype=np.float32)
+def _normal(rng, shape) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32)
 
-    def ours():
-        backend.conv_forward(x, w, b, "same")
-        backend.conv_grad_input(dy, w, (size, size), "same")
-        backend.conv_grad_kernels(x, dy, (5, 5), "same")
 
-    xt = torch.from_numpy(x).requires_grad_()
-    wt = torch.from_numpy(w).requires_grad_()
-    bt = torch.from_numpy(b).requires_grad_()
+def conv_pairs(layer, module, x: np.ndarray, dy: np.ndarray, backend):
+    """(kind, ours, theirs) of a convolution's forward, input and kernel gradient."""
+    xe, we, padding = layer.executed(x)  # stride 2: its phases, as the engine runs it
+    b = layer.bias
+    ye = backend.conv_forward(xe, we, b, padding)
+    dye = np.ascontiguousarray(dy.reshape(ye.shape)) if dy.shape == ye.shape else ye.copy()
+    xt, wt = torch.from_numpy(x), module.weight.detach()
+    bt = None if module.bias is None else module.bias.detach()
+    padded = xt if module.symmetric else F.pad(xt, module.padding)
+    pad = module.padding if module.symmetric else (0, 0)
+    dyt = torch.from_numpy(dy)
+    conv_backward = torch.ops.aten.convolution_backward
+
+    def theirs_backward(mask):
+        return lambda: conv_backward(
+            dyt, padded, wt, None if bt is None else [wt.shape[0]], module.stride, pad,
+            (1, 1), False, (0, 0), 1, mask,
+        )  # fmt: skip
+
+    pairs = [
+        (
+            "conv forward",
+            lambda: backend.conv_forward(xe, we, b, padding),
+            lambda: F.conv2d(padded, wt, bt, module.stride, pad),
+        )
+    ]
+    if layer.need_input_grad:
+        pairs.append(
+            (
+                "conv input gradient",
+                lambda: backend.conv_grad_input(dye, we, xe.shape[2:], padding),
+                theirs_backward([True, False, False]),
+            )
+        )
+    pairs.append(
+        (
+            "conv kernel gradient",
+            lambda: backend.conv_grad_kernels(xe, dye, we.shape[2:], padding),
+            theirs_backward([False, True, bt is not None]),
+        )
+    )
+    return pairs
+
+
+def layer_pair(layer, module, xs: list[np.ndarray], dy: np.ndarray):
+    """(ours, theirs): forward then backward of a non-convolutional layer."""
+    xts = [torch.from_numpy(x).requires_grad_() for x in xs]
     dyt = torch.from_numpy(dy)
 
-    def theirs():
-        xt.grad = wt.grad = bt.grad = None
-        F.conv2d(xt, wt, bt, padding=2).backward(dyt)
+    def ours():
+        layer.forward(*xs)
+        layer.backward(dy)
 
-    return interleaved(ours, theirs, repeats)
+    def theirs():
+        for xt in xts:
+            xt.grad = None
+        y = module(*xts)
+        y.backward(dyt.reshape(y.shape))
+
+    return ours, theirs
+
+
+def layer_rows(network: str, batch: int, repeats: int, kinds, backend):
+    """Yields (layer name, kind, ours_s, torch_s) for each distinct layer of the network."""
+    spec = load_spec(network)
+    model = Model(spec, seed=0)
+    twin = torch_model(spec)
+    rng = np.random.default_rng(0)
+    seen = set()
+    for item, layer in zip(walk_spec(spec), model.layers, strict=True):
+        module = getattr(twin, item.name)
+        key = (item.kind, item.input_shapes, item.output_shape, repr(sorted(item.options.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        xs = [_normal(rng, (batch, *shape)) for shape in item.input_shapes]
+        dy = _normal(rng, (batch, *item.output_shape))
+        if item.kind == "conv":
+            for kind, ours, theirs in conv_pairs(layer, module, xs[0], dy, backend):
+                if kind in kinds:
+                    yield item.name, kind, *interleaved(ours, theirs, repeats)
+            continue
+        kind = KINDS.get(item.kind, item.kind)
+        if kind in kinds:
+            layer.training = module.training = True
+            yield item.name, kind, *interleaved(*layer_pair(layer, module, xs, dy), repeats)
 
 
 def bench_step(network: str, batch: int, repeats: int) -> tuple[float, float]:
-    spec = PRESETS[network]
+    """Seconds of one training step of ours and of the torch twin, interleaved."""
+    spec = load_spec(network)
     model = Model(spec, seed=0)
     optimizer = SGD(model.parameters(), SGDConfig())
-    net = torch_module(spec)
-    net.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in model.parameters().items()})
+    net = torch_model(spec)
+    net.load_state_dict(
+        {k: torch.from_numpy(v.copy()) for k, v in model.parameters().items()}, strict=False
+    )
     torch_optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, 3, 32, 32), dtype=np.float32)
+    x = _normal(rng, (batch, 3, 32, 32))
     labels = rng.integers(0, 10, batch)
     xt, lt = torch.from_numpy(x), torch.from_numpy(labels)
 
@@ -142,55 +211,63 @@ def bench_step(network: str, batch: int, repeats: int) -> tuple[float, float]:
     return interleaved(ours, theirs, repeats)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="two networks, batch 16 (~1 min)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (median)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
-    args = parser.parse_args()
+def timed(network: str, batch: int, args: argparse.Namespace, backend):
+    """The network's layer rows, then its step row (as ``--kinds`` selects)."""
+    yield from layer_rows(network, batch, args.repeats, set(args.kinds), backend)
+    if "step" in args.kinds:
+        yield "step", "step", *bench_step(network, batch, args.repeats)
 
-    torch.set_num_threads(args.threads)
-    networks = NETWORKS[:2] if args.quick else NETWORKS
-    batches = [16] if args.quick else [16, 64]
-    backend = CpuBackend()
-    blas = [
-        f"{i['internal_api']} {i.get('architecture', '?')} ({i['num_threads']} threads)"
-        for i in threadpool_info()
-        if i["user_api"] == "blas"
-    ]
-    print(f"threads {args.threads}; BLAS: {'; '.join(blas)}; torch {torch.__version__}")
-    print(f"{'network':<16}{'layer':<7}{'batch':>6}{'ours s':>10}{'torch s':>10}{'ratio':>8}")
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--network", nargs="+", default=NETWORKS, choices=list(PRESETS),
+                   help=f"presets (default: {' '.join(NETWORKS)})")  # fmt: skip
+    p.add_argument("--batch", nargs="+", type=int, default=[16, 64], help="default: 16 64")
+    p.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="default: 1 2")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per side (median)")
+    all_kinds = [*CONV_KINDS, *KINDS.values(), "step"]
+    p.add_argument("--kinds", nargs="+", default=all_kinds, choices=all_kinds, metavar="KIND",
+                   help="only these row kinds (default: all; 'step': the whole step)")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="paper-500-1500, batch 16, 1 thread")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("batch", "threads"):
+        if min(getattr(args, name)) < 1:
+            sys.exit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.repeats < 1:
+        sys.exit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.quick:
+        args.network, args.batch, args.threads = ["paper-500-1500"], [16], [1]
+    cpu, blas = cpu_name(), blas_kernel()
+    print(f"CPU: {cpu}; BLAS: {blas}; torch {torch.__version__}; cap: none")
+    print(f"{'network':<16}{'layer':<12}{'kind':<22}{'batch':>6}{'thr':>4}"
+          f"{'ours s':>10}{'torch s':>10}{'ratio':>7}")  # fmt: skip
     rows = []
-
-    def report(network, layer, batch, ours_s, torch_s):
-        row = {
-            "network": network,
-            "layer": layer,
-            "batch": batch,
-            "ours_s": ours_s,
-            "torch_s": torch_s,
-            "ratio": ours_s / torch_s,
-        }
-        rows.append(row)
-        print(
-            f"{network:<16}{layer:<7}{batch:>6}{ours_s:>10.4f}{torch_s:>10.4f}{row['ratio']:>8.2f}",
-            flush=True,
-        )
-
-    with threadpool_limits(limits=args.threads, user_api="blas"):
-        for network in networks:
-            for batch in batches:
-                for layer, c, k, size in conv_layers(network):
-                    report(
-                        network, layer, batch, *bench_conv(backend, c, k, size, batch, args.repeats)
-                    )
-        for network in networks:
-            report(network, "step", 16, *bench_step(network, 16, args.repeats))
-
+    backend = CpuBackend()
+    common = {"cap": "none", "cpu": cpu, "blas": blas}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        with threadpool_limits(limits=threads, user_api="blas"):
+            for network in args.network:
+                for batch in args.batch:
+                    for layer, kind, ours_s, torch_s in timed(network, batch, args, backend):
+                        row = {"network": network, "layer": layer, "kind": kind, "batch": batch,
+                               "threads": threads, **common, "ours_s": ours_s,
+                               "torch_s": torch_s, "ratio": ours_s / torch_s}  # fmt: skip
+                        rows.append(row)
+                        print(f"{network:<16}{layer:<12}{kind:<22}{batch:>6}{threads:>4}"
+                              f"{ours_s:>10.5f}{torch_s:>10.5f}{row['ratio']:>7.2f}",
+                              flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
+    worst = sorted(rows, key=lambda r: -r["ratio"])[:8]
+    print("worst:", "; ".join(f"{r['network']} {r['layer']} {r['kind']} b{r['batch']} "
+                              f"t{r['threads']} {r['ratio']:.2f}" for r in worst))  # fmt: skip
     return 0
 
 
