@@ -78,10 +78,18 @@ def lost_forward(block: ReplicaBlock | None, piece: Piece, x: np.ndarray) -> Non
 
 def lost_backward(gradients: BlockGradients | None, piece: Piece, dx) -> bool:
     """A worker piece computed here in a stage backward whose input block is split: its input
-    gradient goes to the split's other workers (True), not into the master's."""
+    gradient goes to the split's other workers (True), not into the master's. A piece of a
+    worker outside the split (lost before the block began: a step computed again after a
+    catch) is the master's (False); with the master a peer its rows of the workers' images
+    then go with the master's own (:meth:`~.split_step.SplitStep.outside`)."""
     if gradients is None or not piece.index or dx is None:
         return False
-    return gradients.lost(piece.node.client.address, dx)
+    if gradients.lost(piece.node.client.address, dx):
+        return True
+    split = gradients.split
+    if split is not None and split.with_master:
+        split.outside(dx)
+    return False
 
 
 def finite(*arrays) -> bool:

@@ -53,6 +53,7 @@ class SplitStep:
         self.exchanged_bytes = 0  # what the master put into and fetched from workers as a peer
         self.compute = {"forward": 0.0, "backward": 0.0}  # the master's block computation, s
         self.rows_put: set[int] = set()  # workers its own rows went to as its stage made them
+        self.extra: np.ndarray | None = None  # pieces computed here outside the split: their dx
         self._pending: list[Call] = []  # puts the master does not wait for
         self.blamed: set[str] = set()  # workers whose parts were found wrong this step
         self.suspects: dict[str, str] = {}  # split_all: worker -> what of its output was wrong
@@ -168,7 +169,9 @@ class SplitStep:
 
         def sender(address: str, node: int):
             def done(images: slice, rows: np.ndarray) -> None:
-                part = np.ascontiguousarray(rows)
+                # (the master's dx adds its own piece's last: the same sum, bit for bit)
+                extra = self.extra
+                part = np.ascontiguousarray(rows if extra is None else extra[images] + rows)
                 self._pending.append(self._put_one(address, plan.master, part, True, timeout))
                 self.exchanged_bytes += part.nbytes
                 self.rows_put.add(node)
@@ -180,6 +183,19 @@ class SplitStep:
             for address in plan.workers
             if plan.node(address) not in self.lost
         ]
+
+    def outside(self, dx: np.ndarray) -> None:
+        """The input gradient ``dx`` (every image) of a piece the master computed for a worker
+        outside the split (lost before the block began: the step computed again after a
+        catch). It is part of the master's own input gradient, so its rows of the workers'
+        images go with the master's, also those its own piece's stage puts first
+        (:meth:`rows_first`): those pieces are computed before the master's own (the job's
+        ``covers_early``)."""
+        if self.rows_put:
+            raise RuntimeError(
+                f"{self.block}: a piece outside the split came after the master's rows went"
+            )
+        self.extra = np.array(dx) if self.extra is None else self.extra + dx
 
     def settle(self) -> None:
         """Wait for the puts not waited for (their failures are their workers' calls')."""
