@@ -501,8 +501,8 @@ def test_a_kernel_memo_lays_the_kernels_out_once_for_its_calls():
     calls = []
     real = backend._grouped_kernels.__func__
 
-    def counted(self, plan, kernels):
-        layout = real(self, plan, kernels)
+    def counted(self, plan, kernels, *flipped):
+        layout = real(self, plan, kernels, *flipped)
         calls.append(layout.ctypes.data)
         return layout
 
@@ -516,3 +516,46 @@ def test_a_kernel_memo_lays_the_kernels_out_once_for_its_calls():
     whole = backend.conv_forward(x, w, None, 2)  # outside: the thread's scratch, not the memo's
     assert calls[-1] not in calls[:4]
     assert_close(whole, CpuBackend().conv_forward(x, w, None, 2), "after the memo", 1e-6)
+
+
+def _formulation(n, c, h, w, k, kh, kw, padding) -> str:
+    from hetconv.backends.cpu import _correlation_shape
+
+    shape = conv_shape((n, c, h, w), (k, c, kh, kw), padding)
+    return "col2im" if _correlation_shape(shape) is None else "correlation"
+
+
+def test_grid_covers_both_input_gradient_formulations():
+    """The grid checks the input gradient as col2im and as a full correlation against the
+    reference, the correlation with asymmetric and one-sided padding too."""
+    used = [(_formulation(*p.values), p.id) for p in GRID]
+    assert {f for f, _ in used} == {"col2im", "correlation"}
+    assert ("correlation", "asym-full") in used and ("correlation", "5x5-full") in used
+    assert ("col2im", "pad-larger-than-kernel-full") in used
+
+
+@pytest.mark.parametrize(
+    "c, k, padding",
+    [(16, 16, 1), (8, 32, 1), (5, 4, (0, 2, 1, 0)), (16, 80, 1)],
+    ids=["resnet-stage", "k-4x-c", "asym", "k-above-4x-c"],
+)
+def test_input_gradient_as_correlation_equals_col2im(c, k, padding):
+    """A few-channel layer's input gradient as a full correlation with the flipped kernels
+    equals col2im's to float32 round-off, inside a kernel memo too (whose forward layout is
+    the unflipped kernels': the two are kept apart)."""
+    rng = np.random.default_rng(5)
+    backend = CpuBackend()
+    x = rng.standard_normal((3, c, 8, 7), dtype=np.float32)
+    w = rng.standard_normal((k, c, 3, 3), dtype=np.float32)
+    y = backend.conv_forward(x, w, None, padding)
+    dy = rng.standard_normal(y.shape, dtype=np.float32)
+    shape = conv_shape(x.shape, w.shape, padding)
+    col2im = backend._grad_input_col2im(dy, w, shape)
+    assert_close(col2im, ref_grad_input(dy, w, (8, 7), padding), "col2im", REF_RTOL)
+    with backend.kernel_memo():
+        forward = backend.conv_forward(x, w, None, padding)
+        dx = backend.conv_grad_input(dy, w, (8, 7), padding)
+        again = backend.conv_forward(x, w, None, padding)
+    assert_close(dx, col2im, "correlation against col2im", CHUNK_RTOL * 10)
+    np.testing.assert_array_equal(forward, y)
+    np.testing.assert_array_equal(again, y)

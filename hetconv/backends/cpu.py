@@ -35,6 +35,7 @@ from .base import (
     ConvShape,
     DeviceInfo,
     KernelGradientSum,
+    Padding,
     PaddingSpec,
     fit_images,
     image_ranges,
@@ -324,14 +325,16 @@ class CpuBackend(Backend):
     def kernel_gradient_sum(self) -> _CpuKernelGradientSum:
         return _CpuKernelGradientSum(self)
 
-    def _grouped_kernels(self, plan: _Plan, w: np.ndarray) -> np.ndarray:
+    def _grouped_kernels(self, plan: _Plan, w: np.ndarray, flipped: bool = False) -> np.ndarray:
         """Kernels as (groups, K, L*kw*C) matching the lowered column order (the innermost
-        memo's, when one is open on this thread and has them)."""
+        memo's, when one is open on this thread and has them). ``flipped``: those of
+        :func:`_flipped` of ``w`` (what :meth:`_grad_input` correlates with)."""
         s = plan.shape
         taps = plan.rows_per_group * s.kw
         memo = self._scratch.memos[-1] if self._scratch.memos else None
+        source, w = w, (_flipped(w) if flipped else w)
         if memo is not None:
-            key = (w.ctypes.data, w.shape, w.strides, plan.rows_per_group)
+            key = (source.ctypes.data, source.shape, source.strides, plan.rows_per_group, flipped)
             kept = memo.layouts.get(key)
             if kept is not None:
                 return kept[1]
@@ -343,7 +346,7 @@ class CpuBackend(Backend):
             np.copyto(grouped[g], flat[:, :, g * taps : (g + 1) * taps].transpose(0, 2, 1))
         layout = grouped.reshape(plan.groups, s.k, plan.terms)
         if memo is not None:
-            memo.layouts[key] = (w, layout)
+            memo.layouts[key] = (source, layout)
         return layout
 
     def _stack_output_grad(self, plan: _Plan, dy: np.ndarray, first: int) -> np.ndarray:
@@ -365,10 +368,10 @@ class CpuBackend(Backend):
 
     # -- the three operations ----------------------------------------------------------------
 
-    def _forward(self, x, w, b, shape):
+    def _forward(self, x, w, b, shape, flipped: bool = False):
         ho, wo = shape.out_hw
         plan = _plan(shape, self.scratch_bytes)
-        kernels = self._grouped_kernels(plan, w)
+        kernels = self._grouped_kernels(plan, w, flipped)
         y = np.empty((shape.n, shape.k, ho, wo), np.float32)
         for chunk, first in self._chunks(plan):
             lowered = self._lower(chunk, x, first)
@@ -435,6 +438,13 @@ class CpuBackend(Backend):
         return dw.reshape(shape.k, shape.c, shape.kh, shape.kw)
 
     def _grad_input(self, dy, w, shape):
+        correlation = _correlation_shape(shape)
+        if correlation is not None:
+            return self._forward(dy, w, None, correlation, flipped=True)
+        return self._grad_input_col2im(dy, w, shape)
+
+    def _grad_input_col2im(self, dy, w, shape):
+        """The input gradient as GEMMs into the lowered layout, folded back by col2im."""
         plan = _plan(shape, self.scratch_bytes)
         image_rows, image_cols = shape.interior
         wo = shape.out_hw[1]
@@ -462,6 +472,39 @@ class CpuBackend(Backend):
             inner = padded[image_rows, :, image_cols]
             np.copyto(dx[first : first + chunk.images], inner.transpose(1, 3, 0, 2))
         return dx
+
+
+#: A fully lowered input gradient (col2im of kh*kw taps) runs as a full correlation where its
+#: output gradient has at most this many channels per input channel (:func:`_correlation_shape`).
+CORRELATION_MAX_RATIO = 4
+
+
+def _flipped(w: np.ndarray) -> np.ndarray:
+    """(C, K, kh, kw) kernels rotated by 180 degrees, input and output channels swapped."""
+    return np.ascontiguousarray(w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
+
+
+def _correlation_shape(shape: ConvShape) -> ConvShape | None:
+    """The forward geometry that computes ``shape``'s input gradient as a full correlation of
+    the output gradient with :func:`_flipped` kernels, padded by ``kernel - 1 - padding`` on
+    each side; or None where col2im is kept.
+
+    A layer with few input channels (``kw * C`` below ``_FULL_LOWERING_BELOW``: ResNet's
+    16-channel stage) lowers fully, and col2im then adds all kh*kw taps back onto the padded
+    input, reading and writing it each time; the correlation lowers the output gradient once,
+    as the forward does. One thread, batch 16, 16 channels at 32x32, 3x3: 2.4 ms against
+    7.9 ms (batch 64: 21 against 51 ms). Row-lowered layers (kw adds) take about as long
+    either way and keep col2im, as do paddings wider than the kernel reaches and output
+    gradients with more than :data:`CORRELATION_MAX_RATIO` times the input's channels.
+    """
+    p = shape.padding
+    sides = (shape.kh - 1 - p.top, shape.kh - 1 - p.bottom)
+    sides += (shape.kw - 1 - p.left, shape.kw - 1 - p.right)
+    few_channels = shape.kw * shape.c < _FULL_LOWERING_BELOW
+    if not few_channels or min(sides) < 0 or shape.k > CORRELATION_MAX_RATIO * shape.c:
+        return None
+    ho, wo = shape.out_hw
+    return ConvShape(shape.n, shape.k, ho, wo, shape.c, shape.kh, shape.kw, Padding(*sides))
 
 
 def _cpu_model() -> str:
