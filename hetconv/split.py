@@ -83,6 +83,18 @@ def part_sample(part: np.ndarray, seed: int, node: int, count: int) -> np.ndarra
     return flat[rng.integers(0, flat.size, count)].astype(np.float32)
 
 
+def row_sample(rows: np.ndarray, seed: int, node: int, count: int) -> np.ndarray:
+    """``count`` values of the input-gradient rows node ``node`` put into a receiver
+    (``rows``: its rows of the receiver's images), all of one image (:func:`sampled_image`),
+    at places drawn from ``seed`` (:func:`part_sample`): the master recomputes that image."""
+    return part_sample(rows[sampled_image(seed, rows.shape[0])], seed, node, count)
+
+
+def sampled_image(seed: int, images: int) -> int:
+    """The image (of ``images``) a :func:`row_sample` of ``seed`` takes its values from."""
+    return int(np.random.default_rng([seed, 2**32]).integers(images))
+
+
 #: The master's address in a :class:`SplitPlan` (``split_all``): it serves nothing.
 MASTER = ""
 
@@ -153,4 +165,12 @@ class SplitPlan:
         )
 
 
-__all__ = ["MASTER", "MAX_SAMPLE", "SplitPlan", "part_sample", "split_images"]
+__all__ = [
+    "MASTER",
+    "MAX_SAMPLE",
+    "SplitPlan",
+    "part_sample",
+    "row_sample",
+    "sampled_image",
+    "split_images",
+]

@@ -112,15 +112,18 @@ class BlockCalls:
         timeout: float = 600.0,
         gradient: bool = True,
         out: np.ndarray | None = None,
+        round_: int = 0,
     ) -> tuple[np.ndarray, CallStats]:
         """The input-gradient rows of node ``source``'s images the worker computed in its
         backward of ``step`` (sent to that node: one the master lost, or the master itself as
         a peer, ``split_all``); ``gradient`` False: node ``source``'s images' block output the
-        worker holds (its own, for the master as a peer), written into ``out`` when given."""
+        worker holds (its own, for the master as a peer), written into ``out`` when given.
+        ``round_``: of that split only (:attr:`~hetconv.split.SplitPlan.round`; a step computed
+        again is a new round), 0: the step's latest."""
         request = pb.ConvRequest(
             phase=FETCH_PART.phase, session=session, step=step, layer=block,
             answer_dtype=answer_dtype(self.wire_format),
-            part=pb.TensorPart(source=source, gradient=gradient),
+            part=pb.TensorPart(source=source, gradient=gradient, round=round_),
         )  # fmt: skip
         into = {"p": out} if out is not None else {}
         got, stats = self._call(
@@ -142,16 +145,24 @@ class BlockCalls:
         return [int(v) for v in got["p"]]
 
     def fetch_samples(
-        self, session: int, step: int, block: str, seed: int, count: int, timeout: float = 60.0
+        self,
+        session: int,
+        step: int,
+        block: str,
+        seed: int,
+        count: int,
+        timeout: float = 60.0,
+        gradient: bool = False,
     ) -> np.ndarray:
         """``count`` values of every sender's part of split block ``block`` at ``step`` as the
         worker received them, at places drawn from ``seed``
         (:func:`~hetconv.split.part_sample`): one row per sender of the split, in plan order
         (float32). The master compares them with its own block output: a peer that put wrong
-        values into the others is the one blamed."""
+        values into the others is the one blamed. ``gradient``: of the input-gradient rows
+        every other peer put into it, one image's (:func:`~hetconv.split.row_sample`)."""
         request = pb.ConvRequest(
             phase=FETCH_PART.phase, session=session, step=step, layer=block,
-            part=pb.TensorPart(sample=count, sample_seed=seed),
+            part=pb.TensorPart(sample=count, sample_seed=seed, gradient=gradient),
         )  # fmt: skip
         got, _ = self._call(
             FETCH_PART, f"sample parts {block}", request, [], ["p"], {}, timeout, 0,

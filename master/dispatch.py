@@ -474,7 +474,7 @@ class PhaseRunner:
                 continue
             try:
                 answer = call.result()
-                if blame_parts(job, piece, self.membership, self.spot_checks):
+                if blame_parts(job, piece, self.membership, self.spot_checks, calls):
                     done.append((piece, answer))  # on a peer's wrong part: the step is redone
                     continue
                 job.check(piece, answer)

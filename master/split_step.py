@@ -12,7 +12,7 @@ import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.replica import ReplicaBlock
-from hetconv.split import MASTER, SplitPlan, part_sample
+from hetconv.split import MASTER, SplitPlan, part_sample, sampled_image
 from hetconv.stages import stage_backward, stage_forward
 
 from .call import Call
@@ -160,6 +160,35 @@ class SplitStep:
                 liars.append(sender)
         return liars
 
+    def check_rows(self, address: str, recompute, timeout: float = 30.0) -> list[str]:
+        """The workers whose input-gradient rows worker ``address`` received differ from the
+        master's recomputation of one of its images, drawn now (``recompute(sender, image)``:
+        that sender's rows of that image; None: it cannot), at a sample of places
+        (:func:`~hetconv.split.row_sample`); [] when every one agrees. The master's own rows
+        are not checked (it put them)."""
+        plan = self.plan
+        seed = secrets.randbits(64)
+        got = self.clients[address].fetch_samples(
+            self.session, self.step, self.block, seed, PART_SAMPLE, timeout, gradient=True
+        )
+        receiver = plan.node(address)
+        others = [(i, a) for i, a in enumerate(plan.addresses) if i != receiver]
+        if got.shape != (len(others), PART_SAMPLE):
+            raise WorkerError(address, f"a sample of the rows of shape {got.shape}")
+        images = plan.images(address)
+        image = images.start + sampled_image(seed, images.stop - images.start)
+        liars = []
+        for row, (node, sender) in zip(got, others, strict=True):
+            if sender == MASTER or node in self.lost:
+                continue
+            rows = recompute(sender, image)
+            if rows is None:
+                continue
+            want = part_sample(rows, seed, node, PART_SAMPLE)
+            if np.abs(row - want).max() > PART_RTOL * float(np.abs(want).max()):
+                liars.append(sender)
+        return liars
+
     def rows_first(self, timeout: float = 60.0) -> list[tuple[slice, object]]:
         """With the master a peer: for its own piece's stage backward
         (:func:`~hetconv.stages.stage_backward`'s ``rows_first``), each live worker's images,
@@ -251,7 +280,7 @@ class SplitStep:
             rows += dx[images]
         for address in answered:
             part, _ = self.clients[address].fetch_part(
-                self.session, self.step, self.block, node, timeout
+                self.session, self.step, self.block, node, timeout, round_=self.plan.round
             )
             rows += part
 
@@ -272,7 +301,7 @@ class SplitStep:
             node, rows = plan.node(address), y[plan.images(address)]
             fetches[address] = Call(
                 self.clients[address].fetch_part, self.session, self.step, self.block, node,
-                timeout, gradient=False, out=rows,
+                timeout, gradient=False, out=rows, round_=plan.round,
             )  # fmt: skip
         own = plan.images(MASTER)
         if own.stop > own.start:  # (--master-block none: it computes none of it)
@@ -332,6 +361,7 @@ class SplitStep:
                 self.block,
                 plan.master,
                 timeout,
+                round_=plan.round,
             )
             for a in live
         }
@@ -401,7 +431,7 @@ PART_SAMPLE = 64
 PART_RTOL = 1e-2
 
 
-def blame_parts(job, piece, membership, spot_checks, timeout: float = 30.0) -> bool:
+def blame_parts(job, piece, membership, spot_checks, calls=(), timeout: float = 30.0) -> bool:
     """Before a split block's receiver's stage forward answer is checked or used: ask the
     worker (``piece``'s) for a sample of every part it received, at places drawn now (the
     senders put their parts before, so none can know them), and compare it with the master's
@@ -409,7 +439,11 @@ def blame_parts(job, piece, membership, spot_checks, timeout: float = 30.0) -> b
     (:class:`~.spotcheck.SpotCheckFailed`; with spot checks on, the step is computed again), not
     the receiver, which computed on what it got, and the step is computed again without them.
     True when the answer was computed on a wrong part (it is then neither checked nor kept:
-    the step is redone). Part of the spot checks: nothing is sampled with them off."""
+    the step is redone). Part of the spot checks: nothing is sampled with them off.
+
+    Backward, on the steps spot checks are due: the input-gradient rows the receiver got, of
+    one of its images, against the master's recomputation of each sender's rows of it
+    (:func:`_rows_of`, the senders' pieces from ``calls``)."""
     block = getattr(job, "replica", None)  # forward: the ReplicaBlock; backward: its gradients
     split = getattr(block, "split", None)
     if split is None or not piece.index or spot_checks is None:
@@ -419,8 +453,21 @@ def blame_parts(job, piece, membership, spot_checks, timeout: float = 30.0) -> b
     if split.blamed:  # a part was wrong this step: the answers on it are redone, not checked
         return True
     address = piece.node.client.address
-    if not isinstance(block, ReplicaBlock) or not split.covers(address):
+    if not split.covers(address):
         return False
+    if not isinstance(block, ReplicaBlock):  # backward: the rows it got
+        recompute = _rows_of(job, calls) if spot_checks.due else None
+        if recompute is None:
+            return False
+        start = time.perf_counter()
+        try:
+            liars = split.check_rows(address, recompute, timeout)
+        finally:
+            spot_checks.seconds += time.perf_counter() - start
+        what = f"the input-gradient rows it put into worker {piece.node.name}"
+        for liar in liars:
+            _blame(split, membership, spot_checks, liar, what, "backward")
+        return bool(liars)
     liars = split.check_parts(address, job.x, timeout)
     for liar in liars:
         what = f"the block output it put into worker {piece.node.name}"
@@ -428,7 +475,36 @@ def blame_parts(job, piece, membership, spot_checks, timeout: float = 30.0) -> b
     return bool(liars)
 
 
-def _blame(split: SplitStep, membership, spot_checks, liar: str, what: str) -> None:
+def _rows_of(job, calls):
+    """``recompute(sender, image)`` for :meth:`SplitStep.check_rows`: worker ``sender``'s
+    piece of a fused stage's backward (``job``, sent kernels) on one image, its input gradient
+    of that image; None where one image cannot be recomputed alone (batch norm: statistics
+    over the batch; resident kernels: the master's copy is the last sync's)."""
+    ranges = getattr(job, "_ranges", None)
+    if ranges is None or getattr(job, "batchnorm", ()) or not job.need_input_grad:
+        return None
+    pieces = {p.node.client.address: p for p, _ in calls}
+
+    def recompute(sender: str, i: int) -> np.ndarray | None:
+        piece = pieces.get(sender)
+        if piece is None:
+            return None
+        (wide, grad), part = ranges(piece), piece.part
+        own = slice(part.start - wide.start, part.stop - wide.start)
+        _, run = stage_forward(
+            job.backend, job.x[i : i + 1], job.w[wide], job.b[wide], job.sides, job.stage, own
+        )
+        rel = slice(grad.start - wide.start, grad.stop - wide.start)
+        dy = np.ascontiguousarray(job.dy[i : i + 1, grad])
+        dx, _, _ = stage_backward(job.backend, run, dy, rel, True)
+        return dx[0]
+
+    return recompute
+
+
+def _blame(
+    split: SplitStep, membership, spot_checks, liar: str, what: str, phase: str = "forward"
+) -> None:
     """Worker ``liar`` is lost and kept out (once a step); the step is computed again."""
     if liar in split.blamed:
         return
@@ -436,7 +512,7 @@ def _blame(split: SplitStep, membership, spot_checks, liar: str, what: str) -> N
     node = next(n for n in membership.nodes if n.client is not None and n.client.address == liar)
     error = SpotCheckFailed(
         node.name,
-        f"forward {split.block}: {what} differs from the master's by more than {PART_RTOL:g} "
+        f"{phase} {split.block}: {what} differs from the master's by more than {PART_RTOL:g} "
         "of its scale: finite but wrong; not re-admitted this run",
     )
     membership.lose(node, error)

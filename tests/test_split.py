@@ -404,6 +404,31 @@ def test_a_peer_that_puts_wrong_block_outputs_is_the_one_dropped(local, workers,
     assert all(states[a] == "active" for a in workers.addresses[:2])
 
 
+def test_a_peer_that_puts_wrong_gradient_rows_is_the_one_dropped(local, workers, tmp_path):
+    """A peer that puts its input-gradient rows of the others' images x1.5 (its own answers
+    right): on a due step each receiver's sample of one image's rows, against the master's
+    recomputation of every sender's rows of that image (sent kernels), blames the sender; the
+    honest receivers stay, training equals local."""
+    from test_spot_checks import lying_worker
+
+    from hetconv.master.spotcheck import SpotCheckConfig
+
+    with lying_worker("rows", from_step=2) as liar:
+        addresses = [*workers.addresses[:2], liar]
+        checks = SpotCheckConfig(every=1)
+        config = ClusterConfig(**SPLIT, kernels="sent", spot_checks=checks)
+        with Cluster(addresses, config=config) as cluster:
+            got = train_strong_lrn(tmp_path, "rows", cluster)
+            events = list(cluster.events)
+            states = {node.name: node.state for node in cluster.nodes}
+    same_as_local(got, local)
+    lost = [(e["worker"], e["step"], e["reason"]) for e in events if e["event"] == "worker_lost"]
+    assert [(w, step) for w, step, _ in lost] == [(liar, 2)], lost
+    assert "backward conv1: the input-gradient rows it put into worker" in lost[0][2]
+    assert states[liar] == "distrusted"
+    assert all(states[a] == "active" for a in workers.addresses[:2])
+
+
 def test_a_peer_that_withholds_its_parts_is_the_one_dropped(local, workers, tmp_path):
     """A peer that computes its images' block output but puts it into nobody: the receivers
     say which parts they lack, and the peer whose own stage forward answered before is

@@ -97,6 +97,27 @@ def test_the_master_as_a_peer_exchanges_parts_with_the_workers(workers):
             c.close()
 
 
+def test_a_fetch_names_its_round_and_never_gets_an_older_ones_output(workers):
+    """A step computed again is a new round of the split, with other images per worker: the
+    master's fetch of a worker's own output names the round, so it waits for that round's
+    ReplicaForward instead of taking the first pass's output."""
+    block, *_ = _case()
+    client = WorkerClient(workers.addresses[0])
+    first = SplitPlan.of([MASTER, workers.addresses[0]], [3, BATCH - 3], 1)
+    again = SplitPlan.of([MASTER, workers.addresses[0]], [4, BATCH - 4], 2)
+    try:
+        client.replica_forward(43, 5, block, 60.0, first)
+        with pytest.raises(WorkerError, match="DEADLINE_EXCEEDED"):
+            client.fetch_part(43, 5, "conv1", 1, 1.0, gradient=False, round_=2)
+        client.replica_forward(43, 5, block, 60.0, again)
+        got, _ = client.fetch_part(43, 5, "conv1", 1, 10.0, gradient=False, round_=2)
+        assert got.shape[0] == BATCH - 4
+        with pytest.raises(WorkerError, match="moved on to step 5 round 2"):
+            client.fetch_part(43, 5, "conv1", 1, 1.0, gradient=False, round_=1)
+    finally:
+        client.close()
+
+
 def test_a_split_naming_the_master_badly_is_refused(workers):
     block, *_ = _case()
     client = WorkerClient(workers.addresses[0])
@@ -172,12 +193,18 @@ def test_a_block_split_with_the_master_trains_as_local(
     assert cal.check()["step_s"] > 0
 
 
-@pytest.mark.parametrize("kind", ["output", "parts"])
-def test_a_peer_lying_in_its_block_output_is_the_one_dropped(local, workers, tmp_path, kind):
+@pytest.mark.parametrize(
+    "kind, kernels", [("output", "resident"), ("parts", "resident"), ("rows", "sent")]
+)
+def test_a_peer_lying_in_its_block_output_is_the_one_dropped(
+    local, workers, tmp_path, kind, kernels
+):
     """With the master a peer: a worker whose block output is x1.5 everywhere (its peers, the
     master's fetch, its own stage calls: ``output``) is caught by the master computing one of
     its images again; one that lies only in what it puts into its peers (``parts``), by the
-    receivers' samples. Only the liar is dropped, the honest workers stay, and training
+    receivers' samples; one whose input-gradient rows put into its peers are x1.5 (``rows``,
+    sent kernels), by the receivers' samples of one image's rows against the master's
+    recomputation. Only the liar is dropped, the honest workers stay, and training
     equals local step by step: the step computed again without the liar, whose slice of the
     next layer the master computes while it is outside the split, takes that slice's rows of
     the workers' images along with the master's own."""
@@ -188,7 +215,7 @@ def test_a_peer_lying_in_its_block_output_is_the_one_dropped(local, workers, tmp
     with lying_worker(kind) as liar:
         addresses = [*workers.addresses[:2], liar]
         checks = SpotCheckConfig(every=1)
-        config = ClusterConfig(**SPLIT_ALL, kernels="resident", spot_checks=checks)
+        config = ClusterConfig(**SPLIT_ALL, kernels=kernels, spot_checks=checks)
         with Cluster(addresses, config=config) as cluster:
             got = train_strong_lrn(tmp_path, kind, cluster)
             events = list(cluster.events)
@@ -196,6 +223,7 @@ def test_a_peer_lying_in_its_block_output_is_the_one_dropped(local, workers, tmp
     lost = [(e["worker"], e["reason"]) for e in events if e["event"] == "worker_lost"]
     assert [w for w, _ in lost] == [liar], lost
     assert ("fetched by the master" in lost[0][1]) == (kind == "output"), lost
+    assert ("input-gradient rows it put into" in lost[0][1]) == (kind == "rows"), lost
     assert all(states[a] == "active" for a in workers.addresses[:2])
     same_as_local(got, local)
 

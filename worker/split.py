@@ -36,7 +36,7 @@ from hetconv.calls import FETCH_PART, PUT_PART
 from hetconv.errors import InvalidCall, MissingForward
 from hetconv.formats import FLOAT32, answer_format
 from hetconv.proto import worker_pb2 as pb
-from hetconv.split import MAX_SAMPLE, part_sample
+from hetconv.split import MAX_SAMPLE, part_sample, row_sample
 from hetconv.worker.context import WorkerContext
 from hetconv.worker.peers import PART_SEND, CallerGone, PeerLinks, WaitingCall
 
@@ -282,7 +282,7 @@ class SplitCalls:
             return [("p", part, answer_format(request.answer_dtype))], 0.0, receive
         with self._changed:
             record = self._steps.get((request.session, request.layer))
-            if record is None or record.step != request.step or not record.done:
+            if record is None or not _at(record, request) or not record.done:
                 have = "nothing" if record is None else f"step {record.step}"
                 raise MissingForward(
                     f"no backward of split block {request.layer!r} at step {request.step} "
@@ -298,10 +298,13 @@ class SplitCalls:
         """A FetchPart ``sample``: that many values of every sender's block output as it came
         here (this worker's own included), at places drawn from ``sample_seed``
         (:func:`~hetconv.split.part_sample`), one row per sender in peer order; once every
-        part has come."""
+        part has come. With ``gradient``: of every other peer's input-gradient rows of this
+        worker's images, one image's (:func:`~hetconv.split.row_sample`)."""
         count = request.part.sample
         if count > MAX_SAMPLE:
             raise InvalidCall(f"a sample of {count} values per part: at most {MAX_SAMPLE}")
+        if request.part.gradient:
+            return self._sampled_rows(request, count)
 
         def missing(record: _Step) -> list[str]:
             return [f"node {i}" for i in record.layout.senders if i not in record.outputs]
@@ -311,6 +314,18 @@ class SplitCalls:
         with self._changed:
             parts = [(i, record.outputs[i]) for i in record.layout.senders]
         return np.stack([part_sample(part, seed, i, count) for i, part in parts])
+
+    def _sampled_rows(self, request: pb.ConvRequest, count: int) -> np.ndarray:
+        """A FetchPart ``sample`` of the rows every other peer put here, in peer order."""
+
+        def missing(record: _Step) -> list[str]:
+            return [f"node {i}'s rows" for i in record.layout.others if i not in record.gradients]
+
+        record = self._wait(request, request.layer, missing, "a sample of the rows", bool)
+        seed = request.part.sample_seed
+        with self._changed:
+            rows = [(i, record.gradients[i]) for i in record.layout.others]
+        return np.stack([row_sample(part, seed, i, count) for i, part in rows])
 
     def _missing(self, request: pb.ConvRequest) -> np.ndarray:
         """A FetchPart ``missing``: the senders whose block output of the request's step has
@@ -418,13 +433,14 @@ class SplitCalls:
             try:
                 while True:
                     record = self._steps.get((request.session, block))
-                    if record is not None and record.step == request.step and record.layout:
+                    if record is not None and _at(record, request) and record.layout:
                         missing = ready(record)
                         if not missing:
                             return record
-                    elif record is not None and record.step > request.step:
+                    elif record is not None and _past(record, request):
                         raise MissingForward(
-                            f"split block {block!r} moved on to step {record.step}"
+                            f"split block {block!r} moved on to step {record.step} round "
+                            f"{record.round}"
                         )
                     else:
                         missing = ["this worker's own ReplicaForward"]
@@ -517,6 +533,21 @@ class SplitCalls:
             links, self._links = list(self._links.values()), {}
         for each in links:
             each.close()
+
+
+def _at(record: _Step, request: pb.ConvRequest) -> bool:
+    """Whether ``record`` is of the request's step and of its part's round (0: any: a stage
+    call comes after its own ReplicaForward of the round)."""
+    wanted = request.part.round
+    return record.step == request.step and (not wanted or record.round == wanted)
+
+
+def _past(record: _Step, request: pb.ConvRequest) -> bool:
+    """Whether ``record`` is of a later step, or a later round of the step, than asked."""
+    wanted = request.part.round
+    return record.step > request.step or (
+        record.step == request.step and bool(wanted) and record.round > wanted
+    )
 
 
 __all__ = ["MAX_PEERS", "PART_WAIT", "CallerGone", "PartTimeout", "SplitCalls", "SplitLayout"]
