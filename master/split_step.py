@@ -215,11 +215,9 @@ class SplitStep:
 
     def outside(self, dx: np.ndarray) -> None:
         """The input gradient ``dx`` (every image) of a piece the master computed for a worker
-        outside the split (lost before the block began: the step computed again after a
-        catch). It is part of the master's own input gradient, so its rows of the workers'
-        images go with the master's, also those its own piece's stage puts first
-        (:meth:`rows_first`): those pieces are computed before the master's own (the job's
-        ``covers_early``)."""
+        outside the split (lost before the block began: a step computed again after a catch):
+        the master's own, so its rows of the workers' images go with the master's, also those
+        put first (:meth:`rows_first`; such pieces are computed before the master's own)."""
         if self.rows_put:
             raise RuntimeError(
                 f"{self.block}: a piece outside the split came after the master's rows went"
