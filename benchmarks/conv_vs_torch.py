@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only these row kinds (default: all; 'step': the whole step)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="paper-500-1500, batch 16, 1 thread")
     p.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
+    p.add_argument("--col2im", action="store_true",
+                   help="every input gradient by col2im (the engine before few-channel layers "
+                   "ran theirs as a full correlation): the before of a before/after")  # fmt: skip
     return p
 
 
@@ -240,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.repeats < 1:
         sys.exit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.col2im:
+        CpuBackend._grad_input = CpuBackend._grad_input_col2im
     if args.quick:
         args.network, args.batch, args.threads = ["paper-500-1500"], [16], [1]
     cpu, blas = cpu_name(), blas_kernel()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 from scipy.linalg import blas
 
 from .base import (
@@ -309,9 +309,16 @@ class CpuBackend(Backend):
             "lowered",
             (plan.lowered_rows, plan.images, s.out_hw[1], plan.rows_per_group, s.kw, s.c),
         )
-        windows = sliding_window_view(padded, (plan.rows_per_group, s.kw), axis=(0, 2))
-        # windows: (rows, images, Wo, C, L, kw) -> lowered order (rows, images, Wo, L, kw, C)
-        np.copyto(lowered, windows.transpose(0, 1, 2, 4, 5, 3))
+        # Each (row, image, column, kernel row)'s kw * C values are one contiguous run of
+        # the padded row: copied as such, not C values at a time.
+        rows, images, cols, _ = padded.strides
+        windows = as_strided(
+            padded,
+            (plan.lowered_rows, plan.images, s.out_hw[1], plan.rows_per_group, s.kw * s.c),
+            (rows, images, cols, rows, padded.itemsize),
+            writeable=False,
+        )
+        np.copyto(lowered.reshape(windows.shape), windows)
         return lowered.reshape(plan.lowered_rows, -1)
 
     def _group_rows(self, plan: _Plan, lowered: np.ndarray, group: int) -> np.ndarray:
