@@ -512,14 +512,25 @@ def read_model(
     return state.model, state.description, f"checkpoint {path} (step {state.step})"
 
 
+#: The one integer a weight file holds: batch norm's count of batches, an int64 scalar as in
+#: PyTorch's state dicts.
+_COUNTER = ".num_batches_tracked"
+
+
 def _floating(weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
-    """``weights`` as float32, refusing any that are not real floating-point numbers."""
+    """``weights`` as float32 (batch norm's batch counts as int64 scalars), refusing any other
+    that is not a real floating-point number."""
     if not weights:
         raise ValueError("it holds no arrays")
+    out = {}
     for name, value in weights.items():
-        if value.dtype.kind != "f":
+        if name.endswith(_COUNTER) and value.shape == () and value.dtype.kind in "iu":
+            out[name] = value.astype(np.int64)
+        elif value.dtype.kind != "f":
             raise ValueError(
                 f"{name} is {value.dtype}; weights must be real floating-point numbers "
                 "(float32, or float64 converted)"
             )
-    return {name: value.astype(np.float32, copy=False) for name, value in weights.items()}
+        else:
+            out[name] = value.astype(np.float32, copy=False)
+    return out
