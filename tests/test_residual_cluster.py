@@ -127,8 +127,11 @@ def lockstep(cluster: Cluster, steps: int = STEPS) -> None:
 )
 def test_resnet20_through_two_workers_computes_every_step_as_locally(workers, stages):
     # kernels sent: the lockstep compares gradients and applies its own SGD; resident kernels
-    # are updated on the workers (their batch-norm stages: tests/test_resident_batchnorm.py)
-    config = ClusterConfig(stages=stages, kernels="sent", **FAST)
+    # are updated on the workers (their batch-norm stages: tests/test_resident_batchnorm.py).
+    # Deterministic: equal shares, so no probe timing picks the split and with it which
+    # round-off kinks a step meets (one run under load split by probe time met a kink at step 6
+    # that the perturbation check's three draws did not reproduce).
+    config = ClusterConfig(stages=stages, kernels="sent", deterministic=True, **FAST)
     with Cluster(workers.addresses, config=config) as cluster:
         lockstep(cluster)
         assert all(plan.shares[1] and plan.shares[2] for plan in cluster.plans.values())
