@@ -61,6 +61,16 @@ def _check_rows(piece: Piece, what: str, got: np.ndarray, rows: int) -> None:
         raise _non_finite(piece, what)
 
 
+def track_statistics(
+    batchnorm: Sequence[BatchNorm2d], counts: Sequence[int], part: slice, stats: np.ndarray
+) -> None:
+    """Move the running statistics of ``part`` of each of ``batchnorm`` (over ``counts`` values
+    per channel) by a worker's rows of batch mean and variance, ``stats`` (two per layer)."""
+    for i, (layer, count) in enumerate(zip(batchnorm, counts, strict=True)):
+        mean, var = stats[2 * i].astype(np.float64), stats[2 * i + 1].astype(np.float64)
+        layer.track(mean, var, count, part)
+
+
 class _StageForward:
     """A fused stage's forward (:mod:`hetconv.stages`): each node computes its kernels widened
     by the stage's halo, runs the stage's layers and answers its owned kernels' output, written
@@ -123,11 +133,8 @@ class _StageForward:
 
     def _track(self, part: slice, stats: np.ndarray) -> None:
         """Move the running statistics of ``part`` by its rows of batch mean and variance."""
-        if not self.training:
-            return
-        for i, (layer, count) in enumerate(zip(self.batchnorm, self.counts, strict=True)):
-            mean, var = stats[2 * i].astype(np.float64), stats[2 * i + 1].astype(np.float64)
-            layer.track(mean, var, count, part)
+        if self.training:
+            track_statistics(self.batchnorm, self.counts, part, stats)
 
     @property
     def covers_early(self) -> bool:

@@ -32,7 +32,7 @@ from .dispatch import (
     lost_forward,
     split_of,
 )
-from .fused import _batchnorm_slices, _check_rows
+from .fused import _batchnorm_slices, _check_rows, track_statistics
 from .replica import input_bytes, replica_input_grad
 from .spotcheck import stage_forward_sample
 
@@ -189,11 +189,8 @@ class _ResidentForward:
 
     def _track(self, part: slice, stats: np.ndarray) -> None:
         """Move the running statistics of ``part`` by its rows of batch mean and variance."""
-        if not self.training:
-            return
-        for i, (layer, count) in enumerate(zip(self.batchnorm, self.counts, strict=True)):
-            mean, var = stats[2 * i].astype(np.float64), stats[2 * i + 1].astype(np.float64)
-            layer.track(mean, var, count, part)
+        if self.training:
+            track_statistics(self.batchnorm, self.counts, part, stats)
 
     def _out(self, piece: Piece) -> np.ndarray:
         """Where a piece's answer goes: its partial logits, or its channels of the output."""
