@@ -161,8 +161,10 @@ class _StageForward:
         """Sampled stage outputs next to the master's (:mod:`.spotcheck`)."""
         fmt, sample = piece.node.client.wire_format, draw(*self.x.shape[:2])
         bn = _batchnorm_slices(self.batchnorm, slice(0, self.w.shape[0]))  # every image's
+        # x travelled in fmt, unless the worker computed it (a replicated block: float32)
+        received = self.x if self.replica is not None else None
         return stage_forward_sample(
-            fmt, self.x, self.w, self.b, self.sides, self.stage, self.y, sample, bn
+            fmt, self.x, self.w, self.b, self.sides, self.stage, self.y, sample, bn, received
         )
 
     def result(self):
@@ -280,9 +282,11 @@ class _StageBackward:
             # ReLU's zero can go either way (the forward is sampled, spotcheck.py).
             return None
         fmt, sample = piece.node.client.wire_format, draw(*self.x.shape[:2])
+        received = self.x if self.replica is not None else None  # as the forward's sample
         return stage_backward_sample(
-            fmt, self.x, self.w, self.b, self.dy, self.sides, self.stage, self.dw, self.db, sample
-        )
+            fmt, self.x, self.w, self.b, self.dy, self.sides, self.stage, self.dw, self.db,
+            sample, received=received,
+        )  # fmt: skip
 
     def while_waiting(self) -> None:
         """With a replicated block before the layer, the master's input-gradient part goes

@@ -501,20 +501,33 @@ def _stage_run(stage, maps: np.ndarray, batchnorm: Sequence = (), rows: slice = 
 
 
 def stage_forward_sample(
-    fmt: TensorFormat, x, w, b, sides, stage, y, sample: Sample, batchnorm: Sequence = ()
+    fmt: TensorFormat,
+    x,
+    w,
+    b,
+    sides,
+    stage,
+    y,
+    sample: Sample,
+    batchnorm: Sequence = (),
+    received: np.ndarray | None = None,
 ) -> list[Comparison]:
     """A fused stage's forward: the stage output ``y`` (N, K, Ho', Wo') a worker wrote for the
     sampled kernels on the sampled images, against the master's: the convolution of each
     sampled kernel's halo-widened range (float64 by FFT, as :func:`kernel_forward_sample`) put
     through the stage's layers, rounded to ``fmt`` as the output travelled. A stage's batch
     norms (``batchnorm``: the layer's BatchNormSlices, every channel) normalise a channel by
-    its own statistics over the batch: with them every image is computed, a few compared."""
+    its own statistics over the batch: with them every image is computed, a few compared.
+    ``received``: ``x`` as the worker had it where it did not travel in ``fmt``: a
+    replicated block's output, which the worker computed itself in float32 (and, split by
+    images, got the peers' rows of as float32 parts)."""
     ks, images = sample.kernels, sample.images
     top, bottom, left, right = sides
     size = (x.shape[2] + top + bottom, x.shape[3] + left + right)
     out_hw = (size[0] - w.shape[2] + 1, size[1] - w.shape[3] + 1)
     batch = np.arange(x.shape[0]) if batchnorm else images
-    inputs = _spectrum(as_received(fmt, x[batch]), size, (top, left))
+    got = as_received(fmt, x[batch]) if received is None else received[batch]
+    inputs = _spectrum(got, size, (top, left))
     want = np.empty((len(images), len(ks), *y.shape[2:]), np.float32)
     for i, k in enumerate(ks.tolist()):
         wide = stage.widened(slice(k, k + 1), w.shape[0])
@@ -528,7 +541,18 @@ def stage_forward_sample(
 
 
 def stage_backward_sample(
-    fmt: TensorFormat, x, w, b, dy, sides, stage, dw, db, sample: Sample, batchnorm: Sequence = ()
+    fmt: TensorFormat,
+    x,
+    w,
+    b,
+    dy,
+    sides,
+    stage,
+    dw,
+    db,
+    sample: Sample,
+    batchnorm: Sequence = (),
+    received: np.ndarray | None = None,
 ) -> list[Comparison]:
     """A fused stage's backward: the kernel gradients ``dw`` a worker wrote for the sampled
     kernels and input channels and their bias gradients ``db`` (each summed over every image),
@@ -537,13 +561,14 @@ def stage_backward_sample(
     range as the worker received it put back through those layers, and the kernel gradient by
     FFT; ``batchnorm`` as :func:`stage_forward_sample`'s (the whole batch is computed here
     anyway). The input-gradient part is not sampled here: it sums over the whole slice, whose
-    stage the master would have to run again (the kernel split samples it)."""
+    stage the master would have to run again (the kernel split samples it). ``received`` as
+    :func:`stage_forward_sample`'s."""
     ks, cs = sample.kernels, sample.channels
     top, bottom, left, right = sides
     size = (x.shape[2] + top + bottom, x.shape[3] + left + right)
     kh, kw = w.shape[2:]
     out_hw = (size[0] - kh + 1, size[1] - kw + 1)
-    received = as_received(fmt, x)
+    received = as_received(fmt, x) if received is None else received
     inputs = _spectrum(received, size, (top, left))
     channels = _spectrum(received[:, cs], size, (top, left))
     grads = np.empty((x.shape[0], len(ks), *out_hw), np.float32)
