@@ -22,18 +22,23 @@ class Mode:
 
     ``flags`` may hold ``{network}``, replaced by ``switched`` or ``wifi`` (what the testbed's
     link is to ``hetconv train --network``). ``needs``: a flag ``hetconv train --help`` must
-    list for the mode to run. ``in_all``: part of the ``all`` row."""
+    list for the mode to run. ``in_all``: part of the ``all`` row. ``over_base``: the flags
+    go over the paper's kernel split (:data:`BASE`); else they are all ``hetconv train`` is
+    given (``default``: none, whatever its defaults are)."""
 
     name: str
     flags: tuple[str, ...]
     about: str
     needs: str | None = None
     in_all: bool = True
+    over_base: bool = True
 
     def arguments(self, link: str) -> list[str]:
-        """``hetconv train``'s flags: the kernel split's (:data:`BASE`), then the mode's, which
-        override them (argparse keeps an option's last value)."""
-        return [flag.replace("{network}", FABRIC[link]) for flag in (*BASE, *self.flags)]
+        """``hetconv train``'s flags: the kernel split's (:data:`BASE`) unless not
+        :attr:`over_base`, then the mode's, which override them (argparse keeps an option's
+        last value)."""
+        flags = (*BASE, *self.flags) if self.over_base else self.flags
+        return [flag.replace("{network}", FABRIC[link]) for flag in flags]
 
 
 #: The paper's kernel split, which every mode changes one thing of: shares by probe, plain
@@ -59,6 +64,22 @@ EQUAL_SHARES = (
     "--overlap", "auto", "--head", "split", "--deterministic",
 )  # fmt: skip
 MODES: tuple[Mode, ...] = (
+    Mode(
+        "default",
+        (),
+        "`hetconv train` with no mode flag: whatever its defaults are",
+        in_all=False,
+        over_base=False,
+    ),
+    Mode(
+        "images",
+        ("--split", "images"),
+        "the whole network split by images: every node trains the model on its share of the "
+        "batch, the gradients summed through the master (heterogeneous data parallelism)",
+        "--split",
+        in_all=False,
+        over_base=False,
+    ),
     Mode("kernel_split", (), "the paper's: every conv's kernels split by probe", in_all=False),
     Mode("float16", ("--wire-format", "float16"), "activations and their gradients as float16"),
     Mode("bfloat16", ("--wire-format", "bfloat16"), "the same as bfloat16", in_all=False),

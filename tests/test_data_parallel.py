@@ -318,3 +318,19 @@ def test_a_tiny_vs_ddp_run_gives_a_full_row(tmp_path):
         assert row[key] is not None, key
     assert sum(row["ddp_batches"]) == 8 and len(row["ddp_batches"]) == 2
     assert row["ratio"] == pytest.approx(row["hetconv_step_s"] / row["ddp_step_s"])
+
+
+def test_the_default_mode_gives_hetconv_train_no_mode_flag():
+    # vs_ddp --mode default measures what a user gets from `hetconv train` as it is: no flag,
+    # not the paper's kernel split under the mode's flags.
+    _vs_ddp_module()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import testbed_modes
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    modes = {mode.name: mode for mode in testbed_modes.MODES}
+    assert modes["default"].arguments("switched") == []
+    assert modes["fused"].arguments("switched")[:2] == ["--shares", "compute"]
+    chosen, notes = testbed_modes.runnable_modes(["default"], "")
+    assert [m.name for m in chosen] == ["default"] and not notes
