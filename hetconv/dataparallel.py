@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hetconv.balance import kernel_shares
 from hetconv.costmodel import WIFI, SimCluster, SimNode, local_step_seconds
@@ -386,6 +386,46 @@ def simulate_data_parallel(
     )
 
 
+def simulate_image_split(
+    cluster: SimCluster,
+    network: str | Sequence[Mapping],
+    batch: int,
+    comp_s: float,
+    costs: CollectiveCosts | None = None,
+    image_seconds: Sequence[float] | None = None,
+    batches: Sequence[int] | None = None,
+    input_shape: tuple[int, int, int] | None = None,
+    image_bytes: int | None = None,
+) -> DataParallelResult:
+    """One step of hetconv's own whole-network split by images (``hetconv train --split
+    images``): every node trains the whole model on its slice of the batch and the master sums
+    the gradients, a parameter server without overlap (:func:`simulate_data_parallel` with
+    ``ps``, ``overlap=False``, the same arguments); and, as the master holds the data, it also
+    sends every worker its images before they compute, ``image_bytes`` each (default one byte
+    per value: palette8, what normalised 8-bit pixels travel as), on its own link (on Wi-Fi,
+    the medium)."""
+    costs = costs or CollectiveCosts()
+    got = simulate_data_parallel(
+        cluster, network, batch, comp_s, PARAMETER_SERVER, False, costs, image_seconds,
+        batches, input_shape,
+    )  # fmt: skip
+    named = load_network(network) if isinstance(network, str) else Network(list(network))
+    c, h, w = input_shape or named.input_shape or CIFAR_INPUT
+    per_image = c * h * w if image_bytes is None else image_bytes
+    nbytes = sum(got.batches[1:]) * per_image  # master first (0 where it computes nothing)
+    port = min(cluster.master.bytes_per_s, costs.tcp_bytes_per_s)
+    if cluster.fabric == WIFI:
+        port = min(port, cluster.medium_bytes_per_s)
+    images_s = nbytes / port
+    return replace(
+        got,
+        step_s=got.step_s + images_s,
+        comm_s=got.comm_s + images_s,
+        exchange_s=got.exchange_s + images_s,
+        master_bytes=got.master_bytes + nbytes,
+    )
+
+
 def _rank_batches(
     profiles: list[_Profile],
     batch: int,
@@ -479,4 +519,5 @@ __all__ = [
     "parameter_tensors",
     "proportional_batches",
     "simulate_data_parallel",
+    "simulate_image_split",
 ]

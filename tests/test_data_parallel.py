@@ -28,6 +28,7 @@ from hetconv.dataparallel import (
     parameter_bytes,
     proportional_batches,
     simulate_data_parallel,
+    simulate_image_split,
 )
 from hetconv.model import PRESETS, Model, load_spec
 
@@ -334,3 +335,17 @@ def test_the_default_mode_gives_hetconv_train_no_mode_flag():
     assert modes["fused"].arguments("switched")[:2] == ["--shares", "compute"]
     chosen, notes = testbed_modes.runnable_modes(["default"], "")
     assert [m.name for m in chosen] == ["default"] and not notes
+
+
+@pytest.mark.parametrize("cluster", [_switched(3), _wifi(3)], ids=["switched", "wifi"])
+def test_the_image_split_is_a_parameter_server_that_also_sends_the_images(cluster):
+    # hetconv --split images: the ps exchange without overlap, plus every worker's images
+    # (one byte a value) through the master's link (the medium on Wi-Fi) each step.
+    ps = simulate_data_parallel(cluster, "tiny", 32, 0.01, PARAMETER_SERVER, False, LINKS_ONLY)
+    got = simulate_image_split(cluster, "tiny", 32, 0.01, LINKS_ONLY)
+    images = sum(got.batches[1:]) * 3 * 32 * 32
+    assert got.batches == ps.batches and sum(got.batches[1:]) > 0
+    assert got.master_bytes == ps.master_bytes + images
+    assert got.step_s == pytest.approx(ps.step_s + images / (100 * MBYTE))
+    float32 = simulate_image_split(cluster, "tiny", 32, 0.01, LINKS_ONLY, image_bytes=4 * 3072)
+    assert float32.master_bytes == ps.master_bytes + 4 * images
