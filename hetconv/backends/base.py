@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import array_module, is_array
 from .clocks import DeviceClock, WallClock, clocks_open_here
 
 PaddingSpec = int | str | tuple[int, int] | tuple[int, int, int, int]
@@ -148,9 +149,9 @@ def check_shape(name: str, a, expected: tuple[int, ...]) -> None:
 
 
 def _check_array(name: str, a: np.ndarray, ndim: int) -> None:
-    """What every public call checks of each array argument: a float32, C-contiguous numpy
-    array of ``ndim`` dimensions."""
-    if not isinstance(a, np.ndarray):
+    """What every public call checks of each array argument: a float32, C-contiguous array
+    (numpy, or a device backend's own: :meth:`Backend.to_device`) of ``ndim`` dimensions."""
+    if not is_array(a):
         raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
     check_float32(name, a)
     if a.ndim != ndim:
@@ -343,7 +344,7 @@ class Backend(ABC):
         chunks = self._batch_chunks(shape)
         if len(chunks) == 1:
             return self._forward(x, w, b, shape)
-        out = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
+        out = array_module(x).empty((shape.n, shape.k, *shape.out_hw), np.float32)
         for images, chunk in chunks:
             out[images] = self._forward(x[images], w, b, chunk)
         return out
@@ -369,7 +370,7 @@ class Backend(ABC):
         chunks = self._batch_chunks(shape)
         if len(chunks) == 1:
             return self._grad_input(dy, w, shape)
-        out = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
+        out = array_module(dy).empty((shape.n, shape.c, shape.h, shape.w), np.float32)
         for images, chunk in chunks:
             out[images] = self._grad_input(dy[images], w, chunk)
         return out
@@ -392,8 +393,9 @@ class Backend(ABC):
         chunks = self._batch_chunks(shape)
         if len(chunks) == 1:
             return self._grad_kernels(x, dy, shape)
-        dw = np.zeros((shape.k, shape.c, shape.kh, shape.kw), np.float32)
-        db = np.zeros(shape.k, np.float32)
+        xp = array_module(x)
+        dw = xp.zeros((shape.k, shape.c, shape.kh, shape.kw), np.float32)
+        db = xp.zeros(shape.k, np.float32)
         for images, chunk in chunks:
             part_w, part_b = self._grad_kernels(x[images], dy[images], chunk)
             dw += part_w
@@ -413,6 +415,36 @@ class Backend(ABC):
     @staticmethod
     def _check_dy(dy: np.ndarray, shape: ConvShape) -> None:
         check_shape("output gradient", dy, (shape.n, shape.k, *shape.out_hw))
+
+    # -- where a call's arrays live ------------------------------------------------------------
+
+    @property
+    def xp(self):
+        """The array module of this backend's device arrays: numpy here (host backends), cupy
+        on the cuda backend. Code that runs a whole stage on the device (:mod:`hetconv.stages`)
+        uploads its inputs once (:meth:`to_device`), calls the public operations and the layers
+        on the device arrays, and downloads its answers once (:meth:`to_host`)."""
+        return np
+
+    @property
+    def on_device(self) -> bool:
+        """Whether :meth:`to_device` moves arrays off the host (False here: a host backend)."""
+        return False
+
+    def to_device(self, a: np.ndarray):
+        """``a`` on this backend's device (a device array stays as it is). Here, on the host:
+        ``a`` itself, no copy. The public operations take device arrays and answer device
+        arrays; numpy arrays in, numpy arrays out."""
+        return a
+
+    def to_host(self, a) -> np.ndarray:
+        """``a`` as a numpy array (a numpy array stays as it is). Here: ``a`` itself."""
+        return a
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Where device work of this backend runs (the cuda backend: its GPU as the current
+        device). Here: nothing to enter."""
+        return contextlib.nullcontext()
 
     def kernel_memo(self) -> contextlib.AbstractContextManager:
         """A scope for the calls of one convolution made on parts of its batch (a stage call's

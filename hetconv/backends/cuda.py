@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from . import xpconv
+from .arrays import on_host, register_array_module
 from .base import (
     Backend,
     ConvShape,
@@ -57,6 +58,9 @@ from .base import (
 DEFAULT_PIPELINE_CHUNKS = 4
 #: Chunks in flight at once: one per stream.
 STREAMS = 2
+#: Device->host copies of at least this many bytes land in pinned host memory (from CuPy's
+#: pinned pool, reused once freed): DMA at the link's speed instead of the driver's staging.
+PINNED_FROM = 1 << 20
 #: Share of the device memory free at construction that one call may use; the rest is
 #: headroom for CuPy's pool rounding, cuBLAS workspaces and other users of the GPU.
 MEMORY_FRACTION = 0.8
@@ -212,6 +216,7 @@ class CudaBackend(Backend):
             free += cp.get_default_memory_pool().free_bytes()  # pooled blocks are reusable
             self._slots = [_Slot(cp.cuda.Stream(non_blocking=True)) for _ in range(STREAMS)]
         self._info = _device_info(cp, self.device, int(MEMORY_FRACTION * free))
+        register_array_module(cp.ndarray, cp)  # layers take cupy's module from its arrays
 
     # -- contract ------------------------------------------------------------------------------
 
@@ -290,6 +295,50 @@ class CudaBackend(Backend):
                 stop.synchronize()
                 best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3)
         return 2 * size**3 / best / 1e9
+
+    # -- device arrays: a whole stage on the GPU ---------------------------------------------
+
+    @property
+    def xp(self) -> Any:
+        """CuPy: the module of this backend's device arrays."""
+        return self._cp
+
+    @property
+    def on_device(self) -> bool:
+        return True
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """This backend's GPU as the current device (device arrays are allocated there)."""
+        return self._cp.cuda.Device(self.device)
+
+    def to_device(self, a: Any) -> Any:
+        """``a`` copied to this backend's GPU (one host->device copy on the current stream); a
+        device array stays as it is."""
+        if not on_host(a):
+            return a
+        with self.scope():
+            return self._cp.asarray(a)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        """``a`` copied to the host (a numpy array stays as it is): into pinned memory from
+        CuPy's pinned pool when it is :data:`PINNED_FROM` bytes or more, so the copy runs at
+        the link's speed; the array keeps its pinned block until it is freed."""
+        if on_host(a):
+            return a
+        with self.scope():
+            if a.nbytes < PINNED_FROM:
+                return a.get()
+            memory = self._cp.cuda.alloc_pinned_memory(a.nbytes)
+            host = np.frombuffer(memory, a.dtype, a.size).reshape(a.shape)
+            a.get(out=host)
+            return host
+
+    def _on_device(self, operation: Callable[..., Any], shape: ConvShape, *arrays: Any) -> Any:
+        """``operation`` of :mod:`.xpconv` on device arrays, on the current stream: no
+        pipeline, no copies (an argument still on the host is uploaded first)."""
+        with self._lock, self.scope():
+            on_gpu = [None if a is None else self.to_device(a) for a in arrays]
+            return operation(self._cp, *on_gpu, shape)
 
     # -- the pipeline ------------------------------------------------------------------------
 
@@ -370,6 +419,8 @@ class CudaBackend(Backend):
     # -- the three operations ----------------------------------------------------------------
 
     def _forward(self, x, w, b, shape):
+        if not on_host(x):
+            return self._on_device(xpconv.forward, shape, x, w, b)
         ho, wo = shape.out_hw
         y = np.empty((shape.n, shape.k, ho, wo), np.float32)
         with self._lock, self._cp.cuda.Device(self.device), self._timed():
@@ -382,6 +433,8 @@ class CudaBackend(Backend):
         return y
 
     def _grad_input(self, dy, w, shape):
+        if not on_host(dy):
+            return self._on_device(xpconv.grad_input, shape, dy, w)
         dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
         with self._lock, self._cp.cuda.Device(self.device), self._timed():
             (w_dev,) = self._upload_constants(w)
@@ -393,6 +446,8 @@ class CudaBackend(Backend):
         return dx
 
     def _grad_kernels(self, x, dy, shape):
+        if not on_host(x):
+            return self._on_device(xpconv.grad_kernels, shape, x, dy)
         cp = self._cp
         with self._lock, cp.cuda.Device(self.device), self._timed():
             sums: list[list[Any] | None] = [None] * len(self._slots)
