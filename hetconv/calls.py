@@ -19,6 +19,9 @@ moves)::
     ReplicaForward x, w, b          (nothing): the worker keeps the replicated block's output
     PutPart    p                    (nothing): a part of a split block's output or gradient
     FetchPart  (nothing)            p: the gradient part a worker sent a lost one
+    ImagesStep     every parameter (named as the model names them), x, labels
+                                    every parameter's gradient (as sent), losses, hits: the
+                                    whole network on the worker's images (:data:`IMAGES_STEP`)
     Describe   (DescribeRequest -> DeviceDescription)
     Probe      (ProbeRequest -> ProbeResult)
 
@@ -443,6 +446,24 @@ PUT_PART = ConvCall(
 FETCH_PART = ConvCall(
     "FetchPart", pb.FETCH_PART, (), (TensorRule("p", part_shape, activation=True),)
 )  # fmt: skip
+#: The whole network split by images (:mod:`hetconv.master.imagesplit`): the request carries
+#: every parameter, named as the model names them (float32, in the model's order), then
+#: :data:`IMAGES_TENSORS` (the images, palette8 where they fit, and their labels); the answer
+#: every parameter's gradient (named and ordered as sent), then :data:`IMAGES_ANSWER`. Their
+#: names depend on the model, so the table lists none (:meth:`ConvCall.request_names` is None);
+#: :func:`images_step_names` gives them.
+IMAGES_STEP = ConvCall("ImagesStep", pb.IMAGES_STEP, None, None)
+#: The tensors after the parameters in an ImagesStep request and in its answer.
+IMAGES_TENSORS, IMAGES_ANSWER = ("x", "labels"), ("losses", "hits")
+
+
+def images_step_names(parameters) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(request names, answer names) of an ImagesStep call for a model whose parameter names
+    are ``parameters``, in the model's order."""
+    names = tuple(parameters)
+    return names + IMAGES_TENSORS, names + IMAGES_ANSWER
+
+
 DESCRIBE = UnaryCall("Describe", pb.DescribeRequest, pb.DeviceDescription)
 PROBE = UnaryCall("Probe", pb.ProbeRequest, pb.ProbeResult)
 
@@ -462,6 +483,7 @@ CONV_CALLS: dict[str, ConvCall] = {
         REPLICA_FORWARD,
         PUT_PART,
         FETCH_PART,
+        IMAGES_STEP,
     )
 }
 #: The calls that do not.
@@ -481,6 +503,9 @@ __all__ = [
     "FETCH_PART",
     "FORWARD",
     "HANDLER_FACTORIES",
+    "IMAGES_ANSWER",
+    "IMAGES_STEP",
+    "IMAGES_TENSORS",
     "METHODS",
     "PLACE_KERNELS",
     "PROBE",
@@ -502,6 +527,7 @@ __all__ = [
     "UnaryCall",
     "bias_shape",
     "call_shape",
+    "images_step_names",
     "input_shape",
     "kernel_shape",
     "map_shape",

@@ -313,6 +313,13 @@ class ConvExecutor:
         ``conv_seconds`` (seconds spent moving data, and computing on the slowest node)."""
         return {"comm_seconds": 0.0, "conv_seconds": 0.0}
 
+    def train_batch(self, model, x: np.ndarray, labels: np.ndarray, step: int):
+        """The training step's passes run by the executor itself (the whole network split by
+        images, :mod:`hetconv.imagesplit`): (the batch's mean loss, bool (N,) hits), with
+        every parameter's gradient left in ``model``'s layers; None (the default): the
+        training loop runs the model's passes itself."""
+        return None
+
     def redo_step(self) -> bool:
         """Whether the step's passes must run again before its update (a node caught
         answering wrong values was taken out mid-step); the training loop asks after each."""

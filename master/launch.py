@@ -156,14 +156,21 @@ class EmbeddedCluster(ConvExecutor):
     Args:
         count: worker processes to start.
         config: the cluster's settings.
+        cluster_class: the cluster to run over them: :class:`~hetconv.master.cluster.Cluster`
+            (None), or :class:`~hetconv.master.imagesplit.ImageSplit` (the whole network
+            split by images).
     """
 
-    def __init__(self, count: int, config=None):
+    def __init__(self, count: int, config=None, cluster_class=None):
         # The master sends config.token; its local workers require the same.
         self.workers = LocalWorkers(count, token=config.token if config is not None else None)
         self.config = config
         self.cluster = None
+        self.cluster_class = cluster_class
         self._blas_limit = None
+        if cluster_class is not None:  # how the model groups its layers, known before prepare
+            self.supports_stages = cluster_class.supports_stages
+            self.supports_head = cluster_class.supports_head
 
     def master_blas_threads(self) -> int:
         """BLAS threads the master keeps while its workers share this machine: the cores the
@@ -189,8 +196,12 @@ class EmbeddedCluster(ConvExecutor):
             )
         # Before the probe, so the shares measure the master as it will train.
         self._blas_limit = threadpool_limits(limits=threads, user_api="blas")
-        self.cluster = Cluster(self.workers.start(), config=self.config)
+        cluster_class = self.cluster_class or Cluster
+        self.cluster = cluster_class(self.workers.start(), config=self.config)
         self.cluster.prepare(layers, batch, log)
+
+    def train_batch(self, model, x, labels, step):
+        return self.cluster.train_batch(model, x, labels, step)
 
     def forward(self, layer, x, w, b, padding):
         return self.cluster.forward(layer, x, w, b, padding)

@@ -457,6 +457,9 @@ class _Run:
     def _forward_backward(self, x, labels, step: int) -> tuple[float, np.ndarray]:
         """The loss and hits of the batch; the model's gradients are left in its layers
         (dropout masks follow ``step``, so a step computed again draws the same)."""
+        done = self.executor.train_batch(self.model, x, labels, step)
+        if done is not None:  # the executor ran the passes (split by images)
+            return done
         loss, grad, hits = softmax_cross_entropy(self.model.forward(x, step=step), labels)
         self.model.backward(grad)
         return loss, hits

@@ -8,13 +8,14 @@ import time
 from collections.abc import Iterator
 
 from hetconv.backends import conv_shape
-from hetconv.calls import BACKWARD, ECHO, FORWARD, ConvCall
+from hetconv.calls import BACKWARD, ECHO, FORWARD, IMAGES_STEP, ConvCall
 from hetconv.errors import InvalidCall, MalformedMessage, RequestTooLarge
 from hetconv.formats import FLOAT32, answer_format
 from hetconv.proto import worker_pb2 as pb
 from hetconv.wire import TensorReceiver, WireTensor, check_tensors, receive_stream
 from hetconv.worker.activity import Activity
 from hetconv.worker.budget import MemoryBudget
+from hetconv.worker.imagesplit import check_request as check_images_request
 
 
 def request_padding(request: pb.ConvRequest) -> tuple[int, int, int, int]:
@@ -73,7 +74,10 @@ class RequestReader:
                 raise InvalidCall(
                     f"dy has shape {tensors[0].shape}, expected 4 dimensions (N, k, Ho, Wo)"
                 )
-            self._admit(call, request, tensors)  # before any array is allocated
+            passes = 0
+            if call is IMAGES_STEP:  # what the model and the images imply, before any data
+                passes = check_images_request(request, tensors, self.max_request_bytes)
+            self._admit(call, request, tensors, passes)  # before any array is allocated
             return TensorReceiver.of(tensors)
 
         def advanced(first: pb.ConvMessage, receiver: TensorReceiver) -> None:
@@ -83,9 +87,12 @@ class RequestReader:
         self.activity.received(first.header.session, sum(h.nbytes for h in first.header.tensors))
         return first.header, arrays, time.perf_counter() - start
 
-    def _admit(self, call: ConvCall, request: pb.ConvRequest, tensors: list[WireTensor]) -> None:
+    def _admit(
+        self, call: ConvCall, request: pb.ConvRequest, tensors: list[WireTensor], passes: int = 0
+    ) -> None:
         """Reserve what the call will hold: its request arrays (and staging buffers for a format
-        that converts on arrival) and its answer, twice (the arrays and their encoded bytes).
+        that converts on arrival), its answer, twice (the arrays and their encoded bytes), and
+        ``passes`` bytes its computation holds besides (an ImagesStep's forward and backward).
         A call whose answer size is not known here is covered once it is computed (the
         service's ``_run``).
 
@@ -97,7 +104,7 @@ class RequestReader:
         if memory is None:  # a core called outside a handler: nothing to meter
             return
         memory.session = request.session
-        need = 0
+        need = passes
         for t in tensors:
             need += FLOAT32.nbytes(t.shape)
             if t.format is not FLOAT32:

@@ -1,11 +1,12 @@
 """The gRPC service a worker runs: convolutions for a slice of a layer's kernels.
 
-A worker never sees the model. Each Forward call brings a layer's inputs and a kernel slice; the
-worker returns those feature maps and keeps the inputs and kernels for the Backward call of the
-same session, layer, kernel offset and step, which then only has to bring the output-gradient
-slice. The kernel offset is part of the key because one worker process may serve two slices of a
-layer in one step: a master that names it under two addresses (``127.0.0.1:P`` and
-``localhost:P``) sees two workers. Describe returns an id drawn at random when the service
+A worker never sees the model, except where the whole network is split by images (ImagesStep,
+:mod:`hetconv.worker.imagesplit`). Each Forward call brings a layer's inputs and a kernel slice;
+the worker returns those feature maps and keeps the inputs and kernels for the Backward call of
+the same session, layer, kernel offset and step, which then only has to bring the
+output-gradient slice. The kernel offset is part of the key because one worker process may serve
+two slices of a layer in one step: a master that names it under two addresses (``127.0.0.1:P``
+and ``localhost:P``) sees two workers. Describe returns an id drawn at random when the service
 starts, so such a master can tell. Every
 request is validated before any work is done; a bad one is refused with a message naming what
 was wrong and the status its error's type carries (INVALID_ARGUMENT for most, see
@@ -57,6 +58,7 @@ from hetconv.calls import (
     ECHO,
     FETCH_PART,
     FORWARD,
+    IMAGES_STEP,
     METHODS,
     PROBE,
     PUT_PART,
@@ -85,6 +87,7 @@ from hetconv.worker.context import (
     caller_alive,
 )
 from hetconv.worker.idle import CallEnded, IdleWatch, Watched
+from hetconv.worker.imagesplit import ImagesCalls
 from hetconv.worker.overlap import Streamed
 from hetconv.worker.replica import ReplicaCalls
 from hetconv.worker.requests import RequestReader, request_padding
@@ -427,6 +430,7 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
     cores.update(ResidentCalls(context).cores())  # resident kernels (hetconv.worker.resident)
     cores[REPLICA_FORWARD] = context.replicas.forward
     cores.update({PUT_PART: context.split.put, FETCH_PART: context.split.fetch})
+    cores[IMAGES_STEP] = ImagesCalls(context).step  # the whole network split by images
     for call, core in cores.items():
         handlers[call.stream.name] = call.stream.handler(service.streamed(call, core))
         handlers[call.bundle.name] = call.bundle.handler(service.bundled(call, core))

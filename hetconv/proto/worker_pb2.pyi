@@ -29,6 +29,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_FORWARD: _ClassVar[Phase]
     PUT_PART: _ClassVar[Phase]
     FETCH_PART: _ClassVar[Phase]
+    IMAGES_STEP: _ClassVar[Phase]
 
 class StageLayer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -56,6 +57,7 @@ RESIDENT_STAGE_BACKWARD: Phase
 REPLICA_FORWARD: Phase
 PUT_PART: Phase
 FETCH_PART: Phase
+IMAGES_STEP: Phase
 STAGE_LAYER_UNSPECIFIED: StageLayer
 RELU: StageLayer
 LRN: StageLayer
@@ -147,14 +149,16 @@ class SplitPeer(_message.Message):
     def __init__(self, address: _Optional[str] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., master: _Optional[bool] = ...) -> None: ...
 
 class SplitBlock(_message.Message):
-    __slots__ = ("node", "peers", "round")
+    __slots__ = ("node", "peers", "round", "prepare")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
     node: int
     peers: _containers.RepeatedCompositeFieldContainer[SplitPeer]
     round: int
-    def __init__(self, node: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[SplitPeer, _Mapping]]] = ..., round: _Optional[int] = ...) -> None: ...
+    prepare: bool
+    def __init__(self, node: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[SplitPeer, _Mapping]]] = ..., round: _Optional[int] = ..., prepare: _Optional[bool] = ...) -> None: ...
 
 class TensorPart(_message.Message):
     __slots__ = ("source", "gradient", "round", "sample", "sample_seed", "missing")
@@ -172,8 +176,24 @@ class TensorPart(_message.Message):
     missing: bool
     def __init__(self, source: _Optional[int] = ..., gradient: _Optional[bool] = ..., round: _Optional[int] = ..., sample: _Optional[int] = ..., sample_seed: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
 
+class ImagesStep(_message.Message):
+    __slots__ = ("spec_json", "input_shape", "seed", "first", "batch", "scale")
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    spec_json: str
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    first: int
+    batch: int
+    scale: float
+    def __init__(self, spec_json: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., first: _Optional[int] = ..., batch: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+
 class ConvRequest(_message.Message):
-    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part")
+    __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part", "images")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +209,7 @@ class ConvRequest(_message.Message):
     OVERLAP_IMAGES_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     session: int
     step: int
@@ -204,7 +225,8 @@ class ConvRequest(_message.Message):
     overlap_images: int
     split: SplitBlock
     part: TensorPart
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ..., replica_layer: _Optional[str] = ..., overlap_images: _Optional[int] = ..., split: _Optional[_Union[SplitBlock, _Mapping]] = ..., part: _Optional[_Union[TensorPart, _Mapping]] = ...) -> None: ...
+    images: ImagesStep
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., session: _Optional[int] = ..., step: _Optional[int] = ..., layer: _Optional[str] = ..., padding: _Optional[_Iterable[int]] = ..., kernel_offset: _Optional[int] = ..., need_input_grad: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., stage: _Optional[_Union[StageDescription, _Mapping]] = ..., resident: _Optional[_Union[ResidentSlice, _Mapping]] = ..., replica_layer: _Optional[str] = ..., overlap_images: _Optional[int] = ..., split: _Optional[_Union[SplitBlock, _Mapping]] = ..., part: _Optional[_Union[TensorPart, _Mapping]] = ..., images: _Optional[_Union[ImagesStep, _Mapping]] = ...) -> None: ...
 
 class ConvResult(_message.Message):
     __slots__ = ("compute_seconds", "receive_seconds", "tensors", "timings_follow")

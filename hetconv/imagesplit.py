@@ -1,0 +1,174 @@
+"""The whole network split by images: what the master and its workers share of it.
+
+Heterogeneous data parallelism run by hetconv over its own workers
+(:mod:`hetconv.master.imagesplit`, ``hetconv train --split images``): each step's batch is cut
+into contiguous ranges of images, one per node, and every node runs the whole model, the loss
+included, on its range. Each node's gradient is that of the *sum* of its images' losses
+divided by the whole batch, so the ranges' gradients, summed in node order, are the batch's
+mean-loss gradient, what training on one machine computes, to float32 round-off (the logits'
+gradient is the same bit for bit; only the sums over images inside each layer's weight
+gradient are grouped differently). Dropout draws the whole batch's masks and each range takes
+its rows (:func:`images_gradients`), so masks match too. Batch norm couples the images (its
+statistics are the whole batch's) and is refused (:func:`refuse_batchnorm`).
+
+Here: the ranges (:func:`image_ranges`), one range's forward, loss and backward on a model
+(:func:`images_gradients`), the check of a network (:func:`refuse_batchnorm`) and the spec as
+it travels (:func:`spec_json`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .balance import kernel_shares
+from .layers import Dropout
+from .spec import walk_spec
+
+#: ``--split``: each convolution's kernels split across the nodes (every other layer on the
+#: master), or the whole network split by images.
+KERNELS, IMAGES = "kernels", "images"
+SPLIT_MODES = (KERNELS, IMAGES)
+
+
+def refuse_batchnorm(spec: Sequence[Mapping], input_shape: Sequence[int]) -> None:
+    """Raise ValueError naming the first batch norm layer of ``spec``: its statistics are the
+    whole batch's, which a split by images does not compute."""
+    for layer in walk_spec(spec, tuple(input_shape)):
+        if layer.kind == "batchnorm":
+            raise ValueError(
+                f"--split images cannot train a network with batch norm (layer {layer.name!r}: "
+                "its statistics are the whole batch's, which no node sees); use --split kernels"
+            )
+
+
+def parameter_shapes(
+    spec: Sequence[Mapping], input_shape: Sequence[int]
+) -> tuple[dict[str, tuple[int, ...]], int]:
+    """Every parameter's shape by name, in the model's order (what an ImagesStep request
+    carries), and the values of every layer's output per image (what one image's passes
+    hold, about)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    values = 0
+    for layer in walk_spec(spec, tuple(input_shape)):
+        values += math.prod(layer.output_shape)
+        if layer.conv is not None:
+            shapes[f"{layer.name}.weight"] = layer.conv.weight_shape
+            if layer.options["bias"]:
+                shapes[f"{layer.name}.bias"] = (layer.conv.kernels,)
+        elif layer.kind == "fc":
+            out = layer.output_shape[0]
+            shapes[f"{layer.name}.weight"] = (out, math.prod(layer.input_shape))
+            shapes[f"{layer.name}.bias"] = (out,)
+        elif layer.kind == "batchnorm":
+            channels = layer.input_shape[0]
+            shapes[f"{layer.name}.weight"] = shapes[f"{layer.name}.bias"] = (channels,)
+    return shapes, values
+
+
+def spec_json(spec: Sequence[Mapping]) -> str:
+    """The spec as it travels in an ImagesStep request: compact JSON, keys sorted."""
+    return json.dumps(list(spec), sort_keys=True, separators=(",", ":"))
+
+
+def image_ranges(batch: int, seconds_per_image: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous (start, count) ranges tiling ``batch`` images, one per node in order, in
+    proportion to each node's speed (``1 / seconds_per_image``; ``math.inf`` excludes a node:
+    it gets none), by the largest remainder as kernel shares are split
+    (:func:`~hetconv.balance.kernel_shares`)."""
+    counts = kernel_shares(batch, list(seconds_per_image))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
+    return [(int(s), int(c)) for s, c in zip(starts, counts, strict=True)]
+
+
+class _RowsDropout(Dropout):
+    """A :class:`~hetconv.layers.Dropout` on rows ``first .. first + count`` of a batch of
+    ``batch`` images: it draws the whole batch's mask and takes those rows, as one machine
+    training the whole batch draws them."""
+
+    rows: tuple[int, int] | None = None  # (first, batch); None: a whole batch
+
+    def forward(self, x):
+        if self.rows is None or not self.training or self.p == 0.0:
+            return super().forward(x)
+        first, batch = self.rows
+        step = self.step if self.step is not None else self._forwards
+        self._forwards += 1
+        rng = np.random.default_rng((*self.seed, step))
+        keep = rng.random((batch, *x.shape[1:]), dtype=np.float32) >= np.float32(self.p)
+        self._scale = keep[first : first + x.shape[0]] * np.float32(1.0 / (1.0 - self.p))
+        return x * self._scale
+
+
+def _take_rows(model, first: int, batch: int) -> None:
+    """Every dropout layer of ``model`` draws the masks of rows ``first ..`` of ``batch``."""
+    for layer in model.layers:
+        if isinstance(layer, Dropout):
+            if type(layer) is Dropout:
+                layer.__class__ = _RowsDropout  # the same object: the model's steps hold it
+            layer.rows = (first, batch)
+
+
+def images_gradients(
+    model, x: np.ndarray, labels: np.ndarray, first: int, batch: int, step: int
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """One node's part of a step split by images: ``model`` (a :class:`~hetconv.model.Model`
+    in training mode) on images ``x`` (n, C, H, W) float32, rows ``first .. first + n`` of a
+    batch of ``batch``, with int ``labels`` (n,).
+
+    Returns:
+        (every parameter's gradient of the sum of these images' softmax cross-entropy losses
+        divided by ``batch``, by name, fresh float32 arrays; float32 (n,) each image's loss;
+        bool (n,) whether its top logit is its label). The logits' gradient is computed by
+        the operations :func:`~hetconv.layers.softmax_cross_entropy` uses on the whole batch,
+        row by row: the same values.
+    """
+    n = x.shape[0]
+    if labels.shape != (n,):
+        raise ValueError(f"labels have shape {labels.shape}, expected ({n},)")
+    if not 0 <= first <= first + n <= batch:
+        raise ValueError(f"images {first} .. {first + n} are not within a batch of {batch}")
+    _take_rows(model, first, batch)
+    logits = model.forward(x, step=step)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    total = exp.sum(axis=1, keepdims=True)
+    rows = np.arange(n)
+    losses = -(shifted - np.log(total))[rows, labels]
+    grad = exp / total
+    grad[rows, labels] -= 1.0
+    grad /= np.float32(batch)
+    model.backward(grad.astype(np.float32, copy=False))
+    grads = {name: np.array(g, np.float32) for name, g in model.gradients().items()}
+    return grads, losses.astype(np.float32), logits.argmax(axis=1) == labels
+
+
+def batch_loss(losses: Sequence[np.ndarray], batch: int) -> float:
+    """The batch's mean loss from its ranges' per-image losses, in order (float32, as
+    :func:`~hetconv.layers.softmax_cross_entropy` takes the mean)."""
+    joined = np.concatenate(list(losses)) if losses else np.zeros(0, np.float32)
+    if joined.shape != (batch,):
+        raise ValueError(f"{joined.shape[0]} losses for a batch of {batch}")
+    return float(joined.mean())
+
+
+def seconds_per_image(images: int, seconds: float) -> float:
+    """A node's measured seconds per image (``math.inf`` when it computed none)."""
+    return seconds / images if images > 0 and seconds > 0 else math.inf
+
+
+__all__ = [
+    "IMAGES",
+    "KERNELS",
+    "SPLIT_MODES",
+    "batch_loss",
+    "image_ranges",
+    "images_gradients",
+    "parameter_shapes",
+    "refuse_batchnorm",
+    "seconds_per_image",
+    "spec_json",
+]

@@ -1,0 +1,310 @@
+"""The whole network split by images (``hetconv train --split images``): heterogeneous data
+parallelism run by hetconv over its own workers (:mod:`hetconv.imagesplit`).
+
+:class:`ImageSplit` is a :class:`~.cluster.Cluster` (the same connection, token and TLS,
+membership, backoff and rejoining, local workers), but it splits no layer: the model's
+convolutions run in this process, and each training step goes through
+:meth:`ImageSplit.train_batch` instead. Per step:
+
+* the batch is cut into contiguous ranges of images, one per node (the master first, then the
+  active workers in order), in proportion to each node's measured seconds per image (the last
+  step's, smoothed; equal before any is measured, and always with ``deterministic``);
+* each worker gets one ImagesStep call (:data:`hetconv.calls.IMAGES_STEP`): the model's spec,
+  every parameter (float32), its images (palette8 where they fit) and labels; it answers every
+  parameter's gradient of its images' summed losses over the batch size, the images' losses
+  and hits;
+* the master computes its own range meanwhile, on the model itself;
+* a worker whose call fails (gone, past its deadline, a bad answer) is lost (the membership
+  retries it with backoff, and it rejoins at a step boundary), and the master computes its
+  range itself: the same images and weights, so no step is lost and the step is the same;
+* the gradients are summed in node order into the model's gradient arrays; the loop's
+  optimizer then updates the master's weights, which every worker gets with the next step.
+
+What moves is the parameter-server exchange of :mod:`hetconv.dataparallel`: the parameters to
+every worker and their gradients back (both float32, each the model's parameter bytes), plus
+the worker's images and labels. Each step record says ``split: images``, each node's images,
+seconds and bytes; the plan record says the same of the first step's ranges.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+import numpy as np
+
+from hetconv.calls import IMAGES_STEP, images_step_names
+from hetconv.formats import FLOAT32, PALETTE8
+from hetconv.imagesplit import (
+    IMAGES,
+    batch_loss,
+    image_ranges,
+    images_gradients,
+    refuse_batchnorm,
+    seconds_per_image,
+    spec_json,
+)
+from hetconv.proto import worker_pb2 as pb
+
+from .call import Call
+from .client import CallStats, WorkerClient, WorkerError
+from .cluster import Cluster
+from .membership import ACTIVE, Node
+
+#: Weight of the newest measurement in a node's smoothed seconds per image.
+SMOOTHING = 0.5
+#: A worker's first call may take this long (no measurement yet to derive a deadline from).
+FIRST_DEADLINE_S = 120.0
+
+
+def images_step(
+    client: WorkerClient,
+    session: int,
+    step: int,
+    model,
+    spec: str,
+    x: np.ndarray,
+    labels: np.ndarray,
+    first: int,
+    batch: int,
+    timeout: float,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, CallStats]:
+    """One worker's ImagesStep: the whole ``model`` (its ``spec`` as JSON) on images ``x``,
+    rows ``first ..`` of a batch of ``batch``; returns (gradients by parameter name, float32
+    losses, bool hits, the call's figures)."""
+    parameters = model.parameters()
+    request = pb.ConvRequest(
+        phase=IMAGES_STEP.phase, session=session, step=step,
+        images=pb.ImagesStep(
+            spec_json=spec, input_shape=model.input_shape, seed=model.seed, first=first,
+            batch=batch,
+        ),
+    )  # fmt: skip
+    names, expect = images_step_names(parameters)
+    images = PALETTE8.prepared(x) if PALETTE8.nbytes(x.shape) < FLOAT32.nbytes(x.shape) else None
+    arrays = [*parameters.values(), x, labels.astype(np.float32)]
+    formats = [FLOAT32] * len(parameters) + [images or FLOAT32, FLOAT32]
+    answer = sum(p.nbytes for p in parameters.values()) + 8 * len(x)
+    got, stats = client._call(
+        IMAGES_STEP, f"images step {step}", request, list(zip(names, arrays, strict=True)),
+        list(expect), {}, timeout, answer, formats,
+    )  # fmt: skip
+    grads = {name: got[name] for name in parameters}
+    for name, g in grads.items():
+        if g.shape != parameters[name].shape or not np.isfinite(g).all():
+            raise WorkerError(client.address, f"images step {step}: bad gradient of {name}")
+    losses, hits = got["losses"], got["hits"]
+    if losses.shape != (len(x),) or hits.shape != (len(x),) or not np.isfinite(losses).all():
+        raise WorkerError(client.address, f"images step {step}: bad losses or hits")
+    return grads, losses, hits.astype(bool), stats
+
+
+class ImageSplit(Cluster):
+    """A :class:`~.cluster.Cluster` that trains the whole network split by images (see the
+    module's docstring); its arguments are the cluster's."""
+
+    supports_stages = False  # the model runs its layers one by one, here
+    supports_head = False
+
+    def __init__(self, addresses: Sequence[str], backend="cpu", config=None):
+        super().__init__(addresses, backend, config)
+        self._spec: str | None = None
+        self._batch = 0
+        self._seconds: dict[str, float] = {}  # node -> smoothed seconds per image
+        self._record: dict = {}  # this step's
+        self._conv_seconds = 0.0
+
+    # -- setting up ------------------------------------------------------------------------
+
+    def prepare(self, layers, batch: int, log: TextIO | None = None) -> None:
+        """Connect to the workers (no layer is probed: shares follow the images per second
+        each node computes) and start watching for lost and new workers."""
+        self._events.console = log
+        if log is not None and len(self.nodes) > 1:
+            count = len(self.nodes) - 1
+            print(f"connecting to {count} worker{'s' * (count != 1)} (device, link) ...",
+                  file=log, flush=True)  # fmt: skip
+        self.connect()
+        self._batch = batch
+        self.membership.read_initial_workers_file()
+        if log is not None:
+            ranges = self._ranges(batch)
+            parts = ", ".join(f"{n.name} {c}" for (n, (_, c)) in ranges)
+            print(f"split by images: every node runs the whole network on its images ({parts} "
+                  f"of {batch} per step)", file=log)  # fmt: skip
+        self.membership.start_monitor()
+
+    def check_model(self, model) -> None:
+        """Refuse a network the split cannot train (batch norm, naming the layer)."""
+        refuse_batchnorm(model.spec, model.input_shape)
+        self._spec = spec_json(model.spec)
+
+    def _computing(self) -> list[Node]:
+        """The nodes that get images this step: the master (when it computes, or when no
+        worker is active) and the active workers, in node order."""
+        workers = [n for n in self.nodes[1:] if n.state == ACTIVE]
+        master = self.config.master_compute or not workers
+        return ([self.nodes[0]] if master else []) + workers
+
+    def _ranges(self, batch: int) -> list[tuple[Node, tuple[int, int]]]:
+        nodes = self._computing()
+        if self.config.deterministic or not self._seconds:
+            seconds = [1.0] * len(nodes)
+        else:  # a node not measured yet: as the mean of those measured
+            mean = float(np.mean(list(self._seconds.values())))
+            seconds = [self._seconds.get(n.name, mean) for n in nodes]
+        return list(zip(nodes, image_ranges(batch, seconds), strict=True))
+
+    def _measured(self, node: Node, images: int, seconds: float) -> None:
+        figure = seconds_per_image(images, seconds)
+        if math.isfinite(figure):
+            old = self._seconds.get(node.name, figure)
+            self._seconds[node.name] = (1 - SMOOTHING) * old + SMOOTHING * figure
+
+    def _deadline(self, node: Node, images: int) -> float:
+        figure = self._seconds.get(node.name)
+        if figure is None:
+            return FIRST_DEADLINE_S
+        return self.config.deadline_floor + self.config.deadline_factor * figure * images
+
+    # -- a step ----------------------------------------------------------------------------
+
+    def train_batch(self, model, x: np.ndarray, labels: np.ndarray, step: int):
+        """The step's loss and hits, every parameter's gradient left in the model's layers
+        (the batch's mean-loss gradient, summed over the nodes in order)."""
+        if self._spec is None:
+            self.check_model(model)
+        batch = len(x)
+        ranges = self._ranges(batch)
+        calls = {}
+        for node, (first, count) in ranges:
+            if not node.is_master and count:
+                rows = slice(first, first + count)
+                calls[node.name] = Call(
+                    images_step, node.client, self.session, step, model, self._spec,
+                    x[rows], labels[rows], first, batch, self._deadline(node, count),
+                )  # fmt: skip
+        parts: dict[str, tuple] = {}
+        record: dict[str, dict] = {}
+        for node, (first, count) in ranges:  # the master's own range, while workers compute
+            if node.is_master and count:
+                parts[node.name] = self._local(model, x, labels, first, count, batch, step)
+                record[node.name] = {"images": count, "seconds": parts[node.name][3]}
+        covered = []
+        for node, (first, count) in ranges:
+            if node.name not in calls:
+                continue
+            try:
+                grads, losses, hits, stats = calls[node.name].result()
+            except WorkerError as e:
+                self.membership.lose(node, e)
+                covered.append((node, first, count))
+                continue
+            parts[node.name] = (grads, losses, hits, stats.compute_seconds)
+            record[node.name] = {
+                "images": count, "seconds": stats.compute_seconds,
+                "wall_seconds": stats.wall_seconds, "bytes_sent": stats.bytes_sent,
+                "bytes_received": stats.bytes_received,
+            }  # fmt: skip
+        for node, first, count in covered:  # the same images and weights, here
+            parts[node.name] = self._local(model, x, labels, first, count, batch, step)
+            record[node.name] = {"images": count, "seconds": 0.0, "covered_by": "master"}
+        ordered = [parts[node.name] for node, (_, count) in ranges if count]
+        for node, (_, count) in ranges:
+            if node.name in record and "covered_by" not in record[node.name]:
+                self._measured(node, count, record[node.name]["seconds"])
+        self._set_gradients(model, [p[0] for p in ordered])
+        self._record = record
+        return batch_loss([p[1] for p in ordered], batch), np.concatenate([p[2] for p in ordered])
+
+    def _local(self, model, x, labels, first: int, count: int, batch: int, step: int):
+        start = time.perf_counter()
+        rows = slice(first, first + count)
+        grads, losses, hits = images_gradients(
+            model, x[rows], np.asarray(labels[rows]), first, batch, step
+        )
+        seconds = time.perf_counter() - start
+        self._conv_seconds += seconds
+        return grads, losses, hits, seconds
+
+    @staticmethod
+    def _set_gradients(model, parts: list[dict[str, np.ndarray]]) -> None:
+        """The parts' sum, in order, as every layer's gradients."""
+        for layer in model.layers:
+            if layer.params:
+                layer.grads = {
+                    key: _sum_in_order([p[f"{layer.name}.{key}"] for p in parts])
+                    for key in layer.params
+                }
+
+    # -- the calls a training run makes ----------------------------------------------------
+
+    def forward(self, layer, x, w, b, padding):
+        return self.backend.conv_forward(x, w, b, padding)
+
+    def backward(self, layer, x, w, dy, padding, need_input_grad):
+        dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
+        dx = self.backend.conv_grad_input(dy, w, x.shape[2:], padding) if need_input_grad else None
+        return dx, dw, db
+
+    def stage_mode(self, layer: str) -> str:
+        return "unfused"
+
+    def begin_step(self, step: int) -> None:
+        """Admit workers that came (back) and let those whose line left go: the ranges of
+        this step are cut over the nodes active now."""
+        self.step = self.ctx.step = self._events.step = step
+        self._record, self._conv_seconds = {}, 0.0
+        self.membership.admit()
+
+    def redo_step(self) -> bool:
+        return False
+
+    def end_step(self) -> dict:
+        """This step's trace fields: ``split``, and per node its images, seconds and bytes."""
+        record = self._record
+        master = self.nodes[0].name
+        workers = [r for name, r in record.items() if name != master and "bytes_sent" in r]
+        conv = max((r["seconds"] for r in record.values()), default=0.0)
+        wall = max((r["wall_seconds"] for r in workers), default=0.0)
+        out = {
+            "split": IMAGES,
+            "workers_computed": len(workers),
+            "comm_seconds": max(wall - conv, 0.0),
+            "conv_seconds": max(conv, self._conv_seconds),
+            "images": {name: r["images"] for name, r in record.items()},
+            "nodes": record,
+            "bytes_sent": sum(r["bytes_sent"] for r in workers),
+            "bytes_received": sum(r["bytes_received"] for r in workers),
+        }
+        if events := self._events.take_step_events():
+            out["events"] = events
+        return out
+
+    def plan_record(self) -> dict:
+        """The plan: ``split: images``, the nodes and the first step's images per node."""
+        return {
+            "split": IMAGES,
+            "nodes": [
+                {"name": n.name, "description": n.description, "state": str(n.state)}
+                for n in self.nodes
+            ],
+            "images": {n.name: c for n, (_, c) in self._ranges(self._batch)},
+            "exchange": "ps",
+            "deterministic": self.config.deterministic,
+        }
+
+    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+        return None
+
+
+def _sum_in_order(arrays: list[np.ndarray]) -> np.ndarray:
+    total = np.array(arrays[0], np.float32)
+    for a in arrays[1:]:
+        total += a
+    return total
+
+
+__all__ = ["ImageSplit", "images_step"]

@@ -1,0 +1,190 @@
+"""The whole network split by images (``--split images``, :mod:`hetconv.master.imagesplit`):
+real worker processes, compared with training on one machine."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import grpc
+import numpy as np
+import pytest
+from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
+
+from hetconv.calls import IMAGES_STEP
+from hetconv.conv import LocalConv
+from hetconv.dataparallel import parameter_bytes
+from hetconv.formats import FLOAT32
+from hetconv.imagesplit import image_ranges, images_gradients
+from hetconv.master.cluster import ClusterConfig
+from hetconv.master.imagesplit import ImageSplit, images_step
+from hetconv.model import Model
+from hetconv.proto import worker_pb2 as pb
+from hetconv.training import TrainConfig, train
+
+#: A small paper-like network with dropout before its head (the presets have none).
+DROPOUT = [*STRONG_LRN[:-1], {"type": "dropout", "p": 0.3}, STRONG_LRN[-1]]
+
+
+class Recording(ImageSplit):
+    """An image split that keeps every step's trace fields, and SIGKILLs ``victim`` (a worker
+    process) in step ``at``, after the workers' calls went out."""
+
+    def __init__(self, addresses, victim=None, at=-1, **config):
+        super().__init__(addresses, config=ClusterConfig(**{**FAST, **config}))
+        self.victim, self.at, self.steps = victim, at, []
+
+    def _local(self, model, *args):
+        if self.step == self.at and self.victim is not None and self.victim.poll() is None:
+            self.victim.kill()
+            self.victim.wait()
+        return super()._local(model, *args)
+
+    def end_step(self):
+        record = super().end_step()
+        self.steps.append(record)
+        return record
+
+
+def _spec_file(tmp_path, spec) -> str:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def test_equal_to_local_training_with_two_workers(tmp_path, local, workers):
+    cluster = Recording(workers.addresses, deterministic=True)
+    with cluster:
+        got = train_strong_lrn(tmp_path, "images", cluster)
+    same_as_local(got, local)
+    assert all(r["split"] == "images" and r["workers_computed"] == 2 for r in cluster.steps)
+    assert cluster.steps[0]["images"] == {"master": 3, workers.addresses[0]: 3,
+                                          workers.addresses[1]: 2}  # fmt: skip
+
+
+def test_bytes_are_the_parameter_server_exchange(tmp_path, workers):
+    """Each worker's call moves the model's parameters out and their gradients back (what
+    hetconv.dataparallel counts for the ps exchange), plus its images (palette8: they fit)
+    and labels."""
+    spec = _spec_file(tmp_path, STRONG_LRN)
+    with Recording(workers.addresses, deterministic=True) as cluster:
+        train(TrainConfig(**{**RUN, "steps": 2, "preset": spec}), cluster, log=io.StringIO())
+    params = parameter_bytes(STRONG_LRN)
+    node = cluster.steps[-1]["nodes"][workers.addresses[0]]
+    images = node["images"]
+    x = 3 * 1024 + images * 3 * 32 * 32  # palette8: a palette per channel, a byte per value
+    sent = params + x + 4 * images  # parameters, images, labels (float32)
+    received = params + 2 * 4 * images  # gradients, losses and hits
+    assert sent < node["bytes_sent"] < sent + 4096  # the headers: under 4 KiB
+    assert received < node["bytes_received"] < received + 2048
+
+
+def test_dropout_draws_the_masks_of_local_training(tmp_path, workers):
+    spec = _spec_file(tmp_path, DROPOUT)
+    results = []
+    for executor in (LocalConv(), Recording(workers.addresses, deterministic=True)):
+        weights = tmp_path / f"{type(executor).__name__}.npz"
+        config = TrainConfig(**{**RUN, "steps": 5, "preset": spec, "save": str(weights)})
+        with executor:
+            results.append((train(config, executor, log=io.StringIO()).losses,
+                            dict(np.load(weights))))  # fmt: skip
+    same_as_local(results[1], results[0])
+
+
+def test_range_gradients_sum_to_the_batch_gradient(rng):
+    model = Model(DROPOUT, seed=3)
+    x = rng.standard_normal((7, 3, 32, 32)).astype(np.float32)
+    labels = rng.integers(0, 10, 7)
+    whole, losses, _ = images_gradients(model, x, labels, 0, 7, step=2)
+    parts = [images_gradients(model, x[a : a + c], labels[a : a + c], a, 7, step=2)
+             for a, c in image_ranges(7, [1.0, 2.0, 1.0])]  # fmt: skip
+    for name, g in whole.items():
+        np.testing.assert_allclose(sum(p[0][name] for p in parts), g, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(np.concatenate([p[1] for p in parts]), losses, rtol=1e-6)
+
+
+def test_a_worker_killed_mid_step_costs_no_step(tmp_path, local):
+    from hetconv.master.launch import LocalWorkers
+
+    with LocalWorkers(2) as started:
+        cluster = Recording(started.addresses, victim=started.processes[1], at=7,
+                            deterministic=True)  # fmt: skip
+        with cluster:
+            got = train_strong_lrn(tmp_path, "killed", cluster)
+    same_as_local(got, local)
+    step = cluster.steps[7]
+    assert step["nodes"][started.addresses[1]]["covered_by"] == "master"
+    assert any(e["event"] == "worker_lost" for e in step["events"])
+    assert cluster.steps[8]["images"] == {"master": 4, started.addresses[0]: 4}
+
+
+def test_batch_norm_is_refused_naming_the_layer(tmp_path):
+    spec = [*STRONG_LRN[:1], {"type": "batchnorm", "name": "bn1"}, *STRONG_LRN[1:]]
+    path = _spec_file(tmp_path, spec)
+    with ImageSplit([], config=ClusterConfig()) as cluster:
+        with pytest.raises(ValueError, match="batch norm .*'bn1'"):
+            train(TrainConfig(**{**RUN, "steps": 1, "preset": path}), cluster, log=io.StringIO())
+
+
+def _request(model, x, **images):
+    fields = dict(spec_json=json.dumps(model.spec), input_shape=list(model.input_shape),
+                  seed=0, first=0, batch=len(x))  # fmt: skip
+    return fields | images
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(spec_json="[{]"), "images step"),
+        (dict(input_shape=[3, 32]), "input_shape"),
+        (dict(first=7), "not within a batch of 8"),
+        (
+            dict(
+                spec_json=json.dumps(
+                    [
+                        {"type": "conv", "out": 4, "kernel": 3},
+                        {"type": "batchnorm"},
+                        {"type": "fc", "out": 10},
+                    ]
+                )
+            ),
+            "batch norm",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_requests_are_refused_naming_the_problem(workers, rng, change, message):
+    from hetconv.master.client import WorkerClient
+
+    model = Model(STRONG_LRN)
+    x = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
+    labels = np.arange(4)
+    client = WorkerClient(workers.addresses[0], 10.0)
+    try:
+        parameters = model.parameters()
+        request = pb.ConvRequest(
+            phase=IMAGES_STEP.phase,
+            session=5,
+            step=0,
+            images=pb.ImagesStep(**_request(model, np.zeros(8), **change)),
+        )
+        names = [*parameters, "x", "labels"]
+        arrays = [*parameters.values(), x, labels.astype(np.float32)]
+        with pytest.raises(Exception, match=message) as caught:
+            client._call(
+                IMAGES_STEP,
+                "images",
+                request,
+                list(zip(names, arrays, strict=True)),
+                [*parameters, "losses", "hits"],
+                {},
+                10.0,
+                10**9,
+                FLOAT32,
+            )
+        assert getattr(caught.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT
+        # and the worker goes on serving: a good call is answered
+        grads, losses, hits, _ = images_step(client, 5, 0, model, json.dumps(model.spec),
+                                             x, labels, 0, 4, 10.0)  # fmt: skip
+        assert grads.keys() == parameters.keys() and losses.shape == hits.shape == (4,)
+    finally:
+        client.close()
