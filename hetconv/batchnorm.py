@@ -1,9 +1,15 @@
-"""Batch normalisation: the layer and the per-channel batch statistics it trains by."""
+"""Batch normalisation: the layer and the per-channel batch statistics it trains by.
+
+Both compute in the array module of the array they are given (numpy, or cupy on a GPU:
+:func:`~hetconv.backends.arrays.array_module`); a layer run on device arrays needs its
+parameters and running statistics there too (:func:`hetconv.stages.stage_forward` puts them).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .backends.arrays import array_module
 from .graph import Layer
 
 
@@ -19,7 +25,7 @@ def batch_statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     """
     mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
     centred = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
-    var = np.square(centred, dtype=np.float64).mean(axis=(0, 2, 3))
+    var = array_module(x).square(centred, dtype=np.float64).mean(axis=(0, 2, 3))
     return mean, var, centred
 
 
@@ -95,8 +101,9 @@ class BatchNorm2d(Layer):
 
     def forward(self, x):
         gamma, beta = self.params["weight"], self.params["bias"]
+        xp = array_module(x)
         if not self.training:
-            inv_std = 1.0 / np.sqrt(self.buffers["running_var"] + np.float32(self.eps))
+            inv_std = 1.0 / xp.sqrt(self.buffers["running_var"] + np.float32(self.eps))
             scale = (gamma * inv_std).astype(np.float32)
             shift = (beta - self.buffers["running_mean"] * scale).astype(np.float32)
             self._eval_scale = scale
@@ -104,7 +111,7 @@ class BatchNorm2d(Layer):
             return x * self._per_channel(scale) + self._per_channel(shift)
         count = x.shape[0] * x.shape[2] * x.shape[3]
         mean, var, centred = batch_statistics(x)
-        inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+        inv_std = (1.0 / xp.sqrt(var + self.eps)).astype(np.float32)
         x_hat = centred * self._per_channel(inv_std)
         self.track(mean, var, count)
         self.buffers["num_batches_tracked"] += 1
@@ -115,7 +122,8 @@ class BatchNorm2d(Layer):
     def backward(self, dy):
         gamma = self.params["weight"]
         if self._x_hat is None:  # evaluation mode: an affine map per channel
-            self.grads = {"weight": np.zeros_like(gamma), "bias": dy.sum(axis=(0, 2, 3))}
+            zeros = array_module(dy).zeros_like(gamma)
+            self.grads = {"weight": zeros, "bias": dy.sum(axis=(0, 2, 3))}
             return dy * self._per_channel(self._eval_scale)
         x_hat, inv_std = self._x_hat, self._inv_std
         count = dy.shape[0] * dy.shape[2] * dy.shape[3]

@@ -1,4 +1,4 @@
-"""Layers with forward and backward passes: numpy, float32, NCHW.
+"""Layers with forward and backward passes: float32, NCHW.
 
 Semantics follow PyTorch's modules of the same name (``nn.Conv2d``, ``nn.ReLU``,
 ``nn.LocalResponseNorm``, ``nn.MaxPool2d`` and ``nn.AvgPool2d`` (one :class:`Pool2d` with a
@@ -10,6 +10,12 @@ the input gradient.
 ``training`` (True by default, as in PyTorch) selects training or evaluation behaviour
 (batch statistics or running statistics; dropout on or off); ``buffers`` holds state that
 is saved with the weights but not trained (batch norm's running statistics).
+
+The channel-local layers a worker's stage runs (:class:`ReLU`, :class:`LocalResponseNorm`,
+:class:`Pool2d`, :class:`GlobalAvgPool2d`, :class:`ImageChunks`, batch norm) compute in the
+array module of the array they are given (:func:`~hetconv.backends.arrays.array_module`):
+numpy on the host, cupy on a GPU (:meth:`~hetconv.backends.Backend.to_device`), with the same
+operations in the same order.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .backends import Padding, PaddingSpec, conv_shape
+from .backends.arrays import array_module, is_array
 from .batchnorm import BatchNorm2d, batch_statistics
 from .conv import ConvExecutor, ConvSpec, LocalConv, StridePhases, kernel_pair
 from .graph import Add, Concat, Layer
@@ -155,7 +162,7 @@ class ReLU(Layer):
 
     def forward(self, x):
         self._mask = x > 0
-        return np.maximum(x, 0, dtype=np.float32)
+        return array_module(x).maximum(x, 0, dtype=np.float32)
 
     def backward(self, dy):
         return dy * self._mask
@@ -194,12 +201,13 @@ class LocalResponseNorm(Layer):
 
     def _inverse_power(self, scale: np.ndarray) -> np.ndarray:
         """scale ** -beta; two square roots instead of a pow for the usual beta = 0.75."""
+        xp = array_module(scale)
         if self.beta == 0.75:
-            root = np.sqrt(scale)
-            inv = np.sqrt(root)
+            root = xp.sqrt(scale)
+            inv = xp.sqrt(root)
             inv *= root
-            return np.reciprocal(inv, out=inv)
-        return np.power(scale, np.float32(-self.beta), dtype=np.float32)
+            return xp.reciprocal(inv, out=inv)
+        return xp.power(scale, np.float32(-self.beta), dtype=np.float32)
 
     def forward(self, x):
         before, after = self.size // 2, (self.size - 1) // 2
@@ -287,8 +295,9 @@ class Pool2d(Layer):
         k = self.kernel_size
         y = self._tap(x, 0, 0, ho, wo).copy()
         if self.mode == "max":
+            xp = array_module(x)
             for t in range(1, k * k):
-                np.maximum(y, self._tap(x, t // k, t % k, ho, wo), out=y)
+                xp.maximum(y, self._tap(x, t // k, t % k, ho, wo), out=y)
             self._x, self._y = x, y
             return y
         for t in range(1, k * k):
@@ -303,29 +312,30 @@ class Pool2d(Layer):
         k = self.kernel_size
         ho, wo = dy.shape[2:]
         x, y = self._x, self._y
+        xp = array_module(x)
         overlapping = self.stride < k
-        dx = np.zeros(x.shape, np.float32)
+        dx = xp.zeros(x.shape, np.float32)
         # The first tap in window order that equals the maximum takes the gradient: route
         # what is left of dy to each tap in turn, then clear it where that tap took it.
         left = dy.copy()
-        hit = np.empty(y.shape, bool)
+        hit = xp.empty(y.shape, bool)
         for t in range(k * k):
             i, j = t // k, t % k
-            np.equal(self._tap(x, i, j, ho, wo), y, out=hit)
+            xp.equal(self._tap(x, i, j, ho, wo), y, out=hit)
             target = self._tap(dx, i, j, ho, wo)
             if overlapping:  # windows share inputs: their gradients add up
                 target += left * hit
             else:
-                np.multiply(left, hit, out=target)
+                xp.multiply(left, hit, out=target)
             if t < k * k - 1:
-                np.logical_not(hit, out=hit)
+                xp.logical_not(hit, out=hit)
                 left *= hit
         return dx
 
     def _avg_backward(self, dy):
         k = self.kernel_size
         ho, wo = dy.shape[2:]
-        dx = np.zeros(self._x_shape, np.float32)
+        dx = array_module(dy).zeros(self._x_shape, np.float32)
         share = dy * np.float32(1.0 / (k * k))
         for t in range(k * k):
             self._tap(dx, t // k, t % k, ho, wo)[...] += share
@@ -358,7 +368,8 @@ class GlobalAvgPool2d(Layer):
 
     def backward(self, dy):
         n, c, h, w = self._x_shape
-        return np.broadcast_to(dy * np.float32(1.0 / (h * w)), self._x_shape).copy()
+        xp = array_module(dy)
+        return xp.broadcast_to(dy * np.float32(1.0 / (h * w)), self._x_shape).copy()
 
 
 # Image-local layers: each image's output depends on that image's input alone.
@@ -379,7 +390,8 @@ class ImageChunks(Layer):
     0.70 s in 1 MB chunks, the second's 1.2 s and 0.53 s; ``benchmarks/chain_chunks.py``).
 
     The layers keep nothing: each chunk runs on shallow copies, which keep what that chunk's
-    backward needs (:meth:`saved_arrays`).
+    backward needs (:meth:`saved_arrays`). On a device (arrays not numpy's) the whole batch is
+    one chunk: a GPU's caches are not what chunks are for, and each chunk costs launches.
     """
 
     def __init__(self, layers: Sequence[Layer], chunk_bytes: int = CHUNK_BYTES):
@@ -398,7 +410,8 @@ class ImageChunks(Layer):
 
     def forward(self, x):
         n = x.shape[0]
-        per = max(1, self.chunk_bytes // max(1, x[:1].nbytes))
+        xp = array_module(x)
+        per = max(1, self.chunk_bytes // max(1, x[:1].nbytes)) if xp is np else n
         self._runs, y = [], None
         for start in range(0, n, per):
             rows = slice(start, min(start + per, n))
@@ -407,7 +420,7 @@ class ImageChunks(Layer):
             for layer in copies:
                 a = layer.forward(a)
             if y is None:
-                y = np.empty((n, *a.shape[1:]), np.float32)
+                y = xp.empty((n, *a.shape[1:]), np.float32)
             y[rows] = a
             self._runs.append((rows, copies))
         return y
@@ -421,7 +434,7 @@ class ImageChunks(Layer):
             for layer in reversed(copies):
                 g = layer.backward(g)
             if dx is None:
-                dx = np.empty((dy.shape[0], *g.shape[1:]), np.float32)
+                dx = array_module(g).empty((dy.shape[0], *g.shape[1:]), np.float32)
             dx[rows] = g
         return dx
 
@@ -431,10 +444,11 @@ class ImageChunks(Layer):
 
 
 def saved_arrays(layer: Layer) -> list[np.ndarray]:
-    """The arrays ``layer`` keeps from its last forward (for memory budgets)."""
+    """The arrays ``layer`` keeps from its last forward (for memory budgets; device arrays
+    too)."""
     if isinstance(layer, ImageChunks):
         return layer.saved_arrays()
-    return [v for v in vars(layer).values() if isinstance(v, np.ndarray)]
+    return [v for v in vars(layer).values() if is_array(v)]
 
 
 def chunked(layers: Sequence[Layer], chunk_bytes: int = CHUNK_BYTES) -> list[Layer]:

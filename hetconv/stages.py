@@ -46,6 +46,13 @@ forward makes, and backward the owned channels' weight and bias gradients
    from local training's by float32 rounding of the statistics (relative 1e-7) and whatever
    the slice's convolution rounds differently, never by who computed which channels.
 
+On a device. :func:`stage_forward` and :func:`stage_backward` run the whole stage where the
+backend computes: the call's arrays go to the device once (:meth:`~hetconv.backends.Backend
+.to_device`), the convolution and every layer run on the device arrays in the backend's array
+module (cupy on the cuda backend; the layers take it from their input), and the answers come
+back once (:meth:`~hetconv.backends.Backend.to_host`); what the forward keeps for the backward
+stays on the device. On a host backend both are the identity: the numpy path is unchanged.
+
 Exchanging halos between neighbouring workers instead would save the redundant kernels but
 move ``size - 1`` full-size channels each way per phase between workers, with a round trip in
 the middle of each phase's stage (and workers that know each other).
@@ -65,6 +72,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backends import Backend, PaddingSpec
+from .backends.arrays import array_module, to_host
 from .backends.base import KernelGradientSum
 from .layers import BatchNorm2d, Layer, chunked, saved_arrays
 from .proto import worker_pb2 as pb
@@ -184,16 +192,21 @@ def batch_statistics_rows(run: StageRun) -> np.ndarray:
     """The ``stats`` answer of a stage forward: float32 (2 per training batch norm, owned),
     each one's batch mean and biased variance of the owned channels."""
     rows = [a for mean, var, _ in run.batch_statistics() for a in (mean, var)]
-    own = run.own.stop - run.own.start
-    return np.stack(rows).astype(np.float32) if rows else np.zeros((0, own), np.float32)
+    return _rows(rows, run.own.stop - run.own.start)
+
+
+def _rows(rows: list, own: int) -> np.ndarray:
+    """``rows`` (numpy or device arrays of ``own`` values) stacked as float32, on the host."""
+    if not rows:
+        return np.zeros((0, own), np.float32)
+    return to_host(array_module(rows[0]).stack(rows).astype(np.float32))
 
 
 def batchnorm_grad_rows(run: StageRun) -> np.ndarray:
     """The ``dbn`` answer of a stage backward: float32 (2 per batch norm, owned), each one's
     weight and bias gradients of the owned channels."""
     rows = [a for pair in run.batchnorm_grads() for a in pair]
-    own = run.own.stop - run.own.start
-    return np.stack(rows).astype(np.float32) if rows else np.zeros((0, own), np.float32)
+    return _rows(rows, run.own.stop - run.own.start)
 
 
 @dataclass
@@ -235,10 +248,11 @@ class StageRun:
         for layer in self._batchnorms:
             if not layer.grads:
                 raise ValueError(f"{layer.name}: no gradients yet; run stage_backward first")
+            xp = array_module(layer.grads["weight"])
             out.append(
                 (
-                    np.ascontiguousarray(layer.grads["weight"][self.own]),
-                    np.ascontiguousarray(layer.grads["bias"][self.own]),
+                    xp.ascontiguousarray(layer.grads["weight"][self.own]),
+                    xp.ascontiguousarray(layer.grads["bias"][self.own]),
                 )
             )
         return out
@@ -275,19 +289,23 @@ def stage_forward(
     spec: StageSpec,
     own: slice,
     batchnorm: Sequence[BatchNormSlice] = (),
+    on_device: bool = False,
 ) -> tuple[np.ndarray, StageRun]:
     """The chain's output on the owned kernels.
 
     Args:
-        x: float32 (N, C, H, W) input.
+        x: float32 (N, C, H, W) input (numpy, or already on the backend's device).
         w, b: float32 (k, C, kh, kw) and (k,): the widened kernel slice
             (:meth:`StageSpec.widened`).
         own: the owned kernels within ``w`` (offsets into its first axis).
         batchnorm: one :class:`BatchNormSlice` per batch norm op of ``spec``, in order.
+        on_device: answer the output on the backend's device (where the caller computes on
+            with it) instead of copying it to the host.
 
     Returns:
         float32 (N, own kernels, Ho', Wo') chain output, and what backward needs (with the
-        training batch norms' statistics, :meth:`StageRun.batch_statistics`).
+        training batch norms' statistics, :meth:`StageRun.batch_statistics`), kept on the
+        backend's device.
 
     Raises:
         ValueError: bad slices, or batch norm parameters missing or of the wrong shape.
@@ -300,21 +318,38 @@ def stage_forward(
         )
     for i, bn in enumerate(batchnorm):
         bn.check(i, w.shape[0])
-    a = backend.conv_forward(x, w, b, padding)
-    layers = chunked(spec.build("stage", w.shape[0]))
-    given = iter(batchnorm)
-    for layer in layers:
-        if isinstance(layer, BatchNorm2d):
-            bn = next(given)
-            layer.params = {"weight": bn.weight, "bias": bn.bias}
-            layer.training = bn.training
-            if not bn.training:
-                # copies: the layer's buffers are its own, never the caller's arrays
-                layer.buffers["running_mean"][...] = bn.running_mean
-                layer.buffers["running_var"][...] = bn.running_var
-        a = layer.forward(a)
-    run = StageRun(x, w, padding, own, layers, a.shape)
-    return np.ascontiguousarray(a[:, own]), run
+    with backend.scope():
+        x, w = backend.to_device(x), backend.to_device(w)
+        a = backend.conv_forward(x, w, backend.to_device(b), padding)
+        layers = chunked(spec.build("stage", w.shape[0]))
+        given = iter(batchnorm)
+        for layer in layers:
+            if isinstance(layer, BatchNorm2d):
+                _place_batchnorm(layer, next(given), backend)
+            a = layer.forward(a)
+        run = StageRun(x, w, padding, own, layers, a.shape)
+        y = array_module(a).ascontiguousarray(a[:, own])
+        return (y if on_device else backend.to_host(y)), run
+
+
+def _place_batchnorm(layer: BatchNorm2d, bn: BatchNormSlice, backend: Backend) -> None:
+    """A stage's batch norm ``layer`` given the slice's weight and bias (in evaluation its
+    running statistics too), on the backend's device."""
+    layer.params = {"weight": backend.to_device(bn.weight), "bias": backend.to_device(bn.bias)}
+    layer.training = bn.training
+    buffers = layer.buffers
+    if not backend.on_device:
+        if not bn.training:
+            # copies: the layer's buffers are its own, never the caller's arrays
+            buffers["running_mean"][...] = bn.running_mean
+            buffers["running_var"][...] = bn.running_var
+        return
+    if bn.training:  # what the forward moves and nobody reads: made there, not sent
+        buffers["running_mean"] = backend.xp.zeros(layer.channels, np.float32)
+        buffers["running_var"] = backend.xp.ones(layer.channels, np.float32)
+    else:  # fresh device copies: the layer's own
+        buffers["running_mean"] = backend.to_device(np.array(bn.running_mean))
+        buffers["running_var"] = backend.to_device(np.array(bn.running_var))
 
 
 def stage_backward(
@@ -325,50 +360,60 @@ def stage_backward(
     need_input_grad: bool,
     kernel_sum: KernelGradientSum | None = None,
     rows_first: Sequence[tuple[slice, Callable]] = (),
+    on_device: bool = False,
 ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """(input-gradient part or None, dw, db) of the owned kernels.
 
     Args:
         run: the forward's :class:`StageRun`.
         dy: float32 (N, len(grad), Ho', Wo'): the chain-output gradient of channels ``grad``
-            of the widened slice (:meth:`StageSpec.grad_range`, made relative).
+            of the widened slice (:meth:`StageSpec.grad_range`, made relative); numpy, or on
+            the backend's device.
         kernel_sum: where ``run`` is one image group of a batch, the batch's sum of kernel
             gradients (:meth:`Backend.kernel_gradient_sum`): this group's are added to it and
             dw and db come back None.
         rows_first: (images, done) pairs: with ``need_input_grad``, the input gradient of
             those images is computed first, before the kernel gradients, and ``done(images,
-            rows)`` called with each as it is (a split block sends them to their peers:
-            :mod:`hetconv.split`). The input gradient is per image, so the rows are the same.
+            rows)`` called with each (on the host) as it is (a split block sends them to their
+            peers: :mod:`hetconv.split`). The input gradient is per image, so the rows are the
+            same.
+        on_device: answer on the backend's device instead of copying the answers to the host.
     """
     check_slices(run.out_shape[1], run.own, grad)
     expected = (run.out_shape[0], grad.stop - grad.start, *run.out_shape[2:])
     if dy.shape != expected:
         raise ValueError(f"stage gradient has shape {dy.shape}, expected {expected}")
-    g = np.zeros(run.out_shape, np.float32)
-    g[:, grad] = dy
-    for layer in reversed(run.layers):
-        g = layer.backward(g)
-    g_own = np.ascontiguousarray(g[:, run.own])
-    w_own = np.ascontiguousarray(run.w[run.own])
-    dx = None
-    if need_input_grad and rows_first:
-        dx = np.empty(run.x.shape, np.float32)
-        left = np.ones(run.x.shape[0], bool)
-        for images, done in rows_first:
-            dx[images] = backend.conv_grad_input(g_own[images], w_own, run.x.shape[2:], run.padding)
-            left[images] = False
-            done(images, dx[images])
-    dw = db = None
-    if kernel_sum is not None:
-        kernel_sum.add(run.x, g_own, w_own.shape[2:], run.padding)
-    else:
-        dw, db = backend.conv_grad_kernels(run.x, g_own, w_own.shape[2:], run.padding)
-    if need_input_grad and dx is None:
-        dx = backend.conv_grad_input(g_own, w_own, run.x.shape[2:], run.padding)
-    elif need_input_grad and left.any():  # the rest, in runs of images
-        for rest in _runs(left):
-            dx[rest] = backend.conv_grad_input(g_own[rest], w_own, run.x.shape[2:], run.padding)
-    return dx, dw, db
+    with backend.scope():
+        xp = array_module(run.w)
+        g = xp.zeros(run.out_shape, np.float32)
+        g[:, grad] = backend.to_device(dy)
+        for layer in reversed(run.layers):
+            g = layer.backward(g)
+        g_own = xp.ascontiguousarray(g[:, run.own])
+        w_own = xp.ascontiguousarray(run.w[run.own])
+        dx = None
+        if need_input_grad and rows_first:
+            dx = xp.empty(run.x.shape, np.float32)
+            left = np.ones(run.x.shape[0], bool)
+            for images, done in rows_first:
+                dx[images] = backend.conv_grad_input(
+                    g_own[images], w_own, run.x.shape[2:], run.padding
+                )
+                left[images] = False
+                done(images, backend.to_host(dx[images]))
+        dw = db = None
+        if kernel_sum is not None:
+            kernel_sum.add(run.x, g_own, w_own.shape[2:], run.padding)
+        else:
+            dw, db = backend.conv_grad_kernels(run.x, g_own, w_own.shape[2:], run.padding)
+        if need_input_grad and dx is None:
+            dx = backend.conv_grad_input(g_own, w_own, run.x.shape[2:], run.padding)
+        elif need_input_grad and left.any():  # the rest, in runs of images
+            for rest in _runs(left):
+                dx[rest] = backend.conv_grad_input(g_own[rest], w_own, run.x.shape[2:], run.padding)
+        if on_device:
+            return dx, dw, db
+        return tuple(None if a is None else backend.to_host(a) for a in (dx, dw, db))
 
 
 def _runs(mask: np.ndarray) -> list[slice]:
