@@ -1,8 +1,9 @@
-"""The mode flags, declared once for ``hetconv train``, ``simulate`` and ``plan``: how each layer
-runs (``--stages``, ``--kernels``, ``--replicate``, ``--master-block``, ``--overlap``, ``--head``,
-``--start-ahead``), what travels (``--wire-format``), how kernels are shared (``--shares``) and
-what the network is (``--network``); and ``--model``, the CNN every command that names one
-takes alike (:func:`add_model_flag`).
+"""The mode flags, declared once for ``hetconv train``, ``simulate`` and ``plan``: what is split
+(``--split``: kernels or images), how each layer runs (``--stages``, ``--kernels``,
+``--replicate``, ``--master-block``, ``--overlap``, ``--head``, ``--start-ahead``), what travels
+(``--wire-format``), how kernels are shared (``--shares``) and what the network is
+(``--network``); and ``--model``, the CNN every command that names one takes alike
+(:func:`add_model_flag`).
 
 A command adds the flags it takes with :func:`add_mode_flags`, giving its defaults (train's,
 ``auto``, what runs fastest, for train, simulate and plan alike; ``hetconv simulate
@@ -42,6 +43,17 @@ class ModeFlag:
 FLAGS = {
     flag.dest: flag
     for flag in (
+        ModeFlag(
+            "--split",
+            ("kernels", "images"),  # hetconv.imagesplit.SPLIT_MODES
+            "what is split across the nodes: kernels = each convolution's kernels, every other "
+            "layer on the master (the layer modes say how each layer runs); images = the whole "
+            "network, the loss included, runs on every node, each on its share of the batch's "
+            "images (in proportion to its measured images per second; equal with "
+            "--deterministic), the gradients summed on the master in node order: heterogeneous "
+            "data parallelism (exact to float32 round-off; not for networks with batch norm; "
+            "the layer modes do not apply)",
+        ),
         ModeFlag(
             "--shares",
             ("compute", "link"),
@@ -179,6 +191,7 @@ def add_mode_flags(
 
 #: train's defaults: what runs fastest, chosen per layer.
 TRAIN_DEFAULTS = {
+    "split": "kernels",
     "stages": "auto",
     "kernels": "auto",
     "replicate": "auto",

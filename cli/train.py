@@ -43,7 +43,13 @@ _NOT_LOCAL = (
     ("replicate", "auto", "so nothing is replicated: drop --replicate"),
     ("overlap", "auto", "so nothing overlaps: drop --overlap"),
     ("head", "auto", "so the head is not split: drop --head"),
+    ("split", "kernels", "so nothing is split by images: drop --split"),
 )
+#: Flags of a split by kernels, which ``--split images`` has none of: (dest, its default).
+_KERNEL_SPLIT_ONLY = (
+    ("wire_format", "float32"), ("stages", "auto"), ("kernels", "auto"), ("replicate", "auto"),
+    ("overlap", "auto"), ("head", "auto"), ("start_ahead", "on"), ("master_block", "share"),
+)  # fmt: skip
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -140,6 +146,8 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
         read_pem(args.tls_ca, "TLS CA certificate (--tls-ca)")  # one line now, not mid-start
         if not addresses and not args.local and not args.discover:
             raise ValueError("--tls-ca needs --worker/--workers-file: local workers serve no TLS")
+    if args.split == "images" and not args.local:
+        _check_image_split(args)
     if not args.local:
         return
     if addresses or args.discover:
@@ -149,6 +157,22 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
     for dest, default, why in _NOT_LOCAL:
         if getattr(args, dest) != default:
             raise ValueError(f"--local runs no workers, {why}")
+
+
+def _check_image_split(args: argparse.Namespace) -> None:
+    """Refuse what ``--split images`` cannot do: the flags of a split by kernels, workers found
+    on the LAN, a network with batch norm (naming the layer)."""
+    from hetconv.imagesplit import refuse_batchnorm
+    from hetconv.onnx_import import load_network
+
+    for dest, default in _KERNEL_SPLIT_ONLY:
+        if getattr(args, dest) != default:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"--split images splits no layer by kernels: drop {flag}")
+    if args.discover:
+        raise ValueError("--split images does not take workers found on the LAN yet: name them "
+                         "with --worker or --workers-file")  # fmt: skip
+    refuse_batchnorm(load_network(args.preset).spec)
 
 
 def cluster_config_of(args: argparse.Namespace, addresses: list[str], token: str | None):
@@ -208,14 +232,17 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
         from .discover import train_discovered
 
         return train_discovered(config, cluster_config, addresses, args.discover_wait)
-    if addresses:
-        from hetconv.master.cluster import Cluster
+    from hetconv.master.cluster import Cluster
+    from hetconv.master.imagesplit import ImageSplit
 
-        with Cluster(addresses, config=cluster_config) as cluster:
+    # --split images: the whole network on every node, each on its share of the images
+    cluster_class = ImageSplit if args.split == "images" else Cluster
+    if addresses:
+        with cluster_class(addresses, config=cluster_config) as cluster:
             return train(config, cluster)
     from hetconv.master.launch import EmbeddedCluster
 
-    with EmbeddedCluster(args.local_workers, cluster_config) as cluster:
+    with EmbeddedCluster(args.local_workers, cluster_config, cluster_class) as cluster:
         return train(config, cluster)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from .balance import kernel_shares
 from .layers import Dropout
-from .spec import walk_spec
+from .spec import spec_graph, walk_spec
 
 #: ``--split``: each convolution's kernels split across the nodes (every other layer on the
 #: master), or the whole network split by images.
@@ -34,13 +34,13 @@ KERNELS, IMAGES = "kernels", "images"
 SPLIT_MODES = (KERNELS, IMAGES)
 
 
-def refuse_batchnorm(spec: Sequence[Mapping], input_shape: Sequence[int]) -> None:
+def refuse_batchnorm(spec: Sequence[Mapping]) -> None:
     """Raise ValueError naming the first batch norm layer of ``spec``: its statistics are the
     whole batch's, which a split by images does not compute."""
-    for layer in walk_spec(spec, tuple(input_shape)):
-        if layer.kind == "batchnorm":
+    for entry, name in zip(spec, spec_graph(spec).names, strict=True):
+        if entry["type"] == "batchnorm":
             raise ValueError(
-                f"--split images cannot train a network with batch norm (layer {layer.name!r}: "
+                f"--split images cannot train a network with batch norm (layer {name!r}: "
                 "its statistics are the whole batch's, which no node sees); use --split kernels"
             )
 

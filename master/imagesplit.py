@@ -138,7 +138,7 @@ class ImageSplit(Cluster):
 
     def check_model(self, model) -> None:
         """Refuse a network the split cannot train (batch norm, naming the layer)."""
-        refuse_batchnorm(model.spec, model.input_shape)
+        refuse_batchnorm(model.spec)
         self._spec = spec_json(model.spec)
 
     def _computing(self) -> list[Node]:

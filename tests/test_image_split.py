@@ -188,3 +188,34 @@ def test_bad_requests_are_refused_naming_the_problem(workers, rng, change, messa
         assert grads.keys() == parameters.keys() and losses.shape == hits.shape == (4,)
     finally:
         client.close()
+
+
+def test_train_split_images_runs_on_local_workers(tmp_path, capsys):
+    from hetconv.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    argv = ["train", "--split", "images", "--steps", "2", "--batch", "8", "--train-size", "32",
+            "--eval-size", "8", "--no-run-dir", "--no-progress", "--trace", str(trace),
+            "--deterministic", "--local-workers", "2"]  # fmt: skip
+    assert main(argv) == 0
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    plan, steps = records[0], [r for r in records if "step" in r]
+    assert plan["split"] == "images" and len(plan["images"]) == 3
+    assert [r["images"] for r in steps] == [plan["images"]] * 2
+    assert "split by images" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "resnet20"], "batch norm (layer 'bn1'"),
+        (["--stages", "fused"], "splits no layer by kernels: drop --stages"),
+        (["--local"], "nothing is split by images: drop --split"),
+        (["--discover"], "not take workers found on the LAN"),
+    ],
+)
+def test_train_split_images_refuses_what_it_cannot_do(flags, message, capsys):
+    from hetconv.cli import main
+
+    assert main(["train", "--split", "images", "--steps", "1", "--no-run-dir", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -50,7 +50,7 @@ def _network(spec_json: str, input_shape: tuple[int, ...]):
         if not isinstance(spec, list) or not all(isinstance(e, dict) for e in spec):
             raise ValueError("the spec is not a list of layer objects")
         check_spec(spec)
-        refuse_batchnorm(spec, input_shape)
+        refuse_batchnorm(spec)
         shapes, values = parameter_shapes(spec, input_shape)
     except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
         raise InvalidCall(f"images step: {e}") from None
