@@ -45,8 +45,13 @@ class BlockCalls:
             ),
         )  # fmt: skip
         x, x_format = block.x, block.x_format
+        named = None
         if split is not None:
             request.split.CopyFrom(split.request_for(self.address))
+            # the session's peers on the worker: prepared anew when the split gains a worker
+            prepared = getattr(self, "_prepared", {})
+            named = frozenset(p.address for p in request.split.peers if not p.master)
+            request.split.prepare = not named <= prepared.get(session, frozenset())
             images = split.images(self.address)
             rows = getattr(x_format, "rows", None)  # a prepared palette8 encoding of the batch
             if rows is not None:  # this worker's rows of it
@@ -59,6 +64,8 @@ class BlockCalls:
             REPLICA_FORWARD, f"replica forward {block.layer}", request, arrays, [], {}, timeout, 0,
             formats,
         )  # fmt: skip
+        if named is not None and request.split.prepare:
+            self._prepared = {session: named}  # what the worker now holds for the session
         return stats
 
     def _replicate(self, request, session, step, x, replica, timeout):

@@ -143,6 +143,7 @@ class SplitCalls:
         self._links: dict[int, PeerLinks] = {}  # session -> its senders, oldest first
         self._steps: dict[tuple[int, str], _Step] = {}
         self._latest: dict[int, int] = {}  # session -> the latest step its master called
+        self._peers: dict[int, frozenset[str]] = {}  # session -> the addresses it prepared
         self._busy: set[tuple[int, str, int]] = set()  # ReplicaForwards computing here
         self._changed = threading.Condition()
         self.tls = False
@@ -381,6 +382,7 @@ class SplitCalls:
                 "replicate the block whole"
             )
         layout = SplitLayout.from_proto(request.split)
+        self._admit(request.session, layout, request.split.prepare)
         own = layout.own
         if x.shape[0] != own.stop - own.start:
             raise InvalidCall(
@@ -400,6 +402,28 @@ class SplitCalls:
             record.outputs[layout.node] = y
             self._changed.notify_all()
         self._send(request, layout, lambda node: y, False, request.split.round)
+
+    def _admit(self, session: int, layout: SplitLayout, prepare: bool) -> None:
+        """Fix ``session``'s peers (its first split, or one that sets ``prepare``), or refuse a
+        split naming an address they do not hold, before anything is sent: a worker connects
+        only to the peers its session's master prepared (calls without the token are refused
+        before any handler runs, :mod:`hetconv.worker.auth`)."""
+        named = frozenset(a for i, (a, _, _) in enumerate(layout.peers) if i != layout.master)
+        with self._changed:
+            fixed = self._peers.get(session)
+            if fixed is None or prepare:
+                self._peers.pop(session, None)
+                self._peers[session] = named  # the most recent last
+                while len(self._peers) > 4 * self.context.config.sessions:
+                    del self._peers[next(iter(self._peers))]
+                return
+        strangers = sorted(named - fixed)
+        if strangers:
+            raise InvalidCall(
+                f"split peer {', '.join(strangers)} is not one of session {session}'s prepared "
+                f"peers ({', '.join(sorted(fixed))}): a split may name only those, or prepare "
+                "the session's peers anew"
+            )
 
     def _send(self, request, layout: SplitLayout, rows, gradient: bool, round_: int, nodes=None):
         """Put ``rows(node)`` into each other peer (``nodes``: only those), from the sender
