@@ -42,6 +42,11 @@ from .base import (
 )
 
 DEFAULT_SCRATCH_BYTES = 256 * 2**20
+#: Chunks of a batch are sized to this much scratch too (at least one image): a chunk's lowered
+#: input is then still in the caches when its GEMMs read it. One thread, resnet20's 16-channel
+#: 32x32 layers at batch 64: forward, input and kernel gradient 35.8 ms in one chunk, 20.8 in
+#: chunks of 4 MiB (8 MiB: 21.5, 2 MiB: 21.6); smaller layers and batches: no change.
+CHUNK_BYTES = 4 * 2**20
 # Below this many values per GEMM term group (kw * C) the full im2col lowering is used.
 _FULL_LOWERING_BELOW = 64
 
@@ -171,7 +176,9 @@ class _Plan:
 def _plan(shape: ConvShape, scratch_bytes: int) -> _Plan:
     rows_per_group = shape.kh if shape.kw * shape.c < _FULL_LOWERING_BELOW else 1
     images = fit_images(
-        shape.n, lambda n: _Plan(shape, n, rows_per_group).scratch_bytes(), scratch_bytes
+        shape.n,
+        lambda n: _Plan(shape, n, rows_per_group).scratch_bytes(),
+        min(scratch_bytes, CHUNK_BYTES),
     )
     return _Plan(shape, images, rows_per_group)
 
@@ -382,13 +389,16 @@ class CpuBackend(Backend):
         y = np.empty((shape.n, shape.k, ho, wo), np.float32)
         for chunk, first in self._chunks(plan):
             lowered = self._lower(chunk, x, first)
-            out = self._scratch.get("out", (shape.k, chunk.positions))
+            # (positions, K): BLAS runs rows @ kernels.T faster than kernels @ rows.T where
+            # the kernels are few (16 kernels of 144 terms: 97 against 59 GFLOPS on
+            # OpenBLAS's Haswell kernel, 148 against 94 on SkylakeX; 32 of 288: 114 / 82)
+            out = self._scratch.get("out", (chunk.positions, shape.k))
             for g in range(chunk.groups):
                 rows = self._group_rows(chunk, lowered, g)
-                _gemm(kernels[g], rows, out, trans_b=True, beta=0.0 if g == 0 else 1.0)
+                _gemm(rows, kernels[g], out, trans_b=True, beta=0.0 if g == 0 else 1.0)
             if b is not None:  # in place, contiguous: then one copy, not a strided add
-                out += b[:, None]
-            images = out.reshape(shape.k, ho, chunk.images, wo).transpose(2, 0, 1, 3)
+                out += b
+            images = out.reshape(ho, chunk.images, wo, shape.k).transpose(1, 3, 0, 2)
             np.copyto(y[first : first + chunk.images], images)
         return y
 
@@ -402,46 +412,34 @@ class CpuBackend(Backend):
         """An uninitialised buffer for :meth:`_add_kernel_grads` (its layout depends on the
         kernels' geometry, not on the images)."""
         plan = _plan(shape, self.scratch_bytes)
-        if plan.rows_per_group == 1:
-            return np.empty((plan.groups, plan.terms, shape.k), np.float32)
-        return np.empty((plan.groups, shape.k, plan.terms), np.float32)
+        return np.empty((plan.groups, plan.terms, shape.k), np.float32)
 
     def _add_kernel_grads(self, x, dy, shape, grouped: np.ndarray, accumulate: bool) -> None:
         """The kernel gradient of ``x`` and ``dy`` in the GEMMs' layout, written into
         ``grouped`` (or, with ``accumulate``, added to it)."""
         plan = _plan(shape, self.scratch_bytes)
-        # Row-lowered layers compute each group's gradient as (terms, K) = rows.T @ stacked.T:
-        # the same products as stacked @ rows, but BLAS runs this orientation faster when the
-        # positions (the inner dimension) far outnumber the kernels, as on a worker's slice
-        # (one thread, batch 64: 77-81 -> 102-105 GFLOPS for 160 kernels of paper-150-800's
-        # conv2, 105-106 -> 119-126 for 300 of paper-500-1500's, 2-5 % for whole layers;
-        # `python benchmarks/backends.py --backends cpu --batch 64 --share 5`). A fully lowered
-        # first layer (few terms) keeps the other orientation, which is as fast there.
-        swap = plan.rows_per_group == 1
+        # Each group's gradient is (terms, K) = rows.T @ stacked.T: the same products as
+        # stacked @ rows, but BLAS runs this orientation faster when the positions (the inner
+        # dimension) far outnumber the kernels, as on a worker's slice (one thread, batch 64:
+        # 77-81 -> 102-105 GFLOPS for 160 kernels of paper-150-800's conv2, 105-106 -> 119-126
+        # for 300 of paper-500-1500's, 2-5 % for whole layers;
+        # `python benchmarks/backends.py --backends cpu --batch 64 --share 5`), and as fast
+        # for a fully lowered layer.
         for index, (chunk, first) in enumerate(self._chunks(plan)):
             lowered = self._lower(chunk, x, first)
             stacked = self._stack_output_grad(chunk, dy, first)
             beta = 1.0 if accumulate or index else 0.0
             for g in range(chunk.groups):
-                rows = self._group_rows(chunk, lowered, g)
-                if swap:
-                    _gemm(rows, stacked, grouped[g], True, True, beta)
-                else:
-                    _gemm(stacked, rows, grouped[g], beta=beta)
+                _gemm(self._group_rows(chunk, lowered, g), stacked, grouped[g], True, True, beta)
 
     def _laid_out_kernel_grads(self, grouped: np.ndarray, shape: ConvShape) -> np.ndarray:
         """(K, C, kh, kw) kernel gradient from :meth:`_add_kernel_grads`' layout."""
         plan = _plan(shape, self.scratch_bytes)
         taps = plan.rows_per_group * shape.kw
         dw = np.empty((shape.k, shape.c, shape.kh * shape.kw), np.float32)
-        if plan.rows_per_group == 1:
-            grouped = grouped.reshape(plan.groups, taps, shape.c, shape.k)
-            order = (2, 1, 0)
-        else:
-            grouped = grouped.reshape(plan.groups, shape.k, taps, shape.c)
-            order = (0, 2, 1)
+        grouped = grouped.reshape(plan.groups, taps, shape.c, shape.k)
         for g in range(plan.groups):
-            np.copyto(dw[:, :, g * taps : (g + 1) * taps], grouped[g].transpose(order))
+            np.copyto(dw[:, :, g * taps : (g + 1) * taps], grouped[g].transpose(2, 1, 0))
         return dw.reshape(shape.k, shape.c, shape.kh, shape.kw)
 
     def _grad_input(self, dy, w, shape):
