@@ -42,7 +42,7 @@ def sgd_update(
         g = g + wd * p
     if momentum:
         if buf is None:
-            buf = np.array(g, np.float32)
+            buf = g.astype(np.float32)  # a copy; on a device array too (a worker's GPU)
         else:
             buf *= momentum
             buf += g

@@ -26,6 +26,21 @@ def edge_rows(count: int, halo: int) -> np.ndarray:
     return np.concatenate([np.arange(halo), np.arange(count - halo, count)])
 
 
+def edges(a, halo: int):
+    """The rows of ``a`` (a slice's kernels, bias or head columns, numpy or on a device)
+    that :func:`edge_rows` names, as a new array: its first and last ``halo`` rows, or all of
+    them when it has at most ``2 * halo``. Slices, not an index array, so device arrays need
+    nothing from the host."""
+    count = a.shape[0]
+    if count <= 2 * halo:
+        return a.copy()
+    ends = (a[:halo], a[count - halo :])
+    out = a[: 2 * halo].copy()  # the shape and module of the answer, filled below
+    out[:halo] = ends[0]
+    out[halo:] = ends[1]
+    return out
+
+
 def sgd_config(ref: pb.ResidentSlice) -> SGDConfig:
     """The optimizer settings a PlaceKernels request carries.
 
@@ -52,6 +67,7 @@ __all__ = [
     "RESIDENT",
     "SENT",
     "edge_rows",
+    "edges",
     "placement_version",
     "sgd_config",
     "version_text",

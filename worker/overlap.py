@@ -162,6 +162,7 @@ def forward_groups(
     not once per group."""
     backend = device.backend
     memo = backend.kernel_memo()
+    w, b = backend.to_device(w), backend.to_device(b)  # once for every group
 
     def work(g: slice):
         with memo:
@@ -288,7 +289,7 @@ class GroupedBackward:
                 f"dy ended after {len(self.jobs)} of {len(self.run.groups)} image groups"
             )
         outs = [job.result() for job in self.jobs]
-        dw, db = self.kernel_sum.result()
+        dw, db = (self.backend.to_host(a) for a in self.kernel_sum.result())
         dx = np.concatenate([o[0] for o in outs]) if self.need else None
         return dx, dw, db
 

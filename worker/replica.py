@@ -32,7 +32,7 @@ from hetconv.worker.requests import request_padding
 class _Block:
     step: int
     run: StageRun
-    y: np.ndarray  # the block's output: the next layer's input
+    y: np.ndarray  # the block's output: the next layer's input (on the device, unless split)
 
     @property
     def held_bytes(self) -> int:
@@ -90,9 +90,13 @@ class ReplicaCalls:
         start = time.perf_counter()
 
         def work():
-            out = stage_forward(ctx.backend, x, w, b, padding, spec, slice(0, conv.k))
+            # the output stays where the stage calls that name the block compute; a split
+            # block's goes to its peers from the host
+            y, run = stage_forward(
+                ctx.backend, x, w, b, padding, spec, slice(0, conv.k), on_device=not split
+            )
             ctx.backend.synchronize()
-            return out
+            return y, run
 
         key = self._key(request.layer)
 
@@ -102,7 +106,7 @@ class ReplicaCalls:
         with ctx.split.computing(request):  # a FetchPart of its output waits, not idle
             y, run = ctx.run(work)
             compute = time.perf_counter() - start
-            block = _Block(request.step, run, np.ascontiguousarray(y))
+            block = _Block(request.step, run, y)  # contiguous (stage_forward's answer)
             ctx.keep(request, key, block, replaces=stale)
             if split:  # this worker's images only: their output goes to the other peers
                 ctx.split.forward(request, x, run, block.y)
@@ -133,7 +137,8 @@ class ReplicaCalls:
         return block.y
 
     def gradients(self, request: pb.ConvRequest, dx: np.ndarray):
-        """(rw, rb): the input-gradient part ``dx`` back through the named block."""
+        """(rw, rb): the input-gradient part ``dx`` (on the host or the backend's device) back
+        through the named block."""
         block = self._block(request, "the stage backward")
         ctx = self.context
 
@@ -147,7 +152,7 @@ class ReplicaCalls:
             return rw, rb
 
         if ctx.split.is_split(request):  # the peers' rows of this worker's images too
-            return ctx.split.gradients(request, dx, back)
+            return ctx.split.gradients(request, ctx.backend.to_host(dx), back)
         if dx.shape != block.y.shape:
             raise InvalidCall(f"input gradient {dx.shape} does not match the block's output")
         return back(block.run, dx)

@@ -26,6 +26,10 @@ the same budget, as a fused stage's is. Placed state holding NaN or Inf is refus
 Every call names the version it expects; a slice at another version (or none) is refused with
 FAILED_PRECONDITION naming both, so a stale slice is never computed with.
 
+On a device backend (cuda) the slice lives on the device: placed there once, computed with
+there (the stage, the split head's logits and columns) and updated there; a call's tensors
+cross once each way, and FetchKernels copies the slice back.
+
 With a split head (:mod:`hetconv.head`) the slice also holds the final fc's columns of its
 channels (``f``, momentum ``mf``): the forward answers the slice's partial logits ``z`` instead of
 its stage output, the backward takes the logits' gradient ``dz`` and updates the columns beside
@@ -54,7 +58,7 @@ from hetconv.formats import answer_format
 from hetconv.head import columns_grad, partial_logits, stage_grad
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
-from hetconv.resident import edge_rows, sgd_config, version_text
+from hetconv.resident import edges, sgd_config, version_text
 from hetconv.stages import (
     StageRun,
     StageSpec,
@@ -198,14 +202,19 @@ class ResidentCalls:
         if ref.fixed_bias and (b.any() or mb.any()):
             raise InvalidCall("fixed_bias is set (a layer without bias), but b or mb is not zero")
         self._hold(request, 4 * sum(a.size for a in (w, b, mw, mb, f, mf)))
-        placed = _Slice(
+        put = self.context.backend.to_device
+        w, b, mw, mb, f, mf = (put(np.array(a, np.float32)) for a in (w, b, mw, mb, f, mf))
+        placed = _Slice(  # owned, writable, on the device the stages run on
             request.kernel_offset,
-            *(np.array(a, np.float32) for a in (w, b, mw, mb)),  # owned and writable
+            w,
+            b,
+            mw,
+            mb,
             started=ref.momentum_started,
             version=ref.version,
             config=config,
-            f=np.array(f, np.float32),
-            mf=np.array(mf, np.float32),
+            f=f,
+            mf=mf,
             classes=classes,
             fixed_bias=ref.fixed_bias,
         )
@@ -237,7 +246,8 @@ class ResidentCalls:
         request, _, receive = self.context.receive(messages, FETCH_KERNELS)
         held = self._held(request)
         formats = FETCH_KERNELS.answer_formats()
-        arrays = (held.w, held.b, held.mw, held.mb, held.f, held.mf)
+        host = self.context.backend.to_host
+        arrays = [host(a) for a in (held.w, held.b, held.mw, held.mb, held.f, held.mf)]
         return answer(formats, arrays), 0.0, receive
 
     def _check_forward(self, request: pb.ConvRequest, x, hw, hb, hf, bn, held: _Slice):
@@ -292,8 +302,12 @@ class ResidentCalls:
         held = self._held(request)
         padding, spec, conv, batchnorm = self._check_forward(request, x, hw, hb, hf, bn, held)
         k, before = held.w.shape[0], request.resident.halo_before
-        w = np.concatenate([hw[:before], held.w, hw[before:]])
-        b = np.concatenate([hb[:before], held.b, hb[before:]])
+        backend = ctx.backend
+        xp, put = backend.xp, backend.to_device
+        with backend.scope():  # the halo up once, beside the slice held there
+            hw, hb = put(hw), put(hb)
+            w = xp.concatenate([hw[:before], held.w, hw[before:]])
+            b = xp.concatenate([hb[:before], held.b, hb[before:]])
         own = slice(before, before + k)
         groups = check_overlap(request, spec, x.shape[0])
         if groups is not None and held.classes:
@@ -314,21 +328,29 @@ class ResidentCalls:
                 (s_name, (0, k), s_fmt),
             ]
             return Streamed(tensors, ((0, y) for y in outputs), start, receive)
-        f = np.concatenate([hf[:before], held.f, hf[before:]]) if held.classes else None
+        f = None
+        if held.classes:
+            with backend.scope():
+                hf = put(hf)
+                f = xp.concatenate([hf[:before], held.f, hf[before:]])
 
         def forward_work():
-            y, run = stage_forward(ctx.backend, x, w, b, padding, spec, own, batchnorm)
-            z = partial_logits(y, held.f) if f is not None else np.empty((len(x), 0), np.float32)
-            ctx.backend.synchronize()
-            return y, run, z
+            y, run = stage_forward(backend, x, w, b, padding, spec, own, batchnorm, on_device=True)
+            if f is not None:  # the logits' part instead of the maps: y stays for backward
+                with backend.scope():
+                    z = backend.to_host(partial_logits(y, held.f))
+                answer = np.empty((y.shape[0], 0, *y.shape[2:]), np.float32)
+            else:
+                z, answer = np.empty((len(x), 0), np.float32), backend.to_host(y)
+            backend.synchronize()
+            return y, run, z, answer
 
-        y, run, z = ctx.run(forward_work)
+        y, run, z, answer_y = ctx.run(forward_work)
         compute = time.perf_counter() - start
         self._keep(
             request, _Run(request.step, held.version, run, spec, (f, y) if f is not None else None)
         )
-        if f is not None:  # the logits' part instead of the maps
-            y = np.empty((y.shape[0], 0, *y.shape[2:]), np.float32)
+        y = answer_y
         stats = batch_statistics_rows(run)
         return [(name, y, fmt), (z_name, z, z_fmt), (s_name, stats, s_fmt)], compute, receive
 
@@ -362,7 +384,7 @@ class ResidentCalls:
         held, kept = self._kept(request)
         run = kept.run
         start = grouped.started or time.perf_counter()
-        df = None
+        backend = ctx.backend
         if kept.head is not None:  # the stage-output gradient from the logits' gradient
             f, y = kept.head
             if dy.shape[1] != 0 or dz.shape != (y.shape[0], held.classes):
@@ -376,26 +398,37 @@ class ResidentCalls:
                     f"grad_start {request.stage.grad_start}; this slice's gradient starts at "
                     f"{grad.start} of its widened kernels"
                 )
-            dy = stage_grad(dz, f[grad], y.shape[2:])
-            df = columns_grad(dz, y)
         elif dz.size:
             raise InvalidCall(f"dz {dz.shape} sent for a slice without a split head")
-        grad = grad_range(run, dy.shape, request.stage.grad_start)
+        else:
+            grad = grad_range(run, dy.shape, request.stage.grad_start)
         replica = bool(request.replica_layer)
 
         first = ctx.split.rows_first(request) if replica else ()
 
         def backward_work():
+            g, df = dy, None
+            if kept.head is not None:
+                with backend.scope():
+                    dz_here = backend.to_device(dz)
+                    g = stage_grad(dz_here, f[grad], y.shape[2:])
+                    df = columns_grad(dz_here, y)
             need = request.need_input_grad or replica
-            out = stage_backward(ctx.backend, run, dy, grad, need, rows_first=first)
-            ctx.backend.synchronize()
-            return out
+            dx, dw, db = stage_backward(
+                backend, run, g, grad, need, rows_first=first, on_device=True
+            )
+            backend.synchronize()
+            return dx, dw, db, df
 
-        dx, dw, db = grouped.result() if grouped.started else ctx.run(backward_work)
+        if grouped.started:
+            dx, dw, db = grouped.result()
+            dw, db, df = backend.to_device(dw), backend.to_device(db), None
+        else:
+            dx, dw, db, df = ctx.run(backward_work)
         # the block's gradients before the update: a refused call leaves the slice as it was
         through = ctx.replicas.gradients(request, dx) if replica else None
         self.context.budget.discard(request.session, _run_key(request))
-        with self._lock:
+        with self._lock, backend.scope():
             # The update, in place: bitwise what the master's SGD gives these rows.
             mw = sgd_update(held.w, dw, held.mw if held.started else None, held.config)
             if mw is not None:
@@ -410,15 +443,16 @@ class ResidentCalls:
                     held.mf[...] = mf
             held.started = True
             held.version += 1
-        rows = edge_rows(held.w.shape[0], kept.spec.halo)
+        halo, host = kept.spec.halo, backend.to_host
         formats = RESIDENT_STAGE_BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype), replica
         )
-        arrays = [held.w[rows], held.b[rows], held.f[rows], batchnorm_grad_rows(run)]
+        arrays = [host(edges(a, halo)) for a in (held.w, held.b, held.f)]
+        arrays.append(batchnorm_grad_rows(run))
         if through is not None:
             arrays += through
         elif request.need_input_grad:
-            arrays.append(dx)
+            arrays.append(host(dx))
         return answer(formats, arrays), time.perf_counter() - start, receive
 
 

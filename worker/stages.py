@@ -152,9 +152,14 @@ class StageCalls:
         need = request.need_input_grad or replica
 
         first = ctx.split.rows_first(request) if replica else ()
+        host = ctx.backend.to_host
 
         def work():
-            out = stage_backward(ctx.backend, run, dy, grad, need, rows_first=first)
+            dx, dw, db = stage_backward(
+                ctx.backend, run, dy, grad, need, rows_first=first, on_device=True
+            )
+            # the block's backward takes the input gradient where it is
+            out = (dx if replica else host(dx), host(dw), host(db))
             ctx.backend.synchronize()
             return out
 
