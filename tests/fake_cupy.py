@@ -424,10 +424,14 @@ def install(monkeypatch=None, count: int = 2) -> FakeCupy:
 def _worker_main(argv: list[str]) -> int:
     """``python tests/fake_cupy.py worker [hetconv worker options]``: a cuda worker process
     whose CuPy is this fake."""
-    install()
+    fake = install()
     from hetconv.cli.main import main
 
-    return main(["worker", *argv])
+    try:
+        return main(["worker", *argv])
+    finally:
+        uploads, downloads = fake.crossings()
+        print(f"fake cupy: {uploads} uploads, {downloads} downloads", flush=True)
 
 
 if __name__ == "__main__":

@@ -314,13 +314,18 @@ def fake_cuda_worker():
             if line.startswith(READY):
                 found.set()
 
-    threading.Thread(target=drain, daemon=True).start()
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
     try:
         assert found.wait(60), "the fake cuda worker did not start:\n" + "\n".join(lines)
         assert any("cuda backend" in line for line in lines), lines
         yield lines[-1][len(READY) :].strip()
     finally:
         stop_processes([process])
+        drainer.join(10)
+    # it computed on its (fake) device: tensors went up and came down
+    counts = [line for line in lines if line.startswith("fake cupy:")]
+    assert counts and not counts[0].startswith("fake cupy: 0 uploads"), lines[-5:]
 
 
 # tiny: 8 then 16 kernels; the master computes a share beside the worker
