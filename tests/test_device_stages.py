@@ -11,6 +11,7 @@ with numpy behind the wall, so they equal the numpy path bit for bit; the convol
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -343,3 +344,52 @@ def test_a_cuda_worker_process_trains_like_local_training(fake_cuda_worker, loca
     with Cluster([fake_cuda_worker], config=config) as cluster:
         got = train_strong_lrn(tmp_path, mode, cluster)
     same_as_local(got, local)
+
+
+# ---------------------------------------------------------------- benchmarks/gpu_vs_torch.py
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_vs_torch.py"
+
+
+def _bench(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH), *argv], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.skipif(CUDA_OK, reason="this machine has a GPU")
+def test_gpu_vs_torch_without_a_gpu_says_why_in_one_line():
+    done = _bench("--network", "tiny")
+    assert done.returncode == 2 and not done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "no GPU" in done.stderr and "--dry-run" in done.stderr
+
+
+def test_gpu_vs_torch_checks_its_arguments_and_formats_its_rows():
+    bad = _bench("--network", "nope")
+    assert bad.returncode == 2 and "--network 'nope' is not a preset" in bad.stderr
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import gpu_vs_torch as bench
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    args = bench.build_parser().parse_args(["--batch", "64", "--flags", "--stages", "unfused"])
+    assert bench.check_arguments(args) is None
+    assert args.network == ["paper-500-1500", "resnet20"] and args.flags == ["--stages", "unfused"]
+    rows = [
+        bench.Row("resnet20", 64, bench.TORCH, "H100", 0.04, 25.0, 1.0),
+        bench.Row("resnet20", 64, bench.WORKER, "H100", None, None, None, "failed"),
+    ]
+    table = bench.format_table(rows).splitlines()
+    assert table[0].split() == ["network", "batch", "engine", "step_s", "steps/s", "x", "torch"]
+    assert "0.0400" in table[1] and "25.00" in table[1] and table[2].split()[3:6] == ["-"] * 3
+
+
+@pytest.mark.slow
+def test_gpu_vs_torch_dry_run_measures_torch_and_local_on_the_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    done = _bench("--dry-run", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {row["engine"]: row for row in json.loads(out.read_text())}
+    assert rows["torch"]["step_s"] > 0 and rows["hetconv-local"]["step_s"] > 0
+    assert rows["hetconv-cuda-worker"]["step_s"] is None
