@@ -51,7 +51,8 @@ from hetconv.proto import worker_pb2 as pb
 from .call import Call
 from .client import CallStats, WorkerClient, WorkerError
 from .cluster import Cluster
-from .membership import ACTIVE, Node
+from .membership import ACTIVE, MASTER, Node
+from .spotcheck import Comparison, SpotCheckFailed
 
 #: Weight of the newest measurement in a node's smoothed seconds per image.
 SMOOTHING = 0.5
@@ -111,6 +112,7 @@ class ImageSplit(Cluster):
     def __init__(self, addresses: Sequence[str], backend="cpu", config=None):
         super().__init__(addresses, backend, config)
         self._spec: str | None = None
+        self._parameter_bytes = 0
         self._batch = 0
         self._seconds: dict[str, float] = {}  # node -> smoothed seconds per image
         self._record: dict = {}  # this step's
@@ -140,6 +142,7 @@ class ImageSplit(Cluster):
         """Refuse a network the split cannot train (batch norm, naming the layer)."""
         refuse_batchnorm(model.spec)
         self._spec = spec_json(model.spec)
+        self._parameter_bytes = sum(p.nbytes for p in model.parameters().values())
 
     def _computing(self) -> list[Node]:
         """The nodes that get images this step: the master (when it computes, or when no
@@ -163,11 +166,16 @@ class ImageSplit(Cluster):
             old = self._seconds.get(node.name, figure)
             self._seconds[node.name] = (1 - SMOOTHING) * old + SMOOTHING * figure
 
-    def _deadline(self, node: Node, images: int) -> float:
+    def _deadline(self, node: Node, images: int, image_bytes: int) -> float:
+        """Seconds ``node``'s call may take: its bytes over its measured link (the
+        parameters out, their gradients back, the images), and its images at its measured
+        seconds per image, each with the configured factor; before any measurement, at
+        least :data:`FIRST_DEADLINE_S` for the computation (the worker builds the model)."""
+        moved = self.config.transfer_deadline(node, 2 * self._parameter_bytes + image_bytes)
         figure = self._seconds.get(node.name)
         if figure is None:
-            return FIRST_DEADLINE_S
-        return self.config.deadline_floor + self.config.deadline_factor * figure * images
+            return moved + FIRST_DEADLINE_S
+        return moved + self.config.deadline_factor * figure * images
 
     # -- a step ----------------------------------------------------------------------------
 
@@ -177,47 +185,77 @@ class ImageSplit(Cluster):
         if self._spec is None:
             self.check_model(model)
         batch = len(x)
-        ranges = self._ranges(batch)
-        calls = {}
-        for node, (first, count) in ranges:
-            if not node.is_master and count:
-                rows = slice(first, first + count)
-                calls[node.name] = Call(
-                    images_step, node.client, self.session, step, model, self._spec,
-                    x[rows], labels[rows], first, batch, self._deadline(node, count),
-                )  # fmt: skip
+        ranges = [(node, first, count) for node, (first, count) in self._ranges(batch) if count]
+        calls = {
+            node.name: Call(
+                images_step, node.client, self.session, step, model, self._spec,
+                x[first : first + count], labels[first : first + count], first, batch,
+                self._deadline(node, count, x[first : first + count].nbytes),
+            )
+            for node, first, count in ranges
+            if not node.is_master
+        }  # fmt: skip
         parts: dict[str, tuple] = {}
-        record: dict[str, dict] = {}
-        for node, (first, count) in ranges:  # the master's own range, while workers compute
-            if node.is_master and count:
+        for node, first, count in ranges:  # the master's own range, while workers compute
+            if node.is_master:
                 parts[node.name] = self._local(model, x, labels, first, count, batch, step)
-                record[node.name] = {"images": count, "seconds": parts[node.name][3]}
-        covered = []
-        for node, (first, count) in ranges:
-            if node.name not in calls:
-                continue
-            try:
-                grads, losses, hits, stats = calls[node.name].result()
-            except WorkerError as e:
-                self.membership.lose(node, e)
-                covered.append((node, first, count))
-                continue
-            parts[node.name] = (grads, losses, hits, stats.compute_seconds)
-            record[node.name] = {
-                "images": count, "seconds": stats.compute_seconds,
-                "wall_seconds": stats.wall_seconds, "bytes_sent": stats.bytes_sent,
-                "bytes_received": stats.bytes_received,
-            }  # fmt: skip
+                self._record[node.name] = {"images": count, "seconds": parts[node.name][3]}
+        covered = [r for r in ranges if r[0].name in calls and not self._answer(r, calls, parts)]
+        self._spot_check([r for r in ranges if r[0].name in parts], parts, model, x, labels)
         for node, first, count in covered:  # the same images and weights, here
             parts[node.name] = self._local(model, x, labels, first, count, batch, step)
-            record[node.name] = {"images": count, "seconds": 0.0, "covered_by": "master"}
-        ordered = [parts[node.name] for node, (_, count) in ranges if count]
-        for node, (_, count) in ranges:
-            if node.name in record and "covered_by" not in record[node.name]:
-                self._measured(node, count, record[node.name]["seconds"])
+            self._record[node.name] = {"images": count, "seconds": 0.0, "covered_by": MASTER}
+        for node, _, count in ranges:
+            if "covered_by" not in self._record[node.name]:
+                self._measured(node, count, self._record[node.name]["seconds"])
+        ordered = [parts[node.name] for node, _, _ in ranges]
         self._set_gradients(model, [p[0] for p in ordered])
-        self._record = record
         return batch_loss([p[1] for p in ordered], batch), np.concatenate([p[2] for p in ordered])
+
+    def _answer(self, at: tuple[Node, int, int], calls: dict, parts: dict) -> bool:
+        """Take a worker's answer into ``parts``; False, the worker lost, when its call
+        failed."""
+        node, _, count = at
+        try:
+            grads, losses, hits, stats = calls[node.name].result()
+        except WorkerError as e:
+            self.membership.lose(node, e)
+            return False
+        parts[node.name] = (grads, losses, hits, stats.compute_seconds)
+        self._record[node.name] = {
+            "images": count, "seconds": stats.compute_seconds, "wall_seconds": stats.wall_seconds,
+            "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+        }  # fmt: skip
+        return True
+
+    def _spot_check(self, answered: list, parts: dict, model, x, labels) -> None:
+        """On a step the spot checker draws, recompute the whole range of a few workers drawn
+        in secret (``--spot-check-sample`` of them, from the step's answers) and compare every
+        gradient and loss: a worker off by more than the tolerance is lost for the run and
+        its range is the master's (the other ranges do not depend on it: nothing to redo)."""
+        checker = self.spot_checks
+        workers = [r for r in answered if not r[0].is_master]
+        if checker is None or not checker.due or not workers:
+            return
+        drawn = checker.sample(IMAGES, "forward", 0, slice(0, 1), len(workers), 1).images
+        for node, first, count in (workers[int(i)] for i in drawn):
+            start = time.perf_counter()
+            mine = self._local(model, x, labels, first, count, len(x), self.step)
+            got = parts[node.name]
+            comparisons = [
+                Comparison(name, f"the gradient of {name}", got[0][name], want,
+                           float(np.abs(want).max(initial=0.0)), False)
+                for name, want in mine[0].items()
+            ]  # fmt: skip
+            scale = float(np.abs(mine[1]).max(initial=0.0))
+            comparisons.append(Comparison("losses", "the losses", got[1], mine[1], scale, False))
+            checker.seconds += time.perf_counter() - start
+            try:
+                checker.compare(node, IMAGES, "step", comparisons)
+            except SpotCheckFailed as e:
+                self.membership.lose(node, e)
+                parts[node.name] = mine
+                self._record[node.name].update(covered_by=MASTER, spot_check="failed")
 
     def _local(self, model, x, labels, first: int, count: int, batch: int, step: int):
         start = time.perf_counter()
@@ -257,16 +295,21 @@ class ImageSplit(Cluster):
         this step are cut over the nodes active now."""
         self.step = self.ctx.step = self._events.step = step
         self._record, self._conv_seconds = {}, 0.0
+        if self.spot_checks is not None:
+            self.spot_checks.start_step(step)
         self.membership.admit()
 
     def redo_step(self) -> bool:
+        """Never: a worker caught by a spot check had its range recomputed by the master, and
+        no other range depends on it."""
+        if self.spot_checks is not None:
+            self.spot_checks.take_caught()
         return False
 
     def end_step(self) -> dict:
         """This step's trace fields: ``split``, and per node its images, seconds and bytes."""
         record = self._record
-        master = self.nodes[0].name
-        workers = [r for name, r in record.items() if name != master and "bytes_sent" in r]
+        workers = [r for name, r in record.items() if name != MASTER and "bytes_sent" in r]
         conv = max((r["seconds"] for r in record.values()), default=0.0)
         wall = max((r["wall_seconds"] for r in workers), default=0.0)
         out = {
@@ -281,6 +324,9 @@ class ImageSplit(Cluster):
         }
         if events := self._events.take_step_events():
             out["events"] = events
+        checks = self.spot_checks.record() if self.spot_checks is not None else None
+        if checks is not None:
+            out["spot_checks"] = checks
         return out
 
     def plan_record(self) -> dict:

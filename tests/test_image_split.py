@@ -21,6 +21,7 @@ from hetconv.master.imagesplit import ImageSplit, images_step
 from hetconv.model import Model
 from hetconv.proto import worker_pb2 as pb
 from hetconv.training import TrainConfig, train
+from hetconv.worker.imagesplit import ImagesCalls
 
 #: A small paper-like network with dropout before its head (the presets have none).
 DROPOUT = [*STRONG_LRN[:-1], {"type": "dropout", "p": 0.3}, STRONG_LRN[-1]]
@@ -28,17 +29,18 @@ DROPOUT = [*STRONG_LRN[:-1], {"type": "dropout", "p": 0.3}, STRONG_LRN[-1]]
 
 class Recording(ImageSplit):
     """An image split that keeps every step's trace fields, and SIGKILLs ``victim`` (a worker
-    process) in step ``at``, after the workers' calls went out."""
+    process) in step ``at``, once the step's ranges gave it images."""
 
     def __init__(self, addresses, victim=None, at=-1, **config):
-        super().__init__(addresses, config=ClusterConfig(**{**FAST, **config}))
+        super().__init__(addresses, config=ClusterConfig(**config))
         self.victim, self.at, self.steps = victim, at, []
 
-    def _local(self, model, *args):
+    def _ranges(self, batch):
+        ranges = super()._ranges(batch)  # the victim has its images in this step's ranges
         if self.step == self.at and self.victim is not None and self.victim.poll() is None:
             self.victim.kill()
             self.victim.wait()
-        return super()._local(model, *args)
+        return ranges
 
     def end_step(self):
         record = super().end_step()
@@ -108,7 +110,7 @@ def test_a_worker_killed_mid_step_costs_no_step(tmp_path, local):
 
     with LocalWorkers(2) as started:
         cluster = Recording(started.addresses, victim=started.processes[1], at=7,
-                            deterministic=True)  # fmt: skip
+                            deterministic=True, **FAST)  # fmt: skip
         with cluster:
             got = train_strong_lrn(tmp_path, "killed", cluster)
     same_as_local(got, local)
@@ -219,3 +221,45 @@ def test_train_split_images_refuses_what_it_cannot_do(flags, message, capsys):
 
     assert main(["train", "--split", "images", "--steps", "1", "--no-run-dir", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+class LyingImages(ImagesCalls):
+    """ImagesStep answering every gradient times 1.5 from step 3 on (finite, but wrong)."""
+
+    def step(self, messages):
+        tensors, compute, receive = super().step(messages)
+        if self.context.lying_from <= self.last_step:
+            for _, array, _ in tensors[:-2]:
+                array *= np.float32(1.5)
+        return tensors, compute, receive
+
+    def _model(self, request, spec, shape):
+        self.last_step = request.step
+        return super()._model(request, spec, shape)
+
+
+def test_a_lying_worker_is_caught_and_its_range_recomputed(tmp_path, local, workers, monkeypatch):
+    from hetconv.backends import get_backend
+    from hetconv.master.membership import DISTRUSTED
+    from hetconv.master.spotcheck import SpotCheckConfig
+    from hetconv.worker import service as service_module
+
+    monkeypatch.setattr(service_module, "ImagesCalls", LyingImages)
+    liar = service_module.ConvWorkerService(get_backend("cpu"))
+    liar.context.lying_from = 3
+    server, address = service_module.start_server(liar, "127.0.0.1:0")
+    try:
+        checks = SpotCheckConfig(every=1, images=2)  # every step, both workers
+        cluster = Recording([workers.addresses[0], address], deterministic=True, spot_checks=checks)
+        with cluster:
+            got = train_strong_lrn(tmp_path, "liar", cluster)
+    finally:
+        server.stop(0)
+        liar.close()
+    same_as_local(got, local)  # the liar's range of step 3 is the master's own
+    caught = cluster.steps[3]
+    assert caught["nodes"][address]["spot_check"] == "failed"
+    assert caught["spot_checks"]["workers"][address]["worst"] > 0.1
+    assert cluster.nodes[2].state == DISTRUSTED
+    assert all(address not in r["images"] for r in cluster.steps[4:])
+    assert cluster.steps[2]["spot_checks"]["workers"].keys() == {workers.addresses[0], address}
