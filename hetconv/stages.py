@@ -199,7 +199,11 @@ def _rows(rows: list, own: int) -> np.ndarray:
     """``rows`` (numpy or device arrays of ``own`` values) stacked as float32, on the host."""
     if not rows:
         return np.zeros((0, own), np.float32)
-    return to_host(array_module(rows[0]).stack(rows).astype(np.float32))
+    xp = array_module(rows[0])
+    if xp is np:
+        return np.stack(rows).astype(np.float32)
+    with rows[0].device:  # any thread: the device the rows are on
+        return to_host(xp.stack(rows).astype(np.float32))
 
 
 def batchnorm_grad_rows(run: StageRun) -> np.ndarray:

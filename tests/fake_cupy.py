@@ -207,6 +207,7 @@ class FakeArray:
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
     T = property(lambda self: self._wrap(self._a.T))
+    device = property(lambda self: _FakeDevice(self._cp.cuda, 0))
 
     def __len__(self) -> int:
         return len(self._a)

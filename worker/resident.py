@@ -443,11 +443,11 @@ class ResidentCalls:
                     held.mf[...] = mf
             held.started = True
             held.version += 1
-        halo, host = kept.spec.halo, backend.to_host
+            halo, host = kept.spec.halo, backend.to_host
+            arrays = [host(edges(a, halo)) for a in (held.w, held.b, held.f)]
         formats = RESIDENT_STAGE_BACKWARD.answer_formats(
             request.need_input_grad, answer_format(request.answer_dtype), replica
         )
-        arrays = [host(edges(a, halo)) for a in (held.w, held.b, held.f)]
         arrays.append(batchnorm_grad_rows(run))
         if through is not None:
             arrays += through

@@ -25,22 +25,35 @@ def register_array_module(array_type: type, module: Any) -> None:
     _MODULES[array_type] = module
 
 
+def _module_of(t: type) -> Any:
+    """The registered module of array type ``t`` or of a registered type it derives from
+    (remembered); None for anything else."""
+    module = _MODULES.get(t)
+    if module is None:
+        for array_type, candidate in list(_MODULES.items()):
+            if issubclass(t, array_type):
+                _MODULES[t] = module = candidate
+                break
+    return module
+
+
 def array_module(a: Any) -> Any:
     """The module ``a``'s arithmetic runs in: numpy for numpy arrays and scalars, the
     registered module of a device array."""
-    if type(a) is np.ndarray:
+    if type(a) is np.ndarray or not _MODULES:
         return np
-    return _MODULES.get(type(a), np)
+    module = _module_of(type(a))
+    return np if module is None else module
 
 
 def is_array(a: Any) -> bool:
     """Whether ``a`` is a numpy array or a registered device array."""
-    return isinstance(a, np.ndarray) or type(a) in _MODULES
+    return isinstance(a, np.ndarray) or (bool(_MODULES) and _module_of(type(a)) is not None)
 
 
 def on_host(a: Any) -> bool:
     """Whether ``a`` is a host (numpy) array or not an array at all."""
-    return type(a) not in _MODULES
+    return not _MODULES or type(a) is np.ndarray or _module_of(type(a)) is None
 
 
 def to_host(a: Any) -> np.ndarray:
