@@ -22,6 +22,11 @@ adds only what is CUDA-specific:
   whose working set exceeds the budget before the pipeline splits it further. The budget
   (``describe().memory_bytes``) is a fraction of the device memory free when the backend
   was created.
+* **Device arrays.** The public operations also take arrays already on the GPU (cupy's) and
+  answer there, with no pipeline and no copy, on the current stream; :meth:`CudaBackend.to_device`,
+  :meth:`CudaBackend.to_host` (pinned memory from 1 MiB) and :attr:`CudaBackend.xp` let a whole
+  stage run on the GPU (:mod:`hetconv.stages`): its input up once, every layer there, its answer
+  down once.
 * **The probe** (``time_step``) times device work with CUDA events on the GPU's clock, not
   the host's: see :meth:`CudaBackend.probe_clock` for exactly what it counts.
 
