@@ -7,9 +7,12 @@ command line), every strategy the cost model knows is simulated and ranked:
   kernels sent; then link-aware shares with fused stages, resident kernels and the replicated
   first block, one after another; and the best of them with a 16-bit wire, which is not exact)
   (:func:`hetconv.costmodel.simulate_step`);
-* heterogeneous data parallelism, every node holding the whole model and a slice of the batch
-  proportional to its speed, gradients by ring all-reduce or through a parameter server on
-  the master, with and without overlapping them with backward
+* hetconv's whole network split by images (``--split images``): every node trains the whole
+  model on a slice of the batch, the master sends the images and sums the gradients
+  (:func:`hetconv.dataparallel.simulate_image_split`);
+* heterogeneous data parallelism (PyTorch DDP), every node holding the whole model and a
+  slice of the batch proportional to its speed, gradients by ring all-reduce or through a
+  parameter server on the master, with and without overlapping them with backward
   (:func:`hetconv.dataparallel.simulate_data_parallel`);
 * one machine: the master alone.
 
@@ -25,8 +28,9 @@ from dataclasses import dataclass
 
 from hetconv.balance import shares_for
 from hetconv.costmodel import SimCluster, local_step_seconds, simulate_step
-from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
+from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel, simulate_image_split
 from hetconv.formats import BFLOAT16, FLOAT32
+from hetconv.imagesplit import refuse_batchnorm
 from hetconv.onnx_import import load_network
 from hetconv.spec import CIFAR_INPUT
 from hetconv.workload import conv_layers
@@ -61,6 +65,9 @@ MODES = (
      "--wire-format bfloat16"),
 )  # fmt: skip
 ONE_MACHINE = "one machine (the master alone)"
+#: hetconv's whole network split by images: its own heterogeneous data parallelism, the
+#: gradients summed through the master.
+IMAGE_SPLIT = "split by images (gradients through the master)"
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,7 @@ def candidates(
                     got.workers_used(),
                 )
             )
+        out += _image_split(cluster, network, batch, comp_s, shape, alone, named, workers)
         for algorithm in ALGORITHMS:
             for overlap in (True, False):
                 got = simulate_data_parallel(
@@ -165,6 +173,28 @@ def candidates(
                     )
                 )
     return sorted(out, key=lambda c: c.step_s)
+
+
+def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) -> list:
+    """The whole network split by images (``--split images``), where it can run: not on a
+    network with batch norm (its statistics are the whole batch's)."""
+    try:
+        refuse_batchnorm(load_network(network).spec)
+    except ValueError:
+        return []
+    got = simulate_image_split(cluster, network, batch, comp_s, input_shape=shape)
+    return [
+        Candidate(
+            "hetconv",
+            IMAGE_SPLIT,
+            got.step_s,
+            alone / got.step_s,
+            got.master_bytes / 1e6,
+            True,
+            train_command(named, batch, workers, "--split images"),
+            sum(1 for b in got.batches[1:] if b),
+        )
+    ]
 
 
 def _with_format(cluster: SimCluster, fmt) -> SimCluster:

@@ -228,3 +228,18 @@ def test_a_run_folder_or_its_model_npz_is_planned_as_it_trained(tmp_path, capsys
                            (tmp_path / "runs", "holds no model.npz")):  # fmt: skip
         assert hetconv_main(["plan", *LAPTOPS, "--model", str(given)]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_plan_offers_the_image_split_where_it_can_run():
+    # --split images is one of hetconv's ways, with the command that runs it; not on a
+    # network with batch norm, which it refuses.
+    from hetconv.costmodel import SWITCHED, SimCluster, SimNode
+    from hetconv.simulations.plan import IMAGE_SPLIT, candidates
+
+    nodes = tuple(SimNode(f"w{i}", 60.0, bytes_per_s=117.5e6) for i in range(3))
+    cluster = SimCluster(SimNode("m", 60.0, bytes_per_s=117.5e6), nodes, SWITCHED)
+    ranked = {c.label: c for c in candidates(cluster, "paper-150-800", 64, 1.0)}
+    split = ranked[IMAGE_SPLIT]
+    assert split.kind == "hetconv" and split.exact and split.workers == 3
+    assert split.how.endswith("--split images") and split.how.count("--worker") == 3
+    assert IMAGE_SPLIT not in {c.label for c in candidates(cluster, "resnet20", 64, 1.0)}
