@@ -42,11 +42,13 @@ from hetconv.imagesplit import (
     batch_loss,
     image_ranges,
     images_gradients,
+    parameter_shapes,
     refuse_batchnorm,
     seconds_per_image,
     spec_json,
 )
 from hetconv.proto import worker_pb2 as pb
+from hetconv.spec import CIFAR_INPUT
 
 from .call import Call
 from .client import CallStats, WorkerClient, WorkerError
@@ -113,6 +115,7 @@ class ImageSplit(Cluster):
         super().__init__(addresses, backend, config)
         self._spec: str | None = None
         self._parameter_bytes = 0
+        self._input: tuple[tuple[int, ...], bool] = (CIFAR_INPUT, True)  # shape, palette8 fits
         self._batch = 0
         self._seconds: dict[str, float] = {}  # node -> smoothed seconds per image
         self._record: dict = {}  # this step's
@@ -130,6 +133,9 @@ class ImageSplit(Cluster):
                   file=log, flush=True)  # fmt: skip
         self.connect()
         self._batch = batch
+        if layers:  # the network's input, as its first convolution takes it
+            first = layers[0].written or layers[0]
+            self._input = (first.input_shape, first.images_fit)
         self.membership.read_initial_workers_file()
         if log is not None:
             ranges = self._ranges(batch)
@@ -140,9 +146,13 @@ class ImageSplit(Cluster):
 
     def check_model(self, model) -> None:
         """Refuse a network the split cannot train (batch norm, naming the layer)."""
-        refuse_batchnorm(model.spec)
-        self._spec = spec_json(model.spec)
-        self._parameter_bytes = sum(p.nbytes for p in model.parameters().values())
+        self._take_spec(model.spec, model.input_shape)
+
+    def _take_spec(self, spec, input_shape) -> None:
+        refuse_batchnorm(spec)
+        self._spec = spec_json(spec)
+        shapes, _ = parameter_shapes(spec, input_shape)
+        self._parameter_bytes = sum(FLOAT32.nbytes(shape) for shape in shapes.values())
 
     def _computing(self) -> list[Node]:
         """The nodes that get images this step: the master (when it computes, or when no
@@ -340,9 +350,36 @@ class ImageSplit(Cluster):
             "images": {n.name: c for n, (_, c) in self._ranges(self._batch)},
             "exchange": "ps",
             "deterministic": self.config.deterministic,
+            "parameter_bytes": self._parameter_bytes,
+            "worker_bytes": self._worker_bytes(),
         }
 
+    def _worker_bytes(self) -> dict[str, dict[str, int]]:
+        """Per worker, the tensor bytes its call of the first step moves each way: the
+        parameters and its images (palette8 where they fit) and labels out; the gradients,
+        losses and hits back."""
+        shape, fits = self._input
+        out = {}
+        for node, (_, count) in self._ranges(self._batch):
+            if not node.is_master and count:
+                images = (count, *shape)
+                fmt = (
+                    PALETTE8
+                    if fits and PALETTE8.nbytes(images) < FLOAT32.nbytes(images)
+                    else FLOAT32
+                )
+                out[node.name] = {
+                    "sent": self._parameter_bytes + fmt.nbytes(images) + 4 * count,
+                    "received": self._parameter_bytes + 8 * count,
+                }
+        return out
+
     def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+        """Nothing predicted yet (no layer is probed); the model's ``spec`` is taken here,
+        before the run starts: a network with batch norm is refused now, and the plan says
+        what each worker's call moves."""
+        if spec is not None:
+            self._take_spec(spec, self._input[0])
         return None
 
 

@@ -68,9 +68,10 @@ def test_bytes_are_the_parameter_server_exchange(tmp_path, workers):
     """Each worker's call moves the model's parameters out and their gradients back (what
     hetconv.dataparallel counts for the ps exchange), plus its images (palette8: they fit)
     and labels."""
-    spec = _spec_file(tmp_path, STRONG_LRN)
+    spec, trace = _spec_file(tmp_path, STRONG_LRN), tmp_path / "trace.jsonl"
+    config = TrainConfig(**{**RUN, "steps": 2, "preset": spec, "trace": str(trace)})
     with Recording(workers.addresses, deterministic=True) as cluster:
-        train(TrainConfig(**{**RUN, "steps": 2, "preset": spec}), cluster, log=io.StringIO())
+        train(config, cluster, log=io.StringIO())
     params = parameter_bytes(STRONG_LRN)
     node = cluster.steps[-1]["nodes"][workers.addresses[0]]
     images = node["images"]
@@ -79,6 +80,9 @@ def test_bytes_are_the_parameter_server_exchange(tmp_path, workers):
     received = params + 2 * 4 * images  # gradients, losses and hits
     assert sent < node["bytes_sent"] < sent + 4096  # the headers: under 4 KiB
     assert received < node["bytes_received"] < received + 2048
+    plan = json.loads(trace.read_text().splitlines()[0])  # the plan says the same
+    assert plan["parameter_bytes"] == params
+    assert plan["worker_bytes"][workers.addresses[0]] == {"sent": sent, "received": received}
 
 
 def test_dropout_draws_the_masks_of_local_training(tmp_path, workers):
@@ -263,3 +267,35 @@ def test_a_lying_worker_is_caught_and_its_range_recomputed(tmp_path, local, work
     assert cluster.nodes[2].state == DISTRUSTED
     assert all(address not in r["images"] for r in cluster.steps[4:])
     assert cluster.steps[2]["spot_checks"]["workers"].keys() == {workers.addresses[0], address}
+
+
+def test_images_follow_each_nodes_measured_speed():
+    with ImageSplit(["127.0.0.1:1", "127.0.0.1:2"], config=ClusterConfig()) as cluster:
+        assert [c for _, (_, c) in cluster._ranges(30)] == [10, 10, 10]  # nothing measured
+        cluster._measured(cluster.nodes[0], 10, 0.1)  # 0.01 s per image
+        cluster._measured(cluster.nodes[1], 10, 0.2)  # 0.02; the third not measured: the mean
+        got = cluster._ranges(30)
+        assert [r for _, r in got] == image_ranges(30, [0.01, 0.02, 0.015]) == [
+            (0, 14), (14, 7), (21, 9)
+        ]  # fmt: skip
+        cluster._measured(cluster.nodes[1], 7, 0.07)  # faster now: smoothed, half and half
+        assert cluster._seconds["127.0.0.1:1"] == pytest.approx(0.015)
+    fixed = ImageSplit(["127.0.0.1:1"], config=ClusterConfig(deterministic=True))
+    with fixed:
+        fixed._measured(fixed.nodes[0], 10, 0.1)
+        assert [c for _, (_, c) in fixed._ranges(9)] == [5, 4]  # equal, whatever is measured
+
+
+def test_a_token_reaches_the_workers_and_a_wrong_one_is_refused(tmp_path):
+    from hetconv.master.client import WorkerAuthError
+    from hetconv.master.launch import LocalWorkers
+
+    spec = _spec_file(tmp_path, STRONG_LRN)
+    config = TrainConfig(**{**RUN, "steps": 2, "preset": spec})
+    with LocalWorkers(1, token="s3cret-token") as started:
+        with Recording(started.addresses, token="s3cret-token") as cluster:
+            train(config, cluster, log=io.StringIO())
+        assert [r["workers_computed"] for r in cluster.steps] == [1, 1]
+        with Recording(started.addresses, token="not-the-token") as cluster:
+            with pytest.raises(WorkerAuthError):
+                train(config, cluster, log=io.StringIO())
