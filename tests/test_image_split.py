@@ -28,18 +28,21 @@ DROPOUT = [*STRONG_LRN[:-1], {"type": "dropout", "p": 0.3}, STRONG_LRN[-1]]
 
 
 class Recording(ImageSplit):
-    """An image split that keeps every step's trace fields, and SIGKILLs ``victim`` (a worker
-    process) in step ``at``, once the step's ranges gave it images."""
+    """An image split that keeps every step's trace fields, and runs ``actions`` (step ->
+    a callable) once the step's ranges are cut: SIGKILLs ``victim`` (a worker process) in step
+    ``at``, once the ranges gave it images."""
 
-    def __init__(self, addresses, victim=None, at=-1, **config):
+    def __init__(self, addresses, victim=None, at=-1, actions=None, **config):
         super().__init__(addresses, config=ClusterConfig(**config))
-        self.victim, self.at, self.steps = victim, at, []
+        self.actions = dict(actions or {})
+        if victim is not None:
+            self.actions[at] = lambda: (victim.kill(), victim.wait())
+        self.steps = []
 
     def _ranges(self, batch):
-        ranges = super()._ranges(batch)  # the victim has its images in this step's ranges
-        if self.step == self.at and self.victim is not None and self.victim.poll() is None:
-            self.victim.kill()
-            self.victim.wait()
+        ranges = super()._ranges(batch)  # every active worker has its images in this step's
+        if self.step in self.actions:
+            self.actions.pop(self.step)()
         return ranges
 
     def end_step(self):
@@ -202,11 +205,11 @@ def test_train_split_images_runs_on_local_workers(tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     argv = ["train", "--split", "images", "--steps", "2", "--batch", "8", "--train-size", "32",
             "--eval-size", "8", "--no-run-dir", "--no-progress", "--trace", str(trace),
-            "--deterministic", "--local-workers", "2"]  # fmt: skip
+            "--deterministic", "--local-workers", "1"]  # fmt: skip
     assert main(argv) == 0
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     plan, steps = records[0], [r for r in records if "step" in r]
-    assert plan["split"] == "images" and len(plan["images"]) == 3
+    assert plan["split"] == "images" and len(plan["images"]) == 2
     assert [r["images"] for r in steps] == [plan["images"]] * 2
     assert "split by images" in capsys.readouterr().err
 
@@ -299,3 +302,32 @@ def test_a_token_reaches_the_workers_and_a_wrong_one_is_refused(tmp_path):
         with Recording(started.addresses, token="not-the-token") as cluster:
             with pytest.raises(WorkerAuthError):
                 train(config, cluster, log=io.StringIO())
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_covered_then_rejoins(tmp_path, local):
+    import os
+    import signal
+    import time
+
+    from hetconv.master.launch import LocalWorkers
+    from hetconv.master.membership import READY
+
+    with LocalWorkers(2) as started:
+        pid, address = started.processes[0].pid, started.addresses[0]
+
+        def resume():
+            os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while cluster.nodes[1].state != READY and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        actions = {2: lambda: os.kill(pid, signal.SIGSTOP), 5: resume}
+        cluster = Recording(started.addresses, actions=actions, deterministic=True, **FAST)
+        with cluster:
+            got = train_strong_lrn(tmp_path, "hung", cluster)
+    same_as_local(got, local)
+    kinds = [(e["event"], e["step"]) for r in cluster.steps for e in r.get("events", [])]
+    assert ("worker_lost", 2) in kinds and ("worker_rejoined", 6) in kinds
+    assert cluster.steps[2]["nodes"][address]["covered_by"] == "master"
+    assert address not in cluster.steps[4]["images"] and address in cluster.steps[6]["images"]
