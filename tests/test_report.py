@@ -149,3 +149,22 @@ def test_a_worker_with_no_share_is_told_apart_from_a_lost_one(tmp_path, rng):
         "loss", "accuracy", "step_time", "nodes", "bytes"
     ]  # fmt: skip
     assert_png(tmp_path / "figures" / "bytes.png")
+
+
+def test_a_step_split_by_images_gives_its_metrics_row():
+    # --split images traces each node's images, seconds and bytes (not per-layer kernels).
+    from hetconv.training.metrics import step_row
+
+    record = {
+        "step": 3, "epoch": 0, "loss": 2.0, "accuracy": 0.5, "batch": 16, "seconds": 0.5,
+        "comm_seconds": 0.1, "conv_seconds": 0.3, "comp_seconds": 0.1, "split": "images",
+        "bytes_sent": 300, "bytes_received": 200,
+        "nodes": {
+            "master": {"images": 4, "seconds": 0.2},
+            "w1": {"images": 12, "seconds": 0.3, "bytes_sent": 300, "bytes_received": 200},
+        },
+    }  # fmt: skip
+    row = step_row(record)
+    assert row["share:master"] == 0.25 and row["share:w1"] == 0.75
+    assert row["compute_seconds:w1"] == 0.3 and row["bytes:w1"] == 500 and row["bytes"] == 500
+    assert row["images_per_second"] == 32

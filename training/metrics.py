@@ -79,6 +79,8 @@ def step_row(record: dict) -> dict[str, float | int]:
         "conv_seconds": float(record["conv_seconds"]),
         "other_seconds": float(record["comp_seconds"]),
     }
+    if record.get("split") == "images":
+        return _images_row(row, record)
     nodes: dict[str, dict] = record.get("nodes") or {}
     total_kernels = sum(f["kernels"] for layers in nodes.values() for f in layers.values())
     total_bytes = 0
@@ -105,6 +107,20 @@ def step_row(record: dict) -> dict[str, float | int]:
         for figures in (record.get("resident") or {}).values()
     )
     row["bytes"] = total_bytes + kept
+    return row
+
+
+def _images_row(row: dict, record: dict) -> dict[str, float | int]:
+    """:func:`step_row` of a step split by images (``split: images``): a node's share is its
+    images over the batch, its bytes what its one call moved."""
+    nodes: dict[str, dict] = record.get("nodes") or {}
+    total = sum(int(figures["images"]) for figures in nodes.values())
+    for node, figures in nodes.items():
+        moved = int(figures.get("bytes_sent", 0)) + int(figures.get("bytes_received", 0))
+        row[node_column("share", node)] = int(figures["images"]) / total if total else 0.0
+        row[node_column("compute_seconds", node)] = float(figures.get("seconds", 0.0))
+        row[node_column("bytes", node)] = moved
+    row["bytes"] = int(record.get("bytes_sent", 0)) + int(record.get("bytes_received", 0))
     return row
 
 
