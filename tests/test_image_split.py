@@ -331,3 +331,28 @@ def test_a_hung_worker_is_covered_then_rejoins(tmp_path, local):
     assert ("worker_lost", 2) in kinds and ("worker_rejoined", 6) in kinds
     assert cluster.steps[2]["nodes"][address]["covered_by"] == "master"
     assert address not in cluster.steps[4]["images"] and address in cluster.steps[6]["images"]
+
+
+def test_the_worker_budget_bounds_the_passes_and_keeps_the_model(rng):
+    from hetconv.backends import get_backend
+    from hetconv.master.client import WorkerClient, WorkerError
+    from hetconv.worker.config import WorkerConfig
+    from hetconv.worker.service import ConvWorkerService, start_server
+
+    limits = WorkerConfig(max_request_bytes=1 << 20, memory_bytes=16 << 20)
+    service = ConvWorkerService(get_backend("cpu"), limits)
+    server, address = start_server(service, "127.0.0.1:0")
+    client = WorkerClient(address, 10.0)
+    model = Model(STRONG_LRN)
+    x = rng.standard_normal((8, 3, 32, 32)).astype(np.float32)
+    labels, spec = np.arange(8) % 10, json.dumps(model.spec)
+    try:
+        with pytest.raises(WorkerError, match="the passes on 8 images would hold") as caught:
+            images_step(client, 1, 0, model, spec, x, labels, 0, 8, 10.0)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        grads, _, _, _ = images_step(client, 1, 0, model, spec, x[:1], labels[:1], 0, 8, 10.0)
+        assert service.budget.holding().saved >= 4 * sum(p.size for p in grads.values())
+    finally:
+        client.close()
+        server.stop(0)
+        service.close()
