@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from hetconv.calls import PUT_PART
-from hetconv.errors import WireError
+from hetconv.errors import InvalidCall, WireError
 from hetconv.formats import TensorFormat
 from hetconv.proto import worker_pb2 as pb
 from hetconv.security import bearer_metadata
@@ -84,6 +84,40 @@ class PeerLinks:
             self._channels.clear()
 
 
+class PreparedPeers:
+    """Per session, the peer addresses its master prepared: a worker connects to no other.
+
+    The session's first split fixes them, as does a later one that sets ``prepare`` (the master
+    does when its split gains a worker); any other split naming an address they do not hold is
+    refused, naming it, before anything is sent. Calls without the worker's token are refused
+    before any handler runs (:mod:`hetconv.worker.auth`), and sessions are 64 random bits the
+    master draws, so no caller in another session changes them. At most ``sessions`` are kept
+    (the least recently prepared go: their next split fixes them again)."""
+
+    def __init__(self, sessions: int):
+        self.sessions = sessions
+        self._held: dict[int, frozenset[str]] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, session: int, addresses, prepare: bool) -> None:
+        named = frozenset(addresses)
+        with self._lock:
+            fixed = self._held.get(session)
+            if fixed is None or prepare:
+                self._held.pop(session, None)
+                self._held[session] = named  # the most recent last
+                while len(self._held) > self.sessions:
+                    del self._held[next(iter(self._held))]
+                return
+        strangers = sorted(named - fixed)
+        if strangers:
+            raise InvalidCall(
+                f"split peer {', '.join(strangers)} is not one of session {session}'s prepared "
+                f"peers ({', '.join(sorted(fixed))}): a split may name only those, or prepare "
+                "the session's peers anew"
+            )
+
+
 class WaitingCall:
     """The gRPC call this thread serves, as a wait on other nodes sees it: whether its caller
     is still there, how long it may still take, and its idle clock (the service's watch of the
@@ -126,4 +160,4 @@ class WaitingCall:
             raise CallerGone(expired or "the caller cancelled the call while it waited on peers")
 
 
-__all__ = ["PART_SEND", "SENDERS", "CallerGone", "PeerLinks", "WaitingCall"]
+__all__ = ["PART_SEND", "SENDERS", "CallerGone", "PeerLinks", "PreparedPeers", "WaitingCall"]

@@ -38,7 +38,7 @@ from hetconv.formats import FLOAT32, answer_format
 from hetconv.proto import worker_pb2 as pb
 from hetconv.split import MAX_SAMPLE, part_sample, row_sample
 from hetconv.worker.context import WorkerContext
-from hetconv.worker.peers import PART_SEND, CallerGone, PeerLinks, WaitingCall
+from hetconv.worker.peers import PART_SEND, CallerGone, PeerLinks, PreparedPeers, WaitingCall
 
 #: Peers a split may name (a LAN's laptops; far beyond any plan the master makes).
 MAX_PEERS = 64
@@ -143,7 +143,7 @@ class SplitCalls:
         self._links: dict[int, PeerLinks] = {}  # session -> its senders, oldest first
         self._steps: dict[tuple[int, str], _Step] = {}
         self._latest: dict[int, int] = {}  # session -> the latest step its master called
-        self._peers: dict[int, frozenset[str]] = {}  # session -> the addresses it prepared
+        self.prepared = PreparedPeers(4 * context.config.sessions)
         self._busy: set[tuple[int, str, int]] = set()  # ReplicaForwards computing here
         self._changed = threading.Condition()
         self.tls = False
@@ -238,31 +238,13 @@ class SplitCalls:
             record = self._record(request.session, request.layer, request.step, request.part.round)
             layout = record.layout
             if layout is not None:
-                self._check_part(layout, source, part, gradient, record)
+                _check_part(layout, source, part, gradient, record)
             # held in the worker's one memory budget: refused (RESOURCE_EXHAUSTED) when over it
             held = self._held_bytes() + part.nbytes
             self.context.budget.hold("split parts", held, "the split's parts", request.session)
             into = record.gradients if gradient else record.outputs
             into.setdefault(source, part)
             self._changed.notify_all()
-
-    @staticmethod
-    def _check_part(layout: SplitLayout, source: int, part, gradient: bool, record) -> None:
-        if source >= len(layout.peers) or source == layout.node:
-            raise InvalidCall(
-                f"part source {source}: this worker is node {layout.node} of "
-                f"{len(layout.peers)} in the split"
-            )
-        rows = layout.images(layout.node if gradient else source)
-        count = rows.stop - rows.start
-        if part.ndim != 4 or part.shape[0] != count:
-            raise InvalidCall(
-                f"part {part.shape} from node {source}: expected {count} images' rows"
-            )
-        if record.run is not None:
-            want = (count, *record.run.out_shape[1:])
-            if part.shape != want:
-                raise InvalidCall(f"part {part.shape} from node {source}: expected {want}")
 
     # -- the calls --------------------------------------------------------------------------
 
@@ -382,7 +364,8 @@ class SplitCalls:
                 "replicate the block whole"
             )
         layout = SplitLayout.from_proto(request.split)
-        self._admit(request.session, layout, request.split.prepare)
+        named = [a for i, (a, _, _) in enumerate(layout.peers) if i != layout.master]
+        self.prepared.admit(request.session, named, request.split.prepare)
         own = layout.own
         if x.shape[0] != own.stop - own.start:
             raise InvalidCall(
@@ -395,35 +378,13 @@ class SplitCalls:
                 raise InvalidCall("the split's peers changed within a round")
             for source, part in list(record.outputs.items()):  # parts that came early
                 try:
-                    self._check_part(layout, source, part, False, record)
+                    _check_part(layout, source, part, False, record)
                 except InvalidCall:
                     del record.outputs[source]
             record.layout, record.run = layout, run
             record.outputs[layout.node] = y
             self._changed.notify_all()
         self._send(request, layout, lambda node: y, False, request.split.round)
-
-    def _admit(self, session: int, layout: SplitLayout, prepare: bool) -> None:
-        """Fix ``session``'s peers (its first split, or one that sets ``prepare``), or refuse a
-        split naming an address they do not hold, before anything is sent: a worker connects
-        only to the peers its session's master prepared (calls without the token are refused
-        before any handler runs, :mod:`hetconv.worker.auth`)."""
-        named = frozenset(a for i, (a, _, _) in enumerate(layout.peers) if i != layout.master)
-        with self._changed:
-            fixed = self._peers.get(session)
-            if fixed is None or prepare:
-                self._peers.pop(session, None)
-                self._peers[session] = named  # the most recent last
-                while len(self._peers) > 4 * self.context.config.sessions:
-                    del self._peers[next(iter(self._peers))]
-                return
-        strangers = sorted(named - fixed)
-        if strangers:
-            raise InvalidCall(
-                f"split peer {', '.join(strangers)} is not one of session {session}'s prepared "
-                f"peers ({', '.join(sorted(fixed))}): a split may name only those, or prepare "
-                "the session's peers anew"
-            )
 
     def _send(self, request, layout: SplitLayout, rows, gradient: bool, round_: int, nodes=None):
         """Put ``rows(node)`` into each other peer (``nodes``: only those), from the sender
@@ -557,6 +518,22 @@ class SplitCalls:
             links, self._links = list(self._links.values()), {}
         for each in links:
             each.close()
+
+
+def _check_part(layout: SplitLayout, source: int, part, gradient: bool, record) -> None:
+    if source >= len(layout.peers) or source == layout.node:
+        raise InvalidCall(
+            f"part source {source}: this worker is node {layout.node} of "
+            f"{len(layout.peers)} in the split"
+        )
+    rows = layout.images(layout.node if gradient else source)
+    count = rows.stop - rows.start
+    if part.ndim != 4 or part.shape[0] != count:
+        raise InvalidCall(f"part {part.shape} from node {source}: expected {count} images' rows")
+    if record.run is not None:
+        want = (count, *record.run.out_shape[1:])
+        if part.shape != want:
+            raise InvalidCall(f"part {part.shape} from node {source}: expected {want}")
 
 
 def _at(record: _Step, request: pb.ConvRequest) -> bool:
