@@ -332,6 +332,7 @@ class _ResidentBackward:
         # the stage's batch norms: their weight and bias gradients, filled piece by piece
         self.batchnorm = list(layer.batchnorm)
         self._dbn: dict[int, np.ndarray] = {}
+        self._taken_back: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # rows_of's slices
         for bn in self.batchnorm:
             bn.grads = {name: np.zeros_like(p) for name, p in bn.params.items()}
 
@@ -419,6 +420,63 @@ class _ResidentBackward:
     def covers_early(self) -> bool:
         """Whether a lost piece is computed as soon as it is lost (see PhaseRunner)."""
         return self.replica is not None and self.replica.split is not None
+
+    def rows_of(self, calls):
+        """``recompute(sender, image)`` for :meth:`~.split_step.SplitStep.check_rows`: worker
+        ``sender``'s input-gradient rows of one image, as its slice computed them this step.
+        The master's copy of the slice is the last sync's, so once the sender's backward has
+        answered (its update made) the slice is fetched and taken back one step: ``w = w' + lr
+        * mw'``, the SGD rule undone (``b`` too), to float32 round-off. None where that cannot
+        be done: no momentum (the update is not undone from what is fetched), batch norm
+        (statistics over the batch), a split head. A sender whose slice cannot be fetched
+        raises its :class:`~.client.WorkerError` (the rows it put are not shown to be right)."""
+        layer, config = self.layer, self.owner.sgd
+        if self.batchnorm or layer.classes or not self.need_input_grad or not config.momentum:
+            return None
+        pieces = {p.node.client.address: (p, c) for p, c in calls}
+        taken_back = self._taken_back  # per sender, fetched once a step whoever asks
+
+        def recompute(sender: str, i: int) -> np.ndarray | None:
+            piece, call = pieces.get(sender, (None, None))
+            placed = layer.placements.get(piece.node.name) if piece is not None else None
+            if placed is None or placed.pending is None:
+                return None  # not a resident slice this step
+            try:
+                call.result()  # its update is made once it answers
+            except Exception:  # noqa: BLE001 (lost in its own call: nothing to check)
+                return None
+            if sender not in taken_back:
+                taken_back[sender] = self._before_update(piece, placed)
+            w, b = taken_back[sender]
+            x, hw, hb, _, _ = placed.pending
+            part = piece.part
+            wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
+            before = part.start - wide.start
+            ww = np.concatenate([hw[:before], w, hw[before:]])
+            bb = np.concatenate([hb[:before], b, hb[before:]])
+            own = slice(before, before + part.stop - part.start)
+            _, run = stage_forward(
+                self.owner.backend, x[i : i + 1], ww, bb, layer.sides, layer.stage, own
+            )
+            dy = as_received(self.dy[i : i + 1, grad], piece.node.client.wire_format)
+            rel = slice(grad.start - wide.start, grad.stop - wide.start)
+            dx, _, _ = stage_backward(self.owner.backend, run, dy, rel, True)
+            return dx[0]
+
+        return recompute
+
+    def _before_update(self, piece: Piece, placed) -> tuple[np.ndarray, np.ndarray]:
+        """(w, b) of ``piece``'s slice as this step's backward computed with them: fetched
+        after its update (version + 1), the update undone."""
+        owner, layer, part = self.owner, self.layer, piece.part
+        outs = tuple(np.empty(a[part].shape, np.float32) for a in layer.arrays())
+        nbytes = sum(a.nbytes for a in outs)
+        (w, b, mw, mb, *_), stats = piece.node.client.fetch_kernels(
+            owner.session, layer.name, placed.version + 1, outs, owner.deadline(piece.node, nbytes)
+        )
+        owner._count(layer.name, "fetched_bytes", stats.bytes_received)
+        lr = np.float32(owner.sgd.lr)
+        return w + lr * mw, (b + lr * mb) if layer.bias else b
 
     def while_waiting(self) -> None:
         """As :meth:`~.dispatch._StageBackward.while_waiting`: the master's part goes back

@@ -181,11 +181,11 @@ class SplitStep:
         for row, (node, sender) in zip(got, others, strict=True):
             if sender == MASTER or node in self.lost:
                 continue
-            rows = recompute(sender, image)
+            rows = _recomputed(recompute, sender, image)  # False: it would not show them
             if rows is None:
                 continue
-            want = part_sample(rows, seed, node, PART_SAMPLE)
-            if np.abs(row - want).max() > PART_RTOL * float(np.abs(want).max()):
+            want = part_sample(rows, seed, node, PART_SAMPLE) if rows is not False else None
+            if want is None or np.abs(row - want).max() > PART_RTOL * np.abs(want).max():
                 liars.append(sender)
         return liars
 
@@ -466,7 +466,11 @@ def blame_parts(job, piece, membership, spot_checks, calls=(), timeout: float = 
         for liar in liars:
             _blame(split, membership, spot_checks, liar, what, "backward")
         return bool(liars)
-    liars = split.check_parts(address, job.x, timeout)
+    start = time.perf_counter()
+    try:
+        liars = split.check_parts(address, job.x, timeout)
+    finally:
+        spot_checks.seconds += time.perf_counter() - start
     for liar in liars:
         what = f"the block output it put into worker {piece.node.name}"
         _blame(split, membership, spot_checks, liar, what)
@@ -477,7 +481,11 @@ def _rows_of(job, calls):
     """``recompute(sender, image)`` for :meth:`SplitStep.check_rows`: worker ``sender``'s
     piece of a fused stage's backward (``job``, sent kernels) on one image, its input gradient
     of that image; None where one image cannot be recomputed alone (batch norm: statistics
-    over the batch; resident kernels: the master's copy is the last sync's)."""
+    over the batch). Resident kernels: the job's own (the slice fetched after its update and
+    taken back a step, :meth:`~.resident_jobs._ResidentBackward.rows_of`)."""
+    resident = getattr(job, "rows_of", None)
+    if resident is not None:
+        return resident(calls)
     ranges = getattr(job, "_ranges", None)
     if ranges is None or getattr(job, "batchnorm", ()) or not job.need_input_grad:
         return None
@@ -498,6 +506,17 @@ def _rows_of(job, calls):
         return dx[0]
 
     return recompute
+
+
+def _recomputed(recompute, sender: str, image: int):
+    """``recompute(sender, image)``, or False when the sender failed to show what it needs
+    (a :class:`~.client.WorkerError` of its own)."""
+    try:
+        return recompute(sender, image)
+    except WorkerError as e:
+        if e.address != sender:
+            raise
+        return False
 
 
 def _blame(

@@ -404,11 +404,13 @@ def test_a_peer_that_puts_wrong_block_outputs_is_the_one_dropped(local, workers,
     assert all(states[a] == "active" for a in workers.addresses[:2])
 
 
-def test_a_peer_that_puts_wrong_gradient_rows_is_the_one_dropped(local, workers, tmp_path):
+@pytest.mark.parametrize("kernels", ["sent", "resident"])
+def test_a_peer_that_puts_wrong_gradient_rows_is_the_one_dropped(local, workers, tmp_path, kernels):
     """A peer that puts its input-gradient rows of the others' images x1.5 (its own answers
     right): on a due step each receiver's sample of one image's rows, against the master's
-    recomputation of every sender's rows of that image (sent kernels), blames the sender; the
-    honest receivers stay, training equals local."""
+    recomputation of every sender's rows of that image (sent kernels; resident: the sender's
+    slice fetched after its update and taken back a step), blames the sender; the honest
+    receivers stay, training equals local."""
     from test_spot_checks import lying_worker
 
     from hetconv.master.spotcheck import SpotCheckConfig
@@ -416,7 +418,7 @@ def test_a_peer_that_puts_wrong_gradient_rows_is_the_one_dropped(local, workers,
     with lying_worker("rows", from_step=2) as liar:
         addresses = [*workers.addresses[:2], liar]
         checks = SpotCheckConfig(every=1)
-        config = ClusterConfig(**SPLIT, kernels="sent", spot_checks=checks)
+        config = ClusterConfig(**SPLIT, kernels=kernels, spot_checks=checks)
         with Cluster(addresses, config=config) as cluster:
             got = train_strong_lrn(tmp_path, "rows", cluster)
             events = list(cluster.events)
@@ -571,8 +573,7 @@ def test_the_master_link_carries_each_workers_images_only():
     assert whole - split == pytest.approx(4 * 12 * 3 * 32 * 32, abs=4 * 200)
 
 
-# split_all with a 16-bit wire: the input-gradient rows' check (split_step.py) still drops
-# honest workers; not covered here yet.
+# split_all with a 16-bit wire: tests/test_split_all.py.
 @pytest.mark.parametrize("replicate", ["first", "split"])
 def test_16_bit_wire_spot_checks_pass_honest_workers_of_a_replicated_block(
     workers, tmp_path, replicate
