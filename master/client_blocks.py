@@ -99,15 +99,18 @@ class BlockCalls:
         """Put a split block's ``part`` into the worker as node ``source`` (:mod:`hetconv.split`):
         the master resends a lost worker's output (``gradient`` False) or its input-gradient
         rows of this worker's images, from what it computed itself; ``round_``: the split's
-        (:attr:`~hetconv.split.SplitPlan.round`)."""
+        (:attr:`~hetconv.split.SplitPlan.round`). A block output goes as float32, as the
+        workers' own do between them, so every node's stage input is the same float32 block
+        output (a 16-bit one would differ from the master's: max-pool choices flip, and the
+        checks would blame honest workers); gradient rows go in the wire format."""
         request = pb.ConvRequest(
             phase=PUT_PART.phase, session=session, step=step, layer=block,
             part=pb.TensorPart(source=source, gradient=gradient, round=round_),
         )  # fmt: skip
+        fmt = self.wire_format if gradient else FLOAT32
         _, stats = self._call(
-            PUT_PART, f"put part {block}", request, [("p", part)], [], {}, timeout, 0,
-            [self.wire_format],
-        )  # fmt: skip
+            PUT_PART, f"put part {block}", request, [("p", part)], [], {}, timeout, 0, [fmt]
+        )
         return stats
 
     def fetch_part(
@@ -126,10 +129,11 @@ class BlockCalls:
         a peer, ``split_all``); ``gradient`` False: node ``source``'s images' block output the
         worker holds (its own, for the master as a peer), written into ``out`` when given.
         ``round_``: of that split only (:attr:`~hetconv.split.SplitPlan.round`; a step computed
-        again is a new round), 0: the step's latest."""
+        again is a new round), 0: the step's latest. A block output comes as float32 (what the
+        worker and its peers compute on; :meth:`put_part`), rows in the wire format."""
         request = pb.ConvRequest(
             phase=FETCH_PART.phase, session=session, step=step, layer=block,
-            answer_dtype=answer_dtype(self.wire_format),
+            answer_dtype=answer_dtype(self.wire_format if gradient else FLOAT32),
             part=pb.TensorPart(source=source, gradient=gradient, round=round_),
         )  # fmt: skip
         into = {"p": out} if out is not None else {}

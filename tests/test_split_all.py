@@ -194,7 +194,8 @@ def test_a_block_split_with_the_master_trains_as_local(
 
 
 @pytest.mark.parametrize(
-    "kind, kernels", [("output", "resident"), ("parts", "resident"), ("rows", "sent")]
+    "kind, kernels",
+    [("output", "resident"), ("parts", "resident"), ("rows", "sent"), ("rows", "resident")],
 )
 def test_a_peer_lying_in_its_block_output_is_the_one_dropped(
     local, workers, tmp_path, kind, kernels
@@ -202,9 +203,10 @@ def test_a_peer_lying_in_its_block_output_is_the_one_dropped(
     """With the master a peer: a worker whose block output is x1.5 everywhere (its peers, the
     master's fetch, its own stage calls: ``output``) is caught by the master computing one of
     its images again; one that lies only in what it puts into its peers (``parts``), by the
-    receivers' samples; one whose input-gradient rows put into its peers are x1.5 (``rows``,
-    sent kernels), by the receivers' samples of one image's rows against the master's
-    recomputation. Only the liar is dropped, the honest workers stay, and training
+    receivers' samples; one whose input-gradient rows put into its peers are x1.5 (``rows``),
+    by the receivers' samples of one image's rows against the master's recomputation (with
+    resident kernels, from the liar's slice fetched after its update and taken back a step).
+    Only the liar is dropped, the honest workers stay, and training
     equals local step by step: the step computed again without the liar, whose slice of the
     next layer the master computes while it is outside the split, takes that slice's rows of
     the workers' images along with the master's own."""
@@ -226,6 +228,24 @@ def test_a_peer_lying_in_its_block_output_is_the_one_dropped(
     assert ("input-gradient rows it put into" in lost[0][1]) == (kind == "rows"), lost
     assert all(states[a] == "active" for a in workers.addresses[:2])
     same_as_local(got, local)
+
+
+@pytest.mark.parametrize("kernels", ["sent", "resident"])
+def test_16_bit_wire_checks_keep_honest_workers_with_the_master_a_peer(workers, tmp_path, kernels):
+    """With a 16-bit wire the master's block output goes into the workers, and theirs comes
+    to it, as float32 (as the workers' own go between them): every node's stage input is the
+    same float32 block output, so the spot checks and the parts' and rows' checks keep honest
+    workers (before, the master's 16-bit parts flipped max-pool choices on the workers, and
+    its 16-bit fetches on the master: every honest worker was dropped at step 0)."""
+    from hetconv.formats import BFLOAT16
+    from hetconv.master.spotcheck import SpotCheckConfig
+
+    checks = SpotCheckConfig(every=1, unpredictable=False)
+    config = ClusterConfig(**SPLIT_ALL, kernels=kernels, wire_format=BFLOAT16, spot_checks=checks)
+    with Cluster(workers.addresses, config=config) as cluster:
+        train_strong_lrn(tmp_path, f"bf16-{kernels}", cluster, steps=3)
+        lost = [(e["worker"], e["reason"]) for e in cluster.events if e["event"] == "worker_lost"]
+    assert lost == []
 
 
 class Killing(exactness.Killing):
