@@ -64,22 +64,6 @@ EQUAL_SHARES = (
     "--overlap", "auto", "--head", "split", "--deterministic",
 )  # fmt: skip
 MODES: tuple[Mode, ...] = (
-    Mode(
-        "default",
-        (),
-        "`hetconv train` with no mode flag: whatever its defaults are",
-        in_all=False,
-        over_base=False,
-    ),
-    Mode(
-        "images",
-        ("--split", "images"),
-        "the whole network split by images: every node trains the model on its share of the "
-        "batch, the gradients summed through the master (heterogeneous data parallelism)",
-        "--split",
-        in_all=False,
-        over_base=False,
-    ),
     Mode("kernel_split", (), "the paper's: every conv's kernels split by probe", in_all=False),
     Mode("float16", ("--wire-format", "float16"), "activations and their gradients as float16"),
     Mode("bfloat16", ("--wire-format", "bfloat16"), "the same as bfloat16", in_all=False),
@@ -217,6 +201,22 @@ MODES: tuple[Mode, ...] = (
         "exact_head, with activations and their gradients as bfloat16 on the wire",
         "--head",
         in_all=False,
+    ),
+    Mode(
+        "default",
+        (),
+        "`hetconv train` with no mode flag: whatever its defaults are",
+        in_all=False,
+        over_base=False,
+    ),
+    Mode(
+        "images",
+        ("--split", "images"),
+        "the whole network split by images: every node trains the model on its share of the "
+        "batch, the gradients summed through the master (heterogeneous data parallelism)",
+        "--split",
+        in_all=False,
+        over_base=False,
     ),
 )
 DEFAULT_MODES = (

@@ -8,7 +8,7 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hetconv.master.resident import DEFAULT_SYNC_EVERY
 from hetconv.simulations.testbed import SWITCHED_LINK, tcp_goodput_mbps
@@ -59,6 +59,8 @@ def predict(
     from hetconv.costmodel import simulate_step
     from hetconv.simulations.calibrate import calibrate
 
+    if (plan := _images_plan(trace)) is not None:
+        return predict_images(trace, plan, link, rate_mbps, rtt_s, cap, master_port_shaped)
     cal = calibrate(trace)
     layers = cal.layers()
     if speeds == "probe":
@@ -84,6 +86,76 @@ def predict(
     return result, cal
 
 
+@dataclass(frozen=True)
+class ImagesCalibration:
+    """What :func:`predict_images` measured of a run split by images: the images per node
+    (``shares``, as the kernel split's per layer) and its seconds per image."""
+
+    path: str
+    shares: dict[str, list[int]]
+    image_seconds: list[float]
+
+
+def _images_plan(trace: str) -> dict | None:
+    """The trace's first plan record when its run split the network by images, else None."""
+    with open(trace, encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("event") == "plan":
+                return record if record.get("split") == "images" else None
+    return None
+
+
+def predict_images(
+    trace: str, plan: dict, link: str, rate_mbps: float, rtt_s: float, cap: float,
+    master_port_shaped: bool = True,
+):  # fmt: skip
+    """The simulator's step for a run split by images (``--split images``):
+    :func:`hetconv.dataparallel.simulate_image_split` with each node's measured seconds per
+    image (the median over the trace's steps after the first) and the last step's images per
+    node, on the testbed's links (as :func:`predict`) and collective costs scaled by ``1 /
+    cap``. Returns (DataParallelResult, :class:`ImagesCalibration`)."""
+    from hetconv.costmodel import MBIT, SWITCHED, WIFI, SimCluster, SimNode
+    from hetconv.dataparallel import CollectiveCosts, simulate_image_split
+
+    model = plan.get("model") or {}
+    names = [node["name"] for node in plan["nodes"]]
+    steps = [r for r in read_steps(trace) if r.get("split") == "images"]
+    used = steps[1:] or steps
+    if not used:
+        raise ValueError(f"trace {trace} holds no step split by images")
+    seconds = []
+    for name in names:
+        per_image = [
+            r["nodes"][name]["seconds"] / r["nodes"][name]["images"]
+            for r in used
+            if r["nodes"].get(name, {}).get("images")
+        ]
+        seconds.append(statistics.median(per_image) if per_image else math.inf)
+    batches = [int(used[-1]["images"].get(name, 0)) for name in names]
+    computing = [i for i, b in enumerate(batches) if b]
+    rate = MBIT * tcp_goodput_mbps(rate_mbps)
+    port = rate if (link != SWITCHED_LINK or master_port_shaped) else math.inf
+    master = SimNode(names[0], 1.0, bytes_per_s=port)
+    workers = tuple(SimNode(n, 1.0, bytes_per_s=rate, rtt_s=rtt_s) for n in names[1:])
+    fabric = SWITCHED if link == SWITCHED_LINK else WIFI
+    cluster = SimCluster(
+        master, workers, fabric, rate if fabric == WIFI else math.inf,
+        master_compute=bool(batches[0]),
+    )  # fmt: skip
+    ranks = computing if batches[0] else [i for i in computing if i]
+    result = simulate_image_split(
+        cluster, model["spec"], sum(batches), 0.0, CollectiveCosts().scaled(cap),
+        image_seconds=[seconds[i] for i in ranks], batches=[batches[i] for i in ranks],
+        input_shape=tuple(model["input_shape"]),
+    )  # fmt: skip
+    shares = {"images": [batches[i] for i in range(len(names))]}
+    return result, ImagesCalibration(trace, shares, [seconds[i] for i in ranks])
+
+
 def predict_alone(cal) -> float | None:
     """The master alone's step predicted from a cluster run's calibration ``cal``: what the
     run's plan record predicted for it (``prediction.alone_s``: the master's probe of every
@@ -93,6 +165,8 @@ def predict_alone(cal) -> float | None:
     and a split head run much of its ReLU, LRN, pooling and fc inside the phases or on the
     workers: 13-30 % low on the reference networks). None when the master computed nothing
     (no probe of its own)."""
+    if isinstance(cal, ImagesCalibration):
+        return None  # no per-layer probe of the master: the master alone is measured
     start = min(cal.step_numbers) if cal.step_numbers else None
     alone = _plan_prediction(cal.path, start).get("alone_s")
     if isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0:

@@ -79,7 +79,10 @@ def step_bytes(record: dict) -> int:
     """Bytes a step record's calls moved on the master's link, both ways, every node and layer
     (resident kernels' placements and syncs included: the record's ``resident``; and a split
     block's parts the master put into or fetched from workers, its ``replica_split``: for lost
-    workers, and as a peer itself)."""
+    workers, and as a peer itself). A step split by images (``split: images``): its calls'
+    bytes, both ways."""
+    if record.get("split") == "images":
+        return int(record.get("bytes_sent", 0)) + int(record.get("bytes_received", 0))
     calls = sum(
         figures[phase]["bytes_sent"] + figures[phase]["bytes_received"]
         for layers in record.get("nodes", {}).values()
@@ -111,6 +114,11 @@ def read_trace(path: str) -> list[dict]:
         raise ValueError(
             f"trace {path} has no per-node records: it comes from local training (--local); "
             "calibrate from a run with workers"
+        )
+    if records[0].get("split") == "images":
+        raise ValueError(
+            f"trace {path} is of a run split by images (--split images): it has no per-layer "
+            "kernel shares to calibrate from; calibrate from a run split by kernels"
         )
     return records
 

@@ -349,3 +349,39 @@ def test_the_image_split_is_a_parameter_server_that_also_sends_the_images(cluste
     assert got.step_s == pytest.approx(ps.step_s + images / (100 * MBYTE))
     float32 = simulate_image_split(cluster, "tiny", 32, 0.01, LINKS_ONLY, image_bytes=4 * 3072)
     assert float32.master_bytes == ps.master_bytes + 4 * images
+
+
+def test_the_testbed_predicts_a_run_split_by_images_from_its_trace(tmp_path):
+    # benchmarks/testbed_predict.predict reads a --split images trace: each node's measured
+    # seconds per image (median after the first step) and the last step's images, through
+    # simulate_image_split on the testbed's links.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import testbed_predict
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    spec = load_spec("tiny")
+    names = ["master", "w1", "w2"]
+    plan = {
+        "event": "plan", "start_step": 0, "split": "images",
+        "nodes": [{"name": n} for n in names],
+        "model": {"name": "tiny", "spec": spec, "input_shape": [3, 32, 32], "batch": 16},
+    }  # fmt: skip
+
+    def step(i, images, seconds):
+        figures = zip(names, images, seconds, strict=True)
+        nodes = {n: {"images": k, "seconds": t} for n, k, t in figures}
+        return {"step": i, "epoch": 0, "loss": 1.0, "accuracy": 0.1, "batch": 16,
+                "seconds": 1.0, "comm_seconds": 0.0, "conv_seconds": 0.0, "comp_seconds": 0.0,
+                "split": "images", "images": dict(zip(names, images, strict=True)), "nodes": nodes,
+                "bytes_sent": 0, "bytes_received": 0}  # fmt: skip
+
+    trace = tmp_path / "trace.jsonl"
+    records = [plan, step(0, [6, 5, 5], [9.0, 9.0, 9.0]), step(1, [8, 4, 4], [0.8, 0.8, 0.4])]
+    records.append(step(2, [8, 4, 4], [0.8, 0.8, 0.4]))
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result, cal = testbed_predict.predict(str(trace), "switched", 1000.0, 1e-4, 1.0)
+    assert cal.shares == {"images": [8, 4, 4]} and cal.image_seconds == [0.1, 0.2, 0.1]
+    assert result.batches == (8, 4, 4) and result.algorithm == PARAMETER_SERVER
+    assert not result.overlap and result.step_s > result.compute_s == pytest.approx(0.8)
+    assert testbed_predict.predict_alone(cal) is None
