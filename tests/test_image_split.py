@@ -356,3 +356,15 @@ def test_the_worker_budget_bounds_the_passes_and_keeps_the_model(rng):
         client.close()
         server.stop(0)
         service.close()
+
+
+def test_a_run_split_by_images_resumes_from_its_checkpoint(tmp_path, local, workers):
+    folder = str(tmp_path / "checkpoints")
+    with Recording(workers.addresses, deterministic=True) as cluster:
+        train_strong_lrn(tmp_path, "first", cluster, steps=3, checkpoint_dir=folder)
+    with Recording(workers.addresses, deterministic=True) as cluster:
+        losses, _ = train_strong_lrn(
+            tmp_path, "resumed", cluster, steps=6, checkpoint_dir=folder, resume=True
+        )
+    assert len(cluster.steps) == 3  # steps 3, 4 and 5: the rest came from the checkpoint
+    np.testing.assert_allclose(losses, local[0][:6], rtol=1e-5)
