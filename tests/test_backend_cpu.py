@@ -127,7 +127,9 @@ def check_against_reference(backend: Backend, rng, n, c, h, w, k, kh, kw, paddin
 
 
 def _lowering_mode(c: int, kw: int) -> str:
-    return "row" if kw * c >= 64 else "full"
+    from hetconv.backends.cpu import _FULL_LOWERING_BELOW
+
+    return "row" if kw * c >= _FULL_LOWERING_BELOW else "full"
 
 
 # --------------------------------------------------------------------------------- the grid
@@ -159,6 +161,10 @@ GRID = [
     pytest.param(2, 2, 1, 1, 3, 1, 1, 0, id="1x1-image"),
     pytest.param(2, 13, 5, 4, 2, 5, 5, "same", id="full-row-boundary"),  # 5 * 13 = 65
     pytest.param(2, 12, 5, 4, 2, 5, 5, "same", id="full-row-boundary-below"),  # 60
+    pytest.param(2, 4, 5, 4, 2, 4, 4, "same", id="full-row-boundary-16"),  # 4 * 4 = 16
+    pytest.param(2, 3, 5, 4, 2, 5, 5, "same", id="full-row-boundary-15"),  # 15
+    pytest.param(2, 8, 6, 5, 70, 3, 3, 1, id="kernels-last-70"),  # (K, positions) forward
+    pytest.param(2, 24, 6, 6, 40, 3, 3, 1, id="row-correlation"),
 ]
 
 
@@ -196,10 +202,45 @@ def test_exact_chunk_sizes(rng, c, per_chunk):
     shape = conv_shape((5, c, 6, 6), (3, c, 3, 3), 1)
     layout = _plan(shape, 2**40)
     assert layout.images == 5
-    assert layout.rows_per_group == (3 if c * 3 < 64 else 1)
+    assert layout.rows_per_group == (3 if _lowering_mode(c, 3) == "full" else 1)
     scratch = _Plan(shape, per_chunk, layout.rows_per_group).scratch_bytes()
     assert _plan(shape, scratch).images == per_chunk
     check_against_reference(CpuBackend(scratch_bytes=scratch), rng, 5, c, 6, 6, 3, 3, 3, 1)
+
+
+def _forward_orientation(n, c, h, w, k, kh, kw, padding) -> str:
+    shape = conv_shape((n, c, h, w), (k, c, kh, kw), padding)
+    return "positions-first" if _plan(shape, 2**40).positions_first else "kernels-first"
+
+
+def test_grid_covers_both_forward_orientations():
+    """The forward's GEMM writes (positions, K) for a few kernels of enough terms and
+    (K, positions) otherwise; the grid checks both against the reference."""
+    used = {_forward_orientation(*p.values) for p in GRID}
+    assert used == {"positions-first", "kernels-first"}
+
+
+@pytest.mark.skipif(_plan is None, reason="the cpu backend's private _plan/_Plan changed")
+def test_a_batch_runs_in_cache_sized_chunks(rng, monkeypatch):
+    """However large ``scratch_bytes``, a batch whose scratch exceeds ``CHUNK_BYTES`` runs in
+    chunks of about that size (still in the caches when the GEMMs read them), with the
+    reference's results, equal to one chunk's up to summation order."""
+    import hetconv.backends.cpu as cpu
+
+    shape = conv_shape((6, 16, 12, 12), (8, 16, 3, 3), 1)
+    one = _Plan(shape, 1, 1).scratch_bytes()
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", 2 * one)
+    _plan.cache_clear()
+    try:
+        assert _plan(shape, 2**40).images == 2
+        problem, chunked = check_against_reference(CpuBackend(), rng, 6, 16, 12, 12, 8, 3, 3, 1)
+        monkeypatch.setattr(cpu, "CHUNK_BYTES", 2**40)
+        _plan.cache_clear()
+        assert _plan(shape, 2**40).images == 6
+        whole = run_all(CpuBackend(), problem)
+    finally:
+        _plan.cache_clear()
+    assert_results_close(chunked, whole, CHUNK_RTOL, what=" (cache-sized chunks)")
 
 
 def test_scratch_reuse_across_geometries(rng):
@@ -492,11 +533,12 @@ def test_gemm_lets_other_threads_run():
 
 def test_a_kernel_memo_lays_the_kernels_out_once_for_its_calls():
     """Inside one memo the kernels are rearranged once for every call that uses them (the
-    forward and the input gradient share the layout); outside it, every call does its own."""
+    forward and the input gradient by col2im, kept for many channels, share the layout);
+    outside it, every call does its own."""
     rng = np.random.default_rng(11)
     backend = CpuBackend()
-    x = rng.standard_normal((4, 16, 8, 8), dtype=np.float32)
-    w = rng.standard_normal((6, 16, 5, 5), dtype=np.float32)
+    x = rng.standard_normal((4, 80, 8, 8), dtype=np.float32)
+    w = rng.standard_normal((6, 80, 5, 5), dtype=np.float32)
     dy = rng.standard_normal((4, 6, 8, 8), dtype=np.float32)
     calls = []
     real = backend._grouped_kernels.__func__
@@ -532,6 +574,14 @@ def test_grid_covers_both_input_gradient_formulations():
     assert {f for f, _ in used} == {"col2im", "correlation"}
     assert ("correlation", "asym-full") in used and ("correlation", "5x5-full") in used
     assert ("col2im", "pad-larger-than-kernel-full") in used
+
+
+def test_resnet_stages_take_their_input_gradient_as_a_correlation():
+    """ResNet's 16-, 32- and 64-channel 3x3 layers (row-lowered from 16 channels) run their
+    input gradient as a correlation; VGG's 128 channels keep col2im."""
+    for c, hw in ((16, 32), (32, 16), (64, 8)):
+        assert _formulation(16, c, hw, hw, c, 3, 3, 1) == "correlation", c
+    assert _formulation(16, 128, 8, 8, 256, 3, 3, 1) == "col2im"
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,15 @@ DEFAULT_SCRATCH_BYTES = 256 * 2**20
 #: 32x32 layers at batch 64: forward, input and kernel gradient 35.8 ms in one chunk, 20.8 in
 #: chunks of 4 MiB (8 MiB: 21.5, 2 MiB: 21.6); smaller layers and batches: no change.
 CHUNK_BYTES = 4 * 2**20
-# Below this many values per GEMM term group (kw * C) the full im2col lowering is used.
-_FULL_LOWERING_BELOW = 64
+# Below this many values per GEMM term group (kw * C) the full im2col lowering is used: a
+# first layer's 3 channels. Above, rows are lowered (kw * C terms, kh GEMMs): at 16 channels,
+# 3x3, one thread, batch 16, that takes 1.35 ms for the forward against 1.81 fully lowered
+# (input gradient 1.31 / 1.57, kernel gradient 1.71 / 1.88), a third of the copying.
+_FULL_LOWERING_BELOW = 16
+#: Up to this many kernels, the forward writes (positions, K) (:attr:`_Plan.positions_first`),
+#: and up to this many input channels the input gradient is such a forward
+#: (:func:`_correlation_shape`).
+FEW_KERNELS = 64
 
 
 def _blas_sgemm_without_gil():
@@ -158,6 +165,19 @@ class _Plan:
     @property
     def terms(self) -> int:  # inner GEMM dimension: L * kw * C
         return self.rows_per_group * self.shape.kw * self.shape.c
+
+    @property
+    def positions_first(self) -> bool:
+        """Whether the forward's GEMM writes (positions, K) rather than (K, positions).
+
+        BLAS runs rows @ kernels.T faster than kernels @ rows.T where the kernels are few
+        (one thread, 16 kernels of 144 terms: 97 against 59 GFLOPS on OpenBLAS's Haswell
+        kernel, 148 against 94 on SkylakeX; 32 of 288: 114 against 82), enough to pay for
+        the output's transpose back to (N, K, H, W) with its K values far apart; with more
+        kernels, or with a first layer's few terms, the transpose costs more than it saves
+        (VGG's 512 kernels at 4x4: 7 % slower; 64 kernels of 27 terms: 25 %).
+        """
+        return self.shape.k <= FEW_KERNELS and self.terms >= 32
 
     @property
     def positions(self) -> int:  # GEMM rows: output positions of the chunk
@@ -392,13 +412,22 @@ class CpuBackend(Backend):
             # (positions, K): BLAS runs rows @ kernels.T faster than kernels @ rows.T where
             # the kernels are few (16 kernels of 144 terms: 97 against 59 GFLOPS on
             # OpenBLAS's Haswell kernel, 148 against 94 on SkylakeX; 32 of 288: 114 / 82)
-            out = self._scratch.get("out", (chunk.positions, shape.k))
+            first_axis = chunk.positions_first
+            out = self._scratch.get(
+                "out", (chunk.positions, shape.k) if first_axis else (shape.k, chunk.positions)
+            )
             for g in range(chunk.groups):
-                rows = self._group_rows(chunk, lowered, g)
-                _gemm(rows, kernels[g], out, trans_b=True, beta=0.0 if g == 0 else 1.0)
+                rows, beta = self._group_rows(chunk, lowered, g), 0.0 if g == 0 else 1.0
+                if first_axis:
+                    _gemm(rows, kernels[g], out, trans_b=True, beta=beta)
+                else:
+                    _gemm(kernels[g], rows, out, trans_b=True, beta=beta)
             if b is not None:  # in place, contiguous: then one copy, not a strided add
-                out += b
-            images = out.reshape(ho, chunk.images, wo, shape.k).transpose(1, 3, 0, 2)
+                out += b if first_axis else b[:, None]
+            if first_axis:
+                images = out.reshape(ho, chunk.images, wo, shape.k).transpose(1, 3, 0, 2)
+            else:
+                images = out.reshape(shape.k, ho, chunk.images, wo).transpose(2, 0, 1, 3)
             np.copyto(y[first : first + chunk.images], images)
         return y
 
@@ -494,18 +523,20 @@ def _correlation_shape(shape: ConvShape) -> ConvShape | None:
     the output gradient with :func:`_flipped` kernels, padded by ``kernel - 1 - padding`` on
     each side; or None where col2im is kept.
 
-    A layer with few input channels (``kw * C`` below ``_FULL_LOWERING_BELOW``: ResNet's
-    16-channel stage) lowers fully, and col2im then adds all kh*kw taps back onto the padded
-    input, reading and writing it each time; the correlation lowers the output gradient once,
-    as the forward does. One thread, batch 16, 16 channels at 32x32, 3x3: 2.4 ms against
-    7.9 ms (batch 64: 21 against 51 ms). Row-lowered layers (kw adds) take about as long
-    either way and keep col2im, as do paddings wider than the kernel reaches and output
-    gradients with more than :data:`CORRELATION_MAX_RATIO` times the input's channels.
+    col2im adds the lowered gradient's taps back onto the padded input, reading and writing
+    it each time; the correlation lowers the output gradient once, as the forward does, and
+    for a layer of at most :data:`FEW_KERNELS` input channels (ResNet's stages) its GEMM
+    writes (positions, channels), the faster orientation there. One thread, 3x3, batch 64:
+    32 channels at 16x16 3.8-4.0 ms against 4.6-5.0, 64 at 8x8 3.2 against 3.5-3.7 (a fully
+    lowered 16-channel layer's col2im: 51 ms against 21). With more channels col2im is as
+    fast or faster (VGG's 128 to 256 channels: 3-10 %) and is kept, as it is for paddings
+    wider than the kernel reaches and output gradients with more than
+    :data:`CORRELATION_MAX_RATIO` times the input's channels.
     """
     p = shape.padding
     sides = (shape.kh - 1 - p.top, shape.kh - 1 - p.bottom)
     sides += (shape.kw - 1 - p.left, shape.kw - 1 - p.right)
-    few_channels = shape.kw * shape.c < _FULL_LOWERING_BELOW
+    few_channels = shape.c <= FEW_KERNELS
     if not few_channels or min(sides) < 0 or shape.k > CORRELATION_MAX_RATIO * shape.c:
         return None
     ho, wo = shape.out_hw
