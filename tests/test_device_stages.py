@@ -335,6 +335,7 @@ MODES = {
     "resident-head-replicated": dict(stages="fused", kernels="resident", head="split",
                                      replicate="first"),
     "fused-sent-overlap": dict(stages="fused", kernels="sent", overlap="on"),
+    "resident-overlap": dict(stages="fused", kernels="resident", overlap="on"),
 }  # fmt: skip
 
 

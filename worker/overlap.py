@@ -234,9 +234,9 @@ class GroupedStart:
         if self._backward is not None:
             self._backward.progress(receiver)
 
-    def result(self) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    def result(self, on_device: bool = False) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         assert self._backward is not None
-        return self._backward.result()
+        return self._backward.result(on_device)
 
 
 class GroupedBackward:
@@ -281,15 +281,18 @@ class GroupedBackward:
 
             self.jobs.append(self.submit(work))
 
-    def result(self) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    def result(self, on_device: bool = False) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """(input-gradient part or None, dw, db) of the whole batch: kernel gradients summed
-        in group order."""
+        in group order (left on the backend's device with ``on_device``: a resident slice's
+        update runs there)."""
         if len(self.jobs) != len(self.run.groups):
             raise InvalidCall(
                 f"dy ended after {len(self.jobs)} of {len(self.run.groups)} image groups"
             )
         outs = [job.result() for job in self.jobs]
-        dw, db = (self.backend.to_host(a) for a in self.kernel_sum.result())
+        dw, db = self.kernel_sum.result()
+        if not on_device:
+            dw, db = self.backend.to_host(dw), self.backend.to_host(db)
         dx = np.concatenate([o[0] for o in outs]) if self.need else None
         return dx, dw, db
 

@@ -420,9 +420,8 @@ class ResidentCalls:
             backend.synchronize()
             return dx, dw, db, df
 
-        if grouped.started:
-            dx, dw, db = grouped.result()
-            dw, db, df = backend.to_device(dw), backend.to_device(db), None
+        if grouped.started:  # the kernel gradients stay where the update runs
+            (dx, dw, db), df = grouped.result(on_device=True), None
         else:
             dx, dw, db, df = ctx.run(backward_work)
         # the block's gradients before the update: a refused call leaves the slice as it was
