@@ -49,10 +49,10 @@ FLAGS = {
             "what is split across the nodes: kernels = each convolution's kernels, every other "
             "layer on the master (the layer modes say how each layer runs); images = the whole "
             "network, the loss included, runs on every node, each on its share of the batch's "
-            "images (in proportion to its measured images per second; equal with "
-            "--deterministic), the gradients summed on the master in node order: heterogeneous "
-            "data parallelism (exact to float32 round-off; not for networks with batch norm; "
-            "the layer modes do not apply)",
+            "images (by its measured speed and link, so that every node finishes together; "
+            "equal with --deterministic), the gradients summed on the master in node order: "
+            "heterogeneous data parallelism (exact to float32 round-off; not for networks with "
+            "batch norm; the layer modes do not apply)",
         ),
         ModeFlag(
             "--shares",

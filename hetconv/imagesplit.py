@@ -74,14 +74,44 @@ def spec_json(spec: Sequence[Mapping]) -> str:
     return json.dumps(list(spec), sort_keys=True, separators=(",", ":"))
 
 
-def image_ranges(batch: int, seconds_per_image: Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous (start, count) ranges tiling ``batch`` images, one per node in order, in
-    proportion to each node's speed (``1 / seconds_per_image``; ``math.inf`` excludes a node:
-    it gets none), by the largest remainder as kernel shares are split
-    (:func:`~hetconv.balance.kernel_shares`)."""
+def image_ranges(
+    batch: int, seconds_per_image: Sequence[float], fixed_seconds: Sequence[float] | None = None
+) -> list[tuple[int, int]]:
+    """Contiguous (start, count) ranges tiling ``batch`` images, one per node in order, by the
+    largest remainder as kernel shares are split (:func:`~hetconv.balance.kernel_shares`).
+
+    Without ``fixed_seconds``, in proportion to each node's speed (``1 / seconds_per_image``;
+    ``math.inf`` excludes a node: it gets none). With them (each node's seconds per step that
+    do not depend on its images: the parameters and gradients on its link), so that every
+    node finishes together: node i's ``fixed_i + seconds_per_image_i * count_i`` the same
+    for every node that gets images (one whose fixed seconds alone exceed that gets none).
+    """
+    if fixed_seconds is not None and any(f > 0 for f in fixed_seconds):
+        quotas = _finishing_together(batch, list(seconds_per_image), list(fixed_seconds))
+        seconds_per_image = [1 / q if q > 0 else math.inf for q in quotas]
     counts = kernel_shares(batch, list(seconds_per_image))
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
     return [(int(s), int(c)) for s, c in zip(starts, counts, strict=True)]
+
+
+def _finishing_together(batch: int, per_image: list[float], fixed: list[float]) -> list[float]:
+    """Each node's (fractional) images so that ``fixed + per_image * images`` is one time T
+    for every node with images: T found by bisection (the images at T rise with T)."""
+    if len(fixed) != len(per_image) or any(not f >= 0 for f in fixed):
+        raise ValueError(f"fixed seconds {fixed} must be {len(per_image)} values >= 0")
+
+    def images_at(t: float) -> list[float]:
+        return [max(0.0, (t - f) / s) if math.isfinite(s) else 0.0
+                for f, s in zip(fixed, per_image, strict=True)]  # fmt: skip
+
+    finite = [s for s in per_image if math.isfinite(s)]
+    if not finite:
+        raise ValueError("every node is excluded (infinite seconds per image)")
+    low, high = 0.0, max(fixed) + batch * max(finite)
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if sum(images_at(middle)) < batch else (low, middle)
+    return images_at(high)
 
 
 class _RowsDropout(Dropout):

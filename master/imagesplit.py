@@ -7,8 +7,10 @@ convolutions run in this process, and each training step goes through
 :meth:`ImageSplit.train_batch` instead. Per step:
 
 * the batch is cut into contiguous ranges of images, one per node (the master first, then the
-  active workers in order), in proportion to each node's measured seconds per image (the last
-  step's, smoothed; equal before any is measured, and always with ``deterministic``);
+  active workers in order), so that every node finishes together by what the steps before
+  measured (smoothed): its seconds per image, and a worker's seconds per step beyond its
+  computation (its bytes on the link); equal before anything is measured, and always with
+  ``deterministic``;
 * each worker gets one ImagesStep call (:data:`hetconv.calls.IMAGES_STEP`): the model's spec,
   every parameter (float32), its images (palette8 where they fit) and labels; it answers every
   parameter's gradient of its images' summed losses over the batch size, the images' losses
@@ -58,6 +60,8 @@ from .spotcheck import Comparison, SpotCheckFailed
 
 #: Weight of the newest measurement in a node's smoothed seconds per image.
 SMOOTHING = 0.5
+#: Steps in a row a worker may get no image before its figures are forgotten (tried again).
+IDLE_RETRY_STEPS = 20
 #: A worker's first call may take this long (no measurement yet to derive a deadline from).
 FIRST_DEADLINE_S = 120.0
 
@@ -118,6 +122,9 @@ class ImageSplit(Cluster):
         self._input: tuple[tuple[int, ...], bool] = (CIFAR_INPUT, True)  # shape, palette8 fits
         self._batch = 0
         self._seconds: dict[str, float] = {}  # node -> smoothed seconds per image
+        self._fixed: dict[str, float] = {}  # worker -> smoothed seconds of its call's bytes
+        self._idle: dict[str, int] = {}  # worker -> steps in a row it got no image
+        self._warm: set[str] = set()  # nodes whose first step was measured (and left out)
         self._record: dict = {}  # this step's
         self._conv_seconds = 0.0
 
@@ -162,19 +169,51 @@ class ImageSplit(Cluster):
         return ([self.nodes[0]] if master else []) + workers
 
     def _ranges(self, batch: int) -> list[tuple[Node, tuple[int, int]]]:
+        """Each computing node's (first, count) of a batch: equal when deterministic or
+        nothing is measured yet; else so that every node finishes together, from its measured
+        seconds per image and its seconds per step that do not depend on them (its call's
+        wall time beyond its computation: the parameters and gradients on its link); a node
+        not measured yet counts as the mean of those measured."""
         nodes = self._computing()
         if self.config.deterministic or not self._seconds:
-            seconds = [1.0] * len(nodes)
-        else:  # a node not measured yet: as the mean of those measured
+            seconds, fixed = [1.0] * len(nodes), None
+        else:
             mean = float(np.mean(list(self._seconds.values())))
             seconds = [self._seconds.get(n.name, mean) for n in nodes]
-        return list(zip(nodes, image_ranges(batch, seconds), strict=True))
+            fixed_mean = float(np.mean(list(self._fixed.values()))) if self._fixed else 0.0
+            fixed = [0.0 if n.is_master else self._fixed.get(n.name, fixed_mean) for n in nodes]
+        return list(zip(nodes, image_ranges(batch, seconds, fixed), strict=True))
 
-    def _measured(self, node: Node, images: int, seconds: float) -> None:
+    def _measured(self, node: Node, images: int, seconds: float, wall: float = 0.0) -> None:
+        """Smooth in a node's step: ``seconds`` computing ``images``, ``wall`` its call's. A
+        node's first step is left out: it warms up (a worker builds the model, its channel
+        connects)."""
+        if node.name not in self._warm:
+            self._warm.add(node.name)
+            return
         figure = seconds_per_image(images, seconds)
         if math.isfinite(figure):
             old = self._seconds.get(node.name, figure)
             self._seconds[node.name] = (1 - SMOOTHING) * old + SMOOTHING * figure
+        if not node.is_master and wall > 0:
+            fixed = max(wall - seconds, 0.0)
+            old = self._fixed.get(node.name, fixed)
+            self._fixed[node.name] = (1 - SMOOTHING) * old + SMOOTHING * fixed
+
+    def _retry_idle(self, ranges: list[tuple[Node, tuple[int, int]]]) -> None:
+        """A worker the ranges give no image is not measured again: after
+        :data:`IDLE_RETRY_STEPS` such steps its figures are forgotten, so it is tried again
+        with the others' mean."""
+        for node, (_, count) in ranges:
+            if node.is_master:
+                continue
+            idle = self._idle.get(node.name, 0) + 1 if not count else 0
+            self._idle[node.name] = idle
+            if idle >= IDLE_RETRY_STEPS:
+                self._seconds.pop(node.name, None)
+                self._fixed.pop(node.name, None)
+                self._warm.discard(node.name)
+                self._idle[node.name] = 0
 
     def _deadline(self, node: Node, images: int, image_bytes: int) -> float:
         """Seconds ``node``'s call may take: its bytes over its measured link (the
@@ -195,7 +234,10 @@ class ImageSplit(Cluster):
         if self._spec is None:
             self.check_model(model)
         batch = len(x)
-        ranges = [(node, first, count) for node, (first, count) in self._ranges(batch) if count]
+        cut = self._ranges(batch)
+        if not self.config.deterministic:
+            self._retry_idle(cut)
+        ranges = [(node, first, count) for node, (first, count) in cut if count]
         calls = {
             node.name: Call(
                 images_step, node.client, self.session, step, model, self._spec,
@@ -216,8 +258,9 @@ class ImageSplit(Cluster):
             parts[node.name] = self._local(model, x, labels, first, count, batch, step)
             self._record[node.name] = {"images": count, "seconds": 0.0, "covered_by": MASTER}
         for node, _, count in ranges:
-            if "covered_by" not in self._record[node.name]:
-                self._measured(node, count, self._record[node.name]["seconds"])
+            figures = self._record[node.name]
+            if "covered_by" not in figures:
+                self._measured(node, count, figures["seconds"], figures.get("wall_seconds", 0.0))
         ordered = [parts[node.name] for node, _, _ in ranges]
         self._set_gradients(model, [p[0] for p in ordered])
         return batch_loss([p[1] for p in ordered], batch), np.concatenate([p[2] for p in ordered])

@@ -275,6 +275,9 @@ def test_a_lying_worker_is_caught_and_its_range_recomputed(tmp_path, local, work
 def test_images_follow_each_nodes_measured_speed():
     with ImageSplit(["127.0.0.1:1", "127.0.0.1:2"], config=ClusterConfig()) as cluster:
         assert [c for _, (_, c) in cluster._ranges(30)] == [10, 10, 10]  # nothing measured
+        for node in cluster.nodes:  # a node's first step warms up: left out
+            cluster._measured(node, 10, 5.0)
+        assert not cluster._seconds
         cluster._measured(cluster.nodes[0], 10, 0.1)  # 0.01 s per image
         cluster._measured(cluster.nodes[1], 10, 0.2)  # 0.02; the third not measured: the mean
         got = cluster._ranges(30)
@@ -283,6 +286,14 @@ def test_images_follow_each_nodes_measured_speed():
         ]  # fmt: skip
         cluster._measured(cluster.nodes[1], 7, 0.07)  # faster now: smoothed, half and half
         assert cluster._seconds["127.0.0.1:1"] == pytest.approx(0.015)
+        # a worker whose call also spends 0.1 s on its link finishes with the others
+        cluster._measured(cluster.nodes[2], 10, 0.1, wall=0.2)
+        cluster._seconds["127.0.0.1:1"], cluster._fixed["127.0.0.1:1"] = 0.01, 0.0
+        assert [c for _, (_, c) in cluster._ranges(30)] == [13, 13, 4]  # T = 0.133 s each
+        assert image_ranges(30, [0.01] * 3, [0.0, 0.0, 0.1]) == [(0, 13), (13, 13), (26, 4)]
+        for _ in range(20):  # no image for 20 steps: tried again with the others' figures
+            cluster._retry_idle([(cluster.nodes[2], (30, 0))])
+        assert "127.0.0.1:2" not in cluster._seconds and "127.0.0.1:2" not in cluster._fixed
     fixed = ImageSplit(["127.0.0.1:1"], config=ClusterConfig(deterministic=True))
     with fixed:
         fixed._measured(fixed.nodes[0], 10, 0.1)
@@ -296,7 +307,7 @@ def test_a_token_reaches_the_workers_and_a_wrong_one_is_refused(tmp_path):
     spec = _spec_file(tmp_path, STRONG_LRN)
     config = TrainConfig(**{**RUN, "steps": 2, "preset": spec})
     with LocalWorkers(1, token="s3cret-token") as started:
-        with Recording(started.addresses, token="s3cret-token") as cluster:
+        with Recording(started.addresses, token="s3cret-token", deterministic=True) as cluster:
             train(config, cluster, log=io.StringIO())
         assert [r["workers_computed"] for r in cluster.steps] == [1, 1]
         with Recording(started.addresses, token="not-the-token") as cluster:
