@@ -37,7 +37,7 @@ from hetconv.layers import (
     ReLU,
 )
 from hetconv.master.cluster import Cluster, ClusterConfig
-from hetconv.master.launch import stop_processes
+from hetconv.master.launch import LocalWorkers, stop_processes
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.resident import edge_rows, edges
 from hetconv.stages import (
@@ -394,3 +394,16 @@ def test_gpu_vs_torch_dry_run_measures_torch_and_local_on_the_cpu(tmp_path):
     rows = {row["engine"]: row for row in json.loads(out.read_text())}
     assert rows["torch"]["step_s"] > 0 and rows["hetconv-local"]["step_s"] > 0
     assert rows["hetconv-cuda-worker"]["step_s"] is None
+
+
+def test_a_cuda_worker_beside_a_cpu_worker_splits_the_block_like_local_training(
+    fake_cuda_worker, local, tmp_path
+):
+    """The replicated block split by images between the cuda worker and a cpu worker: its
+    rows go to the peer from the host, the rest of each stage stays on the device."""
+    shares = {"conv1": (0, 4, 4), "conv2": (4, 6, 6)}
+    config = ClusterConfig(**FAST, shares=shares, stages="fused", replicate="split")
+    with LocalWorkers(1) as cpu, Cluster([fake_cuda_worker, *cpu.addresses], config=config) as c:
+        got = train_strong_lrn(tmp_path, "split", c)
+        assert "split by images among the workers" in c.describe_replica()
+    same_as_local(got, local)
