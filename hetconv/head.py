@@ -20,6 +20,9 @@ The columns travel as ``(channels, P, classes)``: :func:`head_columns` is that v
 fc's ``(classes, C * P)`` weight, so writing a slice of it writes the model's weight. The
 fc's bias stays with the master, which adds it once to the summed parts.
 
+The functions take numpy arrays or a device backend's (cupy on a cuda worker: the slice's
+columns stay on its GPU) alike.
+
 .. note:: The logits are a sum of per-node parts (and the master's own), not one GEMM over
    every channel, so they differ from local training's by float32 round-off; the columns'
    gradients are the same per-element sums over the batch as the fc's own.

@@ -11,6 +11,12 @@ check (:func:`device_number`), splitting a batch into chunks of images (:func:`i
 :func:`chunk_bounds`, :func:`fit_images`), and in :class:`Backend` the argument checks of the
 public calls, the memory-budget split and the probe (:meth:`Backend.time_step`, timed by the
 clocks of :mod:`.clocks`).
+
+Where a call's arrays live: :attr:`Backend.xp` (the array module of the backend's device
+arrays), :meth:`Backend.to_device`, :meth:`Backend.to_host` and :meth:`Backend.scope` let a
+caller run a whole stage on a device backend's own arrays (:mod:`hetconv.stages`); on host
+backends they are numpy and the identity, and the public operations take and answer numpy
+arrays as before.
 """
 
 from __future__ import annotations
