@@ -12,20 +12,24 @@ kind, batch, threads, cap, the CPU's name, the BLAS kernel (threadpoolctl's arch
 ours_s, torch_s and ratio = ours_s / torch_s (< 1: ours is faster).
 
     python benchmarks/conv_vs_torch.py [--network N ...] [--batch B ...] [--threads T ...]
-        [--repeats R] [--kinds K ...] [--quick] [--json PATH]
+        [--cap none|FRACTION ...] [--repeats R] [--kinds K ...] [--quick] [--json PATH]
 
-Layers repeated at the same shape (a ResNet's blocks) are timed once. The cap is always
-"none": the process runs uncapped (a cgroup quota needs privileges this script does not take;
-benchmarks/vs_ddp.py runs capped processes).
+Layers repeated at the same shape (a ResNet's blocks) are timed once. ``--cap 0.6`` runs the
+measurements again in a child process capped at 0.6 of a core by a cgroup v1 ``cpu`` group, as
+the testbed caps its processes (``hetconv.simulations.cpucap``: root, the controller mounted
+if missing); its rows carry cap 0.6, the uncapped ones "none".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -218,42 +222,59 @@ def timed(network: str, batch: int, args: argparse.Namespace, backend):
         yield "step", "step", *bench_step(network, batch, args.repeats)
 
 
+def cap_value(text: str) -> str:
+    """A ``--cap`` value: "none", or a fraction of a core in (0, 64], as a string."""
+    if text == "none":
+        return text
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = 0.0
+    if not 0 < fraction <= 64:
+        raise argparse.ArgumentTypeError(f"'none' or a fraction of a core in (0, 64], got {text!r}")
+    return f"{fraction:g}"
+
+
+#: --quick's choices, where the option itself is not given.
+QUICK = {"network": ["resnet20", "paper-500-1500"], "batch": [16], "threads": [1, 2],
+         "repeats": 3}  # fmt: skip
+DEFAULTS = {"network": NETWORKS, "batch": [16, 64], "threads": [1, 2], "repeats": 5}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--network", nargs="+", default=NETWORKS, choices=list(PRESETS),
+    p.add_argument("--network", nargs="+", choices=list(PRESETS),
                    help=f"presets (default: {' '.join(NETWORKS)})")  # fmt: skip
-    p.add_argument("--batch", nargs="+", type=int, default=[16, 64], help="default: 16 64")
-    p.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="default: 1 2")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per side (median)")
+    p.add_argument("--batch", nargs="+", type=int, help="default: 16 64")
+    p.add_argument("--threads", nargs="+", type=int, help="default: 1 2")
+    p.add_argument("--cap", nargs="+", type=cap_value, default=["none"], metavar="CAP",
+                   help="'none' (uncapped, in this process) or a fraction of a core: a child "
+                   "process in a cgroup v1 cpu group with that quota, as the testbed caps its "
+                   "processes (needs root); default: none")  # fmt: skip
+    p.add_argument("--repeats", type=int, help="timed runs per side (median; default 5)")
     all_kinds = [*CONV_KINDS, *KINDS.values(), "step"]
     p.add_argument("--kinds", nargs="+", default=all_kinds, choices=all_kinds, metavar="KIND",
                    help="only these row kinds (default: all; 'step': the whole step)")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="paper-500-1500, batch 16, 1 thread")
+    p.add_argument("--quick", action="store_true",
+                   help="resnet20 and paper-500-1500, batch 16, threads 1 and 2, 3 repeats "
+                   "(each where not given)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
+    p.add_argument("--capped-at", help=argparse.SUPPRESS)  # set in the capped child
     p.add_argument("--col2im", action="store_true",
                    help="every input gradient by col2im (the engine before few-channel layers "
                    "ran theirs as a full correlation): the before of a before/after")  # fmt: skip
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    for name in ("batch", "threads"):
-        if min(getattr(args, name)) < 1:
-            sys.exit(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.repeats < 1:
-        sys.exit(f"--repeats must be >= 1, got {args.repeats}")
-    if args.col2im:
-        CpuBackend._grad_input = CpuBackend._grad_input_col2im
-    if args.quick:
-        args.network, args.batch, args.threads = ["paper-500-1500"], [16], [1]
+def measure(args: argparse.Namespace, cap: str) -> list[dict]:
+    """This process's rows (it runs under ``cap``, as a label), printed as they come."""
     cpu, blas = cpu_name(), blas_kernel()
-    print(f"CPU: {cpu}; BLAS: {blas}; torch {torch.__version__}; cap: none")
-    print(f"{'network':<16}{'layer':<12}{'kind':<22}{'batch':>6}{'thr':>4}"
+    print(f"CPU: {cpu}; BLAS: {blas}; torch {torch.__version__}; cap: {cap}")
+    print(f"{'network':<16}{'layer':<12}{'kind':<22}{'batch':>6}{'thr':>4}{'cap':>6}"
           f"{'ours s':>10}{'torch s':>10}{'ratio':>7}")  # fmt: skip
     rows = []
     backend = CpuBackend()
-    common = {"cap": "none", "cpu": cpu, "blas": blas}
+    common = {"cap": cap, "cpu": cpu, "blas": blas}
     for threads in args.threads:
         torch.set_num_threads(threads)
         with threadpool_limits(limits=threads, user_api="blas"):
@@ -265,14 +286,64 @@ def main(argv: list[str] | None = None) -> int:
                                "torch_s": torch_s, "ratio": ours_s / torch_s}  # fmt: skip
                         rows.append(row)
                         print(f"{network:<16}{layer:<12}{kind:<22}{batch:>6}{threads:>4}"
-                              f"{ours_s:>10.5f}{torch_s:>10.5f}{row['ratio']:>7.2f}",
+                              f"{cap:>6}{ours_s:>10.5f}{torch_s:>10.5f}{row['ratio']:>7.2f}",
                               flush=True)  # fmt: skip
+    return rows
+
+
+def capped(args: argparse.Namespace, cap: str) -> list[dict]:
+    """The rows of this script run again in a child process capped at ``cap`` of a core by a
+    cgroup v1 ``cpu`` group (the testbed's :class:`~hetconv.simulations.cpucap.CpuCap`)."""
+    from hetconv.simulations.cpucap import CpuCap, ensure_cpu_controller
+
+    try:
+        ensure_cpu_controller()
+        group = CpuCap(f"conv_vs_torch_{os.getpid()}_{cap}", float(cap))
+        group.create()
+    except (OSError, RuntimeError) as e:
+        sys.exit(f"--cap {cap}: cannot make a cgroup cpu group (root and the cgroup v1 cpu "
+                 f"controller are needed): {e}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rows.json"
+        command = [sys.executable, __file__, "--network", *args.network,
+                   "--batch", *map(str, args.batch), "--threads", *map(str, args.threads),
+                   "--repeats", str(args.repeats), "--kinds", *args.kinds,
+                   "--capped-at", cap, "--json", str(out)]  # fmt: skip
+        try:
+            done = subprocess.run(group.prefix() + command + (["--col2im"] * args.col2im))
+        finally:
+            group.remove()
+        if done.returncode != 0:
+            sys.exit(f"the run capped at {cap} failed ({done.returncode})")
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK[name] if args.quick else default)
+    for name in ("batch", "threads"):
+        if min(getattr(args, name)) < 1:
+            sys.exit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.repeats < 1:
+        sys.exit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.col2im:
+        CpuBackend._grad_input = CpuBackend._grad_input_col2im
+    if args.capped_at:  # the child of capped(): measure, write the rows, no summary
+        rows = measure(args, args.capped_at)
+        Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+        return 0
+    rows = []
+    for cap in dict.fromkeys(args.cap):
+        rows += measure(args, cap) if cap == "none" else capped(args, cap)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
     worst = sorted(rows, key=lambda r: -r["ratio"])[:8]
     print("worst:", "; ".join(f"{r['network']} {r['layer']} {r['kind']} b{r['batch']} "
-                              f"t{r['threads']} {r['ratio']:.2f}" for r in worst))  # fmt: skip
+                              f"t{r['threads']} cap {r['cap']} {r['ratio']:.2f}"
+                              for r in worst))  # fmt: skip
     return 0
 
 
