@@ -31,8 +31,9 @@ DESCRIPTION = (
     "The master (this process) trains every non-convolutional layer; each "
     "convolution's kernels are split across the workers named with --worker or "
     "--workers-file, and the master itself, in proportion to a probe of each one's "
-    "speed on the layer's real shape. With no worker named and no --local, two local "
-    "worker processes are started on loopback (the embedded default)."
+    "speed on the layer's real shape (with --split images, every node trains the whole "
+    "network on its share of each batch's images instead). With no worker named and no "
+    "--local, two local worker processes are started on loopback (the embedded default)."
 )
 
 #: Flags that mean nothing without workers: (dest, its default, what --local has none of).
