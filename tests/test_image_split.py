@@ -379,3 +379,25 @@ def test_a_run_split_by_images_resumes_from_its_checkpoint(tmp_path, local, work
         )
     assert len(cluster.steps) == 3  # steps 3, 4 and 5: the rest came from the checkpoint
     np.testing.assert_allclose(losses, local[0][:6], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_paper_150_800_equal_to_local_training_with_a_worker_killed(tmp_path):
+    from hetconv.master.launch import LocalWorkers
+
+    run = dict(preset="paper-150-800", eval_size=0)
+
+    def trained(name, executor):
+        weights = tmp_path / f"{name}.npz"
+        config = TrainConfig(**{**RUN, **run, "save": str(weights)})
+        with executor:
+            losses = train(config, executor, log=io.StringIO()).losses
+        return losses, dict(np.load(weights))
+
+    local = trained("local", LocalConv())
+    with LocalWorkers(2) as started:
+        victim = started.processes[0]
+        cluster = Recording(started.addresses, victim=victim, at=11, deterministic=True, **FAST)
+        got = trained("images", cluster)
+    same_as_local(got, local)
+    assert cluster.steps[11]["nodes"][started.addresses[0]]["covered_by"] == "master"
