@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 
 import grpc
 import numpy as np
@@ -30,14 +32,21 @@ DROPOUT = [*STRONG_LRN[:-1], {"type": "dropout", "p": 0.3}, STRONG_LRN[-1]]
 class Recording(ImageSplit):
     """An image split that keeps every step's trace fields, and runs ``actions`` (step ->
     a callable) once the step's ranges are cut: SIGKILLs ``victim`` (a worker process) in step
-    ``at``, once the ranges gave it images."""
+    ``at`` while its call is out (stopped once the ranges gave it images, killed once the
+    calls went out)."""
 
     def __init__(self, addresses, victim=None, at=-1, actions=None, **config):
         super().__init__(addresses, config=ClusterConfig(**config))
-        self.actions = dict(actions or {})
-        if victim is not None:
-            self.actions[at] = lambda: (victim.kill(), victim.wait())
+        self.actions, self.in_flight = dict(actions or {}), {}
+        if victim is not None:  # stopped before its call goes out, killed while it is out
+            self.actions[at] = lambda: os.kill(victim.pid, signal.SIGSTOP)
+            self.in_flight[at] = lambda: (victim.kill(), victim.wait())
         self.steps = []
+
+    def _local(self, model, *args):
+        if self.step in self.in_flight:  # the master's own range: the workers' calls are out
+            self.in_flight.pop(self.step)()
+        return super()._local(model, *args)
 
     def _ranges(self, batch):
         ranges = super()._ranges(batch)  # every active worker has its images in this step's
@@ -317,8 +326,6 @@ def test_a_token_reaches_the_workers_and_a_wrong_one_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_a_hung_worker_is_covered_then_rejoins(tmp_path, local):
-    import os
-    import signal
     import time
 
     from hetconv.master.launch import LocalWorkers
