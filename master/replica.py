@@ -263,8 +263,8 @@ class ReplicatedBlocks:
         """Block name -> how this step split it by images (:mod:`hetconv.split`): each
         node's images in plan order, and the bytes the master put into workers for ones it
         lost (``covered_bytes``); with the master a peer (``split_all``), its index among them
-        (``master``) and the bytes it put and fetched as one (``exchanged_bytes``). For the
-        trace."""
+        (``master``) and the bytes it put and fetched as one (``exchanged_bytes``); the
+        seconds its part and rows checks took (``check_seconds``). For the trace."""
         splits = {}
         for layer, block in self._current.items():
             split = block.split
@@ -274,6 +274,7 @@ class ReplicatedBlocks:
                 "images": [count for _, _, count in split.plan.peers],
                 "round": split.plan.round,
                 "covered_bytes": split.sent_bytes,
+                "check_seconds": split.parts_seconds,  # its part and rows checks' (spot checks)
             }
             if split.with_master:  # the master's index in images; what it exchanged as a peer
                 splits[layer]["master"] = split.plan.master

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -332,7 +333,7 @@ class _ResidentBackward:
         # the stage's batch norms: their weight and bias gradients, filled piece by piece
         self.batchnorm = list(layer.batchnorm)
         self._dbn: dict[int, np.ndarray] = {}
-        self._taken_back: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # rows_of's slices
+        self._taken_back: dict[str, tuple[np.ndarray, ...]] = {}  # rows_of's slices
         for bn in self.batchnorm:
             bn.grads = {name: np.zeros_like(p) for name, p in bn.params.items()}
 
@@ -426,12 +427,12 @@ class _ResidentBackward:
         ``sender``'s input-gradient rows of one image, as its slice computed them this step.
         The master's copy of the slice is the last sync's, so once the sender's backward has
         answered (its update made) the slice is fetched and taken back one step: ``w = w' + lr
-        * mw'``, the SGD rule undone (``b`` too), to float32 round-off. None where that cannot
-        be done: no momentum (the update is not undone from what is fetched), batch norm
-        (statistics over the batch), a split head. A sender whose slice cannot be fetched
-        raises its :class:`~.client.WorkerError` (the rows it put are not shown to be right)."""
+        * mw'``, the SGD rule undone (``b`` and a split head's columns too), to float32
+        round-off. None where that cannot be done: no momentum (the update is not undone from
+        what is fetched), batch norm (statistics over the batch). A sender whose slice cannot
+        be fetched raises its :class:`~.client.WorkerError` (its rows are not shown right)."""
         layer, config = self.layer, self.owner.sgd
-        if self.batchnorm or layer.classes or not self.need_input_grad or not config.momentum:
+        if self.batchnorm or not self.need_input_grad or not config.momentum:
             return None
         pieces = {p.node.client.address: (p, c) for p, c in calls}
         taken_back = self._taken_back  # per sender, fetched once a step whoever asks
@@ -441,42 +442,49 @@ class _ResidentBackward:
             placed = layer.placements.get(piece.node.name) if piece is not None else None
             if placed is None or placed.pending is None:
                 return None  # not a resident slice this step
-            try:
-                call.result()  # its update is made once it answers
-            except Exception:  # noqa: BLE001 (lost in its own call: nothing to check)
-                return None
+            while not call.done():  # its update is made once it answers
+                if any(c.failed() for _, c in calls):  # a peer lost: the master covers it
+                    return None  # only once this check ends (waiting here would hold them all)
+                time.sleep(0.01)
+            if call.failed():
+                return None  # lost in its own call: nothing to check
             if sender not in taken_back:
                 taken_back[sender] = self._before_update(piece, placed)
-            w, b = taken_back[sender]
-            x, hw, hb, _, _ = placed.pending
+            x, *halo, _ = placed.pending  # hw, hb, hf
             part = piece.part
             wide, grad = layer.wide(part), layer.stage.grad_range(part, layer.kernels)
             before = part.start - wide.start
-            ww = np.concatenate([hw[:before], w, hw[before:]])
-            bb = np.concatenate([hb[:before], b, hb[before:]])
+            ww, bb, ff = (
+                np.concatenate([h[:before], a, h[before:]])
+                for h, a in zip(halo, taken_back[sender], strict=True)
+            )
             own = slice(before, before + part.stop - part.start)
-            _, run = stage_forward(
+            y, run = stage_forward(
                 self.owner.backend, x[i : i + 1], ww, bb, layer.sides, layer.stage, own
             )
-            dy = as_received(self.dy[i : i + 1, grad], piece.node.client.wire_format)
-            rel = slice(grad.start - wide.start, grad.stop - wide.start)
+            if layer.classes:  # the stage-output gradient from the logits', as the worker's
+                rel = layer.stage.grad_range(own, ww.shape[0])
+                dy = stage_grad(self.dy[i : i + 1], ff[rel], y.shape[2:])
+            else:
+                dy = as_received(self.dy[i : i + 1, grad], piece.node.client.wire_format)
+                rel = slice(grad.start - wide.start, grad.stop - wide.start)
             dx, _, _ = stage_backward(self.owner.backend, run, dy, rel, True)
             return dx[0]
 
         return recompute
 
-    def _before_update(self, piece: Piece, placed) -> tuple[np.ndarray, np.ndarray]:
-        """(w, b) of ``piece``'s slice as this step's backward computed with them: fetched
+    def _before_update(self, piece: Piece, placed) -> tuple[np.ndarray, ...]:
+        """(w, b, f) of ``piece``'s slice as this step's backward computed with them: fetched
         after its update (version + 1), the update undone."""
         owner, layer, part = self.owner, self.layer, piece.part
         outs = tuple(np.empty(a[part].shape, np.float32) for a in layer.arrays())
         nbytes = sum(a.nbytes for a in outs)
-        (w, b, mw, mb, *_), stats = piece.node.client.fetch_kernels(
+        (w, b, mw, mb, f, mf), stats = piece.node.client.fetch_kernels(
             owner.session, layer.name, placed.version + 1, outs, owner.deadline(piece.node, nbytes)
         )
         owner._count(layer.name, "fetched_bytes", stats.bytes_received)
         lr = np.float32(owner.sgd.lr)
-        return w + lr * mw, (b + lr * mb) if layer.bias else b
+        return w + lr * mw, (b + lr * mb) if layer.bias else b, f + lr * mf
 
     def while_waiting(self) -> None:
         """As :meth:`~.dispatch._StageBackward.while_waiting`: the master's part goes back

@@ -58,6 +58,7 @@ class SplitStep:
         self.blamed: set[str] = set()  # workers whose parts were found wrong this step
         self.suspects: dict[str, str] = {}  # split_all: worker -> what of its output was wrong
         self.check_seconds = 0.0  # split_all: the master's recomputation of workers' images
+        self.parts_seconds = 0.0  # the part and rows checks' (blame_parts)
         self._answered_at: dict[str, float] = {}  # worker -> when its stage forward answered
         self._next_ask = 0.0  # when to ask receivers what they lack next
 
@@ -155,8 +156,7 @@ class SplitStep:
             if sender == MASTER or node in self.lost:
                 continue
             want = part_sample(x[plan.images(sender)], seed, node, PART_SAMPLE)
-            scale = float(np.abs(want).max())
-            if np.abs(row - want).max() > PART_RTOL * scale:
+            if np.abs(row - want).max() > PART_RTOL * np.abs(want).max():
                 liars.append(sender)
         return liars
 
@@ -457,20 +457,12 @@ def blame_parts(job, piece, membership, spot_checks, calls=(), timeout: float = 
         recompute = _rows_of(job, calls) if spot_checks.due else None
         if recompute is None:
             return False
-        start = time.perf_counter()
-        try:
-            liars = split.check_rows(address, recompute, timeout)
-        finally:
-            spot_checks.seconds += time.perf_counter() - start
+        liars = _timed(split, spot_checks, split.check_rows, address, recompute, timeout)
         what = f"the input-gradient rows it put into worker {piece.node.name}"
         for liar in liars:
             _blame(split, membership, spot_checks, liar, what, "backward")
         return bool(liars)
-    start = time.perf_counter()
-    try:
-        liars = split.check_parts(address, job.x, timeout)
-    finally:
-        spot_checks.seconds += time.perf_counter() - start
+    liars = _timed(split, spot_checks, split.check_parts, address, job.x, timeout)
     for liar in liars:
         what = f"the block output it put into worker {piece.node.name}"
         _blame(split, membership, spot_checks, liar, what)
@@ -506,6 +498,18 @@ def _rows_of(job, calls):
         return dx[0]
 
     return recompute
+
+
+def _timed(split: SplitStep, spot_checks, check, *args) -> list[str]:
+    """``check(*args)``, its seconds counted in the spot checks' and the split's part checks'
+    (the trace's ``replica_split`` record: a step with no spot check due makes them too)."""
+    start = time.perf_counter()
+    try:
+        return check(*args)
+    finally:
+        seconds = time.perf_counter() - start
+        spot_checks.seconds += seconds
+        split.parts_seconds += seconds
 
 
 def _recomputed(recompute, sender: str, image: int):
