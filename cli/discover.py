@@ -8,9 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from hetconv.training import train
 
 
-def train_discovered(config, cluster_config, named: list[str], wait: float):
+def train_discovered(config, cluster_config, named: list[str], wait: float, cluster_class=None):
     """``hetconv train --discover``: browse the LAN for ``wait`` seconds, say what was found,
-    train with it and the ``named`` workers, and keep browsing (joiners and leavers)."""
+    train with it and the ``named`` workers, and keep browsing (joiners and leavers).
+    ``cluster_class``: the cluster (default :class:`~hetconv.master.cluster.Cluster`)."""
     from hetconv.master.cluster import Cluster
     from hetconv.master.discovery import Discovery
 
@@ -43,7 +44,7 @@ def train_discovered(config, cluster_config, named: list[str], wait: float):
                 f"--discover found no worker in {wait:g} s and --no-master-compute leaves "
                 "nothing to compute: start workers first, or give --discover-wait more"
             )
-        with Cluster(addresses, config=cluster_config) as cluster:
+        with (cluster_class or Cluster)(addresses, config=cluster_config) as cluster:
             cluster.membership.follow(discovery, [w.address for w in found])
             return train(config, cluster)
     finally:

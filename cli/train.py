@@ -161,8 +161,8 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
 
 
 def _check_image_split(args: argparse.Namespace) -> None:
-    """Refuse what ``--split images`` cannot do: the flags of a split by kernels, workers found
-    on the LAN, a network with batch norm (naming the layer)."""
+    """Refuse what ``--split images`` cannot do: the flags of a split by kernels, a network
+    with batch norm (naming the layer)."""
     from hetconv.imagesplit import refuse_batchnorm
     from hetconv.onnx_import import load_network
 
@@ -170,9 +170,6 @@ def _check_image_split(args: argparse.Namespace) -> None:
         if getattr(args, dest) != default:
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"--split images splits no layer by kernels: drop {flag}")
-    if args.discover:
-        raise ValueError("--split images does not take workers found on the LAN yet: name them "
-                         "with --worker or --workers-file")  # fmt: skip
     refuse_batchnorm(load_network(args.preset).spec)
 
 
@@ -229,15 +226,16 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
         from hetconv.conv import LocalConv
 
         return train(config, LocalConv())
-    if args.discover:
-        from .discover import train_discovered
-
-        return train_discovered(config, cluster_config, addresses, args.discover_wait)
     from hetconv.master.cluster import Cluster
     from hetconv.master.imagesplit import ImageSplit
 
     # --split images: the whole network on every node, each on its share of the images
     cluster_class = ImageSplit if args.split == "images" else Cluster
+    if args.discover:
+        from .discover import train_discovered
+
+        wait = args.discover_wait
+        return train_discovered(config, cluster_config, addresses, wait, cluster_class)
     if addresses:
         with cluster_class(addresses, config=cluster_config) as cluster:
             return train(config, cluster)

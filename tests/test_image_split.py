@@ -229,7 +229,6 @@ def test_train_split_images_runs_on_local_workers(tmp_path, capsys):
         (["--model", "resnet20"], "batch norm (layer 'bn1'"),
         (["--stages", "fused"], "splits no layer by kernels: drop --stages"),
         (["--local"], "nothing is split by images: drop --split"),
-        (["--discover"], "not take workers found on the LAN"),
     ],
 )
 def test_train_split_images_refuses_what_it_cannot_do(flags, message, capsys):
@@ -408,3 +407,27 @@ def test_paper_150_800_equal_to_local_training_with_a_worker_killed(tmp_path):
         got = trained("images", cluster)
     same_as_local(got, local)
     assert cluster.steps[11]["nodes"][started.addresses[0]]["covered_by"] == "master"
+
+
+@pytest.mark.slow
+def test_workers_found_on_the_lan_train_split_by_images(tmp_path):
+    from test_discovery import WORKER_QUIET, Lan, _unavailable
+
+    if why := _unavailable():
+        pytest.skip(why)
+    with Lan(["m", "w1"]) as lan:
+        worker = lan.start("w1", *WORKER_QUIET)
+        worker.wait_for("hetconv worker ready on", 60)
+        trace = tmp_path / "trace.jsonl"
+        master = lan.start(
+            "m", "train", "--discover", "--discover-wait", "2", "--split", "images",
+            "--deterministic", "--batch", "8", "--steps", "3", "--no-progress", "--eval-size",
+            "0", "--no-run-dir", "--trace", str(trace),
+        )  # fmt: skip
+        address = f"{lan.ips['w1']}:50051"
+        assert address in master.wait_for("found 1 worker", 60)
+        assert master.process.wait(120) == 0, "\n".join(master.lines)
+        worker.stop()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert records[0]["images"] == {"master": 4, address: 4}
+    assert [r["workers_computed"] for r in records if "step" in r] == [1, 1, 1]
