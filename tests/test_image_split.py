@@ -350,6 +350,29 @@ def test_a_hung_worker_is_covered_then_rejoins(tmp_path, local):
     assert address not in cluster.steps[4]["images"] and address in cluster.steps[6]["images"]
 
 
+def test_a_tls_worker_with_a_token_trains_split_by_images(tmp_path, local):
+    from test_security import self_signed
+
+    from hetconv.backends import get_backend
+    from hetconv.worker.auth import WorkerSecurity
+    from hetconv.worker.service import ConvWorkerService, start_server
+
+    cert, key = self_signed(tmp_path, "worker")
+    token = "a-token-of-enough-length-for-tls"
+    security = WorkerSecurity.from_files(token, cert, key)
+    service = ConvWorkerService(get_backend("cpu"))
+    server, address = start_server(service, "127.0.0.1:0", security)
+    try:
+        config = dict(token=token, tls_ca=str(cert), deterministic=True)
+        with Recording([address], **config) as cluster:
+            got = train_strong_lrn(tmp_path, "tls", cluster)
+    finally:
+        server.stop(0)
+        service.close()
+    same_as_local(got, local)
+    assert all(r["workers_computed"] == 1 for r in cluster.steps)
+
+
 def test_the_worker_budget_bounds_the_passes_and_keeps_the_model(rng):
     from hetconv.backends import get_backend
     from hetconv.master.client import WorkerClient, WorkerError
