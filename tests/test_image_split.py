@@ -156,6 +156,7 @@ def _request(model, x, **images):
         (dict(spec_json="[{]"), "images step"),
         (dict(input_shape=[3, 32]), "input_shape"),
         (dict(first=7), "not within a batch of 8"),
+        (dict(spec_json=json.dumps(STRONG_LRN[:4])), "not logits"),
         (
             dict(
                 spec_json=json.dumps(

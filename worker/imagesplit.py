@@ -30,7 +30,7 @@ from hetconv.formats import FLOAT32
 from hetconv.imagesplit import images_gradients, parameter_shapes, refuse_batchnorm
 from hetconv.model import Model
 from hetconv.proto import worker_pb2 as pb
-from hetconv.spec import check_spec
+from hetconv.spec import check_spec, walk_spec
 from hetconv.wire import WireTensor
 from hetconv.worker.context import WorkerContext
 
@@ -52,6 +52,9 @@ def _network(spec_json: str, input_shape: tuple[int, ...]):
         check_spec(spec)
         refuse_batchnorm(spec)
         shapes, values = parameter_shapes(spec, input_shape)
+        output = list(walk_spec(spec, input_shape))[-1].output_shape if spec else input_shape
+        if len(output) != 1:
+            raise ValueError(f"the model's output is {output}, not logits (classes,)")
     except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
         raise InvalidCall(f"images step: {e}") from None
     return spec, shapes, values
