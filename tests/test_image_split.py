@@ -15,7 +15,8 @@ from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.calls import IMAGES_STEP
 from hetconv.conv import LocalConv
-from hetconv.dataparallel import parameter_bytes
+from hetconv.costmodel import SWITCHED, SimCluster, SimNode
+from hetconv.dataparallel import parameter_bytes, simulate_image_split
 from hetconv.formats import FLOAT32
 from hetconv.imagesplit import image_ranges, images_gradients
 from hetconv.master.cluster import ClusterConfig
@@ -95,6 +96,19 @@ def test_bytes_are_the_parameter_server_exchange(tmp_path, workers):
     plan = json.loads(trace.read_text().splitlines()[0])  # the plan says the same
     assert plan["parameter_bytes"] == params
     assert plan["worker_bytes"][workers.addresses[0]] == {"sent": sent, "received": received}
+    # and the cost model's split by images (the ps exchange, plus one byte per image value)
+    # counts the same, but for the palettes, labels, losses, hits and headers
+    link = dict(bytes_per_s=1e8)
+    nodes = tuple(SimNode(name, 50.0, **link) for name in ("w0", "w1"))
+    cluster_model = SimCluster(SimNode("m", 50.0, **link), nodes, SWITCHED)
+    counts = [cluster.steps[-1]["images"][name] for name in ("master", *workers.addresses)]
+    modelled = simulate_image_split(
+        cluster_model, STRONG_LRN, 8, 0.01, batches=counts, input_shape=(3, 32, 32)
+    ).master_bytes
+    calls = [cluster.steps[-1]["nodes"][name] for name in workers.addresses]
+    moved = sum(c["bytes_sent"] + c["bytes_received"] for c in calls)
+    extras = sum(3 * 1024 + 12 * c["images"] for c in calls)
+    assert modelled + extras < moved < modelled + extras + 2 * 6144
 
 
 def test_dropout_draws_the_masks_of_local_training(tmp_path, workers):
