@@ -223,24 +223,30 @@ def test_grid_covers_both_forward_orientations():
 @pytest.mark.skipif(_plan is None, reason="the cpu backend's private _plan/_Plan changed")
 def test_a_batch_runs_in_cache_sized_chunks(rng, monkeypatch):
     """However large ``scratch_bytes``, a batch whose scratch exceeds ``CHUNK_BYTES`` runs in
-    chunks of about that size (still in the caches when the GEMMs read them), with the
-    reference's results, equal to one chunk's up to summation order."""
+    chunks of about that size (still in the caches when the GEMMs read them), but of at least
+    ``CHUNK_POSITIONS`` output positions, with the reference's results, equal to one chunk's
+    up to summation order."""
     import hetconv.backends.cpu as cpu
 
     shape = conv_shape((6, 16, 12, 12), (8, 16, 3, 3), 1)
     one = _Plan(shape, 1, 1).scratch_bytes()
     monkeypatch.setattr(cpu, "CHUNK_BYTES", 2 * one)
-    _plan.cache_clear()
+    results, problem = {}, None
     try:
-        assert _plan(shape, 2**40).images == 2
-        problem, chunked = check_against_reference(CpuBackend(), rng, 6, 16, 12, 12, 8, 3, 3, 1)
-        monkeypatch.setattr(cpu, "CHUNK_BYTES", 2**40)
-        _plan.cache_clear()
-        assert _plan(shape, 2**40).images == 6
-        whole = run_all(CpuBackend(), problem)
+        for positions, images in ((0, 2), (3 * 144, 3), (10**9, 6)):
+            monkeypatch.setattr(cpu, "CHUNK_POSITIONS", positions)
+            _plan.cache_clear()
+            assert _plan(shape, 2**40).images == images
+            if problem is None:  # in chunks of 2, against the reference
+                problem, results[images] = check_against_reference(
+                    CpuBackend(), rng, 6, 16, 12, 12, 8, 3, 3, 1
+                )
+            else:
+                results[images] = run_all(CpuBackend(), problem)
     finally:
         _plan.cache_clear()
-    assert_results_close(chunked, whole, CHUNK_RTOL, what=" (cache-sized chunks)")
+    assert_results_close(results[2], results[6], CHUNK_RTOL, what=" (chunks of 2 images)")
+    assert_results_close(results[3], results[6], CHUNK_RTOL, what=" (chunks of 3 images)")
 
 
 def test_scratch_reuse_across_geometries(rng):
