@@ -8,7 +8,8 @@ the host, fp32 (TF32 off in torch, and CuPy's GEMMs are fp32):
    (``torch_device_data_s``: the same with the batch already on the GPU).
 2. **hetconv-cuda-worker**: one ``hetconv worker --backend cuda`` on the GPU and a master with
    ``--no-master-compute`` (every convolution and its stage on the worker; the master keeps
-   the rest), over loopback, the default modes (``--flags`` adds more).
+   the rest, with ``--threads`` BLAS threads), over loopback, the default modes (``--flags``
+   adds more).
 3. **hetconv-local**: ``hetconv train --local`` on the host's cores (``--threads`` BLAS threads).
 
 A row: ``step_s`` (median of the steps after ``--warmup``; hetconv's from its trace),
@@ -186,7 +187,7 @@ def measure(args, network: str, batch: int) -> list[Row]:
         worker = CudaWorker(args.device)
         try:
             where = ["--worker", worker.address, "--no-master-compute", *args.flags]
-            step = hetconv_step(args, network, batch, where, 1)
+            step = hetconv_step(args, network, batch, where, args.threads)
         finally:
             worker.close()
         rows.append(Row(network, batch, WORKER, name, step, None, None, " ".join(args.flags)))
