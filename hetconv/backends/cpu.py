@@ -333,9 +333,12 @@ class CpuBackend(Backend):
         """Lower images ``first .. first + plan.images - 1``: (lowered rows, images*Wo*terms)."""
         s = plan.shape
         image_rows, image_cols = s.interior
-        padded = self._scratch.get(
-            "padded", (plan.in_rows, plan.images, plan.padded_width, s.c), zero=True
-        )
+        padded = self._scratch.get("padded", (plan.in_rows, plan.images, plan.padded_width, s.c))
+        # only the border is zeroed: the image overwrites the rest
+        padded[: image_rows.start] = 0.0
+        padded[image_rows.stop :] = 0.0
+        padded[image_rows, :, : image_cols.start] = 0.0
+        padded[image_rows, :, image_cols.stop :] = 0.0
         padded[image_rows, :, image_cols] = x[first : first + plan.images].transpose(2, 0, 3, 1)
         lowered = self._scratch.get(
             "lowered",
