@@ -13,7 +13,8 @@ Layers with few input channels (the first layer of a CNN: 3 channels) lower full
 
 All three operations use the same lowered layout, so they share one plan per geometry.
 Scratch memory is bounded: a batch is processed in chunks of images whose buffers fit
-``scratch_bytes`` (at least one image per chunk).
+``scratch_bytes`` (at least one image per chunk), and for speed about :data:`CHUNK_BYTES`
+(cache-sized, but at least :data:`CHUNK_POSITIONS` output positions).
 """
 
 from __future__ import annotations
