@@ -16,18 +16,24 @@ delay = the step it is dropped at minus the step its lie began (0: caught in the
 Lies: ``scale`` (every value x1.5), ``kernel`` (one kernel of its slice x1.5: feature maps,
 kernel and bias gradients; the input gradient right), ``noise`` (every value x(1 + 1e-3
 N(0, 1))), ``every_other`` (every other forward answer x1.5), ``update`` (its SGD updates of
-resident slices x1.01), ``head`` (a split head's logits x1.5).
+resident slices x1.01), ``head`` (a split head's logits x1.5); with the first block split by
+images, ``parts`` (the block output it puts into its peers x1.5), ``rows`` (the input-gradient
+rows it puts into them x1.5), ``withhold`` (it puts nothing).
 
 Both per mode (``--modes``): ``unfused`` (the paper's: plain convolutions, kernels sent),
 ``fused`` (fused stages, kernels sent), ``resident`` (fused stages, resident kernels, a split
 head: ``hetconv train``'s choice on the reference networks), whose answers between syncs are
 checked by replaying a sample of each slice at its sync (``--sync-every``; a resident mode's
-timed runs last at least one sync). A last table puts the modes side by side: the step ratio,
-the checks' share of the step, and each lie's median delay.
+timed runs last at least one sync); ``split`` (fused stages, kernels sent, the first block
+split by images: ``--replicate split``) and ``split_resident`` (the same with resident kernels
+and a split head), whose checks on add the part checks: every step each receiver's sample of
+the block outputs it got, on due steps of the gradient rows (with resident kernels the sender's
+slice fetched for it). A last table puts the modes side by side: the step ratio, the checks'
+share of the step, and each lie's median delay.
 
     python benchmarks/spot_checks.py [--preset paper-50-500] [--batch 16 64] [--every 1 4]
-        [--modes unfused resident] [--sync-every 20] [--steps 8] [--repeats 3]
-        [--lies scale kernel noise every_other update head] [--trials 3]
+        [--modes unfused resident split split_resident] [--sync-every 20] [--steps 8] [--repeats 3]
+        [--lies scale kernel noise every_other update head parts rows withhold] [--trials 3]
         [--wire-format float32] [--json PATH]
 
 (about 10 minutes on 2 cores per mode with the defaults).
@@ -64,26 +70,32 @@ MODES = {
     "unfused": dict(stages="unfused"),
     "fused": dict(stages="fused"),
     "resident": dict(stages="fused", kernels="resident", head="split"),
+    "split": dict(stages="fused", kernels="sent", replicate="split"),
+    "split_resident": dict(stages="fused", kernels="resident", head="split", replicate="split"),
 }
+#: The modes whose kernels are resident (their timed runs last past a sync).
+RESIDENT = ("resident", "split_resident")
 #: The lies a mode's answers can carry (tests/lying_worker.py's kinds; with resident kernels
 #: the kernel split's and fused stage's lies touch no call the mode makes).
 LIES = {
     "unfused": ("scale", "kernel", "noise", "every_other"),
     "fused": ("scale", "kernel", "noise", "every_other"),
     "resident": ("every_other", "update", "head"),
+    "split": ("parts", "rows", "withhold"),
+    "split_resident": ("parts", "rows", "withhold"),
 }
 
 
 def _mode(args, mode: str) -> dict:
     settings = dict(MODES[mode], rebalance_every=0, wire_format=format_named(args.wire_format))
-    if mode == "resident":
+    if mode in RESIDENT:
         settings["resident_sync_every"] = args.sync_every
     return settings
 
 
 def _steps(args, mode: str, steps: int) -> int:
     """A resident mode's runs last past a sync (its checks between syncs are made there)."""
-    return max(steps, args.sync_every + 2) if mode == "resident" else steps
+    return max(steps, args.sync_every + 2) if mode in RESIDENT else steps
 
 
 def _even_shares(preset: str, batch: int, nodes: int) -> dict[str, tuple[int, ...]]:
@@ -115,13 +127,21 @@ def _timed_run(
         train(_config(args, batch, steps, trace), cluster, log=io.StringIO())
     records = read_steps(trace)[1:]
     steps = [r["seconds"] for r in records]
-    checks = [r.get("spot_checks", {}).get("seconds", 0.0) for r in records]
+    checks = [_check_seconds(r) for r in records]
     worst = [
         entry["worst"]
         for r in read_steps(trace)
         for entry in r.get("spot_checks", {}).get("workers", {}).values()
     ]
     return statistics.mean(steps), statistics.mean(checks), max(worst, default=0.0)
+
+
+def _check_seconds(record: dict) -> float:
+    """A step's checks' seconds: its spot checks' record (the part checks' included), or on a
+    step with none (nothing compared but a split block's parts) its split's part checks'."""
+    if "spot_checks" in record:
+        return record["spot_checks"]["seconds"]
+    return sum(s.get("check_seconds", 0.0) for s in record.get("replica_split", {}).values())
 
 
 def overhead(args, mode: str, tmp: Path) -> list[dict]:
@@ -157,7 +177,8 @@ def overhead(args, mode: str, tmp: Path) -> list[dict]:
                     "every": every,
                     "workers": args.workers,
                     "wire_format": args.wire_format,
-                    "sync_every": args.sync_every if mode == "resident" else None,
+                    "sync_every": args.sync_every if mode in RESIDENT else None,
+                    "replicate": MODES[mode].get("replicate", "none"),
                     "steps": _steps(args, mode, args.steps),
                     "repeats": args.repeats,
                     "step_seconds": step,
@@ -310,7 +331,9 @@ def main() -> None:
     parser.add_argument(
         "--modes", nargs="+", default=["unfused", "resident"], choices=tuple(MODES),
         help="unfused: plain convolutions; fused: fused stages, kernels sent; resident: fused "
-        "stages, resident kernels, a split head (each mode's lies, see the docstring)",
+        "stages, resident kernels, a split head; split, split_resident: fused and resident with "
+        "the first block split by images, its part checks on with the checks (each mode's "
+        "lies, see the docstring)",
     )  # fmt: skip
     parser.add_argument(
         "--sync-every", type=int, default=DEFAULT_SYNC_EVERY,
@@ -318,7 +341,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--lies", nargs="*",
-        default=["scale", "kernel", "noise", "every_other", "update", "head"],
+        default=["scale", "kernel", "noise", "every_other", "update", "head", "parts", "rows"],
     )  # fmt: skip
     parser.add_argument("--trials", type=int, default=3, help="detection runs per lie")
     parser.add_argument("--lie-from", type=int, default=3, help="first lying step, trial 0")
