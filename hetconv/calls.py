@@ -22,6 +22,8 @@ moves)::
     ImagesStep     every parameter (named as the model names them), x, labels
                                     every parameter's gradient (as sent), losses, hits: the
                                     whole network on the worker's images (:data:`IMAGES_STEP`)
+    RingPart   p                    (nothing): a chunk of a ring exchange's gradient
+                                    (:data:`RING_PART`)
     Describe   (DescribeRequest -> DeviceDescription)
     Probe      (ProbeRequest -> ProbeResult)
 
@@ -457,6 +459,12 @@ IMAGES_STEP = ConvCall("ImagesStep", pb.IMAGES_STEP, None, None)
 IMAGES_TENSORS, IMAGES_ANSWER = ("x", "labels"), ("losses", "hits")
 
 
+#: The ring exchange (:mod:`hetconv.ring`): a chunk of the flat gradient a worker puts into the
+#: next rank, or the master's gradient into rank 0 (``p``, float32, one dimension; none with
+#: ``abort``).
+RING_PART = ConvCall("RingPart", pb.RING_PART, None, ())
+
+
 def images_step_names(parameters) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(request names, answer names) of an ImagesStep call for a model whose parameter names
     are ``parameters``, in the model's order."""
@@ -484,6 +492,7 @@ CONV_CALLS: dict[str, ConvCall] = {
         PUT_PART,
         FETCH_PART,
         IMAGES_STEP,
+        RING_PART,
     )
 }
 #: The calls that do not.
@@ -514,6 +523,7 @@ __all__ = [
     "REPLICA_FORWARD",
     "RESIDENT_STAGE_BACKWARD",
     "RESIDENT_STAGE_FORWARD",
+    "RING_PART",
     "SERVICE_NAME",
     "STAGE_BACKWARD",
     "STAGE_FORWARD",

@@ -23,16 +23,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetconv.calls import IMAGES_STEP, images_step_names
+from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, images_step_names
 from hetconv.conv import LocalConv
 from hetconv.errors import InvalidCall, RequestTooLarge
 from hetconv.formats import FLOAT32
 from hetconv.imagesplit import images_gradients, parameter_shapes, refuse_batchnorm
 from hetconv.model import Model
+from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
+from hetconv.ring import DONE, OWN, SUMMED, digest, digest_values, flat, momentum_name, unflat
 from hetconv.spec import check_spec, walk_spec
 from hetconv.wire import WireTensor
 from hetconv.worker.context import WorkerContext
+from hetconv.worker.ring import RingFailed
 
 #: Bytes the passes hold per value of every layer's output per image: the output, what
 #: backward keeps of it and its gradient, float32, with room for temporaries.
@@ -81,14 +84,13 @@ def check_request(request: pb.ConvRequest, tensors: list[WireTensor], max_bytes:
     d, shape = _description(request)
     _, shapes, values = _network(d.spec_json, shape)
     names = [t.name for t in tensors]
-    expected, _ = images_step_names(shapes)
-    if names != list(expected):
-        raise InvalidCall(f"tensors {names} sent, expected {list(expected)} for this model")
+    allowed = request_names(shapes, d.ring if d.HasField("ring") else None)
+    if names not in allowed:
+        raise InvalidCall(f"tensors {names} sent, expected {allowed[0]} for this model")
     for t in tensors[:-2]:
-        if tuple(t.shape) != shapes[t.name] or t.format is not FLOAT32:
-            raise InvalidCall(
-                f"{t.name} is {t.format.label} {t.shape}, expected float32 {shapes[t.name]}"
-            )
+        want = shapes[t.name.removeprefix(momentum_name(""))]
+        if tuple(t.shape) != want or t.format is not FLOAT32:
+            raise InvalidCall(f"{t.name} is {t.format.label} {t.shape}, expected float32 {want}")
     x, labels = tensors[-2].shape, tensors[-1].shape
     count = x[0] if x else 0
     if len(x) != 4 or tuple(x[1:]) != shape or count < 1:
@@ -109,17 +111,34 @@ def check_request(request: pb.ConvRequest, tensors: list[WireTensor], max_bytes:
     return held
 
 
+def request_names(shapes, ring) -> list[list[str]]:
+    """The tensor names an ImagesStep request may carry: every parameter, then the images and
+    labels; with a ring (:mod:`hetconv.ring`), only the images and labels, or where it places
+    the weights, every parameter, with or without every momentum buffer, before them."""
+    names, _ = images_step_names(shapes)
+    if ring is None:
+        return [list(names)]
+    if not ring.place:
+        return [list(IMAGES_TENSORS)]
+    momenta = [momentum_name(n) for n in shapes]
+    return [list(names), [*shapes, *momenta, *IMAGES_TENSORS]]
+
+
 @dataclass
 class _Kept:
-    """A session's model, kept between steps."""
+    """A session's model, kept between steps; with a ring, the version of its weights (the
+    updates applied; None: not placed, or in doubt) and the momentum buffers."""
 
     step: int
     key: tuple
     model: Model
+    version: int | None = None
+    momentum: dict[str, np.ndarray] | None = None
 
     @property
     def held_bytes(self) -> int:
-        return sum(a.nbytes for a in self.model.state().values())
+        momenta = sum(a.nbytes for a in (self.momentum or {}).values())
+        return sum(a.nbytes for a in self.model.state().values()) + momenta
 
 
 class ImagesCalls:
@@ -128,7 +147,7 @@ class ImagesCalls:
     def __init__(self, context: WorkerContext):
         self.context = context
 
-    def _model(self, request: pb.ConvRequest, spec, shape) -> Model:
+    def _kept(self, request: pb.ConvRequest, spec, shape) -> _Kept:
         """The session's model for this spec, shape and seed (built once, kept)."""
         ctx, d = self.context, request.images
         key = (d.spec_json, shape, d.seed)
@@ -138,7 +157,10 @@ class ImagesCalls:
             kept = _Kept(request.step, key, model)
         kept.step = request.step
         ctx.keep(request, _KEY, kept)
-        return kept.model
+        return kept
+
+    def _model(self, request: pb.ConvRequest, spec, shape) -> Model:
+        return self._kept(request, spec, shape).model
 
     def step(self, messages: Iterator):
         ctx = self.context
@@ -148,11 +170,11 @@ class ImagesCalls:
         *parameters, x, labels = arrays
         if not all(np.isfinite(p).all() for p in parameters) or not np.isfinite(x).all():
             raise InvalidCall("a parameter or x holds NaN or Inf")
+        if d.HasField("ring"):
+            kept = self._kept(request, spec, shape)
+            return self._ring_step(request, kept, parameters, x, labels, receive)
         model = self._model(request, spec, shape)
-        spec_classes = model.output_shape[0]
-        classes = labels.astype(np.int64)
-        if not (classes == labels).all() or classes.min() < 0 or classes.max() >= spec_classes:
-            raise InvalidCall(f"labels must be class indices in 0 .. {spec_classes - 1}")
+        classes = _classes(model, labels)
         names = [h.name for h in request.tensors[: len(parameters)]]
         start = time.perf_counter()
 
@@ -169,6 +191,85 @@ class ImagesCalls:
         tensors = [(name, grads[name], FLOAT32) for name in names]
         tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32)]
         return tensors, time.perf_counter() - start, receive
+
+    def _ring_step(self, request: pb.ConvRequest, kept: _Kept, parameters, x, labels, receive):
+        """An ImagesStep with a ring (:mod:`hetconv.ring`): place the weights the request
+        carries (or check the version held), compute this worker's gradient, sum it over the
+        ring and apply the SGD update; answer the sum where asked (else empty gradients), or,
+        where the ring failed, this worker's own gradient (the weights left in doubt)."""
+        ctx, d, ring = self.context, request.images, request.images.ring
+        model = kept.model
+        classes = _classes(model, labels)
+        names = list(model.parameters())
+        ctx.ring.begin(request.session, int(request.step))
+        if ring.place:
+            own = model.parameters()
+            for name, value in zip(names, parameters, strict=False):
+                own[name][...] = value
+            momenta = parameters[len(names) :]
+            kept.momentum = {
+                n: np.array(m, np.float32) for n, m in zip(names, momenta, strict=False)
+            }
+            kept.version = int(ring.version)
+        elif kept.version != ring.version:
+            raise InvalidCall(f"this worker holds weights of version {kept.version}, the step "
+                              f"needs {ring.version}: they must be placed")  # fmt: skip
+        start = time.perf_counter()
+
+        def work():
+            model.train()
+            out = images_gradients(model, x, classes, d.first, d.batch, int(request.step))
+            ctx.backend.synchronize()
+            return out
+
+        grads, losses, hits = ctx.run(work)
+        compute = time.perf_counter() - start
+        kept.version = None  # in doubt until updated
+        outcome, grads = self._sum_and_update(request, kept, names, grads)
+        tensors = [(name, grads[name], FLOAT32) for name in names]
+        ring_values = np.zeros(5, np.float32)
+        ring_values[0] = outcome
+        if outcome != OWN:
+            ring_values[1:] = digest_values(digest(list(model.parameters().values())))
+        tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32),
+                    ("ring", ring_values, FLOAT32)]  # fmt: skip
+        return tensors, compute, receive
+
+    def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads):
+        """(outcome, the gradients to answer): the ring's sum applied to the kept weights."""
+        ring = request.images.ring
+        own = flat([grads[n] for n in names])
+        try:
+            vector = own.copy()
+            if ring.rank == 0 and ring.master_part:
+                theirs = self.context.ring.master_part(request)
+                if theirs.shape != own.shape:
+                    raise RingFailed(f"the master's part has {theirs.size} values, not {own.size}")
+                vector = theirs + own  # the master's range first, as the nodes are ordered
+            self.context.ring.all_reduce(request, vector)
+        except RingFailed:
+            if ring.rank == 0 and ring.master_part:
+                self.context.ring.abort(request)
+            return OWN, grads
+        sgd = SGDConfig(lr=ring.lr, momentum=ring.momentum, weight_decay=ring.weight_decay)
+        params, momentum = kept.model.parameters(), kept.momentum if kept.momentum else {}
+        summed = unflat(vector, [params[n].shape for n in names])
+        for name, g in zip(names, summed, strict=True):
+            buf = sgd_update(params[name], g, momentum.get(name), sgd)
+            if buf is not None:
+                momentum[name] = buf
+        kept.momentum, kept.version = momentum, int(ring.version) + 1
+        if ring.answer_sum:
+            return SUMMED, dict(zip(names, summed, strict=True))
+        return DONE, {n: np.zeros(0, np.float32) for n in names}
+
+
+def _classes(model: Model, labels: np.ndarray) -> np.ndarray:
+    classes = labels.astype(np.int64)
+    count = model.output_shape[0]
+    if not (classes == labels).all() or classes.min() < 0 or classes.max() >= count:
+        raise InvalidCall(f"labels must be class indices in 0 .. {count - 1}")
+    return classes
 
 
 __all__ = ["ImagesCalls", "check_request"]

@@ -63,6 +63,7 @@ from hetconv.calls import (
     PROBE,
     PUT_PART,
     REPLICA_FORWARD,
+    RING_PART,
     SERVICE_NAME,
     STAGE_BACKWARD,
     STAGE_FORWARD,
@@ -92,6 +93,7 @@ from hetconv.worker.overlap import Streamed
 from hetconv.worker.replica import ReplicaCalls
 from hetconv.worker.requests import RequestReader, request_padding
 from hetconv.worker.resident import ResidentCalls
+from hetconv.worker.ring import RingCalls
 from hetconv.worker.split import SplitCalls
 from hetconv.worker.stages import StageCalls
 
@@ -152,6 +154,7 @@ class ConvWorkerService:
         self.context = WorkerContext(backend, self.config, self.budget, self.device, self._receive)
         self.context.replicas = ReplicaCalls(self.context)  # a replicated block (hetconv.replica)
         self.context.split = SplitCalls(self.context)  # the same split by images (hetconv.split)
+        self.context.ring = RingCalls(self.context)  # the ring exchange (hetconv.ring)
 
     @contextmanager
     def _in_flight(self, name: str, context, waits: bool = False) -> Iterator[Watched]:
@@ -172,6 +175,7 @@ class ConvWorkerService:
         self.idle.stop()
         self.device.close()
         self.context.split.close()
+        self.context.ring.close()
 
     # -- unary calls ------------------------------------------------------------------------
 
@@ -431,6 +435,7 @@ def _handlers(service: ConvWorkerService) -> grpc.GenericRpcHandler:
     cores[REPLICA_FORWARD] = context.replicas.forward
     cores.update({PUT_PART: context.split.put, FETCH_PART: context.split.fetch})
     cores[IMAGES_STEP] = ImagesCalls(context).step  # the whole network split by images
+    cores[RING_PART] = context.ring.put  # its ring exchange (hetconv.ring)
     for call, core in cores.items():
         handlers[call.stream.name] = call.stream.handler(service.streamed(call, core))
         handlers[call.bundle.name] = call.bundle.handler(service.bundled(call, core))
@@ -458,6 +463,7 @@ def start_server(
     security = security or WorkerSecurity()
     # a split block's peers are reached with this worker's own token (hetconv.split)
     service.context.split.use(security.token, tls=security.tls_cert is not None)
+    service.context.ring.use(security.token, tls=security.tls_cert is not None)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=service.config.threads),
         # The token check runs before any handler, for every method of every service here.

@@ -30,6 +30,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUT_PART: _ClassVar[Phase]
     FETCH_PART: _ClassVar[Phase]
     IMAGES_STEP: _ClassVar[Phase]
+    RING_PART: _ClassVar[Phase]
 
 class StageLayer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -58,6 +59,7 @@ REPLICA_FORWARD: Phase
 PUT_PART: Phase
 FETCH_PART: Phase
 IMAGES_STEP: Phase
+RING_PART: Phase
 STAGE_LAYER_UNSPECIFIED: StageLayer
 RELU: StageLayer
 LRN: StageLayer
@@ -177,20 +179,50 @@ class TensorPart(_message.Message):
     def __init__(self, source: _Optional[int] = ..., gradient: _Optional[bool] = ..., round: _Optional[int] = ..., sample: _Optional[int] = ..., sample_seed: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class ImagesStep(_message.Message):
-    __slots__ = ("spec_json", "input_shape", "seed", "first", "batch", "scale")
+    __slots__ = ("spec_json", "input_shape", "seed", "first", "batch", "scale", "ring")
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     spec_json: str
     input_shape: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     first: int
     batch: int
     scale: float
-    def __init__(self, spec_json: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., first: _Optional[int] = ..., batch: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+    ring: ImagesRing
+    def __init__(self, spec_json: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., first: _Optional[int] = ..., batch: _Optional[int] = ..., scale: _Optional[float] = ..., ring: _Optional[_Union[ImagesRing, _Mapping]] = ...) -> None: ...
+
+class ImagesRing(_message.Message):
+    __slots__ = ("peers", "rank", "version", "place", "lr", "momentum", "weight_decay", "master_part", "answer_sum", "wait_seconds", "round", "abort")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PART_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_SUM_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    rank: int
+    version: int
+    place: bool
+    lr: float
+    momentum: float
+    weight_decay: float
+    master_part: bool
+    answer_sum: bool
+    wait_seconds: float
+    round: int
+    abort: bool
+    def __init__(self, peers: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ..., place: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., master_part: _Optional[bool] = ..., answer_sum: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., round: _Optional[int] = ..., abort: _Optional[bool] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
     __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part", "images")

@@ -1,0 +1,213 @@
+"""The ring exchange of a step split by images (``hetconv train --split images --exchange
+ring``): what the master and its workers share of it.
+
+The workers keep the weights and the momentum buffers (placed from the master's copy at the
+start, and whenever a worker (re)joins or its copy is in doubt) and sum their gradients among
+themselves by a ring all-reduce (:func:`all_reduce`): a reduce-scatter then an all-gather, each
+of ``ranks - 1`` rounds in which every rank sends one chunk of the flat gradient to the next
+rank and takes one from the one before. Each chunk is summed in a fixed order (the rank that
+starts it, then round by round), and the all-gather copies every summed chunk as it is, so
+every rank ends with the same sum, bit for bit, and applies the same SGD update
+(:func:`hetconv.optim.sgd_update`, the master's optimizer) to the same weights: every copy
+stays bitwise equal. Each rank reports a digest of its weights after the update
+(:func:`digest`); one that differs from the master's copy is re-placed.
+
+The master is not a rank (it serves no calls): it puts its own range's gradient into rank 0,
+which adds it to its own before the ring starts, and rank 0 answers the summed gradient, with
+which the master updates its copy. The master's link then carries the parameters' bytes twice
+per step whatever the number of workers (:func:`master_link_bytes`), where the exchange
+through the master carries them twice per worker, and a master that is a rank, four times
+``(ranks - 1) / ranks``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+#: ``--exchange``: auto (the cost model's choice for the measured links), the gradients
+#: through the master (every worker gets the parameters and sends back its gradient each
+#: step), or a ring among the workers.
+AUTO, MASTER, RING = "auto", "master", "ring"
+EXCHANGES = (AUTO, MASTER, RING)
+#: The round of the master's part, put into rank 0 before the ring's first round.
+MASTER_ROUND = 1 << 20
+#: A worker's answer: ``ring`` is ``[outcome, digest as 4 16-bit values]``; the outcomes.
+OWN, SUMMED, DONE = 0, 1, 2  # its own gradient (the ring failed); the sum; updated, no sum
+
+
+def flat(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The arrays, in order, as one fresh float32 vector."""
+    if not arrays:
+        return np.zeros(0, np.float32)
+    return np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays])
+
+
+def unflat(vector: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    """The arrays of ``shapes`` that :func:`flat` made ``vector`` of (views of it)."""
+    sizes = [math.prod(s) for s in shapes]
+    if sum(sizes) != vector.size:
+        raise ValueError(f"{vector.size} values for shapes holding {sum(sizes)}")
+    ends = np.cumsum([0, *sizes])
+    return [vector[a:b].reshape(s) for a, b, s in zip(ends[:-1], ends[1:], shapes, strict=True)]
+
+
+def chunk_bounds(length: int, ranks: int) -> list[tuple[int, int]]:
+    """``ranks`` contiguous (start, stop) chunks tiling ``length`` values, the first ones one
+    value longer where it does not divide."""
+    base, extra = divmod(length, ranks)
+    bounds, start = [], 0
+    for r in range(ranks):
+        stop = start + base + (r < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def rounds(ranks: int) -> int:
+    """Rounds of a ring all-reduce over ``ranks``: reduce-scatter, then all-gather."""
+    return 2 * (ranks - 1)
+
+
+def schedule(rank: int, ranks: int, round_: int) -> tuple[int, int, bool]:
+    """(the chunk ``rank`` sends in ``round_``, the chunk it receives, whether it adds what it
+    receives (reduce-scatter) or takes it as it is (all-gather))."""
+    if round_ < ranks - 1:
+        return (rank - round_) % ranks, (rank - round_ - 1) % ranks, True
+    t = round_ - (ranks - 1)
+    return (rank + 1 - t) % ranks, (rank - t) % ranks, False
+
+
+def all_reduce(
+    vector: np.ndarray,
+    rank: int,
+    ranks: int,
+    send: Callable[[int, np.ndarray], None],
+    receive: Callable[[int], np.ndarray],
+) -> np.ndarray:
+    """Sum ``vector`` (float32, this rank's) over the ring in place: ``send(round, chunk)``
+    to the next rank, ``receive(round)`` the previous rank's chunk of that round (each raises
+    when the ring fails). Every rank returns the same values, bit for bit."""
+    bounds = chunk_bounds(vector.size, ranks)
+    for round_ in range(rounds(ranks)):
+        out, into, adds = schedule(rank, ranks, round_)
+        a, b = bounds[out]
+        send(round_, vector[a:b].copy())
+        got = receive(round_)
+        a, b = bounds[into]
+        if got.shape != (b - a,):
+            raise ValueError(f"round {round_}: a part of {got.shape}, expected ({b - a},)")
+        if adds:
+            vector[a:b] += got
+        else:
+            vector[a:b] = got
+    return vector
+
+
+def digest(arrays: Sequence[np.ndarray]) -> bytes:
+    """8 bytes that differ, but by chance, where any value of ``arrays`` differs (BLAKE2b of
+    their float32 bytes, in order)."""
+    h = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, np.float32).tobytes())
+    return h.digest()
+
+
+def digest_values(d: bytes) -> np.ndarray:
+    """A digest as 4 float32 values of 16 bits each (exact in float32)."""
+    return np.frombuffer(d, dtype="<u2").astype(np.float32)
+
+
+def digest_of_values(values: np.ndarray) -> bytes:
+    """:func:`digest_values` undone."""
+    return np.asarray(values, np.float32).astype("<u2").tobytes()
+
+
+def momentum_name(parameter: str) -> str:
+    """The name a parameter's momentum buffer travels under when weights are placed."""
+    return f"momentum:{parameter}"
+
+
+# -- the cost -----------------------------------------------------------------------------
+
+
+def master_link_bytes(parameter_bytes: float, workers: int, exchange: str) -> float:
+    """Gradient and parameter bytes through the master's link per step, both ways: through
+    the master, the parameters out and the gradients back, per worker; the ring, the master's
+    gradient into rank 0 and the sum back (none where no worker takes part)."""
+    if workers < 1:
+        return 0.0
+    return 2.0 * parameter_bytes * (workers if exchange == MASTER else 1)
+
+
+def ring_exchange_seconds(cluster, nbytes: float, costs=None) -> float:
+    """Seconds of the ring exchange on ``cluster`` (a :class:`~hetconv.costmodel.SimCluster`),
+    links idle: the master's gradient into rank 0, a ring all-reduce over the workers
+    (:func:`hetconv.dataparallel.exchange_seconds`), the sum back to the master."""
+    from hetconv.costmodel import WIFI
+    from hetconv.dataparallel import RING as DP_RING
+    from hetconv.dataparallel import CollectiveCosts, exchange_seconds
+
+    costs = costs or CollectiveCosts()
+    if not cluster.workers:
+        return 0.0
+    workers = replace(cluster, master_compute=False)
+    ring = exchange_seconds(workers, nbytes, DP_RING, costs)
+    port = min(cluster.master.bytes_per_s, cluster.workers[0].bytes_per_s, costs.tcp_bytes_per_s)
+    if cluster.fabric == WIFI:
+        port = min(port, cluster.medium_bytes_per_s)
+    latency = costs.message_s + cluster.workers[0].rtt_s / 2
+    into = (nbytes / port + latency) if cluster.master_compute else 0.0
+    return into + ring + nbytes / port + latency
+
+
+def choose(cluster, nbytes: float, costs=None) -> tuple[str, dict[str, float]]:
+    """(the faster exchange on ``cluster`` for ``nbytes`` of parameters, each one's seconds)."""
+    from hetconv.dataparallel import PARAMETER_SERVER, exchange_seconds
+
+    seconds = {
+        MASTER: exchange_seconds(cluster, nbytes, PARAMETER_SERVER, costs),
+        RING: ring_exchange_seconds(cluster, nbytes, costs),
+    }
+    return min(seconds, key=lambda k: (seconds[k], k != MASTER)), seconds
+
+
+def check_exchange(exchange: str) -> str:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"--exchange {exchange!r} is not one of {', '.join(EXCHANGES)}")
+    return exchange
+
+
+def shapes_of(parameters: Mapping[str, np.ndarray]) -> list[tuple[int, ...]]:
+    return [tuple(p.shape) for p in parameters.values()]
+
+
+__all__ = [
+    "AUTO",
+    "DONE",
+    "EXCHANGES",
+    "MASTER",
+    "MASTER_ROUND",
+    "OWN",
+    "RING",
+    "SUMMED",
+    "all_reduce",
+    "check_exchange",
+    "choose",
+    "chunk_bounds",
+    "digest",
+    "digest_of_values",
+    "digest_values",
+    "flat",
+    "master_link_bytes",
+    "momentum_name",
+    "ring_exchange_seconds",
+    "rounds",
+    "schedule",
+    "shapes_of",
+    "unflat",
+]

@@ -1,0 +1,354 @@
+"""The whole network split by images with the ring exchange (``hetconv train --split images
+--exchange ring|auto``, :mod:`hetconv.ring`).
+
+:class:`RingImageSplit` is an :class:`~.imagesplit.ImageSplit` whose workers keep the weights
+and momentum (every parameter is resident: the training loop's optimizer skips them, and this
+class updates the master's copy with the same :func:`~hetconv.optim.sgd_update`). Per step:
+
+* each worker that gets images gets one ImagesStep with its place in the ring (the computing
+  workers in node order): its images, and the weights and momentum buffers only where it
+  does not hold the master's version (the first step, a worker that (re)joined, got no images
+  for a while, or whose copy was in doubt);
+* the master computes its own range meanwhile and puts its gradient into rank 0, which adds it
+  to its own first; the ring sums the gradients; every worker applies the update and answers
+  a digest of its weights, rank 0 the summed gradient too, with which the master updates its
+  copy; a worker whose digest differs from the master's copy is re-placed next step;
+* where rank 0's ring did not finish (a worker lost mid-ring, a part that never came), the
+  step goes through the master instead: the workers whose ring failed answer their own
+  gradient, the master computes the others' ranges itself, sums every range in node order and
+  updates its copy; every worker is re-placed next step. No step is lost, and the step is the
+  same to float32 round-off.
+
+``auto`` picks the exchange the cost model finds faster for the measured links
+(:func:`hetconv.ring.choose`); TLS keeps the exchange through the master (the ring's calls
+between workers are plain gRPC, as the split block's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, RING_PART
+from hetconv.costmodel import SimCluster, SimNode
+from hetconv.formats import FLOAT32, PALETTE8
+from hetconv.imagesplit import batch_loss
+from hetconv.optim import sgd_update
+from hetconv.proto import worker_pb2 as pb
+from hetconv.ring import (
+    AUTO,
+    MASTER,
+    MASTER_ROUND,
+    OWN,
+    RING,
+    SUMMED,
+    check_exchange,
+    choose,
+    digest,
+    digest_of_values,
+    flat,
+    master_link_bytes,
+    momentum_name,
+)
+
+from .call import Call
+from .client import CallStats, WorkerClient, WorkerError
+from .imagesplit import ImageSplit
+from .membership import MASTER as MASTER_NODE
+from .membership import Node
+
+#: Seconds a worker waits for one part of the ring at least.
+WAIT_FLOOR_S = 5.0
+
+
+def ring_step(
+    client: WorkerClient,
+    request: pb.ConvRequest,
+    arrays,
+    formats,
+    timeout: float,
+    names,
+    answer: int,
+) -> tuple[dict[str, np.ndarray] | None, np.ndarray, np.ndarray, int, bytes, CallStats]:
+    """One worker's ImagesStep with a ring (``answer``: the bytes it answers, about): (the
+    gradients it answered, None where empty; losses; hits; its outcome; the digest of its
+    weights; the call's figures)."""
+    count = len(arrays[-1][1])
+    expect = (*names, "losses", "hits", "ring")
+    got, stats = client._call(
+        IMAGES_STEP, f"images step {request.step}", request, arrays, list(expect), {}, timeout,
+        answer, formats,
+    )  # fmt: skip
+    losses, hits, ring = got["losses"], got["hits"], got["ring"]
+    if losses.shape != (count,) or hits.shape != (count,) or not np.isfinite(losses).all():
+        raise WorkerError(client.address, f"images step {request.step}: bad losses or hits")
+    if ring.shape != (5,) or ring[0] not in (0, 1, 2):
+        raise WorkerError(client.address, f"images step {request.step}: bad ring outcome")
+    grads = {n: got[n] for n in names}
+    empty = all(g.size == 0 for g in grads.values())
+    for name, g in grads.items():
+        if not empty and not np.isfinite(g).all():
+            raise WorkerError(client.address, f"images step {request.step}: bad gradient {name}")
+    return None if empty else grads, losses, hits.astype(bool), int(ring[0]), \
+        digest_of_values(ring[1:]), stats  # fmt: skip
+
+
+def put_master_part(client: WorkerClient, session: int, step: int, vector, timeout: float):
+    """Put the master's gradient (flat) into rank 0."""
+    request = pb.ConvRequest(
+        phase=RING_PART.phase, session=session, step=step,
+        images=pb.ImagesStep(ring=pb.ImagesRing(round=MASTER_ROUND)),
+    )  # fmt: skip
+    client._call(RING_PART, f"ring part of step {step}", request, [("p", vector)], [], {},
+                 timeout, 0)  # fmt: skip
+
+
+def abort_ring(client: WorkerClient, session: int, step: int) -> None:
+    """Tell a worker this step's ring failed (best effort)."""
+    request = pb.ConvRequest(
+        phase=RING_PART.phase, session=session, step=step,
+        images=pb.ImagesStep(ring=pb.ImagesRing(abort=True)),
+    )  # fmt: skip
+    try:
+        client._call(RING_PART, f"ring abort of step {step}", request, [], [], {}, 2.0, 0)
+    except WorkerError:
+        pass
+
+
+class RingImageSplit(ImageSplit):
+    """An :class:`~.imagesplit.ImageSplit` that sums the gradients by a ring among the
+    workers where :attr:`exchange` (``auto``: where the cost model finds it faster) says so."""
+
+    exchange = AUTO
+
+    def __init__(self, addresses: Sequence[str], backend="cpu", config=None):
+        super().__init__(addresses, backend, config)
+        check_exchange(self.exchange)
+        self._used: str | None = None  # the exchange chosen, once the model is known
+        self._why = ""
+        self._sgd = None
+        self._version = 0  # updates applied to the master's copy
+        self._placed: dict[str, int] = {}  # worker -> the version it holds
+        self._momentum: dict[str, np.ndarray] = {}
+
+    # -- the exchange ----------------------------------------------------------------------
+
+    def _resolve(self) -> str:
+        if self._used is not None:
+            return self._used
+        if self.exchange == MASTER:
+            self._used, self._why = MASTER, "--exchange master"
+        elif self.config.tls_ca is not None:
+            if self.exchange == RING:
+                raise ValueError(
+                    "--exchange ring sends gradients worker to worker over plain gRPC, which "
+                    "TLS (--tls-ca) would not cover; use --exchange master"
+                )
+            self._used, self._why = MASTER, "TLS: the ring's calls between workers are plain"
+        elif self.exchange == RING:
+            self._used, self._why = RING, "--exchange ring"
+        else:
+            self._used, seconds = choose(self._sim_cluster(), self._parameter_bytes)
+            self._why = (f"the cost model for the measured links: through the master "
+                         f"{seconds[MASTER]:.3f} s, ring {seconds[RING]:.3f} s")  # fmt: skip
+        return self._used
+
+    def _sim_cluster(self) -> SimCluster:
+        workers = [n for n in self.nodes[1:] if n.client is not None]
+        links = [n.link_bytes_per_second for n in workers]
+        fastest = max((b for b in links if math.isfinite(b)), default=math.inf)
+        made = [SimNode(n.name, 1.0, bytes_per_s=n.link_bytes_per_second, rtt_s=n.link_latency)
+                for n in workers]  # fmt: skip
+        return SimCluster(
+            master=SimNode(self.nodes[0].name, 1.0, bytes_per_s=fastest), workers=tuple(made),
+            fabric=self.planner.network, medium_bytes_per_s=fastest,
+            master_compute=self.config.master_compute,
+        )  # fmt: skip
+
+    # -- the resident parameters (the training loop's side) --------------------------------
+
+    def resident_parameters(self) -> list[str]:
+        """Every parameter, with the ring: the workers and this class update them."""
+        if self._spec is None or self._resolve() != RING:
+            return []
+        import json
+
+        from hetconv.imagesplit import parameter_shapes
+
+        return list(parameter_shapes(json.loads(self._spec), self._input[0])[0])
+
+    def attach_optimizer(self, sgd) -> None:
+        self._sgd = sgd
+
+    def gather_resident(self) -> dict:
+        """The momentum buffers (the master's copy of the weights is the model's own)."""
+        return {k: np.array(v) for k, v in self._momentum.items()}
+
+    def load_resident_momentum(self, momentum: dict) -> None:
+        self._momentum = {k: np.array(v, np.float32) for k, v in momentum.items()}
+        self._placed.clear()  # every worker gets the resumed weights
+
+    # -- a step ----------------------------------------------------------------------------
+
+    def train_batch(self, model, x: np.ndarray, labels: np.ndarray, step: int):
+        if self._spec is None:
+            self.check_model(model)
+        if self._resolve() != RING:
+            return super().train_batch(model, x, labels, step)
+        if self._sgd is None:
+            raise RuntimeError("the ring updates the weights: attach_optimizer first")
+        batch = len(x)
+        cut = self._ranges(batch)
+        if not self.config.deterministic:
+            self._retry_idle(cut)
+        ranges = [(node, first, count) for node, (first, count) in cut if count]
+        ring = [r for r in ranges if not r[0].is_master]
+        master = next((r for r in ranges if r[0].is_master), None)
+        calls = self._ring_calls(model, x, labels, step, ring, master is not None)
+        parts: dict[str, tuple] = {}
+        if master is not None:  # the master's own range, while the workers compute
+            node, first, count = master
+            parts[node.name] = self._local(model, x, labels, first, count, batch, step)
+            self._record[node.name] = {"images": count, "seconds": parts[node.name][3]}
+            if ring:
+                self._put_master(model, parts[node.name][0], ring[0][0], step)
+        answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
+        summed = answers[ring[0][0].name] if ring else None
+        exchange = RING if summed is not None and summed[3] == SUMMED else MASTER
+        for node, first, count in ring:  # the master's: the same images, the same weights
+            got = answers[node.name]
+            if got is not None and (exchange == RING or got[3] == OWN):
+                parts[node.name] = got
+            else:  # lost (its losses), or no own gradient for a step through the master
+                parts[node.name] = self._local(model, x, labels, first, count, batch, step)
+                self._record[node.name].update(covered_by=MASTER_NODE, seconds=0.0)
+        if exchange == RING:
+            self._set_gradients(model, [summed[0]])
+        else:
+            self._set_gradients(model, [parts[n.name][0] for n, _, _ in ranges])
+        self._update(model, model.gradients(), answers, exchange)
+        for node, _, count in ranges:
+            figures = self._record[node.name]
+            if "covered_by" not in figures:
+                self._measured(node, count, figures["seconds"], figures.get("wall_seconds", 0.0))
+        ordered = [parts[node.name] for node, _, _ in ranges]
+        return batch_loss([p[1] for p in ordered], batch), np.concatenate([p[2] for p in ordered])
+
+    def _ring_calls(self, model, x, labels, step, ring, master_part: bool) -> dict[str, Call]:
+        parameters = model.parameters()
+        names = tuple(parameters)
+        peers = [node.client.address for node, _, _ in ring]
+        wait = max(WAIT_FLOOR_S, max((self._deadline(n, c, 0) for n, _, c in ring), default=0))
+        calls = {}
+        for rank, (node, first, count) in enumerate(ring):
+            place = self._placed.get(node.name) != self._version
+            sgd = self._sgd
+            request = pb.ConvRequest(
+                phase=IMAGES_STEP.phase, session=self.session, step=step,
+                images=pb.ImagesStep(
+                    spec_json=self._spec, input_shape=model.input_shape, seed=model.seed,
+                    first=first, batch=len(x),
+                    ring=pb.ImagesRing(
+                        peers=peers, rank=rank, version=self._version, place=place, lr=sgd.lr,
+                        momentum=sgd.momentum, weight_decay=sgd.weight_decay,
+                        master_part=master_part and rank == 0, answer_sum=rank == 0,
+                        wait_seconds=wait,
+                    ),
+                ),
+            )  # fmt: skip
+            xs, ys = x[first : first + count], labels[first : first + count].astype(np.float32)
+            fits = PALETTE8.nbytes(xs.shape) < FLOAT32.nbytes(xs.shape)
+            arrays, formats = [], []
+            if place:
+                arrays += list(parameters.items())
+                if self._momentum:
+                    arrays += [(momentum_name(k), self._momentum[k]) for k in names]
+                formats += [FLOAT32] * len(arrays)
+            arrays += list(zip(IMAGES_TENSORS, (xs, ys), strict=True))
+            formats += [PALETTE8.prepared(xs) if fits else FLOAT32, FLOAT32]
+            timeout = self._deadline(node, count, xs.nbytes) + 3 * wait
+            answer = self._parameter_bytes * (rank == 0) + 8 * count + 20
+            calls[node.name] = Call(ring_step, node.client, request, arrays, formats, timeout,
+                                    names, answer)  # fmt: skip
+            self._record[node.name] = {"images": count, "placed": place}
+        return calls
+
+    def _put_master(self, model, grads: dict, rank0: Node, step: int) -> None:
+        vector = flat([grads[k] for k in model.parameters()])
+        try:
+            put_master_part(
+                rank0.client,
+                self.session,
+                step,
+                vector,
+                self.config.transfer_deadline(rank0, vector.nbytes) + WAIT_FLOOR_S,
+            )
+        except WorkerError:
+            pass  # rank 0 waits for it in vain: its ring fails, the step goes through here
+
+    def _ring_answer(self, at, calls, ring, step: int) -> tuple | None:
+        """A worker's answer as (gradients or None, losses, hits, outcome, digest); None, the
+        worker lost, when its call failed (the others told so: none waits on it)."""
+        node, _, count = at
+        try:
+            grads, losses, hits, outcome, d, stats = calls[node.name].result()
+        except WorkerError as e:
+            self.membership.lose(node, e)
+            self._placed.pop(node.name, None)
+            for other, _, _ in ring:
+                if other is not node and not calls[other.name].done():
+                    abort_ring(other.client, self.session, step)
+            return None
+        self._record[node.name].update(
+            seconds=stats.compute_seconds, wall_seconds=stats.wall_seconds,
+            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, outcome=outcome,
+        )  # fmt: skip
+        return grads, losses, hits, outcome, d
+
+    def _update(self, model, gradient: dict, answers: dict, exchange: str) -> None:
+        """The master's copy updated as every worker's is; each worker's digest compared."""
+        params = model.parameters()
+        for name, p in params.items():
+            buf = sgd_update(p, gradient[name], self._momentum.get(name), self._sgd)
+            if buf is not None:
+                self._momentum[name] = buf
+        self._version += 1
+        mine = digest(list(params.values()))
+        self._ring_record = {"exchange": exchange, "digest": mine.hex()}
+        for name, got in answers.items():
+            if got is None or exchange != RING or got[3] == OWN:
+                self._placed.pop(name, None)
+            elif self._record[name].update(digest=got[4].hex()) or got[4] == mine:
+                self._placed[name] = self._version
+            else:
+                self._placed.pop(name, None)
+                self._record[name]["digest"] = "mismatch"
+                self._events.emit("weights_differ", name, action="placed again next step")
+
+    # -- records ---------------------------------------------------------------------------
+
+    def end_step(self) -> dict:
+        out = super().end_step()
+        out.update(getattr(self, "_ring_record", {}))
+        return out
+
+    def plan_record(self) -> dict:
+        record = super().plan_record()
+        used = self._resolve() if self._spec is not None else self.exchange
+        workers = sum(1 for n, (_, c) in self._ranges(self._batch) if c and not n.is_master)
+        record.update(
+            exchange=used, exchange_why=self._why,
+            master_link_bytes=master_link_bytes(self._parameter_bytes, workers, used),
+        )  # fmt: skip
+        return record
+
+
+def image_split_class(exchange: str) -> type[ImageSplit]:
+    """The cluster class of ``--split images --exchange EXCHANGE``."""
+    check_exchange(exchange)
+    return type("RingImageSplit", (RingImageSplit,), {"exchange": exchange})
+
+
+__all__ = ["RingImageSplit", "abort_ring", "image_split_class", "put_master_part", "ring_step"]

@@ -1,0 +1,221 @@
+"""The whole network split by images with the ring exchange (``--split images --exchange
+ring``, :mod:`hetconv.master.ring`): real worker processes, compared with training on one
+machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+from exactness import FAST, STRONG_LRN, same_as_local, train_strong_lrn
+
+from hetconv.costmodel import SWITCHED, SimCluster, SimNode
+from hetconv.dataparallel import parameter_bytes
+from hetconv.master.cluster import ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.ring import RingImageSplit, image_split_class
+from hetconv.ring import (
+    MASTER,
+    RING,
+    all_reduce,
+    choose,
+    chunk_bounds,
+    digest,
+    digest_of_values,
+    digest_values,
+    flat,
+    master_link_bytes,
+    unflat,
+)
+
+
+class Recording(RingImageSplit):
+    """A ring split that keeps every step's trace fields, and runs ``actions`` (step -> a
+    callable) once the step's ranges are cut, and ``in_flight`` ones while its calls are out
+    (the master's own range)."""
+
+    exchange = RING
+
+    def __init__(self, addresses, actions=None, in_flight=None, **config):
+        super().__init__(addresses, config=ClusterConfig(**config))
+        self.actions, self.in_flight = dict(actions or {}), dict(in_flight or {})
+        self.steps = []
+
+    def _local(self, model, *args):
+        if self.step in self.in_flight:
+            self.in_flight.pop(self.step)()
+        return super()._local(model, *args)
+
+    def _ranges(self, batch):
+        ranges = super()._ranges(batch)
+        if self.step in self.actions:
+            self.actions.pop(self.step)()
+        return ranges
+
+    def end_step(self):
+        record = super().end_step()
+        self.steps.append(record)
+        return record
+
+
+# -- the ring itself, in one process ----------------------------------------------------------
+
+
+def _ring_in_threads(vectors: list[np.ndarray]) -> list[np.ndarray]:
+    """:func:`all_reduce` of ``vectors``, one thread per rank, parts through queues."""
+    import queue
+
+    ranks = len(vectors)
+    boxes = [queue.Queue() for _ in range(ranks)]
+    out = [None] * ranks
+
+    def rank(r: int) -> None:
+        def send(round_, chunk):
+            boxes[(r + 1) % ranks].put((round_, chunk))
+
+        def receive(round_):
+            got_round, chunk = boxes[r].get(timeout=5)
+            assert got_round == round_
+            return chunk
+
+        out[r] = all_reduce(vectors[r].copy(), r, ranks, send, receive)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("ranks, length", [(1, 5), (2, 7), (3, 10), (4, 3)])
+def test_all_reduce_gives_every_rank_the_same_sum_bit_for_bit(ranks, length):
+    rng = np.random.default_rng(ranks)
+    vectors = [rng.standard_normal(length).astype(np.float32) for _ in range(ranks)]
+    got = _ring_in_threads(vectors)
+    for g in got:
+        assert g.tobytes() == got[0].tobytes()
+    np.testing.assert_allclose(got[0], np.sum(vectors, axis=0), rtol=1e-6, atol=1e-6)
+    assert [b - a for a, b in chunk_bounds(length, ranks)] == [
+        len(c) for c in np.array_split(np.zeros(length), ranks)
+    ]
+
+
+def test_flat_digest_round_trips():
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32)]
+    back = unflat(flat(arrays), [a.shape for a in arrays])
+    assert all((a == b).all() for a, b in zip(arrays, back, strict=True))
+    d = digest(arrays)
+    assert digest_of_values(digest_values(d)) == d
+    arrays[1][2] = np.nextafter(np.float32(1), np.float32(2))
+    assert digest(arrays) != d
+
+
+def test_cost_model_counts_the_master_link_and_chooses():
+    assert master_link_bytes(100, 3, MASTER) == 600
+    assert master_link_bytes(100, 3, RING) == 200
+    link = 125e6  # gigabit, switched
+    nodes = tuple(SimNode(f"w{i}", 50.0, bytes_per_s=link, rtt_s=2e-4) for i in range(3))
+    cluster = SimCluster(SimNode("m", 50.0, bytes_per_s=link), nodes, SWITCHED)
+    chosen, seconds = choose(cluster, 14e6)  # paper-150-800's parameters, about
+    assert chosen == RING and seconds[RING] < seconds[MASTER]
+    one = SimCluster(SimNode("m", 50.0, bytes_per_s=link), nodes[:1], SWITCHED)
+    seconds = choose(one, 14e6)[1]  # one worker: the same bytes each way
+    assert seconds[RING] == pytest.approx(seconds[MASTER], rel=0.05)
+
+
+# -- real worker processes -----------------------------------------------------------------
+
+
+def test_equal_to_local_training_and_every_copy_bitwise_equal(tmp_path, local, workers):
+    cluster = Recording(workers.addresses, deterministic=True)
+    with cluster:
+        got = train_strong_lrn(tmp_path, "ring", cluster)
+    same_as_local(got, local)
+    assert all(r["split"] == "images" and r["exchange"] == RING for r in cluster.steps)
+    # placed once, at the first step; after each update every worker's weights are the
+    # master's, bit for bit (the digests of their weights)
+    for i, record in enumerate(cluster.steps):
+        for name in workers.addresses:
+            node = record["nodes"][name]
+            assert node["placed"] == (i == 0)
+            assert node["digest"] == record["digest"], (i, name)
+
+
+def test_bytes_on_the_master_link_are_the_ring_exchange(tmp_path, workers):
+    """After the first step (which places the weights), the master's link carries the
+    parameters twice a step (its gradient into rank 0, the sum back), plus each worker's
+    images, labels, losses and hits: what hetconv.ring.master_link_bytes counts."""
+    trace = tmp_path / "trace.jsonl"
+    cluster = Recording(workers.addresses, deterministic=True)
+    with cluster:
+        train_strong_lrn(tmp_path, "bytes", cluster, trace=str(trace), steps=3)
+    params = parameter_bytes(STRONG_LRN)
+    record = cluster.steps[-1]
+    images = [record["nodes"][name]["images"] for name in workers.addresses]
+    calls = sum(record["nodes"][n]["bytes_sent"] + record["nodes"][n]["bytes_received"]
+                for n in workers.addresses)  # fmt: skip
+    moved = calls + params  # the master's part put into rank 0
+    data = sum(3 * 1024 + i * 3 * 32 * 32 + 4 * i + 8 * i + 20 for i in images)
+    counted = master_link_bytes(params, len(images), RING)
+    assert counted + data < moved < counted + data + 8192  # headers
+    assert moved < master_link_bytes(params, len(images), MASTER)
+    plan = json.loads(trace.read_text().splitlines()[0])
+    assert plan["exchange"] == RING and plan["master_link_bytes"] == counted
+
+
+def test_worker_killed_mid_ring_loses_no_step(tmp_path, local):
+    """A worker SIGKILLed while its call is out (after it computed, during the ring): that
+    step goes through the master (exact), and the next ones ring over the survivor."""
+    with LocalWorkers(2) as started:
+        victim = started.processes[1]
+        stop = {5: lambda: os.kill(victim.pid, signal.SIGSTOP)}
+        kill = {5: lambda: (victim.kill(), victim.wait())}
+        cluster = Recording(started.addresses, stop, kill, deterministic=True, **FAST)
+        with cluster:
+            got = train_strong_lrn(tmp_path, "killed", cluster)
+    same_as_local(got, local)
+    assert cluster.steps[5]["exchange"] == MASTER
+    assert cluster.steps[5]["nodes"][started.addresses[1]].get("covered_by") == "master"
+    assert all(r["exchange"] == RING for r in cluster.steps[6:])
+    assert cluster.steps[6]["nodes"][started.addresses[0]]["placed"]  # re-placed after it
+    assert all(r["workers_computed"] == 1 for r in cluster.steps[7:])
+
+
+@pytest.mark.slow
+def test_rejoining_worker_is_placed_again(tmp_path, local):
+    """A worker that hung (lost at its call's deadline) rejoins at a step boundary and gets
+    the weights and momentum again: training stays equal to local training, and its copy is
+    the master's, bit for bit."""
+    import time
+
+    from hetconv.master.membership import READY
+
+    with LocalWorkers(2) as started:
+        pid, name = started.processes[1].pid, started.addresses[1]
+
+        def resume():
+            os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while cluster.nodes[2].state != READY and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        actions = {2: lambda: os.kill(pid, signal.SIGSTOP), 5: resume}
+        cluster = Recording(started.addresses, actions, deterministic=True, **FAST)
+        with cluster:
+            got = train_strong_lrn(tmp_path, "rejoined", cluster)
+    same_as_local(got, local)
+    back = [i for i, r in enumerate(cluster.steps) if i > 2 and name in r["nodes"]]
+    assert back, "the worker never rejoined"
+    assert cluster.steps[back[0]]["nodes"][name]["placed"]
+    assert cluster.steps[-1]["nodes"][name]["digest"] == cluster.steps[-1]["digest"]
+
+
+def test_image_split_class_checks_the_exchange():
+    assert image_split_class("ring").exchange == RING
+    with pytest.raises(ValueError, match="--exchange 'x' is not one of auto, master, ring"):
+        image_split_class("x")

@@ -1,0 +1,189 @@
+"""A worker's part of the ring exchange (:mod:`hetconv.ring`): RingPart, which files a chunk
+another rank (or the master) put here, and :meth:`RingCalls.all_reduce`, which sums this
+worker's gradient over its ring (sending on :class:`~hetconv.worker.peers.PeerLinks`' threads
+with the worker's own token, each put with a deadline) for an ImagesStep.
+
+A ring fails for this worker (:class:`RingFailed`) when a put to the next rank fails, a part
+does not come within the request's ``wait_seconds``, or any rank (or the master) says the
+step's ring failed (``abort``); it then tells every other rank so, so none waits for what will
+not come, and the ImagesStep answers its own gradient (the master sums the step itself).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from hetconv.calls import RING_PART
+from hetconv.errors import InvalidCall
+from hetconv.formats import FLOAT32
+from hetconv.proto import worker_pb2 as pb
+from hetconv.ring import MASTER_ROUND, all_reduce
+from hetconv.worker.context import WorkerContext
+from hetconv.worker.peers import PeerLinks
+
+#: Seconds a put of a chunk may take, at most (a peer no faster is failed).
+PUT_SECONDS = 60.0
+#: Seconds an abort put may take (best effort).
+ABORT_SECONDS = 2.0
+#: Steps of a session whose parts are kept (older ones are dropped as a step's call arrives).
+KEPT_STEPS = 2
+
+
+class RingFailed(Exception):
+    """This step's ring cannot finish here: the reason."""
+
+
+class RingLinks(PeerLinks):
+    """:class:`~hetconv.worker.peers.PeerLinks` that put RingParts."""
+
+    def _stubs(self, address: str):
+        with self._lock:
+            got = self._channels.get(address)
+            if got is None:
+                from hetconv.wire import channel_options
+
+                channel = grpc.insecure_channel(address, options=channel_options())
+                got = (channel, RING_PART.stream.stub(channel), RING_PART.bundle.stub(channel))
+                self._channels[address] = got
+            return got
+
+
+def part_request(session: int, step: int, rank: int, round_: int, abort: bool = False):
+    """A RingPart's header (its tensor added by the sender)."""
+    return pb.ConvRequest(
+        phase=RING_PART.phase, session=session, step=step,
+        images=pb.ImagesStep(ring=pb.ImagesRing(rank=rank, round=round_, abort=abort)),
+    )  # fmt: skip
+
+
+class RingCalls:
+    """RingPart's core and the ring exchange of a session's steps."""
+
+    def __init__(self, context: WorkerContext):
+        self.context = context
+        self.token: str | None = None
+        self.tls = False
+        self._parts: dict[tuple[int, int, int], np.ndarray] = {}  # (session, step, round)
+        self._aborted: set[tuple[int, int]] = set()
+        self._links: dict[int, RingLinks] = {}
+        self._changed = threading.Condition()
+
+    def use(self, token: str | None, tls: bool) -> None:
+        """Reach peers with ``token`` (the worker's own); a worker serving TLS refuses the
+        ring (its peers would need a CA it does not have: not built)."""
+        self.close()
+        self.token, self.tls = token, tls
+
+    def _session_links(self, session: int) -> RingLinks:
+        with self._changed:
+            links = self._links.get(session)
+            if links is None:
+                links = self._links[session] = RingLinks(self.token)
+            return links
+
+    def put(self, messages):
+        """RingPart: file the chunk (or the abort) for the step's ring."""
+        request, arrays, receive = self.context.receive(messages, RING_PART)
+        ring = request.images.ring
+        key = (request.session, int(request.step))
+        if ring.abort:
+            with self._changed:
+                self._aborted.add(key)
+                self._changed.notify_all()
+            return [], 0.0, receive
+        if len(arrays) != 1 or arrays[0].ndim != 1 or request.tensors[0].dtype != pb.FLOAT32:
+            raise InvalidCall("a ring part is one float32 vector p")
+        if not np.isfinite(arrays[0]).all():
+            raise InvalidCall("the ring part holds NaN or Inf")
+        with self._changed:
+            held = sum(a.nbytes for a in self._parts.values()) + arrays[0].nbytes
+            self.context.budget.hold("ring parts", held, "the ring's parts", request.session)
+            self._parts.setdefault((*key, int(ring.round)), arrays[0])
+            self._changed.notify_all()
+        return [], 0.0, receive
+
+    def begin(self, session: int, step: int) -> None:
+        """A step's ImagesStep came: drop what older steps of the session left here."""
+        with self._changed:
+            for k in [k for k in self._parts if k[0] == session and k[1] + KEPT_STEPS <= step]:
+                del self._parts[k]
+            self._aborted = {k for k in self._aborted if k[0] != session or k[1] >= step}
+
+    def _receive(self, session: int, step: int, round_: int, wait: float) -> np.ndarray:
+        deadline = time.monotonic() + wait
+        key = (session, step, round_)
+        with self._changed:
+            while key not in self._parts:
+                if (session, step) in self._aborted:
+                    raise RingFailed("another rank said the ring failed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    what = "the master's part" if round_ == MASTER_ROUND else f"round {round_}"
+                    raise RingFailed(f"{what} did not come within {wait:.1f} s")
+                self._changed.wait(left)
+            return self._parts.pop(key)
+
+    def master_part(self, request: pb.ConvRequest) -> np.ndarray:
+        """The master's gradient, put into rank 0 (waited for)."""
+        ring = request.images.ring
+        return self._receive(request.session, int(request.step), MASTER_ROUND, ring.wait_seconds)
+
+    def all_reduce(self, request: pb.ConvRequest, vector: np.ndarray) -> np.ndarray:
+        """Sum ``vector`` over the request's ring (in place); RingFailed saying why not."""
+        ring = request.images.ring
+        session, step, rank, peers = request.session, int(request.step), ring.rank, ring.peers
+        if self.tls:
+            raise InvalidCall("a worker serving TLS does not ring (its peers' calls are plain)")
+        links = self._session_links(session)
+        following = peers[(rank + 1) % len(peers)]
+
+        def send(round_: int, chunk: np.ndarray) -> None:
+            try:
+                links.put(following, part_request(session, step, rank, round_), chunk, FLOAT32,
+                          min(PUT_SECONDS, max(ring.wait_seconds, 1.0)))  # fmt: skip
+            except grpc.RpcError as e:
+                raise RingFailed(f"the put to {following} failed: {e.code().name}") from None
+
+        def receive(round_: int) -> np.ndarray:
+            return self._receive(session, step, round_, ring.wait_seconds)
+
+        try:
+            return all_reduce(vector, rank, len(peers), send, receive)
+        except (RingFailed, ValueError) as e:
+            self.abort(request)
+            raise RingFailed(str(e)) from None
+
+    def abort(self, request: pb.ConvRequest) -> None:
+        """Tell every other rank the step's ring failed (best effort, on sender threads)."""
+        ring = request.images.ring
+        links = self._session_links(request.session)
+        with self._changed:
+            self._aborted.add((request.session, int(request.step)))
+        for i, address in enumerate(ring.peers):
+            if i != ring.rank:
+                head = part_request(request.session, int(request.step), ring.rank, 0, True)
+                links._pool.submit(_quiet_put, links, address, head, ABORT_SECONDS)
+
+    def close(self) -> None:
+        with self._changed:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+
+
+def _quiet_put(links: RingLinks, address: str, head: pb.ConvRequest, timeout: float) -> None:
+    """An abort: a RingPart without a tensor; failures are no matter."""
+    _, _, bundle = links._stubs(address)
+    try:
+        from hetconv.wire import Bundle
+
+        bundle(Bundle(pb.ConvMessage(header=head), []), timeout=timeout, metadata=links._metadata)
+    except grpc.RpcError:
+        pass
+
+
+__all__ = ["RingCalls", "RingFailed", "RingLinks", "part_request"]
