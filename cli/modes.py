@@ -1,5 +1,6 @@
 """The mode flags, declared once for ``hetconv train``, ``simulate`` and ``plan``: what is split
-(``--split``: kernels or images), how each layer runs (``--stages``, ``--kernels``,
+(``--split``: kernels or images; ``--exchange``: how a split by images sums its gradients), how
+each layer runs (``--stages``, ``--kernels``,
 ``--replicate``, ``--master-block``, ``--overlap``, ``--head``, ``--start-ahead``), what travels
 (``--wire-format``), how kernels are shared (``--shares``) and what the network is
 (``--network``); and ``--model``, the CNN every command that names one takes alike
@@ -53,6 +54,17 @@ FLAGS = {
             "equal with --deterministic), the gradients summed on the master in node order: "
             "heterogeneous data parallelism (exact to float32 round-off; not for networks with "
             "batch norm; the layer modes do not apply)",
+        ),
+        ModeFlag(
+            "--exchange",
+            ("auto", "master", "ring"),  # hetconv.ring.EXCHANGES
+            "with --split images, how the gradients are summed: master = every worker gets "
+            "the parameters and sends its gradient back each step (2 x parameter bytes per "
+            "worker on the master's link); ring = the workers keep the weights and momentum "
+            "and sum their gradients by a ring all-reduce among themselves (worker to worker "
+            "over plain gRPC: not with --tls-ca), each applying the same update (2 x "
+            "parameter bytes on the master's link, whatever the workers); auto = whichever "
+            "the cost model predicts faster for the measured links",
         ),
         ModeFlag(
             "--shares",
@@ -192,6 +204,7 @@ def add_mode_flags(
 #: train's defaults: what runs fastest, chosen per layer.
 TRAIN_DEFAULTS = {
     "split": "kernels",
+    "exchange": "auto",
     "stages": "auto",
     "kernels": "auto",
     "replicate": "auto",

@@ -45,6 +45,7 @@ _NOT_LOCAL = (
     ("overlap", "auto", "so nothing overlaps: drop --overlap"),
     ("head", "auto", "so the head is not split: drop --head"),
     ("split", "kernels", "so nothing is split by images: drop --split"),
+    ("exchange", "auto", "so no gradient is exchanged: drop --exchange"),
 )
 #: Flags of a split by kernels, which ``--split images`` has none of: (dest, its default).
 _KERNEL_SPLIT_ONLY = (
@@ -149,6 +150,12 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
             raise ValueError("--tls-ca needs --worker/--workers-file: local workers serve no TLS")
     if args.split == "images" and not args.local:
         _check_image_split(args)
+    elif args.exchange != "auto" and not args.local:
+        raise ValueError("--exchange says how a split by images sums its gradients: add "
+                         "--split images, or drop --exchange")  # fmt: skip
+    if args.exchange == "ring" and args.tls_ca is not None:
+        raise ValueError("--exchange ring sends gradients worker to worker over plain gRPC, "
+                         "which TLS (--tls-ca) would not cover; use --exchange master")  # fmt: skip
     if not args.local:
         return
     if addresses or args.discover:
@@ -227,10 +234,11 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
 
         return train(config, LocalConv())
     from hetconv.master.cluster import Cluster
-    from hetconv.master.imagesplit import ImageSplit
+    from hetconv.master.ring import image_split_class
 
-    # --split images: the whole network on every node, each on its share of the images
-    cluster_class = ImageSplit if args.split == "images" else Cluster
+    # --split images: the whole network on every node, each on its share of the images,
+    # the gradients summed as --exchange says
+    cluster_class = image_split_class(args.exchange) if args.split == "images" else Cluster
     if args.discover:
         from .discover import train_discovered
 

@@ -318,13 +318,14 @@ class RingImageSplit(ImageSplit):
         mine = digest(list(params.values()))
         self._ring_record = {"exchange": exchange, "digest": mine.hex()}
         for name, got in answers.items():
+            self._placed.pop(name, None)
             if got is None or exchange != RING or got[3] == OWN:
-                self._placed.pop(name, None)
-            elif self._record[name].update(digest=got[4].hex()) or got[4] == mine:
+                continue  # not updated by the ring: placed again
+            self._record[name]["digest"] = got[4].hex()
+            if got[4] == mine:
                 self._placed[name] = self._version
-            else:
-                self._placed.pop(name, None)
-                self._record[name]["digest"] = "mismatch"
+            else:  # a fault: its copy is not the master's
+                self._record[name]["weights_differ"] = True
                 self._events.emit("weights_differ", name, action="placed again next step")
 
     # -- records ---------------------------------------------------------------------------

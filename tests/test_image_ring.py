@@ -31,6 +31,7 @@ from hetconv.ring import (
     master_link_bytes,
     unflat,
 )
+from hetconv.worker.imagesplit import ImagesCalls
 
 
 class Recording(RingImageSplit):
@@ -219,3 +220,60 @@ def test_image_split_class_checks_the_exchange():
     assert image_split_class("ring").exchange == RING
     with pytest.raises(ValueError, match="--exchange 'x' is not one of auto, master, ring"):
         image_split_class("x")
+
+
+class CorruptingImages(ImagesCalls):
+    """ImagesStep whose worker nudges one weight after its update of step 3 (a fault the
+    digest shows)."""
+
+    def _sum_and_update(self, request, kept, names, grads):
+        got = super()._sum_and_update(request, kept, names, grads)
+        if request.step == 3:
+            weight = kept.model.parameters()[names[0]]
+            weight.flat[0] = np.nextafter(weight.flat[0], np.float32(np.inf))
+        return got
+
+
+def test_a_copy_that_differs_is_placed_again(tmp_path, local, workers, monkeypatch):
+    from hetconv.backends import get_backend
+    from hetconv.worker import service as service_module
+
+    monkeypatch.setattr(service_module, "ImagesCalls", CorruptingImages)
+    faulty = service_module.ConvWorkerService(get_backend("cpu"))
+    server, address = service_module.start_server(faulty, "127.0.0.1:0")
+    try:
+        cluster = Recording([workers.addresses[0], address], deterministic=True)
+        with cluster:
+            got = train_strong_lrn(tmp_path, "differs", cluster)
+    finally:
+        server.stop(0)
+        faulty.close()
+    same_as_local(got, local)  # its copy never computed: placed again before step 4
+    assert cluster.steps[3]["nodes"][address]["weights_differ"]
+    assert cluster.steps[4]["nodes"][address]["placed"]
+    assert not cluster.steps[5]["nodes"][address]["placed"]
+    events = [(e["event"], e["step"]) for r in cluster.steps for e in r.get("events", [])]
+    assert ("weights_differ", 3) in events
+    assert all(r["exchange"] == RING for r in cluster.steps)
+
+
+def test_train_with_the_ring_on_local_workers(tmp_path):
+    from hetconv.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    argv = ["train", "--split", "images", "--exchange", "ring", "--steps", "2", "--batch", "8",
+            "--train-size", "32", "--eval-size", "8", "--no-run-dir", "--no-progress",
+            "--trace", str(trace), "--deterministic", "--local-workers", "2"]  # fmt: skip
+    assert main(argv) == 0
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    plan, steps = records[0], [r for r in records if "step" in r]
+    assert plan["exchange"] == RING and plan["exchange_why"] == "--exchange ring"
+    assert [r["exchange"] for r in steps] == [RING, RING]
+
+
+def test_train_refuses_an_exchange_without_the_split_by_images(capsys):
+    from hetconv.cli import main
+
+    assert main(["train", "--steps", "1", "--no-run-dir", "--exchange", "ring"]) == 2
+    err = capsys.readouterr().err
+    assert "--exchange says how a split by images sums its gradients: add --split images" in err
