@@ -396,6 +396,7 @@ def simulate_image_split(
     batches: Sequence[int] | None = None,
     input_shape: tuple[int, int, int] | None = None,
     image_bytes: int | None = None,
+    exchange: str = PARAMETER_SERVER,
 ) -> DataParallelResult:
     """One step of hetconv's own whole-network split by images (``hetconv train --split
     images``): every node trains the whole model on its slice of the batch and the master sums
@@ -403,12 +404,32 @@ def simulate_image_split(
     ``ps``, ``overlap=False``, the same arguments); and, as the master holds the data, it also
     sends every worker its images before they compute, ``image_bytes`` each (default one byte
     per value: palette8, what normalised 8-bit pixels travel as), on its own link (on Wi-Fi,
-    the medium)."""
+    the medium).
+
+    ``exchange="ring"`` (``--exchange ring``): the workers that get images keep the weights
+    and sum the gradients by a ring among themselves, the master's put into the first and the
+    sum back (:func:`hetconv.ring.ring_exchange_seconds`) in place of the parameter server;
+    the master's link carries the parameters twice, whatever the workers."""
     costs = costs or CollectiveCosts()
+    if exchange not in ALGORITHMS:
+        raise ValueError(f"exchange {exchange!r} is not one of {', '.join(ALGORITHMS)}")
     got = simulate_data_parallel(
         cluster, network, batch, comp_s, PARAMETER_SERVER, False, costs, image_seconds,
         batches, input_shape,
     )  # fmt: skip
+    if exchange == RING:
+        from hetconv.ring import MASTER, ring_exchange_seconds
+        from hetconv.ring import RING as RING_EXCHANGE
+        from hetconv.ring import master_link_bytes as ring_master_bytes
+
+        used = tuple(w for w, b in zip(cluster.workers, got.batches[1:], strict=True) if b)
+        ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs)
+        got = replace(
+            got, algorithm=RING, step_s=got.step_s - got.comm_s + ring_s, comm_s=ring_s,
+            exchange_s=ring_s,
+            master_bytes=ring_master_bytes(got.gradient_bytes, len(used),
+                                           RING_EXCHANGE if used else MASTER),
+        )  # fmt: skip
     named = load_network(network) if isinstance(network, str) else Network(list(network))
     c, h, w = input_shape or named.input_shape or CIFAR_INPUT
     per_image = c * h * w if image_bytes is None else image_bytes

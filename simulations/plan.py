@@ -68,6 +68,8 @@ ONE_MACHINE = "one machine (the master alone)"
 #: hetconv's whole network split by images: its own heterogeneous data parallelism, the
 #: gradients summed through the master.
 IMAGE_SPLIT = "split by images (gradients through the master)"
+#: The same with the gradients summed by a ring among the workers (``--exchange ring``).
+IMAGE_SPLIT_RING = "split by images (ring among the workers)"
 
 
 @dataclass(frozen=True)
@@ -182,19 +184,26 @@ def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) 
         refuse_batchnorm(load_network(network).spec)
     except ValueError:
         return []
-    got = simulate_image_split(cluster, network, batch, comp_s, input_shape=shape)
-    return [
-        Candidate(
-            "hetconv",
-            IMAGE_SPLIT,
-            got.step_s,
-            alone / got.step_s,
-            got.master_bytes / 1e6,
-            True,
-            train_command(named, batch, workers, "--split images"),
-            sum(1 for b in got.batches[1:] if b),
+    out = []
+    for exchange, label, flags in (
+        ("ps", IMAGE_SPLIT, "--split images --exchange master"),
+        ("ring", IMAGE_SPLIT_RING, "--split images --exchange ring"),
+    ):
+        got = simulate_image_split(cluster, network, batch, comp_s, input_shape=shape,
+                                   exchange=exchange)  # fmt: skip
+        out.append(
+            Candidate(
+                "hetconv",
+                label,
+                got.step_s,
+                alone / got.step_s,
+                got.master_bytes / 1e6,
+                True,
+                train_command(named, batch, workers, flags),
+                sum(1 for b in got.batches[1:] if b),
+            )
         )
-    ]
+    return out
 
 
 def _with_format(cluster: SimCluster, fmt) -> SimCluster:

@@ -241,5 +241,6 @@ def test_the_plan_offers_the_image_split_where_it_can_run():
     ranked = {c.label: c for c in candidates(cluster, "paper-150-800", 64, 1.0)}
     split = ranked[IMAGE_SPLIT]
     assert split.kind == "hetconv" and split.exact and split.workers == 3
-    assert split.how.endswith("--split images") and split.how.count("--worker") == 3
+    assert split.how.endswith("--split images --exchange master")
+    assert split.how.count("--worker") == 3
     assert IMAGE_SPLIT not in {c.label for c in candidates(cluster, "resnet20", 64, 1.0)}
