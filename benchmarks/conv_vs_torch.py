@@ -274,7 +274,7 @@ def measure(args: argparse.Namespace, cap: str) -> list[dict]:
           f"{'ours s':>10}{'torch s':>10}{'ratio':>7}")  # fmt: skip
     rows = []
     backend = CpuBackend()
-    common = {"cap": cap, "cpu": cpu, "blas": blas}
+    common = {"cap": cap if cap == "none" else float(cap), "cpu": cpu, "blas": blas}
     for threads in args.threads:
         torch.set_num_threads(threads)
         with threadpool_limits(limits=threads, user_api="blas"):

@@ -11,8 +11,13 @@ so they must agree to ``1e-6 * max|result|``.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -615,3 +620,63 @@ def test_input_gradient_as_correlation_equals_col2im(c, k, padding):
     assert_close(dx, col2im, "correlation against col2im", CHUNK_RTOL * 10)
     np.testing.assert_array_equal(forward, y)
     np.testing.assert_array_equal(again, y)
+
+
+# ---------------------------------------------------------- benchmarks/conv_vs_torch.py's rows
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "conv_vs_torch.py"
+ROW_FIELDS = {"network", "layer", "kind", "batch", "threads", "cap", "cpu", "blas", "ours_s",
+              "torch_s", "ratio"}  # fmt: skip
+
+
+def _benchmark(*argv: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(BENCHMARK), *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def _rows(tmp_path, *caps: str) -> list[dict]:
+    out = tmp_path / "rows.json"
+    argv = ["--network", "tiny", "--batch", "2", "--threads", "1", "--repeats", "1"]
+    argv += ["--kinds", "conv forward", "step", "--cap", *caps, "--json", str(out)]
+    done = _benchmark(*argv)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    for row in rows:
+        assert set(row) == ROW_FIELDS
+        assert row["ratio"] == pytest.approx(row["ours_s"] / row["torch_s"])
+    return rows
+
+
+TINY_ROWS = {("conv1", "conv forward"), ("conv2", "conv forward"), ("step", "step")}
+
+
+def test_conv_vs_torch_rows_carry_cap_none_uncapped(tmp_path):
+    """On the tiny preset, uncapped (the default): every row carries cap "none"."""
+    pytest.importorskip("torch")
+    rows = _rows(tmp_path, "none")
+    assert {r["cap"] for r in rows} == {"none"}
+    assert {(r["layer"], r["kind"]) for r in rows} == TINY_ROWS
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists(),
+    reason="capping needs root and the cgroup v1 cpu controller mounted",
+)
+def test_conv_vs_torch_capped_rows_come_from_a_capped_child(tmp_path):
+    """``--cap none 0.9``: the same rows again from a child capped at 0.9 of a core by a cgroup
+    v1 cpu group, carrying cap 0.9; the group is gone afterwards."""
+    pytest.importorskip("torch")
+    before = set(Path("/sys/fs/cgroup/cpu").iterdir())
+    rows = _rows(tmp_path, "none", "0.9")
+    assert {r["cap"] for r in rows} == {"none", 0.9}
+    for cap in ("none", 0.9):
+        assert {(r["layer"], r["kind"]) for r in rows if r["cap"] == cap} == TINY_ROWS
+    assert set(Path("/sys/fs/cgroup/cpu").iterdir()) == before
+
+
+def test_conv_vs_torch_refuses_a_cap_that_is_not_a_fraction_of_a_core():
+    pytest.importorskip("torch")
+    done = _benchmark("--cap", "0")
+    assert done.returncode == 2
+    assert "'none' or a fraction of a core in (0, 64], got '0'" in done.stderr
