@@ -301,3 +301,22 @@ def test_the_simulator_and_the_plan_rank_the_ring():
     labels = {c.label: c for c in ranked}
     assert labels[IMAGE_SPLIT_RING].step_s < labels[IMAGE_SPLIT].step_s
     assert "--split images --exchange ring" in labels[IMAGE_SPLIT_RING].how
+
+
+def test_a_ring_run_resumes_from_its_checkpoint(tmp_path, local, workers):
+    """The checkpoint holds the master's copy and momentum (every worker's, bit for bit); the
+    resumed run places them on the workers and goes on as local training does."""
+    folder = str(tmp_path / "checkpoints")
+    with Recording(workers.addresses, deterministic=True) as cluster:
+        train_strong_lrn(tmp_path, "first", cluster, steps=3, checkpoint_dir=folder)
+    with Recording(workers.addresses, deterministic=True) as cluster:
+        losses, _ = train_strong_lrn(
+            tmp_path, "resumed", cluster, steps=6, checkpoint_dir=folder, resume=True
+        )
+    assert len(cluster.steps) == 3  # steps 3, 4 and 5: the rest came from the checkpoint
+    assert [r["nodes"][workers.addresses[0]]["placed"] for r in cluster.steps] == [
+        True,
+        False,
+        False,
+    ]
+    np.testing.assert_allclose(losses, local[0][:6], rtol=1e-5)
