@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -33,6 +34,7 @@ from hetconv.ring import (
     unflat,
 )
 from hetconv.worker.imagesplit import ImagesCalls
+from hetconv.worker.ring import RingCalls, RingFailed
 
 
 class Recording(RingImageSplit):
@@ -320,3 +322,59 @@ def test_a_ring_run_resumes_from_its_checkpoint(tmp_path, local, workers):
         False,
     ]
     np.testing.assert_allclose(losses, local[0][:6], rtol=1e-5)
+
+
+class DyingRing(RingCalls):
+    """A worker's ring that stops the worker's server, as if its process died, in step 3:
+    once it has put its part of the first round (``at="round"``), or once its ring is done
+    (``"after"``); its call then never answers."""
+
+    def __init__(self, context, at: str):
+        super().__init__(context)
+        self.at, self.server, self.ended = at, None, threading.Event()
+
+    def _die(self):
+        self.server.stop(0)
+        self.ended.wait(10)  # the call is gone with the server: nothing answers
+        raise RingFailed("stopped")
+
+    def _receive(self, session, step, round_, wait):
+        if step == 3 and self.at == "round":
+            self._die()
+        return super()._receive(session, step, round_, wait)
+
+    def all_reduce(self, request, vector):
+        summed = super().all_reduce(request, vector)
+        if request.step == 3 and self.at == "after":
+            time.sleep(0.5)  # the answer to rank 0's last put on its way
+            self._die()
+        return summed
+
+
+@pytest.mark.parametrize(("at", "exchange"), [("round", MASTER), ("after", RING)])
+def test_a_rank_dying_mid_ring_loses_no_step(tmp_path, local, workers, at, exchange):
+    """Rank 1 dies at step 3: mid-ring (rank 0's next put fails: that step goes through the
+    master), or after the ring (rank 0 has finished it: the step's sum holds its gradient,
+    the master computes its losses). Either way the step is the same and the next ones ring
+    over the survivor."""
+    from hetconv.backends import get_backend
+    from hetconv.worker import service as service_module
+
+    dying = service_module.ConvWorkerService(get_backend("cpu"))
+    dying.context.ring = ring = DyingRing(dying.context, at)
+    server, address = service_module.start_server(dying, "127.0.0.1:0")
+    ring.server = server
+    try:
+        cluster = Recording([workers.addresses[0], address], deterministic=True, **FAST)
+        with cluster:
+            got = train_strong_lrn(tmp_path, f"dies-{at}", cluster)
+    finally:
+        ring.ended.set()
+        server.stop(0)
+        dying.close()
+    same_as_local(got, local)
+    assert cluster.steps[3]["exchange"] == exchange
+    assert cluster.steps[3]["nodes"][address]["covered_by"] == "master"
+    assert all(r["exchange"] == RING and address not in r["nodes"] for r in cluster.steps[4:])
+    survivor = [r["nodes"][workers.addresses[0]] for r in cluster.steps[4:6]]
+    assert [n["placed"] for n in survivor] == [exchange == MASTER, False]

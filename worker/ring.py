@@ -69,7 +69,8 @@ class RingCalls:
         self.tls = False
         self._parts: dict[tuple[int, int, int], np.ndarray] = {}  # (session, step, round)
         self._aborted: set[tuple[int, int]] = set()
-        self._links: dict[int, RingLinks] = {}
+        self._latest: dict[int, int] = {}  # session -> the latest step its master called
+        self._links: dict[int, RingLinks] = {}  # session -> its senders, oldest first
         self._changed = threading.Condition()
 
     def use(self, token: str | None, tls: bool) -> None:
@@ -79,11 +80,15 @@ class RingCalls:
         self.token, self.tls = token, tls
 
     def _session_links(self, session: int) -> RingLinks:
+        """``session``'s senders; at most the worker's sessions' worth are kept."""
         with self._changed:
-            links = self._links.get(session)
-            if links is None:
-                links = self._links[session] = RingLinks(self.token)
-            return links
+            links = self._links.pop(session, None) or RingLinks(self.token)
+            self._links[session] = links  # the most recent last
+            old = list(self._links)[: max(0, len(self._links) - self.context.config.sessions)]
+            gone = [self._links.pop(s) for s in old]
+        for link in gone:
+            link.close()
+        return links
 
     def put(self, messages):
         """RingPart: file the chunk (or the abort) for the step's ring."""
@@ -100,6 +105,10 @@ class RingCalls:
         if not np.isfinite(arrays[0]).all():
             raise InvalidCall("the ring part holds NaN or Inf")
         with self._changed:
+            latest = self._latest.get(request.session)
+            if latest is not None and request.step > latest + 1:
+                raise InvalidCall(f"a ring part of step {request.step}: session "
+                                  f"{request.session} is at step {latest} here")  # fmt: skip
             held = sum(a.nbytes for a in self._parts.values()) + arrays[0].nbytes
             self.context.budget.hold("ring parts", held, "the ring's parts", request.session)
             self._parts.setdefault((*key, int(ring.round)), arrays[0])
@@ -109,6 +118,7 @@ class RingCalls:
     def begin(self, session: int, step: int) -> None:
         """A step's ImagesStep came: drop what older steps of the session left here."""
         with self._changed:
+            self._latest[session] = max(step, self._latest.get(session, step))
             for k in [k for k in self._parts if k[0] == session and k[1] + KEPT_STEPS <= step]:
                 del self._parts[k]
             self._aborted = {k for k in self._aborted if k[0] != session or k[1] >= step}
