@@ -135,9 +135,21 @@ class RingImageSplit(ImageSplit):
 
     # -- the exchange ----------------------------------------------------------------------
 
+    def prepare(self, layers, batch: int, log=None) -> None:
+        self._log = log
+        super().prepare(layers, batch, log)
+
     def _resolve(self) -> str:
-        if self._used is not None:
-            return self._used
+        """The exchange this run uses (chosen once, when the model is known), said on the
+        console."""
+        if self._used is None:
+            self._choose()
+            if getattr(self, "_log", None) is not None:
+                how = "by a ring among the workers" if self._used == RING else "through the master"
+                print(f"gradients summed {how} ({self._why})", file=self._log)
+        return self._used
+
+    def _choose(self) -> None:
         if self.exchange == MASTER:
             self._used, self._why = MASTER, "--exchange master"
         elif self.config.tls_ca is not None:
@@ -153,7 +165,6 @@ class RingImageSplit(ImageSplit):
             self._used, seconds = choose(self._sim_cluster(), self._parameter_bytes)
             self._why = (f"the cost model for the measured links: through the master "
                          f"{seconds[MASTER]:.3f} s, ring {seconds[RING]:.3f} s")  # fmt: skip
-        return self._used
 
     def _sim_cluster(self) -> SimCluster:
         workers = [n for n in self.nodes[1:] if n.client is not None]

@@ -260,7 +260,7 @@ def test_a_copy_that_differs_is_placed_again(tmp_path, local, workers, monkeypat
     assert all(r["exchange"] == RING for r in cluster.steps)
 
 
-def test_train_with_the_ring_on_local_workers(tmp_path):
+def test_train_with_the_ring_on_local_workers(tmp_path, capsys):
     from hetconv.cli import main
 
     trace = tmp_path / "trace.jsonl"
@@ -272,6 +272,9 @@ def test_train_with_the_ring_on_local_workers(tmp_path):
     plan, steps = records[0], [r for r in records if "step" in r]
     assert plan["exchange"] == RING and plan["exchange_why"] == "--exchange ring"
     assert [r["exchange"] for r in steps] == [RING, RING]
+    assert "gradients summed by a ring among the workers (--exchange ring)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_train_refuses_an_exchange_without_the_split_by_images(capsys):
