@@ -156,6 +156,10 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
     if args.exchange == "ring" and args.tls_ca is not None:
         raise ValueError("--exchange ring sends gradients worker to worker over plain gRPC, "
                          "which TLS (--tls-ca) would not cover; use --exchange master")  # fmt: skip
+    if args.exchange == "ring" and args.spot_check_every != 0 and not args.local:
+        from hetconv.master.ring import RING_UNCHECKED
+
+        raise ValueError(RING_UNCHECKED)
     if not args.local:
         return
     if addresses or args.discover:

@@ -19,6 +19,7 @@ from hetconv.dataparallel import parameter_bytes
 from hetconv.master.cluster import ClusterConfig
 from hetconv.master.launch import LocalWorkers
 from hetconv.master.ring import RingImageSplit, image_split_class
+from hetconv.master.spotcheck import SpotCheckConfig
 from hetconv.onnx_import import load_network
 from hetconv.ring import (
     MASTER,
@@ -45,6 +46,7 @@ class Recording(RingImageSplit):
     exchange = RING
 
     def __init__(self, addresses, actions=None, in_flight=None, **config):
+        config.setdefault("spot_checks", SpotCheckConfig(every=0))  # none with the ring
         super().__init__(addresses, config=ClusterConfig(**config))
         self.actions, self.in_flight = dict(actions or {}), dict(in_flight or {})
         self.steps = []
@@ -266,7 +268,8 @@ def test_train_with_the_ring_on_local_workers(tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     argv = ["train", "--split", "images", "--exchange", "ring", "--steps", "2", "--batch", "8",
             "--train-size", "32", "--eval-size", "8", "--no-run-dir", "--no-progress",
-            "--trace", str(trace), "--deterministic", "--local-workers", "2"]  # fmt: skip
+            "--trace", str(trace), "--deterministic", "--local-workers", "2",
+            "--spot-check-every", "0"]  # fmt: skip
     assert main(argv) == 0
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     plan, steps = records[0], [r for r in records if "step" in r]
@@ -381,3 +384,21 @@ def test_a_rank_dying_mid_ring_loses_no_step(tmp_path, local, workers, at, excha
     assert all(r["exchange"] == RING and address not in r["nodes"] for r in cluster.steps[4:])
     survivor = [r["nodes"][workers.addresses[0]] for r in cluster.steps[4:6]]
     assert [n["placed"] for n in survivor] == [exchange == MASTER, False]
+
+
+def test_the_ring_is_refused_with_spot_checks_and_auto_goes_through_the_master(tmp_path, capsys):
+    """Spot checks recompute a worker's own gradient, which the ring never sends the master:
+    --exchange ring with them is refused, and auto sums through the master."""
+    from hetconv.cli import main
+
+    assert main(["train", "--split", "images", "--exchange", "ring", "--steps", "1",
+                 "--no-run-dir"]) == 2  # fmt: skip
+    assert "--exchange ring cannot spot-check the workers" in capsys.readouterr().err
+    trace = tmp_path / "trace.jsonl"
+    argv = ["train", "--split", "images", "--steps", "1", "--batch", "8", "--train-size", "32",
+            "--eval-size", "8", "--no-run-dir", "--no-progress", "--trace", str(trace),
+            "--local-workers", "2"]  # fmt: skip
+    assert main(argv) == 0
+    plan = json.loads(trace.read_text().splitlines()[0])
+    assert plan["exchange"] == MASTER
+    assert plan["exchange_why"] == "spot checks need each worker's own gradient"
