@@ -187,7 +187,7 @@ def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) 
     out = []
     for exchange, label, flags in (
         ("ps", IMAGE_SPLIT, "--split images --exchange master"),
-        ("ring", IMAGE_SPLIT_RING, "--split images --exchange ring"),
+        ("ring", IMAGE_SPLIT_RING, "--split images --exchange ring --spot-check-every 0"),
     ):
         got = simulate_image_split(cluster, network, batch, comp_s, input_shape=shape,
                                    exchange=exchange)  # fmt: skip

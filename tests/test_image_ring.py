@@ -308,7 +308,7 @@ def test_the_simulator_and_the_plan_rank_the_ring():
     ranked = candidates(cluster, "paper-150-800", 64, 0.05)
     labels = {c.label: c for c in ranked}
     assert labels[IMAGE_SPLIT_RING].step_s < labels[IMAGE_SPLIT].step_s
-    assert "--split images --exchange ring" in labels[IMAGE_SPLIT_RING].how
+    assert "--split images --exchange ring --spot-check-every 0" in labels[IMAGE_SPLIT_RING].how
 
 
 def test_a_ring_run_resumes_from_its_checkpoint(tmp_path, local, workers):
