@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from .balance import kernel_shares
+from .batchnorm import BatchNorm2d
 from .layers import Dropout
 from .spec import spec_graph, walk_spec
 
@@ -133,6 +134,61 @@ class _RowsDropout(Dropout):
         return x * self._scale
 
 
+class _SyncBatchNorm(BatchNorm2d):
+    """A :class:`~hetconv.batchnorm.BatchNorm2d` on rows of a batch of ``batch`` images whose
+    statistics are the whole batch's: ``reduce`` sums a float32 vector over every node's rows
+    (every node gets the same sum, bit for bit). Forward sums each channel's values, then
+    (around the batch's mean) their squares; backward the two per-channel sums its input
+    gradient needs. Each node's parameter gradients stay its own rows' (the nodes' are summed
+    later, as every parameter's); the running statistics move by the whole batch's, the same
+    on every node. Without ``reduce``, or in evaluation, a plain batch norm."""
+
+    reduce: Callable[[np.ndarray], np.ndarray] | None = None
+    batch = 0
+
+    def forward(self, x):
+        if self.reduce is None or not self.training:
+            return super().forward(x)
+        gamma, beta = self.params["weight"], self.params["bias"]
+        total = self.batch * x.shape[2] * x.shape[3]
+        sums = self.reduce(x.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32))
+        mean = sums.astype(np.float64) / total
+        centred = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
+        squares = np.square(centred, dtype=np.float64).sum(axis=(0, 2, 3))
+        var = self.reduce(squares.astype(np.float32)).astype(np.float64) / total
+        inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+        x_hat = centred * self._per_channel(inv_std)
+        self.track(mean, var, total)
+        self.buffers["num_batches_tracked"] += 1
+        self.batch_stats = (mean, var)
+        self._x_hat, self._inv_std, self._total = x_hat, inv_std, total
+        return x_hat * self._per_channel(gamma) + self._per_channel(beta)
+
+    def backward(self, dy):
+        if self.reduce is None or self._x_hat is None:
+            return super().backward(dy)
+        x_hat, inv_std, total = self._x_hat, self._inv_std, self._total
+        d_beta = dy.sum(axis=(0, 2, 3), dtype=np.float64)
+        d_gamma = (dy * x_hat).sum(axis=(0, 2, 3), dtype=np.float64)
+        self.grads = {"weight": d_gamma.astype(np.float32), "bias": d_beta.astype(np.float32)}
+        both = self.reduce(np.concatenate([d_beta, d_gamma]).astype(np.float32))
+        whole_beta, whole_gamma = np.split(both.astype(np.float64), 2)
+        dx = dy - self._per_channel((whole_beta / total).astype(np.float32))
+        dx -= x_hat * self._per_channel((whole_gamma / total).astype(np.float32))
+        dx *= self._per_channel((self.params["weight"] * inv_std).astype(np.float32))
+        return dx
+
+
+def sync_batchnorm(model, reduce: Callable[[np.ndarray], np.ndarray] | None, batch: int) -> None:
+    """Every batch norm layer of ``model`` takes the statistics of a batch of ``batch`` images
+    through ``reduce`` (:class:`_SyncBatchNorm`; None: its own rows')."""
+    for layer in model.layers:
+        if isinstance(layer, BatchNorm2d):
+            if type(layer) is BatchNorm2d:
+                layer.__class__ = _SyncBatchNorm  # the same object: the model's steps hold it
+            layer.reduce, layer.batch = reduce, batch
+
+
 def _take_rows(model, first: int, batch: int) -> None:
     """Every dropout layer of ``model`` draws the masks of rows ``first ..`` of ``batch``."""
     for layer in model.layers:
@@ -143,7 +199,7 @@ def _take_rows(model, first: int, batch: int) -> None:
 
 
 def images_gradients(
-    model, x: np.ndarray, labels: np.ndarray, first: int, batch: int, step: int
+    model, x: np.ndarray, labels: np.ndarray, first: int, batch: int, step: int, reduce=None
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """One node's part of a step split by images: ``model`` (a :class:`~hetconv.model.Model`
     in training mode) on images ``x`` (n, C, H, W) float32, rows ``first .. first + n`` of a
@@ -154,7 +210,8 @@ def images_gradients(
         divided by ``batch``, by name, fresh float32 arrays; float32 (n,) each image's loss;
         bool (n,) whether its top logit is its label). The logits' gradient is computed by
         the operations :func:`~hetconv.layers.softmax_cross_entropy` uses on the whole batch,
-        row by row: the same values.
+        row by row: the same values. ``reduce``: how batch norm layers take the whole batch's
+        statistics (:func:`sync_batchnorm`; None: from these images alone).
     """
     n = x.shape[0]
     if labels.shape != (n,):
@@ -162,6 +219,7 @@ def images_gradients(
     if not 0 <= first <= first + n <= batch:
         raise ValueError(f"images {first} .. {first + n} are not within a batch of {batch}")
     _take_rows(model, first, batch)
+    sync_batchnorm(model, reduce, batch)
     logits = model.forward(x, step=step)
     shifted = logits - logits.max(axis=1, keepdims=True)
     exp = np.exp(shifted)
@@ -201,4 +259,5 @@ __all__ = [
     "refuse_batchnorm",
     "seconds_per_image",
     "spec_json",
+    "sync_batchnorm",
 ]
