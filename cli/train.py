@@ -181,7 +181,13 @@ def _check_image_split(args: argparse.Namespace) -> None:
         if getattr(args, dest) != default:
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"--split images splits no layer by kernels: drop {flag}")
-    refuse_batchnorm(load_network(args.preset).spec)
+    ring = args.exchange != "master" and args.spot_check_every == 0 and args.tls_ca is None
+    try:
+        refuse_batchnorm(load_network(args.preset).spec)
+    except ValueError as e:
+        if not ring:  # the ring sums its statistics among the workers
+            raise ValueError(f"{e}, or sum them among the workers: --exchange ring "
+                             "--spot-check-every 0") from None  # fmt: skip
 
 
 def cluster_config_of(args: argparse.Namespace, addresses: list[str], token: str | None):

@@ -136,7 +136,7 @@ class _RowsDropout(Dropout):
 
 class _SyncBatchNorm(BatchNorm2d):
     """A :class:`~hetconv.batchnorm.BatchNorm2d` on rows of a batch of ``batch`` images whose
-    statistics are the whole batch's: ``reduce`` sums a float32 vector over every node's rows
+    statistics are the whole batch's: ``reduce`` sums a float64 vector over every node's rows
     (every node gets the same sum, bit for bit). Forward sums each channel's values, then
     (around the batch's mean) their squares; backward the two per-channel sums its input
     gradient needs. Each node's parameter gradients stay its own rows' (the nodes' are summed
@@ -151,11 +151,10 @@ class _SyncBatchNorm(BatchNorm2d):
             return super().forward(x)
         gamma, beta = self.params["weight"], self.params["bias"]
         total = self.batch * x.shape[2] * x.shape[3]
-        sums = self.reduce(x.sum(axis=(0, 2, 3), dtype=np.float64).astype(np.float32))
-        mean = sums.astype(np.float64) / total
+        mean = self.reduce(x.sum(axis=(0, 2, 3), dtype=np.float64)) / total
         centred = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
         squares = np.square(centred, dtype=np.float64).sum(axis=(0, 2, 3))
-        var = self.reduce(squares.astype(np.float32)).astype(np.float64) / total
+        var = self.reduce(squares) / total
         inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
         x_hat = centred * self._per_channel(inv_std)
         self.track(mean, var, total)
@@ -171,8 +170,7 @@ class _SyncBatchNorm(BatchNorm2d):
         d_beta = dy.sum(axis=(0, 2, 3), dtype=np.float64)
         d_gamma = (dy * x_hat).sum(axis=(0, 2, 3), dtype=np.float64)
         self.grads = {"weight": d_gamma.astype(np.float32), "bias": d_beta.astype(np.float32)}
-        both = self.reduce(np.concatenate([d_beta, d_gamma]).astype(np.float32))
-        whole_beta, whole_gamma = np.split(both.astype(np.float64), 2)
+        whole_beta, whole_gamma = np.split(self.reduce(np.concatenate([d_beta, d_gamma])), 2)
         dx = dy - self._per_channel((whole_beta / total).astype(np.float32))
         dx -= x_hat * self._per_channel((whole_gamma / total).astype(np.float32))
         dx *= self._per_channel((self.params["weight"] * inv_std).astype(np.float32))

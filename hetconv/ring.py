@@ -36,6 +36,10 @@ AUTO, MASTER, RING = "auto", "master", "ring"
 EXCHANGES = (AUTO, MASTER, RING)
 #: The round of the master's part, put into rank 0 before the ring's first round.
 MASTER_ROUND = 1 << 20
+#: Rounds kept for each sum of a step: the gradient's from 0, the k-th batch norm sum's
+#: (:func:`hetconv.imagesplit.sync_batchnorm`) from ``k * ROUNDS_PER_SUM`` (a ring of at most
+#: ``ROUNDS_PER_SUM / 2`` workers).
+ROUNDS_PER_SUM = 256
 #: A worker's answer: ``ring`` is ``[outcome, digest as 4 16-bit values]``; the outcomes.
 OWN, SUMMED, DONE = 0, 1, 2  # its own gradient (the ring failed); the sum; updated, no sum
 
@@ -108,6 +112,42 @@ def all_reduce(
     return vector
 
 
+def all_gather(
+    vector: np.ndarray,
+    rank: int,
+    ranks: int,
+    send: Callable[[int, np.ndarray], None],
+    receive: Callable[[int], np.ndarray],
+) -> list[np.ndarray]:
+    """Every rank's ``vector`` (float32, one size), in rank order, on every rank: ``ranks -
+    1`` rounds, each passing on the one received in the round before (its own first)."""
+    pieces: list[np.ndarray | None] = [None] * ranks
+    pieces[rank] = vector
+    for round_ in range(ranks - 1):
+        send(round_, pieces[(rank - round_) % ranks])
+        got = receive(round_)
+        if got.shape != vector.shape:
+            raise ValueError(f"round {round_}: a part of {got.shape}, expected {vector.shape}")
+        pieces[(rank - round_ - 1) % ranks] = got
+    return pieces
+
+
+def split64(values: np.ndarray) -> np.ndarray:
+    """float64 ``values`` as float32 (high parts, then the remainders): 48 bits of them."""
+    high = values.astype(np.float32)
+    return np.concatenate([high, (values - high).astype(np.float32)])
+
+
+def join64(pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """The float64 sum, in order, of :func:`split64`'s pieces (the same on every rank)."""
+    total = None
+    for piece in pieces:
+        high, low = np.split(piece.astype(np.float64), 2)
+        value = high + low
+        total = value if total is None else total + value
+    return total
+
+
 def digest(arrays: Sequence[np.ndarray]) -> bytes:
     """8 bytes that differ, but by chance, where any value of ``arrays`` differs (BLAKE2b of
     their float32 bytes, in order)."""
@@ -130,6 +170,11 @@ def digest_of_values(values: np.ndarray) -> bytes:
 def momentum_name(parameter: str) -> str:
     """The name a parameter's momentum buffer travels under when weights are placed."""
     return f"momentum:{parameter}"
+
+
+def buffer_name(buffer: str) -> str:
+    """The name a buffer (batch norm's running statistics) travels under when placed."""
+    return f"buffer:{buffer}"
 
 
 # -- the cost -----------------------------------------------------------------------------
@@ -194,8 +239,11 @@ __all__ = [
     "MASTER_ROUND",
     "OWN",
     "RING",
+    "ROUNDS_PER_SUM",
     "SUMMED",
+    "all_gather",
     "all_reduce",
+    "buffer_name",
     "check_exchange",
     "choose",
     "chunk_bounds",
@@ -203,11 +251,13 @@ __all__ = [
     "digest_of_values",
     "digest_values",
     "flat",
+    "join64",
     "master_link_bytes",
     "momentum_name",
     "ring_exchange_seconds",
     "rounds",
     "schedule",
     "shapes_of",
+    "split64",
     "unflat",
 ]

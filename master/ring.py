@@ -34,7 +34,7 @@ import numpy as np
 from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, RING_PART
 from hetconv.costmodel import SimCluster, SimNode
 from hetconv.formats import FLOAT32, PALETTE8
-from hetconv.imagesplit import batch_loss
+from hetconv.imagesplit import batch_loss, parameter_shapes, spec_json
 from hetconv.optim import sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import (
@@ -44,6 +44,7 @@ from hetconv.ring import (
     OWN,
     RING,
     SUMMED,
+    buffer_name,
     check_exchange,
     choose,
     digest,
@@ -51,6 +52,7 @@ from hetconv.ring import (
     flat,
     master_link_bytes,
     momentum_name,
+    unflat,
 )
 
 from .call import Call
@@ -81,7 +83,7 @@ def ring_step(
     gradients it answered, None where empty; losses; hits; its outcome; the digest of its
     weights; the call's figures)."""
     count = len(arrays[-1][1])
-    expect = (*names, "losses", "hits", "ring")
+    expect = (*names, "losses", "hits", "ring", "buffers")
     got, stats = client._call(
         IMAGES_STEP, f"images step {request.step}", request, arrays, list(expect), {}, timeout,
         answer, formats,
@@ -97,7 +99,7 @@ def ring_step(
         if not empty and not np.isfinite(g).all():
             raise WorkerError(client.address, f"images step {request.step}: bad gradient {name}")
     return None if empty else grads, losses, hits.astype(bool), int(ring[0]), \
-        digest_of_values(ring[1:]), stats  # fmt: skip
+        digest_of_values(ring[1:]), got["buffers"], stats  # fmt: skip
 
 
 def put_master_part(client: WorkerClient, session: int, step: int, vector, timeout: float):
@@ -137,6 +139,7 @@ class RingImageSplit(ImageSplit):
         self._version = 0  # updates applied to the master's copy
         self._placed: dict[str, int] = {}  # worker -> the version it holds
         self._momentum: dict[str, np.ndarray] = {}
+        self._batchnorm = False  # the network has batch norm: synchronised over the ring
 
     # -- the exchange ----------------------------------------------------------------------
 
@@ -186,6 +189,31 @@ class RingImageSplit(ImageSplit):
             fabric=self.planner.network, medium_bytes_per_s=fastest,
             master_compute=self.config.master_compute,
         )  # fmt: skip
+
+    def _take_spec(self, spec, input_shape) -> None:
+        """As the split by images takes it; batch norm too where the ring sums its statistics
+        among the workers mid-pass (not with the exchange through the master)."""
+        try:
+            super()._take_spec(spec, input_shape)
+            return
+        except ValueError as e:
+            if self.exchange == MASTER or self.spot_checks is not None:
+                raise ValueError(f"{e}, or sum them among the workers: --exchange ring "
+                                 "--spot-check-every 0") from None  # fmt: skip
+            if self.config.tls_ca is not None:
+                raise
+        self._spec = spec_json(spec)
+        shapes, _ = parameter_shapes(spec, input_shape)
+        self._parameter_bytes = sum(FLOAT32.nbytes(shape) for shape in shapes.values())
+        self._batchnorm = True
+        self._used, self._why = RING, "batch norm: its statistics summed among the workers"
+
+    def _computing(self) -> list[Node]:
+        """With batch norm, the workers only (the master sums nothing mid-pass), or the master
+        alone where none is active."""
+        nodes = super()._computing()
+        workers = [n for n in nodes if not n.is_master]
+        return workers if self._batchnorm and workers else nodes
 
     # -- the resident parameters (the training loop's side) --------------------------------
 
@@ -237,6 +265,9 @@ class RingImageSplit(ImageSplit):
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
         summed = answers[ring[0][0].name] if ring else None
         exchange = RING if summed is not None and summed[3] == SUMMED else MASTER
+        if self._batchnorm:  # the workers' running statistics, or the whole batch here
+            whole = parts.get(MASTER_NODE)  # the master alone: it computed the whole batch
+            return self._batchnorm_step(model, x, labels, step, ring, answers, exchange, whole)
         for node, first, count in ring:  # the master's: the same images, the same weights
             got = answers[node.name]
             if got is not None and (exchange == RING or got[3] == OWN):
@@ -255,6 +286,32 @@ class RingImageSplit(ImageSplit):
                 self._measured(node, count, figures["seconds"], figures.get("wall_seconds", 0.0))
         ordered = [parts[node.name] for node, _, _ in ranges]
         return batch_loss([p[1] for p in ordered], batch), np.concatenate([p[2] for p in ordered])
+
+    def _batchnorm_step(self, model, x, labels, step, ring, answers, exchange: str, whole=None):
+        """A step of a network with batch norm, the master computing no range: the ring's sum
+        and rank 0's running statistics; or, where the ring failed (a node's statistics missing
+        from a sum), the whole batch computed here."""
+        batch = len(x)
+        if exchange == RING and all(answers.values()):
+            summed = answers[ring[0][0].name]
+            buffers = model.buffers()
+            values = unflat(summed[5], [b.shape for b in buffers.values()])
+            for target, value in zip(buffers.values(), values, strict=True):
+                target[...] = value
+            self._set_gradients(model, [summed[0]])
+            parts = [answers[n.name] for n, _, _ in ring]
+        else:  # a worker lost: its images' losses need the whole batch's statistics too
+            exchange = MASTER
+            parts = [whole or self._local(model, x, labels, 0, batch, batch, step)]
+            self._set_gradients(model, [parts[0][0]])
+            for node, _, _ in ring:
+                self._record[node.name].update(covered_by=MASTER_NODE, seconds=0.0)
+        self._update(model, model.gradients(), answers, exchange)
+        for node, _, count in ring:
+            figures = self._record[node.name]
+            if "covered_by" not in figures:
+                self._measured(node, count, figures["seconds"], figures.get("wall_seconds", 0.0))
+        return batch_loss([p[1] for p in parts], batch), np.concatenate([p[2] for p in parts])
 
     def _ring_calls(self, model, x, labels, step, ring, master_part: bool) -> dict[str, Call]:
         parameters = model.parameters()
@@ -285,6 +342,8 @@ class RingImageSplit(ImageSplit):
                 arrays += list(parameters.items())
                 if self._momentum:
                     arrays += [(momentum_name(k), self._momentum[k]) for k in names]
+                arrays += [(buffer_name(k), np.asarray(v, np.float32))
+                           for k, v in model.buffers().items()]  # fmt: skip
                 formats += [FLOAT32] * len(arrays)
             arrays += list(zip(IMAGES_TENSORS, (xs, ys), strict=True))
             formats += [PALETTE8.prepared(xs) if fits else FLOAT32, FLOAT32]
@@ -313,7 +372,7 @@ class RingImageSplit(ImageSplit):
         worker lost, when its call failed (the others told so: none waits on it)."""
         node, _, count = at
         try:
-            grads, losses, hits, outcome, d, stats = calls[node.name].result()
+            grads, losses, hits, outcome, d, buffers, stats = calls[node.name].result()
         except WorkerError as e:
             self.membership.lose(node, e)
             self._placed.pop(node.name, None)
@@ -325,7 +384,7 @@ class RingImageSplit(ImageSplit):
             seconds=stats.compute_seconds, wall_seconds=stats.wall_seconds,
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, outcome=outcome,
         )  # fmt: skip
-        return grads, losses, hits, outcome, d
+        return grads, losses, hits, outcome, d, buffers
 
     def _update(self, model, gradient: dict, answers: dict, exchange: str) -> None:
         """The master's copy updated as every worker's is; each worker's digest compared."""
@@ -335,7 +394,7 @@ class RingImageSplit(ImageSplit):
             if buf is not None:
                 self._momentum[name] = buf
         self._version += 1
-        mine = digest(list(params.values()))
+        mine = digest([*params.values(), flat(list(model.buffers().values()))])
         self._ring_record = {"exchange": exchange, "digest": mine.hex()}
         for name, got in answers.items():
             self._placed.pop(name, None)

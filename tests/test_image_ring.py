@@ -24,6 +24,7 @@ from hetconv.onnx_import import load_network
 from hetconv.ring import (
     MASTER,
     RING,
+    all_gather,
     all_reduce,
     choose,
     chunk_bounds,
@@ -31,7 +32,9 @@ from hetconv.ring import (
     digest_of_values,
     digest_values,
     flat,
+    join64,
     master_link_bytes,
+    split64,
     unflat,
 )
 from hetconv.worker.imagesplit import ImagesCalls
@@ -109,6 +112,32 @@ def test_all_reduce_gives_every_rank_the_same_sum_bit_for_bit(ranks, length):
     assert [b - a for a, b in chunk_bounds(length, ranks)] == [
         len(c) for c in np.array_split(np.zeros(length), ranks)
     ]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_all_gather_sums_float64_in_rank_order_on_every_rank(ranks):
+    import queue
+
+    rng = np.random.default_rng(ranks)
+    values = [rng.standard_normal(5) * 1e3 for _ in range(ranks)]
+    boxes = [queue.Queue() for _ in range(ranks)]
+    out = [None] * ranks
+
+    def rank(r: int) -> None:
+        def send(round_, piece):
+            boxes[(r + 1) % ranks].put(piece)
+
+        out[r] = join64(all_gather(split64(values[r]), r, ranks, send,
+                                   lambda round_: boxes[r].get(timeout=5)))  # fmt: skip
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got in out:
+        assert got.tobytes() == out[0].tobytes()
+    np.testing.assert_allclose(out[0], np.sum(values, axis=0), rtol=1e-13)
 
 
 def test_flat_digest_round_trips():

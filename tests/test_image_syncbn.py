@@ -26,8 +26,8 @@ CONV_BN = [
 
 
 class ThreadSum:
-    """``reduce`` for ``ranks`` threads: each call deposits a vector and returns the sum of
-    every rank's, in rank order (the same on every rank)."""
+    """``reduce`` for ``ranks`` threads: each call deposits a float64 vector and returns the
+    sum of every rank's, in rank order (the same on every rank)."""
 
     def __init__(self, ranks: int):
         self.barrier = threading.Barrier(ranks, timeout=20)
@@ -37,7 +37,7 @@ class ThreadSum:
         def reduce(v: np.ndarray) -> np.ndarray:
             self.slots[rank] = v
             self.barrier.wait()
-            total = np.array(self.slots[0], np.float32)
+            total = np.array(self.slots[0], np.float64)
             for other in self.slots[1:]:
                 total += other
             self.barrier.wait()
@@ -103,3 +103,118 @@ def test_without_reduce_a_range_normalises_by_its_own_images(rng):
     b = images_gradients(synced, x, labels, 0, 4, 0, reduce=lambda v: v)  # one node
     for name in a[0]:
         np.testing.assert_allclose(b[0][name], a[0][name], rtol=1e-5, atol=1e-7)
+
+
+# -- real worker processes: the ring sums the statistics mid-pass ----------------------------
+
+
+def _train(tmp_path, name, executor, spec, **overrides):
+    import io
+    import json
+
+    from exactness import RUN
+
+    from hetconv.training import TrainConfig, train
+
+    path = tmp_path / "spec.json"
+    if isinstance(spec, list):
+        path.write_text(json.dumps(spec))
+        spec = str(path)
+    weights = tmp_path / f"{name}.npz"
+    config = TrainConfig(**{**RUN, "preset": spec, "save": str(weights), **overrides})
+    with executor:
+        losses = train(config, executor, log=io.StringIO()).losses
+    return losses, dict(np.load(weights))
+
+
+def _ring(addresses, **config):
+    from test_image_ring import Recording
+
+    return Recording(addresses, deterministic=True, **config)
+
+
+def test_a_conv_bn_network_split_by_images_trains_as_local_training(tmp_path, workers):
+    from exactness import same_as_local
+
+    from hetconv.conv import LocalConv
+
+    local = _train(tmp_path, "local", LocalConv(), CONV_BN)
+    cluster = _ring(workers.addresses)
+    got = _train(tmp_path, "ring", cluster, CONV_BN)
+    same_as_local(got, local)  # the running statistics too: the weight file holds them
+    assert all(r["exchange"] == "ring" and "master" not in r["images"] for r in cluster.steps)
+    assert all(
+        r["nodes"][name]["digest"] == r["digest"] for r in cluster.steps for name in r["nodes"]
+    )
+
+
+def test_resnet20_split_by_images_trains_as_local_training(tmp_path, workers):
+    from exactness import same_as_local
+
+    from hetconv.conv import LocalConv
+
+    run = dict(steps=3, eval_size=0)
+    local = _train(tmp_path, "local", LocalConv(), "resnet20", **run)
+    got = _train(tmp_path, "ring", _ring(workers.addresses), "resnet20", **run)
+    same_as_local(got, local)
+
+
+def test_a_worker_lost_mid_pass_the_master_computes_the_whole_batch(tmp_path):
+    """A worker SIGKILLed while the other waits on its batch norm sums (the master computes
+    no range of a network with batch norm, so it is killed from a thread once step 3's calls
+    are out): the survivor's sums fail, and the master computes that step's whole batch
+    (the same step); the next ones ring over the survivor."""
+    import os
+    import signal
+    import time
+
+    from exactness import FAST, same_as_local
+
+    from hetconv.conv import LocalConv
+    from hetconv.master.launch import LocalWorkers
+
+    local = _train(tmp_path, "local", LocalConv(), CONV_BN, steps=8)
+    with LocalWorkers(2) as started:
+        victim = started.processes[1]
+        cluster = _ring(started.addresses, **FAST)
+
+        def kill_in_step_3() -> None:
+            while cluster.step != 3:
+                time.sleep(0.005)
+            time.sleep(0.3)  # its call out, the survivor waiting on its sums
+            victim.kill()
+            victim.wait()
+
+        cluster.actions[3] = lambda: os.kill(victim.pid, signal.SIGSTOP)
+        threading.Thread(target=kill_in_step_3, daemon=True).start()
+        got = _train(tmp_path, "killed", cluster, CONV_BN, steps=8)
+    same_as_local(got, local)
+    assert cluster.steps[3]["exchange"] == "master"
+    assert cluster.steps[3]["nodes"][started.addresses[0]]["covered_by"] == "master"
+    assert all(r["exchange"] == "ring" for r in cluster.steps[4:])
+
+
+def test_train_refuses_batch_norm_without_the_ring_and_says_how(capsys):
+    from hetconv.cli import main
+
+    argv = ["train", "--split", "images", "--model", "resnet20", "--steps", "1", "--no-run-dir"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "batch norm (layer 'bn1'" in err
+    assert "or sum them among the workers: --exchange ring --spot-check-every 0" in err
+
+
+def test_train_resnet20_split_by_images_with_the_ring(tmp_path, capsys):
+    import json
+
+    from hetconv.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    argv = ["train", "--split", "images", "--model", "resnet20", "--spot-check-every", "0",
+            "--steps", "1", "--batch", "4", "--train-size", "16", "--eval-size", "4",
+            "--no-run-dir", "--no-progress", "--trace", str(trace), "--deterministic",
+            "--local-workers", "2"]  # fmt: skip
+    assert main(argv) == 0
+    plan = json.loads(trace.read_text().splitlines()[0])
+    assert plan["exchange"] == "ring"
+    assert plan["exchange_why"] == "batch norm: its statistics summed among the workers"

@@ -31,7 +31,19 @@ from hetconv.imagesplit import images_gradients, parameter_shapes, refuse_batchn
 from hetconv.model import Model
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
-from hetconv.ring import DONE, OWN, SUMMED, digest, digest_values, flat, momentum_name, unflat
+from hetconv.ring import (
+    DONE,
+    MASTER_ROUND,
+    OWN,
+    ROUNDS_PER_SUM,
+    SUMMED,
+    buffer_name,
+    digest,
+    digest_values,
+    flat,
+    momentum_name,
+    unflat,
+)
 from hetconv.spec import check_spec, walk_spec
 from hetconv.wire import WireTensor
 from hetconv.worker.context import WorkerContext
@@ -45,22 +57,32 @@ _KEY = ("images model", 0)
 
 
 @functools.lru_cache(maxsize=16)
-def _network(spec_json: str, input_shape: tuple[int, ...]):
-    """(spec, parameter shapes by name, output values per image) of a request's model;
-    InvalidCall naming what is wrong with it."""
+def _network(spec_json: str, input_shape: tuple[int, ...], batchnorm: bool = False):
+    """(spec, parameter shapes by name, output values per image, buffer shapes by name) of a
+    request's model; InvalidCall naming what is wrong with it. Batch norm only where
+    ``batchnorm`` (a ring: its statistics summed among the workers)."""
     try:
         spec = json.loads(spec_json)
         if not isinstance(spec, list) or not all(isinstance(e, dict) for e in spec):
             raise ValueError("the spec is not a list of layer objects")
         check_spec(spec)
-        refuse_batchnorm(spec)
+        if not batchnorm:
+            refuse_batchnorm(spec)
         shapes, values = parameter_shapes(spec, input_shape)
-        output = list(walk_spec(spec, input_shape))[-1].output_shape if spec else input_shape
+        layers = list(walk_spec(spec, input_shape))
+        buffers = {
+            buffer_name(f"{ly.name}.{key}"): shape
+            for ly in layers
+            if ly.kind == "batchnorm"
+            for key, shape in (("running_mean", ly.input_shape[:1]),
+                               ("running_var", ly.input_shape[:1]), ("num_batches_tracked", ()))
+        }  # fmt: skip
+        output = layers[-1].output_shape if spec else input_shape
         if len(output) != 1:
             raise ValueError(f"the model's output is {output}, not logits (classes,)")
     except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
         raise InvalidCall(f"images step: {e}") from None
-    return spec, shapes, values
+    return spec, shapes, values, buffers
 
 
 def _description(request: pb.ConvRequest):
@@ -82,13 +104,15 @@ def check_request(request: pb.ConvRequest, tensors: list[WireTensor], max_bytes:
         RequestTooLarge: the passes would hold more than ``max_bytes``.
     """
     d, shape = _description(request)
-    _, shapes, values = _network(d.spec_json, shape)
+    ring = d.ring if d.HasField("ring") else None
+    _, shapes, values, buffers = _network(d.spec_json, shape, ring is not None)
     names = [t.name for t in tensors]
-    allowed = request_names(shapes, d.ring if d.HasField("ring") else None)
+    allowed = request_names(shapes, ring, list(buffers))
     if names not in allowed:
         raise InvalidCall(f"tensors {names} sent, expected {allowed[0]} for this model")
     for t in tensors[:-2]:
-        want = shapes[t.name.removeprefix(momentum_name(""))]
+        name = t.name.removeprefix(momentum_name(""))
+        want = buffers[name] if name in buffers else shapes[name]
         if tuple(t.shape) != want or t.format is not FLOAT32:
             raise InvalidCall(f"{t.name} is {t.format.label} {t.shape}, expected float32 {want}")
     x, labels = tensors[-2].shape, tensors[-1].shape
@@ -111,17 +135,19 @@ def check_request(request: pb.ConvRequest, tensors: list[WireTensor], max_bytes:
     return held
 
 
-def request_names(shapes, ring) -> list[list[str]]:
+def request_names(shapes, ring, buffers=()) -> list[list[str]]:
     """The tensor names an ImagesStep request may carry: every parameter, then the images and
     labels; with a ring (:mod:`hetconv.ring`), only the images and labels, or where it places
-    the weights, every parameter, with or without every momentum buffer, before them."""
+    the weights, every parameter, with or without every momentum buffer, then every buffer
+    (batch norm's running statistics), before them."""
     names, _ = images_step_names(shapes)
     if ring is None:
         return [list(names)]
     if not ring.place:
         return [list(IMAGES_TENSORS)]
     momenta = [momentum_name(n) for n in shapes]
-    return [list(names), [*shapes, *momenta, *IMAGES_TENSORS]]
+    return [[*shapes, *buffers, *IMAGES_TENSORS],
+            [*shapes, *momenta, *buffers, *IMAGES_TENSORS]]  # fmt: skip
 
 
 @dataclass
@@ -166,7 +192,7 @@ class ImagesCalls:
         ctx = self.context
         request, arrays, receive = ctx.receive(messages, IMAGES_STEP)
         d, shape = _description(request)
-        spec, _, _ = _network(d.spec_json, shape)
+        spec = _network(d.spec_json, shape, d.HasField("ring"))[0]
         *parameters, x, labels = arrays
         if not all(np.isfinite(p).all() for p in parameters) or not np.isfinite(x).all():
             raise InvalidCall("a parameter or x holds NaN or Inf")
@@ -203,36 +229,43 @@ class ImagesCalls:
         names = list(model.parameters())
         ctx.ring.begin(request.session, int(request.step))
         if ring.place:
-            own = model.parameters()
-            for name, value in zip(names, parameters, strict=False):
-                own[name][...] = value
-            momenta = parameters[len(names) :]
-            kept.momentum = {
-                n: np.array(m, np.float32) for n, m in zip(names, momenta, strict=False)
-            }
+            _place(kept, [h.name for h in request.tensors[: len(parameters)]], parameters)
             kept.version = int(ring.version)
         elif kept.version != ring.version:
             raise InvalidCall(f"this worker holds weights of version {kept.version}, the step "
                               f"needs {ring.version}: they must be placed")  # fmt: skip
         start = time.perf_counter()
+        sums = iter(range(1, MASTER_ROUND // ROUNDS_PER_SUM))
+
+        def reduce(v: np.ndarray) -> np.ndarray:  # a batch norm sum over the ring, float64
+            return ctx.ring.sum64(request, v, next(sums) * ROUNDS_PER_SUM)
 
         def work():
             model.train()
-            out = images_gradients(model, x, classes, d.first, d.batch, int(request.step))
+            out = images_gradients(model, x, classes, d.first, d.batch, int(request.step), reduce)
             ctx.backend.synchronize()
             return out
 
-        grads, losses, hits = ctx.run(work)
-        compute = time.perf_counter() - start
         kept.version = None  # in doubt until updated
-        outcome, grads = self._sum_and_update(request, kept, names, grads)
+        try:
+            grads, losses, hits = ctx.run(work)
+        except RingFailed:  # a batch norm sum: no gradient of the whole batch's statistics
+            grads = {n: np.zeros(0, np.float32) for n in names}
+            losses, hits = np.zeros(len(x), np.float32), np.zeros(len(x), bool)
+            outcome = OWN
+        else:
+            outcome, grads = self._sum_and_update(request, kept, names, grads)
+        compute = time.perf_counter() - start
         tensors = [(name, grads[name], FLOAT32) for name in names]
         ring_values = np.zeros(5, np.float32)
         ring_values[0] = outcome
         if outcome != OWN:
-            ring_values[1:] = digest_values(digest(list(model.parameters().values())))
+            ring_values[1:] = digest_values(digest(_state(model)))
+        buffers = (
+            flat(list(model.buffers().values())) if outcome == SUMMED else np.zeros(0, np.float32)
+        )
         tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32),
-                    ("ring", ring_values, FLOAT32)]  # fmt: skip
+                    ("ring", ring_values, FLOAT32), ("buffers", buffers, FLOAT32)]  # fmt: skip
         return tensors, compute, receive
 
     def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads):
@@ -262,6 +295,24 @@ class ImagesCalls:
         if ring.answer_sum:
             return SUMMED, dict(zip(names, summed, strict=True))
         return DONE, {n: np.zeros(0, np.float32) for n in names}
+
+
+def _place(kept: _Kept, names: list[str], arrays: list[np.ndarray]) -> None:
+    """The weights, momentum buffers and buffers a request places, by their names."""
+    params, buffers = kept.model.parameters(), kept.model.buffers()
+    kept.momentum = {}
+    for name, value in zip(names, arrays, strict=True):
+        if name.startswith(momentum_name("")):
+            kept.momentum[name.removeprefix(momentum_name(""))] = np.array(value, np.float32)
+        elif name.startswith(buffer_name("")):
+            buffers[name.removeprefix(buffer_name(""))][...] = value
+        else:
+            params[name][...] = value
+
+
+def _state(model: Model) -> list[np.ndarray]:
+    """What a worker's digest covers: every parameter, then every buffer (as float32)."""
+    return [*model.parameters().values(), flat(list(model.buffers().values()))]
 
 
 def _classes(model: Model, labels: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from hetconv.calls import RING_PART
 from hetconv.errors import InvalidCall
 from hetconv.formats import FLOAT32
 from hetconv.proto import worker_pb2 as pb
-from hetconv.ring import MASTER_ROUND, all_reduce
+from hetconv.ring import MASTER_ROUND, all_gather, all_reduce, join64, split64
 from hetconv.worker.context import WorkerContext
 from hetconv.worker.peers import PeerLinks
 
@@ -142,8 +142,21 @@ class RingCalls:
         ring = request.images.ring
         return self._receive(request.session, int(request.step), MASTER_ROUND, ring.wait_seconds)
 
-    def all_reduce(self, request: pb.ConvRequest, vector: np.ndarray) -> np.ndarray:
-        """Sum ``vector`` over the request's ring (in place); RingFailed saying why not."""
+    def all_reduce(
+        self, request: pb.ConvRequest, vector: np.ndarray, offset: int = 0
+    ) -> np.ndarray:
+        """Sum ``vector`` over the request's ring (in place), its parts' rounds counted from
+        ``offset`` (each sum of a step its own: :data:`~hetconv.ring.ROUNDS_PER_SUM`);
+        RingFailed saying why not."""
+        return self._run(request, offset, lambda *io: all_reduce(vector, *io))
+
+    def sum64(self, request: pb.ConvRequest, values: np.ndarray, offset: int) -> np.ndarray:
+        """The float64 sum of ``values`` over the ring, in rank order (every rank's, gathered:
+        the same on each), its rounds from ``offset``; RingFailed saying why not."""
+        return join64(self._run(request, offset, lambda *io: all_gather(split64(values), *io)))
+
+    def _run(self, request: pb.ConvRequest, offset: int, algorithm):
+        """``algorithm(rank, ranks, send, receive)`` over the request's ring."""
         ring = request.images.ring
         session, step, rank, peers = request.session, int(request.step), ring.rank, ring.peers
         if self.tls:
@@ -153,16 +166,17 @@ class RingCalls:
 
         def send(round_: int, chunk: np.ndarray) -> None:
             try:
-                links.put(following, part_request(session, step, rank, round_), chunk, FLOAT32,
+                links.put(following, part_request(session, step, rank, offset + round_), chunk,
+                          FLOAT32,
                           min(PUT_SECONDS, max(ring.wait_seconds, 1.0)))  # fmt: skip
             except grpc.RpcError as e:
                 raise RingFailed(f"the put to {following} failed: {e.code().name}") from None
 
         def receive(round_: int) -> np.ndarray:
-            return self._receive(session, step, round_, ring.wait_seconds)
+            return self._receive(session, step, offset + round_, ring.wait_seconds)
 
         try:
-            return all_reduce(vector, rank, len(peers), send, receive)
+            return algorithm(rank, len(peers), send, receive)
         except (RingFailed, ValueError) as e:
             self.abort(request)
             raise RingFailed(str(e)) from None
