@@ -52,8 +52,9 @@ FLAGS = {
             "network, the loss included, runs on every node, each on its share of the batch's "
             "images (by its measured speed and link, so that every node finishes together; "
             "equal with --deterministic), the gradients summed on the master in node order: "
-            "heterogeneous data parallelism (exact to float32 round-off; not for networks with "
-            "batch norm; the layer modes do not apply)",
+            "heterogeneous data parallelism (exact to float32 round-off; a network with batch "
+            "norm only with --exchange ring, which sums its statistics among the workers; the "
+            "layer modes do not apply)",
         ),
         ModeFlag(
             "--exchange",

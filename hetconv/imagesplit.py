@@ -9,7 +9,8 @@ mean-loss gradient, what training on one machine computes, to float32 round-off 
 gradient is the same bit for bit; only the sums over images inside each layer's weight
 gradient are grouped differently). Dropout draws the whole batch's masks and each range takes
 its rows (:func:`images_gradients`), so masks match too. Batch norm couples the images (its
-statistics are the whole batch's) and is refused (:func:`refuse_batchnorm`).
+statistics are the whole batch's): refused (:func:`refuse_batchnorm`), but where the nodes sum
+their statistics mid-pass (:func:`sync_batchnorm`, the ring's workers: :mod:`hetconv.ring`).
 
 Here: the ranges (:func:`image_ranges`), one range's forward, loss and backward on a model
 (:func:`images_gradients`), the check of a network (:func:`refuse_batchnorm`) and the spec as

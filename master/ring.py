@@ -19,9 +19,15 @@ class updates the master's copy with the same :func:`~hetconv.optim.sgd_update`)
   updates its copy; every worker is re-placed next step. No step is lost, and the step is the
   same to float32 round-off.
 
+A network with batch norm trains only this way: its statistics are summed among the workers
+mid-pass (:func:`hetconv.imagesplit.sync_batchnorm`), the master computes no range, and rank 0
+answers the running statistics with the sum; where the ring fails, the master computes the
+step's whole batch.
+
 ``auto`` picks the exchange the cost model finds faster for the measured links
 (:func:`hetconv.ring.choose`); TLS keeps the exchange through the master (the ring's calls
-between workers are plain gRPC, as the split block's).
+between workers are plain gRPC, as the split block's), and so do spot checks (they recompute a
+worker's own gradient, which the ring never sends here).
 """
 
 from __future__ import annotations

@@ -8,8 +8,15 @@ seed stay the same; a new request's parameters are copied in), runs forward, the
 backward on its images (:func:`hetconv.imagesplit.images_gradients`) and answers every
 parameter's gradient, each image's loss and whether it was a hit. What the request implies is
 checked before its tensors arrive (:func:`check_request`): a spec the worker cannot build, a
-network with batch norm, parameters that are not the model's (names, order, sizes), images
-outside the batch, and passes that would not fit the worker's limit per request.
+network with batch norm (but with a ring), parameters that are not the model's (names, order,
+sizes), images outside the batch, and passes that would not fit the worker's limit per
+request.
+
+With a ring (:mod:`hetconv.ring`, the request's ``ring``), the worker keeps the weights, the
+momentum buffers and the buffers (placed by the request that sets ``place``; afterwards only the
+images come), sums its gradient over the ring (:mod:`hetconv.worker.ring`), applies the update
+and answers a digest of its state (rank 0 the sum and the running statistics too); batch norm
+layers sum their statistics over the ring mid-pass (:func:`hetconv.imagesplit.sync_batchnorm`).
 """
 
 from __future__ import annotations
