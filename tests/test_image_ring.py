@@ -431,3 +431,31 @@ def test_the_ring_is_refused_with_spot_checks_and_auto_goes_through_the_master(t
     plan = json.loads(trace.read_text().splitlines()[0])
     assert plan["exchange"] == MASTER
     assert plan["exchange_why"] == "spot checks need each worker's own gradient"
+
+
+@pytest.mark.slow
+def test_paper_150_800_with_the_ring_equal_to_local_training_with_a_worker_killed(tmp_path):
+    import io
+
+    from exactness import RUN
+
+    from hetconv.conv import LocalConv
+    from hetconv.training import TrainConfig, train
+
+    def trained(name, executor):
+        weights = tmp_path / f"{name}.npz"
+        run = {**RUN, "preset": "paper-150-800", "eval_size": 0, "save": str(weights)}
+        with executor:
+            losses = train(TrainConfig(**run), executor, log=io.StringIO()).losses
+        return losses, dict(np.load(weights))
+
+    local = trained("local", LocalConv())
+    with LocalWorkers(2) as started:
+        victim = started.processes[0]
+        stop = {11: lambda: os.kill(victim.pid, signal.SIGSTOP)}
+        kill = {11: lambda: (victim.kill(), victim.wait())}
+        cluster = Recording(started.addresses, stop, kill, deterministic=True, **FAST)
+        got = trained("ring", cluster)
+    same_as_local(got, local)
+    assert cluster.steps[11]["exchange"] == MASTER
+    assert all(r["exchange"] == RING for r in cluster.steps[:11] + cluster.steps[12:])
