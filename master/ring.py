@@ -250,7 +250,9 @@ class RingImageSplit(ImageSplit):
         if self._spec is None:
             self.check_model(model)
         if self._resolve() != RING:
+            self._ring_record = {"exchange": MASTER}
             return super().train_batch(model, x, labels, step)
+        self._part_bytes = 0
         if self._sgd is None:
             raise RuntimeError("the ring updates the weights: attach_optimizer first")
         batch = len(x)
@@ -362,6 +364,7 @@ class RingImageSplit(ImageSplit):
 
     def _put_master(self, model, grads: dict, rank0: Node, step: int) -> None:
         vector = flat([grads[k] for k in model.parameters()])
+        self._part_bytes = vector.nbytes
         try:
             put_master_part(
                 rank0.client,
@@ -401,7 +404,9 @@ class RingImageSplit(ImageSplit):
                 self._momentum[name] = buf
         self._version += 1
         mine = digest([*params.values(), flat(list(model.buffers().values()))])
-        self._ring_record = {"exchange": exchange, "digest": mine.hex()}
+        self._ring_record = {
+            "exchange": exchange, "digest": mine.hex(), "master_part_bytes": self._part_bytes,
+        }  # fmt: skip
         for name, got in answers.items():
             self._placed.pop(name, None)
             if got is None or exchange != RING or got[3] == OWN:

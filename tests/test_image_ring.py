@@ -194,7 +194,8 @@ def test_bytes_on_the_master_link_are_the_ring_exchange(tmp_path, workers):
     images = [record["nodes"][name]["images"] for name in workers.addresses]
     calls = sum(record["nodes"][n]["bytes_sent"] + record["nodes"][n]["bytes_received"]
                 for n in workers.addresses)  # fmt: skip
-    moved = calls + params  # the master's part put into rank 0
+    assert record["master_part_bytes"] == params  # the master's part put into rank 0
+    moved = calls + params
     data = sum(3 * 1024 + i * 3 * 32 * 32 + 4 * i + 8 * i + 20 for i in images)
     counted = master_link_bytes(params, len(images), RING)
     assert counted + data < moved < counted + data + 8192  # headers
@@ -428,8 +429,10 @@ def test_the_ring_is_refused_with_spot_checks_and_auto_goes_through_the_master(t
             "--eval-size", "8", "--no-run-dir", "--no-progress", "--trace", str(trace),
             "--local-workers", "2"]  # fmt: skip
     assert main(argv) == 0
-    plan = json.loads(trace.read_text().splitlines()[0])
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    plan = records[0]
     assert plan["exchange"] == MASTER
+    assert [r["exchange"] for r in records if "step" in r] == [MASTER]
     assert plan["exchange_why"] == "spot checks need each worker's own gradient"
 
 
