@@ -151,6 +151,7 @@ def predict_images(
         cluster, model["spec"], sum(batches), 0.0, CollectiveCosts().scaled(cap),
         image_seconds=[seconds[i] for i in ranks], batches=[batches[i] for i in ranks],
         input_shape=tuple(model["input_shape"]),
+        exchange="ring" if plan.get("exchange") == "ring" else "ps",  # --exchange's choice
     )  # fmt: skip
     shares = {"images": [batches[i] for i in range(len(names))]}
     return result, ImagesCalibration(trace, shares, [seconds[i] for i in ranks])

@@ -409,10 +409,19 @@ def simulate_image_split(
     ``exchange="ring"`` (``--exchange ring``): the workers that get images keep the weights
     and sum the gradients by a ring among themselves, the master's put into the first and the
     sum back (:func:`hetconv.ring.ring_exchange_seconds`) in place of the parameter server;
-    the master's link carries the parameters twice, whatever the workers."""
+    the master's link carries the parameters twice, whatever the workers. A network with batch
+    norm runs only so: the master computes no images, and each batch norm layer adds three sums
+    a step, each gathered over the ring (``workers - 1`` messages one after another, a round
+    trip's latency each: :func:`batchnorm_sums_seconds`)."""
     costs = costs or CollectiveCosts()
     if exchange not in ALGORITHMS:
         raise ValueError(f"exchange {exchange!r} is not one of {', '.join(ALGORITHMS)}")
+    named = load_network(network) if isinstance(network, str) else Network(list(network))
+    norms = sum(1 for e in named.spec if e["type"] == "batchnorm")
+    if norms and exchange != RING:
+        raise ValueError("a network with batch norm is split by images only with the ring")
+    if norms and cluster.workers:
+        cluster = replace(cluster, master_compute=False)
     got = simulate_data_parallel(
         cluster, network, batch, comp_s, PARAMETER_SERVER, False, costs, image_seconds,
         batches, input_shape,
@@ -424,13 +433,13 @@ def simulate_image_split(
 
         used = tuple(w for w, b in zip(cluster.workers, got.batches[1:], strict=True) if b)
         ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs)
+        ring_s += batchnorm_sums_seconds(used, norms, costs)
         got = replace(
             got, algorithm=RING, step_s=got.step_s - got.comm_s + ring_s, comm_s=ring_s,
             exchange_s=ring_s,
             master_bytes=ring_master_bytes(got.gradient_bytes, len(used),
                                            RING_EXCHANGE if used else MASTER),
         )  # fmt: skip
-    named = load_network(network) if isinstance(network, str) else Network(list(network))
     c, h, w = input_shape or named.input_shape or CIFAR_INPUT
     per_image = c * h * w if image_bytes is None else image_bytes
     nbytes = sum(got.batches[1:]) * per_image  # master first (0 where it computes nothing)
@@ -445,6 +454,19 @@ def simulate_image_split(
         exchange_s=got.exchange_s + images_s,
         master_bytes=got.master_bytes + nbytes,
     )
+
+
+def batchnorm_sums_seconds(
+    workers: Sequence[SimNode], norms: int, costs: CollectiveCosts | None = None
+) -> float:
+    """Seconds a step of ``norms`` batch norm layers split by images over ``workers`` (the
+    ring's) waits on their statistics: three sums a layer, each ``len(workers) - 1`` messages
+    in turn, half a round trip and a message's cost each (their bytes are few)."""
+    costs = costs or CollectiveCosts()
+    if len(workers) < 2:
+        return 0.0
+    hop = costs.message_s + max(w.rtt_s for w in workers) / 2
+    return 3 * norms * (len(workers) - 1) * hop
 
 
 def _rank_batches(

@@ -178,17 +178,18 @@ def candidates(
 
 
 def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) -> list:
-    """The whole network split by images (``--split images``), where it can run: not on a
-    network with batch norm (its statistics are the whole batch's)."""
-    try:
-        refuse_batchnorm(load_network(network).spec)
-    except ValueError:
-        return []
-    out = []
-    for exchange, label, flags in (
+    """The whole network split by images (``--split images``), both exchanges; a network with
+    batch norm only with the ring (its statistics summed among the workers)."""
+    ways = (
         ("ps", IMAGE_SPLIT, "--split images --exchange master"),
         ("ring", IMAGE_SPLIT_RING, "--split images --exchange ring --spot-check-every 0"),
-    ):
+    )
+    try:
+        refuse_batchnorm(load_network(network).spec)
+    except ValueError:  # batch norm: its statistics summed among the workers, by the ring
+        ways = ways[1:]
+    out = []
+    for exchange, label, flags in ways:
         got = simulate_image_split(cluster, network, batch, comp_s, input_shape=shape,
                                    exchange=exchange)  # fmt: skip
         out.append(

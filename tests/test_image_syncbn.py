@@ -218,3 +218,22 @@ def test_train_resnet20_split_by_images_with_the_ring(tmp_path, capsys):
     plan = json.loads(trace.read_text().splitlines()[0])
     assert plan["exchange"] == "ring"
     assert plan["exchange_why"] == "batch norm: its statistics summed among the workers"
+
+
+def test_the_simulator_and_the_plan_split_a_batch_norm_network_by_images_with_the_ring():
+    from hetconv.costmodel import SWITCHED, SimCluster, SimNode
+    from hetconv.dataparallel import batchnorm_sums_seconds, simulate_image_split
+    from hetconv.simulations.plan import IMAGE_SPLIT, IMAGE_SPLIT_RING, candidates
+
+    link = 940e6 / 8
+    nodes = tuple(SimNode(f"w{i}", 60.0, bytes_per_s=link, rtt_s=3e-3) for i in range(3))
+    cluster = SimCluster(SimNode("m", 60.0, bytes_per_s=link), nodes, SWITCHED)
+    with pytest.raises(ValueError, match="batch norm is split by images only with the ring"):
+        simulate_image_split(cluster, "resnet20", 64, 0.05)
+    got = simulate_image_split(cluster, "resnet20", 64, 0.05, exchange="ring")
+    assert got.batches[0] == 0 and sum(got.batches) == 64  # the master computes no images
+    sums = batchnorm_sums_seconds(nodes, 19)
+    assert sums == pytest.approx(3 * 19 * 2 * (50e-6 + 1.5e-3))
+    assert got.comm_s > sums
+    labels = {c.label for c in candidates(cluster, "resnet20", 64, 0.05)}
+    assert IMAGE_SPLIT_RING in labels and IMAGE_SPLIT not in labels
