@@ -40,6 +40,8 @@ MASTER_ROUND = 1 << 20
 #: (:func:`hetconv.imagesplit.sync_batchnorm`) from ``k * ROUNDS_PER_SUM`` (a ring of at most
 #: ``ROUNDS_PER_SUM / 2`` workers).
 ROUNDS_PER_SUM = 256
+#: The most workers a ring holds (its gradient's rounds within :data:`ROUNDS_PER_SUM`).
+MAX_RANKS = ROUNDS_PER_SUM // 2
 #: A worker's answer: ``ring`` is ``[outcome, digest as 4 16-bit values]``; the outcomes.
 OWN, SUMMED, DONE = 0, 1, 2  # its own gradient (the ring failed); the sum; updated, no sum
 
@@ -237,6 +239,7 @@ __all__ = [
     "EXCHANGES",
     "MASTER",
     "MASTER_ROUND",
+    "MAX_RANKS",
     "OWN",
     "RING",
     "ROUNDS_PER_SUM",

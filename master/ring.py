@@ -47,6 +47,7 @@ from hetconv.ring import (
     AUTO,
     MASTER,
     MASTER_ROUND,
+    MAX_RANKS,
     OWN,
     RING,
     SUMMED,
@@ -261,6 +262,8 @@ class RingImageSplit(ImageSplit):
             self._retry_idle(cut)
         ranges = [(node, first, count) for node, (first, count) in cut if count]
         ring = [r for r in ranges if not r[0].is_master]
+        if len(ring) > MAX_RANKS:
+            raise RuntimeError(f"{len(ring)} workers: a ring holds at most {MAX_RANKS}")
         master = next((r for r in ranges if r[0].is_master), None)
         calls = self._ring_calls(model, x, labels, step, ring, master is not None)
         parts: dict[str, tuple] = {}

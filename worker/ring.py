@@ -21,7 +21,7 @@ from hetconv.calls import RING_PART
 from hetconv.errors import InvalidCall
 from hetconv.formats import FLOAT32
 from hetconv.proto import worker_pb2 as pb
-from hetconv.ring import MASTER_ROUND, all_gather, all_reduce, join64, split64
+from hetconv.ring import MASTER_ROUND, MAX_RANKS, all_gather, all_reduce, join64, split64
 from hetconv.worker.context import WorkerContext
 from hetconv.worker.peers import PeerLinks
 
@@ -161,6 +161,8 @@ class RingCalls:
         session, step, rank, peers = request.session, int(request.step), ring.rank, ring.peers
         if self.tls:
             raise InvalidCall("a worker serving TLS does not ring (its peers' calls are plain)")
+        if not 0 < len(peers) <= MAX_RANKS or rank >= len(peers):
+            raise InvalidCall(f"rank {rank} of a ring of {len(peers)}: at most {MAX_RANKS}")
         links = self._session_links(session)
         following = peers[(rank + 1) % len(peers)]
 
