@@ -487,12 +487,10 @@ def test_time_step_positive(padding):
 
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
-@pytest.mark.parametrize("through", ["numpy", "ctypes", "f2py"])
+@pytest.mark.parametrize("through", ["ctypes", "f2py"])
 def test_gemm_accumulates_in_place_for_every_transpose(trans_a, trans_b, through, monkeypatch):
     from hetconv.backends import cpu
 
-    if through != "numpy":  # scipy's sgemm: for large outputs that accumulate, or throughout
-        monkeypatch.setattr(cpu, "_NUMPY_MATMUL", False)
     if through == "f2py":
         monkeypatch.setattr(cpu, "_SGEMM", None)  # the fallback where no capsule is found
     else:
@@ -511,36 +509,11 @@ def test_gemm_accumulates_in_place_for_every_transpose(trans_a, trans_b, through
     np.testing.assert_allclose(out, want - before, rtol=1e-5, atol=1e-5)
 
 
-def test_gemm_accumulates_a_large_output_through_scipy(monkeypatch):
-    """A GEMM that accumulates into more than ``_SMALL_OUTPUT`` values runs in place through
-    scipy's sgemm (no temporary of that size); below it, numpy's matmul and an add."""
-    from hetconv.backends import cpu
-
-    calls = []
-    real = cpu._SGEMM
-    monkeypatch.setattr(cpu, "_SGEMM", lambda *args: calls.append(1) or real(*args))
-    rng = np.random.default_rng(2)
-    a = rng.standard_normal((300, 8), dtype=np.float32)
-    b = rng.standard_normal((8, 256), dtype=np.float32)
-    for rows, through_scipy in ((255, False), (257, True)):  # 256 x 256 = _SMALL_OUTPUT
-        out = rng.standard_normal((rows, 256), dtype=np.float32)
-        before = out.copy()
-        cpu._gemm(a[:rows], b, out, beta=1.0)
-        np.testing.assert_allclose(out, a[:rows] @ b + before, rtol=1e-5, atol=1e-4)
-        cpu._gemm(a[:rows], b, out)  # nothing accumulated: numpy
-        np.testing.assert_allclose(out, a[:rows] @ b, rtol=1e-5, atol=1e-4)
-        assert len(calls) == through_scipy
-        calls.clear()
-
-
-@pytest.mark.parametrize("through", ["numpy", "ctypes"])
-def test_gemm_lets_other_threads_run(through, monkeypatch):
+def test_gemm_lets_other_threads_run():
     # A thread streaming tensors to other workers needs the GIL for every chunk; the master's
     # GEMM must not hold it. While three long GEMMs run on another thread, this one keeps
     # running (f2py's sgemm stops it for each whole GEMM).
     from hetconv.backends import cpu
-
-    monkeypatch.setattr(cpu, "_NUMPY_MATMUL", through == "numpy")
 
     n = 2048  # ~0.1-0.3 s per GEMM here: far longer than any scheduling pause
     a = np.ones((n, n), np.float32)

@@ -96,10 +96,6 @@ def _blas_sgemm_without_gil():
 
 
 _SGEMM = _blas_sgemm_without_gil()
-#: Whether :func:`_gemm` may hand GEMMs to numpy's ``matmul``; up to this many values a
-#: GEMM that accumulates does too (into a temporary, then added).
-_NUMPY_MATMUL = True
-_SMALL_OUTPUT = 2**16
 _INT_MAX = 2**31 - 1
 
 
@@ -125,19 +121,7 @@ def _gemm(
     BLAS is column-major: a C-ordered matrix is the Fortran-ordered transpose, so
     ``out.T = op(b).T @ op(a).T`` is what is handed to sgemm; no operand is copied. The GIL is
     released while it runs (see :func:`_blas_sgemm_without_gil`).
-
-    Where nothing is accumulated, or only a small ``out`` (a kernel gradient's chunk), numpy's
-    ``matmul`` runs it instead (its own OpenBLAS, which releases the GIL too): it runs the
-    engine's GEMMs with few kernels faster than scipy's (one thread, OpenBLAS 0.3.31 against
-    0.3.30, Haswell kernel: a 16-channel layer's kernel gradient, 48 x 16 over 9216 positions,
-    89 against 59 GFLOPS; 64 channels over 1024 positions 120 against 101; its forward, 9216 x
-    16 of 48 terms, 103 against 95).
     """
-    if _NUMPY_MATMUL and (beta == 0.0 or out.size <= _SMALL_OUTPUT):
-        product = np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=None if beta else out)
-        if beta:
-            out += product
-        return
     m, n = out.shape
     k = a.shape[0] if trans_a else a.shape[1]
     lda, ldb, ldc = _row_stride(a), _row_stride(b), _row_stride(out)
