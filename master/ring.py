@@ -147,6 +147,7 @@ class RingImageSplit(ImageSplit):
         self._placed: dict[str, int] = {}  # worker -> the version it holds
         self._momentum: dict[str, np.ndarray] = {}
         self._batchnorm = False  # the network has batch norm: synchronised over the ring
+        self._log = None  # the console, until the exchange is said there
 
     # -- the exchange ----------------------------------------------------------------------
 
@@ -159,9 +160,10 @@ class RingImageSplit(ImageSplit):
         console."""
         if self._used is None:
             self._choose()
-            if getattr(self, "_log", None) is not None:
-                how = "by a ring among the workers" if self._used == RING else "through the master"
-                print(f"gradients summed {how} ({self._why})", file=self._log)
+        if self._log is not None:
+            how = "by a ring among the workers" if self._used == RING else "through the master"
+            print(f"gradients summed {how} ({self._why})", file=self._log)
+            self._log = None  # said once
         return self._used
 
     def _choose(self) -> None:

@@ -218,6 +218,7 @@ def test_train_resnet20_split_by_images_with_the_ring(tmp_path, capsys):
     plan = json.loads(trace.read_text().splitlines()[0])
     assert plan["exchange"] == "ring"
     assert plan["exchange_why"] == "batch norm: its statistics summed among the workers"
+    assert "gradients summed by a ring among the workers (batch norm" in capsys.readouterr().err
 
 
 def test_the_simulator_and_the_plan_split_a_batch_norm_network_by_images_with_the_ring():
