@@ -418,10 +418,7 @@ class CpuBackend(Backend):
         y = np.empty((shape.n, shape.k, ho, wo), np.float32)
         for chunk, first in self._chunks(plan):
             lowered = self._lower(chunk, x, first)
-            # (positions, K): BLAS runs rows @ kernels.T faster than kernels @ rows.T where
-            # the kernels are few (16 kernels of 144 terms: 97 against 59 GFLOPS on
-            # OpenBLAS's Haswell kernel, 148 against 94 on SkylakeX; 32 of 288: 114 / 82)
-            first_axis = chunk.positions_first
+            first_axis = chunk.positions_first  # (positions, K), or (K, positions)
             out = self._scratch.get(
                 "out", (chunk.positions, shape.k) if first_axis else (shape.k, chunk.positions)
             )
