@@ -215,7 +215,10 @@ class RingImageSplit(ImageSplit):
         shapes, _ = parameter_shapes(spec, input_shape)
         self._parameter_bytes = sum(FLOAT32.nbytes(shape) for shape in shapes.values())
         self._batchnorm = True
-        self._used, self._why = RING, "batch norm: its statistics summed among the workers"
+        self._used, self._why = (
+            RING,
+            "batch norm: its statistics summed among the workers, the master computing no images",
+        )
 
     def _computing(self) -> list[Node]:
         """With batch norm, the workers only (the master sums nothing mid-pass), or the master

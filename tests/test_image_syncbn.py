@@ -217,7 +217,9 @@ def test_train_resnet20_split_by_images_with_the_ring(tmp_path, capsys):
     assert main(argv) == 0
     plan = json.loads(trace.read_text().splitlines()[0])
     assert plan["exchange"] == "ring"
-    assert plan["exchange_why"] == "batch norm: its statistics summed among the workers"
+    assert plan["exchange_why"] == (
+        "batch norm: its statistics summed among the workers, the master computing no images"
+    )
     assert "gradients summed by a ring among the workers (batch norm" in capsys.readouterr().err
 
 
