@@ -218,6 +218,15 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
         over_base=False,
     ),
+    Mode(
+        "images_ring",
+        ("--split", "images", "--exchange", "ring", "--spot-check-every", "0"),
+        "the whole network split by images, the weights kept on the workers and the gradients "
+        "summed by a ring among them (no spot checks: the ring cannot be checked)",
+        "--exchange",
+        in_all=False,
+        over_base=False,
+    ),
 )
 DEFAULT_MODES = (
     "kernel_split", "float16", "link_shares", "fused", "resident", "replica", "overlap", "head",
