@@ -233,7 +233,7 @@ def test_a_batch_runs_in_cache_sized_chunks(rng, monkeypatch):
     up to summation order."""
     import hetconv.backends.cpu as cpu
 
-    shape = conv_shape((6, 16, 12, 12), (8, 16, 3, 3), 1)
+    shape = conv_shape((6, 32, 12, 12), (8, 32, 3, 3), 1)  # rows lowered (kw * C >= 64)
     one = _Plan(shape, 1, 1).scratch_bytes()
     monkeypatch.setattr(cpu, "CHUNK_BYTES", 2 * one)
     results, problem = {}, None
@@ -244,7 +244,7 @@ def test_a_batch_runs_in_cache_sized_chunks(rng, monkeypatch):
             assert _plan(shape, 2**40).images == images
             if problem is None:  # in chunks of 2, against the reference
                 problem, results[images] = check_against_reference(
-                    CpuBackend(), rng, 6, 16, 12, 12, 8, 3, 3, 1
+                    CpuBackend(), rng, 6, 32, 12, 12, 8, 3, 3, 1
                 )
             else:
                 results[images] = run_all(CpuBackend(), problem)
