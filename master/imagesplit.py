@@ -182,7 +182,14 @@ class ImageSplit(Cluster):
             seconds = [self._seconds.get(n.name, mean) for n in nodes]
             fixed_mean = float(np.mean(list(self._fixed.values()))) if self._fixed else 0.0
             fixed = [0.0 if n.is_master else self._fixed.get(n.name, fixed_mean) for n in nodes]
+            fixed = fixed if self._workers_pay_alone() else None
         return list(zip(nodes, image_ranges(batch, seconds, fixed), strict=True))
+
+    def _workers_pay_alone(self) -> bool:
+        """Whether a worker's time beyond its images is its own (its call's bytes through the
+        master), so its ranges make up for it; not where every node waits for one exchange
+        after computing (a ring)."""
+        return True
 
     def _measured(self, node: Node, images: int, seconds: float, wall: float = 0.0) -> None:
         """Smooth in a node's step: ``seconds`` computing ``images``, ``wall`` its call's. A

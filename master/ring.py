@@ -151,6 +151,12 @@ class RingImageSplit(ImageSplit):
 
     # -- the exchange ----------------------------------------------------------------------
 
+    def _workers_pay_alone(self) -> bool:
+        # With the ring every node waits for the same sums after computing (rank 0 for the
+        # master's part): only the images' seconds share the batch, else a worker's wait for
+        # the master would hand the master more images, and the workers would wait longer.
+        return self._used != RING
+
     def prepare(self, layers, batch: int, log=None) -> None:
         self._log = log
         super().prepare(layers, batch, log)
