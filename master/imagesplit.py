@@ -180,16 +180,15 @@ class ImageSplit(Cluster):
         else:
             mean = float(np.mean(list(self._seconds.values())))
             seconds = [self._seconds.get(n.name, mean) for n in nodes]
-            fixed_mean = float(np.mean(list(self._fixed.values()))) if self._fixed else 0.0
-            fixed = [0.0 if n.is_master else self._fixed.get(n.name, fixed_mean) for n in nodes]
-            fixed = fixed if self._workers_pay_alone() else None
+            fixed = self._fixed_seconds(nodes)
         return list(zip(nodes, image_ranges(batch, seconds, fixed), strict=True))
 
-    def _workers_pay_alone(self) -> bool:
-        """Whether a worker's time beyond its images is its own (its call's bytes through the
-        master), so its ranges make up for it; not where every node waits for one exchange
-        after computing (a ring)."""
-        return True
+    def _fixed_seconds(self, nodes: list[Node]) -> list[float]:
+        """Each computing node's seconds per step that do not depend on its images: a
+        worker's call beyond its computation (the parameters and gradients on its link; a
+        node not measured yet counts as the mean of those measured), none for the master."""
+        mean = float(np.mean(list(self._fixed.values()))) if self._fixed else 0.0
+        return [0.0 if n.is_master else self._fixed.get(n.name, mean) for n in nodes]
 
     def _measured(self, node: Node, images: int, seconds: float, wall: float = 0.0) -> None:
         """Smooth in a node's step: ``seconds`` computing ``images``, ``wall`` its call's. A

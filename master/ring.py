@@ -151,11 +151,18 @@ class RingImageSplit(ImageSplit):
 
     # -- the exchange ----------------------------------------------------------------------
 
-    def _workers_pay_alone(self) -> bool:
-        # With the ring every node waits for the same sums after computing (rank 0 for the
-        # master's part): only the images' seconds share the batch, else a worker's wait for
-        # the master would hand the master more images, and the workers would wait longer.
-        return self._used != RING
+    def _fixed_seconds(self, nodes) -> list[float]:
+        """With the ring every worker waits for the same sums after computing, and rank 0
+        for the master's part first: the master's gradient crossing rank 0's link is the one
+        cost beside the images (a worker's wait counted as its own would hand the master
+        more images, and the workers a longer wait)."""
+        if self._used != RING:
+            return super()._fixed_seconds(nodes)
+        workers = [n for n in nodes if not n.is_master]
+        rank0 = workers[0] if workers else None
+        part = self._parameter_bytes / rank0.link_bytes_per_second if rank0 else 0.0
+        return [part + (rank0.link_latency if rank0 else 0.0) if n.is_master else 0.0
+                for n in nodes]  # fmt: skip
 
     def prepare(self, layers, batch: int, log=None) -> None:
         self._log = log
