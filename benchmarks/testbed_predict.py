@@ -96,17 +96,22 @@ class ImagesCalibration:
     image_seconds: list[float]
 
 
-def _images_plan(trace: str) -> dict | None:
-    """The trace's first plan record when its run split the network by images, else None."""
-    with open(trace, encoding="utf-8") as lines:
-        for line in lines:
+def _plan_records(path: str):
+    """The trace's plan records, in order (lines that are not JSON objects passed over)."""
+    with open(path, encoding="utf-8") as trace:
+        for line in trace:
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
             if isinstance(record, dict) and record.get("event") == "plan":
-                return record if record.get("split") == "images" else None
-    return None
+                yield record
+
+
+def _images_plan(trace: str) -> dict | None:
+    """The trace's first plan record when its run split the network by images, else None."""
+    first = next(_plan_records(trace), None)
+    return first if first is not None and first.get("split") == "images" else None
 
 
 def predict_images(
@@ -183,18 +188,11 @@ def _plan_prediction(path: str, step: int | None) -> dict:
     """The ``prediction`` of the trace's plan record that step ``step`` ran under (the latest
     at or before it; without ``step``, the latest); {} when there is none."""
     found: dict = {}
-    with open(path, encoding="utf-8") as trace:
-        for line in trace:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict) or record.get("event") != "plan":
-                continue
-            if step is not None and record.get("start_step", 0) > step:
-                continue
-            prediction = record.get("prediction")
-            found = prediction if isinstance(prediction, dict) else {}
+    for record in _plan_records(path):
+        if step is not None and record.get("start_step", 0) > step:
+            continue
+        prediction = record.get("prediction")
+        found = prediction if isinstance(prediction, dict) else {}
     return found
 
 
