@@ -119,12 +119,13 @@ def predict_images(
     master_port_shaped: bool = True,
 ):  # fmt: skip
     """The simulator's step for a run split by images (``--split images``):
-    :func:`hetconv.dataparallel.simulate_image_split` with each node's measured seconds per
+    :func:`hetconv.imagecost.simulate_image_split` with each node's measured seconds per
     image (the median over the trace's steps after the first) and the last step's images per
     node, on the testbed's links (as :func:`predict`) and collective costs scaled by ``1 /
     cap``. Returns (DataParallelResult, :class:`ImagesCalibration`)."""
     from hetconv.costmodel import MBIT, SWITCHED, WIFI, SimCluster, SimNode
-    from hetconv.dataparallel import CollectiveCosts, simulate_image_split
+    from hetconv.dataparallel import CollectiveCosts
+    from hetconv.imagecost import simulate_image_split
 
     model = plan.get("model") or {}
     names = [node["name"] for node in plan["nodes"]]

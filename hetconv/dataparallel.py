@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hetconv.balance import kernel_shares
 from hetconv.costmodel import WIFI, SimCluster, SimNode, local_step_seconds
@@ -386,89 +386,6 @@ def simulate_data_parallel(
     )
 
 
-def simulate_image_split(
-    cluster: SimCluster,
-    network: str | Sequence[Mapping],
-    batch: int,
-    comp_s: float,
-    costs: CollectiveCosts | None = None,
-    image_seconds: Sequence[float] | None = None,
-    batches: Sequence[int] | None = None,
-    input_shape: tuple[int, int, int] | None = None,
-    image_bytes: int | None = None,
-    exchange: str = PARAMETER_SERVER,
-) -> DataParallelResult:
-    """One step of hetconv's own whole-network split by images (``hetconv train --split
-    images``): every node trains the whole model on its slice of the batch and the master sums
-    the gradients, a parameter server without overlap (:func:`simulate_data_parallel` with
-    ``ps``, ``overlap=False``, the same arguments); and, as the master holds the data, it also
-    sends every worker its images before they compute, ``image_bytes`` each (default one byte
-    per value: palette8, what normalised 8-bit pixels travel as), on its own link (on Wi-Fi,
-    the medium).
-
-    ``exchange="ring"`` (``--exchange ring``): the workers that get images keep the weights
-    and sum the gradients by a ring among themselves, the master's put into the first and the
-    sum back (:func:`hetconv.ring.ring_exchange_seconds`) in place of the parameter server;
-    the master's link carries the parameters twice, whatever the workers. A network with batch
-    norm runs only so: the master computes no images, and each batch norm layer adds three sums
-    a step, each gathered over the ring (``workers - 1`` messages one after another, a round
-    trip's latency each: :func:`batchnorm_sums_seconds`)."""
-    costs = costs or CollectiveCosts()
-    if exchange not in ALGORITHMS:
-        raise ValueError(f"exchange {exchange!r} is not one of {', '.join(ALGORITHMS)}")
-    named = load_network(network) if isinstance(network, str) else Network(list(network))
-    norms = sum(1 for e in named.spec if e["type"] == "batchnorm")
-    if norms and exchange != RING:
-        raise ValueError("a network with batch norm is split by images only with the ring")
-    if norms and cluster.workers:
-        cluster = replace(cluster, master_compute=False)
-    got = simulate_data_parallel(
-        cluster, network, batch, comp_s, PARAMETER_SERVER, False, costs, image_seconds,
-        batches, input_shape,
-    )  # fmt: skip
-    if exchange == RING:
-        from hetconv.ring import MASTER, ring_exchange_seconds
-        from hetconv.ring import RING as RING_EXCHANGE
-        from hetconv.ring import master_link_bytes as ring_master_bytes
-
-        used = tuple(w for w, b in zip(cluster.workers, got.batches[1:], strict=True) if b)
-        ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs)
-        ring_s += batchnorm_sums_seconds(used, norms, costs)
-        got = replace(
-            got, algorithm=RING, step_s=got.step_s - got.comm_s + ring_s, comm_s=ring_s,
-            exchange_s=ring_s,
-            master_bytes=ring_master_bytes(got.gradient_bytes, len(used),
-                                           RING_EXCHANGE if used else MASTER),
-        )  # fmt: skip
-    c, h, w = input_shape or named.input_shape or CIFAR_INPUT
-    per_image = c * h * w if image_bytes is None else image_bytes
-    nbytes = sum(got.batches[1:]) * per_image  # master first (0 where it computes nothing)
-    port = min(cluster.master.bytes_per_s, costs.tcp_bytes_per_s)
-    if cluster.fabric == WIFI:
-        port = min(port, cluster.medium_bytes_per_s)
-    images_s = nbytes / port
-    return replace(
-        got,
-        step_s=got.step_s + images_s,
-        comm_s=got.comm_s + images_s,
-        exchange_s=got.exchange_s + images_s,
-        master_bytes=got.master_bytes + nbytes,
-    )
-
-
-def batchnorm_sums_seconds(
-    workers: Sequence[SimNode], norms: int, costs: CollectiveCosts | None = None
-) -> float:
-    """Seconds a step of ``norms`` batch norm layers split by images over ``workers`` (the
-    ring's) waits on their statistics: three sums a layer, each ``len(workers) - 1`` messages
-    in turn, half a round trip and a message's cost each (their bytes are few)."""
-    costs = costs or CollectiveCosts()
-    if len(workers) < 2:
-        return 0.0
-    hop = costs.message_s + max(w.rtt_s for w in workers) / 2
-    return 3 * norms * (len(workers) - 1) * hop
-
-
 def _rank_batches(
     profiles: list[_Profile],
     batch: int,
@@ -562,5 +479,4 @@ __all__ = [
     "parameter_tensors",
     "proportional_batches",
     "simulate_data_parallel",
-    "simulate_image_split",
 ]

@@ -9,7 +9,7 @@ command line), every strategy the cost model knows is simulated and ranked:
   (:func:`hetconv.costmodel.simulate_step`);
 * hetconv's whole network split by images (``--split images``): every node trains the whole
   model on a slice of the batch, the master sends the images and sums the gradients
-  (:func:`hetconv.dataparallel.simulate_image_split`);
+  (:func:`hetconv.imagecost.simulate_image_split`);
 * heterogeneous data parallelism (PyTorch DDP), every node holding the whole model and a
   slice of the batch proportional to its speed, gradients by ring all-reduce or through a
   parameter server on the master, with and without overlapping them with backward
@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 from hetconv.balance import shares_for
 from hetconv.costmodel import SimCluster, local_step_seconds, simulate_step
-from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel, simulate_image_split
+from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
 from hetconv.formats import BFLOAT16, FLOAT32
+from hetconv.imagecost import simulate_image_split
 from hetconv.imagesplit import refuse_batchnorm
 from hetconv.onnx_import import load_network
 from hetconv.spec import CIFAR_INPUT

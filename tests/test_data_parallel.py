@@ -28,8 +28,8 @@ from hetconv.dataparallel import (
     parameter_bytes,
     proportional_batches,
     simulate_data_parallel,
-    simulate_image_split,
 )
+from hetconv.imagecost import simulate_image_split
 from hetconv.model import PRESETS, Model, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -322,7 +322,7 @@ def test_the_simulator_and_the_plan_rank_the_ring():
     """simulate_image_split with the ring: the master's link carries the parameters twice
     plus the images; on four equal laptops on switched gigabit at batch 64 it beats the
     exchange through the master, and hetconv plan lists it with its command."""
-    from hetconv.dataparallel import simulate_image_split
+    from hetconv.imagecost import simulate_image_split
     from hetconv.simulations.plan import IMAGE_SPLIT, IMAGE_SPLIT_RING, candidates
 
     link = 940e6 / 8

@@ -16,8 +16,9 @@ from exactness import FAST, RUN, STRONG_LRN, same_as_local, train_strong_lrn
 from hetconv.calls import IMAGES_STEP
 from hetconv.conv import LocalConv
 from hetconv.costmodel import SWITCHED, SimCluster, SimNode
-from hetconv.dataparallel import parameter_bytes, simulate_image_split
+from hetconv.dataparallel import parameter_bytes
 from hetconv.formats import FLOAT32
+from hetconv.imagecost import simulate_image_split
 from hetconv.imagesplit import image_ranges, images_gradients
 from hetconv.master.cluster import ClusterConfig
 from hetconv.master.imagesplit import ImageSplit, images_step

@@ -230,7 +230,7 @@ def test_train_resnet20_split_by_images_with_the_ring(tmp_path, capsys):
 
 def test_the_simulator_and_the_plan_split_a_batch_norm_network_by_images_with_the_ring():
     from hetconv.costmodel import SWITCHED, SimCluster, SimNode
-    from hetconv.dataparallel import batchnorm_sums_seconds, simulate_image_split
+    from hetconv.imagecost import batchnorm_sums_seconds, simulate_image_split
     from hetconv.simulations.plan import IMAGE_SPLIT, IMAGE_SPLIT_RING, candidates
 
     link = 940e6 / 8
