@@ -38,6 +38,9 @@ class PeerLinks:
     """One session's channels to the other workers, reused, and the threads that send them
     parts (each put with a deadline, :data:`PART_SEND`)."""
 
+    #: The call its puts make (a subclass names another of the same shape).
+    call = PUT_PART
+
     def __init__(self, token: str | None = None, threads: int = SENDERS):
         self._metadata = bearer_metadata(token) if token is not None else None
         self._channels: dict[str, tuple[grpc.Channel, object, object]] = {}
@@ -49,7 +52,8 @@ class PeerLinks:
             got = self._channels.get(address)
             if got is None:
                 channel = grpc.insecure_channel(address, options=channel_options())
-                got = (channel, PUT_PART.stream.stub(channel), PUT_PART.bundle.stub(channel))
+                call = self.call
+                got = (channel, call.stream.stub(channel), call.bundle.stub(channel))
                 self._channels[address] = got
             return got
 

@@ -40,16 +40,7 @@ class RingFailed(Exception):
 class RingLinks(PeerLinks):
     """:class:`~hetconv.worker.peers.PeerLinks` that put RingParts."""
 
-    def _stubs(self, address: str):
-        with self._lock:
-            got = self._channels.get(address)
-            if got is None:
-                from hetconv.wire import channel_options
-
-                channel = grpc.insecure_channel(address, options=channel_options())
-                got = (channel, RING_PART.stream.stub(channel), RING_PART.bundle.stub(channel))
-                self._channels[address] = got
-            return got
+    call = RING_PART
 
 
 def part_request(session: int, step: int, rank: int, round_: int, abort: bool = False):
