@@ -31,9 +31,10 @@ from .layers import Dropout
 from .spec import spec_graph, walk_spec
 
 #: ``--split``: each convolution's kernels split across the nodes (every other layer on the
-#: master), or the whole network split by images.
-KERNELS, IMAGES = "kernels", "images"
-SPLIT_MODES = (KERNELS, IMAGES)
+#: master), the whole network split by images, or auto: whichever the cost model predicts
+#: faster for the cluster measured at start (:mod:`hetconv.master.splitchoice`).
+AUTO, KERNELS, IMAGES = "auto", "kernels", "images"
+SPLIT_MODES = (AUTO, KERNELS, IMAGES)
 
 
 def refuse_batchnorm(spec: Sequence[Mapping]) -> None:
@@ -248,6 +249,7 @@ def seconds_per_image(images: int, seconds: float) -> float:
 
 
 __all__ = [
+    "AUTO",
     "IMAGES",
     "KERNELS",
     "SPLIT_MODES",
