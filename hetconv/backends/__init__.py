@@ -31,6 +31,7 @@ KNOWN_BACKENDS = {
     "cpu": "hetconv.backends.cpu:CpuBackend",
     "opencl": "hetconv.backends.opencl:OpenCLBackend",
     "cuda": "hetconv.backends.cuda:CudaBackend",
+    "onednn": "hetconv.backends.onednn:OneDnnBackend",
 }
 
 #: The shape ``auto`` times each backend on: C2 of the paper's 50:500 network, batch 8.

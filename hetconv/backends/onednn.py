@@ -1,0 +1,447 @@
+"""The onednn backend: the cpu backend with its three convolutions run by oneDNN.
+
+oneDNN (Intel's deep-learning primitives library; PyTorch's CPU convolutions are its) is a
+compiled library, ``libdnnl.so.3``, that ``pip install 'hetconv[onednn]'`` brings as the wheel
+``onednn-cpu-gomp`` (oneDNN 3.2, CPU only, GNU OpenMP threads, no Python dependency). It is
+called here through ctypes, its C API only: no compiler and no PyTorch are needed. Its JIT
+picks kernels for the CPU it runs on (AVX2, AVX-512, AMX), where the cpu backend's im2col +
+BLAS GEMMs depend on the BLAS's kernel for that CPU.
+
+Everything that is not a convolution (pooling, LRN, batch norm, the stages) is the cpu
+backend's: :class:`OneDnnBackend` subclasses :class:`~hetconv.backends.cpu.CpuBackend` and
+overrides the three convolution calls only.
+
+Arrays cross as they are, in hetconv's NCHW / KCHW float32 layout (oneDNN's ``nchw`` and
+``oihw`` tags); with ``layout="blocked"`` oneDNN picks its own blocked layouts and each call
+reorders into and out of them (see :data:`DEFAULT_LAYOUT` for which pays). The primitives of a
+geometry are created once (creation takes milliseconds) and kept per backend instance.
+
+Threads: oneDNN runs on OpenMP threads; each call sets the calling thread's OpenMP thread count
+to the backend's ``threads`` or, by default, to the BLAS thread count (``threadpoolctl``'s
+limit, what ``hetconv train --threads`` and a worker's ``--threads`` set), so both engines use
+the same share of the cores.
+
+The library is looked for in ``$HETCONV_ONEDNN_LIB`` (a file path), then next to the Python
+environment (``<sys.prefix>/lib``, where pip puts it), then by the system loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+
+import numpy as np
+
+from .base import ConvShape, DeviceInfo, KernelGradientSum
+from .cpu import CpuBackend
+
+LIBRARY = "libdnnl.so.3"
+ENV_LIBRARY = "HETCONV_ONEDNN_LIB"
+INSTALL_HINT = "pip install 'hetconv[onednn]'"
+#: Which layout the primitives compute in: "plain" (NCHW, no reorders) or "blocked" (oneDNN's
+#: choice, reordered both ways every call). See the module docstring and README's figures.
+DEFAULT_LAYOUT = "blocked"
+LAYOUTS = ("plain", "blocked")
+
+# oneDNN 3.2's C enums (include/oneapi/dnnl/dnnl_types.h at tag v3.2)
+_SUCCESS, _CPU, _F32 = 0, 1, 3
+_TAG_ANY, _TAG_X, _TAG_NCHW, _TAG_OIHW = 1, 2, 5, 5
+_FORWARD_TRAINING, _DIRECT = 64, 1
+_STREAM_DEFAULT = 1
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
+_ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS, _ARG_DIFF_BIAS = 129, 145, 161, 169
+_QUERY = {
+    _ARG_SRC: 129, _ARG_DIFF_SRC: 130, _ARG_WEIGHTS: 131, _ARG_DIFF_WEIGHTS: 132,
+    _ARG_DST: 133, _ARG_DIFF_DST: 134,
+}  # fmt: skip
+_ISA = {
+    0x3: "avx", 0x7: "avx2", 0xF: "avx2_vnni", 0x1F: "avx2_vnni_2", 0x27: "avx512_core",
+    0x67: "avx512_core_vnni", 0xE7: "avx512_core_bf16", 0x1EF: "avx512_core_fp16",
+    0xFEF: "avx512_core_amx", 0x1FEF: "avx512_core_amx_fp16",
+}  # fmt: skip
+
+_Dims = ctypes.c_int64 * 12
+_p = ctypes.c_void_p
+
+
+class _ExecArg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", _p)]
+
+
+class _Version(ctypes.Structure):
+    _fields_ = [
+        ("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+        ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint), ("gpu_runtime", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+class OneDnnError(RuntimeError):
+    """A oneDNN call that did not succeed (its status code in the message)."""
+
+
+def _candidates() -> list[str]:
+    explicit = os.environ.get(ENV_LIBRARY)
+    if explicit:
+        return [explicit]
+    return [os.path.join(sys.prefix, "lib", LIBRARY), LIBRARY]
+
+
+class _Library:
+    """libdnnl loaded once per process, with one CPU engine and OpenMP's thread setter."""
+
+    def __init__(self) -> None:
+        errors = []
+        for path in _candidates():
+            try:
+                self.dll = ctypes.CDLL(path)
+                break
+            except OSError as e:
+                errors.append(f"{path}: {e}")
+        else:
+            raise OSError("; ".join(errors))
+        self.path = path
+        d = self.dll
+        status = ctypes.c_int
+        for name, args in {
+            "dnnl_engine_create": [ctypes.POINTER(_p), ctypes.c_int, ctypes.c_size_t],
+            "dnnl_stream_create": [ctypes.POINTER(_p), _p, ctypes.c_uint],
+            "dnnl_memory_desc_create_with_tag": [
+                ctypes.POINTER(_p), ctypes.c_int, _Dims, ctypes.c_int, ctypes.c_int
+            ],
+            "dnnl_memory_desc_destroy": [_p],
+            "dnnl_convolution_forward_primitive_desc_create": [
+                ctypes.POINTER(_p), _p, ctypes.c_int, ctypes.c_int, _p, _p, _p, _p,
+                _Dims, _Dims, _Dims, _Dims, _p,
+            ],
+            "dnnl_convolution_backward_data_primitive_desc_create": [
+                ctypes.POINTER(_p), _p, ctypes.c_int, _p, _p, _p, _Dims, _Dims, _Dims, _Dims,
+                _p, _p,
+            ],
+            "dnnl_convolution_backward_weights_primitive_desc_create": [
+                ctypes.POINTER(_p), _p, ctypes.c_int, _p, _p, _p, _p, _Dims, _Dims, _Dims,
+                _Dims, _p, _p,
+            ],
+            "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(_p), _p, _p, _p, _p, _p],
+            "dnnl_primitive_desc_destroy": [_p],
+            "dnnl_primitive_create": [ctypes.POINTER(_p), _p],
+            "dnnl_primitive_destroy": [_p],
+            "dnnl_primitive_execute": [_p, _p, ctypes.c_int, _p],
+            "dnnl_memory_create": [ctypes.POINTER(_p), _p, _p, _p],
+            "dnnl_memory_destroy": [_p],
+        }.items():  # fmt: skip
+            fn = getattr(d, name)
+            fn.argtypes, fn.restype = args, status
+        d.dnnl_primitive_desc_query_md.argtypes = [_p, ctypes.c_int, ctypes.c_int]
+        d.dnnl_primitive_desc_query_md.restype = _p
+        d.dnnl_memory_desc_get_size.argtypes, d.dnnl_memory_desc_get_size.restype = [_p], ctypes.c_size_t
+        d.dnnl_memory_desc_equal.argtypes, d.dnnl_memory_desc_equal.restype = [_p, _p], ctypes.c_int
+        d.dnnl_version.restype = ctypes.POINTER(_Version)
+        d.dnnl_get_effective_cpu_isa.restype = ctypes.c_int
+        self.engine = _p()
+        self.check(d.dnnl_engine_create(ctypes.byref(self.engine), _CPU, 0), "engine_create")
+        # libdnnl links libgomp: the same library, already loaded, is found by its name
+        self.omp_set_num_threads = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
+        self.omp_set_num_threads.argtypes = [ctypes.c_int]
+        self._streams = threading.local()
+
+    @staticmethod
+    def check(status: int, what: str) -> None:
+        if status != _SUCCESS:
+            raise OneDnnError(f"oneDNN {what} failed with status {status}")
+
+    def stream(self) -> ctypes.c_void_p:
+        """The calling thread's stream (a stream is used by one thread at a time)."""
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = _p()
+            created = self.dll.dnnl_stream_create(ctypes.byref(stream), self.engine, _STREAM_DEFAULT)
+            self.check(created, "stream_create")
+            self._streams.stream = stream
+        return stream
+
+    def set_threads(self, threads: int) -> None:
+        """OpenMP threads of the calling thread's next parallel regions (set when changed)."""
+        if getattr(self._streams, "threads", None) != threads:
+            self.omp_set_num_threads(threads)
+            self._streams.threads = threads
+
+    def version(self) -> str:
+        v = self.dll.dnnl_version().contents
+        return f"{v.major}.{v.minor}.{v.patch}"
+
+    def isa(self) -> str:
+        code = self.dll.dnnl_get_effective_cpu_isa()
+        return _ISA.get(code, hex(code))
+
+    def md(self, dims: tuple[int, ...], tag: int) -> ctypes.c_void_p:
+        md = _p()
+        created = self.dll.dnnl_memory_desc_create_with_tag(
+            ctypes.byref(md), len(dims), _Dims(*dims), _F32, tag
+        )
+        self.check(created, f"memory_desc_create({dims})")
+        return md
+
+
+_library: _Library | None = None
+_library_error: str | None = None
+_library_lock = threading.Lock()
+
+
+def library() -> _Library:
+    """The process's libdnnl (loaded on first use); OSError when it cannot be loaded."""
+    global _library, _library_error
+    with _library_lock:
+        if _library is None and _library_error is None:
+            try:
+                _library = _Library()
+            except (OSError, AttributeError, OneDnnError) as e:
+                _library_error = str(e)
+        if _library is None:
+            raise OSError(_library_error)
+        return _library
+
+
+class _Reorder:
+    """The two reorders between a tensor's plain layout and the blocked one a primitive
+    computes in: ``into`` (plain to blocked) and ``back``."""
+
+    def __init__(self, lib: _Library, plain, blocked):
+        self.lib, self.plain, self.blocked = lib, plain, blocked
+        self.bytes = lib.dll.dnnl_memory_desc_get_size(blocked)
+        self.into, self.back = self._create(plain, blocked), self._create(blocked, plain)
+
+    def _create(self, source, target) -> ctypes.c_void_p:
+        lib, pd, primitive = self.lib, _p(), _p()
+        created = lib.dll.dnnl_reorder_primitive_desc_create(
+            ctypes.byref(pd), source, lib.engine, target, lib.engine, None
+        )
+        lib.check(created, "reorder_primitive_desc_create")
+        try:
+            lib.check(lib.dll.dnnl_primitive_create(ctypes.byref(primitive), pd), "reorder")
+        finally:
+            lib.dll.dnnl_primitive_desc_destroy(pd)
+        return primitive
+
+
+class _Convolution:
+    """The three primitives of one geometry (and, blocked, their reorders), kept together.
+
+    Roles name the tensors: ``src`` (x), ``weights`` (w), ``dst`` (y or dy); each role's
+    plain descriptor and, per primitive, the descriptor it computes in.
+    """
+
+    def __init__(self, lib: _Library, shape: ConvShape, layout: str):
+        self.lib, self.shape = lib, shape
+        self._owned_mds, self._pds, self.primitives = [], [], {}
+        ho, wo = shape.out_hw
+        dims = {
+            "src": (shape.n, shape.c, shape.h, shape.w),
+            "weights": (shape.k, shape.c, shape.kh, shape.kw),
+            "dst": (shape.n, shape.k, ho, wo),
+        }
+        self.plain = {
+            role: self._md(d, _TAG_OIHW if role == "weights" else _TAG_NCHW)
+            for role, d in dims.items()
+        }
+        bias = self._md((shape.k,), _TAG_X)
+        if layout == "blocked":
+            pick = {role: self._md(d, _TAG_ANY) for role, d in dims.items()}
+        else:
+            pick = self.plain
+        p = shape.padding
+        geometry = (_Dims(1, 1), _Dims(0, 0), _Dims(p.top, p.left), _Dims(p.bottom, p.right))
+        d = lib.dll
+        fwd = self._pd(
+            d.dnnl_convolution_forward_primitive_desc_create, lib.engine, _FORWARD_TRAINING,
+            _DIRECT, pick["src"], pick["weights"], bias, pick["dst"], *geometry, None,
+        )  # fmt: skip
+        bwd_data = self._pd(
+            d.dnnl_convolution_backward_data_primitive_desc_create, lib.engine, _DIRECT,
+            pick["src"], pick["weights"], pick["dst"], *geometry, fwd, None,
+        )  # fmt: skip
+        bwd_weights = self._pd(
+            d.dnnl_convolution_backward_weights_primitive_desc_create, lib.engine, _DIRECT,
+            pick["src"], pick["weights"], bias, pick["dst"], *geometry, fwd, None,
+        )  # fmt: skip
+        self.bias_md = bias
+        roles = {"src": _ARG_SRC, "weights": _ARG_WEIGHTS, "dst": _ARG_DST}
+        self.reorders: dict[tuple[str, str], _Reorder | None] = {}
+        for op, pd, args in (
+            ("forward", fwd, roles),
+            ("input", bwd_data, {**roles, "src": _ARG_DIFF_SRC, "dst": _ARG_DIFF_DST}),
+            ("kernels", bwd_weights, {**roles, "weights": _ARG_DIFF_WEIGHTS, "dst": _ARG_DIFF_DST}),
+        ):
+            primitive = _p()
+            lib.check(d.dnnl_primitive_create(ctypes.byref(primitive), pd), f"{op} primitive")
+            self.primitives[op] = (primitive, args)
+            for role, arg in args.items():
+                chosen = d.dnnl_primitive_desc_query_md(pd, _QUERY[arg], 0)
+                same = d.dnnl_memory_desc_equal(chosen, self.plain[role])
+                self.reorders[op, role] = None if same else _Reorder(lib, self.plain[role], chosen)
+
+    def _md(self, dims, tag):
+        md = self.lib.md(dims, tag)
+        self._owned_mds.append(md)
+        return md
+
+    def _pd(self, create, *args):
+        pd = _p()
+        self.lib.check(create(ctypes.byref(pd), *args), f"{create.__name__}({self.shape})")
+        self._pds.append(pd)
+        return pd
+
+    def __del__(self) -> None:
+        d = getattr(self.lib, "dll", None)
+        if d is None:  # pragma: no cover - interpreter shutdown
+            return
+        for primitive, _ in self.primitives.values():
+            d.dnnl_primitive_destroy(primitive)
+        for reorder in self.reorders.values():
+            if reorder is not None:
+                d.dnnl_primitive_destroy(reorder.into)
+                d.dnnl_primitive_destroy(reorder.back)
+        for pd in self._pds:
+            d.dnnl_primitive_desc_destroy(pd)
+        for md in self._owned_mds:
+            d.dnnl_memory_desc_destroy(md)
+
+    def run(self, op: str, arrays: dict[str, np.ndarray], bias: np.ndarray | None) -> None:
+        """Execute primitive ``op`` on the plain arrays of each role (and the bias, or the
+        bias gradient for ``"kernels"``), reordering to and from the primitive's layouts.
+        Inputs are read, outputs written, in place."""
+        lib, d = self.lib, self.lib.dll
+        stream = lib.stream()
+        primitive, args = self.primitives[op]
+        made, outputs, exec_args, buffers = [], [], [], []
+        try:
+            for role, arg in args.items():
+                plain = self._memory(self.plain[role], arrays[role], made)
+                reorder = self.reorders[op, role]
+                if reorder is None:
+                    exec_args.append((arg, plain))
+                    continue
+                buffers.append(np.empty(reorder.bytes // 4 + 1, np.float32))
+                blocked = self._memory(reorder.blocked, buffers[-1], made)
+                exec_args.append((arg, blocked))
+                if arg in (_ARG_DST, _ARG_DIFF_SRC, _ARG_DIFF_WEIGHTS):
+                    outputs.append((reorder, blocked, plain))
+                else:
+                    self._reorder(stream, reorder.into, plain, blocked)
+            if bias is not None:
+                arg = _ARG_DIFF_BIAS if op == "kernels" else _ARG_BIAS
+                exec_args.append((arg, self._memory(self.bias_md, bias, made)))
+            table = (_ExecArg * len(exec_args))(*(_ExecArg(a, m) for a, m in exec_args))
+            lib.check(d.dnnl_primitive_execute(primitive, stream, len(exec_args), table), op)
+            for reorder, blocked, plain in outputs:
+                self._reorder(stream, reorder.back, blocked, plain)
+        finally:
+            for memory in made:
+                d.dnnl_memory_destroy(memory)
+
+    def _memory(self, md, array: np.ndarray, made: list) -> ctypes.c_void_p:
+        memory = _p()
+        self.lib.check(
+            self.lib.dll.dnnl_memory_create(ctypes.byref(memory), md, self.lib.engine, _p(array.ctypes.data)),
+            "memory_create",
+        )  # fmt: skip
+        made.append(memory)
+        return memory
+
+    def _reorder(self, stream, primitive, source, target) -> None:
+        table = (_ExecArg * 2)(_ExecArg(_ARG_SRC, source), _ExecArg(_ARG_DST, target))
+        self.lib.check(self.lib.dll.dnnl_primitive_execute(primitive, stream, 2, table), "reorder")
+
+
+class OneDnnBackend(CpuBackend):
+    """The cpu backend with oneDNN's convolutions (see the module docstring).
+
+    Args:
+        threads: OpenMP threads per call; None: the BLAS thread count at the time of the call
+            (``threadpoolctl``), so a ``--threads`` limit holds for both engines.
+        layout: ``"plain"`` or ``"blocked"`` (:data:`DEFAULT_LAYOUT`).
+        scratch_bytes: as the cpu backend's (its other layers use it).
+    """
+
+    name = "onednn"
+
+    def __init__(
+        self, threads: int | None = None, layout: str = DEFAULT_LAYOUT, scratch_bytes=None
+    ):
+        super().__init__() if scratch_bytes is None else super().__init__(scratch_bytes)
+        if layout not in LAYOUTS:
+            raise ValueError(f"onednn layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        if threads is not None and (isinstance(threads, bool) or int(threads) < 1):
+            raise ValueError(f"onednn threads must be a positive integer, got {threads!r}")
+        self.threads = None if threads is None else int(threads)
+        self.layout = layout
+        self._lib = library()
+        self._convolutions: dict[ConvShape, _Convolution] = {}
+        self._lock = threading.Lock()
+        self._blas = None
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        try:
+            library()
+        except OSError as e:
+            return False, f"oneDNN library {LIBRARY} cannot be loaded ({e}); {INSTALL_HINT}"
+        return True, ""
+
+    def describe(self) -> DeviceInfo:
+        info = super().describe()
+        lib = self._lib
+        name = f"{info.name} (oneDNN {lib.version()}, {lib.isa()})"
+        return DeviceInfo(self.name, info.kind, name, info.memory_bytes, info.cores)
+
+    def kernel_memo(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # oneDNN reads the kernels as they are
+
+    def kernel_gradient_sum(self) -> KernelGradientSum:
+        return KernelGradientSum(self)
+
+    def working_set_bytes(self, shape: ConvShape) -> int:
+        return 4 * 2 * (  # the plain tensors and, blocked, one reordered copy of each
+            shape.n * shape.c * shape.h * shape.w
+            + shape.k * shape.c * shape.kh * shape.kw
+            + shape.n * shape.k * shape.out_hw[0] * shape.out_hw[1]
+        )
+
+    def _threads(self) -> int:
+        if self.threads is not None:
+            return self.threads
+        if self._blas is None:
+            from threadpoolctl import ThreadpoolController
+
+            self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        counts = [c.num_threads for c in self._blas]
+        return max(1, min(counts)) if counts else (os.cpu_count() or 1)
+
+    def _convolution(self, shape: ConvShape) -> _Convolution:
+        conv = self._convolutions.get(shape)
+        if conv is None:
+            with self._lock:
+                conv = self._convolutions.get(shape)
+                if conv is None:
+                    conv = _Convolution(self._lib, shape, self.layout)
+                    self._convolutions[shape] = conv
+        self._lib.set_threads(self._threads())
+        return conv
+
+    def _forward(self, x, w, b, shape):
+        y = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
+        self._convolution(shape).run("forward", {"src": x, "weights": w, "dst": y}, b)
+        return y
+
+    def _grad_input(self, dy, w, shape):
+        dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
+        self._convolution(shape).run("input", {"src": dx, "weights": w, "dst": dy}, None)
+        return dx
+
+    def _grad_kernels(self, x, dy, shape):
+        dw = np.empty((shape.k, shape.c, shape.kh, shape.kw), np.float32)
+        db = np.empty(shape.k, np.float32)
+        self._convolution(shape).run("kernels", {"src": x, "weights": dw, "dst": dy}, db)
+        return dw, db
