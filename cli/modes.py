@@ -46,7 +46,7 @@ FLAGS = {
     for flag in (
         ModeFlag(
             "--split",
-            ("kernels", "images"),  # hetconv.imagesplit.SPLIT_MODES
+            ("auto", "kernels", "images"),  # hetconv.imagesplit.SPLIT_MODES
             "what is split across the nodes: kernels = each convolution's kernels, every other "
             "layer on the master (the layer modes say how each layer runs); images = the whole "
             "network, the loss included, runs on every node, each on its share of the batch's "
@@ -54,7 +54,10 @@ FLAGS = {
             "equal with --deterministic), the gradients summed on the master in node order: "
             "heterogeneous data parallelism (exact to float32 round-off; a network with batch "
             "norm only with --exchange ring, which sums its statistics among the workers; the "
-            "layer modes do not apply)",
+            "layer modes do not apply); auto = with workers named or discovered, whichever the "
+            "cost model predicts faster for the links and speeds measured at start (images only "
+            "when predicted 10 %% faster; `hetconv plan` ranks both), else kernels (the embedded "
+            "default, --deterministic, or a kernel-split flag given)",
         ),
         ModeFlag(
             "--exchange",
@@ -205,7 +208,7 @@ def add_mode_flags(
 
 #: train's defaults: what runs fastest, chosen per layer.
 TRAIN_DEFAULTS = {
-    "split": "kernels",
+    "split": "auto",
     "exchange": "auto",
     "stages": "auto",
     "kernels": "auto",

@@ -32,7 +32,8 @@ DESCRIPTION = (
     "convolution's kernels are split across the workers named with --worker or "
     "--workers-file, and the master itself, in proportion to a probe of each one's "
     "speed on the layer's real shape (with --split images, every node trains the whole "
-    "network on its share of each batch's images instead). With no worker named and no "
+    "network on its share of each batch's images instead; by default, with workers named or "
+    "discovered, whichever the cost model predicts faster). With no worker named and no "
     "--local, two local worker processes are started on loopback (the embedded default)."
 )
 
@@ -44,7 +45,7 @@ _NOT_LOCAL = (
     ("replicate", "auto", "so nothing is replicated: drop --replicate"),
     ("overlap", "auto", "so nothing overlaps: drop --overlap"),
     ("head", "auto", "so the head is not split: drop --head"),
-    ("split", "kernels", "so nothing is split by images: drop --split"),
+    ("split", "auto", "so nothing is split: drop --split"),
     ("exchange", "auto", "so no gradient is exchanged: drop --exchange"),
 )
 #: Flags of a split by kernels, which ``--split images`` has none of: (dest, its default).
@@ -150,9 +151,9 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
             raise ValueError("--tls-ca needs --worker/--workers-file: local workers serve no TLS")
     if args.split == "images" and not args.local:
         _check_image_split(args)
-    elif args.exchange != "auto" and not args.local:
-        raise ValueError("--exchange says how a split by images sums its gradients: add "
-                         "--split images, or drop --exchange")  # fmt: skip
+    elif args.split == "kernels" and args.exchange != "auto":
+        raise ValueError("--exchange says how a split by images sums its gradients: with "
+                         "--split kernels nothing is; drop --exchange")  # fmt: skip
     if args.exchange == "ring" and args.tls_ca is not None:
         raise ValueError("--exchange ring sends gradients worker to worker over plain gRPC, "
                          "which TLS (--tls-ca) would not cover; use --exchange master")  # fmt: skip
@@ -169,6 +170,24 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
     for dest, default, why in _NOT_LOCAL:
         if getattr(args, dest) != default:
             raise ValueError(f"--local runs no workers, {why}")
+
+
+def split_of(args: argparse.Namespace, addresses: list[str]) -> tuple[str, str]:
+    """(the split ``--split`` resolves to: kernels, images or auto, why). ``auto`` chooses by
+    the cost model at start (:mod:`hetconv.master.splitchoice`) only with workers named or
+    discovered, and is the split by kernels where the measurements could not choose: the
+    embedded default (its workers share this machine's cores, and it shows the kernel split),
+    ``--deterministic`` (no timing may choose), or a flag of the kernel split given."""
+    if args.split != "auto":
+        return args.split, "--split"
+    if not addresses and not args.discover:
+        return "kernels", "the embedded default's workers share this machine"
+    if args.deterministic:
+        return "kernels", "--deterministic: no timing chooses"
+    for dest, default in _KERNEL_SPLIT_ONLY:
+        if getattr(args, dest) != default:
+            return "kernels", f"--{dest.replace('_', '-')} is the split by kernels'"
+    return "auto", "the cost model's choice at start"
 
 
 def _check_image_split(args: argparse.Namespace) -> None:
@@ -245,10 +264,16 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
         return train(config, LocalConv())
     from hetconv.master.cluster import Cluster
     from hetconv.master.ring import image_split_class
+    from hetconv.master.splitchoice import SplitChoice
 
     # --split images: the whole network on every node, each on its share of the images,
-    # the gradients summed as --exchange says
-    cluster_class = image_split_class(args.exchange) if args.split == "images" else Cluster
+    # the gradients summed as --exchange says; auto: whichever the cost model predicts faster
+    split, _ = split_of(args, addresses)
+    cluster_class = {
+        "images": lambda: image_split_class(args.exchange),
+        "auto": lambda: SplitChoice.with_exchange(args.exchange),
+        "kernels": lambda: Cluster,
+    }[split]()
     if args.discover:
         from .discover import train_discovered
 

@@ -119,7 +119,27 @@ def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict
 
         peer = simulate_data_parallel(model, spec, layers[0].shape.n, comp_alone_s)
         out["data_parallel_s"] = peer.step_s
+        out["image_split_s"] = image_split_steps(model, spec, layers[0].shape.n, comp_alone_s)
     return out
+
+
+def image_split_steps(model, spec, batch: int, comp_alone_s: float) -> dict[str, float]:
+    """The step of hetconv's own split by images on the nodes as measured, per exchange
+    (``master``, ``ring``; a network with batch norm only ``ring``), from the master's other
+    work per step alone (:func:`hetconv.imagecost.simulate_image_split`)."""
+    from hetconv.imagecost import simulate_image_split
+    from hetconv.imagesplit import refuse_batchnorm
+    from hetconv.ring import MASTER, RING
+
+    exchanges = {MASTER: "ps", RING: "ring"}
+    try:
+        refuse_batchnorm(spec)
+    except ValueError:  # its statistics are summed among the workers: the ring's alone
+        del exchanges[MASTER]
+    return {
+        name: simulate_image_split(model, spec, batch, comp_alone_s, exchange=exchange).step_s
+        for name, exchange in exchanges.items()
+    }
 
 
 def plan_record(cluster) -> dict:
@@ -200,6 +220,7 @@ def step_record(cluster, events: list[dict]) -> dict:
 __all__ = [
     "describe_plan",
     "describe_shares",
+    "image_split_steps",
     "plan_record",
     "predict_step",
     "replicate_mode",

@@ -1,0 +1,177 @@
+"""``hetconv train --split auto``: each step split by kernels or by images, whichever the cost
+model predicts faster for the cluster as measured at start.
+
+:class:`SplitChoice` is the executor ``hetconv train`` gets with named or discovered workers.
+It starts as a split by kernels (a :class:`~.cluster.Cluster`: it connects, measures every
+worker's link and probes every node on every layer's real shape, then chooses each layer's
+modes). When the training run asks for the predicted step (:meth:`SplitChoice.predict_step`,
+with the master's other work timed), it compares, on those measurements:
+
+* the split by kernels, with the modes the cluster chose (:func:`.records.predict_step`);
+* the whole network split by images (:mod:`.imagesplit`), through the master and, where it
+  may run (no spot checks, no TLS; :mod:`.ring`), by the ring among the workers
+  (:func:`.records.image_split_steps`); a network with batch norm only by the ring.
+
+Workers on the master's own machine share its cores, which the predictions do not model:
+with any such worker the split by kernels stays. A split by images is chosen only when
+predicted at least :data:`MARGIN` faster than the split by kernels: the cost model is within
+about 15 % on the testbed, and the kernel split is the one it has been validated on longest.
+Choosing it closes the kernel split's connections and opens the split by images over the same
+workers (those found on the LAN still followed). Every later call goes to the split chosen;
+the plan record's ``split_choice`` says which, each way's predicted step and why, and the
+console says it in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TextIO
+
+from hetconv.imagesplit import IMAGES, KERNELS
+from hetconv.ring import AUTO, MASTER, RING
+
+from .probing import on_this_machine
+
+#: How much faster (a fraction of the kernel split's predicted step) a split by images must
+#: be predicted before it is chosen.
+MARGIN = 0.10
+
+
+def choose(kernels_s: float, images_s: dict[str, float], allowed: Sequence[str]) -> dict:
+    """The split ``--split auto`` takes: ``{"split": kernels|images, "exchange": ...,
+    "predicted_s": {way: step}, "why": one line}`` from the kernel split's predicted step and
+    each exchange's split by images (only those ``allowed``)."""
+    usable = {k: v for k, v in images_s.items() if k in allowed}
+    predicted = {KERNELS: kernels_s, **{f"{IMAGES} ({k})": v for k, v in images_s.items()}}
+    if not usable:
+        refused = ", ".join(sorted(set(images_s) - set(allowed))) or "none"
+        return {
+            "split": KERNELS, "exchange": None, "predicted_s": predicted,
+            "why": f"no split by images may run here (exchanges ruled out: {refused})",
+        }  # fmt: skip
+    exchange = min(usable, key=lambda k: (usable[k], k != MASTER))
+    best = usable[exchange]
+    faster = kernels_s / best if best > 0 else float("inf")
+    if best < kernels_s * (1 - MARGIN):
+        split, why = IMAGES, f"predicted {faster:.2f}x faster than the split by kernels"
+    else:
+        split, exchange = KERNELS, None
+        why = (
+            f"the split by images ({_way(min(usable, key=usable.get))}) is predicted "
+            f"{faster:.2f}x the split by kernels' speed, under the {1 / (1 - MARGIN):.2f}x "
+            "a switch needs"
+        )
+    return {"split": split, "exchange": exchange, "predicted_s": predicted, "why": why}
+
+
+def _way(exchange: str) -> str:
+    return "gradients through the master" if exchange == MASTER else "ring among the workers"
+
+
+def allowed_exchanges(config, exchange: str) -> list[str]:
+    """The exchanges a split by images may use here: ``--exchange`` if given, and the ring only
+    without spot checks and TLS (:data:`~.ring.RING_UNCHECKED`)."""
+    ring_ok = not config.spot_checks.every and config.tls_ca is None
+    ways = [MASTER, RING] if exchange not in (MASTER, RING) else [exchange]
+    return [w for w in ways if w != RING or ring_ok]
+
+
+class SplitChoice:
+    """The executor of ``--split auto`` (see the module's docstring): a proxy to the split
+    chosen, which is a :class:`~.cluster.Cluster` until :meth:`predict_step` decides.
+
+    Args:
+        addresses, backend, config: the cluster's.
+        exchange: ``--exchange``: which exchanges a split by images may use (``auto``: any).
+    """
+
+    def __init__(self, addresses: Sequence[str], backend="cpu", config=None, exchange=AUTO):
+        from .cluster import Cluster
+
+        self.addresses, self._backend, self._exchange = list(addresses), backend, exchange
+        self.inner = Cluster(addresses, backend, config)
+        self.choice: dict | None = None
+        self._prepared: tuple = ()
+
+    @classmethod
+    def with_exchange(cls, exchange: str):
+        """A constructor with the cluster's signature, for ``--exchange EXCHANGE``."""
+        return lambda addresses, backend="cpu", config=None: cls(
+            addresses, backend, config, exchange
+        )
+
+    def __getattr__(self, name: str):
+        # Only what this class does not define itself: everything else is the chosen split's.
+        return getattr(self.__dict__["inner"] if "inner" in self.__dict__ else None, name)
+
+    def prepare(self, layers, batch: int, log: TextIO | None = None) -> None:
+        self._prepared = (layers, batch, log)
+        self.inner.prepare(layers, batch, log)
+
+    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+        """The kernel split's prediction; with the model's ``spec``, the choice is made here
+        (see the module's docstring) and the prediction is the chosen split's."""
+        kernels = self.inner.predict_step(comp_alone_s, comp_s, spec)
+        if spec is None or kernels is None or "image_split_s" not in kernels:
+            return kernels  # no worker reached or no probe: the split by kernels stays
+        allowed = allowed_exchanges(self.inner.config, self._exchange)
+        self.choice = choose(kernels["step_s"], kernels["image_split_s"], allowed)
+        shared = [a for a in self.addresses if on_this_machine(a)]
+        if shared and self.choice["split"] == IMAGES:
+            self.choice = {
+                **self.choice, "split": KERNELS, "exchange": None,
+                "why": f"{shared[0]} runs on this machine, sharing its cores, which the "
+                "predictions do not model (the split by kernels stays)",
+            }  # fmt: skip
+        log = self._prepared[2]
+        if self.choice["split"] == IMAGES:
+            self._switch(self.choice["exchange"])
+            self.inner.predict_step(comp_alone_s, comp_s, spec)  # takes the spec
+            step = kernels["image_split_s"][self.choice["exchange"]]
+            kernels = {**kernels, "step_s": step, "speedup": kernels["alone_s"] / step}
+        if log is not None:
+            print(describe(self.choice), file=log, flush=True)
+        return kernels
+
+    def _switch(self, exchange: str) -> None:
+        """Close the kernel split and prepare the split by images over the same workers."""
+        from .ring import image_split_class
+
+        old = self.inner
+        followed = getattr(old.membership, "_discovery", None)
+        found = sorted(getattr(old.membership, "_discovered", ()))
+        old.close()
+        self.inner = image_split_class(exchange)(self.addresses, self._backend, old.config)
+        if followed is not None:
+            self.inner.membership.follow(followed, found)
+        self.inner.prepare(*self._prepared)
+
+    def plan_record(self) -> dict:
+        record = self.inner.plan_record()
+        if self.choice is not None:
+            record["split_choice"] = self.choice
+        return record
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> SplitChoice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def describe(choice: dict) -> str:
+    """One console line: the split chosen, each way's predicted step, and why."""
+    ways = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in choice["predicted_s"].items())
+    chosen = choice["split"]
+    if choice["exchange"] is not None:
+        chosen += f" ({_way(choice['exchange'])})"
+    return (
+        f"split (auto): by {chosen}: {choice['why']} (predicted per step: {ways}; "
+        "--split kernels|images overrides)"
+    )
+
+
+__all__ = ["MARGIN", "SplitChoice", "allowed_exchanges", "choose", "describe"]

@@ -1,0 +1,132 @@
+"""``hetconv train --split auto``: the split by kernels or by images, whichever the cost model
+predicts faster for the cluster measured at start (:mod:`hetconv.master.splitchoice`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+from exactness import same_as_local, train_strong_lrn
+
+from hetconv.master import splitchoice
+from hetconv.master.cluster import ClusterConfig
+from hetconv.master.splitchoice import MARGIN, SplitChoice, allowed_exchanges, choose, describe
+from hetconv.master.spotcheck import SpotCheckConfig
+
+
+def test_images_are_chosen_only_when_predicted_faster_by_the_margin():
+    faster = choose(1.0, {"master": 0.5, "ring": 0.6}, ["master", "ring"])
+    assert (faster["split"], faster["exchange"]) == ("images", "master")
+    assert "2.00x faster" in faster["why"]
+    ring = choose(1.0, {"master": 0.8, "ring": 0.4}, ["master", "ring"])
+    assert ring["exchange"] == "ring"
+    close = choose(1.0, {"master": 1.0 - MARGIN / 2}, ["master"])
+    assert (close["split"], close["exchange"]) == ("kernels", None)
+    assert "under the" in close["why"]
+    slower = choose(1.0, {"master": 3.0}, ["master"])
+    assert slower["split"] == "kernels"
+    assert slower["predicted_s"] == {"kernels": 1.0, "images (master)": 3.0}
+
+
+def test_an_exchange_ruled_out_is_never_chosen():
+    # the ring is the fastest but not allowed (spot checks on): the master exchange's figure
+    got = choose(1.0, {"master": 0.95, "ring": 0.2}, ["master"])
+    assert got["split"] == "kernels"
+    only_ring = choose(1.0, {"ring": 0.2}, ["master"])  # batch norm: the ring's alone
+    assert only_ring["split"] == "kernels" and "ruled out: ring" in only_ring["why"]
+    assert "by kernels" in describe(only_ring) and "images (ring) 0.2 s" in describe(only_ring)
+
+
+def test_the_ring_is_allowed_only_without_spot_checks_and_tls():
+    checked = ClusterConfig()
+    unchecked = ClusterConfig(spot_checks=SpotCheckConfig(every=0))
+    assert allowed_exchanges(checked, "auto") == ["master"]
+    assert allowed_exchanges(unchecked, "auto") == ["master", "ring"]
+    assert allowed_exchanges(unchecked, "ring") == ["ring"]
+    assert allowed_exchanges(unchecked, "master") == ["master"]
+
+
+def _args(**changes) -> argparse.Namespace:
+    from hetconv.cli.main import build_parser
+
+    argv = ["train"]
+    for flag, value in changes.items():
+        argv += [f"--{flag.replace('_', '-')}"] + ([] if value is True else [value])
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("changes", "addresses", "split", "why"),
+    [
+        ({}, ["10.0.0.2:50051"], "auto", "cost model"),
+        ({}, [], "kernels", "embedded default"),
+        ({"discover": True}, [], "auto", "cost model"),
+        ({"deterministic": True}, ["10.0.0.2:50051"], "kernels", "--deterministic"),
+        ({"stages": "fused"}, ["10.0.0.2:50051"], "kernels", "--stages"),
+        ({"wire_format": "bfloat16"}, ["10.0.0.2:50051"], "kernels", "--wire-format"),
+        ({"split": "images"}, [], "images", "--split"),
+        ({"split": "kernels"}, ["10.0.0.2:50051"], "kernels", "--split"),
+    ],
+)
+def test_auto_resolves_by_where_and_what_the_flags_say(changes, addresses, split, why):
+    from hetconv.cli.train import split_of
+
+    got, reason = split_of(_args(**changes), addresses)
+    assert got == split and why in reason
+
+
+def test_exchange_with_the_split_by_kernels_is_refused(capsys):
+    from hetconv.cli import main
+
+    argv = ["train", "--split", "kernels", "--exchange", "ring", "--steps", "1", "--no-run-dir"]
+    assert main(argv) == 2
+    assert "with --split kernels nothing is; drop --exchange" in capsys.readouterr().err
+
+
+def _forced(monkeypatch, exchange):
+    """Make the choice images by ``exchange`` whatever the predictions (the decision itself is
+    tested above), and treat loopback workers as machines of their own."""
+    real = splitchoice.choose
+
+    def forced(kernels_s, images_s, allowed):
+        got = real(kernels_s, images_s, allowed)
+        return {**got, "split": "images", "exchange": exchange, "why": "forced by the test"}
+
+    monkeypatch.setattr(splitchoice, "choose", forced)
+    monkeypatch.setattr(splitchoice, "on_this_machine", lambda address: False)
+
+
+@pytest.mark.parametrize("exchange", ["master", "ring"])
+def test_a_switch_to_images_trains_as_local_training(tmp_path, local, workers, monkeypatch,
+                                                      exchange):  # fmt: skip
+    """The model was grouped for the split by kernels (fused stages) before the choice; after
+    the switch every step is split by images (the ring's parameters resident) and the run is
+    local training's to float32 round-off."""
+    _forced(monkeypatch, exchange)
+    config = ClusterConfig(deterministic=True, spot_checks=SpotCheckConfig(every=0))
+    trace = tmp_path / "trace.jsonl"
+    with SplitChoice(workers.addresses, config=config) as cluster:
+        got = train_strong_lrn(tmp_path, f"auto-{exchange}", cluster, trace=str(trace))
+    same_as_local(got, local)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    plan, steps = records[0], [r for r in records if "step" in r]
+    assert plan["split"] == "images" and plan["split_choice"]["exchange"] == exchange
+    assert set(plan["split_choice"]["predicted_s"]) == {"kernels", "images (master)",
+                                                        "images (ring)"}  # fmt: skip
+    assert all(r["split"] == "images" and r["workers_computed"] == 2 for r in steps)
+
+
+def test_workers_on_this_machine_keep_the_split_by_kernels(tmp_path, local, workers):
+    """Loopback workers share the master's cores: whatever the predictions, the kernel split
+    stays, and the plan says why."""
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(deterministic=True)
+    with SplitChoice(workers.addresses, config=config) as cluster:
+        got = train_strong_lrn(tmp_path, "auto-kernels", cluster, trace=str(trace), steps=3)
+    np.testing.assert_allclose(got[0], local[0][:3], rtol=1e-5)
+    plan = json.loads(trace.read_text().splitlines()[0])
+    choice = plan["split_choice"]
+    assert choice["split"] == "kernels" and "split" not in plan
+    assert "runs on this machine" in choice["why"] or "under the" in choice["why"]
