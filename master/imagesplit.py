@@ -127,6 +127,7 @@ class ImageSplit(Cluster):
         self._warm: set[str] = set()  # nodes whose first step was measured (and left out)
         self._record: dict = {}  # this step's
         self._conv_seconds = 0.0
+        self._console: TextIO | None = None  # until the split's line is said there
 
     # -- setting up ------------------------------------------------------------------------
 
@@ -144,12 +145,17 @@ class ImageSplit(Cluster):
             first = layers[0].written or layers[0]
             self._input = (first.input_shape, first.images_fit)
         self.membership.read_initial_workers_file()
-        if log is not None:
-            ranges = self._ranges(batch)
-            parts = ", ".join(f"{n.name} {c}" for (n, (_, c)) in ranges)
-            print(f"split by images: every node runs the whole network on its images ({parts} "
-                  f"of {batch} per step)", file=log)  # fmt: skip
+        self._console = log  # the split's line waits for the model (_say_split)
         self.membership.start_monitor()
+
+    def _say_split(self) -> None:
+        """The console's line of the split, once the model is known (with batch norm under the
+        ring the master computes no images): each computing node's images per step."""
+        log, self._console = self._console, None
+        if log is not None:
+            parts = ", ".join(f"{n.name} {c}" for (n, (_, c)) in self._ranges(self._batch))
+            print(f"split by images: every node runs the whole network on its images ({parts} "
+                  f"of {self._batch} per step)", file=log)  # fmt: skip
 
     def check_model(self, model) -> None:
         """Refuse a network the split cannot train (batch norm, naming the layer)."""
@@ -239,6 +245,7 @@ class ImageSplit(Cluster):
         (the batch's mean-loss gradient, summed over the nodes in order)."""
         if self._spec is None:
             self.check_model(model)
+        self._say_split()
         batch = len(x)
         cut = self._ranges(batch)
         if not self.config.deterministic:
@@ -429,6 +436,7 @@ class ImageSplit(Cluster):
         what each worker's call moves."""
         if spec is not None:
             self._take_spec(spec, self._input[0])
+            self._say_split()
         return None
 
 

@@ -268,6 +268,7 @@ class RingImageSplit(ImageSplit):
     def train_batch(self, model, x: np.ndarray, labels: np.ndarray, step: int):
         if self._spec is None:
             self.check_model(model)
+        self._say_split()
         if self._resolve() != RING:
             self._ring_record = {"exchange": MASTER}
             return super().train_batch(model, x, labels, step)
