@@ -3,7 +3,8 @@ images``): the parameter-server step of :mod:`hetconv.dataparallel` without over
 the master sends, and, with ``--exchange ring``, the ring among the workers
 (:mod:`hetconv.ring`) and batch norm's statistics summed over it. Asked by ``hetconv plan``,
 the testbed's prediction and the tests; the master chooses its exchange with
-:func:`hetconv.ring.choose`."""
+:func:`hetconv.ring.choose`, and ``--split auto`` between the split by kernels and by images
+with :func:`choose_split`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hetconv.dataparallel import (
     DataParallelResult,
     simulate_data_parallel,
 )
+from hetconv.imagesplit import IMAGES, KERNELS
 from hetconv.model import CIFAR_INPUT
 from hetconv.onnx_import import Network, load_network
 from hetconv.ring import MASTER, master_link_bytes, ring_exchange_seconds
@@ -104,4 +106,58 @@ def batchnorm_sums_seconds(
     return 3 * norms * (len(workers) - 1) * hop
 
 
-__all__ = ["batchnorm_sums_seconds", "simulate_image_split"]
+#: How much faster (a fraction of the kernel split's predicted step) a split by images must
+#: be predicted before it is chosen.
+SPLIT_MARGIN = 0.10
+
+
+def choose_split(kernels_s: float, images_s: dict[str, float], allowed: Sequence[str]) -> dict:
+    """The split ``--split auto`` takes: ``{"split": kernels|images, "exchange": ...,
+    "predicted_s": {way: step}, "why": one line}`` from the kernel split's predicted step and
+    each exchange's split by images (only those ``allowed``)."""
+    usable = {k: v for k, v in images_s.items() if k in allowed}
+    predicted = {KERNELS: kernels_s, **{f"{IMAGES} ({k})": v for k, v in images_s.items()}}
+    if not usable:
+        refused = ", ".join(sorted(set(images_s) - set(allowed))) or "none"
+        return {
+            "split": KERNELS, "exchange": None, "predicted_s": predicted,
+            "why": f"no split by images may run here (exchanges ruled out: {refused})",
+        }  # fmt: skip
+    exchange = min(usable, key=lambda k: (usable[k], k != MASTER))
+    best = usable[exchange]
+    faster = kernels_s / best if best > 0 else float("inf")
+    if best < kernels_s * (1 - SPLIT_MARGIN):
+        split, why = IMAGES, f"predicted {faster:.2f}x faster than the split by kernels"
+    else:
+        split, exchange = KERNELS, None
+        why = (
+            f"the split by images ({_way(min(usable, key=usable.get))}) is predicted "
+            f"{faster:.2f}x the split by kernels' speed, under the {1 / (1 - SPLIT_MARGIN):.2f}x "
+            "a switch needs"
+        )
+    return {"split": split, "exchange": exchange, "predicted_s": predicted, "why": why}
+
+
+def _way(exchange: str) -> str:
+    return "gradients through the master" if exchange == MASTER else "ring among the workers"
+
+
+def describe_choice(choice: dict) -> str:
+    """One console line: the split chosen, each way's predicted step, and why."""
+    ways = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in choice["predicted_s"].items())
+    chosen = choice["split"]
+    if choice["exchange"] is not None:
+        chosen += f" ({_way(choice['exchange'])})"
+    return (
+        f"split (auto): by {chosen}: {choice['why']} (predicted per step: {ways}; "
+        "--split kernels|images overrides)"
+    )
+
+
+__all__ = [
+    "SPLIT_MARGIN",
+    "batchnorm_sums_seconds",
+    "choose_split",
+    "describe_choice",
+    "simulate_image_split",
+]

@@ -14,8 +14,9 @@ with the master's other work timed), it compares, on those measurements:
 
 Workers on the master's own machine share its cores, which the predictions do not model:
 with any such worker the split by kernels stays. A split by images is chosen only when
-predicted at least :data:`MARGIN` faster than the split by kernels: the cost model is within
-about 15 % on the testbed, and the kernel split is the one it has been validated on longest.
+predicted at least :data:`~hetconv.imagecost.SPLIT_MARGIN` faster than the split by kernels
+(:func:`~hetconv.imagecost.choose_split`): the cost model is within about 15 % on the testbed,
+and the kernel split is the one it has been validated on longest.
 Choosing it closes the kernel split's connections and opens the split by images over the same
 workers (those found on the LAN still followed). Every later call goes to the split chosen;
 the plan record's ``split_choice`` says which, each way's predicted step and why, and the
@@ -27,45 +28,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TextIO
 
+from hetconv.imagecost import choose_split, describe_choice
 from hetconv.imagesplit import IMAGES, KERNELS
 from hetconv.ring import AUTO, MASTER, RING
 
 from .probing import on_this_machine
-
-#: How much faster (a fraction of the kernel split's predicted step) a split by images must
-#: be predicted before it is chosen.
-MARGIN = 0.10
-
-
-def choose(kernels_s: float, images_s: dict[str, float], allowed: Sequence[str]) -> dict:
-    """The split ``--split auto`` takes: ``{"split": kernels|images, "exchange": ...,
-    "predicted_s": {way: step}, "why": one line}`` from the kernel split's predicted step and
-    each exchange's split by images (only those ``allowed``)."""
-    usable = {k: v for k, v in images_s.items() if k in allowed}
-    predicted = {KERNELS: kernels_s, **{f"{IMAGES} ({k})": v for k, v in images_s.items()}}
-    if not usable:
-        refused = ", ".join(sorted(set(images_s) - set(allowed))) or "none"
-        return {
-            "split": KERNELS, "exchange": None, "predicted_s": predicted,
-            "why": f"no split by images may run here (exchanges ruled out: {refused})",
-        }  # fmt: skip
-    exchange = min(usable, key=lambda k: (usable[k], k != MASTER))
-    best = usable[exchange]
-    faster = kernels_s / best if best > 0 else float("inf")
-    if best < kernels_s * (1 - MARGIN):
-        split, why = IMAGES, f"predicted {faster:.2f}x faster than the split by kernels"
-    else:
-        split, exchange = KERNELS, None
-        why = (
-            f"the split by images ({_way(min(usable, key=usable.get))}) is predicted "
-            f"{faster:.2f}x the split by kernels' speed, under the {1 / (1 - MARGIN):.2f}x "
-            "a switch needs"
-        )
-    return {"split": split, "exchange": exchange, "predicted_s": predicted, "why": why}
-
-
-def _way(exchange: str) -> str:
-    return "gradients through the master" if exchange == MASTER else "ring among the workers"
 
 
 def allowed_exchanges(config, exchange: str) -> list[str]:
@@ -115,7 +82,7 @@ class SplitChoice:
         if spec is None or kernels is None or "image_split_s" not in kernels:
             return kernels  # no worker reached or no probe: the split by kernels stays
         allowed = allowed_exchanges(self.inner.config, self._exchange)
-        self.choice = choose(kernels["step_s"], kernels["image_split_s"], allowed)
+        self.choice = choose_split(kernels["step_s"], kernels["image_split_s"], allowed)
         shared = [a for a in self.addresses if on_this_machine(a)]
         if shared and self.choice["split"] == IMAGES:
             self.choice = {
@@ -130,7 +97,7 @@ class SplitChoice:
             step = kernels["image_split_s"][self.choice["exchange"]]
             kernels = {**kernels, "step_s": step, "speedup": kernels["alone_s"] / step}
         if log is not None:
-            print(describe(self.choice), file=log, flush=True)
+            print(describe_choice(self.choice), file=log, flush=True)
         return kernels
 
     def _switch(self, exchange: str) -> None:
@@ -162,16 +129,4 @@ class SplitChoice:
         self.close()
 
 
-def describe(choice: dict) -> str:
-    """One console line: the split chosen, each way's predicted step, and why."""
-    ways = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in choice["predicted_s"].items())
-    chosen = choice["split"]
-    if choice["exchange"] is not None:
-        chosen += f" ({_way(choice['exchange'])})"
-    return (
-        f"split (auto): by {chosen}: {choice['why']} (predicted per step: {ways}; "
-        "--split kernels|images overrides)"
-    )
-
-
-__all__ = ["MARGIN", "SplitChoice", "allowed_exchanges", "choose", "describe"]
+__all__ = ["SplitChoice", "allowed_exchanges"]

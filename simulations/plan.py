@@ -30,9 +30,10 @@ from hetconv.balance import shares_for
 from hetconv.costmodel import SimCluster, local_step_seconds, simulate_step
 from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
 from hetconv.formats import BFLOAT16, FLOAT32
-from hetconv.imagecost import simulate_image_split
-from hetconv.imagesplit import refuse_batchnorm
+from hetconv.imagecost import choose_split, simulate_image_split
+from hetconv.imagesplit import KERNELS, refuse_batchnorm
 from hetconv.onnx_import import load_network
+from hetconv.ring import MASTER, RING
 from hetconv.spec import CIFAR_INPUT
 from hetconv.workload import conv_layers
 
@@ -71,6 +72,8 @@ ONE_MACHINE = "one machine (the master alone)"
 IMAGE_SPLIT = "split by images (gradients through the master)"
 #: The same with the gradients summed by a ring among the workers (``--exchange ring``).
 IMAGE_SPLIT_RING = "split by images (ring among the workers)"
+#: The two by the exchange that names them (``--exchange``).
+IMAGES = {MASTER: IMAGE_SPLIT, RING: IMAGE_SPLIT_RING}
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,33 @@ def verdict(ranked: Sequence[Candidate]) -> str:
     return line
 
 
+def auto_split(ranked: Sequence[Candidate]) -> str:
+    """One line: what ``hetconv train --split auto`` (the default with workers named) would
+    run on this cluster, with spot checks on (the default) and, where that differs, off (the
+    ring may run only then): the fastest exact kernel split against the splits by images
+    (:func:`hetconv.imagecost.choose_split`). A kernel split's layer modes are chosen by
+    train itself; the fastest listed stands for them."""
+    split = IMAGES.values()
+    kernels = [c for c in ranked if c.kind == "hetconv" and c.exact and c.label not in split]
+    images = {exchange: c.step_s for c in ranked for exchange, label in IMAGES.items()
+              if c.label == label}  # fmt: skip
+    if not kernels or not images:
+        return ""
+    checked = choose_split(kernels[0].step_s, images, [MASTER])
+    line = f"--split auto (train's default with workers named): {_split_named(checked)}"
+    unchecked = choose_split(kernels[0].step_s, images, [MASTER, RING])
+    if unchecked["split"] != checked["split"] or unchecked["exchange"] != checked["exchange"]:
+        line += f"; with --spot-check-every 0: {_split_named(unchecked)}"
+    return line
+
+
+def _split_named(choice: dict) -> str:
+    if choice["split"] == KERNELS:
+        return f"split by kernels ({choice['why']})"
+    label = IMAGES[choice["exchange"]]
+    return f"{label} ({choice['why']})"
+
+
 def format_plan(ranked: Sequence[Candidate]) -> str:
     width = max(len(c.label) for c in ranked)
     lines = [f"{'strategy':<{width}}  {'step':>9}  {'speedup':>7}  {'MB/step':>8}  workers  exact"]
@@ -265,7 +295,7 @@ def _seconds(value: float) -> str:
     return f"{1e3 * value:.0f} ms"
 
 
-__all__ = ["MODES", "Candidate", "candidates", "format_plan", "verdict"]
+__all__ = ["MODES", "Candidate", "auto_split", "candidates", "format_plan", "verdict"]
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -460,6 +490,8 @@ def run(args) -> int:
     print(format_plan(ranked))
     if ranked[0].kind == "hetconv":
         print(_placeholders(nodes - 1))
+    if line := auto_split(ranked):
+        print(line)
     print(verdict(ranked))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

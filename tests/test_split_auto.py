@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 from exactness import same_as_local, train_strong_lrn
 
+from hetconv.imagecost import SPLIT_MARGIN as MARGIN
+from hetconv.imagecost import choose_split as choose
+from hetconv.imagecost import describe_choice as describe
 from hetconv.master import splitchoice
 from hetconv.master.cluster import ClusterConfig
-from hetconv.master.splitchoice import MARGIN, SplitChoice, allowed_exchanges, choose, describe
+from hetconv.master.splitchoice import SplitChoice, allowed_exchanges
 from hetconv.master.spotcheck import SpotCheckConfig
 
 
@@ -88,13 +91,13 @@ def test_exchange_with_the_split_by_kernels_is_refused(capsys):
 def _forced(monkeypatch, exchange):
     """Make the choice images by ``exchange`` whatever the predictions (the decision itself is
     tested above), and treat loopback workers as machines of their own."""
-    real = splitchoice.choose
+    real = splitchoice.choose_split
 
     def forced(kernels_s, images_s, allowed):
         got = real(kernels_s, images_s, allowed)
         return {**got, "split": "images", "exchange": exchange, "why": "forced by the test"}
 
-    monkeypatch.setattr(splitchoice, "choose", forced)
+    monkeypatch.setattr(splitchoice, "choose_split", forced)
     monkeypatch.setattr(splitchoice, "on_this_machine", lambda address: False)
 
 
@@ -130,3 +133,21 @@ def test_workers_on_this_machine_keep_the_split_by_kernels(tmp_path, local, work
     choice = plan["split_choice"]
     assert choice["split"] == "kernels" and "split" not in plan
     assert "runs on this machine" in choice["why"] or "under the" in choice["why"]
+
+
+def test_plan_says_what_auto_would_run_with_and_without_spot_checks():
+    from hetconv.simulations.plan import IMAGE_SPLIT, IMAGE_SPLIT_RING, Candidate, auto_split
+
+    def way(label, step, exact=True, kind="hetconv"):
+        return Candidate(kind, label, step, 1.0, 0.0, exact, "")
+
+    ranked = [way("DDP", 0.5, kind="data-parallel"), way(IMAGE_SPLIT_RING, 0.6),
+              way("fused, bfloat16 wire", 0.7, exact=False), way(IMAGE_SPLIT, 0.8),
+              way("fused stages", 1.0)]  # fmt: skip
+    line = auto_split(ranked)
+    assert line.startswith("--split auto (train's default with workers named): split by images "
+                           "(gradients through the master) (predicted 1.25x faster")  # fmt: skip
+    assert "with --spot-check-every 0: split by images (ring among the workers)" in line
+    kernels = auto_split([way(IMAGE_SPLIT, 0.95), way("fused stages", 1.0)])
+    assert "split by kernels" in kernels and "spot-check" not in kernels
+    assert auto_split([way("fused stages", 1.0)]) == ""
