@@ -41,16 +41,37 @@ from .cpu import CpuBackend
 LIBRARY = "libdnnl.so.3"
 ENV_LIBRARY = "HETCONV_ONEDNN_LIB"
 INSTALL_HINT = "pip install 'hetconv[onednn]'"
-#: Which layout the primitives compute in: "plain" (NCHW, no reorders) or "blocked" (oneDNN's
-#: choice, reordered both ways every call). See the module docstring and README's figures.
-DEFAULT_LAYOUT = "blocked"
-LAYOUTS = ("plain", "blocked")
+#: The three operations, as :class:`_Convolution` names them.
+OPS = ("forward", "input", "kernels")
+#: Which layout each operation computes in: "plain" (NCHW, no reorders) or "blocked" (oneDNN's
+#: choice, reordered both ways every call); "auto" (the default): blocked, but the forward and
+#: input gradient of layers with fewer than :data:`FEW_CHANNELS` input channels plain.
+#: One thread, batch 16, ms (cpu backend / plain / blocked): resnet20's 16-channel 3x3 layer
+#: forward 1.50 / 0.84 / 1.39, input gradient 1.46 / 1.34 / 1.19, kernel gradient 1.76 / 2.08 /
+#: 0.45; paper-500-1500's C1 (3 channels, 500 kernels of 5x5) 13.0 / 6.7 / 11.3, 20.9 / 7.4 /
+#: 34.7, 19.6 / 13.2 / 11.4. Blocked primitives also compute a slice of a layer's kernels
+#: bitwise as the whole layer does (tests/test_backend_onednn.py); plain ones at many
+#: channels only to round-off (oneDNN's GEMM blocks its sums by the matrix sizes).
+LAYOUTS = ("auto", "blocked", "plain")
+DEFAULT_LAYOUT = "auto"
+FEW_CHANNELS = 8
+
+
+def op_layouts(layout: str, shape: ConvShape) -> dict[str, str]:
+    """Operation -> "plain" or "blocked" for ``shape`` under ``layout`` (see :data:`LAYOUTS`)."""
+    if layout != "auto":
+        return dict.fromkeys(OPS, layout)
+    few = shape.c < FEW_CHANNELS
+    return {"forward": "plain" if few else "blocked", "input": "plain" if few else "blocked",
+            "kernels": "blocked"}  # fmt: skip
+
 
 # oneDNN 3.2's C enums (include/oneapi/dnnl/dnnl_types.h at tag v3.2)
 _SUCCESS, _CPU, _F32 = 0, 1, 3
 _TAG_ANY, _TAG_X, _TAG_NCHW, _TAG_OIHW = 1, 2, 5, 5
 _FORWARD_TRAINING, _DIRECT = 64, 1
 _STREAM_DEFAULT = 1
+_QUERY_IMPL = 8
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
 _ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS, _ARG_DIFF_BIAS = 129, 145, 161, 169
 _QUERY = {
@@ -134,10 +155,14 @@ class _Library:
         }.items():  # fmt: skip
             fn = getattr(d, name)
             fn.argtypes, fn.restype = args, status
+        d.dnnl_primitive_desc_query.argtypes = [_p, ctypes.c_int, ctypes.c_int, _p]
+        d.dnnl_primitive_desc_query.restype = ctypes.c_int
         d.dnnl_primitive_desc_query_md.argtypes = [_p, ctypes.c_int, ctypes.c_int]
         d.dnnl_primitive_desc_query_md.restype = _p
-        d.dnnl_memory_desc_get_size.argtypes, d.dnnl_memory_desc_get_size.restype = [_p], ctypes.c_size_t
-        d.dnnl_memory_desc_equal.argtypes, d.dnnl_memory_desc_equal.restype = [_p, _p], ctypes.c_int
+        d.dnnl_memory_desc_get_size.argtypes = [_p]
+        d.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
+        d.dnnl_memory_desc_equal.argtypes = [_p, _p]
+        d.dnnl_memory_desc_equal.restype = ctypes.c_int
         d.dnnl_version.restype = ctypes.POINTER(_Version)
         d.dnnl_get_effective_cpu_isa.restype = ctypes.c_int
         self.engine = _p()
@@ -157,7 +182,9 @@ class _Library:
         stream = getattr(self._streams, "stream", None)
         if stream is None:
             stream = _p()
-            created = self.dll.dnnl_stream_create(ctypes.byref(stream), self.engine, _STREAM_DEFAULT)
+            created = self.dll.dnnl_stream_create(
+                ctypes.byref(stream), self.engine, _STREAM_DEFAULT
+            )
             self.check(created, "stream_create")
             self._streams.stream = stream
         return stream
@@ -167,6 +194,12 @@ class _Library:
         if getattr(self._streams, "threads", None) != threads:
             self.omp_set_num_threads(threads)
             self._streams.threads = threads
+
+    def implementation(self, pd) -> str:
+        """The name of the implementation oneDNN chose for primitive descriptor ``pd``."""
+        text = ctypes.c_char_p()
+        status = self.dll.dnnl_primitive_desc_query(pd, _QUERY_IMPL, 0, ctypes.byref(text))
+        return text.value.decode() if status == _SUCCESS and text.value else "?"
 
     def version(self) -> str:
         v = self.dll.dnnl_version().contents
@@ -202,6 +235,12 @@ def library() -> _Library:
         if _library is None:
             raise OSError(_library_error)
         return _library
+
+
+def _roles(mds: dict, bias=None) -> tuple:
+    """The descriptors a convolution primitive takes, in its argument order: src, weights,
+    (bias,) dst."""
+    return (mds["src"], mds["weights"], *(() if bias is None else (bias,)), mds["dst"])
 
 
 class _Reorder:
@@ -247,28 +286,37 @@ class _Convolution:
             for role, d in dims.items()
         }
         bias = self._md((shape.k,), _TAG_X)
-        if layout == "blocked":
-            pick = {role: self._md(d, _TAG_ANY) for role, d in dims.items()}
-        else:
-            pick = self.plain
+        blocked = {role: self._md(d, _TAG_ANY) for role, d in dims.items()}
+        chosen = op_layouts(layout, shape)
+        pick = {op: blocked if chosen[op] == "blocked" else self.plain for op in OPS}
         p = shape.padding
         geometry = (_Dims(1, 1), _Dims(0, 0), _Dims(p.top, p.left), _Dims(p.bottom, p.right))
         d = lib.dll
-        fwd = self._pd(
-            d.dnnl_convolution_forward_primitive_desc_create, lib.engine, _FORWARD_TRAINING,
-            _DIRECT, pick["src"], pick["weights"], bias, pick["dst"], *geometry, None,
-        )  # fmt: skip
+        # a backward primitive's hint is the forward of its own layout: oneDNN picks its
+        # implementation by the hint, and one geometry must always get the same (a slice of
+        # kernels equals the whole layer's rows only if both run the same implementation)
+        hints = {
+            kind: self._pd(
+                d.dnnl_convolution_forward_primitive_desc_create, lib.engine, _FORWARD_TRAINING,
+                _DIRECT, *_roles(mds, bias), *geometry, None,
+            )
+            for kind, mds in (("plain", self.plain), ("blocked", blocked))
+            if kind in chosen.values()
+        }  # fmt: skip
+        fwd = hints[chosen["forward"]]
         bwd_data = self._pd(
             d.dnnl_convolution_backward_data_primitive_desc_create, lib.engine, _DIRECT,
-            pick["src"], pick["weights"], pick["dst"], *geometry, fwd, None,
+            *_roles(pick["input"]), *geometry, hints[chosen["input"]], None,
         )  # fmt: skip
         bwd_weights = self._pd(
             d.dnnl_convolution_backward_weights_primitive_desc_create, lib.engine, _DIRECT,
-            pick["src"], pick["weights"], bias, pick["dst"], *geometry, fwd, None,
+            *_roles(pick["kernels"], bias), *geometry, hints[chosen["kernels"]], None,
         )  # fmt: skip
         self.bias_md = bias
+        self.zero_bias = np.zeros(shape.k, np.float32)  # the primitive has a bias: none is 0
         roles = {"src": _ARG_SRC, "weights": _ARG_WEIGHTS, "dst": _ARG_DST}
         self.reorders: dict[tuple[str, str], _Reorder | None] = {}
+        self.implementations: dict[str, str] = {}
         for op, pd, args in (
             ("forward", fwd, roles),
             ("input", bwd_data, {**roles, "src": _ARG_DIFF_SRC, "dst": _ARG_DIFF_DST}),
@@ -277,6 +325,7 @@ class _Convolution:
             primitive = _p()
             lib.check(d.dnnl_primitive_create(ctypes.byref(primitive), pd), f"{op} primitive")
             self.primitives[op] = (primitive, args)
+            self.implementations[op] = lib.implementation(pd)
             for role, arg in args.items():
                 chosen = d.dnnl_primitive_desc_query_md(pd, _QUERY[arg], 0)
                 same = d.dnnl_memory_desc_equal(chosen, self.plain[role])
@@ -343,10 +392,9 @@ class _Convolution:
 
     def _memory(self, md, array: np.ndarray, made: list) -> ctypes.c_void_p:
         memory = _p()
-        self.lib.check(
-            self.lib.dll.dnnl_memory_create(ctypes.byref(memory), md, self.lib.engine, _p(array.ctypes.data)),
-            "memory_create",
-        )  # fmt: skip
+        handle = _p(array.ctypes.data)
+        created = self.lib.dll.dnnl_memory_create(ctypes.byref(memory), md, self.lib.engine, handle)
+        self.lib.check(created, "memory_create")
         made.append(memory)
         return memory
 
@@ -361,7 +409,7 @@ class OneDnnBackend(CpuBackend):
     Args:
         threads: OpenMP threads per call; None: the BLAS thread count at the time of the call
             (``threadpoolctl``), so a ``--threads`` limit holds for both engines.
-        layout: ``"plain"`` or ``"blocked"`` (:data:`DEFAULT_LAYOUT`).
+        layout: ``"auto"``, ``"blocked"`` or ``"plain"`` (:data:`LAYOUTS`).
         scratch_bytes: as the cpu backend's (its other layers use it).
     """
 
@@ -378,7 +426,7 @@ class OneDnnBackend(CpuBackend):
         self.threads = None if threads is None else int(threads)
         self.layout = layout
         self._lib = library()
-        self._convolutions: dict[ConvShape, _Convolution] = {}
+        self._convolutions: dict[tuple[ConvShape, int], _Convolution] = {}
         self._lock = threading.Lock()
         self._blas = None
 
@@ -403,11 +451,12 @@ class OneDnnBackend(CpuBackend):
         return KernelGradientSum(self)
 
     def working_set_bytes(self, shape: ConvShape) -> int:
-        return 4 * 2 * (  # the plain tensors and, blocked, one reordered copy of each
+        values = (
             shape.n * shape.c * shape.h * shape.w
             + shape.k * shape.c * shape.kh * shape.kw
             + shape.n * shape.k * shape.out_hw[0] * shape.out_hw[1]
         )
+        return 4 * 2 * values  # the plain tensors and, blocked, one reordered copy of each
 
     def _threads(self) -> int:
         if self.threads is not None:
@@ -419,20 +468,31 @@ class OneDnnBackend(CpuBackend):
         counts = [c.num_threads for c in self._blas]
         return max(1, min(counts)) if counts else (os.cpu_count() or 1)
 
+    def implementations(self, shape: ConvShape) -> dict[str, str]:
+        """The implementation oneDNN runs each operation of ``shape`` with (its name)."""
+        return dict(self._convolution(shape).implementations)
+
     def _convolution(self, shape: ConvShape) -> _Convolution:
-        conv = self._convolutions.get(shape)
+        """The primitives of ``shape`` for the thread count of this call, which is set for
+        the calling thread first: oneDNN plans a primitive's work split (a kernel gradient's
+        partial sums, for one) for the threads there are when it is created, so the
+        primitives are kept per (geometry, threads)."""
+        threads = self._threads()
+        self._lib.set_threads(threads)
+        key = (shape, threads)
+        conv = self._convolutions.get(key)
         if conv is None:
             with self._lock:
-                conv = self._convolutions.get(shape)
+                conv = self._convolutions.get(key)
                 if conv is None:
                     conv = _Convolution(self._lib, shape, self.layout)
-                    self._convolutions[shape] = conv
-        self._lib.set_threads(self._threads())
+                    self._convolutions[key] = conv
         return conv
 
     def _forward(self, x, w, b, shape):
         y = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
-        self._convolution(shape).run("forward", {"src": x, "weights": w, "dst": y}, b)
+        conv = self._convolution(shape)
+        conv.run("forward", {"src": x, "weights": w, "dst": y}, conv.zero_bias if b is None else b)
         return y
 
     def _grad_input(self, dy, w, shape):
