@@ -1,0 +1,177 @@
+"""The onednn backend (oneDNN's convolutions through ctypes) against the cpu backend.
+
+The dev extra installs oneDNN (``onednn-cpu-gomp``) wherever its wheel exists (Linux x86-64):
+there these tests run, never skipped; elsewhere they are skipped with that reason.
+
+Tolerance: as in test_backends.py, ``2e-4`` of the magnitude of the summed terms (oneDNN's
+kernels block and order their float32 sums otherwise than BLAS does). A slice of a layer's
+kernels must equal the same rows of the whole layer bitwise at one thread, where hetconv's
+exactness tests need it; at two threads the kernel gradient is summed in per-thread parts that
+oneDNN plans by the number of kernels, so a slice equals the whole only to round-off.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+from backend_cases import assert_close, assert_results_close, make_problem, run_all, term_scales
+from threadpoolctl import threadpool_limits
+
+from hetconv.backends import BackendUnavailable, CpuBackend, backend_class, get_backend
+from hetconv.backends import onednn as onednn_module
+from hetconv.model import Model, load_spec, walk_spec
+
+RTOL = 2e-4
+WHEEL_HERE = platform.system() == "Linux" and platform.machine() == "x86_64"
+pytestmark = pytest.mark.skipif(
+    not WHEEL_HERE, reason="oneDNN's wheel (onednn-cpu-gomp) is built for Linux x86-64 only"
+)
+REFERENCE = CpuBackend()
+
+
+@pytest.fixture(scope="module")
+def onednn():
+    """The backend, which must be available here (the dev extra installs it)."""
+    ok, why = onednn_module.OneDnnBackend.is_available()
+    assert ok, why
+    return get_backend("onednn")
+
+
+# n, c, h, w, k, kh, kw, padding
+SHAPES = [
+    (2, 3, 32, 32, 16, 3, 3, 1),  # resnet20's first layer
+    (2, 16, 32, 32, 16, 3, 3, 1),  # its first stage
+    (2, 64, 17, 17, 32, 2, 2, 0),  # a stride-2 layer as the engine runs it (its phases)
+    (2, 16, 16, 16, 32, 1, 1, 0),  # a 1x1 shortcut
+    (1, 128, 9, 9, 64, 2, 2, 0),  # batch 1, odd size
+    (1, 3, 32, 32, 150, 5, 5, 2),  # paper-150-800's C1 at batch 1
+    (1, 150, 16, 16, 80, 5, 5, 2),  # a tenth of its C2's kernels
+    (3, 5, 9, 7, 6, 3, 2, (0, 1, 2, 3)),  # odd sizes, even kernel width, asymmetric padding
+    (2, 4, 6, 6, 3, 2, 2, "same"),  # even kernel: the extra row/column bottom/right
+    (2, 8, 5, 5, 4, 3, 3, 4),  # padding wider than the kernel reaches
+    (2, 3, 4, 4, 2, 4, 4, "valid"),  # kernel as large as the image
+]
+
+
+@pytest.mark.parametrize("case", SHAPES, ids=lambda c: "x".join(map(str, c[:7])) + f"-p{c[7]}")
+@pytest.mark.parametrize("layout", onednn_module.LAYOUTS)
+def test_three_operations_match_the_cpu_backend(onednn, case, layout):
+    backend = (
+        onednn if layout == onednn_module.DEFAULT_LAYOUT else get_backend("onednn", layout=layout)
+    )
+    problem = make_problem(np.random.default_rng(7), *case)
+    scales = term_scales(REFERENCE, problem)
+    assert_results_close(
+        run_all(backend, problem), run_all(REFERENCE, problem), RTOL, scales=scales
+    )
+    y = backend.conv_forward(problem.x, problem.w, None, problem.padding)
+    want = REFERENCE.conv_forward(problem.x, problem.w, None, problem.padding)
+    assert_close(y, want, "forward without bias", RTOL, scale=scales[0])
+
+
+def test_every_convolution_of_resnet20_matches_the_cpu_backend(onednn):
+    """The shapes the model hands the backend (its stride-2 layers as phases), batch 2."""
+    spec = load_spec("resnet20")
+    model = Model(spec, seed=0)
+    rng = np.random.default_rng(1)
+    seen = set()
+    for item, layer in zip(walk_spec(spec), model.layers, strict=True):
+        if item.kind != "conv":
+            continue
+        x = rng.standard_normal((2, *item.input_shapes[0]), dtype=np.float32)
+        xe, we, padding = layer.executed(x)
+        if (xe.shape, we.shape, padding) in seen:
+            continue
+        seen.add((xe.shape, we.shape, padding))
+        problem = make_problem(rng, *xe.shape, *we.shape[:1], *we.shape[2:], padding)
+        got, want = run_all(onednn, problem), run_all(REFERENCE, problem)
+        assert_results_close(got, want, RTOL, scales=term_scales(REFERENCE, problem))
+    assert len(seen) >= 6
+
+
+def _slices_against_whole(backend, case, bounds):
+    """(forward, kernel gradient, bias gradient) of each kernel slice and the whole layer's
+    same rows."""
+    n, c, h, w, k, kh, kw, padding = case
+    problem = make_problem(np.random.default_rng(3), *case)
+    x, wt, b, dy = problem.x, problem.w, problem.b, problem.dy
+    y = backend.conv_forward(x, wt, b, padding)
+    dw, db = backend.conv_grad_kernels(x, dy, (kh, kw), padding)
+    for k0, k1 in bounds:
+        part_w, part_dy = np.ascontiguousarray(wt[k0:k1]), np.ascontiguousarray(dy[:, k0:k1])
+        part_dw, part_db = backend.conv_grad_kernels(x, part_dy, (kh, kw), padding)
+        yield (backend.conv_forward(x, part_w, b[k0:k1], padding), y[:, k0:k1])
+        yield part_dw, dw[k0:k1]
+        yield part_db, db[k0:k1]
+
+
+SLICED = [  # layers and the kernel slices a split gives its nodes (uneven, odd bounds)
+    ((4, 3, 32, 32, 16, 3, 3, 1), [(0, 5), (5, 11), (11, 16)]),
+    ((4, 16, 32, 32, 16, 3, 3, 1), [(0, 7), (7, 16)]),
+    ((2, 64, 17, 17, 32, 2, 2, 0), [(0, 1), (1, 20), (20, 32)]),
+    ((2, 3, 32, 32, 150, 5, 5, 2), [(0, 37), (37, 100), (100, 150)]),
+    ((2, 150, 16, 16, 40, 5, 5, 2), [(0, 13), (13, 40)]),
+    ((3, 5, 9, 7, 12, 3, 2, (0, 1, 2, 3)), [(0, 4), (4, 12)]),
+]
+
+
+@pytest.mark.parametrize("case, bounds", SLICED, ids=lambda v: "x".join(map(str, v[:7])))
+def test_a_kernel_slice_equals_the_whole_layer_bitwise_at_one_thread(case, bounds):
+    backend = get_backend("onednn", threads=1)
+    for got, want in _slices_against_whole(backend, case, bounds):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_at_two_threads_a_kernel_slice_equals_the_whole_layer_to_round_off():
+    backend = get_backend("onednn", threads=2)
+    case, bounds = SLICED[3]
+    for got, want in _slices_against_whole(backend, case, bounds):
+        assert_close(got, want, "slice", 1e-5, floor=1.0)
+
+
+def test_threads_follow_the_blas_limit_unless_given(onednn):
+    with threadpool_limits(limits=1, user_api="blas"):
+        assert onednn._threads() == 1
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert onednn._threads() == 2
+        assert get_backend("onednn", threads=1)._threads() == 1
+
+
+def test_primitives_are_kept_per_geometry_and_thread_count():
+    backend = get_backend("onednn", threads=1)
+    x = np.ones((2, 4, 6, 6), np.float32)
+    w = np.ones((3, 4, 3, 3), np.float32)
+    for _ in range(3):
+        backend.conv_forward(x, w, None, 1)
+    backend.conv_forward(x[:1], w, None, 1)
+    assert len(backend._convolutions) == 2
+    backend.threads = 2
+    backend.conv_forward(x, w, None, 1)
+    assert len(backend._convolutions) == 3
+    shape = next(iter(backend._convolutions))[0]
+    assert set(backend.implementations(shape)) == {"forward", "input", "kernels"}
+
+
+def test_describe_names_the_library_and_the_cpu_it_compiled_for(onednn):
+    info = onednn.describe()
+    assert info.backend == "onednn" and info.kind == "cpu"
+    assert "oneDNN 3." in info.name
+
+
+def test_bad_options_say_what_was_wrong():
+    with pytest.raises(ValueError, match="onednn layout 'fast' is not one of auto, blocked, plain"):
+        get_backend("onednn", layout="fast")
+    with pytest.raises(ValueError, match="onednn threads must be a positive integer, got 0"):
+        get_backend("onednn", threads=0)
+
+
+def test_without_the_library_the_backend_says_why_and_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv(onednn_module.ENV_LIBRARY, str(tmp_path / "libdnnl.so.3"))
+    monkeypatch.setattr(onednn_module, "_library", None)
+    monkeypatch.setattr(onednn_module, "_library_error", None)
+    ok, why = onednn_module.OneDnnBackend.is_available()
+    assert not ok and "libdnnl.so.3" in why and "pip install 'hetconv[onednn]'" in why
+    with pytest.raises(BackendUnavailable, match=r"backend onednn is not available here: .*pip"):
+        backend_class("onednn")
