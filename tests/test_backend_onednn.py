@@ -165,6 +165,9 @@ def test_bad_options_say_what_was_wrong():
         get_backend("onednn", layout="fast")
     with pytest.raises(ValueError, match="onednn threads must be a positive integer, got 0"):
         get_backend("onednn", threads=0)
+    assert get_backend("onednn", 0).describe().backend == "onednn"  # `hetconv devices` asks
+    with pytest.raises(ValueError, match="onednn device 1 does not exist"):
+        get_backend("onednn", 1)
 
 
 def test_without_the_library_the_backend_says_why_and_how_to_install(monkeypatch, tmp_path):

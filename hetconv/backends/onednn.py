@@ -35,7 +35,7 @@ import threading
 
 import numpy as np
 
-from .base import ConvShape, DeviceInfo, KernelGradientSum
+from .base import ConvShape, DeviceInfo, KernelGradientSum, device_number
 from .cpu import CpuBackend
 
 LIBRARY = "libdnnl.so.3"
@@ -410,15 +410,22 @@ class OneDnnBackend(CpuBackend):
         threads: OpenMP threads per call; None: the BLAS thread count at the time of the call
             (``threadpoolctl``), so a ``--threads`` limit holds for both engines.
         layout: ``"auto"``, ``"blocked"`` or ``"plain"`` (:data:`LAYOUTS`).
-        scratch_bytes: as the cpu backend's (its other layers use it).
+        device: None or 0: the host's CPU, its one device.
+        cpu_options: the cpu backend's (``scratch_bytes``), for the layers that stay its.
     """
 
     name = "onednn"
 
     def __init__(
-        self, threads: int | None = None, layout: str = DEFAULT_LAYOUT, scratch_bytes=None
+        self,
+        threads: int | None = None,
+        layout: str = DEFAULT_LAYOUT,
+        device: int | None = None,
+        **cpu_options,
     ):
-        super().__init__() if scratch_bytes is None else super().__init__(scratch_bytes)
+        super().__init__(**cpu_options)
+        if device is not None:  # one device, the host's CPU (`hetconv devices` numbers it 0)
+            device_number("onednn", device, 1, lambda _: "the host's CPU")
         if layout not in LAYOUTS:
             raise ValueError(f"onednn layout {layout!r} is not one of {', '.join(LAYOUTS)}")
         if threads is not None and (isinstance(threads, bool) or int(threads) < 1):
