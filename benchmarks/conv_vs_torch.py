@@ -5,14 +5,18 @@ network's spec, :func:`hetconv.spec.walk_spec`) -- a convolution as three rows (
 gradient, kernel and bias gradient), every other layer as forward + backward -- ours (the
 model's own layer objects, the cpu backend) against torch's faster formulation of the same
 layer (the data-parallel peer's twin, ``benchmarks/ddp_rank.py``: LRN as shifted slice-adds),
-interleaved so both see the same machine load, median of ``--repeats``. Then one whole
+interleaved so both see the same machine load, median (or ``--statistic min``) of
+``--repeats``. Then one whole
 training step (forward, backward, SGD with momentum and weight decay: ``hetconv train
 --local``'s model against the torch twin), layer "step". Each row carries the network, layer,
 kind, batch, threads, cap, the CPU's name, the BLAS kernel (threadpoolctl's architecture),
-ours_s, torch_s and ratio = ours_s / torch_s (< 1: ours is faster).
+the engine (``--engine``: the ``cpu`` backend, im2col + BLAS, or ``onednn``, oneDNN's
+convolutions), ours_s, torch_s and ratio = ours_s / torch_s (< 1: ours is faster). With more
+than one engine a last table puts each row's ratios side by side.
 
     python benchmarks/conv_vs_torch.py [--network N ...] [--batch B ...] [--threads T ...]
-        [--cap none|FRACTION ...] [--repeats R] [--kinds K ...] [--quick] [--json PATH]
+        [--cap none|FRACTION ...] [--repeats R] [--statistic median|min] [--kinds K ...]
+        [--engine cpu|onednn ...] [--quick] [--json PATH]
 
 Layers repeated at the same shape (a ResNet's blocks) are timed once. ``--cap 0.6`` runs the
 measurements again in a child process capped at 0.6 of a core by a cgroup v1 ``cpu`` group, as
@@ -45,7 +49,8 @@ from threadpoolctl import threadpool_info, threadpool_limits
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ddp_rank import torch_model  # noqa: E402 - benchmarks/ddp_rank.py: the torch twin
 
-from hetconv.backends import CpuBackend  # noqa: E402
+from hetconv.backends import BackendUnavailable, CpuBackend, get_backend  # noqa: E402
+from hetconv.conv import LocalConv  # noqa: E402
 from hetconv.layers import softmax_cross_entropy  # noqa: E402
 from hetconv.model import PRESETS, Model, load_spec, walk_spec  # noqa: E402
 from hetconv.optim import SGD, SGDConfig  # noqa: E402
@@ -57,6 +62,7 @@ KINDS = {
     "concat": "concat", "dropout": "dropout",
 }  # fmt: skip
 CONV_KINDS = ("conv forward", "conv input gradient", "conv kernel gradient")
+ENGINES = ["cpu", "onednn"]
 
 
 def cpu_name() -> str:
@@ -80,8 +86,15 @@ def blas_kernel() -> str:
     return "; ".join(sorted(found)) or "none"
 
 
+#: How the repeats' times are summarised (``--statistic``): the minimum is the least disturbed
+#: by other processes on a shared machine.
+STATISTIC = {"median": statistics.median, "min": min}
+statistic = statistics.median
+
+
 def interleaved(ours, theirs, repeats: int) -> tuple[float, float]:
-    """Median seconds of ``ours()`` and ``theirs()``, alternated after one warm-up each."""
+    """Seconds (:data:`statistic` of the runs) of ``ours()`` and ``theirs()``, alternated
+    after one warm-up each."""
     ours()
     theirs()
     times_ours, times_theirs = [], []
@@ -92,7 +105,7 @@ def interleaved(ours, theirs, repeats: int) -> tuple[float, float]:
         start = time.perf_counter()
         theirs()
         times_theirs.append(time.perf_counter() - start)
-    return statistics.median(times_ours), statistics.median(times_theirs)
+    return statistic(times_ours), statistic(times_theirs)
 
 
 def _normal(rng, shape) -> np.ndarray:
@@ -187,10 +200,11 @@ def layer_rows(network: str, batch: int, repeats: int, kinds, backend):
             yield item.name, kind, *interleaved(*layer_pair(layer, module, xs, dy), repeats)
 
 
-def bench_step(network: str, batch: int, repeats: int) -> tuple[float, float]:
-    """Seconds of one training step of ours and of the torch twin, interleaved."""
+def bench_step(network: str, batch: int, repeats: int, backend) -> tuple[float, float]:
+    """Seconds of one training step of ours (convolutions on ``backend``) and of the torch
+    twin, interleaved."""
     spec = load_spec(network)
-    model = Model(spec, seed=0)
+    model = Model(spec, seed=0, executor=LocalConv(backend))
     optimizer = SGD(model.parameters(), SGDConfig())
     net = torch_model(spec)
     net.load_state_dict(
@@ -219,7 +233,7 @@ def timed(network: str, batch: int, args: argparse.Namespace, backend):
     """The network's layer rows, then its step row (as ``--kinds`` selects)."""
     yield from layer_rows(network, batch, args.repeats, set(args.kinds), backend)
     if "step" in args.kinds:
-        yield "step", "step", *bench_step(network, batch, args.repeats)
+        yield "step", "step", *bench_step(network, batch, args.repeats, backend)
 
 
 def cap_value(text: str) -> str:
@@ -251,7 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'none' (uncapped, in this process) or a fraction of a core: a child "
                    "process in a cgroup v1 cpu group with that quota, as the testbed caps its "
                    "processes (needs root); default: none")  # fmt: skip
-    p.add_argument("--repeats", type=int, help="timed runs per side (median; default 5)")
+    p.add_argument("--repeats", type=int, help="timed runs per side (default 5)")
+    p.add_argument("--statistic", choices=list(STATISTIC), default="median",
+                   help="what of the repeats' times a row reports (default: median; min: the "
+                   "least disturbed by other processes)")  # fmt: skip
+    p.add_argument("--engine", nargs="+", choices=ENGINES, default=["cpu"], metavar="ENGINE",
+                   help="our convolution engines, each its own rows: cpu (the cpu backend, "
+                   "im2col + BLAS) or onednn (the onednn backend, oneDNN's convolutions; "
+                   "pip install 'hetconv[onednn]'); default: cpu")  # fmt: skip
     all_kinds = [*CONV_KINDS, *KINDS.values(), "step"]
     p.add_argument("--kinds", nargs="+", default=all_kinds, choices=all_kinds, metavar="KIND",
                    help="only these row kinds (default: all; 'step': the whole step)")  # fmt: skip
@@ -271,24 +292,50 @@ def measure(args: argparse.Namespace, cap: str) -> list[dict]:
     cpu, blas = cpu_name(), blas_kernel()
     print(f"CPU: {cpu}; BLAS: {blas}; torch {torch.__version__}; cap: {cap}")
     print(f"{'network':<16}{'layer':<12}{'kind':<22}{'batch':>6}{'thr':>4}{'cap':>6}"
-          f"{'ours s':>10}{'torch s':>10}{'ratio':>7}")  # fmt: skip
+          f"{'engine':>8}{'ours s':>10}{'torch s':>10}{'ratio':>7}")  # fmt: skip
     rows = []
-    backend = CpuBackend()
+    backends = {engine: engine_backend(engine) for engine in args.engine}
     common = {"cap": cap if cap == "none" else float(cap), "cpu": cpu, "blas": blas}
     for threads in args.threads:
         torch.set_num_threads(threads)
         with threadpool_limits(limits=threads, user_api="blas"):
             for network in args.network:
                 for batch in args.batch:
-                    for layer, kind, ours_s, torch_s in timed(network, batch, args, backend):
-                        row = {"network": network, "layer": layer, "kind": kind, "batch": batch,
-                               "threads": threads, **common, "ours_s": ours_s,
-                               "torch_s": torch_s, "ratio": ours_s / torch_s}  # fmt: skip
-                        rows.append(row)
-                        print(f"{network:<16}{layer:<12}{kind:<22}{batch:>6}{threads:>4}"
-                              f"{cap:>6}{ours_s:>10.5f}{torch_s:>10.5f}{row['ratio']:>7.2f}",
-                              flush=True)  # fmt: skip
+                    for engine, backend in backends.items():
+                        for layer, kind, ours_s, torch_s in timed(network, batch, args, backend):
+                            row = {"network": network, "layer": layer, "kind": kind,
+                                   "batch": batch, "threads": threads, **common,
+                                   "engine": engine, "ours_s": ours_s, "torch_s": torch_s,
+                                   "ratio": ours_s / torch_s}  # fmt: skip
+                            rows.append(row)
+                            print(f"{network:<16}{layer:<12}{kind:<22}{batch:>6}{threads:>4}"
+                                  f"{cap:>6}{engine:>8}{ours_s:>10.5f}{torch_s:>10.5f}"
+                                  f"{row['ratio']:>7.2f}", flush=True)  # fmt: skip
     return rows
+
+
+def engine_backend(engine: str):
+    """The backend of ``--engine`` ``engine``; exits saying why when it cannot run here."""
+    if engine == "cpu":
+        return CpuBackend()
+    try:
+        return get_backend(engine)
+    except BackendUnavailable as e:
+        sys.exit(f"--engine {engine}: {e}")
+
+
+def side_by_side(rows: list[dict], engines: list[str]) -> None:
+    """Each row's ratio (ours / torch) for every engine, one line per layer and kind."""
+    table: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        key = (r["network"], r["layer"], r["kind"], r["batch"], r["threads"], r["cap"])
+        table.setdefault(key, {})[r["engine"]] = r["ratio"]
+    print("ratio ours/torch by engine:")
+    print(f"{'network':<16}{'layer':<12}{'kind':<22}{'batch':>6}{'thr':>4}{'cap':>6}"
+          + "".join(f"{e:>9}" for e in engines))  # fmt: skip
+    for (network, layer, kind, batch, threads, cap), ratios in table.items():
+        print(f"{network:<16}{layer:<12}{kind:<22}{batch:>6}{threads:>4}{cap!s:>6}"
+              + "".join(f"{ratios.get(e, float('nan')):>9.2f}" for e in engines))  # fmt: skip
 
 
 def capped(args: argparse.Namespace, cap: str) -> list[dict]:
@@ -308,6 +355,7 @@ def capped(args: argparse.Namespace, cap: str) -> list[dict]:
         command = [sys.executable, __file__, "--network", *args.network,
                    "--batch", *map(str, args.batch), "--threads", *map(str, args.threads),
                    "--repeats", str(args.repeats), "--kinds", *args.kinds,
+                   "--statistic", args.statistic, "--engine", *args.engine,
                    "--capped-at", cap, "--json", str(out)]  # fmt: skip
         try:
             done = subprocess.run(group.prefix() + command + (["--col2im"] * args.col2im))
@@ -330,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"--repeats must be >= 1, got {args.repeats}")
     if args.col2im:
         CpuBackend._grad_input = CpuBackend._grad_input_col2im
+    global statistic
+    statistic = STATISTIC[args.statistic]
     if args.capped_at:  # the child of capped(): measure, write the rows, no summary
         rows = measure(args, args.capped_at)
         Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
@@ -340,9 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
+    if len(args.engine) > 1:
+        side_by_side(rows, args.engine)
     worst = sorted(rows, key=lambda r: -r["ratio"])[:8]
     print("worst:", "; ".join(f"{r['network']} {r['layer']} {r['kind']} b{r['batch']} "
-                              f"t{r['threads']} cap {r['cap']} {r['ratio']:.2f}"
+                              f"t{r['threads']} cap {r['cap']} {r['engine']} {r['ratio']:.2f}"
                               for r in worst))  # fmt: skip
     return 0
 
