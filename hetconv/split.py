@@ -70,6 +70,46 @@ def split_images(batch: int, weights) -> list[int]:
     return [c + 1 for c in counts]
 
 
+def left_out(
+    workers, unreachable: dict[str, dict[str, str]], failed: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Worker -> why it is left out of a split's exchange, from a reach check at start:
+    ``unreachable``, worker -> {peer it could not reach: why}; ``failed``, worker -> why it
+    did not answer the check (left out first). An exchange needs both directions, so a pair
+    fails where either cannot reach the other; the fewest workers go: the one in most failing
+    pairs first (a tie: the one others failed to reach most often, then the later named),
+    until no pair among those left fails. ``workers``: their addresses, in order."""
+    order = {w: i for i, w in enumerate(workers)}
+    out = dict(failed or {})
+    pairs: dict[frozenset, list[str]] = {}
+    reached_not = dict.fromkeys(order, 0)
+    for worker, peers in unreachable.items():
+        for peer, why in peers.items():
+            if worker == peer or worker not in order or peer not in order:
+                continue
+            reached_not[peer] += 1
+            pairs.setdefault(frozenset((worker, peer)), []).append((worker, peer, why))
+    while True:
+        live = {p: whys for p, whys in pairs.items() if not p & out.keys()}
+        if not live:
+            return out
+        count = dict.fromkeys(order, 0)
+        for pair in live:
+            for w in pair:
+                count[w] += 1
+        worst = max(order, key=lambda w: (count[w], reached_not[w], order[w]))
+        reasons = []
+        for pair, whys in live.items():
+            if worst not in pair:
+                continue
+            for src, dst, why in whys:
+                if src == worst:
+                    reasons.append(f"cannot reach {dst} ({why})")
+                else:
+                    reasons.append(f"{src} cannot reach it ({why})")
+        out[worst] = "; ".join(reasons)
+
+
 #: Values of each sender's block output a FetchPart sample asks for at most.
 MAX_SAMPLE = 4096
 
@@ -169,6 +209,7 @@ __all__ = [
     "MASTER",
     "MAX_SAMPLE",
     "SplitPlan",
+    "left_out",
     "part_sample",
     "row_sample",
     "sampled_image",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import grpc
 import numpy as np
 
 from hetconv.calls import FETCH_PART, PUT_PART, REPLICA_FORWARD
@@ -154,6 +155,21 @@ class BlockCalls:
             FETCH_PART, f"missing parts {block}", request, [], ["p"], {}, timeout, 0,
         )  # fmt: skip
         return [int(v) for v in got["p"]]
+
+    def reach_peers(self, peers, timeout: float = 2.0) -> dict[str, str]:
+        """Address -> why, of the ``peers`` (other workers, at the addresses this master uses)
+        the worker cannot reach (a Describe from it to each, within ``timeout`` seconds, all
+        at once: :func:`hetconv.worker.peers.reach_peers`). A worker too old to check answers
+        none.
+
+        Raises:
+            WorkerError: the worker did not answer (or refused the check: a bad address)."""
+        request = pb.DescribeRequest(peers=list(peers), peer_timeout=timeout)
+        try:
+            d = self._describe(request, timeout=timeout + 10.0, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "peer reach check") from None
+        return dict(zip(d.unreachable, d.unreachable_why, strict=False))
 
     def fetch_samples(
         self,

@@ -425,7 +425,7 @@ class Cluster(ConvExecutor):
 
     def plan_record(self) -> dict:
         """The plan as data for the trace's first record (:func:`.records.plan_record`)."""
-        return records.plan_record(self)
+        return records.plan_record(self) | self.replicas.record()
 
     def close(self) -> None:
         """Stop the monitor and close every channel (cancelling calls in flight, e.g. after

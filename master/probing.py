@@ -20,6 +20,7 @@ import numpy as np
 
 from hetconv.backends import Backend
 from hetconv.conv import ConvSpec
+from hetconv.split import left_out
 
 from .dispatch import Call
 from .membership import ACTIVE, Node
@@ -238,6 +239,29 @@ HALF_DUPLEX_RATIO = 1.75
 #: ``benchmarks/network_medium.py`` measures the spread.
 AMBIGUOUS_RATIO = 0.1
 MEDIUM_ROUNDS = 3
+
+
+#: Seconds each worker gives each peer in the split's reach check (:func:`split_reach`).
+PEER_REACH_S = 2.0
+
+
+def split_reach(workers: Sequence[Node], timeout: float = PEER_REACH_S) -> dict[str, str]:
+    """Worker address -> why it is left out of a split block's exchange
+    (:func:`hetconv.split.left_out`): each of ``workers`` is asked, all at once, whether it
+    reaches every other at the address this master uses (a Describe from it within
+    ``timeout`` seconds); a worker that does not answer the check is left out too."""
+    addresses = [node.client.address for node in workers]
+    calls = {
+        address: Call(node.client.reach_peers, [a for a in addresses if a != address], timeout)
+        for address, node in zip(addresses, workers, strict=True)
+    }
+    unreachable, failed = {}, {}
+    for address, call in calls.items():
+        try:
+            unreachable[address] = call.result()
+        except Exception as e:  # noqa: BLE001 - any failure leaves it out, named
+            failed[address] = f"it did not answer the reach check: {e}"
+    return left_out(addresses, unreachable, failed)
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,9 @@ class ReplicatedBlocks:
         self.master_images = True  # split_all: the master computes the block on its share
         self._runs: dict[str, object] = {}  # block -> the master's StageRun on every image
         self.split_refused: str | None = None  # why a split asked for is not made
+        # workers left out of the split's exchange at the reach check -> why (they compute
+        # the block whole, as with first)
+        self.left_out: dict[str, str] = {}
         self.block_of = {consumer: block for block, consumer in self.feeds.items()}
         self._current: dict[str, ReplicaBlock] = {}
         self._gradients: dict[str, BlockGradients] = {}
@@ -253,6 +256,11 @@ class ReplicatedBlocks:
             dw += grads.dw
             db += grads.db
         return None, dw, db
+
+    def record(self) -> dict:
+        """For the plan record: the workers left out of the split's exchange at its reach
+        check -> why (``replica_left_out``), where any were."""
+        return {"replica_left_out": dict(self.left_out)} if self.left_out else {}
 
     def images_formats(self) -> dict[str, str]:
         """Block name -> the format its images travel in this step (``palette8``, ``float32``),

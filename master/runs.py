@@ -24,6 +24,7 @@ the backend, the phase runner, the plans, the step.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,7 +36,7 @@ from hetconv.split import MASTER as MASTER_PEER
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import FUSED, UNFUSED
 
-from . import modes
+from . import modes, probing
 from .call import Call
 from .config import ClusterConfig
 from .dispatch import CallContext, PhaseRunner, SplitStrategy
@@ -305,6 +306,8 @@ class ReplicatedBlock(KernelSplit):
         split, or fewer than two nodes (or images) share it."""
         ctx, replicas = self.ctx, self.ctx.replicas
         workers = self._workers() if replicas.split else []
+        # a worker that failed the reach check computes the block whole (its call: no plan)
+        workers = [n for n in workers if n.client.address not in replicas.left_out]
         addresses = [n.client.address for n in workers]
         if replicas.split_all and workers:
             workers, addresses = [ctx.nodes[0], *workers], [MASTER_PEER, *addresses]
@@ -340,6 +343,8 @@ class ReplicatedBlock(KernelSplit):
             transfer = block.nbytes / node.link_bytes_per_second + node.link_latency
             work = node.probe_seconds.get(self.name, 0.0)
             split = block.split.plan if block.split is not None else None
+            if split is not None and node.client.address not in split.addresses:
+                split = None  # left out of the exchange: the whole block, as with first
             block.started[node.client.address] = Call(
                 node.client.replica_forward, ctx.session, ctx.step, block,
                 ctx.deadline(transfer + work), split,
@@ -434,6 +439,25 @@ def build_runs(
     return {name: runs[name] for name in stage_modes}  # in the model's order
 
 
+def check_reach(blocks: ReplicatedBlocks, workers: Sequence[Node]) -> None:
+    """A split block's reach check at start (:func:`.probing.split_reach`): every worker is
+    asked whether it reaches the others at the addresses this master uses; one that does not
+    (or does not answer) is left out of the exchange (``blocks.left_out``) and computes the
+    block whole, as with ``first``. With the master a peer (``split_all``) the split is then
+    among the workers only (the master covers a lost whole-block worker from its whole block);
+    with fewer than two workers left it is not split."""
+    left = probing.split_reach(workers) if len(workers) >= 2 else {}
+    blocks.left_out = left
+    if not left:
+        return
+    if len(workers) - len(left) < 2:
+        blocks.split = blocks.split_all = False
+        blocks.split_refused = "not split: fewer than two workers reach each other"
+    elif blocks.split_all:
+        blocks.split_all = False
+        blocks.split_refused = "split among the workers only: a worker is left out"
+
+
 def choose_runs(cluster, layers, batch: int) -> dict[str, KernelSplit]:
     """Each layer's way of running, from the modes :mod:`.modes` chooses for the
     ``cluster`` at prepare, in turn: the stage modes, whether the first block replicates, the
@@ -446,6 +470,8 @@ def choose_runs(cluster, layers, batch: int) -> dict[str, KernelSplit]:
     choice = modes.replica(c, layers, batch, stage_modes, plans, nodes, cluster.backend, wifi)
     cluster.replica_refused = choice.refused
     if choice.blocks is not None:
+        if choice.blocks.split:
+            check_reach(choice.blocks, [n for n in nodes[1:] if n.state == ACTIVE])
         cluster.ctx.replicas = choice.blocks
         stage_modes[layers[0].name] = REPLICATED
     kernel_modes = modes.kernel_modes(c, layers, batch, stage_modes, plans, nodes)

@@ -276,7 +276,7 @@ class SplitStep:
         images = self.plan.images(self.plan.addresses[node])
         for dx in dxs:
             rows += dx[images]
-        for address in answered:
+        for address in [a for a in answered if a in self.clients]:  # (a whole block's: none)
             part, _ = self.clients[address].fetch_part(
                 self.session, self.step, self.block, node, timeout, round_=self.plan.round
             )

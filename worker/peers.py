@@ -13,7 +13,8 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from hetconv.calls import PUT_PART
+from hetconv.argtypes import parse_address
+from hetconv.calls import DESCRIBE, PUT_PART
 from hetconv.errors import InvalidCall, WireError
 from hetconv.formats import TensorFormat
 from hetconv.proto import worker_pb2 as pb
@@ -26,6 +27,11 @@ from hetconv.worker.context import WorkerContext
 PART_SEND = 60.0
 #: Sender threads per session: a peer that never answers holds only its session's.
 SENDERS = 4
+#: Seconds a reach check (:func:`reach_peers`) gives each peer by default, and at most.
+REACH_S = 2.0
+REACH_MOST_S = 10.0
+#: Peers one reach check tries at most (a cluster's workers).
+REACH_PEERS = 256
 
 
 class CallerGone(WireError):
@@ -86,6 +92,56 @@ class PeerLinks:
             for channel, *_ in self._channels.values():
                 channel.close()
             self._channels.clear()
+
+
+def reach_peers(
+    addresses, token: str | None, timeout: float = 0.0, tls: bool = False
+) -> dict[str, str]:
+    """Address -> why it could not be reached, of the ``addresses`` (other workers, as the
+    master reaches them) this worker cannot call: a Describe on each, all at once, each
+    within ``timeout`` seconds (0: :data:`REACH_S`; at most :data:`REACH_MOST_S`), with
+    ``token`` (this worker's own, as a split's parts are put). A worker serving TLS reaches
+    none (a split needs plain channels). So the check ends in about ``timeout`` whatever
+    the peers do.
+
+    Raises:
+        InvalidCall: an address that is not HOST:PORT, too many, or a bad timeout.
+    """
+    addresses = list(addresses)
+    if len(addresses) > REACH_PEERS:
+        raise InvalidCall(f"{len(addresses)} peers to reach: at most {REACH_PEERS}")
+    if not 0 <= timeout <= REACH_MOST_S:  # NaN too
+        raise InvalidCall(f"peer timeout {timeout} s: expected 0 to {REACH_MOST_S} s")
+    for address in addresses:
+        try:
+            parse_address(address, "peer")
+        except ValueError as e:
+            raise InvalidCall(str(e)) from None
+    if tls:
+        why = "this worker serves TLS: a split's exchange runs on plain channels only"
+        return dict.fromkeys(addresses, why)
+    timeout = timeout or REACH_S
+    metadata = bearer_metadata(token) if token is not None else None
+
+    def reach(address: str) -> str | None:
+        channel = grpc.insecure_channel(address, options=channel_options())
+        try:
+            DESCRIBE.method.stub(channel)(pb.DescribeRequest(), timeout=timeout, metadata=metadata)
+            return None
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"no answer in {timeout:g} s"
+            detail = (e.details() or "").splitlines()[0] if e.details() else ""
+            return f"{e.code().name.lower()}: {detail}" if detail else e.code().name.lower()
+        finally:
+            channel.close()
+
+    unique = list(dict.fromkeys(addresses))
+    if not unique:
+        return {}
+    with futures.ThreadPoolExecutor(min(len(unique), 32), "hetconv-reach") as pool:
+        answers = dict(zip(unique, pool.map(reach, unique), strict=True))
+    return {address: why for address, why in answers.items() if why is not None}
 
 
 class PreparedPeers:
@@ -164,4 +220,13 @@ class WaitingCall:
             raise CallerGone(expired or "the caller cancelled the call while it waited on peers")
 
 
-__all__ = ["PART_SEND", "SENDERS", "CallerGone", "PeerLinks", "PreparedPeers", "WaitingCall"]
+__all__ = [
+    "PART_SEND",
+    "REACH_S",
+    "SENDERS",
+    "CallerGone",
+    "PeerLinks",
+    "PreparedPeers",
+    "WaitingCall",
+    "reach_peers",
+]

@@ -90,6 +90,7 @@ from hetconv.worker.context import (
 from hetconv.worker.idle import CallEnded, IdleWatch, Watched
 from hetconv.worker.imagesplit import ImagesCalls
 from hetconv.worker.overlap import Streamed
+from hetconv.worker.peers import reach_peers
 from hetconv.worker.replica import ReplicaCalls
 from hetconv.worker.requests import RequestReader, request_padding
 from hetconv.worker.resident import ResidentCalls
@@ -189,7 +190,7 @@ class ConvWorkerService:
             f"device_dropped={self.device.dropped}"
         )
         context.set_trailing_metadata(((MEMORY_METADATA, f"{memory},{extra}"),))
-        return pb.DeviceDescription(
+        answer = pb.DeviceDescription(
             backend=info.backend,
             kind=info.kind,
             name=info.name,
@@ -199,6 +200,17 @@ class ConvWorkerService:
             max_request_bytes=self.config.max_request_bytes,
             instance_id=self.instance_id,
         )
+        if request.peers:  # the peers of a split block this worker cannot reach (hetconv.split)
+            split = self.context.split
+            try:
+                unreachable = reach_peers(
+                    request.peers, split.token, request.peer_timeout, tls=split.tls
+                )
+            except InvalidCall as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Describe: {e}")
+            answer.unreachable.extend(unreachable)
+            answer.unreachable_why.extend(unreachable.values())
+        return answer
 
     def probe(self, request: pb.ProbeRequest, context) -> pb.ProbeResult:
         try:

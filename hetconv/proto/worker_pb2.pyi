@@ -293,11 +293,15 @@ class ConvBundle(_message.Message):
     def __init__(self, header: _Optional[_Union[ConvRequest, _Mapping]] = ..., data: _Optional[bytes] = ..., result: _Optional[_Union[ConvResult, _Mapping]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("peers", "peer_timeout")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    peer_timeout: float
+    def __init__(self, peers: _Optional[_Iterable[str]] = ..., peer_timeout: _Optional[float] = ...) -> None: ...
 
 class DeviceDescription(_message.Message):
-    __slots__ = ("backend", "kind", "name", "memory_bytes", "cores", "hetconv_version", "max_request_bytes", "instance_id")
+    __slots__ = ("backend", "kind", "name", "memory_bytes", "cores", "hetconv_version", "max_request_bytes", "instance_id", "unreachable", "unreachable_why")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +310,8 @@ class DeviceDescription(_message.Message):
     HETCONV_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_WHY_FIELD_NUMBER: _ClassVar[int]
     backend: str
     kind: str
     name: str
@@ -314,7 +320,9 @@ class DeviceDescription(_message.Message):
     hetconv_version: str
     max_request_bytes: int
     instance_id: int
-    def __init__(self, backend: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., cores: _Optional[int] = ..., hetconv_version: _Optional[str] = ..., max_request_bytes: _Optional[int] = ..., instance_id: _Optional[int] = ...) -> None: ...
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    unreachable_why: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, backend: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., cores: _Optional[int] = ..., hetconv_version: _Optional[str] = ..., max_request_bytes: _Optional[int] = ..., instance_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., unreachable_why: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("n", "c", "h", "w", "k", "kh", "kw", "padding", "repeats", "with_grad_input")
