@@ -44,14 +44,15 @@ INSTALL_HINT = "pip install 'hetconv[onednn]'"
 #: The three operations, as :class:`_Convolution` names them.
 OPS = ("forward", "input", "kernels")
 #: Which layout each operation computes in: "plain" (NCHW, no reorders) or "blocked" (oneDNN's
-#: choice, reordered both ways every call); "auto" (the default): blocked, but the forward and
-#: input gradient of layers with fewer than :data:`FEW_CHANNELS` input channels plain.
-#: One thread, batch 16, ms (cpu backend / plain / blocked): resnet20's 16-channel 3x3 layer
-#: forward 1.50 / 0.84 / 1.39, input gradient 1.46 / 1.34 / 1.19, kernel gradient 1.76 / 2.08 /
-#: 0.45; paper-500-1500's C1 (3 channels, 500 kernels of 5x5) 13.0 / 6.7 / 11.3, 20.9 / 7.4 /
-#: 34.7, 19.6 / 13.2 / 11.4. Blocked primitives also compute a slice of a layer's kernels
-#: bitwise as the whole layer does (tests/test_backend_onednn.py); plain ones at many
-#: channels only to round-off (oneDNN's GEMM blocks its sums by the matrix sizes).
+#: choice, reordered both ways every call in buffers kept per thread); "auto" (the default):
+#: blocked, but the input gradient of layers with fewer than :data:`FEW_CHANNELS` input
+#: channels plain. One thread, batch 16, ms, plain / blocked: resnet20's 16-channel 3x3 layer
+#: forward 1.27 / 0.66, input gradient 1.51 / 0.50, kernel gradient 2.14 / 0.46; its first
+#: layer (3 channels, 16 kernels) forward 0.29 / 0.18; paper-500-1500's (500 kernels of 5x5)
+#: forward 6.7 / 9.8 (torch 9.2), input gradient 7.7 / 33.2. The choice may depend on
+#: everything but the number of kernels: blocked and plain primitives sum in other orders, and
+#: a slice of a layer's kernels must run as the whole layer does to equal its rows bitwise
+#: (at one thread; tests/test_backend_onednn.py).
 LAYOUTS = ("auto", "blocked", "plain")
 DEFAULT_LAYOUT = "auto"
 FEW_CHANNELS = 8
@@ -62,8 +63,7 @@ def op_layouts(layout: str, shape: ConvShape) -> dict[str, str]:
     if layout != "auto":
         return dict.fromkeys(OPS, layout)
     few = shape.c < FEW_CHANNELS
-    return {"forward": "plain" if few else "blocked", "input": "plain" if few else "blocked",
-            "kernels": "blocked"}  # fmt: skip
+    return {"forward": "blocked", "input": "plain" if few else "blocked", "kernels": "blocked"}
 
 
 # oneDNN 3.2's C enums (include/oneapi/dnnl/dnnl_types.h at tag v3.2)
@@ -357,14 +357,15 @@ class _Convolution:
         for md in self._owned_mds:
             d.dnnl_memory_desc_destroy(md)
 
-    def run(self, op: str, arrays: dict[str, np.ndarray], bias: np.ndarray | None) -> None:
+    def run(self, op: str, arrays: dict[str, np.ndarray], bias: np.ndarray | None, scratch) -> None:
         """Execute primitive ``op`` on the plain arrays of each role (and the bias, or the
-        bias gradient for ``"kernels"``), reordering to and from the primitive's layouts.
-        Inputs are read, outputs written, in place."""
+        bias gradient for ``"kernels"``), reordering to and from the primitive's layouts in
+        buffers ``scratch(name, shape)`` keeps for the calling thread (fresh pages cost as much
+        as a reorder). Inputs are read, outputs written, in place."""
         lib, d = self.lib, self.lib.dll
         stream = lib.stream()
         primitive, args = self.primitives[op]
-        made, outputs, exec_args, buffers = [], [], [], []
+        made, outputs, exec_args = [], [], []
         try:
             for role, arg in args.items():
                 plain = self._memory(self.plain[role], arrays[role], made)
@@ -372,8 +373,8 @@ class _Convolution:
                 if reorder is None:
                     exec_args.append((arg, plain))
                     continue
-                buffers.append(np.empty(reorder.bytes // 4 + 1, np.float32))
-                blocked = self._memory(reorder.blocked, buffers[-1], made)
+                buffer = scratch(f"onednn {role}", (reorder.bytes // 4 + 1,))
+                blocked = self._memory(reorder.blocked, buffer, made)
                 exec_args.append((arg, blocked))
                 if arg in (_ARG_DST, _ARG_DIFF_SRC, _ARG_DIFF_WEIGHTS):
                     outputs.append((reorder, blocked, plain))
@@ -499,16 +500,19 @@ class OneDnnBackend(CpuBackend):
     def _forward(self, x, w, b, shape):
         y = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
         conv = self._convolution(shape)
-        conv.run("forward", {"src": x, "weights": w, "dst": y}, conv.zero_bias if b is None else b)
+        bias = conv.zero_bias if b is None else b
+        conv.run("forward", {"src": x, "weights": w, "dst": y}, bias, self._scratch.get)
         return y
 
     def _grad_input(self, dy, w, shape):
         dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
-        self._convolution(shape).run("input", {"src": dx, "weights": w, "dst": dy}, None)
+        arrays = {"src": dx, "weights": w, "dst": dy}
+        self._convolution(shape).run("input", arrays, None, self._scratch.get)
         return dx
 
     def _grad_kernels(self, x, dy, shape):
         dw = np.empty((shape.k, shape.c, shape.kh, shape.kw), np.float32)
         db = np.empty(shape.k, np.float32)
-        self._convolution(shape).run("kernels", {"src": x, "weights": dw, "dst": dy}, db)
+        arrays = {"src": x, "weights": dw, "dst": dy}
+        self._convolution(shape).run("kernels", arrays, db, self._scratch.get)
         return dw, db
