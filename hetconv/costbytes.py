@@ -1,7 +1,8 @@
 """What each mode moves on the master's link in the cost model (:mod:`hetconv.costmodel`),
 and the ``auto`` decisions made of it: a layer fused or not (:func:`stage_mode`), its kernels
 resident or sent (:func:`kernel_mode`), its calls in image groups (:func:`overlap_images`), the
-first block replicated (:func:`replicate_gain`). :mod:`hetconv.modetable` applies them.
+first block replicated (:func:`replicate_gain`) and split by images among the workers
+(:func:`split_gain`). :mod:`hetconv.modetable` applies them.
 """
 
 from __future__ import annotations
@@ -221,6 +222,45 @@ def replicate_gain(
     return saved - max(block_seconds, default=0.0)
 
 
+def split_gain(
+    block: ConvLayer,
+    consumer: ConvLayer,
+    block_seconds: Sequence[float],
+    links: Sequence[float],
+    fmt: TensorFormat = FLOAT32,
+) -> float:
+    """Seconds per step a replicated ``block`` split by images among the workers
+    (:mod:`hetconv.split`) is predicted to save over every worker computing it whole
+    (negative: to cost); 0 with fewer than two workers.
+
+    ``block_seconds``: each worker's whole block (forward and kernel gradients, every image;
+    :func:`~hetconv.modetable.block_seconds`), ``links``: its link (bytes/s), in the same
+    order. Saved: the step waits for the slowest worker's block, whole (``max(block_seconds)``)
+    against its share of the images, which are shared in proportion to speed
+    (:func:`~hetconv.split.split_images`); and the master's link carries each worker only its
+    own images. Cost: each worker's exchange on its own link, full duplex (switched; on one
+    shared medium a split is refused before this is asked): forward it receives the other
+    workers' images' block output; backward it sends its rows of their images and receives
+    theirs of its own, the larger of the two. The step waits for the slowest worker's part
+    and exchange."""
+    if len(links) < 2 or len(links) != len(block_seconds) or consumer.shape.n < len(links):
+        return 0.0
+    n = consumer.shape.n
+    s = consumer.shape
+    row = fmt.nbytes((1, s.c, s.h, s.w))  # one image's block output
+    weights = [1.0 / t if t > 0 else 1.0 for t in block_seconds]
+    counts = split_images(n, weights)
+    slowest = 0.0
+    for whole, link, own in zip(block_seconds, links, counts, strict=True):
+        others = n - own
+        into = others * row  # forward: the others' output in
+        back = max(others * row, (len(links) - 1) * own * row)  # backward: rows out and in
+        exchange = (into + back) / link if link and link != float("inf") else 0.0
+        slowest = max(slowest, whole * own / n + exchange)
+    images = sum(block.images_bytes * (n - own) / n for own in counts) / min(links)
+    return max(block_seconds) + images - slowest
+
+
 def _split_replicas(
     names: Sequence[str],
     shares,
@@ -252,5 +292,6 @@ __all__ = [
     "replica_bytes",
     "replicate_gain",
     "resident_layer_bytes",
+    "split_gain",
     "stage_mode",
 ]

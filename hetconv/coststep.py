@@ -22,8 +22,9 @@ master's backward of it runs in the second layer's backward phase, after its own
 the workers compute (when the master computes a share). A per-layer ``stages`` mapping may
 name the block ``"replicated"`` instead (as a trace's ``stage_modes`` do). ``"auto"``:
 where the mode table predicts it faster (:func:`~hetconv.modetable.replica_gain`, on the
-nodes' own probes). ``"split"``: as ``"first"``, the workers with a share of the second
-layer splitting the block by images in proportion to their speed on it
+nodes' own probes), split as ``"split"`` where it predicts that faster still
+(:func:`~hetconv.modetable.split_gain`). ``"split"``: as ``"first"``, the workers with a
+share of the second layer splitting the block by images in proportion to their speed on it
 (:mod:`hetconv.split`; not on Wi-Fi, where the flags ask it), or as ``split_images`` says
 (block name -> each one's images, as a trace's ``replica_split`` records them; given, the
 block is split whatever ``replicate``). ``"split_all"``: as ``"split"``, the master one of
@@ -171,9 +172,12 @@ def _split(shares: Mapping[str, Sequence[int]], layer: ConvLayer) -> tuple[int, 
     return tuple(int(s) for s in shares[layer.name])
 
 
-def _gain(cluster: SimCluster, flags: ModeFlags, layers, shares, first: ConvLayer) -> float:
-    """:func:`~hetconv.modetable.replica_gain` on the simulated nodes, their probes as a
-    master's probing would time them (a master that does not compute probes nothing)."""
+def _gain(
+    cluster: SimCluster, flags: ModeFlags, layers, shares, first: ConvLayer, split: bool = False
+) -> float | None:
+    """:func:`~hetconv.modetable.replica_gain` (``split``: :func:`~hetconv.modetable.split_gain`)
+    on the simulated nodes, their probes as a master's probing would time them (a master that
+    does not compute probes nothing)."""
     consumer = next(layer for layer in layers if layer.name == first.feeds)
     probes = [
         {first.name: node.probe_seconds(first), consumer.name: node.probe_seconds(consumer)}
@@ -184,9 +188,10 @@ def _gain(cluster: SimCluster, flags: ModeFlags, layers, shares, first: ConvLaye
     seconds = [modetable.block_seconds(probes[0], p, first.name, consumer.name) for p in probes]
     links = [node.bytes_per_s for node in cluster.workers]
     wifi = cluster.fabric == WIFI
-    return modetable.replica_gain(
-        flags, first, consumer, _split(shares, consumer), seconds, links, wifi
-    )
+    split_shares = _split(shares, consumer)
+    if split:
+        return modetable.split_gain(flags, first, consumer, split_shares, seconds, links)
+    return modetable.replica_gain(flags, first, consumer, split_shares, seconds, links, wifi)
 
 
 def _replica(cluster, flags: ModeFlags, layers, shares, stages, given: bool):
@@ -203,6 +208,7 @@ def _replica(cluster, flags: ModeFlags, layers, shares, stages, given: bool):
     decision = modetable.replica(
         flags, first, stages.get(first.feeds or ""), wifi,
         lambda: _gain(cluster, flags, layers, shares, first),
+        lambda: _gain(cluster, flags, layers, shares, first, split=True),
     )  # fmt: skip
     if not decision.replicated:
         return None, REPLICATE_OFF, decision

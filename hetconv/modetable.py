@@ -191,7 +191,9 @@ class ReplicaDecision:
     say off) says why not; ``split``: split by images (among the workers, the master
     computing it whole; or, ``split_all``, among the master and the workers);
     ``master_images``: with ``split_all``, whether the master computes images of its own;
-    ``split_refused``: why a split the flags asked for is not (or not with the master)."""
+    ``split_refused``: why a split the flags asked for is not (or not with the master), and
+    with ``auto`` why it is or is not split (the seconds per step the cost model predicts a
+    split to save)."""
 
     replicated: bool = False
     refused: str | None = None
@@ -207,12 +209,15 @@ def replica(
     consumer_mode: str | None,
     wifi: bool,
     gain: Callable[[], float] | None = None,
+    split_gain: Callable[[], float | None] | None = None,
 ) -> ReplicaDecision:
     """Whether every node computes ``first``'s block itself (:mod:`hetconv.replica`): as the
     flags say where :func:`replica_refusal` allows it, ``auto`` where ``gain()`` (seconds per
-    step saved, :func:`replica_gain`) is positive. On one shared medium (``wifi``) a split is
-    refused: every byte the workers exchanged would cross it with the master's; the master is
-    a peer of ``split_all`` only where it computes."""
+    step saved, :func:`replica_gain`) is positive, and then split by images among the workers
+    where ``split_gain()`` (:func:`split_gain`: seconds per step a split saves over the block
+    whole on every worker; None: fewer than two workers share it) is positive too. On one
+    shared medium (``wifi``) a split is refused: every byte the workers exchanged would cross
+    it with the master's; the master is a peer of ``split_all`` only where it computes."""
     if flags.replicate == REPLICATE_OFF:
         return ReplicaDecision()
     why = replica_refusal(first, consumer_mode)
@@ -222,6 +227,8 @@ def replica(
             why = f"the cost model predicts it {-1e3 * seconds:.1f} ms slower per step"
     if why is not None:
         return ReplicaDecision(refused=f"off: {why}")
+    if flags.replicate == REPLICATE_AUTO:
+        return _auto_split(flags, wifi, split_gain)
     asked = flags.replicate in REPLICATE_SPLITS
     split = asked and not wifi
     split_all = split and flags.replicate == REPLICATE_SPLIT_ALL and flags.master_compute
@@ -232,6 +239,24 @@ def replica(
         refused = "split among the workers only: the master does not compute"
     master_images = flags.master_block != MASTER_BLOCK_NONE
     return ReplicaDecision(True, None, split, split_all, master_images, refused)
+
+
+def _auto_split(flags: ModeFlags, wifi: bool, split_gain) -> ReplicaDecision:
+    """``auto``'s replicated block: split by images among the workers where the cost model
+    predicts it faster than every worker computing it whole (never on one shared medium)."""
+    master_images = flags.master_block != MASTER_BLOCK_NONE
+    if wifi:
+        note = "not split: the workers share one medium (wifi)"
+        return ReplicaDecision(True, None, master_images=master_images, split_refused=note)
+    seconds = split_gain() if split_gain is not None else None
+    if seconds is None:
+        note = "not split: fewer than two workers share the block"
+    elif seconds <= 0:
+        note = f"not split: the cost model predicts a split {-1e3 * seconds:.1f} ms slower per step"
+    else:
+        note = f"split: the cost model predicts it {1e3 * seconds:.1f} ms faster per step"
+    split = seconds is not None and seconds > 0
+    return ReplicaDecision(True, None, split, False, master_images, note)
 
 
 def block_seconds(
@@ -277,6 +302,30 @@ def replica_gain(
     )
 
 
+def split_gain(
+    flags: ModeFlags,
+    block: ConvLayer,
+    consumer: ConvLayer,
+    shares: Sequence[int],
+    seconds: Sequence[float],
+    links: Sequence[float],
+) -> float | None:
+    """Seconds per step splitting the replicated ``block`` by images among the workers with a
+    share of ``consumer`` (``shares``, master first) is predicted to save over each computing
+    it whole (:func:`~hetconv.costbytes.split_gain`); ``seconds`` and ``links`` as
+    :func:`replica_gain`'s. None when fewer than two workers (or images) share it."""
+    workers = [i for i in range(1, len(shares)) if shares[i]]
+    if len(workers) < 2 or consumer.shape.n < len(workers):
+        return None
+    return costbytes.split_gain(
+        block,
+        consumer,
+        [seconds[i] for i in workers],
+        [links[i - 1] for i in workers],
+        fmt=flags.wire_format,
+    )
+
+
 __all__ = [
     "DEFAULT_SYNC_EVERY",
     "ModeFlags",
@@ -288,6 +337,7 @@ __all__ = [
     "replica",
     "replica_gain",
     "replica_refusal",
+    "split_gain",
     "split_heads",
     "stage_mode",
 ]

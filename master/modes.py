@@ -74,7 +74,7 @@ def replica(
         probe = nodes[0].probe_seconds.get(first.name, 0.0)
         factor = block_cost_factor(backend, layers[0], batch, probe)
 
-    def gain() -> float:
+    def inputs():  # the consumer, its shares, each node's whole block, the workers' links
         consumer = next(spec for spec in layers if spec.name == first.feeds)
         seconds = [
             modetable.block_seconds(
@@ -82,13 +82,19 @@ def replica(
             )
             for n in nodes
         ]
-        return modetable.replica_gain(
-            flags, first, ConvLayer.from_spec(consumer, batch),
-            _shares(plans, consumer.name, nodes), seconds,
-            [n.link_bytes_per_second for n in nodes[1:]], wifi,
-        )  # fmt: skip
+        links = [n.link_bytes_per_second for n in nodes[1:]]
+        shares = _shares(plans, consumer.name, nodes)
+        return ConvLayer.from_spec(consumer, batch), shares, seconds, links
 
-    decision = modetable.replica(flags, first, modes.get(first.feeds), wifi, gain)
+    def gain() -> float:
+        consumer, shares, seconds, links = inputs()
+        return modetable.replica_gain(flags, first, consumer, shares, seconds, links, wifi)
+
+    def split_gain() -> float | None:
+        consumer, shares, seconds, links = inputs()
+        return modetable.split_gain(flags, first, consumer, shares, seconds, links)
+
+    decision = modetable.replica(flags, first, modes.get(first.feeds), wifi, gain, split_gain)
     if not decision.replicated:
         return ReplicaChoice(refused=decision.refused)
     blocks = ReplicatedBlocks(
@@ -194,6 +200,10 @@ def describe_replica(blocks: ReplicatedBlocks, block_cost: Mapping[str, float], 
         else:
             where = "on every node"
         note = f"; {blocks.split_refused}" if blocks.split_refused else ""
+        note += "".join(
+            f"; split: {address} left out of the exchange: {why}"
+            for address, why in blocks.left_out.items()
+        )
         return ", ".join(
             f"{block} computed {where}, {consumer}'s input not sent (the whole block "
             f"costs {block_cost.get(block, 1.0):.1f}x its convolution's probe){note}"

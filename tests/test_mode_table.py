@@ -255,3 +255,56 @@ def test_the_simulator_follows_the_table_where_it_drifted(networks):
     assert dropout.stages == {"conv1": "fused", "conv2": "fused"}
     with pytest.raises(ValueError, match="replicate 'sometimes'; expected off, first, auto"):
         chosen("tiny", replicate="sometimes")
+
+
+def test_a_split_saves_the_workers_block_less_their_exchange():
+    """costbytes.split_gain: equal workers on free links save all but their share of the
+    block (the step waits for the slowest); on slow links the exchange costs more than that;
+    fewer than two workers: nothing."""
+    from hetconv.costbytes import split_gain
+
+    block, consumer = network_layers("paper-150-800", 16)
+    inf = float("inf")
+    assert split_gain(block, consumer, [1.0] * 4, [inf] * 4) == pytest.approx(0.75)
+    assert split_gain(block, consumer, [1.0], [inf]) == 0.0
+    # each worker takes 12 of 16 images' output in, and sends 12 rows out, backward
+    row = 150 * 16 * 16 * 4
+    slow = split_gain(block, consumer, [1.0] * 4, [1e6] * 4)
+    assert slow == pytest.approx(0.75 - 24 * row / 1e6 + 4 * block.images_bytes * 0.75 / 1e6)
+    assert slow < 0
+    # a slower worker gets fewer images: it still waits longest, but for less than its whole
+    uneven = split_gain(block, consumer, [1.0, 1.0, 1.0, 3.0], [inf] * 4)
+    assert 0 < uneven < 3.0
+
+
+def test_auto_splits_the_block_where_compute_dominates_and_not_where_the_exchange_does():
+    """--replicate auto: replicated where the cost model says so, and then split by images
+    among the workers where that is predicted faster still (slow devices, a 100 Mbit/s
+    switch), on every node where the exchange would cost more (10 Mbit/s); the master's
+    decision is the simulator's (above), and the line says why, in ms."""
+    layers = network_layers("paper-150-800", 16)
+    shares = {
+        ly.name: (ly.kernels - 3 * (ly.kernels // 4), *[ly.kernels // 4] * 3) for ly in layers
+    }
+
+    def chosen(mbit):
+        workers = tuple(SimNode(f"w{i}", 1.0, bytes_per_s=mbit * MBIT) for i in range(3))
+        cluster = SimCluster(SimNode("m", 1.0, bytes_per_s=mbit * MBIT), workers, SWITCHED)
+        return step_modes(cluster, layers, shares, "fused", "resident", "auto")
+
+    fast = chosen(100)
+    assert fast.replicate == "split" and fast.block == "conv1"
+    assert fast.replica.split_refused.startswith("split: the cost model predicts it ")
+    assert fast.replica.split_refused.endswith(" ms faster per step")
+    slow = chosen(10)
+    assert slow.replicate == "first" and slow.block == "conv1"
+    assert slow.replica.split_refused.startswith("not split: the cost model predicts a split ")
+    # one worker with a share of the second layer: nothing to split with
+    one = {ly.name: (ly.kernels - 1, 1, 0, 0) for ly in layers}
+    workers = tuple(SimNode(f"w{i}", 1.0, bytes_per_s=10 * MBIT) for i in range(3))
+    lone = step_modes(
+        SimCluster(SimNode("m", 1.0, bytes_per_s=10 * MBIT), workers, SWITCHED),
+        layers, one, "fused", "resident", "auto",
+    )  # fmt: skip
+    assert lone.replicate == "first"
+    assert lone.replica.split_refused == "not split: fewer than two workers share the block"
