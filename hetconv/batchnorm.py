@@ -12,6 +12,47 @@ import numpy as np
 from .backends.arrays import array_module
 from .graph import Layer
 
+#: Planes up to this many values are summed as one float32 dot product; larger ones row by row,
+#: so no float32 partial sum spans more than a few thousand values.
+PLANE_VALUES = 4096
+
+
+def plane_sums(a, b=None):
+    """Per channel of float32 NCHW ``a``: the float64 (C,) sum over (N, H, W) of ``a`` (or of
+    ``a * b``, ``b`` of ``a``'s shape).
+
+    Each image's plane of a channel (each row of it where the plane is larger than
+    :data:`PLANE_VALUES`) is one float32 dot product (a ``matmul`` of a row by a column: BLAS's
+    ``sdot`` on the CPU), which reads the values once and writes no temporary; those partial
+    sums are added in float64.
+
+    .. note:: Channel by channel the result depends only on that channel's values (each
+        partial sum is its own dot product): a slice of the channels has the sums of those
+        channels of the whole, bit for bit.
+    """
+    n, c, h, w = a.shape
+    rows, length = (1, h * w) if h * w <= PLANE_VALUES else (h, w)
+    xp = array_module(a)
+    left = a.reshape(n, c, rows, 1, length)
+    if b is None:
+        right = xp.ones((length, 1), np.float32)
+    else:
+        right = b.reshape(n, c, rows, length, 1)
+    return xp.matmul(left, right).sum(axis=(0, 2, 3, 4), dtype=np.float64)
+
+
+def channel_planes(v, shape: tuple[int, ...]):
+    """float32 (1, C, H, W): each channel's plane filled with its value of ``v`` (C,).
+
+    An elementwise operation of an NCHW array with it runs at the speed of one between arrays
+    of the same shape (broadcast along N only); numpy broadcasts a (1, C, 1, 1) operand two to
+    three times slower.
+    """
+    xp = array_module(v)
+    planes = xp.empty((1, *shape[1:]), np.float32)
+    xp.copyto(planes, v.reshape(1, -1, 1, 1))
+    return planes
+
 
 def batch_statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-channel batch statistics of float32 NCHW ``x``, as :class:`BatchNorm2d` trains.
@@ -20,12 +61,14 @@ def batch_statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         float64 (C,) mean and biased variance over (N, H, W), and the float32 centred ``x``
         (``x`` less its mean cast to float32), the variance's source.
 
-    .. note:: Summed in float64. Channel by channel the result depends only on that channel's
-        values: a slice of the channels has the statistics of those channels of the whole.
+    .. note:: Summed by :func:`plane_sums`: float32 per image plane, float64 across them.
+        Channel by channel the result depends only on that channel's values: a slice of the
+        channels has the statistics of those channels of the whole.
     """
-    mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
-    centred = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
-    var = array_module(x).square(centred, dtype=np.float64).mean(axis=(0, 2, 3))
+    count = x.shape[0] * x.shape[2] * x.shape[3]
+    mean = plane_sums(x) / count
+    centred = x - channel_planes(mean.astype(np.float32), x.shape)
+    var = plane_sums(centred, centred) / count
     return mean, var, centred
 
 
@@ -108,30 +151,35 @@ class BatchNorm2d(Layer):
             shift = (beta - self.buffers["running_mean"] * scale).astype(np.float32)
             self._eval_scale = scale
             self._x_hat = None
-            return x * self._per_channel(scale) + self._per_channel(shift)
+            y = x * channel_planes(scale, x.shape)
+            y += channel_planes(shift, x.shape)
+            return y
         count = x.shape[0] * x.shape[2] * x.shape[3]
-        mean, var, centred = batch_statistics(x)
+        mean, var, x_hat = batch_statistics(x)
         inv_std = (1.0 / xp.sqrt(var + self.eps)).astype(np.float32)
-        x_hat = centred * self._per_channel(inv_std)
+        x_hat *= channel_planes(inv_std, x.shape)  # the centred values, normalised in place
         self.track(mean, var, count)
         self.buffers["num_batches_tracked"] += 1
         self.batch_stats = (mean, var)  # what a fused stage answers for the master's track()
         self._x_hat, self._inv_std = x_hat, inv_std
-        return x_hat * self._per_channel(gamma) + self._per_channel(beta)
+        y = x_hat * channel_planes(gamma, x.shape)
+        y += channel_planes(beta, x.shape)
+        return y
 
     def backward(self, dy):
         gamma = self.params["weight"]
         if self._x_hat is None:  # evaluation mode: an affine map per channel
             zeros = array_module(dy).zeros_like(gamma)
             self.grads = {"weight": zeros, "bias": dy.sum(axis=(0, 2, 3))}
-            return dy * self._per_channel(self._eval_scale)
+            return dy * channel_planes(self._eval_scale, dy.shape)
         x_hat, inv_std = self._x_hat, self._inv_std
         count = dy.shape[0] * dy.shape[2] * dy.shape[3]
-        d_beta = dy.sum(axis=(0, 2, 3), dtype=np.float64)
-        d_gamma = (dy * x_hat).sum(axis=(0, 2, 3), dtype=np.float64)
+        d_beta = plane_sums(dy)
+        d_gamma = plane_sums(dy, x_hat)
         self.grads = {"weight": d_gamma.astype(np.float32), "bias": d_beta.astype(np.float32)}
-        # dx = gamma * inv_std * (dy - mean(dy) - x_hat * mean(dy * x_hat))
-        dx = dy - self._per_channel((d_beta / count).astype(np.float32))
-        dx -= x_hat * self._per_channel((d_gamma / count).astype(np.float32))
-        dx *= self._per_channel((gamma * inv_std).astype(np.float32))
+        # dx = gamma * inv_std * (dy - mean(dy) - x_hat * mean(dy * x_hat)), in this order
+        # (the round-off of hetconv.imagesplit's batch norm, which sums across nodes)
+        dx = dy - channel_planes((d_beta / count).astype(np.float32), dy.shape)
+        dx -= x_hat * channel_planes((d_gamma / count).astype(np.float32), dy.shape)
+        dx *= channel_planes((gamma * inv_std).astype(np.float32), dy.shape)
         return dx

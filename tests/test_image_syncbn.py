@@ -101,8 +101,11 @@ def test_without_reduce_a_range_normalises_by_its_own_images(rng):
         model.train()
     a = images_gradients(plain, x, labels, 0, 4, 0)
     b = images_gradients(synced, x, labels, 0, 4, 0, reduce=lambda v: v)  # one node
+    # the plain layer sums per image plane (hetconv.batchnorm.plane_sums), the synced one in
+    # float64 over the whole: a convolution's bias before a batch norm has a gradient of zero
+    # but for round-off, which differs by about 1e-7
     for name in a[0]:
-        np.testing.assert_allclose(b[0][name], a[0][name], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(b[0][name], a[0][name], rtol=1e-5, atol=1e-6)
 
 
 # -- real worker processes: the ring sums the statistics mid-pass ----------------------------
