@@ -261,7 +261,7 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
     if args.local:
         from hetconv.conv import LocalConv
 
-        return train(config, LocalConv())
+        return train(config, LocalConv(args.engine))
     from hetconv.master.cluster import Cluster
     from hetconv.master.ring import image_split_class
     from hetconv.master.splitchoice import SplitChoice
@@ -280,11 +280,13 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
         wait = args.discover_wait
         return train_discovered(config, cluster_config, addresses, wait, cluster_class)
     if addresses:
-        with cluster_class(addresses, config=cluster_config) as cluster:
+        with cluster_class(addresses, backend=args.engine, config=cluster_config) as cluster:
             return train(config, cluster)
     from hetconv.master.launch import EmbeddedCluster
 
-    with EmbeddedCluster(args.local_workers, cluster_config, cluster_class) as cluster:
+    with EmbeddedCluster(
+        args.local_workers, cluster_config, cluster_class, backend=args.engine
+    ) as cluster:
         return train(config, cluster)
 
 

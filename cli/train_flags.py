@@ -65,6 +65,15 @@ def _add_where(where: argparse._ArgumentGroup) -> None:
         "--local", action="store_true", help="run every convolution in this process, no workers"
     )
     where.add_argument(
+        "--engine",
+        choices=["cpu", "onednn"],
+        default="cpu",
+        help="the convolution engine of this process (--local, the master's own share) and of "
+        "the local workers it starts: cpu (im2col + BLAS) or onednn (oneDNN's convolutions, "
+        "pip install 'hetconv[onednn]'); named workers take theirs from `hetconv worker "
+        "--backend` (default: cpu)",
+    )
+    where.add_argument(
         "--worker",
         action="append",
         metavar="HOST:PORT",

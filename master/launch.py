@@ -159,11 +159,14 @@ class EmbeddedCluster(ConvExecutor):
         cluster_class: the cluster to run over them: :class:`~hetconv.master.cluster.Cluster`
             (None), or :class:`~hetconv.master.imagesplit.ImageSplit` (the whole network
             split by images).
+        backend: the backend of the master's own share and of the workers it starts.
     """
 
-    def __init__(self, count: int, config=None, cluster_class=None):
+    def __init__(self, count: int, config=None, cluster_class=None, backend: str = "cpu"):
         # The master sends config.token; its local workers require the same.
-        self.workers = LocalWorkers(count, token=config.token if config is not None else None)
+        token = config.token if config is not None else None
+        self.workers = LocalWorkers(count, backend=backend, token=token)
+        self.backend = backend  # the master's own share's, and its workers' (--engine)
         self.config = config
         self.cluster = None
         self.cluster_class = cluster_class
@@ -197,7 +200,7 @@ class EmbeddedCluster(ConvExecutor):
         # Before the probe, so the shares measure the master as it will train.
         self._blas_limit = threadpool_limits(limits=threads, user_api="blas")
         cluster_class = self.cluster_class or Cluster
-        self.cluster = cluster_class(self.workers.start(), config=self.config)
+        self.cluster = cluster_class(self.workers.start(), backend=self.backend, config=self.config)
         self.cluster.prepare(layers, batch, log)
 
     def train_batch(self, model, x, labels, step):

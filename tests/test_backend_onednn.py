@@ -178,3 +178,49 @@ def test_without_the_library_the_backend_says_why_and_how_to_install(monkeypatch
     assert not ok and "libdnnl.so.3" in why and "pip install 'hetconv[onednn]'" in why
     with pytest.raises(BackendUnavailable, match=r"backend onednn is not available here: .*pip"):
         backend_class("onednn")
+
+
+# -- hetconv train --engine ----------------------------------------------------------------------
+
+TINY_RUN = ["--steps", "3", "--batch", "4", "--train-size", "8", "--eval-size", "0"]
+
+
+def _trained(tmp_path, name: str, *flags: str) -> dict[str, np.ndarray]:
+    from hetconv.cli import main
+
+    argv = ["train", *TINY_RUN, "--no-progress", "--run-dir", str(tmp_path), "--name", name]
+    assert main([*argv, *flags]) == 0
+    return dict(np.load(tmp_path / name / "model.npz"))
+
+
+def test_train_local_with_the_onednn_engine_trains_as_the_cpu_engine(tmp_path):
+    cpu = _trained(tmp_path, "cpu", "--local")
+    onednn = _trained(tmp_path, "onednn", "--local", "--engine", "onednn")
+    assert cpu.keys() == onednn.keys()
+    for name in cpu:
+        np.testing.assert_allclose(onednn[name], cpu[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_train_engine_reaches_the_master_and_its_local_worker_processes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "hetconv", "train", *TINY_RUN, "--no-progress", "--engine",
+         "onednn", "--local-workers", "1", "--trace", str(trace), "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(trace.read_text().splitlines()[0])
+    nodes = plan["nodes"]
+    assert len(nodes) == 2 and all("(onednn" in node["description"] for node in nodes), nodes
+
+
+def test_train_refuses_an_unknown_engine(capsys):
+    from hetconv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--local", "--engine", "mkl"])
+    assert "invalid choice: 'mkl'" in capsys.readouterr().err

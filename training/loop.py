@@ -119,15 +119,16 @@ def _plan_record(
     return {"event": "plan", "start_step": start_step, **plan}
 
 
-def time_master_alone(spec: list[dict], data, config: TrainConfig) -> list[float]:
+def time_master_alone(spec: list[dict], data, config: TrainConfig, backend="cpu") -> list[float]:
     """Seconds of each SGD step of ``spec`` trained in this process as ``--local`` trains it
     (:class:`LocalConv`), on ``data``'s first batches of ``config.batch``, one left out
     (warming up): :data:`ALONE_STEPS` of them, more while they add up to under
     :data:`ALONE_SECONDS` (a small network's steps scatter on a busy machine), at most
     :data:`ALONE_MAX_STEPS`. A fresh model: nothing of a run's weights or optimizer is
-    touched."""
+    touched. ``backend``: the master's own (``hetconv train --engine``)."""
     batch, per_epoch = config.batch, max(len(data) // config.batch, 1)
-    model = Model(spec, seed=config.seed, executor=LocalConv(), input_shape=data.image_shape)
+    executor = LocalConv(backend)
+    model = Model(spec, seed=config.seed, executor=executor, input_shape=data.image_shape)
     optimizer = SGD(model.parameters(), config.sgd)
     order = epoch_order(len(data), config.seed, 0)
     seconds: list[float] = []
@@ -155,7 +156,8 @@ def _master_alone(run: _Run) -> tuple[float, int]:
     tqdm.write("timing the master alone (a few steps as --local trains them) to compare",
                file=run.log)  # fmt: skip
     with threadpool_limits(limits=run.blas_threads, user_api="blas"):
-        steps = time_master_alone(run.spec, run.train_set, run.config)
+        backend = getattr(run.executor, "backend", "cpu")  # the master's engine (--engine)
+        steps = time_master_alone(run.spec, run.train_set, run.config, backend)
     seconds = float(np.median(steps))
     # No "step" key: trace readers take the records that have one as the steps.
     run.trace.write({
