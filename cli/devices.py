@@ -12,7 +12,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         "devices",
         help="list the devices this machine can compute on",
         description=(
-            "List every backend (cpu, opencl, cuda), whether it can run here and why not, "
+            "List every backend (cpu, opencl, cuda, onednn), whether it can run here and why not, "
             "its devices with the numbers `hetconv worker --backend B --device N` takes, "
             "and a probe figure for each (the paper-50-500 C2 convolution at batch 8, "
             "forward + backward, best of 2, with this process's threads): the probe `hetconv "

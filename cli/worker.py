@@ -29,7 +29,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend",
         default="auto",
-        help="cpu, opencl, cuda, or auto (the fastest present, by a probe)",
+        help="cpu, onednn, opencl, cuda, or auto (the fastest GPU present or cpu, by a probe)",
     )
     p.add_argument(
         "--device",
