@@ -185,6 +185,24 @@ def test_a_worker_the_others_cannot_reach_is_left_out_and_training_stays_exact(
         assert len(split["images"]) == 2 and sum(split["images"]) == 8, split
 
 
+def test_with_one_worker_left_the_block_is_not_split(local, workers, tmp_path):
+    """Two workers, one the other cannot reach: the block is computed whole on both, as with
+    first, and the line says why."""
+    forwarder = OursOnly(workers.addresses[1])
+    addresses = [workers.addresses[0], forwarder.address]
+    shares = {"conv1": (0, 4, 4), "conv2": (6, 5, 5)}
+    config = ClusterConfig(**{**SPLIT, "shares": shares}, kernels="resident")
+    try:
+        got, line, record, lost, steps = _left_out_run(addresses, tmp_path, config=config)
+    finally:
+        forwarder.close()
+    same_as_local(got, local)
+    assert "computed on every node" in line, line
+    assert "not split: fewer than two workers reach each other" in line, line
+    assert set(record["replica_left_out"]) == {forwarder.address}
+    assert not lost and all(not s.get("replica_split") for s in steps.values())
+
+
 class Killing(exactness.Killing):
     BASE = {**SPLIT, "deadline_floor": 5.0}
 
