@@ -15,6 +15,9 @@ from .graph import Layer
 #: Planes up to this many values are summed as one float32 dot product; larger ones row by row,
 #: so no float32 partial sum spans more than a few thousand values.
 PLANE_VALUES = 4096
+#: Planes of fewer values are summed across the images first: a dot product per plane of a
+#: few values costs more in calls than in sums.
+SMALL_PLANE = 32
 
 
 def plane_sums(a, b=None):
@@ -22,17 +25,23 @@ def plane_sums(a, b=None):
     ``a * b``, ``b`` of ``a``'s shape).
 
     Each image's plane of a channel (each row of it where the plane is larger than
-    :data:`PLANE_VALUES`) is one float32 dot product (a ``matmul`` of a row by a column: BLAS's
-    ``sdot`` on the CPU), which reads the values once and writes no temporary; those partial
-    sums are added in float64.
+    :data:`PLANE_VALUES`) is one float32 dot product (a ``matmul`` of a row by a column:
+    BLAS's ``sdot`` on the CPU), which reads the values once and writes no temporary; those
+    partial sums are added in float64. Planes smaller than :data:`SMALL_PLANE` are added
+    image after image in float64 (one pass, elementwise), then each channel's plane summed.
 
     .. note:: Channel by channel the result depends only on that channel's values (each
-        partial sum is its own dot product): a slice of the channels has the sums of those
-        channels of the whole, bit for bit.
+        partial sum is its own dot product, or elementwise): a slice of the channels has the
+        sums of those channels of the whole, bit for bit.
     """
     n, c, h, w = a.shape
-    rows, length = (1, h * w) if h * w <= PLANE_VALUES else (h, w)
     xp = array_module(a)
+    if h * w < SMALL_PLANE:
+        values = a if b is None else a * b
+        planes = values.reshape(n, c * h * w).sum(axis=0, dtype=np.float64)
+        ones = xp.ones((h * w, 1), np.float64)
+        return xp.matmul(planes.reshape(c, 1, h * w), ones).reshape(c)
+    rows, length = (1, h * w) if h * w <= PLANE_VALUES else (h, w)
     left = a.reshape(n, c, rows, 1, length)
     if b is None:
         right = xp.ones((length, 1), np.float32)

@@ -8,6 +8,7 @@ import pytest
 
 from hetconv.batchnorm import (
     PLANE_VALUES,
+    SMALL_PLANE,
     BatchNorm2d,
     batch_statistics,
     channel_planes,
@@ -15,7 +16,8 @@ from hetconv.batchnorm import (
 )
 
 SHAPES = [
-    (4, 3, 5, 7),  # a small plane
+    (4, 3, 5, 7),  # a plane of a few values: one dot product per plane
+    (64, 8, 4, 4),  # planes smaller than SMALL_PLANE: summed across the images first
     (2, 5, 1, 1),  # one value per plane (a batch norm after a global pool)
     (2, 3, 70, 70),  # planes larger than PLANE_VALUES: summed row by row
     (1, 1, 3, 3),
@@ -57,9 +59,20 @@ def test_plane_sums_of_a_view_equal_those_of_its_copy(rng):
     np.testing.assert_array_equal(plane_sums(view), plane_sums(np.ascontiguousarray(view)))
 
 
-@pytest.mark.parametrize("shape", [(3, 9, 4, 5), (2, 6, 70, 70)])
-def test_plane_sums_of_a_channel_slice_are_bitwise_those_of_the_whole(rng, shape):
-    assert shape[2] * shape[3] <= PLANE_VALUES or shape[3] <= PLANE_VALUES
+PATHS = {"across images": (3, 9, 4, 5), "per plane": (3, 9, 6, 6), "per row": (2, 6, 70, 70)}
+
+
+def _path(shape) -> str:
+    plane = shape[2] * shape[3]
+    if plane < SMALL_PLANE:
+        return "across images"
+    return "per row" if plane > PLANE_VALUES else "per plane"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_plane_sums_of_a_channel_slice_are_bitwise_those_of_the_whole(rng, path):
+    shape = PATHS[path]
+    assert _path(shape) == path
     a = (rng.standard_normal(shape) * 2 + 1).astype(np.float32)
     whole, squares = plane_sums(a), plane_sums(a, a)
     for own in (slice(0, 1), slice(1, 4), slice(4, shape[1]), slice(2, 3)):
