@@ -154,6 +154,26 @@ def test_primitives_are_kept_per_geometry_and_thread_count():
     assert set(backend.implementations(shape)) == {"forward", "input", "kernels"}
 
 
+@pytest.mark.parametrize("layout", ["plain", "auto"])
+def test_calls_from_many_threads_at_once_equal_calls_from_one(layout):
+    """A worker serves calls on a pool of threads, and a primitive runs on whichever thread
+    asks (oneDNN's own shared scratchpad would forbid that: ours is per thread); the plain
+    layout's GEMM-based primitives need a scratchpad, the blocked ones' reorders buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend = get_backend("onednn", layout=layout, threads=1)
+    problems = [
+        make_problem(np.random.default_rng(s), 4, 16, 16, 16, 32, 3, 3, 1) for s in range(4)
+    ]
+    want = [run_all(backend, p) for p in problems]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda p: run_all(backend, p), problems))
+            for g, w in zip(got, want, strict=True):
+                for a, b in zip(g, w, strict=True):
+                    np.testing.assert_array_equal(a, b)
+
+
 def test_describe_names_the_library_and_the_cpu_it_compiled_for(onednn):
     info = onednn.describe()
     assert info.backend == "onednn" and info.kind == "cpu"

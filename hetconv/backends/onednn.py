@@ -71,7 +71,7 @@ _SUCCESS, _CPU, _F32 = 0, 1, 3
 _TAG_ANY, _TAG_X, _TAG_NCHW, _TAG_OIHW = 1, 2, 5, 5
 _FORWARD_TRAINING, _DIRECT = 64, 1
 _STREAM_DEFAULT = 1
-_QUERY_IMPL = 8
+_QUERY_IMPL, _QUERY_SCRATCHPAD, _SCRATCHPAD_USER, _ARG_SCRATCHPAD = 8, 136, 1, 80
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
 _ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS, _ARG_DIFF_BIAS = 129, 145, 161, 169
 _QUERY = {
@@ -151,6 +151,8 @@ class _Library:
             "dnnl_primitive_destroy": [_p],
             "dnnl_primitive_execute": [_p, _p, ctypes.c_int, _p],
             "dnnl_memory_create": [ctypes.POINTER(_p), _p, _p, _p],
+            "dnnl_primitive_attr_create": [ctypes.POINTER(_p)],
+            "dnnl_primitive_attr_set_scratchpad_mode": [_p, ctypes.c_int],
             "dnnl_memory_destroy": [_p],
         }.items():  # fmt: skip
             fn = getattr(d, name)
@@ -167,6 +169,13 @@ class _Library:
         d.dnnl_get_effective_cpu_isa.restype = ctypes.c_int
         self.engine = _p()
         self.check(d.dnnl_engine_create(ctypes.byref(self.engine), _CPU, 0), "engine_create")
+        # Every primitive takes its scratchpad from the caller (a buffer kept per thread): the
+        # library's own is one for all primitives, and a primitive may then run only on the
+        # thread that created it, where hetconv calls each from whichever thread serves.
+        self.attr = _p()
+        self.check(d.dnnl_primitive_attr_create(ctypes.byref(self.attr)), "attr_create")
+        user = d.dnnl_primitive_attr_set_scratchpad_mode(self.attr, _SCRATCHPAD_USER)
+        self.check(user, "attr_set_scratchpad_mode")
         # libdnnl links libgomp: the same library, already loaded, is found by its name
         self.omp_set_num_threads = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
         self.omp_set_num_threads.argtypes = [ctypes.c_int]
@@ -243,6 +252,56 @@ def _roles(mds: dict, bias=None) -> tuple:
     return (mds["src"], mds["weights"], *(() if bias is None else (bias,)), mds["dst"])
 
 
+class _Primitive:
+    """One oneDNN primitive with its descriptor (kept: it owns the descriptors queried from
+    it) and the size of the scratchpad it needs."""
+
+    def __init__(self, lib: _Library, pd: ctypes.c_void_p, what: str):
+        self.lib, self.pd, self.primitive = lib, pd, _p()
+        lib.check(lib.dll.dnnl_primitive_create(ctypes.byref(self.primitive), pd), what)
+        self.scratchpad = lib.dll.dnnl_primitive_desc_query_md(pd, _QUERY_SCRATCHPAD, 0)
+        self.scratchpad_bytes = lib.dll.dnnl_memory_desc_get_size(self.scratchpad)
+        self.implementation = lib.implementation(pd)
+
+    def md(self, arg: int) -> ctypes.c_void_p:
+        """The descriptor the primitive computes argument ``arg`` in (owned by its pd)."""
+        return self.lib.dll.dnnl_primitive_desc_query_md(self.pd, _QUERY[arg], 0)
+
+    def execute(self, stream, args: list[tuple[int, ctypes.c_void_p]], scratch, made) -> None:
+        """Run on memory objects ``args`` ((argument, memory) pairs), with a scratchpad from
+        ``scratch(name, shape)`` when it needs one; memories it creates go to ``made``."""
+        if self.scratchpad_bytes:
+            buffer = _aligned(scratch, "onednn scratchpad", self.scratchpad_bytes)
+            args = [*args, (_ARG_SCRATCHPAD, _memory(self.lib, self.scratchpad, buffer, made))]
+        table = (_ExecArg * len(args))(*(_ExecArg(a, m) for a, m in args))
+        status = self.lib.dll.dnnl_primitive_execute(self.primitive, stream, len(args), table)
+        self.lib.check(status, f"execute ({self.implementation})")
+
+    def destroy(self) -> None:
+        self.lib.dll.dnnl_primitive_destroy(self.primitive)
+        self.lib.dll.dnnl_primitive_desc_destroy(self.pd)
+
+
+def _aligned(scratch, name: str, nbytes: int) -> np.ndarray:
+    """At least ``nbytes`` of the calling thread's buffer ``name`` (``scratch(name, shape)``),
+    starting on a 64-byte boundary, as oneDNN aligns its own buffers (a cache line; AVX-512's
+    aligned loads)."""
+    buffer = scratch(name, (nbytes // 4 + 17,))
+    return buffer[(-buffer.ctypes.data % 64) // 4 :]
+
+
+def _memory(lib: _Library, md, array: np.ndarray, made: list) -> ctypes.c_void_p:
+    """A oneDNN memory of descriptor ``md`` over ``array``'s data (appended to ``made``, to
+    be destroyed after the call)."""
+    memory = _p()
+    created = lib.dll.dnnl_memory_create(
+        ctypes.byref(memory), md, lib.engine, _p(array.ctypes.data)
+    )
+    lib.check(created, "memory_create")
+    made.append(memory)
+    return memory
+
+
 class _Reorder:
     """The two reorders between a tensor's plain layout and the blocked one a primitive
     computes in: ``into`` (plain to blocked) and ``back``."""
@@ -252,17 +311,16 @@ class _Reorder:
         self.bytes = lib.dll.dnnl_memory_desc_get_size(blocked)
         self.into, self.back = self._create(plain, blocked), self._create(blocked, plain)
 
-    def _create(self, source, target) -> ctypes.c_void_p:
-        lib, pd, primitive = self.lib, _p(), _p()
+    def _create(self, source, target) -> _Primitive:
+        lib, pd = self.lib, _p()
         created = lib.dll.dnnl_reorder_primitive_desc_create(
-            ctypes.byref(pd), source, lib.engine, target, lib.engine, None
+            ctypes.byref(pd), source, lib.engine, target, lib.engine, lib.attr
         )
         lib.check(created, "reorder_primitive_desc_create")
-        try:
-            lib.check(lib.dll.dnnl_primitive_create(ctypes.byref(primitive), pd), "reorder")
-        finally:
-            lib.dll.dnnl_primitive_desc_destroy(pd)
-        return primitive
+        return _Primitive(lib, pd, "reorder")
+
+    def run(self, primitive: _Primitive, stream, source, target, scratch, made) -> None:
+        primitive.execute(stream, [(_ARG_SRC, source), (_ARG_DST, target)], scratch, made)
 
 
 class _Convolution:
@@ -274,7 +332,9 @@ class _Convolution:
 
     def __init__(self, lib: _Library, shape: ConvShape, layout: str):
         self.lib, self.shape = lib, shape
-        self._owned_mds, self._pds, self.primitives = [], [], {}
+        self._owned_mds, self._pds = [], []
+        self.primitives: dict[str, _Primitive] = {}
+        self.args: dict[str, dict[str, int]] = {}
         ho, wo = shape.out_hw
         dims = {
             "src": (shape.n, shape.c, shape.h, shape.w),
@@ -298,7 +358,7 @@ class _Convolution:
         hints = {
             kind: self._pd(
                 d.dnnl_convolution_forward_primitive_desc_create, lib.engine, _FORWARD_TRAINING,
-                _DIRECT, *_roles(mds, bias), *geometry, None,
+                _DIRECT, *_roles(mds, bias), *geometry, lib.attr,
             )
             for kind, mds in (("plain", self.plain), ("blocked", blocked))
             if kind in chosen.values()
@@ -306,11 +366,11 @@ class _Convolution:
         fwd = hints[chosen["forward"]]
         bwd_data = self._pd(
             d.dnnl_convolution_backward_data_primitive_desc_create, lib.engine, _DIRECT,
-            *_roles(pick["input"]), *geometry, hints[chosen["input"]], None,
+            *_roles(pick["input"]), *geometry, hints[chosen["input"]], lib.attr,
         )  # fmt: skip
         bwd_weights = self._pd(
             d.dnnl_convolution_backward_weights_primitive_desc_create, lib.engine, _DIRECT,
-            *_roles(pick["kernels"], bias), *geometry, hints[chosen["kernels"]], None,
+            *_roles(pick["kernels"], bias), *geometry, hints[chosen["kernels"]], lib.attr,
         )  # fmt: skip
         self.bias_md = bias
         self.zero_bias = np.zeros(shape.k, np.float32)  # the primitive has a bias: none is 0
@@ -322,14 +382,15 @@ class _Convolution:
             ("input", bwd_data, {**roles, "src": _ARG_DIFF_SRC, "dst": _ARG_DIFF_DST}),
             ("kernels", bwd_weights, {**roles, "weights": _ARG_DIFF_WEIGHTS, "dst": _ARG_DIFF_DST}),
         ):
-            primitive = _p()
-            lib.check(d.dnnl_primitive_create(ctypes.byref(primitive), pd), f"{op} primitive")
-            self.primitives[op] = (primitive, args)
-            self.implementations[op] = lib.implementation(pd)
+            self._pds.remove(pd)  # the primitive owns it now
+            primitive = self.primitives[op] = _Primitive(lib, pd, f"{op} primitive")
+            self.args[op] = args
+            self.implementations[op] = primitive.implementation
             for role, arg in args.items():
-                chosen = d.dnnl_primitive_desc_query_md(pd, _QUERY[arg], 0)
-                same = d.dnnl_memory_desc_equal(chosen, self.plain[role])
-                self.reorders[op, role] = None if same else _Reorder(lib, self.plain[role], chosen)
+                computes_in = primitive.md(arg)
+                same = d.dnnl_memory_desc_equal(computes_in, self.plain[role])
+                reorder = None if same else _Reorder(lib, self.plain[role], computes_in)
+                self.reorders[op, role] = reorder
 
     def _md(self, dims, tag):
         md = self.lib.md(dims, tag)
@@ -346,12 +407,12 @@ class _Convolution:
         d = getattr(self.lib, "dll", None)
         if d is None:  # pragma: no cover - interpreter shutdown
             return
-        for primitive, _ in self.primitives.values():
-            d.dnnl_primitive_destroy(primitive)
+        for primitive in self.primitives.values():
+            primitive.destroy()
         for reorder in self.reorders.values():
             if reorder is not None:
-                d.dnnl_primitive_destroy(reorder.into)
-                d.dnnl_primitive_destroy(reorder.back)
+                reorder.into.destroy()
+                reorder.back.destroy()
         for pd in self._pds:
             d.dnnl_primitive_desc_destroy(pd)
         for md in self._owned_mds:
@@ -362,46 +423,33 @@ class _Convolution:
         bias gradient for ``"kernels"``), reordering to and from the primitive's layouts in
         buffers ``scratch(name, shape)`` keeps for the calling thread (fresh pages cost as much
         as a reorder). Inputs are read, outputs written, in place."""
-        lib, d = self.lib, self.lib.dll
+        lib = self.lib
         stream = lib.stream()
-        primitive, args = self.primitives[op]
+        primitive, args = self.primitives[op], self.args[op]
         made, outputs, exec_args = [], [], []
         try:
             for role, arg in args.items():
-                plain = self._memory(self.plain[role], arrays[role], made)
+                plain = _memory(lib, self.plain[role], arrays[role], made)
                 reorder = self.reorders[op, role]
                 if reorder is None:
                     exec_args.append((arg, plain))
                     continue
-                buffer = scratch(f"onednn {role}", (reorder.bytes // 4 + 1,))
-                blocked = self._memory(reorder.blocked, buffer, made)
+                buffer = _aligned(scratch, f"onednn {role}", reorder.bytes)
+                blocked = _memory(lib, reorder.blocked, buffer, made)
                 exec_args.append((arg, blocked))
                 if arg in (_ARG_DST, _ARG_DIFF_SRC, _ARG_DIFF_WEIGHTS):
                     outputs.append((reorder, blocked, plain))
                 else:
-                    self._reorder(stream, reorder.into, plain, blocked)
+                    reorder.run(reorder.into, stream, plain, blocked, scratch, made)
             if bias is not None:
                 arg = _ARG_DIFF_BIAS if op == "kernels" else _ARG_BIAS
-                exec_args.append((arg, self._memory(self.bias_md, bias, made)))
-            table = (_ExecArg * len(exec_args))(*(_ExecArg(a, m) for a, m in exec_args))
-            lib.check(d.dnnl_primitive_execute(primitive, stream, len(exec_args), table), op)
+                exec_args.append((arg, _memory(lib, self.bias_md, bias, made)))
+            primitive.execute(stream, exec_args, scratch, made)
             for reorder, blocked, plain in outputs:
-                self._reorder(stream, reorder.back, blocked, plain)
+                reorder.run(reorder.back, stream, blocked, plain, scratch, made)
         finally:
             for memory in made:
-                d.dnnl_memory_destroy(memory)
-
-    def _memory(self, md, array: np.ndarray, made: list) -> ctypes.c_void_p:
-        memory = _p()
-        handle = _p(array.ctypes.data)
-        created = self.lib.dll.dnnl_memory_create(ctypes.byref(memory), md, self.lib.engine, handle)
-        self.lib.check(created, "memory_create")
-        made.append(memory)
-        return memory
-
-    def _reorder(self, stream, primitive, source, target) -> None:
-        table = (_ExecArg * 2)(_ExecArg(_ARG_SRC, source), _ExecArg(_ARG_DST, target))
-        self.lib.check(self.lib.dll.dnnl_primitive_execute(primitive, stream, 2, table), "reorder")
+                lib.dll.dnnl_memory_destroy(memory)
 
 
 class OneDnnBackend(CpuBackend):
