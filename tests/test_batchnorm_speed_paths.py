@@ -1,5 +1,6 @@
 """Batch norm's fast paths (per-plane dot products, channel planes broadcast along N only,
-in-place passes) against the textbook formula in float64."""
+in-place passes) against the textbook formula in float64; ReLU's maximum with a zero plane
+against the scalar one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hetconv.batchnorm import (
     channel_planes,
     plane_sums,
 )
+from hetconv.layers import ReLU
 
 SHAPES = [
     (4, 3, 5, 7),  # a plane of a few values: one dot product per plane
@@ -142,3 +144,15 @@ def test_evaluation_forward_and_backward_equal_the_float64_formula(rng):
     np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
     np.testing.assert_allclose(dx, dy * scale, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(layer.grads["bias"], dy.sum(axis=(0, 2, 3)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5, 5), (6, 7)])
+def test_relu_with_a_zero_plane_equals_the_scalar_maximum(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    x.flat[:3] = [np.nan, -0.0, 0.0]
+    layer = ReLU("r")
+    y = layer.forward(x)
+    assert y.dtype == np.float32 and y.shape == shape
+    np.testing.assert_array_equal(y, np.maximum(x, np.float32(0)))  # NaN stays NaN
+    dy = rng.standard_normal(shape).astype(np.float32)
+    np.testing.assert_array_equal(layer.backward(dy), dy * (x > 0))
