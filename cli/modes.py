@@ -131,7 +131,11 @@ FLAGS = {
             "reach each other, over plain gRPC); split_all: as split, with the master one of the "
             "nodes that split the images (it computes the block on its share only, and exchanges "
             "outputs and gradients with the workers on its port); off: never",
-            {"auto": "auto: where the cost model predicts the step faster"},
+            {
+                "auto": "auto: where the cost model predicts the step faster, split as split "
+                "where it predicts that faster still (a worker that cannot reach the others is "
+                "left out of the exchange, named, and computes the block whole)"
+            },
         ),
         ModeFlag(
             "--overlap",
