@@ -154,6 +154,17 @@ def test_primitives_are_kept_per_geometry_and_thread_count():
     assert set(backend.implementations(shape)) == {"forward", "input", "kernels"}
 
 
+def test_past_max_kept_geometries_the_kept_primitives_are_dropped(monkeypatch):
+    monkeypatch.setattr(onednn_module, "MAX_KEPT", 2)
+    backend = get_backend("onednn", threads=1)
+    w = np.ones((3, 4, 3, 3), np.float32)
+    for n in (1, 2, 3):
+        x = np.ones((n, 4, 6, 6), np.float32)
+        assert_close(backend.conv_forward(x, w, None, 1), REFERENCE.conv_forward(x, w, None, 1),
+                     "forward", RTOL)  # fmt: skip
+        assert len(backend._convolutions) <= 2
+
+
 @pytest.mark.parametrize("layout", ["plain", "auto"])
 def test_calls_from_many_threads_at_once_equal_calls_from_one(layout):
     """A worker serves calls on a pool of threads, and a primitive runs on whichever thread

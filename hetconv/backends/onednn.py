@@ -12,14 +12,16 @@ backend's: :class:`OneDnnBackend` subclasses :class:`~hetconv.backends.cpu.CpuBa
 overrides the three convolution calls only.
 
 Arrays cross as they are, in hetconv's NCHW / KCHW float32 layout (oneDNN's ``nchw`` and
-``oihw`` tags); with ``layout="blocked"`` oneDNN picks its own blocked layouts and each call
-reorders into and out of them (see :data:`DEFAULT_LAYOUT` for which pays). The primitives of a
-geometry are created once (creation takes milliseconds) and kept per backend instance.
+``oihw`` tags); most operations compute in oneDNN's own blocked layouts, reordered into and out
+of buffers kept per thread (:data:`LAYOUTS` says which and why). The primitives of a geometry
+are created once (creation takes milliseconds) and kept per backend instance, geometry and
+thread count; each takes its scratchpad from the caller, so any thread may run any of them.
 
 Threads: oneDNN runs on OpenMP threads; each call sets the calling thread's OpenMP thread count
 to the backend's ``threads`` or, by default, to the BLAS thread count (``threadpoolctl``'s
 limit, what ``hetconv train --threads`` and a worker's ``--threads`` set), so both engines use
-the same share of the cores.
+the same share of the cores. At one thread a slice of a layer's kernels computes bit for bit
+the rows the whole layer does; at more, its kernel gradient only to round-off.
 
 The library is looked for in ``$HETCONV_ONEDNN_LIB`` (a file path), then next to the Python
 environment (``<sys.prefix>/lib``, where pip puts it), then by the system loader.
@@ -56,6 +58,9 @@ OPS = ("forward", "input", "kernels")
 LAYOUTS = ("auto", "blocked", "plain")
 DEFAULT_LAYOUT = "auto"
 FEW_CHANNELS = 8
+#: Geometries whose primitives a backend keeps; past this many all are dropped (a worker
+#: serving many batch sizes), and made again as calls need them.
+MAX_KEPT = 256
 
 
 def op_layouts(layout: str, shape: ConvShape) -> dict[str, str]:
@@ -541,6 +546,8 @@ class OneDnnBackend(CpuBackend):
             with self._lock:
                 conv = self._convolutions.get(key)
                 if conv is None:
+                    if len(self._convolutions) >= MAX_KEPT:
+                        self._convolutions.clear()  # freed once calls running them finish
                     conv = _Convolution(self._lib, shape, self.layout)
                     self._convolutions[key] = conv
         return conv
