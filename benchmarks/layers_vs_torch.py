@@ -1,4 +1,4 @@
-"""Our non-convolutional layers against PyTorch's, and the engine at a git revision alongside.
+"""Our non-convolutional layers against PyTorch's, and as they were at a git revision alongside.
 
 For each network, batch and thread count: every distinct batch norm, ReLU, residual add, max
 and average pool, global average pool and fc layer at its real shape (from the network's
