@@ -255,3 +255,22 @@ def test_train_refuses_an_unknown_engine(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--local", "--engine", "mkl"])
     assert "invalid choice: 'mkl'" in capsys.readouterr().err
+
+
+def test_a_cluster_of_onednn_workers_trains_as_onednn_alone(tmp_path):
+    """The exactness run (tests/exactness.py: 20 steps of the tiny network with a strong LRN)
+    with every convolution on oneDNN: two real worker processes and the master, each a slice
+    of every layer's kernels (uneven, smaller than the LRN's halo), against one process."""
+    from exactness import FAST, same_as_local, train_strong_lrn
+
+    from hetconv.conv import LocalConv
+    from hetconv.master.cluster import Cluster, ClusterConfig
+    from hetconv.master.launch import LocalWorkers
+
+    alone = train_strong_lrn(tmp_path, "alone", LocalConv("onednn"))
+    shares = {"conv1": (0, 1, 7), "conv2": (5, 9, 2)}
+    with LocalWorkers(2, backend="onednn") as workers:
+        config = ClusterConfig(**FAST, shares=shares)
+        with Cluster(workers.addresses, backend="onednn", config=config) as cluster:
+            got = train_strong_lrn(tmp_path, "cluster", cluster)
+    same_as_local(got, alone)
