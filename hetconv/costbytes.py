@@ -228,6 +228,7 @@ def split_gain(
     block_seconds: Sequence[float],
     links: Sequence[float],
     fmt: TensorFormat = FLOAT32,
+    master_seconds: float = 0.0,
 ) -> float:
     """Seconds per step a replicated ``block`` split by images among the workers
     (:mod:`hetconv.split`) is predicted to save over every worker computing it whole
@@ -242,7 +243,9 @@ def split_gain(
     shared medium a split is refused before this is asked): forward it receives the other
     workers' images' block output; backward it sends its rows of their images and receives
     theirs of its own, the larger of the two. The step waits for the slowest worker's part
-    and exchange."""
+    and exchange, and for the master's own whole block (``master_seconds``: it computes the
+    block on every image either way), so a split saves nothing where the master is the
+    slowest."""
     if len(links) < 2 or len(links) != len(block_seconds) or consumer.shape.n < len(links):
         return 0.0
     n = consumer.shape.n
@@ -258,7 +261,7 @@ def split_gain(
         exchange = (into + back) / link if link and link != float("inf") else 0.0
         slowest = max(slowest, whole * own / n + exchange)
     images = sum(block.images_bytes * (n - own) / n for own in counts) / min(links)
-    return max(block_seconds) + images - slowest
+    return max(max(block_seconds) + images, master_seconds) - max(slowest, master_seconds)
 
 
 def _split_replicas(

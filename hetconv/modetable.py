@@ -323,6 +323,7 @@ def split_gain(
         [seconds[i] for i in workers],
         [links[i - 1] for i in workers],
         fmt=flags.wire_format,
+        master_seconds=seconds[0],
     )
 
 
