@@ -84,7 +84,7 @@ class Before:
     """A context in which the :data:`SWAPPED` classes run their methods of git ``revision``."""
 
     def __init__(self, revision: str):
-        old = {m: module_at(revision, m) for m in {m for m, _ in SWAPPED}}
+        old = {m: module_at(revision, m) for m in dict.fromkeys(m for m, _ in SWAPPED)}
         self.swaps = []
         for module, name in SWAPPED:
             today, then = getattr(module, name), getattr(old[module], name)

@@ -1,8 +1,13 @@
 """Batch norm's fast paths (per-plane dot products, channel planes broadcast along N only,
 in-place passes) against the textbook formula in float64; ReLU's maximum with a zero plane
-against the scalar one."""
+against the scalar one; and the rows of ``benchmarks/layers_vs_torch.py``, which times them."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +161,42 @@ def test_relu_with_a_zero_plane_equals_the_scalar_maximum(rng, shape):
     np.testing.assert_array_equal(y, np.maximum(x, np.float32(0)))  # NaN stays NaN
     dy = rng.standard_normal(shape).astype(np.float32)
     np.testing.assert_array_equal(layer.backward(dy), dy * (x > 0))
+
+
+# ------------------------------------------------- benchmarks/layers_vs_torch.py's rows
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "layers_vs_torch.py"
+ROW_FIELDS = {"network", "layer", "kind", "batch", "threads", "cap", "cpu", "blas", "ours_s",
+              "torch_s", "ratio"}  # fmt: skip
+
+
+def test_layers_vs_torch_rows_carry_conv_vs_torchs_fields_and_the_revisions(tmp_path):
+    """On the tiny preset with ``--before HEAD``: conv_vs_torch's row fields, and the layers
+    timed as at that revision (before_s, before_ratio)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "rows.json"
+    argv = ["--network", "tiny", "--batch", "2", "--repeats", "1", "--kinds", "relu", "fc"]
+    argv += ["step", "--before", "HEAD", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), *argv], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["layer"], r["kind"]) for r in rows] == [
+        ("relu1", "relu"), ("relu2", "relu"), ("fc", "fc"), ("step", "step"),
+    ]  # fmt: skip
+    for row in rows:
+        assert set(row) == ROW_FIELDS | {"before_s", "before_ratio"}
+        assert row["cap"] == "none" and row["threads"] == 1
+        assert row["ratio"] == pytest.approx(row["ours_s"] / row["torch_s"])
+        assert row["before_ratio"] == pytest.approx(row["before_s"] / row["torch_s"])
+
+
+def test_layers_vs_torch_refuses_an_unknown_revision():
+    pytest.importorskip("torch")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--before", "no-such-revision", "--kinds", "fc"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "--before no-such-revision: git show hetconv/batchnorm.py failed" in done.stderr
