@@ -625,8 +625,8 @@ def test_input_gradient_as_correlation_equals_col2im(c, k, padding):
 # ---------------------------------------------------------- benchmarks/conv_vs_torch.py's rows
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "conv_vs_torch.py"
-ROW_FIELDS = {"network", "layer", "kind", "batch", "threads", "cap", "cpu", "blas", "ours_s",
-              "torch_s", "ratio"}  # fmt: skip
+ROW_FIELDS = {"network", "layer", "kind", "batch", "threads", "cap", "cpu", "blas", "engine",
+              "ours_s", "torch_s", "ratio"}  # fmt: skip
 
 
 def _benchmark(*argv: str) -> subprocess.CompletedProcess:

@@ -274,3 +274,29 @@ def test_a_cluster_of_onednn_workers_trains_as_onednn_alone(tmp_path):
         with Cluster(workers.addresses, backend="onednn", config=config) as cluster:
             got = train_strong_lrn(tmp_path, "cluster", cluster)
     same_as_local(got, alone)
+
+
+def test_conv_vs_torch_rows_of_both_engines_side_by_side(tmp_path):
+    """``benchmarks/conv_vs_torch.py --engine cpu onednn``: each row carries its engine, both
+    engines time the same rows, and a last table puts their ratios side by side."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "conv_vs_torch.py"
+    out = tmp_path / "rows.json"
+    argv = ["--network", "tiny", "--batch", "2", "--threads", "1", "--repeats", "1"]
+    argv += ["--kinds", "conv forward", "--engine", "cpu", "onednn", "--statistic", "min"]
+    done = subprocess.run(
+        [sys.executable, str(script), *argv, "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    layers = {e: {r["layer"] for r in rows if r["engine"] == e} for e in ("cpu", "onednn")}
+    assert layers["cpu"] == layers["onednn"] == {"conv1", "conv2"}
+    assert "ratio ours/torch by engine:" in done.stdout
+    table = done.stdout.split("ratio ours/torch by engine:")[1]
+    assert "cpu" in table and "onednn" in table
