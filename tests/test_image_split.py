@@ -244,7 +244,7 @@ def test_train_split_images_runs_on_local_workers(tmp_path, capsys):
     [
         (["--model", "resnet20"], "batch norm (layer 'bn1'"),
         (["--stages", "fused"], "splits no layer by kernels: drop --stages"),
-        (["--local"], "nothing is split by images: drop --split"),
+        (["--local"], "nothing is split: drop --split"),
     ],
 )
 def test_train_split_images_refuses_what_it_cannot_do(flags, message, capsys):
