@@ -124,6 +124,33 @@ def test_a_kernel_slice_equals_the_whole_layer_bitwise_at_one_thread(case, bound
         np.testing.assert_array_equal(got, want)
 
 
+def test_on_avx2_too_where_odd_padding_is_done_before_onednn(tmp_path):
+    """oneDNN limited to AVX2 (``ONEDNN_MAX_CPU_ISA``, read when it loads: a child process)
+    takes padding wider than the kernel reaches only in its GEMM-based convolutions, which
+    sum by the number of kernels; the backend pads such inputs itself, so the slice tests
+    above hold there too."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    probe = (
+        "from hetconv.backends import get_backend, conv_shape\n"
+        "b = get_backend('onednn', threads=1)\n"
+        "s = conv_shape((3, 5, 9, 7), (12, 5, 3, 2), (0, 1, 2, 3))\n"
+        "i = b.implementations(s)\n"
+        "print(b.describe().name, b._convolution(s).shape != s, i['forward'], i['kernels'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "avx2)" in done.stdout, done.stdout  # the name: "<cpu> (oneDNN 3.2.0, avx2)"
+    assert done.stdout.split()[-3:] == ["True", "jit:avx2", "jit:avx2"], done.stdout
+    tests = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    tests += ["-k", "bitwise_at_one_thread or three_operations", "--basetemp", str(tmp_path)]
+    done = subprocess.run(tests, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
 def test_at_two_threads_a_kernel_slice_equals_the_whole_layer_to_round_off():
     backend = get_backend("onednn", threads=2)
     case, bounds = SLICED[3]

@@ -29,7 +29,6 @@ environment (``<sys.prefix>/lib``, where pip puts it), then by the system loader
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import sys
@@ -37,7 +36,7 @@ import threading
 
 import numpy as np
 
-from .base import ConvShape, DeviceInfo, KernelGradientSum, device_number
+from .base import ConvShape, DeviceInfo, KernelGradientSum, Padding, device_number
 from .cpu import CpuBackend
 
 LIBRARY = "libdnnl.so.3"
@@ -61,6 +60,7 @@ FEW_CHANNELS = 8
 #: Geometries whose primitives a backend keeps; past this many all are dropped (a worker
 #: serving many batch sizes), and made again as calls need them.
 MAX_KEPT = 256
+_NO_PADDING = Padding(0, 0, 0, 0)
 
 
 def op_layouts(layout: str, shape: ConvShape) -> dict[str, str]:
@@ -97,13 +97,6 @@ class _ExecArg(ctypes.Structure):
     _fields_ = [("arg", ctypes.c_int), ("memory", _p)]
 
 
-class _Version(ctypes.Structure):
-    _fields_ = [
-        ("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
-        ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint), ("gpu_runtime", ctypes.c_uint),
-    ]  # fmt: skip
-
-
 class OneDnnError(RuntimeError):
     """A oneDNN call that did not succeed (its status code in the message)."""
 
@@ -128,7 +121,6 @@ class _Library:
                 errors.append(f"{path}: {e}")
         else:
             raise OSError("; ".join(errors))
-        self.path = path
         d = self.dll
         status = ctypes.c_int
         for name, args in {
@@ -137,7 +129,6 @@ class _Library:
             "dnnl_memory_desc_create_with_tag": [
                 ctypes.POINTER(_p), ctypes.c_int, _Dims, ctypes.c_int, ctypes.c_int
             ],
-            "dnnl_memory_desc_destroy": [_p],
             "dnnl_convolution_forward_primitive_desc_create": [
                 ctypes.POINTER(_p), _p, ctypes.c_int, ctypes.c_int, _p, _p, _p, _p,
                 _Dims, _Dims, _Dims, _Dims, _p,
@@ -151,14 +142,13 @@ class _Library:
                 _Dims, _p, _p,
             ],
             "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(_p), _p, _p, _p, _p, _p],
-            "dnnl_primitive_desc_destroy": [_p],
             "dnnl_primitive_create": [ctypes.POINTER(_p), _p],
-            "dnnl_primitive_destroy": [_p],
             "dnnl_primitive_execute": [_p, _p, ctypes.c_int, _p],
             "dnnl_memory_create": [ctypes.POINTER(_p), _p, _p, _p],
             "dnnl_primitive_attr_create": [ctypes.POINTER(_p)],
             "dnnl_primitive_attr_set_scratchpad_mode": [_p, ctypes.c_int],
-            "dnnl_memory_destroy": [_p],
+            **dict.fromkeys(("dnnl_primitive_desc_destroy", "dnnl_primitive_destroy",
+                             "dnnl_memory_destroy", "dnnl_memory_desc_destroy"), [_p]),
         }.items():  # fmt: skip
             fn = getattr(d, name)
             fn.argtypes, fn.restype = args, status
@@ -170,7 +160,7 @@ class _Library:
         d.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
         d.dnnl_memory_desc_equal.argtypes = [_p, _p]
         d.dnnl_memory_desc_equal.restype = ctypes.c_int
-        d.dnnl_version.restype = ctypes.POINTER(_Version)
+        d.dnnl_version.restype = ctypes.POINTER(ctypes.c_int * 3)  # major, minor, patch first
         d.dnnl_get_effective_cpu_isa.restype = ctypes.c_int
         self.engine = _p()
         self.check(d.dnnl_engine_create(ctypes.byref(self.engine), _CPU, 0), "engine_create")
@@ -216,8 +206,7 @@ class _Library:
         return text.value.decode() if status == _SUCCESS and text.value else "?"
 
     def version(self) -> str:
-        v = self.dll.dnnl_version().contents
-        return f"{v.major}.{v.minor}.{v.patch}"
+        return ".".join(map(str, self.dll.dnnl_version().contents))
 
     def isa(self) -> str:
         code = self.dll.dnnl_get_effective_cpu_isa()
@@ -324,9 +313,6 @@ class _Reorder:
         lib.check(created, "reorder_primitive_desc_create")
         return _Primitive(lib, pd, "reorder")
 
-    def run(self, primitive: _Primitive, stream, source, target, scratch, made) -> None:
-        primitive.execute(stream, [(_ARG_SRC, source), (_ARG_DST, target)], scratch, made)
-
 
 class _Convolution:
     """The three primitives of one geometry (and, blocked, their reorders), kept together.
@@ -397,6 +383,14 @@ class _Convolution:
                 reorder = None if same else _Reorder(lib, self.plain[role], computes_in)
                 self.reorders[op, role] = reorder
 
+    @property
+    def exact_slices(self) -> bool:
+        """Whether a slice of the kernels runs as the whole layer does: oneDNN's direct
+        convolutions compute each kernel's outputs and gradient alike whatever the kernels
+        beside it; its GEMM-based fallback (padding its direct kernels do not take, on AVX2
+        padding wider than the kernel) blocks its sums by the number of kernels."""
+        return all("gemm" not in self.implementations[op] for op in ("forward", "kernels"))
+
     def _md(self, dims, tag):
         md = self.lib.md(dims, tag)
         self._owned_mds.append(md)
@@ -445,13 +439,15 @@ class _Convolution:
                 if arg in (_ARG_DST, _ARG_DIFF_SRC, _ARG_DIFF_WEIGHTS):
                     outputs.append((reorder, blocked, plain))
                 else:
-                    reorder.run(reorder.into, stream, plain, blocked, scratch, made)
+                    into = [(_ARG_SRC, plain), (_ARG_DST, blocked)]
+                    reorder.into.execute(stream, into, scratch, made)
             if bias is not None:
                 arg = _ARG_DIFF_BIAS if op == "kernels" else _ARG_BIAS
                 exec_args.append((arg, _memory(lib, self.bias_md, bias, made)))
             primitive.execute(stream, exec_args, scratch, made)
             for reorder, blocked, plain in outputs:
-                reorder.run(reorder.back, stream, blocked, plain, scratch, made)
+                back = [(_ARG_SRC, blocked), (_ARG_DST, plain)]
+                reorder.back.execute(stream, back, scratch, made)
         finally:
             for memory in made:
                 lib.dll.dnnl_memory_destroy(memory)
@@ -505,19 +501,12 @@ class OneDnnBackend(CpuBackend):
         name = f"{info.name} (oneDNN {lib.version()}, {lib.isa()})"
         return DeviceInfo(self.name, info.kind, name, info.memory_bytes, info.cores)
 
-    def kernel_memo(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # oneDNN reads the kernels as they are
-
     def kernel_gradient_sum(self) -> KernelGradientSum:
         return KernelGradientSum(self)
 
     def working_set_bytes(self, shape: ConvShape) -> int:
-        values = (
-            shape.n * shape.c * shape.h * shape.w
-            + shape.k * shape.c * shape.kh * shape.kw
-            + shape.n * shape.k * shape.out_hw[0] * shape.out_hw[1]
-        )
-        return 4 * 2 * values  # the plain tensors and, blocked, one reordered copy of each
+        s, (ho, wo) = shape, shape.out_hw  # the plain tensors and a reordered copy of each
+        return 8 * (s.n * s.c * s.h * s.w + s.k * s.c * s.kh * s.kw + s.n * s.k * ho * wo)
 
     def _threads(self) -> int:
         if self.threads is not None:
@@ -548,26 +537,56 @@ class OneDnnBackend(CpuBackend):
                 if conv is None:
                     if len(self._convolutions) >= MAX_KEPT:
                         self._convolutions.clear()  # freed once calls running them finish
-                    conv = _Convolution(self._lib, shape, self.layout)
+                    conv = self._exact_convolution(shape)
                     self._convolutions[key] = conv
         return conv
+
+    def _exact_convolution(self, shape: ConvShape) -> _Convolution:
+        """The primitives of ``shape``; where they are GEMM-based (:attr:`_Convolution.
+        exact_slices`) and padded, those of the same convolution on an input padded here
+        instead (no padding left to oneDNN: its direct kernels take that), if they are not."""
+        conv = _Convolution(self._lib, shape, self.layout)
+        if conv.exact_slices or shape.padding == _NO_PADDING:
+            return conv
+        hp, wp = shape.padded_hw
+        padded = ConvShape(shape.n, shape.c, hp, wp, shape.k, shape.kh, shape.kw, _NO_PADDING)
+        direct = _Convolution(self._lib, padded, self.layout)
+        return direct if direct.exact_slices else conv
+
+    def _padded_input(self, x: np.ndarray, shape: ConvShape) -> np.ndarray:
+        """``x`` zero-padded as ``shape`` says, in a buffer kept for the calling thread."""
+        xp = self._scratch.get("onednn padded", (shape.n, shape.c, *shape.padded_hw), zero=True)
+        rows, cols = shape.interior
+        xp[:, :, rows, cols] = x
+        return xp
 
     def _forward(self, x, w, b, shape):
         y = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
         conv = self._convolution(shape)
         bias = conv.zero_bias if b is None else b
+        if conv.shape != shape:  # padded here: x is copied in
+            x = self._padded_input(x, shape)
         conv.run("forward", {"src": x, "weights": w, "dst": y}, bias, self._scratch.get)
         return y
 
     def _grad_input(self, dy, w, shape):
+        conv = self._convolution(shape)
+        if conv.shape != shape:  # padded here: the padded input's gradient, cut out
+            dxp = self._scratch.get("onednn padded", (shape.n, shape.c, *shape.padded_hw))
+            conv.run("input", {"src": dxp, "weights": w, "dst": dy}, None, self._scratch.get)
+            rows, cols = shape.interior
+            return np.ascontiguousarray(dxp[:, :, rows, cols])
         dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
         arrays = {"src": dx, "weights": w, "dst": dy}
-        self._convolution(shape).run("input", arrays, None, self._scratch.get)
+        conv.run("input", arrays, None, self._scratch.get)
         return dx
 
     def _grad_kernels(self, x, dy, shape):
         dw = np.empty((shape.k, shape.c, shape.kh, shape.kw), np.float32)
         db = np.empty(shape.k, np.float32)
+        conv = self._convolution(shape)
+        if conv.shape != shape:  # padded here: x is copied in
+            x = self._padded_input(x, shape)
         arrays = {"src": x, "weights": dw, "dst": dy}
-        self._convolution(shape).run("kernels", arrays, db, self._scratch.get)
+        conv.run("kernels", arrays, db, self._scratch.get)
         return dw, db
