@@ -8,10 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from hetconv.training import train
 
 
-def train_discovered(config, cluster_config, named: list[str], wait: float, cluster_class=None):
+def train_discovered(
+    config, cluster_config, named: list[str], wait: float, cluster_class=None, backend="cpu"
+):
     """``hetconv train --discover``: browse the LAN for ``wait`` seconds, say what was found,
     train with it and the ``named`` workers, and keep browsing (joiners and leavers).
-    ``cluster_class``: the cluster (default :class:`~hetconv.master.cluster.Cluster`)."""
+    ``cluster_class``: the cluster (default :class:`~hetconv.master.cluster.Cluster`);
+    ``backend``: the master's own (``--engine``)."""
     from hetconv.master.cluster import Cluster
     from hetconv.master.discovery import Discovery
 
@@ -44,7 +47,8 @@ def train_discovered(config, cluster_config, named: list[str], wait: float, clus
                 f"--discover found no worker in {wait:g} s and --no-master-compute leaves "
                 "nothing to compute: start workers first, or give --discover-wait more"
             )
-        with (cluster_class or Cluster)(addresses, config=cluster_config) as cluster:
+        cluster_class = cluster_class or Cluster
+        with cluster_class(addresses, backend=backend, config=cluster_config) as cluster:
             cluster.membership.follow(discovery, [w.address for w in found])
             return train(config, cluster)
     finally:

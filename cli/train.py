@@ -278,7 +278,9 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
         from .discover import train_discovered
 
         wait = args.discover_wait
-        return train_discovered(config, cluster_config, addresses, wait, cluster_class)
+        return train_discovered(
+            config, cluster_config, addresses, wait, cluster_class, backend=args.engine
+        )
     if addresses:
         with cluster_class(addresses, backend=args.engine, config=cluster_config) as cluster:
             return train(config, cluster)
