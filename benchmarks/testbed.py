@@ -181,6 +181,9 @@ def run_configuration(
         "--no-progress", "--eval-size", "0", "--train-size", str(max(args.batch * steps, 256)),
         "--seed", "0",
     ]  # fmt: skip
+    engine = getattr(args, "engine", "cpu")
+    if engine != "cpu":  # the master's own share and --local on it; the workers' backend too
+        common += ["--engine", engine]
     print(
         f"\n{args.network} batch {args.batch}, {workers} worker(s), {link} link: cap {cap:.3f} "
         f"core per process, scale {scale.factor:.3f} = {cap:.3f} x {core_gflops:.1f} / "
@@ -243,7 +246,8 @@ def _run_all(
             file=log,
             flush=True,
         )
-        addresses = bed.start_workers()  # (idle while the master trains alone)
+        # (idle while the master trains alone)
+        addresses = bed.start_workers(backend=getattr(args, "engine", "cpu"))
         connect = ["--connect-timeout", "180"] + [f for a in addresses for f in ("--worker", a)]
         for round_number in range(args.rounds):
             for name, flags in runs:
@@ -432,6 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
         "or the probe its master ran before training (probe) (trace)",
     )  # fmt: skip
     p.add_argument("--no-link-check", action="store_true", help="skip the bulk TCP check")
+    p.add_argument(
+        "--engine", choices=("cpu", "onednn"), default="cpu",
+        help="hetconv's convolution engine: the master's (--engine, --local's too) and the "
+        "workers' backend (cpu; onednn needs the onednn extra). The scale is measured with cpu",
+    )  # fmt: skip
     p.add_argument("--keep-traces", metavar="DIR", help="write the runs' traces here")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     return p

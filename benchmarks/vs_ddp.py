@@ -114,6 +114,7 @@ class Comparison:
     core_gflops: float = 0.0
     rtt_ms: float = 0.0
     cap_received: float = 0.0
+    engine: str = "cpu"  # hetconv's convolution engine (--engine)
     note: str = ""
 
 
@@ -297,6 +298,7 @@ def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log
         args.batch / run.images_per_s[0] if run and run.images_per_s else None
     )  # (rank 0's probe, all ranks probing at once)
     return Comparison(
+        engine=args.engine,
         network=args.network,
         batch=args.batch,
         workers=workers,
@@ -430,6 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--steps", type=positive(int), default=4, help="measured steps per run (4)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out at each start (1)")
+    p.add_argument(
+        "--engine", choices=("cpu", "onednn"), default="cpu",
+        help="hetconv's convolution engine: the master's (--engine, --local's too) and the "
+        "workers' backend (cpu; onednn needs the onednn extra). The scale is measured with cpu",
+    )  # fmt: skip
     p.add_argument("--keep-traces", metavar="DIR", help="write hetconv's traces here")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     return p

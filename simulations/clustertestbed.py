@@ -250,16 +250,18 @@ class ClusterTestbed:
         self.processes.append(process)
         return process
 
-    def start_workers(self, timeout: float = 180.0, extra: Sequence[str] = ()) -> list[str]:
-        """``hetconv worker`` (cpu backend, one BLAS thread) in every worker's namespace and
-        cap; returns their addresses once all serve."""
+    def start_workers(
+        self, timeout: float = 180.0, extra: Sequence[str] = (), backend: str = "cpu"
+    ) -> list[str]:
+        """``hetconv worker`` (``backend``: cpu, or onednn; one BLAS thread) in every worker's
+        namespace and cap; returns their addresses once all serve."""
         from hetconv.calls import READY
 
         env = with_blas_threads(dict(os.environ, PYTHONUNBUFFERED="1", HETCONV_TOKEN=self.token), 1)
         for host in self.worker_hosts:
             address = f"{host.ip}:{WORKER_PORT}"
             command = [sys.executable, "-I", "-m", "hetconv", "worker", "--listen", address,
-                       "--backend", "cpu", "--no-startup-probe", *extra]  # fmt: skip
+                       "--backend", backend, "--no-startup-probe", *extra]  # fmt: skip
             process = self.spawn(command, env, host)
             link = Link(host.namespace, host.port_if, host.interface, self.master.ip, host.ip)
             worker = WorkerProcess(
