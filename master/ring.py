@@ -14,7 +14,9 @@ class updates the master's copy with the same :func:`~hetconv.optim.sgd_update`)
   a digest of its weights, rank 0 the summed gradient too, with which the master updates its
   copy; a worker whose digest differs from the master's copy is re-placed next step;
 * where rank 0's ring did not finish (a worker lost mid-ring, a part that never came), the
-  step goes through the master instead: the workers whose ring failed answer their own
+  step goes through the master instead (a worker's call that fails, its worker gone, makes
+  the master tell every other worker at once that the step's ring failed: none waits out its
+  wait for the lost one's parts): the workers whose ring failed answer their own
   gradient, the master computes the others' ranges itself, sums every range in node order and
   updates its copy; every worker is re-placed next step. No step is lost, and the step is the
   same to float32 round-off.
@@ -33,6 +35,7 @@ worker's own gradient, which the ring never sends here).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -292,6 +295,7 @@ class RingImageSplit(ImageSplit):
             self._record[node.name] = {"images": count, "seconds": parts[node.name][3]}
             if ring:
                 self._put_master(model, parts[node.name][0], ring[0][0], step)
+        self._abort_on_failure(calls, ring, step)
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
         summed = answers[ring[0][0].name] if ring else None
         exchange = RING if summed is not None and summed[3] == SUMMED else MASTER
@@ -397,6 +401,23 @@ class RingImageSplit(ImageSplit):
             )
         except WorkerError:
             pass  # rank 0 waits for it in vain: its ring fails, the step goes through here
+
+    def _abort_on_failure(self, calls: dict[str, Call], ring, step: int) -> None:
+        """Wait until every call has ended or one has failed; once one failed (its worker
+        gone mid-step), tell every other worker still computing that this step's ring failed:
+        one waiting for the lost worker's part (batch norm's sums, a round of the gradient's)
+        stops now instead of at its wait's end."""
+        ended = threading.Event()
+        for call in calls.values():
+            call.notify(ended)
+        while not any(call.failed() for call in calls.values()):
+            if all(call.done() for call in calls.values()):
+                return
+            ended.wait()
+            ended.clear()
+        for node, _, _ in ring:
+            if not calls[node.name].done():
+                abort_ring(node.client, self.session, step)
 
     def _ring_answer(self, at, calls, ring, step: int) -> tuple | None:
         """A worker's answer as (gradients or None, losses, hits, outcome, digest); None, the

@@ -30,23 +30,27 @@ import os
 import signal
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
 from exactness import FAST, RUN, same_as_local
 from test_image_ring import Recording as RingRecording
 from test_image_syncbn import ThreadSum
+from threadpoolctl import threadpool_limits
 
 from hetconv.conv import LocalConv
 from hetconv.imagesplit import batch_loss, images_gradients
 from hetconv.layers import ReLU, softmax_cross_entropy
 from hetconv.master.imagesplit import _sum_in_order
 from hetconv.master.launch import LocalWorkers
+from hetconv.master.ring import WAIT_FLOOR_S
 from hetconv.model import Model
 from hetconv.optim import SGD
 from hetconv.ring import MASTER, RING
 from hetconv.spec import resnet_spec
 from hetconv.training import TrainConfig, train
+from hetconv.worker.ring import RingCalls, RingFailed
 
 #: Two residual blocks (the second with a strided 1x1 shortcut), batch norm after every
 #: convolution: resnet20's structure at a size a default-run test trains in a second.
@@ -58,6 +62,8 @@ STEP_ATOL = 2e-6
 #: branch (resnet20 at batch 8, measured: one such input moved its step's weights by up to
 #: 3.5e-5, through batch norm's sums every weight before it).
 KNIFE_ATOL = 1e-4
+#: BLAS threads of each worker :class:`~hetconv.master.launch.LocalWorkers` starts.
+WORKER_BLAS_THREADS = 1
 
 
 class Steps:
@@ -102,39 +108,48 @@ def _state(model) -> dict[str, np.ndarray]:
 
 
 def assert_every_step_local(cluster, sgd) -> list[int]:
-    """Every step ``cluster`` (a :class:`RingSteps`) ran equals local training's step from
-    the same weights, momentum and running statistics: its loss to 1e-5 (relative); every
-    weight and statistic to :data:`STEP_ATOL`, or, on a step whose local forward has a ReLU
-    input within round-off of zero (:func:`knife_edges`), to :data:`KNIFE_ATOL`; and each
-    step starts where the one before ended. Returns the knife-edge steps."""
+    """Every step ``cluster`` (a :class:`RingSteps`) ran is, bit for bit, the split computed
+    here from the same weights, momentum and running statistics (:func:`split_step`: the
+    ranges with the workers' one BLAS thread; a step whose ring failed, the whole batch as
+    the master computed it); and that equals local training's step from the same state
+    (:func:`local_step`): its loss to 1e-5 (relative), every ReLU's inputs to round-off
+    (:func:`other_branches`), every weight and statistic to :data:`STEP_ATOL`, or to
+    :data:`KNIFE_ATOL` on a step where a ReLU input within that round-off of zero took the
+    other branch. Each step starts where the one before ended. Returns those steps."""
     knives = []
     for i, (seen, record) in enumerate(zip(cluster.seen, cluster.steps, strict=True)):
+        step = seen["step"]
         if i:
             before, previous = seen["before"], cluster.seen[i - 1]["after"]
             assert all((before[k] == previous[k]).all() for k in before)
         whole = record["exchange"] == MASTER  # the master computed the batch, as local
         counts = [len(seen["x"])] if whole else list(record["images"].values())
-        loss, after, inputs = local_step(seen, sgd)
-        edges = knife_edges(inputs, split_step(seen, sgd, counts, synced=not whole)[2])
-        knives += [seen["step"]] if edges else []
-        np.testing.assert_allclose(seen["loss"], loss, rtol=1e-5, err_msg=f"step {seen['step']}")
-        for name, want in after.items():
-            np.testing.assert_allclose(seen["after"][name], want, rtol=0,
-                                       atol=KNIFE_ATOL if edges else STEP_ATOL,
-                                       err_msg=f"step {seen['step']}: {name}")  # fmt: skip
+        with nullcontext() if whole else threadpool_limits(WORKER_BLAS_THREADS):
+            loss, after, inputs = split_step(seen, sgd, counts, synced=not whole)
+        assert seen["loss"] == loss, step
+        for name, value in after.items():
+            np.testing.assert_array_equal(seen["after"][name], value, f"step {step}: {name}")
+        local_loss, local_after, local_inputs = local_step(seen, sgd)
+        np.testing.assert_allclose(loss, local_loss, rtol=1e-5, err_msg=f"step {step}")
+        flipped = other_branches(local_inputs, inputs)
+        knives += [step] if flipped else []
+        for name, want in local_after.items():
+            np.testing.assert_allclose(after[name], want, rtol=0,
+                                       atol=KNIFE_ATOL if flipped else STEP_ATOL,
+                                       err_msg=f"step {step}: {name}")  # fmt: skip
     return knives
 
 
-def knife_edges(local: dict[str, np.ndarray], split: dict[str, np.ndarray]) -> int:
-    """How many ReLU inputs of a step's local forward lie within round-off of zero: within
-    twice the largest difference between that ReLU's inputs there and in the split's forward
-    computed here (the same step by ranges of images), where float32 round-off may send the
-    split down the other branch."""
-    near = 0
+def other_branches(local: dict[str, np.ndarray], split: dict[str, np.ndarray]) -> int:
+    """How many ReLU inputs took the other branch in the split than in local training's
+    forward of the same step, asserting that each ReLU's inputs differ by round-off alone (at
+    most 1e-5 of the largest): an input that changes sides is then within round-off of zero."""
+    flipped = 0
     for name, x in local.items():
-        off = 2 * float(np.abs(split[name] - x).max())
-        near += int((np.abs(x) <= off).sum())
-    return near
+        off = float(np.abs(split[name] - x).max())
+        assert off <= 1e-5 * float(np.abs(x).max()), (name, off)
+        flipped += int(((split[name] > 0) != (x > 0)).sum())
+    return flipped
 
 
 def local_step(seen: dict, sgd) -> tuple[float, dict[str, np.ndarray], dict]:
@@ -280,7 +295,7 @@ def _train(tmp_path, name, executor, spec, **overrides):
 def _killed_ring(tmp_path, spec, at: int, **run):
     """``spec`` trained by the ring on two local workers, the second SIGKILLed mid-call in
     step ``at``: (losses and weights, the cluster, the addresses, the optimizer's settings)."""
-    with LocalWorkers(2) as started:
+    with LocalWorkers(2, blas_threads=WORKER_BLAS_THREADS) as started:
         cluster = RingSteps(started.addresses, deterministic=True, **FAST)
         kill_mid_call(cluster, started.processes[1], at)
         got, sgd = _train(tmp_path, "killed", cluster, spec, **run)
@@ -326,3 +341,67 @@ def test_resnet20_with_a_worker_killed_mid_pass_trains_as_local_training(tmp_pat
     knives = assert_every_step_local(cluster, sgd)
     assert 11 not in knives  # the master's whole batch: local training's own computation
     np.testing.assert_allclose(got[0][0], local[0][0], rtol=1e-6)
+
+
+class KillingOnPart(RingCalls):
+    """A worker's ring (run in the test's process) that, when the first part of step ``at``
+    comes from ``victim`` (the other rank's worker process), SIGKILLs it and drops the part:
+    its sender is gone, so this rank waits for a part that never comes (as where the other
+    died before putting it). ``why`` keeps what ended that wait, ``waited`` its seconds."""
+
+    def __init__(self, context, victim, at: int):
+        super().__init__(context)
+        self.victim, self.at, self.why, self.waited = victim, at, None, None
+        self._parts = _Dropping(self)
+
+    def _receive(self, session, step, round_, wait):
+        start = time.monotonic()
+        try:
+            return super()._receive(session, step, round_, wait)
+        except RingFailed as e:
+            if step == self.at:
+                self.why, self.waited = str(e), time.monotonic() - start
+            raise
+
+
+class _Dropping(dict):
+    """A ring's parts, but for the first of its step ``at``: its sender killed, it is lost."""
+
+    def __init__(self, ring: KillingOnPart):
+        super().__init__()
+        self.ring = ring
+
+    def setdefault(self, key, value):
+        if key[1] == self.ring.at and self.ring.victim.poll() is None:
+            self.ring.victim.kill()
+            self.ring.victim.wait()
+            return value
+        return super().setdefault(key, value)
+
+
+def test_the_master_tells_the_ring_at_once_when_a_worker_dies_mid_pass(tmp_path):
+    """The other rank's worker process SIGKILLed while this one waits for its batch norm
+    sums: the master sees that worker's call fail and tells this one the step's ring failed
+    at once (it does not wait its wait out for a part that cannot come); the step goes
+    through the master and equals local training's step."""
+    from hetconv.backends import get_backend
+    from hetconv.worker import service as service_module
+
+    run = dict(steps=4, eval_size=0)
+    local, _ = _train(tmp_path, "local", LocalConv(), TINY_RESNET, **run)
+    with LocalWorkers(1, blas_threads=WORKER_BLAS_THREADS) as started:
+        survivor = service_module.ConvWorkerService(get_backend("cpu"))
+        ring = KillingOnPart(survivor.context, started.processes[0], 2)
+        survivor.context.ring = ring  # before its server takes the ring's calls
+        server, address = service_module.start_server(survivor, "127.0.0.1:0")
+        try:
+            cluster = RingSteps([address, *started.addresses], deterministic=True, **FAST)
+            got, _ = _train(tmp_path, "killed", cluster, TINY_RESNET, **run)
+        finally:
+            server.stop(0)
+            survivor.close()
+    assert ring.why == "another rank said the ring failed"
+    assert cluster.steps[2]["exchange"] == MASTER
+    assert ring.waited < WAIT_FLOOR_S  # not the ring's wait for the part (121 s here)
+    assert [r["exchange"] for r in cluster.steps[3:]] == [RING]
+    same_as_local(got, local)
