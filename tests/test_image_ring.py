@@ -313,9 +313,10 @@ def test_train_with_the_ring_on_local_workers(tmp_path, capsys):
 def test_train_refuses_an_exchange_without_the_split_by_images(capsys):
     from hetconv.cli import main
 
-    assert main(["train", "--steps", "1", "--no-run-dir", "--exchange", "ring"]) == 2
+    argv = ["train", "--steps", "1", "--no-run-dir", "--split", "kernels", "--exchange", "ring"]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "--exchange says how a split by images sums its gradients: add --split images" in err
+    assert "--exchange says how a split by images sums its gradients: with --split kernels" in err
 
 
 def test_the_simulator_and_the_plan_rank_the_ring():
