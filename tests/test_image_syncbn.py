@@ -156,7 +156,8 @@ def test_resnet20_split_by_images_trains_as_local_training(tmp_path, workers):
     local training (6e-8 apart). One, not more: at batch 8 the second step's batch holds a
     ReLU input within round-off of zero, and summing by images flips it (measured: the
     weights 3e-5 apart after step 2, while the losses still agree to 1e-7); the 20-step
-    equality is the conv-bn network's above."""
+    equality is the conv-bn network's above, and resnet20's step by step from the run's own
+    state in tests/test_image_kill.py."""
     from exactness import same_as_local
 
     from hetconv.conv import LocalConv
