@@ -361,6 +361,15 @@ def format_table(rows: Sequence[Row]) -> str:
 # -- the command ---------------------------------------------------------------------------------
 
 
+def add_engine_flag(p: argparse.ArgumentParser) -> None:
+    """``--engine``: hetconv's convolution engine on the testbed (master and workers)."""
+    p.add_argument(
+        "--engine", choices=("cpu", "onednn"), default="cpu",
+        help="hetconv's convolution engine: the master's (--engine, --local's too) and the "
+        "workers' backend (cpu; onednn needs the onednn extra). The scale is measured with cpu",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     mode_lines = "; ".join(
         f"{m.name} ({' '.join(m.flags) or 'no flag'}{', needs ' + m.needs if m.needs else ''})"
@@ -436,11 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or the probe its master ran before training (probe) (trace)",
     )  # fmt: skip
     p.add_argument("--no-link-check", action="store_true", help="skip the bulk TCP check")
-    p.add_argument(
-        "--engine", choices=("cpu", "onednn"), default="cpu",
-        help="hetconv's convolution engine: the master's (--engine, --local's too) and the "
-        "workers' backend (cpu; onednn needs the onednn extra). The scale is measured with cpu",
-    )  # fmt: skip
+    add_engine_flag(p)
     p.add_argument("--keep-traces", metavar="DIR", help="write the runs' traces here")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     return p

@@ -432,11 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--steps", type=positive(int), default=4, help="measured steps per run (4)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out at each start (1)")
-    p.add_argument(
-        "--engine", choices=("cpu", "onednn"), default="cpu",
-        help="hetconv's convolution engine: the master's (--engine, --local's too) and the "
-        "workers' backend (cpu; onednn needs the onednn extra). The scale is measured with cpu",
-    )  # fmt: skip
+    hetconv_testbed.add_engine_flag(p)
     p.add_argument("--keep-traces", metavar="DIR", help="write hetconv's traces here")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     return p
