@@ -94,17 +94,25 @@ def all_reduce(
     ranks: int,
     send: Callable[[int, np.ndarray], None],
     receive: Callable[[int], np.ndarray],
+    bounds: Sequence[tuple[int, int]] | None = None,
 ) -> np.ndarray:
     """Sum ``vector`` (float32, this rank's) over the ring in place: ``send(round, chunk)``
     to the next rank, ``receive(round)`` the previous rank's chunk of that round (each raises
-    when the ring fails). Every rank returns the same values, bit for bit."""
-    bounds = chunk_bounds(vector.size, ranks)
+    when the ring fails). Every rank returns the same values, bit for bit. ``bounds``: the
+    chunks (default :func:`chunk_bounds`; a bucket's: :func:`bucket_chunks`); an empty one is
+    neither sent nor waited for (both ranks know it)."""
+    bounds = chunk_bounds(vector.size, ranks) if bounds is None else bounds
+    if len(bounds) != ranks:
+        raise ValueError(f"{len(bounds)} chunks for a ring of {ranks}")
     for round_ in range(rounds(ranks)):
         out, into, adds = schedule(rank, ranks, round_)
         a, b = bounds[out]
-        send(round_, vector[a:b].copy())
-        got = receive(round_)
+        if b > a:
+            send(round_, vector[a:b].copy())
         a, b = bounds[into]
+        if b <= a:
+            continue
+        got = receive(round_)
         if got.shape != (b - a,):
             raise ValueError(f"round {round_}: a part of {got.shape}, expected ({b - a},)")
         if adds:
@@ -112,6 +120,37 @@ def all_reduce(
         else:
             vector[a:b] = got
     return vector
+
+
+def buckets(sizes: Sequence[int], ranks: int, bucket_values: int) -> list[tuple[int, int]]:
+    """The flat gradient's buckets for the ring overlapped with backward: contiguous (start,
+    stop) ranges of whole parameters (``sizes``: each one's values, in the model's order), in
+    the order backward fills them (the last parameters first), each closed once it holds
+    ``bucket_values``; at most :data:`ROUNDS_PER_SUM` rounds in all (larger buckets where
+    more would not fit)."""
+    ends = np.cumsum([0, *sizes]).tolist()
+    most = max(1, ROUNDS_PER_SUM // max(1, rounds(ranks)))
+    values = max(1, int(bucket_values))
+    while True:
+        out, stop = [], ends[-1]
+        for i in range(len(sizes) - 1, -1, -1):
+            if stop - ends[i] >= values:
+                out.append((ends[i], stop))
+                stop = ends[i]
+        if stop > 0 or not out:
+            out.append((0, stop))
+        if len(out) <= most:
+            return out
+        values *= 2
+
+
+def bucket_chunks(bucket: tuple[int, int], length: int, ranks: int) -> list[tuple[int, int]]:
+    """A bucket's part of each chunk of the whole vector's ring (:func:`chunk_bounds` of
+    ``length``), relative to the bucket: each value keeps its chunk, so it is summed in the
+    same order, and the bucket's sum is the whole ring's, bit for bit."""
+    start, stop = bucket
+    return [(min(max(a, start), stop) - start, min(max(b, start), stop) - start)
+            for a, b in chunk_bounds(length, ranks)]  # fmt: skip
 
 
 def all_gather(
@@ -150,13 +189,34 @@ def join64(pieces: Sequence[np.ndarray]) -> np.ndarray:
     return total
 
 
-def digest(arrays: Sequence[np.ndarray]) -> bytes:
+def digest(arrays: Sequence[np.ndarray], seed: int = 0, share: float = 1.0) -> bytes:
     """8 bytes that differ, but by chance, where any value of ``arrays`` differs (BLAKE2b of
-    their float32 bytes, in order)."""
+    their float32 bytes, in order). With ``seed`` (not 0) and ``share`` below 1, only a sample:
+    blocks of :data:`DIGEST_BLOCK` values of each array, each taken with chance ``share``,
+    drawn from ``seed`` (:func:`digest_blocks`; the master draws a seed per step, so a
+    worker cannot know which blocks count); arrays of one block or less always whole."""
     h = hashlib.blake2b(digest_size=8)
+    rng = np.random.default_rng(seed) if seed and share < 1 else None
     for a in arrays:
-        h.update(np.ascontiguousarray(a, np.float32).tobytes())
+        values = np.ascontiguousarray(a, np.float32).reshape(-1)
+        if rng is None or values.size <= DIGEST_BLOCK:
+            h.update(values)
+            continue
+        for block in digest_blocks(rng, values.size, share):
+            h.update(values[block * DIGEST_BLOCK : (block + 1) * DIGEST_BLOCK])
     return h.digest()
+
+
+#: Values in a block of a sampled digest (:func:`digest`).
+DIGEST_BLOCK = 4096
+
+
+def digest_blocks(rng: np.random.Generator, size: int, share: float) -> np.ndarray:
+    """The blocks of an array of ``size`` values a sampled digest covers: each with chance
+    ``share``, at least one."""
+    count = -(-size // DIGEST_BLOCK)
+    taken = np.flatnonzero(rng.random(count) < share)
+    return taken if taken.size else rng.integers(count, size=1)
 
 
 def digest_values(d: bytes) -> np.ndarray:
@@ -191,10 +251,24 @@ def master_link_bytes(parameter_bytes: float, workers: int, exchange: str) -> fl
     return 2.0 * parameter_bytes * (workers if exchange == MASTER else 1)
 
 
-def ring_exchange_seconds(cluster, nbytes: float, costs=None) -> float:
-    """Seconds of the ring exchange on ``cluster`` (a :class:`~hetconv.costmodel.SimCluster`),
-    links idle: the master's gradient into rank 0, a ring all-reduce over the workers
-    (:func:`hetconv.dataparallel.exchange_seconds`), the sum back to the master."""
+#: Gradient bytes a bucket of the ring overlapped with backward holds at least (the
+#: request's ``bucket_bytes``; 0 sums the whole gradient after backward).
+BUCKET_BYTES = 4 * 2**20
+#: The part of a step's compute that is backward, when the buckets fill (about).
+BACKWARD_SHARE = 2 / 3
+
+
+def ring_exchange_seconds(
+    cluster, nbytes: float, costs=None, backward_s: float | None = None,
+    bucket_bytes: float = BUCKET_BYTES,
+) -> float:  # fmt: skip
+    """Seconds of the ring exchange on ``cluster`` (a :class:`~hetconv.costmodel.SimCluster`)
+    the step waits for, links idle: the master's gradient into rank 0 (where the master
+    computes), a ring all-reduce over the workers (:func:`hetconv.dataparallel.exchange_seconds`),
+    the sum back to the master. With ``backward_s`` (the workers' backward), the ring runs
+    bucket by bucket as backward fills them (buckets of ``bucket_bytes``, filling evenly over
+    backward, as :func:`hetconv.dataparallel.simulate_data_parallel` models DDP's): only
+    what runs past backward's end counts."""
     from hetconv.costmodel import WIFI
     from hetconv.dataparallel import RING as DP_RING
     from hetconv.dataparallel import CollectiveCosts, exchange_seconds
@@ -203,7 +277,14 @@ def ring_exchange_seconds(cluster, nbytes: float, costs=None) -> float:
     if not cluster.workers:
         return 0.0
     workers = replace(cluster, master_compute=False)
-    ring = exchange_seconds(workers, nbytes, DP_RING, costs)
+    if backward_s is None or bucket_bytes <= 0:
+        ring = exchange_seconds(workers, nbytes, DP_RING, costs)
+    else:
+        count = max(1, math.ceil(nbytes / bucket_bytes))
+        took, t = exchange_seconds(workers, nbytes / count, DP_RING, costs), 0.0
+        for k in range(count):
+            t = max(t, backward_s * (k + 1) / count) + took
+        ring = t - backward_s
     port = min(cluster.master.bytes_per_s, cluster.workers[0].bytes_per_s, costs.tcp_bytes_per_s)
     if cluster.fabric == WIFI:
         port = min(port, cluster.medium_bytes_per_s)
@@ -235,6 +316,9 @@ def shapes_of(parameters: Mapping[str, np.ndarray]) -> list[tuple[int, ...]]:
 
 __all__ = [
     "AUTO",
+    "BACKWARD_SHARE",
+    "BUCKET_BYTES",
+    "DIGEST_BLOCK",
     "DONE",
     "EXCHANGES",
     "MASTER",
@@ -246,11 +330,14 @@ __all__ = [
     "SUMMED",
     "all_gather",
     "all_reduce",
+    "bucket_chunks",
+    "buckets",
     "buffer_name",
     "check_exchange",
     "choose",
     "chunk_bounds",
     "digest",
+    "digest_blocks",
     "digest_of_values",
     "digest_values",
     "flat",
