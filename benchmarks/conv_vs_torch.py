@@ -203,8 +203,14 @@ def layer_rows(network: str, batch: int, repeats: int, kinds, backend):
 def bench_step(network: str, batch: int, repeats: int, backend) -> tuple[float, float]:
     """Seconds of one training step of ours (convolutions on ``backend``) and of the torch
     twin, interleaved."""
+    return interleaved(*step_pair(network, batch, backend), repeats)
+
+
+def step_pair(network: str, batch: int, backend=None):
+    """(ours, theirs): one training step of the model (convolutions on ``backend``; None:
+    the cpu backend) and of its torch twin."""
     spec = load_spec(network)
-    model = Model(spec, seed=0, executor=LocalConv(backend))
+    model = Model(spec, seed=0, executor=LocalConv(backend) if backend else None)
     optimizer = SGD(model.parameters(), SGDConfig())
     net = torch_model(spec)
     net.load_state_dict(
@@ -226,7 +232,7 @@ def bench_step(network: str, batch: int, repeats: int, backend) -> tuple[float, 
         F.cross_entropy(net(xt), lt).backward()
         torch_optimizer.step()
 
-    return interleaved(ours, theirs, repeats)
+    return ours, theirs
 
 
 def timed(network: str, batch: int, args: argparse.Namespace, backend):

@@ -34,19 +34,16 @@ import numpy as np
 
 try:
     import torch
-    import torch.nn.functional as F
 except ImportError:  # pragma: no cover - benchmark needs the reference
     sys.exit("this benchmark compares against PyTorch: pip install -e '.[dev]'")
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conv_vs_torch import blas_kernel, cpu_name  # noqa: E402
+from conv_vs_torch import blas_kernel, cpu_name, layer_pair, step_pair  # noqa: E402
 from ddp_rank import torch_model  # noqa: E402 - the torch twin
 
 from hetconv import batchnorm, graph, layers  # noqa: E402
-from hetconv.layers import softmax_cross_entropy  # noqa: E402
 from hetconv.model import PRESETS, Model, load_spec, walk_spec  # noqa: E402
-from hetconv.optim import SGD, SGDConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Spec layer type -> row kind, for the layers this script times.
@@ -121,24 +118,6 @@ def fastest(runs: dict, repeats: int) -> dict:
     return best
 
 
-def layer_pair(layer, module, xs: list[np.ndarray], dy: np.ndarray):
-    """(ours, theirs): forward then backward of one layer."""
-    xts = [torch.from_numpy(x).requires_grad_() for x in xs]
-    dyt = torch.from_numpy(dy)
-
-    def ours():
-        layer.forward(*xs)
-        layer.backward(dy)
-
-    def theirs():
-        for xt in xts:
-            xt.grad = None
-        y = module(*xts)
-        y.backward(dyt.reshape(y.shape))
-
-    return ours, theirs
-
-
 def layer_runs(network: str, batch: int, kinds: set[str]):
     """Yields (layer name, kind, ours, theirs) for each distinct timed layer of the network."""
     spec = load_spec(network)
@@ -158,34 +137,6 @@ def layer_runs(network: str, batch: int, kinds: set[str]):
         module = getattr(twin, item.name)
         module.training = True
         yield item.name, kind, *layer_pair(layer, module, xs, dy)
-
-
-def step_pair(network: str, batch: int):
-    """(ours, theirs): one training step of the model and of its torch twin."""
-    spec = load_spec(network)
-    model = Model(spec, seed=0)
-    optimizer = SGD(model.parameters(), SGDConfig())
-    net = torch_model(spec)
-    net.load_state_dict(
-        {k: torch.from_numpy(v.copy()) for k, v in model.parameters().items()}, strict=False
-    )
-    torch_optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, 3, 32, 32), dtype=np.float32)
-    labels = rng.integers(0, 10, batch)
-    xt, lt = torch.from_numpy(x), torch.from_numpy(labels)
-
-    def ours():
-        _, grad, _ = softmax_cross_entropy(model.forward(x), labels)
-        model.backward(grad)
-        optimizer.step(model.gradients())
-
-    def theirs():
-        torch_optimizer.zero_grad()
-        F.cross_entropy(net(xt), lt).backward()
-        torch_optimizer.step()
-
-    return ours, theirs
 
 
 def rows_of(network: str, batch: int, args: argparse.Namespace, before: Before | None):
