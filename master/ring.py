@@ -48,6 +48,7 @@ from hetconv.optim import sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import (
     AUTO,
+    BUCKET_BYTES,
     MASTER,
     MASTER_ROUND,
     MAX_RANKS,
@@ -78,6 +79,9 @@ RING_UNCHECKED = (
 )
 #: Seconds a worker waits for one part of the ring at least.
 WAIT_FLOOR_S = 5.0
+#: The share of the weights' blocks a step's digests cover (:func:`hetconv.ring.digest`): a
+#: sample drawn anew each step.
+DIGEST_SHARE = 1 / 8
 
 
 def ring_step(
@@ -139,10 +143,17 @@ class RingImageSplit(ImageSplit):
     workers where :attr:`exchange` (``auto``: where the cost model finds it faster) says so."""
 
     exchange = AUTO
+    #: Bytes of the gradient's buckets the workers sum while backward runs (0: the whole
+    #: gradient after backward).
+    bucket_bytes = BUCKET_BYTES
+    #: The share of the weights' blocks each step's digests cover (1: every value).
+    digest_share = DIGEST_SHARE
 
     def __init__(self, addresses: Sequence[str], backend="cpu", config=None):
         super().__init__(addresses, backend, config)
         check_exchange(self.exchange)
+        self._draws = np.random.default_rng()  # the digests' samples: unknown in advance
+        self._digest_seed = 0
         self._used: str | None = None  # the exchange chosen, once the model is known
         self._why = ""
         self._sgd = None
@@ -352,6 +363,8 @@ class RingImageSplit(ImageSplit):
         names = tuple(parameters)
         peers = [node.client.address for node, _, _ in ring]
         wait = max(WAIT_FLOOR_S, max((self._deadline(n, c, 0) for n, _, c in ring), default=0))
+        sampled = self.digest_share < 1
+        self._digest_seed = int(self._draws.integers(1, 2**63)) if sampled else 0
         calls = {}
         for rank, (node, first, count) in enumerate(ring):
             place = self._placed.get(node.name) != self._version
@@ -365,7 +378,8 @@ class RingImageSplit(ImageSplit):
                         peers=peers, rank=rank, version=self._version, place=place, lr=sgd.lr,
                         momentum=sgd.momentum, weight_decay=sgd.weight_decay,
                         master_part=master_part and rank == 0, answer_sum=rank == 0,
-                        wait_seconds=wait,
+                        wait_seconds=wait, bucket_bytes=self.bucket_bytes,
+                        digest_seed=self._digest_seed, digest_share=self.digest_share,
                     ),
                 ),
             )  # fmt: skip
@@ -446,7 +460,8 @@ class RingImageSplit(ImageSplit):
             if buf is not None:
                 self._momentum[name] = buf
         self._version += 1
-        mine = digest([*params.values(), flat(list(model.buffers().values()))])
+        state = [*params.values(), flat(list(model.buffers().values()))]
+        mine = digest(state, self._digest_seed, self.digest_share)
         self._ring_record = {
             "exchange": exchange, "digest": mine.hex(), "master_part_bytes": self._part_bytes,
         }  # fmt: skip

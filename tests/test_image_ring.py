@@ -261,8 +261,8 @@ class CorruptingImages(ImagesCalls):
     """ImagesStep whose worker nudges one weight after its update of step 3 (a fault the
     digest shows)."""
 
-    def _sum_and_update(self, request, kept, names, grads):
-        got = super()._sum_and_update(request, kept, names, grads)
+    def _sum_and_update(self, request, kept, names, grads, overlap=None):
+        got = super()._sum_and_update(request, kept, names, grads, overlap)
         if request.step == 3:
             weight = kept.model.parameters()[names[0]]
             weight.flat[0] = np.nextafter(weight.flat[0], np.float32(np.inf))
@@ -380,20 +380,38 @@ class DyingRing(RingCalls):
             self._die()
         return super()._receive(session, step, round_, wait)
 
-    def all_reduce(self, request, vector):
-        summed = super().all_reduce(request, vector)
+    def _after(self, request):
         if request.step == 3 and self.at == "after":
             time.sleep(0.5)  # the answer to rank 0's last put on its way
             self._die()
+
+    def all_reduce(self, request, vector, offset=0, bounds=None):
+        summed = super().all_reduce(request, vector, offset, bounds)
+        if bounds is None:  # the whole gradient's ring (not a bucket's)
+            self._after(request)
         return summed
 
+    def buckets(self, request, shapes, master_part):
+        got = super().buckets(request, shapes, master_part)
+        finish = got.finish
 
+        def finish_then_die(gradients):
+            summed = finish(gradients)
+            self._after(request)
+            return summed
+
+        got.finish = finish_then_die
+        return got
+
+
+@pytest.mark.parametrize("buckets", [0, 4096], ids=["after-backward", "overlapped"])
 @pytest.mark.parametrize(("at", "exchange"), [("round", MASTER), ("after", RING)])
-def test_a_rank_dying_mid_ring_loses_no_step(tmp_path, local, workers, at, exchange):
+def test_a_rank_dying_mid_ring_loses_no_step(tmp_path, local, workers, at, exchange, buckets):
     """Rank 1 dies at step 3: mid-ring (rank 0's next put fails: that step goes through the
     master), or after the ring (rank 0 has finished it: the step's sum holds its gradient,
     the master computes its losses). Either way the step is the same and the next ones ring
-    over the survivor."""
+    over the survivor; so too with the ring overlapped with backward (small buckets: several
+    a step)."""
     from hetconv.backends import get_backend
     from hetconv.worker import service as service_module
 
@@ -403,6 +421,7 @@ def test_a_rank_dying_mid_ring_loses_no_step(tmp_path, local, workers, at, excha
     ring.server = server
     try:
         cluster = Recording([workers.addresses[0], address], deterministic=True, **FAST)
+        cluster.bucket_bytes = buckets
         with cluster:
             got = train_strong_lrn(tmp_path, f"dies-{at}", cluster)
     finally:

@@ -21,6 +21,7 @@ layers sum their statistics over the ring mid-pass (:func:`hetconv.imagesplit.sy
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -247,9 +248,17 @@ class ImagesCalls:
         def reduce(v: np.ndarray) -> np.ndarray:  # a batch norm sum over the ring, float64
             return ctx.ring.sum64(request, v, next(sums) * ROUNDS_PER_SUM)
 
+        overlap = None  # the gradient's buckets summed while backward runs
+
         def work():
+            nonlocal overlap
             model.train()
-            out = images_gradients(model, x, classes, d.first, d.batch, int(request.step), reduce)
+            if ring.bucket_bytes:
+                shapes = [p.shape for p in model.parameters().values()]
+                overlap = ctx.ring.buckets(request, shapes, ring.rank == 0 and ring.master_part)
+            with _backward_hooks(model, overlap):
+                out = images_gradients(model, x, classes, d.first, d.batch, int(request.step),
+                                       reduce)  # fmt: skip
             ctx.backend.synchronize()
             return out
 
@@ -257,20 +266,27 @@ class ImagesCalls:
         try:
             grads, losses, hits = ctx.run(work)
         except RingFailed:  # a batch norm sum: no gradient of the whole batch's statistics
+            if overlap is not None:
+                overlap.cancel()
             grads = {n: np.zeros(0, np.float32) for n in names}
             losses, hits = np.zeros(len(x), np.float32), np.zeros(len(x), bool)
             outcome = OWN
             compute = time.perf_counter() - start
+        except BaseException:  # the passes failed: the ring's thread ends too
+            if overlap is not None:
+                overlap.cancel()
+            raise
         else:
             # What the images cost, not the ring after it (which waits for the master's part
             # and the slowest rank): the master shares the images by it.
             compute = time.perf_counter() - start
-            outcome, grads = self._sum_and_update(request, kept, names, grads)
+            outcome, grads = self._sum_and_update(request, kept, names, grads, overlap)
         tensors = [(name, grads[name], FLOAT32) for name in names]
         ring_values = np.zeros(5, np.float32)
         ring_values[0] = outcome
-        if outcome != OWN:
-            ring_values[1:] = digest_values(digest(_state(model)))
+        if outcome != OWN:  # a sample of the weights where the master drew one
+            share = ring.digest_share if ring.digest_seed else 1.0
+            ring_values[1:] = digest_values(digest(_state(model), ring.digest_seed, share))
         buffers = (
             flat(list(model.buffers().values())) if outcome == SUMMED else np.zeros(0, np.float32)
         )
@@ -278,9 +294,15 @@ class ImagesCalls:
                     ("ring", ring_values, FLOAT32), ("buffers", buffers, FLOAT32)]  # fmt: skip
         return tensors, compute, receive
 
-    def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads):
-        """(outcome, the gradients to answer): the ring's sum applied to the kept weights."""
+    def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads, overlap=None):
+        """(outcome, the gradients to answer): the ring's sum applied to the kept weights (the
+        sum ``overlap``, a :class:`~hetconv.worker.ring.BucketRing`, ran during backward)."""
         ring = request.images.ring
+        try:
+            if overlap is not None:
+                return self._update(request, kept, names, overlap.finish([grads[n] for n in names]))
+        except RingFailed:
+            return OWN, grads
         own = flat([grads[n] for n in names])
         try:
             vector = own.copy()
@@ -294,6 +316,12 @@ class ImagesCalls:
             if ring.rank == 0 and ring.master_part:
                 self.context.ring.abort(request)
             return OWN, grads
+        return self._update(request, kept, names, vector)
+
+    def _update(self, request: pb.ConvRequest, kept: _Kept, names, vector: np.ndarray):
+        """(outcome, the gradients to answer): the summed ``vector`` applied to the kept
+        weights."""
+        ring = request.images.ring
         sgd = SGDConfig(lr=ring.lr, momentum=ring.momentum, weight_decay=ring.weight_decay)
         params, momentum = kept.model.parameters(), kept.momentum if kept.momentum else {}
         summed = unflat(vector, [params[n].shape for n in names])
@@ -305,6 +333,35 @@ class ImagesCalls:
         if ring.answer_sum:
             return SUMMED, dict(zip(names, summed, strict=True))
         return DONE, {n: np.zeros(0, np.float32) for n in names}
+
+
+@contextlib.contextmanager
+def _backward_hooks(model: Model, overlap):
+    """While held, each layer with parameters tells ``overlap`` (a
+    :class:`~hetconv.worker.ring.BucketRing`; None: nothing) its gradients as its backward
+    returns them; a layer whose backward gives none is given at the end
+    (:meth:`~hetconv.worker.ring.BucketRing.finish`)."""
+    if overlap is None:
+        yield
+        return
+    index = {name: i for i, name in enumerate(model.parameters())}
+    hooked = [layer for layer in model.layers if layer.params]
+    for layer in hooked:
+
+        def backward(*args, _layer=layer, **kwargs):
+            out = type(_layer).backward(_layer, *args, **kwargs)  # its class may change
+
+            for key in _layer.params:
+                if key in _layer.grads:
+                    overlap.ready(index[f"{_layer.name}.{key}"], _layer.grads[key])
+            return out
+
+        layer.backward = backward
+    try:
+        yield
+    finally:
+        for layer in hooked:
+            del layer.backward  # the class's own again
 
 
 def _place(kept: _Kept, names: list[str], arrays: list[np.ndarray]) -> None:

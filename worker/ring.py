@@ -11,6 +11,7 @@ not come, and the ImagesStep answers its own gradient (the master sums the step 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -21,7 +22,17 @@ from hetconv.calls import RING_PART
 from hetconv.errors import InvalidCall
 from hetconv.formats import FLOAT32
 from hetconv.proto import worker_pb2 as pb
-from hetconv.ring import MASTER_ROUND, MAX_RANKS, all_gather, all_reduce, join64, split64
+from hetconv.ring import (
+    MASTER_ROUND,
+    MAX_RANKS,
+    all_gather,
+    all_reduce,
+    bucket_chunks,
+    buckets,
+    join64,
+    rounds,
+    split64,
+)
 from hetconv.worker.context import WorkerContext
 from hetconv.worker.peers import PeerLinks
 
@@ -134,12 +145,16 @@ class RingCalls:
         return self._receive(request.session, int(request.step), MASTER_ROUND, ring.wait_seconds)
 
     def all_reduce(
-        self, request: pb.ConvRequest, vector: np.ndarray, offset: int = 0
+        self, request: pb.ConvRequest, vector: np.ndarray, offset: int = 0, bounds=None
     ) -> np.ndarray:
         """Sum ``vector`` over the request's ring (in place), its parts' rounds counted from
-        ``offset`` (each sum of a step its own: :data:`~hetconv.ring.ROUNDS_PER_SUM`);
-        RingFailed saying why not."""
-        return self._run(request, offset, lambda *io: all_reduce(vector, *io))
+        ``offset`` (each sum of a step its own: :data:`~hetconv.ring.ROUNDS_PER_SUM`), over
+        ``bounds`` (default: even chunks); RingFailed saying why not."""
+        return self._run(request, offset, lambda *io: all_reduce(vector, *io, bounds))
+
+    def buckets(self, request: pb.ConvRequest, shapes, master_part: bool) -> BucketRing:
+        """A :class:`BucketRing` of this step's gradient (``shapes``: each parameter's)."""
+        return BucketRing(self, request, shapes, master_part)
 
     def sum64(self, request: pb.ConvRequest, values: np.ndarray, offset: int) -> np.ndarray:
         """The float64 sum of ``values`` over the ring, in rank order (every rank's, gathered:
@@ -192,6 +207,95 @@ class RingCalls:
             link.close()
 
 
+class _Cancelled(Exception):
+    """The step's passes failed before their gradient was whole."""
+
+
+class BucketRing:
+    """A worker's gradient summed over its ring bucket by bucket (:func:`hetconv.ring.buckets`,
+    of the request's ``bucket_bytes``) on a thread of its own while backward goes on: a bucket
+    once backward has given every one of its parameters' gradients (:meth:`ready`), in the
+    order backward fills them. Each value keeps its chunk of the whole vector's ring
+    (:func:`hetconv.ring.bucket_chunks`), so it is summed in the same order, and the sum is
+    the one :meth:`RingCalls.all_reduce` gives the whole vector, bit for bit; rank 0 adds the
+    master's part to each bucket first, as to the whole vector."""
+
+    def __init__(self, calls: RingCalls, request: pb.ConvRequest, shapes, master_part: bool):
+        ring = request.images.ring
+        self._calls, self._request, self._master = calls, request, master_part
+        sizes = [math.prod(s) for s in shapes]
+        self._ends = np.cumsum([0, *sizes]).tolist()
+        self.vector = np.zeros(self._ends[-1], np.float32)
+        self._ranks = len(ring.peers)
+        self._buckets = buckets(sizes, self._ranks, max(1, ring.bucket_bytes // 4))
+        self._ready = [False] * len(sizes)
+        self._ended = self._cancelled = False
+        self._error: Exception | None = None
+        self._changed = threading.Condition()
+        #: Buckets whose ring began before backward ended (the overlap).
+        self.early = 0
+        self._thread = threading.Thread(target=self._run, name="hetconv-ring", daemon=True)
+        self._thread.start()
+
+    def ready(self, index: int, gradient: np.ndarray) -> None:
+        """Parameter ``index``'s gradient is whole: copied in; its bucket may go."""
+        a, b = self._ends[index], self._ends[index + 1]
+        self.vector[a:b] = np.asarray(gradient, np.float32).reshape(-1)
+        with self._changed:
+            self._ready[index] = True
+            self._changed.notify_all()
+
+    def finish(self, gradients) -> np.ndarray:
+        """The summed vector, once every bucket's ring has run (``gradients``: every
+        parameter's, in order, for those backward did not give); RingFailed saying why not."""
+        for i, g in enumerate(gradients):
+            if not self._ready[i]:
+                self.ready(i, g)
+        with self._changed:
+            self._ended = True
+        self._thread.join()
+        if self._error is not None:
+            raise RingFailed(str(self._error))
+        return self.vector
+
+    def cancel(self) -> None:
+        """The passes failed: no gradient comes; the thread ends (the step's ring aborted:
+        no rank waits for this one)."""
+        self._calls.abort(self._request)
+        with self._changed:
+            self._cancelled = True
+            self._changed.notify_all()
+        self._thread.join()
+
+    def _wait(self, start: int, stop: int) -> None:
+        covered = [i for i in range(len(self._ready))
+                   if start <= self._ends[i] and self._ends[i + 1] <= stop]  # fmt: skip
+        with self._changed:
+            while not all(self._ready[i] for i in covered):
+                if self._cancelled:
+                    raise _Cancelled("the passes failed")
+                self._changed.wait()
+            if not self._ended:
+                self.early += 1
+
+    def _run(self) -> None:
+        try:
+            theirs = self._calls.master_part(self._request) if self._master else None
+            if theirs is not None and theirs.shape != self.vector.shape:
+                raise RingFailed(f"the master's part has {theirs.size} values, not "
+                                 f"{self.vector.size}")  # fmt: skip
+            for k, (start, stop) in enumerate(self._buckets):
+                self._wait(start, stop)
+                part = self.vector[start:stop]
+                if theirs is not None:  # the master's range first, as the nodes are ordered
+                    part[...] = theirs[start:stop] + part
+                bounds = bucket_chunks((start, stop), self.vector.size, self._ranks)
+                self._calls.all_reduce(self._request, part, k * rounds(self._ranks), bounds)
+        except Exception as e:  # noqa: BLE001 - any failure here fails the step's ring
+            self._error = e
+            self._calls.abort(self._request)
+
+
 def _quiet_put(links: RingLinks, address: str, head: pb.ConvRequest, timeout: float) -> None:
     """An abort: a RingPart without a tensor; failures are no matter."""
     _, _, bundle = links._stubs(address)
@@ -203,4 +307,4 @@ def _quiet_put(links: RingLinks, address: str, head: pb.ConvRequest, timeout: fl
         pass
 
 
-__all__ = ["RingCalls", "RingFailed", "RingLinks", "part_request"]
+__all__ = ["BucketRing", "RingCalls", "RingFailed", "RingLinks", "part_request"]
