@@ -23,7 +23,7 @@ from hetconv.dataparallel import (
 from hetconv.imagesplit import IMAGES, KERNELS
 from hetconv.model import CIFAR_INPUT
 from hetconv.onnx_import import Network, load_network
-from hetconv.ring import MASTER, master_link_bytes, ring_exchange_seconds
+from hetconv.ring import BACKWARD_SHARE, MASTER, master_link_bytes, ring_exchange_seconds
 from hetconv.ring import RING as RING_EXCHANGE
 
 
@@ -38,6 +38,7 @@ def simulate_image_split(
     input_shape: tuple[int, int, int] | None = None,
     image_bytes: int | None = None,
     exchange: str = PARAMETER_SERVER,
+    overlap: bool = True,
 ) -> DataParallelResult:
     """One step of hetconv's own whole-network split by images (``hetconv train --split
     images``): every node trains the whole model on its slice of the batch and the master sums
@@ -50,10 +51,15 @@ def simulate_image_split(
     ``exchange="ring"`` (``--exchange ring``): the workers that get images keep the weights
     and sum the gradients by a ring among themselves, the master's put into the first and the
     sum back (:func:`hetconv.ring.ring_exchange_seconds`) in place of the parameter server;
-    the master's link carries the parameters twice, whatever the workers. A network with batch
-    norm runs only so: the master computes no images, and each batch norm layer adds three sums
-    a step, each gathered over the ring (``workers - 1`` messages one after another, a round
-    trip's latency each: :func:`batchnorm_sums_seconds`)."""
+    the master's link carries the parameters twice, whatever the workers. With ``overlap`` (the
+    workers' buckets summed during backward, as they run by default) and the master computing
+    no images, the ring runs during the workers' backward. Where the cluster lets the master
+    compute and ``batches`` are not given, both are simulated, the master with a range and
+    without, and the faster returned, as the master cuts its ranges
+    (:func:`hetconv.ring.master_range_pays`). A network with batch norm runs only so: the
+    master computes no images, and each batch norm layer adds three sums a step, each gathered
+    over the ring (``workers - 1`` messages one after another, a round trip's latency each:
+    :func:`batchnorm_sums_seconds`)."""
     costs = costs or CollectiveCosts()
     if exchange not in ALGORITHMS:
         raise ValueError(f"exchange {exchange!r} is not one of {', '.join(ALGORITHMS)}")
@@ -63,13 +69,30 @@ def simulate_image_split(
         raise ValueError("a network with batch norm is split by images only with the ring")
     if norms and cluster.workers:
         cluster = replace(cluster, master_compute=False)
+    args = (network, batch, comp_s, costs, named, norms, input_shape, image_bytes, overlap)
+    if exchange == RING and cluster.master_compute and cluster.workers and batches is None:
+        ranks = len(cluster.workers) + 1
+        theirs = image_seconds[1:] if image_seconds is not None and len(image_seconds) == ranks \
+            else image_seconds  # fmt: skip
+        steps = [_image_step(cluster, *args, image_seconds, None, exchange),
+                 _image_step(replace(cluster, master_compute=False), *args, theirs, None,
+                             exchange)]  # fmt: skip
+        return min(steps, key=lambda r: r.step_s)
+    return _image_step(cluster, *args, image_seconds, batches, exchange)
+
+
+def _image_step(cluster, network, batch, comp_s, costs, named, norms, input_shape, image_bytes,
+                overlap, image_seconds, batches, exchange) -> DataParallelResult:  # fmt: skip
+    """:func:`simulate_image_split` on ``cluster`` as it is (the master computing or not)."""
     got = simulate_data_parallel(
         cluster, network, batch, comp_s, PARAMETER_SERVER, False, costs, image_seconds,
         batches, input_shape,
     )  # fmt: skip
     if exchange == RING:
         used = tuple(w for w, b in zip(cluster.workers, got.batches[1:], strict=True) if b)
-        ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs)
+        backward = BACKWARD_SHARE * got.compute_s if overlap else None
+        ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs,
+                                       backward)  # fmt: skip
         ring_s += batchnorm_sums_seconds(used, norms, costs)
         got = replace(
             got, algorithm=RING, step_s=got.step_s - got.comm_s + ring_s, comm_s=ring_s,

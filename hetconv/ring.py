@@ -268,7 +268,8 @@ def ring_exchange_seconds(
     the sum back to the master. With ``backward_s`` (the workers' backward), the ring runs
     bucket by bucket as backward fills them (buckets of ``bucket_bytes``, filling evenly over
     backward, as :func:`hetconv.dataparallel.simulate_data_parallel` models DDP's): only
-    what runs past backward's end counts."""
+    what runs past backward's end counts; not where the master computes (rank 0 adds its part,
+    which comes as the workers' backward ends, before any bucket)."""
     from hetconv.costmodel import WIFI
     from hetconv.dataparallel import RING as DP_RING
     from hetconv.dataparallel import CollectiveCosts, exchange_seconds
@@ -277,7 +278,7 @@ def ring_exchange_seconds(
     if not cluster.workers:
         return 0.0
     workers = replace(cluster, master_compute=False)
-    if backward_s is None or bucket_bytes <= 0:
+    if backward_s is None or bucket_bytes <= 0 or cluster.master_compute:
         ring = exchange_seconds(workers, nbytes, DP_RING, costs)
     else:
         count = max(1, math.ceil(nbytes / bucket_bytes))
@@ -291,6 +292,37 @@ def ring_exchange_seconds(
     latency = costs.message_s + cluster.workers[0].rtt_s / 2
     into = (nbytes / port + latency) if cluster.master_compute else 0.0
     return into + ring + nbytes / port + latency
+
+
+def master_range_pays(
+    batch: int,
+    seconds_per_image: Sequence[float],
+    part_s: float,
+    after_s: float,
+    during: Callable[[float], float],
+) -> tuple[bool, float, float]:
+    """Whether the master computing a range of the batch is predicted to make the ring's
+    step shorter: (it does, the step with it, the step without). ``seconds_per_image``: the
+    master's first, then the workers'; ``part_s``: its gradient's way into rank 0.
+
+    With it, the ranges finish together, the master's ``part_s`` early
+    (:func:`hetconv.imagesplit.image_ranges`), and the ring (``after_s``) runs once backward
+    has ended (rank 0 adds the master's part before any bucket). Without it, the workers
+    share the batch and the ring runs during their backward (``during(backward_s)``, about
+    :data:`BACKWARD_SHARE` of their compute). The sum back to the master costs both alike."""
+    from hetconv.imagesplit import image_ranges
+
+    if len(seconds_per_image) < 2:
+        return True, 0.0, math.inf
+    fixed = [part_s] + [0.0] * (len(seconds_per_image) - 1)
+    ranges = image_ranges(batch, seconds_per_image, fixed)
+    ends = [f + s * c for f, s, (_, c) in zip(fixed, seconds_per_image, ranges, strict=True) if c]
+    with_s = max(ends) + after_s
+    workers = list(seconds_per_image[1:])
+    ends = [s * c for s, (_, c) in zip(workers, image_ranges(batch, workers), strict=True) if c]
+    compute = max(ends, default=0.0)
+    without_s = compute + during(BACKWARD_SHARE * compute)
+    return with_s <= without_s, with_s, without_s
 
 
 def choose(cluster, nbytes: float, costs=None) -> tuple[str, dict[str, float]]:
@@ -343,6 +375,7 @@ __all__ = [
     "flat",
     "join64",
     "master_link_bytes",
+    "master_range_pays",
     "momentum_name",
     "ring_exchange_seconds",
     "rounds",

@@ -37,13 +37,14 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, RING_PART
 from hetconv.costmodel import SimCluster, SimNode
 from hetconv.formats import FLOAT32, PALETTE8
-from hetconv.imagesplit import batch_loss, parameter_shapes, spec_json
+from hetconv.imagesplit import batch_loss, image_ranges, parameter_shapes, spec_json
 from hetconv.optim import sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import (
@@ -62,7 +63,9 @@ from hetconv.ring import (
     digest_of_values,
     flat,
     master_link_bytes,
+    master_range_pays,
     momentum_name,
+    ring_exchange_seconds,
     unflat,
 )
 
@@ -177,6 +180,36 @@ class RingImageSplit(ImageSplit):
         part = self._parameter_bytes / rank0.link_bytes_per_second if rank0 else 0.0
         return [part + (rank0.link_latency if rank0 else 0.0) if n.is_master else 0.0
                 for n in nodes]  # fmt: skip
+
+    def _ranges(self, batch: int):
+        """As the split by images cuts them; with the ring, the master's range left out (0
+        images: it puts nothing into rank 0, and the workers' ring runs during their
+        backward) where the cost model predicts the step shorter so
+        (:func:`hetconv.ring.master_range_pays`, from the measured figures)."""
+        ranges = super()._ranges(batch)
+        self._master_choice = {}
+        nodes = [n for n, _ in ranges]
+        if (self._used != RING or self._batchnorm or self.config.deterministic
+                or not self._seconds or len(nodes) < 2 or not nodes[0].is_master):  # fmt: skip
+            return ranges
+        mean = float(np.mean(list(self._seconds.values())))
+        seconds = [self._seconds.get(n.name, mean) for n in nodes]
+        workers = replace(self._sim_cluster(), master_compute=False)
+        after = ring_exchange_seconds(workers, self._parameter_bytes)
+
+        def during(backward_s: float) -> float:
+            return ring_exchange_seconds(workers, self._parameter_bytes, None, backward_s,
+                                         self.bucket_bytes)  # fmt: skip
+
+        part = self._fixed_seconds(nodes)[0]
+        pays, with_s, without_s = master_range_pays(batch, seconds, part, after, during)
+        self._master_choice = {"master_range_pays": pays,
+                               "predicted_with_master_s": round(with_s, 4),
+                               "predicted_without_master_s": round(without_s, 4)}  # fmt: skip
+        if pays:
+            return ranges
+        cut = image_ranges(batch, seconds[1:])
+        return [(nodes[0], (0, 0)), *zip(nodes[1:], cut, strict=True)]
 
     def prepare(self, layers, batch: int, log=None) -> None:
         self._log = log
@@ -464,6 +497,7 @@ class RingImageSplit(ImageSplit):
         mine = digest(state, self._digest_seed, self.digest_share)
         self._ring_record = {
             "exchange": exchange, "digest": mine.hex(), "master_part_bytes": self._part_bytes,
+            **getattr(self, "_master_choice", {}),
         }  # fmt: skip
         for name, got in answers.items():
             self._placed.pop(name, None)
