@@ -98,9 +98,9 @@ def ring_step(
 ) -> tuple[dict[str, np.ndarray] | None, np.ndarray, np.ndarray, int, bytes, CallStats]:
     """One worker's ImagesStep with a ring (``answer``: the bytes it answers, about): (the
     gradients it answered, None where empty; losses; hits; its outcome; the digest of its
-    weights; the call's figures)."""
+    weights; the running statistics; its slice of the sum; the call's figures)."""
     count = len(arrays[-1][1])
-    expect = (*names, "losses", "hits", "ring", "buffers")
+    expect = (*names, "losses", "hits", "ring", "buffers", "slice")
     got, stats = client._call(
         IMAGES_STEP, f"images step {request.step}", request, arrays, list(expect), {}, timeout,
         answer, formats,
@@ -115,8 +115,10 @@ def ring_step(
     for name, g in grads.items():
         if not empty and not np.isfinite(g).all():
             raise WorkerError(client.address, f"images step {request.step}: bad gradient {name}")
+    if not np.isfinite(got["slice"]).all():
+        raise WorkerError(client.address, f"images step {request.step}: bad slice of the sum")
     return None if empty else grads, losses, hits.astype(bool), int(ring[0]), \
-        digest_of_values(ring[1:]), got["buffers"], stats  # fmt: skip
+        digest_of_values(ring[1:]), got["buffers"], got["slice"], stats  # fmt: skip
 
 
 def put_master_part(client: WorkerClient, session: int, step: int, vector, timeout: float):
@@ -151,6 +153,9 @@ class RingImageSplit(ImageSplit):
     bucket_bytes = BUCKET_BYTES
     #: The share of the weights' blocks each step's digests cover (1: every value).
     digest_share = DIGEST_SHARE
+    #: Each rank answers its chunk of the sum (the master's link takes them at once), not
+    #: rank 0 the whole sum after the others are done.
+    sum_slices = True
 
     def __init__(self, addresses: Sequence[str], backend="cpu", config=None):
         super().__init__(addresses, backend, config)
@@ -341,11 +346,11 @@ class RingImageSplit(ImageSplit):
                 self._put_master(model, parts[node.name][0], ring[0][0], step)
         self._abort_on_failure(calls, ring, step)
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
-        summed = answers[ring[0][0].name] if ring else None
-        exchange = RING if summed is not None and summed[3] == SUMMED else MASTER
+        summed = self._joined(model, ring, answers)
+        exchange = RING if summed is not None else MASTER
         if self._batchnorm:  # the workers' running statistics, or the whole batch here
             whole = parts.get(MASTER_NODE)  # the master alone: it computed the whole batch
-            return self._batchnorm_step(model, x, labels, step, ring, answers, exchange, whole)
+            return self._batchnorm_step(model, x, labels, step, ring, answers, summed, whole)
         for node, first, count in ring:  # the master's: the same images, the same weights
             got = answers[node.name]
             if got is not None and (exchange == RING or got[3] == OWN):
@@ -354,7 +359,7 @@ class RingImageSplit(ImageSplit):
                 parts[node.name] = self._local(model, x, labels, first, count, batch, step)
                 self._record[node.name].update(covered_by=MASTER_NODE, seconds=0.0)
         if exchange == RING:
-            self._set_gradients(model, [summed[0]])
+            self._set_gradients(model, [summed])
         else:
             self._set_gradients(model, [parts[n.name][0] for n, _, _ in ranges])
         self._update(model, model.gradients(), answers, exchange)
@@ -365,18 +370,18 @@ class RingImageSplit(ImageSplit):
         ordered = [parts[node.name] for node, _, _ in ranges]
         return batch_loss([p[1] for p in ordered], batch), np.concatenate([p[2] for p in ordered])
 
-    def _batchnorm_step(self, model, x, labels, step, ring, answers, exchange: str, whole=None):
+    def _batchnorm_step(self, model, x, labels, step, ring, answers, summed, whole=None):
         """A step of a network with batch norm, the master computing no range: the ring's sum
-        and rank 0's running statistics; or, where the ring failed (a node's statistics missing
-        from a sum), the whole batch computed here."""
+        (``summed``) and rank 0's running statistics; or, where the ring failed (a node's
+        statistics missing from a sum), the whole batch computed here."""
         batch = len(x)
-        if exchange == RING and all(answers.values()):
-            summed = answers[ring[0][0].name]
+        if summed is not None and all(answers.values()):
+            exchange = RING
             buffers = model.buffers()
-            values = unflat(summed[5], [b.shape for b in buffers.values()])
+            values = unflat(answers[ring[0][0].name][5], [b.shape for b in buffers.values()])
             for target, value in zip(buffers.values(), values, strict=True):
                 target[...] = value
-            self._set_gradients(model, [summed[0]])
+            self._set_gradients(model, [summed])
             parts = [answers[n.name] for n, _, _ in ring]
         else:  # a worker lost: its images' losses need the whole batch's statistics too
             exchange = MASTER
@@ -410,7 +415,8 @@ class RingImageSplit(ImageSplit):
                     ring=pb.ImagesRing(
                         peers=peers, rank=rank, version=self._version, place=place, lr=sgd.lr,
                         momentum=sgd.momentum, weight_decay=sgd.weight_decay,
-                        master_part=master_part and rank == 0, answer_sum=rank == 0,
+                        master_part=master_part and rank == 0,
+                        answer_sum=rank == 0 or self.sum_slices, sum_slice=self.sum_slices,
                         wait_seconds=wait, bucket_bytes=self.bucket_bytes,
                         digest_seed=self._digest_seed, digest_share=self.digest_share,
                     ),
@@ -429,7 +435,8 @@ class RingImageSplit(ImageSplit):
             arrays += list(zip(IMAGES_TENSORS, (xs, ys), strict=True))
             formats += [PALETTE8.prepared(xs) if fits else FLOAT32, FLOAT32]
             timeout = self._deadline(node, count, xs.nbytes) + 3 * wait
-            answer = self._parameter_bytes * (rank == 0) + 8 * count + 20
+            share = 1 / len(ring) if self.sum_slices else rank == 0
+            answer = int(self._parameter_bytes * share) + 8 * count + 20
             calls[node.name] = Call(ring_step, node.client, request, arrays, formats, timeout,
                                     names, answer)  # fmt: skip
             self._record[node.name] = {"images": count, "placed": place}
@@ -471,7 +478,7 @@ class RingImageSplit(ImageSplit):
         worker lost, when its call failed (the others told so: none waits on it)."""
         node, _, count = at
         try:
-            grads, losses, hits, outcome, d, buffers, stats = calls[node.name].result()
+            grads, losses, hits, outcome, d, buffers, piece, stats = calls[node.name].result()
         except WorkerError as e:
             self.membership.lose(node, e)
             self._placed.pop(node.name, None)
@@ -483,7 +490,24 @@ class RingImageSplit(ImageSplit):
             seconds=stats.compute_seconds, wall_seconds=stats.wall_seconds,
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, outcome=outcome,
         )  # fmt: skip
-        return grads, losses, hits, outcome, d, buffers
+        return grads, losses, hits, outcome, d, buffers, piece
+
+    def _joined(self, model, ring, answers: dict) -> dict | None:
+        """The ring's sum by parameter: rank 0's, or (:attr:`sum_slices`) every rank's chunk
+        joined in rank order; None where the ring did not finish or a chunk is missing (a
+        worker lost after it): the step then goes through the master."""
+        got = [answers[node.name] for node, _, _ in ring]
+        if not got or got[0] is None or got[0][3] != SUMMED:
+            return None
+        if not self.sum_slices:
+            return got[0][0]
+        if any(a is None or a[3] != SUMMED for a in got):
+            return None
+        params = model.parameters()
+        vector = np.concatenate([a[6] for a in got])
+        if vector.size != sum(p.size for p in params.values()):
+            return None
+        return dict(zip(params, unflat(vector, [p.shape for p in params.values()]), strict=True))
 
     def _update(self, model, gradient: dict, answers: dict, exchange: str) -> None:
         """The master's copy updated as every worker's is; each worker's digest compared."""

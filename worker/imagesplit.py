@@ -46,6 +46,7 @@ from hetconv.ring import (
     ROUNDS_PER_SUM,
     SUMMED,
     buffer_name,
+    chunk_bounds,
     digest,
     digest_values,
     flat,
@@ -270,7 +271,7 @@ class ImagesCalls:
                 overlap.cancel()
             grads = {n: np.zeros(0, np.float32) for n in names}
             losses, hits = np.zeros(len(x), np.float32), np.zeros(len(x), bool)
-            outcome = OWN
+            outcome, piece = OWN, np.zeros(0, np.float32)
             compute = time.perf_counter() - start
         except BaseException:  # the passes failed: the ring's thread ends too
             if overlap is not None:
@@ -280,29 +281,30 @@ class ImagesCalls:
             # What the images cost, not the ring after it (which waits for the master's part
             # and the slowest rank): the master shares the images by it.
             compute = time.perf_counter() - start
-            outcome, grads = self._sum_and_update(request, kept, names, grads, overlap)
+            outcome, grads, piece = self._sum_and_update(request, kept, names, grads, overlap)
         tensors = [(name, grads[name], FLOAT32) for name in names]
         ring_values = np.zeros(5, np.float32)
         ring_values[0] = outcome
         if outcome != OWN:  # a sample of the weights where the master drew one
             share = ring.digest_share if ring.digest_seed else 1.0
             ring_values[1:] = digest_values(digest(_state(model), ring.digest_seed, share))
-        buffers = (
-            flat(list(model.buffers().values())) if outcome == SUMMED else np.zeros(0, np.float32)
-        )
+        summed = outcome == SUMMED and ring.rank == 0  # the running statistics: rank 0's
+        buffers = flat(list(model.buffers().values())) if summed else np.zeros(0, np.float32)
         tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32),
-                    ("ring", ring_values, FLOAT32), ("buffers", buffers, FLOAT32)]  # fmt: skip
+                    ("ring", ring_values, FLOAT32), ("buffers", buffers, FLOAT32),
+                    ("slice", piece, FLOAT32)]  # fmt: skip
         return tensors, compute, receive
 
     def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads, overlap=None):
-        """(outcome, the gradients to answer): the ring's sum applied to the kept weights (the
-        sum ``overlap``, a :class:`~hetconv.worker.ring.BucketRing`, ran during backward)."""
+        """(outcome, the gradients to answer, the slice of the sum to answer): the ring's sum
+        applied to the kept weights (the sum ``overlap``, a
+        :class:`~hetconv.worker.ring.BucketRing`, ran during backward)."""
         ring = request.images.ring
         try:
             if overlap is not None:
                 return self._update(request, kept, names, overlap.finish([grads[n] for n in names]))
         except RingFailed:
-            return OWN, grads
+            return OWN, grads, np.zeros(0, np.float32)
         own = flat([grads[n] for n in names])
         try:
             vector = own.copy()
@@ -315,12 +317,13 @@ class ImagesCalls:
         except RingFailed:
             if ring.rank == 0 and ring.master_part:
                 self.context.ring.abort(request)
-            return OWN, grads
+            return OWN, grads, np.zeros(0, np.float32)
         return self._update(request, kept, names, vector)
 
     def _update(self, request: pb.ConvRequest, kept: _Kept, names, vector: np.ndarray):
-        """(outcome, the gradients to answer): the summed ``vector`` applied to the kept
-        weights."""
+        """(outcome, the gradients to answer, the slice of the sum to answer): the summed
+        ``vector`` applied to the kept weights; with ``sum_slice``, this rank's chunk of it
+        alone (the master joins the ranks' chunks: its link takes them all at once)."""
         ring = request.images.ring
         sgd = SGDConfig(lr=ring.lr, momentum=ring.momentum, weight_decay=ring.weight_decay)
         params, momentum = kept.model.parameters(), kept.momentum if kept.momentum else {}
@@ -330,9 +333,13 @@ class ImagesCalls:
             if buf is not None:
                 momentum[name] = buf
         kept.momentum, kept.version = momentum, int(ring.version) + 1
+        empty = {n: np.zeros(0, np.float32) for n in names}
+        if ring.answer_sum and ring.sum_slice:
+            a, b = chunk_bounds(vector.size, len(ring.peers))[ring.rank]
+            return SUMMED, empty, vector[a:b].copy()
         if ring.answer_sum:
-            return SUMMED, dict(zip(names, summed, strict=True))
-        return DONE, {n: np.zeros(0, np.float32) for n in names}
+            return SUMMED, dict(zip(names, summed, strict=True)), np.zeros(0, np.float32)
+        return DONE, empty, np.zeros(0, np.float32)
 
 
 @contextlib.contextmanager
@@ -350,7 +357,6 @@ def _backward_hooks(model: Model, overlap):
 
         def backward(*args, _layer=layer, **kwargs):
             out = type(_layer).backward(_layer, *args, **kwargs)  # its class may change
-
             for key in _layer.params:
                 if key in _layer.grads:
                     overlap.ready(index[f"{_layer.name}.{key}"], _layer.grads[key])
