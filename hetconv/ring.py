@@ -13,11 +13,17 @@ stays bitwise equal. Each rank reports a digest of its weights after the update
 (:func:`digest`); one that differs from the master's copy is re-placed.
 
 The master is not a rank (it serves no calls): it puts its own range's gradient into rank 0,
-which adds it to its own before the ring starts, and rank 0 answers the summed gradient, with
-which the master updates its copy. The master's link then carries the parameters' bytes twice
-per step whatever the number of workers (:func:`master_link_bytes`), where the exchange
-through the master carries them twice per worker, and a master that is a rank, four times
-``(ranks - 1) / ranks``.
+which adds it to its own before the ring starts, and each rank answers its chunk of the sum
+(:func:`chunk_bounds`), which the master joins to update its copy. The master's link then
+carries the parameters' bytes twice per step whatever the number of workers
+(:func:`master_link_bytes`), where the exchange through the master carries them twice per
+worker, and a master that is a rank, four times ``(ranks - 1) / ranks``; where its images do
+not pay for its part (:func:`master_range_pays`), it computes none and puts nothing in.
+
+The workers run the ring bucket by bucket while backward goes on (:func:`buckets`; each
+value keeps its chunk of the whole vector, :func:`bucket_chunks`, so the sum is the same bit
+for bit), and their digests cover a sample of the weights drawn by the master each step
+(:func:`digest`).
 """
 
 from __future__ import annotations
@@ -264,12 +270,13 @@ def ring_exchange_seconds(
 ) -> float:  # fmt: skip
     """Seconds of the ring exchange on ``cluster`` (a :class:`~hetconv.costmodel.SimCluster`)
     the step waits for, links idle: the master's gradient into rank 0 (where the master
-    computes), a ring all-reduce over the workers (:func:`hetconv.dataparallel.exchange_seconds`),
-    the sum back to the master. With ``backward_s`` (the workers' backward), the ring runs
-    bucket by bucket as backward fills them (buckets of ``bucket_bytes``, filling evenly over
-    backward, as :func:`hetconv.dataparallel.simulate_data_parallel` models DDP's): only
-    what runs past backward's end counts; not where the master computes (rank 0 adds its part,
-    which comes as the workers' backward ends, before any bucket)."""
+    computes), a ring all-reduce over the workers
+    (:func:`hetconv.dataparallel.exchange_seconds`), the sum back to the master (each rank its
+    chunk, at once). With ``backward_s`` (the workers' backward), the ring runs bucket by
+    bucket as backward fills them (buckets of ``bucket_bytes``, filling evenly over backward,
+    as :func:`hetconv.dataparallel.simulate_data_parallel` models DDP's): only what runs past
+    backward's end counts; not where the master computes (rank 0 adds its part, which comes
+    as the workers' backward ends, before any bucket)."""
     from hetconv.costmodel import WIFI
     from hetconv.dataparallel import RING as DP_RING
     from hetconv.dataparallel import CollectiveCosts, exchange_seconds
@@ -291,7 +298,13 @@ def ring_exchange_seconds(
         port = min(port, cluster.medium_bytes_per_s)
     latency = costs.message_s + cluster.workers[0].rtt_s / 2
     into = (nbytes / port + latency) if cluster.master_compute else 0.0
-    return into + ring + nbytes / port + latency
+    # the sum back: every rank's chunk at once, on its own link and the master's
+    master_port = min(cluster.master.bytes_per_s, costs.tcp_bytes_per_s)
+    slowest = min(min(w.bytes_per_s for w in cluster.workers), costs.tcp_bytes_per_s)
+    back = max(nbytes / master_port, nbytes / len(cluster.workers) / slowest)
+    if cluster.fabric == WIFI:
+        back = max(back, nbytes / cluster.medium_bytes_per_s)
+    return into + ring + back + latency
 
 
 def master_range_pays(

@@ -9,17 +9,19 @@ class updates the master's copy with the same :func:`~hetconv.optim.sgd_update`)
   workers in node order): its images, and the weights and momentum buffers only where it
   does not hold the master's version (the first step, a worker that (re)joined, got no images
   for a while, or whose copy was in doubt);
-* the master computes its own range meanwhile and puts its gradient into rank 0, which adds it
-  to its own first; the ring sums the gradients; every worker applies the update and answers
-  a digest of its weights, rank 0 the summed gradient too, with which the master updates its
+* the master computes its own range meanwhile (where its images pay for its part:
+  :func:`hetconv.ring.master_range_pays`; else none) and puts its gradient into rank 0, which
+  adds it to its own first; the ring sums the gradients, bucket by bucket while backward runs;
+  every worker applies the update and answers a digest of its weights (of a sample the master
+  draws each step) and its chunk of the summed gradient, which the master joins to update its
   copy; a worker whose digest differs from the master's copy is re-placed next step;
-* where rank 0's ring did not finish (a worker lost mid-ring, a part that never came), the
-  step goes through the master instead (a worker's call that fails, its worker gone, makes
-  the master tell every other worker at once that the step's ring failed: none waits out its
-  wait for the lost one's parts): the workers whose ring failed answer their own
-  gradient, the master computes the others' ranges itself, sums every range in node order and
-  updates its copy; every worker is re-placed next step. No step is lost, and the step is the
-  same to float32 round-off.
+* where a rank's chunk of the sum is missing (a worker lost mid-ring or after it, a part
+  that never came), the step goes through the master instead (a worker's call that fails,
+  its worker gone, makes the master tell every other worker at once that the step's ring
+  failed: none waits out its wait for the lost one's parts): the workers whose ring failed
+  answer their own gradient, the master computes the others' ranges itself, sums every
+  range in node order and updates its copy; every worker is re-placed next step. No step is
+  lost, and the step is the same to float32 round-off.
 
 A network with batch norm trains only this way: its statistics are summed among the workers
 mid-pass (:func:`hetconv.imagesplit.sync_batchnorm`), the master computes no range, and rank 0

@@ -15,7 +15,9 @@ request.
 With a ring (:mod:`hetconv.ring`, the request's ``ring``), the worker keeps the weights, the
 momentum buffers and the buffers (placed by the request that sets ``place``; afterwards only the
 images come), sums its gradient over the ring (:mod:`hetconv.worker.ring`), applies the update
-and answers a digest of its state (rank 0 the sum and the running statistics too); batch norm
+and answers a digest of its state (or of a sample the master drew) and its chunk of the sum
+(rank 0 the running statistics too); the sum runs bucket by bucket during backward where the
+request sets ``bucket_bytes`` (:class:`~hetconv.worker.ring.BucketRing`); batch norm
 layers sum their statistics over the ring mid-pass (:func:`hetconv.imagesplit.sync_batchnorm`).
 """
 
