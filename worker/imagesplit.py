@@ -259,6 +259,8 @@ class ImagesCalls:
             if ring.bucket_bytes:
                 shapes = [p.shape for p in model.parameters().values()]
                 overlap = ctx.ring.buckets(request, shapes, ring.rank == 0 and ring.master_part)
+                kept.momentum = kept.momentum or {}  # each bucket's update, once it is summed
+                overlap.summed = functools.partial(_apply_bucket, request, kept, names)
             with _backward_hooks(model, overlap):
                 out = images_gradients(model, x, classes, d.first, d.batch, int(request.step),
                                        reduce)  # fmt: skip
@@ -304,7 +306,8 @@ class ImagesCalls:
         ring = request.images.ring
         try:
             if overlap is not None:
-                return self._update(request, kept, names, overlap.finish([grads[n] for n in names]))
+                vector = overlap.finish([grads[n] for n in names])
+                return self._update(request, kept, names, vector, overlap.applied)
         except RingFailed:
             return OWN, grads, np.zeros(0, np.float32)
         own = flat([grads[n] for n in names])
@@ -322,19 +325,17 @@ class ImagesCalls:
             return OWN, grads, np.zeros(0, np.float32)
         return self._update(request, kept, names, vector)
 
-    def _update(self, request: pb.ConvRequest, kept: _Kept, names, vector: np.ndarray):
+    def _update(self, request: pb.ConvRequest, kept: _Kept, names, vector: np.ndarray,
+                applied=frozenset()):  # fmt: skip
         """(outcome, the gradients to answer, the slice of the sum to answer): the summed
-        ``vector`` applied to the kept weights; with ``sum_slice``, this rank's chunk of it
-        alone (the master joins the ranks' chunks: its link takes them all at once)."""
+        ``vector`` applied to the kept weights (but the parameters ``applied`` already, by
+        index); with ``sum_slice``, this rank's chunk of it alone (the master joins the ranks'
+        chunks: its link takes them all at once)."""
         ring = request.images.ring
-        sgd = SGDConfig(lr=ring.lr, momentum=ring.momentum, weight_decay=ring.weight_decay)
-        params, momentum = kept.model.parameters(), kept.momentum if kept.momentum else {}
+        params = kept.model.parameters()
         summed = unflat(vector, [params[n].shape for n in names])
-        for name, g in zip(names, summed, strict=True):
-            buf = sgd_update(params[name], g, momentum.get(name), sgd)
-            if buf is not None:
-                momentum[name] = buf
-        kept.momentum, kept.version = momentum, int(ring.version) + 1
+        _apply(request, kept, names, summed, set(range(len(names))) - set(applied))
+        kept.version = int(ring.version) + 1
         empty = {n: np.zeros(0, np.float32) for n in names}
         if ring.answer_sum and ring.sum_slice:
             a, b = chunk_bounds(vector.size, len(ring.peers))[ring.rank]
@@ -342,6 +343,27 @@ class ImagesCalls:
         if ring.answer_sum:
             return SUMMED, dict(zip(names, summed, strict=True)), np.zeros(0, np.float32)
         return DONE, empty, np.zeros(0, np.float32)
+
+
+def _apply(request: pb.ConvRequest, kept: _Kept, names, gradients, which) -> None:
+    """The SGD update of the parameters ``which`` (indices into ``names``) with their summed
+    ``gradients`` (every parameter's, in order), applied to the kept weights and momentum."""
+    ring = request.images.ring
+    sgd = SGDConfig(lr=ring.lr, momentum=ring.momentum, weight_decay=ring.weight_decay)
+    params = kept.model.parameters()
+    if kept.momentum is None:
+        kept.momentum = {}
+    for i in sorted(which):
+        buf = sgd_update(params[names[i]], gradients[i], kept.momentum.get(names[i]), sgd)
+        if buf is not None:
+            kept.momentum[names[i]] = buf
+
+
+def _apply_bucket(request, kept: _Kept, names, vector: np.ndarray, which) -> None:
+    """A bucket's update as soon as its ring has summed it (in the ring's thread, while
+    backward goes on: its parameters' layers are done with them this step)."""
+    shapes = [p.shape for p in kept.model.parameters().values()]
+    _apply(request, kept, names, unflat(vector, shapes), which)
 
 
 @contextlib.contextmanager

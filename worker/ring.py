@@ -234,6 +234,10 @@ class BucketRing:
         self._changed = threading.Condition()
         #: Buckets whose ring began before backward ended (the overlap).
         self.early = 0
+        #: ``summed(vector, indices)``, called in the thread as each bucket is summed (the
+        #: parameters it holds, by index); those it returned from are :attr:`applied`.
+        self.summed = None
+        self.applied: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="hetconv-ring", daemon=True)
         self._thread.start()
 
@@ -267,9 +271,13 @@ class BucketRing:
             self._changed.notify_all()
         self._thread.join()
 
+    def _covered(self, start: int, stop: int) -> list[int]:
+        """The parameters (by index) within values ``start .. stop``."""
+        return [i for i in range(len(self._ready))
+                if start <= self._ends[i] and self._ends[i + 1] <= stop]  # fmt: skip
+
     def _wait(self, start: int, stop: int) -> None:
-        covered = [i for i in range(len(self._ready))
-                   if start <= self._ends[i] and self._ends[i + 1] <= stop]  # fmt: skip
+        covered = self._covered(start, stop)
         with self._changed:
             while not all(self._ready[i] for i in covered):
                 if self._cancelled:
@@ -291,6 +299,10 @@ class BucketRing:
                     part[...] = theirs[start:stop] + part
                 bounds = bucket_chunks((start, stop), self.vector.size, self._ranks)
                 self._calls.all_reduce(self._request, part, k * rounds(self._ranks), bounds)
+                if self.summed is not None:
+                    held = self._covered(start, stop)
+                    self.summed(self.vector, held)
+                    self.applied.update(held)
         except Exception as e:  # noqa: BLE001 - any failure here fails the step's ring
             self._error = e
             self._calls.abort(self._request)
