@@ -133,6 +133,25 @@ def put_master_part(client: WorkerClient, session: int, step: int, vector, timeo
                  timeout, 0)  # fmt: skip
 
 
+def joined_sum(model, ring, answers: dict, slices: bool) -> dict | None:
+    """The ring's sum by parameter from the workers' ``answers`` (as ``_ring_answer`` gives
+    them): rank 0's, or (``slices``) every rank's chunk joined in rank order; None where the
+    ring did not finish or a chunk is missing (a worker lost after it): the step then goes
+    through the master."""
+    got = [answers[node.name] for node, _, _ in ring]
+    if not got or got[0] is None or got[0][3] != SUMMED:
+        return None
+    if not slices:
+        return got[0][0]
+    if any(a is None or a[3] != SUMMED for a in got):
+        return None
+    params = model.parameters()
+    vector = np.concatenate([a[6] for a in got])
+    if vector.size != sum(p.size for p in params.values()):
+        return None
+    return dict(zip(params, unflat(vector, [p.shape for p in params.values()]), strict=True))
+
+
 def abort_ring(client: WorkerClient, session: int, step: int) -> None:
     """Tell a worker this step's ring failed (best effort)."""
     request = pb.ConvRequest(
@@ -348,7 +367,7 @@ class RingImageSplit(ImageSplit):
                 self._put_master(model, parts[node.name][0], ring[0][0], step)
         self._abort_on_failure(calls, ring, step)
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
-        summed = self._joined(model, ring, answers)
+        summed = joined_sum(model, ring, answers, self.sum_slices)
         exchange = RING if summed is not None else MASTER
         if self._batchnorm:  # the workers' running statistics, or the whole batch here
             whole = parts.get(MASTER_NODE)  # the master alone: it computed the whole batch
@@ -494,23 +513,6 @@ class RingImageSplit(ImageSplit):
         )  # fmt: skip
         return grads, losses, hits, outcome, d, buffers, piece
 
-    def _joined(self, model, ring, answers: dict) -> dict | None:
-        """The ring's sum by parameter: rank 0's, or (:attr:`sum_slices`) every rank's chunk
-        joined in rank order; None where the ring did not finish or a chunk is missing (a
-        worker lost after it): the step then goes through the master."""
-        got = [answers[node.name] for node, _, _ in ring]
-        if not got or got[0] is None or got[0][3] != SUMMED:
-            return None
-        if not self.sum_slices:
-            return got[0][0]
-        if any(a is None or a[3] != SUMMED for a in got):
-            return None
-        params = model.parameters()
-        vector = np.concatenate([a[6] for a in got])
-        if vector.size != sum(p.size for p in params.values()):
-            return None
-        return dict(zip(params, unflat(vector, [p.shape for p in params.values()]), strict=True))
-
     def _update(self, model, gradient: dict, answers: dict, exchange: str) -> None:
         """The master's copy updated as every worker's is; each worker's digest compared."""
         params = model.parameters()
@@ -560,4 +562,11 @@ def image_split_class(exchange: str) -> type[ImageSplit]:
     return type("RingImageSplit", (RingImageSplit,), {"exchange": exchange})
 
 
-__all__ = ["RingImageSplit", "abort_ring", "image_split_class", "put_master_part", "ring_step"]
+__all__ = [
+    "RingImageSplit",
+    "abort_ring",
+    "image_split_class",
+    "joined_sum",
+    "put_master_part",
+    "ring_step",
+]
