@@ -18,12 +18,13 @@ from hetconv.dataparallel import (
     RING,
     CollectiveCosts,
     DataParallelResult,
+    exchange_seconds,
     simulate_data_parallel,
 )
 from hetconv.imagesplit import IMAGES, KERNELS
 from hetconv.model import CIFAR_INPUT
 from hetconv.onnx_import import Network, load_network
-from hetconv.ring import BACKWARD_SHARE, MASTER, master_link_bytes, ring_exchange_seconds
+from hetconv.ring import BUCKET_BYTES, MASTER, master_link_bytes, ring_exchange_seconds
 from hetconv.ring import RING as RING_EXCHANGE
 
 
@@ -90,9 +91,10 @@ def _image_step(cluster, network, batch, comp_s, costs, named, norms, input_shap
     )  # fmt: skip
     if exchange == RING:
         used = tuple(w for w, b in zip(cluster.workers, got.batches[1:], strict=True) if b)
-        backward = BACKWARD_SHARE * got.compute_s if overlap else None
-        ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs,
-                                       backward)  # fmt: skip
+        ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs)
+        if overlap and used and not cluster.master_compute:
+            ring_s -= ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds,
+                                      batches, input_shape, got.gradient_bytes)  # fmt: skip
         ring_s += batchnorm_sums_seconds(used, norms, costs)
         got = replace(
             got, algorithm=RING, step_s=got.step_s - got.comm_s + ring_s, comm_s=ring_s,
@@ -114,6 +116,22 @@ def _image_step(cluster, network, batch, comp_s, costs, named, norms, input_shap
         exchange_s=got.exchange_s + images_s,
         master_bytes=got.master_bytes + nbytes,
     )
+
+
+def ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds, batches,
+                    input_shape, nbytes: float) -> float:  # fmt: skip
+    """The seconds of the workers' ring that backward hides (the master computing nothing):
+    the ring after backward less what runs past it bucket by bucket, each bucket ready once
+    every worker's backward has passed its layers, as DDP's buckets are modelled
+    (:func:`simulate_data_parallel` with ``ring`` and overlap, the workers the ranks, buckets
+    of :data:`hetconv.ring.BUCKET_BYTES`)."""
+    buckets = replace(costs, bucket_bytes=BUCKET_BYTES, first_bucket_bytes=BUCKET_BYTES)
+    during = simulate_data_parallel(
+        cluster, network, batch, comp_s, RING, True, buckets, image_seconds, batches,
+        input_shape,
+    )  # fmt: skip
+    after = exchange_seconds(cluster, nbytes, RING, costs)
+    return max(0.0, after - (during.step_s - during.compute_s))
 
 
 def batchnorm_sums_seconds(
@@ -181,6 +199,7 @@ __all__ = [
     "SPLIT_MARGIN",
     "batchnorm_sums_seconds",
     "choose_split",
+    "ring_hidden_seconds",
     "describe_choice",
     "simulate_image_split",
 ]

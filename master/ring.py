@@ -36,6 +36,7 @@ worker's own gradient, which the ring never sends here).
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ import numpy as np
 
 from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, RING_PART
 from hetconv.costmodel import SimCluster, SimNode
+from hetconv.dataparallel import CollectiveCosts
 from hetconv.formats import FLOAT32, PALETTE8
 from hetconv.imagesplit import batch_loss, image_ranges, parameter_shapes, spec_json
 from hetconv.optim import sgd_update
@@ -222,10 +224,17 @@ class RingImageSplit(ImageSplit):
         seconds = [self._seconds.get(n.name, mean) for n in nodes]
         workers = replace(self._sim_cluster(), master_compute=False)
         after = ring_exchange_seconds(workers, self._parameter_bytes)
+        hidden = 0.0
+        if self.bucket_bytes:  # as the simulator counts it: DDP's buckets' model
+            from hetconv.imagecost import ring_hidden_seconds
+
+            hidden = ring_hidden_seconds(
+                workers, json.loads(self._spec), batch, 0.0, CollectiveCosts(), seconds[1:],
+                None, tuple(self._input[0]), self._parameter_bytes,
+            )  # fmt: skip
 
         def during(backward_s: float) -> float:
-            return ring_exchange_seconds(workers, self._parameter_bytes, None, backward_s,
-                                         self.bucket_bytes)  # fmt: skip
+            return after - hidden
 
         part = self._fixed_seconds(nodes)[0]
         pays, with_s, without_s = master_range_pays(batch, seconds, part, after, during)

@@ -240,3 +240,19 @@ def test_the_master_out_of_the_batch_trains_as_local_training(tmp_path, local, w
     assert all(r["master_part_bytes"] == 0 and "master" not in r["nodes"] for r in cluster.steps)
     assert all(r["nodes"][n]["digest"] == r["digest"] for r in cluster.steps
                for n in workers.addresses)  # fmt: skip
+
+
+def test_the_master_weighs_its_range_each_step_from_the_measured_figures(tmp_path, local, workers):
+    """Not deterministic: once the nodes are measured, each step records whether the
+    master's range pays (both predicted steps) and cuts the ranges so; training stays local
+    training's."""
+    cluster = Traced(workers.addresses, 2048, digest_share=1 / 8)
+    with cluster:
+        got = train_strong_lrn(tmp_path, "weighed", cluster, steps=5)
+    np.testing.assert_allclose(got[0], local[0][:5], rtol=1e-5)
+    weighed = [r for r in cluster.steps if "master_range_pays" in r]
+    assert weighed, "never weighed"
+    for r in weighed:
+        assert r["predicted_with_master_s"] > 0 and r["predicted_without_master_s"] > 0
+        if not r["master_range_pays"]:  # its range 0: it computed nothing, put nothing in
+            assert "master" not in r["nodes"] and r["master_part_bytes"] == 0
