@@ -24,7 +24,13 @@ from hetconv.dataparallel import (
 from hetconv.imagesplit import IMAGES, KERNELS
 from hetconv.model import CIFAR_INPUT
 from hetconv.onnx_import import Network, load_network
-from hetconv.ring import BUCKET_BYTES, MASTER, master_link_bytes, ring_exchange_seconds
+from hetconv.ring import (
+    BUCKET_BYTES,
+    MASTER,
+    MASTER_RANGE_MARGIN,
+    master_link_bytes,
+    ring_exchange_seconds,
+)
 from hetconv.ring import RING as RING_EXCHANGE
 
 
@@ -56,7 +62,8 @@ def simulate_image_split(
     workers' buckets summed during backward, as they run by default) and the master computing
     no images, the ring runs during the workers' backward. Where the cluster lets the master
     compute and ``batches`` are not given, both are simulated, the master with a range and
-    without, and the faster returned, as the master cuts its ranges
+    without, and the master's range taken where predicted
+    :data:`hetconv.ring.MASTER_RANGE_MARGIN` faster, as the master cuts its ranges
     (:func:`hetconv.ring.master_range_pays`). A network with batch norm runs only so: the
     master computes no images, and each batch norm layer adds three sums a step, each gathered
     over the ring (``workers - 1`` messages one after another, a round trip's latency each:
@@ -78,7 +85,9 @@ def simulate_image_split(
         steps = [_image_step(cluster, *args, image_seconds, None, exchange),
                  _image_step(replace(cluster, master_compute=False), *args, theirs, None,
                              exchange)]  # fmt: skip
-        return min(steps, key=lambda r: r.step_s)
+        with_master, without = steps
+        pays = with_master.step_s < without.step_s * (1 - MASTER_RANGE_MARGIN)
+        return with_master if pays else without
     return _image_step(cluster, *args, image_seconds, batches, exchange)
 
 

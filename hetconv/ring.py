@@ -307,6 +307,14 @@ def ring_exchange_seconds(
     return into + ring + back + latency
 
 
+#: How much shorter (a fraction of the step without it) the step with the master's range
+#: must be predicted before the master computes one with the ring: its part's way into rank 0
+#: costs rank 0 more than its link's time at a capped core (the testbed, paper-150-800 batch
+#: 16: 1.26-1.34 s a step with the master's range, predicted 1.03 s; 1.01-1.11 s without it,
+#: predicted 1.09 s).
+MASTER_RANGE_MARGIN = 0.10
+
+
 def master_range_pays(
     batch: int,
     seconds_per_image: Sequence[float],
@@ -322,7 +330,8 @@ def master_range_pays(
     (:func:`hetconv.imagesplit.image_ranges`), and the ring (``after_s``) runs once backward
     has ended (rank 0 adds the master's part before any bucket). Without it, the workers
     share the batch and the ring runs during their backward (``during(backward_s)``, about
-    :data:`BACKWARD_SHARE` of their compute). The sum back to the master costs both alike."""
+    :data:`BACKWARD_SHARE` of their compute). The sum back to the master costs both alike. It
+    pays where the step with it is predicted :data:`MASTER_RANGE_MARGIN` shorter."""
     from hetconv.imagesplit import image_ranges
 
     if len(seconds_per_image) < 2:
@@ -335,7 +344,7 @@ def master_range_pays(
     ends = [s * c for s, (_, c) in zip(workers, image_ranges(batch, workers), strict=True) if c]
     compute = max(ends, default=0.0)
     without_s = compute + during(BACKWARD_SHARE * compute)
-    return with_s <= without_s, with_s, without_s
+    return with_s < without_s * (1 - MASTER_RANGE_MARGIN), with_s, without_s
 
 
 def choose(cluster, nbytes: float, costs=None) -> tuple[str, dict[str, float]]:
@@ -367,6 +376,7 @@ __all__ = [
     "DONE",
     "EXCHANGES",
     "MASTER",
+    "MASTER_RANGE_MARGIN",
     "MASTER_ROUND",
     "MAX_RANKS",
     "OWN",
