@@ -132,9 +132,9 @@ FLAGS = {
             "nodes that split the images (it computes the block on its share only, and exchanges "
             "outputs and gradients with the workers on its port); off: never",
             {
-                "auto": "auto: where the cost model predicts the step faster, split as split "
-                "where it predicts that faster still (a worker that cannot reach the others is "
-                "left out of the exchange, named, and computes the block whole)"
+                "auto": "auto: first where the cost model predicts the step faster (it says what "
+                "a split would save, but does not split; with split, a worker that cannot reach "
+                "the others is left out of the exchange, named, and computes the block whole)"
             },
         ),
         ModeFlag(

@@ -277,7 +277,9 @@ def test_a_split_saves_the_workers_block_less_their_exchange():
     assert 0 < uneven < 3.0
 
 
-def test_auto_splits_the_block_where_compute_dominates_and_not_where_the_exchange_does():
+def test_auto_splits_the_block_where_compute_dominates_and_not_where_the_exchange_does(
+    monkeypatch,
+):
     """--replicate auto: replicated where the cost model says so, and then split by images
     among the workers where that is predicted faster still (slow devices, a 100 Mbit/s
     switch), on every node where the exchange would cost more (10 Mbit/s); the master's
@@ -292,6 +294,11 @@ def test_auto_splits_the_block_where_compute_dominates_and_not_where_the_exchang
         cluster = SimCluster(SimNode("m", 1.0, bytes_per_s=mbit * MBIT), workers, SWITCHED)
         return step_modes(cluster, layers, shares, "fused", "resident", "auto")
 
+    fast = chosen(100)
+    assert fast.replicate == "first" and fast.block == "conv1"  # AUTO_SPLITS is off
+    assert fast.replica.split_refused.startswith("not split: the cost model predicts ")
+    assert " ms saved per step, which auto does not take" in fast.replica.split_refused
+    monkeypatch.setattr(modes.modetable, "AUTO_SPLITS", True)  # the rule, when it is on
     fast = chosen(100)
     assert fast.replicate == "split" and fast.block == "conv1"
     assert fast.replica.split_refused.startswith("split: the cost model predicts it ")
