@@ -276,6 +276,7 @@ def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log
         network=args.network, batch=args.batch, cap=cap, laptop_gflops=args.laptop_gflops,
         rate_mbit=args.rate_mbit, warmup=args.warmup, steps=args.steps, rounds=1,
         no_link_check=True, master_port_unlimited=args.master_port_unlimited, speeds="trace",
+        engine=getattr(args, "engine", "cpu"),
     )  # fmt: skip
     memory: list[float] = []
 
