@@ -94,37 +94,66 @@ def schedule(rank: int, ranks: int, round_: int) -> tuple[int, int, bool]:
     return (rank + 1 - t) % ranks, (rank - t) % ranks, False
 
 
+#: Bytes of a segment of a ring's chunk (:func:`segments`): each goes on as soon as the
+#: previous rank's segment of the round before has come and been added, so one segment's
+#: encoding, sending and adding at both ends overlaps the next one's transfer.
+SEGMENT_BYTES = 1 << 20
+
+
+def segments(start: int, stop: int, values: int = 0) -> list[tuple[int, int]]:
+    """The (start, stop) segments of the chunk ``start .. stop``: of ``values`` each, the last
+    one shorter (``values`` 0: the chunk whole); none where it is empty."""
+    if stop <= start:
+        return []
+    if values <= 0:
+        return [(start, stop)]
+    return [(a, min(a + values, stop)) for a in range(start, stop, values)]
+
+
 def all_reduce(
     vector: np.ndarray,
     rank: int,
     ranks: int,
-    send: Callable[[int, np.ndarray], None],
-    receive: Callable[[int], np.ndarray],
+    send: Callable[[int, int, np.ndarray], None],
+    receive: Callable[[int, int], np.ndarray],
     bounds: Sequence[tuple[int, int]] | None = None,
+    segment_values: int = 0,
 ) -> np.ndarray:
-    """Sum ``vector`` (float32, this rank's) over the ring in place: ``send(round, chunk)``
-    to the next rank, ``receive(round)`` the previous rank's chunk of that round (each raises
-    when the ring fails). Every rank returns the same values, bit for bit. ``bounds``: the
-    chunks (default :func:`chunk_bounds`; a bucket's: :func:`bucket_chunks`); an empty one is
-    neither sent nor waited for (both ranks know it)."""
+    """Sum ``vector`` (float32, this rank's) over the ring in place: ``send(round, segment,
+    part)`` to the next rank, ``receive(round, segment)`` the previous rank's part of that
+    round (each raises when the ring fails). Every rank returns the same values, bit for bit.
+    ``bounds``: the chunks (default :func:`chunk_bounds`; a bucket's: :func:`bucket_chunks`);
+    an empty one is neither sent nor waited for (both ranks know it). Each chunk travels in
+    :func:`segments` of ``segment_values`` (0: whole), each sent on as soon as it has come
+    and been added (the chunk a rank receives in a round is the one it sends in the next), so
+    ``send`` may return before its part has gone: each value is added in the same order
+    whatever the segments, so the sum does not change.
+
+    The parts sent are views of ``vector``, not copies: this rank writes none of them again
+    before the next rank has taken it (a chunk is written again only with a sum that holds
+    what this rank sent of it), but the caller must see every put through before it writes
+    ``vector``."""
     bounds = chunk_bounds(vector.size, ranks) if bounds is None else bounds
     if len(bounds) != ranks:
         raise ValueError(f"{len(bounds)} chunks for a ring of {ranks}")
-    for round_ in range(rounds(ranks)):
-        out, into, adds = schedule(rank, ranks, round_)
-        a, b = bounds[out]
-        if b > a:
-            send(round_, vector[a:b].copy())
-        a, b = bounds[into]
-        if b <= a:
-            continue
-        got = receive(round_)
-        if got.shape != (b - a,):
-            raise ValueError(f"round {round_}: a part of {got.shape}, expected ({b - a},)")
-        if adds:
-            vector[a:b] += got
-        else:
-            vector[a:b] = got
+    total = rounds(ranks)
+    if not total:
+        return vector
+    first, _, _ = schedule(rank, ranks, 0)
+    for s, (a, b) in enumerate(segments(*bounds[first], segment_values)):
+        send(0, s, vector[a:b])
+    for round_ in range(total):
+        _, into, adds = schedule(rank, ranks, round_)
+        for s, (a, b) in enumerate(segments(*bounds[into], segment_values)):
+            got = receive(round_, s)
+            if got.shape != (b - a,):
+                raise ValueError(f"round {round_}: a part of {got.shape}, expected ({b - a},)")
+            if adds:
+                np.add(vector[a:b], got, out=vector[a:b])
+            else:
+                vector[a:b] = got
+            if round_ + 1 < total:  # the next round sends the chunk this one received
+                send(round_ + 1, s, vector[a:b])
     return vector
 
 
@@ -163,16 +192,17 @@ def all_gather(
     vector: np.ndarray,
     rank: int,
     ranks: int,
-    send: Callable[[int, np.ndarray], None],
-    receive: Callable[[int], np.ndarray],
+    send: Callable[[int, int, np.ndarray], None],
+    receive: Callable[[int, int], np.ndarray],
 ) -> list[np.ndarray]:
     """Every rank's ``vector`` (float32, one size), in rank order, on every rank: ``ranks -
-    1`` rounds, each passing on the one received in the round before (its own first)."""
+    1`` rounds, each passing on the one received in the round before (its own first), whole
+    (segment 0: :func:`all_reduce`'s ``send`` and ``receive``)."""
     pieces: list[np.ndarray | None] = [None] * ranks
     pieces[rank] = vector
     for round_ in range(ranks - 1):
-        send(round_, pieces[(rank - round_) % ranks])
-        got = receive(round_)
+        send(round_, 0, pieces[(rank - round_) % ranks])
+        got = receive(round_, 0)
         if got.shape != vector.shape:
             raise ValueError(f"round {round_}: a part of {got.shape}, expected {vector.shape}")
         pieces[(rank - round_ - 1) % ranks] = got
@@ -382,6 +412,7 @@ __all__ = [
     "OWN",
     "RING",
     "ROUNDS_PER_SUM",
+    "SEGMENT_BYTES",
     "SUMMED",
     "all_gather",
     "all_reduce",
@@ -403,6 +434,7 @@ __all__ = [
     "ring_exchange_seconds",
     "rounds",
     "schedule",
+    "segments",
     "shapes_of",
     "split64",
     "unflat",

@@ -59,6 +59,7 @@ from hetconv.ring import (
     MAX_RANKS,
     OWN,
     RING,
+    SEGMENT_BYTES,
     SUMMED,
     buffer_name,
     check_exchange,
@@ -174,6 +175,8 @@ class RingImageSplit(ImageSplit):
     #: Bytes of the gradient's buckets the workers sum while backward runs (0: the whole
     #: gradient after backward).
     bucket_bytes = BUCKET_BYTES
+    #: Bytes of the segments each chunk of the ring goes in (0: whole chunks).
+    segment_bytes = SEGMENT_BYTES
     #: The share of the weights' blocks each step's digests cover (1: every value).
     digest_share = DIGEST_SHARE
     #: Each rank answers its chunk of the sum (the master's link takes them at once), not
@@ -448,7 +451,8 @@ class RingImageSplit(ImageSplit):
                         master_part=master_part and rank == 0,
                         answer_sum=rank == 0 or self.sum_slices, sum_slice=self.sum_slices,
                         wait_seconds=wait, bucket_bytes=self.bucket_bytes,
-                        digest_seed=self._digest_seed, digest_share=self.digest_share,
+                        segment_bytes=self.segment_bytes, digest_seed=self._digest_seed,
+                        digest_share=self.digest_share,
                     ),
                 ),
             )  # fmt: skip

@@ -83,12 +83,12 @@ def _ring_in_threads(vectors: list[np.ndarray]) -> list[np.ndarray]:
     out = [None] * ranks
 
     def rank(r: int) -> None:
-        def send(round_, chunk):
-            boxes[(r + 1) % ranks].put((round_, chunk))
+        def send(round_, segment, chunk):
+            boxes[(r + 1) % ranks].put(((round_, segment), chunk))
 
-        def receive(round_):
-            got_round, chunk = boxes[r].get(timeout=5)
-            assert got_round == round_
+        def receive(round_, segment):
+            got_part, chunk = boxes[r].get(timeout=5)
+            assert got_part == (round_, segment)
             return chunk
 
         out[r] = all_reduce(vectors[r].copy(), r, ranks, send, receive)
@@ -124,11 +124,11 @@ def test_all_gather_sums_float64_in_rank_order_on_every_rank(ranks):
     out = [None] * ranks
 
     def rank(r: int) -> None:
-        def send(round_, piece):
+        def send(round_, segment, piece):
             boxes[(r + 1) % ranks].put(piece)
 
         out[r] = join64(all_gather(split64(values[r]), r, ranks, send,
-                                   lambda round_: boxes[r].get(timeout=5)))  # fmt: skip
+                                   lambda round_, segment: boxes[r].get(timeout=5)))  # fmt: skip
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
     for t in threads:

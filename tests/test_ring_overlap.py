@@ -39,12 +39,12 @@ def _ring(vectors: list[np.ndarray], sizes: list[int] | None = None, bucket: int
 
     def rank(r: int) -> None:
         def io(offset):
-            def send(round_, chunk):
-                boxes[(r + 1) % ranks].put((offset + round_, chunk))
+            def send(round_, segment, chunk):
+                boxes[(r + 1) % ranks].put(((offset + round_, segment), chunk))
 
-            def receive(round_):
-                got_round, chunk = boxes[r].get(timeout=5)
-                assert got_round == offset + round_
+            def receive(round_, segment):
+                got_part, chunk = boxes[r].get(timeout=5)
+                assert got_part == (offset + round_, segment)
                 return chunk
 
             return send, receive

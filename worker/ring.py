@@ -3,10 +3,15 @@ another rank (or the master) put here, and :meth:`RingCalls.all_reduce`, which s
 worker's gradient over its ring (sending on :class:`~hetconv.worker.peers.PeerLinks`' threads
 with the worker's own token, each put with a deadline) for an ImagesStep.
 
-A ring fails for this worker (:class:`RingFailed`) when a put to the next rank fails, a part
-does not come within the request's ``wait_seconds``, or any rank (or the master) says the
-step's ring failed (``abort``); it then tells every other rank so, so none waits for what will
-not come, and the ImagesStep answers its own gradient (the master sums the step itself).
+A chunk goes in segments (the request's ``segment_bytes``, :func:`hetconv.ring.segments`),
+each put on a sender thread as soon as it is ready (:data:`OUTSTANDING` at most in flight,
+each a view of the vector, not a copy), while the ring takes the previous rank's next one.
+
+A ring fails for this worker (:class:`RingFailed`) when a put to the next rank fails (the
+ring's wait for a part ends at once then), a part does not come within the request's
+``wait_seconds``, or any rank (or the master) says the step's ring failed (``abort``); it then
+tells every other rank so, so none waits for what will not come, and the ImagesStep answers
+its own gradient (the master sums the step itself).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
+from concurrent import futures
 
 import grpc
 import numpy as np
@@ -42,6 +49,8 @@ PUT_SECONDS = 60.0
 ABORT_SECONDS = 2.0
 #: Steps of a session whose parts are kept (older ones are dropped as a step's call arrives).
 KEPT_STEPS = 2
+#: Puts of one ring in flight at most (a further one waits for the oldest to end).
+OUTSTANDING = 4
 
 
 class RingFailed(Exception):
@@ -54,12 +63,14 @@ class RingLinks(PeerLinks):
     call = RING_PART
 
 
-def part_request(session: int, step: int, rank: int, round_: int, abort: bool = False):
+def part_request(
+    session: int, step: int, rank: int, round_: int, abort: bool = False, segment: int = 0
+):
     """A RingPart's header (its tensor added by the sender)."""
+    ring = pb.ImagesRing(rank=rank, round=round_, abort=abort, segment=segment)
     return pb.ConvRequest(
-        phase=RING_PART.phase, session=session, step=step,
-        images=pb.ImagesStep(ring=pb.ImagesRing(rank=rank, round=round_, abort=abort)),
-    )  # fmt: skip
+        phase=RING_PART.phase, session=session, step=step, images=pb.ImagesStep(ring=ring)
+    )
 
 
 class RingCalls:
@@ -69,8 +80,10 @@ class RingCalls:
         self.context = context
         self.token: str | None = None
         self.tls = False
-        self._parts: dict[tuple[int, int, int], np.ndarray] = {}  # (session, step, round)
+        # (session, step, round, segment) -> the part
+        self._parts: dict[tuple[int, int, int, int], np.ndarray] = {}
         self._aborted: set[tuple[int, int]] = set()
+        self._put_failed: dict[tuple[int, int], str] = {}  # (session, step) -> why
         self._latest: dict[int, int] = {}  # session -> the latest step its master called
         self._links: dict[int, RingLinks] = {}  # session -> its senders, oldest first
         self._changed = threading.Condition()
@@ -113,7 +126,7 @@ class RingCalls:
                                   f"{request.session} is at step {latest} here")  # fmt: skip
             held = sum(a.nbytes for a in self._parts.values()) + arrays[0].nbytes
             self.context.budget.hold("ring parts", held, "the ring's parts", request.session)
-            self._parts.setdefault((*key, int(ring.round)), arrays[0])
+            self._parts.setdefault((*key, int(ring.round), int(ring.segment)), arrays[0])
             self._changed.notify_all()
         return [], 0.0, receive
 
@@ -124,17 +137,26 @@ class RingCalls:
             for k in [k for k in self._parts if k[0] == session and k[1] + KEPT_STEPS <= step]:
                 del self._parts[k]
             self._aborted = {k for k in self._aborted if k[0] != session or k[1] >= step}
+            for k in [k for k in self._put_failed if k[0] == session and k[1] < step]:
+                del self._put_failed[k]
 
-    def _receive(self, session: int, step: int, round_: int, wait: float) -> np.ndarray:
+    def _receive(self, session: int, step: int, part: tuple[int, int], wait: float):
+        """The part (round, segment) of the step's ring, once it came; RingFailed where it
+        does not come within ``wait`` seconds, a put of this rank's failed, or the ring was
+        aborted."""
         deadline = time.monotonic() + wait
-        key = (session, step, round_)
+        key = (session, step, *part)
         with self._changed:
             while key not in self._parts:
                 if (session, step) in self._aborted:
                     raise RingFailed("another rank said the ring failed")
+                if (session, step) in self._put_failed:
+                    raise RingFailed(self._put_failed[(session, step)])
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    round_, segment = part
                     what = "the master's part" if round_ == MASTER_ROUND else f"round {round_}"
+                    what += f" (segment {segment})" if segment else ""
                     raise RingFailed(f"{what} did not come within {wait:.1f} s")
                 self._changed.wait(left)
             return self._parts.pop(key)
@@ -142,15 +164,18 @@ class RingCalls:
     def master_part(self, request: pb.ConvRequest) -> np.ndarray:
         """The master's gradient, put into rank 0 (waited for)."""
         ring = request.images.ring
-        return self._receive(request.session, int(request.step), MASTER_ROUND, ring.wait_seconds)
+        step = int(request.step)
+        return self._receive(request.session, step, (MASTER_ROUND, 0), ring.wait_seconds)
 
     def all_reduce(
         self, request: pb.ConvRequest, vector: np.ndarray, offset: int = 0, bounds=None
     ) -> np.ndarray:
         """Sum ``vector`` over the request's ring (in place), its parts' rounds counted from
         ``offset`` (each sum of a step its own: :data:`~hetconv.ring.ROUNDS_PER_SUM`), over
-        ``bounds`` (default: even chunks); RingFailed saying why not."""
-        return self._run(request, offset, lambda *io: all_reduce(vector, *io, bounds))
+        ``bounds`` (default: even chunks), each chunk in segments of the request's
+        ``segment_bytes``; RingFailed saying why not."""
+        values = int(request.images.ring.segment_bytes) // 4
+        return self._run(request, offset, lambda *io: all_reduce(vector, *io, bounds, values))
 
     def buckets(self, request: pb.ConvRequest, shapes, master_part: bool) -> BucketRing:
         """A :class:`BucketRing` of this step's gradient (``shapes``: each parameter's)."""
@@ -171,20 +196,41 @@ class RingCalls:
             raise InvalidCall(f"rank {rank} of a ring of {len(peers)}: at most {MAX_RANKS}")
         links = self._session_links(session)
         following = peers[(rank + 1) % len(peers)]
+        timeout = min(PUT_SECONDS, max(ring.wait_seconds, 1.0))
+        pending: deque[futures.Future] = deque()
 
-        def send(round_: int, chunk: np.ndarray) -> None:
+        def why(e: BaseException) -> str:
+            code = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
+            return f"the put to {following} failed: {code}"
+
+        def ended(future: futures.Future) -> None:  # a failed put ends this rank's waits
+            e = future.exception()
+            if e is not None:
+                with self._changed:
+                    self._put_failed.setdefault((session, step), why(e))
+                    self._changed.notify_all()
+
+        def settle(future: futures.Future) -> None:
             try:
-                links.put(following, part_request(session, step, rank, offset + round_), chunk,
-                          FLOAT32,
-                          min(PUT_SECONDS, max(ring.wait_seconds, 1.0)))  # fmt: skip
+                future.result()
             except grpc.RpcError as e:
-                raise RingFailed(f"the put to {following} failed: {e.code().name}") from None
+                raise RingFailed(why(e)) from None
 
-        def receive(round_: int) -> np.ndarray:
-            return self._receive(session, step, offset + round_, ring.wait_seconds)
+        def send(round_: int, segment: int, part: np.ndarray) -> None:
+            while len(pending) >= OUTSTANDING:
+                settle(pending.popleft())
+            head = part_request(session, step, rank, offset + round_, segment=segment)
+            pending.append(links.put_later(following, head, part, FLOAT32, timeout))
+            pending[-1].add_done_callback(ended)
+
+        def receive(round_: int, segment: int) -> np.ndarray:
+            return self._receive(session, step, (offset + round_, segment), ring.wait_seconds)
 
         try:
-            return algorithm(rank, len(peers), send, receive)
+            summed = algorithm(rank, len(peers), send, receive)
+            while pending:  # the parts are views of the sum: every put through first
+                settle(pending.popleft())
+            return summed
         except (RingFailed, ValueError) as e:
             self.abort(request)
             raise RingFailed(str(e)) from None

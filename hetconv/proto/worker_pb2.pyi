@@ -197,7 +197,7 @@ class ImagesStep(_message.Message):
     def __init__(self, spec_json: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., first: _Optional[int] = ..., batch: _Optional[int] = ..., scale: _Optional[float] = ..., ring: _Optional[_Union[ImagesRing, _Mapping]] = ...) -> None: ...
 
 class ImagesRing(_message.Message):
-    __slots__ = ("peers", "rank", "version", "place", "lr", "momentum", "weight_decay", "master_part", "answer_sum", "wait_seconds", "round", "abort", "bucket_bytes", "digest_seed", "digest_share", "sum_slice")
+    __slots__ = ("peers", "rank", "version", "place", "lr", "momentum", "weight_decay", "master_part", "answer_sum", "wait_seconds", "round", "abort", "bucket_bytes", "digest_seed", "digest_share", "sum_slice", "segment", "segment_bytes")
     PEERS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,8 @@ class ImagesRing(_message.Message):
     DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
     DIGEST_SHARE_FIELD_NUMBER: _ClassVar[int]
     SUM_SLICE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedScalarFieldContainer[str]
     rank: int
     version: int
@@ -230,7 +232,9 @@ class ImagesRing(_message.Message):
     digest_seed: int
     digest_share: float
     sum_slice: bool
-    def __init__(self, peers: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ..., place: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., master_part: _Optional[bool] = ..., answer_sum: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., round: _Optional[int] = ..., abort: _Optional[bool] = ..., bucket_bytes: _Optional[int] = ..., digest_seed: _Optional[int] = ..., digest_share: _Optional[float] = ..., sum_slice: _Optional[bool] = ...) -> None: ...
+    segment: int
+    segment_bytes: int
+    def __init__(self, peers: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ..., place: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., master_part: _Optional[bool] = ..., answer_sum: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., round: _Optional[int] = ..., abort: _Optional[bool] = ..., bucket_bytes: _Optional[int] = ..., digest_seed: _Optional[int] = ..., digest_share: _Optional[float] = ..., sum_slice: _Optional[bool] = ..., segment: _Optional[int] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
     __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part", "images")

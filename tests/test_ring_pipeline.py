@@ -1,0 +1,242 @@
+"""The ring's chunks in segments, pipelined (:func:`hetconv.ring.all_reduce`'s
+``segment_values``, the ImagesRing's ``segment_bytes``): the same sum, bit for bit, as whole
+chunks, in threads (each part a view of its sender's vector, delivered late and out of order)
+and with real worker processes; a segment holding NaN is refused; a failed put ends the ring
+at once, not at the wait for the next part."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from exactness import train_strong_lrn
+
+from hetconv.backends import get_backend
+from hetconv.calls import RING_PART
+from hetconv.conv import LocalConv
+from hetconv.master.client import WorkerClient, WorkerError
+from hetconv.master.cluster import ClusterConfig
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.ring import RingImageSplit
+from hetconv.master.spotcheck import SpotCheckConfig
+from hetconv.ring import (
+    RING,
+    all_reduce,
+    bucket_chunks,
+    buckets,
+    chunk_bounds,
+    rounds,
+    schedule,
+    segments,
+)
+from hetconv.worker import service as service_module
+from hetconv.worker.ring import RingCalls, RingFailed, part_request
+
+STEPS = 3
+
+
+def _ring(vectors, segment_values: int, bounds=None, seed: int = 0):
+    """Every rank's :func:`all_reduce` of ``vectors`` in threads (``bounds``: a bucket's
+    chunks, the vectors the bucket); each part delivered on a timer of its own after a random
+    delay of up to 2 ms, so in any order, as the view of its sender's vector it was sent as.
+    Also every rank's parts sent, as (round, segment) in order."""
+    ranks = len(vectors)
+    boxes: list[dict] = [{} for _ in range(ranks)]
+    changed = threading.Condition()
+    out, sent = [None] * ranks, [[] for _ in range(ranks)]
+
+    def rank(r: int) -> None:
+        delays = np.random.default_rng([seed, r])
+
+        def deliver(key, part) -> None:
+            with changed:
+                boxes[(r + 1) % ranks][key] = part
+                changed.notify_all()
+
+        def send(round_, segment, part):
+            assert part.base is not None  # a view, not a copy
+            sent[r].append((round_, segment))
+            threading.Timer(delays.random() * 2e-3, deliver, ((round_, segment), part)).start()
+
+        def receive(round_, segment):
+            with changed:
+                assert changed.wait_for(lambda: (round_, segment) in boxes[r], timeout=5)
+                return boxes[r].pop((round_, segment))
+
+        out[r] = all_reduce(vectors[r].copy(), r, ranks, send, receive, bounds, segment_values)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, sent
+
+
+def test_segments_tile_the_chunk():
+    assert segments(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert segments(3, 9, 0) == [(3, 9)]
+    assert segments(3, 9, 100) == [(3, 9)]
+    assert segments(5, 5, 4) == []
+
+
+@pytest.mark.parametrize(
+    "ranks, length, segment",
+    [(1, 5, 2), (2, 7, 1), (3, 100, 7), (4, 1000, 64), (4, 3, 2), (5, 1001, 200)],
+)
+def test_segments_sum_bit_for_bit_as_whole_chunks(ranks, length, segment):
+    rng = np.random.default_rng(length)
+    scales = 10.0 ** rng.integers(-3, 4, (ranks, length))  # sums that round differently
+    vectors = [(rng.standard_normal(length) * s).astype(np.float32) for s in scales]
+    whole, whole_sent = _ring(vectors, 0)
+    got, sent = _ring(vectors, segment, seed=length)
+    for g in got:
+        assert g.tobytes() == whole[0].tobytes()
+    # every round's chunk went in segments of ``segment`` values
+    bounds = chunk_bounds(length, ranks)
+    for r in range(ranks):
+        chunks = [bounds[schedule(r, ranks, k)[0]] for k in range(rounds(ranks))]
+        assert sent[r] == [(k, s) for k, (a, b) in enumerate(chunks)
+                           for s in range(len(segments(a, b, segment)))]  # fmt: skip
+        assert whole_sent[r] == [(k, 0) for k, (a, b) in enumerate(chunks) if b > a]
+
+
+def test_a_buckets_segments_sum_bit_for_bit_as_the_whole_ring():
+    ranks, sizes = 3, [40, 7, 300, 5, 120]
+    rng = np.random.default_rng(7)
+    vectors = [rng.standard_normal(sum(sizes)).astype(np.float32) for _ in range(ranks)]
+    whole, _ = _ring(vectors, 0)
+    summed = [v.copy() for v in vectors]
+    for a, b in buckets(sizes, ranks, 100):
+        bounds = bucket_chunks((a, b), summed[0].size, ranks)
+        got, _ = _ring([v[a:b] for v in summed], 9, bounds, seed=a)
+        for v, g in zip(summed, got, strict=True):
+            v[a:b] = g
+    for v in summed:
+        assert v.tobytes() == whole[0].tobytes()
+
+
+# -- a worker's ring --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served():
+    """A worker service in this process, serving on loopback: (service, address)."""
+    service = service_module.ConvWorkerService(get_backend("cpu"))
+    server, address = service_module.start_server(service, "127.0.0.1:0")
+    try:
+        yield service, address
+    finally:
+        server.stop(0)
+        service.close()
+
+
+def _put(address: str, values: np.ndarray, round_: int, segment: int, step: int = 1) -> None:
+    client = WorkerClient(address)
+    try:
+        request = part_request(7, step, 1, round_, segment=segment)
+        client._call(RING_PART, "a ring part", request, [("p", values)], [], {}, 5.0, 0)
+    finally:
+        client.close()
+
+
+def test_each_segment_is_filed_apart_and_a_nan_segment_refused(served):
+    service, address = served
+    ring = service.context.ring
+    _put(address, np.arange(4, dtype=np.float32), 3, 2)
+    _put(address, np.ones(4, np.float32), 3, 0)
+    assert ring._receive(7, 1, (3, 2), 1.0).tolist() == [0, 1, 2, 3]
+    assert ring._receive(7, 1, (3, 0), 1.0).tolist() == [1, 1, 1, 1]
+    with pytest.raises(RingFailed, match=r"^round 3 \(segment 1\) did not come within 0\.1 s$"):
+        ring._receive(7, 1, (3, 1), 0.1)
+    with pytest.raises(WorkerError, match="the ring part holds NaN or Inf"):
+        _put(address, np.array([0, np.nan, 1], np.float32), 3, 5)
+    with pytest.raises(RingFailed, match="did not come"):
+        ring._receive(7, 1, (3, 5), 0.1)
+
+
+def test_a_failed_put_ends_the_ring_at_once(served):
+    """The next rank's address takes no calls: the ring fails with the put's failure within
+    a moment, not when its wait for a part (30 s here) is out."""
+    service, address = served
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    ring = service.context.ring
+    ring.begin(9, 1)
+    request = part_request(9, 1, 0, 0)
+    request.images.ring.peers.extend([address, dead])
+    request.images.ring.wait_seconds = 30.0
+    request.images.ring.segment_bytes = 64
+    start = time.monotonic()
+    with pytest.raises(RingFailed, match=f"^the put to {dead} failed: UNAVAILABLE$"):
+        ring.all_reduce(request, np.ones(1000, np.float32))
+    assert time.monotonic() - start < 10
+
+
+# -- real worker processes ------------------------------------------------------------------
+
+
+class Segmented(RingImageSplit):
+    exchange = RING
+
+    def __init__(self, addresses, segment_bytes: int, bucket_bytes: int):
+        super().__init__(addresses, config=ClusterConfig(spot_checks=SpotCheckConfig(every=0),
+                                                         deterministic=True))  # fmt: skip
+        self.segment_bytes, self.bucket_bytes = segment_bytes, bucket_bytes
+        self.steps: list[dict] = []
+
+    def end_step(self):
+        record = super().end_step()
+        self.steps.append(record)
+        return record
+
+
+class CountingRing(RingCalls):
+    """A worker's ring (in the test's process) that counts the segments it was put."""
+
+    def __init__(self, context):
+        super().__init__(context)
+        self.segments: set[int] = set()
+
+    def put(self, messages):
+        got = super().put(messages)
+        with self._changed:
+            self.segments.update(k[3] for k in self._parts)
+        return got
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 4096], ids=["after-backward", "overlapped"])
+def test_segmented_ring_trains_as_whole_chunks_and_local_training(tmp_path, bucket_bytes):
+    """3 steps on a worker in this process (rank 0) and a worker process (rank 1): in
+    segments of 1 KB the losses and weights are whole chunks' bit for bit, and local
+    training's to round-off."""
+    from exactness import same_as_local
+
+    local = train_strong_lrn(tmp_path, "local", LocalConv(), steps=STEPS)
+    service = service_module.ConvWorkerService(get_backend("cpu"))
+    ring = CountingRing(service.context)
+    service.context.ring = ring  # before its server takes the ring's calls
+    server, address = service_module.start_server(service, "127.0.0.1:0")
+    runs = {}
+    try:
+        with LocalWorkers(1) as started:
+            for segment_bytes in (0, 1024):
+                with Segmented([address, *started.addresses], segment_bytes, bucket_bytes) as c:
+                    runs[segment_bytes] = train_strong_lrn(
+                        tmp_path, f"ring-{segment_bytes}", c, steps=STEPS
+                    )
+                assert [r["exchange"] for r in c.steps] == [RING] * STEPS
+    finally:
+        server.stop(0)
+        service.close()
+    assert len(ring.segments) > 4  # the chunks went in segments
+    (whole_losses, whole), (losses, weights) = runs[0], runs[1024]
+    assert np.asarray(losses).tobytes() == np.asarray(whole_losses).tobytes()
+    assert weights.keys() == whole.keys()
+    for name in weights:
+        assert weights[name].tobytes() == whole[name].tobytes(), name
+    same_as_local(runs[1024], local)
