@@ -4,10 +4,10 @@ The dev extra installs oneDNN (``onednn-cpu-gomp``) wherever its wheel exists (L
 there these tests run, never skipped; elsewhere they are skipped with that reason.
 
 Tolerance: as in test_backends.py, ``2e-4`` of the magnitude of the summed terms (oneDNN's
-kernels block and order their float32 sums otherwise than BLAS does). A slice of a layer's
-kernels must equal the same rows of the whole layer bitwise at one thread, where hetconv's
-exactness tests need it; at two threads the kernel gradient is summed in per-thread parts that
-oneDNN plans by the number of kernels, so a slice equals the whole only to round-off.
+kernels block and order their float32 sums otherwise than BLAS does). Against itself there is
+no tolerance: a slice of a layer's kernels equals the same rows of the whole layer bitwise, and
+every result is the same at one, two and three threads, where hetconv's exactness tests need it
+(a worker's slice at its thread count against local training at another).
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ import pytest
 from backend_cases import assert_close, assert_results_close, make_problem, run_all, term_scales
 from threadpoolctl import threadpool_limits
 
-from hetconv.backends import BackendUnavailable, CpuBackend, backend_class, get_backend
+from hetconv.backends import (
+    BackendUnavailable,
+    CpuBackend,
+    backend_class,
+    get_backend,
+    onednn_library,
+)
 from hetconv.backends import onednn as onednn_module
 from hetconv.model import Model, load_spec, walk_spec
 
@@ -151,11 +157,101 @@ def test_on_avx2_too_where_odd_padding_is_done_before_onednn(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:]
 
 
-def test_at_two_threads_a_kernel_slice_equals_the_whole_layer_to_round_off():
-    backend = get_backend("onednn", threads=2)
-    case, bounds = SLICED[3]
-    for got, want in _slices_against_whole(backend, case, bounds):
-        assert_close(got, want, "slice", 1e-5, floor=1.0)
+ODD = [  # batch 1 (its forward cut by kernels), padding done before oneDNN, odd sizes
+    ((1, 16, 8, 8, 40, 3, 3, 1), [(0, 3), (3, 17), (17, 40)]),
+    ((3, 8, 5, 5, 20, 3, 3, 4), [(0, 9), (9, 20)]),
+    ((5, 4, 6, 6, 3, 2, 2, "same"), [(0, 1), (1, 3)]),
+]
+
+
+def _all_results(backend, problem, kernel_hw):
+    p = problem
+    y = backend.conv_forward(p.x, p.w, p.b, p.padding)
+    dx = backend.conv_grad_input(p.dy, p.w, p.x.shape[2:], p.padding)
+    return (y, dx, *backend.conv_grad_kernels(p.x, p.dy, kernel_hw, p.padding))
+
+
+@pytest.mark.parametrize("case, bounds", SLICED + ODD, ids=lambda v: "x".join(map(str, v[:7])))
+def test_every_result_is_the_same_at_one_two_and_three_threads(case, bounds):
+    """The whole layer's four results at 2 and 3 threads equal those at 1, and a slice of its
+    kernels at any of them equals the whole layer's rows at another, bitwise."""
+    problem = make_problem(np.random.default_rng(5), *case)
+    kernel_hw = case[5:7]
+    want = _all_results(get_backend("onednn", threads=1), problem, kernel_hw)
+    for threads in (1, 2, 3):
+        backend = get_backend("onednn", threads=threads)
+        for got, expected in zip(_all_results(backend, problem, kernel_hw), want, strict=True):
+            np.testing.assert_array_equal(got, expected, err_msg=f"{threads} threads")
+        for got, expected in _slices_against_whole(backend, case, bounds):
+            np.testing.assert_array_equal(got, expected, err_msg=f"slice at {threads} threads")
+    whole_at_3 = get_backend("onednn", threads=3)
+    for got, expected in _slices_against_whole(whole_at_3, case, bounds):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("network", ["resnet20", "paper-150-800"])
+def test_a_networks_layers_are_the_same_at_every_thread_count(network):
+    """Every convolution a network hands the backend (batch 2, the paper's at a tenth of its
+    kernels), sliced as a split would, at 2 and 3 threads against the whole at 1."""
+    spec = load_spec(network)
+    model = Model(spec, seed=0)
+    rng = np.random.default_rng(2)
+    seen = set()
+    for item, layer in zip(walk_spec(spec), model.layers, strict=True):
+        if item.kind != "conv":
+            continue
+        xe, we, padding = layer.executed(np.zeros((2, *item.input_shapes[0]), np.float32))
+        k = we.shape[0] if network == "resnet20" else max(2, we.shape[0] // 10)
+        case = (*xe.shape, k, *we.shape[2:], padding)
+        if case in seen:
+            continue
+        seen.add(case)
+        problem = make_problem(rng, *case)
+        want = _all_results(get_backend("onednn", threads=1), problem, we.shape[2:])
+        cut = [(0, k // 3), (k // 3, k)]
+        for threads in (2, 3):
+            backend = get_backend("onednn", threads=threads)
+            got = _all_results(backend, problem, we.shape[2:])
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"{case} at {threads} threads")
+            for a, b in _slices_against_whole(backend, case, cut):
+                np.testing.assert_array_equal(a, b, err_msg=f"{case} sliced, {threads} threads")
+    assert len(seen) >= 2
+
+
+def test_ranges_cut_evenly_in_whole_blocks():
+    ranges = onednn_module._ranges
+    assert ranges(16, 2) == [(0, 8), (8, 16)]
+    assert ranges(5, 3) == [(0, 1), (1, 3), (3, 5)]
+    assert ranges(2, 4) == [(0, 1), (1, 2)]
+    assert ranges(40, 2, 16) == [(0, 16), (16, 40)]
+    assert ranges(16, 3, 16) == [(0, 16)]
+    assert ranges(7, 1) == [(0, 7)]
+
+
+def test_parts_run_on_their_own_threads_and_a_failure_reaches_the_caller():
+    import threading
+
+    lib = onednn_library.library()
+    seen = set()
+    barrier = threading.Barrier(3, timeout=30)
+
+    def part():
+        seen.add(threading.get_ident())
+        barrier.wait()  # all three at once, or the barrier breaks
+
+    onednn_module._in_parallel(lib, [part] * 3)
+    assert len(seen) == 3
+
+    def bad():
+        raise OneDnnFailure("part 2 failed")
+
+    with pytest.raises(OneDnnFailure, match="part 2 failed"):
+        onednn_module._in_parallel(lib, [lambda: None, bad])
+
+
+class OneDnnFailure(RuntimeError):
+    pass
 
 
 def test_threads_follow_the_blas_limit_unless_given(onednn):
@@ -166,7 +262,7 @@ def test_threads_follow_the_blas_limit_unless_given(onednn):
         assert get_backend("onednn", threads=1)._threads() == 1
 
 
-def test_primitives_are_kept_per_geometry_and_thread_count():
+def test_primitives_are_kept_per_geometry():
     backend = get_backend("onednn", threads=1)
     x = np.ones((2, 4, 6, 6), np.float32)
     w = np.ones((3, 4, 3, 3), np.float32)
@@ -174,10 +270,10 @@ def test_primitives_are_kept_per_geometry_and_thread_count():
         backend.conv_forward(x, w, None, 1)
     backend.conv_forward(x[:1], w, None, 1)
     assert len(backend._convolutions) == 2
-    backend.threads = 2
+    backend.threads = 2  # two images: one each, the geometry of one image already kept
     backend.conv_forward(x, w, None, 1)
-    assert len(backend._convolutions) == 3
-    shape = next(iter(backend._convolutions))[0]
+    assert len(backend._convolutions) == 2
+    shape = next(iter(backend._convolutions))
     assert set(backend.implementations(shape)) == {"forward", "input", "kernels"}
 
 
@@ -192,14 +288,15 @@ def test_past_max_kept_geometries_the_kept_primitives_are_dropped(monkeypatch):
         assert len(backend._convolutions) <= 2
 
 
-@pytest.mark.parametrize("layout", ["plain", "auto"])
-def test_calls_from_many_threads_at_once_equal_calls_from_one(layout):
+@pytest.mark.parametrize("layout, threads", [("plain", 1), ("auto", 1), ("auto", 2)])
+def test_calls_from_many_threads_at_once_equal_calls_from_one(layout, threads):
     """A worker serves calls on a pool of threads, and a primitive runs on whichever thread
     asks (oneDNN's own shared scratchpad would forbid that: ours is per thread); the plain
-    layout's GEMM-based primitives need a scratchpad, the blocked ones' reorders buffers."""
+    layout's GEMM-based primitives need a scratchpad, the blocked ones' reorders buffers; at
+    two threads each call's parts share the module's pool with the other calls' parts."""
     from concurrent.futures import ThreadPoolExecutor
 
-    backend = get_backend("onednn", layout=layout, threads=1)
+    backend = get_backend("onednn", layout=layout, threads=threads)
     problems = [
         make_problem(np.random.default_rng(s), 4, 16, 16, 16, 32, 3, 3, 1) for s in range(4)
     ]
@@ -230,8 +327,8 @@ def test_bad_options_say_what_was_wrong():
 
 def test_without_the_library_the_backend_says_why_and_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv(onednn_module.ENV_LIBRARY, str(tmp_path / "libdnnl.so.3"))
-    monkeypatch.setattr(onednn_module, "_library", None)
-    monkeypatch.setattr(onednn_module, "_library_error", None)
+    monkeypatch.setattr(onednn_library, "_library", None)
+    monkeypatch.setattr(onednn_library, "_library_error", None)
     ok, why = onednn_module.OneDnnBackend.is_available()
     assert not ok and "libdnnl.so.3" in why and "pip install 'hetconv[onednn]'" in why
     with pytest.raises(BackendUnavailable, match=r"backend onednn is not available here: .*pip"):

@@ -14,34 +14,74 @@ overrides the three convolution calls only.
 Arrays cross as they are, in hetconv's NCHW / KCHW float32 layout (oneDNN's ``nchw`` and
 ``oihw`` tags); most operations compute in oneDNN's own blocked layouts, reordered into and out
 of buffers kept per thread (:data:`LAYOUTS` says which and why). The primitives of a geometry
-are created once (creation takes milliseconds) and kept per backend instance, geometry and
-thread count; each takes its scratchpad from the caller, so any thread may run any of them.
+are created once (creation takes milliseconds) and kept per backend instance and geometry;
+each takes its scratchpad from the caller, so any thread may run any of them.
 
-Threads: oneDNN runs on OpenMP threads; each call sets the calling thread's OpenMP thread count
-to the backend's ``threads`` or, by default, to the BLAS thread count (``threadpoolctl``'s
-limit, what ``hetconv train --threads`` and a worker's ``--threads`` set), so both engines use
-the same share of the cores. At one thread a slice of a layer's kernels computes bit for bit
-the rows the whole layer does; at more, its kernel gradient only to round-off.
+Threads: every primitive runs at one OpenMP thread, and a call is cut into parts run at
+once on a pool of threads (ctypes lets go of the GIL while oneDNN computes), as many as the
+backend's ``threads`` or, by default, the BLAS thread count (``threadpoolctl``'s limit, what
+``hetconv train --threads`` and a worker's ``--threads`` set), so both engines use the same
+share of the cores. oneDNN's own threads would sum a kernel gradient in per-thread parts that
+it plans by the thread count and the number of kernels; here every result is the same at any
+thread count and for any slice of a layer's kernels, bit for bit (:meth:`OneDnnBackend.
+_grad_kernels` says how).
 
-The library is looked for in ``$HETCONV_ONEDNN_LIB`` (a file path), then next to the Python
-environment (``<sys.prefix>/lib``, where pip puts it), then by the system loader.
+The C API's calls are :mod:`.onednn_library`'s; it looks for the library in
+``$HETCONV_ONEDNN_LIB`` (a file path), then next to the Python environment
+(``<sys.prefix>/lib``, where pip puts it), then by the system loader.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
-from .base import ConvShape, DeviceInfo, KernelGradientSum, Padding, device_number
+from .base import (
+    ConvShape,
+    DeviceInfo,
+    KernelGradientSum,
+    Padding,
+    _with_images,
+    device_number,
+)
 from .cpu import CpuBackend
+from .onednn_library import (  # the C API's names, as its header spells them
+    _ARG_BIAS,
+    _ARG_DIFF_BIAS,
+    _ARG_DIFF_DST,
+    _ARG_DIFF_SRC,
+    _ARG_DIFF_WEIGHTS,
+    _ARG_DST,
+    _ARG_SRC,
+    _ARG_WEIGHTS,
+    _DIRECT,
+    _FORWARD_TRAINING,
+    _TAG_ANY,
+    _TAG_NCHW,
+    _TAG_OIHW,
+    _TAG_X,
+    ENV_LIBRARY,
+    INSTALL_HINT,
+    LIBRARY,
+    OneDnnError,
+    _aligned,
+    _Dims,
+    _Library,
+    _memory,
+    _p,
+    _Primitive,
+    _Reorder,
+    library,
+)
 
-LIBRARY = "libdnnl.so.3"
-ENV_LIBRARY = "HETCONV_ONEDNN_LIB"
-INSTALL_HINT = "pip install 'hetconv[onednn]'"
+__all__ = ["ENV_LIBRARY", "LAYOUTS", "OneDnnBackend", "OneDnnError", "library", "op_layouts"]
+
 #: The three operations, as :class:`_Convolution` names them.
 OPS = ("forward", "input", "kernels")
 #: Which layout each operation computes in: "plain" (NCHW, no reorders) or "blocked" (oneDNN's
@@ -60,6 +100,16 @@ FEW_CHANNELS = 8
 #: Geometries whose primitives a backend keeps; past this many all are dropped (a worker
 #: serving many batch sizes), and made again as calls need them.
 MAX_KEPT = 256
+#: A kernel gradient is summed from this many parts of the batch (fewer with fewer images),
+#: each the sum over its images by one primitive, added in order: a fixed number, not the
+#: thread count, so the sum is the same at any. Two: at two threads each part takes one
+#: thread with every kernel (no input reordered twice, no layer of 16 kernels left to one
+#: thread); at one thread the second call costs about 50 us (resnet20's 16-kernel layer at
+#: batch 16: 0.52 ms against 0.44 ms in one part).
+IMAGE_PARTS = 2
+#: Kernel ranges a call is cut into begin at multiples of this (oneDNN computes kernels in
+#: blocks of 8 on AVX2, 16 on AVX-512: a range of fewer pads its block).
+KERNEL_BLOCK = 16
 _NO_PADDING = Padding(0, 0, 0, 0)
 
 
@@ -71,247 +121,46 @@ def op_layouts(layout: str, shape: ConvShape) -> dict[str, str]:
     return {"forward": "blocked", "input": "plain" if few else "blocked", "kernels": "blocked"}
 
 
-# oneDNN 3.2's C enums (include/oneapi/dnnl/dnnl_types.h at tag v3.2)
-_SUCCESS, _CPU, _F32 = 0, 1, 3
-_TAG_ANY, _TAG_X, _TAG_NCHW, _TAG_OIHW = 1, 2, 5, 5
-_FORWARD_TRAINING, _DIRECT = 64, 1
-_STREAM_DEFAULT = 1
-_QUERY_IMPL, _QUERY_SCRATCHPAD, _SCRATCHPAD_USER, _ARG_SCRATCHPAD = 8, 136, 1, 80
-_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
-_ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS, _ARG_DIFF_BIAS = 129, 145, 161, 169
-_QUERY = {
-    _ARG_SRC: 129, _ARG_DIFF_SRC: 130, _ARG_WEIGHTS: 131, _ARG_DIFF_WEIGHTS: 132,
-    _ARG_DST: 133, _ARG_DIFF_DST: 134,
-}  # fmt: skip
-_ISA = {
-    0x3: "avx", 0x7: "avx2", 0xF: "avx2_vnni", 0x1F: "avx2_vnni_2", 0x27: "avx512_core",
-    0x67: "avx512_core_vnni", 0xE7: "avx512_core_bf16", 0x1EF: "avx512_core_fp16",
-    0xFEF: "avx512_core_amx", 0x1FEF: "avx512_core_amx_fp16",
-}  # fmt: skip
-
-_Dims = ctypes.c_int64 * 12
-_p = ctypes.c_void_p
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
-class _ExecArg(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_int), ("memory", _p)]
+def _ranges(total: int, parts: int, block: int = 1) -> list[tuple[int, int]]:
+    """``[0, total)`` cut into at most ``parts`` contiguous ranges, as even as whole blocks of
+    ``block`` allow (the last block may be short); none empty."""
+    blocks = -(-total // block)
+    parts = max(1, min(parts, blocks))
+    cuts = [min(total, blocks * i // parts * block) for i in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
-class OneDnnError(RuntimeError):
-    """A oneDNN call that did not succeed (its status code in the message)."""
+def _one_thread(lib: _Library, task) -> None:
+    lib.set_threads(1)
+    task()
 
 
-def _candidates() -> list[str]:
-    explicit = os.environ.get(ENV_LIBRARY)
-    if explicit:
-        return [explicit]
-    return [os.path.join(sys.prefix, "lib", LIBRARY), LIBRARY]
-
-
-class _Library:
-    """libdnnl loaded once per process, with one CPU engine and OpenMP's thread setter."""
-
-    def __init__(self) -> None:
-        errors = []
-        for path in _candidates():
-            try:
-                self.dll = ctypes.CDLL(path)
-                break
-            except OSError as e:
-                errors.append(f"{path}: {e}")
-        else:
-            raise OSError("; ".join(errors))
-        d = self.dll
-        status = ctypes.c_int
-        for name, args in {
-            "dnnl_engine_create": [ctypes.POINTER(_p), ctypes.c_int, ctypes.c_size_t],
-            "dnnl_stream_create": [ctypes.POINTER(_p), _p, ctypes.c_uint],
-            "dnnl_memory_desc_create_with_tag": [
-                ctypes.POINTER(_p), ctypes.c_int, _Dims, ctypes.c_int, ctypes.c_int
-            ],
-            "dnnl_convolution_forward_primitive_desc_create": [
-                ctypes.POINTER(_p), _p, ctypes.c_int, ctypes.c_int, _p, _p, _p, _p,
-                _Dims, _Dims, _Dims, _Dims, _p,
-            ],
-            "dnnl_convolution_backward_data_primitive_desc_create": [
-                ctypes.POINTER(_p), _p, ctypes.c_int, _p, _p, _p, _Dims, _Dims, _Dims, _Dims,
-                _p, _p,
-            ],
-            "dnnl_convolution_backward_weights_primitive_desc_create": [
-                ctypes.POINTER(_p), _p, ctypes.c_int, _p, _p, _p, _p, _Dims, _Dims, _Dims,
-                _Dims, _p, _p,
-            ],
-            "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(_p), _p, _p, _p, _p, _p],
-            "dnnl_primitive_create": [ctypes.POINTER(_p), _p],
-            "dnnl_primitive_execute": [_p, _p, ctypes.c_int, _p],
-            "dnnl_memory_create": [ctypes.POINTER(_p), _p, _p, _p],
-            "dnnl_primitive_attr_create": [ctypes.POINTER(_p)],
-            "dnnl_primitive_attr_set_scratchpad_mode": [_p, ctypes.c_int],
-            **dict.fromkeys(("dnnl_primitive_desc_destroy", "dnnl_primitive_destroy",
-                             "dnnl_memory_destroy", "dnnl_memory_desc_destroy"), [_p]),
-        }.items():  # fmt: skip
-            fn = getattr(d, name)
-            fn.argtypes, fn.restype = args, status
-        d.dnnl_primitive_desc_query.argtypes = [_p, ctypes.c_int, ctypes.c_int, _p]
-        d.dnnl_primitive_desc_query.restype = ctypes.c_int
-        d.dnnl_primitive_desc_query_md.argtypes = [_p, ctypes.c_int, ctypes.c_int]
-        d.dnnl_primitive_desc_query_md.restype = _p
-        d.dnnl_memory_desc_get_size.argtypes = [_p]
-        d.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
-        d.dnnl_memory_desc_equal.argtypes = [_p, _p]
-        d.dnnl_memory_desc_equal.restype = ctypes.c_int
-        d.dnnl_version.restype = ctypes.POINTER(ctypes.c_int * 3)  # major, minor, patch first
-        d.dnnl_get_effective_cpu_isa.restype = ctypes.c_int
-        self.engine = _p()
-        self.check(d.dnnl_engine_create(ctypes.byref(self.engine), _CPU, 0), "engine_create")
-        # Every primitive takes its scratchpad from the caller (a buffer kept per thread): the
-        # library's own is one for all primitives, and a primitive may then run only on the
-        # thread that created it, where hetconv calls each from whichever thread serves.
-        self.attr = _p()
-        self.check(d.dnnl_primitive_attr_create(ctypes.byref(self.attr)), "attr_create")
-        user = d.dnnl_primitive_attr_set_scratchpad_mode(self.attr, _SCRATCHPAD_USER)
-        self.check(user, "attr_set_scratchpad_mode")
-        # libdnnl links libgomp: the same library, already loaded, is found by its name
-        self.omp_set_num_threads = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
-        self.omp_set_num_threads.argtypes = [ctypes.c_int]
-        self._streams = threading.local()
-
-    @staticmethod
-    def check(status: int, what: str) -> None:
-        if status != _SUCCESS:
-            raise OneDnnError(f"oneDNN {what} failed with status {status}")
-
-    def stream(self) -> ctypes.c_void_p:
-        """The calling thread's stream (a stream is used by one thread at a time)."""
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = _p()
-            created = self.dll.dnnl_stream_create(
-                ctypes.byref(stream), self.engine, _STREAM_DEFAULT
-            )
-            self.check(created, "stream_create")
-            self._streams.stream = stream
-        return stream
-
-    def set_threads(self, threads: int) -> None:
-        """OpenMP threads of the calling thread's next parallel regions (set when changed)."""
-        if getattr(self._streams, "threads", None) != threads:
-            self.omp_set_num_threads(threads)
-            self._streams.threads = threads
-
-    def implementation(self, pd) -> str:
-        """The name of the implementation oneDNN chose for primitive descriptor ``pd``."""
-        text = ctypes.c_char_p()
-        status = self.dll.dnnl_primitive_desc_query(pd, _QUERY_IMPL, 0, ctypes.byref(text))
-        return text.value.decode() if status == _SUCCESS and text.value else "?"
-
-    def version(self) -> str:
-        return ".".join(map(str, self.dll.dnnl_version().contents))
-
-    def isa(self) -> str:
-        code = self.dll.dnnl_get_effective_cpu_isa()
-        return _ISA.get(code, hex(code))
-
-    def md(self, dims: tuple[int, ...], tag: int) -> ctypes.c_void_p:
-        md = _p()
-        created = self.dll.dnnl_memory_desc_create_with_tag(
-            ctypes.byref(md), len(dims), _Dims(*dims), _F32, tag
-        )
-        self.check(created, f"memory_desc_create({dims})")
-        return md
-
-
-_library: _Library | None = None
-_library_error: str | None = None
-_library_lock = threading.Lock()
-
-
-def library() -> _Library:
-    """The process's libdnnl (loaded on first use); OSError when it cannot be loaded."""
-    global _library, _library_error
-    with _library_lock:
-        if _library is None and _library_error is None:
-            try:
-                _library = _Library()
-            except (OSError, AttributeError, OneDnnError) as e:
-                _library_error = str(e)
-        if _library is None:
-            raise OSError(_library_error)
-        return _library
+def _in_parallel(lib: _Library, tasks: list) -> None:
+    """Run ``tasks`` (callables) at once: the first on the calling thread, the others on the
+    module's pool; each at one OpenMP thread. Returns when all are done; raises the first
+    failure."""
+    global _pool
+    if len(tasks) > 1 and _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="onednn")
+    futures = [_pool.submit(_one_thread, lib, task) for task in tasks[1:]]
+    try:
+        _one_thread(lib, tasks[0])
+    finally:
+        wait(futures)  # every part done before its buffers are used or freed
+    for future in futures:
+        future.result()
 
 
 def _roles(mds: dict, bias=None) -> tuple:
     """The descriptors a convolution primitive takes, in its argument order: src, weights,
     (bias,) dst."""
     return (mds["src"], mds["weights"], *(() if bias is None else (bias,)), mds["dst"])
-
-
-class _Primitive:
-    """One oneDNN primitive with its descriptor (kept: it owns the descriptors queried from
-    it) and the size of the scratchpad it needs."""
-
-    def __init__(self, lib: _Library, pd: ctypes.c_void_p, what: str):
-        self.lib, self.pd, self.primitive = lib, pd, _p()
-        lib.check(lib.dll.dnnl_primitive_create(ctypes.byref(self.primitive), pd), what)
-        self.scratchpad = lib.dll.dnnl_primitive_desc_query_md(pd, _QUERY_SCRATCHPAD, 0)
-        self.scratchpad_bytes = lib.dll.dnnl_memory_desc_get_size(self.scratchpad)
-        self.implementation = lib.implementation(pd)
-
-    def md(self, arg: int) -> ctypes.c_void_p:
-        """The descriptor the primitive computes argument ``arg`` in (owned by its pd)."""
-        return self.lib.dll.dnnl_primitive_desc_query_md(self.pd, _QUERY[arg], 0)
-
-    def execute(self, stream, args: list[tuple[int, ctypes.c_void_p]], scratch, made) -> None:
-        """Run on memory objects ``args`` ((argument, memory) pairs), with a scratchpad from
-        ``scratch(name, shape)`` when it needs one; memories it creates go to ``made``."""
-        if self.scratchpad_bytes:
-            buffer = _aligned(scratch, "onednn scratchpad", self.scratchpad_bytes)
-            args = [*args, (_ARG_SCRATCHPAD, _memory(self.lib, self.scratchpad, buffer, made))]
-        table = (_ExecArg * len(args))(*(_ExecArg(a, m) for a, m in args))
-        status = self.lib.dll.dnnl_primitive_execute(self.primitive, stream, len(args), table)
-        self.lib.check(status, f"execute ({self.implementation})")
-
-    def destroy(self) -> None:
-        self.lib.dll.dnnl_primitive_destroy(self.primitive)
-        self.lib.dll.dnnl_primitive_desc_destroy(self.pd)
-
-
-def _aligned(scratch, name: str, nbytes: int) -> np.ndarray:
-    """At least ``nbytes`` of the calling thread's buffer ``name`` (``scratch(name, shape)``),
-    starting on a 64-byte boundary, as oneDNN aligns its own buffers (a cache line; AVX-512's
-    aligned loads)."""
-    buffer = scratch(name, (nbytes // 4 + 17,))
-    return buffer[(-buffer.ctypes.data % 64) // 4 :]
-
-
-def _memory(lib: _Library, md, array: np.ndarray, made: list) -> ctypes.c_void_p:
-    """A oneDNN memory of descriptor ``md`` over ``array``'s data (appended to ``made``, to
-    be destroyed after the call)."""
-    memory = _p()
-    created = lib.dll.dnnl_memory_create(
-        ctypes.byref(memory), md, lib.engine, _p(array.ctypes.data)
-    )
-    lib.check(created, "memory_create")
-    made.append(memory)
-    return memory
-
-
-class _Reorder:
-    """The two reorders between a tensor's plain layout and the blocked one a primitive
-    computes in: ``into`` (plain to blocked) and ``back``."""
-
-    def __init__(self, lib: _Library, plain, blocked):
-        self.lib, self.plain, self.blocked = lib, plain, blocked
-        self.bytes = lib.dll.dnnl_memory_desc_get_size(blocked)
-        self.into, self.back = self._create(plain, blocked), self._create(blocked, plain)
-
-    def _create(self, source, target) -> _Primitive:
-        lib, pd = self.lib, _p()
-        created = lib.dll.dnnl_reorder_primitive_desc_create(
-            ctypes.byref(pd), source, lib.engine, target, lib.engine, lib.attr
-        )
-        lib.check(created, "reorder_primitive_desc_create")
-        return _Primitive(lib, pd, "reorder")
 
 
 class _Convolution:
@@ -523,22 +372,19 @@ class OneDnnBackend(CpuBackend):
         return dict(self._convolution(shape).implementations)
 
     def _convolution(self, shape: ConvShape) -> _Convolution:
-        """The primitives of ``shape`` for the thread count of this call, which is set for
-        the calling thread first: oneDNN plans a primitive's work split (a kernel gradient's
-        partial sums, for one) for the threads there are when it is created, so the
-        primitives are kept per (geometry, threads)."""
-        threads = self._threads()
-        self._lib.set_threads(threads)
-        key = (shape, threads)
-        conv = self._convolutions.get(key)
+        """The primitives of ``shape``, made (for one OpenMP thread, the calling thread's
+        count set first: oneDNN plans a primitive's work for the threads there are when it is
+        created) on first use and kept."""
+        self._lib.set_threads(1)
+        conv = self._convolutions.get(shape)
         if conv is None:
             with self._lock:
-                conv = self._convolutions.get(key)
+                conv = self._convolutions.get(shape)
                 if conv is None:
                     if len(self._convolutions) >= MAX_KEPT:
                         self._convolutions.clear()  # freed once calls running them finish
                     conv = self._exact_convolution(shape)
-                    self._convolutions[key] = conv
+                    self._convolutions[shape] = conv
         return conv
 
     def _exact_convolution(self, shape: ConvShape) -> _Convolution:
@@ -561,32 +407,85 @@ class OneDnnBackend(CpuBackend):
         return xp
 
     def _forward(self, x, w, b, shape):
+        """Ranges of the images, one per thread (an image's outputs do not depend on the
+        images beside it); a single image: ranges of its kernels (nor on the kernels)."""
         y = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
+        threads = self._threads()
+        if shape.n > 1 or threads == 1:
+            parts = [
+                (x[i:j], w, b, y[i:j], _with_images(shape, j - i))
+                for i, j in _ranges(shape.n, threads)
+            ]
+        else:  # one image: its rows of y of a range of kernels are contiguous
+            parts = [
+                (x, w[i:j], None if b is None else b[i:j], y[:, i:j], replace(shape, k=j - i))
+                for i, j in _ranges(shape.k, threads, KERNEL_BLOCK)
+            ]
+        _in_parallel(self._lib, [partial(self._forward_part, *part) for part in parts])
+        return y
+
+    def _forward_part(self, x, w, b, y, shape):
         conv = self._convolution(shape)
         bias = conv.zero_bias if b is None else b
         if conv.shape != shape:  # padded here: x is copied in
             x = self._padded_input(x, shape)
         conv.run("forward", {"src": x, "weights": w, "dst": y}, bias, self._scratch.get)
-        return y
 
     def _grad_input(self, dy, w, shape):
+        """Ranges of the images, one per thread (the gradient of an image's input is a sum
+        over the kernels, all of them in every part)."""
+        dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
+        parts = [
+            (dy[i:j], w, dx[i:j], _with_images(shape, j - i))
+            for i, j in _ranges(shape.n, self._threads())
+        ]
+        _in_parallel(self._lib, [partial(self._grad_input_part, *part) for part in parts])
+        return dx
+
+    def _grad_input_part(self, dy, w, dx, shape):
         conv = self._convolution(shape)
         if conv.shape != shape:  # padded here: the padded input's gradient, cut out
             dxp = self._scratch.get("onednn padded", (shape.n, shape.c, *shape.padded_hw))
             conv.run("input", {"src": dxp, "weights": w, "dst": dy}, None, self._scratch.get)
             rows, cols = shape.interior
-            return np.ascontiguousarray(dxp[:, :, rows, cols])
-        dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
-        arrays = {"src": dx, "weights": w, "dst": dy}
-        conv.run("input", arrays, None, self._scratch.get)
-        return dx
+            dx[...] = dxp[:, :, rows, cols]
+            return
+        conv.run("input", {"src": dx, "weights": w, "dst": dy}, None, self._scratch.get)
 
     def _grad_kernels(self, x, dy, shape):
-        dw = np.empty((shape.k, shape.c, shape.kh, shape.kw), np.float32)
-        db = np.empty(shape.k, np.float32)
-        conv = self._convolution(shape)
-        if conv.shape != shape:  # padded here: x is copied in
-            x = self._padded_input(x, shape)
-        arrays = {"src": x, "weights": dw, "dst": dy}
-        conv.run("kernels", arrays, db, self._scratch.get)
+        """The sum over :data:`IMAGE_PARTS` ranges of the images, in order, of each range's
+        gradient (a primitive at one thread sums over its images in a fixed order, and a
+        kernel's sum does not depend on the kernels beside it); the threads beyond one per
+        range take ranges of the kernels."""
+        images = _ranges(shape.n, IMAGE_PARTS)
+        per_part = max(1, self._threads() // len(images))
+        kernels = _ranges(shape.k, per_part, KERNEL_BLOCK)
+        sums = [
+            (np.empty((shape.k, shape.c, shape.kh, shape.kw), np.float32),
+             np.empty(shape.k, np.float32))
+            for _ in images
+        ]  # fmt: skip
+        tasks = [
+            partial(self._grad_kernels_part, x, dy, (i, j), (k0, k1), dw[k0:k1], db[k0:k1], shape)
+            for (i, j), (dw, db) in zip(images, sums, strict=True)
+            for k0, k1 in kernels
+        ]
+        _in_parallel(self._lib, tasks)
+        dw, db = sums[0]
+        for part_dw, part_db in sums[1:]:
+            dw += part_dw
+            db += part_db
         return dw, db
+
+    def _grad_kernels_part(self, x, dy, images, kernels, dw, db, shape):
+        (i, j), (k0, k1) = images, kernels
+        part = replace(shape, n=j - i, k=k1 - k0)
+        x, dy = x[i:j], dy[i:j]
+        if part.k != shape.k:  # a range of the kernels: its dy copied out
+            part_dy = self._scratch.get("onednn dy", (part.n, part.k, *shape.out_hw))
+            part_dy[...] = dy[:, k0:k1]
+            dy = part_dy
+        conv = self._convolution(part)
+        if conv.shape != part:  # padded here: x is copied in
+            x = self._padded_input(x, part)
+        conv.run("kernels", {"src": x, "weights": dw, "dst": dy}, db, self._scratch.get)
