@@ -363,10 +363,14 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def add_engine_flag(p: argparse.ArgumentParser) -> None:
     """``--engine``: hetconv's convolution engine on the testbed (master and workers)."""
+    from hetconv.backends import resolve_engine
+
     p.add_argument(
-        "--engine", choices=("cpu", "onednn"), default="cpu",
+        "--engine", choices=("auto", "cpu", "onednn"), default="auto",
+        type=lambda name: resolve_engine(name)[0],  # auto: named at once, the rows carry it
         help="hetconv's convolution engine: the master's (--engine, --local's too) and the "
-        "workers' backend (cpu; onednn needs the onednn extra). The scale is measured with cpu",
+        "workers' backend: onednn, cpu, or auto (default: onednn where its library loads, "
+        "else cpu). The scale is measured with cpu",
     )  # fmt: skip
 
 

@@ -258,6 +258,11 @@ def cluster_config_of(args: argparse.Namespace, addresses: list[str], token: str
 def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addresses: list[str]):
     """Train where the flags say: in this process, on the workers found on the LAN, on the
     named workers, or on local worker processes (the embedded default)."""
+    from hetconv.backends import resolve_engine
+
+    args.engine, says = resolve_engine(args.engine)  # auto: onednn where it loads, else cpu
+    if says:
+        print(says, file=sys.stderr, flush=True)
     if args.local:
         from hetconv.conv import LocalConv
 

@@ -66,12 +66,14 @@ def _add_where(where: argparse._ArgumentGroup) -> None:
     )
     where.add_argument(
         "--engine",
-        choices=["cpu", "onednn"],
-        default="cpu",
+        choices=["auto", "cpu", "onednn"],
+        default="auto",
         help="the convolution engine of this process (--local, the master's own share) and of "
-        "the local workers it starts: cpu (im2col + BLAS) or onednn (oneDNN's convolutions, "
-        "pip install 'hetconv[onednn]'); named workers take theirs from `hetconv worker "
-        "--backend` (default: cpu)",
+        "the local workers it starts: onednn (oneDNN's convolutions; its library comes with "
+        "hetconv on Linux x86-64), cpu (im2col + BLAS, numpy), or auto (default): onednn "
+        "where its library loads, else cpu, the console saying which and why; named workers "
+        "take theirs from `hetconv worker --backend` (default auto: the fastest GPU, else the "
+        "same choice)",
     )
     where.add_argument(
         "--worker",

@@ -29,7 +29,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend",
         default="auto",
-        help="cpu, onednn, opencl, cuda, or auto (the fastest GPU present or cpu, by a probe)",
+        help="cpu, onednn, opencl, cuda, or auto (the fastest GPU present, by a probe against "
+        "the CPU engine, else the CPU engine: onednn where its library loads, else cpu)",
     )
     p.add_argument(
         "--device",

@@ -1,7 +1,7 @@
 """The onednn backend (oneDNN's convolutions through ctypes) against the cpu backend.
 
-The dev extra installs oneDNN (``onednn-cpu-gomp``) wherever its wheel exists (Linux x86-64):
-there these tests run, never skipped; elsewhere they are skipped with that reason.
+hetconv's dependencies install oneDNN (``onednn-cpu-gomp``) wherever its wheel exists (Linux
+x86-64): there these tests run, never skipped; elsewhere they are skipped with that reason.
 
 Tolerance: as in test_backends.py, ``2e-4`` of the magnitude of the summed terms (oneDNN's
 kernels block and order their float32 sums otherwise than BLAS does). Against itself there is
@@ -39,7 +39,7 @@ REFERENCE = CpuBackend()
 
 @pytest.fixture(scope="module")
 def onednn():
-    """The backend, which must be available here (the dev extra installs it)."""
+    """The backend, which must be available here (hetconv's dependencies install it)."""
     ok, why = onednn_module.OneDnnBackend.is_available()
     assert ok, why
     return get_backend("onednn")
@@ -330,7 +330,7 @@ def test_without_the_library_the_backend_says_why_and_how_to_install(monkeypatch
     monkeypatch.setattr(onednn_library, "_library", None)
     monkeypatch.setattr(onednn_library, "_library_error", None)
     ok, why = onednn_module.OneDnnBackend.is_available()
-    assert not ok and "libdnnl.so.3" in why and "pip install 'hetconv[onednn]'" in why
+    assert not ok and "libdnnl.so.3" in why and "hetconv installs it on Linux x86-64" in why
     with pytest.raises(BackendUnavailable, match=r"backend onednn is not available here: .*pip"):
         backend_class("onednn")
 

@@ -1,7 +1,9 @@
 """Convolution backends behind one small contract (:class:`Backend`).
 
-``cpu`` is always present. ``opencl`` (PyOpenCL, ``hetconv[opencl]``) and ``cuda`` (CuPy,
-``hetconv[cuda]``) are imported only when asked for, and say why when they cannot run.
+``cpu`` is always present. ``onednn`` (oneDNN's convolutions; its library comes with hetconv
+on Linux x86-64) is the CPU engine ``auto`` picks where that library loads (:func:`cpu_engine`).
+``opencl`` (PyOpenCL, ``hetconv[opencl]``) and ``cuda`` (CuPy, ``hetconv[cuda]``) are imported
+only when asked for, and say why when they cannot run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ __all__ = [
     "available_backends",
     "backend_class",
     "conv_shape",
+    "cpu_engine",
     "get_backend",
+    "resolve_engine",
     "KNOWN_BACKENDS",
 ]
 
@@ -78,14 +82,36 @@ def available_backends() -> dict[str, str]:
     return status
 
 
+def cpu_engine() -> tuple[str, str]:
+    """The CPU engine ``auto`` picks, and why: ``onednn`` where oneDNN's library loads (it
+    comes with hetconv on Linux x86-64), else ``cpu`` (im2col + BLAS, everywhere)."""
+    from .onednn import OneDnnBackend
+
+    ok, why = OneDnnBackend.is_available()
+    if not ok:
+        return "cpu", why
+    return "onednn", f"oneDNN {OneDnnBackend.library_version()} loads here"
+
+
+def resolve_engine(name: str) -> tuple[str, str | None]:
+    """``hetconv train --engine``'s choice as a backend name, with the line that says which
+    ``auto`` chose and why (None for a named engine)."""
+    if name != "auto":
+        return name, None
+    engine, why = cpu_engine()
+    if engine == "onednn":
+        return engine, f"engine onednn (auto: {why}; --engine cpu for the numpy engine)"
+    return engine, f"engine cpu, the numpy engine (auto: {why})"
+
+
 def get_backend(
     name: str = "cpu", device: int | None = None, memory_limit: int | None = None, **options
 ) -> Backend:
     """Create backend ``name`` on device number ``device`` (None: the backend's default).
 
-    ``"auto"`` times every available backend's default device on :data:`AUTO_PROBE` and
-    returns the fastest. ``memory_limit`` caps the bytes one call may use on the device
-    (larger calls run in chunks of images).
+    ``"auto"`` times every available GPU backend's default device and the CPU engine
+    (:func:`cpu_engine`) on :data:`AUTO_PROBE` and returns the fastest. ``memory_limit`` caps
+    the bytes one call may use on the device (larger calls run in chunks of images).
     """
     if name == "auto":
         if device is not None:
@@ -106,13 +132,14 @@ def get_backend(
 def fastest_backend(memory_limit: int | None = None, repeats: int = 2) -> Backend:
     """The available backend whose default device runs :data:`AUTO_PROBE` fastest.
 
-    OpenCL devices that are CPUs (PoCL and the like) are not candidates: they run on the cores
-    the cpu backend already uses, at a fraction of its BLAS speed. With no other candidate the
-    cpu backend is returned without a probe.
+    The CPU takes part as its engine (:func:`cpu_engine`: onednn where its library loads, else
+    cpu). OpenCL devices that are CPUs (PoCL and the like) are not candidates: they run on the
+    cores the CPU engine already uses, slower. With no other candidate the CPU engine is
+    returned without a probe.
     """
     candidates = []
     for name, why in available_backends().items():
-        if why or name == "cpu":
+        if why or name in ("cpu", "onednn"):
             continue
         try:
             backend = get_backend(name, memory_limit=memory_limit)
@@ -120,7 +147,7 @@ def fastest_backend(memory_limit: int | None = None, repeats: int = 2) -> Backen
             continue
         if backend.describe().kind != "cpu":
             candidates.append(backend)
-    cpu = get_backend("cpu", memory_limit=memory_limit)
+    cpu = get_backend(cpu_engine()[0], memory_limit=memory_limit)
     if not candidates:
         return cpu
     best, best_seconds = cpu, cpu.time_step(AUTO_PROBE, repeats)

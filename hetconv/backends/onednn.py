@@ -344,6 +344,11 @@ class OneDnnBackend(CpuBackend):
             return False, f"oneDNN library {LIBRARY} cannot be loaded ({e}); {INSTALL_HINT}"
         return True, ""
 
+    @staticmethod
+    def library_version() -> str:
+        """oneDNN's version (``3.2.0``); OSError when its library cannot be loaded."""
+        return library().version()
+
     def describe(self) -> DeviceInfo:
         info = super().describe()
         lib = self._lib

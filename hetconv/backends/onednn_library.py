@@ -16,7 +16,8 @@ import numpy as np
 
 LIBRARY = "libdnnl.so.3"
 ENV_LIBRARY = "HETCONV_ONEDNN_LIB"
-INSTALL_HINT = "pip install 'hetconv[onednn]'"
+#: Its wheel (onednn-cpu-gomp) is one of hetconv's dependencies where it is built.
+INSTALL_HINT = "hetconv installs it on Linux x86-64 (pip install 'hetconv[onednn]' there)"
 
 # oneDNN 3.2's C enums (include/oneapi/dnnl/dnnl_types.h at tag v3.2)
 _SUCCESS, _CPU, _F32 = 0, 1, 3
