@@ -70,10 +70,10 @@ def _add_where(where: argparse._ArgumentGroup) -> None:
         default="auto",
         help="the convolution engine of this process (--local, the master's own share) and of "
         "the local workers it starts: onednn (oneDNN's convolutions; its library comes with "
-        "hetconv on Linux x86-64), cpu (im2col + BLAS, numpy), or auto (default): onednn "
-        "where its library loads, else cpu, the console saying which and why; named workers "
-        "take theirs from `hetconv worker --backend` (default auto: the fastest GPU, else the "
-        "same choice)",
+        "hetconv on Linux x86-64), cpu (im2col + BLAS, numpy), or auto: onednn where its "
+        "library loads, else cpu, the console saying which and why (default: auto); named "
+        "workers take theirs from `hetconv worker --backend`, whose auto takes the fastest "
+        "GPU first",
     )
     where.add_argument(
         "--worker",
