@@ -38,6 +38,7 @@ def test_auto_is_the_default_network_and_compute_reads_no_links():
     assert ClusterConfig().network == "auto"
 
 
+@pytest.mark.slow  # builds a testbed and times both media (about 14 s)
 @needs_testbed
 def test_a_full_duplex_link_is_switched_and_a_half_duplex_one_shared():
     with testbed.Testbed(1, RATE_MBIT) as bed:

@@ -103,7 +103,13 @@ class Killing(exactness.Killing):
 
 
 @pytest.mark.parametrize(
-    "kernels, when", [("sent", "backward"), ("resident", "backward"), ("resident", "forward")]
+    "kernels, when",
+    [
+        ("sent", "backward"),
+        ("resident", "backward"),
+        # a kill in forward: also tests/test_split_all.py's [resident-forward-*] in the fast run
+        pytest.param("resident", "forward", marks=pytest.mark.slow),
+    ],
 )
 def test_a_worker_killed_mid_step_stays_exact(local, tmp_path, kernels, when):
     with LocalWorkers(2) as started:

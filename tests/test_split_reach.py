@@ -207,7 +207,7 @@ class Killing(exactness.Killing):
     BASE = {**SPLIT, "deadline_floor": 5.0}
 
 
-@pytest.mark.parametrize("victim", [0, 2])
+@pytest.mark.parametrize("victim", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_mixed_split_stays_exact_with_a_worker_killed_mid_step(local, tmp_path, victim):
     """Two split peers and a whole-block worker (left out): killing a split peer in backward
     (the master fetches the rows for its images from the other peer, not from the whole-block

@@ -118,7 +118,7 @@ def _lost(events):
 # -- a worker that lies ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["scale", "noise"])
+@pytest.mark.parametrize("kind", ["scale", pytest.param("noise", marks=pytest.mark.slow)])
 def test_a_lying_worker_is_dropped_at_the_first_check_and_kept_out(local, tmp_path, kind):
     # "scale": every answer times 1.5; "noise": times 1 + 1e-3 N(0, 1), elementwise. Both lie
     # from the first call, which is checked (step 0, conv1 forward): the master computes the

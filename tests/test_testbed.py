@@ -108,7 +108,10 @@ def _cpu_share(bed: testbed.ClusterTestbed, host: testbed.Host, seconds: float =
     return share
 
 
-@pytest.mark.parametrize("flags", [["--stages", "unfused"], ["--stages", "fused"]])
+@pytest.mark.parametrize(
+    "flags",
+    [["--stages", "unfused"], pytest.param(["--stages", "fused"], marks=pytest.mark.slow)],
+)
 def test_the_prediction_models_the_modes_the_run_traced(tmp_path, flags):
     # A run through real loopback workers in each stage mode: the step the simulator predicts
     # for its trace moves the bytes the run moved (fused calls counted as fused, not as the
@@ -231,6 +234,7 @@ def _leftovers_of(pid: int) -> list[str]:
     return [n for n in names if n.startswith(tag) or f"/{tag}-" in n]
 
 
+@pytest.mark.slow  # every row through real workers (about 12 s)
 @needs_testbed
 def test_a_tiny_run_gives_every_row_through_real_workers(tmp_path):
     rows = tmp_path / "rows.json"

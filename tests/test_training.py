@@ -46,6 +46,7 @@ def write_cifar(folder, images_per_file: int = 40, seed: int = 0) -> None:
             pickle.dump(batch, f, protocol=2)
 
 
+@pytest.mark.slow  # 150 steps; the CI script's `hetconv train` checks learning on every run
 def test_tiny_preset_learns_synthetic_data_far_above_chance():
     config = TrainConfig(steps=150, batch=32, train_size=4000, eval_size=500, progress=False)
     result = train(config)
