@@ -226,7 +226,8 @@ class RingImageSplit(ImageSplit):
         mean = float(np.mean(list(self._seconds.values())))
         seconds = [self._seconds.get(n.name, mean) for n in nodes]
         workers = replace(self._sim_cluster(), master_compute=False)
-        after = ring_exchange_seconds(workers, self._parameter_bytes)
+        nbytes, segment = self._parameter_bytes, self.segment_bytes
+        after = ring_exchange_seconds(workers, nbytes, segment_bytes=segment)
         hidden = 0.0
         if self.bucket_bytes:  # as the simulator counts it: DDP's buckets' model
             from hetconv.imagecost import ring_hidden_seconds
@@ -448,11 +449,10 @@ class RingImageSplit(ImageSplit):
                     ring=pb.ImagesRing(
                         peers=peers, rank=rank, version=self._version, place=place, lr=sgd.lr,
                         momentum=sgd.momentum, weight_decay=sgd.weight_decay,
-                        master_part=master_part and rank == 0,
+                        master_part=master_part and rank == 0, wait_seconds=wait,
                         answer_sum=rank == 0 or self.sum_slices, sum_slice=self.sum_slices,
-                        wait_seconds=wait, bucket_bytes=self.bucket_bytes,
-                        segment_bytes=self.segment_bytes, digest_seed=self._digest_seed,
-                        digest_share=self.digest_share,
+                        bucket_bytes=self.bucket_bytes, segment_bytes=self.segment_bytes,
+                        digest_seed=self._digest_seed, digest_share=self.digest_share,
                     ),
                 ),
             )  # fmt: skip

@@ -25,6 +25,7 @@ from hetconv.master.spotcheck import SpotCheckConfig
 from hetconv.ring import (
     RING,
     all_reduce,
+    all_reduce_seconds,
     bucket_chunks,
     buckets,
     chunk_bounds,
@@ -117,6 +118,31 @@ def test_a_buckets_segments_sum_bit_for_bit_as_the_whole_ring():
             v[a:b] = g
     for v in summed:
         assert v.tobytes() == whole[0].tobytes()
+
+
+def test_the_cost_model_counts_the_segments_pipelined():
+    """Whole chunks: the rounds one after another, a latency each (as before); in segments:
+    the links busy with the rounds' chunks back to back, one segment and one latency to fill
+    the pipeline."""
+    from dataclasses import replace
+
+    from hetconv.costmodel import SWITCHED, SimCluster, SimNode
+    from hetconv.dataparallel import RING as DP_RING
+    from hetconv.dataparallel import CollectiveCosts, exchange_seconds
+
+    link, rtt, nbytes = 87.5e6, 5e-3, 14e6  # the testbed's switched links, paper-150-800
+    nodes = tuple(SimNode(f"w{i}", 50.0, bytes_per_s=link, rtt_s=rtt) for i in range(4))
+    cluster = SimCluster(SimNode("m", 50.0, bytes_per_s=link), nodes, SWITCHED)
+    workers = replace(cluster, master_compute=False)
+    whole = all_reduce_seconds(workers, nbytes, segment_bytes=0)
+    assert whole == exchange_seconds(workers, nbytes, DP_RING)
+    costs = CollectiveCosts()
+    chunk, latency = nbytes / 4, costs.message_s + rtt / 2
+    adds = 3 * chunk / costs.sum_bytes_per_s
+    piped = all_reduce_seconds(workers, nbytes, segment_bytes=2**20)  # 4 segments a chunk
+    assert piped == pytest.approx(6 * chunk / link + chunk / 4 / link + latency + adds)
+    assert piped < whole == pytest.approx(6 * (chunk / link + latency) + adds)
+    assert all_reduce_seconds(workers, nbytes, segment_bytes=chunk) == whole  # one a chunk
 
 
 # -- a worker's ring --------------------------------------------------------------------------
