@@ -255,18 +255,34 @@ def cluster_config_of(args: argparse.Namespace, addresses: list[str], token: str
     )
 
 
+class _SaidFirst:
+    """Standard error, with ``line`` written before the run's first words (a run refused
+    before it starts says its one line only)."""
+
+    def __init__(self, line: str | None):
+        self._line = line
+
+    def write(self, text: str) -> int:
+        if self._line:
+            line, self._line = self._line, None
+            sys.stderr.write(line + "\n")
+        return sys.stderr.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(sys.stderr, name)
+
+
 def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addresses: list[str]):
     """Train where the flags say: in this process, on the workers found on the LAN, on the
     named workers, or on local worker processes (the embedded default)."""
     from hetconv.backends import resolve_engine
 
     args.engine, says = resolve_engine(args.engine)  # auto: onednn where it loads, else cpu
-    if says:
-        print(says, file=sys.stderr, flush=True)
+    log = _SaidFirst(says)
     if args.local:
         from hetconv.conv import LocalConv
 
-        return train(config, LocalConv(args.engine))
+        return train(config, LocalConv(args.engine), log)
     from hetconv.master.cluster import Cluster
     from hetconv.master.ring import image_split_class
     from hetconv.master.splitchoice import SplitChoice
@@ -283,18 +299,20 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
         from .discover import train_discovered
 
         wait = args.discover_wait
+        if says:
+            print(says, file=sys.stderr, flush=True)
         return train_discovered(
             config, cluster_config, addresses, wait, cluster_class, backend=args.engine
         )
     if addresses:
         with cluster_class(addresses, backend=args.engine, config=cluster_config) as cluster:
-            return train(config, cluster)
+            return train(config, cluster, log)
     from hetconv.master.launch import EmbeddedCluster
 
     with EmbeddedCluster(
         args.local_workers, cluster_config, cluster_class, backend=args.engine
     ) as cluster:
-        return train(config, cluster)
+        return train(config, cluster, log)
 
 
 def _spot_check_config(args: argparse.Namespace):
