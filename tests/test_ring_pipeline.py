@@ -266,3 +266,30 @@ def test_segmented_ring_trains_as_whole_chunks_and_local_training(tmp_path, buck
     for name in weights:
         assert weights[name].tobytes() == whole[name].tobytes(), name
     same_as_local(runs[1024], local)
+
+
+def test_a_rank_dying_mid_ring_in_segments_loses_no_step(tmp_path):
+    """Rank 1 (a worker in this process) dies in step 3 once its first segment is out, with
+    parts of 1 KB: rank 0's waits or puts fail, that step goes through the master, the next
+    ring over the survivor, and 5 steps equal local training's."""
+    from exactness import FAST, same_as_local
+    from test_image_ring import DyingRing, Recording
+
+    local = train_strong_lrn(tmp_path, "local", LocalConv(), steps=5)
+    dying = service_module.ConvWorkerService(get_backend("cpu"))
+    dying.context.ring = ring = DyingRing(dying.context, "round")
+    server, address = service_module.start_server(dying, "127.0.0.1:0")
+    ring.server = server
+    try:
+        with LocalWorkers(1) as started:
+            cluster = Recording([started.addresses[0], address], deterministic=True, **FAST)
+            cluster.segment_bytes = 1024
+            with cluster:
+                got = train_strong_lrn(tmp_path, "dies", cluster, steps=5)
+    finally:
+        ring.ended.set()
+        server.stop(0)
+        dying.close()
+    same_as_local(got, local)
+    assert [r["exchange"] for r in cluster.steps] == [RING, RING, RING, "master", RING]
+    assert cluster.steps[3]["nodes"][address]["covered_by"] == "master"
