@@ -17,10 +17,12 @@ MAX_NODES = 1024
 
 #: The mode flags simulate takes; their defaults are train's, so that a prediction describes
 #: the run `hetconv train` makes (a test keeps them equal).
-MODE_DESTS = ("stages", "kernels", "replicate", "overlap", "head")
+MODE_DESTS = ("split", "exchange", "stages", "kernels", "replicate", "overlap", "head")
 DEFAULTS = {**{dest: TRAIN_DEFAULTS[dest] for dest in MODE_DESTS}, "wire_format": None}
 #: The mode flags' choices here, in the order simulate has always listed them.
 _CHOICES = {
+    "split": ("auto", "kernels", "images"),
+    "exchange": ("auto", "master", "ring"),
     "stages": ("unfused", "fused", "auto"),
     "kernels": ("sent", "resident", "auto"),
     "replicate": ("off", "first", "split", "split_all", "auto"),
@@ -29,6 +31,9 @@ _CHOICES = {
 }
 #: What simulate adds to the mode flags' meaning.
 _NOTES = {
+    "split": "here auto simulates both splits and marks (a) the row train would run, spot "
+    "checks on (the ring needs --spot-check-every 0: the json's auto_unchecked)",
+    "exchange": "which image-split rows are simulated (auto: both)",
     "wire_format": "replaces the scenario's [wire] format; default float32",
     "stages": "the master's other work (comp) is as the scenario or trace says, in every mode",
     "kernels": "resident counts halo kernels out, edge kernels back and a sync every 20 steps",

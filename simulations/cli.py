@@ -200,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
             data_parallel=not args.no_data_parallel,
             overlap=args.overlap,
             head=args.head,
+            split=args.split,
+            exchange=args.exchange,
         )
         if not args.quiet:
             print(describe(scenario, args.network))
@@ -214,7 +216,9 @@ def run(args: argparse.Namespace) -> int:
             "comm the rest of its wall time; speedup is over local training on the master "
             "alone; bound = Amdahl's (local step / comp); dp-* = data parallelism (conv and comp: "
             "its slowest rank's; comm: what the gradient exchange adds; bound: with a free "
-            "exchange); * = the fastest"
+            "exchange); images-* = hetconv's whole network split by images (--split images; "
+            "gradients through the master or a ring among the workers); * = the fastest; a = "
+            "the row `hetconv train --split auto` runs (spot checks on)"
         )
     _write_outputs(args, rows)
     return 0
@@ -223,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
 #: ``--paper-modes``: the reference paper's modes (convolutions only, kernels sent every step),
 #: in place of ``hetconv train``'s defaults.
 PAPER_MODES = {
+    "split": "kernels",
     "stages": "unfused",
     "kernels": "sent",
     "replicate": "off",

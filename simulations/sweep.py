@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from hetconv.balance import COMPUTE, shares_for
 from hetconv.costmodel import local_step_seconds, simulate_step
-from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
+from hetconv.dataparallel import ALGORITHMS, PARAMETER_SERVER, simulate_data_parallel
+from hetconv.imagecost import choose_split, simulate_image_split
+from hetconv.imagesplit import IMAGES, KERNELS, refuse_batchnorm
+from hetconv.onnx_import import load_network
+from hetconv.ring import AUTO, MASTER, RING
 from hetconv.stages import UNFUSED
 from hetconv.workload import network_layers
 
@@ -46,6 +50,13 @@ class Row:
     replicate: str = "off"  # as `hetconv train --replicate` (hetconv.replica)
     overlap: str = "off"  # as `hetconv train --overlap` (hetconv.overlap)
     head: str = "master"  # as `hetconv train --head` (hetconv.head)
+    # What is split (`hetconv train --split`): kernels, images (the policy names the exchange,
+    # images-master or images-ring) or "-" (the data-parallel peer, dp-*).
+    split: str = KERNELS
+    # The row `--split auto` runs at this point, spot checks on (train's default), and
+    # with --spot-check-every 0 (the ring allowed); None where only one split was simulated.
+    auto: bool | None = None
+    auto_unchecked: bool | None = None
     comp_basis: str = "scenario"  # where comp_s comes from: the scenario, or "paper"
     # The paper's scenarios, clusters of 2 or more (simulations.paper.bandwidth_check): its
     # Eq. 2 volume, the time the paper's compute split leaves for moving it if the cluster is
@@ -72,6 +83,8 @@ def run_scenario(
     data_parallel: bool = False,
     overlap: str = "off",
     head: str = "master",
+    split: str = KERNELS,
+    exchange: str = AUTO,
 ) -> list[Row]:
     """Simulate the scenario's grid (each argument, when given, replaces the scenario's), with
     every layer's stage run as ``stages`` says (``hetconv train --stages``), its kernels
@@ -79,7 +92,10 @@ def run_scenario(
     ``replicate`` says (``hetconv train --replicate``: ``"off"`` or ``"first"``), fused calls
     overlapped as ``overlap`` says (``hetconv train --overlap``), the final fc computed on the
     nodes as ``head`` says (``hetconv train --head``); with
-    ``data_parallel``, also the data-parallel peer at every point (:func:`data_parallel_rows`)."""
+    ``data_parallel``, also the data-parallel peer at every point (:func:`data_parallel_rows`).
+    ``split`` (``hetconv train --split``): kernels (the rows above), images (the whole network
+    split by images, :func:`image_split_rows`, by the ``exchange`` given: auto = both) or auto
+    (both, the row ``--split auto`` would run marked: :func:`mark_auto_split`)."""
     rows = []
     modes = dict(stages=stages, kernels=kernels, replicate=replicate, overlap=overlap, head=head)
     for network in networks or scenario.networks:
@@ -92,7 +108,7 @@ def run_scenario(
                 for size in nodes or scenario.nodes:
                     cluster = scenario.cluster(size, bandwidth)
                     results = {}
-                    for policy in policies or scenario.policies:
+                    for policy in (policies or scenario.policies) if split != IMAGES else ():
                         shares = shares_for(
                             cluster, layers, policy, stages, kernels, replicate, overlap, head
                         )
@@ -105,12 +121,64 @@ def run_scenario(
                         check = _paper_check(cluster, layers, comp, results, stages, bandwidth)
                     point = {"scenario": scenario.name, "network": network, "batch": batch,
                              "nodes": size, "bandwidth_mbps": float(bandwidth)}  # fmt: skip
-                    for policy, result in results.items():
-                        rows.append(_row(scenario, point, policy, result, modes, check))
+                    mine = [_row(scenario, point, p, r, modes, check) for p, r in results.items()]
+                    if split != KERNELS and size > 1:
+                        mine += image_split_rows(scenario, point, cluster, comp, exchange, check)
+                    if split == AUTO:
+                        mine = mark_auto_split(mine)
+                    rows += mine
                     if data_parallel:
                         rows += data_parallel_rows(scenario.name, network, batch, bandwidth,
                                                    size, cluster, comp, check)  # fmt: skip
     return rows
+
+
+def image_split_rows(scenario: Scenario, point: dict, cluster, comp_s: float, exchange: str,
+                     check: dict) -> list[Row]:  # fmt: skip
+    """The whole network split by images at one ``point`` (:func:`simulate_image_split`, as
+    ``hetconv plan`` ranks it): gradients through the master (``images-master``) and by a ring
+    among the workers (``images-ring``), as ``exchange`` allows (auto: both); a network with
+    batch norm only by the ring (its statistics summed among the workers)."""
+    network, batch = point["network"], point["batch"]
+    ways = [MASTER, RING] if exchange == AUTO else [exchange]
+    try:
+        refuse_batchnorm(load_network(network).spec)
+    except ValueError:
+        ways = [w for w in ways if w == RING]
+    rows = []
+    for way in ways:
+        algorithm = PARAMETER_SERVER if way == MASTER else RING
+        got = simulate_image_split(cluster, network, batch, comp_s, exchange=algorithm)
+        rows.append(
+            Row(**point, policy=f"images-{way}", step_s=got.step_s, comm_s=got.comm_s,
+                conv_s=got.conv_s, comp_s=got.other_s, speedup=got.speedup, local_s=got.local_s,
+                amdahl_bound=got.local_s / got.compute_s,
+                workers_used=sum(1 for b in got.batches[1:] if b),
+                mbytes_per_step=got.master_bytes / 1e6, shares={"batch": list(got.batches)},
+                stages="-", kernels="-", replicate="-", overlap="-", head="-", split=IMAGES,
+                comp_basis=scenario.comp_basis, **check)
+        )  # fmt: skip
+    return rows
+
+
+def mark_auto_split(rows: Sequence[Row]) -> list[Row]:
+    """``rows`` (one point's kernel and image rows) with the one ``--split auto`` runs marked:
+    the fastest kernel row against the images rows by :func:`choose_split` (the same rule,
+    margin included, as ``hetconv train``), with spot checks on (``auto``: the ring ruled
+    out, as by train's default) and off (``auto_unchecked``)."""
+    kernels = [r for r in rows if r.split == KERNELS]
+    images = {r.policy.removeprefix("images-"): r for r in rows if r.split == IMAGES}
+    if not kernels or not images:
+        return list(rows)
+    fastest = min(kernels, key=lambda r: r.step_s)
+    chosen = {}
+    for field, allowed in (("auto", [MASTER]), ("auto_unchecked", [MASTER, RING])):
+        got = choose_split(fastest.step_s, {k: r.step_s for k, r in images.items()}, allowed)
+        chosen[field] = fastest if got["split"] == KERNELS else images[got["exchange"]]
+    return [
+        replace(r, auto=r is chosen["auto"], auto_unchecked=r is chosen["auto_unchecked"])
+        for r in rows
+    ]
 
 
 def _paper_check(cluster, layers, comp, results: dict, stages: str, bandwidth: float) -> dict:
@@ -191,6 +259,7 @@ def data_parallel_rows(
                     stages="-",
                     kernels="-",
                     replicate="-",
+                    split="-",
                     **(check or {}),
                 )
             )
@@ -209,7 +278,7 @@ def _seconds(value: float) -> str:
 
 def format_table(rows: Iterable[Row]) -> str:
     """A plain-text table; ``*`` marks the fastest policy where several were simulated (the
-    data-parallel rows, ``dp-...``, compete too)."""
+    data-parallel rows, ``dp-...``, compete too), ``a`` the row ``--split auto`` runs."""
     rows = list(rows)
     best: dict[tuple, float] = {}
     counts: dict[tuple, int] = {}
@@ -218,8 +287,8 @@ def format_table(rows: Iterable[Row]) -> str:
         best[key] = min(best.get(key, float("inf")), r.step_s)
         counts[key] = counts.get(key, 0) + 1
     header = (
-        f"{'network':<16} {'batch':>5} {'nodes':>5} {'Mbit/s':>7} {'policy':<11} "
-        f"{'step':>9} {'comm':>9} {'conv':>9} {'comp':>9} {'speedup':>8} {'bound':>6} "
+        f"{'network':<16} {'batch':>5} {'nodes':>5} {'Mbit/s':>7} {'policy':<13} "
+        f"{'step':>9} {'comm':>9} {'conv':>9} {'comp':>9} {'speedup':>9} {'bound':>6} "
         f"{'workers':>7} {'MB/step':>9}"
     )
     lines = [header, "-" * len(header)]
@@ -227,12 +296,13 @@ def format_table(rows: Iterable[Row]) -> str:
     for r in rows:
         key = (r.scenario, r.network, r.batch, r.nodes, r.bandwidth_mbps)
         mark = "*" if counts[key] > 1 and r.step_s <= best[key] * (1 + 1e-9) else " "
+        mark += "a" if r.auto else " "
         group = (r.network, r.batch, r.bandwidth_mbps)
         if previous is not None and group != previous:
             lines.append("")
         previous = group
         lines.append(
-            f"{r.network:<16} {r.batch:>5} {r.nodes:>5} {r.bandwidth_mbps:>7g} {r.policy:<11} "
+            f"{r.network:<16} {r.batch:>5} {r.nodes:>5} {r.bandwidth_mbps:>7g} {r.policy:<13} "
             f"{_seconds(r.step_s):>9} {_seconds(r.comm_s):>9} {_seconds(r.conv_s):>9} "
             f"{_seconds(r.comp_s):>9} {r.speedup:>7.2f}{mark} {r.amdahl_bound:>6.1f} "
             f"{r.workers_used:>7} {r.mbytes_per_step:>9.1f}"

@@ -524,13 +524,15 @@ def test_json_rows(tmp_path, capsys):
     assert main(argv) == 0
     rows = json.loads(path.read_text())
     data_parallel = ("dp-ring", "dp-ring-seq", "dp-ps", "dp-ps-seq")
-    assert len(rows) == 3 * (2 + 4)  # nodes x (policies + the data-parallel peer's)
+    images = ("images-master", "images-ring")  # --split auto (train's default) simulates both
+    # nodes x (policies + the data-parallel peer's), and the split by images with workers
+    assert len(rows) == 3 * (2 + 4) + 2 * 2
     for row in rows:
         assert ROW_FIELDS <= set(row)
         assert row["scenario"] == "cpu-cluster" and row["batch"] == 64
     assert {(r["nodes"], r["policy"]) for r in rows} == {
         (n, p) for n in (1, 2, 4) for p in (COMPUTE, LINK, *data_parallel)
-    }
+    } | {(n, p) for n in (2, 4) for p in images}
     out = capsys.readouterr().out
     assert "network: Wi-Fi" in out and "speedup" in out and "master: i5-3210M" in out
 
