@@ -203,6 +203,46 @@ def test_a_failed_put_ends_the_ring_at_once(served):
     assert time.monotonic() - start < 10
 
 
+def test_an_abort_is_not_queued_behind_puts_into_a_peer_that_does_not_answer(served):
+    """Rank 0's next rank takes connections but never answers: its puts hold every sender
+    thread until their deadline (4 s); an abort still reaches the third rank at once, and
+    rank 0's ring, waiting for a put's end, ends with it."""
+    service, address = served
+    other = service_module.ConvWorkerService(get_backend("cpu"))
+    server, third = service_module.start_server(other, "127.0.0.1:0")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        ring = service.context.ring
+        request = part_request(11, 1, 0, 0)
+        request.images.ring.peers.extend([address, f"127.0.0.1:{silent.getsockname()[1]}", third])
+        request.images.ring.wait_seconds = 4.0
+        request.images.ring.segment_bytes = 64
+        failed = []
+
+        def run():
+            try:
+                ring.all_reduce(request, np.ones(3000, np.float32))
+            except RingFailed as e:
+                failed.append(str(e))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(0.5)  # its puts into the silent rank are out
+        start = time.monotonic()
+        ring.abort(request)
+        while (11, 1) not in other.context.ring._aborted and time.monotonic() < start + 5:
+            time.sleep(0.02)
+        assert time.monotonic() - start < 1.5
+        thread.join(10)
+        assert failed == ["another rank said the ring failed"]
+    finally:
+        silent.close()
+        server.stop(0)
+        other.close()
+
+
 # -- real worker processes ------------------------------------------------------------------
 
 

@@ -45,8 +45,9 @@ from hetconv.worker.peers import PeerLinks
 
 #: Seconds a put of a chunk may take, at most (a peer no faster is failed).
 PUT_SECONDS = 60.0
-#: Seconds an abort put may take (best effort).
+#: Seconds an abort put may take (best effort), and the threads that put them per session.
 ABORT_SECONDS = 2.0
+ABORT_THREADS = 8
 #: Steps of a session whose parts are kept (older ones are dropped as a step's call arrives).
 KEPT_STEPS = 2
 #: Puts of one ring in flight at most (a further one waits for the oldest to end).
@@ -58,9 +59,18 @@ class RingFailed(Exception):
 
 
 class RingLinks(PeerLinks):
-    """:class:`~hetconv.worker.peers.PeerLinks` that put RingParts."""
+    """:class:`~hetconv.worker.peers.PeerLinks` that put RingParts, and aborts on threads of
+    their own (never queued behind parts put into a peer that does not answer)."""
 
     call = RING_PART
+
+    def __init__(self, token: str | None = None):
+        super().__init__(token)
+        self.aborts = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="hetconv-abort")
+
+    def close(self) -> None:
+        self.aborts.shutdown(wait=False)
+        super().close()
 
 
 def part_request(
@@ -84,6 +94,7 @@ class RingCalls:
         self._parts: dict[tuple[int, int, int, int], np.ndarray] = {}
         self._aborted: set[tuple[int, int]] = set()
         self._put_failed: dict[tuple[int, int], str] = {}  # (session, step) -> why
+        self._told: set[tuple[int, int]] = set()  # (session, step): aborts sent
         self._latest: dict[int, int] = {}  # session -> the latest step its master called
         self._links: dict[int, RingLinks] = {}  # session -> its senders, oldest first
         self._changed = threading.Condition()
@@ -139,6 +150,7 @@ class RingCalls:
             self._aborted = {k for k in self._aborted if k[0] != session or k[1] >= step}
             for k in [k for k in self._put_failed if k[0] == session and k[1] < step]:
                 del self._put_failed[k]
+            self._told = {k for k in self._told if k[0] != session or k[1] >= step}
 
     def _receive(self, session: int, step: int, part: tuple[int, int], wait: float):
         """The part (round, segment) of the step's ring, once it came; RingFailed where it
@@ -205,12 +217,17 @@ class RingCalls:
 
         def ended(future: futures.Future) -> None:  # a failed put ends this rank's waits
             e = future.exception()
-            if e is not None:
-                with self._changed:
+            with self._changed:
+                if e is not None:
                     self._put_failed.setdefault((session, step), why(e))
-                    self._changed.notify_all()
+                self._changed.notify_all()
 
-        def settle(future: futures.Future) -> None:
+        def settle(future: futures.Future) -> None:  # its put through, or the ring aborted
+            with self._changed:
+                while not future.done():
+                    if (session, step) in self._aborted:
+                        raise RingFailed("another rank said the ring failed")
+                    self._changed.wait(1.0)
             try:
                 future.result()
             except grpc.RpcError as e:
@@ -220,7 +237,10 @@ class RingCalls:
             while len(pending) >= OUTSTANDING:
                 settle(pending.popleft())
             head = part_request(session, step, rank, offset + round_, segment=segment)
-            pending.append(links.put_later(following, head, part, FLOAT32, timeout))
+            try:
+                pending.append(links.put_later(following, head, part, FLOAT32, timeout))
+            except RuntimeError:  # its links closed (the worker stops, or the session went)
+                raise RingFailed(f"the put to {following} failed: its links closed") from None
             pending[-1].add_done_callback(ended)
 
         def receive(round_: int, segment: int) -> np.ndarray:
@@ -236,15 +256,20 @@ class RingCalls:
             raise RingFailed(str(e)) from None
 
     def abort(self, request: pb.ConvRequest) -> None:
-        """Tell every other rank the step's ring failed (best effort, on sender threads)."""
+        """Tell every other rank the step's ring failed (best effort, on abort threads)."""
         ring = request.images.ring
         links = self._session_links(request.session)
+        key = (request.session, int(request.step))
         with self._changed:
-            self._aborted.add((request.session, int(request.step)))
+            self._aborted.add(key)
+            self._changed.notify_all()
+            if key in self._told:
+                return
+            self._told.add(key)
         for i, address in enumerate(ring.peers):
             if i != ring.rank:
                 head = part_request(request.session, int(request.step), ring.rank, 0, True)
-                links._pool.submit(_quiet_put, links, address, head, ABORT_SECONDS)
+                links.aborts.submit(_quiet_put, links, address, head, ABORT_SECONDS)
 
     def close(self) -> None:
         with self._changed:
