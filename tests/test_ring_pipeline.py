@@ -184,6 +184,55 @@ def test_each_segment_is_filed_apart_and_a_nan_segment_refused(served):
         ring._receive(7, 1, (3, 5), 0.1)
 
 
+def test_two_workers_ring_in_segments_with_at_most_a_few_puts_in_flight(monkeypatch):
+    """Two workers' rings in this process, in segments of 256 bytes: the sum is the whole
+    chunks' bit for bit, and no rank has more than OUTSTANDING puts out at once."""
+    from hetconv.worker import peers
+    from hetconv.worker.ring import OUTSTANDING
+
+    flying, most, lock = {}, {}, threading.Lock()
+    put = peers.PeerLinks.put
+
+    def counted(links, *args):
+        with lock:
+            flying[id(links)] = flying.get(id(links), 0) + 1
+            most[id(links)] = max(most.get(id(links), 0), flying[id(links)])
+        time.sleep(0.002)
+        try:
+            return put(links, *args)
+        finally:
+            with lock:
+                flying[id(links)] -= 1
+
+    monkeypatch.setattr(peers.PeerLinks, "put", counted)
+    services = [service_module.ConvWorkerService(get_backend("cpu")) for _ in range(2)]
+    servers = [service_module.start_server(s, "127.0.0.1:0") for s in services]
+    rng = np.random.default_rng(3)
+    vectors = [rng.standard_normal(10_000).astype(np.float32) for _ in services]
+    out = [None, None]
+    try:
+
+        def rank(r: int) -> None:
+            request = part_request(5, 1, r, 0)
+            request.images.ring.peers.extend([address for _, address in servers])
+            request.images.ring.wait_seconds = 10.0
+            request.images.ring.segment_bytes = 256
+            out[r] = services[r].context.ring.all_reduce(request, vectors[r].copy())
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        for (server, _), service in zip(servers, services, strict=True):
+            server.stop(0)
+            service.close()
+    whole, _ = _ring(vectors, 0)
+    assert out[0].tobytes() == out[1].tobytes() == whole[0].tobytes()
+    assert len(most) == 2 and 1 < max(most.values()) <= OUTSTANDING
+
+
 def test_a_failed_put_ends_the_ring_at_once(served):
     """The next rank's address takes no calls: the ring fails with the put's failure within
     a moment, not when its wait for a part (30 s here) is out."""
