@@ -295,37 +295,55 @@ BUCKET_BYTES = 4 * 2**20
 BACKWARD_SHARE = 2 / 3
 
 
+#: Bytes of ring parts per second of a whole core that a part's software takes at both ends
+#: together (gRPC, the encoding and the copy into its message, the decoding and the check):
+#: 1 MB parts put from one worker into another on loopback, 1.9 ms of CPU each in all.
+PART_BYTES_PER_S = 5.3e8
+
+
+def part_seconds(nbytes: float, costs=None) -> float:
+    """CPU seconds of parts of ``nbytes`` (:data:`PART_BYTES_PER_S`), at the share of a core
+    ``costs`` were scaled to (:meth:`hetconv.dataparallel.CollectiveCosts.scaled`: as its
+    adds)."""
+    from hetconv.dataparallel import CollectiveCosts
+
+    costs = costs or CollectiveCosts()
+    return nbytes / (PART_BYTES_PER_S * costs.sum_bytes_per_s / CollectiveCosts().sum_bytes_per_s)
+
+
 def all_reduce_seconds(
     workers, nbytes: float, costs=None, segment_bytes: float = SEGMENT_BYTES
 ) -> float:
     """Seconds of :func:`all_reduce` of ``nbytes`` over ``workers``' workers (a
     :class:`~hetconv.costmodel.SimCluster`, the master computing nothing), links idle. In whole
-    chunks, ``2 (ranks - 1)`` rounds one after another, each a chunk's transfer and a message's
-    latency (:func:`hetconv.dataparallel.exchange_seconds`' ring). In segments of
+    chunks, ``2 (ranks - 1)`` rounds one after another, each a chunk's transfer, its parts'
+    software at both ends (:func:`part_seconds`) and a message's latency
+    (:func:`hetconv.dataparallel.exchange_seconds`' ring, and the software). In segments of
     ``segment_bytes``, a round's segment goes once the same segment of the round before has
-    come: the links carry the rounds' chunks back to back (or the segments' messages, where
-    their software costs more), and one segment's transfer and latency fill the pipeline.
-    The parts' software (gRPC, encoding, the check at each end) is not counted: with whole
-    chunks it came on top of each round's transfer (the scaled testbed: 0.45 s where the
-    links needed 0.24 s); segments overlap it with the transfers."""
+    come: each rank's link and core work at once, the slower of the two sets the pace (or the
+    segments' messages, where they cost more), and one segment's transfer and software and a
+    latency fill the pipeline. The scaled testbed (0.36 of a core, 87 MB/s links,
+    paper-150-800 on 4 workers): whole chunks took 0.45 s where the links needed 0.24 s."""
     from hetconv.costmodel import WIFI
     from hetconv.dataparallel import RING as DP_RING
     from hetconv.dataparallel import CollectiveCosts, exchange_seconds
 
     costs = costs or CollectiveCosts()
-    whole = exchange_seconds(workers, nbytes, DP_RING, costs)
     ranks = len(workers.workers)
-    chunk = nbytes / max(1, ranks)
+    if ranks < 2:
+        return 0.0
+    chunk = nbytes / ranks
+    software = part_seconds(chunk, costs)
     count = math.ceil(chunk / segment_bytes) if segment_bytes > 0 else 1
-    if ranks < 2 or count < 2:
-        return whole
+    if count < 2:
+        return exchange_seconds(workers, nbytes, DP_RING, costs) + rounds(ranks) * software
     round_s = chunk / min(min(w.bytes_per_s for w in workers.workers), costs.tcp_bytes_per_s)
     if workers.fabric == WIFI:
         round_s = max(round_s, ranks * chunk / workers.medium_bytes_per_s)
     latency = costs.message_s + max(w.rtt_s for w in workers.workers) / 2
     adds = (ranks - 1) * chunk / costs.sum_bytes_per_s
-    busy = rounds(ranks) * max(round_s, count * costs.message_s)
-    return busy + round_s / count + latency + adds
+    busy = rounds(ranks) * max(round_s, software, count * costs.message_s)
+    return busy + (round_s + software) / count + latency + adds
 
 
 def ring_exchange_seconds(
@@ -443,6 +461,7 @@ __all__ = [
     "MASTER_ROUND",
     "MAX_RANKS",
     "OWN",
+    "PART_BYTES_PER_S",
     "RING",
     "ROUNDS_PER_SUM",
     "SEGMENT_BYTES",
@@ -465,6 +484,7 @@ __all__ = [
     "master_link_bytes",
     "master_range_pays",
     "momentum_name",
+    "part_seconds",
     "ring_exchange_seconds",
     "rounds",
     "schedule",

@@ -120,29 +120,37 @@ def test_a_buckets_segments_sum_bit_for_bit_as_the_whole_ring():
         assert v.tobytes() == whole[0].tobytes()
 
 
-def test_the_cost_model_counts_the_segments_pipelined():
-    """Whole chunks: the rounds one after another, a latency each (as before); in segments:
-    the links busy with the rounds' chunks back to back, one segment and one latency to fill
-    the pipeline."""
+@pytest.mark.parametrize("cpu", [1.0, 0.1], ids=["link-bound", "cpu-bound"])
+def test_the_cost_model_counts_the_segments_pipelined(cpu):
+    """Whole chunks: the rounds one after another, each its transfer, its parts' software and
+    a latency; in segments: the link and the core at once, the slower setting the pace, one
+    segment and a latency to fill the pipeline. At a tenth of a core the software is slower
+    than the link (the segments gain more)."""
     from dataclasses import replace
 
     from hetconv.costmodel import SWITCHED, SimCluster, SimNode
     from hetconv.dataparallel import RING as DP_RING
     from hetconv.dataparallel import CollectiveCosts, exchange_seconds
+    from hetconv.ring import PART_BYTES_PER_S, part_seconds
 
     link, rtt, nbytes = 87.5e6, 5e-3, 14e6  # the testbed's switched links, paper-150-800
     nodes = tuple(SimNode(f"w{i}", 50.0, bytes_per_s=link, rtt_s=rtt) for i in range(4))
     cluster = SimCluster(SimNode("m", 50.0, bytes_per_s=link), nodes, SWITCHED)
     workers = replace(cluster, master_compute=False)
-    whole = all_reduce_seconds(workers, nbytes, segment_bytes=0)
-    assert whole == exchange_seconds(workers, nbytes, DP_RING)
-    costs = CollectiveCosts()
+    costs = CollectiveCosts().scaled(cpu)
     chunk, latency = nbytes / 4, costs.message_s + rtt / 2
+    software = part_seconds(chunk, costs)
+    assert software == pytest.approx(chunk / (PART_BYTES_PER_S * cpu))
     adds = 3 * chunk / costs.sum_bytes_per_s
-    piped = all_reduce_seconds(workers, nbytes, segment_bytes=2**20)  # 4 segments a chunk
-    assert piped == pytest.approx(6 * chunk / link + chunk / 4 / link + latency + adds)
-    assert piped < whole == pytest.approx(6 * (chunk / link + latency) + adds)
-    assert all_reduce_seconds(workers, nbytes, segment_bytes=chunk) == whole  # one a chunk
+    whole = all_reduce_seconds(workers, nbytes, costs, segment_bytes=0)
+    assert whole == pytest.approx(exchange_seconds(workers, nbytes, DP_RING, costs) + 6 * software)
+    assert whole == pytest.approx(6 * (chunk / link + software + latency) + adds)
+    piped = all_reduce_seconds(workers, nbytes, costs, segment_bytes=2**20)  # 4 a chunk
+    pace = max(chunk / link, software)
+    assert (pace == software) == (cpu < 1)
+    assert piped == pytest.approx(6 * pace + (chunk / link + software) / 4 + latency + adds)
+    assert piped < whole
+    assert all_reduce_seconds(workers, nbytes, costs, segment_bytes=chunk) == whole  # one
 
 
 # -- a worker's ring --------------------------------------------------------------------------
