@@ -16,15 +16,24 @@ SGD update and the answer of its chunk of the sum (the same in every variant).
 A row per (network, segment size): the median of the steps after ``--warmup``, the step's
 median, and how many times faster than whole chunks. ``--json PATH`` writes the rows.
 
-Loopback has no link to wait for: every second here is the ranks' CPU (gRPC, the parts'
-encoding and decoding, the adds), which is what the scaled testbed's rings were bound by (0.45
-s after computing where its links needed 0.24 s). Pipelining overlaps one end's CPU with the
-other's; on loopback it cannot overlap CPU with a link's transfer, so the testbed's gain is the
-larger where its links are slower.
+Loopback has no link to wait for: every second there is the ranks' CPU (gRPC, the parts'
+encoding and decoding, the adds). With ``--testbed`` (root) the workers run on the scaled
+testbed's :class:`~hetconv.simulations.testbed.ClusterTestbed` instead: a network namespace
+each, switched links shaped at ``--rate-mbit`` (700: the testbed's paper-150-800 rate), each
+capped at ``--cap``; the master (computing nothing) in its own namespace, neither capped nor
+its port shaped (every rank's chunk of the sum crosses it at once after the ring: the same
+in every variant). There the segments overlap the CPU with the links' transfers too.
+
+Measured (4 workers at 0.36 of a core, paper-150-800's 14 MB, on a machine others loaded):
+loopback, 0.267-0.378 s whole against 0.171-0.195 s in 1 MB segments (three runs); the
+testbed at 700 Mbit/s, 0.431-0.602 s against 0.348-0.353 s (two runs; the links alone need
+0.24 s, and the figures hold the update and the answer); 256 KB, 512 KB and 2 MB segments
+did no better than 1 MB; a 1.2 MB gradient (one segment a chunk) as before.
 
     sudo .venv/bin/python benchmarks/ring_speed.py [--networks paper-150-800 ref-32-200]
-        [--workers 4] [--cap 0.36] [--segment-bytes 0 1048576] [--segments N ...]
-        [--batch 8] [--steps 6] [--warmup 2] [--rounds 2] [--json PATH]
+        [--workers 4] [--cap 0.36] [--testbed] [--rate-mbit 700]
+        [--segment-bytes 0 1048576] [--segments N ...] [--batch 8] [--steps 6] [--warmup 2]
+        [--rounds 2] [--json PATH]
 
 ``ref-A-B`` is :func:`hetconv.spec.reference_spec` with A and B kernels (``ref-32-200``: a
 gradient of 1.2 MB; paper-150-800's is 14 MB). ``--segments N`` sizes the segments so that a
@@ -63,7 +72,8 @@ class TimedRing(RingImageSplit):
     bucket_bytes = 0
 
     def __init__(self, addresses, segment_bytes: int):
-        config = ClusterConfig(spot_checks=SpotCheckConfig(every=0), master_compute=False)
+        config = ClusterConfig(spot_checks=SpotCheckConfig(every=0), master_compute=False,
+                               token=os.environ.get("HETCONV_TOKEN"))  # fmt: skip
         super().__init__(addresses, config=config)
         self.segment_bytes = segment_bytes
         self.rings: list[float] = []
@@ -136,27 +146,78 @@ def sizes_for(spec, args) -> list[int]:
     return list(dict.fromkeys(sizes))
 
 
-def measure(args, log=sys.stderr) -> list[dict]:
+def variants(addresses, args, log=sys.stderr) -> list[dict]:
+    """Every network's segment sizes trained in turn, ``--rounds`` times, through the workers
+    at ``addresses``: the rows."""
     rows = []
-    with tempfile.TemporaryDirectory() as folder, LocalWorkers(args.workers) as workers:
+    with tempfile.TemporaryDirectory() as folder:
+        for network in args.networks:
+            preset, spec = spec_path(network, Path(folder))
+            sizes = sizes_for(spec, args)
+            rings = {s: [] for s in sizes}
+            steps = {s: [] for s in sizes}
+            for round_ in range(args.rounds):
+                for size in sizes:
+                    got, walls = run_once(addresses, preset, size, args)
+                    rings[size] += got
+                    steps[size] += walls
+                    print(f"{network} round {round_ + 1} segment_bytes {size}: ring "
+                          f"{statistics.median(got):.3f} s", file=log, flush=True)  # fmt: skip
+            rows += _rows(network, spec, args, rings, steps)
+    return rows
+
+
+def measure(args, log=sys.stderr) -> list[dict]:
+    if args.master_of:  # the testbed's master, in its namespace
+        rows = variants(args.master_of.split(","), args, log)
+        print(ROWS + json.dumps(rows), flush=True)
+        return rows
+    if args.testbed:
+        return on_testbed(args, log)
+    with LocalWorkers(args.workers) as workers:
         caps = capped(workers, args.cap) if args.cap else []
         try:
-            for network in args.networks:
-                preset, spec = spec_path(network, Path(folder))
-                sizes = sizes_for(spec, args)
-                rings = {s: [] for s in sizes}
-                steps = {s: [] for s in sizes}
-                for round_ in range(args.rounds):
-                    for size in sizes:
-                        got, walls = run_once(workers.addresses, preset, size, args)
-                        rings[size] += got
-                        steps[size] += walls
-                        print(f"{network} round {round_ + 1} segment_bytes {size}: ring "
-                              f"{statistics.median(got):.3f} s", file=log)  # fmt: skip
-                rows += _rows(network, spec, args, rings, steps)
+            return variants(workers.addresses, args, log)
         finally:
             for cap_ in caps:
                 cap_.remove()
+
+
+#: What the testbed's master prints before its rows.
+ROWS = "rows: "
+
+
+def on_testbed(args, log) -> list[dict]:
+    """The workers on a :class:`~hetconv.simulations.testbed.ClusterTestbed` (switched links
+    at ``--rate-mbit``, each worker capped at ``--cap``), the master (uncapped, its port not
+    shaped: it computes nothing here) running :func:`variants` in its own namespace."""
+    from hetconv.simulations.testbed import ClusterTestbed
+
+    if os.geteuid() != 0:
+        raise SystemExit("--testbed needs root (namespaces, tc, cgroups)")
+    # the master's port unshaped: the chunks of the sum, which every rank answers at once,
+    # would otherwise cross it in 14 MB / rate after the ring, in every variant alike
+    bed = ClusterTestbed(args.workers, "switched", args.rate_mbit, args.cap or None, False)
+    with bed:
+        addresses = bed.start_workers()
+        command = [sys.executable, "-I", __file__, "--master-of", ",".join(addresses),
+                   *sys.argv[1:]]  # fmt: skip
+        command = [c for c in command if c != "--testbed"]
+        env = dict(os.environ, HETCONV_TOKEN=bed.token, OPENBLAS_NUM_THREADS="1")
+        master = bed.spawn(command, env, bed.master, capped=False)
+        lines = []
+        for line in master.stdout:
+            lines.append(line)
+            if not line.startswith(ROWS):
+                print(line, end="", file=log, flush=True)
+        if master.wait() != 0:
+            raise SystemExit(f"the master failed ({master.returncode}):\n{''.join(lines[-20:])}")
+    got = [line for line in lines if line.startswith(ROWS)]
+    if not got:
+        raise SystemExit("the master printed no rows")
+    rows = json.loads(got[-1][len(ROWS) :])
+    for row in rows:
+        row["link_mbit"] = args.rate_mbit
     return rows
 
 
@@ -217,6 +278,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument(
+        "--testbed",
+        action="store_true",
+        help="the workers in network namespaces joined by links shaped at "
+        "--rate-mbit (root; benchmarks/testbed.py's ClusterTestbed)",
+    )
+    p.add_argument("--rate-mbit", type=float, default=700.0)
+    p.add_argument("--master-of", help=argparse.SUPPRESS)  # the testbed's master
     args = p.parse_args(argv)
     if args.workers < 2:
         p.error(f"--workers {args.workers}: a ring needs at least 2")
