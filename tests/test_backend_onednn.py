@@ -157,8 +157,10 @@ def test_on_avx2_too_where_odd_padding_is_done_before_onednn(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:]
 
 
-ODD = [  # batch 1 (its forward cut by kernels), padding done before oneDNN, odd sizes
+ODD = [  # batch 1 (its forward cut by kernels), padding done before oneDNN, odd sizes, and a
+    # batch whose kernel gradient is summed from parts (IMAGES_PER_PART: 32 images or more each)
     ((1, 16, 8, 8, 40, 3, 3, 1), [(0, 3), (3, 17), (17, 40)]),
+    ((97, 4, 6, 5, 36, 3, 3, 1), [(0, 5), (5, 36)]),
     ((3, 8, 5, 5, 20, 3, 3, 4), [(0, 9), (9, 20)]),
     ((5, 4, 6, 6, 3, 2, 2, "same"), [(0, 1), (1, 3)]),
 ]
@@ -240,14 +242,17 @@ def test_parts_run_on_their_own_threads_and_a_failure_reaches_the_caller():
         seen.add(threading.get_ident())
         barrier.wait()  # all three at once, or the barrier breaks
 
-    onednn_module._in_parallel(lib, [part] * 3)
+    onednn_module._in_parallel(lib, [part] * 3, 3)
     assert len(seen) == 3
+    seen.clear()
+    onednn_module._in_parallel(lib, [lambda: seen.add(threading.get_ident())] * 5, 2)
+    assert len(seen) <= 2  # five parts, two threads
 
     def bad():
         raise OneDnnFailure("part 2 failed")
 
     with pytest.raises(OneDnnFailure, match="part 2 failed"):
-        onednn_module._in_parallel(lib, [lambda: None, bad])
+        onednn_module._in_parallel(lib, [lambda: None, bad], 2)
 
 
 class OneDnnFailure(RuntimeError):

@@ -100,13 +100,15 @@ FEW_CHANNELS = 8
 #: Geometries whose primitives a backend keeps; past this many all are dropped (a worker
 #: serving many batch sizes), and made again as calls need them.
 MAX_KEPT = 256
-#: A kernel gradient is summed from this many parts of the batch (fewer with fewer images),
-#: each the sum over its images by one primitive, added in order: a fixed number, not the
-#: thread count, so the sum is the same at any. Two: at two threads each part takes one
-#: thread with every kernel (no input reordered twice, no layer of 16 kernels left to one
-#: thread); at one thread the second call costs about 50 us (resnet20's 16-kernel layer at
-#: batch 16: 0.52 ms against 0.44 ms in one part).
-IMAGE_PARTS = 2
+#: A kernel gradient is the sum, in order, of one primitive's per part of the batch (its images
+#: in a fixed order), the parts set by the number of images alone, not by the thread count, so
+#: the sum is the same at any: as many parts as :data:`IMAGES_PER_PART` fit, at most
+#: :data:`MAX_IMAGE_PARTS`. Threads beyond one a part take ranges of the kernels (a kernel's
+#: sum does not depend on the kernels beside it), each reordering the input again, which a part
+#: of the images does not; a part costs about 50 us of calls, so small batches stay in one
+#: (resnet20's 16-kernel layer at batch 16, one thread: 0.52 ms in two parts, 0.44 in one).
+IMAGES_PER_PART = 32
+MAX_IMAGE_PARTS = 4
 #: Kernel ranges a call is cut into begin at multiples of this (oneDNN computes kernels in
 #: blocks of 8 on AVX2, 16 on AVX-512: a range of fewer pads its block).
 KERNEL_BLOCK = 16
@@ -134,23 +136,25 @@ def _ranges(total: int, parts: int, block: int = 1) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
-def _one_thread(lib: _Library, task) -> None:
+def _one_thread(lib: _Library, tasks: list) -> None:
     lib.set_threads(1)
-    task()
+    for task in tasks:
+        task()
 
 
-def _in_parallel(lib: _Library, tasks: list) -> None:
-    """Run ``tasks`` (callables) at once: the first on the calling thread, the others on the
-    module's pool; each at one OpenMP thread. Returns when all are done; raises the first
-    failure."""
+def _in_parallel(lib: _Library, tasks: list, threads: int) -> None:
+    """Run ``tasks`` (callables) on at most ``threads`` threads at once, in as many contiguous
+    groups, each in order: the first group on the calling thread, the others on the module's
+    pool; each at one OpenMP thread. Returns when all are done; raises the first failure."""
     global _pool
-    if len(tasks) > 1 and _pool is None:
+    groups = [tasks[i:j] for i, j in _ranges(len(tasks), threads)]
+    if len(groups) > 1 and _pool is None:
         with _pool_lock:
             if _pool is None:
                 _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="onednn")
-    futures = [_pool.submit(_one_thread, lib, task) for task in tasks[1:]]
+    futures = [_pool.submit(_one_thread, lib, group) for group in groups[1:]]
     try:
-        _one_thread(lib, tasks[0])
+        _one_thread(lib, groups[0])
     finally:
         wait(futures)  # every part done before its buffers are used or freed
     for future in futures:
@@ -426,7 +430,8 @@ class OneDnnBackend(CpuBackend):
                 (x, w[i:j], None if b is None else b[i:j], y[:, i:j], replace(shape, k=j - i))
                 for i, j in _ranges(shape.k, threads, KERNEL_BLOCK)
             ]
-        _in_parallel(self._lib, [partial(self._forward_part, *part) for part in parts])
+        tasks = [partial(self._forward_part, *part) for part in parts]
+        _in_parallel(self._lib, tasks, threads)
         return y
 
     def _forward_part(self, x, w, b, y, shape):
@@ -440,11 +445,12 @@ class OneDnnBackend(CpuBackend):
         """Ranges of the images, one per thread (the gradient of an image's input is a sum
         over the kernels, all of them in every part)."""
         dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
+        threads = self._threads()
         parts = [
-            (dy[i:j], w, dx[i:j], _with_images(shape, j - i))
-            for i, j in _ranges(shape.n, self._threads())
+            (dy[i:j], w, dx[i:j], _with_images(shape, j - i)) for i, j in _ranges(shape.n, threads)
         ]
-        _in_parallel(self._lib, [partial(self._grad_input_part, *part) for part in parts])
+        tasks = [partial(self._grad_input_part, *part) for part in parts]
+        _in_parallel(self._lib, tasks, threads)
         return dx
 
     def _grad_input_part(self, dy, w, dx, shape):
@@ -458,12 +464,11 @@ class OneDnnBackend(CpuBackend):
         conv.run("input", {"src": dx, "weights": w, "dst": dy}, None, self._scratch.get)
 
     def _grad_kernels(self, x, dy, shape):
-        """The sum over :data:`IMAGE_PARTS` ranges of the images, in order, of each range's
-        gradient (a primitive at one thread sums over its images in a fixed order, and a
-        kernel's sum does not depend on the kernels beside it); the threads beyond one per
-        range take ranges of the kernels."""
-        images = _ranges(shape.n, IMAGE_PARTS)
-        per_part = max(1, self._threads() // len(images))
+        """The sum over ranges of the images, in order, of each range's gradient (see
+        :data:`IMAGES_PER_PART`); the threads beyond one per range take ranges of the kernels."""
+        parts = max(1, min(MAX_IMAGE_PARTS, shape.n // IMAGES_PER_PART))
+        images, threads = _ranges(shape.n, parts), self._threads()
+        per_part = max(1, threads // len(images))
         kernels = _ranges(shape.k, per_part, KERNEL_BLOCK)
         sums = [
             (np.empty((shape.k, shape.c, shape.kh, shape.kw), np.float32),
@@ -475,7 +480,7 @@ class OneDnnBackend(CpuBackend):
             for (i, j), (dw, db) in zip(images, sums, strict=True)
             for k0, k1 in kernels
         ]
-        _in_parallel(self._lib, tasks)
+        _in_parallel(self._lib, tasks, threads)
         dw, db = sums[0]
         for part_dw, part_db in sums[1:]:
             dw += part_dw
