@@ -238,21 +238,32 @@ def test_parts_run_on_their_own_threads_and_a_failure_reaches_the_caller():
     seen = set()
     barrier = threading.Barrier(3, timeout=30)
 
-    def part():
+    def part(scratch):
         seen.add(threading.get_ident())
         barrier.wait()  # all three at once, or the barrier breaks
 
-    onednn_module._in_parallel(lib, [part] * 3, 3)
+    onednn_module._in_parallel(lib, [part] * 3, 3, {})
     assert len(seen) == 3
     seen.clear()
-    onednn_module._in_parallel(lib, [lambda: seen.add(threading.get_ident())] * 5, 2)
+    onednn_module._in_parallel(lib, [lambda _: seen.add(threading.get_ident())] * 5, 2, {})
     assert len(seen) <= 2  # five parts, two threads
 
-    def bad():
+    def bad(scratch):
         raise OneDnnFailure("part 2 failed")
 
     with pytest.raises(OneDnnFailure, match="part 2 failed"):
-        onednn_module._in_parallel(lib, [lambda: None, bad], 2)
+        onednn_module._in_parallel(lib, [lambda _: None, bad], 2, {})
+
+
+def test_parts_buffers_are_the_calling_threads_so_a_workers_trim_frees_them():
+    """A worker trims its device thread's scratch after every job: the parts run on the pool
+    keep theirs there too, under names of their own."""
+    backend = get_backend("onednn", threads=2)
+    problem = make_problem(np.random.default_rng(4), 4, 16, 12, 12, 32, 3, 3, 1)
+    run_all(backend, problem)
+    names = set(backend._scratch.buffers)
+    assert "onednn src" in names and "onednn src 1" in names, names
+    assert backend.trim_scratch(0) > 0 and not backend._scratch.buffers
 
 
 class OneDnnFailure(RuntimeError):

@@ -136,25 +136,48 @@ def _ranges(total: int, parts: int, block: int = 1) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
-def _one_thread(lib: _Library, tasks: list) -> None:
+class _PartScratch:
+    """The calling thread's scratch buffers (``CpuBackend._scratch``), lent to the thread that
+    runs group ``group`` of a call's parts under names of that group's own: the worker's
+    :meth:`trim_scratch`, on the calling thread, frees them too."""
+
+    def __init__(self, buffers: dict[str, np.ndarray], group: int):
+        self.buffers, self.suffix = buffers, f" {group}" if group else ""
+
+    def get(self, name: str, shape: tuple[int, ...], zero: bool = False) -> np.ndarray:
+        name, size = name + self.suffix, int(np.prod(shape))
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.size < size:
+            buffer = self.buffers[name] = np.empty(size, np.float32)
+        view = buffer[:size].reshape(shape)
+        if zero:
+            view.fill(0.0)
+        return view
+
+
+def _one_thread(lib: _Library, tasks: list, scratch: _PartScratch) -> None:
     lib.set_threads(1)
     for task in tasks:
-        task()
+        task(scratch.get)
 
 
-def _in_parallel(lib: _Library, tasks: list, threads: int) -> None:
-    """Run ``tasks`` (callables) on at most ``threads`` threads at once, in as many contiguous
-    groups, each in order: the first group on the calling thread, the others on the module's
-    pool; each at one OpenMP thread. Returns when all are done; raises the first failure."""
+def _in_parallel(lib: _Library, tasks: list, threads: int, buffers: dict) -> None:
+    """Run ``tasks`` (callables of a scratch getter, :class:`_PartScratch`'s over ``buffers``)
+    on at most ``threads`` threads at once, in as many contiguous groups, each in order: the
+    first group on the calling thread, the others on the module's pool; each at one OpenMP
+    thread. Returns when all are done; raises the first failure."""
     global _pool
     groups = [tasks[i:j] for i, j in _ranges(len(tasks), threads)]
     if len(groups) > 1 and _pool is None:
         with _pool_lock:
             if _pool is None:
                 _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="onednn")
-    futures = [_pool.submit(_one_thread, lib, group) for group in groups[1:]]
+    futures = [
+        _pool.submit(_one_thread, lib, group, _PartScratch(buffers, g))
+        for g, group in enumerate(groups[1:], 1)
+    ]
     try:
-        _one_thread(lib, groups[0])
+        _one_thread(lib, groups[0], _PartScratch(buffers, 0))
     finally:
         wait(futures)  # every part done before its buffers are used or freed
     for future in futures:
@@ -408,9 +431,9 @@ class OneDnnBackend(CpuBackend):
         direct = _Convolution(self._lib, padded, self.layout)
         return direct if direct.exact_slices else conv
 
-    def _padded_input(self, x: np.ndarray, shape: ConvShape) -> np.ndarray:
+    def _padded_input(self, x: np.ndarray, shape: ConvShape, scratch) -> np.ndarray:
         """``x`` zero-padded as ``shape`` says, in a buffer kept for the calling thread."""
-        xp = self._scratch.get("onednn padded", (shape.n, shape.c, *shape.padded_hw), zero=True)
+        xp = scratch("onednn padded", (shape.n, shape.c, *shape.padded_hw), zero=True)
         rows, cols = shape.interior
         xp[:, :, rows, cols] = x
         return xp
@@ -431,15 +454,15 @@ class OneDnnBackend(CpuBackend):
                 for i, j in _ranges(shape.k, threads, KERNEL_BLOCK)
             ]
         tasks = [partial(self._forward_part, *part) for part in parts]
-        _in_parallel(self._lib, tasks, threads)
+        _in_parallel(self._lib, tasks, threads, self._scratch.buffers)
         return y
 
-    def _forward_part(self, x, w, b, y, shape):
+    def _forward_part(self, x, w, b, y, shape, scratch):
         conv = self._convolution(shape)
         bias = conv.zero_bias if b is None else b
         if conv.shape != shape:  # padded here: x is copied in
-            x = self._padded_input(x, shape)
-        conv.run("forward", {"src": x, "weights": w, "dst": y}, bias, self._scratch.get)
+            x = self._padded_input(x, shape, scratch)
+        conv.run("forward", {"src": x, "weights": w, "dst": y}, bias, scratch)
 
     def _grad_input(self, dy, w, shape):
         """Ranges of the images, one per thread (the gradient of an image's input is a sum
@@ -450,18 +473,18 @@ class OneDnnBackend(CpuBackend):
             (dy[i:j], w, dx[i:j], _with_images(shape, j - i)) for i, j in _ranges(shape.n, threads)
         ]
         tasks = [partial(self._grad_input_part, *part) for part in parts]
-        _in_parallel(self._lib, tasks, threads)
+        _in_parallel(self._lib, tasks, threads, self._scratch.buffers)
         return dx
 
-    def _grad_input_part(self, dy, w, dx, shape):
+    def _grad_input_part(self, dy, w, dx, shape, scratch):
         conv = self._convolution(shape)
         if conv.shape != shape:  # padded here: the padded input's gradient, cut out
-            dxp = self._scratch.get("onednn padded", (shape.n, shape.c, *shape.padded_hw))
-            conv.run("input", {"src": dxp, "weights": w, "dst": dy}, None, self._scratch.get)
+            dxp = scratch("onednn padded", (shape.n, shape.c, *shape.padded_hw))
+            conv.run("input", {"src": dxp, "weights": w, "dst": dy}, None, scratch)
             rows, cols = shape.interior
             dx[...] = dxp[:, :, rows, cols]
             return
-        conv.run("input", {"src": dx, "weights": w, "dst": dy}, None, self._scratch.get)
+        conv.run("input", {"src": dx, "weights": w, "dst": dy}, None, scratch)
 
     def _grad_kernels(self, x, dy, shape):
         """The sum over ranges of the images, in order, of each range's gradient (see
@@ -480,22 +503,22 @@ class OneDnnBackend(CpuBackend):
             for (i, j), (dw, db) in zip(images, sums, strict=True)
             for k0, k1 in kernels
         ]
-        _in_parallel(self._lib, tasks, threads)
+        _in_parallel(self._lib, tasks, threads, self._scratch.buffers)
         dw, db = sums[0]
         for part_dw, part_db in sums[1:]:
             dw += part_dw
             db += part_db
         return dw, db
 
-    def _grad_kernels_part(self, x, dy, images, kernels, dw, db, shape):
+    def _grad_kernels_part(self, x, dy, images, kernels, dw, db, shape, scratch):
         (i, j), (k0, k1) = images, kernels
         part = replace(shape, n=j - i, k=k1 - k0)
         x, dy = x[i:j], dy[i:j]
         if part.k != shape.k:  # a range of the kernels: its dy copied out
-            part_dy = self._scratch.get("onednn dy", (part.n, part.k, *shape.out_hw))
+            part_dy = scratch("onednn dy", (part.n, part.k, *shape.out_hw))
             part_dy[...] = dy[:, k0:k1]
             dy = part_dy
         conv = self._convolution(part)
         if conv.shape != part:  # padded here: x is copied in
-            x = self._padded_input(x, part)
-        conv.run("kernels", {"src": x, "weights": dw, "dst": dy}, db, self._scratch.get)
+            x = self._padded_input(x, part, scratch)
+        conv.run("kernels", {"src": x, "weights": dw, "dst": dy}, db, scratch)
