@@ -135,8 +135,9 @@ def predict_images(
         raise ValueError(f"trace {trace} holds no step split by images")
     seconds = []
     for name in names:
-        per_image = [
-            r["nodes"][name]["seconds"] / r["nodes"][name]["images"]
+        per_image = [  # batch norm's sums over the ring (within its passes) modelled apart
+            (r["nodes"][name]["seconds"] - r["nodes"][name].get("batchnorm_seconds", 0.0))
+            / r["nodes"][name]["images"]
             for r in used
             if r["nodes"].get(name, {}).get("images")
         ]

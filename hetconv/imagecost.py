@@ -65,9 +65,8 @@ def simulate_image_split(
     without, and the master's range taken where predicted
     :data:`hetconv.ring.MASTER_RANGE_MARGIN` faster, as the master cuts its ranges
     (:func:`hetconv.ring.master_range_pays`). A network with batch norm runs only so: the
-    master computes no images, and each batch norm layer adds three sums a step, each gathered
-    over the ring (``workers - 1`` messages one after another, a round trip's latency each:
-    :func:`batchnorm_sums_seconds`)."""
+    master computes no images, and each batch norm layer adds three sums a step, each one
+    round of puts from every worker into every other (:func:`batchnorm_sums_seconds`)."""
     costs = costs or CollectiveCosts()
     if exchange not in ALGORITHMS:
         raise ValueError(f"exchange {exchange!r} is not one of {', '.join(ALGORITHMS)}")
@@ -143,17 +142,28 @@ def ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds, b
     return max(0.0, after - (during.step_s - during.compute_s))
 
 
+#: CPU seconds of a whole core one RingPart of a few values costs, both ends together (gRPC,
+#: the header, the checks, the waiting rank's wake-up): batch norm's sums on the scaled testbed
+#: (resnet20, 4 workers at 0.36 of a core) took about 3.3 ms a put when each sum passed
+#: ``workers - 1`` of them one after another.
+PUT_S = 1.2e-3
+
+
 def batchnorm_sums_seconds(
     workers: Sequence[SimNode], norms: int, costs: CollectiveCosts | None = None
 ) -> float:
     """Seconds a step of ``norms`` batch norm layers split by images over ``workers`` (the
-    ring's) waits on their statistics: three sums a layer, each ``len(workers) - 1`` messages
-    in turn, half a round trip and a message's cost each (their bytes are few)."""
+    ring's) waits on their statistics: three sums a layer, each one round in which every worker
+    puts its values into every other at once (:func:`hetconv.ring.all_to_all`): the software
+    of ``len(workers) - 1`` puts out and as many in on each worker's core (:data:`PUT_S`, at
+    the share of a core ``costs`` were scaled to), half a round trip and a message's cost (their
+    bytes are few)."""
     costs = costs or CollectiveCosts()
     if len(workers) < 2:
         return 0.0
+    core = CollectiveCosts().message_s / costs.message_s if costs.message_s else 1.0
     hop = costs.message_s + max(w.rtt_s for w in workers) / 2
-    return 3 * norms * (len(workers) - 1) * hop
+    return 3 * norms * ((len(workers) - 1) * PUT_S / core + hop)
 
 
 #: How much faster (a fraction of the kernel split's predicted step) a split by images must
@@ -205,6 +215,7 @@ def describe_choice(choice: dict) -> str:
 
 
 __all__ = [
+    "PUT_S",
     "SPLIT_MARGIN",
     "batchnorm_sums_seconds",
     "choose_split",

@@ -199,7 +199,14 @@ def _take_rows(model, first: int, batch: int) -> None:
 
 
 def images_gradients(
-    model, x: np.ndarray, labels: np.ndarray, first: int, batch: int, step: int, reduce=None
+    model,
+    x: np.ndarray,
+    labels: np.ndarray,
+    first: int,
+    batch: int,
+    step: int,
+    reduce=None,
+    copy: bool = True,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """One node's part of a step split by images: ``model`` (a :class:`~hetconv.model.Model`
     in training mode) on images ``x`` (n, C, H, W) float32, rows ``first .. first + n`` of a
@@ -211,7 +218,9 @@ def images_gradients(
         bool (n,) whether its top logit is its label). The logits' gradient is computed by
         the operations :func:`~hetconv.layers.softmax_cross_entropy` uses on the whole batch,
         row by row: the same values. ``reduce``: how batch norm layers take the whole batch's
-        statistics (:func:`sync_batchnorm`; None: from these images alone).
+        statistics (:func:`sync_batchnorm`; None: from these images alone). ``copy`` False:
+        the gradients as the model holds them (float32, valid until its next backward), not
+        fresh copies.
     """
     n = x.shape[0]
     if labels.shape != (n,):
@@ -230,7 +239,8 @@ def images_gradients(
     grad[rows, labels] -= 1.0
     grad /= np.float32(batch)
     model.backward(grad.astype(np.float32, copy=False))
-    grads = {name: np.array(g, np.float32) for name, g in model.gradients().items()}
+    take = np.array if copy else np.asarray
+    grads = {name: take(g, np.float32) for name, g in model.gradients().items()}
     return grads, losses.astype(np.float32), logits.argmax(axis=1) == labels
 
 

@@ -49,8 +49,12 @@ MASTER_ROUND = 1 << 20
 ROUNDS_PER_SUM = 256
 #: The most workers a ring holds (its gradient's rounds within :data:`ROUNDS_PER_SUM`).
 MAX_RANKS = ROUNDS_PER_SUM // 2
-#: A worker's answer: ``ring`` is ``[outcome, digest as 4 16-bit values]``; the outcomes.
+#: A worker's answer: ``ring`` is ``[outcome, digest as 4 16-bit values, then the seconds
+#: of its step spent in batch norm's sums, in the gradient's ring after the passes, in the
+#: update after it and in the digest]`` (:data:`RING_SECONDS`); the outcomes.
 OWN, SUMMED, DONE = 0, 1, 2  # its own gradient (the ring failed); the sum; updated, no sum
+RING_SECONDS = ("batchnorm_seconds", "ring_seconds", "update_seconds", "digest_seconds")
+RING_ANSWER_VALUES = 5 + len(RING_SECONDS)
 
 
 def flat(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -207,6 +211,33 @@ def all_gather(
         if got.shape != vector.shape:
             raise ValueError(f"round {round_}: a part of {got.shape}, expected {vector.shape}")
         pieces[(rank - round_ - 1) % ranks] = got
+    return pieces
+
+
+def all_to_all(
+    vector: np.ndarray,
+    rank: int,
+    ranks: int,
+    send: Callable[..., None],
+    receive: Callable[[int, int], np.ndarray],
+) -> list[np.ndarray]:
+    """:func:`all_gather`'s pieces in one round: this rank puts its ``vector`` into every
+    other rank at once (``send(round, segment, part, to)``, its round this rank's number),
+    then takes each other rank's (``receive(round, 0)``, the round the sender's number). Every
+    rank holds the same pieces in rank order, as the gather gives them, after one message's
+    latency instead of ``ranks - 1`` one after another."""
+    if ranks > ROUNDS_PER_SUM:
+        raise ValueError(f"a ring of {ranks}: at most {ROUNDS_PER_SUM} ranks put at once")
+    pieces: list[np.ndarray | None] = [None] * ranks
+    pieces[rank] = vector
+    for k in range(1, ranks):
+        send(rank, 0, vector, (rank + k) % ranks)
+    for k in range(1, ranks):
+        source = (rank - k) % ranks
+        got = receive(source, 0)
+        if got.shape != vector.shape:
+            raise ValueError(f"rank {source}: a part of {got.shape}, expected {vector.shape}")
+        pieces[source] = got
     return pieces
 
 
@@ -463,11 +494,14 @@ __all__ = [
     "OWN",
     "PART_BYTES_PER_S",
     "RING",
+    "RING_ANSWER_VALUES",
+    "RING_SECONDS",
     "ROUNDS_PER_SUM",
     "SEGMENT_BYTES",
     "SUMMED",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "all_reduce_seconds",
     "bucket_chunks",
     "buckets",

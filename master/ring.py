@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -59,6 +60,8 @@ from hetconv.ring import (
     MAX_RANKS,
     OWN,
     RING,
+    RING_ANSWER_VALUES,
+    RING_SECONDS,
     SEGMENT_BYTES,
     SUMMED,
     buffer_name,
@@ -103,7 +106,8 @@ def ring_step(
 ) -> tuple[dict[str, np.ndarray] | None, np.ndarray, np.ndarray, int, bytes, CallStats]:
     """One worker's ImagesStep with a ring (``answer``: the bytes it answers, about): (the
     gradients it answered, None where empty; losses; hits; its outcome; the digest of its
-    weights; the running statistics; its slice of the sum; the call's figures)."""
+    weights; the running statistics; its slice of the sum; the call's figures; where the
+    worker's time beyond its passes went, :data:`~hetconv.ring.RING_SECONDS`)."""
     count = len(arrays[-1][1])
     expect = (*names, "losses", "hits", "ring", "buffers", "slice")
     got, stats = client._call(
@@ -113,8 +117,9 @@ def ring_step(
     losses, hits, ring = got["losses"], got["hits"], got["ring"]
     if losses.shape != (count,) or hits.shape != (count,) or not np.isfinite(losses).all():
         raise WorkerError(client.address, f"images step {request.step}: bad losses or hits")
-    if ring.shape != (5,) or ring[0] not in (0, 1, 2):
+    if ring.shape != (RING_ANSWER_VALUES,) or ring[0] not in (0, 1, 2):
         raise WorkerError(client.address, f"images step {request.step}: bad ring outcome")
+    seconds = dict(zip(RING_SECONDS, map(float, ring[5:]), strict=True))
     grads = {n: got[n] for n in names}
     empty = all(g.size == 0 for g in grads.values())
     for name, g in grads.items():
@@ -123,7 +128,7 @@ def ring_step(
     if not np.isfinite(got["slice"]).all():
         raise WorkerError(client.address, f"images step {request.step}: bad slice of the sum")
     return None if empty else grads, losses, hits.astype(bool), int(ring[0]), \
-        digest_of_values(ring[1:]), got["buffers"], got["slice"], stats  # fmt: skip
+        digest_of_values(ring[1:5]), got["buffers"], got["slice"], stats, seconds  # fmt: skip
 
 
 def put_master_part(client: WorkerClient, session: int, step: int, vector, timeout: float):
@@ -380,6 +385,7 @@ class RingImageSplit(ImageSplit):
                 self._put_master(model, parts[node.name][0], ring[0][0], step)
         self._abort_on_failure(calls, ring, step)
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
+        self._answered = time.perf_counter()  # the sum joined and the copy updated after it
         summed = joined_sum(model, ring, answers, self.sum_slices)
         exchange = RING if summed is not None else MASTER
         if self._batchnorm:  # the workers' running statistics, or the whole batch here
@@ -512,7 +518,8 @@ class RingImageSplit(ImageSplit):
         worker lost, when its call failed (the others told so: none waits on it)."""
         node, _, count = at
         try:
-            grads, losses, hits, outcome, d, buffers, piece, stats = calls[node.name].result()
+            got = calls[node.name].result()
+            grads, losses, hits, outcome, d, buffers, piece, stats, seconds = got
         except WorkerError as e:
             self.membership.lose(node, e)
             self._placed.pop(node.name, None)
@@ -523,6 +530,7 @@ class RingImageSplit(ImageSplit):
         self._record[node.name].update(
             seconds=stats.compute_seconds, wall_seconds=stats.wall_seconds,
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, outcome=outcome,
+            **{k: round(v, 4) for k, v in seconds.items()},
         )  # fmt: skip
         return grads, losses, hits, outcome, d, buffers, piece
 
@@ -536,9 +544,10 @@ class RingImageSplit(ImageSplit):
         self._version += 1
         state = [*params.values(), flat(list(model.buffers().values()))]
         mine = digest(state, self._digest_seed, self.digest_share)
+        after = time.perf_counter() - getattr(self, "_answered", time.perf_counter())
         self._ring_record = {
             "exchange": exchange, "digest": mine.hex(), "master_part_bytes": self._part_bytes,
-            **getattr(self, "_master_choice", {}),
+            "master_update_seconds": round(after, 4), **getattr(self, "_master_choice", {}),
         }  # fmt: skip
         for name, got in answers.items():
             self._placed.pop(name, None)

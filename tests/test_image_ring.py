@@ -26,6 +26,7 @@ from hetconv.ring import (
     RING,
     all_gather,
     all_reduce,
+    all_to_all,
     choose,
     chunk_bounds,
     digest,
@@ -138,6 +139,45 @@ def test_all_gather_sums_float64_in_rank_order_on_every_rank(ranks):
     for got in out:
         assert got.tobytes() == out[0].tobytes()
     np.testing.assert_allclose(out[0], np.sum(values, axis=0), rtol=1e-13)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_all_to_all_puts_every_piece_at_once_and_sums_as_the_gather(ranks):
+    """Batch norm's sums: every rank puts its piece into every other before it waits for any
+    (one round, not ``ranks - 1`` in turn), and each holds the gather's pieces in rank order:
+    the same float64 sum bit for bit."""
+    import queue
+
+    rng = np.random.default_rng(ranks)
+    values = [rng.standard_normal(5) * 1e3 for _ in range(ranks)]
+    boxes = [{s: queue.Queue() for s in range(ranks)} for _ in range(ranks)]
+    events: list[tuple[int, str]] = []
+    out = [None] * ranks
+
+    def rank(r: int) -> None:
+        def send(round_, segment, piece, to):
+            assert round_ == r and to != r
+            events.append((r, "put"))
+            boxes[to][round_].put(piece)
+
+        def receive(round_, segment):
+            events.append((r, "wait"))
+            return boxes[r][round_].get(timeout=5)
+
+        out[r] = join64(all_to_all(split64(values[r]), r, ranks, send, receive))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(ranks):
+        mine = [what for who, what in events if who == r]
+        assert mine == ["put"] * (ranks - 1) + ["wait"] * (ranks - 1)
+    in_order = join64([split64(v) for v in values])  # the gather's pieces, in rank order
+    for got in out:
+        assert got.tobytes() == in_order.tobytes()
+    np.testing.assert_allclose(in_order, np.sum(values, axis=0), rtol=1e-13)
 
 
 def test_flat_digest_round_trips():
@@ -261,8 +301,8 @@ class CorruptingImages(ImagesCalls):
     """ImagesStep whose worker nudges one weight after its update of step 3 (a fault the
     digest shows)."""
 
-    def _sum_and_update(self, request, kept, names, grads, overlap=None):
-        got = super()._sum_and_update(request, kept, names, grads, overlap)
+    def _sum_and_update(self, request, kept, names, grads, *rest):
+        got = super()._sum_and_update(request, kept, names, grads, *rest)
         if request.step == 3:
             weight = kept.model.parameters()[names[0]]
             weight.flat[0] = np.nextafter(weight.flat[0], np.float32(np.inf))

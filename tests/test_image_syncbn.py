@@ -238,7 +238,7 @@ def test_train_resnet20_split_by_images_with_the_ring(tmp_path, capsys):
 
 def test_the_simulator_and_the_plan_split_a_batch_norm_network_by_images_with_the_ring():
     from hetconv.costmodel import SWITCHED, SimCluster, SimNode
-    from hetconv.imagecost import batchnorm_sums_seconds, simulate_image_split
+    from hetconv.imagecost import PUT_S, batchnorm_sums_seconds, simulate_image_split
     from hetconv.simulations.plan import IMAGE_SPLIT, IMAGE_SPLIT_RING, candidates
 
     link = 940e6 / 8
@@ -249,7 +249,8 @@ def test_the_simulator_and_the_plan_split_a_batch_norm_network_by_images_with_th
     got = simulate_image_split(cluster, "resnet20", 64, 0.05, exchange="ring")
     assert got.batches[0] == 0 and sum(got.batches) == 64  # the master computes no images
     sums = batchnorm_sums_seconds(nodes, 19)
-    assert sums == pytest.approx(3 * 19 * 2 * (50e-6 + 1.5e-3))
+    # one round a sum: each worker's two puts out and two in, then one message's latency
+    assert sums == pytest.approx(3 * 19 * (2 * PUT_S + 50e-6 + 1.5e-3))
     assert got.comm_s > sums
     labels = {c.label for c in candidates(cluster, "resnet20", 64, 0.05)}
     assert IMAGE_SPLIT_RING in labels and IMAGE_SPLIT not in labels

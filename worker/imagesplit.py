@@ -45,6 +45,7 @@ from hetconv.ring import (
     DONE,
     MASTER_ROUND,
     OWN,
+    RING_ANSWER_VALUES,
     ROUNDS_PER_SUM,
     SUMMED,
     buffer_name,
@@ -247,9 +248,14 @@ class ImagesCalls:
                               f"needs {ring.version}: they must be placed")  # fmt: skip
         start = time.perf_counter()
         sums = iter(range(1, MASTER_ROUND // ROUNDS_PER_SUM))
+        seconds = dict.fromkeys(("batchnorm", "ring", "update", "digest"), 0.0)
 
         def reduce(v: np.ndarray) -> np.ndarray:  # a batch norm sum over the ring, float64
-            return ctx.ring.sum64(request, v, next(sums) * ROUNDS_PER_SUM)
+            began = time.perf_counter()
+            try:
+                return ctx.ring.sum64(request, v, next(sums) * ROUNDS_PER_SUM)
+            finally:
+                seconds["batchnorm"] += time.perf_counter() - began
 
         overlap = None  # the gradient's buckets summed while backward runs
 
@@ -261,9 +267,9 @@ class ImagesCalls:
                 overlap = ctx.ring.buckets(request, shapes, ring.rank == 0 and ring.master_part)
                 kept.momentum = kept.momentum or {}  # each bucket's update, once it is summed
                 overlap.summed = functools.partial(_apply_bucket, request, kept, names)
-            with _backward_hooks(model, overlap):
+            with _backward_hooks(model, overlap):  # the gradients as the model holds them
                 out = images_gradients(model, x, classes, d.first, d.batch, int(request.step),
-                                       reduce)  # fmt: skip
+                                       reduce, copy=False)  # fmt: skip
             ctx.backend.synchronize()
             return out
 
@@ -285,13 +291,17 @@ class ImagesCalls:
             # What the images cost, not the ring after it (which waits for the master's part
             # and the slowest rank): the master shares the images by it.
             compute = time.perf_counter() - start
-            outcome, grads, piece = self._sum_and_update(request, kept, names, grads, overlap)
+            outcome, grads, piece = self._sum_and_update(request, kept, names, grads, overlap,
+                                                         seconds)  # fmt: skip
         tensors = [(name, grads[name], FLOAT32) for name in names]
-        ring_values = np.zeros(5, np.float32)
+        ring_values = np.zeros(RING_ANSWER_VALUES, np.float32)
         ring_values[0] = outcome
         if outcome != OWN:  # a sample of the weights where the master drew one
+            began = time.perf_counter()
             share = ring.digest_share if ring.digest_seed else 1.0
-            ring_values[1:] = digest_values(digest(_state(model), ring.digest_seed, share))
+            ring_values[1:5] = digest_values(digest(_state(model), ring.digest_seed, share))
+            seconds["digest"] = time.perf_counter() - began
+        ring_values[5:] = list(seconds.values())  # where the step's time beyond compute went
         summed = outcome == SUMMED and ring.rank == 0  # the running statistics: rank 0's
         buffers = flat(list(model.buffers().values())) if summed else np.zeros(0, np.float32)
         tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32),
@@ -299,20 +309,25 @@ class ImagesCalls:
                     ("slice", piece, FLOAT32)]  # fmt: skip
         return tensors, compute, receive
 
-    def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads, overlap=None):
+    def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads, overlap=None,
+                        seconds=None):  # fmt: skip
         """(outcome, the gradients to answer, the slice of the sum to answer): the ring's sum
         applied to the kept weights (the sum ``overlap``, a
-        :class:`~hetconv.worker.ring.BucketRing`, ran during backward)."""
+        :class:`~hetconv.worker.ring.BucketRing`, ran during backward); ``seconds``' ``ring``
+        and ``update`` take the time the sum and the update took after the passes."""
         ring = request.images.ring
+        seconds = {} if seconds is None else seconds
+        began = time.perf_counter()
         try:
             if overlap is not None:
                 vector = overlap.finish([grads[n] for n in names])
-                return self._update(request, kept, names, vector, overlap.applied)
+                seconds["ring"] = time.perf_counter() - began
+                return self._update(request, kept, names, vector, overlap.applied, seconds)
         except RingFailed:
-            return OWN, grads, np.zeros(0, np.float32)
+            return OWN, _fresh(grads), np.zeros(0, np.float32)
         own = flat([grads[n] for n in names])
         try:
-            vector = own.copy()
+            vector = own  # a fresh vector: summed in place
             if ring.rank == 0 and ring.master_part:
                 theirs = self.context.ring.master_part(request)
                 if theirs.shape != own.shape:
@@ -322,24 +337,28 @@ class ImagesCalls:
         except RingFailed:
             if ring.rank == 0 and ring.master_part:
                 self.context.ring.abort(request)
-            return OWN, grads, np.zeros(0, np.float32)
-        return self._update(request, kept, names, vector)
+            return OWN, _fresh(grads), np.zeros(0, np.float32)
+        seconds["ring"] = time.perf_counter() - began
+        return self._update(request, kept, names, vector, (), seconds)
 
     def _update(self, request: pb.ConvRequest, kept: _Kept, names, vector: np.ndarray,
-                applied=frozenset()):  # fmt: skip
+                applied=frozenset(), seconds=None):  # fmt: skip
         """(outcome, the gradients to answer, the slice of the sum to answer): the summed
         ``vector`` applied to the kept weights (but the parameters ``applied`` already, by
         index); with ``sum_slice``, this rank's chunk of it alone (the master joins the ranks'
         chunks: its link takes them all at once)."""
         ring = request.images.ring
+        began = time.perf_counter()
         params = kept.model.parameters()
         summed = unflat(vector, [params[n].shape for n in names])
         _apply(request, kept, names, summed, set(range(len(names))) - set(applied))
         kept.version = int(ring.version) + 1
+        if seconds is not None:
+            seconds["update"] = time.perf_counter() - began
         empty = {n: np.zeros(0, np.float32) for n in names}
-        if ring.answer_sum and ring.sum_slice:
+        if ring.answer_sum and ring.sum_slice:  # a view: the vector is this step's own
             a, b = chunk_bounds(vector.size, len(ring.peers))[ring.rank]
-            return SUMMED, empty, vector[a:b].copy()
+            return SUMMED, empty, vector[a:b]
         if ring.answer_sum:
             return SUMMED, dict(zip(names, summed, strict=True)), np.zeros(0, np.float32)
         return DONE, empty, np.zeros(0, np.float32)
@@ -405,6 +424,11 @@ def _place(kept: _Kept, names: list[str], arrays: list[np.ndarray]) -> None:
             buffers[name.removeprefix(buffer_name(""))][...] = value
         else:
             params[name][...] = value
+
+
+def _fresh(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The gradients the model holds, as fresh arrays (answered where the ring failed)."""
+    return {name: np.array(g, np.float32) for name, g in grads.items()}
 
 
 def _state(model: Model) -> list[np.ndarray]:

@@ -32,8 +32,8 @@ from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import (
     MASTER_ROUND,
     MAX_RANKS,
-    all_gather,
     all_reduce,
+    all_to_all,
     bucket_chunks,
     buckets,
     join64,
@@ -194,12 +194,14 @@ class RingCalls:
         return BucketRing(self, request, shapes, master_part)
 
     def sum64(self, request: pb.ConvRequest, values: np.ndarray, offset: int) -> np.ndarray:
-        """The float64 sum of ``values`` over the ring, in rank order (every rank's, gathered:
-        the same on each), its rounds from ``offset``; RingFailed saying why not."""
-        return join64(self._run(request, offset, lambda *io: all_gather(split64(values), *io)))
+        """The float64 sum of ``values`` over the ring, in rank order (every rank's, put into
+        every other at once: the same on each), its rounds from ``offset``; RingFailed saying
+        why not."""
+        return join64(self._run(request, offset, lambda *io: all_to_all(split64(values), *io)))
 
     def _run(self, request: pb.ConvRequest, offset: int, algorithm):
-        """``algorithm(rank, ranks, send, receive)`` over the request's ring."""
+        """``algorithm(rank, ranks, send, receive)`` over the request's ring (``send``'s parts
+        go to the next rank, or to the rank ``to``)."""
         ring = request.images.ring
         session, step, rank, peers = request.session, int(request.step), ring.rank, ring.peers
         if self.tls:
@@ -211,15 +213,15 @@ class RingCalls:
         timeout = min(PUT_SECONDS, max(ring.wait_seconds, 1.0))
         pending: deque[futures.Future] = deque()
 
-        def why(e: BaseException) -> str:
+        def why(e: BaseException, address: str) -> str:
             code = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
-            return f"the put to {following} failed: {code}"
+            return f"the put to {address} failed: {code}"
 
         def ended(future: futures.Future) -> None:  # a failed put ends this rank's waits
             e = future.exception()
             with self._changed:
                 if e is not None:
-                    self._put_failed.setdefault((session, step), why(e))
+                    self._put_failed.setdefault((session, step), why(e, future.address))
                 self._changed.notify_all()
 
         def settle(future: futures.Future) -> None:  # its put through, or the ring aborted
@@ -231,16 +233,18 @@ class RingCalls:
             try:
                 future.result()
             except grpc.RpcError as e:
-                raise RingFailed(why(e)) from None
+                raise RingFailed(why(e, future.address)) from None
 
-        def send(round_: int, segment: int, part: np.ndarray) -> None:
+        def send(round_: int, segment: int, part: np.ndarray, to: int | None = None) -> None:
             while len(pending) >= OUTSTANDING:
                 settle(pending.popleft())
+            address = following if to is None else peers[to]
             head = part_request(session, step, rank, offset + round_, segment=segment)
             try:
-                pending.append(links.put_later(following, head, part, FLOAT32, timeout))
+                pending.append(links.put_later(address, head, part, FLOAT32, timeout))
             except RuntimeError:  # its links closed (the worker stops, or the session went)
-                raise RingFailed(f"the put to {following} failed: its links closed") from None
+                raise RingFailed(f"the put to {address} failed: its links closed") from None
+            pending[-1].address = address
             pending[-1].add_done_callback(ended)
 
         def receive(round_: int, segment: int) -> np.ndarray:
