@@ -32,7 +32,9 @@ _CHOICES = {
 #: What simulate adds to the mode flags' meaning.
 _NOTES = {
     "split": "here auto simulates both splits and marks (a) the row train would run, spot "
-    "checks on (the ring needs --spot-check-every 0: the json's auto_unchecked)",
+    "checks on (the ring needs --spot-check-every 0: the json's auto_unchecked); with a flag "
+    "of the split by kernels given (--stages, --kernels, --replicate, --overlap, --head, "
+    "--wire-format, --paper-modes) the split by kernels, as train",
     "exchange": "which image-split rows are simulated (auto: both)",
     "wire_format": "replaces the scenario's [wire] format; default float32",
     "stages": "the master's other work (comp) is as the scenario or trace says, in every mode",

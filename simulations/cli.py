@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{name!r} is no scenario: an option takes one value, so give several as one "
                 "list (--nodes 1,2,4 or 1..8, --batch 64,1024) or repeat the option"
             )
+    split = _split(args)
     scenarios = _scenarios(args)
     nodes = list(dict.fromkeys(args.nodes)) if args.nodes else None
     rows = []
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             data_parallel=not args.no_data_parallel,
             overlap=args.overlap,
             head=args.head,
-            split=args.split,
+            split=split,
             exchange=args.exchange,
         )
         if not args.quiet:
@@ -234,6 +235,26 @@ PAPER_MODES = {
     "overlap": "off",
     "head": "master",
 }
+
+
+#: The flags of the split by kernels, at their defaults (as `hetconv train` reads them): one
+#: given makes ``--split auto`` the split by kernels, and ``--split images`` refuses it.
+KERNEL_SPLIT_ONLY = (("wire_format", None), ("stages", "auto"), ("kernels", "auto"),
+                     ("replicate", "auto"), ("overlap", "auto"), ("head", "auto"))  # fmt: skip
+
+
+def _split(args: argparse.Namespace) -> str:
+    """The split to simulate, as ``hetconv train`` resolves ``--split`` with workers named:
+    ``auto`` is the split by kernels where a flag of the split by kernels is given.
+
+    Raises:
+        ValueError: ``--split images`` with a flag of the split by kernels.
+    """
+    given = [f"--{dest.replace('_', '-')}" for dest, default in KERNEL_SPLIT_ONLY
+             if getattr(args, dest, default) != default]  # fmt: skip
+    if args.split == "images" and given:
+        raise ValueError(f"--split images splits no layer by kernels: drop {given[0]}")
+    return "kernels" if given and args.split == "auto" else args.split
 
 
 def _paper_modes(args: argparse.Namespace) -> None:

@@ -104,3 +104,12 @@ def test_mark_auto_split_leaves_a_single_split_alone():
     rows = run_scenario(load_scenario("gigabit-lan"), nodes=[5], networks=["paper-150-800"],
                         batches=[64], bandwidths_mbps=[940.0])  # fmt: skip
     assert mark_auto_split(rows) == rows
+
+
+def test_a_flag_of_the_kernel_split_keeps_auto_on_kernels(tmp_path, capsys):
+    """As train resolves --split auto: a kernel-split flag given means the split by kernels."""
+    point = ["gigabit-lan", "--preset", "paper-150-800", "--batch", "64", "--nodes", "5"]
+    rows = _rows(tmp_path, *point, "--stages", "fused")
+    assert rows and {r["split"] for r in rows} == {"kernels"}
+    assert main([*point, "--split", "images", "--head", "master", "--quiet"]) != 0
+    assert "--split images splits no layer by kernels: drop --head" in capsys.readouterr().err
