@@ -28,6 +28,7 @@ from hetconv.ring import (
     BUCKET_BYTES,
     MASTER,
     MASTER_RANGE_MARGIN,
+    doubling_rounds,
     master_link_bytes,
     ring_exchange_seconds,
 )
@@ -65,8 +66,8 @@ def simulate_image_split(
     without, and the master's range taken where predicted
     :data:`hetconv.ring.MASTER_RANGE_MARGIN` faster, as the master cuts its ranges
     (:func:`hetconv.ring.master_range_pays`). A network with batch norm runs only so: the
-    master computes no images, and each batch norm layer adds three sums a step, each one
-    round of puts from every worker into every other (:func:`batchnorm_sums_seconds`)."""
+    master computes no images, and each batch norm layer adds three sums a step, each
+    gathered in the fewest puts (:func:`batchnorm_sums_seconds`)."""
     costs = costs or CollectiveCosts()
     if exchange not in ALGORITHMS:
         raise ValueError(f"exchange {exchange!r} is not one of {', '.join(ALGORITHMS)}")
@@ -145,7 +146,8 @@ def ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds, b
 #: CPU seconds of a whole core one RingPart of a few values costs, both ends together (gRPC,
 #: the header, the checks, the waiting rank's wake-up): batch norm's sums on the scaled testbed
 #: (resnet20, 4 workers at 0.36 of a core) took about 3.3 ms a put when each sum passed
-#: ``workers - 1`` of them one after another.
+#: ``workers - 1`` of them one after another: on a capped core the puts' software, not the
+#: links' latency, is what a small sum costs.
 PUT_S = 1.2e-3
 
 
@@ -153,17 +155,21 @@ def batchnorm_sums_seconds(
     workers: Sequence[SimNode], norms: int, costs: CollectiveCosts | None = None
 ) -> float:
     """Seconds a step of ``norms`` batch norm layers split by images over ``workers`` (the
-    ring's) waits on their statistics: three sums a layer, each one round in which every worker
-    puts its values into every other at once (:func:`hetconv.ring.all_to_all`): the software
-    of ``len(workers) - 1`` puts out and as many in on each worker's core (:data:`PUT_S`, at
-    the share of a core ``costs`` were scaled to), half a round trip and a message's cost (their
-    bytes are few)."""
+    ring's) waits on their statistics: three sums a layer, each gathered in the fewest puts
+    (:meth:`hetconv.worker.ring.RingCalls.sum64`: every worker into every other at once on
+    three workers or fewer, else ``ceil(log2(workers))`` rounds of one put,
+    :func:`hetconv.ring.all_gather_doubling`): each put's software out and in on each worker's
+    core (:data:`PUT_S`, at the share of a core ``costs`` were scaled to), and each round half
+    a round trip and a message's cost (their bytes are few)."""
     costs = costs or CollectiveCosts()
-    if len(workers) < 2:
+    ranks = len(workers)
+    if ranks < 2:
         return 0.0
     core = CollectiveCosts().message_s / costs.message_s if costs.message_s else 1.0
     hop = costs.message_s + max(w.rtt_s for w in workers) / 2
-    return 3 * norms * ((len(workers) - 1) * PUT_S / core + hop)
+    puts = min(ranks - 1, doubling_rounds(ranks))
+    rounds = 1 if puts == ranks - 1 else puts
+    return 3 * norms * (puts * PUT_S / core + rounds * hop)
 
 
 #: How much faster (a fraction of the kernel split's predicted step) a split by images must

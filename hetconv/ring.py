@@ -241,6 +241,38 @@ def all_to_all(
     return pieces
 
 
+def doubling_rounds(ranks: int) -> int:
+    """Rounds of :func:`all_gather_doubling` over ``ranks``: ``ceil(log2(ranks))``."""
+    return max(0, ranks - 1).bit_length()
+
+
+def all_gather_doubling(
+    vector: np.ndarray,
+    rank: int,
+    ranks: int,
+    send: Callable[..., None],
+    receive: Callable[[int, int], np.ndarray],
+) -> list[np.ndarray]:
+    """:func:`all_gather`'s pieces in :func:`doubling_rounds` rounds (Bruck's all-gather): in
+    round ``k`` this rank puts the pieces it holds (its own and the next ``2**k - 1`` ranks',
+    as many as the rank it goes to lacks) into rank ``rank - 2**k`` as one part
+    (``send(round, segment, part, to)``) and takes rank ``rank + 2**k``'s (``receive(round,
+    0)``). Every rank holds the same pieces in rank order, after ``ceil(log2(ranks))`` puts
+    out and in where the gather and :func:`all_to_all` take ``ranks - 1``: on a capped core
+    each put's software is what a small sum costs."""
+    held = [vector]  # the pieces of ranks rank, rank + 1, ... (mod ranks)
+    for k in range(doubling_rounds(ranks)):
+        distance = 1 << k
+        count = min(distance, ranks - distance)
+        send(k, 0, np.concatenate(held[:count]), (rank - distance) % ranks)
+        got = receive(k, 0)
+        if got.shape != (count * vector.size,):
+            raise ValueError(f"round {k}: a part of {got.shape}, expected "
+                             f"({count * vector.size},)")  # fmt: skip
+        held += np.split(got, count)
+    return [held[(r - rank) % ranks] for r in range(ranks)]
+
+
 def split64(values: np.ndarray) -> np.ndarray:
     """float64 ``values`` as float32 (high parts, then the remainders): 48 bits of them."""
     high = values.astype(np.float32)
@@ -500,6 +532,7 @@ __all__ = [
     "SEGMENT_BYTES",
     "SUMMED",
     "all_gather",
+    "all_gather_doubling",
     "all_reduce",
     "all_to_all",
     "all_reduce_seconds",
@@ -513,6 +546,7 @@ __all__ = [
     "digest_blocks",
     "digest_of_values",
     "digest_values",
+    "doubling_rounds",
     "flat",
     "join64",
     "master_link_bytes",

@@ -486,13 +486,8 @@ class RingImageSplit(ImageSplit):
         vector = flat([grads[k] for k in model.parameters()])
         self._part_bytes = vector.nbytes
         try:
-            put_master_part(
-                rank0.client,
-                self.session,
-                step,
-                vector,
-                self.config.transfer_deadline(rank0, vector.nbytes) + WAIT_FLOOR_S,
-            )
+            deadline = self.config.transfer_deadline(rank0, vector.nbytes) + WAIT_FLOOR_S
+            put_master_part(rank0.client, self.session, step, vector, deadline)
         except WorkerError:
             pass  # rank 0 waits for it in vain: its ring fails, the step goes through here
 
@@ -544,7 +539,7 @@ class RingImageSplit(ImageSplit):
         self._version += 1
         state = [*params.values(), flat(list(model.buffers().values()))]
         mine = digest(state, self._digest_seed, self.digest_share)
-        after = time.perf_counter() - getattr(self, "_answered", time.perf_counter())
+        after = time.perf_counter() - self._answered  # set as the answers came
         self._ring_record = {
             "exchange": exchange, "digest": mine.hex(), "master_part_bytes": self._part_bytes,
             "master_update_seconds": round(after, 4), **getattr(self, "_master_choice", {}),

@@ -25,6 +25,7 @@ from hetconv.ring import (
     MASTER,
     RING,
     all_gather,
+    all_gather_doubling,
     all_reduce,
     all_to_all,
     choose,
@@ -32,6 +33,7 @@ from hetconv.ring import (
     digest,
     digest_of_values,
     digest_values,
+    doubling_rounds,
     flat,
     join64,
     master_link_bytes,
@@ -178,6 +180,38 @@ def test_all_to_all_puts_every_piece_at_once_and_sums_as_the_gather(ranks):
     for got in out:
         assert got.tobytes() == in_order.tobytes()
     np.testing.assert_allclose(in_order, np.sum(values, axis=0), rtol=1e-13)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 8])
+def test_the_doubling_gather_puts_log2_parts_and_sums_as_the_gather(ranks):
+    """Batch norm's sums on four workers or more: ``ceil(log2(ranks))`` puts out and in per
+    rank (the gather and the all-to-all put ``ranks - 1``), the pieces in rank order on every
+    rank: the same float64 sum bit for bit."""
+    import queue
+
+    rng = np.random.default_rng(ranks)
+    values = [rng.standard_normal(5) * 1e3 for _ in range(ranks)]
+    boxes = [{k: queue.Queue() for k in range(4)} for _ in range(ranks)]
+    puts, out = [0] * ranks, [None] * ranks
+
+    def rank(r: int) -> None:
+        def send(round_, segment, part, to):
+            puts[r] += 1
+            boxes[to][round_].put(part)
+
+        out[r] = join64(all_gather_doubling(split64(values[r]), r, ranks, send,
+                                            lambda k, s: boxes[r][k].get(timeout=5)))  # fmt: skip
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert puts == [doubling_rounds(ranks)] * ranks
+    assert doubling_rounds(ranks) == {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 8: 3}[ranks]
+    in_order = join64([split64(v) for v in values])
+    for got in out:
+        assert got.tobytes() == in_order.tobytes()
 
 
 def test_flat_digest_round_trips():

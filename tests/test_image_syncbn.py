@@ -249,8 +249,10 @@ def test_the_simulator_and_the_plan_split_a_batch_norm_network_by_images_with_th
     got = simulate_image_split(cluster, "resnet20", 64, 0.05, exchange="ring")
     assert got.batches[0] == 0 and sum(got.batches) == 64  # the master computes no images
     sums = batchnorm_sums_seconds(nodes, 19)
-    # one round a sum: each worker's two puts out and two in, then one message's latency
+    # three workers: one round a sum, each worker's two puts out and two in at once
     assert sums == pytest.approx(3 * 19 * (2 * PUT_S + 50e-6 + 1.5e-3))
+    four = batchnorm_sums_seconds((*nodes, SimNode("w3", 60.0, bytes_per_s=link, rtt_s=3e-3)), 19)
+    assert four == pytest.approx(3 * 19 * 2 * (PUT_S + 50e-6 + 1.5e-3))  # two rounds of one
     assert got.comm_s > sums
     labels = {c.label for c in candidates(cluster, "resnet20", 64, 0.05)}
     assert IMAGE_SPLIT_RING in labels and IMAGE_SPLIT not in labels

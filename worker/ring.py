@@ -16,6 +16,7 @@ its own gradient (the master sums the step itself).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -32,10 +33,12 @@ from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import (
     MASTER_ROUND,
     MAX_RANKS,
+    all_gather_doubling,
     all_reduce,
     all_to_all,
     bucket_chunks,
     buckets,
+    doubling_rounds,
     join64,
     rounds,
     split64,
@@ -194,10 +197,13 @@ class RingCalls:
         return BucketRing(self, request, shapes, master_part)
 
     def sum64(self, request: pb.ConvRequest, values: np.ndarray, offset: int) -> np.ndarray:
-        """The float64 sum of ``values`` over the ring, in rank order (every rank's, put into
-        every other at once: the same on each), its rounds from ``offset``; RingFailed saying
-        why not."""
-        return join64(self._run(request, offset, lambda *io: all_to_all(split64(values), *io)))
+        """The float64 sum of ``values`` over the ring, in rank order (every rank's, gathered
+        in the fewest puts: :func:`~hetconv.ring.all_to_all` in one round where it puts no
+        more than :func:`~hetconv.ring.all_gather_doubling`, else the latter; the same sum on
+        each), its rounds from ``offset``; RingFailed saying why not."""
+        ranks = len(request.images.ring.peers)
+        gather = all_to_all if ranks - 1 <= doubling_rounds(ranks) else all_gather_doubling
+        return join64(self._run(request, offset, lambda *io: gather(split64(values), *io)))
 
     def _run(self, request: pb.ConvRequest, offset: int, algorithm):
         """``algorithm(rank, ranks, send, receive)`` over the request's ring (``send``'s parts
@@ -211,20 +217,21 @@ class RingCalls:
         links = self._session_links(session)
         following = peers[(rank + 1) % len(peers)]
         timeout = min(PUT_SECONDS, max(ring.wait_seconds, 1.0))
-        pending: deque[futures.Future] = deque()
+        pending: deque[tuple[futures.Future, str]] = deque()  # each put and where it went
 
         def why(e: BaseException, address: str) -> str:
             code = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
             return f"the put to {address} failed: {code}"
 
-        def ended(future: futures.Future) -> None:  # a failed put ends this rank's waits
+        def ended(address: str, future: futures.Future) -> None:  # a failed put ends the waits
             e = future.exception()
             with self._changed:
                 if e is not None:
-                    self._put_failed.setdefault((session, step), why(e, future.address))
+                    self._put_failed.setdefault((session, step), why(e, address))
                 self._changed.notify_all()
 
-        def settle(future: futures.Future) -> None:  # its put through, or the ring aborted
+        def settle(put: tuple[futures.Future, str]) -> None:  # through, or the ring aborted
+            future, address = put
             with self._changed:
                 while not future.done():
                     if (session, step) in self._aborted:
@@ -233,7 +240,7 @@ class RingCalls:
             try:
                 future.result()
             except grpc.RpcError as e:
-                raise RingFailed(why(e, future.address)) from None
+                raise RingFailed(why(e, address)) from None
 
         def send(round_: int, segment: int, part: np.ndarray, to: int | None = None) -> None:
             while len(pending) >= OUTSTANDING:
@@ -241,11 +248,11 @@ class RingCalls:
             address = following if to is None else peers[to]
             head = part_request(session, step, rank, offset + round_, segment=segment)
             try:
-                pending.append(links.put_later(address, head, part, FLOAT32, timeout))
+                future = links.put_later(address, head, part, FLOAT32, timeout)
             except RuntimeError:  # its links closed (the worker stops, or the session went)
                 raise RingFailed(f"the put to {address} failed: its links closed") from None
-            pending[-1].address = address
-            pending[-1].add_done_callback(ended)
+            pending.append((future, address))
+            future.add_done_callback(functools.partial(ended, address))
 
         def receive(round_: int, segment: int) -> np.ndarray:
             return self._receive(session, step, (offset + round_, segment), ring.wait_seconds)
