@@ -143,12 +143,15 @@ def ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds, b
     return max(0.0, after - (during.step_s - during.compute_s))
 
 
-#: CPU seconds of a whole core one RingPart of a few values costs, both ends together (gRPC,
-#: the header, the checks, the waiting rank's wake-up): batch norm's sums on the scaled testbed
-#: (resnet20, 4 workers at 0.36 of a core) took about 3.3 ms a put when each sum passed
-#: ``workers - 1`` of them one after another: on a capped core the puts' software, not the
-#: links' latency, is what a small sum costs.
-PUT_S = 1.2e-3
+#: Seconds of a whole core a batch norm sum among the workers costs
+#: (:func:`batchnorm_sums_seconds`): its own software (the sum's setup, the values' split and
+#: join, the computing thread's hand-offs), each round's wake-up of the rank waiting for its
+#: part, and each small RingPart put, both ends (gRPC, the header, the checks). Fitted to
+#: resnet20's 57 sums a step on 4 workers at 0.36 of a core: 9.6 ms a sum on the scaled
+#: testbed gathered round the ring (3 rounds of 1 put), 8.8 ms doubling (2 rounds of 1 put);
+#: on loopback 15.2, 12.3 and 12.9 ms put all-to-all (1 round of 3 puts), on a machine others
+#: loaded more.
+SUM_S, ROUND_S, PUT_S = 1.7e-3, 0.3e-3, 0.45e-3
 
 
 def batchnorm_sums_seconds(
@@ -159,8 +162,9 @@ def batchnorm_sums_seconds(
     (:meth:`hetconv.worker.ring.RingCalls.sum64`: every worker into every other at once on
     three workers or fewer, else ``ceil(log2(workers))`` rounds of one put,
     :func:`hetconv.ring.all_gather_doubling`): each put's software out and in on each worker's
-    core (:data:`PUT_S`, at the share of a core ``costs`` were scaled to), and each round half
-    a round trip and a message's cost (their bytes are few)."""
+    core, each sum's and each round's (:data:`SUM_S`, :data:`ROUND_S`, :data:`PUT_S`, at the
+    share of a core ``costs`` were scaled to), and each round half a round trip and a message's
+    cost (their bytes are few)."""
     costs = costs or CollectiveCosts()
     ranks = len(workers)
     if ranks < 2:
@@ -169,7 +173,7 @@ def batchnorm_sums_seconds(
     hop = costs.message_s + max(w.rtt_s for w in workers) / 2
     puts = min(ranks - 1, doubling_rounds(ranks))
     rounds = 1 if puts == ranks - 1 else puts
-    return 3 * norms * (puts * PUT_S / core + rounds * hop)
+    return 3 * norms * ((SUM_S + rounds * ROUND_S + puts * PUT_S) / core + rounds * hop)
 
 
 #: How much faster (a fraction of the kernel split's predicted step) a split by images must
@@ -222,7 +226,9 @@ def describe_choice(choice: dict) -> str:
 
 __all__ = [
     "PUT_S",
+    "ROUND_S",
     "SPLIT_MARGIN",
+    "SUM_S",
     "batchnorm_sums_seconds",
     "choose_split",
     "ring_hidden_seconds",

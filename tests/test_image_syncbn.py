@@ -237,8 +237,9 @@ def test_train_resnet20_split_by_images_with_the_ring(tmp_path, capsys):
 
 
 def test_the_simulator_and_the_plan_split_a_batch_norm_network_by_images_with_the_ring():
+    from hetconv import imagecost
     from hetconv.costmodel import SWITCHED, SimCluster, SimNode
-    from hetconv.imagecost import PUT_S, batchnorm_sums_seconds, simulate_image_split
+    from hetconv.imagecost import batchnorm_sums_seconds, simulate_image_split
     from hetconv.simulations.plan import IMAGE_SPLIT, IMAGE_SPLIT_RING, candidates
 
     link = 940e6 / 8
@@ -249,10 +250,12 @@ def test_the_simulator_and_the_plan_split_a_batch_norm_network_by_images_with_th
     got = simulate_image_split(cluster, "resnet20", 64, 0.05, exchange="ring")
     assert got.batches[0] == 0 and sum(got.batches) == 64  # the master computes no images
     sums = batchnorm_sums_seconds(nodes, 19)
+    SUM_S, ROUND_S, PUT_S = imagecost.SUM_S, imagecost.ROUND_S, imagecost.PUT_S  # noqa: N806
     # three workers: one round a sum, each worker's two puts out and two in at once
-    assert sums == pytest.approx(3 * 19 * (2 * PUT_S + 50e-6 + 1.5e-3))
+    assert sums == pytest.approx(3 * 19 * (SUM_S + ROUND_S + 2 * PUT_S + 50e-6 + 1.5e-3))
     four = batchnorm_sums_seconds((*nodes, SimNode("w3", 60.0, bytes_per_s=link, rtt_s=3e-3)), 19)
-    assert four == pytest.approx(3 * 19 * 2 * (PUT_S + 50e-6 + 1.5e-3))  # two rounds of one
+    want = 3 * 19 * (SUM_S + 2 * (ROUND_S + PUT_S + 50e-6 + 1.5e-3))  # two rounds of one put
+    assert four == pytest.approx(want)
     assert got.comm_s > sums
     labels = {c.label for c in candidates(cluster, "resnet20", 64, 0.05)}
     assert IMAGE_SPLIT_RING in labels and IMAGE_SPLIT not in labels
