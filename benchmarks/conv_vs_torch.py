@@ -275,10 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--statistic", choices=list(STATISTIC), default="median",
                    help="what of the repeats' times a row reports (default: median; min: the "
                    "least disturbed by other processes)")  # fmt: skip
-    p.add_argument("--engine", nargs="+", choices=ENGINES, default=["cpu"], metavar="ENGINE",
+    p.add_argument("--engine", nargs="+", choices=[*ENGINES, "auto"], default=["auto"],
+                   metavar="ENGINE",
                    help="our convolution engines, each its own rows: cpu (the cpu backend, "
-                   "im2col + BLAS) or onednn (the onednn backend, oneDNN's convolutions; "
-                   "pip install 'hetconv[onednn]'); default: cpu")  # fmt: skip
+                   "im2col + BLAS), onednn (the onednn backend, oneDNN's convolutions, "
+                   "installed with hetconv on Linux x86-64) or auto (hetconv train's default: "
+                   "onednn where its library loads, else cpu); default: auto")  # fmt: skip
     all_kinds = [*CONV_KINDS, *KINDS.values(), "step"]
     p.add_argument("--kinds", nargs="+", default=all_kinds, choices=all_kinds, metavar="KIND",
                    help="only these row kinds (default: all; 'step': the whole step)")  # fmt: skip
@@ -382,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.repeats < 1:
         sys.exit(f"--repeats must be >= 1, got {args.repeats}")
+    from hetconv.backends import resolve_engine  # auto named here: the rows say what ran
+
+    args.engine = list(dict.fromkeys(resolve_engine(e)[0] for e in args.engine))
     if args.col2im:
         CpuBackend._grad_input = CpuBackend._grad_input_col2im
     global statistic

@@ -23,13 +23,13 @@ per process, same scaling of compute and links to laptops):
    costs scaled by ``1 / cap``.
 
 A row: both step times (median of the steps after ``--warmup``), ``ratio`` = hetconv / DDP
-(below 1: hetconv is faster), each engine alone on the same cap (hetconv's numpy engine and
-torch's oneDNN one differ: ``hetconv_alone_s`` against ``torch_alone_s`` is the engines,
-each one's speedup over its own alone is the strategy), the predicted steps, the winner
-predicted and measured among hetconv, DDP and one machine (the faster engine alone), and the
-peak resident memory (``VmHWM``) of each scheme's worker processes: a hetconv worker holds
-its kernel slices and the maps of a call, a DDP rank the whole model, its gradients, optimizer
-state and activations.
+(below 1: hetconv is faster), each engine alone on the same cap (hetconv's engine, oneDNN by
+default or numpy with ``--engine cpu``, and torch's own may differ: ``hetconv_alone_s`` against
+``torch_alone_s`` is the engines, each one's speedup over its own alone is the strategy), the
+predicted steps, the winner predicted and measured among hetconv, DDP and one machine (the
+faster engine alone), and the peak resident memory (``VmHWM``) of each scheme's worker
+processes: a hetconv worker holds its kernel slices and the maps of a call, a DDP rank the
+whole model, its gradients, optimizer state and activations.
 
 Example (on this 2-core machine about 7 minutes for paper-50-500's eight configurations, 20
 for paper-500-1500's at batch 16, 45 at batch 64, mostly the engines alone and DDP on the
