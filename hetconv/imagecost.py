@@ -66,7 +66,7 @@ def simulate_image_split(
     without, and the master's range taken where predicted
     :data:`hetconv.ring.MASTER_RANGE_MARGIN` faster, as the master cuts its ranges
     (:func:`hetconv.ring.master_range_pays`). A network with batch norm runs only so: the
-    master computes no images, and each batch norm layer adds three sums a step, each
+    master computes no images, and each batch norm layer adds two sums a step, each
     gathered in the fewest puts (:func:`batchnorm_sums_seconds`)."""
     costs = costs or CollectiveCosts()
     if exchange not in ALGORITHMS:
@@ -147,20 +147,23 @@ def ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds, b
 #: (:func:`batchnorm_sums_seconds`): its own software (the sum's setup, the values' split and
 #: join, the computing thread's hand-offs), each round's wake-up of the rank waiting for its
 #: part, and each small RingPart put, both ends (gRPC, the header, the checks). Fitted to
-#: resnet20's 57 sums a step on 4 workers at 0.36 of a core: 9.6 ms a sum on the scaled
-#: testbed gathered round the ring (3 rounds of 1 put), 8.8 ms doubling (2 rounds of 1 put);
-#: on loopback 15.2, 12.3 and 12.9 ms put all-to-all (1 round of 3 puts), on a machine others
-#: loaded more.
-SUM_S, ROUND_S, PUT_S = 1.7e-3, 0.3e-3, 0.45e-3
+#: resnet20 batch 64 on 4 workers at 0.36 of a core: on the scaled testbed 9.6 ms a sum
+#: gathered round the ring (3 rounds of 1 put, 57 sums), 8.8 ms doubling (2 rounds of 1 put,
+#: 57 sums), 10.5 ms doubling with forward's two sums as one (38 sums); on loopback 15.2, 12.3
+#: and 12.9 ms put all-to-all (1 round of 3 puts), on a machine others loaded more.
+SUM_S, ROUND_S, PUT_S = 2.0e-3, 0.3e-3, 0.45e-3
+#: Sums over the ring a batch norm layer takes a step (``hetconv.imagesplit``'s
+#: ``_SyncBatchNorm``): forward's values and squares at once, then backward's two sums at once.
+SUMS_PER_LAYER = 2
 
 
 def batchnorm_sums_seconds(
     workers: Sequence[SimNode], norms: int, costs: CollectiveCosts | None = None
 ) -> float:
     """Seconds a step of ``norms`` batch norm layers split by images over ``workers`` (the
-    ring's) waits on their statistics: three sums a layer, each gathered in the fewest puts
-    (:meth:`hetconv.worker.ring.RingCalls.sum64`: every worker into every other at once on
-    three workers or fewer, else ``ceil(log2(workers))`` rounds of one put,
+    ring's) waits on their statistics: :data:`SUMS_PER_LAYER` sums a layer, each gathered in
+    the fewest puts (:meth:`hetconv.worker.ring.RingCalls.sum64`: every worker into every other
+    at once on three workers or fewer, else ``ceil(log2(workers))`` rounds of one put,
     :func:`hetconv.ring.all_gather_doubling`): each put's software out and in on each worker's
     core, each sum's and each round's (:data:`SUM_S`, :data:`ROUND_S`, :data:`PUT_S`, at the
     share of a core ``costs`` were scaled to), and each round half a round trip and a message's
@@ -173,7 +176,8 @@ def batchnorm_sums_seconds(
     hop = costs.message_s + max(w.rtt_s for w in workers) / 2
     puts = min(ranks - 1, doubling_rounds(ranks))
     rounds = 1 if puts == ranks - 1 else puts
-    return 3 * norms * ((SUM_S + rounds * ROUND_S + puts * PUT_S) / core + rounds * hop)
+    each = (SUM_S + rounds * ROUND_S + puts * PUT_S) / core + rounds * hop
+    return SUMS_PER_LAYER * norms * each
 
 
 #: How much faster (a fraction of the kernel split's predicted step) a split by images must
@@ -228,6 +232,7 @@ __all__ = [
     "PUT_S",
     "ROUND_S",
     "SPLIT_MARGIN",
+    "SUMS_PER_LAYER",
     "SUM_S",
     "batchnorm_sums_seconds",
     "choose_split",

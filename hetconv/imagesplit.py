@@ -139,8 +139,10 @@ class _RowsDropout(Dropout):
 class _SyncBatchNorm(BatchNorm2d):
     """A :class:`~hetconv.batchnorm.BatchNorm2d` on rows of a batch of ``batch`` images whose
     statistics are the whole batch's: ``reduce`` sums a float64 vector over every node's rows
-    (every node gets the same sum, bit for bit). Forward sums each channel's values, then
-    (around the batch's mean) their squares; backward the two per-channel sums its input
+    (every node gets the same sum, bit for bit). Forward sums each channel's values and their
+    squares at once (float64: the variance as the mean of the squares less the squared mean,
+    within float64's round-off of one machine's two passes for any channel whose mean is
+    within thousands of its standard deviations); backward the two per-channel sums its input
     gradient needs. Each node's parameter gradients stay its own rows' (the nodes' are summed
     later, as every parameter's); the running statistics move by the whole batch's, the same
     on every node. Without ``reduce``, or in evaluation, a plain batch norm."""
@@ -153,10 +155,12 @@ class _SyncBatchNorm(BatchNorm2d):
             return super().forward(x)
         gamma, beta = self.params["weight"], self.params["bias"]
         total = self.batch * x.shape[2] * x.shape[3]
-        mean = self.reduce(x.sum(axis=(0, 2, 3), dtype=np.float64)) / total
+        sums = np.concatenate([x.sum(axis=(0, 2, 3), dtype=np.float64),
+                               np.square(x, dtype=np.float64).sum(axis=(0, 2, 3))])  # fmt: skip
+        whole, squares = np.split(self.reduce(sums), 2)  # one sum: the values and squares
+        mean = whole / total
+        var = np.maximum(squares / total - mean * mean, 0.0)
         centred = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
-        squares = np.square(centred, dtype=np.float64).sum(axis=(0, 2, 3))
-        var = self.reduce(squares) / total
         inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
         x_hat = centred * self._per_channel(inv_std)
         self.track(mean, var, total)
