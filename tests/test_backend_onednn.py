@@ -174,9 +174,11 @@ def _all_results(backend, problem, kernel_hw):
 
 
 @pytest.mark.parametrize("case, bounds", SLICED + ODD, ids=lambda v: "x".join(map(str, v[:7])))
-def test_every_result_is_the_same_at_one_two_and_three_threads(case, bounds):
+def test_every_result_is_the_same_at_one_two_and_three_threads(case, bounds, monkeypatch):
     """The whole layer's four results at 2 and 3 threads equal those at 1, and a slice of its
-    kernels at any of them equals the whole layer's rows at another, bitwise."""
+    kernels at any of them equals the whole layer's rows at another, bitwise (every call cut
+    into parts however small: MIN_PART_FLOPS at 1)."""
+    monkeypatch.setattr(onednn_module, "MIN_PART_FLOPS", 1)
     problem = make_problem(np.random.default_rng(5), *case)
     kernel_hw = case[5:7]
     want = _all_results(get_backend("onednn", threads=1), problem, kernel_hw)
@@ -192,9 +194,11 @@ def test_every_result_is_the_same_at_one_two_and_three_threads(case, bounds):
 
 
 @pytest.mark.parametrize("network", ["resnet20", "paper-150-800"])
-def test_a_networks_layers_are_the_same_at_every_thread_count(network):
+def test_a_networks_layers_are_the_same_at_every_thread_count(network, monkeypatch):
     """Every convolution a network hands the backend (batch 2, the paper's at a tenth of its
-    kernels), sliced as a split would, at 2 and 3 threads against the whole at 1."""
+    kernels), sliced as a split would, at 2 and 3 threads against the whole at 1 (in parts
+    however small)."""
+    monkeypatch.setattr(onednn_module, "MIN_PART_FLOPS", 1)
     spec = load_spec(network)
     model = Model(spec, seed=0)
     rng = np.random.default_rng(2)
@@ -219,6 +223,33 @@ def test_a_networks_layers_are_the_same_at_every_thread_count(network):
             for a, b in _slices_against_whole(backend, case, cut):
                 np.testing.assert_array_equal(a, b, err_msg=f"{case} sliced, {threads} threads")
     assert len(seen) >= 2
+
+
+def test_a_call_is_cut_only_where_each_part_holds_min_part_flops(monkeypatch):
+    """Small calls run whole at any thread count (a part's own cost outweighs a second
+    core's help); large ones in parts; the results are the same bits either way."""
+    worth = onednn_module._worth
+    least = onednn_module.MIN_PART_FLOPS
+    assert worth(least - 1, 4) == 1 and worth(2 * least, 4) == 2 and worth(100 * least, 3) == 3
+    assert worth(0, 1) == 1
+    counts = []
+    real = onednn_module._in_parallel
+
+    def counting(lib, tasks, threads, buffers):
+        counts.append(len(tasks))
+        return real(lib, tasks, threads, buffers)
+
+    monkeypatch.setattr(onednn_module, "_in_parallel", counting)
+    problem = make_problem(np.random.default_rng(3), 4, 8, 8, 8, 16, 3, 3, 1)
+    backend = get_backend("onednn", threads=2)
+    small = _all_results(backend, problem, (3, 3))
+    assert counts == [1, 1, 1]  # 0.6 MFLOP a call: whole
+    monkeypatch.setattr(onednn_module, "MIN_PART_FLOPS", 1)
+    counts.clear()
+    cut = _all_results(backend, problem, (3, 3))
+    assert counts == [2, 2, 1]  # images in two ranges; 16 kernels are one block
+    for a, b in zip(small, cut, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_ranges_cut_evenly_in_whole_blocks():
@@ -255,9 +286,10 @@ def test_parts_run_on_their_own_threads_and_a_failure_reaches_the_caller():
         onednn_module._in_parallel(lib, [lambda _: None, bad], 2, {})
 
 
-def test_parts_buffers_are_the_calling_threads_so_a_workers_trim_frees_them():
+def test_parts_buffers_are_the_calling_threads_so_a_workers_trim_frees_them(monkeypatch):
     """A worker trims its device thread's scratch after every job: the parts run on the pool
     keep theirs there too, under names of their own."""
+    monkeypatch.setattr(onednn_module, "MIN_PART_FLOPS", 1)  # this small call in parts too
     backend = get_backend("onednn", threads=2)
     problem = make_problem(np.random.default_rng(4), 4, 16, 12, 12, 32, 3, 3, 1)
     run_all(backend, problem)

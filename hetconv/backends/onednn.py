@@ -112,6 +112,12 @@ MAX_IMAGE_PARTS = 4
 #: Kernel ranges a call is cut into begin at multiples of this (oneDNN computes kernels in
 #: blocks of 8 on AVX2, 16 on AVX-512: a range of fewer pads its block).
 KERNEL_BLOCK = 16
+#: The least arithmetic (flops, :attr:`ConvShape.flops_forward`) a part of a call must hold for
+#: the call to be cut into more parts than one, whatever the threads: below it, the parts' own
+#: cost (their hand-off to the pool, reorders, calls) outweighs what a second core does. It
+#: sets how many parts there are, never where a sum's order changes (a range of images or of
+#: kernels computes the same bits whatever the ranges), so it costs no exactness.
+MIN_PART_FLOPS = 100_000_000
 _NO_PADDING = Padding(0, 0, 0, 0)
 
 
@@ -125,6 +131,12 @@ def op_layouts(layout: str, shape: ConvShape) -> dict[str, str]:
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def _worth(flops: int, threads: int) -> int:
+    """The parts a call of ``flops`` is cut into on ``threads``: each at least
+    :data:`MIN_PART_FLOPS`, one at the least."""
+    return max(1, min(threads, flops // MIN_PART_FLOPS))
 
 
 def _ranges(total: int, parts: int, block: int = 1) -> list[tuple[int, int]]:
@@ -442,7 +454,7 @@ class OneDnnBackend(CpuBackend):
         """Ranges of the images, one per thread (an image's outputs do not depend on the
         images beside it); a single image: ranges of its kernels (nor on the kernels)."""
         y = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
-        threads = self._threads()
+        threads = _worth(shape.flops_forward, self._threads())
         if shape.n > 1 or threads == 1:
             parts = [
                 (x[i:j], w, b, y[i:j], _with_images(shape, j - i))
@@ -468,7 +480,7 @@ class OneDnnBackend(CpuBackend):
         """Ranges of the images, one per thread (the gradient of an image's input is a sum
         over the kernels, all of them in every part)."""
         dx = np.empty((shape.n, shape.c, shape.h, shape.w), np.float32)
-        threads = self._threads()
+        threads = _worth(shape.flops_forward, self._threads())
         parts = [
             (dy[i:j], w, dx[i:j], _with_images(shape, j - i)) for i, j in _ranges(shape.n, threads)
         ]
@@ -491,7 +503,7 @@ class OneDnnBackend(CpuBackend):
         :data:`IMAGES_PER_PART`); the threads beyond one per range take ranges of the kernels."""
         parts = max(1, min(MAX_IMAGE_PARTS, shape.n // IMAGES_PER_PART))
         images, threads = _ranges(shape.n, parts), self._threads()
-        per_part = max(1, threads // len(images))
+        per_part = _worth(shape.flops_forward // len(images), max(1, threads // len(images)))
         kernels = _ranges(shape.k, per_part, KERNEL_BLOCK)
         sums = [
             (np.empty((shape.k, shape.c, shape.kh, shape.kw), np.float32),
