@@ -149,16 +149,33 @@ def image_split_rows(scenario: Scenario, point: dict, cluster, comp_s: float, ex
     for way in ways:
         algorithm = PARAMETER_SERVER if way == MASTER else RING
         got = simulate_image_split(cluster, network, batch, comp_s, exchange=algorithm)
-        rows.append(
-            Row(**point, policy=f"images-{way}", step_s=got.step_s, comm_s=got.comm_s,
-                conv_s=got.conv_s, comp_s=got.other_s, speedup=got.speedup, local_s=got.local_s,
-                amdahl_bound=got.local_s / got.compute_s,
-                workers_used=sum(1 for b in got.batches[1:] if b),
-                mbytes_per_step=got.master_bytes / 1e6, shares={"batch": list(got.batches)},
-                stages="-", kernels="-", replicate="-", overlap="-", head="-", split=IMAGES,
-                comp_basis=scenario.comp_basis, **check)
-        )  # fmt: skip
+        rows.append(_batch_row(point, f"images-{way}", got, split=IMAGES, overlap="-", head="-",
+                               comp_basis=scenario.comp_basis, **check))  # fmt: skip
     return rows
+
+
+def _batch_row(point: dict, policy: str, got, **fields) -> Row:
+    """A Row of a step that splits the batch (data parallelism, the split by images: a
+    :class:`~hetconv.dataparallel.DataParallelResult` ``got``) at ``point``; ``fields``: what
+    else it says (its split, the check's)."""
+    return Row(
+        **point,
+        policy=policy,
+        step_s=got.step_s,
+        comm_s=got.comm_s,
+        conv_s=got.conv_s,
+        comp_s=got.other_s,
+        speedup=got.speedup,
+        local_s=got.local_s,
+        amdahl_bound=got.local_s / got.compute_s,  # (no exchange at all)
+        workers_used=sum(1 for b in got.batches[1:] if b),
+        mbytes_per_step=got.master_bytes / 1e6,
+        shares={"batch": list(got.batches)},
+        stages="-",
+        kernels="-",
+        replicate="-",
+        **fields,
+    )
 
 
 def mark_auto_split(rows: Sequence[Row]) -> list[Row]:
@@ -235,34 +252,12 @@ def data_parallel_rows(
     ``shares`` holds ``{"batch": per rank}``; ``check``: the point's paper bandwidth check
     fields, as its other rows carry them."""
     rows = []
+    point = {"scenario": scenario, "network": network, "batch": batch, "nodes": size,
+             "bandwidth_mbps": float(bandwidth)}  # fmt: skip
     for algorithm in ALGORITHMS:
         for overlap in (True, False):
             r = simulate_data_parallel(cluster, network, batch, comp_s, algorithm, overlap)
-            rows.append(
-                Row(
-                    scenario=scenario,
-                    network=network,
-                    batch=batch,
-                    nodes=size,
-                    bandwidth_mbps=float(bandwidth),
-                    policy=r.label,
-                    step_s=r.step_s,
-                    comm_s=r.comm_s,
-                    conv_s=r.conv_s,
-                    comp_s=r.other_s,
-                    speedup=r.speedup,
-                    local_s=r.local_s,
-                    amdahl_bound=r.local_s / r.compute_s,  # (no exchange at all)
-                    workers_used=sum(1 for b in r.batches[1:] if b),
-                    mbytes_per_step=r.master_bytes / 1e6,
-                    shares={"batch": list(r.batches)},
-                    stages="-",
-                    kernels="-",
-                    replicate="-",
-                    split="-",
-                    **(check or {}),
-                )
-            )
+            rows.append(_batch_row(point, r.label, r, split="-", **(check or {})))
     return rows
 
 
