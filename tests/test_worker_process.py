@@ -715,6 +715,19 @@ def test_exit_on_stdin_close_stops_when_the_launcher_goes(spawn_worker):
     assert f"hetconv worker on {address} stopped after" in output
 
 
+def test_exit_on_stdin_close_worker_stopped_by_sigterm_exits_without_a_fatal_error(spawn_worker):
+    # The launcher stops the worker while it still holds the worker's stdin open (as
+    # benchmarks/gpu_vs_torch.py does): the thread that waits for the end of input is then
+    # blocked in a read at shutdown, which with sys.stdin's buffered reader ended the process
+    # with "Fatal Python error: _enter_buffered_busy" (status -6).
+    process = spawn_worker("--exit-on-stdin-close", stdin=subprocess.PIPE)
+    address = process.wait_ready()
+    process.popen.send_signal(signal.SIGTERM)
+    output = _stopped_cleanly(process, "SIGTERM")
+    assert "Fatal Python error" not in output
+    assert f"hetconv worker on {address} stopped after" in output
+
+
 # A worker whose ready line is written to an object that signals the process itself in the
 # middle of that write: deterministically, the earliest moment a launcher could react to it.
 SIGNAL_AT_READY = """

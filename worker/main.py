@@ -137,9 +137,15 @@ def limit_threads(threads: int | None) -> str:
 
 
 def _set_at_end_of_input(stop: threading.Event) -> None:
-    """Read standard input to its end (whatever it holds is ignored), then set ``stop``."""
+    """Read standard input to its end (whatever it holds is ignored), then set ``stop``.
+
+    It reads the file descriptor itself, not ``sys.stdin``'s buffered reader: this daemon
+    thread, blocked in a read at interpreter shutdown, would hold that reader's lock, and the
+    shutdown's flush of it then ends the process with "Fatal Python error:
+    _enter_buffered_busy" (seen when a launcher stopped a worker with SIGTERM)."""
     try:
-        while sys.stdin.buffer.read1(1 << 16):
+        fd = sys.stdin.fileno()
+        while os.read(fd, 1 << 16):
             pass
     except (OSError, ValueError, AttributeError):  # closed, or not a real file: stop too
         pass
