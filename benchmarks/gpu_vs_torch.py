@@ -119,12 +119,16 @@ def _hetconv(argv: list[str], env: dict[str, str], timeout: float) -> None:
         raise RuntimeError(f"hetconv {argv[0]} exited with {done.returncode}: {last[0]}")
 
 
-def hetconv_step(args, network: str, batch: int, where: list[str], threads: int) -> float:
+def hetconv_step(
+    args, network: str, batch: int, where: list[str], threads: int, label: str
+) -> float:
     """Median step seconds of ``hetconv train`` on ``network`` (``where``: --local or the
-    worker and --no-master-compute), from its trace."""
+    worker and --no-master-compute), from its trace (kept in ``--trace-dir`` if given, as
+    ``<label>-<network>-b<batch>.jsonl``)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     with tempfile.TemporaryDirectory() as scratch:
-        trace = str(Path(scratch) / "trace.jsonl")
+        folder = Path(args.trace_dir) if args.trace_dir else Path(scratch)
+        trace = str(folder / f"{label}-{network}-b{batch}.jsonl")
         argv = [
             "train", "--model", network, "--batch", str(batch),
             "--steps", str(args.warmup + args.steps), "--eval-size", str(batch),
@@ -187,17 +191,21 @@ def measure(args, network: str, batch: int) -> list[Row]:
         worker = CudaWorker(args.device)
         try:
             where = ["--worker", worker.address, "--no-master-compute", *args.flags]
-            step = hetconv_step(args, network, batch, where, args.threads)
+            step = hetconv_step(args, network, batch, where, args.threads, "worker")
         finally:
             worker.close()
+            if args.trace_dir:
+                log = Path(args.trace_dir) / f"worker-{network}-b{batch}.log"
+                log.write_text("\n".join(worker.lines) + "\n")
         rows.append(Row(network, batch, WORKER, name, step, None, None, " ".join(args.flags)))
     if not args.no_local:
-        step = hetconv_step(args, network, batch, ["--local"], args.threads)
+        step = hetconv_step(args, network, batch, ["--local"], args.threads, "local")
         rows.append(Row(network, batch, LOCAL, f"{args.threads} cores", step, None, None))
     for row in rows:
         if row.step_s is not None:
             row.steps_per_s = 1.0 / row.step_s
             row.x_torch = row.step_s / torch_s
+        print(format_table([row]).splitlines()[1], file=sys.stderr, flush=True)
     return rows
 
 
@@ -236,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive(float), default=1800.0,
                    help="seconds each hetconv run may take (1800)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the rows here")
+    p.add_argument("--trace-dir", metavar="DIR",
+                   help="keep each hetconv run's trace and the worker's output here")  # fmt: skip
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU: torch on the CPU, hetconv --local, tiny")  # fmt: skip
     return p
@@ -250,6 +260,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return f"--warmup must be >= 0, got {args.warmup}"
     if args.device < 0:
         return f"--device must be >= 0, got {args.device}"
+    if args.trace_dir and not Path(args.trace_dir).is_dir():
+        return f"--trace-dir {args.trace_dir!r} is not a folder"
     return None
 
 
