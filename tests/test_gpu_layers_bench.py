@@ -1,0 +1,70 @@
+"""benchmarks/gpu_layers.py: a cuda worker's layers against torch's, one at a time.
+
+Its cuda path runs here on the strict fake CuPy (device arrays numpy refuses), torch on the
+CPU: every layer of the tiny network gives its rows, each convolution with its bare GEMM.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import fake_cupy
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_layers.py"
+TINY_ROWS = {
+    ("conv1", "conv forward"), ("conv1", "conv kernel gradient"), ("relu1", "relu"),
+    ("lrn1", "lrn"), ("maxpool1", "maxpool"), ("conv2", "conv forward"),
+    ("conv2", "conv input gradient"), ("conv2", "conv kernel gradient"), ("fc", "fc"),
+}  # fmt: skip
+
+
+def _module():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import gpu_layers
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    return gpu_layers
+
+
+def test_gpu_layers_runs_the_cuda_path_on_device_arrays(monkeypatch):
+    fake_cupy.install(monkeypatch)
+    from hetconv.backends.cuda import CudaBackend
+
+    bench = _module()
+    backend = CudaBackend(device=0)
+    args = Namespace(repeats=1, device_name="fake")
+    with backend.scope():
+        rows = bench.network_rows(
+            "tiny", 4, args, backend, backend.xp, "cpu", bench.Timer(lambda: None)
+        )
+    assert TINY_ROWS <= {(r["layer"], r["kind"]) for r in rows}
+    for row in rows:
+        assert row["ours_s"] > 0 and row["torch_s"] > 0, row
+        assert (row["gemm_s"] is not None) == row["kind"].startswith("conv"), row
+    assert bench.line_of(rows[0]).split()[:4] == ["tiny", "4", "conv1", "conv"]
+
+
+def test_gpu_layers_dry_run_and_no_gpu(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--dry-run", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert TINY_ROWS <= {(r["layer"], r["kind"]) for r in json.loads(out.read_text())}
+    try:
+        import cupy  # noqa: F401
+
+        return  # a machine with CuPy may have a GPU: the one-line refusal is not for it
+    except ImportError:
+        pass
+    refused = subprocess.run(
+        [sys.executable, str(BENCH)], capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode == 2 and not refused.stdout
+    assert len(refused.stderr.strip().splitlines()) == 1 and "no GPU" in refused.stderr
