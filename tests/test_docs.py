@@ -290,9 +290,9 @@ def test_no_page_says_the_cuda_backend_never_ran_on_a_gpu():
         for page in PAGES
         for m in _NEVER_ON_A_GPU.finditer(_page_text(page))
     ]
-    assert not said, "the cuda backend's tests passed on an NVIDIA H100: " + "; ".join(said)
-    assert re.search(r"Tested on an NVIDIA H100: its tests pass", _page_text(ROOT / "docs" /
-                     "backends.md"))  # fmt: skip
+    assert not said, "the cuda backend's tests passed on an H100 and an H200: " + "; ".join(said)
+    assert re.search(r"Tested on an NVIDIA H100 and, with the whole stage on the device, an "
+                     r"NVIDIA H200", _page_text(ROOT / "docs" / "backends.md"))  # fmt: skip
 
 
 def test_the_statement_checks_catch_what_they_should(tmp_path):
