@@ -13,6 +13,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import fake_cupy
+import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_layers.py"
 TINY_ROWS = {
@@ -31,8 +32,18 @@ def _module():
     return gpu_layers
 
 
-def test_gpu_layers_runs_the_cuda_path_on_device_arrays(monkeypatch):
-    fake_cupy.install(monkeypatch)
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The fake CuPy in place for one test; the backend's cached availability forgotten after
+    it (else later tests would take the cuda backend for present)."""
+    from hetconv.backends import cuda as cuda_module
+
+    yield fake_cupy.install(monkeypatch)
+    monkeypatch.undo()
+    cuda_module._availability.cache_clear()
+
+
+def test_gpu_layers_runs_the_cuda_path_on_device_arrays(fake_cuda):
     from hetconv.backends.cuda import CudaBackend
 
     bench = _module()
