@@ -93,6 +93,8 @@ class SpecNet(nn.Module):
             elif kind == "dropout":
                 module = nn.Dropout(options["p"])
             elif kind == "batchnorm":
+                # Each rank normalises its own images: torch's SyncBatchNorm runs on GPUs only,
+                # so on CPUs DDP trains a different model from one process on the whole batch.
                 module = nn.BatchNorm2d(
                     item.input_shape[0], eps=options["eps"], momentum=options["momentum"]
                 )
