@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from .backends import Backend, ConvShape, Padding, PaddingSpec, conv_shape, get_backend
+from .backends.arrays import array_module
 
 
 def kernel_pair(kernel_size: int | Sequence[int]) -> tuple[int, int]:
@@ -43,6 +44,9 @@ class StridePhases:
     Cost: ``ph * pw * ceil(kh/sh) * ceil(kw/sw)`` multiply-adds per output and input channel
     where a strided kernel has ``kh * kw``: 1.78x for 3x3 stride 2, 1.44x for 5x5, 1.31x for
     7x7, 1x for 1x1 (against 4x for computing every stride-1 output and subsampling).
+
+    Each rearrangement computes in the array module of the array it is given (numpy, or cupy
+    on a GPU: :func:`~hetconv.backends.arrays.array_module`), with the same operations.
 
     Attributes:
         input_shape: the layer's per-sample (C, H, W).
@@ -100,11 +104,12 @@ class StridePhases:
         """float32 (N, C * ph * pw, Hq, Wq) phases of the padded (N, C, H, W) input."""
         n, c, h, w = x.shape
         (hq, wq), (sh, sw), (ph, pw), p = self.phased_hw, self.stride, self.phases, self.padding
-        padded = np.zeros((n, c, hq * sh, wq * sw), np.float32)
+        xp = array_module(x)
+        padded = xp.zeros((n, c, hq * sh, wq * sw), np.float32)
         rows, cols = min(h, hq * sh - p.top), min(w, wq * sw - p.left)
         padded[:, :, p.top : p.top + rows, p.left : p.left + cols] = x[:, :, :rows, :cols]
         blocks = padded.reshape(n, c, hq, sh, wq, sw)[:, :, :, :ph, :, :pw]
-        return np.ascontiguousarray(blocks.transpose(0, 1, 3, 5, 2, 4)).reshape(
+        return xp.ascontiguousarray(blocks.transpose(0, 1, 3, 5, 2, 4)).reshape(
             n, c * ph * pw, hq, wq
         )
 
@@ -114,10 +119,11 @@ class StridePhases:
         n = dxq.shape[0]
         c, h, w = self.input_shape
         (hq, wq), (sh, sw), (ph, pw), p = self.phased_hw, self.stride, self.phases, self.padding
-        padded = np.zeros((n, c, hq, sh, wq, sw), np.float32)
+        xp = array_module(dxq)
+        padded = xp.zeros((n, c, hq, sh, wq, sw), np.float32)
         padded[:, :, :, :ph, :, :pw] = dxq.reshape(n, c, ph, pw, hq, wq).transpose(0, 1, 4, 2, 5, 3)
         padded = padded.reshape(n, c, hq * sh, wq * sw)
-        dx = np.zeros((n, c, h, w), np.float32)
+        dx = xp.zeros((n, c, h, w), np.float32)
         rows, cols = min(h, hq * sh - p.top), min(w, wq * sw - p.left)
         dx[:, :, :rows, :cols] = padded[:, :, p.top : p.top + rows, p.left : p.left + cols]
         return dx
@@ -126,10 +132,11 @@ class StridePhases:
         """float32 (K, C * ph * pw, kh', kw') phased kernels of (K, C, kh, kw)."""
         k, c, kh, kw = w.shape
         (th, tw), (sh, sw), (ph, pw) = self.taps, self.stride, self.phases
-        padded = np.zeros((k, c, th * sh, tw * sw), np.float32)
+        xp = array_module(w)
+        padded = xp.zeros((k, c, th * sh, tw * sw), np.float32)
         padded[:, :, :kh, :kw] = w
         blocks = padded.reshape(k, c, th, sh, tw, sw)[:, :, :, :ph, :, :pw]
-        return np.ascontiguousarray(blocks.transpose(0, 1, 3, 5, 2, 4)).reshape(
+        return xp.ascontiguousarray(blocks.transpose(0, 1, 3, 5, 2, 4)).reshape(
             k, c * ph * pw, th, tw
         )
 
@@ -141,9 +148,10 @@ class StridePhases:
         (kh, kw), (th, tw), (sh, sw), (ph, pw) = (
             self.kernel_size, self.taps, self.stride, self.phases
         )  # fmt: skip
-        padded = np.zeros((k, c, th, sh, tw, sw), np.float32)
+        xp = array_module(dwq)
+        padded = xp.zeros((k, c, th, sh, tw, sw), np.float32)
         padded[:, :, :, :ph, :, :pw] = dwq.reshape(k, c, ph, pw, th, tw).transpose(0, 1, 4, 2, 5, 3)
-        return np.ascontiguousarray(padded.reshape(k, c, th * sh, tw * sw)[:, :, :kh, :kw])
+        return xp.ascontiguousarray(padded.reshape(k, c, th * sh, tw * sw)[:, :, :kh, :kw])
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ stage and a run of image-local layers in chunks. :func:`graph_forward` and
 :func:`graph_backward` run the steps (layers, or such chains run as one) in order.
 
 The layers that join branches are here too: :class:`Add` (the elementwise sum of its inputs)
-and :class:`Concat` (its inputs along channels), each reading two tensors or more.
+and :class:`Concat` (its inputs along channels), each reading two tensors or more; both
+compute in the array module of their inputs (numpy, or cupy on a GPU).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from .backends.arrays import array_module
 
 #: What a layer's ``inputs`` index means when it reads the network's input.
 NETWORK_INPUT = -1
@@ -208,12 +211,13 @@ class Concat(Layer):
                 f"got {shapes}"
             )
         self._channels = [s[1] for s in shapes]
-        return np.concatenate(xs, axis=1)
+        return array_module(xs[0]).concatenate(xs, axis=1)
 
     def backward(self, dy: np.ndarray) -> tuple[np.ndarray, ...]:
-        ends = np.cumsum([0, *self._channels])
+        ends = np.cumsum([0, *self._channels]).tolist()
+        xp = array_module(dy)
         return tuple(
-            np.ascontiguousarray(dy[:, a:b]) for a, b in zip(ends[:-1], ends[1:], strict=True)
+            xp.ascontiguousarray(dy[:, a:b]) for a, b in zip(ends[:-1], ends[1:], strict=True)
         )
 
 

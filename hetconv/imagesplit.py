@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from .backends.arrays import array_module
 from .balance import kernel_shares
 from .batchnorm import BatchNorm2d
 from .layers import Dropout
@@ -132,8 +133,7 @@ class _RowsDropout(Dropout):
         self._forwards += 1
         rng = np.random.default_rng((*self.seed, step))
         keep = rng.random((batch, *x.shape[1:]), dtype=np.float32) >= np.float32(self.p)
-        self._scale = keep[first : first + x.shape[0]] * np.float32(1.0 / (1.0 - self.p))
-        return x * self._scale
+        return self._masked(x, keep[first : first + x.shape[0]])
 
 
 class _SyncBatchNorm(BatchNorm2d):
@@ -154,14 +154,15 @@ class _SyncBatchNorm(BatchNorm2d):
         if self.reduce is None or not self.training:
             return super().forward(x)
         gamma, beta = self.params["weight"], self.params["bias"]
-        total = self.batch * x.shape[2] * x.shape[3]
-        sums = np.concatenate([x.sum(axis=(0, 2, 3), dtype=np.float64),
-                               np.square(x, dtype=np.float64).sum(axis=(0, 2, 3))])  # fmt: skip
-        whole, squares = np.split(self.reduce(sums), 2)  # one sum: the values and squares
+        total, xp, c = self.batch * x.shape[2] * x.shape[3], array_module(x), x.shape[1]
+        sums = xp.concatenate([x.sum(axis=(0, 2, 3), dtype=np.float64),
+                               xp.square(x, dtype=np.float64).sum(axis=(0, 2, 3))])  # fmt: skip
+        summed = self.reduce(sums)  # one sum: the values and squares
+        whole, squares = summed[:c], summed[c:]
         mean = whole / total
-        var = np.maximum(squares / total - mean * mean, 0.0)
+        var = xp.maximum(squares / total - mean * mean, 0.0)
         centred = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
-        inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+        inv_std = (1.0 / xp.sqrt(var + self.eps)).astype(np.float32)
         x_hat = centred * self._per_channel(inv_std)
         self.track(mean, var, total)
         self.buffers["num_batches_tracked"] += 1
@@ -176,7 +177,8 @@ class _SyncBatchNorm(BatchNorm2d):
         d_beta = dy.sum(axis=(0, 2, 3), dtype=np.float64)
         d_gamma = (dy * x_hat).sum(axis=(0, 2, 3), dtype=np.float64)
         self.grads = {"weight": d_gamma.astype(np.float32), "bias": d_beta.astype(np.float32)}
-        whole_beta, whole_gamma = np.split(self.reduce(np.concatenate([d_beta, d_gamma])), 2)
+        summed = self.reduce(array_module(dy).concatenate([d_beta, d_gamma]))
+        whole_beta, whole_gamma = summed[: len(d_beta)], summed[len(d_beta) :]
         dx = dy - self._per_channel((whole_beta / total).astype(np.float32))
         dx -= x_hat * self._per_channel((whole_gamma / total).astype(np.float32))
         dx *= self._per_channel((self.params["weight"] * inv_std).astype(np.float32))
@@ -224,9 +226,11 @@ def images_gradients(
         row by row: the same values. ``reduce``: how batch norm layers take the whole batch's
         statistics (:func:`sync_batchnorm`; None: from these images alone). ``copy`` False:
         the gradients as the model holds them (float32, valid until its next backward), not
-        fresh copies.
+        fresh copies. On a device (the model placed there: :meth:`~hetconv.model.Model.place`;
+        ``x`` and ``labels`` device arrays, ``reduce`` taking and giving them) every array
+        answered is the device's, computed by the same operations.
     """
-    n = x.shape[0]
+    n, xp = x.shape[0], array_module(x)
     if labels.shape != (n,):
         raise ValueError(f"labels have shape {labels.shape}, expected ({n},)")
     if not 0 <= first <= first + n <= batch:
@@ -235,15 +239,15 @@ def images_gradients(
     sync_batchnorm(model, reduce, batch)
     logits = model.forward(x, step=step)
     shifted = logits - logits.max(axis=1, keepdims=True)
-    exp = np.exp(shifted)
+    exp = xp.exp(shifted)
     total = exp.sum(axis=1, keepdims=True)
-    rows = np.arange(n)
-    losses = -(shifted - np.log(total))[rows, labels]
+    rows = xp.arange(n)
+    losses = -(shifted - xp.log(total))[rows, labels]
     grad = exp / total
     grad[rows, labels] -= 1.0
     grad /= np.float32(batch)
     model.backward(grad.astype(np.float32, copy=False))
-    take = np.array if copy else np.asarray
+    take = xp.array if copy else xp.asarray
     grads = {name: take(g, np.float32) for name, g in model.gradients().items()}
     return grads, losses.astype(np.float32), logits.argmax(axis=1) == labels
 

@@ -11,11 +11,9 @@ the input gradient.
 (batch statistics or running statistics; dropout on or off); ``buffers`` holds state that
 is saved with the weights but not trained (batch norm's running statistics).
 
-The channel-local layers a worker's stage runs (:class:`ReLU`, :class:`LocalResponseNorm`,
-:class:`Pool2d`, :class:`GlobalAvgPool2d`, :class:`ImageChunks`, batch norm) compute in the
-array module of the array they are given (:func:`~hetconv.backends.arrays.array_module`):
-numpy on the host, cupy on a GPU (:meth:`~hetconv.backends.Backend.to_device`), with the same
-operations in the same order.
+Every layer computes in the array module of the array it is given (a worker's stage layers,
+and a whole model placed on a device: :meth:`hetconv.model.Model.place`): numpy on the host,
+cupy on a GPU (:func:`~hetconv.backends.arrays.array_module`), the same operations in order.
 """
 
 from __future__ import annotations
@@ -480,7 +478,7 @@ class Dropout(Layer):
     A mask is a function of ``seed`` and the training step: ``step`` when set (the model sets
     it from the step it is told, so a resumed run draws the masks an unbroken one would),
     otherwise the count of training forwards so far. Not PyTorch's masks (its generator
-    differs).
+    differs). Drawn on the host, on device arrays too (uploaded: the same masks).
     """
 
     def __init__(self, name: str, p: float = 0.5, seed: int | Sequence[int] = 0):
@@ -500,8 +498,12 @@ class Dropout(Layer):
         step = self.step if self.step is not None else self._forwards
         self._forwards += 1
         rng = np.random.default_rng((*self.seed, step))
-        keep = rng.random(x.shape, dtype=np.float32) >= np.float32(self.p)
-        self._scale = keep * np.float32(1.0 / (1.0 - self.p))
+        return self._masked(x, rng.random(x.shape, dtype=np.float32) >= np.float32(self.p))
+
+    def _masked(self, x, keep: np.ndarray):
+        """``x`` with the host mask ``keep`` applied and scaled (the mask sent to ``x``'s
+        device first: the same bits), the scaled mask kept for backward."""
+        self._scale = array_module(x).asarray(keep) * np.float32(1.0 / (1.0 - self.p))
         return x * self._scale
 
     def backward(self, dy):

@@ -368,6 +368,23 @@ class Model:
         """Name -> gradient of the last backward pass."""
         return {f"{layer.name}.{k}": v for layer in self.layers for k, v in layer.grads.items()}
 
+    def place(self, put: Callable[[np.ndarray], np.ndarray]) -> Model:
+        """Every parameter and buffer (and a bias-less convolution's zero bias) replaced by
+        ``put`` of it; returns the model.
+
+        With a backend's ``to_device`` (:class:`~hetconv.backends.Backend`) the model lives on
+        that device: given device inputs, with a :class:`~hetconv.conv.LocalConv` executor on
+        that backend, its passes run there in the backend's array module (every layer takes
+        it from its input) and its gradients are device arrays; ``to_host`` brings it back.
+        The arrays are new objects: hold :meth:`parameters` only after placing.
+        """
+        for layer in self.layers:
+            layer.params = {key: put(value) for key, value in layer.params.items()}
+            layer.buffers = {key: put(value) for key, value in layer.buffers.items()}
+            if isinstance(layer, Conv2d) and not layer.has_bias:
+                layer._zero_bias = put(layer._zero_bias)
+        return self
+
     def conv_layers(self) -> list[Conv2d]:
         return [layer for layer in self.layers if isinstance(layer, Conv2d)]
 

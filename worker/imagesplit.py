@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetconv.backends.arrays import to_host
 from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, images_step_names
 from hetconv.conv import LocalConv
 from hetconv.errors import InvalidCall, RequestTooLarge
@@ -192,6 +193,9 @@ class ImagesCalls:
         kept = ctx.budget.saved(request.session, _KEY)
         if kept is None or kept.key != key:
             model = Model(spec, input_shape=shape, seed=d.seed, executor=LocalConv(ctx.backend))
+            if ctx.backend.on_device:  # kept there: each step's passes run on the device
+                with ctx.backend.scope():
+                    model.place(ctx.backend.to_device)
             kept = _Kept(request.step, key, model)
         kept.step = request.step
         ctx.keep(request, _KEY, kept)
@@ -214,15 +218,23 @@ class ImagesCalls:
         model = self._model(request, spec, shape)
         classes = _classes(model, labels)
         names = [h.name for h in request.tensors[: len(parameters)]]
+        backend = ctx.backend
         start = time.perf_counter()
 
         def work():
             own = model.parameters()
-            for name, value in zip(names, parameters, strict=True):
-                own[name][...] = value
-            model.train()
-            out = images_gradients(model, x, classes, d.first, d.batch, int(request.step))
-            ctx.backend.synchronize()
+            with backend.scope():
+                _copy_in(backend, [own[name] for name in names], parameters)
+                model.train()
+                out = images_gradients(model, backend.to_device(x), backend.to_device(classes),
+                                       d.first, d.batch, int(request.step),
+                                       copy=not backend.on_device)  # fmt: skip
+                if backend.on_device:  # the answer down at once
+                    grads, losses, hits = out
+                    *values, losses, hits = _down(backend, [*map(grads.get, names), losses,
+                                                            hits.astype(np.float32)])  # fmt: skip
+                    out = dict(zip(names, values, strict=True)), losses, hits
+                backend.synchronize()
             return out
 
         grads, losses, hits = ctx.run(work)
@@ -239,9 +251,11 @@ class ImagesCalls:
         model = kept.model
         classes = _classes(model, labels)
         names = list(model.parameters())
+        backend = ctx.backend
         ctx.ring.begin(request.session, int(request.step))
         if ring.place:
-            _place(kept, [h.name for h in request.tensors[: len(parameters)]], parameters)
+            placed = [h.name for h in request.tensors[: len(parameters)]]
+            _place(kept, placed, parameters, backend)
             kept.version = int(ring.version)
         elif kept.version != ring.version:
             raise InvalidCall(f"this worker holds weights of version {kept.version}, the step "
@@ -251,9 +265,10 @@ class ImagesCalls:
         seconds = dict.fromkeys(("batchnorm", "ring", "update", "digest"), 0.0)
 
         def reduce(v: np.ndarray) -> np.ndarray:  # a batch norm sum over the ring, float64
-            began = time.perf_counter()
+            began = time.perf_counter()  # (from a device: its few values down and up)
             try:
-                return ctx.ring.sum64(request, v, next(sums) * ROUNDS_PER_SUM)
+                summed = ctx.ring.sum64(request, backend.to_host(v), next(sums) * ROUNDS_PER_SUM)
+                return backend.to_device(summed)
             finally:
                 seconds["batchnorm"] += time.perf_counter() - began
 
@@ -266,12 +281,16 @@ class ImagesCalls:
                 shapes = [p.shape for p in model.parameters().values()]
                 overlap = ctx.ring.buckets(request, shapes, ring.rank == 0 and ring.master_part)
                 kept.momentum = kept.momentum or {}  # each bucket's update, once it is summed
-                overlap.summed = functools.partial(_apply_bucket, request, kept, names)
-            with _backward_hooks(model, overlap):  # the gradients as the model holds them
-                out = images_gradients(model, x, classes, d.first, d.batch, int(request.step),
-                                       reduce, copy=False)  # fmt: skip
-            ctx.backend.synchronize()
-            return out
+                overlap.summed = functools.partial(_apply_bucket, request, kept, names, backend)
+            with backend.scope(), _backward_hooks(model, overlap):  # the model's own gradients
+                grads, losses, hits = images_gradients(
+                    model, backend.to_device(x), backend.to_device(classes), d.first, d.batch,
+                    int(request.step), reduce, copy=False,
+                )  # fmt: skip
+                if backend.on_device:  # the gradients cross for the ring's sum, after this
+                    losses, hits = _down(backend, [losses, hits.astype(np.float32)])
+                backend.synchronize()
+            return grads, losses, hits
 
         kept.version = None  # in doubt until updated
         try:
@@ -294,20 +313,29 @@ class ImagesCalls:
             outcome, grads, piece = self._sum_and_update(request, kept, names, grads, overlap,
                                                          seconds)  # fmt: skip
         tensors = [(name, grads[name], FLOAT32) for name in names]
-        ring_values = np.zeros(RING_ANSWER_VALUES, np.float32)
-        ring_values[0] = outcome
-        if outcome != OWN:  # a sample of the weights where the master drew one
-            began = time.perf_counter()
-            share = ring.digest_share if ring.digest_seed else 1.0
-            ring_values[1:5] = digest_values(digest(_state(model), ring.digest_seed, share))
-            seconds["digest"] = time.perf_counter() - began
-        ring_values[5:] = list(seconds.values())  # where the step's time beyond compute went
-        summed = outcome == SUMMED and ring.rank == 0  # the running statistics: rank 0's
-        buffers = flat(list(model.buffers().values())) if summed else np.zeros(0, np.float32)
+        ring_values, buffers = self._ring_values(request, model, outcome, seconds)
         tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32),
                     ("ring", ring_values, FLOAT32), ("buffers", buffers, FLOAT32),
                     ("slice", piece, FLOAT32)]  # fmt: skip
         return tensors, compute, receive
+
+    def _ring_values(self, request: pb.ConvRequest, model: Model, outcome: int, seconds):
+        """(the answer's ring values: the outcome, the digest of the weights but where the
+        worker answers its own gradient, and where the step's time beyond compute went;
+        the running statistics where rank 0 answers the sum, else empty)."""
+        ring = request.images.ring
+        values, buffers = np.zeros(RING_ANSWER_VALUES, np.float32), np.zeros(0, np.float32)
+        values[0] = outcome
+        if outcome != OWN:  # a sample of the weights where the master drew one
+            began = time.perf_counter()
+            share = ring.digest_share if ring.digest_seed else 1.0
+            state = _state(model, self.context.backend)
+            values[1:5] = digest_values(digest(state, ring.digest_seed, share))
+            seconds["digest"] = time.perf_counter() - began
+            if outcome == SUMMED and ring.rank == 0:  # the running statistics: rank 0's
+                buffers = state[-1]
+        values[5:] = list(seconds.values())
+        return values, buffers
 
     def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads, overlap=None,
                         seconds=None):  # fmt: skip
@@ -320,12 +348,12 @@ class ImagesCalls:
         began = time.perf_counter()
         try:
             if overlap is not None:
-                vector = overlap.finish([grads[n] for n in names])
+                vector = overlap.finish([grads[n] for n in names])  # (down: those not given)
                 seconds["ring"] = time.perf_counter() - began
                 return self._update(request, kept, names, vector, overlap.applied, seconds)
         except RingFailed:
             return OWN, _fresh(grads), np.zeros(0, np.float32)
-        own = flat([grads[n] for n in names])
+        own = _host_vector(self.context.backend, [grads[n] for n in names])
         try:
             vector = own  # a fresh vector: summed in place
             if ring.rank == 0 and ring.master_part:
@@ -349,9 +377,11 @@ class ImagesCalls:
         chunks: its link takes them all at once)."""
         ring = request.images.ring
         began = time.perf_counter()
-        params = kept.model.parameters()
-        summed = unflat(vector, [params[n].shape for n in names])
-        _apply(request, kept, names, summed, set(range(len(names))) - set(applied))
+        params, backend = kept.model.parameters(), self.context.backend
+        shapes = [params[n].shape for n in names]
+        summed = unflat(vector, shapes)  # on a device: there in one upload
+        there = unflat(backend.to_device(vector), shapes) if backend.on_device else summed
+        _apply(request, kept, names, there, set(range(len(names))) - set(applied), backend)
         kept.version = int(ring.version) + 1
         if seconds is not None:
             seconds["update"] = time.perf_counter() - began
@@ -364,25 +394,28 @@ class ImagesCalls:
         return DONE, empty, np.zeros(0, np.float32)
 
 
-def _apply(request: pb.ConvRequest, kept: _Kept, names, gradients, which) -> None:
+def _apply(request: pb.ConvRequest, kept: _Kept, names, gradients, which, backend) -> None:
     """The SGD update of the parameters ``which`` (indices into ``names``) with their summed
-    ``gradients`` (every parameter's, in order), applied to the kept weights and momentum."""
+    ``gradients`` (every parameter's, in order), applied to the kept weights and momentum
+    where ``backend`` keeps them (a host gradient sent there first)."""
     ring = request.images.ring
     sgd = SGDConfig(lr=ring.lr, momentum=ring.momentum, weight_decay=ring.weight_decay)
     params = kept.model.parameters()
     if kept.momentum is None:
         kept.momentum = {}
-    for i in sorted(which):
-        buf = sgd_update(params[names[i]], gradients[i], kept.momentum.get(names[i]), sgd)
-        if buf is not None:
-            kept.momentum[names[i]] = buf
+    with backend.scope():  # (the ring's thread too)
+        for i in sorted(which):
+            gradient, held = backend.to_device(gradients[i]), kept.momentum.get(names[i])
+            buf = sgd_update(params[names[i]], gradient, held, sgd)
+            if buf is not None:
+                kept.momentum[names[i]] = buf
 
 
-def _apply_bucket(request, kept: _Kept, names, vector: np.ndarray, which) -> None:
+def _apply_bucket(request, kept: _Kept, names, backend, vector: np.ndarray, which) -> None:
     """A bucket's update as soon as its ring has summed it (in the ring's thread, while
     backward goes on: its parameters' layers are done with them this step)."""
     shapes = [p.shape for p in kept.model.parameters().values()]
-    _apply(request, kept, names, unflat(vector, shapes), which)
+    _apply(request, kept, names, unflat(vector, shapes), which, backend)
 
 
 @contextlib.contextmanager
@@ -413,27 +446,62 @@ def _backward_hooks(model: Model, overlap):
             del layer.backward  # the class's own again
 
 
-def _place(kept: _Kept, names: list[str], arrays: list[np.ndarray]) -> None:
-    """The weights, momentum buffers and buffers a request places, by their names."""
+def _place(kept: _Kept, names: list[str], arrays: list[np.ndarray], backend) -> None:
+    """The weights, momentum buffers and buffers a request places, by their names, where
+    ``backend`` keeps them."""
     params, buffers = kept.model.parameters(), kept.model.buffers()
     kept.momentum = {}
-    for name, value in zip(names, arrays, strict=True):
-        if name.startswith(momentum_name("")):
-            kept.momentum[name.removeprefix(momentum_name(""))] = np.array(value, np.float32)
-        elif name.startswith(buffer_name("")):
-            buffers[name.removeprefix(buffer_name(""))][...] = value
-        else:
-            params[name][...] = value
+    put = backend.to_device
+    with backend.scope():
+        for name, value in zip(names, arrays, strict=True):
+            if name.startswith(momentum_name("")):
+                kept.momentum[name.removeprefix(momentum_name(""))] = put(
+                    np.array(value, np.float32)
+                )
+            elif name.startswith(buffer_name("")):
+                buffers[name.removeprefix(buffer_name(""))][...] = put(value)
+            else:
+                params[name][...] = put(value)
+
+
+def _copy_in(backend, targets: list, values: list[np.ndarray]) -> None:
+    """Host ``values`` into the model's arrays ``targets`` (on a device: in one upload)."""
+    if backend.on_device:
+        values = unflat(backend.to_device(flat(values)), [v.shape for v in values])
+    for target, value in zip(targets, values, strict=True):
+        target[...] = value
+
+
+def _host_vector(backend, arrays: list) -> np.ndarray:
+    """``arrays`` (the backend's), in order, as one fresh float32 host vector: from a
+    device, joined there and downloaded at once."""
+    if not backend.on_device:
+        return flat(arrays)
+    with backend.scope():
+        joined = backend.xp.concatenate([a.astype(np.float32, copy=False).ravel() for a in arrays])
+        return backend.to_host(joined)
+
+
+def _down(backend, arrays: list) -> list[np.ndarray]:
+    """Device ``arrays`` as float32 host arrays of their shapes, in one download (views of
+    one vector)."""
+    return unflat(_host_vector(backend, arrays), [a.shape for a in arrays])
 
 
 def _fresh(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The gradients the model holds, as fresh arrays (answered where the ring failed)."""
-    return {name: np.array(g, np.float32) for name, g in grads.items()}
+    """The gradients the model holds, as fresh host arrays (answered where the ring failed)."""
+    return {name: np.array(to_host(g), np.float32) for name, g in grads.items()}
 
 
-def _state(model: Model) -> list[np.ndarray]:
-    """What a worker's digest covers: every parameter, then every buffer (as float32)."""
-    return [*model.parameters().values(), flat(list(model.buffers().values()))]
+def _state(model: Model, backend) -> list[np.ndarray]:
+    """What a worker's digest covers, on the host: every parameter, then every buffer (as one
+    float32 vector); from a device in one download."""
+    params, buffers = list(model.parameters().values()), list(model.buffers().values())
+    if not backend.on_device:
+        return [*params, flat(buffers)]
+    vector = _host_vector(backend, [*params, *buffers])
+    size = sum(p.size for p in params)
+    return [*unflat(vector[:size], [p.shape for p in params]), vector[size:]]
 
 
 def _classes(model: Model, labels: np.ndarray) -> np.ndarray:

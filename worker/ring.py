@@ -26,6 +26,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 
+from hetconv.backends.arrays import to_host
 from hetconv.calls import RING_PART
 from hetconv.errors import InvalidCall
 from hetconv.formats import FLOAT32
@@ -324,9 +325,10 @@ class BucketRing:
         self._thread.start()
 
     def ready(self, index: int, gradient: np.ndarray) -> None:
-        """Parameter ``index``'s gradient is whole: copied in; its bucket may go."""
+        """Parameter ``index``'s gradient is whole: copied in (from a device array, downloaded);
+        its bucket may go."""
         a, b = self._ends[index], self._ends[index + 1]
-        self.vector[a:b] = np.asarray(gradient, np.float32).reshape(-1)
+        self.vector[a:b] = np.asarray(to_host(gradient), np.float32).reshape(-1)
         with self._changed:
             self._ready[index] = True
             self._changed.notify_all()
