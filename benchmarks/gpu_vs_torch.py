@@ -45,6 +45,15 @@ from hetconv.simulations.trace import read_steps  # noqa: E402
 from hetconv.spec import PRESETS  # noqa: E402
 
 TORCH, WORKER, LOCAL = "torch", "hetconv-cuda-worker", "hetconv-local"
+#: The worker's backend (the tests run the same code with "cpu").
+WORKER_BACKEND = "cuda"
+#: The cuda worker's runs ``--modes`` names: `hetconv train` flags beside --no-master-compute.
+MODES = {
+    "default": [],
+    "replicate": ["--replicate", "first"],  # conv2's input computed on the worker itself
+    "images": ["--split", "images"],  # the whole network on the worker, gradients to the master
+    "images_ring": ["--split", "images", "--exchange", "ring", "--spot-check-every", "0"],
+}
 
 
 @dataclass
@@ -148,9 +157,10 @@ class CudaWorker:
     def __init__(self, device: int, timeout: float = 120.0):
         command = [
             sys.executable, "-m", "hetconv", "worker", "--listen", "127.0.0.1:0",
-            "--backend", "cuda", "--device", str(device), "--no-startup-probe",
-            "--exit-on-stdin-close",
+            "--backend", WORKER_BACKEND, "--no-startup-probe", "--exit-on-stdin-close",
         ]  # fmt: skip
+        if WORKER_BACKEND != "cpu":
+            command += ["--device", str(device)]
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,
@@ -178,6 +188,25 @@ class CudaWorker:
             self.process.kill()
 
 
+def worker_row(args, network: str, batch: int, mode: str, name: str) -> Row:
+    """One cuda worker's run in ``mode`` (:data:`MODES`), the master computing nothing; a run
+    that fails gives a row without a step, saying why."""
+    label = WORKER if mode == "default" else f"{WORKER}-{mode}"
+    flags = [*MODES[mode], *args.flags]
+    worker = CudaWorker(args.device)
+    try:
+        where = ["--worker", worker.address, "--no-master-compute", *flags]
+        step = hetconv_step(args, network, batch, where, args.threads, f"worker-{mode}")
+    except (RuntimeError, subprocess.SubprocessError) as e:
+        return Row(network, batch, label, name, None, None, None, f"failed: {e}")
+    finally:
+        worker.close()
+        if args.trace_dir:
+            log = Path(args.trace_dir) / f"worker-{mode}-{network}-b{batch}.log"
+            log.write_text("\n".join(worker.lines) + "\n")
+    return Row(network, batch, label, name, step, None, None, " ".join(flags))
+
+
 def measure(args, network: str, batch: int) -> list[Row]:
     """The rows of one network and batch."""
     device = "cpu" if args.dry_run else f"cuda:{args.device}"
@@ -188,16 +217,8 @@ def measure(args, network: str, batch: int) -> list[Row]:
     if args.dry_run:
         rows.append(Row(network, batch, WORKER, "-", None, None, None, "dry run: no GPU"))
     else:
-        worker = CudaWorker(args.device)
-        try:
-            where = ["--worker", worker.address, "--no-master-compute", *args.flags]
-            step = hetconv_step(args, network, batch, where, args.threads, "worker")
-        finally:
-            worker.close()
-            if args.trace_dir:
-                log = Path(args.trace_dir) / f"worker-{network}-b{batch}.log"
-                log.write_text("\n".join(worker.lines) + "\n")
-        rows.append(Row(network, batch, WORKER, name, step, None, None, " ".join(args.flags)))
+        for mode in args.modes:
+            rows.append(worker_row(args, network, batch, mode, name))
     if not args.no_local:
         step = hetconv_step(args, network, batch, ["--local"], args.threads, "local")
         rows.append(Row(network, batch, LOCAL, f"{args.threads} cores", step, None, None))
@@ -212,7 +233,7 @@ def measure(args, network: str, batch: int) -> list[Row]:
 def format_table(rows: list[Row]) -> str:
     """The rows as a fixed-width table."""
     head = (
-        f"{'network':<16} {'batch':>5} {'engine':<20} {'step_s':>8} {'steps/s':>8} {'x torch':>8}"
+        f"{'network':<16} {'batch':>5} {'engine':<30} {'step_s':>8} {'steps/s':>8} {'x torch':>8}"
     )
     lines = [head]
     for r in rows:
@@ -220,7 +241,7 @@ def format_table(rows: list[Row]) -> str:
         cells += [
             f"{v:>8.2f}" if v is not None else f"{'-':>8}" for v in (r.steps_per_s, r.x_torch)
         ]
-        lines.append(f"{r.network:<16} {r.batch:>5} {r.engine:<20} {' '.join(cells)}  {r.note}")
+        lines.append(f"{r.network:<16} {r.batch:>5} {r.engine:<30} {' '.join(cells)}  {r.note}")
     return "\n".join(lines)
 
 
@@ -238,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=int, default=0, help="the GPU's number (0)")
     p.add_argument("--threads", type=positive(int), default=os.cpu_count() or 1,
                    help="BLAS threads of hetconv --local (default: every core)")  # fmt: skip
+    p.add_argument("--modes", nargs="+", default=["default"], choices=list(MODES),
+                   help="the cuda worker's runs, a row each: default (no mode flag), "
+                   "replicate (--replicate first), images (--split images), images_ring "
+                   "(with --exchange ring --spot-check-every 0); default: default")  # fmt: skip
     p.add_argument("--no-local", action="store_true", help="skip hetconv --local")
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[],
                    help="more `hetconv train` flags for the worker's run (last)")  # fmt: skip

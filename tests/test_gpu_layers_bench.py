@@ -79,3 +79,32 @@ def test_gpu_layers_dry_run_and_no_gpu(tmp_path):
     )
     assert refused.returncode == 2 and not refused.stdout
     assert len(refused.stderr.strip().splitlines()) == 1 and "no GPU" in refused.stderr
+
+
+# ------------------------------------------------- benchmarks/gpu_vs_torch.py's worker modes
+
+
+def test_gpu_vs_torch_runs_each_worker_mode_against_a_real_worker(monkeypatch, tmp_path):
+    """Each ``--modes`` run is a real ``hetconv train`` against a worker process with
+    --no-master-compute (here a cpu worker in the cuda worker's place, the tiny network): its
+    flags train, and the row carries them."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import gpu_vs_torch as bench
+    finally:
+        sys.path.remove(str(BENCH.parent))
+
+    monkeypatch.setattr(bench, "WORKER_BACKEND", "cpu")
+    args = bench.build_parser().parse_args(
+        ["--network", "tiny", "--batch", "4", "--steps", "1", "--warmup", "0",
+         "--trace-dir", str(tmp_path), "--modes", *bench.MODES]
+    )  # fmt: skip
+    rows = [bench.worker_row(args, "tiny", 4, mode, "cpu") for mode in args.modes]
+    assert [r.engine for r in rows] == [
+        "hetconv-cuda-worker", "hetconv-cuda-worker-replicate", "hetconv-cuda-worker-images",
+        "hetconv-cuda-worker-images_ring",
+    ]  # fmt: skip
+    for row, mode in zip(rows, args.modes, strict=True):
+        assert row.step_s is not None and row.step_s > 0, row.note
+        assert row.note == " ".join(bench.MODES[mode])
+        assert (tmp_path / f"worker-{mode}-tiny-b4.jsonl").exists()
