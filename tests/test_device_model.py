@@ -230,6 +230,39 @@ def test_a_cuda_workers_images_step_runs_on_its_device(device, cuda_service, rng
             p -= np.float32(0.5) * grads[key]
 
 
+def test_a_cuda_workers_passes_are_bounded_by_its_device_not_its_host_requests(device, rng):
+    """The passes of an ImagesStep on a cuda worker live on its device: beyond the host's
+    limit per request they are served, and still within the host's memory budget (not
+    charged to it); beyond the device's memory for one call (``memory_limit``) refused, naming
+    it (the split by images at paper-500-1500 batch 64 holds about 2.8 GiB)."""
+    from hetconv.master.client import WorkerError
+    from hetconv.worker.config import WorkerConfig
+
+    spec, count = SPECS["tiny"]
+    spec_json, master = json.dumps(spec), Model(spec, seed=5)
+    x, labels = _batch(rng, spec, count)
+    limits = WorkerConfig(max_request_bytes=1 << 20, memory_bytes=2 << 20)
+    for memory_limit, served in ((None, True), (1 << 20, False)):
+        device.backend.memory_limit = memory_limit
+        service = ConvWorkerService(device.backend, limits)
+        server, address = start_server(service, "127.0.0.1:0")
+        client = WorkerClient(address, 30.0)
+        try:
+            if served:
+                grads, losses, _, _ = images_step(client, 1, 0, master, spec_json, x, labels,
+                                                  0, count, 30.0)  # fmt: skip
+                exact = _host_step(spec, HostXpConv(), x, labels, 0, count, 0)
+                device.close(losses, exact[1], _exact(device, 2e-5))
+            else:
+                with pytest.raises(WorkerError, match="one call may use of this worker's device"):
+                    images_step(client, 1, 0, master, spec_json, x, labels, 0, count, 30.0)
+        finally:
+            client.close()
+            server.stop(0)
+            service.close()
+            device.backend.memory_limit = None
+
+
 # ---------------------------------------------------------------- a cuda worker process
 
 #: A network with batch norm, a stride-2 convolution and a residual add (resnet-like), small.

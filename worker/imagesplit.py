@@ -108,13 +108,22 @@ def _description(request: pb.ConvRequest):
     return d, shape
 
 
-def check_request(request: pb.ConvRequest, tensors: list[WireTensor], max_bytes: int) -> int:
+def check_request(
+    request: pb.ConvRequest,
+    tensors: list[WireTensor],
+    max_bytes: int,
+    device_bytes: int | None = None,
+) -> int:
     """Check an ImagesStep request's header before its tensors arrive; returns the bytes its
-    passes will hold (for the memory budget).
+    passes will hold in host memory (for the memory budget).
+
+    ``device_bytes``: on a device backend, the device memory one call may use: the passes
+    are held there (the model is kept on the device), so they are checked against it instead
+    of ``max_bytes``, and hold nothing of the host's budget.
 
     Raises:
         InvalidCall: the model, the parameters or the images are not what the call needs.
-        RequestTooLarge: the passes would hold more than ``max_bytes``.
+        RequestTooLarge: the passes would hold more than ``max_bytes`` (``device_bytes``).
     """
     d, shape = _description(request)
     ring = d.ring if d.HasField("ring") else None
@@ -140,12 +149,14 @@ def check_request(request: pb.ConvRequest, tensors: list[WireTensor], max_bytes:
                           f"{d.batch}")  # fmt: skip
     parameters = sum(math.prod(s) for s in shapes.values())
     held = PASS_BYTES_PER_VALUE * values * count + 2 * FLOAT32.nbytes((parameters,))
-    if held > max_bytes:
+    where = f"this worker's limit of {max_bytes} bytes per request"
+    if device_bytes is not None:
+        where = f"the {device_bytes} bytes one call may use of this worker's device"
+    if held > (max_bytes if device_bytes is None else device_bytes):
         raise RequestTooLarge(
-            f"the passes on {count} images would hold {held} bytes: beyond this worker's limit "
-            f"of {max_bytes} bytes per request"
+            f"the passes on {count} images would hold {held} bytes: beyond {where}"
         )
-    return held
+    return held if device_bytes is None else 0
 
 
 def request_names(shapes, ring, buffers=()) -> list[list[str]]:

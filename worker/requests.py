@@ -39,10 +39,17 @@ class RequestReader:
         activity: counts the bytes received, per session.
     """
 
-    def __init__(self, max_request_bytes: int, budget: MemoryBudget, activity: Activity):
+    def __init__(
+        self,
+        max_request_bytes: int,
+        budget: MemoryBudget,
+        activity: Activity,
+        device_bytes: int | None = None,
+    ):
         self.max_request_bytes = max_request_bytes
         self.budget = budget
         self.activity = activity
+        self.device_bytes = device_bytes  # a device backend's memory per call (None: host)
 
     def receive(
         self, messages: Iterator, call: ConvCall, progress=None
@@ -76,7 +83,9 @@ class RequestReader:
                 )
             passes = 0
             if call is IMAGES_STEP:  # what the model and the images imply, before any data
-                passes = check_images_request(request, tensors, self.max_request_bytes)
+                passes = check_images_request(
+                    request, tensors, self.max_request_bytes, self.device_bytes
+                )
             self._admit(call, request, tensors, passes)  # before any array is allocated
             return TensorReceiver.of(tensors)
 

@@ -149,7 +149,12 @@ class ConvWorkerService:
         self.requests = 0  # conv requests answered successfully
         self.activity = Activity()  # the same, with bytes and sessions, since the last look
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
-        self.reader = RequestReader(self.config.max_request_bytes, self.budget, self.activity)
+        # An ImagesStep's passes on a device backend are held in its memory, not the host's.
+        device_bytes = (backend.memory_limit or backend.describe().memory_bytes
+                        if backend.on_device else None)  # fmt: skip
+        self.reader = RequestReader(
+            self.config.max_request_bytes, self.budget, self.activity, device_bytes
+        )
         # What the feature handlers use of the worker: every request they read goes through
         # _receive (so a service that wraps it sees every call's request).
         self.context = WorkerContext(backend, self.config, self.budget, self.device, self._receive)
