@@ -149,6 +149,9 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
         read_pem(args.tls_ca, "TLS CA certificate (--tls-ca)")  # one line now, not mid-start
         if not addresses and not args.local and not args.discover:
             raise ValueError("--tls-ca needs --worker/--workers-file: local workers serve no TLS")
+    if args.engine == "cuda" and not args.local:
+        raise ValueError("--engine cuda trains the whole model on this machine's GPU with "
+                         "--local only (a worker serves a GPU: --backend cuda)")  # fmt: skip
     if args.split == "images" and not args.local:
         _check_image_split(args)
     elif args.split == "kernels" and args.exchange != "auto":
@@ -280,9 +283,10 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
     args.engine, says = resolve_engine(args.engine)  # auto: onednn where it loads, else cpu
     log = _SaidFirst(says)
     if args.local:
-        from hetconv.conv import LocalConv
+        from hetconv.conv import DeviceLocalConv, LocalConv
 
-        return train(config, LocalConv(args.engine), log)
+        local = DeviceLocalConv if args.engine == "cuda" else LocalConv  # the whole step there
+        return train(config, local(args.engine), log)
     from hetconv.master.cluster import Cluster
     from hetconv.master.ring import image_split_class
     from hetconv.master.splitchoice import SplitChoice

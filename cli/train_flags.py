@@ -66,12 +66,13 @@ def _add_where(where: argparse._ArgumentGroup) -> None:
     )
     where.add_argument(
         "--engine",
-        choices=["auto", "cpu", "onednn"],
+        choices=["auto", "cpu", "onednn", "cuda"],
         default="auto",
         help="the convolution engine of this process (--local, the master's own share) and of "
         "the local workers it starts: onednn (oneDNN's convolutions; its library comes with "
         "hetconv on Linux x86-64), cpu (im2col + BLAS, numpy), or auto: onednn where its "
-        "library loads, else cpu, the console saying which and why (default: auto); named "
+        "library loads, else cpu, the console saying which and why (default: auto); with "
+        "--local only, cuda: each step's whole model on this machine's GPU (CuPy); named "
         "workers take theirs from `hetconv worker --backend`, whose auto takes the fastest "
         "GPU first",
     )

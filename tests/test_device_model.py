@@ -17,11 +17,11 @@ import json
 import numpy as np
 import pytest
 import test_device_stages
-from exactness import FAST, same_as_local, train_strong_lrn
+from exactness import FAST, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.backends import conv_shape, xpconv
 from hetconv.backends.arrays import on_host
-from hetconv.conv import ConvExecutor, LocalConv
+from hetconv.conv import ConvExecutor, DeviceLocalConv, LocalConv
 from hetconv.imagesplit import images_gradients
 from hetconv.layers import Dropout
 from hetconv.master.client import WorkerClient
@@ -279,6 +279,8 @@ RESIDUAL_BN = [
     {"type": "gap", "name": "gap"},
     {"type": "fc", "name": "fc", "out": 10},
 ]
+#: The strong-LRN network with dropout before its head.
+DROPOUT_HEAD = [*STRONG_LRN[:-1], {"type": "dropout", "p": 0.3}, STRONG_LRN[-1]]
 #: A few steps: enough to show the kept weights train.
 SHORT = dict(steps=3, eval_size=0)
 
@@ -288,11 +290,11 @@ def test_a_cuda_worker_process_trains_split_by_images_like_local_training(
 ):
     """The split by images (no ring) with the master computing its range beside the cuda
     worker: a few steps of the strong-LRN network with dropout, as local training."""
-    from test_image_split import DROPOUT, Recording
+    from test_image_split import Recording
 
-    local = _train_spec(tmp_path, "local", LocalConv(), DROPOUT)
+    local = _train_spec(tmp_path, "local", LocalConv(), DROPOUT_HEAD)
     cluster = Recording([fake_cuda_worker], deterministic=True, **FAST)
-    got = _train_spec(tmp_path, "images", cluster, DROPOUT)
+    got = _train_spec(tmp_path, "images", cluster, DROPOUT_HEAD)
     same_as_local(got, local)
     assert all(r["images"][fake_cuda_worker] > 0 for r in cluster.steps), cluster.steps
 
@@ -328,3 +330,53 @@ def _train_spec(tmp_path, name, executor, spec):
     path.write_text(json.dumps(spec))
     with executor:
         return train_strong_lrn(tmp_path, name, executor, preset=str(path), **SHORT)
+
+
+# ---------------------------------------------------------------- --local --engine cuda
+
+
+class CountedDeviceConv(DeviceLocalConv):
+    """:class:`~hetconv.conv.DeviceLocalConv` that keeps each step's crossings (the fake's)."""
+
+    def __init__(self, device: Device):
+        super().__init__(device.backend)
+        self.device, self.steps = device, []
+
+    def train_batch(self, model, x, labels, step):
+        before = self.device.crossings()
+        out = super().train_batch(model, x, labels, step)
+        if before is not None:
+            after = self.device.crossings()
+            self.steps.append((after[0] - before[0], after[1] - before[1]))
+        return out
+
+
+@pytest.mark.parametrize("spec", [DROPOUT_HEAD, RESIDUAL_BN], ids=["dropout", "batchnorm"])
+def test_local_training_on_the_cuda_engine_trains_like_local_training(device, tmp_path, spec):
+    """``--local --engine cuda``: each step's whole model on the device, as local training
+    on the cpu (the running statistics too). A step's parameters and buffers go up in one
+    copy, the images and labels in one each (and the masks), everything back in one; the
+    first step places the model first."""
+    local = _train_spec(tmp_path, "local", LocalConv(), spec)
+    executor = CountedDeviceConv(device)
+    got = _train_spec(tmp_path, "cuda", executor, spec)
+    same_as_local(got, local)
+    if device.fake is not None:
+        masks = sum(entry["type"] == "dropout" for entry in spec)
+        assert executor.steps[1:] == [(3 + masks, 1)] * (SHORT["steps"] - 1)
+
+
+def test_train_local_engine_cuda_runs_and_is_refused_without_local(device, tmp_path, capsys):
+    from hetconv.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    argv = ["train", "--local", "--engine", "cuda", "--steps", "2", "--batch", "4",
+            "--train-size", "8", "--eval-size", "4", "--no-run-dir", "--no-progress",
+            "--trace", str(trace)]  # fmt: skip
+    assert main(argv) == 0
+    steps = [r for r in map(json.loads, trace.read_text().splitlines()) if "step" in r]
+    assert len(steps) == 2 and all(np.isfinite(r["loss"]) for r in steps)
+    capsys.readouterr()
+    assert main(["train", "--engine", "cuda", "--steps", "1", "--no-run-dir"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--engine cuda trains the whole model" in err[0], err
