@@ -283,7 +283,8 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
     args.engine, says = resolve_engine(args.engine)  # auto: onednn where it loads, else cpu
     log = _SaidFirst(says)
     if args.local:
-        from hetconv.conv import DeviceLocalConv, LocalConv
+        from hetconv.conv import LocalConv
+        from hetconv.devicelocal import DeviceLocalConv
 
         local = DeviceLocalConv if args.engine == "cuda" else LocalConv  # the whole step there
         return train(config, local(args.engine), log)

@@ -21,7 +21,8 @@ from exactness import FAST, STRONG_LRN, same_as_local, train_strong_lrn
 
 from hetconv.backends import conv_shape, xpconv
 from hetconv.backends.arrays import on_host
-from hetconv.conv import ConvExecutor, DeviceLocalConv, LocalConv
+from hetconv.conv import ConvExecutor, LocalConv
+from hetconv.devicelocal import DeviceLocalConv
 from hetconv.imagesplit import images_gradients
 from hetconv.layers import Dropout
 from hetconv.master.client import WorkerClient
@@ -336,7 +337,7 @@ def _train_spec(tmp_path, name, executor, spec):
 
 
 class CountedDeviceConv(DeviceLocalConv):
-    """:class:`~hetconv.conv.DeviceLocalConv` that keeps each step's crossings (the fake's)."""
+    """:class:`~hetconv.devicelocal.DeviceLocalConv` keeping each step's crossings (the fake's)."""
 
     def __init__(self, device: Device):
         super().__init__(device.backend)
