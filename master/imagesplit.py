@@ -56,7 +56,7 @@ from .call import Call
 from .client import CallStats, WorkerClient, WorkerError
 from .cluster import Cluster
 from .membership import ACTIVE, MASTER, Node
-from .spotcheck import Comparison, SpotCheckFailed
+from .spotcheck import IMAGES_RTOL, Comparison, SpotCheckFailed, norm_scale
 
 #: Weight of the newest measurement in a node's smoothed seconds per image.
 SMOOTHING = 0.5
@@ -310,7 +310,7 @@ class ImageSplit(Cluster):
             got = parts[node.name]
             comparisons = [
                 Comparison(name, f"the gradient of {name}", got[0][name], want,
-                           float(np.abs(want).max(initial=0.0)), False)
+                           norm_scale(want), False, IMAGES_RTOL, norm=True)
                 for name, want in mine[0].items()
             ]  # fmt: skip
             scale = float(np.abs(mine[1]).max(initial=0.0))
