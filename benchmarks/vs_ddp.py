@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive(int), default=4, help="measured steps per run (4)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out at each start (1)")
     hetconv_testbed.add_engine_flag(p)
-    p.add_argument("--keep-traces", metavar="DIR", help="write hetconv's traces here")
+    p.add_argument("--keep-traces", metavar="DIR",
+                   help="write hetconv's traces here, a folder per network and batch")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     return p
 
@@ -505,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{network} batch {batch}: this core {core:.1f} GFLOPS", file=sys.stderr)
                     for workers in args.workers:
                         for link in args.link:
-                            rows.append(compare(one, workers, link, mode, core, folder))
+                            where = folder / f"{network}-b{batch}" if args.keep_traces else folder
+                            where.mkdir(parents=True, exist_ok=True)  # (one folder a config)
+                            rows.append(compare(one, workers, link, mode, core, where))
                             print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
                             if args.json:  # (after every row: a long run keeps what it has)
                                 _write(args.json, rows)
