@@ -206,6 +206,7 @@ def replicate_gain(
     links: Sequence[float],
     wifi: bool = False,
     fmt: TensorFormat = FLOAT32,
+    split_seconds: float = 0.0,
 ) -> float:
     """Seconds per step a replicated first block is predicted to save (negative: to cost).
 
@@ -213,13 +214,16 @@ def replicate_gain(
     consumer, over the slowest of their ``links`` (bytes/s; the forward's requests share the
     master's port or the medium, as do the backward's answers). Cost: every node computes the
     whole block, so the step waits for the slowest node's whole block, ``max(block_seconds)``
-    (each node's probe of it: forward and kernel gradients, all kernels; the master first). The
-    block's own calls, which also go, are not counted: the estimate errs toward off."""
+    (each node's probe of it: forward and kernel gradients, all kernels; the master first),
+    less what the block's layer split by kernels costs the step anyway (``split_seconds``: its
+    slowest node's share of its block; a worker that holds every kernel of it computes the
+    whole block either way). The block's own calls, which also go, are not counted: the
+    estimate errs toward off."""
     if not links:
         return 0.0
     up, down = replica_bytes(block, consumer, fmt)
     saved = len(links) * (up + down) / min(links)
-    return saved - max(block_seconds, default=0.0)
+    return saved - max(max(block_seconds, default=0.0) - split_seconds, 0.0)
 
 
 def split_gain(

@@ -191,7 +191,10 @@ def _gain(
     split_shares = _split(shares, consumer)
     if split:
         return modetable.split_gain(flags, first, consumer, split_shares, seconds, links)
-    return modetable.replica_gain(flags, first, consumer, split_shares, seconds, links, wifi)
+    return modetable.replica_gain(
+        flags, first, consumer, split_shares, seconds, links, wifi,
+        _split(shares, first) if first.name in shares else None,
+    )  # fmt: skip
 
 
 def _replica(cluster, flags: ModeFlags, layers, shares, stages, given: bool):

@@ -302,12 +302,22 @@ def replica_gain(
     seconds: Sequence[float],
     links: Sequence[float],
     wifi: bool,
+    block_shares: Sequence[int] | None = None,
 ) -> float:
     """Seconds per step a replicated ``block`` feeding ``consumer`` is predicted to save
     (:func:`~hetconv.costbytes.replicate_gain`), for the workers with a share of the consumer
     (``shares``, master first): ``seconds``, each node's whole block (master first,
-    :func:`block_seconds`); ``links``, each worker's link (bytes/s)."""
+    :func:`block_seconds`); ``links``, each worker's link (bytes/s); ``block_shares``, the
+    block's own kernel shares (master first): the slowest node's part of its block is what the
+    split by kernels costs anyway (None: nothing)."""
     workers = [i for i in range(1, len(shares)) if shares[i]]
+    split_seconds = 0.0
+    if block_shares is not None and block.kernels:
+        split_seconds = max(
+            (seconds[i] * block_shares[i] / block.kernels for i in range(len(block_shares))
+             if block_shares[i]),
+            default=0.0,
+        )  # fmt: skip
     return costbytes.replicate_gain(
         block,
         consumer,
@@ -315,6 +325,7 @@ def replica_gain(
         [links[i - 1] for i in workers],
         wifi=wifi,
         fmt=flags.wire_format,
+        split_seconds=split_seconds,
     )
 
 

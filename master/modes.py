@@ -88,7 +88,10 @@ def replica(
 
     def gain() -> float:
         consumer, shares, seconds, links = inputs()
-        return modetable.replica_gain(flags, first, consumer, shares, seconds, links, wifi)
+        block_shares = _shares(plans, first.name, nodes)
+        return modetable.replica_gain(
+            flags, first, consumer, shares, seconds, links, wifi, block_shares
+        )
 
     def split_gain() -> float | None:
         consumer, shares, seconds, links = inputs()

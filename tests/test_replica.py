@@ -156,6 +156,27 @@ def test_the_cost_model_counts_the_bytes_and_the_compute():
     assert slow < 0  # a worker 500 times slower at the block, on a fast link
 
 
+def test_a_worker_that_holds_the_whole_block_computes_it_either_way():
+    # One worker holds every kernel of conv1 and conv2 (the master computes none, as beside a
+    # GPU worker): replicated, the worker computes the block it computed anyway, and conv2's
+    # input and its gradient stop crossing, so the block pays however slow it is.
+    from hetconv.modetable import ModeFlags, replica_gain
+
+    layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
+    conv1, conv2 = layers["conv1"], layers["conv2"]
+    flags = ModeFlags(replicate="auto")
+    seconds, links = [0.0, 0.5], [1e9]  # the master probes nothing; the worker's block 0.5 s
+    blind = replica_gain(flags, conv1, conv2, (0, 800), seconds, links, False)
+    held = replica_gain(flags, conv1, conv2, (0, 800), seconds, links, False, (0, 150))
+    up, down = replica_bytes(conv1, conv2)
+    assert blind < 0  # counted as 0.5 s of extra compute against 9.8 MB at 1 GB/s
+    assert held == pytest.approx((up + down) / 1e9)
+    # Split evenly with the master, the worker's half of the block is what it costs anyway.
+    seconds = [0.5, 0.5]
+    halves = replica_gain(flags, conv1, conv2, (400, 400), seconds, links, False, (75, 75))
+    assert halves == pytest.approx((up + down) / 1e9 - 0.25)
+
+
 def _block(x_shape=(2, 3, 8, 8), k=4):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(x_shape).astype(np.float32)
