@@ -156,10 +156,11 @@ def conv_pairs(layer, module, x: np.ndarray, dy: np.ndarray, backend):
     return pairs
 
 
-def layer_pair(layer, module, xs: list[np.ndarray], dy: np.ndarray):
-    """(ours, theirs): forward then backward of a non-convolutional layer."""
-    xts = [torch.from_numpy(x).requires_grad_() for x in xs]
-    dyt = torch.from_numpy(dy)
+def layer_pair(layer, module, xs: list[np.ndarray], dy: np.ndarray, to_torch=torch.from_numpy):
+    """(ours, theirs): forward then backward of a non-convolutional layer (``to_torch``: an
+    array of ours as torch's tensor, on torch's device)."""
+    xts = [to_torch(x).requires_grad_() for x in xs]
+    dyt = to_torch(dy)
 
     def ours():
         layer.forward(*xs)

@@ -35,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover - benchmark needs the reference
     sys.exit("this benchmark compares against PyTorch: pip install torch")
 
-from conv_vs_torch import KINDS  # noqa: E402
+from conv_vs_torch import KINDS, layer_pair  # noqa: E402
 from ddp_rank import torch_model  # noqa: E402
 
 from hetconv.argtypes import positive  # noqa: E402
@@ -130,24 +130,6 @@ def _host(a):
     return a.get() if hasattr(a, "get") else a
 
 
-def layer_pair(layer, module, xs, dy, dev):
-    """(ours, theirs): forward then backward of a non-convolutional layer, on the device."""
-    xts = [torch.as_tensor(np.asarray(_host(x)), device=dev).requires_grad_() for x in xs]
-    dyt = torch.as_tensor(np.asarray(_host(dy)), device=dev)
-
-    def ours():
-        layer.forward(*xs)
-        layer.backward(dy)
-
-    def theirs():
-        for xt in xts:
-            xt.grad = None
-        y = module(*xts)
-        y.backward(dyt.reshape(y.shape))
-
-    return ours, theirs
-
-
 def network_rows(network: str, batch: int, args, backend, xp, dev, timer) -> list[dict]:
     spec = load_spec(network)
     model = Model(spec, seed=0)
@@ -169,7 +151,9 @@ def network_rows(network: str, batch: int, args, backend, xp, dev, timer) -> lis
             triples = conv_rows(layer, module, xs[0], dy, backend, xp, dev)
         else:
             layer.training = module.training = True
-            triples = [(KINDS.get(item.kind, item.kind), *layer_pair(layer, module, xs, dy, dev))]
+            to_torch = lambda a: torch.as_tensor(np.asarray(_host(a)), device=dev)  # noqa: E731
+            pair = layer_pair(layer, module, xs, dy, to_torch)
+            triples = [(KINDS.get(item.kind, item.kind), *pair)]
         for kind, *fns in triples:
             try:
                 seconds = alternated(timer, fns, args.repeats)
