@@ -272,14 +272,6 @@ def _split(terms: np.ndarray, chosen: np.ndarray, kernels: int) -> tuple[float, 
     return float(result.fun), np.maximum(result.x[:count], 0.0)
 
 
-#: With the master computing, a layer goes to the workers (``--shares link``) only where the
-#: split is predicted at least this many times faster than the master alone on it: a split
-#: predicted a few per cent faster is within the cost model's error (resnet20 on the testbed,
-#: 4 workers, batch 64: predicted 0.377 s against the master's 0.388 s alone, measured
-#: 0.418 s), and one that is not faster makes the run slower than one machine.
-SPLIT_GAIN = 1.1
-
-
 def link_aware_shares(
     cluster: SimCluster,
     layer: ConvLayer,
@@ -348,7 +340,7 @@ def link_aware_shares(
     shares = kernel_shares(kernels, [1.0 / q if q > 0 else math.inf for q in best])
     if cluster.master_compute and _layer_seconds(
         cluster, layer, shares, fused, **modes
-    ) * SPLIT_GAIN >= _layer_seconds(cluster, layer, master_only, fused, **modes):
+    ) >= _layer_seconds(cluster, layer, master_only, fused, **modes):
         return master_only  # the model's own simulation has the last word
     return shares
 

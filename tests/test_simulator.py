@@ -211,8 +211,7 @@ def test_link_aware_shares_planned_fused_give_workers_more_and_predict_faster():
     # Fused, a kernel's maps travel pooled (4x fewer bytes with a 2x2 pool): on a link where
     # bytes decide, the rule hands the workers more kernels, and the step it predicts with
     # those shares run fused is faster than with the shares planned for the unfused bytes.
-    # (At 100 Mbit/s the split gained too little for balance.SPLIT_GAIN: 200.)
-    cluster = _cluster(workers=3, mbps=200.0)
+    cluster = _cluster(workers=3, mbps=100.0)
     layers = network_layers("paper-150-800", 16)
     assert all(layer.stage is not None for layer in layers)
     unfused = shares_for(cluster, layers, LINK)
