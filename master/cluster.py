@@ -420,8 +420,9 @@ class Cluster(ConvExecutor):
 
     def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
         """The cost model's step for the plan and modes chosen against the master alone's
-        (:func:`.records.predict_step`)."""
-        return records.predict_step(self, comp_alone_s, comp_s, spec)
+        (:func:`.records.predict_step`); under :data:`.records.KEEP_GAIN`, every kernel kept on
+        the master (:func:`.records.predict_or_keep`)."""
+        return records.predict_or_keep(self, comp_alone_s, comp_s, spec)
 
     def plan_record(self) -> dict:
         """The plan as data for the trace's first record (:func:`.records.plan_record`)."""

@@ -78,6 +78,51 @@ def replicate_mode(cluster) -> str:
     return REPLICATE_SPLIT if replicas.split else REPLICATE_FIRST
 
 
+#: With ``--shares link`` and the master computing, the workers get kernels only where the
+#: cost model predicts the whole step at least this many times faster than the master alone
+#: (after the modes are chosen): a gain of a few per cent is within its error, and a split
+#: that does not pay makes the run slower than one machine (resnet20 on the scaled testbed,
+#: 4 workers, switched, batch 64: predicted 0.377 s a step against 0.388 s alone, measured
+#: 0.418 s).
+KEEP_GAIN = 1.1
+
+
+def keep_on_master(cluster, prediction: dict | None) -> str | None:
+    """Give every kernel to the master (fixed shares, :meth:`.cluster.Cluster.replan`) where
+    ``prediction`` (:func:`predict_step`) puts the cluster under :data:`KEEP_GAIN` times the
+    master alone; what was done and why, or None (nothing: the split pays, the shares are
+    the configuration's or the paper's rule, the master does not compute, no worker holds
+    kernels, or a replicated block's calls go to the workers whatever the shares)."""
+    c = cluster.config
+    if (
+        prediction is None or not prediction.get("workers") or c.shares
+        or c.share_policy != LINK_POLICY or not c.master_compute
+        or prediction["speedup"] >= KEEP_GAIN or cluster.replicas.feeds
+    ):  # fmt: skip
+        return None
+    nodes = len(cluster.nodes)
+    if not any(sum(plan.shares[1:]) for plan in cluster.plans.values()):
+        return None
+    fixed = {ly.name: (ly.shape.k,) + (0,) * (nodes - 1) for ly in cluster.planned_layers}
+    cluster.planner = dataclasses.replace(cluster.planner, fixed=fixed)
+    cluster.replan()
+    return (
+        f"every kernel stays on the master: the split is predicted "
+        f"{prediction['speedup']:.2f}x the master alone, under the {KEEP_GAIN}x it needs "
+        "(--shares compute or fixed --shares split anyway)"
+    )
+
+
+def predict_or_keep(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+    """:func:`predict_step`; where it is under :data:`KEEP_GAIN`, every kernel kept on the
+    master (:func:`keep_on_master`) and the step as it then runs, saying why (``kept``)."""
+    prediction = predict_step(cluster, comp_alone_s, comp_s, spec)
+    kept = keep_on_master(cluster, prediction)
+    if kept is None:
+        return prediction
+    return {**predict_step(cluster, comp_alone_s, comp_s, spec), "kept": kept}
+
+
 def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
     """The cost model's step for the plan and modes chosen, on the nodes as probed and
     measured, against the master alone's (its own probe of every layer); ``comp_alone_s`` and
@@ -222,6 +267,9 @@ __all__ = [
     "describe_shares",
     "image_split_steps",
     "plan_record",
+    "KEEP_GAIN",
+    "keep_on_master",
+    "predict_or_keep",
     "predict_step",
     "replicate_mode",
     "step_record",

@@ -125,7 +125,8 @@ def _predicted(p: dict) -> str:
             f"predicted: {_seconds(p['step_s'])} per step: no worker reached yet, so the "
             "master alone (nothing to compare it with until one joins)"
         )
-    return (
+    kept = f"shares: {p['kept']}\n" if p.get("kept") else ""
+    return kept + (
         f"predicted: {_seconds(p['step_s'])} per step, {p['speedup']:.2f}x the master "
         f"alone (estimated from its probe: {_seconds(p['alone_s'])}, every layer and the "
         "rest of its step)" + _peer(p)
