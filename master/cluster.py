@@ -276,7 +276,7 @@ class Cluster(ConvExecutor):
                 check_shares(
                     name, layer.shape.k, shares, len(self.nodes), self.config.master_compute
                 )
-        self.replan()
+        runs.plan_first(self, layers)
         self.runs = runs.choose_runs(self, layers, batch)
         self.membership.read_initial_workers_file()
         if log is not None:

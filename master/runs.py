@@ -29,12 +29,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetconv import modetable
 from hetconv.backends import Backend, Padding, PaddingSpec, conv_shape
 from hetconv.replica import MASTER_BLOCK_NONE
 from hetconv.resident import RESIDENT, SENT
 from hetconv.split import MASTER as MASTER_PEER
 from hetconv.split import SplitPlan, split_images
 from hetconv.stages import FUSED, UNFUSED
+from hetconv.workload import ConvLayer
 
 from . import modes, probing
 from .call import Call
@@ -458,6 +460,32 @@ def check_reach(blocks: ReplicatedBlocks, workers: Sequence[Node]) -> None:
         blocks.split_refused = "split among the workers only: a worker is left out"
 
 
+def kept_kernels_first(config, layers) -> frozenset[str]:
+    """The layers the first plan of ``--shares link`` prices as keeping their kernels on the
+    workers: every one that may (a stage after it, stride 1) where ``--kernels`` and
+    ``--stages`` let the modes keep them, so a split is judged as the modes ``auto`` reaches
+    would run it. Priced with kernels sent, paper-150-800 at batch 16 on the scaled
+    testbed's shared medium was a near-tie: one run split conv2 (then fused, resident and
+    replicated: 2.27x the master alone), the next, its master's probe 8 % faster, kept it
+    whole (then unfused: 1.0x)."""
+    if config.kernels == SENT or config.stages == UNFUSED or config.share_policy != "link":
+        return frozenset()
+    return frozenset(s.name for s in layers if s.stage is not None and tuple(s.stride) == (1, 1))
+
+
+def plan_first(cluster, layers) -> None:
+    """The cluster's first shares, kernels priced as kept where the modes may keep them
+    (:func:`kept_kernels_first`); :func:`choose_runs` then plans again with its modes."""
+    c, first = cluster.config, kept_kernels_first(cluster.config, layers)
+    replicas = {}
+    if first and layers and c.replicate != "off":  # the block auto may replicate (link shares)
+        block = ConvLayer.from_spec(layers[0], layers[0].shape(1).n)
+        if modetable.replica_refusal(block, FUSED) is None:
+            replicas = {block.feeds: block.name}
+    cluster.planner = dataclasses.replace(cluster.planner, resident=first, replicas=replicas)
+    cluster.replan()
+
+
 def choose_runs(cluster, layers, batch: int) -> dict[str, KernelSplit]:
     """Each layer's way of running, from the modes :mod:`.modes` chooses for the
     ``cluster`` at prepare, in turn: the stage modes, whether the first block replicates, the
@@ -480,7 +508,7 @@ def choose_runs(cluster, layers, batch: int) -> dict[str, KernelSplit]:
     cluster.head_refused = head.refused
     resident = frozenset(name for name, mode in kernel_modes.items() if mode == RESIDENT)
     consumers = {consumer: block for block, consumer in cluster.replicas.feeds.items()}
-    if resident or consumers:
+    if resident or consumers or cluster.planner.resident or cluster.planner.replicas:
         cluster.planner = dataclasses.replace(
             cluster.planner, resident=resident, replicas=consumers, heads=dict(head.heads),
             block_cost=dict(choice.block_cost), split_blocks=cluster.replicas.split,
@@ -498,6 +526,8 @@ def choose_runs(cluster, layers, batch: int) -> dict[str, KernelSplit]:
 
 __all__ = [
     "choose_runs",
+    "kept_kernels_first",
+    "plan_first",
     "WAYS",
     "FusedStage",
     "KernelSplit",

@@ -50,3 +50,30 @@ def test_a_split_predicted_under_the_gain_keeps_every_kernel_on_the_master(
     else:
         assert workers_hold["conv2"] > 0 and "kept" not in prediction
     assert result.losses and all(loss == loss for loss in result.losses)
+
+
+def test_the_first_plan_prices_the_modes_auto_can_reach():
+    """The first shares are planned as the modes ``auto`` may choose would run (kernels kept,
+    the first block replicated), not as the paper's: priced with kernels sent and conv2's
+    input crossing, a near-tie on a shared medium decided between 2.3x and 1.0x."""
+    from types import SimpleNamespace
+
+    from hetconv.master import runs
+    from hetconv.master.planning import Planner
+    from hetconv.model import Model, load_spec
+
+    layers = Model(load_spec("paper-150-800"), seed=0).conv_specs()
+    planned = []
+    cluster = SimpleNamespace(
+        config=ClusterConfig(share_policy=LINK_POLICY, stages="auto", kernels="auto",
+                             replicate="auto"),
+        planner=Planner(True, LINK_POLICY, "wifi", stages="auto"),
+        replan=lambda: planned.append(cluster.planner),
+    )  # fmt: skip
+    runs.plan_first(cluster, layers)
+    assert planned[0].resident == frozenset({"conv1", "conv2"})
+    assert dict(planned[0].replicas) == {"conv2": "conv1"}
+    cluster.config = ClusterConfig(share_policy=LINK_POLICY, stages="auto", kernels="sent",
+                                   replicate="off")  # fmt: skip
+    runs.plan_first(cluster, layers)
+    assert planned[1].resident == frozenset() and not planned[1].replicas
