@@ -32,6 +32,7 @@ import numpy as np
 from hetconv import modetable
 from hetconv.backends import Backend, Padding, PaddingSpec, conv_shape
 from hetconv.replica import MASTER_BLOCK_NONE
+from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.resident import RESIDENT, SENT
 from hetconv.split import MASTER as MASTER_PEER
 from hetconv.split import SplitPlan, split_images
@@ -44,7 +45,7 @@ from .config import ClusterConfig
 from .dispatch import CallContext, PhaseRunner, SplitStrategy
 from .fused import FusedKernelSplit
 from .membership import ACTIVE, Membership, Node
-from .planning import LayerPlan, Planner, image_fractions
+from .planning import LINK_POLICY, LayerPlan, Planner, image_fractions
 from .replica import REPLICATED, ReplicatedBlocks, timed
 from .resident import ResidentKernels
 from .split_step import SplitStep
@@ -468,7 +469,7 @@ def kept_kernels_first(config, layers) -> frozenset[str]:
     testbed's shared medium was a near-tie: one run split conv2 (then fused, resident and
     replicated: 2.27x the master alone), the next, its master's probe 8 % faster, kept it
     whole (then unfused: 1.0x)."""
-    if config.kernels == SENT or config.stages == UNFUSED or config.share_policy != "link":
+    if config.kernels == SENT or config.stages == UNFUSED or config.share_policy != LINK_POLICY:
         return frozenset()
     return frozenset(s.name for s in layers if s.stage is not None and tuple(s.stride) == (1, 1))
 
@@ -478,8 +479,8 @@ def plan_first(cluster, layers) -> None:
     (:func:`kept_kernels_first`); :func:`choose_runs` then plans again with its modes."""
     c, first = cluster.config, kept_kernels_first(cluster.config, layers)
     replicas = {}
-    if first and layers and c.replicate != "off":  # the block auto may replicate (link shares)
-        block = ConvLayer.from_spec(layers[0], layers[0].shape(1).n)
+    if first and layers and c.replicate != REPLICATE_OFF:  # a block auto may replicate
+        block = ConvLayer.from_spec(layers[0], 1)  # (its bytes do not matter)
         if modetable.replica_refusal(block, FUSED) is None:
             replicas = {block.feeds: block.name}
     cluster.planner = dataclasses.replace(cluster.planner, resident=first, replicas=replicas)
