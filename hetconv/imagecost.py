@@ -146,12 +146,13 @@ def ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds, b
 #: Seconds of a whole core a batch norm sum among the workers costs
 #: (:func:`batchnorm_sums_seconds`): its own software (the sum's setup, the values' split and
 #: join, the computing thread's hand-offs), each round's wake-up of the rank waiting for its
-#: part, and each small RingPart put, both ends (gRPC, the header, the checks). Fitted to
-#: resnet20 batch 64 on 4 workers at 0.36 of a core: on the scaled testbed 9.6 ms a sum
-#: gathered round the ring (3 rounds of 1 put, 57 sums), 8.8 ms doubling (2 rounds of 1 put,
-#: 57 sums), 10.5 ms doubling with forward's two sums as one (38 sums); on loopback 15.2, 12.3
-#: and 12.9 ms put all-to-all (1 round of 3 puts), on a machine others loaded more.
-SUM_S, ROUND_S, PUT_S = 2.0e-3, 0.3e-3, 0.45e-3
+#: part, and each small part, both ends: a frame on the peer's sum port
+#: (:mod:`hetconv.worker.summesh`; 49 us of CPU in all on loopback). Fitted to resnet20 batch
+#: 64 on 4 workers at 0.36 of a core on the scaled testbed: 3.2-3.9 ms a sum waited doubling
+#: (2 rounds of 1 part, 38 sums; 0.12-0.15 s of a step), with the waits for the slowest
+#: worker in it (each sum ends when the last worker's part comes). As RingPart calls (gRPC at
+#: both ends) the same sums took 10.5-15 ms each.
+SUM_S, ROUND_S, PUT_S = 0.5e-3, 0.3e-3, 0.05e-3
 #: Sums over the ring a batch norm layer takes a step (``hetconv.imagesplit``'s
 #: ``_SyncBatchNorm``): forward's values and squares at once, then backward's two sums at once.
 SUMS_PER_LAYER = 2

@@ -359,9 +359,10 @@ BACKWARD_SHARE = 2 / 3
 
 
 #: Bytes of ring parts per second of a whole core that a part's software takes at both ends
-#: together (gRPC, the encoding and the copy into its message, the decoding and the check):
-#: 1 MB parts put from one worker into another on loopback, 1.9 ms of CPU each in all.
-PART_BYTES_PER_S = 5.3e8
+#: together: a frame on the peer's sum port (:mod:`hetconv.worker.summesh`: the kernel's
+#: copies out and in, the check), 1 MB frames on loopback 0.41 ms of CPU each in all (as
+#: RingPart calls, gRPC and the message's encoding and decoding, it was 1.9 ms).
+PART_BYTES_PER_S = 2.5e9
 
 
 def part_seconds(nbytes: float, costs=None) -> float:
@@ -534,8 +535,8 @@ __all__ = [
     "all_gather",
     "all_gather_doubling",
     "all_reduce",
-    "all_to_all",
     "all_reduce_seconds",
+    "all_to_all",
     "bucket_chunks",
     "buckets",
     "buffer_name",

@@ -440,6 +440,8 @@ class RingImageSplit(ImageSplit):
         parameters = model.parameters()
         names = tuple(parameters)
         peers = [node.client.address for node, _, _ in ring]
+        ports = [node.sum_port for node, _, _ in ring]  # batch norm's sums (summesh), or none
+        ports = ports if all(ports) else []
         wait = max(WAIT_FLOOR_S, max((self._deadline(n, c, 0) for n, _, c in ring), default=0))
         sampled = self.digest_share < 1
         self._digest_seed = int(self._draws.integers(1, 2**63)) if sampled else 0
@@ -459,6 +461,7 @@ class RingImageSplit(ImageSplit):
                         answer_sum=rank == 0 or self.sum_slices, sum_slice=self.sum_slices,
                         bucket_bytes=self.bucket_bytes, segment_bytes=self.segment_bytes,
                         digest_seed=self._digest_seed, digest_share=self.digest_share,
+                        sum_ports=ports,
                     ),
                 ),
             )  # fmt: skip

@@ -238,8 +238,13 @@ def test_weighted_ddp_step_on_unequal_slices_equals_one_process_on_the_global_ba
         )  # fmt: skip
         for rank in (0, 1)
     ]
-    for process in ranks:
-        output, _ = process.communicate(timeout=120)
+    for rank, process in enumerate(ranks):
+        try:
+            output, _ = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            pytest.fail(f"ddp rank {rank} still running after 120 s: {process.communicate()[0]}")
         assert process.returncode == 0, output
     alone = subprocess.run(
         [*common, "--alone", "--check", str(tmp_path / "alone.npz")],

@@ -322,7 +322,7 @@ def test_a_small_resnet_with_a_worker_killed_mid_pass_trains_as_local_training(t
     (its running statistics the master's, placed again); every step bit for bit the split
     computed here and, no ReLU taking the other branch, local training's step to 2e-6; the
     free run as local training's."""
-    run = dict(steps=3, eval_size=0)
+    run = dict(steps=3, eval_size=0, batch=32, train_size=96)
     local, _ = _train(tmp_path, "local", LocalConv(), TINY_RESNET, **run)
     got, cluster, addresses, sgd = _killed_ring(tmp_path, TINY_RESNET, 1, **run)
     _assert_killed_in(cluster, addresses, 1)

@@ -120,11 +120,11 @@ def test_a_buckets_segments_sum_bit_for_bit_as_the_whole_ring():
         assert v.tobytes() == whole[0].tobytes()
 
 
-@pytest.mark.parametrize("cpu", [1.0, 0.1], ids=["link-bound", "cpu-bound"])
+@pytest.mark.parametrize("cpu", [1.0, 0.03], ids=["link-bound", "cpu-bound"])
 def test_the_cost_model_counts_the_segments_pipelined(cpu):
     """Whole chunks: the rounds one after another, each its transfer, its parts' software and
     a latency; in segments: the link and the core at once, the slower setting the pace, one
-    segment and a latency to fill the pipeline. At a tenth of a core the software is slower
+    segment and a latency to fill the pipeline. At 3 % of a core the software is slower
     than the link (the segments gain more)."""
     from dataclasses import replace
 
@@ -139,6 +139,7 @@ def test_the_cost_model_counts_the_segments_pipelined(cpu):
     workers = replace(cluster, master_compute=False)
     costs = CollectiveCosts().scaled(cpu)
     chunk, latency = nbytes / 4, costs.message_s + rtt / 2
+    link = min(link, costs.tcp_bytes_per_s)  # TCP's own software, at the share of a core
     software = part_seconds(chunk, costs)
     assert software == pytest.approx(chunk / (PART_BYTES_PER_S * cpu))
     adds = 3 * chunk / costs.sum_bytes_per_s
@@ -319,17 +320,17 @@ class Segmented(RingImageSplit):
 
 
 class CountingRing(RingCalls):
-    """A worker's ring (in the test's process) that counts the segments it was put."""
+    """A worker's ring (in the test's process) that counts the segments it was given (put
+    as RingPart calls or written to its sum port)."""
 
     def __init__(self, context):
         super().__init__(context)
         self.segments: set[int] = set()
 
-    def put(self, messages):
-        got = super().put(messages)
+    def file(self, session, step, round_, segment, part):
+        super().file(session, step, round_, segment, part)
         with self._changed:
-            self.segments.update(k[3] for k in self._parts)
-        return got
+            self.segments.add(segment)
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 4096], ids=["after-backward", "overlapped"])

@@ -46,6 +46,7 @@ from hetconv.ring import (
 )
 from hetconv.worker.context import WorkerContext
 from hetconv.worker.peers import PeerLinks
+from hetconv.worker.summesh import SumLinks, SumListener
 
 #: Seconds a put of a chunk may take, at most (a peer no faster is failed).
 PUT_SECONDS = 60.0
@@ -102,12 +103,29 @@ class RingCalls:
         self._latest: dict[int, int] = {}  # session -> the latest step its master called
         self._links: dict[int, RingLinks] = {}  # session -> its senders, oldest first
         self._changed = threading.Condition()
+        self._mesh = SumLinks()  # batch norm's sums to the peers' sum ports
+        self._listener: SumListener | None = None  # this worker's sum port
 
     def use(self, token: str | None, tls: bool) -> None:
         """Reach peers with ``token`` (the worker's own); a worker serving TLS refuses the
         ring (its peers would need a CA it does not have: not built)."""
         self.close()
         self.token, self.tls = token, tls
+        self._mesh = SumLinks(token)
+
+    @property
+    def sum_frames(self) -> int:
+        """Parts filed from this worker's sum port since it opened."""
+        return self._listener.frames if self._listener is not None else 0
+
+    def listen(self, host: str) -> int:
+        """Open this worker's sum port on ``host`` (:mod:`hetconv.worker.summesh`) and answer
+        it; 0 (none) for a worker serving TLS."""
+        if self.tls:
+            return 0
+        if self._listener is None:
+            self._listener = SumListener(host.strip("[]"), self.file, self.token)
+        return self._listener.port
 
     def _session_links(self, session: int) -> RingLinks:
         """``session``'s senders; at most the worker's sessions' worth are kept."""
@@ -132,18 +150,24 @@ class RingCalls:
             return [], 0.0, receive
         if len(arrays) != 1 or arrays[0].ndim != 1 or request.tensors[0].dtype != pb.FLOAT32:
             raise InvalidCall("a ring part is one float32 vector p")
-        if not np.isfinite(arrays[0]).all():
+        self.file(*key, int(ring.round), int(ring.segment), arrays[0])
+        return [], 0.0, receive
+
+    def file(self, session: int, step: int, round_: int, segment: int, part: np.ndarray) -> None:
+        """File a part another rank put here (a RingPart, or a frame on the sum port) where
+        its ring waits for it; InvalidCall where it is not finite, comes for a step more than
+        one ahead of the session's, or the parts would pass the memory budget."""
+        if not np.isfinite(part).all():
             raise InvalidCall("the ring part holds NaN or Inf")
         with self._changed:
-            latest = self._latest.get(request.session)
-            if latest is not None and request.step > latest + 1:
-                raise InvalidCall(f"a ring part of step {request.step}: session "
-                                  f"{request.session} is at step {latest} here")  # fmt: skip
-            held = sum(a.nbytes for a in self._parts.values()) + arrays[0].nbytes
-            self.context.budget.hold("ring parts", held, "the ring's parts", request.session)
-            self._parts.setdefault((*key, int(ring.round), int(ring.segment)), arrays[0])
+            latest = self._latest.get(session)
+            if latest is not None and step > latest + 1:
+                raise InvalidCall(f"a ring part of step {step}: session "
+                                  f"{session} is at step {latest} here")  # fmt: skip
+            held = sum(a.nbytes for a in self._parts.values()) + part.nbytes
+            self.context.budget.hold("ring parts", held, "the ring's parts", session)
+            self._parts.setdefault((session, step, round_, segment), part)
             self._changed.notify_all()
-        return [], 0.0, receive
 
     def begin(self, session: int, step: int) -> None:
         """A step's ImagesStep came: drop what older steps of the session left here."""
@@ -190,8 +214,15 @@ class RingCalls:
         ``offset`` (each sum of a step its own: :data:`~hetconv.ring.ROUNDS_PER_SUM`), over
         ``bounds`` (default: even chunks), each chunk in segments of the request's
         ``segment_bytes``; RingFailed saying why not."""
-        values = int(request.images.ring.segment_bytes) // 4
-        return self._run(request, offset, lambda *io: all_reduce(vector, *io, bounds, values))
+        ring = request.images.ring
+        values = int(ring.segment_bytes) // 4
+        return self._run(request, offset, lambda *io: all_reduce(vector, *io, bounds, values),
+                         mesh=self._meshed(ring))  # fmt: skip
+
+    @staticmethod
+    def _meshed(ring: pb.ImagesRing) -> bool:
+        """Whether the ring's parts go to the peers' sum ports (every peer has one)."""
+        return len(ring.sum_ports) == len(ring.peers) and all(ring.sum_ports)
 
     def buckets(self, request: pb.ConvRequest, shapes, master_part: bool) -> BucketRing:
         """A :class:`BucketRing` of this step's gradient (``shapes``: each parameter's)."""
@@ -202,13 +233,18 @@ class RingCalls:
         in the fewest puts: :func:`~hetconv.ring.all_to_all` in one round where it puts no
         more than :func:`~hetconv.ring.all_gather_doubling`, else the latter; the same sum on
         each), its rounds from ``offset``; RingFailed saying why not."""
-        ranks = len(request.images.ring.peers)
+        ring = request.images.ring
+        ranks = len(ring.peers)
+        mesh = self._meshed(ring)
         gather = all_to_all if ranks - 1 <= doubling_rounds(ranks) else all_gather_doubling
-        return join64(self._run(request, offset, lambda *io: gather(split64(values), *io)))
+        return join64(self._run(request, offset, lambda *io: gather(split64(values), *io),
+                                mesh=mesh))  # fmt: skip
 
-    def _run(self, request: pb.ConvRequest, offset: int, algorithm):
+    def _run(self, request: pb.ConvRequest, offset: int, algorithm, mesh: bool = False):
         """``algorithm(rank, ranks, send, receive)`` over the request's ring (``send``'s parts
-        go to the next rank, or to the rank ``to``)."""
+        go to the next rank, or to the rank ``to``); ``mesh``: each part written to the
+        peer's sum port from this thread (:mod:`hetconv.worker.summesh`), else put as a
+        RingPart on a sender thread."""
         ring = request.images.ring
         session, step, rank, peers = request.session, int(request.step), ring.rank, ring.peers
         if self.tls:
@@ -244,6 +280,17 @@ class RingCalls:
                 raise RingFailed(why(e, address)) from None
 
         def send(round_: int, segment: int, part: np.ndarray, to: int | None = None) -> None:
+            if mesh:
+                to = (rank + 1) % len(peers) if to is None else to
+                try:
+                    self._mesh.send(peers[to], ring.sum_ports[to], session, step,
+                                    offset + round_, segment, part)  # fmt: skip
+                except OSError as e:
+                    reason = f"the sum to {peers[to]} failed: {type(e).__name__}"
+                    with self._changed:
+                        self._put_failed.setdefault((session, step), reason)
+                    raise RingFailed(reason) from None
+                return
             while len(pending) >= OUTSTANDING:
                 settle(pending.popleft())
             address = following if to is None else peers[to]
@@ -288,6 +335,10 @@ class RingCalls:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+        self._mesh.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
 
 class _Cancelled(Exception):

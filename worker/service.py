@@ -149,6 +149,7 @@ class ConvWorkerService:
         self.requests = 0  # conv requests answered successfully
         self.activity = Activity()  # the same, with bytes and sessions, since the last look
         self.instance_id = 1 + secrets.randbelow((1 << 64) - 1)  # never 0 (0: not said)
+        self.sum_port = 0  # where ring peers put batch norm's sums (start_server opens it)
         # An ImagesStep's passes on a device backend are held in its memory, not the host's.
         device_bytes = (backend.memory_limit or backend.describe().memory_bytes
                         if backend.on_device else None)  # fmt: skip
@@ -192,7 +193,7 @@ class ConvWorkerService:
         memory = self.budget.holding().as_metadata()
         extra = (
             f"idle_ended={self.idle.ended},scratch_trimmed={self.device.trimmed},"
-            f"device_dropped={self.device.dropped}"
+            f"device_dropped={self.device.dropped},sum_frames={self.context.ring.sum_frames}"
         )
         context.set_trailing_metadata(((MEMORY_METADATA, f"{memory},{extra}"),))
         answer = pb.DeviceDescription(
@@ -204,6 +205,7 @@ class ConvWorkerService:
             hetconv_version=__version__,
             max_request_bytes=self.config.max_request_bytes,
             instance_id=self.instance_id,
+            sum_port=self.sum_port,
         )
         if request.peers:  # the peers of a split block this worker cannot reach (hetconv.split)
             split = self.context.split
@@ -522,6 +524,7 @@ def start_server(
     slots(False)
     service.budget.on_slots = slots
     host = listen.rsplit(":", 1)[0]
+    service.sum_port = service.context.ring.listen(host)  # batch norm's sums (summesh)
     service.health = health_servicer  # so shutdown can report NOT_SERVING first
     return server, f"{host}:{port}"
 

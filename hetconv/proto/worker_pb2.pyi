@@ -197,7 +197,7 @@ class ImagesStep(_message.Message):
     def __init__(self, spec_json: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., first: _Optional[int] = ..., batch: _Optional[int] = ..., scale: _Optional[float] = ..., ring: _Optional[_Union[ImagesRing, _Mapping]] = ...) -> None: ...
 
 class ImagesRing(_message.Message):
-    __slots__ = ("peers", "rank", "version", "place", "lr", "momentum", "weight_decay", "master_part", "answer_sum", "wait_seconds", "round", "abort", "bucket_bytes", "digest_seed", "digest_share", "sum_slice", "segment", "segment_bytes")
+    __slots__ = ("peers", "rank", "version", "place", "lr", "momentum", "weight_decay", "master_part", "answer_sum", "wait_seconds", "round", "abort", "bucket_bytes", "digest_seed", "digest_share", "sum_slice", "segment", "segment_bytes", "sum_ports")
     PEERS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class ImagesRing(_message.Message):
     SUM_SLICE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SUM_PORTS_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedScalarFieldContainer[str]
     rank: int
     version: int
@@ -234,7 +235,8 @@ class ImagesRing(_message.Message):
     sum_slice: bool
     segment: int
     segment_bytes: int
-    def __init__(self, peers: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ..., place: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., master_part: _Optional[bool] = ..., answer_sum: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., round: _Optional[int] = ..., abort: _Optional[bool] = ..., bucket_bytes: _Optional[int] = ..., digest_seed: _Optional[int] = ..., digest_share: _Optional[float] = ..., sum_slice: _Optional[bool] = ..., segment: _Optional[int] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
+    sum_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, peers: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ..., place: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., master_part: _Optional[bool] = ..., answer_sum: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., round: _Optional[int] = ..., abort: _Optional[bool] = ..., bucket_bytes: _Optional[int] = ..., digest_seed: _Optional[int] = ..., digest_share: _Optional[float] = ..., sum_slice: _Optional[bool] = ..., segment: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., sum_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
     __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part", "images")
@@ -313,7 +315,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[str]] = ..., peer_timeout: _Optional[float] = ...) -> None: ...
 
 class DeviceDescription(_message.Message):
-    __slots__ = ("backend", "kind", "name", "memory_bytes", "cores", "hetconv_version", "max_request_bytes", "instance_id", "unreachable", "unreachable_why")
+    __slots__ = ("backend", "kind", "name", "memory_bytes", "cores", "hetconv_version", "max_request_bytes", "instance_id", "unreachable", "unreachable_why", "sum_port")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +326,7 @@ class DeviceDescription(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_WHY_FIELD_NUMBER: _ClassVar[int]
+    SUM_PORT_FIELD_NUMBER: _ClassVar[int]
     backend: str
     kind: str
     name: str
@@ -334,7 +337,8 @@ class DeviceDescription(_message.Message):
     instance_id: int
     unreachable: _containers.RepeatedScalarFieldContainer[str]
     unreachable_why: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, backend: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., cores: _Optional[int] = ..., hetconv_version: _Optional[str] = ..., max_request_bytes: _Optional[int] = ..., instance_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., unreachable_why: _Optional[_Iterable[str]] = ...) -> None: ...
+    sum_port: int
+    def __init__(self, backend: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., cores: _Optional[int] = ..., hetconv_version: _Optional[str] = ..., max_request_bytes: _Optional[int] = ..., instance_id: _Optional[int] = ..., unreachable: _Optional[_Iterable[str]] = ..., unreachable_why: _Optional[_Iterable[str]] = ..., sum_port: _Optional[int] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("n", "c", "h", "w", "k", "kh", "kw", "padding", "repeats", "with_grad_input")
