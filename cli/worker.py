@@ -27,6 +27,16 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="address to serve on; port 0 picks a free one",
     )
     p.add_argument(
+        "--sum-port",
+        type=number_at_least(int, 0),
+        default=0,
+        metavar="PORT",
+        help="TCP port, on --listen's host, where the other workers of a ring (--split images "
+        "--exchange ring) write their parts of its sums; open it beside --listen's in a "
+        "firewall (default 0: a free one, said at start; a peer that cannot reach it puts "
+        "its parts through --listen's port instead, more slowly)",
+    )
+    p.add_argument(
         "--backend",
         default="auto",
         help="cpu, onednn, opencl, cuda, or auto (the fastest GPU present, by a probe against "
@@ -184,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         max_calls=args.max_calls,
         advertise=not args.no_advertise,
         report_every=args.report_every,
+        sum_port=args.sum_port,
     )
     exit_within(status)  # a thread still waiting (a device job, a silent peer) holds no exit
     return status

@@ -172,6 +172,13 @@ def abort_ring(client: WorkerClient, session: int, step: int) -> None:
         pass
 
 
+def _sum_ports(ring) -> list[int]:
+    """The ring's workers' sum ports (:mod:`hetconv.worker.summesh`), in rank order; none
+    where any worker lacks one (its parts then go as RingPart calls)."""
+    ports = [node.sum_port for node, _, _ in ring]
+    return ports if all(ports) else []
+
+
 class RingImageSplit(ImageSplit):
     """An :class:`~.imagesplit.ImageSplit` that sums the gradients by a ring among the
     workers where :attr:`exchange` (``auto``: where the cost model finds it faster) says so."""
@@ -440,8 +447,6 @@ class RingImageSplit(ImageSplit):
         parameters = model.parameters()
         names = tuple(parameters)
         peers = [node.client.address for node, _, _ in ring]
-        ports = [node.sum_port for node, _, _ in ring]  # batch norm's sums (summesh), or none
-        ports = ports if all(ports) else []
         wait = max(WAIT_FLOOR_S, max((self._deadline(n, c, 0) for n, _, c in ring), default=0))
         sampled = self.digest_share < 1
         self._digest_seed = int(self._draws.integers(1, 2**63)) if sampled else 0
@@ -461,7 +466,7 @@ class RingImageSplit(ImageSplit):
                         answer_sum=rank == 0 or self.sum_slices, sum_slice=self.sum_slices,
                         bucket_bytes=self.bucket_bytes, segment_bytes=self.segment_bytes,
                         digest_seed=self._digest_seed, digest_share=self.digest_share,
-                        sum_ports=ports,
+                        sum_ports=_sum_ports(ring),
                     ),
                 ),
             )  # fmt: skip

@@ -137,3 +137,78 @@ def test_a_ring_step_sums_batch_norm_over_the_mesh(tmp_path, workers):
     for address in workers.addresses:
         with grpc.insecure_channel(address) as channel:
             assert worker_memory(channel)["sum_frames"] - before[address] == 3 * (2 * 2 + 2)
+
+
+def test_a_peer_whose_sum_port_cannot_be_reached_gets_its_parts_as_ring_calls(
+    tmp_path, workers, monkeypatch
+):
+    """The master gives the second worker's sum port as one nothing listens on (a firewall's
+    effect): the first worker's parts to it go as RingPart calls after the first fails, and
+    the run still trains as local training, every step by the ring."""
+    import socket
+
+    import grpc
+    from exactness import same_as_local
+    from test_image_syncbn import CONV_BN, _ring, _train
+    from test_worker_budget import worker_memory
+
+    from hetconv.conv import LocalConv
+    from hetconv.master import probing
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]  # free once closed: nothing listens there
+    blocked = workers.addresses[1]
+    connect = probing.connect
+
+    def connect_blocked(node, *args, **kwargs):
+        connect(node, *args, **kwargs)
+        if node.name == blocked:
+            node.sum_port = dead
+
+    monkeypatch.setattr(probing, "connect", connect_blocked)
+    with grpc.insecure_channel(blocked) as channel:
+        before = worker_memory(channel)["sum_frames"]
+    cluster = _ring(workers.addresses)
+    got = _train(tmp_path, "ring", cluster, CONV_BN, steps=3)
+    same_as_local(got, _train(tmp_path, "local", LocalConv(), CONV_BN, steps=3))
+    assert all(r["exchange"] == "ring" for r in cluster.steps)
+    with grpc.insecure_channel(blocked) as channel:  # nothing came on its real sum port
+        assert worker_memory(channel)["sum_frames"] == before
+
+
+def test_worker_sum_port_flag_opens_that_port_and_describe_answers_it():
+    import socket
+    import subprocess
+    import sys
+
+    import grpc
+
+    from hetconv.calls import DESCRIBE, READY, SERVICE_NAME
+    from hetconv.proto import worker_pb2 as pb
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [sys.executable, "-m", "hetconv", "worker", "--listen", "127.0.0.1:0", "--backend",
+            "cpu", "--sum-port", str(port), "--no-startup-probe", "--no-advertise",
+            "--exit-on-stdin-close"]  # fmt: skip
+    worker = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in worker.stdout:
+            lines.append(line)
+            if line.startswith(READY):
+                break
+        assert f"ring sums: TCP port {port} (--sum-port)\n" in lines, lines
+        address = lines[-1].split()[-1]
+        with grpc.insecure_channel(address) as channel:
+            describe = channel.unary_unary(
+                f"/{SERVICE_NAME}/{DESCRIBE.name}",
+                request_serializer=pb.DescribeRequest.SerializeToString,
+                response_deserializer=pb.DeviceDescription.FromString,
+            )
+            assert describe(pb.DescribeRequest(), timeout=10).sum_port == port
+    finally:
+        worker.stdin.close()
+        worker.wait(timeout=30)

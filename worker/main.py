@@ -374,13 +374,14 @@ def run_worker(
     max_calls: int | None = None,
     advertise: bool = True,
     report_every: float = 30.0,
+    sum_port: int = 0,
 ) -> int:
     """Serve on ``listen`` until SIGINT or SIGTERM; returns the process exit status.
 
     Prints, in this order: the device, the startup probe figure, the request limit, the
     memory budget, the sessions kept, the security in force, the addresses masters should use
-    (``masters use: ...``), whether it is advertised on the LAN, and ``READY HOST:PORT`` (the
-    line a launcher waits for); then, every ``report_every`` seconds in which it served
+    (``masters use: ...``), whether it is advertised on the LAN, its sum port, and ``READY
+    HOST:PORT`` (the line a launcher waits for); then, every ``report_every`` seconds in which it served
     anything, one line of what it served. A worker that the network can reach without a token
     also warns on ``err`` (default: stderr).
 
@@ -399,6 +400,7 @@ def run_worker(
             --discover``) when it listens beyond loopback (:mod:`.advertise`).
         report_every: seconds between activity lines (requests, MB in and out, masters);
             0: none.
+        sum_port: the TCP port of the ring's parts (:mod:`.summesh`); 0: a free one.
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
@@ -414,12 +416,15 @@ def run_worker(
     # Handlers first: a launcher may signal the moment it reads the ready line.
     with _stop_on_signals(exit_on_stdin_close) as stop:
         advertisement = None
-        server, address = start_server(service, listen, security)
+        server, address = start_server(service, listen, security, sum_port)
         try:
             warning = open_worker_warning(address, security)  # names the port bound, not 0
             if warning is not None:
                 print(warning, file=err, flush=True)
             advertisement = _announce(address, backend, security, service, advertise, out, err)
+            if service.sum_port:
+                print(f"ring sums: TCP port {service.sum_port} (--sum-port)", file=out,
+                      flush=True)  # fmt: skip
             print(f"{READY} {address}", file=out, flush=True)
             _serve_until(stop, service, report_every, out)
         finally:

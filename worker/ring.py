@@ -118,13 +118,13 @@ class RingCalls:
         """Parts filed from this worker's sum port since it opened."""
         return self._listener.frames if self._listener is not None else 0
 
-    def listen(self, host: str) -> int:
-        """Open this worker's sum port on ``host`` (:mod:`hetconv.worker.summesh`) and answer
-        it; 0 (none) for a worker serving TLS."""
+    def listen(self, host: str, port: int = 0) -> int:
+        """Open this worker's sum port on ``host`` (:mod:`hetconv.worker.summesh`; ``port``
+        0: a free one) and answer it; 0 (none) for a worker serving TLS."""
         if self.tls:
             return 0
         if self._listener is None:
-            self._listener = SumListener(host.strip("[]"), self.file, self.token)
+            self._listener = SumListener(host.strip("[]"), self.file, self.token, port)
         return self._listener.port
 
     def _session_links(self, session: int) -> RingLinks:
@@ -280,20 +280,17 @@ class RingCalls:
                 raise RingFailed(why(e, address)) from None
 
         def send(round_: int, segment: int, part: np.ndarray, to: int | None = None) -> None:
-            if mesh:
-                to = (rank + 1) % len(peers) if to is None else to
+            to = (rank + 1) % len(peers) if to is None else to
+            if mesh and self._mesh.usable(peers[to], ring.sum_ports[to]):
                 try:
                     self._mesh.send(peers[to], ring.sum_ports[to], session, step,
                                     offset + round_, segment, part)  # fmt: skip
-                except OSError as e:
-                    reason = f"the sum to {peers[to]} failed: {type(e).__name__}"
-                    with self._changed:
-                        self._put_failed.setdefault((session, step), reason)
-                    raise RingFailed(reason) from None
-                return
+                    return
+                except OSError:  # its sum port unreachable: as RingPart calls from now on
+                    pass
             while len(pending) >= OUTSTANDING:
                 settle(pending.popleft())
-            address = following if to is None else peers[to]
+            address = peers[to]
             head = part_request(session, step, rank, offset + round_, segment=segment)
             try:
                 future = links.put_later(address, head, part, FLOAT32, timeout)

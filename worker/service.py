@@ -467,10 +467,12 @@ def start_server(
     service: ConvWorkerService,
     listen: str = "127.0.0.1:0",
     security: WorkerSecurity | None = None,
+    sum_port: int = 0,
 ) -> tuple[grpc.Server, str]:
     """Start serving ``service`` (and grpc.health.v1) on ``listen``; returns (server, address).
 
-    A port of 0 picks a free one; the address returned names the port bound.
+    A port of 0 picks a free one; the address returned names the port bound. The ring's sum
+    port (:mod:`.summesh`) opens on the same host, on ``sum_port`` (0: a free one).
 
     Args:
         security: a token every call must carry (health checks too) and TLS credentials;
@@ -524,7 +526,11 @@ def start_server(
     slots(False)
     service.budget.on_slots = slots
     host = listen.rsplit(":", 1)[0]
-    service.sum_port = service.context.ring.listen(host)  # batch norm's sums (summesh)
+    try:  # the ring's parts (summesh)
+        service.sum_port = service.context.ring.listen(host, sum_port)
+    except OSError as e:
+        server.stop(0)
+        raise OSError(f"cannot open the sum port {sum_port} on {host}: {e.strerror or e}") from e
     service.health = health_servicer  # so shutdown can report NOT_SERVING first
     return server, f"{host}:{port}"
 

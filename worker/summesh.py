@@ -50,13 +50,13 @@ class SumListener:
     reading thread per connection, each frame given to ``file(session, step, round, segment,
     values)`` (an exception from it closes the connection)."""
 
-    def __init__(self, host: str, file, token: str | None = None):
+    def __init__(self, host: str, file, token: str | None = None, port: int = 0):
         self._file = file
         self._token = (token or "").encode()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, 0))
+        self._socket.bind((host, port))
         self._socket.listen(64)
         self.port = self._socket.getsockname()[1]
         self._closed = False
@@ -137,6 +137,7 @@ class SumLinks:
         self._hello = MAGIC + struct.pack("<H", len(token_bytes)) + token_bytes
         self._sockets: dict[tuple[str, int], tuple[socket.socket, threading.Lock]] = {}
         self._lock = threading.Lock()
+        self._failed: set[tuple[str, int]] = set()  # sum ports a part could not be written to
 
     def _socket(self, host: str, port: int) -> tuple[socket.socket, threading.Lock]:
         key = (host, port)
@@ -155,13 +156,30 @@ class SumLinks:
             connection.close()
         return old
 
+    def usable(self, address: str, port: int) -> bool:
+        """Whether parts go to this sum port: no part written there failed (a peer that
+        cannot be reached there, behind a firewall say, is put RingPart calls instead; one
+        restarted answers another port, tried afresh)."""
+        return (_host(address), port) not in self._failed
+
     def send(
         self, address: str, port: int, session: int, step: int, round_: int, segment: int,
         values: np.ndarray,
     ) -> None:  # fmt: skip
         """Write ``values`` (float32) as the part (session, step, round, segment) to the sum
-        port ``port`` on ``address``'s host."""
-        host = address.rpartition(":")[0].strip("[]")
+        port ``port`` on ``address``'s host; OSError where it cannot (the port is then no
+        longer :meth:`usable`)."""
+        host = _host(address)
+        try:
+            self._write(host, port, session, step, round_, segment, values)
+        except OSError as e:
+            with self._lock:
+                self._failed.add((host, port))
+            print(f"hetconv worker: the sum port {host}:{port} failed ({type(e).__name__}); "
+                  "its parts go as RingPart calls", file=sys.stderr, flush=True)  # fmt: skip
+            raise
+
+    def _write(self, host, port, session, step, round_, segment, values) -> None:
         values = np.ascontiguousarray(values, np.float32)
         header = FRAME.pack(session, step, round_, segment, values.size)
         connection, lock = self._socket(host, port)
@@ -180,6 +198,10 @@ class SumLinks:
             sockets, self._sockets = list(self._sockets.values()), {}
         for connection, _ in sockets:
             connection.close()
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
 
 
 def _send(connection: socket.socket, header: bytes, body: memoryview) -> None:
