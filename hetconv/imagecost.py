@@ -186,10 +186,26 @@ def batchnorm_sums_seconds(
 SPLIT_MARGIN = 0.10
 
 
-def choose_split(kernels_s: float, images_s: dict[str, float], allowed: Sequence[str]) -> dict:
+def choose_split(
+    kernels_s: float, images_s: dict[str, float], allowed: Sequence[str],
+    ruled_out: dict[str, str] | None = None,
+) -> dict:  # fmt: skip
     """The split ``--split auto`` takes: ``{"split": kernels|images, "exchange": ...,
     "predicted_s": {way: step}, "why": one line}`` from the kernel split's predicted step and
-    each exchange's split by images (only those ``allowed``)."""
+    each exchange's split by images (only those ``allowed``). ``ruled_out``: for an exchange
+    not allowed, what rules it out and the flag that would allow it; where it is predicted
+    faster by the margin than the way taken, ``why`` says so and names the flag."""
+    choice = _choose_split(kernels_s, images_s, allowed)
+    taken = images_s.get(choice["exchange"], kernels_s) if choice["exchange"] else kernels_s
+    for exchange, reason in (ruled_out or {}).items():
+        seconds = images_s.get(exchange)
+        if exchange not in allowed and seconds and seconds < taken * (1 - SPLIT_MARGIN):
+            choice["why"] += (f"; the split by images with the {_way(exchange)} is predicted "
+                              f"{taken / seconds:.2f}x faster, but {reason}")  # fmt: skip
+    return choice
+
+
+def _choose_split(kernels_s: float, images_s: dict[str, float], allowed: Sequence[str]) -> dict:
     usable = {k: v for k, v in images_s.items() if k in allowed}
     predicted = {KERNELS: kernels_s, **{f"{IMAGES} ({k})": v for k, v in images_s.items()}}
     if not usable:

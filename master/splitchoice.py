@@ -43,6 +43,18 @@ def allowed_exchanges(config, exchange: str) -> list[str]:
     return [w for w in ways if w != RING or ring_ok]
 
 
+def ruled_out_exchanges(config, exchange: str) -> dict[str, str]:
+    """For each exchange :func:`allowed_exchanges` leaves out, what rules it out and the
+    flag that would allow it (the console names it where that way is predicted faster)."""
+    if exchange in (MASTER, RING):
+        return {}  # --exchange chose
+    if config.tls_ca is not None:
+        return {RING: "the ring refuses TLS (its workers' parts are plain TCP)"}
+    if config.spot_checks.every:
+        return {RING: "the ring is not spot-checked: --spot-check-every 0 allows it"}
+    return {}
+
+
 class SplitChoice:
     """The executor of ``--split auto`` (see the module's docstring): a proxy to the split
     chosen, which is a :class:`~.cluster.Cluster` until :meth:`predict_step` decides.
@@ -82,7 +94,10 @@ class SplitChoice:
         if spec is None or kernels is None or "image_split_s" not in kernels:
             return kernels  # no worker reached or no probe: the split by kernels stays
         allowed = allowed_exchanges(self.inner.config, self._exchange)
-        self.choice = choose_split(kernels["step_s"], kernels["image_split_s"], allowed)
+        self.choice = choose_split(
+            kernels["step_s"], kernels["image_split_s"], allowed,
+            ruled_out_exchanges(self.inner.config, self._exchange),
+        )  # fmt: skip
         shared = [a for a in self.addresses if on_this_machine(a)]
         if shared and self.choice["split"] == IMAGES:
             self.choice = {
@@ -129,4 +144,4 @@ class SplitChoice:
         self.close()
 
 
-__all__ = ["SplitChoice", "allowed_exchanges"]
+__all__ = ["SplitChoice", "allowed_exchanges", "ruled_out_exchanges"]

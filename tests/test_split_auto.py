@@ -15,7 +15,7 @@ from hetconv.imagecost import choose_split as choose
 from hetconv.imagecost import describe_choice as describe
 from hetconv.master import splitchoice
 from hetconv.master.cluster import ClusterConfig
-from hetconv.master.splitchoice import SplitChoice, allowed_exchanges
+from hetconv.master.splitchoice import SplitChoice, allowed_exchanges, ruled_out_exchanges
 from hetconv.master.spotcheck import SpotCheckConfig
 
 
@@ -49,6 +49,24 @@ def test_the_ring_is_allowed_only_without_spot_checks_and_tls():
     assert allowed_exchanges(unchecked, "auto") == ["master", "ring"]
     assert allowed_exchanges(unchecked, "ring") == ["ring"]
     assert allowed_exchanges(unchecked, "master") == ["master"]
+
+
+def test_a_faster_way_ruled_out_is_named_with_the_flag_that_allows_it():
+    checked = ClusterConfig()
+    why_not = ruled_out_exchanges(checked, "auto")
+    assert why_not == {"ring": "the ring is not spot-checked: --spot-check-every 0 allows it"}
+    assert ruled_out_exchanges(ClusterConfig(spot_checks=SpotCheckConfig(every=0)), "auto") == {}
+    assert ruled_out_exchanges(checked, "master") == {}  # --exchange master chose
+    got = choose(1.0, {"ring": 0.5}, ["master"], why_not)  # batch norm: the ring's alone
+    assert got["split"] == "kernels"
+    assert got["why"].endswith(
+        "; the split by images with the ring among the workers is predicted 2.00x faster, "
+        "but the ring is not spot-checked: --spot-check-every 0 allows it"
+    )
+    near = choose(1.0, {"ring": 0.95}, ["master"], why_not)  # within the margin: not said
+    assert "spot-check" not in near["why"]
+    taken = choose(1.0, {"master": 0.5, "ring": 0.2}, ["master"], why_not)
+    assert taken["exchange"] == "master" and "predicted 2.50x faster, but" in taken["why"]
 
 
 def _args(**changes) -> argparse.Namespace:
@@ -93,8 +111,8 @@ def _forced(monkeypatch, exchange):
     tested above), and treat loopback workers as machines of their own."""
     real = splitchoice.choose_split
 
-    def forced(kernels_s, images_s, allowed):
-        got = real(kernels_s, images_s, allowed)
+    def forced(kernels_s, images_s, allowed, ruled_out=None):
+        got = real(kernels_s, images_s, allowed, ruled_out)
         return {**got, "split": "images", "exchange": exchange, "why": "forced by the test"}
 
     monkeypatch.setattr(splitchoice, "choose_split", forced)
