@@ -381,9 +381,9 @@ def run_worker(
     Prints, in this order: the device, the startup probe figure, the request limit, the
     memory budget, the sessions kept, the security in force, the addresses masters should use
     (``masters use: ...``), whether it is advertised on the LAN, its sum port, and ``READY
-    HOST:PORT`` (the line a launcher waits for); then, every ``report_every`` seconds in which it served
-    anything, one line of what it served. A worker that the network can reach without a token
-    also warns on ``err`` (default: stderr).
+    HOST:PORT`` (the line a launcher waits for); then, every ``report_every`` seconds in
+    which it served anything, one line of what it served. A worker that the network can
+    reach without a token also warns on ``err`` (default: stderr).
 
     Args:
         config: limits; None: the defaults, with the request limit from

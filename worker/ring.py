@@ -252,7 +252,6 @@ class RingCalls:
         if not 0 < len(peers) <= MAX_RANKS or rank >= len(peers):
             raise InvalidCall(f"rank {rank} of a ring of {len(peers)}: at most {MAX_RANKS}")
         links = self._session_links(session)
-        following = peers[(rank + 1) % len(peers)]
         timeout = min(PUT_SECONDS, max(ring.wait_seconds, 1.0))
         pending: deque[tuple[futures.Future, str]] = deque()  # each put and where it went
 
