@@ -212,3 +212,28 @@ def test_worker_sum_port_flag_opens_that_port_and_describe_answers_it():
     finally:
         worker.stdin.close()
         worker.wait(timeout=30)
+
+
+def test_a_silent_connection_is_closed_and_past_the_cap_none_is_kept(monkeypatch):
+    import socket
+
+    from hetconv.worker import summesh
+
+    monkeypatch.setattr(summesh, "HELLO_S", 0.2)
+    monkeypatch.setattr(summesh, "MAX_CONNECTIONS", 2)
+    filed = Filed()
+    listener = SumListener("127.0.0.1", filed)
+    try:
+        held = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(3)]
+        held[2].settimeout(5)
+        assert held[2].recv(1) == b""  # the third: closed at once
+        held[0].settimeout(5)
+        assert held[0].recv(1) == b""  # no hello within HELLO_S: closed
+        links = SumLinks()  # a peer that says its hello is served again
+        links.send("127.0.0.1:1", listener.port, 1, 1, 0, 0, np.ones(2, np.float32))
+        assert filed.wait(1)
+        links.close()
+        for connection in held:
+            connection.close()
+    finally:
+        listener.close()

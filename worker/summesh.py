@@ -43,6 +43,10 @@ MAX_VALUES = 1 << 20
 #: Seconds a connection to a peer may take to open, and a frame to be written.
 CONNECT_S = 5.0
 SEND_S = 30.0
+#: Seconds a new connection has to say its hello; connections a listener keeps at most (a
+#: ring's peers hold one each; one past it is closed at once).
+HELLO_S = 10.0
+MAX_CONNECTIONS = 256
 
 
 class SumListener:
@@ -76,6 +80,9 @@ class SumListener:
                 if self._closed:
                     connection.close()
                     return
+                if len(self._connections) >= MAX_CONNECTIONS:
+                    connection.close()
+                    continue
                 self._connections.add(connection)
             threading.Thread(
                 target=self._read, args=(connection,), name="hetconv-summesh-in", daemon=True
@@ -83,13 +90,15 @@ class SumListener:
 
     def _read(self, connection: socket.socket) -> None:
         try:
+            connection.settimeout(HELLO_S)
             if _exactly(connection, len(MAGIC)) != MAGIC:
                 return
             (length,) = struct.unpack("<H", _exactly(connection, 2))
             if not hmac.compare_digest(_exactly(connection, length), self._token):
-                print("hetconv worker: a sum mesh connection with a wrong token, closed",
+                print("hetconv worker: a sum port connection with a wrong token, closed",
                       file=sys.stderr, flush=True)  # fmt: skip
                 return
+            connection.settimeout(None)  # a peer's parts come whenever its ring runs
             while True:
                 session, step, round_, segment, count = FRAME.unpack(
                     _exactly(connection, FRAME.size)
@@ -103,7 +112,7 @@ class SumListener:
         except (OSError, EOFError):
             return
         except Exception as e:  # refused by the ring: the sender's next frame fails
-            print(f"hetconv worker: a sum mesh frame refused: {e}", file=sys.stderr, flush=True)
+            print(f"hetconv worker: a sum port frame refused: {e}", file=sys.stderr, flush=True)
             return
         finally:
             with self._lock:
