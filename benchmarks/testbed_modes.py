@@ -210,6 +210,15 @@ MODES: tuple[Mode, ...] = (
         over_base=False,
     ),
     Mode(
+        "unchecked",
+        ("--spot-check-every", "0"),
+        "`hetconv train` with no mode flag but spot checks off: --split auto may then take "
+        "the ring",
+        "--spot-check-every",
+        in_all=False,
+        over_base=False,
+    ),
+    Mode(
         "images",
         ("--split", "images"),
         "the whole network split by images: every node trains the model on its share of the "
