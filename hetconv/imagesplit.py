@@ -19,6 +19,7 @@ it travels (:func:`spec_json`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -252,6 +253,35 @@ def images_gradients(
     return grads, losses.astype(np.float32), logits.argmax(axis=1) == labels
 
 
+@contextlib.contextmanager
+def backward_hooks(model, overlap):
+    """While held, each layer of ``model`` with parameters tells ``overlap`` (anything with
+    ``ready(index, gradient)``, the parameter's index in ``model.parameters()``: a worker's
+    :class:`~hetconv.worker.ring.BucketRing`, the master's part put bucket by bucket; None:
+    nothing) its gradients as its backward returns them; a layer whose backward gives none is
+    given at the end by whoever holds the gradients."""
+    if overlap is None:
+        yield
+        return
+    index = {name: i for i, name in enumerate(model.parameters())}
+    hooked = [layer for layer in model.layers if layer.params]
+    for layer in hooked:
+
+        def backward(*args, _layer=layer, **kwargs):
+            out = type(_layer).backward(_layer, *args, **kwargs)  # its class may change
+            for key in _layer.params:
+                if key in _layer.grads:
+                    overlap.ready(index[f"{_layer.name}.{key}"], _layer.grads[key])
+            return out
+
+        layer.backward = backward
+    try:
+        yield
+    finally:
+        for layer in hooked:
+            del layer.backward  # the class's own again
+
+
 def batch_loss(losses: Sequence[np.ndarray], batch: int) -> float:
     """The batch's mean loss from its ranges' per-image losses, in order (float32, as
     :func:`~hetconv.layers.softmax_cross_entropy` takes the mean)."""
@@ -271,6 +301,7 @@ __all__ = [
     "IMAGES",
     "KERNELS",
     "SPLIT_MODES",
+    "backward_hooks",
     "batch_loss",
     "image_ranges",
     "images_gradients",

@@ -41,6 +41,7 @@ from hetconv.calls import IMAGES_STEP, images_step_names
 from hetconv.formats import FLOAT32, PALETTE8
 from hetconv.imagesplit import (
     IMAGES,
+    backward_hooks,
     batch_loss,
     image_ranges,
     images_gradients,
@@ -323,12 +324,16 @@ class ImageSplit(Cluster):
                 parts[node.name] = mine
                 self._record[node.name].update(covered_by=MASTER, spot_check="failed")
 
-    def _local(self, model, x, labels, first: int, count: int, batch: int, step: int):
+    def _local(self, model, x, labels, first: int, count: int, batch: int, step: int,
+               overlap=None):  # fmt: skip
+        """The master's range: (gradients, losses, hits, seconds); ``overlap`` is told each
+        parameter's gradient as backward gives it (:func:`~hetconv.imagesplit.backward_hooks`)."""
         start = time.perf_counter()
         rows = slice(first, first + count)
-        grads, losses, hits = images_gradients(
-            model, x[rows], np.asarray(labels[rows]), first, batch, step
-        )
+        with backward_hooks(model, overlap):
+            grads, losses, hits = images_gradients(
+                model, x[rows], np.asarray(labels[rows]), first, batch, step
+            )
         seconds = time.perf_counter() - start
         self._conv_seconds += seconds
         return grads, losses, hits, seconds

@@ -56,7 +56,6 @@ from hetconv.ring import (
     AUTO,
     BUCKET_BYTES,
     MASTER,
-    MASTER_ROUND,
     MAX_RANKS,
     OWN,
     RING,
@@ -82,14 +81,13 @@ from .client import CallStats, WorkerClient, WorkerError
 from .imagesplit import ImageSplit
 from .membership import MASTER as MASTER_NODE
 from .membership import Node
+from .ringparts import WAIT_FLOOR_S, master_sender, put_master, put_master_part
 
 #: Why the ring and spot checks do not go together (yet).
 RING_UNCHECKED = (
     "--exchange ring cannot spot-check the workers (each worker's own gradient never reaches "
     "the master, only the ring's sum): add --spot-check-every 0, or use --exchange master"
 )
-#: Seconds a worker waits for one part of the ring at least.
-WAIT_FLOOR_S = 5.0
 #: The share of the weights' blocks a step's digests cover (:func:`hetconv.ring.digest`): a
 #: sample drawn anew each step.
 DIGEST_SHARE = 1 / 8
@@ -129,16 +127,6 @@ def ring_step(
         raise WorkerError(client.address, f"images step {request.step}: bad slice of the sum")
     return None if empty else grads, losses, hits.astype(bool), int(ring[0]), \
         digest_of_values(ring[1:5]), got["buffers"], got["slice"], stats, seconds  # fmt: skip
-
-
-def put_master_part(client: WorkerClient, session: int, step: int, vector, timeout: float):
-    """Put the master's gradient (flat) into rank 0."""
-    request = pb.ConvRequest(
-        phase=RING_PART.phase, session=session, step=step,
-        images=pb.ImagesStep(ring=pb.ImagesRing(round=MASTER_ROUND)),
-    )  # fmt: skip
-    client._call(RING_PART, f"ring part of step {step}", request, [("p", vector)], [], {},
-                 timeout, 0)  # fmt: skip
 
 
 def joined_sum(model, ring, answers: dict, slices: bool) -> dict | None:
@@ -386,10 +374,12 @@ class RingImageSplit(ImageSplit):
         parts: dict[str, tuple] = {}
         if master is not None:  # the master's own range, while the workers compute
             node, first, count = master
-            parts[node.name] = self._local(model, x, labels, first, count, batch, step)
+            sender = master_sender(self, model, ring, step)  # its part, bucket by bucket
+            parts[node.name] = self._local(model, x, labels, first, count, batch, step, sender)
             self._record[node.name] = {"images": count, "seconds": parts[node.name][3]}
             if ring:
-                self._put_master(model, parts[node.name][0], ring[0][0], step)
+                self._part_bytes = put_master(self, model, parts[node.name][0], ring[0][0],
+                                              step, sender)  # fmt: skip
         self._abort_on_failure(calls, ring, step)
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
         self._answered = time.perf_counter()  # the sum joined and the copy updated after it
@@ -489,15 +479,6 @@ class RingImageSplit(ImageSplit):
                                     names, answer)  # fmt: skip
             self._record[node.name] = {"images": count, "placed": place}
         return calls
-
-    def _put_master(self, model, grads: dict, rank0: Node, step: int) -> None:
-        vector = flat([grads[k] for k in model.parameters()])
-        self._part_bytes = vector.nbytes
-        try:
-            deadline = self.config.transfer_deadline(rank0, vector.nbytes) + WAIT_FLOOR_S
-            put_master_part(rank0.client, self.session, step, vector, deadline)
-        except WorkerError:
-            pass  # rank 0 waits for it in vain: its ring fails, the step goes through here
 
     def _abort_on_failure(self, calls: dict[str, Call], ring, step: int) -> None:
         """Wait until every call has ended or one has failed; once one failed (its worker

@@ -23,7 +23,6 @@ layers sum their statistics over the ring mid-pass (:func:`hetconv.imagesplit.sy
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -38,7 +37,12 @@ from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, images_step_names
 from hetconv.conv import LocalConv
 from hetconv.errors import InvalidCall, RequestTooLarge
 from hetconv.formats import FLOAT32
-from hetconv.imagesplit import images_gradients, parameter_shapes, refuse_batchnorm
+from hetconv.imagesplit import (
+    backward_hooks,
+    images_gradients,
+    parameter_shapes,
+    refuse_batchnorm,
+)
 from hetconv.model import Model
 from hetconv.optim import SGDConfig, sgd_update
 from hetconv.proto import worker_pb2 as pb
@@ -293,7 +297,7 @@ class ImagesCalls:
                 overlap = ctx.ring.buckets(request, shapes, ring.rank == 0 and ring.master_part)
                 kept.momentum = kept.momentum or {}  # each bucket's update, once it is summed
                 overlap.summed = functools.partial(_apply_bucket, request, kept, names, backend)
-            with backend.scope(), _backward_hooks(model, overlap):  # the model's own gradients
+            with backend.scope(), backward_hooks(model, overlap):  # the model's own gradients
                 grads, losses, hits = images_gradients(
                     model, backend.to_device(x), backend.to_device(classes), d.first, d.batch,
                     int(request.step), reduce, copy=False,
@@ -427,34 +431,6 @@ def _apply_bucket(request, kept: _Kept, names, backend, vector: np.ndarray, whic
     backward goes on: its parameters' layers are done with them this step)."""
     shapes = [p.shape for p in kept.model.parameters().values()]
     _apply(request, kept, names, unflat(vector, shapes), which, backend)
-
-
-@contextlib.contextmanager
-def _backward_hooks(model: Model, overlap):
-    """While held, each layer with parameters tells ``overlap`` (a
-    :class:`~hetconv.worker.ring.BucketRing`; None: nothing) its gradients as its backward
-    returns them; a layer whose backward gives none is given at the end
-    (:meth:`~hetconv.worker.ring.BucketRing.finish`)."""
-    if overlap is None:
-        yield
-        return
-    index = {name: i for i, name in enumerate(model.parameters())}
-    hooked = [layer for layer in model.layers if layer.params]
-    for layer in hooked:
-
-        def backward(*args, _layer=layer, **kwargs):
-            out = type(_layer).backward(_layer, *args, **kwargs)  # its class may change
-            for key in _layer.params:
-                if key in _layer.grads:
-                    overlap.ready(index[f"{_layer.name}.{key}"], _layer.grads[key])
-            return out
-
-        layer.backward = backward
-    try:
-        yield
-    finally:
-        for layer in hooked:
-            del layer.backward  # the class's own again
 
 
 def _place(kept: _Kept, names: list[str], arrays: list[np.ndarray], backend) -> None:

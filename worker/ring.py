@@ -201,11 +201,13 @@ class RingCalls:
                 self._changed.wait(left)
             return self._parts.pop(key)
 
-    def master_part(self, request: pb.ConvRequest) -> np.ndarray:
-        """The master's gradient, put into rank 0 (waited for)."""
+    def master_part(self, request: pb.ConvRequest, bucket: int = 0) -> np.ndarray:
+        """The master's gradient, put into rank 0 (waited for): whole, or (a ring by
+        buckets) bucket ``bucket``'s values, put as the master's backward gave them
+        (:mod:`hetconv.master.ringparts`)."""
         ring = request.images.ring
         step = int(request.step)
-        return self._receive(request.session, step, (MASTER_ROUND, 0), ring.wait_seconds)
+        return self._receive(request.session, step, (MASTER_ROUND, bucket), ring.wait_seconds)
 
     def all_reduce(
         self, request: pb.ConvRequest, vector: np.ndarray, offset: int = 0, bounds=None
@@ -419,15 +421,15 @@ class BucketRing:
 
     def _run(self) -> None:
         try:
-            theirs = self._calls.master_part(self._request) if self._master else None
-            if theirs is not None and theirs.shape != self.vector.shape:
-                raise RingFailed(f"the master's part has {theirs.size} values, not "
-                                 f"{self.vector.size}")  # fmt: skip
             for k, (start, stop) in enumerate(self._buckets):
                 self._wait(start, stop)
                 part = self.vector[start:stop]
-                if theirs is not None:  # the master's range first, as the nodes are ordered
-                    part[...] = theirs[start:stop] + part
+                if self._master:  # the master's range first, as the nodes are ordered
+                    theirs = self._calls.master_part(self._request, k)
+                    if theirs.shape != part.shape:
+                        raise RingFailed(f"the master's part of bucket {k} has {theirs.size} "
+                                         f"values, not {part.size}")  # fmt: skip
+                    part[...] = theirs + part
                 bounds = bucket_chunks((start, stop), self.vector.size, self._ranks)
                 self._calls.all_reduce(self._request, part, k * rounds(self._ranks), bounds)
                 if self.summed is not None:
