@@ -12,6 +12,7 @@ import json
 import re
 
 import numpy as np
+import pytest
 
 from hetconv.master.cluster import Cluster, ClusterConfig
 from hetconv.master.launch import LocalWorkers
@@ -64,3 +65,39 @@ def test_a_local_run_predicts_nothing():
     config = TrainConfig(steps=2, batch=8, train_size=16, eval_size=0, progress=False)
     train(config, log=log)
     assert "predicted:" not in log.getvalue() and "measured:" not in log.getvalue()
+
+
+def test_under_a_share_of_a_core_the_other_layers_are_their_cpu_time_over_it(monkeypatch):
+    """Where the process gets under SHARE_FLOOR of a core, each layer's figure is its CPU time
+    (the thread's clock) divided by the share; else its wall time, as before."""
+    import itertools
+
+    from hetconv import model as model_module
+
+    class Ticks:  # a clock that moves one second a reading
+        def __init__(self):
+            self.count = itertools.count()
+
+        def __call__(self):
+            return float(next(self.count))
+
+    model = Model(reference_spec(8, 16))
+    monkeypatch.setattr(model_module, "cpu_share", lambda: 0.25)
+    monkeypatch.setattr(model_module.time, "thread_time", Ticks())
+    slow = model.other_seconds(2)
+    assert slow and all(v == pytest.approx(4.0 / _chunk(model, k)) for k, v in slow.items())
+    monkeypatch.setattr(model_module, "cpu_share", lambda: model_module.SHARE_FLOOR)
+    monkeypatch.setattr(model_module.time, "perf_counter", Ticks())
+    whole = model.other_seconds(2)
+    assert all(v == pytest.approx(1.0 / _chunk(model, k)) for k, v in whole.items())
+
+
+def _chunk(model, name: str) -> int:
+    """How many layers share ``name``'s timed run (an image-chunked run's are split evenly)."""
+    from hetconv.model import ImageChunks
+
+    for step in map(model._step, model._chunked()):
+        layers = step.layers if isinstance(step, ImageChunks) else [step]
+        if name in [layer.name for layer in layers]:
+            return len(layers)
+    raise KeyError(name)
