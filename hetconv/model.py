@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from .conv import ConvExecutor, ConvSpec, LocalConv
+from .cpushare import SHARE_FLOOR, cpu_share
 from .description import Description, write_description
 from .graph import LayerGraph, graph_backward, graph_forward
 from .layers import (
@@ -214,20 +215,6 @@ class HeadStage:
 
     def __repr__(self) -> str:
         return f"HeadStage({self.stage!r}, {self.fc!r})"
-
-
-#: A sustained share of a core under this scales the timed figures (:meth:`Model.other_seconds`).
-SHARE_FLOOR = 0.9
-
-
-def cpu_share(seconds: float = 0.1) -> float:
-    """The share of a core this thread gets over ``seconds`` of a busy loop: its CPU time over
-    the wall time (at most 1). Under a CPU quota, the quota's share once the loop spans a few of
-    its periods (10-100 ms); on a busy machine, what the others leave."""
-    wall, cpu = time.perf_counter(), time.thread_time()
-    while time.perf_counter() - wall < seconds:
-        pass
-    return min(1.0, (time.thread_time() - cpu) / max(time.perf_counter() - wall, 1e-9))
 
 
 class Model:
