@@ -103,7 +103,7 @@ class RingCalls:
         self._latest: dict[int, int] = {}  # session -> the latest step its master called
         self._links: dict[int, RingLinks] = {}  # session -> its senders, oldest first
         self._changed = threading.Condition()
-        self._mesh = SumLinks()  # batch norm's sums to the peers' sum ports
+        self._mesh = SumLinks()  # the ring's parts to the peers' sum ports
         self._listener: SumListener | None = None  # this worker's sum port
 
     def use(self, token: str | None, tls: bool) -> None:
