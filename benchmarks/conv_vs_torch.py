@@ -114,9 +114,14 @@ def _normal(rng, shape) -> np.ndarray:
 
 def conv_pairs(layer, module, x: np.ndarray, dy: np.ndarray, backend):
     """(kind, ours, theirs) of a convolution's forward, input and kernel gradient."""
-    xe, we, padding = layer.executed(x)  # stride 2: its phases, as the engine runs it
+    # as the engine runs it: a strided layer as its phases (stride 1), but the forward and
+    # kernel gradient of a 3x3 one strided on a backend that takes strides (Conv2d.runs_strided)
+    xe, we, padding = layer.executed(x)
+    xs, ws, ps, stride = xe, we, padding, (1, 1)
+    if backend.native_stride and layer.runs_strided(x):
+        xs, ws, ps, stride = x, layer.params["weight"], layer.padding, layer.stride
     b = layer.bias
-    ye = backend.conv_forward(xe, we, b, padding)
+    ye = backend.conv_forward(xs, ws, b, ps, stride)
     dye = np.ascontiguousarray(dy.reshape(ye.shape)) if dy.shape == ye.shape else ye.copy()
     xt, wt = torch.from_numpy(x), module.weight.detach()
     bt = None if module.bias is None else module.bias.detach()
@@ -134,7 +139,7 @@ def conv_pairs(layer, module, x: np.ndarray, dy: np.ndarray, backend):
     pairs = [
         (
             "conv forward",
-            lambda: backend.conv_forward(xe, we, b, padding),
+            lambda: backend.conv_forward(xs, ws, b, ps, stride),
             lambda: F.conv2d(padded, wt, bt, module.stride, pad),
         )
     ]
@@ -149,7 +154,7 @@ def conv_pairs(layer, module, x: np.ndarray, dy: np.ndarray, backend):
     pairs.append(
         (
             "conv kernel gradient",
-            lambda: backend.conv_grad_kernels(xe, dye, we.shape[2:], padding),
+            lambda: backend.conv_grad_kernels(xs, dye, ws.shape[2:], ps, stride),
             theirs_backward([False, True, bt is not None]),
         )
     )

@@ -72,6 +72,12 @@ class StridePhases:
         return -(-kh // sh), -(-kw // sw)
 
     @property
+    def arithmetic(self) -> float:
+        """The phases' multiply-adds over a strided kernel's: 1.78 for 3x3 stride 2, 1 for 1x1."""
+        (ph, pw), (th, tw), (kh, kw) = self.phases, self.taps, self.kernel_size
+        return ph * pw * th * tw / (kh * kw)
+
+    @property
     def output_hw(self) -> tuple[int, int]:
         """(Ho, Wo): ``floor((H + pads - kh) / s) + 1``, PyTorch's size.
 
@@ -273,6 +279,10 @@ class ConvExecutor:
     #: Whether the work goes to other processes (a cluster): only then does a training run
     #: time the master's other work to ask :meth:`predict_step`.
     distributed: bool = False
+    #: Whether :meth:`forward` and :meth:`backward` take a layer's ``stride`` (keyword, above
+    #: 1) and compute the strided convolution itself; where False a strided layer calls them
+    #: with its phases at stride 1 (:class:`StridePhases`).
+    native_stride: bool = False
 
     def forward(
         self, layer: str, x: np.ndarray, w: np.ndarray, b: np.ndarray, padding: PaddingSpec
@@ -435,18 +445,29 @@ class LocalConv(ConvExecutor):
 
     def __init__(self, backend: Backend | str = "cpu"):
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.native_stride = self.backend.native_stride  # the onednn backend's strides
         self._seconds = 0.0
 
-    def forward(self, layer, x, w, b, padding):
+    def forward(self, layer, x, w, b, padding, stride=(1, 1)):
         start = time.perf_counter()
-        y = self.backend.conv_forward(x, w, b, padding)
+        y = self.backend.conv_forward(x, w, b, padding, stride)
         self._seconds += time.perf_counter() - start
         return y
 
-    def backward(self, layer, x, w, dy, padding, need_input_grad):
+    def backward(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
         start = time.perf_counter()
-        dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
-        dx = self.backend.conv_grad_input(dy, w, x.shape[2:], padding) if need_input_grad else None
+        backend = self.backend
+        dw, db = backend.conv_grad_kernels(x, dy, w.shape[2:], padding, stride)
+        dx = None
+        if need_input_grad and tuple(stride) == (1, 1):
+            dx = backend.conv_grad_input(dy, w, x.shape[2:], padding)
+        elif need_input_grad:  # through the phases: oneDNN's strided one is no faster
+            phases = StridePhases(
+                tuple(x.shape[1:]), tuple(w.shape[2:]),
+                Padding.resolve(padding, w.shape[2:]), tuple(stride),
+            )  # fmt: skip
+            dxq = backend.conv_grad_input(dy, phases.kernels(w), phases.phased_hw, 0)
+            dx = phases.input_grad(dxq)
         self._seconds += time.perf_counter() - start
         return dx, dw, db
 

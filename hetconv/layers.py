@@ -28,6 +28,15 @@ from .backends.arrays import array_module, is_array
 from .batchnorm import BatchNorm2d, batch_statistics
 from .conv import ConvExecutor, ConvSpec, LocalConv, StridePhases, kernel_pair
 from .graph import Add, Concat, Layer
+from .pooling import (
+    POOL_MODES,
+    AvgPool2d,
+    GlobalAvgPool2d,
+    MaxPool2d,
+    Pool2d,
+    pool_geometry,
+    pool_output_shape,
+)
 
 
 class Conv2d(Layer):
@@ -40,7 +49,13 @@ class Conv2d(Layer):
     .. note:: A stride above 1 runs as the stride-1 convolution of the input's phases
        (:class:`~hetconv.conv.StridePhases`): the executor is called with the phased input
        and kernels, no padding, and the gradients are turned back. Exact, on every executor
-       and backend, at 1-1.8x a strided kernel's arithmetic.
+       and backend, at 1-1.8x a strided kernel's arithmetic. Where the phases cost more
+       arithmetic than the strided kernel (3x3 stride 2: 1.78x; not 1x1), an executor with
+       :attr:`~hetconv.conv.ConvExecutor.native_stride` (:class:`~hetconv.conv.LocalConv` on
+       the onednn backend) is called with the layer's own input, kernels, padding and stride.
+       On resnet20's 3x3 stride-2 layers oneDNN's strided forward and kernel gradient take
+       0.57-0.75x the phases' time; its 1x1 strided ones 1.2-1.4x (one thread, batch 16 and
+       64, ``benchmarks/conv_vs_torch.py``).
     """
 
     def __init__(
@@ -75,6 +90,7 @@ class Conv2d(Layer):
         self._zero_bias = None if self.has_bias else self.params.pop("bias")
         self._x: np.ndarray | None = None
         self._phases: StridePhases | None = None
+        self._stride: dict = {}  # {"stride": ...} where the executor strides itself
 
     @property
     def bias(self) -> np.ndarray:
@@ -130,15 +146,29 @@ class Conv2d(Layer):
         return (None if dx is None else phases.input_grad(dx)), phases.kernel_grad(dw)
 
     def forward(self, x):
-        x, w, padding = self.executed(x)
+        self._stride = {}
+        if self.executor.native_stride and self.runs_strided(x):
+            self._phases, self._stride = None, {"stride": self.stride}
+            w, padding = self.params["weight"], self.padding
+        else:
+            x, w, padding = self.executed(x)
         self._x, self._w, self._padding = x, w, padding
-        return self.executor.forward(self.name, x, w, self.bias, padding)
+        return self.executor.forward(self.name, x, w, self.bias, padding, **self._stride)
+
+    def runs_strided(self, x: np.ndarray) -> bool:
+        """Whether an executor that takes strides (:attr:`~hetconv.conv.ConvExecutor.
+        native_stride`) gets this layer's own stride on input ``x``: a stride above 1 whose
+        phases cost more arithmetic than the strided kernel."""
+        if self.stride == (1, 1):
+            return False
+        pads = Padding.resolve(self.padding, self.kernel_size)
+        return StridePhases(tuple(x.shape[1:]), self.kernel_size, pads, self.stride).arithmetic > 1
 
     def backward(self, dy):
         if self._x is None:
             raise RuntimeError(f"{self.name}: backward before forward")
         dx, dw, db = self.executor.backward(
-            self.name, self._x, self._w, dy, self._padding, self.need_input_grad
+            self.name, self._x, self._w, dy, self._padding, self.need_input_grad, **self._stride
         )
         dx, dw = self.restore(dx, dw)
         self.set_grads(dw, db)
@@ -235,144 +265,6 @@ class LocalResponseNorm(Layer):
         dx = dy * inv
         dx -= back
         return dx
-
-
-def pool_geometry(kernel_size: int, stride: int | None = None) -> tuple[int, int]:
-    """(kernel, stride) of a max-pool; the stride defaults to the kernel size.
-
-    Raises:
-        ValueError: either is below 1.
-    """
-    kernel = int(kernel_size)
-    step = int(stride) if stride is not None else kernel
-    if kernel < 1 or step < 1:
-        raise ValueError(f"pool kernel {kernel_size} and stride {stride} must be >= 1")
-    return kernel, step
-
-
-def pool_output_shape(input_shape: tuple[int, ...], kernel: int, stride: int) -> tuple[int, ...]:
-    """Per-sample (C, Ho, Wo) of a max-pool (no padding, floor mode) over (C, H, W).
-
-    Raises:
-        ValueError: the window is larger than the input.
-    """
-    c, h, w = input_shape
-    if h < kernel or w < kernel:
-        raise ValueError(f"pool window {kernel} larger than input {h}x{w}")
-    return (c, (h - kernel) // stride + 1, (w - kernel) // stride + 1)
-
-
-#: What :class:`Pool2d` computes over each window, by mode.
-POOL_MODES = ("max", "avg")
-
-
-class Pool2d(Layer):
-    """Max or average pooling (no padding, floor mode): ``torch.nn.MaxPool2d(kernel, stride)``
-    with ``mode="max"``, ``torch.nn.AvgPool2d(kernel, stride)`` with ``mode="avg"``.
-
-    Max pooling's ties go to the first maximum in row-major window order, as in PyTorch, so
-    gradients match even where ReLU makes whole windows zero.
-    """
-
-    def __init__(
-        self, name: str, kernel_size: int = 2, stride: int | None = None, mode: str = "max"
-    ):
-        super().__init__(name)
-        if mode not in POOL_MODES:
-            raise ValueError(f"{name}: pool mode {mode!r}; expected one of {POOL_MODES}")
-        self.kernel_size, self.stride = pool_geometry(kernel_size, stride)
-        self.mode = mode
-
-    def output_shape(self, input_shape):
-        try:
-            return pool_output_shape(input_shape, self.kernel_size, self.stride)
-        except ValueError as e:
-            raise ValueError(f"{self.name}: {e}") from None
-
-    def _tap(self, a: np.ndarray, i: int, j: int, ho: int, wo: int) -> np.ndarray:
-        s = self.stride
-        return a[:, :, i : i + s * (ho - 1) + 1 : s, j : j + s * (wo - 1) + 1 : s]
-
-    def forward(self, x):
-        _, ho, wo = self.output_shape(x.shape[1:])
-        k = self.kernel_size
-        y = self._tap(x, 0, 0, ho, wo).copy()
-        if self.mode == "max":
-            xp = array_module(x)
-            for t in range(1, k * k):
-                xp.maximum(y, self._tap(x, t // k, t % k, ho, wo), out=y)
-            self._x, self._y = x, y
-            return y
-        for t in range(1, k * k):
-            y += self._tap(x, t // k, t % k, ho, wo)
-        y *= np.float32(1.0 / (k * k))
-        self._x_shape = x.shape
-        return y
-
-    def backward(self, dy):
-        if self.mode == "avg":
-            return self._avg_backward(dy)
-        k = self.kernel_size
-        ho, wo = dy.shape[2:]
-        x, y = self._x, self._y
-        xp = array_module(x)
-        overlapping = self.stride < k
-        dx = xp.zeros(x.shape, np.float32)
-        # The first tap in window order that equals the maximum takes the gradient: route
-        # what is left of dy to each tap in turn, then clear it where that tap took it.
-        left = dy.copy()
-        hit = xp.empty(y.shape, bool)
-        for t in range(k * k):
-            i, j = t // k, t % k
-            xp.equal(self._tap(x, i, j, ho, wo), y, out=hit)
-            target = self._tap(dx, i, j, ho, wo)
-            if overlapping:  # windows share inputs: their gradients add up
-                target += left * hit
-            else:
-                xp.multiply(left, hit, out=target)
-            if t < k * k - 1:
-                xp.logical_not(hit, out=hit)
-                left *= hit
-        return dx
-
-    def _avg_backward(self, dy):
-        k = self.kernel_size
-        ho, wo = dy.shape[2:]
-        dx = array_module(dy).zeros(self._x_shape, np.float32)
-        share = dy * np.float32(1.0 / (k * k))
-        for t in range(k * k):
-            self._tap(dx, t // k, t % k, ho, wo)[...] += share
-        return dx
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, {self.mode!r})"
-
-
-def MaxPool2d(name: str, kernel_size: int = 2, stride: int | None = None) -> Pool2d:
-    """A max-pool: :class:`Pool2d` with ``mode="max"``."""
-    return Pool2d(name, kernel_size, stride, "max")
-
-
-def AvgPool2d(name: str, kernel_size: int = 2, stride: int | None = None) -> Pool2d:
-    """An average pool: :class:`Pool2d` with ``mode="avg"``."""
-    return Pool2d(name, kernel_size, stride, "avg")
-
-
-class GlobalAvgPool2d(Layer):
-    """The mean of each channel's map: (N, C, H, W) -> (N, C, 1, 1), as
-    ``torch.nn.AdaptiveAvgPool2d(1)`` (and ONNX's GlobalAveragePool)."""
-
-    def output_shape(self, input_shape):
-        return (input_shape[0], 1, 1)
-
-    def forward(self, x):
-        self._x_shape = x.shape
-        return x.mean(axis=(2, 3), keepdims=True, dtype=np.float32)
-
-    def backward(self, dy):
-        n, c, h, w = self._x_shape
-        xp = array_module(dy)
-        return xp.broadcast_to(dy * np.float32(1.0 / (h * w)), self._x_shape).copy()
 
 
 # Image-local layers: each image's output depends on that image's input alone.

@@ -2,12 +2,12 @@
 
 Layout is NCHW for activations (batch, channels, height, width) and KCHW for kernels
 (output channels, input channels, kernel height, kernel width), float32 and C-contiguous
-at the boundary. Convolutions are cross-correlations with stride 1 (as in PyTorch).
+at the boundary. Convolutions are cross-correlations (as in PyTorch), with stride 1 but on a
+backend that takes strides (:attr:`Backend.native_stride`).
 
 Shared here, once, above the backends: the geometry and its padding arithmetic
-(:class:`Padding`, :class:`ConvShape`, :func:`conv_shape`), the array checks
-(:func:`check_float32`, :func:`check_contiguous`, :func:`check_shape`), the device-number
-check (:func:`device_number`), splitting a batch into chunks of images (:func:`image_ranges`,
+(:class:`Padding`, :class:`ConvShape`, :func:`conv_shape`; the array and device-number checks
+are :mod:`.checks`'), splitting a batch into chunks of images (:func:`image_ranges`,
 :func:`chunk_bounds`, :func:`fit_images`), and in :class:`Backend` the argument checks of the
 public calls, the memory-budget split and the probe (:meth:`Backend.time_step`, timed by the
 clocks of :mod:`.clocks`).
@@ -25,11 +25,12 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .arrays import array_module, is_array
+from .arrays import array_module
+from .checks import _check_array, check_shape
 from .clocks import DeviceClock, WallClock, clocks_open_here
 
 PaddingSpec = int | str | tuple[int, int] | tuple[int, int, int, int]
@@ -83,7 +84,8 @@ class Padding:
 
 @dataclass(frozen=True)
 class ConvShape:
-    """The geometry of one stride-1 convolution: N images of C x H x W, K kernels of C x kh x kw."""
+    """The geometry of one convolution: N images of C x H x W, K kernels of C x kh x kw, at
+    ``stride`` (sh, sw): (1, 1) but on a backend with :attr:`Backend.native_stride`."""
 
     n: int
     c: int
@@ -93,6 +95,7 @@ class ConvShape:
     kh: int
     kw: int
     padding: Padding
+    stride: tuple[int, int] = (1, 1)
 
     @property
     def padded_hw(self) -> tuple[int, int]:
@@ -108,8 +111,8 @@ class ConvShape:
 
     @property
     def out_hw(self) -> tuple[int, int]:
-        hp, wp = self.padded_hw
-        return hp - self.kh + 1, wp - self.kw + 1
+        (hp, wp), (sh, sw) = self.padded_hw, self.stride
+        return (hp - self.kh) // sh + 1, (wp - self.kw) // sw + 1
 
     @property
     def flops_forward(self) -> int:
@@ -130,63 +133,7 @@ class DeviceInfo:
 
 
 def _with_images(shape: ConvShape, n: int) -> ConvShape:
-    return ConvShape(n, shape.c, shape.h, shape.w, shape.k, shape.kh, shape.kw, shape.padding)
-
-
-# ------------------------------------------------------------------ checks shared by backends
-
-
-def check_float32(name: str, a) -> None:
-    """TypeError unless ``a`` (a numpy or cupy array) holds float32."""
-    if a.dtype != np.float32:
-        raise TypeError(f"{name} has dtype {a.dtype}, expected float32")
-
-
-def check_contiguous(name: str, a) -> None:
-    """ValueError unless ``a`` is C-contiguous."""
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} is not C-contiguous")
-
-
-def check_shape(name: str, a, expected: tuple[int, ...]) -> None:
-    """ValueError unless ``a`` has shape ``expected``."""
-    if tuple(a.shape) != expected:
-        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expected}")
-
-
-def _check_array(name: str, a: np.ndarray, ndim: int) -> None:
-    """What every public call checks of each array argument: a float32, C-contiguous array
-    (numpy, or a device backend's own: :meth:`Backend.to_device`) of ``ndim`` dimensions."""
-    if not is_array(a):
-        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
-    check_float32(name, a)
-    if a.ndim != ndim:
-        raise ValueError(f"{name} has shape {a.shape}, expected {ndim} dimensions")
-    check_contiguous(name, a)
-
-
-def device_number(label: str, device: object, count: int, name_of: Callable[[int], str]) -> int:
-    """``device`` checked as a number of one of ``count`` devices (numbered from 0).
-
-    Args:
-        label: what the message calls the devices (``"CUDA"``, ``"OpenCL"``).
-        device: what the user passed.
-        count: how many devices there are.
-        name_of: a device number's name, for the message that lists the valid devices.
-
-    Raises:
-        ValueError: ``device`` is not an integer (a bool is not one) or not in 0..count-1;
-            the message lists the devices there are.
-    """
-    if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
-        raise ValueError(f"{label} device must be an integer, got {device!r}")
-    if not 0 <= device < count:
-        listing = "; ".join(f"{i}: {name_of(i)}" for i in range(count))
-        raise ValueError(
-            f"{label} device {device} does not exist: this machine has {count} "
-            f"(numbers 0..{count - 1}; {listing})"
-        )
-    return int(device)
+    return replace(shape, n=n)
 
 
 # ------------------------------------------------------------------------------- chunking
@@ -220,7 +167,7 @@ def fit_images(n: int, need: Callable[[int], int], budget: int) -> int:
     return images
 
 
-def conv_shape(x_shape, w_shape, padding: PaddingSpec) -> ConvShape:
+def conv_shape(x_shape, w_shape, padding: PaddingSpec, stride=(1, 1)) -> ConvShape:
     """Validate input and kernel shapes and return the convolution geometry."""
     n, c, h, w = (int(v) for v in x_shape)
     k, wc, kh, kw = (int(v) for v in w_shape)
@@ -228,7 +175,10 @@ def conv_shape(x_shape, w_shape, padding: PaddingSpec) -> ConvShape:
         raise ValueError(f"kernels have {wc} input channels, input has {c}")
     if min(n, c, h, w, k, kh, kw) < 1:
         raise ValueError(f"empty convolution: input {tuple(x_shape)}, kernels {tuple(w_shape)}")
-    shape = ConvShape(n, c, h, w, k, kh, kw, Padding.resolve(padding, (kh, kw)))
+    sh, sw = stride
+    if min(sh, sw) < 1:
+        raise ValueError(f"stride {tuple(stride)} must be >= 1")
+    shape = ConvShape(n, c, h, w, k, kh, kw, Padding.resolve(padding, (kh, kw)), (sh, sw))
     ho, wo = shape.out_hw
     if ho < 1 or wo < 1:
         raise ValueError(
@@ -248,6 +198,10 @@ class Backend(ABC):
     #: Bytes one call may use on the device; None: what :meth:`describe` reports. A call whose
     #: working set (:meth:`working_set_bytes`) is larger runs in chunks of images.
     memory_limit: int | None = None
+    #: Whether the three convolution calls take a ``stride`` above 1 (oneDNN's strided
+    #: convolutions); others compute stride 1 only, and a strided layer runs on them as the
+    #: stride-1 convolution of its phases (:class:`hetconv.conv.StridePhases`).
+    native_stride: bool = False
 
     @abstractmethod
     def describe(self) -> DeviceInfo:
@@ -327,7 +281,12 @@ class Backend(ABC):
         ]
 
     def conv_forward(
-        self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, padding: PaddingSpec
+        self,
+        x: np.ndarray,
+        w: np.ndarray,
+        b: np.ndarray | None,
+        padding: PaddingSpec,
+        stride: tuple[int, int] = (1, 1),
     ) -> np.ndarray:
         """Forward convolution.
 
@@ -336,13 +295,14 @@ class Backend(ABC):
             w: float32 (K, C, kh, kw) kernels.
             b: float32 (K,) bias or None.
             padding: see :meth:`Padding.resolve`.
+            stride: (sh, sw); above 1 only where :attr:`native_stride`.
 
         Returns:
             float32 (N, K, Ho, Wo) feature maps.
         """
         _check_array("input", x, 4)
         _check_array("kernels", w, 4)
-        shape = conv_shape(x.shape, w.shape, padding)
+        shape = self._strided(conv_shape(x.shape, w.shape, padding, stride))
         if b is not None:
             _check_array("bias", b, 1)
             if b.shape[0] != shape.k:
@@ -356,7 +316,12 @@ class Backend(ABC):
         return out
 
     def conv_grad_input(
-        self, dy: np.ndarray, w: np.ndarray, input_hw: tuple[int, int], padding: PaddingSpec
+        self,
+        dy: np.ndarray,
+        w: np.ndarray,
+        input_hw: tuple[int, int],
+        padding: PaddingSpec,
+        stride: tuple[int, int] = (1, 1),
     ) -> np.ndarray:
         """Gradient of the loss w.r.t. the convolution's input.
 
@@ -365,14 +330,15 @@ class Backend(ABC):
             w: float32 (K, C, kh, kw) kernels.
             input_hw: (H, W) of the forward input.
             padding: as in the forward call.
+            stride: as in the forward call.
 
         Returns:
             float32 (N, C, H, W).
         """
         _check_array("output gradient", dy, 4)
         _check_array("kernels", w, 4)
-        shape = conv_shape((dy.shape[0], w.shape[1], *input_hw), w.shape, padding)
-        self._check_dy(dy, shape)
+        shape = conv_shape((dy.shape[0], w.shape[1], *input_hw), w.shape, padding, stride)
+        self._check_dy(dy, self._strided(shape))
         chunks = self._batch_chunks(shape)
         if len(chunks) == 1:
             return self._grad_input(dy, w, shape)
@@ -382,7 +348,12 @@ class Backend(ABC):
         return out
 
     def conv_grad_kernels(
-        self, x: np.ndarray, dy: np.ndarray, kernel_hw: tuple[int, int], padding: PaddingSpec
+        self,
+        x: np.ndarray,
+        dy: np.ndarray,
+        kernel_hw: tuple[int, int],
+        padding: PaddingSpec,
+        stride: tuple[int, int] = (1, 1),
     ) -> tuple[np.ndarray, np.ndarray]:
         """Gradients of the loss w.r.t. the kernels and the bias.
 
@@ -391,11 +362,12 @@ class Backend(ABC):
             dy: float32 (N, K, Ho, Wo) gradient w.r.t. the output.
             kernel_hw: (kh, kw).
             padding: as in the forward call.
+            stride: as in the forward call.
 
         Returns:
             float32 (K, C, kh, kw) kernel gradient and float32 (K,) bias gradient.
         """
-        shape = self._grad_kernels_shape(x, dy, kernel_hw, padding)
+        shape = self._grad_kernels_shape(x, dy, kernel_hw, padding, stride)
         chunks = self._batch_chunks(shape)
         if len(chunks) == 1:
             return self._grad_kernels(x, dy, shape)
@@ -409,13 +381,28 @@ class Backend(ABC):
         return dw, db
 
     def _grad_kernels_shape(
-        self, x: np.ndarray, dy: np.ndarray, kernel_hw: tuple[int, int], padding: PaddingSpec
+        self,
+        x: np.ndarray,
+        dy: np.ndarray,
+        kernel_hw: tuple[int, int],
+        padding: PaddingSpec,
+        stride: tuple[int, int] = (1, 1),
     ) -> ConvShape:
         """The geometry of a kernel-gradient call, its arguments checked."""
         _check_array("input", x, 4)
         _check_array("output gradient", dy, 4)
-        shape = conv_shape(x.shape, (dy.shape[1], x.shape[1], *kernel_hw), padding)
-        self._check_dy(dy, shape)
+        shape = conv_shape(x.shape, (dy.shape[1], x.shape[1], *kernel_hw), padding, stride)
+        self._check_dy(dy, self._strided(shape))
+        return shape
+
+    def _strided(self, shape: ConvShape) -> ConvShape:
+        """``shape``; ValueError where it has a stride above 1 and this backend computes
+        stride 1 only."""
+        if shape.stride != (1, 1) and not self.native_stride:
+            raise ValueError(
+                f"the {self.name} backend computes stride 1 only, got stride {shape.stride} "
+                "(a strided layer runs on it as the stride-1 convolution of its phases)"
+            )
         return shape
 
     @staticmethod

@@ -56,8 +56,8 @@ from .base import (
     DeviceInfo,
     _with_images,
     chunk_bounds,
-    device_number,
 )
+from .checks import device_number
 
 #: Default number of image chunks a call is pipelined in (two streams alternate over them).
 DEFAULT_PIPELINE_CHUNKS = 4

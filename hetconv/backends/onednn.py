@@ -48,8 +48,8 @@ from .base import (
     KernelGradientSum,
     Padding,
     _with_images,
-    device_number,
 )
+from .checks import device_number
 from .cpu import CpuBackend
 from .onednn_library import (  # the C API's names, as its header spells them
     _ARG_BIAS,
@@ -228,8 +228,8 @@ class _Convolution:
         blocked = {role: self._md(d, _TAG_ANY) for role, d in dims.items()}
         chosen = op_layouts(layout, shape)
         pick = {op: blocked if chosen[op] == "blocked" else self.plain for op in OPS}
-        p = shape.padding
-        geometry = (_Dims(1, 1), _Dims(0, 0), _Dims(p.top, p.left), _Dims(p.bottom, p.right))
+        p, strides = shape.padding, _Dims(*shape.stride)
+        geometry = (strides, _Dims(0, 0), _Dims(p.top, p.left), _Dims(p.bottom, p.right))
         d = lib.dll
         # a backward primitive's hint is the forward of its own layout: oneDNN picks its
         # implementation by the hint, and one geometry must always get the same (a slice of
@@ -353,6 +353,7 @@ class OneDnnBackend(CpuBackend):
     """
 
     name = "onednn"
+    native_stride = True  # oneDNN's strided convolutions: no phases (1.78x 3x3's arithmetic)
 
     def __init__(
         self,
@@ -439,7 +440,7 @@ class OneDnnBackend(CpuBackend):
         if conv.exact_slices or shape.padding == _NO_PADDING:
             return conv
         hp, wp = shape.padded_hw
-        padded = ConvShape(shape.n, shape.c, hp, wp, shape.k, shape.kh, shape.kw, _NO_PADDING)
+        padded = replace(shape, h=hp, w=wp, padding=_NO_PADDING)
         direct = _Convolution(self._lib, padded, self.layout)
         return direct if direct.exact_slices else conv
 

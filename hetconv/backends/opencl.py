@@ -29,10 +29,8 @@ from .base import (
     DeviceClock,
     DeviceInfo,
     _with_images,
-    check_contiguous,
-    check_float32,
-    device_number,
 )
+from .checks import check_contiguous, check_float32, device_number
 
 try:
     import pyopencl as cl

@@ -51,7 +51,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import ConvShape, check_float32, check_shape
+from .base import ConvShape
+from .checks import check_float32, check_shape
 
 # An array module (numpy or cupy) and its arrays. Typed loosely on purpose: cupy is optional.
 ArrayModule = Any
