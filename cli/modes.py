@@ -66,10 +66,11 @@ FLAGS = {
             "the parameters and sends its gradient back each step (2 x parameter bytes per "
             "worker on the master's link); ring = the workers keep the weights and momentum "
             "and sum their gradients by a ring all-reduce among themselves (worker to worker "
-            "over plain gRPC: not with --tls-ca; no spot checks: needs --spot-check-every 0), "
+            "over plain gRPC: not with --tls-ca; spot-checked by sketches of each worker's own "
+            "gradient), "
             "each applying the same update (2 x parameter bytes on the master's link, whatever "
             "the workers); auto = whichever the cost model predicts faster for the measured "
-            "links (master where spot checks or TLS are on)",
+            "links (master where TLS is on)",
         ),
         ModeFlag(
             "--shares",

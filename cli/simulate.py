@@ -31,8 +31,7 @@ _CHOICES = {
 }
 #: What simulate adds to the mode flags' meaning.
 _NOTES = {
-    "split": "here auto simulates both splits and marks (a) the row train would run, spot "
-    "checks on (the ring needs --spot-check-every 0: the json's auto_unchecked); with a flag "
+    "split": "here auto simulates both splits and marks (a) the row train would run; with a flag "
     "of the split by kernels given (--stages, --kernels, --replicate, --overlap, --head, "
     "--wire-format, --paper-modes) the split by kernels, as train",
     "exchange": "which image-split rows are simulated (auto: both)",

@@ -160,10 +160,6 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
     if args.exchange == "ring" and args.tls_ca is not None:
         raise ValueError("--exchange ring sends gradients worker to worker over plain gRPC, "
                          "which TLS (--tls-ca) would not cover; use --exchange master")  # fmt: skip
-    if args.exchange == "ring" and args.spot_check_every != 0 and not args.local:
-        from hetconv.master.ring import RING_UNCHECKED
-
-        raise ValueError(RING_UNCHECKED)
     if not args.local:
         return
     if addresses or args.discover:
@@ -203,13 +199,13 @@ def _check_image_split(args: argparse.Namespace) -> None:
         if getattr(args, dest) != default:
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"--split images splits no layer by kernels: drop {flag}")
-    ring = args.exchange != "master" and args.spot_check_every == 0 and args.tls_ca is None
+    ring = args.exchange != "master" and args.tls_ca is None
     try:
         refuse_batchnorm(load_network(args.preset).spec)
     except ValueError as e:
         if not ring:  # the ring sums its statistics among the workers
-            raise ValueError(f"{e}, or sum them among the workers: --exchange ring "
-                             "--spot-check-every 0") from None  # fmt: skip
+            raise ValueError(f"{e}, or sum them among the workers: --exchange ring") \
+                from None  # fmt: skip
 
 
 def cluster_config_of(args: argparse.Namespace, addresses: list[str], token: str | None):

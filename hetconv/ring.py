@@ -51,10 +51,13 @@ ROUNDS_PER_SUM = 256
 MAX_RANKS = ROUNDS_PER_SUM // 2
 #: A worker's answer: ``ring`` is ``[outcome, digest as 4 16-bit values, then the seconds
 #: of its step spent in batch norm's sums, in the gradient's ring after the passes, in the
-#: update after it and in the digest]`` (:data:`RING_SECONDS`); the outcomes.
+#: update after it and in the digest]`` (:data:`RING_SECONDS`), then the sketches of its own
+#: gradient where asked (:mod:`hetconv.ringcheck`, :data:`SKETCH_VALUES`; else zeros); the
+#: outcomes.
 OWN, SUMMED, DONE = 0, 1, 2  # its own gradient (the ring failed); the sum; updated, no sum
 RING_SECONDS = ("batchnorm_seconds", "ring_seconds", "update_seconds", "digest_seconds")
-RING_ANSWER_VALUES = 5 + len(RING_SECONDS)
+SKETCH_VALUES = 13  # hetconv.ringcheck: 8 sketches, the absolute sum, the seed (4 x 16 bits)
+RING_ANSWER_VALUES = 5 + len(RING_SECONDS) + SKETCH_VALUES
 
 
 def flat(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -529,6 +532,7 @@ __all__ = [
     "RING",
     "RING_ANSWER_VALUES",
     "RING_SECONDS",
+    "SKETCH_VALUES",
     "ROUNDS_PER_SUM",
     "SEGMENT_BYTES",
     "SUMMED",

@@ -30,8 +30,9 @@ step's whole batch.
 
 ``auto`` picks the exchange the cost model finds faster for the measured links
 (:func:`hetconv.ring.choose`); TLS keeps the exchange through the master (the ring's calls
-between workers are plain gRPC, as the split block's), and so do spot checks (they recompute a
-worker's own gradient, which the ring never sends here).
+between workers are plain gRPC, as the split block's). Spot checks check the ring by each
+worker's sketches of its own gradient (:mod:`.ringcheck`): a sum that fails them is refused and
+the step computed here.
 """
 
 from __future__ import annotations
@@ -81,13 +82,9 @@ from .client import CallStats, WorkerClient, WorkerError
 from .imagesplit import ImageSplit
 from .membership import MASTER as MASTER_NODE
 from .membership import Node
+from .ringcheck import check_ring, drawn_ranges
 from .ringparts import WAIT_FLOOR_S, master_sender, put_master, put_master_part
 
-#: Why the ring and spot checks do not go together (yet).
-RING_UNCHECKED = (
-    "--exchange ring cannot spot-check the workers (each worker's own gradient never reaches "
-    "the master, only the ring's sum): add --spot-check-every 0, or use --exchange master"
-)
 #: The share of the weights' blocks a step's digests cover (:func:`hetconv.ring.digest`): a
 #: sample drawn anew each step.
 DIGEST_SHARE = 1 / 8
@@ -117,7 +114,8 @@ def ring_step(
         raise WorkerError(client.address, f"images step {request.step}: bad losses or hits")
     if ring.shape != (RING_ANSWER_VALUES,) or ring[0] not in (0, 1, 2):
         raise WorkerError(client.address, f"images step {request.step}: bad ring outcome")
-    seconds = dict(zip(RING_SECONDS, map(float, ring[5:]), strict=True))
+    timed = ring[5 : 5 + len(RING_SECONDS)]
+    seconds = dict(zip(RING_SECONDS, map(float, timed), strict=True))
     grads = {n: got[n] for n in names}
     empty = all(g.size == 0 for g in grads.values())
     for name, g in grads.items():
@@ -126,7 +124,8 @@ def ring_step(
     if not np.isfinite(got["slice"]).all():
         raise WorkerError(client.address, f"images step {request.step}: bad slice of the sum")
     return None if empty else grads, losses, hits.astype(bool), int(ring[0]), \
-        digest_of_values(ring[1:5]), got["buffers"], got["slice"], stats, seconds  # fmt: skip
+        digest_of_values(ring[1:5]), got["buffers"], got["slice"], stats, seconds, \
+        ring[5 + len(RING_SECONDS) :]  # fmt: skip
 
 
 def joined_sum(model, ring, answers: dict, slices: bool) -> dict | None:
@@ -275,10 +274,6 @@ class RingImageSplit(ImageSplit):
                     "TLS (--tls-ca) would not cover; use --exchange master"
                 )
             self._used, self._why = MASTER, "TLS: the ring's calls between workers are plain"
-        elif self.spot_checks is not None:
-            if self.exchange == RING:
-                raise ValueError(RING_UNCHECKED)
-            self._used, self._why = MASTER, "spot checks need each worker's own gradient"
         elif self.exchange == RING:
             self._used, self._why = RING, "--exchange ring"
         else:
@@ -305,9 +300,9 @@ class RingImageSplit(ImageSplit):
             super()._take_spec(spec, input_shape)
             return
         except ValueError as e:
-            if self.exchange == MASTER or self.spot_checks is not None:
-                raise ValueError(f"{e}, or sum them among the workers: --exchange ring "
-                                 "--spot-check-every 0") from None  # fmt: skip
+            if self.exchange == MASTER:
+                raise ValueError(f"{e}, or sum them among the workers: --exchange ring") \
+                    from None  # fmt: skip
             if self.config.tls_ca is not None:
                 raise
         self._spec = spec_json(spec)
@@ -380,13 +375,18 @@ class RingImageSplit(ImageSplit):
             if ring:
                 self._part_bytes = put_master(self, model, parts[node.name][0], ring[0][0],
                                               step, sender)  # fmt: skip
+        drawn = drawn_ranges(self, model, x, labels, step, ring)  # while the workers compute
         self._abort_on_failure(calls, ring, step)
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
         self._answered = time.perf_counter()  # the sum joined and the copy updated after it
         summed = joined_sum(model, ring, answers, self.sum_slices)
+        checked = None  # the whole batch, where a check with batch norm computed it
+        if summed is not None and self.spot_checks is not None:
+            summed, checked = check_ring(self, model, x, labels, step, ring, answers, summed,
+                                         parts.get(MASTER_NODE), drawn)  # fmt: skip
         exchange = RING if summed is not None else MASTER
         if self._batchnorm:  # the workers' running statistics, or the whole batch here
-            whole = parts.get(MASTER_NODE)  # the master alone: it computed the whole batch
+            whole = parts.get(MASTER_NODE) or checked  # the master alone: the whole batch
             return self._batchnorm_step(model, x, labels, step, ring, answers, summed, whole)
         for node, first, count in ring:  # the master's: the same images, the same weights
             got = answers[node.name]
@@ -456,7 +456,7 @@ class RingImageSplit(ImageSplit):
                         answer_sum=rank == 0 or self.sum_slices, sum_slice=self.sum_slices,
                         bucket_bytes=self.bucket_bytes, segment_bytes=self.segment_bytes,
                         digest_seed=self._digest_seed, digest_share=self.digest_share,
-                        sum_ports=_sum_ports(ring),
+                        sum_ports=_sum_ports(ring), sketch=self.spot_checks is not None,
                     ),
                 ),
             )  # fmt: skip
@@ -503,7 +503,7 @@ class RingImageSplit(ImageSplit):
         node, _, count = at
         try:
             got = calls[node.name].result()
-            grads, losses, hits, outcome, d, buffers, piece, stats, seconds = got
+            grads, losses, hits, outcome, d, buffers, piece, stats, seconds, sketch = got
         except WorkerError as e:
             self.membership.lose(node, e)
             self._placed.pop(node.name, None)
@@ -516,7 +516,7 @@ class RingImageSplit(ImageSplit):
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, outcome=outcome,
             **{k: round(v, 4) for k, v in seconds.items()},
         )  # fmt: skip
-        return grads, losses, hits, outcome, d, buffers, piece
+        return grads, losses, hits, outcome, d, buffers, piece, sketch
 
     def _update(self, model, gradient: dict, answers: dict, exchange: str) -> None:
         """The master's copy updated as every worker's is; each worker's digest compared."""

@@ -9,7 +9,7 @@ with the master's other work timed), it compares, on those measurements:
 
 * the split by kernels, with the modes the cluster chose (:func:`.records.predict_step`);
 * the whole network split by images (:mod:`.imagesplit`), through the master and, where it
-  may run (no spot checks, no TLS; :mod:`.ring`), by the ring among the workers
+  may run (no TLS; :mod:`.ring`), by the ring among the workers
   (:func:`.records.image_split_steps`); a network with batch norm only by the ring.
 
 Workers on the master's own machine share its cores, which the predictions do not model:
@@ -37,8 +37,8 @@ from .probing import on_this_machine
 
 def allowed_exchanges(config, exchange: str) -> list[str]:
     """The exchanges a split by images may use here: ``--exchange`` if given, and the ring only
-    without spot checks and TLS (:data:`~.ring.RING_UNCHECKED`)."""
-    ring_ok = not config.spot_checks.every and config.tls_ca is None
+    without TLS (its workers' parts are plain TCP)."""
+    ring_ok = config.tls_ca is None
     ways = [MASTER, RING] if exchange not in (MASTER, RING) else [exchange]
     return [w for w in ways if w != RING or ring_ok]
 
@@ -50,8 +50,6 @@ def ruled_out_exchanges(config, exchange: str) -> dict[str, str]:
         return {}  # --exchange chose
     if config.tls_ca is not None:
         return {RING: "the ring refuses TLS (its workers' parts are plain TCP)"}
-    if config.spot_checks.every:
-        return {RING: "the ring is not spot-checked: --spot-check-every 0 allows it"}
     return {}
 
 

@@ -186,7 +186,7 @@ def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) 
     batch norm only with the ring (its statistics summed among the workers)."""
     ways = (
         ("ps", IMAGE_SPLIT, "--split images --exchange master"),
-        ("ring", IMAGE_SPLIT_RING, "--split images --exchange ring --spot-check-every 0"),
+        ("ring", IMAGE_SPLIT_RING, "--split images --exchange ring"),
     )
     try:
         refuse_batchnorm(load_network(network).spec)
@@ -246,8 +246,7 @@ def verdict(ranked: Sequence[Candidate]) -> str:
 
 def auto_split(ranked: Sequence[Candidate]) -> str:
     """One line: what ``hetconv train --split auto`` (the default with workers named) would
-    run on this cluster, with spot checks on (the default) and, where that differs, off (the
-    ring may run only then): the fastest exact kernel split against the splits by images
+    run on this cluster: the fastest exact kernel split against the splits by images
     (:func:`hetconv.imagecost.choose_split`). A kernel split's layer modes are chosen by
     train itself; the fastest listed stands for them."""
     split = IMAGES.values()
@@ -256,12 +255,8 @@ def auto_split(ranked: Sequence[Candidate]) -> str:
               if c.label == label}  # fmt: skip
     if not kernels or not images:
         return ""
-    checked = choose_split(kernels[0].step_s, images, [MASTER])
-    line = f"--split auto (train's default with workers named): {_split_named(checked)}"
-    unchecked = choose_split(kernels[0].step_s, images, [MASTER, RING])
-    if unchecked["split"] != checked["split"] or unchecked["exchange"] != checked["exchange"]:
-        line += f"; with --spot-check-every 0: {_split_named(unchecked)}"
-    return line
+    chosen = choose_split(kernels[0].step_s, images, [MASTER, RING])
+    return f"--split auto (train's default with workers named): {_split_named(chosen)}"
 
 
 def _split_named(choice: dict) -> str:

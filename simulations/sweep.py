@@ -53,10 +53,8 @@ class Row:
     # What is split (`hetconv train --split`): kernels, images (the policy names the exchange,
     # images-master or images-ring) or "-" (the data-parallel peer, dp-*).
     split: str = KERNELS
-    # The row `--split auto` runs at this point, spot checks on (train's default), and
-    # with --spot-check-every 0 (the ring allowed); None where only one split was simulated.
+    # The row `--split auto` runs at this point; None where only one split was simulated.
     auto: bool | None = None
-    auto_unchecked: bool | None = None
     comp_basis: str = "scenario"  # where comp_s comes from: the scenario, or "paper"
     # The paper's scenarios, clusters of 2 or more (simulations.paper.bandwidth_check): its
     # Eq. 2 volume, the time the paper's compute split leaves for moving it if the cluster is
@@ -181,21 +179,15 @@ def _batch_row(point: dict, policy: str, got, **fields) -> Row:
 def mark_auto_split(rows: Sequence[Row]) -> list[Row]:
     """``rows`` (one point's kernel and image rows) with the one ``--split auto`` runs marked:
     the fastest kernel row against the images rows by :func:`choose_split` (the same rule,
-    margin included, as ``hetconv train``), with spot checks on (``auto``: the ring ruled
-    out, as by train's default) and off (``auto_unchecked``)."""
+    margin included, as ``hetconv train``): its ``auto``."""
     kernels = [r for r in rows if r.split == KERNELS]
     images = {r.policy.removeprefix("images-"): r for r in rows if r.split == IMAGES}
     if not kernels or not images:
         return list(rows)
     fastest = min(kernels, key=lambda r: r.step_s)
-    chosen = {}
-    for field, allowed in (("auto", [MASTER]), ("auto_unchecked", [MASTER, RING])):
-        got = choose_split(fastest.step_s, {k: r.step_s for k, r in images.items()}, allowed)
-        chosen[field] = fastest if got["split"] == KERNELS else images[got["exchange"]]
-    return [
-        replace(r, auto=r is chosen["auto"], auto_unchecked=r is chosen["auto_unchecked"])
-        for r in rows
-    ]
+    got = choose_split(fastest.step_s, {k: r.step_s for k, r in images.items()}, [MASTER, RING])
+    chosen = fastest if got["split"] == KERNELS else images[got["exchange"]]
+    return [replace(r, auto=r is chosen) for r in rows]
 
 
 def _paper_check(cluster, layers, comp, results: dict, stages: str, bandwidth: float) -> dict:

@@ -28,7 +28,14 @@ and, in what spot checks of the default modes (resident kernels, a split head) m
 
 * ``every_other``: every other forward answer (of any call) times 1.5, the others right;
 * ``update``: each SGD update of its resident slices (weights, biases, fc columns) times 1.01;
-* ``head``: a split head's partial logits times 1.5.
+* ``head``: a split head's partial logits times 1.5;
+
+and, in a split by images with the ring (``--exchange ring``), what the ring's checks
+(:mod:`hetconv.master.ringcheck`) must catch:
+
+* ``ring_own``: its own gradient times 1.5 before the ring sums it (its sketches of it true);
+* ``ring_pass``: every part of the gradient's ring it takes from a peer times 1.5 (its own
+  gradient and sketches right).
 
 It stops when its standard input closes or on SIGTERM.
 """
@@ -43,7 +50,9 @@ import numpy as np
 from hetconv.backends import get_backend
 from hetconv.calls import READY
 from hetconv.proto import worker_pb2 as pb
+from hetconv.ring import ROUNDS_PER_SUM
 from hetconv.worker import resident as resident_module
+from hetconv.worker import ring as ring_module
 from hetconv.worker import service as service_module
 from hetconv.worker.resident import ResidentCalls
 from hetconv.worker.service import ConvWorkerService, start_server
@@ -54,7 +63,8 @@ ANSWERS = ("scale", "kernel", "noise", "honest")
 PARTS = ("parts", "rows", "withhold", "farstep", "output")
 KINDS = ANSWERS + PARTS
 SAMPLED = ("every_other", "update", "head")  # the spot checks' lies, below
-KINDS += SAMPLED
+RING = ("ring_own", "ring_pass")
+KINDS += SAMPLED + RING
 
 
 class LyingService(ConvWorkerService):
@@ -76,7 +86,7 @@ class LyingService(ConvWorkerService):
     def _lie(self, phase: str, arrays: list[np.ndarray]) -> None:
         if self.kind in SAMPLED:
             return lie_sampled(self, phase, arrays)
-        if self.step < self.from_step or self.kind in ("honest", *PARTS):
+        if self.step < self.from_step or self.kind in ("honest", *PARTS, *RING):
             return
         if self.kind == "kernel":
             if phase == "forward":
@@ -189,6 +199,25 @@ def lying_update(liar: LyingService):
     return sgd_update
 
 
+def lying_ring(liar: LyingService) -> None:
+    """``ring_own`` and ``ring_pass``: the ring's bucket intake and its filing of a peer's part
+    patched to lie (the gradient's rounds only, not batch norm's sums)."""
+    ready, file = ring_module.BucketRing.ready, ring_module.RingCalls.file
+
+    def lying_ready(self, index, gradient):
+        if liar.kind == "ring_own" and liar.step >= liar.from_step:
+            gradient = np.asarray(gradient) * np.float32(1.5)
+        return ready(self, index, gradient)
+
+    def lying_file(self, session, step, round_, segment, part):
+        if liar.kind == "ring_pass" and step >= liar.from_step and round_ < ROUNDS_PER_SUM:
+            part = np.asarray(part) * np.float32(1.5)
+        return file(self, session, step, round_, segment, part)
+
+    ring_module.BucketRing.ready = lying_ready
+    ring_module.RingCalls.file = lying_file
+
+
 def main(argv: list[str]) -> int:
     kind, from_step = argv[0], int(argv[1])
     seed = int(argv[2]) if len(argv) > 2 else 0
@@ -200,6 +229,7 @@ def main(argv: list[str]) -> int:
     LyingResidentCalls.service = liar
     service_module.ResidentCalls = LyingResidentCalls
     resident_module.sgd_update = lying_update(liar)
+    lying_ring(liar)
     server, address = start_server(liar, "127.0.0.1:0")
     print(READY, address, flush=True)
     stop = threading.Event()

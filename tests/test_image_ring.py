@@ -413,7 +413,7 @@ def test_the_simulator_and_the_plan_rank_the_ring():
     ranked = candidates(cluster, "paper-150-800", 64, 0.05)
     labels = {c.label: c for c in ranked}
     assert labels[IMAGE_SPLIT_RING].step_s < labels[IMAGE_SPLIT].step_s
-    assert "--split images --exchange ring --spot-check-every 0" in labels[IMAGE_SPLIT_RING].how
+    assert labels[IMAGE_SPLIT_RING].how.endswith("--split images --exchange ring")
 
 
 def test_a_ring_run_resumes_from_its_checkpoint(tmp_path, local, workers):
@@ -509,24 +509,24 @@ def test_a_rank_dying_mid_ring_loses_no_step(tmp_path, local, workers, at, excha
     assert [n["placed"] for n in survivor] == [exchange == MASTER, False]
 
 
-def test_the_ring_is_refused_with_spot_checks_and_auto_goes_through_the_master(tmp_path, capsys):
-    """Spot checks recompute a worker's own gradient, which the ring never sends the master:
-    --exchange ring with them is refused, and auto sums through the master."""
+def test_the_ring_runs_with_spot_checks_and_checks_each_step_by_sketches(tmp_path):
+    """`--exchange ring` with the default spot checks: each worker answers sketches of its own
+    gradient (hetconv.ringcheck), and the steps drawn record the ring's checks."""
     from hetconv.cli import main
 
-    assert main(["train", "--split", "images", "--exchange", "ring", "--steps", "1",
-                 "--no-run-dir"]) == 2  # fmt: skip
-    assert "--exchange ring cannot spot-check the workers" in capsys.readouterr().err
     trace = tmp_path / "trace.jsonl"
-    argv = ["train", "--split", "images", "--steps", "1", "--batch", "8", "--train-size", "32",
-            "--eval-size", "8", "--no-run-dir", "--no-progress", "--trace", str(trace),
+    argv = ["train", "--split", "images", "--exchange", "ring", "--spot-check-every", "1",
+            "--steps", "2", "--batch", "8", "--train-size", "32", "--eval-size", "8",
+            "--no-run-dir", "--no-progress", "--trace", str(trace),
             "--local-workers", "2"]  # fmt: skip
     assert main(argv) == 0
     records = [json.loads(line) for line in trace.read_text().splitlines()]
-    plan = records[0]
-    assert plan["exchange"] == MASTER
-    assert [r["exchange"] for r in records if "step" in r] == [MASTER]
-    assert plan["exchange_why"] == "spot checks need each worker's own gradient"
+    plan, steps = records[0], [r for r in records if "step" in r and "nodes" in r]
+    assert plan["exchange"] == RING and plan["exchange_why"] == "--exchange ring"
+    assert [r["exchange"] for r in steps] == [RING, RING]
+    for record in steps:
+        checked = record["spot_checks"]["workers"]
+        assert len(checked) == 2 and all(c["worst"] < 1e-3 for c in checked.values())
 
 
 @pytest.mark.slow

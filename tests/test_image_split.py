@@ -242,7 +242,7 @@ def test_train_split_images_runs_on_local_workers(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--model", "resnet20"], "batch norm (layer 'bn1'"),
+        (["--model", "resnet20", "--exchange", "master"], "batch norm (layer 'bn1'"),
         (["--stages", "fused"], "splits no layer by kernels: drop --stages"),
         (["--local"], "nothing is split: drop --split"),
     ],

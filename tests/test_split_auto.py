@@ -42,29 +42,31 @@ def test_an_exchange_ruled_out_is_never_chosen():
     assert "by kernels" in describe(only_ring) and "images (ring) 0.2 s" in describe(only_ring)
 
 
-def test_the_ring_is_allowed_only_without_spot_checks_and_tls():
+def test_the_ring_is_allowed_with_spot_checks_and_without_tls():
     checked = ClusterConfig()
     unchecked = ClusterConfig(spot_checks=SpotCheckConfig(every=0))
-    assert allowed_exchanges(checked, "auto") == ["master"]
+    tls = ClusterConfig(tls_ca="a CA")
+    assert allowed_exchanges(checked, "auto") == ["master", "ring"]  # sketches check the ring
     assert allowed_exchanges(unchecked, "auto") == ["master", "ring"]
     assert allowed_exchanges(unchecked, "ring") == ["ring"]
     assert allowed_exchanges(unchecked, "master") == ["master"]
+    assert allowed_exchanges(tls, "auto") == ["master"]
 
 
-def test_a_faster_way_ruled_out_is_named_with_the_flag_that_allows_it():
-    checked = ClusterConfig()
-    why_not = ruled_out_exchanges(checked, "auto")
-    assert why_not == {"ring": "the ring is not spot-checked: --spot-check-every 0 allows it"}
-    assert ruled_out_exchanges(ClusterConfig(spot_checks=SpotCheckConfig(every=0)), "auto") == {}
-    assert ruled_out_exchanges(checked, "master") == {}  # --exchange master chose
+def test_a_faster_way_ruled_out_is_named_with_what_rules_it_out():
+    tls = ClusterConfig(tls_ca="a CA")
+    why_not = ruled_out_exchanges(tls, "auto")
+    assert why_not == {"ring": "the ring refuses TLS (its workers' parts are plain TCP)"}
+    assert ruled_out_exchanges(ClusterConfig(), "auto") == {}  # spot checks rule out nothing
+    assert ruled_out_exchanges(tls, "master") == {}  # --exchange master chose
     got = choose(1.0, {"ring": 0.5}, ["master"], why_not)  # batch norm: the ring's alone
     assert got["split"] == "kernels"
     assert got["why"].endswith(
         "; the split by images with the ring among the workers is predicted 2.00x faster, "
-        "but the ring is not spot-checked: --spot-check-every 0 allows it"
+        "but the ring refuses TLS (its workers' parts are plain TCP)"
     )
     near = choose(1.0, {"ring": 0.95}, ["master"], why_not)  # within the margin: not said
-    assert "spot-check" not in near["why"]
+    assert "TLS" not in near["why"]
     taken = choose(1.0, {"master": 0.5, "ring": 0.2}, ["master"], why_not)
     assert taken["exchange"] == "master" and "predicted 2.50x faster, but" in taken["why"]
 
@@ -153,7 +155,7 @@ def test_workers_on_this_machine_keep_the_split_by_kernels(tmp_path, local, work
     assert "runs on this machine" in choice["why"] or "under the" in choice["why"]
 
 
-def test_plan_says_what_auto_would_run_with_and_without_spot_checks():
+def test_plan_says_what_auto_would_run():
     from hetconv.simulations.plan import IMAGE_SPLIT, IMAGE_SPLIT_RING, Candidate, auto_split
 
     def way(label, step, exact=True, kind="hetconv"):
@@ -164,8 +166,7 @@ def test_plan_says_what_auto_would_run_with_and_without_spot_checks():
               way("fused stages", 1.0)]  # fmt: skip
     line = auto_split(ranked)
     assert line.startswith("--split auto (train's default with workers named): split by images "
-                           "(gradients through the master) (predicted 1.25x faster")  # fmt: skip
-    assert "with --spot-check-every 0: split by images (ring among the workers)" in line
+                           "(ring among the workers) (predicted 1.67x faster")  # fmt: skip
     kernels = auto_split([way(IMAGE_SPLIT, 0.95), way("fused stages", 1.0)])
     assert "split by kernels" in kernels and "spot-check" not in kernels
     assert auto_split([way("fused stages", 1.0)]) == ""

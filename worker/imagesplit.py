@@ -52,6 +52,7 @@ from hetconv.ring import (
     OWN,
     RING_ANSWER_VALUES,
     ROUNDS_PER_SUM,
+    SKETCH_VALUES,
     SUMMED,
     buffer_name,
     chunk_bounds,
@@ -61,6 +62,7 @@ from hetconv.ring import (
     momentum_name,
     unflat,
 )
+from hetconv.ringcheck import sketch_answer
 from hetconv.spec import check_spec, walk_spec
 from hetconv.wire import WireTensor
 from hetconv.worker.context import WorkerContext
@@ -188,6 +190,7 @@ class _Kept:
     model: Model
     version: int | None = None
     momentum: dict[str, np.ndarray] | None = None
+    sketch: np.ndarray | None = None  # the step's sketches of its own gradient, where asked
 
     @property
     def held_bytes(self) -> int:
@@ -329,6 +332,8 @@ class ImagesCalls:
                                                          seconds)  # fmt: skip
         tensors = [(name, grads[name], FLOAT32) for name in names]
         ring_values, buffers = self._ring_values(request, model, outcome, seconds)
+        if outcome != OWN and kept.sketch is not None:  # of its own gradient, by the sum's seed
+            ring_values[-SKETCH_VALUES:] = kept.sketch
         tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32),
                     ("ring", ring_values, FLOAT32), ("buffers", buffers, FLOAT32),
                     ("slice", piece, FLOAT32)]  # fmt: skip
@@ -349,7 +354,7 @@ class ImagesCalls:
             seconds["digest"] = time.perf_counter() - began
             if outcome == SUMMED and ring.rank == 0:  # the running statistics: rank 0's
                 buffers = state[-1]
-        values[5:] = list(seconds.values())
+        values[5 : 5 + len(seconds)] = list(seconds.values())
         return values, buffers
 
     def _sum_and_update(self, request: pb.ConvRequest, kept: _Kept, names, grads, overlap=None,
@@ -361,14 +366,18 @@ class ImagesCalls:
         ring = request.images.ring
         seconds = {} if seconds is None else seconds
         began = time.perf_counter()
+        kept.sketch = None
         try:
             if overlap is not None:
                 vector = overlap.finish([grads[n] for n in names])  # (down: those not given)
                 seconds["ring"] = time.perf_counter() - began
+                if overlap.own is not None:
+                    kept.sketch = sketch_answer(overlap.own, vector)
                 return self._update(request, kept, names, vector, overlap.applied, seconds)
         except RingFailed:
             return OWN, _fresh(grads), np.zeros(0, np.float32)
         own = _host_vector(self.context.backend, [grads[n] for n in names])
+        mine = own.copy() if ring.sketch else None  # the ring sums ``own`` in place
         try:
             vector = own  # a fresh vector: summed in place
             if ring.rank == 0 and ring.master_part:
@@ -382,6 +391,8 @@ class ImagesCalls:
                 self.context.ring.abort(request)
             return OWN, _fresh(grads), np.zeros(0, np.float32)
         seconds["ring"] = time.perf_counter() - began
+        if mine is not None:
+            kept.sketch = sketch_answer(mine, vector)
         return self._update(request, kept, names, vector, (), seconds)
 
     def _update(self, request: pb.ConvRequest, kept: _Kept, names, vector: np.ndarray,

@@ -358,6 +358,9 @@ class BucketRing:
         sizes = [math.prod(s) for s in shapes]
         self._ends = np.cumsum([0, *sizes]).tolist()
         self.vector = np.zeros(self._ends[-1], np.float32)
+        #: This worker's own gradient, kept as each bucket's ring begins (where the request
+        #: asks for its sketches, :mod:`hetconv.ringcheck`; else None).
+        self.own = np.empty_like(self.vector) if ring.sketch else None
         self._ranks = len(ring.peers)
         self._buckets = buckets(sizes, self._ranks, max(1, ring.bucket_bytes // 4))
         self._ready = [False] * len(sizes)
@@ -424,6 +427,8 @@ class BucketRing:
             for k, (start, stop) in enumerate(self._buckets):
                 self._wait(start, stop)
                 part = self.vector[start:stop]
+                if self.own is not None:
+                    self.own[start:stop] = part
                 if self._master:  # the master's range first, as the nodes are ordered
                     theirs = self._calls.master_part(self._request, k)
                     if theirs.shape != part.shape:

@@ -197,7 +197,7 @@ class ImagesStep(_message.Message):
     def __init__(self, spec_json: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., first: _Optional[int] = ..., batch: _Optional[int] = ..., scale: _Optional[float] = ..., ring: _Optional[_Union[ImagesRing, _Mapping]] = ...) -> None: ...
 
 class ImagesRing(_message.Message):
-    __slots__ = ("peers", "rank", "version", "place", "lr", "momentum", "weight_decay", "master_part", "answer_sum", "wait_seconds", "round", "abort", "bucket_bytes", "digest_seed", "digest_share", "sum_slice", "segment", "segment_bytes", "sum_ports")
+    __slots__ = ("peers", "rank", "version", "place", "lr", "momentum", "weight_decay", "master_part", "answer_sum", "wait_seconds", "round", "abort", "bucket_bytes", "digest_seed", "digest_share", "sum_slice", "segment", "segment_bytes", "sum_ports", "sketch")
     PEERS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class ImagesRing(_message.Message):
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SUM_PORTS_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedScalarFieldContainer[str]
     rank: int
     version: int
@@ -236,7 +237,8 @@ class ImagesRing(_message.Message):
     segment: int
     segment_bytes: int
     sum_ports: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, peers: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ..., place: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., master_part: _Optional[bool] = ..., answer_sum: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., round: _Optional[int] = ..., abort: _Optional[bool] = ..., bucket_bytes: _Optional[int] = ..., digest_seed: _Optional[int] = ..., digest_share: _Optional[float] = ..., sum_slice: _Optional[bool] = ..., segment: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., sum_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+    sketch: bool
+    def __init__(self, peers: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., version: _Optional[int] = ..., place: _Optional[bool] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., master_part: _Optional[bool] = ..., answer_sum: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., round: _Optional[int] = ..., abort: _Optional[bool] = ..., bucket_bytes: _Optional[int] = ..., digest_seed: _Optional[int] = ..., digest_share: _Optional[float] = ..., sum_slice: _Optional[bool] = ..., segment: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., sum_ports: _Optional[_Iterable[int]] = ..., sketch: _Optional[bool] = ...) -> None: ...
 
 class ConvRequest(_message.Message):
     __slots__ = ("phase", "session", "step", "layer", "padding", "kernel_offset", "need_input_grad", "tensors", "answer_dtype", "stage", "resident", "replica_layer", "overlap_images", "split", "part", "images")

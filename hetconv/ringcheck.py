@@ -1,0 +1,119 @@
+"""Spot checks of the ring's sum (:mod:`hetconv.ring`): each worker's own gradient, which the
+ring never sends to the master, as a few numbers the master can check.
+
+A worker keeps a copy of its own gradient before the ring sums it in place. After the ring it
+answers :data:`SKETCHES` sketches of that copy -- signed sums of its sums over blocks of
+:data:`SKETCH_BLOCK` values, the signs drawn from a seed that is the digest of the ring's sum
+itself (:func:`sketch_seed`: known to no rank before every contribution is in) -- and the sum
+of its absolute values and the seed (:func:`sketch_answer`). The master checks:
+
+* every step, that every worker drew its signs from the sum the master joined of the ranks'
+  chunks (:func:`answered_seed`: a rank whose copy of the sum differs drew others), and that the
+  sketches of every contribution (the workers' and the master's own range's) add up to the
+  sketch of that sum (:func:`sum_differs`): a worker that changed what it passed on, or answered
+  a sketch of something else, breaks that;
+* on the steps the spot checker draws, a drawn worker's sketch against the sketch of its range
+  recomputed on the master (:func:`sketch_comparison`, by the worker's own seed), as the split
+  by images through the master compares the whole gradient: a worker whose gradient was wrong
+  is caught so.
+
+A sketch is linear in the gradient, so the sums compare up to float32 round-off: a wrong
+contribution is missed only where each of its blocks sums to what it should, or the signs
+cancel its error in all :data:`SKETCHES` sketches at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .ring import SKETCH_VALUES, digest, digest_of_values, digest_values
+
+#: Signed sums each worker answers (its answer's values: these, its absolute sum and its seed
+#: as 4 values of 16 bits).
+SKETCHES = SKETCH_VALUES - 5
+#: Values per block: the signs are drawn per block, not per value (a gradient of 9 million
+#: values, vgg11's, has 36 thousand blocks; its block sums are one pass over it).
+SKETCH_BLOCK = 256
+
+
+def block_sums(vector: np.ndarray) -> np.ndarray:
+    """float64 sums of ``vector``'s consecutive blocks of :data:`SKETCH_BLOCK` values (the
+    last one short)."""
+    v = np.asarray(vector, np.float32).reshape(-1)
+    full = v.size // SKETCH_BLOCK
+    sums = v[: full * SKETCH_BLOCK].reshape(full, SKETCH_BLOCK).sum(axis=1, dtype=np.float64)
+    if v.size > full * SKETCH_BLOCK:
+        sums = np.append(sums, v[full * SKETCH_BLOCK :].sum(dtype=np.float64))
+    return sums
+
+
+def sketch_seed(summed: np.ndarray) -> int:
+    """The seed of a step's signs: the digest of the ring's sum (every value)."""
+    return int.from_bytes(digest([np.asarray(summed, np.float32)]), "little")
+
+
+def sketches(vector: np.ndarray, seed: int) -> np.ndarray:
+    """float64 (:data:`SKETCHES`,): signed sums of ``vector``'s block sums, the signs drawn
+    from ``seed``."""
+    blocks = block_sums(vector)
+    signs = np.random.default_rng(seed).integers(0, 2, (SKETCHES, blocks.size), np.int8)
+    return (2.0 * signs - 1.0) @ blocks
+
+
+def sketch_answer(own: np.ndarray, summed: np.ndarray) -> np.ndarray:
+    """float32 (:data:`SKETCH_VALUES`,): what a worker answers of its ``own`` gradient (before
+    the ring summed it) once the ring's sum ``summed`` is known."""
+    out = np.empty(SKETCH_VALUES, np.float32)
+    seed = sketch_seed(summed)
+    out[:SKETCHES] = sketches(own, seed)
+    out[SKETCHES] = np.abs(own).sum(dtype=np.float64)
+    out[SKETCHES + 1 :] = digest_values(seed.to_bytes(8, "little"))
+    return out
+
+
+def answered_seed(answer: np.ndarray) -> int:
+    """The seed a :func:`sketch_answer` drew its signs from."""
+    return int.from_bytes(digest_of_values(answer[SKETCHES + 1 :]), "little")
+
+
+def sum_differs(summed: np.ndarray, answers: list[np.ndarray]) -> tuple[bool, float, float]:
+    """(whether the sketches ``answers`` -- every contribution's :func:`sketch_answer`, the
+    master's own range's included -- do not add up to the sketch of ``summed``, the largest
+    difference, what it may be): the sum's float32 round-off is at most one half-unit per
+    addition of each value, so the difference may be (contributions + 2) x 2**-24 of the
+    contributions' absolute sums, and the sketches' own float32 rounding."""
+    want = sketches(summed, sketch_seed(summed))
+    got = np.sum([np.asarray(a[:SKETCHES], np.float64) for a in answers], axis=0)
+    absolute = float(sum(float(a[SKETCHES]) for a in answers))
+    allowed = (len(answers) + 2) * 2.0**-23 * absolute + 1e-30
+    worst = float(np.max(np.abs(got - want)))
+    return bool(worst > allowed or not math.isfinite(worst)), worst, allowed
+
+
+def sketch_comparison(answer: np.ndarray, mine: np.ndarray) -> tuple:
+    """(the worker's sketches, the master's of its recomputed gradient ``mine`` by the seed
+    the worker answered, their scale) for a ``norm`` comparison: the 2-norm over the sketches
+    of the larger of the block sums' and the values' 2-norms (what round-off in a
+    recomputation moves them by, at most)."""
+    vector = np.asarray(mine, np.float32).reshape(-1)
+    want = sketches(vector, answered_seed(answer))
+    scale = math.sqrt(SKETCHES) * max(
+        float(np.linalg.norm(block_sums(vector))), float(np.linalg.norm(vector.astype(np.float64)))
+    )
+    return np.asarray(answer[:SKETCHES], np.float64), want, scale
+
+
+__all__ = [
+    "SKETCHES",
+    "SKETCH_BLOCK",
+    "SKETCH_VALUES",
+    "answered_seed",
+    "block_sums",
+    "sketch_answer",
+    "sketch_comparison",
+    "sketch_seed",
+    "sketches",
+    "sum_differs",
+]

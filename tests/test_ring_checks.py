@@ -1,0 +1,170 @@
+"""Spot checks of the ring (:mod:`hetconv.ringcheck`, :mod:`hetconv.master.ringcheck`): the
+sketches' arithmetic; real worker processes summing by the ring with spot checks on, training
+as local training; a worker whose own gradient is wrong caught by a drawn check and lost; a
+worker that changes what it passes on caught by the sum's check, every such step computed by
+the master, still as local training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from exactness import FAST, same_as_local, train_strong_lrn
+from test_image_ring import Recording
+from test_image_syncbn import CONV_BN
+from test_image_syncbn import _train as train_spec
+from test_spot_checks import lying_worker
+
+from hetconv.conv import LocalConv
+from hetconv.master.launch import LocalWorkers
+from hetconv.master.spotcheck import SpotCheckConfig
+from hetconv.ring import MASTER, RING
+from hetconv.ringcheck import (
+    SKETCH_BLOCK,
+    SKETCHES,
+    answered_seed,
+    block_sums,
+    sketch_answer,
+    sketch_comparison,
+    sketch_seed,
+    sketches,
+    sum_differs,
+)
+
+EVERY_STEP = SpotCheckConfig(every=1)
+
+# -- the arithmetic -----------------------------------------------------------------------------
+
+
+def _parts(rng, count=3, size=10_000):
+    """Gradients of mixed scale and sign, and their float32 sum in order (as the ring's)."""
+    parts = [(rng.standard_normal(size) * 10.0 ** rng.uniform(-3, 1, size)).astype(np.float32)
+             for _ in range(count)]  # fmt: skip
+    summed = parts[0].copy()
+    for p in parts[1:]:
+        summed += p
+    return parts, summed
+
+
+def test_block_sums_cover_every_value_the_last_block_short():
+    v = np.arange(1000, dtype=np.float32)
+    sums = block_sums(v)
+    assert sums.dtype == np.float64 and sums.size == -(-1000 // SKETCH_BLOCK)
+    assert sums.sum() == v.sum(dtype=np.float64)
+    assert sums[-1] == v[3 * SKETCH_BLOCK :].sum(dtype=np.float64)
+
+
+def test_the_seed_is_the_sums_and_the_sketches_are_linear():
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(3000).astype(np.float32) for _ in range(2))
+    assert sketch_seed(a) == sketch_seed(a.copy())
+    changed = a.copy()
+    changed[-1] = np.nextafter(changed[-1], np.float32(np.inf))
+    assert sketch_seed(changed) != sketch_seed(a)  # one value, one unit in the last place
+    seed = sketch_seed(a)
+    assert sketches(a, seed).shape == (SKETCHES,)
+    both = sketches(a + b, seed)  # float32's round-off: 3000 values of about 1
+    np.testing.assert_allclose(sketches(a, seed) + sketches(b, seed), both, atol=3000 * 2e-7)
+
+
+def test_sketches_of_every_contribution_add_up_to_the_sums_and_a_changed_one_does_not():
+    rng = np.random.default_rng(1)
+    parts, summed = _parts(rng)
+    differs, worst, allowed = sum_differs(summed, [sketch_answer(p, summed) for p in parts])
+    assert not differs and worst <= allowed
+    # a part of the sum changed on its way (one block's values of one contribution x 1.5)
+    passed = summed.copy()
+    passed[:SKETCH_BLOCK] += np.float32(0.5) * parts[1][:SKETCH_BLOCK]
+    assert sum_differs(passed, [sketch_answer(p, passed) for p in parts])[0]
+    # a worker that sketches something else than what it put in
+    other = [sketch_answer(p, summed) for p in parts]
+    other[2] = sketch_answer(parts[2] * np.float32(1.01), summed)
+    assert sum_differs(summed, other)[0]
+
+
+def test_a_recomputation_agrees_within_round_off_and_a_wrong_gradient_does_not():
+    rng = np.random.default_rng(2)
+    parts, summed = _parts(rng, 2, 50_000)
+    mine = parts[0]
+    assert answered_seed(sketch_answer(mine, summed)) == sketch_seed(summed)
+    recomputed = (mine * (1 + 1e-6 * rng.standard_normal(mine.size))).astype(np.float32)
+    got, want, scale = sketch_comparison(sketch_answer(mine, summed), recomputed)
+    assert np.linalg.norm(got - want) / scale < 1e-5
+    for wrong in (mine * np.float32(1.5), np.roll(mine, 1), mine * np.float32(1.05)):
+        got, want, scale = sketch_comparison(sketch_answer(wrong, summed), mine)
+        assert np.linalg.norm(got - want) / scale > 1e-2  # the images' tolerance (IMAGES_RTOL)
+
+
+# -- real worker processes ----------------------------------------------------------------------
+
+
+def _checked(addresses, **config):
+    config = {**FAST, "spot_checks": EVERY_STEP, **config}
+    return Recording(addresses, deterministic=True, **config)
+
+
+def test_the_ring_with_spot_checks_every_step_trains_as_local_training(tmp_path):
+    local = train_strong_lrn(tmp_path, "local", LocalConv())
+    with LocalWorkers(2) as workers, _checked(workers.addresses) as cluster:
+        got = train_strong_lrn(tmp_path, "ring", cluster)
+        events = list(cluster.events)
+    same_as_local(got, local)
+    assert all(r["exchange"] == RING for r in cluster.steps)
+    for record in cluster.steps:  # both workers drawn (the sample takes 2), each step
+        assert set(record["spot_checks"]["workers"]) == set(workers.addresses)
+        assert record["spot_checks"]["workers"][workers.addresses[0]]["worst"] < 1e-3
+    assert not [e for e in events if e["event"] in ("worker_lost", "ring_sum_differs")]
+
+
+def test_a_network_with_batch_norm_checked_every_step_trains_as_local_training(tmp_path):
+    """The drawn worker's range recomputed with the whole batch's statistics (the whole batch
+    computed first, its sums replayed): its sketches agree, and the running statistics stay
+    those of one pass (the weight file holds them)."""
+    local = train_spec(tmp_path, "local", LocalConv(), CONV_BN)
+    with LocalWorkers(2) as workers:
+        cluster = _checked(workers.addresses)
+        got = train_spec(tmp_path, "ring", cluster, CONV_BN)
+    same_as_local(got, local)
+    assert all(r["exchange"] == RING and "master" not in r["images"] for r in cluster.steps)
+    assert all(len(r["spot_checks"]["workers"]) == 2 for r in cluster.steps)
+    assert not [e for e in cluster.events if e["event"] in ("worker_lost", "ring_sum_differs")]
+
+
+def test_a_worker_whose_own_gradient_is_wrong_is_caught_and_lost(tmp_path):
+    """From step 3 the liar puts 1.5x its gradient into the ring, its sketches of that true to
+    it: the sketches add up, and the drawn check (every step) recomputes its range and finds
+    it off. The step's sum is refused: the master computes it (the same weights), the liar is
+    lost for the run, and training equals local training."""
+    local = train_strong_lrn(tmp_path, "local", LocalConv())
+    with LocalWorkers(1) as workers, lying_worker("ring_own", 3) as liar:
+        with _checked([*workers.addresses, liar]) as cluster:
+            got = train_strong_lrn(tmp_path, "ring", cluster)
+            events = list(cluster.events)
+    same_as_local(got, local)
+    lost = [e for e in events if e["event"] == "worker_lost"]
+    assert [(e["worker"], e["step"]) for e in lost] == [(liar, 3)]
+    assert "spot check failed: the sketches of its own gradient" in lost[0]["reason"]
+    assert not [e for e in events if e["event"] == "ring_sum_differs"]
+    assert [r["exchange"] for r in cluster.steps[:4]] == [RING, RING, RING, MASTER]
+    assert all(liar not in r["nodes"] for r in cluster.steps[4:])
+
+
+@pytest.mark.parametrize("every", [1, 1000])
+def test_a_worker_that_changes_what_it_passes_on_breaks_the_sum_every_step(tmp_path, every):
+    """From step 2 the liar takes 1.5x every part its peer puts into it: its own gradient and
+    sketches are right, but the sum is not theirs. Every such step (drawn for a check or not:
+    ``every`` 1000 draws only step 0) the sum's check refuses it and the master computes the
+    step; no worker's range differs from its recomputation, so none is lost, and the event
+    says so. Training equals local training."""
+    local = train_strong_lrn(tmp_path, "local", LocalConv())
+    checks = SpotCheckConfig(every=every, unpredictable=False)
+    with LocalWorkers(1) as workers, lying_worker("ring_pass", 2) as liar:
+        with _checked([*workers.addresses, liar], spot_checks=checks) as cluster:
+            got = train_strong_lrn(tmp_path, "ring", cluster)
+            events = list(cluster.events)
+    same_as_local(got, local)
+    differs = [e["step"] for e in events if e["event"] == "ring_sum_differs"]
+    assert differs == list(range(2, len(cluster.steps)))
+    assert [r["exchange"] for r in cluster.steps] == [RING, RING] + [MASTER] * (
+        len(cluster.steps) - 2
+    )
+    assert not [e for e in events if e["event"] == "worker_lost"]
