@@ -212,8 +212,7 @@ MODES: tuple[Mode, ...] = (
     Mode(
         "unchecked",
         ("--spot-check-every", "0"),
-        "`hetconv train` with no mode flag but spot checks off: --split auto may then take "
-        "the ring",
+        "`hetconv train` with no mode flag but spot checks off (what the checks cost)",
         "--spot-check-every",
         in_all=False,
         over_base=False,
@@ -229,9 +228,17 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "images_ring",
-        ("--split", "images", "--exchange", "ring", "--spot-check-every", "0"),
+        ("--split", "images", "--exchange", "ring"),
         "the whole network split by images, the weights kept on the workers and the gradients "
-        "summed by a ring among them (no spot checks: the ring cannot be checked)",
+        "summed by a ring among them, spot-checked by sketches of each worker's own gradient",
+        "--exchange",
+        in_all=False,
+        over_base=False,
+    ),
+    Mode(
+        "images_ring_unchecked",
+        ("--split", "images", "--exchange", "ring", "--spot-check-every", "0"),
+        "images_ring without spot checks (what the ring's checks cost)",
         "--exchange",
         in_all=False,
         over_base=False,

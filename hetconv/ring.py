@@ -56,7 +56,7 @@ MAX_RANKS = ROUNDS_PER_SUM // 2
 #: outcomes.
 OWN, SUMMED, DONE = 0, 1, 2  # its own gradient (the ring failed); the sum; updated, no sum
 RING_SECONDS = ("batchnorm_seconds", "ring_seconds", "update_seconds", "digest_seconds")
-SKETCH_VALUES = 13  # hetconv.ringcheck: 8 sketches, the absolute sum, the seed (4 x 16 bits)
+SKETCH_VALUES = 17  # hetconv.ringcheck: 8 sketches, the absolute sum, 2 digests of 4 x 16 bits
 RING_ANSWER_VALUES = 5 + len(RING_SECONDS) + SKETCH_VALUES
 
 

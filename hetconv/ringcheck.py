@@ -28,11 +28,13 @@ import math
 
 import numpy as np
 
-from .ring import SKETCH_VALUES, digest, digest_of_values, digest_values
+from .ring import SKETCH_VALUES, digest, digest_of_values, digest_values, split64
 
-#: Signed sums each worker answers (its answer's values: these, its absolute sum and its seed
-#: as 4 values of 16 bits).
-SKETCHES = SKETCH_VALUES - 5
+#: Signed sums each worker answers. Its answer's values: these, its absolute sum, its seed and
+#: the digest of the batch norm sums it took (:func:`sums_digest`), each as 4 values of 16 bits.
+SKETCHES = SKETCH_VALUES - 9
+SEED = slice(SKETCHES + 1, SKETCHES + 5)
+SUMS = slice(SKETCHES + 5, SKETCHES + 9)
 #: Values per block: the signs are drawn per block, not per value (a gradient of 9 million
 #: values, vgg11's, has 36 thousand blocks; its block sums are one pass over it).
 SKETCH_BLOCK = 256
@@ -64,18 +66,25 @@ def sketches(vector: np.ndarray, seed: int) -> np.ndarray:
 
 def sketch_answer(own: np.ndarray, summed: np.ndarray) -> np.ndarray:
     """float32 (:data:`SKETCH_VALUES`,): what a worker answers of its ``own`` gradient (before
-    the ring summed it) once the ring's sum ``summed`` is known."""
-    out = np.empty(SKETCH_VALUES, np.float32)
+    the ring summed it) once the ring's sum ``summed`` is known (the batch norm sums' digest
+    0: the worker sets it, :func:`sums_digest`)."""
+    out = np.zeros(SKETCH_VALUES, np.float32)
     seed = sketch_seed(summed)
     out[:SKETCHES] = sketches(own, seed)
     out[SKETCHES] = np.abs(own).sum(dtype=np.float64)
-    out[SKETCHES + 1 :] = digest_values(seed.to_bytes(8, "little"))
+    out[SEED] = digest_values(seed.to_bytes(8, "little"))
     return out
 
 
 def answered_seed(answer: np.ndarray) -> int:
     """The seed a :func:`sketch_answer` drew its signs from."""
-    return int.from_bytes(digest_of_values(answer[SKETCHES + 1 :]), "little")
+    return int.from_bytes(digest_of_values(answer[SEED]), "little")
+
+
+def sums_digest(totals: np.ndarray) -> np.ndarray:
+    """4 float32 values: the digest of the batch norm sums (float64, every sum of the step in
+    order) a worker took from the ring, as :func:`~hetconv.ring.split64`'s exact parts."""
+    return digest_values(digest([split64(np.asarray(totals, np.float64))]))
 
 
 def sum_differs(summed: np.ndarray, answers: list[np.ndarray]) -> tuple[bool, float, float]:
@@ -109,6 +118,8 @@ __all__ = [
     "SKETCHES",
     "SKETCH_BLOCK",
     "SKETCH_VALUES",
+    "SEED",
+    "SUMS",
     "answered_seed",
     "block_sums",
     "sketch_answer",
@@ -116,4 +127,5 @@ __all__ = [
     "sketch_seed",
     "sketches",
     "sum_differs",
+    "sums_digest",
 ]

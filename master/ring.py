@@ -104,7 +104,7 @@ def ring_step(
     weights; the running statistics; its slice of the sum; the call's figures; where the
     worker's time beyond its passes went, :data:`~hetconv.ring.RING_SECONDS`)."""
     count = len(arrays[-1][1])
-    expect = (*names, "losses", "hits", "ring", "buffers", "slice")
+    expect = (*names, "losses", "hits", "ring", "buffers", "slice", "sums")
     got, stats = client._call(
         IMAGES_STEP, f"images step {request.step}", request, arrays, list(expect), {}, timeout,
         answer, formats,
@@ -125,7 +125,7 @@ def ring_step(
         raise WorkerError(client.address, f"images step {request.step}: bad slice of the sum")
     return None if empty else grads, losses, hits.astype(bool), int(ring[0]), \
         digest_of_values(ring[1:5]), got["buffers"], got["slice"], stats, seconds, \
-        ring[5 + len(RING_SECONDS) :]  # fmt: skip
+        ring[5 + len(RING_SECONDS) :], got["sums"]  # fmt: skip
 
 
 def joined_sum(model, ring, answers: dict, slices: bool) -> dict | None:
@@ -380,13 +380,12 @@ class RingImageSplit(ImageSplit):
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
         self._answered = time.perf_counter()  # the sum joined and the copy updated after it
         summed = joined_sum(model, ring, answers, self.sum_slices)
-        checked = None  # the whole batch, where a check with batch norm computed it
         if summed is not None and self.spot_checks is not None:
-            summed, checked = check_ring(self, model, x, labels, step, ring, answers, summed,
-                                         parts.get(MASTER_NODE), drawn)  # fmt: skip
+            summed = check_ring(self, model, x, labels, step, ring, answers, summed,
+                                parts.get(MASTER_NODE), drawn)  # fmt: skip
         exchange = RING if summed is not None else MASTER
         if self._batchnorm:  # the workers' running statistics, or the whole batch here
-            whole = parts.get(MASTER_NODE) or checked  # the master alone: the whole batch
+            whole = parts.get(MASTER_NODE)  # the master alone: it computed the whole batch
             return self._batchnorm_step(model, x, labels, step, ring, answers, summed, whole)
         for node, first, count in ring:  # the master's: the same images, the same weights
             got = answers[node.name]
@@ -503,7 +502,7 @@ class RingImageSplit(ImageSplit):
         node, _, count = at
         try:
             got = calls[node.name].result()
-            grads, losses, hits, outcome, d, buffers, piece, stats, seconds, sketch = got
+            grads, losses, hits, outcome, d, buffers, piece, stats, seconds, sketch, sums = got
         except WorkerError as e:
             self.membership.lose(node, e)
             self._placed.pop(node.name, None)
@@ -516,7 +515,7 @@ class RingImageSplit(ImageSplit):
             bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, outcome=outcome,
             **{k: round(v, 4) for k, v in seconds.items()},
         )  # fmt: skip
-        return grads, losses, hits, outcome, d, buffers, piece, sketch
+        return grads, losses, hits, outcome, d, buffers, piece, sketch, sums
 
     def _update(self, model, gradient: dict, answers: dict, exchange: str) -> None:
         """The master's copy updated as every worker's is; each worker's digest compared."""

@@ -11,52 +11,60 @@ by the split through the master is. Where the sketches of every contribution do 
 the sum's (a worker changed what it passed on, or sketched something else), every worker's range
 is recomputed and compared: one whose sketches differ is lost; where none does, the sum is
 refused all the same (``ring_sum_differs`` says so).
+
+With batch norm a range's gradient takes the whole batch's statistics. Each worker answers its
+parts of the step's batch norm sums (float64, as :func:`~hetconv.ring.split64`'s parts) and the
+digest of the sums it took; the master joins the parts in rank order as the ring does, checks
+that every worker took those sums, and recomputes a drawn worker's range with them in place of
+the range's own (:class:`_Replay`), comparing its parts of the sums too. So a check costs the
+drawn ranges, not the whole batch; it runs once the answers are in.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import time
 
 import numpy as np
 
 from hetconv.imagesplit import images_gradients
-from hetconv.ring import flat
+from hetconv.ring import flat, join64
 from hetconv.ringcheck import (
+    SUMS,
     answered_seed,
     sketch_answer,
     sketch_comparison,
     sketch_seed,
     sum_differs,
+    sums_digest,
 )
 
-from .spotcheck import IMAGES_RTOL, Comparison, SpotCheckFailed
+from .spotcheck import IMAGES_RTOL, Comparison, SpotCheckFailed, norm_scale
 
 #: The layer name a ring's checks are filed under in the step's spot-check record.
 RING_LAYER = "ring"
 
 
 def drawn_ranges(split, model, x, labels, step: int, ring) -> tuple:
-    """On a step the spot checker draws (``--spot-check-sample`` workers of the ring, drawn in
-    secret), those workers' ranges recomputed here before their answers come -- the master
-    runs it while the workers compute -- as (the drawn ring entries, the whole batch's part
-    where batch norm needed it, each drawn worker's (gradients, losses)); else empty."""
+    """On a step the spot checker draws, ``--spot-check-sample`` workers of the ring drawn in
+    secret, as (the drawn ring entries, each one's (gradients, losses) recomputed here); the
+    master recomputes them now, while the workers compute, but with batch norm (a range needs
+    the whole batch's sums, which come with the answers: None, recomputed then). Else empty."""
     checker = split.spot_checks
     if checker is None or not checker.due or not ring:
         return ()
     picks = checker.sample(RING_LAYER, "forward", 0, slice(0, 1), len(ring), 1).images
     drawn = [ring[int(i)] for i in picks]
+    if split._batchnorm:
+        return drawn, None
     start = time.perf_counter()
-    whole, ranges = _recomputed(split, model, x, labels, step, drawn)
+    ranges = _recomputed(split, model, x, labels, step, drawn)
     checker.seconds += time.perf_counter() - start
-    return drawn, whole, ranges
+    return drawn, ranges
 
 
 def check_ring(split, model, x, labels, step, ring, answers, summed, master_part, drawn=()):
-    """``summed`` (by parameter) where the checks pass, else None; and the whole batch's part
-    (gradients, losses, hits, seconds) where a check with batch norm computed it here (else
-    None). ``master_part``: the master's own range's part, where it computed one; ``drawn``:
+    """``summed`` (by parameter) where the checks pass, else None (the master computes the
+    step). ``master_part``: the master's own range's part, where it computed one; ``drawn``:
     :func:`drawn_ranges`'s."""
     checker = split.spot_checks
     names = list(model.parameters())
@@ -64,80 +72,117 @@ def check_ring(split, model, x, labels, step, ring, answers, summed, master_part
     sketches = [answers[n.name][7] for n, _, _ in ring]
     if master_part is not None:
         sketches.append(sketch_answer(flat([master_part[0][n] for n in names]), vector))
-    seed = sketch_seed(vector)
-    if all(answered_seed(a) == seed for a in sketches):
-        differs, worst, allowed = sum_differs(vector, sketches)
-    else:  # a rank's copy of the sum is not the one joined: the ranks summed apart
-        differs, worst, allowed = True, math.inf, 0.0
-    whole, ranges = (drawn[1], drawn[2]) if drawn else (None, {})
-    checked = list(drawn[0]) if drawn else []
-    if differs:
-        split._events.emit(
-            "ring_sum_differs", None, difference=float(f"{worst:.3g}"),
-            allowed=float(f"{allowed:.3g}"), action="every range recomputed on the master",
-            why="the sketches do not add up" if math.isfinite(worst)
-            else "the ranks' copies of the sum differ",
-        )  # fmt: skip
-        start = time.perf_counter()
-        rest = [r for r in ring if r[0].name not in ranges]
-        more_whole, more = _recomputed(split, model, x, labels, step, rest)
-        whole, checked = whole or more_whole, list(ring)
-        ranges.update(more)
-        checker.seconds += time.perf_counter() - start
+    totals = _totals(ring, answers) if split._batchnorm else None
+    why = _why_refused(vector, sketches, ring, answers, totals, split._batchnorm)
+    checked, ranges = (list(drawn[0]), dict(drawn[1] or {})) if drawn else ([], {})
+    if why:
+        split._events.emit("ring_sum_differs", None, why=why,
+                           action="every range recomputed on the master")  # fmt: skip
+        checked = list(ring)
+    if split._batchnorm and totals is None:
+        checked = []  # no whole batch's sums to recompute a range with: refused unchecked
+    start = time.perf_counter()
+    rest = [r for r in checked if r[0].name not in ranges]
+    ranges.update(_recomputed(split, model, x, labels, step, rest, totals))
     caught = False
     for node, _, _ in checked:
-        own = flat([ranges[node.name][0][n] for n in names])
-        got, want, scale = sketch_comparison(answers[node.name][7], own)
-        comparisons = [
-            Comparison("sketches", "the sketches of its own gradient", got, want, scale, False,
-                       IMAGES_RTOL, norm=True),
-            Comparison("losses", "the losses", answers[node.name][1], ranges[node.name][1],
-                       float(np.abs(ranges[node.name][1]).max(initial=0.0)), False),
-        ]  # fmt: skip
         try:
-            checker.compare(node, RING_LAYER, "step", comparisons)
+            checker.compare(
+                node, RING_LAYER, "step", _comparisons(answers[node.name], ranges[node.name], names)
+            )
         except SpotCheckFailed as e:
             split.membership.lose(node, e)
             split._placed.pop(node.name, None)
             split._record[node.name].update(spot_check="failed")
             caught = True
-    return (None, whole) if caught or differs else (summed, None)
+    checker.seconds += time.perf_counter() - start
+    return None if caught or why else summed
 
 
-def _recomputed(split, model, x, labels, step: int, drawn):
-    """(the whole batch's part, where batch norm needed it, else None; each drawn worker's
-    range's (gradients, losses) computed here from the step's weights). With batch norm a
-    range's gradient takes the whole batch's statistics: the whole batch is computed first,
-    its sums kept, and each range's sums are those (the running statistics left as the whole
-    batch's pass set them)."""
+def _why_refused(vector, sketches, ring, answers, totals, batchnorm: bool) -> str:
+    """Why the step's sum does not add up ("" where it does)."""
+    seed = sketch_seed(vector)
+    if any(answered_seed(a) != seed for a in sketches):
+        return "the ranks' copies of the sum differ"
+    if batchnorm:
+        if totals is None:
+            return "the workers' batch norm sums do not fit together"
+        want = tuple(sums_digest(totals))
+        if any(tuple(answers[n.name][7][SUMS]) != want for n, _, _ in ring):
+            return "a worker took batch norm sums that are not the sums of every worker's parts"
+    differs, worst, allowed = sum_differs(vector, sketches)
+    if differs:
+        return f"the sketches do not add up: {worst:.3g} apart, {allowed:.3g} allowed"
+    return ""
+
+
+def _totals(ring, answers) -> np.ndarray | None:
+    """The step's batch norm sums as every worker took them (its parts joined in rank order,
+    as :meth:`~hetconv.worker.ring.RingCalls.sum64` joins them); None where the workers'
+    parts are not of one size."""
+    streams = [answers[n.name][8] for n, _, _ in ring]
+    if not streams or len({s.size for s in streams}) != 1 or streams[0].size % 2:
+        return None
+    return join64(streams)
+
+
+def _comparisons(answer, mine, names) -> list[Comparison]:
+    """A worker's sketches and losses (and batch norm parts) against its range's here."""
+    got, want, scale = sketch_comparison(answer[7], flat([mine[0][n] for n in names]))
+    out = [
+        Comparison("sketches", "the sketches of its own gradient", got, want, scale, False,
+                   IMAGES_RTOL, norm=True),
+        Comparison("losses", "the losses", answer[1], mine[1],
+                   float(np.abs(mine[1]).max(initial=0.0)), False),
+    ]  # fmt: skip
+    if len(mine) > 2:  # its parts of batch norm's sums
+        parts = join64([answer[8]]) if answer[8].size else np.zeros(0)
+        want_parts = mine[2] if parts.shape == mine[2].shape else np.zeros_like(parts)
+        out.append(Comparison("sums", "its parts of batch norm's sums", parts, want_parts,
+                              norm_scale(mine[2]), False, IMAGES_RTOL, norm=True))  # fmt: skip
+    return out
+
+
+def _recomputed(split, model, x, labels, step: int, drawn, totals=None) -> dict:
+    """Each drawn worker's range computed here from the step's weights: (gradients, losses),
+    and with batch norm its parts of the sums, the whole batch's sums ``totals`` taken in
+    their place (the running statistics left as they were)."""
     batch = len(x)
     if not split._batchnorm:
-        ranges = {n.name: split._local(model, x, labels, f, c, batch, step) for n, f, c in drawn}
-        return None, ranges
-    kept = []
-
-    def keep(sums: np.ndarray) -> np.ndarray:  # the whole batch's own sums are the batch's
-        kept.append(np.array(sums, copy=True))
-        return sums
-
-    began = time.perf_counter()
-    grads, losses, hits = images_gradients(model, x, np.asarray(labels), 0, batch, step, keep)
-    whole = (grads, losses, hits, time.perf_counter() - began)
-    after = {k: np.array(v) for k, v in model.buffers().items()}
+        return {n.name: split._local(model, x, labels, f, c, batch, step)[:2]
+                for n, f, c in drawn}  # fmt: skip
+    before = {k: np.array(v) for k, v in model.buffers().items()}
     ranges = {}
     for node, first, count in drawn:
         rows = slice(first, first + count)
-        replay = functools.partial(_next, iter(kept))
-        got = images_gradients(model, x[rows], np.asarray(labels[rows]), first, batch, step, replay)
-        ranges[node.name] = got[:2]
-    for name, value in after.items():  # one pass's running statistics, the whole batch's
+        replay = _Replay(totals)
+        grads, losses, _ = images_gradients(
+            model, x[rows], np.asarray(labels[rows]), first, batch, step, replay
+        )
+        ranges[node.name] = (grads, losses, replay.parts())
+    for name, value in before.items():
         model.buffers()[name][...] = value
-    return whole, ranges
+    return ranges
 
 
-def _next(sums, _partial: np.ndarray) -> np.ndarray:
-    """The whole batch's next sum, for a range's (whatever its own partial sum)."""
-    return next(sums)
+class _Replay:
+    """``reduce`` for a range recomputed with the whole batch's sums: each call's total from
+    ``totals`` in order, its own part kept (:meth:`parts`)."""
+
+    def __init__(self, totals: np.ndarray):
+        self.totals, self.at, self.kept = totals, 0, []
+
+    def __call__(self, part: np.ndarray) -> np.ndarray:
+        n = part.size
+        if self.at + n > self.totals.size:  # fewer sums answered than a range takes: its own
+            return np.asarray(part, np.float64)  # (the comparisons then tell)
+        self.kept.append(np.asarray(part, np.float64))
+        out = self.totals[self.at : self.at + n].copy()
+        self.at += n
+        return out
+
+    def parts(self) -> np.ndarray:
+        return np.concatenate(self.kept) if self.kept else np.zeros(0)
 
 
 __all__ = ["RING_LAYER", "check_ring", "drawn_ranges"]

@@ -35,7 +35,9 @@ and, in a split by images with the ring (``--exchange ring``), what the ring's c
 
 * ``ring_own``: its own gradient times 1.5 before the ring sums it (its sketches of it true);
 * ``ring_pass``: every part of the gradient's ring it takes from a peer times 1.5 (its own
-  gradient and sketches right).
+  gradient and sketches right);
+* ``ring_bn``: every part of batch norm's sums it takes from a peer times 1.5 (it normalises
+  by wrong statistics; what it puts into its peers right).
 
 It stops when its standard input closes or on SIGTERM.
 """
@@ -50,7 +52,7 @@ import numpy as np
 from hetconv.backends import get_backend
 from hetconv.calls import READY
 from hetconv.proto import worker_pb2 as pb
-from hetconv.ring import ROUNDS_PER_SUM
+from hetconv.ring import MASTER_ROUND, ROUNDS_PER_SUM
 from hetconv.worker import resident as resident_module
 from hetconv.worker import ring as ring_module
 from hetconv.worker import service as service_module
@@ -63,7 +65,7 @@ ANSWERS = ("scale", "kernel", "noise", "honest")
 PARTS = ("parts", "rows", "withhold", "farstep", "output")
 KINDS = ANSWERS + PARTS
 SAMPLED = ("every_other", "update", "head")  # the spot checks' lies, below
-RING = ("ring_own", "ring_pass")
+RING = ("ring_own", "ring_pass", "ring_bn")
 KINDS += SAMPLED + RING
 
 
@@ -210,7 +212,9 @@ def lying_ring(liar: LyingService) -> None:
         return ready(self, index, gradient)
 
     def lying_file(self, session, step, round_, segment, part):
-        if liar.kind == "ring_pass" and step >= liar.from_step and round_ < ROUNDS_PER_SUM:
+        gradient = round_ < ROUNDS_PER_SUM  # else a batch norm sum's (or the master's part)
+        lies = {"ring_pass": gradient, "ring_bn": ROUNDS_PER_SUM <= round_ < MASTER_ROUND}
+        if lies.get(liar.kind) and step >= liar.from_step:
             part = np.asarray(part) * np.float32(1.5)
         return file(self, session, step, round_, segment, part)
 

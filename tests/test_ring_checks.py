@@ -168,3 +168,27 @@ def test_a_worker_that_changes_what_it_passes_on_breaks_the_sum_every_step(tmp_p
         len(cluster.steps) - 2
     )
     assert not [e for e in events if e["event"] == "worker_lost"]
+
+
+@pytest.mark.parametrize("kind", ["ring_own", "ring_bn"])
+def test_with_batch_norm_a_lying_worker_is_caught_and_lost(tmp_path, kind):
+    """A network with batch norm, the liar lying from step 3: ``ring_own`` puts 1.5x its
+    gradient in (a drawn check, its range recomputed with the whole batch's sums, finds it);
+    ``ring_bn`` normalises by wrong statistics (1.5x every part of batch norm's sums it takes:
+    the totals it took are not the sums of the parts, the step is refused and every range
+    recomputed, and its sketches differ). Either way it is lost at step 3, the master
+    computes that step's whole batch, and training equals local training."""
+    local = train_spec(tmp_path, "local", LocalConv(), CONV_BN)
+    with LocalWorkers(1) as workers, lying_worker(kind, 3) as liar:
+        cluster = _checked([*workers.addresses, liar])
+        got = train_spec(tmp_path, "ring", cluster, CONV_BN)
+    same_as_local(got, local)
+    lost = [e for e in cluster.events if e["event"] == "worker_lost"]
+    assert [(e["worker"], e["step"]) for e in lost] == [(liar, 3)]
+    differs = [e for e in cluster.events if e["event"] == "ring_sum_differs"]
+    if kind == "ring_bn":
+        assert [e["step"] for e in differs] == [3]
+        assert "batch norm sums that are not the sums" in differs[0]["why"]
+    else:
+        assert not differs
+    assert [r["exchange"] for r in cluster.steps[:4]] == [RING, RING, RING, MASTER]

@@ -60,9 +60,10 @@ from hetconv.ring import (
     digest_values,
     flat,
     momentum_name,
+    split64,
     unflat,
 )
-from hetconv.ringcheck import sketch_answer
+from hetconv.ringcheck import SUMS, sketch_answer, sums_digest
 from hetconv.spec import check_spec, walk_spec
 from hetconv.wire import WireTensor
 from hetconv.worker.context import WorkerContext
@@ -279,17 +280,8 @@ class ImagesCalls:
             raise InvalidCall(f"this worker holds weights of version {kept.version}, the step "
                               f"needs {ring.version}: they must be placed")  # fmt: skip
         start = time.perf_counter()
-        sums = iter(range(1, MASTER_ROUND // ROUNDS_PER_SUM))
         seconds = dict.fromkeys(("batchnorm", "ring", "update", "digest"), 0.0)
-
-        def reduce(v: np.ndarray) -> np.ndarray:  # a batch norm sum over the ring, float64
-            began = time.perf_counter()  # (from a device: its few values down and up)
-            try:
-                summed = ctx.ring.sum64(request, backend.to_host(v), next(sums) * ROUNDS_PER_SUM)
-                return backend.to_device(summed)
-            finally:
-                seconds["batchnorm"] += time.perf_counter() - began
-
+        reduce = _BatchNormSums(ctx, request, seconds)
         overlap = None  # the gradient's buckets summed while backward runs
 
         def work():
@@ -332,11 +324,13 @@ class ImagesCalls:
                                                          seconds)  # fmt: skip
         tensors = [(name, grads[name], FLOAT32) for name in names]
         ring_values, buffers = self._ring_values(request, model, outcome, seconds)
+        sums = np.zeros(0, np.float32)
         if outcome != OWN and kept.sketch is not None:  # of its own gradient, by the sum's seed
             ring_values[-SKETCH_VALUES:] = kept.sketch
+            sums = reduce.answer(ring_values[-SKETCH_VALUES:])
         tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32),
                     ("ring", ring_values, FLOAT32), ("buffers", buffers, FLOAT32),
-                    ("slice", piece, FLOAT32)]  # fmt: skip
+                    ("slice", piece, FLOAT32), ("sums", sums, FLOAT32)]  # fmt: skip
         return tensors, compute, receive
 
     def _ring_values(self, request: pb.ConvRequest, model: Model, outcome: int, seconds):
@@ -418,6 +412,41 @@ class ImagesCalls:
         if ring.answer_sum:
             return SUMMED, dict(zip(names, summed, strict=True)), np.zeros(0, np.float32)
         return DONE, empty, np.zeros(0, np.float32)
+
+
+class _BatchNormSums:
+    """``reduce`` of a ring step's batch norm layers (:func:`hetconv.imagesplit.sync_batchnorm`):
+    each sum over the ring, float64, its time in ``seconds["batchnorm"]``; where the request
+    asks for sketches (spot checks: :mod:`hetconv.ringcheck`), each sum's part here and total
+    kept for the answer (:meth:`answer`)."""
+
+    def __init__(self, context: WorkerContext, request: pb.ConvRequest, seconds: dict):
+        self.context, self.request, self.seconds = context, request, seconds
+        self.rounds = iter(range(1, MASTER_ROUND // ROUNDS_PER_SUM))
+        self.keep = request.images.ring.sketch
+        self.parts: list[np.ndarray] = []
+        self.totals: list[np.ndarray] = []
+
+    def __call__(self, v):
+        began = time.perf_counter()  # (from a device: its few values down and up)
+        backend = self.context.backend
+        try:
+            host = backend.to_host(v)
+            summed = self.context.ring.sum64(self.request, host, next(self.rounds) * ROUNDS_PER_SUM)
+            if self.keep:
+                self.parts.append(np.asarray(host, np.float64))
+                self.totals.append(summed)
+            return backend.to_device(summed)
+        finally:
+            self.seconds["batchnorm"] += time.perf_counter() - began
+
+    def answer(self, sketch: np.ndarray) -> np.ndarray:
+        """Its parts of the sums (:func:`~hetconv.ring.split64`: exact float32 pieces), and the
+        digest of the totals it took set in its ``sketch`` values; empty where none."""
+        if not self.parts:
+            return np.zeros(0, np.float32)
+        sketch[SUMS] = sums_digest(np.concatenate(self.totals))
+        return split64(np.concatenate(self.parts))
 
 
 def _apply(request: pb.ConvRequest, kept: _Kept, names, gradients, which, backend) -> None:
