@@ -164,27 +164,39 @@ def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict
 
         peer = simulate_data_parallel(model, spec, layers[0].shape.n, comp_alone_s)
         out["data_parallel_s"] = peer.step_s
-        out["image_split_s"] = image_split_steps(model, spec, layers[0].shape.n, comp_alone_s)
+        out["image_split_s"] = image_split_steps(
+            model, spec, layers[0].shape.n, comp_alone_s, c.spot_checks, alone
+        )
     return out
 
 
-def image_split_steps(model, spec, batch: int, comp_alone_s: float) -> dict[str, float]:
+def image_split_steps(
+    model, spec, batch: int, comp_alone_s: float, checks=None, alone_s: float = 0.0
+) -> dict[str, float]:
     """The step of hetconv's own split by images on the nodes as measured, per exchange
     (``master``, ``ring``; a network with batch norm only ``ring``), from the master's other
-    work per step alone (:func:`hetconv.imagecost.simulate_image_split`)."""
+    work per step alone (:func:`hetconv.imagecost.simulate_image_split`); with batch norm the
+    ring's spot checks (``checks``) add what they cost a step on average
+    (:func:`.ringcheck.check_seconds`, from the master alone's step ``alone_s``)."""
     from hetconv.imagecost import simulate_image_split
     from hetconv.imagesplit import refuse_batchnorm
     from hetconv.ring import MASTER, RING
 
-    exchanges = {MASTER: "ps", RING: "ring"}
+    from .ringcheck import check_seconds
+
+    exchanges, batchnorm = {MASTER: "ps", RING: "ring"}, False
     try:
         refuse_batchnorm(spec)
     except ValueError:  # its statistics are summed among the workers: the ring's alone
         del exchanges[MASTER]
-    return {
+        batchnorm = True
+    out = {
         name: simulate_image_split(model, spec, batch, comp_alone_s, exchange=exchange).step_s
         for name, exchange in exchanges.items()
     }
+    if checks is not None:
+        out[RING] += check_seconds(checks, alone_s, len(model.workers), batchnorm)
+    return out
 
 
 def plan_record(cluster) -> dict:

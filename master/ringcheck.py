@@ -44,6 +44,17 @@ from .spotcheck import IMAGES_RTOL, Comparison, SpotCheckFailed, norm_scale
 RING_LAYER = "ring"
 
 
+def check_seconds(checks, alone_s: float, workers: int, batchnorm: bool) -> float:
+    """What the ring's spot checks (``checks``, a :class:`~.spotcheck.SpotCheckConfig`) cost a
+    step on average: with batch norm, on a drawn step (one in ``every``), the drawn ranges
+    (``images`` of the workers, each about an equal share of the batch) recomputed on the
+    master, at its speed for the whole batch ``alone_s``, after the answers; without, they are
+    recomputed while the workers compute (counted as free)."""
+    if not checks.every or not workers or not batchnorm:
+        return 0.0
+    return alone_s * min(checks.images, workers) / workers / checks.every
+
+
 def drawn_ranges(split, model, x, labels, step: int, ring) -> tuple:
     """On a step the spot checker draws, ``--spot-check-sample`` workers of the ring drawn in
     secret, as (the drawn ring entries, each one's (gradients, losses) recomputed here); the
@@ -185,4 +196,4 @@ class _Replay:
         return np.concatenate(self.kept) if self.kept else np.zeros(0)
 
 
-__all__ = ["RING_LAYER", "check_ring", "drawn_ranges"]
+__all__ = ["RING_LAYER", "check_ring", "check_seconds", "drawn_ranges"]

@@ -192,3 +192,13 @@ def test_with_batch_norm_a_lying_worker_is_caught_and_lost(tmp_path, kind):
     else:
         assert not differs
     assert [r["exchange"] for r in cluster.steps[:4]] == [RING, RING, RING, MASTER]
+
+
+def test_what_the_checks_cost_a_step_is_counted_with_batch_norm_only():
+    from hetconv.master.ringcheck import check_seconds
+
+    checks = SpotCheckConfig()  # every 4th step on average, 2 workers drawn
+    assert check_seconds(checks, 0.4, 4, True) == pytest.approx(0.4 * 2 / 4 / 4)
+    assert check_seconds(checks, 0.4, 1, True) == pytest.approx(0.4 / 4)  # one worker to draw
+    assert check_seconds(checks, 0.4, 4, False) == 0.0  # recomputed while the workers compute
+    assert check_seconds(SpotCheckConfig(every=0), 0.4, 4, True) == 0.0
