@@ -343,6 +343,12 @@ class ConvExecutor:
         answering wrong values was taken out mid-step); the training loop asks after each."""
         return False
 
+    def complete(self) -> None:
+        """Finish what the executor deferred past its steps (the ring's spot check of a step
+        with batch norm, run while the next step computes): the model then holds weights every
+        check passed. The training loop calls it before an evaluation, a checkpoint and its
+        end."""
+
     def close(self) -> None:
         """Release connections and threads."""
 

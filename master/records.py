@@ -175,27 +175,26 @@ def image_split_steps(
 ) -> dict[str, float]:
     """The step of hetconv's own split by images on the nodes as measured, per exchange
     (``master``, ``ring``; a network with batch norm only ``ring``), from the master's other
-    work per step alone (:func:`hetconv.imagecost.simulate_image_split`); with batch norm the
-    ring's spot checks (``checks``) add what they cost a step on average
-    (:func:`.ringcheck.check_seconds`, from the master alone's step ``alone_s``)."""
+    work per step alone (:func:`hetconv.imagecost.simulate_image_split`); the ring's spot
+    checks (``checks``) add what they cost a step on average (:func:`.ringcheck.check_seconds`,
+    from the master alone's step ``alone_s``)."""
     from hetconv.imagecost import simulate_image_split
     from hetconv.imagesplit import refuse_batchnorm
     from hetconv.ring import MASTER, RING
 
     from .ringcheck import check_seconds
 
-    exchanges, batchnorm = {MASTER: "ps", RING: "ring"}, False
+    exchanges = {MASTER: "ps", RING: "ring"}
     try:
         refuse_batchnorm(spec)
     except ValueError:  # its statistics are summed among the workers: the ring's alone
         del exchanges[MASTER]
-        batchnorm = True
     out = {
         name: simulate_image_split(model, spec, batch, comp_alone_s, exchange=exchange).step_s
         for name, exchange in exchanges.items()
     }
     if checks is not None:
-        out[RING] += check_seconds(checks, alone_s, len(model.workers), batchnorm)
+        out[RING] += check_seconds(checks, alone_s, len(model.workers), out[RING])
     return out
 
 

@@ -82,7 +82,7 @@ from .client import CallStats, WorkerClient, WorkerError
 from .imagesplit import ImageSplit
 from .membership import MASTER as MASTER_NODE
 from .membership import Node
-from .ringcheck import check_ring, drawn_ranges
+from .ringcheck import check_ring, drawn_ranges, run_late
 from .ringparts import WAIT_FLOOR_S, master_sender, put_master, put_master_part
 
 #: The share of the weights' blocks a step's digests cover (:func:`hetconv.ring.digest`): a
@@ -195,6 +195,8 @@ class RingImageSplit(ImageSplit):
         self._momentum: dict[str, np.ndarray] = {}
         self._batchnorm = False  # the network has batch norm: synchronised over the ring
         self._log = None  # the console, until the exchange is said there
+        self._late = None  # a drawn step's spot check run during the next (master/ringcheck.py)
+        self._model = None
 
     # -- the exchange ----------------------------------------------------------------------
 
@@ -336,11 +338,18 @@ class RingImageSplit(ImageSplit):
     def attach_optimizer(self, sgd) -> None:
         self._sgd = sgd
 
+    def complete(self) -> None:
+        """The last step's spot check, where it was deferred (batch norm)."""
+        if getattr(self, "_late", None) is not None:
+            run_late(self, self._model)
+
     def gather_resident(self) -> dict:
         """The momentum buffers (the master's copy of the weights is the model's own)."""
+        self.complete()
         return {k: np.array(v) for k, v in self._momentum.items()}
 
     def load_resident_momentum(self, momentum: dict) -> None:
+        self._late = None  # a resumed run's weights are the checkpoint's
         self._momentum = {k: np.array(v, np.float32) for k, v in momentum.items()}
         self._placed.clear()  # every worker gets the resumed weights
 
@@ -366,6 +375,11 @@ class RingImageSplit(ImageSplit):
             raise RuntimeError(f"{len(ring)} workers: a ring holds at most {MAX_RANKS}")
         master = next((r for r in ranges if r[0].is_master), None)
         calls = self._ring_calls(model, x, labels, step, ring, master is not None)
+        self._model = model
+        rolled_back = run_late(self, model)  # the last step's check, while these compute
+        if rolled_back:  # they compute from the refused sum's weights: this step is here too
+            for node, _, _ in ring:
+                abort_ring(node.client, self.session, step)
         parts: dict[str, tuple] = {}
         if master is not None:  # the master's own range, while the workers compute
             node, first, count = master
@@ -379,7 +393,7 @@ class RingImageSplit(ImageSplit):
         self._abort_on_failure(calls, ring, step)
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
         self._answered = time.perf_counter()  # the sum joined and the copy updated after it
-        summed = joined_sum(model, ring, answers, self.sum_slices)
+        summed = None if rolled_back else joined_sum(model, ring, answers, self.sum_slices)
         if summed is not None and self.spot_checks is not None:
             summed = check_ring(self, model, x, labels, step, ring, answers, summed,
                                 parts.get(MASTER_NODE), drawn)  # fmt: skip

@@ -23,11 +23,12 @@ drawn ranges, not the whole batch; it runs once the answers are in.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from hetconv.imagesplit import images_gradients
-from hetconv.ring import flat, join64
+from hetconv.ring import MASTER, flat, join64
 from hetconv.ringcheck import (
     SUMS,
     answered_seed,
@@ -44,15 +45,16 @@ from .spotcheck import IMAGES_RTOL, Comparison, SpotCheckFailed, norm_scale
 RING_LAYER = "ring"
 
 
-def check_seconds(checks, alone_s: float, workers: int, batchnorm: bool) -> float:
+def check_seconds(checks, alone_s: float, workers: int, step_s: float) -> float:
     """What the ring's spot checks (``checks``, a :class:`~.spotcheck.SpotCheckConfig`) cost a
-    step on average: with batch norm, on a drawn step (one in ``every``), the drawn ranges
-    (``images`` of the workers, each about an equal share of the batch) recomputed on the
-    master, at its speed for the whole batch ``alone_s``, after the answers; without, they are
-    recomputed while the workers compute (counted as free)."""
-    if not checks.every or not workers or not batchnorm:
+    step on average: on a drawn step (one in ``every``) the master recomputes the drawn ranges
+    (``images`` of the workers, each about an equal share of the batch, at its speed for the
+    whole batch ``alone_s``) while the workers compute a step of ``step_s`` (the same step's,
+    or with batch norm the next one's): only what passes that step counts."""
+    if not checks.every or not workers:
         return 0.0
-    return alone_s * min(checks.images, workers) / workers / checks.every
+    ranges = alone_s * min(checks.images, workers) / workers
+    return max(0.0, ranges - step_s) / checks.every
 
 
 def drawn_ranges(split, model, x, labels, step: int, ring) -> tuple:
@@ -86,6 +88,13 @@ def check_ring(split, model, x, labels, step, ring, answers, summed, master_part
     totals = _totals(ring, answers) if split._batchnorm else None
     why = _why_refused(vector, sketches, ring, answers, totals, split._batchnorm)
     checked, ranges = (list(drawn[0]), dict(drawn[1] or {})) if drawn else ([], {})
+    if split._batchnorm and checked and not why:  # run while the next step computes
+        params, buffers = _state(model)
+        split._late = LateCheck(
+            step, checked, totals, {n.name: answers[n.name] for n, _, _ in checked}, x, labels,
+            params, buffers, {k: np.array(v) for k, v in split._momentum.items()},
+        )  # fmt: skip
+        return summed
     if why:
         split._events.emit("ring_sum_differs", None, why=why,
                            action="every range recomputed on the master")  # fmt: skip
@@ -108,6 +117,80 @@ def check_ring(split, model, x, labels, step, ring, answers, summed, master_part
             caught = True
     checker.seconds += time.perf_counter() - start
     return None if caught or why else summed
+
+
+@dataclass
+class LateCheck:
+    """A drawn step's check with batch norm, deferred: the master recomputes the drawn ranges
+    while the next step's workers compute (:func:`run_late`), from what it kept of the step --
+    its batch, the whole batch's sums, the drawn workers' answers, and its weights, running
+    statistics and momentum before its update (to roll back to)."""
+
+    step: int
+    drawn: list
+    totals: np.ndarray
+    answers: dict
+    x: np.ndarray
+    labels: np.ndarray
+    params: dict
+    buffers: dict
+    momentum: dict
+
+
+def run_late(split, model) -> bool:
+    """Run the deferred check, if one is pending. True where it caught a worker: that worker is
+    lost, the master's copy (weights, running statistics, momentum) is rolled back to the
+    checked step's and that step computed here from them (the whole batch), and every worker
+    is placed again; the caller's step, computed from the refused sum's weights, must be
+    computed here too."""
+    late, split._late = split._late, None
+    if late is None:
+        return False
+    checker, names = split.spot_checks, list(model.parameters())
+    now = _state(model)
+    _load(model, late.params, late.buffers)
+    start = time.perf_counter()
+    ranges = _recomputed(split, model, late.x, late.labels, late.step, late.drawn, late.totals)
+    caught = False
+    for node, _, _ in late.drawn:
+        try:
+            checker.compare(
+                node,
+                RING_LAYER,
+                "step",
+                _comparisons(late.answers[node.name], ranges[node.name], names),
+            )
+        except SpotCheckFailed as e:
+            split.membership.lose(node, e)
+            caught = True
+    checker.seconds += time.perf_counter() - start
+    if not caught:
+        _load(model, *now)
+        return False
+    split._momentum = late.momentum
+    split._placed.clear()
+    batch = len(late.x)
+    whole = split._local(model, late.x, late.labels, 0, batch, batch, late.step)
+    split._set_gradients(model, [whole[0]])
+    split._update(model, model.gradients(), {}, MASTER)
+    split._events.emit(
+        "step_recomputed", None, recomputed=late.step,
+        why="a spot check of its ring, run during the next step, caught a worker",
+    )  # fmt: skip
+    return True
+
+
+def _state(model) -> tuple[dict, dict]:
+    return (
+        {k: np.array(v) for k, v in model.parameters().items()},
+        {k: np.array(v) for k, v in model.buffers().items()},
+    )
+
+
+def _load(model, params: dict, buffers: dict) -> None:
+    for target, values in ((model.parameters(), params), (model.buffers(), buffers)):
+        for name, value in values.items():
+            target[name][...] = value
 
 
 def _why_refused(vector, sketches, ring, answers, totals, batchnorm: bool) -> str:
@@ -196,4 +279,4 @@ class _Replay:
         return np.concatenate(self.kept) if self.kept else np.zeros(0)
 
 
-__all__ = ["RING_LAYER", "check_ring", "check_seconds", "drawn_ranges"]
+__all__ = ["RING_LAYER", "LateCheck", "check_ring", "check_seconds", "drawn_ranges", "run_late"]

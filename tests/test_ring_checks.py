@@ -116,16 +116,20 @@ def test_the_ring_with_spot_checks_every_step_trains_as_local_training(tmp_path)
 
 
 def test_a_network_with_batch_norm_checked_every_step_trains_as_local_training(tmp_path):
-    """The drawn worker's range recomputed with the whole batch's statistics (the whole batch
-    computed first, its sums replayed): its sketches agree, and the running statistics stay
-    those of one pass (the weight file holds them)."""
+    """The drawn workers' ranges recomputed with the whole batch's sums (from the answers),
+    during the next step: their sketches agree, and the running statistics stay those of one
+    pass (the weight file holds them)."""
     local = train_spec(tmp_path, "local", LocalConv(), CONV_BN)
     with LocalWorkers(2) as workers:
         cluster = _checked(workers.addresses)
         got = train_spec(tmp_path, "ring", cluster, CONV_BN)
     same_as_local(got, local)
     assert all(r["exchange"] == RING and "master" not in r["images"] for r in cluster.steps)
-    assert all(len(r["spot_checks"]["workers"]) == 2 for r in cluster.steps)
+    # Each step's check runs during the next (in its record), or before an evaluation (at
+    # each epoch's end, 6 steps here: in no step's record) and at the end.
+    checked = [i for i, r in enumerate(cluster.steps) if "spot_checks" in r]
+    assert checked == [i for i in range(1, len(cluster.steps)) if i % 6 != 0]
+    assert all(len(cluster.steps[i]["spot_checks"]["workers"]) == 2 for i in checked)
     assert not [e for e in cluster.events if e["event"] in ("worker_lost", "ring_sum_differs")]
 
 
@@ -172,33 +176,43 @@ def test_a_worker_that_changes_what_it_passes_on_breaks_the_sum_every_step(tmp_p
 
 @pytest.mark.parametrize("kind", ["ring_own", "ring_bn"])
 def test_with_batch_norm_a_lying_worker_is_caught_and_lost(tmp_path, kind):
-    """A network with batch norm, the liar lying from step 3: ``ring_own`` puts 1.5x its
-    gradient in (a drawn check, its range recomputed with the whole batch's sums, finds it);
-    ``ring_bn`` normalises by wrong statistics (1.5x every part of batch norm's sums it takes:
-    the totals it took are not the sums of the parts, the step is refused and every range
-    recomputed, and its sketches differ). Either way it is lost at step 3, the master
-    computes that step's whole batch, and training equals local training."""
+    """A network with batch norm, the liar lying from step 3.
+
+    ``ring_bn`` normalises by wrong statistics (1.5x every part of batch norm's sums it
+    takes): the totals it took are not the sums of the parts, so step 3's sum is refused at
+    once, every range recomputed, and its sketches differ: lost at step 3, the master
+    computing that step's whole batch.
+
+    ``ring_own`` puts 1.5x its gradient in, and everything adds up: the drawn check (its
+    range recomputed with the whole batch's sums) runs during step 4, while the workers
+    compute. It is lost at step 4; the master's copy goes back to step 3's weights, computes
+    step 3 and then step 4 itself (the workers' step 4 started from the refused sum's).
+
+    Either way training equals local training."""
     local = train_spec(tmp_path, "local", LocalConv(), CONV_BN)
     with LocalWorkers(1) as workers, lying_worker(kind, 3) as liar:
         cluster = _checked([*workers.addresses, liar])
         got = train_spec(tmp_path, "ring", cluster, CONV_BN)
     same_as_local(got, local)
+    at = 3 if kind == "ring_bn" else 4
     lost = [e for e in cluster.events if e["event"] == "worker_lost"]
-    assert [(e["worker"], e["step"]) for e in lost] == [(liar, 3)]
+    assert [(e["worker"], e["step"]) for e in lost] == [(liar, at)]
     differs = [e for e in cluster.events if e["event"] == "ring_sum_differs"]
+    recomputed = [e for e in cluster.events if e["event"] == "step_recomputed"]
     if kind == "ring_bn":
-        assert [e["step"] for e in differs] == [3]
+        assert [e["step"] for e in differs] == [3] and not recomputed
         assert "batch norm sums that are not the sums" in differs[0]["why"]
     else:
-        assert not differs
-    assert [r["exchange"] for r in cluster.steps[:4]] == [RING, RING, RING, MASTER]
+        assert not differs and [(e["step"], e["recomputed"]) for e in recomputed] == [(4, 3)]
+    assert [r["exchange"] for r in cluster.steps[: at + 1]] == [RING] * at + [MASTER]
 
 
-def test_what_the_checks_cost_a_step_is_counted_with_batch_norm_only():
+def test_what_the_checks_cost_a_step_is_what_passes_the_workers_step():
     from hetconv.master.ringcheck import check_seconds
 
     checks = SpotCheckConfig()  # every 4th step on average, 2 workers drawn
-    assert check_seconds(checks, 0.4, 4, True) == pytest.approx(0.4 * 2 / 4 / 4)
-    assert check_seconds(checks, 0.4, 1, True) == pytest.approx(0.4 / 4)  # one worker to draw
-    assert check_seconds(checks, 0.4, 4, False) == 0.0  # recomputed while the workers compute
-    assert check_seconds(SpotCheckConfig(every=0), 0.4, 4, True) == 0.0
+    # 2 ranges of a quarter of the batch: 0.2 s of the master's, hidden by a 0.3 s step
+    assert check_seconds(checks, 0.4, 4, 0.3) == 0.0
+    assert check_seconds(checks, 0.4, 4, 0.15) == pytest.approx((0.2 - 0.15) / 4)
+    assert check_seconds(checks, 0.4, 1, 0.3) == pytest.approx((0.4 - 0.3) / 4)  # one to draw
+    assert check_seconds(SpotCheckConfig(every=0), 0.4, 4, 0.0) == 0.0

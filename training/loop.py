@@ -317,6 +317,7 @@ class _Run:
             if self.plan is not None:
                 self.trace.write(self.plan)
             self._loop()
+            self.executor.complete()  # a check deferred past the last step
             if len(self.test_set):
                 self.final_eval = self._evaluate(self.steps, final=True)
             if self.executor.distributed and self.worker_steps:
@@ -342,6 +343,7 @@ class _Run:
     def _evaluate(self, done: int, final: bool) -> tuple[float, float]:
         """Evaluate on the held-out set after ``done`` steps, trace it and, except the final
         evaluation (the summary reports it), print it; returns (loss, accuracy)."""
+        self.executor.complete()  # the weights checked before they are evaluated
         start = time.perf_counter()
         loss, accuracy = evaluate(self.model, self.test_set, self.config.eval_batch)
         seconds = time.perf_counter() - start
@@ -503,6 +505,7 @@ class _Run:
     def _momentum(self) -> dict[str, np.ndarray]:
         """Every parameter's momentum buffer; resident slices gathered into the model first
         (so its weights are the whole truth too)."""
+        self.executor.complete()  # the weights checked before they are kept
         momentum = self.optimizer.state()
         if self.resident:
             momentum.update(self.executor.gather_resident())
