@@ -264,6 +264,10 @@ class EmbeddedCluster(ConvExecutor):
     def redo_step(self) -> bool:
         return self.cluster.redo_step()
 
+    def complete(self) -> None:
+        if self.cluster is not None:
+            self.cluster.complete()
+
     def plan_record(self) -> dict:
         return self.cluster.plan_record()
 

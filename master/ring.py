@@ -159,6 +159,24 @@ def abort_ring(client: WorkerClient, session: int, step: int) -> None:
         pass
 
 
+def abort_on_failure(calls: dict[str, Call], ring, session: int, step: int) -> None:
+    """Wait until every call has ended or one has failed; once one failed (its worker gone
+    mid-step), tell every other worker still computing that this step's ring failed: one
+    waiting for the lost worker's part (batch norm's sums, a round of the gradient's) stops
+    now instead of at its wait's end."""
+    ended = threading.Event()
+    for call in calls.values():
+        call.notify(ended)
+    while not any(call.failed() for call in calls.values()):
+        if all(call.done() for call in calls.values()):
+            return
+        ended.wait()
+        ended.clear()
+    for node, _, _ in ring:
+        if not calls[node.name].done():
+            abort_ring(node.client, session, step)
+
+
 def _sum_ports(ring) -> list[int]:
     """The ring's workers' sum ports (:mod:`hetconv.worker.summesh`), in rank order; none
     where any worker lacks one (its parts then go as RingPart calls)."""
@@ -390,7 +408,7 @@ class RingImageSplit(ImageSplit):
                 self._part_bytes = put_master(self, model, parts[node.name][0], ring[0][0],
                                               step, sender)  # fmt: skip
         drawn = drawn_ranges(self, model, x, labels, step, ring)  # while the workers compute
-        self._abort_on_failure(calls, ring, step)
+        abort_on_failure(calls, ring, self.session, step)
         answers = {r[0].name: self._ring_answer(r, calls, ring, step) for r in ring}
         self._answered = time.perf_counter()  # the sum joined and the copy updated after it
         summed = None if rolled_back else joined_sum(model, ring, answers, self.sum_slices)
@@ -493,23 +511,6 @@ class RingImageSplit(ImageSplit):
             self._record[node.name] = {"images": count, "placed": place}
         return calls
 
-    def _abort_on_failure(self, calls: dict[str, Call], ring, step: int) -> None:
-        """Wait until every call has ended or one has failed; once one failed (its worker
-        gone mid-step), tell every other worker still computing that this step's ring failed:
-        one waiting for the lost worker's part (batch norm's sums, a round of the gradient's)
-        stops now instead of at its wait's end."""
-        ended = threading.Event()
-        for call in calls.values():
-            call.notify(ended)
-        while not any(call.failed() for call in calls.values()):
-            if all(call.done() for call in calls.values()):
-                return
-            ended.wait()
-            ended.clear()
-        for node, _, _ in ring:
-            if not calls[node.name].done():
-                abort_ring(node.client, self.session, step)
-
     def _ring_answer(self, at, calls, ring, step: int) -> tuple | None:
         """A worker's answer as (gradients or None, losses, hits, outcome, digest); None, the
         worker lost, when its call failed (the others told so: none waits on it)."""
@@ -583,6 +584,7 @@ def image_split_class(exchange: str) -> type[ImageSplit]:
 
 __all__ = [
     "RingImageSplit",
+    "abort_on_failure",
     "abort_ring",
     "image_split_class",
     "joined_sum",

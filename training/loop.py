@@ -167,6 +167,17 @@ def _master_alone(run: _Run) -> tuple[float, int]:
     return seconds, len(steps)
 
 
+def eval_due(run: _Run, done: int) -> bool:
+    """Whether ``run`` evaluates after ``done`` steps, before the last: at every epoch's end
+    and every ``eval_every`` steps."""
+    every = run.config.eval_every
+    return (
+        len(run.test_set) > 0
+        and done < run.steps
+        and (done % run.steps_per_epoch == 0 or (every is not None and done % every == 0))
+    )
+
+
 class _Run:
     """One call of :func:`train`: the constructor sets it up (data, model, the checkpoint to
     continue from, the executor, the optimizer), then :meth:`announce`, :meth:`run_steps` and
@@ -330,16 +341,6 @@ class _Run:
     def _elapsed(self) -> float:
         return self.totals.earlier_seconds + time.perf_counter() - self._start - self._eval_seconds
 
-    def _eval_due(self, done: int) -> bool:
-        """Whether to evaluate after ``done`` steps, before the last: at every epoch's end and
-        every ``eval_every`` steps."""
-        every = self.config.eval_every
-        return (
-            len(self.test_set) > 0
-            and done < self.steps
-            and (done % self.steps_per_epoch == 0 or (every is not None and done % every == 0))
-        )
-
     def _evaluate(self, done: int, final: bool) -> tuple[float, float]:
         """Evaluate on the held-out set after ``done`` steps, trace it and, except the final
         evaluation (the summary reports it), print it; returns (loss, accuracy)."""
@@ -406,7 +407,7 @@ class _Run:
                             tqdm.write(f"saving the weights failed: {e}", file=self.log)
                             model = None
                         raise TrainingInterrupted(self._stop.signum, step + 1, target, model)
-                    if self._eval_due(step + 1):
+                    if eval_due(self, step + 1):
                         self._evaluate(step + 1, final=False)
         finally:
             bar.close()
