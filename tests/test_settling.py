@@ -173,6 +173,9 @@ def test_a_cluster_that_settles_trains_exactly_like_local(tmp_path):
         for phase in ("forward", "backward"):
             mine = record["nodes"]["master"]["conv2"][phase]
             assert mine["wall_seconds"] >= mine["compute_seconds"] > 0
-    np.testing.assert_allclose(got.losses, local.losses, rtol=1e-6)
+    # Round-off, as every exactness test allows (exactness.same_as_local: 1e-5). The settled
+    # shares follow the walls measured on a loaded machine, so where each input gradient's
+    # sum over the nodes splits differs run to run; one CI run in 8 put a loss 9e-6 apart.
+    np.testing.assert_allclose(got.losses, local.losses, rtol=1e-5)
     for name in weights:
         np.testing.assert_allclose(weights[name], local_weights[name], rtol=0, atol=1e-6)
