@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from hetconv.simulations.cpucap import (
     CPU_CGROUP_ROOT,
@@ -48,6 +49,8 @@ LINK_KINDS = (SWITCHED_LINK, SHARED_LINK)
 #: Every node's address is SUBNET.(2 + its index), the master's SUBNET.1: the addresses live in
 #: the testbed's own namespaces only, so no two testbeds (or the host) can clash.
 SUBNET = "10.214.0"
+#: Where `ip netns add` keeps a named network namespace's handle (for `nsenter --net`).
+NETNS_DIR = Path("/run/netns")
 
 
 def cluster_testbed_unavailable(link: str = SWITCHED_LINK) -> str | None:
@@ -58,6 +61,8 @@ def cluster_testbed_unavailable(link: str = SWITCHED_LINK) -> str | None:
         return why
     if shutil.which("mount") is None and not (CPU_CGROUP_ROOT / "cpu.cfs_quota_us").exists():
         return "needs the cgroup v1 cpu controller (or `mount` to mount it)"
+    if shutil.which("nsenter") is None:
+        return "needs `nsenter` (util-linux) to start processes in a node's network namespace"
     if link == SHARED_LINK:
         probe = f"{PREFIX}{os.getpid() % 10**7}x"
         done = _run("ip", "link", "add", probe, "type", "ifb", check=False)
@@ -235,12 +240,15 @@ class ClusterTestbed:
         """Start ``command`` in ``host``'s namespace, in its CPU cap unless ``capped`` is False,
         with a parent-death signal; stdout and stderr come merged as text from the returned
         process's ``stdout``. Teardown stops it if it still runs."""
-        # Into the cgroup first: `ip netns exec` mounts a sysfs of the namespace's own over
-        # /sys, which hides the cgroup folders. Each step execs the next, so the pid is the
-        # command's, and the cgroup and the parent-death signal carry over.
+        # Into the cgroup first, then into the namespace's network alone (`nsenter --net`,
+        # not `ip netns exec`, which mounts a sysfs of the namespace's own over /sys and so
+        # hides the cgroup folders: a process then could not read its own CPU quota, as one
+        # in a container can, hetconv.cpushare.quota_share). Each step execs the next, so the
+        # pid is the command's, and the cgroup and the parent-death signal carry over.
         cap = host.cap.prefix() if capped and host.cap is not None else []
+        enter = ["nsenter", f"--net={NETNS_DIR / host.namespace}"]
         process = subprocess.Popen(
-            [*die_with_parent(), *cap, "ip", "netns", "exec", host.namespace, *command],
+            [*die_with_parent(), *cap, *enter, *command],
             stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
