@@ -12,6 +12,10 @@ with the master's other work timed), it compares, on those measurements:
   may run (no TLS; :mod:`.ring`), by the ring among the workers
   (:func:`.records.image_split_steps`); a network with batch norm only by the ring.
 
+Where the split by kernels stays and its plan keeps every kernel on the master (each worker not
+worth its link or its compute), the master trains alone, as ``--local`` (no calls, the engine's
+own strides), and the workers are released: the split line says so.
+
 Workers on the master's own machine share its cores, which the predictions do not model:
 with any such worker the split by kernels stays. A split by images is chosen only when
 predicted at least :data:`~hetconv.imagecost.SPLIT_MARGIN` faster than the split by kernels
@@ -51,6 +55,18 @@ def ruled_out_exchanges(config, exchange: str) -> dict[str, str]:
     if config.tls_ca is not None:
         return {RING: "the ring refuses TLS (its workers' parts are plain TCP)"}
     return {}
+
+
+def keeps_every_kernel(cluster) -> bool:
+    """Whether ``cluster``'s plan gives the workers nothing: every layer's kernels on the
+    master, no block replicated on them, no split head."""
+    plans = getattr(cluster, "plans", {})
+    return (
+        bool(plans)
+        and all(not any(plan.shares[1:]) for plan in plans.values())
+        and not cluster.replicas.feeds
+        and not cluster.head_fcs
+    )
 
 
 class SplitChoice:
@@ -104,6 +120,8 @@ class SplitChoice:
                 "predictions do not model (the split by kernels stays)",
             }  # fmt: skip
         log = self._prepared[2]
+        if self.choice["split"] == KERNELS and keeps_every_kernel(self.inner):
+            self._release()
         if self.choice["split"] == IMAGES:
             self._switch(self.choice["exchange"])
             self.inner.predict_step(comp_alone_s, comp_s, spec)  # takes the spec
@@ -112,6 +130,20 @@ class SplitChoice:
         if log is not None:
             print(describe_choice(self.choice), file=log, flush=True)
         return kernels
+
+    def _release(self) -> None:
+        """The split by kernels keeps every kernel on the master: it trains alone, as
+        ``--local`` (no calls, the engine's own strides), and the workers are released."""
+        from hetconv.conv import LocalConv
+
+        self._record = self.inner.plan_record()
+        self.inner.close()
+        self.inner = LocalConv(self._backend)
+        self.choice = {
+            **self.choice, "released": True,
+            "why": f"{self.choice['why']}; the split by kernels keeps every kernel on the "
+            "master: it trains alone, as --local, and the workers are released",
+        }  # fmt: skip
 
     def _switch(self, exchange: str) -> None:
         """Close the kernel split and prepare the split by images over the same workers."""
@@ -127,7 +159,7 @@ class SplitChoice:
         self.inner.prepare(*self._prepared)
 
     def plan_record(self) -> dict:
-        record = self.inner.plan_record()
+        record = self.inner.plan_record() or dict(getattr(self, "_record", None) or {})
         if self.choice is not None:
             record["split_choice"] = self.choice
         return record
@@ -142,4 +174,4 @@ class SplitChoice:
         self.close()
 
 
-__all__ = ["SplitChoice", "allowed_exchanges", "ruled_out_exchanges"]
+__all__ = ["SplitChoice", "allowed_exchanges", "keeps_every_kernel", "ruled_out_exchanges"]

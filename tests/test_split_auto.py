@@ -170,3 +170,59 @@ def test_plan_says_what_auto_would_run():
     kernels = auto_split([way(IMAGE_SPLIT, 0.95), way("fused stages", 1.0)])
     assert "split by kernels" in kernels and "spot-check" not in kernels
     assert auto_split([way("fused stages", 1.0)]) == ""
+
+
+def test_a_kernel_split_that_keeps_every_kernel_on_the_master_trains_alone(
+    tmp_path, local, workers, monkeypatch
+):
+    """Where the kernel split stays and its plan gives the workers nothing, the master trains
+    alone (LocalConv: no calls) and releases them; the run is local training's, and the
+    trace's plan is the kernel split's, with the choice saying so. (The plan of these
+    loopback workers does give them kernels: the test makes the check say it does not.)"""
+    real = splitchoice.keeps_every_kernel
+    seen = []
+
+    def keeps(cluster):
+        seen.append(real(cluster))
+        return True
+
+    real_choice = splitchoice.choose_split
+
+    def kernels(kernels_s, images_s, allowed, ruled_out=None):
+        got = real_choice(kernels_s, images_s, allowed, ruled_out)
+        return {**got, "split": "kernels", "exchange": None, "why": "forced by the test"}
+
+    monkeypatch.setattr(splitchoice, "keeps_every_kernel", keeps)
+    monkeypatch.setattr(splitchoice, "choose_split", kernels)
+    monkeypatch.setattr(splitchoice, "on_this_machine", lambda address: False)
+    trace = tmp_path / "trace.jsonl"
+    with SplitChoice(workers.addresses, config=ClusterConfig()) as cluster:  # probes choose
+        got = train_strong_lrn(tmp_path, "auto-alone", cluster, trace=str(trace), steps=3)
+        inner = cluster.inner
+    np.testing.assert_allclose(got[0], local[0][:3], rtol=1e-5)
+    assert seen == [False]  # the real plan gave the workers kernels
+    assert type(inner).__name__ == "LocalConv"
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    plan, steps = records[0], [r for r in records if "step" in r]
+    choice = plan["split_choice"]
+    assert choice["split"] == "kernels" and choice["released"]
+    assert choice["why"] == (
+        "forced by the test; the split by kernels keeps every kernel on the "
+        "master: it trains alone, as --local, and the workers are released"
+    )
+    assert "shares" in plan and len(steps) == 3 and "nodes" not in steps[0]
+
+
+def test_keeps_every_kernel_reads_the_plans_replicas_and_heads():
+    from types import SimpleNamespace as Obj
+
+    def cluster(shares, feeds=None, heads=None):
+        plans = {f"c{i}": Obj(shares=s) for i, s in enumerate(shares)}
+        return Obj(plans=plans, replicas=Obj(feeds=feeds or {}), head_fcs=heads or {})
+
+    keeps = splitchoice.keeps_every_kernel
+    assert keeps(cluster([(16, 0, 0), (32, 0, 0)]))
+    assert not keeps(cluster([(16, 0, 0), (30, 2, 0)]))
+    assert not keeps(cluster([(16, 0, 0)], feeds={"c0": "c1"}))  # a block on the workers
+    assert not keeps(cluster([(16, 0, 0)], heads={"c0": "fc"}))  # a head on them
+    assert not keeps(cluster([]))  # nothing planned
