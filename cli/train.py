@@ -326,7 +326,7 @@ def _spot_check_config(args: argparse.Namespace):
     if sample is None:
         return SpotCheckConfig(every=every, seed=args.seed)
     return SpotCheckConfig(
-        every=every, kernels=sample, images=sample, channels=sample, seed=args.seed
+        every=every, kernels=sample, images=sample, channels=sample, ranges=sample, seed=args.seed
     )
 
 

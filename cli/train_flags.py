@@ -195,7 +195,8 @@ def _add_exactness(
         type=positive_int,
         metavar="N",
         help="kernels of a worker's slice, images of the batch and input channels each check "
-        "recomputes (default 2)",
+        "recomputes (default 2); with --split images, the workers whose whole range a checked "
+        "step recomputes (one unless given)",
     )
 
 

@@ -304,7 +304,7 @@ class ImageSplit(Cluster):
         workers = [r for r in answered if not r[0].is_master]
         if checker is None or not checker.due or not workers:
             return
-        drawn = checker.sample(IMAGES, "forward", 0, slice(0, 1), len(workers), 1).images
+        drawn = checker.ranges(IMAGES, len(workers))
         for node, first, count in (workers[int(i)] for i in drawn):
             start = time.perf_counter()
             mine = self._local(model, x, labels, first, count, len(x), self.step)

@@ -48,24 +48,25 @@ RING_LAYER = "ring"
 def check_seconds(checks, alone_s: float, workers: int, step_s: float) -> float:
     """What the ring's spot checks (``checks``, a :class:`~.spotcheck.SpotCheckConfig`) cost a
     step on average: on a drawn step (one in ``every``) the master recomputes the drawn ranges
-    (``images`` of the workers, each about an equal share of the batch, at its speed for the
+    (``ranges`` of the workers, each about an equal share of the batch, at its speed for the
     whole batch ``alone_s``) while the workers compute a step of ``step_s`` (the same step's,
     or with batch norm the next one's): only what passes that step counts."""
     if not checks.every or not workers:
         return 0.0
-    ranges = alone_s * min(checks.images, workers) / workers
+    ranges = alone_s * min(checks.ranges, workers) / workers
     return max(0.0, ranges - step_s) / checks.every
 
 
 def drawn_ranges(split, model, x, labels, step: int, ring) -> tuple:
-    """On a step the spot checker draws, ``--spot-check-sample`` workers of the ring drawn in
-    secret, as (the drawn ring entries, each one's (gradients, losses) recomputed here); the
-    master recomputes them now, while the workers compute, but with batch norm (a range needs
-    the whole batch's sums, which come with the answers: None, recomputed then). Else empty."""
+    """On a step the spot checker draws, ``ranges`` workers of the ring (``--spot-check-sample``)
+    drawn in secret, as (the drawn ring entries, each one's (gradients, losses) recomputed
+    here); the master recomputes them now, while the workers compute, but with batch norm (a
+    range needs the whole batch's sums, which come with the answers: None, recomputed then).
+    Else empty."""
     checker = split.spot_checks
     if checker is None or not checker.due or not ring:
         return ()
-    picks = checker.sample(RING_LAYER, "forward", 0, slice(0, 1), len(ring), 1).images
+    picks = checker.ranges(RING_LAYER, len(ring))
     drawn = [ring[int(i)] for i in picks]
     if split._batchnorm:
         return drawn, None

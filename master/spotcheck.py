@@ -100,6 +100,9 @@ DEFAULT_EVERY = 4
 #: Kernels of a worker's slice, images of the batch and input channels sampled per answer.
 DEFAULT_KERNELS = 2
 DEFAULT_IMAGES = 2
+#: Workers whose whole range a split by images recomputes on a checked step: each is a whole
+#: worker's step of work for the master (a kernel split's check is a few kernels and images).
+DEFAULT_RANGES = 1
 DEFAULT_CHANNELS = 2
 #: The largest error over the scale allowed between a worker's float32 and the master's.
 DEFAULT_RTOL = 1e-4
@@ -136,6 +139,8 @@ class SpotCheckConfig:
         kernels: kernels of a worker's slice sampled per answer (all, if it has fewer).
         images: images of the batch sampled per answer (all, if the batch has fewer).
         channels: input channels sampled per backward answer (all, if the layer has fewer).
+        ranges: workers whose whole range of images a split by images recomputes on a checked
+            step (all, if it has fewer).
         seed: picks the samples, with the step, layer, phase and node.
         rtol: the largest error over the scale allowed between two float32 computations.
         unpredictable: the steps checked and the samples drawn also follow a secret the
@@ -149,6 +154,7 @@ class SpotCheckConfig:
     kernels: int = DEFAULT_KERNELS
     images: int = DEFAULT_IMAGES
     channels: int = DEFAULT_CHANNELS
+    ranges: int = DEFAULT_RANGES
     seed: int = 0
     rtol: float = DEFAULT_RTOL
     unpredictable: bool = True
@@ -161,6 +167,8 @@ class SpotCheckConfig:
                 "a spot check samples at least 1 kernel, 1 image and 1 input channel, got "
                 f"{self.kernels} kernels, {self.images} images, {self.channels} channels"
             )
+        if self.ranges < 1:
+            raise ValueError(f"a spot check recomputes at least 1 range, got {self.ranges}")
         if not 0 < self.rtol < 1:
             raise ValueError(f"spot-check tolerance must be in (0, 1), got {self.rtol}")
 
@@ -253,6 +261,12 @@ class SpotChecker:
         chosen = rng.choice(images, min(c.images, images), replace=False)
         inputs = rng.choice(channels, min(c.channels, channels), replace=False)
         return Sample(np.sort(kernels), np.sort(chosen), np.sort(inputs))
+
+    def ranges(self, layer: str, workers: int) -> np.ndarray:
+        """The workers (their places among ``workers``, ascending) whose whole range a split by
+        images recomputes on this step: ``ranges`` of them, drawn as the samples are."""
+        rng = self._rng(self.step, zlib.crc32(layer.encode()), _PHASES["forward"], 0)
+        return np.sort(rng.choice(workers, min(self.config.ranges, workers), replace=False))
 
     def watch(self, layer: str, node: str, part: slice, step: int) -> np.ndarray:
         """The kernels of a resident slice ``part`` whose answers are kept from ``step`` on

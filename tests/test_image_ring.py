@@ -516,7 +516,8 @@ def test_the_ring_runs_with_spot_checks_and_checks_each_step_by_sketches(tmp_pat
 
     trace = tmp_path / "trace.jsonl"
     argv = ["train", "--split", "images", "--exchange", "ring", "--spot-check-every", "1",
-            "--steps", "2", "--batch", "8", "--train-size", "32", "--eval-size", "8",
+            "--spot-check-sample", "2", "--steps", "2", "--batch", "8", "--train-size", "32",
+            "--eval-size", "8",
             "--no-run-dir", "--no-progress", "--trace", str(trace),
             "--local-workers", "2"]  # fmt: skip
     assert main(argv) == 0

@@ -280,7 +280,7 @@ def test_a_lying_worker_is_caught_and_its_range_recomputed(tmp_path, local, work
     liar.context.lying_from = 3
     server, address = service_module.start_server(liar, "127.0.0.1:0")
     try:
-        checks = SpotCheckConfig(every=1, images=2)  # every step, both workers
+        checks = SpotCheckConfig(every=1, ranges=2)  # every step, both workers
         cluster = Recording([workers.addresses[0], address], deterministic=True, spot_checks=checks)
         with cluster:
             got = train_strong_lrn(tmp_path, "liar", cluster)
@@ -482,7 +482,7 @@ def test_an_honest_worker_on_another_engine_passes_the_spot_checks(tmp_path):
     from hetconv.master.launch import LocalWorkers
     from hetconv.master.spotcheck import IMAGES_RTOL, SpotCheckConfig
 
-    checks = SpotCheckConfig(every=1, images=1)
+    checks = SpotCheckConfig(every=1, ranges=1)
     config = TrainConfig(preset="paper-150-800", steps=2, batch=16, eval_size=16, train_size=2000)
     with LocalWorkers(1, backend="cpu") as w:
         cluster = Recording(w.addresses, backend="onednn", master_compute=False,

@@ -30,7 +30,7 @@ from hetconv.ringcheck import (
     sum_differs,
 )
 
-EVERY_STEP = SpotCheckConfig(every=1)
+EVERY_STEP = SpotCheckConfig(every=1, ranges=2)  # every step, both workers' ranges
 
 # -- the arithmetic -----------------------------------------------------------------------------
 
@@ -109,7 +109,7 @@ def test_the_ring_with_spot_checks_every_step_trains_as_local_training(tmp_path)
         events = list(cluster.events)
     same_as_local(got, local)
     assert all(r["exchange"] == RING for r in cluster.steps)
-    for record in cluster.steps:  # both workers drawn (the sample takes 2), each step
+    for record in cluster.steps:  # both workers drawn (ranges=2), each step
         assert set(record["spot_checks"]["workers"]) == set(workers.addresses)
         assert record["spot_checks"]["workers"][workers.addresses[0]]["worst"] < 1e-3
     assert not [e for e in events if e["event"] in ("worker_lost", "ring_sum_differs")]
@@ -160,7 +160,7 @@ def test_a_worker_that_changes_what_it_passes_on_breaks_the_sum_every_step(tmp_p
     step; no worker's range differs from its recomputation, so none is lost, and the event
     says so. Training equals local training."""
     local = train_strong_lrn(tmp_path, "local", LocalConv())
-    checks = SpotCheckConfig(every=every, unpredictable=False)
+    checks = SpotCheckConfig(every=every, ranges=2, unpredictable=False)
     with LocalWorkers(1) as workers, lying_worker("ring_pass", 2) as liar:
         with _checked([*workers.addresses, liar], spot_checks=checks) as cluster:
             got = train_strong_lrn(tmp_path, "ring", cluster)
@@ -210,9 +210,10 @@ def test_with_batch_norm_a_lying_worker_is_caught_and_lost(tmp_path, kind):
 def test_what_the_checks_cost_a_step_is_what_passes_the_workers_step():
     from hetconv.master.ringcheck import check_seconds
 
-    checks = SpotCheckConfig()  # every 4th step on average, 2 workers drawn
+    checks = SpotCheckConfig(ranges=2)  # every 4th step on average, 2 workers drawn
     # 2 ranges of a quarter of the batch: 0.2 s of the master's, hidden by a 0.3 s step
     assert check_seconds(checks, 0.4, 4, 0.3) == 0.0
     assert check_seconds(checks, 0.4, 4, 0.15) == pytest.approx((0.2 - 0.15) / 4)
     assert check_seconds(checks, 0.4, 1, 0.3) == pytest.approx((0.4 - 0.3) / 4)  # one to draw
+    assert check_seconds(SpotCheckConfig(), 0.4, 4, 0.05) == pytest.approx((0.1 - 0.05) / 4)
     assert check_seconds(SpotCheckConfig(every=0), 0.4, 4, 0.0) == 0.0

@@ -626,5 +626,5 @@ def test_cli_spot_check_flags_reach_the_trace(tmp_path, capsys):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     plan = records[0]
     assert plan["spot_checks"] == dict(
-        every=2, kernels=3, images=3, channels=3, seed=7, rtol=1e-4, unpredictable=True
+        every=2, kernels=3, images=3, channels=3, ranges=3, seed=7, rtol=1e-4, unpredictable=True
     )
