@@ -304,20 +304,27 @@ class Membership:
 
         ``at_start``: it could not be reached when training started (it joins when it can).
         An ``error`` with a true ``keep_out`` (a failed spot check) leaves it ``distrusted``:
-        the monitor never tries it again.
+        the monitor never tries it again; one already lost (a check of an earlier answer, run
+        later: the ring's with batch norm) is distrusted then.
         """
+        keep_out = getattr(error, "keep_out", False)
         with self.lock:
-            if node.state != ACTIVE:
+            late = node.state == LOST and keep_out  # caught by a check made after it was lost
+            if late:
+                node.state = DISTRUSTED
+            elif node.state != ACTIVE:
                 return
-            node.state = DISTRUSTED if getattr(error, "keep_out", False) else LOST
-            if at_start:
-                node.was_active = False
-            node.backoff.failures = 0
-            node.backoff.losses += 1
-            node.backoff.retry_at = time.monotonic() + node.backoff.delay(*self._retry)
-            self.failed.add(node.name)
-            self.replan_needed = True
-        self._events.emit("worker_lost", node.name, reason=str(error))
+            else:
+                node.state = DISTRUSTED if keep_out else LOST
+                if at_start:
+                    node.was_active = False
+                node.backoff.failures = 0
+                node.backoff.losses += 1
+                node.backoff.retry_at = time.monotonic() + node.backoff.delay(*self._retry)
+                self.failed.add(node.name)
+                self.replan_needed = True
+        self._events.emit("worker_distrusted" if late else "worker_lost", node.name,
+                          reason=str(error))  # fmt: skip
 
     def start_monitor(self) -> None:
         self._monitor = threading.Thread(target=self._watch, name="hetconv-monitor", daemon=True)

@@ -362,3 +362,24 @@ def test_a_worker_whose_probe_fails_is_lost_not_idle():
     assert record == {}
     kinds = [e["event"] for e in events.events]
     assert kinds == ["worker_idle", "worker_lost"], kinds
+
+
+def test_a_lost_worker_caught_by_a_later_check_is_distrusted_not_tried_again():
+    from hetconv.master.membership import DISTRUSTED, LOST
+    from hetconv.master.spotcheck import SpotCheckFailed
+
+    nodes = _cluster_nodes()
+    events = EventLog()
+    membership = Membership(
+        nodes, fixed={n.name for n in nodes[1:]}, events=events, make_client=None,
+        reconnect=None, retry_min=1.0, retry_max=2.0,
+    )  # fmt: skip
+    worker = nodes[1]
+    membership.lose(worker, RuntimeError("its call failed"))
+    assert worker.state == LOST
+    membership.lose(worker, SpotCheckFailed(worker.name, "a late check: its sketches differ"))
+    assert worker.state == DISTRUSTED
+    kinds = [e["event"] for e in events.events]
+    assert kinds[-2:] == ["worker_lost", "worker_distrusted"]
+    membership.lose(worker, RuntimeError("again"))  # nothing more
+    assert worker.state == DISTRUSTED and len(events.events) == len(kinds)
