@@ -143,6 +143,7 @@ def network_rows(network: str, batch: int, args, backend, xp, dev, timer) -> lis
         seen.add(key)
         module = getattr(twin, item.name)
         layer.params = {k: xp.asarray(v) for k, v in layer.params.items()}
+        layer.buffers = {k: xp.asarray(v) for k, v in layer.buffers.items()}  # batch norm's
         xs = [xp.asarray(rng.standard_normal((batch, *s), np.float32)) for s in item.input_shapes]
         dy = xp.asarray(rng.standard_normal((batch, *item.output_shape), np.float32))
         if item.kind == "conv":

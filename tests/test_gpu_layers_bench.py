@@ -60,6 +60,23 @@ def test_gpu_layers_runs_the_cuda_path_on_device_arrays(fake_cuda):
     assert bench.line_of(rows[0]).split()[:4] == ["tiny", "4", "conv1", "conv"]
 
 
+def test_gpu_layers_times_batch_norm_on_device_arrays(fake_cuda, capsys):
+    """resnet20's batch norm rows run with its running statistics on the device too (they
+    failed on an H200 with the statistics left on the host)."""
+    from hetconv.backends.cuda import CudaBackend
+
+    bench = _module()
+    backend = CudaBackend(device=0)
+    args = Namespace(repeats=1, device_name="fake")
+    with backend.scope():
+        rows = bench.network_rows(
+            "resnet20", 2, args, backend, backend.xp, "cpu", bench.Timer(lambda: None)
+        )
+    kinds = {r["kind"] for r in rows}
+    assert {"batchnorm fwd+bwd", "add", "gap"} <= kinds, kinds
+    assert "Error" not in capsys.readouterr().err
+
+
 def test_gpu_layers_dry_run_and_no_gpu(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
