@@ -34,6 +34,7 @@ The C API's calls are :mod:`.onednn_library`'s; it looks for the library in
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -70,10 +71,9 @@ from .onednn_library import (  # the C API's names, as its header spells them
     INSTALL_HINT,
     LIBRARY,
     OneDnnError,
-    _aligned,
+    _Bound,
     _Dims,
     _Library,
-    _memory,
     _p,
     _Primitive,
     _Reorder,
@@ -119,6 +119,7 @@ KERNEL_BLOCK = 16
 #: kernels computes the same bits whatever the ranges), so it costs no exactness.
 MIN_PART_FLOPS = 100_000_000
 _NO_PADDING = Padding(0, 0, 0, 0)
+_BIAS_ARG = {"forward": _ARG_BIAS, "kernels": _ARG_DIFF_BIAS}
 
 
 def op_layouts(layout: str, shape: ConvShape) -> dict[str, str]:
@@ -157,7 +158,7 @@ class _PartScratch:
         self.buffers, self.suffix = buffers, f" {group}" if group else ""
 
     def get(self, name: str, shape: tuple[int, ...], zero: bool = False) -> np.ndarray:
-        name, size = name + self.suffix, int(np.prod(shape))
+        name, size = name + self.suffix, math.prod(shape)
         buffer = self.buffers.get(name)
         if buffer is None or buffer.size < size:
             buffer = self.buffers[name] = np.empty(size, np.float32)
@@ -212,6 +213,8 @@ class _Convolution:
     def __init__(self, lib: _Library, shape: ConvShape, layout: str):
         self.lib, self.shape = lib, shape
         self._owned_mds, self._pds = [], []
+        self._memories: list = []  # every thread's bound memories (:class:`_Bound`)
+        self._bound = threading.local()
         self.primitives: dict[str, _Primitive] = {}
         self.args: dict[str, dict[str, int]] = {}
         ho, wo = shape.out_hw
@@ -294,6 +297,8 @@ class _Convolution:
         d = getattr(self.lib, "dll", None)
         if d is None:  # pragma: no cover - interpreter shutdown
             return
+        for memory in self._memories:
+            d.dnnl_memory_destroy(memory)
         for primitive in self.primitives.values():
             primitive.destroy()
         for reorder in self.reorders.values():
@@ -307,38 +312,19 @@ class _Convolution:
 
     def run(self, op: str, arrays: dict[str, np.ndarray], bias: np.ndarray | None, scratch) -> None:
         """Execute primitive ``op`` on the plain arrays of each role (and the bias, or the
-        bias gradient for ``"kernels"``), reordering to and from the primitive's layouts in
-        buffers ``scratch(name, shape)`` keeps for the calling thread (fresh pages cost as much
-        as a reorder). Inputs are read, outputs written, in place."""
-        lib = self.lib
-        stream = lib.stream()
-        primitive, args = self.primitives[op], self.args[op]
-        made, outputs, exec_args = [], [], []
-        try:
-            for role, arg in args.items():
-                plain = _memory(lib, self.plain[role], arrays[role], made)
-                reorder = self.reorders[op, role]
-                if reorder is None:
-                    exec_args.append((arg, plain))
-                    continue
-                buffer = _aligned(scratch, f"onednn {role}", reorder.bytes)
-                blocked = _memory(lib, reorder.blocked, buffer, made)
-                exec_args.append((arg, blocked))
-                if arg in (_ARG_DST, _ARG_DIFF_SRC, _ARG_DIFF_WEIGHTS):
-                    outputs.append((reorder, blocked, plain))
-                else:
-                    into = [(_ARG_SRC, plain), (_ARG_DST, blocked)]
-                    reorder.into.execute(stream, into, scratch, made)
-            if bias is not None:
-                arg = _ARG_DIFF_BIAS if op == "kernels" else _ARG_BIAS
-                exec_args.append((arg, _memory(lib, self.bias_md, bias, made)))
-            primitive.execute(stream, exec_args, scratch, made)
-            for reorder, blocked, plain in outputs:
-                back = [(_ARG_SRC, blocked), (_ARG_DST, plain)]
-                reorder.back.execute(stream, back, scratch, made)
-        finally:
-            for memory in made:
-                lib.dll.dnnl_memory_destroy(memory)
+        bias gradient for ``"kernels"``; none for ``"input"``), reordering to and from the
+        primitive's layouts in buffers ``scratch(name, shape)`` keeps for the calling thread
+        (fresh pages cost as much as a reorder). Inputs are read, outputs written, in place."""
+        bound = getattr(self._bound, op, None)
+        if bound is None:  # the calling thread's first call of op
+            roles = [
+                (role, arg, self.plain[role], self.reorders[op, role])
+                for role, arg in self.args[op].items()
+            ]
+            biased = None if op == "input" else (self.bias_md, _BIAS_ARG[op])
+            bound = _Bound(self.lib, self.primitives[op], roles, biased, self._memories)
+            setattr(self._bound, op, bound)
+        bound.run(arrays if bias is None else {**arrays, "bias": bias}, scratch)
 
 
 class OneDnnBackend(CpuBackend):

@@ -93,6 +93,7 @@ class _Library:
             "dnnl_primitive_create": [ctypes.POINTER(_p), _p],
             "dnnl_primitive_execute": [_p, _p, ctypes.c_int, _p],
             "dnnl_memory_create": [ctypes.POINTER(_p), _p, _p, _p],
+            "dnnl_memory_set_data_handle": [_p, _p],
             "dnnl_primitive_attr_create": [ctypes.POINTER(_p)],
             "dnnl_primitive_attr_set_scratchpad_mode": [_p, ctypes.c_int],
             **dict.fromkeys(("dnnl_primitive_desc_destroy", "dnnl_primitive_destroy",
@@ -203,39 +204,17 @@ class _Primitive:
         """The descriptor the primitive computes argument ``arg`` in (owned by its pd)."""
         return self.lib.dll.dnnl_primitive_desc_query_md(self.pd, _QUERY[arg], 0)
 
-    def execute(self, stream, args: list[tuple[int, ctypes.c_void_p]], scratch, made) -> None:
-        """Run on memory objects ``args`` ((argument, memory) pairs), with a scratchpad from
-        ``scratch(name, shape)`` when it needs one; memories it creates go to ``made``."""
-        if self.scratchpad_bytes:
-            buffer = _aligned(scratch, "onednn scratchpad", self.scratchpad_bytes)
-            args = [*args, (_ARG_SCRATCHPAD, _memory(self.lib, self.scratchpad, buffer, made))]
-        table = (_ExecArg * len(args))(*(_ExecArg(a, m) for a, m in args))
-        status = self.lib.dll.dnnl_primitive_execute(self.primitive, stream, len(args), table)
-        self.lib.check(status, f"execute ({self.implementation})")
-
     def destroy(self) -> None:
         self.lib.dll.dnnl_primitive_destroy(self.primitive)
         self.lib.dll.dnnl_primitive_desc_destroy(self.pd)
 
 
-def _aligned(scratch, name: str, nbytes: int) -> np.ndarray:
-    """At least ``nbytes`` of the calling thread's buffer ``name`` (``scratch(name, shape)``),
-    starting on a 64-byte boundary, as oneDNN aligns its own buffers (a cache line; AVX-512's
-    aligned loads)."""
-    buffer = scratch(name, (nbytes // 4 + 17,))
-    return buffer[(-buffer.ctypes.data % 64) // 4 :]
-
-
-def _memory(lib: _Library, md, array: np.ndarray, made: list) -> ctypes.c_void_p:
-    """A oneDNN memory of descriptor ``md`` over ``array``'s data (appended to ``made``, to
-    be destroyed after the call)."""
-    memory = _p()
-    created = lib.dll.dnnl_memory_create(
-        ctypes.byref(memory), md, lib.engine, _p(array.ctypes.data)
-    )
-    lib.check(created, "memory_create")
-    made.append(memory)
-    return memory
+def _aligned(scratch, name: str, nbytes: int) -> int:
+    """The address of at least ``nbytes`` of the calling thread's buffer ``name``
+    (``scratch(name, shape)``) on a 64-byte boundary, as oneDNN aligns its own buffers (a
+    cache line; AVX-512's aligned loads)."""
+    address = scratch(name, (nbytes // 4 + 17,)).ctypes.data
+    return address + -address % 64
 
 
 class _Reorder:
@@ -254,3 +233,89 @@ class _Reorder:
         )
         lib.check(created, "reorder_primitive_desc_create")
         return _Primitive(lib, pd, "reorder")
+
+
+#: The arguments a primitive writes: their blocked copies are reordered back after it runs.
+_OUTPUTS = (_ARG_DST, _ARG_DIFF_SRC, _ARG_DIFF_WEIGHTS)
+
+
+class _Bound:
+    """One operation of a convolution as one thread runs it: its reorders into the blocked
+    layouts, its primitive and its reorders back, with their memory objects made once (a
+    memory object is used by one thread at a time) and their argument tables built once. A
+    call points the memories at its arrays and at the thread's scratch buffers
+    (``dnnl_memory_set_data_handle``) and executes: making and destroying the memories every
+    call, with their tables, cost 40-60 us of Python a call (one thread; a 1x1 forward's
+    oneDNN work is 10-30 us).
+
+    Args:
+        lib: the library.
+        primitive: the operation's :class:`_Primitive`.
+        roles: (role, argument, plain descriptor, :class:`_Reorder` or None) of each tensor.
+        bias: (descriptor, argument) of the bias or its gradient, or None.
+        owned: where the memories made are listed, for their owner to destroy.
+    """
+
+    def __init__(self, lib: _Library, primitive: _Primitive, roles, bias, owned: list):
+        self.lib, self.owned = lib, owned
+        self.arrays: list[tuple[ctypes.c_void_p, str]] = []  # (memory, role or "bias")
+        self.buffers: dict[str, tuple[int, list]] = {}  # scratch name -> (bytes, memories)
+        into, args, back = [], [], []
+        for role, arg, plain_md, reorder in roles:
+            plain = self._memory(plain_md)
+            self.arrays.append((plain, role))
+            if reorder is None:
+                args.append((arg, plain))
+                continue
+            blocked = self._memory(reorder.blocked)
+            self._buffer(f"onednn {role}", reorder.bytes, blocked)
+            args.append((arg, blocked))
+            if arg in _OUTPUTS:
+                back.append(self._step(reorder.back, [(_ARG_SRC, blocked), (_ARG_DST, plain)]))
+            else:
+                into.append(self._step(reorder.into, [(_ARG_SRC, plain), (_ARG_DST, blocked)]))
+        if bias is not None:
+            memory = self._memory(bias[0])
+            self.arrays.append((memory, "bias"))
+            args.append((bias[1], memory))
+        self.steps = [*into, self._step(primitive, args), *back]
+
+    def _memory(self, md) -> ctypes.c_void_p:
+        memory = _p()
+        created = self.lib.dll.dnnl_memory_create(ctypes.byref(memory), md, self.lib.engine, None)
+        self.lib.check(created, "memory_create")
+        self.owned.append(memory)
+        return memory
+
+    def _buffer(self, name: str, nbytes: int, memory) -> None:
+        """``memory`` is to lie in the thread's scratch buffer ``name`` (the largest of its
+        users' sizes: one buffer serves them in turn)."""
+        size, memories = self.buffers.get(name, (0, []))
+        self.buffers[name] = (max(size, nbytes), [*memories, memory])
+
+    def _step(self, primitive: _Primitive, args: list) -> tuple:
+        if primitive.scratchpad_bytes:
+            pad = self._memory(primitive.scratchpad)
+            self._buffer("onednn scratchpad", primitive.scratchpad_bytes, pad)
+            args = [*args, (_ARG_SCRATCHPAD, pad)]
+        table = (_ExecArg * len(args))(*(_ExecArg(a, m) for a, m in args))
+        return primitive.primitive, len(args), table, primitive.implementation
+
+    def run(self, arrays: dict[str, np.ndarray], scratch) -> None:
+        """Execute on the plain arrays of each role (``"bias"`` too where bound), the blocked
+        copies in buffers ``scratch(name, shape)`` keeps for the calling thread."""
+        d = self.lib.dll
+        point = d.dnnl_memory_set_data_handle
+        failed = 0
+        for memory, role in self.arrays:
+            failed |= point(memory, arrays[role].ctypes.data)
+        for name, (nbytes, memories) in self.buffers.items():
+            address = _aligned(scratch, name, nbytes)
+            for memory in memories:
+                failed |= point(memory, address)
+        self.lib.check(failed, "memory_set_data_handle")
+        stream = self.lib.stream()
+        for primitive, count, table, implementation in self.steps:
+            status = d.dnnl_primitive_execute(primitive, stream, count, table)
+            if status != _SUCCESS:
+                self.lib.check(status, f"execute ({implementation})")
