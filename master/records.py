@@ -261,6 +261,8 @@ def step_record(cluster, events: list[dict]) -> dict:
         record["replica_images"] = replicas.images_formats()
         if cluster.ctx.started_ahead:  # stage forwards started with the block feeding them
             record["started_ahead"] = sorted(cluster.ctx.started_ahead)
+        if left := replicas.left():  # left to the workers -> computed here after all
+            record["blocks_left"] = left
         if splits := replicas.splits():  # split by images among the workers
             record["replica_split"] = splits
     if cluster.resident.record:

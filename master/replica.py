@@ -12,6 +12,7 @@ workers' parts to the kernel gradient of that part.
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import numpy as np
@@ -124,6 +125,57 @@ class BlockGradients:
         self.answered.append(address)
 
 
+class BlockOutput:
+    """A replicated block's output on every image that the master computes only when something
+    needs it: the block is left to the workers (:meth:`ReplicatedBlocks.leave`) where the
+    master holds no kernel of the layer it feeds, so no piece of the master's reads it. The
+    model passes it on as that layer's input; what reads it (a lost worker's piece covered
+    here, a spot check, the resident replay log at a sync or recovery) gets the array
+    (:meth:`array`, or numpy's conversion), computed then from the step's images and block
+    weights, once. ``shape``, ``dtype`` and ``nbytes`` are those of the output."""
+
+    def __init__(self, backend: Backend, block: ReplicaBlock, shape: tuple[int, ...]):
+        self.backend, self.block = backend, block
+        self.shape, self.dtype = tuple(shape), np.dtype(np.float32)
+        self.ndim = len(self.shape)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self.run = None  # the master's StageRun of it, for this step's backward (computed)
+        self._y: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def computed(self) -> bool:
+        return self._y is not None
+
+    def array(self) -> np.ndarray:
+        """The block's output, computed here the first time (stage_forward on every kernel,
+        as the workers compute it from the same images and weights)."""
+        with self._lock:
+            if self._y is None:
+                block = self.block
+                every = slice(0, block.w.shape[0])
+                self._y, self.run = stage_forward(
+                    self.backend, block.x, block.w, block.b, block.sides, block.stage, every
+                )
+            return self._y
+
+    def release(self) -> None:
+        """Drop the StageRun (the step's backward is done); the output stays for the log."""
+        self.run = None
+
+    def __array__(self, dtype=None, copy=None):
+        y = self.array()
+        return y if dtype is None else y.astype(dtype, copy=False)
+
+    def __getitem__(self, index):
+        return self.array()[index]
+
+
+def arrived(x):
+    """``x`` as an array: a :class:`BlockOutput`'s output computed (now, if not yet)."""
+    return x.array() if isinstance(x, BlockOutput) else x
+
+
 def input_bytes(x: np.ndarray, replica: ReplicaBlock | None) -> int:
     """Bytes a stage call's input costs a worker: ``x``, or the replicated block's request."""
     return x.nbytes if replica is None else replica.nbytes
@@ -135,6 +187,8 @@ def replica_input_grad(dx, x: np.ndarray, replica: BlockGradients | None):
     master's part went back through the block already (:meth:`BlockGradients.back_through`),
     only what came after it (pieces it covered for lost workers), None when nothing did."""
     if replica is not None and dx is None and replica.master is None:
+        if isinstance(x, BlockOutput):  # left to the workers: the block's backward adds theirs
+            return None
         return np.zeros_like(x)
     return dx
 
@@ -170,6 +224,7 @@ class ReplicatedBlocks:
         self._current: dict[str, ReplicaBlock] = {}
         self._gradients: dict[str, BlockGradients] = {}
         self._chains: dict[str, object] = {}
+        self._late: dict[str, BlockOutput] = {}  # blocks left to the workers this step
 
     def hold_chain(self, layer: str, chain) -> None:
         """The model's back-propagation through ``layer``'s block layers after its convolution
@@ -189,7 +244,7 @@ class ReplicatedBlocks:
         """Whether this step's backward already ran the master's part through ``layer``'s
         block layers (the model then runs them only on what came after)."""
         grads = self._gradients.get(layer)
-        return grads is not None and grads.master is not None
+        return (grads is not None and grads.master is not None) or layer in self._late
 
     def __contains__(self, layer: str) -> bool:
         return layer in self.feeds
@@ -201,7 +256,24 @@ class ReplicatedBlocks:
         self._current[layer] = block
         self._gradients.pop(layer, None)
         self._chains.pop(layer, None)
+        self._late.pop(layer, None)
         return block
+
+    def leave(self, backend: Backend, block: ReplicaBlock, shape) -> BlockOutput:
+        """Leave this step's ``block`` to the workers: its output (of ``shape``) is computed
+        here only if something reads it (:class:`BlockOutput`), and its backward is the
+        workers' parts alone unless the master covered a piece."""
+        late = self._late[block.layer] = BlockOutput(backend, block, shape)
+        return late
+
+    def late_output(self, layer: str) -> BlockOutput | None:
+        """Block ``layer``'s output this step where it is left to the workers, else None."""
+        return self._late.get(layer)
+
+    def left(self) -> dict[str, bool]:
+        """Block -> whether the master computed its output after all this step, for the blocks
+        left to the workers (the trace's ``blocks_left``)."""
+        return {layer: late.computed for layer, late in self._late.items()}
 
     def forward(self, backend: Backend, layer: str, x, w, b, padding, sides) -> np.ndarray:
         """The block's convolution on every kernel, here; the step's block is kept for the
@@ -247,6 +319,14 @@ class ReplicatedBlocks:
             if owed is not None:
                 dw += owed[0]
                 db += owed[1]
+        elif layer in self._late:  # left to the workers: theirs, and pieces covered here
+            late = self._late[layer]
+            if dy is None:
+                dw, db = np.zeros_like(block.w), np.zeros_like(block.b)
+            else:
+                late.array()
+                _, dw, db = stage_backward(backend, late.run, dy, slice(0, k), False)
+            late.release()
         else:
             run = self._runs.pop(layer, None)
             if run is None or dy is None:
@@ -377,7 +457,9 @@ def timed(fn, *args):
 __all__ = [
     "REPLICATED",
     "BlockGradients",
+    "BlockOutput",
     "SplitStep",
+    "arrived",
     "block_cost_factor",
     "block_seconds",
     "ReplicatedBlocks",

@@ -34,7 +34,7 @@ from .dispatch import (
     split_of,
 )
 from .fused import _batchnorm_slices, _check_rows, track_statistics
-from .replica import input_bytes, replica_input_grad
+from .replica import BlockOutput, arrived, input_bytes, replica_input_grad
 from .spotcheck import stage_forward_sample
 
 
@@ -101,7 +101,7 @@ def replay(backend, layer, placed, rows: slice, config) -> Replayed:
         ww, bb = _widen(e.hw, w, cut), _widen(e.hb, b, cut)
         own = slice(rows_now.start - wide.start, rows_now.stop - wide.start)
         bn = [_bn_rows(one, wide.start - whole.start, wide.stop - whole.start) for one in e.bn]
-        y, run = stage_forward(backend, e.x, ww, bb, layer.sides, stage, own, bn)
+        y, run = stage_forward(backend, arrived(e.x), ww, bb, layer.sides, stage, own, bn)
         at = slice(rows.start - rows_now.start, rows.stop - rows_now.start)
         outputs.append(y[:, at])
         ff = _widen(e.hf, f, cut)
@@ -207,7 +207,9 @@ class _ResidentForward:
         hw, hb, hf, before = layer.halo(part)
         if self.x_kept is None:  # the input as the worker has it: as sent, or computed there
             fmt = FLOAT32 if self.replica is not None else piece.node.client.wire_format
-            self.x_kept = as_received(self.x, fmt)
+            # a block left to the workers is kept as itself: computed if a replay reads it
+            late = isinstance(self.x, BlockOutput)
+            self.x_kept = self.x if late else as_received(self.x, fmt)
         bn = _batchnorm_slices(self.batchnorm, layer.wide(part))
         placed.pending = (self.x_kept, hw, hb, hf, tuple(bn))
         out = self._out(piece)
@@ -259,8 +261,8 @@ class _ResidentForward:
         wide = layer.wide(part)
         own = slice(part.start - wide.start, part.stop - wide.start)
         y, run = stage_forward(
-            self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides, layer.stage, own,
-            _batchnorm_slices(self.batchnorm, wide),
+            self.owner.backend, arrived(self.x), layer.w[wide], layer.b[wide], layer.sides,
+            layer.stage, own, _batchnorm_slices(self.batchnorm, wide),
         )  # fmt: skip
         self._track(part, batch_statistics_rows(run))
         self.y[:, part] = y
@@ -292,7 +294,7 @@ class _ResidentForward:
         sample = draw(*self.x.shape[:2])
         bn = _batchnorm_slices(self.batchnorm, slice(0, layer.kernels))  # every image's
         return stage_forward_sample(
-            fmt, self.x, layer.w, layer.b, layer.sides, layer.stage, self.y, sample, bn
+            fmt, arrived(self.x), layer.w, layer.b, layer.sides, layer.stage, self.y, sample, bn
         )
 
     def result(self):
@@ -399,7 +401,7 @@ class _ResidentBackward:
         if run is None or (layer.classes and y is None):  # the worker's forward ran there
             # (training: the same batch statistics; the running ones moved by them once, then)
             y, run = stage_forward(
-                self.owner.backend, self.x, layer.w[wide], layer.b[wide], layer.sides,
+                self.owner.backend, arrived(self.x), layer.w[wide], layer.b[wide], layer.sides,
                 layer.stage, own, _batchnorm_slices(self.batchnorm, wide),
             )  # fmt: skip
         rel = slice(grad.start - wide.start, grad.stop - wide.start)

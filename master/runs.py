@@ -228,8 +228,10 @@ class ResidentStage(FusedStage):
         self._ahead = None
         if not ctx.config.start_ahead or state is None or plan is None:
             return
-        conv = conv_shape(block.x.shape, block.w.shape, block.sides)
-        x = np.empty((conv.n, conv.k, *block.stage.output_hw(conv.out_hw)), np.float32)
+        x = ctx.replicas.late_output(block.layer)  # left to the workers: never filled here
+        if x is None:
+            conv = conv_shape(block.x.shape, block.w.shape, block.sides)
+            x = np.empty((conv.n, conv.k, *block.stage.output_hw(conv.out_hw)), np.float32)
         split = ctx.resident.split
         synced = ctx.resident.arrange(state, split.pieces(plan, ctx.nodes), ctx.step)
         job = ctx.resident.forward_job(self._call(x), state, x, synced=synced, replica=block)
@@ -245,8 +247,9 @@ class ResidentStage(FusedStage):
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == ctx.step and ahead[1].shape == x.shape:
             _, placeholder, started = ahead
-            placeholder[...] = x
-            started.job.input_arrived()
+            if placeholder is not x:  # (the block left to the workers: its output is x)
+                placeholder[...] = x
+                started.job.input_arrived()
             ctx.started_ahead.add(self.name)
             return ctx.runner.finish(started)
         split = ctx.resident.split
@@ -289,8 +292,25 @@ class ReplicatedBlock(KernelSplit):
     @property
     def model_mode(self) -> str:
         """How the model runs the block: fused where the master is a peer of its split (the
-        block is then one stage here too), else as its layers."""
-        return FUSED if self.ctx.replicas.split_all else REPLICATED
+        block is then one stage here too) or leaves it to the workers (:meth:`leaves`), else
+        as its layers."""
+        return FUSED if self.ctx.replicas.split_all or self.leaves() else REPLICATED
+
+    def leaves(self) -> bool:
+        """Whether this step's block is left to the workers (:meth:`ReplicatedBlocks.leave`):
+        the master holds no kernel of the layer it feeds, which keeps its kernels on the
+        workers (resident), and some active worker does; not split by images, no batch norm
+        in it. The master then computes the block only where something reads its output (a
+        piece it covers, a check, a replay): with a GPU worker and a CPU master, its copy of
+        a wide first block (ReLU, LRN, pooling at full resolution) was most of the step."""
+        ctx = self.ctx
+        if ctx.replicas.split or not isinstance(self.consumer, ResidentStage):
+            return False
+        stage = ctx.replicas.stages.get(self.name)
+        if stage is None or any(op.kind == "batchnorm" for op in stage.ops):
+            return False
+        plan = ctx.plans.get(self.consumer.name)
+        return plan is not None and not plan.shares[0] and bool(self._workers())
 
     def _workers(self) -> list[Node]:
         """The active workers with a share of the layer the block feeds: those that compute
@@ -353,13 +373,18 @@ class ReplicatedBlock(KernelSplit):
                 ctx.deadline(transfer + work), split,
             )  # fmt: skip
 
-    def _begin(self, x, w, b, padding):
+    def _begin(self, x, w, b, padding, leave: bool = False):
         """The step's block (split by images where it is) and the workers' ReplicaForward
         calls started on it, the next layer's stage forward started ahead with them: (block,
-        address -> its ReplicaForward call, taken before the stage calls take them)."""
+        address -> its ReplicaForward call, taken before the stage calls take them).
+        ``leave``: the block is left to the workers (:meth:`leaves`)."""
         self.ctx.ran[self.name] = REPLICATED
         at = sides(padding, w.shape[2:])
         block = self.ctx.replicas.begin(self.name, x, w, b, at, self._split_step(x.shape[0]))
+        if leave:
+            conv = conv_shape(x.shape, w.shape, at)
+            shape = (conv.n, conv.k, *block.stage.output_hw(conv.out_hw))
+            self.ctx.replicas.leave(self.ctx.backend, block, shape)
         self._start_replicas(block)  # the workers compute it beside the master
         started = dict(block.started)
         self.consumer.start_ahead(block)  # and go on to the next layer's stage
@@ -387,6 +412,10 @@ class ReplicatedBlock(KernelSplit):
         workers start it on their images (and the next layer's stage ahead), the master
         computes its own images and exchanges parts with them."""
         ctx = self.ctx
+        if not ctx.replicas.split_all:  # fused here only when left to the workers
+            block, _ = self._begin(x, w, b, padding, leave=True)
+            ctx.runner.local(self.name, "forward", w.shape[0], 0.0)
+            return ctx.replicas.late_output(self.name)
         block, started = self._begin(x, w, b, padding)
         slowest = max((n.probe_seconds.get(self.name, 0.0) for n in ctx.nodes), default=0.0)
         timeout = ctx.deadline(slowest * self.block_cost)  # the whole block, on every image

@@ -157,29 +157,44 @@ class _PartScratch:
     def __init__(self, buffers: dict[str, np.ndarray], group: int):
         self.buffers, self.suffix = buffers, f" {group}" if group else ""
 
-    def get(self, name: str, shape: tuple[int, ...], zero: bool = False) -> np.ndarray:
-        name, size = name + self.suffix, math.prod(shape)
-        buffer = self.buffers.get(name)
-        if buffer is None or buffer.size < size:
-            buffer = self.buffers[name] = np.empty(size, np.float32)
-        view = buffer[:size].reshape(shape)
+    def __call__(self, name: str, shape: tuple[int, ...], zero: bool = False) -> np.ndarray:
+        """Buffer ``name`` as a float32 array of ``shape`` (its values left as they were, or
+        zeros)."""
+        size = math.prod(shape)
+        view = self._buffer(name, size)[:size].reshape(shape)
         if zero:
             view.fill(0.0)
         return view
+
+    def address(self, name: str, nbytes: int) -> int:
+        """The address of at least ``nbytes`` of buffer ``name`` on a 64-byte boundary, as
+        oneDNN aligns its own buffers (a cache line; AVX-512's aligned loads)."""
+        address = self._buffer(name, nbytes // 4 + 16).ctypes.data
+        return address + -address % 64
+
+    def _buffer(self, name: str, size: int) -> np.ndarray:
+        name += self.suffix
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.size < size:
+            buffer = self.buffers[name] = np.empty(size, np.float32)
+        return buffer
 
 
 def _one_thread(lib: _Library, tasks: list, scratch: _PartScratch) -> None:
     lib.set_threads(1)
     for task in tasks:
-        task(scratch.get)
+        task(scratch)
 
 
 def _in_parallel(lib: _Library, tasks: list, threads: int, buffers: dict) -> None:
-    """Run ``tasks`` (callables of a scratch getter, :class:`_PartScratch`'s over ``buffers``)
+    """Run ``tasks`` (callables of a :class:`_PartScratch` over ``buffers``)
     on at most ``threads`` threads at once, in as many contiguous groups, each in order: the
     first group on the calling thread, the others on the module's pool; each at one OpenMP
     thread. Returns when all are done; raises the first failure."""
     global _pool
+    if threads == 1 or len(tasks) == 1:  # on the calling thread: no hand-off to wait for
+        _one_thread(lib, tasks, _PartScratch(buffers, 0))
+        return
     groups = [tasks[i:j] for i, j in _ranges(len(tasks), threads)]
     if len(groups) > 1 and _pool is None:
         with _pool_lock:
@@ -313,8 +328,9 @@ class _Convolution:
     def run(self, op: str, arrays: dict[str, np.ndarray], bias: np.ndarray | None, scratch) -> None:
         """Execute primitive ``op`` on the plain arrays of each role (and the bias, or the
         bias gradient for ``"kernels"``; none for ``"input"``), reordering to and from the
-        primitive's layouts in buffers ``scratch(name, shape)`` keeps for the calling thread
-        (fresh pages cost as much as a reorder). Inputs are read, outputs written, in place."""
+        primitive's layouts in buffers ``scratch`` (a :class:`_PartScratch`) keeps for the
+        calling thread (fresh pages cost as much as a reorder). Inputs are read, outputs
+        written, in place."""
         bound = getattr(self._bound, op, None)
         if bound is None:  # the calling thread's first call of op
             roles = [

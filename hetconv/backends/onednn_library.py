@@ -209,14 +209,6 @@ class _Primitive:
         self.lib.dll.dnnl_primitive_desc_destroy(self.pd)
 
 
-def _aligned(scratch, name: str, nbytes: int) -> int:
-    """The address of at least ``nbytes`` of the calling thread's buffer ``name``
-    (``scratch(name, shape)``) on a 64-byte boundary, as oneDNN aligns its own buffers (a
-    cache line; AVX-512's aligned loads)."""
-    address = scratch(name, (nbytes // 4 + 17,)).ctypes.data
-    return address + -address % 64
-
-
 class _Reorder:
     """The two reorders between a tensor's plain layout and the blocked one a primitive
     computes in: ``into`` (plain to blocked) and ``back``."""
@@ -303,14 +295,14 @@ class _Bound:
 
     def run(self, arrays: dict[str, np.ndarray], scratch) -> None:
         """Execute on the plain arrays of each role (``"bias"`` too where bound), the blocked
-        copies in buffers ``scratch(name, shape)`` keeps for the calling thread."""
+        copies in the calling thread's buffers (``scratch.address(name, nbytes)``)."""
         d = self.lib.dll
         point = d.dnnl_memory_set_data_handle
         failed = 0
         for memory, role in self.arrays:
             failed |= point(memory, arrays[role].ctypes.data)
         for name, (nbytes, memories) in self.buffers.items():
-            address = _aligned(scratch, name, nbytes)
+            address = scratch.address(name, nbytes)
             for memory in memories:
                 failed |= point(memory, address)
         self.lib.check(failed, "memory_set_data_handle")
