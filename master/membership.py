@@ -98,6 +98,7 @@ class Node:
     was_active: bool = True  # it computed once (False: unreachable since the start)
     instance_id: int = 0  # its worker process's, from Describe (0: not known)
     sum_port: int = 0  # where its ring peers put batch norm's sums, from Describe (0: none)
+    backend: str = ""  # what it computes with, from Describe (cpu, onednn, cuda, opencl)
     leaving: bool = False  # its line left the workers file: it goes at the next step boundary
     source: str = ""  # FROM_FILE or FROM_LAN: what named it (and can make it leave); "": flags
 

@@ -120,6 +120,7 @@ def connect(node: Node, connect_timeout: float, deadline: float, timeout: float 
     node.description = f"{d.name} ({d.backend}, {d.cores} cores)"
     node.instance_id = d.instance_id  # the same on every address of one worker process
     node.sum_port = d.sum_port
+    node.backend = d.backend
     tiny = np.zeros(1, np.float32)
     link_probe = np.zeros(LINK_PROBE_BYTES // 4, np.float32)
     node.link_latency = min(

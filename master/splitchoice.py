@@ -69,6 +69,21 @@ def keeps_every_kernel(cluster) -> bool:
     )
 
 
+#: Backends that compute on a device of their own: a worker of one on the master's machine
+#: does not compute on the master's cores (its host side is the calls and the copies).
+OWN_DEVICE_BACKENDS = ("cuda",)
+
+
+def sharing_cores(addresses: Sequence[str], backends: dict[str, str]) -> list[str]:
+    """The workers at ``addresses`` that run on this machine and compute on its cores (not a
+    GPU: ``backends``, address -> backend, :data:`OWN_DEVICE_BACKENDS`), which the
+    predictions of a split by images do not model."""
+    return [
+        a for a in addresses
+        if on_this_machine(a) and backends.get(a, "") not in OWN_DEVICE_BACKENDS
+    ]  # fmt: skip
+
+
 class SplitChoice:
     """The executor of ``--split auto`` (see the module's docstring): a proxy to the split
     chosen, which is a :class:`~.cluster.Cluster` until :meth:`predict_step` decides.
@@ -112,7 +127,8 @@ class SplitChoice:
             kernels["step_s"], kernels["image_split_s"], allowed,
             ruled_out_exchanges(self.inner.config, self._exchange),
         )  # fmt: skip
-        shared = [a for a in self.addresses if on_this_machine(a)]
+        backends = {n.client.address: n.backend for n in self.inner.nodes if n.client}
+        shared = sharing_cores(self.addresses, backends)
         if shared and self.choice["split"] == IMAGES:
             self.choice = {
                 **self.choice, "split": KERNELS, "exchange": None,
@@ -174,4 +190,11 @@ class SplitChoice:
         self.close()
 
 
-__all__ = ["SplitChoice", "allowed_exchanges", "keeps_every_kernel", "ruled_out_exchanges"]
+__all__ = [
+    "OWN_DEVICE_BACKENDS",
+    "SplitChoice",
+    "allowed_exchanges",
+    "keeps_every_kernel",
+    "ruled_out_exchanges",
+    "sharing_cores",
+]

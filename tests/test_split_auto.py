@@ -13,7 +13,7 @@ from exactness import same_as_local, train_strong_lrn
 from hetconv.imagecost import SPLIT_MARGIN as MARGIN
 from hetconv.imagecost import choose_split as choose
 from hetconv.imagecost import describe_choice as describe
-from hetconv.master import splitchoice
+from hetconv.master import probing, splitchoice
 from hetconv.master.cluster import ClusterConfig
 from hetconv.master.splitchoice import SplitChoice, allowed_exchanges, ruled_out_exchanges
 from hetconv.master.spotcheck import SpotCheckConfig
@@ -153,6 +153,27 @@ def test_workers_on_this_machine_keep_the_split_by_kernels(tmp_path, local, work
     choice = plan["split_choice"]
     assert choice["split"] == "kernels" and "split" not in plan
     assert "runs on this machine" in choice["why"] or "under the" in choice["why"]
+
+
+def test_a_gpu_worker_on_this_machine_does_not_share_its_cores(tmp_path, workers, monkeypatch):
+    """A cuda worker on the master's machine computes on its GPU, not the master's cores: the
+    rule that keeps the split by kernels for loopback workers leaves it out."""
+    here = "127.0.0.1:1"
+    assert splitchoice.sharing_cores([here, "10.9.9.9:1"], {here: "cuda"}) == []
+    assert splitchoice.sharing_cores([here], {here: "onednn"}) == [here]
+    assert splitchoice.sharing_cores([here], {}) == [here]  # not described: counted
+    connect = probing.connect
+
+    def as_cuda(node, *args, **kwargs):
+        connect(node, *args, **kwargs)
+        node.backend = "cuda"
+
+    monkeypatch.setattr(probing, "connect", as_cuda)
+    trace = tmp_path / "trace.jsonl"
+    with SplitChoice(workers.addresses, config=ClusterConfig(deterministic=True)) as cluster:
+        train_strong_lrn(tmp_path, "auto-gpu", cluster, trace=str(trace), steps=2)
+    choice = json.loads(trace.read_text().splitlines()[0])["split_choice"]
+    assert "runs on this machine" not in choice["why"], choice
 
 
 def test_plan_says_what_auto_would_run():
