@@ -342,13 +342,19 @@ def _block_parts(
     return _split_replicas(names, split, consumer, block, speed, counts, master)
 
 
-def _block_phases(cluster: SimCluster, block: ConvLayer, consumer: ConvLayer, parts):
+def _block_phases(
+    cluster: SimCluster, block: ConvLayer, consumer: ConvLayer, parts, left: bool = False
+):
     """The replicated ``block``'s phases on the master (alone, every kernel; or its own
-    images and the exchange, ``parts`` naming it), and (its forward, which the workers'
-    ReplicaForward runs beside; its backward, run inside the consumer's backward phase)."""
+    images and the exchange, ``parts`` naming it; ``left``: none, the block left to the
+    workers, where the master holds no kernel of the resident ``consumer``), and (its
+    forward, which the workers' ReplicaForward runs beside; its backward, run inside the
+    consumer's backward phase)."""
     phases, early, tail = [], 0.0, 0.0
     for phase in PHASES:
-        if cluster.master.name in parts:  # its own images, and the exchange
+        if left:
+            seconds = 0.0
+        elif cluster.master.name in parts:  # its own images, and the exchange
             seconds = _split_block_seconds(cluster, consumer, parts, phase)
         else:  # the master alone, every kernel
             seconds = cluster.master.conv_seconds(block, block.kernels, block.passes(phase))
@@ -411,7 +417,11 @@ def simulate_step(
             parts = _block_parts(
                 cluster, consumer, block, shares, modes.replicate, split_images, split_master
             )
-            done, early, tail = _block_phases(cluster, block, consumer, parts)
+            left = (
+                not parts and not _split(shares, consumer)[0]
+                and modes.kernels[consumer.name] == RESIDENT
+            )  # fmt: skip
+            done, early, tail = _block_phases(cluster, block, consumer, parts, left)
             phases += done
             continue
         replica, block = block, None

@@ -110,3 +110,28 @@ def test_a_block_output_is_computed_once_when_read():
     np.testing.assert_array_equal(np.asarray(late), want)
     assert late.computed and arrived(late) is arrived(late)
     np.testing.assert_array_equal(late[1], want[1])
+
+
+def test_the_cost_model_leaves_the_block_to_the_workers():
+    """Simulated: the master holding none of conv2 (resident) spends nothing on the block; with
+    kernels sent it still computes its copy (as the cluster does)."""
+    from hetconv.costmodel import SimCluster, SimNode, simulate_step
+    from hetconv.model import reference_spec
+    from hetconv.workload import conv_layers
+
+    conv1, conv2 = conv_layers(reference_spec(150, 800), 16)
+    node = dict(gflops=20.0, bytes_per_s=125e6, rtt_s=1e-4)
+    cluster = SimCluster(SimNode("master", **node), (SimNode("w0", **node),), master_compute=False)
+    shares = {"conv1": (150, 0), "conv2": (0, 800)}
+
+    def block_seconds(kernels):
+        step = simulate_step(
+            cluster, [conv1, conv2], shares, 0.0, stages="fused", kernels=kernels,
+            replicate="first",
+        )  # fmt: skip
+        phases = {(p.layer, p.phase): p.wall_s for p in step.phases}
+        return phases["conv1", "forward"], phases["conv1", "backward"], step.step_s
+
+    left, kept = block_seconds("resident"), block_seconds("sent")
+    assert left[:2] == (0.0, 0.0)
+    assert kept[0] > 0.0 and kept[1] > 0.0
