@@ -217,3 +217,20 @@ def test_what_the_checks_cost_a_step_is_what_passes_the_workers_step():
     assert check_seconds(checks, 0.4, 1, 0.3) == pytest.approx((0.4 - 0.3) / 4)  # one to draw
     assert check_seconds(SpotCheckConfig(), 0.4, 4, 0.05) == pytest.approx((0.1 - 0.05) / 4)
     assert check_seconds(SpotCheckConfig(every=0), 0.4, 4, 0.0) == 0.0
+
+
+def test_the_master_exchanges_checks_count_whole_in_the_image_split_prediction():
+    # The master exchange recomputes a drawn range after the answers (nothing hides it): its
+    # predicted step takes the whole check one step in `every`; the ring's only what passes
+    # the workers' step (above).
+    from hetconv.costmodel import SimCluster, SimNode
+    from hetconv.master.records import image_split_steps
+    from hetconv.model import reference_spec
+
+    node = dict(gflops=20.0, bytes_per_s=125e6, rtt_s=1e-4)
+    cluster = SimCluster(SimNode("master", **node), (SimNode("w0", **node),))
+    spec = reference_spec(50, 500)
+    plain = image_split_steps(cluster, spec, 16, 0.0)
+    checked = image_split_steps(cluster, spec, 16, 0.0, SpotCheckConfig(), alone_s=2.0)
+    assert checked["master"] == pytest.approx(plain["master"] + 2.0 / 4)
+    assert checked["ring"] == pytest.approx(plain["ring"] + max(0.0, 2.0 - plain["ring"]) / 4)
