@@ -125,3 +125,37 @@ def test_gpu_vs_torch_runs_each_worker_mode_against_a_real_worker(monkeypatch, t
         assert row.step_s is not None and row.step_s > 0, row.note
         assert row.note == " ".join(bench.MODES[mode])
         assert (tmp_path / f"worker-{mode}-tiny-b4.jsonl").exists()
+
+
+def test_gpu_gradients_measures_the_gap_between_engines(tmp_path):
+    """benchmarks/gpu_gradients.py's rows on the host (numpy's engine against the master's):
+    the tiny network has no batch norm, so the gap is float32 round-off."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_gradients.py"
+    spec = importlib.util.spec_from_file_location("gpu_gradients", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_gradients"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--engine", "cpu", "--network", "tiny", "--batch", "4", "--steps", "2",
+                       "--json", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert 0 <= row["grad_rel"] < 1e-4 and 0 <= row["sketch_rel"] < 1e-4, row
+        assert row["engine"] == "cpu" and row["master_engine"] in ("onednn", "cpu")
+
+
+def test_gpu_gradients_runs_the_cuda_path_on_device_arrays(fake_cuda):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_gradients.py"
+    spec = importlib.util.spec_from_file_location("gpu_gradients_cuda", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (row,) = bench.rows("tiny", 4, 1, "cuda")
+    assert row["engine"] == "cuda" and row["grad_rel"] < 1e-4 and row["sketch_rel"] < 1e-4, row
