@@ -39,7 +39,14 @@ from hetconv.ringcheck import (
     sums_digest,
 )
 
-from .spotcheck import IMAGES_RTOL, Comparison, SpotCheckFailed, norm_scale
+from .spotcheck import (
+    IMAGES_RTOL,
+    SKETCH_REST_RTOL,
+    SKETCH_SCALE_RTOL,
+    Comparison,
+    SpotCheckFailed,
+    norm_scale,
+)
 
 #: The layer name a ring's checks are filed under in the step's spot-check record.
 RING_LAYER = "ring"
@@ -225,8 +232,7 @@ def _comparisons(answer, mine, names) -> list[Comparison]:
     """A worker's sketches and losses (and batch norm parts) against its range's here."""
     got, want, scale = sketch_comparison(answer[7], flat([mine[0][n] for n in names]))
     out = [
-        Comparison("sketches", "the sketches of its own gradient", got, want, scale, False,
-                   IMAGES_RTOL, norm=True),
+        *sketch_comparisons(got, want, scale),
         Comparison("losses", "the losses", answer[1], mine[1],
                    float(np.abs(mine[1]).max(initial=0.0)), False),
     ]  # fmt: skip
@@ -236,6 +242,30 @@ def _comparisons(answer, mine, names) -> list[Comparison]:
         out.append(Comparison("sums", "its parts of batch norm's sums", parts, want_parts,
                               norm_scale(mine[2]), False, IMAGES_RTOL, norm=True))  # fmt: skip
     return out
+
+
+def sketch_comparisons(got: np.ndarray, want: np.ndarray, scale: float) -> list[Comparison]:
+    """A worker's sketches ``got`` against the master's ``want`` (of its range recomputed; of
+    ``scale``, :func:`~hetconv.ringcheck.sketch_comparison`'s) as a scaling and what is left:
+    their projection on the master's, 1 within :data:`~.spotcheck.SKETCH_SCALE_RTOL`, and the
+    rest across them under :data:`~.spotcheck.SKETCH_REST_RTOL` of the scale. A non-finite or
+    (against none) nonzero answer fails the first."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    norm2 = float(want @ want)
+    if norm2 > 0:
+        projection = float(got @ want) / norm2
+        rest = got - projection * want
+    else:  # the master computed nothing: so must the worker have
+        projection, rest = (1.0 if not got.any() else np.inf), got
+    if not np.isfinite(projection) or not np.isfinite(got).all():
+        projection, rest = np.inf, np.full_like(got, np.inf)
+    return [
+        Comparison("sketches", "the scale of the sketches of its own gradient over the "
+                   "master's (their projection: 1 when honest)", np.array([projection]),
+                   np.array([1.0]), 1.0, False, SKETCH_SCALE_RTOL),
+        Comparison("sketches", "the sketches of its own gradient beyond that scale", rest,
+                   np.zeros_like(rest), scale, False, SKETCH_REST_RTOL, norm=True),
+    ]  # fmt: skip
 
 
 def _recomputed(split, model, x, labels, step: int, drawn, totals=None) -> dict:
@@ -280,4 +310,12 @@ class _Replay:
         return np.concatenate(self.kept) if self.kept else np.zeros(0)
 
 
-__all__ = ["RING_LAYER", "LateCheck", "check_ring", "check_seconds", "drawn_ranges", "run_late"]
+__all__ = [
+    "RING_LAYER",
+    "LateCheck",
+    "check_ring",
+    "check_seconds",
+    "drawn_ranges",
+    "run_late",
+    "sketch_comparisons",
+]
