@@ -73,6 +73,15 @@ FLAGS = {
             "links (master where TLS is on)",
         ),
         ModeFlag(
+            "--alone-check",
+            ("on", "off"),
+            "with --split auto: on = a few steps in (after 5), the master times one step "
+            "trained alone as --local trains it, and where the cluster's median step is over "
+            "5 %% slower, the workers are released and the master trains on alone (resident "
+            "kernels and their momentum fetched first: exact); never where a worker computes "
+            "on the master's own cores; off: the split chosen at start stays",
+        ),
+        ModeFlag(
             "--shares",
             ("compute", "link"),
             "how kernels are split: link = minimise each layer's predicted time from every "
@@ -215,6 +224,7 @@ def add_mode_flags(
 TRAIN_DEFAULTS = {
     "split": "auto",
     "exchange": "auto",
+    "alone_check": "on",
     "stages": "auto",
     "kernels": "auto",
     "replicate": "auto",

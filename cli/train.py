@@ -47,6 +47,7 @@ _NOT_LOCAL = (
     ("head", "auto", "so the head is not split: drop --head"),
     ("split", "auto", "so nothing is split: drop --split"),
     ("exchange", "auto", "so no gradient is exchanged: drop --exchange"),
+    ("alone_check", "on", "so there is no cluster to check: drop --alone-check"),
 )
 #: Flags of a split by kernels, which ``--split images`` has none of: (dest, its default).
 _KERNEL_SPLIT_ONLY = (
@@ -293,7 +294,7 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
     split, _ = split_of(args, addresses)
     cluster_class = {
         "images": lambda: image_split_class(args.exchange),
-        "auto": lambda: SplitChoice.with_exchange(args.exchange),
+        "auto": lambda: SplitChoice.with_exchange(args.exchange, args.alone_check == "on"),
         "kernels": lambda: Cluster,
     }[split]()
     if args.discover:

@@ -49,7 +49,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _add_data(data)
     _add_train_run(run)
     _add_where(where)
-    add_mode_flags(where, {k: TRAIN_DEFAULTS[k] for k in ("split", "exchange")})
+    add_mode_flags(where, {k: TRAIN_DEFAULTS[k] for k in ("split", "exchange", "alone_check")})
     add_mode_flags(sharing, {k: TRAIN_DEFAULTS[k] for k in _SHARING_MODES}, notes=_MODE_NOTES)
     _add_balance(sharing)
     add_mode_flags(modes, {k: TRAIN_DEFAULTS[k] for k in _LAYER_MODES})

@@ -22,7 +22,9 @@ predicted at least :data:`~hetconv.imagecost.SPLIT_MARGIN` faster than the split
 (:func:`~hetconv.imagecost.choose_split`): the cost model is within about 15 % on the testbed,
 and the kernel split is the one it has been validated on longest.
 Choosing it closes the kernel split's connections and opens the split by images over the same
-workers (those found on the LAN still followed). Every later call goes to the split chosen;
+workers (those found on the LAN still followed). A few steps in, the split chosen is timed
+against the master training alone, and the workers are released where it is slower
+(:mod:`.alonecheck`). Every later call goes to the split chosen;
 the plan record's ``split_choice`` says which, each way's predicted step and why, and the
 console says it in one line.
 """
@@ -36,6 +38,8 @@ from hetconv.imagecost import choose_split, describe_choice
 from hetconv.imagesplit import IMAGES, KERNELS
 from hetconv.ring import AUTO, MASTER, RING
 
+from .alonecheck import AloneCheck, time_alone
+from .alonecheck import describe as describe_check
 from .probing import on_this_machine
 
 
@@ -93,19 +97,32 @@ class SplitChoice:
         exchange: ``--exchange``: which exchanges a split by images may use (``auto``: any).
     """
 
-    def __init__(self, addresses: Sequence[str], backend="cpu", config=None, exchange=AUTO):
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        backend="cpu",
+        config=None,
+        exchange=AUTO,
+        alone_check: bool = True,
+    ):
         from .cluster import Cluster
 
         self.addresses, self._backend, self._exchange = list(addresses), backend, exchange
         self.inner = Cluster(addresses, backend, config)
         self.choice: dict | None = None
         self._prepared: tuple = ()
+        # never slower than one machine, measured early in the run (:mod:`.alonecheck`)
+        self.alone_check = AloneCheck() if alone_check else None
+        self._batch: tuple | None = None  # the step's (model, x, labels, step)
+        self._handover: dict | None = None
+        self._sgd = None
 
     @classmethod
-    def with_exchange(cls, exchange: str):
-        """A constructor with the cluster's signature, for ``--exchange EXCHANGE``."""
+    def with_exchange(cls, exchange: str, alone_check: bool = True):
+        """A constructor with the cluster's signature, for ``--exchange EXCHANGE`` (and
+        ``--alone-check``)."""
         return lambda addresses, backend="cpu", config=None: cls(
-            addresses, backend, config, exchange
+            addresses, backend, config, exchange, alone_check
         )
 
     def __getattr__(self, name: str):
@@ -173,6 +190,76 @@ class SplitChoice:
         if followed is not None:
             self.inner.membership.follow(followed, found)
         self.inner.prepare(*self._prepared)
+
+    # -- the alone check (:mod:`.alonecheck`) --------------------------------------------
+
+    def attach_optimizer(self, sgd) -> None:
+        self._sgd = sgd
+        self.inner.attach_optimizer(sgd)
+
+    def begin_step(self, step: int) -> None:
+        if self.alone_check is not None:
+            self.alone_check.begin()
+        self.inner.begin_step(step)
+
+    def train_batch(self, model, x, labels, step: int):
+        self._batch = (model, x, labels, step)
+        return self.inner.train_batch(model, x, labels, step)
+
+    def end_step(self) -> dict:
+        record = self.inner.end_step()
+        check = self.alone_check
+        if check is None or not check.end() or not self._checks_alone():
+            return record
+        from hetconv.optim import SGDConfig
+
+        model, x, labels, step = self._batch
+        alone_s = time_alone(model, x, labels, step, self._backend, self._sgd or SGDConfig())
+        record["alone_check"] = result = check.decide(alone_s)
+        log = self._prepared[2] if self._prepared else None
+        if log is not None:
+            print(describe_check(result, step), file=log, flush=True)
+        if result["released"]:
+            self._hand_over()
+        return record
+
+    def _checks_alone(self) -> bool:
+        """Whether the check can run now: a cluster working (not the master alone), a batch
+        seen, and no worker computing on the master's cores (their timings compete)."""
+        from hetconv.conv import LocalConv
+
+        if isinstance(self.inner, LocalConv) or self._batch is None:
+            self.alone_check.done = True
+            return False
+        backends = {n.client.address: n.backend for n in self.inner.nodes if n.client}
+        if sharing_cores(self.addresses, backends):
+            self.alone_check.done = True
+            return False
+        return True
+
+    def _hand_over(self) -> None:
+        """Release the workers mid-run: the split's deferred checks finished, resident kernels
+        and their momentum fetched into the model (:meth:`take_handover` gives the momentum to
+        the training loop), then the master trains alone."""
+        from hetconv.conv import LocalConv
+
+        complete = getattr(self.inner, "complete", None)
+        if complete is not None:
+            complete()
+        resident = self.inner.resident_parameters()
+        self._handover = self.inner.gather_resident() if resident else {}
+        self._record = self.inner.plan_record()
+        self.inner.close()
+        self.inner = LocalConv(self._backend)
+        if self.choice is not None:
+            self.choice = {**self.choice, "released": True}
+
+    def take_handover(self) -> dict | None:
+        """Once, after the step whose alone check released the workers: the momentum buffers
+        of the parameters they kept (by name; empty where none), which the training loop's
+        optimizer now updates with every other; None otherwise."""
+        handover, self._handover = self._handover, None
+        return handover
 
     def plan_record(self) -> dict:
         record = self.inner.plan_record() or dict(getattr(self, "_record", None) or {})

@@ -130,7 +130,8 @@ def test_a_switch_to_images_trains_as_local_training(tmp_path, local, workers, m
     _forced(monkeypatch, exchange)
     config = ClusterConfig(deterministic=True, spot_checks=SpotCheckConfig(every=0))
     trace = tmp_path / "trace.jsonl"
-    with SplitChoice(workers.addresses, config=config) as cluster:
+    # (the alone check would release these loopback workers: tests/test_alone_check.py)
+    with SplitChoice(workers.addresses, config=config, alone_check=False) as cluster:
         got = train_strong_lrn(tmp_path, f"auto-{exchange}", cluster, trace=str(trace))
     same_as_local(got, local)
     records = [json.loads(line) for line in trace.read_text().splitlines()]

@@ -167,6 +167,15 @@ def _master_alone(run: _Run) -> tuple[float, int]:
     return seconds, len(steps)
 
 
+def train_alone(run: _Run, momentum: dict) -> None:
+    """``run``'s executor released its workers after a step (``--split auto``'s alone check):
+    every parameter into the run's optimizer, those the workers kept with their ``momentum``."""
+    state = run.optimizer.state()
+    run.resident = set()
+    run.optimizer = SGD(run.model.parameters(), run.config.sgd)
+    run.optimizer.load_state({**state, **momentum})
+
+
 def eval_due(run: _Run, done: int) -> bool:
     """Whether ``run`` evaluates after ``done`` steps, before the last: at every epoch's end
     and every ``eval_every`` steps."""
@@ -434,6 +443,9 @@ class _Run:
         self.optimizer.step(self.model.gradients())
         seconds = time.perf_counter() - step_start
         cluster = self.executor.end_step()
+        handover = getattr(self.executor, "take_handover", lambda: None)()
+        if handover is not None:  # the workers released mid-run: the master trains alone
+            train_alone(self, handover)
         comm, conv = cluster.pop("comm_seconds"), cluster.pop("conv_seconds")
         # The paper's terms: communication + convolution (slowest node) + the rest.
         comp = max(seconds - comm - conv, 0.0)
