@@ -344,10 +344,17 @@ def _steps_of_one_split(records: list[dict]) -> tuple[list[dict], list[str]]:
     run is probed again, and a lost or joining worker changes the shares).
     """
     candidates = records[1:] if len(records) > 1 else records
+    clustered = [r for r in candidates if r.get("nodes")]
+    notes = []
+    if clustered and len(clustered) < len(candidates):  # released mid-run (an alone check)
+        notes.append(
+            f"left out the {len(candidates) - len(clustered)} steps the master trained alone "
+            "(the workers released)"
+        )
+        candidates = clustered
     layouts = Counter(_layout_key(r) for r in candidates)
     chosen, count = layouts.most_common(1)[0]
     used = [r for r in candidates if _layout_key(r) == chosen]
-    notes = []
     if count < len(candidates):
         notes.append(
             f"used the {count} of {len(candidates)} steps that share the most frequent split "

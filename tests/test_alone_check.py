@@ -62,6 +62,11 @@ def test_a_cluster_slower_than_the_master_alone_is_released_and_stays_exact(
     assert all(r["workers_computed"] for r in steps[: CHECKED + 1])
     assert not any(r.get("workers_computed") for r in steps[CHECKED + 1 :])
     assert all(r["kernel_modes"]["conv2"] == "resident" for r in steps[: CHECKED + 1])
+    # the simulator calibrates from the steps with workers, the master's alone left out
+    from hetconv.simulations.calibrate import calibrate
+
+    notes = calibrate(str(trace), str(tmp_path / "strong-lrn.json")).notes
+    assert any("steps the master trained alone" in note for note in notes), notes
 
 
 def test_a_cluster_faster_than_the_master_alone_stays(tmp_path, local, workers, monkeypatch):
