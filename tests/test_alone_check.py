@@ -12,6 +12,7 @@ import json
 
 import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
+from test_split_auto import _forced
 
 from hetconv.master import alonecheck, splitchoice
 from hetconv.master.cluster import ClusterConfig
@@ -29,14 +30,7 @@ def _records(trace):
 def _kernels(monkeypatch):
     """The split by kernels chosen whatever the predictions, and the loopback workers taken for
     machines of their own."""
-    real = splitchoice.choose_split
-
-    def kernels(kernels_s, images_s, allowed, ruled_out=None):
-        got = real(kernels_s, images_s, allowed, ruled_out)
-        return {**got, "split": "kernels", "exchange": None, "why": "forced by the test"}
-
-    monkeypatch.setattr(splitchoice, "choose_split", kernels)
-    monkeypatch.setattr(splitchoice, "on_this_machine", lambda address: False)
+    _forced(monkeypatch, None, split="kernels")
 
 
 def test_a_cluster_slower_than_the_master_alone_is_released_and_stays_exact(
@@ -84,14 +78,7 @@ def test_a_cluster_faster_than_the_master_alone_stays(tmp_path, local, workers, 
 
 @pytest.mark.parametrize("exchange", ["master", "ring"])
 def test_a_split_by_images_is_released_as_exactly(tmp_path, local, workers, monkeypatch, exchange):
-    real = splitchoice.choose_split
-
-    def images(kernels_s, images_s, allowed, ruled_out=None):
-        got = real(kernels_s, images_s, allowed, ruled_out)
-        return {**got, "split": "images", "exchange": exchange, "why": "forced by the test"}
-
-    monkeypatch.setattr(splitchoice, "choose_split", images)
-    monkeypatch.setattr(splitchoice, "on_this_machine", lambda address: False)
+    _forced(monkeypatch, exchange)
     monkeypatch.setattr(splitchoice, "time_alone", lambda *args: 0.0)
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(**FAST, deterministic=True, spot_checks=SpotCheckConfig(every=0))

@@ -43,16 +43,20 @@ def fake_cuda(monkeypatch):
     cuda_module._availability.cache_clear()
 
 
-def test_gpu_layers_runs_the_cuda_path_on_device_arrays(fake_cuda):
+def _device_rows(network: str, batch: int):
+    """gpu_layers.py's rows of ``network`` on the (fake) cuda backend, and the module."""
     from hetconv.backends.cuda import CudaBackend
 
     bench = _module()
     backend = CudaBackend(device=0)
     args = Namespace(repeats=1, device_name="fake")
     with backend.scope():
-        rows = bench.network_rows(
-            "tiny", 4, args, backend, backend.xp, "cpu", bench.Timer(lambda: None)
-        )
+        timer = bench.Timer(lambda: None)
+        return bench.network_rows(network, batch, args, backend, backend.xp, "cpu", timer), bench
+
+
+def test_gpu_layers_runs_the_cuda_path_on_device_arrays(fake_cuda):
+    rows, bench = _device_rows("tiny", 4)
     assert TINY_ROWS <= {(r["layer"], r["kind"]) for r in rows}
     for row in rows:
         assert row["ours_s"] > 0 and row["torch_s"] > 0, row
@@ -63,15 +67,7 @@ def test_gpu_layers_runs_the_cuda_path_on_device_arrays(fake_cuda):
 def test_gpu_layers_times_batch_norm_on_device_arrays(fake_cuda, capsys):
     """resnet20's batch norm rows run with its running statistics on the device too (they
     failed on an H200 with the statistics left on the host)."""
-    from hetconv.backends.cuda import CudaBackend
-
-    bench = _module()
-    backend = CudaBackend(device=0)
-    args = Namespace(repeats=1, device_name="fake")
-    with backend.scope():
-        rows = bench.network_rows(
-            "resnet20", 2, args, backend, backend.xp, "cpu", bench.Timer(lambda: None)
-        )
+    rows, _ = _device_rows("resnet20", 2)
     kinds = {r["kind"] for r in rows}
     assert {"batchnorm fwd+bwd", "add", "gap"} <= kinds, kinds
     assert "Error" not in capsys.readouterr().err

@@ -108,14 +108,14 @@ def test_exchange_with_the_split_by_kernels_is_refused(capsys):
     assert "with --split kernels nothing is; drop --exchange" in capsys.readouterr().err
 
 
-def _forced(monkeypatch, exchange):
-    """Make the choice images by ``exchange`` whatever the predictions (the decision itself is
-    tested above), and treat loopback workers as machines of their own."""
+def _forced(monkeypatch, exchange, split="images"):
+    """Make the choice ``split`` (images by ``exchange``) whatever the predictions (the decision
+    itself is tested above), and treat loopback workers as machines of their own."""
     real = splitchoice.choose_split
 
     def forced(kernels_s, images_s, allowed, ruled_out=None):
         got = real(kernels_s, images_s, allowed, ruled_out)
-        return {**got, "split": "images", "exchange": exchange, "why": "forced by the test"}
+        return {**got, "split": split, "exchange": exchange, "why": "forced by the test"}
 
     monkeypatch.setattr(splitchoice, "choose_split", forced)
     monkeypatch.setattr(splitchoice, "on_this_machine", lambda address: False)
