@@ -425,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate-mbit", type=positive(float),
         help="link rate in Mbit/s instead of the scaled one",
     )  # fmt: skip
+    add_period_flag(p)
     p.add_argument(
         "--master-port-unlimited", action="store_true",
         help="switched: leave the master's own port unshaped (only the workers' links limit)",
@@ -487,8 +488,30 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     return None
 
 
+def add_period_flag(p: argparse.ArgumentParser) -> None:
+    """``--cfs-period-ms``: the CFS period of every node's CPU cap."""
+    from hetconv.simulations import cpucap
+
+    p.add_argument(
+        "--cfs-period-ms", type=positive(float), default=cpucap.DEFAULT_CFS_PERIOD_US / 1000,
+        help="the CFS period of every CPU cap, ms: a capped process runs its quota (the cap "
+        "times this) in each period and waits out the rest (default "
+        f"{cpucap.DEFAULT_CFS_PERIOD_US / 1000:g}; the kernel's least quota is 1 ms, so a cap "
+        "of 0.36 needs at least 2.8). A shorter one is nearer a slower core that runs without "
+        "pauses",
+    )  # fmt: skip
+
+
+def apply_period(args) -> None:
+    """Every cap made from now on has ``--cfs-period-ms``'s period."""
+    from hetconv.simulations import cpucap
+
+    cpucap.CFS_PERIOD_US = round(args.cfs_period_ms * 1000)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_period(args)
     wrong = check_arguments(args)
     if wrong:
         print(f"testbed: {wrong}", file=sys.stderr)

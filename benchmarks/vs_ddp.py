@@ -434,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive(int), default=4, help="measured steps per run (4)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out at each start (1)")
     hetconv_testbed.add_engine_flag(p)
+    hetconv_testbed.add_period_flag(p)
     p.add_argument("--keep-traces", metavar="DIR",
                    help="write hetconv's traces here, a folder per network and batch")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
@@ -483,6 +484,7 @@ def _interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    hetconv_testbed.apply_period(args)
     wrong, mode = check_arguments(args)
     if wrong:
         print(f"vs_ddp: {wrong}", file=sys.stderr)

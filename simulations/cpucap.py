@@ -15,7 +15,9 @@ CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 #: The CFS period of every cap: the quota is a fraction of it. Short, so that a capped process
 #: runs in slices of a few milliseconds, as a slower core would, not in lumps of tens of
 #: milliseconds with pauses in between that would delay every answer it must read or send.
-CFS_PERIOD_US = 10_000
+DEFAULT_CFS_PERIOD_US = 10_000
+#: The period caps are made with (the testbed's ``--cfs-period-ms`` sets it).
+CFS_PERIOD_US = DEFAULT_CFS_PERIOD_US
 
 
 def ensure_cpu_controller(root: Path = CPU_CGROUP_ROOT) -> str | None:

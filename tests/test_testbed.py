@@ -96,6 +96,19 @@ def test_unknown_modes_and_caps_past_the_machine_are_refused_by_name():
 # -- with the testbed ----------------------------------------------------------------------------
 
 
+def test_the_cfs_period_flag_sets_every_caps_period(monkeypatch):
+    from hetconv.simulations import cpucap
+
+    monkeypatch.setattr(cpucap, "CFS_PERIOD_US", cpucap.CFS_PERIOD_US)  # restored after
+    args = bench.build_parser().parse_args(["--cfs-period-ms", "3"])
+    bench.apply_period(args)
+    assert cpucap.CFS_PERIOD_US == 3000
+    cpucap.CpuCap("probe", 0.36)  # 1.08 ms of every 3: the kernel's least quota is 1 ms
+    with pytest.raises(ValueError, match="least quota, 1 ms of every 3 ms"):
+        cpucap.CpuCap("probe", 0.3)
+    assert bench.build_parser().parse_args([]).cfs_period_ms == 10
+
+
 def _cpu_share(bed: testbed.ClusterTestbed, host: testbed.Host, seconds: float = 1.5) -> float:
     """The share of a core a busy loop on ``host`` (in its cap) gets over ``seconds``."""
     loop = bed.spawn([sys.executable, "-I", "-c", "while True: pass"], os.environ, host)
