@@ -75,7 +75,7 @@ FLAGS = {
         ModeFlag(
             "--alone-check",
             ("on", "off"),
-            "with --split auto: on = a few steps in (after 5), the master times one step "
+            "with --split auto: on = a few steps in (after 6), the master times one step "
             "trained alone as --local trains it, and where the cluster's median step is over "
             "5 %% slower, the workers are released and the master trains on alone (resident "
             "kernels and their momentum fetched first: exact); never where a worker computes "

@@ -20,7 +20,8 @@ from hetconv.master.splitchoice import SplitChoice
 from hetconv.master.spotcheck import SpotCheckConfig
 
 DEFAULT_MODES = dict(stages="fused", kernels="resident", head="split", resident_sync_every=3)
-CHECKED = alonecheck.CHECK_STEPS  # the step whose end runs the check (steps 0..CHECK_STEPS)
+# the step whose end runs the check: the SKIPPED first and CHECK_STEPS more timed
+CHECKED = alonecheck.SKIPPED + alonecheck.CHECK_STEPS - 1
 
 
 def _records(trace):
@@ -36,7 +37,7 @@ def _kernels(monkeypatch):
 def test_a_cluster_slower_than_the_master_alone_is_released_and_stays_exact(
     tmp_path, local, workers, monkeypatch
 ):
-    """The check releases the workers after step CHECK_STEPS (the master alone made to look
+    """The check releases the workers after step CHECKED (the master alone made to look
     faster; the timing itself is tested below). Resident kernels and the split head's columns
     come back with their momentum: the run equals local training step by step and in its
     final weights."""
@@ -51,7 +52,7 @@ def test_a_cluster_slower_than_the_master_alone_is_released_and_stays_exact(
     steps = [r for r in _records(trace) if "step" in r]
     check = steps[CHECKED]["alone_check"]
     assert check["released"] and check["cluster_s"] > check["alone_s"], check
-    assert check["steps"] == CHECKED
+    assert check["steps"] == alonecheck.CHECK_STEPS
     assert all("alone_check" not in r for i, r in enumerate(steps) if i != CHECKED)
     assert all(r["workers_computed"] for r in steps[: CHECKED + 1])
     assert not any(r.get("workers_computed") for r in steps[CHECKED + 1 :])
@@ -99,22 +100,22 @@ def test_workers_on_this_machine_are_not_checked(tmp_path, workers, monkeypatch)
     assert not any("alone_check" in r for r in _records(trace))
 
 
-def test_the_check_is_the_median_of_the_steps_after_the_first():
+def test_the_check_is_the_median_of_the_steps_after_the_first_two():
     check = alonecheck.AloneCheck(steps=3, margin=0.1)
-    check.seconds = [9.0, 1.0, 3.0]
     assert check.end() is False  # not begun: nothing timed
+    check.seconds = [9.0, 5.0, 1.0, 3.0]
     check.begin()
-    assert check.end() is True and len(check.seconds) == 4
+    assert check.end() is True and len(check.seconds) == alonecheck.SKIPPED + 3
     got = check.decide(1.0)
-    assert got["cluster_s"] == pytest.approx(sorted(check.seconds[1:])[1])
+    assert got["cluster_s"] == pytest.approx(1.0)  # the median of 1.0, 3.0 and ~0
     assert got["steps"] == 3 and check.done and check.end() is False
     kept = alonecheck.AloneCheck(steps=2, margin=0.1)
-    kept.seconds = [5.0, 1.05, 1.09]
+    kept.seconds = [5.0, 4.0, 1.05, 1.09]
     assert kept.decide(1.0)["released"] is False  # within the margin
-    kept.seconds = [5.0, 1.2, 1.2]
+    kept.seconds = [5.0, 4.0, 1.2, 1.2]
     assert kept.decide(1.0)["released"] is True
-    line = alonecheck.describe({"cluster_s": 1.2, "alone_s": 0.9, "steps": 4, "released": True}, 4)
-    assert "released" in line and "1.2 s" in line and "0.9 s" in line
+    line = alonecheck.describe({"cluster_s": 1.2, "alone_s": 0.9, "steps": 4, "released": True}, 5)
+    assert "after step 5" in line and "released" in line and "1.2 s" in line and "0.9 s" in line
 
 
 def test_the_master_alone_is_timed_on_a_twin_leaving_the_model_as_it_was():
