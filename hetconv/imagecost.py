@@ -188,14 +188,15 @@ SPLIT_MARGIN = 0.10
 
 def choose_split(
     kernels_s: float, images_s: dict[str, float], allowed: Sequence[str],
-    ruled_out: dict[str, str] | None = None,
+    ruled_out: dict[str, str] | None = None, margin: float = SPLIT_MARGIN,
 ) -> dict:  # fmt: skip
     """The split ``--split auto`` takes: ``{"split": kernels|images, "exchange": ...,
     "predicted_s": {way: step}, "why": one line}`` from the kernel split's predicted step and
-    each exchange's split by images (only those ``allowed``). ``ruled_out``: for an exchange
-    not allowed, what rules it out and the flag that would allow it; where it is predicted
-    faster by the margin than the way taken, ``why`` says so and names the flag."""
-    choice = _choose_split(kernels_s, images_s, allowed)
+    each exchange's split by images (only those ``allowed``; chosen where predicted faster by
+    ``margin``). ``ruled_out``: for an exchange not allowed, what rules it out and the flag
+    that would allow it; where it is predicted faster by the margin than the way taken,
+    ``why`` says so and names the flag."""
+    choice = _choose_split(kernels_s, images_s, allowed, margin)
     taken = images_s.get(choice["exchange"], kernels_s) if choice["exchange"] else kernels_s
     for exchange, reason in (ruled_out or {}).items():
         seconds = images_s.get(exchange)
@@ -205,7 +206,9 @@ def choose_split(
     return choice
 
 
-def _choose_split(kernels_s: float, images_s: dict[str, float], allowed: Sequence[str]) -> dict:
+def _choose_split(
+    kernels_s: float, images_s: dict[str, float], allowed: Sequence[str], margin: float
+) -> dict:
     usable = {k: v for k, v in images_s.items() if k in allowed}
     predicted = {KERNELS: kernels_s, **{f"{IMAGES} ({k})": v for k, v in images_s.items()}}
     if not usable:
@@ -217,13 +220,13 @@ def _choose_split(kernels_s: float, images_s: dict[str, float], allowed: Sequenc
     exchange = min(usable, key=lambda k: (usable[k], k != MASTER))
     best = usable[exchange]
     faster = kernels_s / best if best > 0 else float("inf")
-    if best < kernels_s * (1 - SPLIT_MARGIN):
+    if best < kernels_s * (1 - margin):
         split, why = IMAGES, f"predicted {faster:.2f}x faster than the split by kernels"
     else:
         split, exchange = KERNELS, None
         why = (
             f"the split by images ({_way(min(usable, key=usable.get))}) is predicted "
-            f"{faster:.2f}x the split by kernels' speed, under the {1 / (1 - SPLIT_MARGIN):.2f}x "
+            f"{faster:.2f}x the split by kernels' speed, under the {1 / (1 - margin):.2f}x "
             "a switch needs"
         )
     return {"split": split, "exchange": exchange, "predicted_s": predicted, "why": why}

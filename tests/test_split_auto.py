@@ -33,6 +33,14 @@ def test_images_are_chosen_only_when_predicted_faster_by_the_margin():
     assert slower["predicted_s"] == {"kernels": 1.0, "images (master)": 3.0}
 
 
+def test_where_the_kernel_split_trains_alone_any_faster_split_by_images_is_taken():
+    # the alone check measures it against the master alone; without one the margin stands
+    close = choose(1.0, {"ring": 0.95}, ["ring"], margin=0.0)
+    assert (close["split"], close["exchange"]) == ("images", "ring")
+    assert choose(1.0, {"ring": 0.95}, ["ring"])["split"] == "kernels"
+    assert choose(1.0, {"ring": 1.01}, ["ring"], margin=0.0)["split"] == "kernels"
+
+
 def test_an_exchange_ruled_out_is_never_chosen():
     # the ring is the fastest but not allowed (spot checks on): the master exchange's figure
     got = choose(1.0, {"master": 0.95, "ring": 0.2}, ["master"])
@@ -113,8 +121,8 @@ def _forced(monkeypatch, exchange, split="images"):
     itself is tested above), and treat loopback workers as machines of their own."""
     real = splitchoice.choose_split
 
-    def forced(kernels_s, images_s, allowed, ruled_out=None):
-        got = real(kernels_s, images_s, allowed, ruled_out)
+    def forced(kernels_s, images_s, allowed, ruled_out=None, **margin):
+        got = real(kernels_s, images_s, allowed, ruled_out, **margin)
         return {**got, "split": split, "exchange": exchange, "why": "forced by the test"}
 
     monkeypatch.setattr(splitchoice, "choose_split", forced)
@@ -210,8 +218,8 @@ def test_a_kernel_split_that_keeps_every_kernel_on_the_master_trains_alone(
 
     real_choice = splitchoice.choose_split
 
-    def kernels(kernels_s, images_s, allowed, ruled_out=None):
-        got = real_choice(kernels_s, images_s, allowed, ruled_out)
+    def kernels(kernels_s, images_s, allowed, ruled_out=None, **margin):
+        got = real_choice(kernels_s, images_s, allowed, ruled_out, **margin)
         return {**got, "split": "kernels", "exchange": None, "why": "forced by the test"}
 
     monkeypatch.setattr(splitchoice, "keeps_every_kernel", keeps)
