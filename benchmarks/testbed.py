@@ -101,6 +101,7 @@ from testbed_scale import (  # noqa: E402
 )
 
 from hetconv.argtypes import positive  # noqa: E402
+from hetconv.simulations.cpucap import add_period_flag, apply_period  # noqa: E402
 from hetconv.simulations.testbed import (  # noqa: E402
     LINK_KINDS,
     SWITCHED_LINK,
@@ -486,27 +487,6 @@ def check_arguments(args: argparse.Namespace) -> str | None:
                 f"more than {MAX_TOTAL_CAP} of this machine's"
             )
     return None
-
-
-def add_period_flag(p: argparse.ArgumentParser) -> None:
-    """``--cfs-period-ms``: the CFS period of every node's CPU cap."""
-    from hetconv.simulations import cpucap
-
-    p.add_argument(
-        "--cfs-period-ms", type=positive(float), default=cpucap.DEFAULT_CFS_PERIOD_US / 1000,
-        help="the CFS period of every CPU cap, ms: a capped process runs its quota (the cap "
-        "times this) in each period and waits out the rest (default "
-        f"{cpucap.DEFAULT_CFS_PERIOD_US / 1000:g}; the kernel's least quota is 1 ms, so a cap "
-        "of 0.36 needs at least 2.8). A shorter one is nearer a slower core that runs without "
-        "pauses",
-    )  # fmt: skip
-
-
-def apply_period(args) -> None:
-    """Every cap made from now on has ``--cfs-period-ms``'s period."""
-    from hetconv.simulations import cpucap
-
-    cpucap.CFS_PERIOD_US = round(args.cfs_period_ms * 1000)
 
 
 def main(argv: list[str] | None = None) -> int:

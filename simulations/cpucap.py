@@ -4,6 +4,7 @@ of one core, and the CPU time a process has used."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -18,6 +19,25 @@ CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 DEFAULT_CFS_PERIOD_US = 10_000
 #: The period caps are made with (the testbed's ``--cfs-period-ms`` sets it).
 CFS_PERIOD_US = DEFAULT_CFS_PERIOD_US
+
+
+def add_period_flag(p: argparse.ArgumentParser) -> None:
+    """``--cfs-period-ms`` (the testbed's benchmarks): the CFS period of every cap."""
+    from hetconv.argtypes import positive
+
+    p.add_argument(
+        "--cfs-period-ms", type=positive(float), default=DEFAULT_CFS_PERIOD_US / 1000,
+        help="the CFS period of every CPU cap, ms: a capped process runs its quota (the cap "
+        f"times this) in each period and waits out the rest (default "
+        f"{DEFAULT_CFS_PERIOD_US / 1000:g}; the kernel's least quota is 1 ms, so a cap of 0.36 "
+        "needs at least 2.8). A shorter one is nearer a slower core that runs without pauses",
+    )  # fmt: skip
+
+
+def apply_period(args) -> None:
+    """Every cap made from now on has ``--cfs-period-ms``'s period."""
+    global CFS_PERIOD_US
+    CFS_PERIOD_US = round(args.cfs_period_ms * 1000)
 
 
 def ensure_cpu_controller(root: Path = CPU_CGROUP_ROOT) -> str | None:
