@@ -140,6 +140,7 @@ class BlockOutput:
         self.ndim = len(self.shape)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.run = None  # the master's StageRun of it, for this step's backward (computed)
+        self._keep_run = True  # until the step's backward is done (:meth:`release`)
         self._y: np.ndarray | None = None
         self._lock = threading.Lock()
 
@@ -154,14 +155,17 @@ class BlockOutput:
             if self._y is None:
                 block = self.block
                 every = slice(0, block.w.shape[0])
-                self._y, self.run = stage_forward(
+                self._y, run = stage_forward(
                     self.backend, block.x, block.w, block.b, block.sides, block.stage, every
                 )
+                self.run = run if self._keep_run else None  # (a replay needs the output only)
             return self._y
 
     def release(self) -> None:
-        """Drop the StageRun (the step's backward is done); the output stays for the log."""
-        self.run = None
+        """Drop the StageRun, and keep none computed later (the step's backward is done); the
+        output stays for the log."""
+        with self._lock:
+            self.run, self._keep_run = None, False
 
     def __array__(self, dtype=None, copy=None):
         y = self.array()

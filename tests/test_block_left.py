@@ -108,8 +108,14 @@ def test_a_block_output_is_computed_once_when_read():
     assert not late.computed and late.shape == (2, 4, 4, 4) and late.nbytes == 2 * 4 * 16 * 4
     want, _ = stage_forward(backend, x, w, b, (1, 1, 1, 1), stage, slice(0, 4))
     np.testing.assert_array_equal(np.asarray(late), want)
-    assert late.computed and arrived(late) is arrived(late)
+    assert late.computed and arrived(late) is arrived(late) and late.run is not None
     np.testing.assert_array_equal(late[1], want[1])
+    late.release()  # the step's backward done: a replay computing it later keeps no StageRun
+    assert late.run is None and late.computed
+    later = BlockOutput(backend, block, (2, 4, 4, 4))
+    later.release()
+    np.testing.assert_array_equal(later.array(), want)
+    assert later.run is None
 
 
 def test_the_cost_model_leaves_the_block_to_the_workers():
