@@ -133,3 +133,12 @@ def test_the_master_alone_is_timed_on_a_twin_leaving_the_model_as_it_was():
     assert 0 < seconds < 10
     for name, value in model.state().items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_alone_check_off_makes_none():
+    """``--alone-check off``: the executor ``hetconv train`` builds checks nothing."""
+    make = SplitChoice.with_exchange("auto", alone_check=False)
+    with make(["127.0.0.1:1"], "cpu", ClusterConfig()) as off:
+        assert off.alone_check is None
+    with SplitChoice.with_exchange("auto")(["127.0.0.1:1"], "cpu", ClusterConfig()) as on:
+        assert on.alone_check is not None and not on.alone_check.done
