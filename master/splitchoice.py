@@ -156,8 +156,7 @@ class SplitChoice:
                 "; the split by kernels would train alone, and the alone check measures this "
                 "against that"
             )
-        backends = {n.client.address: n.backend for n in self.inner.nodes if n.client}
-        shared = sharing_cores(self.addresses, backends)
+        shared = self._sharing_cores()
         if shared and self.choice["split"] == IMAGES:
             self.choice = {
                 **self.choice, "split": KERNELS, "exchange": None,
@@ -179,16 +178,26 @@ class SplitChoice:
     def _release(self) -> None:
         """The split by kernels keeps every kernel on the master: it trains alone, as
         ``--local`` (no calls, the engine's own strides), and the workers are released."""
-        from hetconv.conv import LocalConv
-
-        self._record = self.inner.plan_record()
-        self.inner.close()
-        self.inner = LocalConv(self._backend)
+        self._alone()
         self.choice = {
             **self.choice, "released": True,
             "why": f"{self.choice['why']}; the split by kernels keeps every kernel on the "
             "master: it trains alone, as --local, and the workers are released",
         }  # fmt: skip
+
+    def _alone(self) -> None:
+        """Close the split (its plan kept for the record); the master trains alone, as
+        ``--local``."""
+        from hetconv.conv import LocalConv
+
+        self._record = self.inner.plan_record()
+        self.inner.close()
+        self.inner = LocalConv(self._backend)
+
+    def _sharing_cores(self) -> list[str]:
+        """The workers on this machine that compute on its cores (:func:`sharing_cores`)."""
+        backends = {n.client.address: n.backend for n in self.inner.nodes if n.client}
+        return sharing_cores(self.addresses, backends)
 
     def _switch(self, exchange: str) -> None:
         """Close the kernel split and prepare the split by images over the same workers."""
@@ -243,8 +252,7 @@ class SplitChoice:
         if isinstance(self.inner, LocalConv) or self._batch is None:
             self.alone_check.done = True
             return False
-        backends = {n.client.address: n.backend for n in self.inner.nodes if n.client}
-        if sharing_cores(self.addresses, backends):
+        if self._sharing_cores():
             self.alone_check.done = True
             return False
         return True
@@ -253,16 +261,12 @@ class SplitChoice:
         """Release the workers mid-run: the split's deferred checks finished, resident kernels
         and their momentum fetched into the model (:meth:`take_handover` gives the momentum to
         the training loop), then the master trains alone."""
-        from hetconv.conv import LocalConv
-
         complete = getattr(self.inner, "complete", None)
         if complete is not None:
             complete()
         resident = self.inner.resident_parameters()
         self._handover = self.inner.gather_resident() if resident else {}
-        self._record = self.inner.plan_record()
-        self.inner.close()
-        self.inner = LocalConv(self._backend)
+        self._alone()
         if self.choice is not None:
             self.choice = {**self.choice, "released": True}
 
