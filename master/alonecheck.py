@@ -102,6 +102,8 @@ def describe(check: dict, step: int) -> str:
     )
     if check["released"]:
         return head + ": the workers are released and the master trains on alone"
+    if check.get("trial"):
+        return head + ": the runner-up is tried before deciding (split trial)"
     return head + ": the cluster stays"
 
 

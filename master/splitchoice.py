@@ -24,7 +24,8 @@ and the kernel split is the one it has been validated on longest.
 Choosing it closes the kernel split's connections and opens the split by images over the same
 workers (those found on the LAN still followed). A few steps in, the split chosen is timed
 against the master training alone, and the workers are released where it is slower
-(:mod:`.alonecheck`). Every later call goes to the split chosen;
+(:mod:`.alonecheck`); where the other split is predicted close, it is run and timed next, and
+the faster kept (:mod:`.splittrial`). Every later call goes to the split chosen;
 the plan record's ``split_choice`` says which, each way's predicted step and why, and the
 console says it in one line.
 """
@@ -38,6 +39,7 @@ from hetconv.imagecost import SPLIT_MARGIN, choose_split, describe_choice
 from hetconv.imagesplit import IMAGES, KERNELS
 from hetconv.ring import AUTO, MASTER, RING
 
+from . import splittrial
 from .alonecheck import AloneCheck, time_alone
 from .alonecheck import describe as describe_check
 from .probing import on_this_machine
@@ -116,6 +118,12 @@ class SplitChoice:
         self._batch: tuple | None = None  # the step's (model, x, labels, step)
         self._handover: dict | None = None
         self._sgd = None
+        # the runner-up tried where predicted close (:mod:`.splittrial`): what to try, then
+        # its timing, the first split's median and the master alone's step
+        self.trial: dict | None = None
+        self._trial_check: AloneCheck | None = None
+        self._first: dict | None = None
+        self._predict_args: tuple = ()
 
     @classmethod
     def with_exchange(cls, exchange: str, alone_check: bool = True):
@@ -139,6 +147,7 @@ class SplitChoice:
         kernels = self.inner.predict_step(comp_alone_s, comp_s, spec)
         if spec is None or kernels is None or "image_split_s" not in kernels:
             return kernels  # no worker reached or no probe: the split by kernels stays
+        self._predict_args = (comp_alone_s, comp_s, spec)
         allowed = allowed_exchanges(self.inner.config, self._exchange)
         # Where the split by kernels would train alone, a split by images predicted faster at
         # all is taken: the alone check measures it against the master alone and releases the
@@ -166,9 +175,13 @@ class SplitChoice:
         log = self._prepared[2]
         if self.choice["split"] == KERNELS and keeps:
             self._release()
+        elif self.alone_check is not None and not keeps and not shared:
+            self.trial = splittrial.runner_up(self.choice, allowed)
+            if self.trial is not None:
+                self.choice["trial"] = dict(self.trial)
+                self.choice["why"] += "; " + splittrial.describe_planned(self.trial)
         if self.choice["split"] == IMAGES:
-            self._switch(self.choice["exchange"])
-            self.inner.predict_step(comp_alone_s, comp_s, spec)  # takes the spec
+            self._open(IMAGES, self.choice["exchange"])
             step = kernels["image_split_s"][self.choice["exchange"]]
             kernels = {**kernels, "step_s": step, "speedup": kernels["alone_s"] / step}
         if log is not None:
@@ -199,18 +212,29 @@ class SplitChoice:
         backends = {n.client.address: n.backend for n in self.inner.nodes if n.client}
         return sharing_cores(self.addresses, backends)
 
-    def _switch(self, exchange: str) -> None:
-        """Close the kernel split and prepare the split by images over the same workers."""
+    def _open(self, split: str, exchange: str | None) -> None:
+        """Close the split running and open ``split`` (by images with ``exchange``) over the
+        same workers (those found on the LAN still followed), prepared and given the run's
+        prediction arguments (the spec); a split by kernels that then keeps every kernel on
+        the master trains alone."""
+        from .cluster import Cluster
         from .ring import image_split_class
 
         old = self.inner
         followed = getattr(old.membership, "_discovery", None)
         found = sorted(getattr(old.membership, "_discovered", ()))
         old.close()
-        self.inner = image_split_class(exchange)(self.addresses, self._backend, old.config)
+        way = image_split_class(exchange) if split == IMAGES else Cluster
+        self.inner = way(self.addresses, self._backend, old.config)
         if followed is not None:
             self.inner.membership.follow(followed, found)
         self.inner.prepare(*self._prepared)
+        if self._predict_args:
+            self.inner.predict_step(*self._predict_args)  # the spec; a plan may keep all
+        if self.choice is not None:
+            self.choice = {**self.choice, "split": split, "exchange": exchange}
+        if split == KERNELS and keeps_every_kernel(self.inner):
+            self._alone()
 
     # -- the alone check (:mod:`.alonecheck`) --------------------------------------------
 
@@ -219,8 +243,9 @@ class SplitChoice:
         self.inner.attach_optimizer(sgd)
 
     def begin_step(self, step: int) -> None:
-        if self.alone_check is not None:
-            self.alone_check.begin()
+        for check in (self.alone_check, self._trial_check):
+            if check is not None:
+                check.begin()
         self.inner.begin_step(step)
 
     def train_batch(self, model, x, labels, step: int):
@@ -229,6 +254,10 @@ class SplitChoice:
 
     def end_step(self) -> dict:
         record = self.inner.end_step()
+        if self._trial_check is not None:
+            if self._trial_check.end():
+                record["split_trial"] = self._end_trial()
+            return record
         check = self.alone_check
         if check is None or not check.end() or not self._checks_alone():
             return record
@@ -237,11 +266,57 @@ class SplitChoice:
         model, x, labels, step = self._batch
         alone_s = time_alone(model, x, labels, step, self._backend, self._sgd or SGDConfig())
         record["alone_check"] = result = check.decide(alone_s)
-        log = self._prepared[2] if self._prepared else None
-        if log is not None:
-            print(describe_check(result, step), file=log, flush=True)
+        if self.trial is not None:  # the runner-up next; the decision after it
+            record["alone_check"] = result = {**result, "released": False, "trial": True}
+            self._say(describe_check(result, step))
+            self._start_trial(result)
+            return record
+        self._say(describe_check(result, step))
         if result["released"]:
             self._hand_over()
+        return record
+
+    def _say(self, line: str) -> None:
+        log = self._prepared[2] if self._prepared else None
+        if log is not None:
+            print(line, file=log, flush=True)
+
+    # -- the trial of the runner-up (:mod:`.splittrial`) --------------------------------
+
+    def _start_trial(self, check: dict) -> None:
+        """The split chosen timed (``check``, the alone check's): hand it over and open the
+        runner-up, timed alike."""
+        way = splittrial.way_name(self.choice["split"], self.choice["exchange"])
+        self._first = {
+            "split": self.choice["split"], "exchange": self.choice["exchange"], "way": way,
+            "seconds": check["cluster_s"], "alone_s": check["alone_s"],
+        }  # fmt: skip
+        self._say(splittrial.describe_start(self.trial, self._batch[3]))
+        self._hand_over((self.trial["split"], self.trial["exchange"]))
+        self._trial_check = AloneCheck()
+
+    def _end_trial(self) -> dict:
+        """The runner-up timed: keep the faster, or the master alone (the trace's
+        ``split_trial``)."""
+        first, tried = self._first, self.trial
+        trial_s = self._trial_check.decide(first["alone_s"])["cluster_s"]
+        self._trial_check = None
+        kept = splittrial.decide(first["seconds"], trial_s, first["alone_s"])
+        record = {
+            "first": {k: first[k] for k in ("split", "exchange", "way", "seconds")},
+            "trial": {
+                "split": tried["split"], "exchange": tried["exchange"], "seconds": trial_s,
+                "way": splittrial.way_name(tried["split"], tried["exchange"]),
+                "predicted_s": tried["predicted_s"],
+            },
+            "alone_s": first["alone_s"], "kept": kept,
+        }  # fmt: skip
+        self._say(splittrial.describe(record, self._batch[3]))
+        if kept == splittrial.ALONE:
+            self._hand_over()
+        elif kept == splittrial.FIRST:
+            self._hand_over((first["split"], first["exchange"]))
+        self.choice = {**self.choice, "trial": record}
         return record
 
     def _checks_alone(self) -> bool:
@@ -257,23 +332,28 @@ class SplitChoice:
             return False
         return True
 
-    def _hand_over(self) -> None:
-        """Release the workers mid-run: the split's deferred checks finished, resident kernels
-        and their momentum fetched into the model (:meth:`take_handover` gives the momentum to
-        the training loop), then the master trains alone."""
+    def _hand_over(self, to: tuple[str, str | None] | None = None) -> None:
+        """Close the split mid-run: its deferred checks finished, resident parameters and their
+        momentum fetched into the model (:meth:`take_handover` gives the momentum to the
+        training loop), then the split ``to`` (split, exchange) opened over the same workers,
+        or, without one, the workers released and the master trains alone."""
         complete = getattr(self.inner, "complete", None)
         if complete is not None:
             complete()
         resident = self.inner.resident_parameters()
         self._handover = self.inner.gather_resident() if resident else {}
+        if to is not None:
+            self._open(*to)
+            return
         self._alone()
         if self.choice is not None:
             self.choice = {**self.choice, "released": True}
 
     def take_handover(self) -> dict | None:
-        """Once, after the step whose alone check released the workers: the momentum buffers
-        of the parameters they kept (by name; empty where none), which the training loop's
-        optimizer now updates with every other; None otherwise."""
+        """Once, after a step whose check changed the split (the workers released, or another
+        split opened): the momentum buffers of the parameters the old split kept (by name;
+        empty where none); the training loop gives every parameter to its optimizer or to the
+        new split's (:func:`hetconv.training.loop.take_split`). None otherwise."""
         handover, self._handover = self._handover, None
         return handover
 

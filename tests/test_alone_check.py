@@ -14,7 +14,7 @@ import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
 from test_split_auto import _forced
 
-from hetconv.master import alonecheck, splitchoice
+from hetconv.master import alonecheck, splitchoice, splittrial
 from hetconv.master.cluster import ClusterConfig
 from hetconv.master.splitchoice import SplitChoice
 from hetconv.master.spotcheck import SpotCheckConfig
@@ -32,6 +32,12 @@ def _kernels(monkeypatch):
     """The split by kernels chosen whatever the predictions, and the loopback workers taken for
     machines of their own."""
     _forced(monkeypatch, None, split="kernels")
+    _no_trial(monkeypatch)
+
+
+def _no_trial(monkeypatch):
+    """No runner-up tried, however close predicted (the trial: tests/test_split_trial.py)."""
+    monkeypatch.setattr(splittrial, "runner_up", lambda *args: None)
 
 
 def test_a_cluster_slower_than_the_master_alone_is_released_and_stays_exact(
@@ -80,6 +86,7 @@ def test_a_cluster_faster_than_the_master_alone_stays(tmp_path, local, workers, 
 @pytest.mark.parametrize("exchange", ["master", "ring"])
 def test_a_split_by_images_is_released_as_exactly(tmp_path, local, workers, monkeypatch, exchange):
     _forced(monkeypatch, exchange)
+    _no_trial(monkeypatch)
     monkeypatch.setattr(splitchoice, "time_alone", lambda *args: 0.0)
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(**FAST, deterministic=True, spot_checks=SpotCheckConfig(every=0))

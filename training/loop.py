@@ -167,13 +167,20 @@ def _master_alone(run: _Run) -> tuple[float, int]:
     return seconds, len(steps)
 
 
-def train_alone(run: _Run, momentum: dict) -> None:
-    """``run``'s executor released its workers after a step (``--split auto``'s alone check):
-    every parameter into the run's optimizer, those the workers kept with their ``momentum``."""
-    state = run.optimizer.state()
-    run.resident = set()
-    run.optimizer = SGD(run.model.parameters(), run.config.sgd)
-    run.optimizer.load_state({**state, **momentum})
+def take_split(run: _Run, momentum: dict) -> None:
+    """``run``'s executor changed its split after a step (``--split auto``'s checks: the
+    workers released, or another split opened), the old split's resident parameters in the
+    model and their ``momentum`` given: every parameter the new split keeps resident
+    (none where the master trains alone) to it with its momentum, the rest to the run's
+    optimizer."""
+    state = {**run.optimizer.state(), **momentum}
+    run.resident = _resident_names(run.executor)
+    if run.resident:
+        run.executor.attach_optimizer(run.config.sgd)
+        run.executor.load_resident_momentum({k: v for k, v in state.items() if k in run.resident})
+    own = {k: v for k, v in run.model.parameters().items() if k not in run.resident}
+    run.optimizer = SGD(own, run.config.sgd)
+    run.optimizer.load_state({k: v for k, v in state.items() if k in own})
 
 
 def eval_due(run: _Run, done: int) -> bool:
@@ -444,8 +451,8 @@ class _Run:
         seconds = time.perf_counter() - step_start
         cluster = self.executor.end_step()
         handover = getattr(self.executor, "take_handover", lambda: None)()
-        if handover is not None:  # the workers released mid-run: the master trains alone
-            train_alone(self, handover)
+        if handover is not None:  # the workers released or another split opened mid-run
+            take_split(self, handover)
         comm, conv = cluster.pop("comm_seconds"), cluster.pop("conv_seconds")
         # The paper's terms: communication + convolution (slowest node) + the rest.
         comp = max(seconds - comm - conv, 0.0)

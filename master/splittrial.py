@@ -1,0 +1,116 @@
+"""``--split auto``'s trial of the runner-up: where the split not chosen is predicted close to
+the one chosen, both are run and timed, and the faster is kept.
+
+The cost model is within about 15 % on the scaled testbed, either way: two splits predicted
+within :data:`TRIAL_RANGE` of each other may be the other way round when run. Measured there
+(paper-150-800 at batch 64, 4 workers, switched): the ring among the workers was predicted at
+1.41 s a step against the split by kernels' 1.60 s, and ran 1.55-1.65 s; the split by kernels,
+in another run of the same configuration, 1.29-1.41 s.
+
+So where the runner-up (:func:`runner_up`) is within the range, the split chosen runs first
+and is timed as the alone check times it (:mod:`.alonecheck`: the median of the steps after
+the first :data:`~.alonecheck.SKIPPED`); then the split is handed over (resident parameters and
+their momentum fetched into the model) and the runner-up opened over the same workers, timed
+alike; then the faster of the two is kept (the runner-up only where faster by
+:data:`TRIAL_MARGIN`: a tie goes to the prediction), or the master alone where both are slower
+than it by the alone check's margin. The step that decides carries ``split_trial`` in the
+trace, and the console says it in one line. A trial costs the runner-up's steps and one or two
+openings of a split (connecting, and for the split by kernels probing every node on every
+layer again): a few seconds, once per run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hetconv.imagesplit import IMAGES, KERNELS
+
+from .alonecheck import CHECK_MARGIN
+
+#: The runner-up is tried where predicted at most this much slower than the split chosen.
+TRIAL_RANGE = 0.25
+#: How much faster (a fraction of the first split's median step) the runner-up must run to be
+#: kept: the medians of a few steps scatter by a few per cent.
+TRIAL_MARGIN = 0.02
+#: The trial's record's name for each way it may keep.
+FIRST, TRIED, ALONE = "first", "trial", "alone"
+
+
+def way_name(split: str, exchange: str | None) -> str:
+    """A split as the choice's ``predicted_s`` names it: ``kernels``, ``images (ring)``."""
+    return split if split == KERNELS else f"{IMAGES} ({exchange})"
+
+
+def runner_up(choice: dict, allowed: Sequence[str]) -> dict | None:
+    """The best way of the split ``choice`` (:func:`hetconv.imagecost.choose_split`'s) did not
+    take, among the exchanges ``allowed``, where predicted within :data:`TRIAL_RANGE` of the
+    way taken: ``{"split", "exchange", "predicted_s"}``; None where there is none so close."""
+    predicted = choice["predicted_s"]
+    taken = predicted.get(way_name(choice["split"], choice["exchange"]))
+    if choice["split"] == KERNELS:
+        ways = {e: predicted.get(way_name(IMAGES, e)) for e in allowed}
+        ways = {e: s for e, s in ways.items() if s}
+        if not ways:
+            return None
+        exchange = min(ways, key=ways.get)
+        split, seconds = IMAGES, ways[exchange]
+    else:
+        split, exchange, seconds = KERNELS, None, predicted.get(KERNELS)
+    if not taken or not seconds or seconds > taken * (1 + TRIAL_RANGE):
+        return None
+    return {"split": split, "exchange": exchange, "predicted_s": seconds}
+
+
+def decide(first_s: float, trial_s: float, alone_s: float) -> str:
+    """Which to keep (:data:`FIRST`, :data:`TRIED` or :data:`ALONE`) from the medians of the
+    split run first and of the runner-up, and the master alone's step."""
+    if min(first_s, trial_s) > alone_s * (1.0 + CHECK_MARGIN):
+        return ALONE
+    return TRIED if trial_s < first_s * (1.0 - TRIAL_MARGIN) else FIRST
+
+
+def describe_planned(trial: dict) -> str:
+    """The choice's line's words for a trial to come."""
+    name = way_name(trial["split"], trial["exchange"])
+    return (
+        f"the split by {name} is predicted within {TRIAL_RANGE:.0%}, so both are run a few "
+        "steps and the faster kept"
+    )
+
+
+def describe_start(trial: dict, step: int) -> str:
+    """The console's line as the runner-up opens after ``step``."""
+    name = way_name(trial["split"], trial["exchange"])
+    return (
+        f"split trial after step {step}: the split by {name}, predicted "
+        f"{trial['predicted_s']:.3g} s a step, is tried next, and the faster kept"
+    )
+
+
+def describe(record: dict, step: int) -> str:
+    """The console's line for the trial's decision after ``step`` (``record``: the trace's
+    ``split_trial``)."""
+    first, tried = record["first"], record["trial"]
+    head = (
+        f"split trial after step {step}: by {first['way']} {first['seconds']:.3g} s a step, "
+        f"by {tried['way']} {tried['seconds']:.3g} s, the master alone {record['alone_s']:.3g} s"
+    )
+    if record["kept"] == ALONE:
+        return head + ": the workers are released and the master trains on alone"
+    kept = first if record["kept"] == FIRST else tried
+    return head + f": the split by {kept['way']} is kept"
+
+
+__all__ = [
+    "ALONE",
+    "FIRST",
+    "TRIAL_MARGIN",
+    "TRIAL_RANGE",
+    "TRIED",
+    "decide",
+    "describe",
+    "describe_planned",
+    "describe_start",
+    "runner_up",
+    "way_name",
+]

@@ -1,0 +1,154 @@
+"""``--split auto``'s trial of the runner-up (:mod:`hetconv.master.splittrial`): where the split
+not chosen is predicted close, it is run after the chosen one, both timed, and the faster kept;
+the run stays local training's through every change of split.
+
+Real worker processes on loopback, treated as machines of their own (as on the testbed).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from exactness import FAST, same_as_local, train_strong_lrn
+
+from hetconv.master import alonecheck, splitchoice, splittrial
+from hetconv.master.cluster import ClusterConfig
+from hetconv.master.splitchoice import SplitChoice
+from hetconv.master.spotcheck import SpotCheckConfig
+
+DEFAULT_MODES = dict(stages="fused", kernels="resident", head="split", resident_sync_every=3)
+# the step whose end opens the runner-up, and the one whose end decides
+OPENED = alonecheck.SKIPPED + alonecheck.CHECK_STEPS - 1
+DECIDED = OPENED + alonecheck.SKIPPED + alonecheck.CHECK_STEPS
+
+
+def _records(trace):
+    return [json.loads(line) for line in trace.read_text().splitlines()]
+
+
+def _close(monkeypatch, split: str, kept: str | None = None, other_s: float = 1.1):
+    """The choice ``split`` predicted 1 s a step with the other split ``other_s`` (the ring for
+    the split by images), the trial's decision ``kept`` (None: as measured), the master alone
+    slower than any, and the loopback workers taken for machines of their own."""
+
+    def forced(kernels_s, images_s, allowed, ruled_out=None, **margin):
+        images = split == "images"
+        return {
+            "split": split, "exchange": "ring" if images else None,
+            "predicted_s": {"kernels": other_s if images else 1.0, "images (master)": 5.0,
+                            "images (ring)": 1.0 if images else other_s},
+            "why": "forced by the test",
+        }  # fmt: skip
+
+    monkeypatch.setattr(splitchoice, "choose_split", forced)
+    monkeypatch.setattr(splitchoice, "on_this_machine", lambda address: False)
+    monkeypatch.setattr(splitchoice, "time_alone", lambda *args: 1e9)
+    if kept is not None:
+        monkeypatch.setattr(splittrial, "decide", lambda *args: kept)
+
+
+def _splits(trace) -> list[str]:
+    return [r.get("split", "kernels") if r.get("workers_computed") else "alone"
+            for r in _records(trace) if "step" in r]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "first,kept,after",
+    [
+        ("kernels", splittrial.FIRST, "kernels"),
+        ("kernels", splittrial.TRIED, "images"),
+        ("images", splittrial.FIRST, "images"),
+        ("images", splittrial.ALONE, "alone"),
+    ],
+)
+def test_the_runner_up_is_tried_and_the_run_stays_local_trainings(
+    tmp_path, local, workers, monkeypatch, first, kept, after
+):
+    """The split chosen runs until the alone check, the runner-up until its own timing, then
+    the one decided; resident kernels, the split head and the ring's parameters change hands
+    with their momentum each time: the run equals local training step by step and in its
+    final weights."""
+    _close(monkeypatch, first, kept)
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, **DEFAULT_MODES, spot_checks=SpotCheckConfig(every=0))
+    with SplitChoice(workers.addresses, config=config) as cluster:
+        got = train_strong_lrn(tmp_path, f"{first}-{kept}", cluster, trace=str(trace))
+        assert cluster.take_handover() is None  # each taken once, by the loop
+    same_as_local(got, local)
+    second = "images" if first == "kernels" else "kernels"
+    splits = _splits(trace)
+    assert splits[: OPENED + 1] == [first] * (OPENED + 1)
+    assert splits[OPENED + 1 : DECIDED + 1] == [second] * (DECIDED - OPENED)
+    assert splits[DECIDED + 1 :] == [after] * (len(splits) - DECIDED - 1)
+    steps = [r for r in _records(trace) if "step" in r]
+    check = steps[OPENED]["alone_check"]
+    assert check["trial"] and not check["released"]
+    record = steps[DECIDED]["split_trial"]
+    assert record["kept"] == kept
+    assert record["first"]["split"] == first and record["trial"]["split"] == second
+    assert record["trial"]["seconds"] > 0 and record["alone_s"] == 1e9
+    assert all("split_trial" not in r for i, r in enumerate(steps) if i != DECIDED)
+
+
+def test_no_trial_where_the_runner_up_is_predicted_far_slower(tmp_path, local, workers,
+                                                              monkeypatch):  # fmt: skip
+    _close(monkeypatch, "kernels", other_s=1.3)
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, **DEFAULT_MODES, spot_checks=SpotCheckConfig(every=0))
+    with SplitChoice(workers.addresses, config=config) as cluster:
+        train_strong_lrn(tmp_path, "far", cluster, trace=str(trace), steps=OPENED + 3)
+    assert set(_splits(trace)) == {"kernels"}
+    steps = [r for r in _records(trace) if "step" in r]
+    assert "trial" not in steps[OPENED]["alone_check"]
+    assert "trial" not in _records(trace)[0]["split_choice"]
+
+
+def test_the_runner_up_and_the_decision():
+    kernels = {
+        "split": "kernels",
+        "exchange": None,
+        "predicted_s": {"kernels": 1.6, "images (master)": 2.3, "images (ring)": 1.4},
+    }
+    images = {**kernels, "split": "images", "exchange": "ring"}
+    # chosen by images (ring): the split by kernels 14 % slower is tried
+    assert splittrial.runner_up(images, ["master", "ring"]) == {
+        "split": "kernels",
+        "exchange": None,
+        "predicted_s": 1.6,
+    }
+    # chosen by kernels: the best allowed exchange of the split by images
+    assert splittrial.runner_up(kernels, ["master", "ring"])["exchange"] == "ring"
+    assert splittrial.runner_up(kernels, ["master"]) is None  # 2.3 s: over the range
+    far = {**images, "predicted_s": {"kernels": 1.4 * 1.26, "images (ring)": 1.4}}
+    assert splittrial.runner_up(far, ["ring"]) is None
+    decide = splittrial.decide
+    assert decide(1.0, 0.9, 2.0) == splittrial.TRIED
+    assert decide(1.0, 0.99, 2.0) == splittrial.FIRST  # within the margin: the prediction
+    assert decide(1.0, 1.2, 2.0) == splittrial.FIRST
+    assert decide(1.0, 0.9, 0.8) == splittrial.ALONE  # both slower than the master alone
+    assert decide(1.0, 0.84, 0.8) == splittrial.TRIED  # within the alone check's margin
+
+
+@pytest.mark.parametrize("kept", [splittrial.FIRST, splittrial.TRIED])
+def test_batch_norm_changes_hands_with_the_split(tmp_path, workers, monkeypatch, kept):
+    """A network with batch norm, the split by kernels first and the ring among the workers
+    tried: the running statistics and every parameter's momentum move with each change of
+    split, and the run equals local training (the weight file holds the statistics)."""
+    from test_image_syncbn import CONV_BN
+
+    from hetconv.conv import LocalConv
+
+    spec = tmp_path / "conv-bn.json"
+    spec.write_text(json.dumps(CONV_BN))
+    local = train_strong_lrn(tmp_path, "local", LocalConv(), preset=str(spec))
+    _close(monkeypatch, "kernels", kept)
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, deterministic=True, spot_checks=SpotCheckConfig(every=0))
+    with SplitChoice(workers.addresses, config=config) as cluster:
+        got = train_strong_lrn(tmp_path, kept, cluster, trace=str(trace), preset=str(spec))
+    same_as_local(got, local)
+    after = "kernels" if kept == splittrial.FIRST else "images"
+    assert _splits(trace)[OPENED:] == ["kernels"] + ["images"] * (DECIDED - OPENED) + [after] * (
+        len(_splits(trace)) - DECIDED - 1
+    )
