@@ -109,9 +109,17 @@ def _plan_records(path: str):
 
 
 def _images_plan(trace: str) -> dict | None:
-    """The trace's first plan record when its run split the network by images, else None."""
+    """The trace's first plan record when its run split the network by images (from the
+    start, or at its end after a split trial: ``master/splittrial.py``), else None."""
     first = next(_plan_records(trace), None)
-    return first if first is not None and first.get("split") == "images" else None
+    if first is None:
+        return None
+    if first.get("split") == "images":
+        return first
+    steps = read_steps(trace)
+    if steps and steps[-1].get("split") == "images":  # the trial's runner-up kept
+        return {**first, "split": "images", "exchange": steps[-1].get("exchange")}
+    return None
 
 
 def predict_images(

@@ -78,8 +78,10 @@ FLAGS = {
             "with --split auto: on = a few steps in (after 6), the master times one step "
             "trained alone as --local trains it, and where the cluster's median step is over "
             "5 %% slower, the workers are released and the master trains on alone (resident "
-            "kernels and their momentum fetched first: exact); never where a worker computes "
-            "on the master's own cores; off: the split chosen at start stays",
+            "kernels and their momentum fetched first: exact); where the other split is "
+            "predicted within 25 %%, it is run and timed next and the faster kept (a split "
+            "trial); never where a worker computes on the master's own cores; off: the split "
+            "chosen at start stays",
         ),
         ModeFlag(
             "--shares",

@@ -302,6 +302,15 @@ class ConvExecutor:
         """(input gradient or None, kernel gradient, bias gradient) for output gradient ``dy``."""
         raise NotImplementedError
 
+    def backward_later(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
+        """:meth:`backward` in two: (the input gradient now, a function giving the kernel and
+        bias gradients when called), for a caller with something to wait for meanwhile (a
+        batch norm sum among the nodes: :mod:`hetconv.imagesplit`). Here both at once; an
+        executor that can computes the kernel gradient when asked, by the same operations."""
+        extra = {"stride": stride} if tuple(stride) != (1, 1) else {}
+        dx, dw, db = self.backward(layer, x, w, dy, padding, need_input_grad, **extra)
+        return dx, lambda: (dw, db)
+
     def prepare(self, layers: Sequence[ConvSpec], batch: int, log: TextIO | None) -> None:
         """Called once before training with the model's conv layers (e.g. to probe devices)."""
 
@@ -462,20 +471,35 @@ class LocalConv(ConvExecutor):
 
     def backward(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
         start = time.perf_counter()
-        backend = self.backend
-        dw, db = backend.conv_grad_kernels(x, dy, w.shape[2:], padding, stride)
-        dx = None
-        if need_input_grad and tuple(stride) == (1, 1):
-            dx = backend.conv_grad_input(dy, w, x.shape[2:], padding)
-        elif need_input_grad:  # through the phases: oneDNN's strided one is no faster
-            phases = StridePhases(
-                tuple(x.shape[1:]), tuple(w.shape[2:]),
-                Padding.resolve(padding, w.shape[2:]), tuple(stride),
-            )  # fmt: skip
-            dxq = backend.conv_grad_input(dy, phases.kernels(w), phases.phased_hw, 0)
-            dx = phases.input_grad(dxq)
+        dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding, stride)
+        dx = self._input_grad(x, w, dy, padding, need_input_grad, stride)
         self._seconds += time.perf_counter() - start
         return dx, dw, db
+
+    def backward_later(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
+        start = time.perf_counter()
+        dx = self._input_grad(x, w, dy, padding, need_input_grad, stride)
+        self._seconds += time.perf_counter() - start
+
+        def kernels():
+            start = time.perf_counter()
+            dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding, stride)
+            self._seconds += time.perf_counter() - start
+            return dw, db
+
+        return dx, kernels
+
+    def _input_grad(self, x, w, dy, padding, need_input_grad, stride):
+        if not need_input_grad:
+            return None
+        if tuple(stride) == (1, 1):
+            return self.backend.conv_grad_input(dy, w, x.shape[2:], padding)
+        phases = StridePhases(  # through the phases: oneDNN's strided one is no faster
+            tuple(x.shape[1:]), tuple(w.shape[2:]),
+            Padding.resolve(padding, w.shape[2:]), tuple(stride),
+        )  # fmt: skip
+        dxq = self.backend.conv_grad_input(dy, phases.kernels(w), phases.phased_hw, 0)
+        return phases.input_grad(dxq)
 
     def begin_step(self, step):
         self._seconds = 0.0

@@ -57,6 +57,10 @@ class Layer:
     def backward(self, dy: np.ndarray) -> np.ndarray | None:
         raise NotImplementedError
 
+    def grads_ready(self) -> None:
+        """Called where :attr:`grads` are set after :meth:`backward` returned (a kernel
+        gradient left for later: :mod:`hetconv.imagesplit`); a hook may set its own."""
+
     def output_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Per-sample output shape (no batch axis) for a per-sample input shape."""
         return input_shape

@@ -19,7 +19,7 @@ cupy on a GPU (:func:`~hetconv.backends.arrays.array_module`), the same operatio
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -173,6 +173,26 @@ class Conv2d(Layer):
         dx, dw = self.restore(dx, dw)
         self.set_grads(dw, db)
         return dx
+
+    def backward_later(self, dy) -> tuple[np.ndarray | None, Callable[[], None]]:
+        """:meth:`backward` with the kernel gradient left for later: (the input gradient, a
+        function that sets :attr:`grads` when called; until then they are empty), the same
+        values (:meth:`~hetconv.conv.ConvExecutor.backward_later`)."""
+        if self._x is None:
+            raise RuntimeError(f"{self.name}: backward before forward")
+        dx, later = self.executor.backward_later(
+            self.name, self._x, self._w, dy, self._padding, self.need_input_grad, **self._stride
+        )
+        phases = self._phases
+        if phases is not None and dx is not None:
+            dx = phases.input_grad(dx)
+        self.grads = {}
+
+        def finish() -> None:
+            dw, db = later()
+            self.set_grads(dw if phases is None else phases.kernel_grad(dw), db)
+
+        return dx, finish
 
     def output_shape(self, input_shape):
         if self.stride != (1, 1):

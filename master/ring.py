@@ -434,7 +434,7 @@ class RingImageSplit(ImageSplit):
         for node, _, count in ranges:
             figures = self._record[node.name]
             if "covered_by" not in figures:
-                self._measured(node, count, figures["seconds"], figures.get("wall_seconds", 0.0))
+                self._measured_record(node, count, figures)
         ordered = [parts[node.name] for node, _, _ in ranges]
         return batch_loss([p[1] for p in ordered], batch), np.concatenate([p[2] for p in ordered])
 
@@ -461,7 +461,7 @@ class RingImageSplit(ImageSplit):
         for node, _, count in ring:
             figures = self._record[node.name]
             if "covered_by" not in figures:
-                self._measured(node, count, figures["seconds"], figures.get("wall_seconds", 0.0))
+                self._measured_record(node, count, figures)
         return batch_loss([p[1] for p in parts], batch), np.concatenate([p[2] for p in parts])
 
     def _ring_calls(self, model, x, labels, step, ring, master_part: bool) -> dict[str, Call]:

@@ -32,6 +32,7 @@ console says it in one line.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -292,7 +293,9 @@ class SplitChoice:
             "seconds": check["cluster_s"], "alone_s": check["alone_s"],
         }  # fmt: skip
         self._say(splittrial.describe_start(self.trial, self._batch[3]))
+        began = time.perf_counter()
         self._hand_over((self.trial["split"], self.trial["exchange"]))
+        check["switch_s"] = round(time.perf_counter() - began, 3)
         self._trial_check = AloneCheck()
 
     def _end_trial(self) -> dict:
@@ -312,10 +315,12 @@ class SplitChoice:
             "alone_s": first["alone_s"], "kept": kept,
         }  # fmt: skip
         self._say(splittrial.describe(record, self._batch[3]))
+        began = time.perf_counter()
         if kept == splittrial.ALONE:
             self._hand_over()
         elif kept == splittrial.FIRST:
             self._hand_over((first["split"], first["exchange"]))
+        record["switch_s"] = round(time.perf_counter() - began, 3)
         self.choice = {**self.choice, "trial": record}
         return record
 

@@ -344,8 +344,12 @@ def _steps_of_one_split(records: list[dict]) -> tuple[list[dict], list[str]]:
     run is probed again, and a lost or joining worker changes the shares).
     """
     candidates = records[1:] if len(records) > 1 else records
-    clustered = [r for r in candidates if r.get("nodes")]
     notes = []
+    imaged = [r for r in candidates if r.get("split") == "images"]
+    if imaged and len(imaged) < len(candidates):  # a split trial (master/splittrial.py)
+        notes.append(f"left out the {len(imaged)} steps split by images (a split trial)")
+        candidates = [r for r in candidates if r.get("split") != "images"]
+    clustered = [r for r in candidates if r.get("nodes")]
     if clustered and len(clustered) < len(candidates):  # released mid-run (an alone check)
         notes.append(
             f"left out the {len(candidates) - len(clustered)} steps the master trained alone "

@@ -108,6 +108,68 @@ def test_without_reduce_a_range_normalises_by_its_own_images(rng):
         np.testing.assert_allclose(b[0][name], a[0][name], rtol=1e-5, atol=1e-6)
 
 
+class _Filling:
+    """A one-node ``reduce`` with a ``meanwhile`` (as a worker's sums have), which it calls
+    before giving each sum back, and the kernel gradients it saw set then."""
+
+    def __init__(self, model):
+        self.model, self.meanwhile, self.filled = model, None, []
+
+    def __call__(self, v: np.ndarray) -> np.ndarray:
+        before = {k for k, layer in self._convs() if "weight" in layer.grads}
+        self.meanwhile()
+        self.filled.append({k for k, layer in self._convs() if "weight" in layer.grads} - before)
+        return v
+
+    def _convs(self):
+        from hetconv.layers import Conv2d
+
+        return [(layer.name, layer) for layer in self.model.layers if isinstance(layer, Conv2d)]
+
+
+class _Told:
+    """A bucket ring's ``ready`` (:func:`hetconv.imagesplit.backward_hooks`): what it was told."""
+
+    def __init__(self):
+        self.told: dict[int, np.ndarray] = {}
+
+    def ready(self, index: int, gradient: np.ndarray) -> None:
+        self.told[index] = np.array(gradient)
+
+
+@pytest.mark.parametrize("network", ["conv-bn", "resnet20"])
+def test_kernel_gradients_left_for_later_are_the_same_bit_for_bit(network, rng):
+    """With the sums, each convolution's kernel gradient is computed while a sum waits
+    (:class:`hetconv.imagesplit._Later`): bit for bit what computing it at once gives, every
+    convolution's but the first's (no sum after it) filled into a backward sum's wait, and
+    the gradients told to a bucket ring once set."""
+    from hetconv.imagesplit import backward_hooks
+    from hetconv.onnx_import import load_network
+
+    spec, shape = (CONV_BN, (3, 8, 8)) if network == "conv-bn" else (
+        load_network("resnet20").spec, (3, 32, 32))  # fmt: skip
+    x = rng.standard_normal((4, *shape)).astype(np.float32)
+    labels = rng.integers(0, 10, 4)
+    got = []
+    for later in (False, True):
+        model = Model(spec, input_shape=shape, seed=3)
+        model.train()
+        reduce, buckets = _Filling(model), _Told()
+        told = buckets.told
+        with backward_hooks(model, buckets):
+            reduce.meanwhile = lambda: None
+            grads = images_gradients(model, x, labels, 0, 4, 0, reduce, kernels_later=later)[0]
+        assert len(told) == len(grads)  # every parameter told, once set
+        for i, name in enumerate(grads):
+            assert np.array_equal(told[i], grads[name]), name
+        got.append((grads, reduce.filled))
+    (want, _), (grads, filled) = got
+    for name in want:
+        assert np.array_equal(grads[name], want[name]), name
+    convs = [name for name, _ in _Filling(Model(spec, input_shape=shape, seed=3))._convs()]
+    assert set().union(*filled) == set(convs[1:])  # the first's: after the last sum
+
+
 def test_a_batch_norm_layer_takes_two_sums_a_step_and_a_flat_channel_no_negative_variance(rng):
     """Forward's values and squares in one sum, backward's two in another: each sum is a round
     of puts among the workers, on a capped core the cost of a small sum."""

@@ -89,6 +89,12 @@ def test_the_runner_up_is_tried_and_the_run_stays_local_trainings(
     assert record["first"]["split"] == first and record["trial"]["split"] == second
     assert record["trial"]["seconds"] > 0 and record["alone_s"] == 1e9
     assert all("split_trial" not in r for i, r in enumerate(steps) if i != DECIDED)
+    assert record["switch_s"] >= 0 and check["switch_s"] > 0
+    if first == "kernels":  # the simulator calibrates from the kernel split's steps alone
+        from hetconv.simulations.calibrate import calibrate
+
+        notes = calibrate(str(trace), str(tmp_path / "strong-lrn.json")).notes
+        assert any("split by images (a split trial)" in note for note in notes), notes
 
 
 def test_no_trial_where_the_runner_up_is_predicted_far_slower(tmp_path, local, workers,

@@ -422,6 +422,7 @@ class _BatchNormSums:
 
     def __init__(self, context: WorkerContext, request: pb.ConvRequest, seconds: dict):
         self.context, self.request, self.seconds = context, request, seconds
+        self.meanwhile = None  # work to fill a sum's wait (the kernel gradients left for later)
         self.rounds = iter(range(1, MASTER_ROUND // ROUNDS_PER_SUM))
         self.keep = request.images.ring.sketch
         self.parts: list[np.ndarray] = []
@@ -430,15 +431,24 @@ class _BatchNormSums:
     def __call__(self, v):
         began = time.perf_counter()  # (from a device: its few values down and up)
         backend = self.context.backend
+        filled = [0.0]  # the work done meanwhile is not the sum's
+
+        def meanwhile():
+            start = time.perf_counter()
+            self.meanwhile()
+            filled[0] = time.perf_counter() - start
+
         try:
             host = backend.to_host(v)
-            summed = self.context.ring.sum64(self.request, host, next(self.rounds) * ROUNDS_PER_SUM)
+            offset = next(self.rounds) * ROUNDS_PER_SUM
+            work = meanwhile if self.meanwhile is not None else None
+            summed = self.context.ring.sum64(self.request, host, offset, work)
             if self.keep:
                 self.parts.append(np.asarray(host, np.float64))
                 self.totals.append(summed)
             return backend.to_device(summed)
         finally:
-            self.seconds["batchnorm"] += time.perf_counter() - began
+            self.seconds["batchnorm"] += time.perf_counter() - began - filled[0]
 
     def answer(self, sketch: np.ndarray) -> np.ndarray:
         """Its parts of the sums (:func:`~hetconv.ring.split64`: exact float32 pieces), and the

@@ -230,23 +230,30 @@ class RingCalls:
         """A :class:`BucketRing` of this step's gradient (``shapes``: each parameter's)."""
         return BucketRing(self, request, shapes, master_part)
 
-    def sum64(self, request: pb.ConvRequest, values: np.ndarray, offset: int) -> np.ndarray:
+    def sum64(
+        self, request: pb.ConvRequest, values: np.ndarray, offset: int, meanwhile=None
+    ) -> np.ndarray:
         """The float64 sum of ``values`` over the ring, in rank order (every rank's, gathered
         in the fewest puts: :func:`~hetconv.ring.all_to_all` in one round where it puts no
         more than :func:`~hetconv.ring.all_gather_doubling`, else the latter; the same sum on
-        each), its rounds from ``offset``; RingFailed saying why not."""
+        each), its rounds from ``offset``; RingFailed saying why not. ``meanwhile`` (a
+        function, or None): called once this rank's first parts are out, before it waits
+        for any (work that fills the wait)."""
         ring = request.images.ring
         ranks = len(ring.peers)
         mesh = self._meshed(ring)
         gather = all_to_all if ranks - 1 <= doubling_rounds(ranks) else all_gather_doubling
         return join64(self._run(request, offset, lambda *io: gather(split64(values), *io),
-                                mesh=mesh))  # fmt: skip
+                                mesh=mesh, meanwhile=meanwhile))  # fmt: skip
 
-    def _run(self, request: pb.ConvRequest, offset: int, algorithm, mesh: bool = False):
+    def _run(
+        self, request: pb.ConvRequest, offset: int, algorithm, mesh: bool = False,
+        meanwhile=None,
+    ):  # fmt: skip
         """``algorithm(rank, ranks, send, receive)`` over the request's ring (``send``'s parts
         go to the next rank, or to the rank ``to``); ``mesh``: each part written to the
         peer's sum port from this thread (:mod:`hetconv.worker.summesh`), else put as a
-        RingPart on a sender thread."""
+        RingPart on a sender thread; ``meanwhile``: called before the first wait."""
         ring = request.images.ring
         session, step, rank, peers = request.session, int(request.step), ring.rank, ring.peers
         if self.tls:
@@ -301,6 +308,10 @@ class RingCalls:
             future.add_done_callback(functools.partial(ended, address))
 
         def receive(round_: int, segment: int) -> np.ndarray:
+            nonlocal meanwhile
+            if meanwhile is not None:  # this rank's parts out: its own work first
+                meanwhile, work = None, meanwhile
+                work()
             return self._receive(session, step, (offset + round_, segment), ring.wait_seconds)
 
         try:
