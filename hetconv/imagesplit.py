@@ -241,13 +241,14 @@ def sync_batchnorm(model, reduce: Callable[[np.ndarray], np.ndarray] | None, bat
             layer.reduce, layer.batch = reduce, batch
 
 
-def _take_rows(model, first: int, batch: int) -> None:
-    """Every dropout layer of ``model`` draws the masks of rows ``first ..`` of ``batch``."""
+def _take_rows(model, first: int | None, batch: int) -> None:
+    """Every dropout layer of ``model`` draws the masks of rows ``first ..`` of ``batch``
+    (``first`` None: of its own batch)."""
     for layer in model.layers:
         if isinstance(layer, Dropout):
             if type(layer) is Dropout:
                 layer.__class__ = _RowsDropout  # the same object: the model's steps hold it
-            layer.rows = (first, batch)
+            layer.rows = None if first is None else (first, batch)
 
 
 def images_gradients(
@@ -280,18 +281,29 @@ def images_gradients(
         ``x`` and ``labels`` device arrays, ``reduce`` taking and giving them) every array
         answered is the device's, computed by the same operations.
     """
-    n, xp = x.shape[0], array_module(x)
+    n = x.shape[0]
     if labels.shape != (n,):
         raise ValueError(f"labels have shape {labels.shape}, expected ({n},)")
     if not 0 <= first <= first + n <= batch:
         raise ValueError(f"images {first} .. {first + n} are not within a batch of {batch}")
     _take_rows(model, first, batch)
-    sync_batchnorm(model, reduce, batch)
     # With the sums: each convolution's kernel gradient computed while a sum waits.
     later = _Later() if reduce is not None and kernels_later else None
-    _leave_kernels(model, later)
     if later is not None and hasattr(reduce, "meanwhile"):
         reduce.meanwhile = later.drain
+    sync_batchnorm(model, reduce, batch)
+    _leave_kernels(model, later)
+    try:
+        return _range_pass(model, x, labels, batch, step, later, copy)
+    finally:  # the model's own again: a later pass (the master trained alone) sums nothing
+        _take_rows(model, None, batch)
+        sync_batchnorm(model, None, batch)
+        _leave_kernels(model, None)
+
+
+def _range_pass(model, x, labels, batch: int, step: int, later, copy: bool):
+    """:func:`images_gradients`' forward, loss and backward, the model set up for them."""
+    n, xp = x.shape[0], array_module(x)
     logits = model.forward(x, step=step)
     shifted = logits - logits.max(axis=1, keepdims=True)
     exp = xp.exp(shifted)

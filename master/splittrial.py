@@ -69,20 +69,29 @@ def decide(first_s: float, trial_s: float, alone_s: float) -> str:
     return TRIED if trial_s < first_s * (1.0 - TRIAL_MARGIN) else FIRST
 
 
+#: How the console names each exchange of a split by images.
+EXCHANGE_WORDS = {"master": "gradients through the master", "ring": "ring among the workers"}
+
+
+def said(split: str, exchange: str | None) -> str:
+    """A split as the console names it: ``the split by images (ring among the workers)``."""
+    if split == KERNELS:
+        return "the split by kernels"
+    return f"the split by images ({EXCHANGE_WORDS.get(exchange, exchange)})"
+
+
 def describe_planned(trial: dict) -> str:
     """The choice's line's words for a trial to come."""
-    name = way_name(trial["split"], trial["exchange"])
     return (
-        f"the split by {name} is predicted within {TRIAL_RANGE:.0%}, so both are run a few "
-        "steps and the faster kept"
+        f"{said(trial['split'], trial['exchange'])} is predicted within {TRIAL_RANGE:.0%}, so "
+        "both are run a few steps and the faster kept"
     )
 
 
 def describe_start(trial: dict, step: int) -> str:
     """The console's line as the runner-up opens after ``step``."""
-    name = way_name(trial["split"], trial["exchange"])
     return (
-        f"split trial after step {step}: the split by {name}, predicted "
+        f"split trial after step {step}: {said(trial['split'], trial['exchange'])}, predicted "
         f"{trial['predicted_s']:.3g} s a step, is tried next, and the faster kept"
     )
 
@@ -98,7 +107,7 @@ def describe(record: dict, step: int) -> str:
     if record["kept"] == ALONE:
         return head + ": the workers are released and the master trains on alone"
     kept = first if record["kept"] == FIRST else tried
-    return head + f": the split by {kept['way']} is kept"
+    return head + f": {said(kept['split'], kept['exchange'])} is kept"
 
 
 __all__ = [
@@ -112,5 +121,6 @@ __all__ = [
     "describe_planned",
     "describe_start",
     "runner_up",
+    "said",
     "way_name",
 ]

@@ -256,7 +256,11 @@ def auto_split(ranked: Sequence[Candidate]) -> str:
     if not kernels or not images:
         return ""
     chosen = choose_split(kernels[0].step_s, images, [MASTER, RING])
-    return f"--split auto (train's default with workers named): {_split_named(chosen)}"
+    line = f"--split auto (train's default with workers named): {_split_named(chosen)}"
+    from hetconv.master.splittrial import describe_planned, runner_up
+
+    trial = runner_up(chosen, [MASTER, RING])
+    return line + (f"; {describe_planned(trial)}" if trial is not None else "")
 
 
 def _split_named(choice: dict) -> str:

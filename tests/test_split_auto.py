@@ -197,8 +197,11 @@ def test_plan_says_what_auto_would_run():
     line = auto_split(ranked)
     assert line.startswith("--split auto (train's default with workers named): split by images "
                            "(ring among the workers) (predicted 1.67x faster")  # fmt: skip
+    assert "tried" not in line  # the split by kernels predicted 1.67x: no trial
     kernels = auto_split([way(IMAGE_SPLIT, 0.95), way("fused stages", 1.0)])
     assert "split by kernels" in kernels and "spot-check" not in kernels
+    # within 25 %: both run a few steps at the start of training, the faster kept
+    assert "gradients through the master) is predicted within 25%, so both are run" in kernels
     assert auto_split([way("fused stages", 1.0)]) == ""
 
 

@@ -136,11 +136,16 @@ def test_the_runner_up_and_the_decision():
     assert decide(1.0, 0.84, 0.8) == splittrial.TRIED  # within the alone check's margin
 
 
-@pytest.mark.parametrize("kept", [splittrial.FIRST, splittrial.TRIED])
-def test_batch_norm_changes_hands_with_the_split(tmp_path, workers, monkeypatch, kept):
-    """A network with batch norm, the split by kernels first and the ring among the workers
-    tried: the running statistics and every parameter's momentum move with each change of
-    split, and the run equals local training (the weight file holds the statistics)."""
+@pytest.mark.parametrize(
+    "first,kept",
+    [("kernels", splittrial.FIRST), ("kernels", splittrial.TRIED), ("images", splittrial.ALONE)],
+)
+def test_batch_norm_changes_hands_with_the_split(tmp_path, workers, monkeypatch, first, kept):
+    """A network with batch norm, one split first and the other tried, the ring's spot checks
+    every step (they recompute a worker's range on the master's model): the running statistics
+    and every parameter's momentum move with each change of split, the master's model sums
+    nothing once the ring is gone, and the run equals local training (the weight file holds the
+    statistics)."""
     from test_image_syncbn import CONV_BN
 
     from hetconv.conv import LocalConv
@@ -148,13 +153,16 @@ def test_batch_norm_changes_hands_with_the_split(tmp_path, workers, monkeypatch,
     spec = tmp_path / "conv-bn.json"
     spec.write_text(json.dumps(CONV_BN))
     local = train_strong_lrn(tmp_path, "local", LocalConv(), preset=str(spec))
-    _close(monkeypatch, "kernels", kept)
+    _close(monkeypatch, first, kept)
     trace = tmp_path / "trace.jsonl"
-    config = ClusterConfig(**FAST, deterministic=True, spot_checks=SpotCheckConfig(every=0))
+    config = ClusterConfig(**FAST, deterministic=True, spot_checks=SpotCheckConfig(every=1))
     with SplitChoice(workers.addresses, config=config) as cluster:
         got = train_strong_lrn(tmp_path, kept, cluster, trace=str(trace), preset=str(spec))
     same_as_local(got, local)
-    after = "kernels" if kept == splittrial.FIRST else "images"
-    assert _splits(trace)[OPENED:] == ["kernels"] + ["images"] * (DECIDED - OPENED) + [after] * (
+    second = "images" if first == "kernels" else "kernels"
+    after = {splittrial.FIRST: first, splittrial.TRIED: second, splittrial.ALONE: "alone"}[kept]
+    assert _splits(trace)[OPENED:] == [first] + [second] * (DECIDED - OPENED) + [after] * (
         len(_splits(trace)) - DECIDED - 1
     )
+    checked = [r for r in _records(trace) if r.get("split") == "images" and "spot_checks" in r]
+    assert checked  # the ring's steps were checked
