@@ -337,6 +337,12 @@ def test_a_nodes_speed_leaves_out_its_waits_in_batch_norm_sums():
             figures = {"seconds": 0.09 + waited, "batchnorm_seconds": 0.01 + waited}
             cluster._measured_record(node, 16, figures)
         assert [c for _, (_, c) in cluster._ranges(48)] == [16, 16, 16]
+        # figures that scatter by a few per cent do not move images (the deadband) ...
+        cluster._seconds.update({"127.0.0.1:1": 0.0053, "127.0.0.1:2": 0.0047})
+        assert [c for _, (_, c) in cluster._ranges(48)] == [16, 16, 16]
+        # ... a node a third slower does
+        cluster._seconds["127.0.0.1:2"] = 0.005 * 4 / 3
+        assert [c for _, (_, c) in cluster._ranges(48)] == [18, 17, 13]
         # a worker's link time: its call's wall beyond the whole computation, waits included
         cluster._measured_record(cluster.nodes[1], 16, {**figures, "wall_seconds": 0.14})
         assert cluster._fixed["127.0.0.1:1"] == pytest.approx(0.05)
