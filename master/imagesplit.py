@@ -31,7 +31,9 @@ seconds and bytes; the plan record says the same of the first step's ranges.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -67,6 +69,11 @@ SMOOTHING = 0.5
 #: them moves images back and forth (resnet20 at batch 64 on 4 equal workers of the testbed:
 #: 13-19 images a worker from step to step, where 16 each is even).
 RANGES_DEADBAND = 0.10
+#: With batch norm's sums, a node's seconds per image is the median of its last this many
+#: steps' computation between the sums: on a capped core a pause of the cap falls within the
+#: computation or within a wait, so one step's figure scatters by 15-40 % (the testbed,
+#: resnet20 at batch 64).
+WINDOW = 5
 
 
 def _slowest(cut, seconds: list[float], fixed: list[float]) -> float:
@@ -141,6 +148,7 @@ class ImageSplit(Cluster):
         self._idle: dict[str, int] = {}  # worker -> steps in a row it got no image
         self._warm: set[str] = set()  # nodes whose first step was measured (and left out)
         self._cut: tuple = ()  # (nodes, batch, counts) of the last cut of the images
+        self._windows: dict[str, deque] = {}  # node -> its last figures between sums
         self._record: dict = {}  # this step's
         self._conv_seconds = 0.0
         self._console: TextIO | None = None  # until the split's line is said there
@@ -234,7 +242,11 @@ class ImageSplit(Cluster):
             self._warm.add(node.name)
             return
         figure = seconds_per_image(images, seconds - waited)
-        if math.isfinite(figure):
+        if math.isfinite(figure) and waited > 0:  # the median of the last few (see WINDOW)
+            window = self._windows.setdefault(node.name, deque(maxlen=WINDOW))
+            window.append(figure)
+            self._seconds[node.name] = statistics.median(window)
+        elif math.isfinite(figure):
             old = self._seconds.get(node.name, figure)
             self._seconds[node.name] = (1 - SMOOTHING) * old + SMOOTHING * figure
         if not node.is_master and wall > 0:
@@ -258,6 +270,7 @@ class ImageSplit(Cluster):
             self._idle[node.name] = idle
             if idle >= IDLE_RETRY_STEPS:
                 self._seconds.pop(node.name, None)
+                self._windows.pop(node.name, None)
                 self._fixed.pop(node.name, None)
                 self._warm.discard(node.name)
                 self._idle[node.name] = 0

@@ -343,6 +343,12 @@ def test_a_nodes_speed_leaves_out_its_waits_in_batch_norm_sums():
         # ... a node a third slower does
         cluster._seconds["127.0.0.1:2"] = 0.005 * 4 / 3
         assert [c for _, (_, c) in cluster._ranges(48)] == [18, 17, 13]
+        # with the sums, a node's figure is the median of its last few: one odd step moves
+        # nothing
+        for figure in (0.09, 0.09, 0.25, 0.09):
+            cluster._measured_record(cluster.nodes[2], 16, {"seconds": figure + 0.01,
+                                                            "batchnorm_seconds": 0.01})  # fmt: skip
+        assert cluster._seconds["127.0.0.1:2"] == pytest.approx(0.09 / 16)
         # a worker's link time: its call's wall beyond the whole computation, waits included
         cluster._measured_record(cluster.nodes[1], 16, {**figures, "wall_seconds": 0.14})
         assert cluster._fixed["127.0.0.1:1"] == pytest.approx(0.05)
