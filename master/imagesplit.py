@@ -72,8 +72,9 @@ RANGES_DEADBAND = 0.10
 #: With batch norm's sums, a node's seconds per image is the median of its last this many
 #: steps' computation between the sums: on a capped core a pause of the cap falls within the
 #: computation or within a wait, so one step's figure scatters by 15-40 % (the testbed,
-#: resnet20 at batch 64).
-WINDOW = 5
+#: resnet20 at batch 64: 4.0-8.6 ms an image per worker, medians over 12 steps 5.0-5.7 ms);
+#: the first are used once there are WINDOW_FIRST.
+WINDOW, WINDOW_FIRST = 7, 3
 
 
 def _slowest(cut, seconds: list[float], fixed: list[float]) -> float:
@@ -245,7 +246,8 @@ class ImageSplit(Cluster):
         if math.isfinite(figure) and waited > 0:  # the median of the last few (see WINDOW)
             window = self._windows.setdefault(node.name, deque(maxlen=WINDOW))
             window.append(figure)
-            self._seconds[node.name] = statistics.median(window)
+            if len(window) >= WINDOW_FIRST:  # until then, as a node not measured yet
+                self._seconds[node.name] = statistics.median(window)
         elif math.isfinite(figure):
             old = self._seconds.get(node.name, figure)
             self._seconds[node.name] = (1 - SMOOTHING) * old + SMOOTHING * figure

@@ -20,6 +20,7 @@ from hetconv.dataparallel import parameter_bytes
 from hetconv.formats import FLOAT32
 from hetconv.imagecost import simulate_image_split
 from hetconv.imagesplit import image_ranges, images_gradients
+from hetconv.master import imagesplit
 from hetconv.master.cluster import ClusterConfig
 from hetconv.master.imagesplit import ImageSplit, images_step
 from hetconv.model import Model
@@ -333,9 +334,12 @@ def test_a_nodes_speed_leaves_out_its_waits_in_batch_norm_sums():
             cluster._measured(node, 16, 1.0)
         # each computed 16 images in 0.08 s (its sums' own work included); the first two
         # waited 0.12 s for the third
-        for node, waited in zip(cluster.nodes, (0.12, 0.12, 0.0), strict=True):
-            figures = {"seconds": 0.09 + waited, "batchnorm_seconds": 0.01 + waited}
-            cluster._measured_record(node, 16, figures)
+        for _ in range(imagesplit.WINDOW_FIRST):  # the first figures used once there are 3
+            assert not cluster._seconds
+            for node, waited in zip(cluster.nodes, (0.12, 0.12, 0.0), strict=True):
+                figures = {"seconds": 0.09 + waited, "batchnorm_seconds": 0.01 + waited}
+                cluster._measured_record(node, 16, figures)
+        assert cluster._seconds == pytest.approx(dict.fromkeys(cluster._seconds, 0.005))
         assert [c for _, (_, c) in cluster._ranges(48)] == [16, 16, 16]
         # figures that scatter by a few per cent do not move images (the deadband) ...
         cluster._seconds.update({"127.0.0.1:1": 0.0053, "127.0.0.1:2": 0.0047})
