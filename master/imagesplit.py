@@ -75,6 +75,12 @@ RANGES_DEADBAND = 0.10
 #: resnet20 at batch 64: 4.0-8.6 ms an image per worker, medians over 12 steps 5.0-5.7 ms);
 #: the first are used once there are WINDOW_FIRST.
 WINDOW, WINDOW_FIRST = 7, 3
+#: Their medians still scatter (on the testbed a cut at 10 % made 16 each into 17, 13, 19 and
+#: 15, and that step took 0.384 s where the others took 0.28-0.33 s): with them the deadband is
+#: at least this many times the largest relative standard error of a node's median
+#: (:meth:`ImageSplit._scatter`), so a cut moves where the figures differ beyond their
+#: scatter: on a laptop's steady core a few per cent, on a capped one 10-20 %.
+SCATTER_BAND = 2.0
 
 
 def _slowest(cut, seconds: list[float], fixed: list[float]) -> float:
@@ -216,12 +222,25 @@ class ImageSplit(Cluster):
         names = tuple(n.name for n in nodes)
         if fixed is not None and self._cut[:2] == (names, batch):
             last = self._cut[2]
-            if _slowest(cut, seconds, fixed) > _slowest(last, seconds, fixed) * (
-                1 - RANGES_DEADBAND
-            ):
+            band = max(RANGES_DEADBAND, self._scatter(names))
+            if _slowest(cut, seconds, fixed) > _slowest(last, seconds, fixed) * (1 - band):
                 cut = last  # not worth a move: the figures scatter by more
         self._cut = (names, batch, cut)
         return list(zip(nodes, cut, strict=True))
+
+    def _scatter(self, names: Sequence[str]) -> float:
+        """:data:`SCATTER_BAND` times the largest relative standard error of the median among
+        the windowed figures of the nodes ``names`` (1.25 MAD / median / sqrt(figures), the
+        median's error for normal scatter); 0 with none."""
+        worst = 0.0
+        for name in names:
+            window = self._windows.get(name)
+            if window is None or len(window) < WINDOW_FIRST:
+                continue
+            middle = statistics.median(window)
+            spread = statistics.median(abs(f - middle) for f in window)
+            worst = max(worst, 1.25 * spread / middle / math.sqrt(len(window)))
+        return SCATTER_BAND * worst
 
     def _fixed_seconds(self, nodes: list[Node]) -> list[float]:
         """Each computing node's seconds per step that do not depend on its images: a

@@ -344,9 +344,14 @@ def test_a_nodes_speed_leaves_out_its_waits_in_batch_norm_sums():
         # figures that scatter by a few per cent do not move images (the deadband) ...
         cluster._seconds.update({"127.0.0.1:1": 0.0053, "127.0.0.1:2": 0.0047})
         assert [c for _, (_, c) in cluster._ranges(48)] == [16, 16, 16]
-        # ... a node a third slower does
+        # ... a node a third slower does, where the figures scatter little ...
         cluster._seconds["127.0.0.1:2"] = 0.005 * 4 / 3
         assert [c for _, (_, c) in cluster._ranges(48)] == [18, 17, 13]
+        # ... but not where its figures scatter more than that
+        cluster._cut = (cluster._cut[0], 48, [(0, 16), (16, 16), (32, 16)])
+        cluster._windows["127.0.0.1:2"].extend([0.004, 0.009, 0.004, 0.009])
+        assert cluster._scatter(["127.0.0.1:2"]) > 0.16
+        assert [c for _, (_, c) in cluster._ranges(48)] == [16, 16, 16]
         # with the sums, a node's figure is the median of its last few: one odd step moves
         # nothing
         for figure in (0.09, 0.09, 0.25, 0.09):
