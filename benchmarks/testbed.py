@@ -91,7 +91,7 @@ from testbed_modes import (  # noqa: E402
     runnable_modes,
     train_help,
 )
-from testbed_predict import measured, predict, predict_alone  # noqa: E402
+from testbed_predict import measured, predict, predict_alone, settled  # noqa: E402
 from testbed_scale import (  # noqa: E402
     LAPTOP_GFLOPS,
     LAPTOP_LINK_MBIT,
@@ -322,6 +322,7 @@ def _rows(
             # The simulator may not read a mode's trace (bytes it does not count yet, a node
             # left out of a layer): the row keeps its measurement and says why.
             note = f"no prediction: {type(e).__name__}: {e}"
+        note = "; ".join(n for n in (note, settled(traces[mode.name])) if n)
         rows.append(
             Row(**base, mode=mode.name, step_s=step_s, speedup=local_s / step_s,
                 master_mb_per_step=megabytes, predicted_step_s=predicted,

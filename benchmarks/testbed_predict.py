@@ -16,6 +16,23 @@ from hetconv.simulations.trace import read_plan, read_steps, step_bytes
 from hetconv.simulations.validate import probe_speeds
 
 
+def settled(traces: Sequence[str]) -> str:
+    """A note for a run whose split changed mid-run (``--split auto``'s alone check released
+    the workers, or its split trial decided): the median step after the last change, and
+    the step it came after; empty where none changed or no step follows."""
+    notes = []
+    for trace in traces:
+        steps = read_steps(trace)
+        changed = [i for i, r in enumerate(steps) if "split_trial" in r
+                   or (r.get("alone_check") or {}).get("released")]  # fmt: skip
+        after = steps[changed[-1] + 1 :] if changed else []
+        if after:
+            seconds = statistics.median(r["seconds"] for r in after)
+            notes.append(f"settled {seconds:.3f} s: the median of the {len(after)} steps after "
+                         f"step {steps[changed[-1]]['step']} (a change of split)")  # fmt: skip
+    return "; ".join(notes)
+
+
 def measured(traces: Sequence[str], warmup: int) -> tuple[float, float, int]:
     """(median step seconds, median megabytes on the master's link per step, steps used) of
     the steps of every trace in ``traces`` (the rounds of one mode) after each one's first

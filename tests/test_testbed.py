@@ -331,3 +331,25 @@ def test_a_finished_process_gives_its_output_and_a_failed_or_stuck_one_its_tail(
     with pytest.raises(RuntimeError, match="the sleeper did not finish within 2 s"):
         testbed.finished_output(stuck, 2, "the sleeper")
     assert stuck.poll() is not None  # killed, not left behind
+
+
+def test_a_run_whose_split_changed_says_its_settled_step(tmp_path):
+    """--split auto's checks change the split mid-run: the row's note gives the median of the
+    steps after the last change (the split trial's decision, or the workers released)."""
+    trace = tmp_path / "trace.jsonl"
+    steps = [{"step": i, "seconds": 2.0} for i in range(6)]
+    steps[5]["alone_check"] = {"released": False, "trial": True}
+    steps += [{"step": i, "seconds": 3.0} for i in range(6, 12)]
+    steps[11]["split_trial"] = {"kept": "first"}
+    steps += [{"step": i, "seconds": 1.0 + i / 100} for i in range(12, 15)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    assert bench.settled([str(trace)]) == (
+        "settled 1.130 s: the median of the 3 steps after step 11 (a change of split)"
+    )
+    released = tmp_path / "released.jsonl"
+    steps[5]["alone_check"] = {"released": True}
+    released.write_text("".join(json.dumps(r) + "\n" for r in steps[:8]))
+    assert "after step 5" in bench.settled([str(released)])
+    steady = tmp_path / "steady.jsonl"
+    steady.write_text("".join(json.dumps({"step": i, "seconds": 1.0}) + "\n" for i in range(4)))
+    assert bench.settled([str(steady)]) == ""
