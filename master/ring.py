@@ -244,7 +244,9 @@ class RingImageSplit(ImageSplit):
             return ranges
         mean = float(np.mean(list(self._seconds.values())))
         seconds = [self._seconds.get(n.name, mean) for n in nodes]
-        workers = replace(self._sim_cluster(), master_compute=False)
+        # the workers computing this step (a lost one has no range: its figures would not
+        # match theirs)
+        workers = replace(self._sim_cluster(nodes[1:]), master_compute=False)
         nbytes, segment = self._parameter_bytes, self.segment_bytes
         after = ring_exchange_seconds(workers, nbytes, segment_bytes=segment)
         hidden = 0.0
@@ -301,8 +303,11 @@ class RingImageSplit(ImageSplit):
             self._why = (f"the cost model for the measured links: through the master "
                          f"{seconds[MASTER]:.3f} s, ring {seconds[RING]:.3f} s")  # fmt: skip
 
-    def _sim_cluster(self) -> SimCluster:
-        workers = [n for n in self.nodes[1:] if n.client is not None]
+    def _sim_cluster(self, workers: list[Node] | None = None) -> SimCluster:
+        """The cost model's cluster of the master and ``workers`` (default: every worker
+        connected, lost ones too; a step's ranges pass the workers computing)."""
+        if workers is None:
+            workers = [n for n in self.nodes[1:] if n.client is not None]
         links = [n.link_bytes_per_second for n in workers]
         fastest = max((b for b in links if math.isfinite(b)), default=math.inf)
         made = [SimNode(n.name, 1.0, bytes_per_s=n.link_bytes_per_second, rtt_s=n.link_latency)

@@ -166,3 +166,38 @@ def test_batch_norm_changes_hands_with_the_split(tmp_path, workers, monkeypatch,
     )
     checked = [r for r in _records(trace) if r.get("split") == "images" and "spot_checks" in r]
     assert checked  # the ring's steps were checked
+
+
+def test_a_worker_killed_during_the_trial_costs_no_step(tmp_path, local, monkeypatch):
+    """A worker SIGKILLed as the runner-up's steps run (the ring, step OPENED + 3): the ring's
+    fault cover computes its range that step, the trial still decides, the split by kernels
+    opens again over the survivor (the dead worker refused at connect), and the run is local
+    training's."""
+    from hetconv.master.launch import LocalWorkers
+
+    _close(monkeypatch, "kernels", splittrial.FIRST)
+    at = OPENED + 3
+    real_begin = SplitChoice.begin_step
+
+    def begin_step(self, step):
+        if step == at:
+            victim.kill()
+            victim.wait()
+        return real_begin(self, step)
+
+    monkeypatch.setattr(SplitChoice, "begin_step", begin_step)
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, **DEFAULT_MODES, spot_checks=SpotCheckConfig(every=0))
+    with LocalWorkers(2) as workers:
+        victim = workers.processes[1]
+        with SplitChoice(workers.addresses, config=config) as cluster:
+            got = train_strong_lrn(tmp_path, "killed", cluster, trace=str(trace))
+    same_as_local(got, local)
+    steps = [r for r in _records(trace) if "step" in r]
+    assert _splits(trace)[DECIDED + 1 :] == ["kernels"] * (len(steps) - DECIDED - 1)
+    assert steps[DECIDED]["split_trial"]["kept"] == splittrial.FIRST
+    dead = workers.addresses[1]
+    assert steps[at]["nodes"][dead].get("covered_by") == "master", steps[at]["nodes"][dead]
+    for r in steps[DECIDED + 1 :]:  # the survivor computes; the dead one has no share
+        assert not any(dead in str(k) and v.get("kernels") for k, v in r["nodes"].items()
+                       if isinstance(v, dict))  # fmt: skip
