@@ -160,11 +160,15 @@ def probe_every(
     the second layer's probes of the five differed by 8-21 % one at a time and by 1-5 % at once
     (once 15 %: the master, while its workers agreed within 1 %).
 
-    Nodes not active (unreachable at start) are left for when they come. A probe that fails
-    raises its error once every probe of that layer has ended.
+    Nodes not active (unreachable at start) are left for when they come, and a node that has a
+    layer's figure already (a split opened again mid-run: ``--split auto``'s trial) is not
+    probed on it again. A probe that fails raises its error once every probe of that layer has
+    ended.
     """
     active = [node for node in nodes if node.state == ACTIVE]
-    total, done = len(active) * len(layers), 0
+    todo = {layer.name: [n for n in active if layer.name not in n.probe_seconds]
+            for layer in layers}  # fmt: skip
+    total, done = sum(len(v) for v in todo.values()), 0
     if log is not None and total:
         print(
             f"probing {len(active)} node{'s' if len(active) != 1 else ''} on {len(layers)} "
@@ -195,10 +199,11 @@ def probe_every(
                 )
 
     for layer in layers:
-        if together and len(active) > 1:
-            _at_once(one, layer, active)
+        nodes_left = todo[layer.name]
+        if together and len(nodes_left) > 1:
+            _at_once(one, layer, nodes_left)
         else:
-            for node in active:
+            for node in nodes_left:
                 one(node, layer, time.perf_counter())
 
 

@@ -125,6 +125,7 @@ class SplitChoice:
         self._trial_check: AloneCheck | None = None
         self._first: dict | None = None
         self._predict_args: tuple = ()
+        self._probes: dict[str, dict[str, float]] = {}  # every node's, at start
 
     @classmethod
     def with_exchange(cls, exchange: str, alone_check: bool = True):
@@ -141,6 +142,8 @@ class SplitChoice:
     def prepare(self, layers, batch: int, log: TextIO | None = None) -> None:
         self._prepared = (layers, batch, log)
         self.inner.prepare(layers, batch, log)
+        # every node's probes, for the split by kernels opened again (the trial)
+        self._probes = {n.name: dict(n.probe_seconds) for n in self.inner.nodes}
 
     def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
         """The kernel split's prediction; with the model's ``spec``, the choice is made here
@@ -227,6 +230,8 @@ class SplitChoice:
         old.close()
         way = image_split_class(exchange) if split == IMAGES else Cluster
         self.inner = way(self.addresses, self._backend, old.config)
+        if split == KERNELS:  # the probes at start hold: not again
+            self.inner.known_probes = self._probes
         if followed is not None:
             self.inner.membership.follow(followed, found)
         self.inner.prepare(*self._prepared)

@@ -15,8 +15,8 @@ alike; then the faster of the two is kept (the runner-up only where faster by
 :data:`TRIAL_MARGIN`: a tie goes to the prediction), or the master alone where both are slower
 than it by the alone check's margin. The step that decides carries ``split_trial`` in the
 trace, and the console says it in one line. A trial costs the runner-up's steps and one or two
-openings of a split (connecting, and for the split by kernels probing every node on every
-layer again): a few seconds, once per run.
+openings of a split (connecting and placing; the split by kernels takes the probes it made at
+start), once per run.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import json
 import pytest
 from exactness import FAST, same_as_local, train_strong_lrn
 
-from hetconv.master import alonecheck, splitchoice, splittrial
+from hetconv.master import alonecheck, probing, splitchoice, splittrial
 from hetconv.master.cluster import ClusterConfig
 from hetconv.master.splitchoice import SplitChoice
 from hetconv.master.spotcheck import SpotCheckConfig
@@ -70,12 +70,17 @@ def test_the_runner_up_is_tried_and_the_run_stays_local_trainings(
     with their momentum each time: the run equals local training step by step and in its
     final weights."""
     _close(monkeypatch, first, kept)
+    probed = []  # (node, layer) of every probe: each once, the split by kernels opened again
+    real_probe = probing.probe
+    monkeypatch.setattr(probing, "probe", lambda node, layer, *a: probed.append(
+        (node.name, layer.name)) or real_probe(node, layer, *a))  # fmt: skip
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(**FAST, **DEFAULT_MODES, spot_checks=SpotCheckConfig(every=0))
     with SplitChoice(workers.addresses, config=config) as cluster:
         got = train_strong_lrn(tmp_path, f"{first}-{kept}", cluster, trace=str(trace))
         assert cluster.take_handover() is None  # each taken once, by the loop
     same_as_local(got, local)
+    assert probed and len(probed) == len(set(probed)), probed
     second = "images" if first == "kernels" else "kernels"
     splits = _splits(trace)
     assert splits[: OPENED + 1] == [first] * (OPENED + 1)
