@@ -266,12 +266,9 @@ class Cluster(ConvExecutor):
             s = "s" if count != 1 else ""
             print(f"connecting to {count} worker{s} (device, link) ...", file=log, flush=True)
         self.connect()
-        for node in self.nodes:  # figures a split opened again mid-run has already
-            node.probe_seconds.update(self.known_probes.get(node.name, {}))
         self._layers = probing.planned_layers(layers, batch)
-        probing.probe_every(
-            self.nodes, self._layers, self.backend, c.probe_repeats, log, c.probe_together
-        )
+        probing.probe_every(self.nodes, self._layers, self.backend, c.probe_repeats, log,
+                            c.probe_together, self.known_probes)  # fmt: skip
         for name, shares in (self.config.shares or {}).items():
             layer = next((e for e in self._layers if e.name == name), None)
             if layer is not None:
@@ -288,9 +285,7 @@ class Cluster(ConvExecutor):
     supports_stages = True
     supports_head = True
     distributed = True
-    #: Node name -> {layer: probe seconds} measured already (``--split auto``'s trial opens the
-    #: split by kernels again over the same nodes): not probed again.
-    known_probes: dict[str, dict[str, float]] = {}
+    known_probes: dict[str, dict[str, float]] = {}  # probes made already (probe_every's known)
 
     def run_of(self, layer: str) -> runs.KernelSplit:
         """``layer``'s way of running; a layer the cluster was not prepared for runs fused

@@ -147,6 +147,7 @@ def probe_every(
     repeats: int,
     log: TextIO | None = None,
     together: bool = True,
+    known: dict[str, dict[str, float]] | None = None,
 ) -> None:
     """Probe every active node on every layer into ``node.probe_seconds``; a line on ``log``
     as each probe ends, so that a large network's minute of probing is never a blank screen.
@@ -160,11 +161,13 @@ def probe_every(
     the second layer's probes of the five differed by 8-21 % one at a time and by 1-5 % at once
     (once 15 %: the master, while its workers agreed within 1 %).
 
-    Nodes not active (unreachable at start) are left for when they come, and a node that has a
-    layer's figure already (a split opened again mid-run: ``--split auto``'s trial) is not
-    probed on it again. A probe that fails raises its error once every probe of that layer has
-    ended.
+    Nodes not active (unreachable at start) are left for when they come. ``known`` (node name
+    -> {layer: seconds}): figures measured already, taken as they are (``--split auto``'s trial
+    opens the split by kernels again over the same nodes: not probed again). A probe that fails
+    raises its error once every probe of that layer has ended.
     """
+    for node in nodes:
+        node.probe_seconds.update((known or {}).get(node.name, {}))
     active = [node for node in nodes if node.state == ACTIVE]
     todo = {layer.name: [n for n in active if layer.name not in n.probe_seconds]
             for layer in layers}  # fmt: skip
