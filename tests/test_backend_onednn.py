@@ -130,6 +130,22 @@ def test_a_kernel_slice_equals_the_whole_layer_bitwise_at_one_thread(case, bound
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_thread_count_set_behind_the_backend_is_set_again():
+    """threadpoolctl's limits (an embedded cluster gives its workers the cores) set OpenMP's
+    thread count and restore it on leaving, behind the backend: every call sets one thread
+    again, and kernel slices still equal the whole layer bit for bit."""
+    from threadpoolctl import threadpool_limits
+
+    first = get_backend("onednn")
+    with threadpool_limits(2, user_api="openmp"):  # the count the limits below restore
+        with threadpool_limits(1):
+            list(_slices_against_whole(first, *SLICED[0]))
+        backend = get_backend("onednn", threads=1)
+        for case, bounds in SLICED:
+            for got, want in _slices_against_whole(backend, case, bounds):
+                np.testing.assert_array_equal(got, want)
+
+
 def test_on_avx2_too_where_odd_padding_is_done_before_onednn(tmp_path):
     """oneDNN limited to AVX2 (``ONEDNN_MAX_CPU_ISA``, read when it loads: a child process)
     takes padding wider than the kernel reaches only in its GEMM-based convolutions, which

@@ -143,10 +143,13 @@ class _Library:
         return stream
 
     def set_threads(self, threads: int) -> None:
-        """OpenMP threads of the calling thread's next parallel regions (set when changed)."""
-        if getattr(self._streams, "threads", None) != threads:
-            self.omp_set_num_threads(threads)
-            self._streams.threads = threads
+        """OpenMP threads of the calling thread's next parallel regions, set every time (about
+        a microsecond): others set them too, behind this library's back. threadpoolctl's
+        limits (an embedded cluster giving its workers the cores) set one thread and restore
+        the count on leaving; remembering what was set here had oneDNN's kernel gradients run
+        on two threads after that, and a kernel slice's then differed from the whole layer's
+        rows by round-off."""
+        self.omp_set_num_threads(threads)
 
     def implementation(self, pd) -> str:
         """The name of the implementation oneDNN chose for primitive descriptor ``pd``."""
