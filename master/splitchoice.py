@@ -112,6 +112,8 @@ class SplitChoice:
 
         self.addresses, self._backend, self._exchange = list(addresses), backend, exchange
         self.inner = Cluster(addresses, backend, config)
+        self._config = self.inner.config
+        self._followed: tuple = (None, [])  # (the LAN discovery a split follows, found)
         self.choice: dict | None = None
         self._prepared: tuple = ()
         # never slower than one machine, measured early in the run (:mod:`.alonecheck`)
@@ -225,11 +227,14 @@ class SplitChoice:
         from .ring import image_split_class
 
         old = self.inner
-        followed = getattr(old.membership, "_discovery", None)
-        found = sorted(getattr(old.membership, "_discovered", ()))
+        membership = getattr(old, "membership", None)  # none where the master trains alone
+        if membership is not None:
+            self._followed = (getattr(membership, "_discovery", None),
+                              sorted(getattr(membership, "_discovered", ())))  # fmt: skip
+        followed, found = self._followed
         old.close()
         way = image_split_class(exchange) if split == IMAGES else Cluster
-        self.inner = way(self.addresses, self._backend, old.config)
+        self.inner = way(self.addresses, self._backend, self._config)
         if split == KERNELS:  # the probes at start hold: not again
             self.inner.known_probes = self._probes
         if followed is not None:

@@ -206,3 +206,29 @@ def test_a_worker_killed_during_the_trial_costs_no_step(tmp_path, local, monkeyp
     for r in steps[DECIDED + 1 :]:  # the survivor computes; the dead one has no share
         assert not any(dead in str(k) and v.get("kernels") for k, v in r["nodes"].items()
                        if isinstance(v, dict))  # fmt: skip
+
+
+@pytest.mark.parametrize("kept", [splittrial.FIRST, splittrial.ALONE])
+def test_a_runner_up_that_would_train_alone_is_timed_alone_and_the_first_reopens(
+    tmp_path, local, workers, monkeypatch, kept
+):
+    """Images first; the split by kernels, opened for the trial, keeps every kernel on the
+    master (its plan at that moment), so the trial times the master alone; the first split is
+    kept and opens again from there, or the master stays alone. The run is local training's."""
+    _close(monkeypatch, "images", kept)
+    real, calls = splitchoice.keeps_every_kernel, []
+
+    def keeps(cluster):
+        calls.append(type(cluster).__name__)
+        return len(calls) > 1 or real(cluster)  # at start as planned; reopened: all kept
+
+    monkeypatch.setattr(splitchoice, "keeps_every_kernel", keeps)
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, deterministic=True, spot_checks=SpotCheckConfig(every=0))
+    with SplitChoice(workers.addresses, config=config) as cluster:
+        got = train_strong_lrn(tmp_path, "alone-trial", cluster, trace=str(trace))
+    same_as_local(got, local)
+    splits = _splits(trace)
+    assert splits[OPENED + 1 : DECIDED + 1] == ["alone"] * (DECIDED - OPENED)
+    after = "images" if kept == splittrial.FIRST else "alone"
+    assert splits[DECIDED + 1 :] == [after] * (len(splits) - DECIDED - 1)
