@@ -293,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="resnet20 and paper-500-1500, batch 16, threads 1 and 2, 3 repeats "
                    "(each where not given)")  # fmt: skip
+    p.add_argument("--numpy-layers", action="store_true",
+                   help="ReLU and max pooling by numpy everywhere (before they ran on oneDNN "
+                   "where its library loads): the before of a before/after")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
     p.add_argument("--capped-at", help=argparse.SUPPRESS)  # set in the capped child
     p.add_argument("--col2im", action="store_true",
@@ -372,7 +375,8 @@ def capped(args: argparse.Namespace, cap: str) -> list[dict]:
                    "--statistic", args.statistic, "--engine", *args.engine,
                    "--capped-at", cap, "--json", str(out)]  # fmt: skip
         try:
-            done = subprocess.run(group.prefix() + command + (["--col2im"] * args.col2im))
+            flags = ["--col2im"] * args.col2im + ["--numpy-layers"] * args.numpy_layers
+            done = subprocess.run(group.prefix() + command + flags)
         finally:
             group.remove()
         if done.returncode != 0:
@@ -395,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     args.engine = list(dict.fromkeys(resolve_engine(e)[0] for e in args.engine))
     if args.col2im:
         CpuBackend._grad_input = CpuBackend._grad_input_col2im
+    if args.numpy_layers:
+        from hetconv.backends import onednn_layers
+
+        onednn_layers.set_enabled(False)
     global statistic
     statistic = STATISTIC[args.statistic]
     if args.capped_at:  # the child of capped(): measure, write the rows, no summary

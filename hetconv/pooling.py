@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backends import onednn_layers
 from .backends.arrays import array_module
 from .graph import Layer
 
@@ -70,6 +71,13 @@ class Pool2d(Layer):
     def forward(self, x):
         _, ho, wo = self.output_shape(x.shape[1:])
         k = self.kernel_size
+        self._workspace = None
+        if self.mode == "max":
+            pooled = onednn_layers.max_pool(x, k, self.stride)  # where oneDNN serves
+            if pooled is not None:
+                y, self._workspace = pooled
+                self._x_shape = x.shape
+                return y
         y = self._tap(x, 0, 0, ho, wo).copy()
         if self.mode == "max":
             xp = array_module(x)
@@ -86,6 +94,9 @@ class Pool2d(Layer):
     def backward(self, dy):
         if self.mode == "avg":
             return self._avg_backward(dy)
+        if self._workspace is not None:
+            k, s = self.kernel_size, self.stride
+            return onednn_layers.max_pool_backward(dy, self._workspace, self._x_shape, k, s)
         k = self.kernel_size
         ho, wo = dy.shape[2:]
         x, y = self._x, self._y

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import hetconv.conv
-from hetconv.backends import conv_shape
+from hetconv.backends import conv_shape, onednn_layers
 from hetconv.conv import ConvSpec, LocalConv, kernel_pair
 from hetconv.layers import (
     AvgPool2d,
@@ -218,7 +218,16 @@ def test_the_executor_seam_imports_nothing_from_the_layers():
 # --------------------------------------------------------------------------------------- ReLU
 
 
-def test_relu_gradient(rng):
+@pytest.fixture(params=["onednn", "numpy"])
+def layer_path(request):
+    """ReLU and max pooling by oneDNN where it serves (hetconv/backends/onednn_layers.py), and
+    by numpy."""
+    before = onednn_layers.set_enabled(request.param == "onednn")
+    yield request.param
+    onednn_layers.set_enabled(before)
+
+
+def test_relu_gradient(rng, layer_path):
     # Keep every input at least 5 steps away from the kink at 0.
     magnitude = rng.uniform(0.05, 2.0, size=(2, 3, 4, 5))
     x = (magnitude * rng.choice([-1.0, 1.0], size=magnitude.shape)).astype(np.float32)
@@ -227,7 +236,7 @@ def test_relu_gradient(rng):
     assert np.any(dx == 0) and np.any(dx != 0)
 
 
-def test_relu_gradient_at_zero_is_zero():
+def test_relu_gradient_at_zero_is_zero(layer_path):
     layer = ReLU("relu")
     x = np.array([[-1.0, 0.0, 2.0]], np.float32)
     layer.forward(x)
@@ -317,7 +326,7 @@ POOL_CASES = [
 
 
 @pytest.mark.parametrize("kernel, stride, h, w", POOL_CASES)
-def test_maxpool_gradient(rng, kernel, stride, h, w):
+def test_maxpool_gradient(rng, layer_path, kernel, stride, h, w):
     layer = MaxPool2d("pool", kernel, stride)
     x = _distinct(rng, 2, 2, h, w)
     y, dx = check_layer(layer, x, rng)
@@ -334,7 +343,7 @@ def test_maxpool_gradient(rng, kernel, stride, h, w):
     np.testing.assert_array_equal(dx[:, :, :, (wo - 1) * stride + kernel :], 0)
 
 
-def test_maxpool_ties_go_to_first_in_row_major_order():
+def test_maxpool_ties_go_to_first_in_row_major_order(layer_path):
     layer = MaxPool2d("pool", 2, 2)
     x = np.array([[[[0, 0, 1, 3], [0, 0, 3, 0]]]], np.float32)
     y = layer.forward(x)
@@ -343,7 +352,7 @@ def test_maxpool_ties_go_to_first_in_row_major_order():
     np.testing.assert_array_equal(dx, [[[[5, 0, 0, 7], [0, 0, 0, 0]]]])
 
 
-def test_maxpool_overlapping_windows_accumulate():
+def test_maxpool_overlapping_windows_accumulate(layer_path):
     layer = MaxPool2d("pool", 3, 1)
     x = np.zeros((1, 1, 4, 4), np.float32)
     x[0, 0, 1, 1] = 1.0  # the maximum of all 4 windows
