@@ -292,6 +292,15 @@ def join64(pieces: Sequence[np.ndarray]) -> np.ndarray:
     return total
 
 
+def own64(values):
+    """:func:`join64` of :func:`split64`'s pieces of ``values`` alone (a ring of one's sum),
+    in their array module (a device's values stay there): the same float64 values, bit for
+    bit."""
+    high = values.astype(np.float32)
+    low = (values - high).astype(np.float32)
+    return high.astype(np.float64) + low.astype(np.float64)
+
+
 def digest(arrays: Sequence[np.ndarray], seed: int = 0, share: float = 1.0) -> bytes:
     """8 bytes that differ, but by chance, where any value of ``arrays`` differs (BLAKE2b of
     their float32 bytes, in order). With ``seed`` (not 0) and ``share`` below 1, only a sample:

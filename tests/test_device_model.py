@@ -320,6 +320,60 @@ def test_a_cuda_worker_process_in_a_ring_with_batch_norm_trains_like_local_train
     assert all(r["nodes"][n]["digest"] == r["digest"] for r in cluster.steps for n in r["nodes"])
 
 
+def test_a_cuda_worker_process_alone_in_a_ring_with_batch_norm_trains_like_local_training(
+    fake_cuda_worker, tmp_path
+):
+    """A ring of one (one GPU beside a master that computes no images): its batch norm sums
+    are its own, taken on the device without crossing to the host; a few steps as local
+    training."""
+    from test_image_ring import Recording
+
+    local = _train_spec(tmp_path, "local", LocalConv(), RESIDUAL_BN)
+    cluster = Recording([fake_cuda_worker], deterministic=True, **FAST)
+    got = _train_spec(tmp_path, "ring", cluster, RESIDUAL_BN)
+    same_as_local(got, local)
+    assert all(r["exchange"] == "ring" and "master" not in r["images"] for r in cluster.steps)
+
+
+def test_a_ring_of_ones_batch_norm_sums_stay_on_the_device():
+    """:class:`~hetconv.worker.imagesplit._BatchNormSums` of a ring of one: the values'
+    split64/join64 sum where they are, the ring not called, the work meanwhile done; with
+    sketches kept (a spot check's step) through the ring as before."""
+    from fake_cupy import FakeCupy
+
+    from hetconv.proto import worker_pb2 as pb
+    from hetconv.ring import join64, split64
+    from hetconv.worker.imagesplit import _BatchNormSums
+
+    class NoRing:
+        def sum64(self, *args):
+            raise AssertionError("a ring of one called its ring")
+
+    cp, crossed = FakeCupy(), []
+
+    class Backend:
+        def to_host(self, value):
+            crossed.append(value)
+            return cp.asnumpy(value)
+
+    class Context:
+        ring, backend = NoRing(), Backend()
+
+    request = pb.ConvRequest()
+    request.images.ring.peers.append("127.0.0.1:1")
+    seconds = {"batchnorm": 0.0}
+    sums = _BatchNormSums(Context(), request, seconds)
+    done = []
+    sums.meanwhile = lambda: done.append(True)
+    values = cp.asarray(np.random.default_rng(0).standard_normal(12) * 1e3)
+    got = sums(values)
+    assert type(got) is type(values) and done == [True] and not crossed
+    np.testing.assert_array_equal(cp.asnumpy(got), join64([split64(cp.asnumpy(values))]))
+    request.images.ring.sketch = True
+    with pytest.raises(AssertionError, match="called its ring"):
+        _BatchNormSums(Context(), request, seconds)(values)
+
+
 def _config(**config):
     from hetconv.master.cluster import ClusterConfig
 
