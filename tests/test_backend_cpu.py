@@ -653,6 +653,7 @@ def _rows(tmp_path, *caps: str) -> list[dict]:
 TINY_ROWS = {("conv1", "conv forward"), ("conv2", "conv forward"), ("step", "step")}
 
 
+@pytest.mark.slow
 def test_conv_vs_torch_rows_carry_cap_none_uncapped(tmp_path):
     """On the tiny preset, uncapped (the default): every row carries cap "none"."""
     pytest.importorskip("torch")

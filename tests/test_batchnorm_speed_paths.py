@@ -170,6 +170,7 @@ ROW_FIELDS = {"network", "layer", "kind", "batch", "threads", "cap", "cpu", "bla
               "torch_s", "ratio"}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_layers_vs_torch_rows_carry_conv_vs_torchs_fields_and_the_revisions(tmp_path):
     """On the tiny preset with ``--before HEAD``: conv_vs_torch's row fields, and the layers
     timed as at that revision (before_s, before_ratio)."""

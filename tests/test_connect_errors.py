@@ -146,6 +146,7 @@ def test_an_unreachable_worker_event_names_the_cause_whole(garbage_server):
 # -- item 3: a worker stopped with Ctrl-C -----------------------------------------------------
 
 
+@pytest.mark.slow
 @POSIX_ONLY
 def test_a_worker_stopped_mid_call_is_reported_as_shut_down():
     process = WorkerProcess("--backend", "cpu")

@@ -206,6 +206,7 @@ def test_torch_twin_built_from_the_spec_computes_hetconvs_model():
         assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
 
 
+@pytest.mark.slow
 def test_weighted_ddp_step_on_unequal_slices_equals_one_process_on_the_global_batch(tmp_path):
     pytest.importorskip("torch", reason="PyTorch is the DDP peer; install the dev extra")
     port = str(_free_port())
@@ -273,6 +274,7 @@ def _vs_ddp(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_vs_ddp_explains_itself_and_refuses_bad_input_by_name():
     helped = _vs_ddp("--help")
     assert helped.returncode == 0

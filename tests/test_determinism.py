@@ -197,6 +197,7 @@ def _hetconv_train(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_two_deterministic_command_line_runs_save_identical_weights(tmp_path):
     saved = []
     for name in ("a", "b"):

@@ -208,6 +208,7 @@ def lan():
         pytest.skip(f"network namespaces with a bridge are unavailable here: {e}")
 
 
+@pytest.mark.slow
 def test_master_finds_an_advertised_worker_and_trains_with_it(lan, tmp_path):
     """The fast variant: found at start, given kernels, served steps, the run ends cleanly."""
     w1 = lan.start("w1", *WORKER_QUIET)
@@ -294,6 +295,7 @@ def test_discovered_workers_join_and_leave_a_running_training(
     assert kinds.index(("worker_joined", second)) < kinds.index(("worker_removed", first))
 
 
+@pytest.mark.slow
 def test_a_worker_needing_a_token_is_reported_not_used(lan):
     """A master without a token says the advertised worker needs one and trains without it."""
     w1 = lan.start("w1", *WORKER_QUIET, env={"HETCONV_TOKEN": "a-shared-secret-of-enough-length"})
@@ -320,6 +322,7 @@ def test_a_worker_needing_a_token_is_reported_not_used(lan):
     assert master.process.wait(120) == 0, "\n".join(master.lines)
 
 
+@pytest.mark.slow
 def test_with_tls_a_stranger_found_on_the_lan_is_left_out(lan, tmp_path):
     """--discover --tls-ca: a plaintext worker someone else advertises fails the TLS check and
     is reported, not a failed start; the worker with our certificate is used."""
@@ -343,6 +346,7 @@ def test_with_tls_a_stranger_found_on_the_lan_is_left_out(lan, tmp_path):
     mine.wait_for("served", 10)
 
 
+@pytest.mark.slow
 def test_a_named_worker_found_at_its_lan_address_is_used_once(lan):
     """Named as 127.0.0.1 on its own machine and found at its LAN address: one worker (the
     instance id in its advertisement), not a refusal of two addresses of one process."""

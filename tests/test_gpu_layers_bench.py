@@ -73,6 +73,7 @@ def test_gpu_layers_times_batch_norm_on_device_arrays(fake_cuda, capsys):
     assert "Error" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gpu_layers_dry_run_and_no_gpu(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
@@ -97,6 +98,7 @@ def test_gpu_layers_dry_run_and_no_gpu(tmp_path):
 # ------------------------------------------------- benchmarks/gpu_vs_torch.py's worker modes
 
 
+@pytest.mark.slow
 def test_gpu_vs_torch_runs_each_worker_mode_against_a_real_worker(monkeypatch, tmp_path):
     """Each ``--modes`` run is a real ``hetconv train`` against a worker process with
     --no-master-compute (here a cpu worker in the cuda worker's place, the tiny network): its

@@ -511,6 +511,7 @@ def test_workers_found_on_the_lan_train_split_by_images(tmp_path):
     assert [r["workers_computed"] for r in records if "step" in r] == [1, 1, 1]
 
 
+@pytest.mark.slow
 def test_an_honest_worker_on_another_engine_passes_the_spot_checks(tmp_path):
     """A numpy-engine worker (one BLAS thread) beside a oneDNN master, on images with flat,
     saturated regions (the synthetic set's): round-off decides which of a max-pool window's

@@ -192,6 +192,7 @@ def _block_as_its_convolution(monkeypatch):
     monkeypatch.setattr(modes, "block_cost_factor", lambda *args: 1.0)
 
 
+@pytest.mark.slow
 def test_the_master_and_the_simulator_choose_the_same_modes(networks):
     rng = random.Random(31)
     compared, seen = 0, {key: set() for key in FLAGS}

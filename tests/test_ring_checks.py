@@ -172,6 +172,7 @@ def test_a_worker_whose_own_gradient_is_wrong_is_caught_and_lost(tmp_path):
     assert all(liar not in r["nodes"] for r in cluster.steps[4:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every", [1, 1000])
 def test_a_worker_that_changes_what_it_passes_on_breaks_the_sum_every_step(tmp_path, every):
     """From step 2 the liar takes 1.5x every part its peer puts into it: its own gradient and
@@ -227,6 +228,7 @@ def test_with_batch_norm_a_lying_worker_is_caught_and_lost(tmp_path, kind):
     assert [r["exchange"] for r in cluster.steps[: at + 1]] == [RING] * at + [MASTER]
 
 
+@pytest.mark.slow
 def test_an_honest_worker_on_another_engine_passes_every_check_with_batch_norm(tmp_path):
     """resnet20's batch norm carries a ReLU that round-off turned the other way into every
     image's gradient: a worker on numpy's engine, checked every step against the master's

@@ -148,6 +148,7 @@ def _steps(tmp_path, name) -> list[dict]:
     return [r for r in map(json.loads, lines) if "step" in r and "nodes" in r]
 
 
+@pytest.mark.slow
 def test_a_cluster_that_settles_trains_exactly_like_local(tmp_path):
     local, local_weights = _train(tmp_path, "local", LocalConv())
     config = ClusterConfig(settle_steps=3, rebalance_every=0)

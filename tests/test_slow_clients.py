@@ -79,6 +79,7 @@ def worker() -> Iterator[WorkerProcess]:
         process.stop()
 
 
+@pytest.mark.slow
 def test_stalled_streams_leave_health_and_a_real_master_served_and_end_named(worker):
     """Eight streams on one connection send a header and stall (the issue: they took every
     handler thread, health timed out and a master's Forward waited 30 s). Health answers within
@@ -116,6 +117,7 @@ def test_stalled_streams_leave_health_and_a_real_master_served_and_end_named(wor
         hostile.close()
 
 
+@pytest.mark.slow
 def test_a_client_that_never_reads_its_answer_is_ended_and_its_memory_released(worker):
     """A Forward whose 16 MiB answer the client never reads: the handler blocks on flow
     control, is ended after the idle timeout, and its reservation comes back."""

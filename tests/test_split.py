@@ -229,6 +229,7 @@ def test_a_part_naming_a_far_step_is_refused_and_never_blocks_the_block(workers)
         client.close()
 
 
+@pytest.mark.slow
 def test_a_fetch_that_waits_ends_with_its_caller_and_frees_the_worker():
     """FetchParts for a part that never comes end with their callers, hold no call slot
     after, end at the idle timeout when their callers wait on, and SIGTERM stops the worker

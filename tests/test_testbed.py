@@ -157,6 +157,7 @@ def test_the_prediction_models_the_modes_the_run_traced(tmp_path, flags):
     )
 
 
+@pytest.mark.slow
 @needs_testbed
 def test_caps_and_shared_medium_hold_and_everything_goes_away():
     rate = 40.0
@@ -283,6 +284,7 @@ def test_a_tiny_run_gives_every_row_through_real_workers(tmp_path):
     assert "kernel_split" in stdout and "predicted s" in stdout
 
 
+@pytest.mark.slow
 @needs_testbed
 def test_ctrl_c_mid_run_removes_namespaces_cgroups_and_processes():
     command = [

@@ -350,6 +350,7 @@ def test_scratch_grown_by_an_oversize_call_is_trimmed_after_it():
         assert after - before < 40, (before, after)
 
 
+@pytest.mark.slow
 def test_the_limits_are_documented_printed_and_checked():
     def worker(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(

@@ -910,6 +910,7 @@ def _poison(draw, array: np.ndarray) -> np.ndarray:
     return flat.reshape(array.shape)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     geometry=geometries(),
@@ -1093,6 +1094,7 @@ class _CallOrder(RuleBasedStateMachine):
         assert_refused(answer, frozenset({expect}), "Backward", f"dy {shape}")
 
 
+@pytest.mark.slow
 def test_forward_and_backward_in_any_order(channel):
     """Forward and Backward calls of a few sessions, layers and steps in any order, repeated
     and duplicated, each through a stream or a bundle, against a model of the worker's cache

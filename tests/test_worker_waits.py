@@ -140,6 +140,7 @@ def test_health_says_not_serving_while_every_call_slot_is_taken(spawn):
     _forward_works(worker.address)
 
 
+@pytest.mark.slow
 @POSIX_ONLY
 def test_sigterm_stops_a_worker_that_waits_within_seconds(spawn):
     """SIGTERM while a FetchPart waits with no deadline on a worker that never ends idle calls
@@ -166,6 +167,7 @@ def test_sigterm_stops_a_worker_that_waits_within_seconds(spawn):
     assert seconds < 15
 
 
+@pytest.mark.slow
 def test_a_call_whose_caller_goes_while_it_waits_for_the_device_never_runs(spawn):
     """Two Forwards queued behind a long Probe on the device, their callers gone (a 1 s
     deadline: time to be received and queued on a loaded machine) before their turn: their
