@@ -146,6 +146,7 @@ def test_a_thread_count_set_behind_the_backend_is_set_again():
                 np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_on_avx2_too_where_odd_padding_is_done_before_onednn(tmp_path):
     """oneDNN limited to AVX2 (``ONEDNN_MAX_CPU_ISA``, read when it loads: a child process)
     takes padding wider than the kernel reaches only in its GEMM-based convolutions, which

@@ -378,6 +378,7 @@ def _long_embedded_run(*extra: str, **popen) -> subprocess.Popen:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.name != "posix", reason="sends SIGINT, a POSIX signal")
 def test_ctrl_c_stops_the_embedded_workers():
     process = _long_embedded_run()
@@ -406,6 +407,7 @@ def test_embedded_workers_end_with_a_killed_master():
     assert _wait_closed(addresses, 15), "a local worker outlived its master"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.name != "posix", reason="sends SIGINT to a process group")
 def test_terminal_ctrl_c_finishes_the_step_and_checkpoints_with_the_workers(tmp_path):
     # A Ctrl-C at a terminal signals the whole foreground process group. The local workers

@@ -208,6 +208,7 @@ def tarpits(count: int):
             s.close()
 
 
+@pytest.mark.slow
 def test_a_worker_advertised_in_a_flood_joins_at_the_next_step_boundary(tmp_path, monkeypatch):
     """100 advertisements: 40 at addresses that accept and never answer, 60 at TEST-NET
     addresses nobody answers at; then a real worker. Tried one by one (2 s each) it waited

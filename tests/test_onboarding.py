@@ -168,6 +168,7 @@ def worker():
             process.wait(10)
 
 
+@pytest.mark.slow
 def test_worker_lines_threads_activity_and_the_readme_snippet(worker):
     process, out = worker
     threads = out.wait_for(r"^threads: (.*) \(--threads 1\)$", 60).group(1)

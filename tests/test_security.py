@@ -741,6 +741,7 @@ def test_worker_open_to_the_network_without_a_token_warns_loudly(spawn_worker):
     assert "security: no token (anyone may call)" in "\n".join(process.stdout)
 
 
+@pytest.mark.slow
 def test_worker_open_to_the_network_with_a_token_does_not_warn(spawn_worker):
     process = spawn_worker("--token", TOKEN, listen="0.0.0.0:0")
     process.wait_ready()

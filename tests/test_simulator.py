@@ -227,6 +227,7 @@ def test_link_aware_shares_planned_fused_give_workers_more_and_predict_faster():
         shares_for(cluster, layers, LINK, stages="sideways")
 
 
+@pytest.mark.slow
 def test_link_aware_shares_are_never_predicted_slower_than_the_master_alone():
     scenario = load_scenario("bandwidth-sweep")
     for r in run_scenario(scenario, policies=[LINK]):
@@ -552,6 +553,7 @@ def test_command_errors_are_one_line(capsys):
         main(["cpu-cluster", "--nodes", "0"])
 
 
+@pytest.mark.slow
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib", reason="plots need matplotlib (hetconv[plot])")
     argv = [

@@ -35,6 +35,7 @@ def _module():
     return split_block
 
 
+@pytest.mark.slow
 @needs_testbed
 def test_the_split_block_equals_the_replicated_one_and_the_testbed_goes_away(tmp_path):
     out = tmp_path / "row.json"
@@ -98,6 +99,7 @@ def test_balanced_shares_give_the_master_fewer_kernels_for_its_whole_block():
     # every node then takes 1.16 s: the master 0.76 + 0.4, a worker 1.06 + 0.1
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_by_name():
     for argv, message in [
         (["--network", "nope"], "unknown network 'nope'"),
