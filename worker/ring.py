@@ -44,6 +44,7 @@ from hetconv.ring import (
     rounds,
     split64,
 )
+from hetconv.worker import sumlog
 from hetconv.worker.context import WorkerContext
 from hetconv.worker.peers import PeerLinks
 from hetconv.worker.summesh import SumLinks, SumListener
@@ -159,6 +160,8 @@ class RingCalls:
         one ahead of the session's, or the parts would pass the memory budget."""
         if not np.isfinite(part).all():
             raise InvalidCall("the ring part holds NaN or Inf")
+        if sumlog.enabled():
+            sumlog.filed(session, step, round_, time.time())
         with self._changed:
             latest = self._latest.get(session)
             if latest is not None and step > latest + 1:
@@ -243,8 +246,11 @@ class RingCalls:
         ranks = len(ring.peers)
         mesh = self._meshed(ring)
         gather = all_to_all if ranks - 1 <= doubling_rounds(ranks) else all_gather_doubling
-        return join64(self._run(request, offset, lambda *io: gather(split64(values), *io),
-                                mesh=mesh, meanwhile=meanwhile))  # fmt: skip
+        began = time.time()
+        summed = join64(self._run(request, offset, lambda *io: gather(split64(values), *io),
+                                  mesh=mesh, meanwhile=meanwhile))  # fmt: skip
+        sumlog.summed(request.session, int(request.step), offset, ring.rank, began, time.time())
+        return summed
 
     def _run(
         self, request: pb.ConvRequest, offset: int, algorithm, mesh: bool = False,
