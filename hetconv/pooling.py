@@ -76,7 +76,7 @@ class Pool2d(Layer):
             pooled = onednn_layers.max_pool(x, k, self.stride)  # where oneDNN serves
             if pooled is not None:
                 y, self._workspace = pooled
-                self._x_shape = x.shape
+                self._x_shape, self._x, self._y = x.shape, None, None  # none kept for backward
                 return y
         y = self._tap(x, 0, 0, ho, wo).copy()
         if self.mode == "max":

@@ -159,10 +159,11 @@ def _served(a: np.ndarray, ndim: int | None = None) -> bool:
     )
 
 
-def _relu_ops(lib: _Library, size: int) -> tuple[_Op, _Op]:
-    """A ReLU's two primitives over ``size`` values in a row (any shape's, element-wise)."""
+def _relu_backward_op(lib: _Library, size: int) -> _Op:
+    """A ReLU's backward over ``size`` values in a row (any shape's, element-wise). Its
+    descriptor needs the forward's as a hint, kept with it; the forward itself is numpy's."""
 
-    def make() -> tuple[_Op, _Op]:
+    def make() -> _Op:
         d, md = lib.dll, lib.md((size,), _TAG_A)
         forward, backward = _p(), _p()
         lib.check(d.dnnl_eltwise_forward_primitive_desc_create(
@@ -171,13 +172,12 @@ def _relu_ops(lib: _Library, size: int) -> tuple[_Op, _Op]:
         lib.check(d.dnnl_eltwise_backward_primitive_desc_create(
             ctypes.byref(backward), lib.engine, _RELU_USE_DST, md, md, md, 0.0, 0.0, forward,
             lib.attr), "eltwise_backward_primitive_desc_create")  # fmt: skip
-        return (
-            _Op(lib, forward, "relu forward", [(_ARG_SRC, md), (_ARG_DST, md)]),
-            _Op(lib, backward, "relu backward",
-                [(_ARG_DST, md), (_ARG_DIFF_DST, md), (_ARG_DIFF_SRC, md)]),
-        )  # fmt: skip
+        op = _Op(lib, backward, "relu backward",
+                 [(_ARG_DST, md), (_ARG_DIFF_DST, md), (_ARG_DIFF_SRC, md)])  # fmt: skip
+        op.hint = forward  # never destroyed while the backward's descriptor may read it
+        return op
 
-    return _op(("relu", size), make)  # the backward's descriptor needs the forward's
+    return _op(("relu", size), make)
 
 
 def serves_relu(y: np.ndarray) -> bool:
@@ -192,7 +192,7 @@ def relu_backward(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
     if lib is None or dy.shape != y.shape or not _served(dy):  # numpy's way
         return dy * ~(y <= 0)
     dx = np.empty_like(y)
-    _relu_ops(lib, y.size)[1].run(y, dy, dx)
+    _relu_backward_op(lib, y.size).run(y, dy, dx)
     return dx
 
 
