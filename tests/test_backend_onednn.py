@@ -27,6 +27,7 @@ from hetconv.backends import (
     onednn_library,
 )
 from hetconv.backends import onednn as onednn_module
+from hetconv.backends.base import ConvShape, Padding
 from hetconv.model import Model, load_spec, walk_spec
 
 RTOL = 2e-4
@@ -175,8 +176,10 @@ def test_on_avx2_too_where_odd_padding_is_done_before_onednn(tmp_path):
 
 
 ODD = [  # batch 1 (its forward cut by kernels), padding done before oneDNN, odd sizes, and a
-    # batch whose kernel gradient is summed from parts (IMAGES_PER_PART: 32 images or more each)
+    # batch whose kernel gradient is summed from parts (IMAGES_PER_PART: 32 images or more each,
+    # PIXELS_PER_PART: 2048 output pixels or more; 97 images of 8x8 make 3 parts, of 6x5 one)
     ((1, 16, 8, 8, 40, 3, 3, 1), [(0, 3), (3, 17), (17, 40)]),
+    ((97, 4, 8, 8, 36, 3, 3, 1), [(0, 5), (5, 36)]),
     ((97, 4, 6, 5, 36, 3, 3, 1), [(0, 5), (5, 36)]),
     ((3, 8, 5, 5, 20, 3, 3, 4), [(0, 9), (9, 20)]),
     ((5, 4, 6, 6, 3, 2, 2, "same"), [(0, 1), (1, 3)]),
@@ -489,3 +492,17 @@ def test_conv_vs_torch_rows_of_both_engines_side_by_side(tmp_path):
     assert "ratio ours/torch by engine:" in done.stdout
     table = done.stdout.split("ratio ours/torch by engine:")[1]
     assert "cpu" in table and "onednn" in table
+
+
+@pytest.mark.parametrize(
+    "n, hw, k, parts",
+    [(97, 8, 36, 3), (97, 6, 36, 1), (64, 16, 128, 2), (64, 4, 512, 1), (64, 2, 512, 1),
+     (256, 4, 512, 2), (512, 2, 8, 1), (1024, 2, 8, 2), (31, 32, 16, 1), (500, 32, 16, 4)],
+)  # fmt: skip
+def test_a_kernel_gradients_image_parts_follow_the_images_and_their_pixels(n, hw, k, parts):
+    """Parts of 32 images or more, each of at least 2048 output pixels (a 3x3 same layer),
+    at most 4; the kernels never count, so a slice of them is summed as the whole layer."""
+    padding = Padding(1, 1, 1, 1)
+    for kernels in (k, 1):
+        shape = ConvShape(n, 8, hw, hw, kernels, 3, 3, padding)
+        assert onednn_module._image_parts(shape) == parts

@@ -109,6 +109,14 @@ MAX_KEPT = 256
 #: (resnet20's 16-kernel layer at batch 16, one thread: 0.52 ms in two parts, 0.44 in one).
 IMAGES_PER_PART = 32
 MAX_IMAGE_PARTS = 4
+#: A part of the images holds at least this many output pixels (images x output rows x
+#: columns), so that its own copy of the gradient (a kernel's, ``c x kh x kw`` values per
+#: kernel) is small beside what it computes: layers of small outputs take more images a part.
+#: vgg11's 512-kernel layers at batch 64, 4x4 and 2x2 outputs, two parts / one, min of 7:
+#: one thread 50.4 / 49.2 and 19.6 / 18.4 ms, two threads 42.9 / 24.3 and 14.4 / 9.3 ms (the
+#: parts' gradients, 9.4 MB each, written and summed). Like the images, it depends on the
+#: geometry alone, never on the kernels or the threads.
+PIXELS_PER_PART = 2048
 #: Kernel ranges a call is cut into begin at multiples of this (oneDNN computes kernels in
 #: blocks of 8 on AVX2, 16 on AVX-512: a range of fewer pads its block).
 KERNEL_BLOCK = 16
@@ -147,6 +155,14 @@ def _ranges(total: int, parts: int, block: int = 1) -> list[tuple[int, int]]:
     parts = max(1, min(parts, blocks))
     cuts = [min(total, blocks * i // parts * block) for i in range(parts + 1)]
     return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _image_parts(shape: ConvShape) -> int:
+    """How many ranges of the images a kernel gradient of ``shape`` is summed from (see
+    :data:`IMAGES_PER_PART` and :data:`PIXELS_PER_PART`)."""
+    ho, wo = shape.out_hw
+    per_part = max(IMAGES_PER_PART, -(-PIXELS_PER_PART // max(1, ho * wo)))
+    return max(1, min(MAX_IMAGE_PARTS, shape.n // per_part))
 
 
 class _PartScratch:
@@ -504,7 +520,7 @@ class OneDnnBackend(CpuBackend):
     def _grad_kernels(self, x, dy, shape):
         """The sum over ranges of the images, in order, of each range's gradient (see
         :data:`IMAGES_PER_PART`); the threads beyond one per range take ranges of the kernels."""
-        parts = max(1, min(MAX_IMAGE_PARTS, shape.n // IMAGES_PER_PART))
+        parts = _image_parts(shape)
         images, threads = _ranges(shape.n, parts), self._threads()
         per_part = _worth(shape.flops_forward // len(images), max(1, threads // len(images)))
         kernels = _ranges(shape.k, per_part, KERNEL_BLOCK)
