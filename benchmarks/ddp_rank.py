@@ -18,6 +18,11 @@ Modes (each prints one JSON line on stdout at the end):
   parameters after it to ``PATH`` (``.npz``): the data-parallel step must equal the
   single-process one.
 
+``--synced-batchnorm``: batch norm layers normalise by the whole batch's statistics, summed
+over the ranks (two float64 all-reduces per layer a step, as hetconv's split by images sums
+them), so DDP trains the same model as one process on the whole batch; without it each rank
+normalises its own slice (torch's SyncBatchNorm refuses CPU tensors), a different model.
+
 **Exact weighting.** Rank ``i`` with ``b_i`` of the ``B`` images scales its mean loss by
 ``W x b_i / B``; DDP averages the ranks' gradients (sums and divides by ``W``), which leaves
 ``sum_i (b_i / B) x mean gradient of slice i`` = the mean gradient of the global batch.
@@ -69,7 +74,7 @@ class SpecNet(nn.Module):
     them (so ``conv1.weight`` is hetconv's ``conv1.weight``), each reading the layers the
     spec names as its inputs (``add`` sums them in order, ``concat`` joins their channels)."""
 
-    def __init__(self, spec: Sequence[Mapping], input_shape=CIFAR_INPUT):
+    def __init__(self, spec: Sequence[Mapping], input_shape=CIFAR_INPUT, synced: bool = False):
         super().__init__()
         self.order: list[str] = []
         self.inputs: list[tuple[str, ...]] = []  # per layer, what it reads ("": the input)
@@ -93,11 +98,11 @@ class SpecNet(nn.Module):
             elif kind == "dropout":
                 module = nn.Dropout(options["p"])
             elif kind == "batchnorm":
-                # Each rank normalises its own images: torch's SyncBatchNorm runs on GPUs only,
-                # so on CPUs DDP trains a different model from one process on the whole batch.
-                module = nn.BatchNorm2d(
-                    item.input_shape[0], eps=options["eps"], momentum=options["momentum"]
-                )
+                # Each rank normalises its own images (torch's SyncBatchNorm runs on GPUs only,
+                # so on CPUs DDP trains a different model from one process on the whole
+                # batch), or, ``synced``, the whole batch's (:class:`SyncedBatchNorm`).
+                norm = SyncedBatchNorm if synced else nn.BatchNorm2d
+                module = norm(item.input_shape[0], eps=options["eps"], momentum=options["momentum"])
             elif kind == "fc":
                 fc = nn.Linear(int(np.prod(item.input_shape)), item.output_shape[0])
                 module = fc if len(item.input_shape) == 1 else _FlattenLinear(fc)
@@ -150,6 +155,58 @@ class _Conv(nn.Module):
         return F.conv2d(F.pad(x, self.padding), self.weight, self.bias, self.stride)
 
 
+class _SyncedNorm(torch.autograd.Function):
+    """Batch norm over every rank's images: the per-channel sums of x and x^2 (forward) and
+    of dy and dy x xhat (backward) all-reduced in float64, one call each, as hetconv's split
+    by images sums them; the weight's and bias's gradients stay this rank's own (DDP sums
+    them)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float):
+        channels = x.shape[1]
+        count = torch.tensor([x.numel() // channels], dtype=torch.float64)
+        sums = torch.cat([x.sum((0, 2, 3)).double(), (x * x).sum((0, 2, 3)).double(), count])
+        dist.all_reduce(sums)
+        n = float(sums[-1])
+        mean = sums[:channels] / n
+        var = sums[channels : 2 * channels] / n - mean * mean
+        invstd = torch.rsqrt(var + eps).float()
+        xhat = (x - mean.float()[None, :, None, None]) * invstd[None, :, None, None]
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.n = n
+        y = xhat * weight[None, :, None, None] + bias[None, :, None, None]
+        return y, mean.float(), (var * n / max(n - 1, 1)).float()
+
+    @staticmethod
+    def backward(ctx, dy, _mean, _var):
+        xhat, weight, invstd = ctx.saved_tensors
+        channels, n = dy.shape[1], ctx.n
+        own = torch.cat([dy.sum((0, 2, 3)).double(), (dy * xhat).sum((0, 2, 3)).double()])
+        summed = own.clone()
+        dist.all_reduce(summed)
+        sum_dy, sum_dy_xhat = (summed[:channels] / n).float(), (summed[channels:] / n).float()
+        scale = (weight * invstd)[None, :, None, None]
+        dx = scale * (dy - sum_dy[None, :, None, None] - xhat * sum_dy_xhat[None, :, None, None])
+        return dx, own[channels:].float(), own[:channels].float(), None
+
+
+class SyncedBatchNorm(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` that, training under a process group of more than one rank,
+    normalises by the whole batch's statistics (:class:`_SyncedNorm`): DDP then trains the
+    same model as one process on the whole batch, as hetconv does (torch's SyncBatchNorm
+    refuses CPU tensors). Alone or evaluating, torch's own."""
+
+    def forward(self, x):
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        y, mean, var = _SyncedNorm.apply(x, self.weight, self.bias, self.eps)
+        with torch.no_grad():
+            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
+            self.running_var.mul_(1 - self.momentum).add_(self.momentum * var)
+            self.num_batches_tracked.add_(1)
+        return y
+
+
 class _FlattenLinear(nn.Module):
     """Flatten, then a fully connected layer whose parameters keep the layer's own names."""
 
@@ -161,12 +218,12 @@ class _FlattenLinear(nn.Module):
         return F.linear(torch.flatten(x, 1), self.weight, self.bias)
 
 
-def torch_model(network: str | Sequence[Mapping], seed: int = 0) -> SpecNet:
+def torch_model(network: str | Sequence[Mapping], seed: int = 0, synced: bool = False) -> SpecNet:
     """:class:`SpecNet` of a preset name, ``.json`` spec file or spec, torch's initialisation
-    from ``seed``."""
+    from ``seed``; ``synced``: batch norm over every rank's images (:class:`SyncedBatchNorm`)."""
     spec = load_spec(network) if isinstance(network, str) else list(network)
     torch.manual_seed(seed)
-    return SpecNet(spec)
+    return SpecNet(spec, synced=synced)
 
 
 def global_batch(batch: int, seed: int, classes: int = 10):
@@ -214,7 +271,7 @@ def _save(model, path: str) -> None:
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    model = torch_model(args.network, args.seed)
+    model = torch_model(args.network, args.seed, args.synced_batchnorm)
     x_all, y_all = global_batch(args.batch, args.seed + 1)
     momentum = 0.0 if args.check else 0.9
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum)
@@ -313,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weights and data")
     p.add_argument("--timeout", type=float, default=1800, help="collective timeout, seconds")
     p.add_argument("--check", metavar="PATH", help="one step, parameters to PATH (.npz)")
+    p.add_argument(
+        "--synced-batchnorm", action="store_true",
+        help="batch norm over the whole batch, every rank's images (two float64 all-reduces "
+        "per layer a step, as hetconv's split by images): the same model as one process; "
+        "without it each rank normalises its own slice",
+    )  # fmt: skip
     return p
 
 

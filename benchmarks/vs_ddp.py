@@ -38,6 +38,11 @@ shared medium)::
     sudo .venv/bin/python benchmarks/vs_ddp.py --network paper-50-500 paper-500-1500 \\
         --batch 16 64 --workers 2 4 --link switched shared --json vs_ddp.json
 
+On networks with batch norm DDP's ranks each normalise their own slice of the batch: a
+different model from hetconv's and one process's. ``--ddp-synced-batchnorm`` runs DDP a second
+time with the batch's statistics summed over the ranks (the same model; a test proves its step
+equals one process's), its step in the row's note and in ``ddp_synced_step_s``.
+
 The hetconv runs and the DDP runs of a configuration follow each other in two testbeds built
 alike, not interleaved: on a machine others load, drift between them enters the ratio (the
 rows' ``cap_received`` says what the caps gave the hetconv runs).
@@ -116,6 +121,8 @@ class Comparison:
     cap_received: float = 0.0
     engine: str = "cpu"  # hetconv's convolution engine (--engine)
     note: str = ""
+    ddp_synced_step_s: float | None = None  # --ddp-synced-batchnorm: DDP training hetconv's model
+    ddp_synced_speedup: float | None = None  # over torch alone
 
 
 # -- DDP on the testbed --------------------------------------------------------------------------
@@ -126,8 +133,8 @@ class DdpRun:
     step_s: float
     batches: list[int]
     images_per_s: list[float]
-    alone_s: float
-    alone_mb: float
+    alone_s: float | None
+    alone_mb: float | None
     rank_mb: list[float]
     rtt_s: float
 
@@ -158,20 +165,27 @@ def _timeout(network: str, batch: int, steps: int, cap: float, core: float, rate
 
 
 def run_ddp(
-    args: argparse.Namespace, workers: int, link: str, cap: float, rate: float, core: float, log
-) -> DdpRun:
-    """Torch alone, then DDP over every node, in a testbed like hetconv's."""
+    args: argparse.Namespace, workers: int, link: str, cap: float, rate: float, core: float, log,
+    synced: bool = False,
+) -> DdpRun:  # fmt: skip
+    """Torch alone, then DDP over every node, in a testbed like hetconv's; ``synced``: DDP
+    with batch norm over the whole batch (``ddp_rank.py --synced-batchnorm``), no torch
+    alone."""
     steps = args.warmup + args.steps
     timeout = _timeout(args.network, args.batch, steps + 3, cap, core, rate)
     env = with_blas_threads(dict(os.environ, PYTHONUNBUFFERED="1"), 1)
     base = [sys.executable, "-I", str(RANK_PROGRAM), "--network", args.network,
             "--batch", str(args.batch), "--steps", str(steps)]  # fmt: skip
+    base += ["--synced-batchnorm"] if synced else []
+    alone = None
     with ClusterTestbed(workers, link, rate, cap, not args.master_port_unlimited) as bed:
         rtt = statistics.median(bed.ping(host) for host in bed.worker_hosts)
-        print("  torch alone ...", file=log, flush=True)
-        alone = _finish(bed.spawn([*base, "--alone"], env, bed.master), timeout, "torch alone")
+        if not synced:
+            print("  torch alone ...", file=log, flush=True)
+            alone = _finish(bed.spawn([*base, "--alone"], env, bed.master), timeout, "torch alone")
         world = workers + 1
-        print(f"  ddp, {world} ranks ...", file=log, flush=True)
+        print(f"  ddp, {world} ranks{', batch norm synced' if synced else ''} ...", file=log,
+              flush=True)  # fmt: skip
         ranks = [
             bed.spawn(
                 [
@@ -198,8 +212,8 @@ def run_ddp(
         step_s=statistics.median(measured),
         batches=results[0]["batches"],
         images_per_s=results[0]["speeds"],
-        alone_s=statistics.median(alone["step_s"][args.warmup :]),
-        alone_mb=alone["peak_rss_mb"],
+        alone_s=statistics.median(alone["step_s"][args.warmup :]) if alone else None,
+        alone_mb=alone["peak_rss_mb"] if alone else None,
         rank_mb=[r["peak_rss_mb"] for r in results],
         rtt_s=rtt,
     )
@@ -293,6 +307,15 @@ def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log
     except RuntimeError as e:
         run = None
         notes.append(f"ddp failed: {str(e).splitlines()[0]}")
+    synced = None
+    if getattr(args, "ddp_synced_batchnorm", False):
+        try:
+            synced = run_ddp(args, workers, link, cap, rate, core, log, synced=True).step_s
+        except RuntimeError as e:
+            notes.append(f"ddp with synced batch norm failed: {str(e).splitlines()[0]}")
+        else:
+            alone_s = f" ({run.alone_s / synced:.2f}x torch alone)" if run else ""
+            notes.append(f"ddp with synced batch norm {synced:.3f} s{alone_s}")
     predicted = predict_ddp(args, link, rate, cap, core, run) if run else None
     ddp_s = run.step_s if run else None
     torch_alone_pred = (
@@ -338,6 +361,8 @@ def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log
         rtt_ms=ours.rtt_ms,
         cap_received=ours.cap_received,
         note="; ".join(notes),
+        ddp_synced_step_s=synced,
+        ddp_synced_speedup=run.alone_s / synced if run and synced else None,
     )
 
 
@@ -433,6 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--steps", type=positive(int), default=4, help="measured steps per run (4)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out at each start (1)")
+    p.add_argument(
+        "--ddp-synced-batchnorm", action="store_true",
+        help="also run DDP with batch norm over the whole batch (ddp_rank.py "
+        "--synced-batchnorm: the same model as hetconv's and one process's; DDP's ranks "
+        "otherwise each normalise their own slice), its step in the row's note",
+    )  # fmt: skip
     hetconv_testbed.add_engine_flag(p)
     hetconv_testbed.add_period_flag(p)
     p.add_argument("--keep-traces", metavar="DIR",
