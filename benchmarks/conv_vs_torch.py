@@ -39,6 +39,12 @@ from pathlib import Path
 
 import numpy as np
 
+# Torch and the onednn engine share one OpenMP runtime here: its threads, spinning for
+# milliseconds after each of torch's parallel calls, took the next core from our parts at two
+# threads (resnet20's 3x3 32-kernel forward, batch 64: 3.17 ms against 1.73 with it passive).
+# Read once, as the runtime loads (with torch): set before.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 try:
     import torch
     import torch.nn.functional as F
@@ -92,16 +98,33 @@ STATISTIC = {"median": statistics.median, "min": min}
 statistic = statistics.median
 
 
+#: Torch's thread count for :func:`interleaved` (the one item), set by :func:`torch_threads`.
+TORCH_THREADS = [1]
+
+
+def torch_threads(threads: int) -> None:
+    """Torch runs on ``threads`` threads, set again before each of its timed runs."""
+    TORCH_THREADS[0] = threads
+    torch.set_num_threads(threads)
+
+
 def interleaved(ours, theirs, repeats: int) -> tuple[float, float]:
     """Seconds (:data:`statistic` of the runs) of ``ours()`` and ``theirs()``, alternated
-    after one warm-up each."""
+    after one warm-up each. Torch's thread count is set again before each of its runs: the
+    onednn engine sets the calling thread's OpenMP threads to 1 for its primitives, and where
+    torch shares that OpenMP runtime its next call then ran on one thread while
+    ``torch.get_num_threads()`` said 1 (vgg11's 64 -> 128 kernel gradient, batch 64: 24.2 ms
+    against 12.5): :func:`torch_threads` sets the count."""
+    threads = TORCH_THREADS[0]
     ours()
+    torch.set_num_threads(threads)
     theirs()
     times_ours, times_theirs = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         ours()
         times_ours.append(time.perf_counter() - start)
+        torch.set_num_threads(threads)
         start = time.perf_counter()
         theirs()
         times_theirs.append(time.perf_counter() - start)
@@ -314,7 +337,7 @@ def measure(args: argparse.Namespace, cap: str) -> list[dict]:
     backends = {engine: engine_backend(engine) for engine in args.engine}
     common = {"cap": cap if cap == "none" else float(cap), "cpu": cpu, "blas": blas}
     for threads in args.threads:
-        torch.set_num_threads(threads)
+        torch_threads(threads)
         with threadpool_limits(limits=threads, user_api="blas"):
             for network in args.network:
                 for batch in args.batch:
