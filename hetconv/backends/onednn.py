@@ -124,8 +124,12 @@ KERNEL_BLOCK = 16
 #: the call to be cut into more parts than one, whatever the threads: below it, the parts' own
 #: cost (their hand-off to the pool, reorders, calls) outweighs what a second core does. It
 #: sets how many parts there are, never where a sum's order changes (a range of images or of
-#: kernels computes the same bits whatever the ranges), so it costs no exactness.
-MIN_PART_FLOPS = 100_000_000
+#: kernels computes the same bits whatever the ranges), so it costs no exactness. At two
+#: threads, resnet20's and vgg11's convolutions at batch 16 and 64 (88 rows of
+#: ``benchmarks/conv_vs_torch.py``, torch at two threads too, two alternated runs each): 15-16
+#: rows over 1.1x torch's at 10^8 (resnet20's 3x3 forwards at batch 64 1.26-1.63x, run on one
+#: core), 9 at 2.5 x 10^7.
+MIN_PART_FLOPS = 25_000_000
 _NO_PADDING = Padding(0, 0, 0, 0)
 _BIAS_ARG = {"forward": _ARG_BIAS, "kernels": _ARG_DIFF_BIAS}
 
