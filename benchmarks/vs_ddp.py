@@ -123,6 +123,7 @@ class Comparison:
     note: str = ""
     ddp_synced_step_s: float | None = None  # --ddp-synced-batchnorm: DDP training hetconv's model
     ddp_synced_speedup: float | None = None  # over torch alone
+    ddp_synced_predicted_s: float | None = None
 
 
 # -- DDP on the testbed --------------------------------------------------------------------------
@@ -220,10 +221,11 @@ def run_ddp(
 
 
 def predict_ddp(args: argparse.Namespace, link: str, rate: float, cap: float, core: float,
-                run: DdpRun):  # fmt: skip
+                run: DdpRun, synced: bool = False):  # fmt: skip
     """The simulator's DDP step for ``run``: ring all-reduce, bucketed overlap, the ranks'
     probed speeds and slices, the testbed's links (TCP goodput) and round trip, the
-    collective's software costs at ``cap``. Returns the DataParallelResult."""
+    collective's software costs at ``cap``; ``synced``: batch norm's statistics summed over
+    the ranks. Returns the DataParallelResult."""
     from hetconv.costmodel import MBIT, SWITCHED, WIFI, SimCluster, SimNode, local_step_seconds
     from hetconv.dataparallel import RING, CollectiveCosts, simulate_data_parallel
     from hetconv.workload import network_layers
@@ -254,6 +256,7 @@ def predict_ddp(args: argparse.Namespace, link: str, rate: float, cap: float, co
         costs=CollectiveCosts().scaled(cap),
         image_seconds=[1 / s for s in run.images_per_s],
         batches=run.batches,
+        synced_batchnorm=synced,
     )
 
 
@@ -307,7 +310,7 @@ def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log
     except RuntimeError as e:
         run = None
         notes.append(f"ddp failed: {str(e).splitlines()[0]}")
-    synced = None
+    synced = synced_predicted = None
     if getattr(args, "ddp_synced_batchnorm", False):
         try:
             synced = run_ddp(args, workers, link, cap, rate, core, log, synced=True).step_s
@@ -315,6 +318,9 @@ def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log
             notes.append(f"ddp with synced batch norm failed: {str(e).splitlines()[0]}")
         else:
             alone_s = f" ({run.alone_s / synced:.2f}x torch alone)" if run else ""
+            if run:
+                synced_predicted = predict_ddp(args, link, rate, cap, core, run, True).step_s
+                alone_s += f", predicted {synced_predicted:.3f} s"
             notes.append(f"ddp with synced batch norm {synced:.3f} s{alone_s}")
     predicted = predict_ddp(args, link, rate, cap, core, run) if run else None
     ddp_s = run.step_s if run else None
@@ -363,6 +369,7 @@ def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log
         note="; ".join(notes),
         ddp_synced_step_s=synced,
         ddp_synced_speedup=run.alone_s / synced if run and synced else None,
+        ddp_synced_predicted_s=synced_predicted,
     )
 
 

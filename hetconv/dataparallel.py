@@ -257,6 +257,44 @@ def exchange_seconds(
     return 2 * (one_way + latency) + adds
 
 
+#: Seconds of a whole core one round of a small all-reduce costs a rank when DDP syncs batch
+#: norm (:func:`synced_batchnorm_seconds`): gloo's message out and in, the sum, and the Python
+#: around each all-reduce (the values joined and split). Fitted to one run on the scaled
+#: testbed (resnet20 batch 64, 5 ranks at 0.36 of a core, ``benchmarks/vs_ddp.py
+#: --ddp-synced-batchnorm``): DDP's step 0.298 s with each rank's own statistics, 1.028 s with
+#: the batch's, 17 ms for each of the 42 sums of 8 rounds. hetconv's own sums' rounds, frames
+#: on kept connections, cost 0.35 ms (:data:`hetconv.imagecost.ROUND_S` and ``PUT_S``).
+GLOO_ROUND_S = 0.65e-3
+
+
+def synced_batchnorm_seconds(
+    cluster: SimCluster, norms: int, costs: CollectiveCosts | None = None
+) -> float:
+    """Seconds a data-parallel step waits on ``norms`` batch norm layers' statistics summed over
+    its ranks (the same model as one machine's; a rank's own slice's statistics cost nothing
+    but train another): two all-reduces of a few hundred values per layer a step, none
+    overlapped (the next layer needs each), each gloo's ring over the ranks, ``2 (N - 1)``
+    rounds of one small message: each round :data:`GLOO_ROUND_S` and each sum
+    :data:`hetconv.imagecost.SUM_S` of a core (at the share of a core ``costs`` were scaled
+    to), and half a round trip and a message's cost a round."""
+    from hetconv.imagecost import SUM_S, SUMS_PER_LAYER
+
+    costs = costs or CollectiveCosts()
+    n = len(_ranks(cluster))
+    if n < 2 or norms < 1:
+        return 0.0
+    core = CollectiveCosts().message_s / costs.message_s if costs.message_s else 1.0
+    hop = costs.message_s + max((r.rtt_s for r in cluster.workers), default=0.0) / 2
+    rounds = 2 * (n - 1)
+    each = (SUM_S + rounds * GLOO_ROUND_S) / core + rounds * hop
+    return SUMS_PER_LAYER * norms * each
+
+
+def batchnorm_layers(spec: Sequence[Mapping]) -> int:
+    """How many batch norm layers ``spec`` has."""
+    return sum(1 for entry in spec if entry.get("type") == "batchnorm")
+
+
 def master_link_bytes(cluster: SimCluster, nbytes: float, algorithm: str) -> float:
     """Gradient bytes through the master's link in one exchange, both directions."""
     n = len(_ranks(cluster))
@@ -315,6 +353,7 @@ def simulate_data_parallel(
     image_seconds: Sequence[float] | None = None,
     batches: Sequence[int] | None = None,
     input_shape: tuple[int, int, int] | None = None,
+    synced_batchnorm: bool = False,
 ) -> DataParallelResult:
     """One step of heterogeneous data parallelism on ``cluster``.
 
@@ -331,6 +370,9 @@ def simulate_data_parallel(
             the modelled total (keeping its forward/backward profile).
         batches: per rank, the batch slice; default proportional to speed.
         input_shape: the (C, H, W) of an image; default: a graph's own, else CIFAR's.
+        synced_batchnorm: batch norm over the whole batch, its statistics summed over the
+            ranks (:func:`synced_batchnorm_seconds`, added to the step): the same model as
+            one machine's. Else each rank's own slice's (DDP on CPUs), no cost.
 
     Returns:
         :class:`DataParallelResult`; ``batches`` master first, 0 where it computes nothing.
@@ -362,6 +404,9 @@ def simulate_data_parallel(
     else:
         exchange = exchange_all
         step = compute + exchange_all
+    if synced_batchnorm:
+        # mid-pass, every rank waiting: the whole step (and every bucket) later by them
+        step += synced_batchnorm_seconds(cluster, batchnorm_layers(spec), costs)
     master = cluster.master
     local = (
         image_seconds[0] * batch
@@ -467,11 +512,13 @@ __all__ = [
     "ALGORITHMS",
     "BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
+    "GLOO_ROUND_S",
     "PARAMETER_SERVER",
     "RING",
     "CollectiveCosts",
     "DataParallelResult",
     "batch_weights",
+    "batchnorm_layers",
     "buckets",
     "exchange_seconds",
     "master_link_bytes",
@@ -479,4 +526,5 @@ __all__ = [
     "parameter_tensors",
     "proportional_batches",
     "simulate_data_parallel",
+    "synced_batchnorm_seconds",
 ]

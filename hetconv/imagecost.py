@@ -148,8 +148,8 @@ def ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds, b
 #: join, the computing thread's hand-offs), each round's wake-up of the rank waiting for its
 #: part, and each small part, both ends: a frame on the peer's sum port
 #: (:mod:`hetconv.worker.summesh`; 49 us of CPU in all on loopback). Fitted to resnet20 batch
-#: 64 on 4 workers at 0.36 of a core on the scaled testbed: 3.2-3.9 ms a sum waited doubling
-#: (2 rounds of 1 part, 38 sums; 0.12-0.15 s of a step), with the waits for the slowest
+#: 64 on 4 workers at 0.36 of a core on the scaled testbed: 2.9-3.6 ms a sum waited doubling
+#: (2 rounds of 1 part, 42 sums; 0.12-0.15 s of a step), with the waits for the slowest
 #: worker in it (each sum ends when the last worker's part comes). As RingPart calls (gRPC at
 #: both ends) the same sums took 10.5-15 ms each.
 SUM_S, ROUND_S, PUT_S = 0.5e-3, 0.3e-3, 0.05e-3

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from hetconv.balance import shares_for
 from hetconv.costmodel import SimCluster, local_step_seconds, simulate_step
-from hetconv.dataparallel import ALGORITHMS, simulate_data_parallel
+from hetconv.dataparallel import ALGORITHMS, batchnorm_layers, simulate_data_parallel
+from hetconv.dataparallel import RING as RING_ALL_REDUCE
 from hetconv.formats import BFLOAT16, FLOAT32
 from hetconv.imagecost import choose_split, simulate_image_split
 from hetconv.imagesplit import KERNELS, refuse_batchnorm
@@ -159,26 +160,42 @@ def candidates(
                 )
             )
         out += _image_split(cluster, network, batch, comp_s, shape, alone, named, workers)
-        for algorithm in ALGORITHMS:
-            for overlap in (True, False):
-                got = simulate_data_parallel(
-                    cluster, network, batch, comp_s, algorithm, overlap, input_shape=shape
-                )
-                name = "ring all-reduce" if algorithm == "ring" else "parameter server (master)"
-                label = f"data parallelism, {name}" + (", overlapped" if overlap else "")
-                out.append(
-                    Candidate(
-                        "data-parallel",
-                        label,
-                        got.step_s,
-                        alone / got.step_s,
-                        got.master_bytes / 1e6,
-                        True,
-                        "PyTorch DDP (benchmarks/vs_ddp.py measures it)",
-                        sum(1 for b in got.batches[1:] if b),
-                    )
-                )
+        out += _data_parallel(cluster, network, batch, comp_s, shape, alone)
     return sorted(out, key=lambda c: c.step_s)
+
+
+#: What runs data parallelism, by whether batch norm's statistics are the whole batch's.
+DDP_HOW = "PyTorch DDP (benchmarks/vs_ddp.py measures it)"
+DDP_OWN_NORMS = (
+    "PyTorch DDP, each machine normalising its own images (torch's SyncBatchNorm needs GPUs): "
+    "not one machine's model (benchmarks/vs_ddp.py measures it)"
+)
+DDP_SYNCED_HOW = (
+    "PyTorch DDP with batch norm synced over the ranks (benchmarks/ddp_rank.py "
+    "--synced-batchnorm; torch's SyncBatchNorm needs GPUs)"
+)
+
+
+def _data_parallel(cluster, network, batch, comp_s, shape, alone) -> list:
+    """Data parallelism by ring all-reduce or a parameter server, with and without overlap.
+    A network with batch norm: each rank normalising its own slice (what DDP does on CPUs; not
+    exact: another model), and, exact, the ring with the statistics summed over the ranks."""
+    norms = batchnorm_layers(load_network(network).spec)
+    ways = [(a, o, False) for a in ALGORITHMS for o in (True, False)]
+    ways += [(RING_ALL_REDUCE, True, True)] if norms else []
+    out = []
+    for algorithm, overlap, synced in ways:
+        got = simulate_data_parallel(cluster, network, batch, comp_s, algorithm, overlap,
+                                     input_shape=shape, synced_batchnorm=synced)  # fmt: skip
+        name = "ring all-reduce" if algorithm == RING_ALL_REDUCE else "parameter server (master)"
+        label = f"data parallelism, {name}" + (", overlapped" if overlap else "")
+        label += ", batch norm synced" if synced else ""
+        exact = synced or not norms
+        how = DDP_SYNCED_HOW if synced else (DDP_HOW if exact else DDP_OWN_NORMS)
+        out.append(Candidate("data-parallel", label, got.step_s, alone / got.step_s,
+                             got.master_bytes / 1e6, exact, how,
+                             sum(1 for b in got.batches[1:] if b)))  # fmt: skip
+    return out
 
 
 def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) -> list:

@@ -283,7 +283,7 @@ def test_weighted_ddp_step_on_unequal_slices_equals_one_process_on_the_global_ba
 
 @pytest.mark.slow
 def test_ddp_with_synced_batch_norm_trains_one_processs_model_and_without_it_does_not(tmp_path):
-    """resnet20 (19 batch norms): with ``--synced-batchnorm`` DDP's step equals one process's
+    """resnet20 (21 batch norms): with ``--synced-batchnorm`` DDP's step equals one process's
     on the whole batch, running statistics included; each rank normalising its own slice,
     it does not."""
     pytest.importorskip("torch", reason="PyTorch is the DDP peer; install the dev extra")

@@ -244,3 +244,39 @@ def test_the_plan_offers_the_image_split_where_it_can_run():
     assert split.how.endswith("--split images --exchange master")
     assert split.how.count("--worker") == 3
     assert IMAGE_SPLIT not in {c.label for c in candidates(cluster, "resnet20", 64, 1.0)}
+
+
+def test_data_parallelism_on_batch_norm_is_not_one_machines_model_unless_synced():
+    # DDP's ranks on CPUs normalise their own slices: another model, so not exact; the ring
+    # with the statistics summed over the ranks is, and pays 2 (N - 1) rounds a sum for it.
+    from hetconv.costmodel import SWITCHED, SimCluster, SimNode
+    from hetconv.dataparallel import simulate_data_parallel, synced_batchnorm_seconds
+    from hetconv.simulations.plan import DDP_OWN_NORMS, DDP_SYNCED_HOW, candidates, verdict
+
+    def cluster(workers: int) -> SimCluster:
+        nodes = tuple(SimNode(f"w{i}", 60.0, bytes_per_s=117.5e6, rtt_s=2e-4)
+                      for i in range(workers))  # fmt: skip
+        return SimCluster(SimNode("m", 60.0, bytes_per_s=117.5e6), nodes, SWITCHED)
+
+    four = cluster(4)
+    ranked = candidates(four, "resnet20", 64, 0.2)
+    parallel = [c for c in ranked if c.kind == "data-parallel"]
+    synced = [c for c in parallel if c.exact]
+    assert len(parallel) == 5 and len(synced) == 1
+    assert synced[0].how == DDP_SYNCED_HOW and "batch norm synced" in synced[0].label
+    assert all(c.how == DDP_OWN_NORMS for c in parallel if not c.exact)
+    own = next(c for c in parallel if c.label == "data parallelism, ring all-reduce, overlapped")
+    waits = synced_batchnorm_seconds(four, 21)  # resnet20's batch norms
+    assert synced[0].step_s == pytest.approx(own.step_s + waits)
+    assert waits == pytest.approx(21 * synced_batchnorm_seconds(four, 1))
+    # rounds grow with the ranks (gloo's ring); one rank or no batch norm waits for nothing
+    assert synced_batchnorm_seconds(cluster(8), 1) > 1.5 * synced_batchnorm_seconds(four, 1)
+    assert synced_batchnorm_seconds(four, 0) == 0.0
+    plain = simulate_data_parallel(four, "paper-150-800", 64, 0.2)
+    assert simulate_data_parallel(four, "paper-150-800", 64, 0.2, synced_batchnorm=True).step_s \
+        == plain.step_s  # fmt: skip
+    if not ranked[0].exact:  # the verdict names the fastest exact beside it
+        assert "the fastest exact: " in verdict(ranked)
+    # a network without batch norm: every data-parallel way is exact, none synced
+    others = [c for c in candidates(four, "paper-150-800", 64, 0.2) if c.kind == "data-parallel"]
+    assert len(others) == 4 and all(c.exact for c in others)

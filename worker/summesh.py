@@ -2,7 +2,7 @@
 
 A step split by images with batch norm sums two small vectors per batch norm layer among the
 workers, mid-pass (:func:`hetconv.imagesplit.sync_batchnorm`, :meth:`RingCalls.sum64
-<hetconv.worker.ring.RingCalls.sum64>`): resnet20 takes 38 a step, each in
+<hetconv.worker.ring.RingCalls.sum64>`): resnet20 takes 42 a step, each in
 ``ceil(log2(workers))`` rounds of one part out and one in. As ``RingPart`` calls, a part's
 software (a gRPC call at both ends, a sender thread, the server's handler thread) took about
 3.5 ms of a core per sum, most of a capped worker's step (resnet20 batch 64, 4 workers at 0.36
