@@ -282,6 +282,24 @@ def winner(hetconv: float | None, ddp: float | None, alone: Sequence[float | Non
 # -- a configuration -----------------------------------------------------------------------------
 
 
+def _synced_ddp(args, workers, link, cap, rate, core, log, run: DdpRun | None, notes: list):
+    """With ``--ddp-synced-batchnorm``: (DDP's step with batch norm synced, its prediction),
+    each None where not run or failed; a line about it in ``notes``."""
+    if not getattr(args, "ddp_synced_batchnorm", False):
+        return None, None
+    try:
+        synced = run_ddp(args, workers, link, cap, rate, core, log, synced=True).step_s
+    except RuntimeError as e:
+        notes.append(f"ddp with synced batch norm failed: {str(e).splitlines()[0]}")
+        return None, None
+    predicted = predict_ddp(args, link, rate, cap, core, run, True).step_s if run else None
+    against = (
+        f" ({run.alone_s / synced:.2f}x torch alone, predicted {predicted:.3f} s)" if run else ""
+    )
+    notes.append(f"ddp with synced batch norm {synced:.3f} s{against}")
+    return synced, predicted
+
+
 def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log=sys.stderr):
     """hetconv's ``mode`` and DDP for (``workers``, ``link``): a :class:`Comparison`."""
     cap = args.cap or hetconv_testbed.MAX_TOTAL_CAP / (workers + 1)
@@ -310,18 +328,7 @@ def compare(args, workers: int, link: str, mode, core: float, scratch: Path, log
     except RuntimeError as e:
         run = None
         notes.append(f"ddp failed: {str(e).splitlines()[0]}")
-    synced = synced_predicted = None
-    if getattr(args, "ddp_synced_batchnorm", False):
-        try:
-            synced = run_ddp(args, workers, link, cap, rate, core, log, synced=True).step_s
-        except RuntimeError as e:
-            notes.append(f"ddp with synced batch norm failed: {str(e).splitlines()[0]}")
-        else:
-            alone_s = f" ({run.alone_s / synced:.2f}x torch alone)" if run else ""
-            if run:
-                synced_predicted = predict_ddp(args, link, rate, cap, core, run, True).step_s
-                alone_s += f", predicted {synced_predicted:.3f} s"
-            notes.append(f"ddp with synced batch norm {synced:.3f} s{alone_s}")
+    synced, synced_predicted = _synced_ddp(args, workers, link, cap, rate, core, log, run, notes)
     predicted = predict_ddp(args, link, rate, cap, core, run) if run else None
     ddp_s = run.step_s if run else None
     torch_alone_pred = (

@@ -263,8 +263,13 @@ def exchange_seconds(
 #: testbed (resnet20 batch 64, 5 ranks at 0.36 of a core, ``benchmarks/vs_ddp.py
 #: --ddp-synced-batchnorm``): DDP's step 0.298 s with each rank's own statistics, 1.028 s with
 #: the batch's, 17 ms for each of the 42 sums of 8 rounds. hetconv's own sums' rounds, frames
-#: on kept connections, cost 0.35 ms (:data:`hetconv.imagecost.ROUND_S` and ``PUT_S``).
+#: on kept connections, cost 0.35 ms (:data:`hetconv.imagecost.ROUND_S` and ``PUT_S``). A
+#: sum's own software beside its rounds: :data:`GLOO_SUM_S`, as hetconv's (``SUM_S``).
 GLOO_ROUND_S = 0.65e-3
+GLOO_SUM_S = 0.5e-3
+#: All-reduces a synced batch norm layer takes a step: forward's values and squares at once,
+#: backward's two sums at once.
+SYNCED_SUMS_PER_LAYER = 2
 
 
 def synced_batchnorm_seconds(
@@ -275,10 +280,8 @@ def synced_batchnorm_seconds(
     but train another): two all-reduces of a few hundred values per layer a step, none
     overlapped (the next layer needs each), each gloo's ring over the ranks, ``2 (N - 1)``
     rounds of one small message: each round :data:`GLOO_ROUND_S` and each sum
-    :data:`hetconv.imagecost.SUM_S` of a core (at the share of a core ``costs`` were scaled
-    to), and half a round trip and a message's cost a round."""
-    from hetconv.imagecost import SUM_S, SUMS_PER_LAYER
-
+    :data:`GLOO_SUM_S` of a core (at the share of a core ``costs`` were scaled to), and half a
+    round trip and a message's cost a round."""
     costs = costs or CollectiveCosts()
     n = len(_ranks(cluster))
     if n < 2 or norms < 1:
@@ -286,8 +289,8 @@ def synced_batchnorm_seconds(
     core = CollectiveCosts().message_s / costs.message_s if costs.message_s else 1.0
     hop = costs.message_s + max((r.rtt_s for r in cluster.workers), default=0.0) / 2
     rounds = 2 * (n - 1)
-    each = (SUM_S + rounds * GLOO_ROUND_S) / core + rounds * hop
-    return SUMS_PER_LAYER * norms * each
+    each = (GLOO_SUM_S + rounds * GLOO_ROUND_S) / core + rounds * hop
+    return SYNCED_SUMS_PER_LAYER * norms * each
 
 
 def batchnorm_layers(spec: Sequence[Mapping]) -> int:
@@ -370,9 +373,8 @@ def simulate_data_parallel(
             the modelled total (keeping its forward/backward profile).
         batches: per rank, the batch slice; default proportional to speed.
         input_shape: the (C, H, W) of an image; default: a graph's own, else CIFAR's.
-        synced_batchnorm: batch norm over the whole batch, its statistics summed over the
-            ranks (:func:`synced_batchnorm_seconds`, added to the step): the same model as
-            one machine's. Else each rank's own slice's (DDP on CPUs), no cost.
+        synced_batchnorm: the batch's statistics summed over the ranks (one machine's model;
+            :func:`synced_batchnorm_seconds` added), else each rank's own slice's (no cost).
 
     Returns:
         :class:`DataParallelResult`; ``batches`` master first, 0 where it computes nothing.
@@ -388,9 +390,7 @@ def simulate_data_parallel(
     ]
     profiles, batches = _rank_batches(profiles, batch, image_seconds, batches)
     forward_end, block_ends = _timeline(profiles, batches)
-    compute_ends = [
-        ends[-1] if ends else f for ends, f in zip(block_ends, forward_end, strict=True)
-    ]
+    compute_ends = [e[-1] if e else f for e, f in zip(block_ends, forward_end, strict=True)]
     compute = max(compute_ends)
     conv_fraction = conv_fractions[compute_ends.index(compute)]
     total_bytes = parameter_bytes(spec, shape)
@@ -404,15 +404,11 @@ def simulate_data_parallel(
     else:
         exchange = exchange_all
         step = compute + exchange_all
-    if synced_batchnorm:
-        # mid-pass, every rank waiting: the whole step (and every bucket) later by them
+    if synced_batchnorm:  # mid-pass, every rank waiting: the step (and its buckets) later
         step += synced_batchnorm_seconds(cluster, batchnorm_layers(spec), costs)
-    master = cluster.master
-    local = (
-        image_seconds[0] * batch
-        if image_seconds is not None and cluster.master_compute
-        else local_step_seconds(master, layers, comp_s)
-    )
+    local = local_step_seconds(cluster.master, layers, comp_s)
+    if image_seconds is not None and cluster.master_compute:  # the master's measured speed
+        local = image_seconds[0] * batch
     full = (*([] if cluster.master_compute else [0]), *batches)
     return DataParallelResult(
         algorithm=algorithm,
@@ -513,6 +509,7 @@ __all__ = [
     "BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
     "GLOO_ROUND_S",
+    "GLOO_SUM_S",
     "PARAMETER_SERVER",
     "RING",
     "CollectiveCosts",
