@@ -475,15 +475,21 @@ class OneDnnBackend(CpuBackend):
 
     def _forward(self, x, w, b, shape):
         """Ranges of the images, one per thread (an image's outputs do not depend on the
-        images beside it); a single image: ranges of its kernels (nor on the kernels)."""
+        images beside it); ranges of the kernels (nor on the kernels) where the weights
+        outweigh the images (each thread then reads its own kernels only: vgg11's 512-kernel
+        layers of 2x2 and 4x4 outputs) or there is a single image."""
         y = np.empty((shape.n, shape.k, *shape.out_hw), np.float32)
         threads = _worth(shape.flops_forward, self._threads())
-        if shape.n > 1 or threads == 1:
+        weights, images = (
+            shape.k * shape.c * shape.kh * shape.kw,
+            shape.n * shape.c * shape.h * shape.w,
+        )
+        if threads == 1 or (shape.n > 1 and weights <= images):
             parts = [
                 (x[i:j], w, b, y[i:j], _with_images(shape, j - i))
                 for i, j in _ranges(shape.n, threads)
             ]
-        else:  # one image: its rows of y of a range of kernels are contiguous
+        else:  # y's rows of a range of kernels: contiguous for one image, else copied out
             parts = [
                 (x, w[i:j], None if b is None else b[i:j], y[:, i:j], replace(shape, k=j - i))
                 for i, j in _ranges(shape.k, threads, KERNEL_BLOCK)
@@ -497,7 +503,12 @@ class OneDnnBackend(CpuBackend):
         bias = conv.zero_bias if b is None else b
         if conv.shape != shape:  # padded here: x is copied in
             x = self._padded_input(x, shape, scratch)
-        conv.run("forward", {"src": x, "weights": w, "dst": y}, bias, scratch)
+        if y.flags.c_contiguous:
+            conv.run("forward", {"src": x, "weights": w, "dst": y}, bias, scratch)
+            return
+        part_y = scratch("onednn y", y.shape)  # a range of the kernels of several images
+        conv.run("forward", {"src": x, "weights": w, "dst": part_y}, bias, scratch)
+        y[...] = part_y
 
     def _grad_input(self, dy, w, shape):
         """Ranges of the images, one per thread (the gradient of an image's input is a sum
