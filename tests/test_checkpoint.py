@@ -541,7 +541,11 @@ def test_a_killed_process_resumes_to_the_uninterrupted_weights(tmp_path):
 
 
 @pytest.mark.skipif(os.name != "posix", reason="sends POSIX signals")
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "signum",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_a_signal_checkpoints_the_current_step_and_resume_matches(tmp_path, signum):
     # --checkpoint-every is past the end: the only checkpoint is the one the signal asks for.
     whole = tmp_path / "whole.npz"

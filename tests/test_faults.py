@@ -257,6 +257,7 @@ server.wait_for_termination()
 """
 
 
+@pytest.mark.slow
 def test_a_worker_that_gets_busy_gets_fewer_kernels(tmp_path):
     # Shares are re-planned every 8 steps from measured speeds: each node's baseline is its
     # median compute in the first period after the shares were planned (step 0 only warms
@@ -471,7 +472,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("master_compute", [True, False], ids=["master-computes", "master-off"])
+@pytest.mark.parametrize(
+    "master_compute",
+    [pytest.param(True, marks=pytest.mark.slow), False],
+    ids=["master-computes", "master-off"],
+)
 def test_worker_down_at_start_joins_when_it_comes_up(local, tmp_path, master_compute):
     late = f"127.0.0.1:{_free_port()}"  # nothing listens there yet
     started = []

@@ -122,10 +122,16 @@ def lockstep(cluster: Cluster, steps: int = STEPS) -> None:
     assert len(kinked) <= steps // 4, kinked
 
 
-# Auto runs with -m slow (~70 s on a busy machine): it only picks fused or unfused per layer,
-# both tested here, and its choice is the mode table's (tests/test_mode_table.py).
+# Auto and unfused run with -m slow (auto ~70 s on a busy machine, unfused 8 s; the fast run
+# keeps fused): auto only picks fused or unfused per layer, both tested here, and its choice is
+# the mode table's (tests/test_mode_table.py).
 @pytest.mark.parametrize(
-    "stages", ["unfused", "fused", pytest.param("auto", marks=pytest.mark.slow)]
+    "stages",
+    [
+        pytest.param("unfused", marks=pytest.mark.slow),
+        "fused",
+        pytest.param("auto", marks=pytest.mark.slow),
+    ],
 )
 def test_resnet20_through_two_workers_computes_every_step_as_locally(workers, stages):
     # kernels sent: the lockstep compares gradients and applies its own SGD; resident kernels

@@ -406,7 +406,12 @@ def test_a_peer_that_puts_wrong_block_outputs_is_the_one_dropped(local, workers,
 
 
 @pytest.mark.parametrize(
-    "kernels, head", [("sent", "master"), ("resident", "master"), ("resident", "split")]
+    "kernels, head",
+    [
+        pytest.param("sent", "master", marks=pytest.mark.slow),
+        ("resident", "master"),
+        ("resident", "split"),
+    ],
 )
 def test_a_peer_that_puts_wrong_gradient_rows_is_the_one_dropped(
     local, workers, tmp_path, kernels, head

@@ -256,11 +256,11 @@ class Killing(exactness.Killing):
 
 @pytest.mark.parametrize(
     "kernels, when, master_block",
-    [
-        ("sent", "backward", "share"),
+    [  # (the fast run keeps a kill in backward and one in forward; the rest are slow)
+        pytest.param("sent", "backward", "share", marks=pytest.mark.slow),
         ("resident", "backward", "share"),
-        ("resident", "forward", "share"),
-        ("resident", "backward", "none"),
+        pytest.param("resident", "forward", "share", marks=pytest.mark.slow),
+        pytest.param("resident", "backward", "none", marks=pytest.mark.slow),
         ("resident", "forward", "none"),
     ],
 )
