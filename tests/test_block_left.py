@@ -62,7 +62,7 @@ class Killing(exactness.Killing):
     BASE = LEFT
 
 
-@pytest.mark.parametrize("when", ["backward", "forward"])
+@pytest.mark.parametrize("when", ["backward", pytest.param("forward", marks=pytest.mark.slow)])
 def test_a_worker_killed_mid_step_is_covered_from_the_blocks_inputs(local, tmp_path, when):
     trace = tmp_path / "trace.jsonl"
     with LocalWorkers(2) as started:

@@ -481,7 +481,7 @@ def test_stage_backward_checks_its_gradient(workers):
         client.close()
 
 
-@pytest.mark.parametrize("stages", [None, "unfused"])
+@pytest.mark.parametrize("stages", [None, pytest.param("unfused", marks=pytest.mark.slow)])
 def test_hetconv_train_stages_flag_records_modes(tmp_path, stages):
     """``hetconv train`` picks per layer by default (auto: fused, as pooling cuts the bytes)."""
     trace = tmp_path / "t.jsonl"

@@ -52,7 +52,12 @@ def streamed(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kernels, replicate", [("sent", "first"), ("resident", "first"), ("resident", "off")]
+    "kernels, replicate",
+    [
+        pytest.param("sent", "first", marks=pytest.mark.slow),
+        ("resident", "first"),
+        ("resident", "off"),
+    ],
 )
 def test_overlapped_training_equals_local(local, workers, tmp_path, kernels, replicate):
     """Every call here is small enough for one message; overlapped, each streams anyway."""

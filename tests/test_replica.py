@@ -105,7 +105,7 @@ class Killing(exactness.Killing):
 @pytest.mark.parametrize(
     "kernels, when",
     [
-        ("sent", "backward"),
+        pytest.param("sent", "backward", marks=pytest.mark.slow),
         ("resident", "backward"),
         # a kill in forward: also tests/test_split_all.py's [resident-forward-*] in the fast run
         pytest.param("resident", "forward", marks=pytest.mark.slow),

@@ -333,7 +333,11 @@ class CountingRing(RingCalls):
             self.segments.add(segment)
 
 
-@pytest.mark.parametrize("bucket_bytes", [0, 4096], ids=["after-backward", "overlapped"])
+@pytest.mark.parametrize(
+    "bucket_bytes",
+    [pytest.param(0, marks=pytest.mark.slow), 4096],
+    ids=["after-backward", "overlapped"],
+)
 def test_segmented_ring_trains_as_whole_chunks_and_local_training(tmp_path, bucket_bytes):
     """3 steps on a worker in this process (rank 0) and a worker process (rank 1): in
     segments of 1 KB the losses and weights are whole chunks' bit for bit, and local

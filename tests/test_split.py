@@ -327,7 +327,7 @@ def local(tmp_path_factory):
     return train_strong_lrn(tmp_path_factory.mktemp("local"), "local", LocalConv())
 
 
-@pytest.mark.parametrize("kernels", ["sent", "resident"])
+@pytest.mark.parametrize("kernels", [pytest.param("sent", marks=pytest.mark.slow), "resident"])
 def test_a_split_block_trains_as_local(local, workers, tmp_path, kernels):
     trace = tmp_path / "trace.jsonl"
     config = ClusterConfig(**SPLIT, kernels=kernels)

@@ -165,7 +165,12 @@ def local(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "kernels, master_block", [("sent", "share"), ("resident", "share"), ("resident", "none")]
+    "kernels, master_block",
+    [
+        pytest.param("sent", "share", marks=pytest.mark.slow),
+        ("resident", "share"),
+        ("resident", "none"),
+    ],
 )
 def test_a_block_split_with_the_master_trains_as_local(
     local, workers, tmp_path, kernels, master_block
@@ -195,7 +200,12 @@ def test_a_block_split_with_the_master_trains_as_local(
 
 @pytest.mark.parametrize(
     "kind, kernels",
-    [("output", "resident"), ("parts", "resident"), ("rows", "sent"), ("rows", "resident")],
+    [
+        pytest.param("output", "resident", marks=pytest.mark.slow),
+        ("parts", "resident"),
+        pytest.param("rows", "sent", marks=pytest.mark.slow),
+        ("rows", "resident"),
+    ],
 )
 def test_a_peer_lying_in_its_block_output_is_the_one_dropped(
     local, workers, tmp_path, kind, kernels

@@ -287,7 +287,14 @@ def test_with_checks_off_a_lie_goes_unnoticed(local, tmp_path):
 # -- honest workers --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.label)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        pytest.param(f, marks=pytest.mark.slow) if f.label == "float16" else f
+        for f in FORMATS.values()
+    ],
+    ids=lambda f: f.label,
+)
 def test_honest_workers_are_never_flagged(local, tmp_path, fmt):
     # Two real `hetconv worker` processes and every answer of every step checked: 2 layers x
     # (forward + backward) = 4 checks per worker per step, none flagged, whatever the format.
