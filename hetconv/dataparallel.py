@@ -84,6 +84,12 @@ class CollectiveCosts:
         if not self.message_s >= 0:
             raise ValueError(f"message_s must be >= 0, got {self.message_s}")
 
+    @property
+    def core(self) -> float:
+        """The share of a core these costs were :meth:`scaled` to (1: unscaled), from
+        ``message_s`` against the default's."""
+        return CollectiveCosts().message_s / self.message_s if self.message_s else 1.0
+
     def scaled(self, cpu: float) -> CollectiveCosts:
         """The costs of a process that gets ``cpu`` of a core (a capped one): its software
         runs ``1 / cpu`` times slower."""
@@ -286,10 +292,9 @@ def synced_batchnorm_seconds(
     n = len(_ranks(cluster))
     if n < 2 or norms < 1:
         return 0.0
-    core = CollectiveCosts().message_s / costs.message_s if costs.message_s else 1.0
     hop = costs.message_s + max((r.rtt_s for r in cluster.workers), default=0.0) / 2
     rounds = 2 * (n - 1)
-    each = (GLOO_SUM_S + rounds * GLOO_ROUND_S) / core + rounds * hop
+    each = (GLOO_SUM_S + rounds * GLOO_ROUND_S) / costs.core + rounds * hop
     return SYNCED_SUMS_PER_LAYER * norms * each
 
 

@@ -18,6 +18,7 @@ from hetconv.dataparallel import (
     RING,
     CollectiveCosts,
     DataParallelResult,
+    batchnorm_layers,
     exchange_seconds,
     simulate_data_parallel,
 )
@@ -72,7 +73,7 @@ def simulate_image_split(
     if exchange not in ALGORITHMS:
         raise ValueError(f"exchange {exchange!r} is not one of {', '.join(ALGORITHMS)}")
     named = load_network(network) if isinstance(network, str) else Network(list(network))
-    norms = sum(1 for e in named.spec if e["type"] == "batchnorm")
+    norms = batchnorm_layers(named.spec)
     if norms and exchange != RING:
         raise ValueError("a network with batch norm is split by images only with the ring")
     if norms and cluster.workers:
@@ -173,11 +174,10 @@ def batchnorm_sums_seconds(
     ranks = len(workers)
     if ranks < 2:
         return 0.0
-    core = CollectiveCosts().message_s / costs.message_s if costs.message_s else 1.0
     hop = costs.message_s + max(w.rtt_s for w in workers) / 2
     puts = min(ranks - 1, doubling_rounds(ranks))
     rounds = 1 if puts == ranks - 1 else puts
-    each = (SUM_S + rounds * ROUND_S + puts * PUT_S) / core + rounds * hop
+    each = (SUM_S + rounds * ROUND_S + puts * PUT_S) / costs.core + rounds * hop
     return SUMS_PER_LAYER * norms * each
 
 
