@@ -311,6 +311,16 @@ class ConvExecutor:
         dx, dw, db = self.backward(layer, x, w, dy, padding, need_input_grad, **extra)
         return dx, lambda: (dw, db)
 
+    def backward_kernels_first(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
+        """:meth:`backward` in two the other way: (the kernel and bias gradients now, a
+        function giving the input gradient when called), for a caller with something to start
+        on the kernel gradient meanwhile (its sum among the nodes: :mod:`hetconv.imagesplit`).
+        Here all at once; an executor that can computes the input gradient when asked, by the
+        same operations."""
+        extra = {"stride": stride} if tuple(stride) != (1, 1) else {}
+        dx, dw, db = self.backward(layer, x, w, dy, padding, need_input_grad, **extra)
+        return dw, db, lambda: dx
+
     def prepare(self, layers: Sequence[ConvSpec], batch: int, log: TextIO | None) -> None:
         """Called once before training with the model's conv layers (e.g. to probe devices)."""
 
@@ -488,6 +498,19 @@ class LocalConv(ConvExecutor):
             return dw, db
 
         return dx, kernels
+
+    def backward_kernels_first(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
+        start = time.perf_counter()
+        dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding, stride)
+        self._seconds += time.perf_counter() - start
+
+        def input_grad():
+            start = time.perf_counter()
+            dx = self._input_grad(x, w, dy, padding, need_input_grad, stride)
+            self._seconds += time.perf_counter() - start
+            return dx
+
+        return dw, db, input_grad
 
     def _input_grad(self, x, w, dy, padding, need_input_grad, stride):
         if not need_input_grad:

@@ -194,6 +194,23 @@ class Conv2d(Layer):
 
         return dx, finish
 
+    def backward_kernels_first(self, dy, ready: Callable[[], None]) -> np.ndarray | None:
+        """:meth:`backward` with the kernel gradient first: :attr:`grads` are set and
+        ``ready()`` called before the input gradient is computed (a bucket ring then sums
+        them meanwhile: :func:`hetconv.imagesplit.backward_hooks`); the same values
+        (:meth:`~hetconv.conv.ConvExecutor.backward_kernels_first`). Returns the input
+        gradient."""
+        if self._x is None:
+            raise RuntimeError(f"{self.name}: backward before forward")
+        dw, db, input_grad = self.executor.backward_kernels_first(
+            self.name, self._x, self._w, dy, self._padding, self.need_input_grad, **self._stride
+        )
+        phases = self._phases
+        self.set_grads(dw if phases is None else phases.kernel_grad(dw), db)
+        ready()
+        dx = input_grad()
+        return dx if phases is None or dx is None else phases.input_grad(dx)
+
     def output_shape(self, input_shape):
         if self.stride != (1, 1):
             spec = ConvSpec(

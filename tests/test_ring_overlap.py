@@ -258,3 +258,58 @@ def test_the_master_weighs_its_range_each_step_from_the_measured_figures(tmp_pat
         assert r["predicted_with_master_s"] > 0 and r["predicted_without_master_s"] > 0
         if not r["master_range_pays"]:  # its range 0: it computed nothing, put nothing in
             assert "master" not in r["nodes"] and r["master_part_bytes"] == 0
+
+
+def test_a_convolution_tells_its_kernel_gradient_before_computing_its_input_gradient():
+    """Under a bucket ring's hooks (:func:`hetconv.imagesplit.backward_hooks`) each
+    convolution's gradients are told before its input gradient is computed (its bucket's ring
+    runs meanwhile), strided or not, and the pass's gradients are bit for bit backward's
+    without the hooks."""
+    from hetconv.backends.cpu import CpuBackend
+    from hetconv.conv import LocalConv
+    from hetconv.imagesplit import backward_hooks, images_gradients
+    from hetconv.model import Model
+
+    class Counted(CpuBackend):
+        inputs = 0
+
+        def conv_grad_input(self, *args, **kwargs):
+            Counted.inputs += 1
+            return super().conv_grad_input(*args, **kwargs)
+
+    spec = [
+        {"type": "conv", "name": "c1", "out": 6, "kernel": 3, "padding": 1},
+        {"type": "relu"},
+        {"type": "conv", "name": "c2", "out": 8, "kernel": 3, "padding": 1, "stride": 2},
+        {"type": "relu"},
+        {"type": "conv", "name": "c3", "out": 5, "kernel": 3, "padding": 1},
+        {"type": "fc", "name": "fc", "out": 4},
+    ]
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 3, 8, 8)).astype(np.float32)
+    labels = rng.integers(0, 4, 3)
+
+    class Told:
+        def __init__(self):
+            self.told: dict[int, tuple[np.ndarray, int]] = {}
+
+        def ready(self, index, gradient):
+            self.told[index] = (np.array(gradient), Counted.inputs)
+
+    got = []
+    for hooks in (None, Told()):
+        model = Model(spec, input_shape=(3, 8, 8), seed=2, executor=LocalConv(Counted()))
+        model.train()
+        Counted.inputs = 0
+        with backward_hooks(model, hooks):
+            got.append(images_gradients(model, x, labels, 0, 3, 0)[0])
+    plain, hooked = got
+    for name in plain:
+        assert np.array_equal(plain[name], hooked[name]), name
+    names = list(hooked)
+    told = {names[i]: (g, inputs) for i, (g, inputs) in hooks.told.items()}
+    assert set(told) == set(names)
+    for name, (g, _) in told.items():
+        assert np.array_equal(g, hooked[name]), name
+    # input gradients computed when each kernel was told: those of the convolutions after it
+    assert [told[f"{c}.weight"][1] for c in ("c3", "c2", "c1")] == [0, 1, 2]
