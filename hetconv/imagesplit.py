@@ -272,8 +272,9 @@ def images_gradients(
         bool (n,) whether its top logit is its label). The logits' gradient is computed by
         the operations :func:`~hetconv.layers.softmax_cross_entropy` uses on the whole batch,
         row by row: the same values. ``reduce``: how batch norm layers take the whole batch's
-        statistics (:func:`sync_batchnorm`; None: from these images alone); with it, each
-        convolution's kernel gradient is left for later (``kernels_later``, :class:`_Later`),
+        statistics (:func:`sync_batchnorm`; None: from these images alone); with it, and
+        batch norm layers in the model, each convolution's kernel gradient is left for
+        later (``kernels_later``, :class:`_Later`),
         computed while a sum waits where ``reduce`` has a ``meanwhile`` to set (called once
         its part is out), the rest at the end of backward. ``copy`` False:
         the gradients as the model holds them (float32, valid until its next backward), not
@@ -287,8 +288,10 @@ def images_gradients(
     if not 0 <= first <= first + n <= batch:
         raise ValueError(f"images {first} .. {first + n} are not within a batch of {batch}")
     _take_rows(model, first, batch)
-    # With the sums: each convolution's kernel gradient computed while a sum waits.
-    later = _Later() if reduce is not None and kernels_later else None
+    # With the sums: each convolution's kernel gradient computed while a sum waits (none to
+    # wait for without batch norm: each one is computed first, for the bucket ring).
+    sums = reduce is not None and any(isinstance(v, BatchNorm2d) for v in model.layers)
+    later = _Later() if sums and kernels_later else None
     if later is not None and hasattr(reduce, "meanwhile"):
         reduce.meanwhile = later.drain
     sync_batchnorm(model, reduce, batch)

@@ -202,8 +202,11 @@ class Conv2d(Layer):
         gradient."""
         if self._x is None:
             raise RuntimeError(f"{self.name}: backward before forward")
+        w = self._w
+        if w is self.params["weight"] and self.need_input_grad:
+            w = w.copy()  # ready() may update the weights in place (a bucket summed, applied)
         dw, db, input_grad = self.executor.backward_kernels_first(
-            self.name, self._x, self._w, dy, self._padding, self.need_input_grad, **self._stride
+            self.name, self._x, w, dy, self._padding, self.need_input_grad, **self._stride
         )
         phases = self._phases
         self.set_grads(dw if phases is None else phases.kernel_grad(dw), db)
