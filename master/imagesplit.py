@@ -426,6 +426,21 @@ class ImageSplit(Cluster):
         dx = self.backend.conv_grad_input(dy, w, x.shape[2:], padding) if need_input_grad else None
         return dx, dw, db
 
+    def backward_kernels_first(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
+        """The master's range's kernel gradient before its input gradient: its part of the
+        bucket goes to rank 0 while the input gradient computes (the same values)."""
+        if tuple(stride) != (1, 1):
+            return super().backward_kernels_first(layer, x, w, dy, padding, need_input_grad,
+                                                  stride)  # fmt: skip
+        dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
+
+        def input_grad():
+            if not need_input_grad:
+                return None
+            return self.backend.conv_grad_input(dy, w, x.shape[2:], padding)
+
+        return dw, db, input_grad
+
     def stage_mode(self, layer: str) -> str:
         return "unfused"
 
