@@ -198,13 +198,17 @@ class _Profile:
 
     forward_s: float
     backward_s: tuple[float, ...]  # block j's backward, in backward order (last block first)
+    #: Seconds into each block's backward (same order) until its kernel gradient is computed,
+    #: where a convolution computes it before its input gradient.
+    kernels_s: tuple[float, ...] = ()
 
     @property
     def total_s(self) -> float:
         return self.forward_s + sum(self.backward_s)
 
     def scaled(self, factor: float) -> _Profile:
-        return _Profile(self.forward_s * factor, tuple(b * factor for b in self.backward_s))
+        return _Profile(self.forward_s * factor, tuple(b * factor for b in self.backward_s),
+                        tuple(k * factor for k in self.kernels_s))  # fmt: skip
 
 
 def _profile(
@@ -222,7 +226,11 @@ def _profile(
         + node.conv_seconds(layer, layer.kernels, layer.passes(BACKWARD)) / batch
         for layer, w in zip(layers, weights, strict=True)
     ] or [other * (1 - FORWARD_SHARE)]
-    return _Profile(forward, tuple(reversed(backward)))
+    kernels = [  # the layers after the convolution, then its kernel gradient (one pass)
+        other * (1 - FORWARD_SHARE) * w + node.conv_seconds(layer, layer.kernels, 1) / batch
+        for layer, w in zip(layers, weights, strict=True)
+    ]
+    return _Profile(forward, tuple(reversed(backward)), tuple(reversed(kernels)))
 
 
 # -- the exchange --------------------------------------------------------------------------------
@@ -362,6 +370,7 @@ def simulate_data_parallel(
     batches: Sequence[int] | None = None,
     input_shape: tuple[int, int, int] | None = None,
     synced_batchnorm: bool = False,
+    kernels_first: bool = False,
 ) -> DataParallelResult:
     """One step of heterogeneous data parallelism on ``cluster``.
 
@@ -380,6 +389,10 @@ def simulate_data_parallel(
         input_shape: the (C, H, W) of an image; default: a graph's own, else CIFAR's.
         synced_batchnorm: the batch's statistics summed over the ranks (one machine's model;
             :func:`synced_batchnorm_seconds` added), else each rank's own slice's (no cost).
+        kernels_first: each convolution's gradient ready for its bucket once its kernel
+            gradient is computed, before its input gradient (hetconv's split by images
+            without batch norm: :func:`hetconv.imagesplit.backward_hooks`); else once the
+            layer's whole backward has run (PyTorch's DDP: one call computes both).
 
     Returns:
         :class:`DataParallelResult`; ``batches`` master first, 0 where it computes nothing.
@@ -395,6 +408,7 @@ def simulate_data_parallel(
     ]
     profiles, batches = _rank_batches(profiles, batch, image_seconds, batches)
     forward_end, block_ends = _timeline(profiles, batches)
+    ready_ends = _timeline(profiles, batches, kernels_first)[1]
     compute_ends = [e[-1] if e else f for e, f in zip(block_ends, forward_end, strict=True)]
     compute = max(compute_ends)
     conv_fraction = conv_fractions[compute_ends.index(compute)]
@@ -403,7 +417,7 @@ def simulate_data_parallel(
     ends: list[float] = []
     if overlap:
         exchange, t, ends = _bucket_exchange(
-            cluster, spec, len(layers), algorithm, costs, forward_end, block_ends, shape
+            cluster, spec, len(layers), algorithm, costs, forward_end, ready_ends, shape
         )
         step = max(compute, t)
     else:
@@ -457,17 +471,19 @@ def _rank_batches(
 
 
 def _timeline(
-    profiles: Sequence[_Profile], batches: Sequence[int]
+    profiles: Sequence[_Profile], batches: Sequence[int], kernels_first: bool = False
 ) -> tuple[list[float], list[list[float]]]:
     """Per rank: when its forward ends, and when each conv block's backward ends (last block
-    first), seconds into the step."""
+    first; ``kernels_first``: when its kernel gradient is computed, before its input
+    gradient), seconds into the step."""
     forward_end = [p.forward_s * b for p, b in zip(profiles, batches, strict=True)]
     block_ends = []
     for p, b, start in zip(profiles, batches, forward_end, strict=True):
         ends, t = [], start
-        for seconds in p.backward_s:
+        firsts = p.kernels_s if kernels_first and p.kernels_s else p.backward_s
+        for seconds, first in zip(p.backward_s, firsts, strict=True):
+            ends.append(t + first * b)
             t += seconds * b
-            ends.append(t)
         block_ends.append(ends)
     return forward_end, block_ends
 

@@ -104,7 +104,8 @@ def _image_step(cluster, network, batch, comp_s, costs, named, norms, input_shap
         ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs)
         if overlap and used and not cluster.master_compute:
             ring_s -= ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds,
-                                      batches, input_shape, got.gradient_bytes)  # fmt: skip
+                                          batches, input_shape, got.gradient_bytes,
+                                          kernels_first=not norms)  # fmt: skip
         ring_s += batchnorm_sums_seconds(used, norms, costs)
         got = replace(
             got, algorithm=RING, step_s=got.step_s - got.comm_s + ring_s, comm_s=ring_s,
@@ -129,16 +130,18 @@ def _image_step(cluster, network, batch, comp_s, costs, named, norms, input_shap
 
 
 def ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds, batches,
-                    input_shape, nbytes: float) -> float:  # fmt: skip
+                        input_shape, nbytes: float,
+                        kernels_first: bool = False) -> float:  # fmt: skip
     """The seconds of the workers' ring that backward hides (the master computing nothing):
     the ring after backward less what runs past it bucket by bucket, each bucket ready once
-    every worker's backward has passed its layers, as DDP's buckets are modelled
-    (:func:`simulate_data_parallel` with ``ring`` and overlap, the workers the ranks, buckets
-    of :data:`hetconv.ring.BUCKET_BYTES`)."""
+    every worker's backward has passed its layers (``kernels_first``: its convolutions'
+    kernel gradients, computed before their input gradients where no batch norm sum waits),
+    as DDP's buckets are modelled (:func:`simulate_data_parallel` with ``ring`` and overlap,
+    the workers the ranks, buckets of :data:`hetconv.ring.BUCKET_BYTES`)."""
     buckets = replace(costs, bucket_bytes=BUCKET_BYTES, first_bucket_bytes=BUCKET_BYTES)
     during = simulate_data_parallel(
         cluster, network, batch, comp_s, RING, True, buckets, image_seconds, batches,
-        input_shape,
+        input_shape, kernels_first=kernels_first,
     )  # fmt: skip
     after = exchange_seconds(cluster, nbytes, RING, costs)
     return max(0.0, after - (during.step_s - during.compute_s))
