@@ -255,7 +255,7 @@ class RingImageSplit(ImageSplit):
 
             hidden = ring_hidden_seconds(
                 workers, json.loads(self._spec), batch, 0.0, CollectiveCosts(), seconds[1:],
-                None, tuple(self._input[0]), self._parameter_bytes,
+                None, tuple(self._input[0]), self._parameter_bytes, kernels_first=True,
             )  # fmt: skip
 
         def during(backward_s: float) -> float:
