@@ -389,10 +389,8 @@ def simulate_data_parallel(
         input_shape: the (C, H, W) of an image; default: a graph's own, else CIFAR's.
         synced_batchnorm: the batch's statistics summed over the ranks (one machine's model;
             :func:`synced_batchnorm_seconds` added), else each rank's own slice's (no cost).
-        kernels_first: each convolution's gradient ready for its bucket once its kernel
-            gradient is computed, before its input gradient (hetconv's split by images
-            without batch norm: :func:`hetconv.imagesplit.backward_hooks`); else once the
-            layer's whole backward has run (PyTorch's DDP: one call computes both).
+        kernels_first: a convolution's bucket ready once its kernel gradient is computed, before
+            its input gradient (hetconv's split by images without batch norm), else at its end.
 
     Returns:
         :class:`DataParallelResult`; ``batches`` master first, 0 where it computes nothing.
@@ -408,21 +406,17 @@ def simulate_data_parallel(
     ]
     profiles, batches = _rank_batches(profiles, batch, image_seconds, batches)
     forward_end, block_ends = _timeline(profiles, batches)
-    ready_ends = _timeline(profiles, batches, kernels_first)[1]
     compute_ends = [e[-1] if e else f for e, f in zip(block_ends, forward_end, strict=True)]
     compute = max(compute_ends)
     conv_fraction = conv_fractions[compute_ends.index(compute)]
     total_bytes = parameter_bytes(spec, shape)
     exchange_all = exchange_seconds(cluster, total_bytes, algorithm, costs)
-    ends: list[float] = []
+    exchange, step, ends = exchange_all, compute + exchange_all, []
     if overlap:
-        exchange, t, ends = _bucket_exchange(
-            cluster, spec, len(layers), algorithm, costs, forward_end, ready_ends, shape
-        )
+        ready = _timeline(profiles, batches, kernels_first)[1]
+        exchange, t, ends = _bucket_exchange(cluster, spec, len(layers), algorithm, costs,
+                                             forward_end, ready, shape)  # fmt: skip
         step = max(compute, t)
-    else:
-        exchange = exchange_all
-        step = compute + exchange_all
     if synced_batchnorm:  # mid-pass, every rank waiting: the step (and its buckets) later
         step += synced_batchnorm_seconds(cluster, batchnorm_layers(spec), costs)
     local = local_step_seconds(cluster.master, layers, comp_s)

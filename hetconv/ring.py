@@ -478,17 +478,25 @@ def master_range_pays(
     part_s: float,
     after_s: float,
     during: Callable[[float], float],
+    checks: tuple[float, int] = (0.0, 0),
 ) -> tuple[bool, float, float]:
     """Whether the master computing a range of the batch is predicted to make the ring's
-    step shorter: (it does, the step with it, the step without). ``seconds_per_image``: the
-    master's first, then the workers'; ``part_s``: its gradient's way into rank 0.
+    step shorter: (it does, the step with it, the step without), in the mean over steps.
+    ``seconds_per_image``: the master's first, then the workers'; ``part_s``: its
+    gradient's way into rank 0; ``checks``: (the chance a step is spot-checked, the workers'
+    ranges the master then recomputes).
 
     With it, the ranges finish together, the master's ``part_s`` early
     (:func:`hetconv.imagesplit.image_ranges`), and the ring (``after_s``) runs once backward
     has ended (rank 0 adds the master's part before any bucket). Without it, the workers
     share the batch and the ring runs during their backward (``during(backward_s)``, about
-    :data:`BACKWARD_SHARE` of their compute). The sum back to the master costs both alike. It
-    pays where the step with it is predicted :data:`MASTER_RANGE_MARGIN` shorter."""
+    :data:`BACKWARD_SHARE` of their compute). The sum back to the master costs both alike. A
+    checked step's recomputation runs on the master after its own range, beside the ring
+    (what outlasts the ring added to the step), where without a range of its own it runs
+    beside the workers' passes and their ring (what outlasts them added). Which steps are
+    checked stays secret either way: the choice is made from the chance, never from the
+    step's draw. It pays where the step with it is predicted :data:`MASTER_RANGE_MARGIN`
+    shorter."""
     from hetconv.imagesplit import image_ranges
 
     if len(seconds_per_image) < 2:
@@ -496,11 +504,18 @@ def master_range_pays(
     fixed = [part_s] + [0.0] * (len(seconds_per_image) - 1)
     ranges = image_ranges(batch, seconds_per_image, fixed)
     ends = [f + s * c for f, s, (_, c) in zip(fixed, seconds_per_image, ranges, strict=True) if c]
-    with_s = max(ends) + after_s
+    chance, drawn = checks
+    master_s = seconds_per_image[0]
+    taken = [c for (_, c) in ranges[1:]]
+    check_s = master_s * sum(sorted(taken, reverse=True)[:drawn])
+    with_s = max(ends) + after_s + chance * max(0.0, check_s - after_s)
     workers = list(seconds_per_image[1:])
-    ends = [s * c for s, (_, c) in zip(workers, image_ranges(batch, workers), strict=True) if c]
+    cut = [c for _, c in image_ranges(batch, workers)]
+    ends = [s * c for s, c in zip(workers, cut, strict=True) if c]
     compute = max(ends, default=0.0)
     without_s = compute + during(BACKWARD_SHARE * compute)
+    check_s = master_s * sum(sorted(cut, reverse=True)[:drawn])
+    without_s += chance * max(0.0, check_s - without_s)
     return with_s < without_s * (1 - MASTER_RANGE_MARGIN), with_s, without_s
 
 

@@ -64,6 +64,15 @@ def check_seconds(checks, alone_s: float, workers: int, step_s: float) -> float:
     return max(0.0, ranges - step_s) / checks.every
 
 
+def check_chance(checker) -> tuple[float, int]:
+    """(the chance a step is checked, the workers' ranges the master then recomputes) of
+    ``checker`` (a spot checker, or None): what the master's choice of its own range weighs,
+    the mean over steps, so that it never tells which steps are drawn."""
+    if checker is None or checker.config.every <= 0:
+        return 0.0, 0
+    return 1 / checker.config.every, checker.config.ranges
+
+
 def drawn_ranges(split, model, x, labels, step: int, ring) -> tuple:
     """On a step the spot checker draws, ``ranges`` workers of the ring (``--spot-check-sample``)
     drawn in secret, as (the drawn ring entries, each one's (gradients, losses) recomputed
@@ -313,6 +322,7 @@ class _Replay:
 __all__ = [
     "RING_LAYER",
     "LateCheck",
+    "check_chance",
     "check_ring",
     "check_seconds",
     "drawn_ranges",

@@ -229,6 +229,27 @@ def test_the_master_computes_only_where_its_range_pays_for_its_part():
     assert not pays and without_s == pytest.approx(5 * 0.04 + 0.1) and without_s < with_s
 
 
+def test_the_master_weighs_the_spot_checks_it_would_run_after_its_own_range():
+    """A checked step's recomputation of a worker's range follows the master's own range,
+    so where one step in 4 is checked its range pays less: paid without checks, not with
+    them (the mean over steps; the step's own draw never decides)."""
+    from hetconv.ring import master_range_pays
+
+    def during(backward_s):
+        return 0.05
+
+    pays, with_s, without_s = master_range_pays(20, [0.04] * 5, 0.01, 0.03, during)
+    assert pays and with_s == pytest.approx(0.01 + 4 * 0.04 + 0.03)
+    checked = master_range_pays(20, [0.04] * 5, 0.01, 0.03, during, (1 / 4, 1))
+    # with its range: 4 images checked (0.16 s) past the ring's 0.03 s, one step in 4
+    assert checked[1] == pytest.approx(with_s + (4 * 0.04 - 0.03) / 4)
+    # without: 5 images (0.2 s) beside the workers' 0.25 s step: hidden
+    assert checked[2] == pytest.approx(without_s) and not checked[0]
+    # a master twice as slow: its check of 5 images (0.4 s) outlasts the workers' step
+    slow = master_range_pays(20, [0.08, 0.04, 0.04, 0.04, 0.04], 0.01, 0.03, during, (0.5, 1))
+    assert slow[2] == pytest.approx(without_s + 0.5 * (5 * 0.08 - without_s))
+
+
 def test_the_master_out_of_the_batch_trains_as_local_training(tmp_path, local, workers):
     """20 steps, the master computing no images (its range 0: nothing put into rank 0), the
     ring overlapped with backward: equal to local training, every copy the master's."""
