@@ -480,11 +480,10 @@ class LocalConv(ConvExecutor):
         return y
 
     def backward(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
-        start = time.perf_counter()
-        dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding, stride)
-        dx = self._input_grad(x, w, dy, padding, need_input_grad, stride)
-        self._seconds += time.perf_counter() - start
-        return dx, dw, db
+        dw, db, input_grad = self.backward_kernels_first(
+            layer, x, w, dy, padding, need_input_grad, stride
+        )
+        return input_grad(), dw, db
 
     def backward_later(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
         start = time.perf_counter()

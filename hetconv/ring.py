@@ -478,13 +478,14 @@ def master_range_pays(
     part_s: float,
     after_s: float,
     during: Callable[[float], float],
-    checks: tuple[float, int] = (0.0, 0),
+    check: Callable[[int, float], float] | None = None,
 ) -> tuple[bool, float, float]:
     """Whether the master computing a range of the batch is predicted to make the ring's
     step shorter: (it does, the step with it, the step without), in the mean over steps.
     ``seconds_per_image``: the master's first, then the workers'; ``part_s``: its
-    gradient's way into rank 0; ``checks``: (the chance a step is spot-checked, the workers'
-    ranges the master then recomputes).
+    gradient's way into rank 0; ``check(images, beside_s)``: what the master's spot checks
+    add to a step on average where the workers take ``images`` and the recomputation runs
+    beside ``beside_s`` (None: no checks).
 
     With it, the ranges finish together, the master's ``part_s`` early
     (:func:`hetconv.imagesplit.image_ranges`), and the ring (``after_s``) runs once backward
@@ -504,18 +505,14 @@ def master_range_pays(
     fixed = [part_s] + [0.0] * (len(seconds_per_image) - 1)
     ranges = image_ranges(batch, seconds_per_image, fixed)
     ends = [f + s * c for f, s, (_, c) in zip(fixed, seconds_per_image, ranges, strict=True) if c]
-    chance, drawn = checks
-    master_s = seconds_per_image[0]
-    taken = [c for (_, c) in ranges[1:]]
-    check_s = master_s * sum(sorted(taken, reverse=True)[:drawn])
-    with_s = max(ends) + after_s + chance * max(0.0, check_s - after_s)
+    with_s = max(ends) + after_s
     workers = list(seconds_per_image[1:])
-    cut = [c for _, c in image_ranges(batch, workers)]
-    ends = [s * c for s, c in zip(workers, cut, strict=True) if c]
+    ends = [s * c for s, (_, c) in zip(workers, image_ranges(batch, workers), strict=True) if c]
     compute = max(ends, default=0.0)
     without_s = compute + during(BACKWARD_SHARE * compute)
-    check_s = master_s * sum(sorted(cut, reverse=True)[:drawn])
-    without_s += chance * max(0.0, check_s - without_s)
+    if check is not None:
+        with_s += check(batch - ranges[0][1], after_s)
+        without_s += check(batch, without_s)
     return with_s < without_s * (1 - MASTER_RANGE_MARGIN), with_s, without_s
 
 

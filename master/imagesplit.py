@@ -422,16 +422,12 @@ class ImageSplit(Cluster):
         return self.backend.conv_forward(x, w, b, padding)
 
     def backward(self, layer, x, w, dy, padding, need_input_grad):
-        dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
-        dx = self.backend.conv_grad_input(dy, w, x.shape[2:], padding) if need_input_grad else None
-        return dx, dw, db
+        dw, db, input_grad = self.backward_kernels_first(layer, x, w, dy, padding, need_input_grad)
+        return input_grad(), dw, db
 
-    def backward_kernels_first(self, layer, x, w, dy, padding, need_input_grad, stride=(1, 1)):
+    def backward_kernels_first(self, layer, x, w, dy, padding, need_input_grad):
         """The master's range's kernel gradient before its input gradient: its part of the
         bucket goes to rank 0 while the input gradient computes (the same values)."""
-        if tuple(stride) != (1, 1):
-            return super().backward_kernels_first(layer, x, w, dy, padding, need_input_grad,
-                                                  stride)  # fmt: skip
         dw, db = self.backend.conv_grad_kernels(x, dy, w.shape[2:], padding)
 
         def input_grad():

@@ -212,6 +212,9 @@ class EmbeddedCluster(ConvExecutor):
     def backward(self, layer, x, w, dy, padding, need_input_grad):
         return self.cluster.backward(layer, x, w, dy, padding, need_input_grad)
 
+    def backward_kernels_first(self, layer, x, w, dy, padding, need_input_grad):
+        return self.cluster.backward_kernels_first(layer, x, w, dy, padding, need_input_grad)
+
     supports_stages = True  # fused stages (hetconv.stages), as the cluster runs them
     distributed = True
 

@@ -82,7 +82,7 @@ from .client import CallStats, WorkerClient, WorkerError
 from .imagesplit import ImageSplit
 from .membership import MASTER as MASTER_NODE
 from .membership import Node
-from .ringcheck import check_chance, check_ring, drawn_ranges, run_late
+from .ringcheck import check_pricing, check_ring, drawn_ranges, run_late
 from .ringparts import WAIT_FLOOR_S, master_sender, put_master, put_master_part
 
 #: The share of the weights' blocks a step's digests cover (:func:`hetconv.ring.digest`): a
@@ -262,8 +262,8 @@ class RingImageSplit(ImageSplit):
             return after - hidden
 
         part = self._fixed_seconds(nodes)[0]
-        checks = check_chance(self.spot_checks)  # the chance, never this step's draw
-        pays, with_s, without_s = master_range_pays(batch, seconds, part, after, during, checks)
+        check = check_pricing(self.spot_checks, seconds[0], len(nodes) - 1)
+        pays, with_s, without_s = master_range_pays(batch, seconds, part, after, during, check)
         self._master_choice = {"master_range_pays": pays,
                                "predicted_with_master_s": round(with_s, 4),
                                "predicted_without_master_s": round(without_s, 4)}  # fmt: skip

@@ -64,13 +64,16 @@ def check_seconds(checks, alone_s: float, workers: int, step_s: float) -> float:
     return max(0.0, ranges - step_s) / checks.every
 
 
-def check_chance(checker) -> tuple[float, int]:
-    """(the chance a step is checked, the workers' ranges the master then recomputes) of
-    ``checker`` (a spot checker, or None): what the master's choice of its own range weighs,
-    the mean over steps, so that it never tells which steps are drawn."""
-    if checker is None or checker.config.every <= 0:
-        return 0.0, 0
-    return 1 / checker.config.every, checker.config.ranges
+def check_pricing(checker, seconds_per_image: float, workers: int):
+    """:func:`hetconv.ring.master_range_pays`' ``check``: what ``checker``'s checks (a spot
+    checker, or None: no checks) add to a step on average (:func:`check_seconds`), the master
+    recomputing at ``seconds_per_image`` ranges of ``workers``; by their chance, never a
+    step's draw, so the ranges the choice cuts tell no worker which steps are checked."""
+    if checker is None:
+        return None
+    return lambda images, beside_s: check_seconds(
+        checker.config, seconds_per_image * images, workers, beside_s
+    )
 
 
 def drawn_ranges(split, model, x, labels, step: int, ring) -> tuple:
@@ -322,7 +325,7 @@ class _Replay:
 __all__ = [
     "RING_LAYER",
     "LateCheck",
-    "check_chance",
+    "check_pricing",
     "check_ring",
     "check_seconds",
     "drawn_ranges",

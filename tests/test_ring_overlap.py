@@ -233,20 +233,28 @@ def test_the_master_weighs_the_spot_checks_it_would_run_after_its_own_range():
     """A checked step's recomputation of a worker's range follows the master's own range,
     so where one step in 4 is checked its range pays less: paid without checks, not with
     them (the mean over steps; the step's own draw never decides)."""
+    from types import SimpleNamespace
+
+    from hetconv.master.ringcheck import check_pricing
     from hetconv.ring import master_range_pays
 
     def during(backward_s):
         return 0.05
 
+    def checks(every, master_s):  # one range drawn on a checked step, 4 workers
+        checker = SimpleNamespace(config=SpotCheckConfig(every=every, ranges=1))
+        return check_pricing(checker, master_s, 4)
+
     pays, with_s, without_s = master_range_pays(20, [0.04] * 5, 0.01, 0.03, during)
     assert pays and with_s == pytest.approx(0.01 + 4 * 0.04 + 0.03)
-    checked = master_range_pays(20, [0.04] * 5, 0.01, 0.03, during, (1 / 4, 1))
+    checked = master_range_pays(20, [0.04] * 5, 0.01, 0.03, during, checks(4, 0.04))
     # with its range: 4 images checked (0.16 s) past the ring's 0.03 s, one step in 4
     assert checked[1] == pytest.approx(with_s + (4 * 0.04 - 0.03) / 4)
     # without: 5 images (0.2 s) beside the workers' 0.25 s step: hidden
     assert checked[2] == pytest.approx(without_s) and not checked[0]
     # a master twice as slow: its check of 5 images (0.4 s) outlasts the workers' step
-    slow = master_range_pays(20, [0.08, 0.04, 0.04, 0.04, 0.04], 0.01, 0.03, during, (0.5, 1))
+    slow = master_range_pays(20, [0.08, 0.04, 0.04, 0.04, 0.04], 0.01, 0.03, during,
+                             checks(2, 0.08))  # fmt: skip
     assert slow[2] == pytest.approx(without_s + 0.5 * (5 * 0.08 - without_s))
 
 
