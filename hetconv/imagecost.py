@@ -61,8 +61,9 @@ def simulate_image_split(
     and sum the gradients by a ring among themselves, the master's put into the first and the
     sum back (:func:`hetconv.ring.ring_exchange_seconds`) in place of the parameter server;
     the master's link carries the parameters twice, whatever the workers. With ``overlap`` (the
-    workers' buckets summed during backward, as they run by default) and the master computing
-    no images, the ring runs during the workers' backward. Where the cluster lets the master
+    workers' buckets summed during backward, as they run by default, the master's part put
+    into rank 0 bucket by bucket as its backward gives them), the ring runs during the
+    workers' backward, the master computing or not. Where the cluster lets the master
     compute and ``batches`` are not given, both are simulated, the master with a range and
     without, and the master's range taken where predicted
     :data:`hetconv.ring.MASTER_RANGE_MARGIN` faster, as the master cuts its ranges
@@ -101,11 +102,26 @@ def _image_step(cluster, network, batch, comp_s, costs, named, norms, input_shap
     )  # fmt: skip
     if exchange == RING:
         used = tuple(w for w, b in zip(cluster.workers, got.batches[1:], strict=True) if b)
-        ring_s = ring_exchange_seconds(replace(cluster, workers=used), got.gradient_bytes, costs)
-        if overlap and used and not cluster.master_compute:
-            ring_s -= ring_hidden_seconds(cluster, network, batch, comp_s, costs, image_seconds,
-                                          batches, input_shape, got.gradient_bytes,
-                                          kernels_first=not norms)  # fmt: skip
+        # with overlap the master's part goes into rank 0 bucket by bucket as its backward
+        # gives them: the ring runs during the workers' backward, the master computing or not
+        overlapped = bool(overlap and used)
+        computes = cluster.master_compute and not overlapped
+        ring_s = ring_exchange_seconds(replace(cluster, workers=used, master_compute=computes),
+                                       got.gradient_bytes, costs)  # fmt: skip
+        whole = ring_s
+        if overlapped:
+            theirs = got.batches[1:]
+            seconds = image_seconds
+            if seconds is not None and len(seconds) == len(cluster.workers) + 1:
+                seconds = seconds[1:]
+            ring_s -= ring_hidden_seconds(
+                replace(cluster, master_compute=False), network, sum(theirs), comp_s, costs,
+                seconds, theirs, input_shape, got.gradient_bytes, kernels_first=not norms,
+            )  # fmt: skip
+            if cluster.master_compute and whole > 0:  # its part, hidden as the ring is
+                into = ring_exchange_seconds(replace(cluster, workers=used),
+                                             got.gradient_bytes, costs) - whole  # fmt: skip
+                ring_s += into * min(1.0, ring_s / whole)
         ring_s += batchnorm_sums_seconds(used, norms, costs)
         got = replace(
             got, algorithm=RING, step_s=got.step_s - got.comm_s + ring_s, comm_s=ring_s,

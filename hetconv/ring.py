@@ -366,8 +366,6 @@ def master_link_bytes(parameter_bytes: float, workers: int, exchange: str) -> fl
 #: Gradient bytes a bucket of the ring overlapped with backward holds at least (the
 #: request's ``bucket_bytes``; 0 sums the whole gradient after backward).
 BUCKET_BYTES = 4 * 2**20
-#: The part of a step's compute that is backward, when the buckets fill (about).
-BACKWARD_SHARE = 2 / 3
 
 
 #: Bytes of ring parts per second of a whole core that a part's software takes at both ends
@@ -433,8 +431,9 @@ def ring_exchange_seconds(
     once). With ``backward_s`` (the workers' backward), the ring runs bucket by
     bucket as backward fills them (buckets of ``bucket_bytes``, filling evenly over backward,
     as :func:`hetconv.dataparallel.simulate_data_parallel` models DDP's): only what runs past
-    backward's end counts; not where the master computes (rank 0 adds its part, which comes
-    as the workers' backward ends, before any bucket)."""
+    backward's end counts; not where the master computes (rank 0 adds its whole part, put
+    after the master's range, before any bucket; where the master puts it bucket by bucket
+    as its backward goes, the ring is the workers' alone: ``master_compute=False``)."""
     from hetconv.costmodel import WIFI
     from hetconv.dataparallel import CollectiveCosts
 
@@ -465,11 +464,9 @@ def ring_exchange_seconds(
 
 
 #: How much shorter (a fraction of the step without it) the step with the master's range
-#: must be predicted before the master computes one with the ring: its part's way into rank 0
-#: costs rank 0 more than its link's time at a capped core (the testbed, paper-150-800 batch
-#: 16: 1.26-1.34 s a step with the master's range, predicted 1.03 s; 1.01-1.11 s without it,
-#: predicted 1.09 s).
-MASTER_RANGE_MARGIN = 0.10
+#: must be predicted before the master computes one with the ring: the predictions of the two
+#: scatter by a few per cent from step to step.
+MASTER_RANGE_MARGIN = 0.02
 
 
 def master_range_pays(
@@ -477,27 +474,36 @@ def master_range_pays(
     seconds_per_image: Sequence[float],
     part_s: float,
     after_s: float,
-    during: Callable[[float], float],
+    during: Callable[[Sequence[int]], float],
     check: Callable[[int, float], float] | None = None,
+    overlapped: bool = False,
 ) -> tuple[bool, float, float]:
     """Whether the master computing a range of the batch is predicted to make the ring's
     step shorter: (it does, the step with it, the step without), in the mean over steps.
     ``seconds_per_image``: the master's first, then the workers'; ``part_s``: its
-    gradient's way into rank 0; ``check(images, beside_s)``: what the master's spot checks
-    add to a step on average where the workers take ``images`` and the recomputation runs
-    beside ``beside_s`` (None: no checks).
+    gradient's way into rank 0; ``during(images)``: the seconds of the ring past the
+    workers' passes where they compute ``images`` (each worker's count) and sum bucket by
+    bucket during backward; ``check(images, beside_s)``: what the master's spot checks add
+    to a step on average where the workers take ``images`` and the recomputation runs beside
+    ``beside_s`` (None: no checks).
 
     With it, the ranges finish together, the master's ``part_s`` early
-    (:func:`hetconv.imagesplit.image_ranges`), and the ring (``after_s``) runs once backward
-    has ended (rank 0 adds the master's part before any bucket). Without it, the workers
-    share the batch and the ring runs during their backward (``during(backward_s)``, about
-    :data:`BACKWARD_SHARE` of their compute). The sum back to the master costs both alike. A
-    checked step's recomputation runs on the master after its own range, beside the ring
-    (what outlasts the ring added to the step), where without a range of its own it runs
-    beside the workers' passes and their ring (what outlasts them added). Which steps are
-    checked stays secret either way: the choice is made from the chance, never from the
-    step's draw. It pays where the step with it is predicted :data:`MASTER_RANGE_MARGIN`
-    shorter."""
+    (:func:`hetconv.imagesplit.image_ranges`); where its part goes into rank 0 bucket by
+    bucket as its backward gives them (``overlapped``: :class:`hetconv.master.ringparts.
+    MasterBuckets`), the ring runs during the workers' backward as without it
+    (``during``), and the part, crossing rank 0's link beside its share of the ring, is
+    hidden in the same proportion as the ring (the scaled testbed, paper-150-800 on 4
+    workers: at batch 64 the ring mostly hidden, its range took 2.19-2.40 s a step against
+    2.57-2.65 s without; at batch 16 the ring mostly past the passes, 1.19-1.39 s against
+    1.08-1.12 s); else the ring runs once backward has ended (``after_s``: rank 0 adds the
+    master's whole part before any bucket). Without it, the workers share the batch and
+    the ring runs during their backward (``during``). The sum back to the master costs both
+    alike. A checked step's recomputation runs on the master after its own range, beside
+    the ring (what outlasts the ring added to the step), where without a range of its own
+    it runs beside the workers' passes and their ring (what outlasts them added). Which
+    steps are checked stays secret either way: the choice is made from the chance, never
+    from the step's draw. It pays where the step with it is predicted
+    :data:`MASTER_RANGE_MARGIN` shorter."""
     from hetconv.imagesplit import image_ranges
 
     if len(seconds_per_image) < 2:
@@ -505,13 +511,17 @@ def master_range_pays(
     fixed = [part_s] + [0.0] * (len(seconds_per_image) - 1)
     ranges = image_ranges(batch, seconds_per_image, fixed)
     ends = [f + s * c for f, s, (_, c) in zip(fixed, seconds_per_image, ranges, strict=True) if c]
-    with_s = max(ends) + after_s
+    ring_with = after_s
+    if overlapped:  # rank 0's link carries the part beside its ring: hidden alike
+        ring_with = during([c for _, c in ranges[1:]])
+        ring_with += part_s * min(1.0, ring_with / after_s) if after_s > 0 else part_s
+    with_s = max(ends) + ring_with
     workers = list(seconds_per_image[1:])
-    ends = [s * c for s, (_, c) in zip(workers, image_ranges(batch, workers), strict=True) if c]
-    compute = max(ends, default=0.0)
-    without_s = compute + during(BACKWARD_SHARE * compute)
+    alone = image_ranges(batch, workers)
+    ends = [s * c for s, (_, c) in zip(workers, alone, strict=True) if c]
+    without_s = max(ends, default=0.0) + during([c for _, c in alone])
     if check is not None:
-        with_s += check(batch - ranges[0][1], after_s)
+        with_s += check(batch - ranges[0][1], ring_with)
         without_s += check(batch, without_s)
     return with_s < without_s * (1 - MASTER_RANGE_MARGIN), with_s, without_s
 
@@ -539,7 +549,6 @@ def shapes_of(parameters: Mapping[str, np.ndarray]) -> list[tuple[int, ...]]:
 
 __all__ = [
     "AUTO",
-    "BACKWARD_SHARE",
     "BUCKET_BYTES",
     "DIGEST_BLOCK",
     "DONE",

@@ -249,21 +249,21 @@ class RingImageSplit(ImageSplit):
         workers = replace(self._sim_cluster(nodes[1:]), master_compute=False)
         nbytes, segment = self._parameter_bytes, self.segment_bytes
         after = ring_exchange_seconds(workers, nbytes, segment_bytes=segment)
-        hidden = 0.0
-        if self.bucket_bytes:  # as the simulator counts it: DDP's buckets' model
+
+        def during(images) -> float:  # as the simulator counts it: DDP's buckets' model
+            if not self.bucket_bytes:
+                return after
             from hetconv.imagecost import ring_hidden_seconds
 
-            hidden = ring_hidden_seconds(
-                workers, json.loads(self._spec), batch, 0.0, CollectiveCosts(), seconds[1:],
-                None, tuple(self._input[0]), self._parameter_bytes, kernels_first=True,
+            return after - ring_hidden_seconds(
+                workers, json.loads(self._spec), sum(images), 0.0, CollectiveCosts(),
+                seconds[1:], list(images), tuple(self._input[0]), nbytes, kernels_first=True,
             )  # fmt: skip
-
-        def during(backward_s: float) -> float:
-            return after - hidden
 
         part = self._fixed_seconds(nodes)[0]
         check = check_pricing(self.spot_checks, seconds[0], len(nodes) - 1)
-        pays, with_s, without_s = master_range_pays(batch, seconds, part, after, during, check)
+        pays, with_s, without_s = master_range_pays(batch, seconds, part, after, during, check,
+                                                    overlapped=bool(self.bucket_bytes))  # fmt: skip
         self._master_choice = {"master_range_pays": pays,
                                "predicted_with_master_s": round(with_s, 4),
                                "predicted_without_master_s": round(without_s, 4)}  # fmt: skip

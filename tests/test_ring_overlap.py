@@ -212,9 +212,9 @@ def test_buckets_go_while_backward_runs(tmp_path, local, workers):
 
 
 def test_the_master_computes_only_where_its_range_pays_for_its_part():
-    from hetconv.ring import master_range_pays
+    from hetconv.ring import MASTER_RANGE_MARGIN, master_range_pays
 
-    def during(backward_s):  # the ring during backward: 0.1 s of it past backward's end
+    def during(images):  # the ring during backward: 0.1 s of it past backward's end
         return 0.1
 
     # equal nodes, 0.04 s an image: the master's part crossing its link in 0.01 s pays
@@ -222,23 +222,54 @@ def test_the_master_computes_only_where_its_range_pays_for_its_part():
     pays, with_s, without_s = master_range_pays(20, [0.04] * 5, 0.01, 0.05, during)
     assert pays and with_s == pytest.approx(0.01 + 4 * 0.04 + 0.05)
     # predicted faster, but not by MASTER_RANGE_MARGIN: the workers alone
-    assert not master_range_pays(20, [0.04] * 5, 0.01, 0.12, during)[0]
+    close = (5 * 0.04 + 0.1) * (1 - MASTER_RANGE_MARGIN / 2) - (0.01 + 4 * 0.04)
+    assert not master_range_pays(20, [0.04] * 5, 0.01, close, during)[0]
     assert without_s == pytest.approx(5 * 0.04 + 0.1)
     # its part takes 0.2 s and the ring after backward 0.3 s: the workers alone are faster
     pays, with_s, without_s = master_range_pays(20, [0.04] * 5, 0.2, 0.3, during)
     assert not pays and without_s == pytest.approx(5 * 0.04 + 0.1) and without_s < with_s
 
 
+def test_the_master_range_put_bucket_by_bucket_leaves_the_ring_during_backward():
+    """Where the master puts its part into rank 0 bucket by bucket as its backward goes
+    (``overlapped``), the ring runs during the workers' backward with its range as without
+    it: the step with it is priced by ``during`` of the workers' images, not by the whole
+    ring after backward."""
+    from hetconv.ring import master_range_pays
+
+    asked = []
+
+    def during(images):  # 0.01 s of ring past the passes an image of the busiest worker
+        asked.append(list(images))
+        return 0.01 * max(images)
+
+    # the whole ring after backward (0.3 s) would cost the master's range its gain
+    whole = master_range_pays(20, [0.04] * 5, 0.01, 0.3, during)
+    assert not whole[0] and whole[1] == pytest.approx(0.01 + 4 * 0.04 + 0.3)
+    assert asked == [[5, 5, 5, 5]]  # the workers alone: 5 images each
+    asked.clear()
+    pays, with_s, without_s = master_range_pays(20, [0.04] * 5, 0.01, 0.3, during,
+                                                overlapped=True)  # fmt: skip
+    assert asked[0] == [4, 4, 4, 4] and asked[1] == [5, 5, 5, 5]  # with its 4, then without
+    # its part (0.01 s) crosses rank 0's link beside the ring: hidden as the ring is (all but
+    # 0.04 s of 0.3)
+    assert pays and with_s == pytest.approx(0.01 + 4 * 0.04 + 0.04 + 0.01 * 0.04 / 0.3)
+    assert without_s == pytest.approx(whole[2]) == pytest.approx(5 * 0.04 + 0.05)
+    # a ring backward hides nothing of: the part adds its whole time
+    exposed = master_range_pays(20, [0.04] * 5, 0.01, 0.3, lambda images: 0.3, overlapped=True)
+    assert exposed[1] == pytest.approx(0.01 + 4 * 0.04 + 0.3 + 0.01)
+
+
 def test_the_master_weighs_the_spot_checks_it_would_run_after_its_own_range():
     """A checked step's recomputation of a worker's range follows the master's own range,
-    so where one step in 4 is checked its range pays less: paid without checks, not with
+    so where one step in 2 is checked its range pays less: paid without checks, not with
     them (the mean over steps; the step's own draw never decides)."""
     from types import SimpleNamespace
 
     from hetconv.master.ringcheck import check_pricing
     from hetconv.ring import master_range_pays
 
-    def during(backward_s):
+    def during(images):
         return 0.05
 
     def checks(every, master_s):  # one range drawn on a checked step, 4 workers
@@ -247,9 +278,9 @@ def test_the_master_weighs_the_spot_checks_it_would_run_after_its_own_range():
 
     pays, with_s, without_s = master_range_pays(20, [0.04] * 5, 0.01, 0.03, during)
     assert pays and with_s == pytest.approx(0.01 + 4 * 0.04 + 0.03)
-    checked = master_range_pays(20, [0.04] * 5, 0.01, 0.03, during, checks(4, 0.04))
-    # with its range: 4 images checked (0.16 s) past the ring's 0.03 s, one step in 4
-    assert checked[1] == pytest.approx(with_s + (4 * 0.04 - 0.03) / 4)
+    checked = master_range_pays(20, [0.04] * 5, 0.01, 0.03, during, checks(2, 0.04))
+    # with its range: 4 images checked (0.16 s) past the ring's 0.03 s, one step in 2
+    assert checked[1] == pytest.approx(with_s + (4 * 0.04 - 0.03) / 2)
     # without: 5 images (0.2 s) beside the workers' 0.25 s step: hidden
     assert checked[2] == pytest.approx(without_s) and not checked[0]
     # a master twice as slow: its check of 5 images (0.4 s) outlasts the workers' step
