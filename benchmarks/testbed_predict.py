@@ -139,6 +139,26 @@ def _images_plan(trace: str) -> dict | None:
     return None
 
 
+def ring_check(plan: dict, seconds: list[float], workers: int):
+    """:func:`hetconv.imagecost.simulate_image_split`'s ``check`` for a run whose plan record
+    has spot checks on (``spot_checks``; None where off): the master recomputing at its
+    measured seconds per image (``seconds[0]``; where it computed none, the workers' median,
+    the testbed's nodes being alike)."""
+    from types import SimpleNamespace
+
+    from hetconv.ringcheck import check_seconds
+
+    checks = plan.get("spot_checks")
+    if not checks or not checks.get("every"):
+        return None
+    finite = [s for s in seconds if math.isfinite(s)]
+    if not finite:
+        return None
+    per_image = seconds[0] if math.isfinite(seconds[0]) else statistics.median(finite)
+    config = SimpleNamespace(every=checks["every"], ranges=checks.get("ranges", 1))
+    return lambda images, beside_s: check_seconds(config, per_image * images, workers, beside_s)
+
+
 def predict_images(
     trace: str, plan: dict, link: str, rate_mbps: float, rtt_s: float, cap: float,
     master_port_shaped: bool = True,
@@ -184,6 +204,7 @@ def predict_images(
         image_seconds=[seconds[i] for i in ranks], batches=[batches[i] for i in ranks],
         input_shape=tuple(model["input_shape"]),
         exchange="ring" if plan.get("exchange") == "ring" else "ps",  # --exchange's choice
+        check=ring_check(plan, seconds, len(names) - 1),
     )  # fmt: skip
     shares = {"images": [batches[i] for i in range(len(names))]}
     return result, ImagesCalibration(trace, shares, [seconds[i] for i in ranks])

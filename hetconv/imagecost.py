@@ -8,7 +8,7 @@ with :func:`choose_split`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from hetconv.costmodel import WIFI, SimCluster, SimNode
@@ -34,6 +34,7 @@ from hetconv.ring import (
     ring_exchange_seconds,
 )
 from hetconv.ring import RING as RING_EXCHANGE
+from hetconv.ringcheck import check_pass_seconds
 
 
 def simulate_image_split(
@@ -48,6 +49,7 @@ def simulate_image_split(
     image_bytes: int | None = None,
     exchange: str = PARAMETER_SERVER,
     overlap: bool = True,
+    check: Callable[[int, float], float] | None = None,
 ) -> DataParallelResult:
     """One step of hetconv's own whole-network split by images (``hetconv train --split
     images``): every node trains the whole model on its slice of the batch and the master sums
@@ -69,7 +71,17 @@ def simulate_image_split(
     :data:`hetconv.ring.MASTER_RANGE_MARGIN` faster, as the master cuts its ranges
     (:func:`hetconv.ring.master_range_pays`). A network with batch norm runs only so: the
     master computes no images, and each batch norm layer adds two sums a step, each
-    gathered in the fewest puts (:func:`batchnorm_sums_seconds`)."""
+    gathered in the fewest puts (:func:`batchnorm_sums_seconds`).
+
+    ``check(images, beside_s)`` (the ring's spot checks on; None: off): what the master's
+    recomputation of drawn ranges adds to a step on average where the workers take ``images``
+    and it runs beside ``beside_s`` (:func:`hetconv.ring.master_range_pays`' ``check``):
+    beside the workers' step where the master computes no range, beside the ring past the
+    passes after its own range; and every step the checks' passes over the gradient
+    (:func:`hetconv.ringcheck.check_pass_seconds`): each worker's sketch of its own gradient
+    before it answers, then the master's digest and sketch of the sum, and of its own part
+    where it computed one. The master's range is weighed with them, as the master weighs
+    it."""
     costs = costs or CollectiveCosts()
     if exchange not in ALGORITHMS:
         raise ValueError(f"exchange {exchange!r} is not one of {', '.join(ALGORITHMS)}")
@@ -87,10 +99,22 @@ def simulate_image_split(
         steps = [_image_step(cluster, *args, image_seconds, None, exchange),
                  _image_step(replace(cluster, master_compute=False), *args, theirs, None,
                              exchange)]  # fmt: skip
-        with_master, without = steps
+        with_master, without = (_checked(got, batch, costs, check) for got in steps)
         pays = with_master.step_s < without.step_s * (1 - MASTER_RANGE_MARGIN)
         return with_master if pays else without
-    return _image_step(cluster, *args, image_seconds, batches, exchange)
+    got = _image_step(cluster, *args, image_seconds, batches, exchange)
+    return _checked(got, batch, costs, check) if exchange == RING else got
+
+
+def _checked(got: DataParallelResult, batch: int, costs, check) -> DataParallelResult:
+    """``got`` (a ring's step) with its spot checks (:func:`simulate_image_split`'s
+    ``check``): the passes every step, and the drawn ranges' recomputation on average."""
+    if check is None or not any(got.batches[1:]):
+        return got
+    own = bool(got.batches[0])  # the master's own range: after it, beside the ring
+    passes = (3 if own else 2) * check_pass_seconds(got.gradient_bytes, costs)
+    recompute = check(batch - got.batches[0], got.comm_s if own else got.step_s)
+    return replace(got, step_s=got.step_s + passes + recompute)
 
 
 def _image_step(cluster, network, batch, comp_s, costs, named, norms, input_shape, image_bytes,

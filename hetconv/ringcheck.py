@@ -40,6 +40,36 @@ SUMS = slice(SKETCHES + 5, SKETCHES + 9)
 SKETCH_BLOCK = 256
 
 
+#: Bytes of a gradient per second of a whole core that one pass of the checks over it takes:
+#: the digest of the sum (the sketches' seed) and its block sums on the master, a worker's
+#: sketch answer of its own gradient (13-20 ms for paper-150-800's 14 MB on an AMD EPYC core,
+#: ``python benchmarks/spot_checks.py --passes``).
+CHECK_BYTES_PER_S = 0.7e9
+
+
+def check_pass_seconds(nbytes: float, costs=None) -> float:
+    """Seconds of one pass of the checks (:data:`CHECK_BYTES_PER_S`) over ``nbytes`` of
+    gradient, at the share of a core ``costs`` were scaled to
+    (:meth:`hetconv.dataparallel.CollectiveCosts.scaled`, as its adds)."""
+    from hetconv.dataparallel import CollectiveCosts
+
+    share = (costs or CollectiveCosts()).sum_bytes_per_s / CollectiveCosts().sum_bytes_per_s
+    return nbytes / (CHECK_BYTES_PER_S * share)
+
+
+def check_seconds(checks, alone_s: float, workers: int, step_s: float) -> float:
+    """What the ring's spot checks (``checks``: their ``every`` and ``ranges``, as
+    :class:`hetconv.master.spotcheck.SpotCheckConfig` holds them) cost a step on average
+    beside its passes: on a drawn step (one in ``every``) the master recomputes the drawn
+    ranges (``ranges`` of the workers, each about an equal share of the batch, at its speed
+    for the whole batch ``alone_s``) while the workers compute a step of ``step_s`` (the same
+    step's, or with batch norm the next one's): only what passes that step counts."""
+    if not checks.every or not workers:
+        return 0.0
+    ranges = alone_s * min(checks.ranges, workers) / workers
+    return max(0.0, ranges - step_s) / checks.every
+
+
 def block_sums(vector: np.ndarray) -> np.ndarray:
     """float64 sums of ``vector``'s consecutive blocks of :data:`SKETCH_BLOCK` values (the
     last one short)."""
@@ -64,12 +94,13 @@ def sketches(vector: np.ndarray, seed: int) -> np.ndarray:
     return (2.0 * signs - 1.0) @ blocks
 
 
-def sketch_answer(own: np.ndarray, summed: np.ndarray) -> np.ndarray:
+def sketch_answer(own: np.ndarray, summed: np.ndarray, seed: int | None = None) -> np.ndarray:
     """float32 (:data:`SKETCH_VALUES`,): what a worker answers of its ``own`` gradient (before
     the ring summed it) once the ring's sum ``summed`` is known (the batch norm sums' digest
-    0: the worker sets it, :func:`sums_digest`)."""
+    0: the worker sets it, :func:`sums_digest`). ``seed``: :func:`sketch_seed` of ``summed``
+    where already taken (the digest of every value: the master's check takes it once)."""
     out = np.zeros(SKETCH_VALUES, np.float32)
-    seed = sketch_seed(summed)
+    seed = sketch_seed(summed) if seed is None else seed
     out[:SKETCHES] = sketches(own, seed)
     out[SKETCHES] = np.abs(own).sum(dtype=np.float64)
     out[SEED] = digest_values(seed.to_bytes(8, "little"))
@@ -87,13 +118,16 @@ def sums_digest(totals: np.ndarray) -> np.ndarray:
     return digest_values(digest([split64(np.asarray(totals, np.float64))]))
 
 
-def sum_differs(summed: np.ndarray, answers: list[np.ndarray]) -> tuple[bool, float, float]:
+def sum_differs(
+    summed: np.ndarray, answers: list[np.ndarray], seed: int | None = None
+) -> tuple[bool, float, float]:
     """(whether the sketches ``answers`` -- every contribution's :func:`sketch_answer`, the
     master's own range's included -- do not add up to the sketch of ``summed``, the largest
     difference, what it may be): the sum's float32 round-off is at most one half-unit per
     addition of each value, so the difference may be (contributions + 2) x 2**-24 of the
-    contributions' absolute sums, and the sketches' own float32 rounding."""
-    want = sketches(summed, sketch_seed(summed))
+    contributions' absolute sums, and the sketches' own float32 rounding. ``seed``:
+    :func:`sketch_seed` of ``summed`` where already taken."""
+    want = sketches(summed, sketch_seed(summed) if seed is None else seed)
     got = np.sum([np.asarray(a[:SKETCHES], np.float64) for a in answers], axis=0)
     absolute = float(sum(float(a[SKETCHES]) for a in answers))
     allowed = (len(answers) + 2) * 2.0**-23 * absolute + 1e-30
@@ -115,6 +149,7 @@ def sketch_comparison(answer: np.ndarray, mine: np.ndarray) -> tuple:
 
 
 __all__ = [
+    "CHECK_BYTES_PER_S",
     "SKETCHES",
     "SKETCH_BLOCK",
     "SKETCH_VALUES",
@@ -122,6 +157,8 @@ __all__ = [
     "SUMS",
     "answered_seed",
     "block_sums",
+    "check_pass_seconds",
+    "check_seconds",
     "sketch_answer",
     "sketch_comparison",
     "sketch_seed",

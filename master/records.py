@@ -176,9 +176,11 @@ def image_split_steps(
     """The step of hetconv's own split by images on the nodes as measured, per exchange
     (``master``, ``ring``; a network with batch norm only ``ring``), from the master's other
     work per step alone (:func:`hetconv.imagecost.simulate_image_split`); spot checks
-    (``checks``) add what they cost a step on average (:func:`.ringcheck.check_seconds`, from
-    the master alone's step ``alone_s``): the ring's beyond the workers' step they run beside,
-    the master exchange's whole, as they run after the answers (one cuda worker on an H200
+    (``checks``) add what they cost a step on average (:func:`hetconv.ringcheck.check_seconds`,
+    from the master alone's step ``alone_s``): the ring's as :func:`~hetconv.imagecost.
+    simulate_image_split` weighs them (its passes over the gradient every step; the drawn
+    ranges beyond the workers' step, or after the master's own range beyond the ring), the
+    master exchange's whole, as they run after the answers (one cuda worker on an H200
     with a 16-core master: paper-500-1500 at batch 64 took 0.39-0.43 s a step, and 3.6-4.1 s
     on the steps whose checks recomputed the worker's 64 images on the master)."""
     from hetconv.imagecost import simulate_image_split
@@ -192,14 +194,20 @@ def image_split_steps(
         refuse_batchnorm(spec)
     except ValueError:  # its statistics are summed among the workers: the ring's alone
         del exchanges[MASTER]
+    workers = len(model.workers)
+
+    def ring_check(images: int, beside_s: float) -> float:
+        return check_seconds(checks, alone_s * images / batch, workers, beside_s)
+
     out = {
-        name: simulate_image_split(model, spec, batch, comp_alone_s, exchange=exchange).step_s
+        name: simulate_image_split(
+            model, spec, batch, comp_alone_s, exchange=exchange,
+            check=ring_check if checks is not None and name == RING else None,
+        ).step_s
         for name, exchange in exchanges.items()
-    }
-    if checks is not None:
-        out[RING] += check_seconds(checks, alone_s, len(model.workers), out[RING])
-        if MASTER in out:  # its checks run after the answers: nothing hides them
-            out[MASTER] += check_seconds(checks, alone_s, len(model.workers), 0.0)
+    }  # fmt: skip
+    if checks is not None and MASTER in out:  # after the answers: nothing hides them
+        out[MASTER] += check_seconds(checks, alone_s, workers, 0.0)
     return out
 
 

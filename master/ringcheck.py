@@ -32,6 +32,7 @@ from hetconv.ring import MASTER, flat, join64
 from hetconv.ringcheck import (
     SUMS,
     answered_seed,
+    check_seconds,
     sketch_answer,
     sketch_comparison,
     sketch_seed,
@@ -50,18 +51,6 @@ from .spotcheck import (
 
 #: The layer name a ring's checks are filed under in the step's spot-check record.
 RING_LAYER = "ring"
-
-
-def check_seconds(checks, alone_s: float, workers: int, step_s: float) -> float:
-    """What the ring's spot checks (``checks``, a :class:`~.spotcheck.SpotCheckConfig`) cost a
-    step on average: on a drawn step (one in ``every``) the master recomputes the drawn ranges
-    (``ranges`` of the workers, each about an equal share of the batch, at its speed for the
-    whole batch ``alone_s``) while the workers compute a step of ``step_s`` (the same step's,
-    or with batch norm the next one's): only what passes that step counts."""
-    if not checks.every or not workers:
-        return 0.0
-    ranges = alone_s * min(checks.ranges, workers) / workers
-    return max(0.0, ranges - step_s) / checks.every
 
 
 def check_pricing(checker, seconds_per_image: float, workers: int):
@@ -103,10 +92,11 @@ def check_ring(split, model, x, labels, step, ring, answers, summed, master_part
     names = list(model.parameters())
     vector = flat([summed[n] for n in names])
     sketches = [answers[n.name][7] for n, _, _ in ring]
+    seed = sketch_seed(vector)  # the digest of every value: taken once
     if master_part is not None:
-        sketches.append(sketch_answer(flat([master_part[0][n] for n in names]), vector))
+        sketches.append(sketch_answer(flat([master_part[0][n] for n in names]), vector, seed))
     totals = _totals(ring, answers) if split._batchnorm else None
-    why = _why_refused(vector, sketches, ring, answers, totals, split._batchnorm)
+    why = _why_refused(vector, seed, sketches, ring, answers, totals, split._batchnorm)
     checked, ranges = (list(drawn[0]), dict(drawn[1] or {})) if drawn else ([], {})
     if split._batchnorm and checked and not why:  # run while the next step computes
         params, buffers = _state(model)
@@ -213,9 +203,9 @@ def _load(model, params: dict, buffers: dict) -> None:
             target[name][...] = value
 
 
-def _why_refused(vector, sketches, ring, answers, totals, batchnorm: bool) -> str:
-    """Why the step's sum does not add up ("" where it does)."""
-    seed = sketch_seed(vector)
+def _why_refused(vector, seed: int, sketches, ring, answers, totals, batchnorm: bool) -> str:
+    """Why the step's sum (``vector``, its :func:`~hetconv.ringcheck.sketch_seed` ``seed``)
+    does not add up ("" where it does)."""
     if any(answered_seed(a) != seed for a in sketches):
         return "the ranks' copies of the sum differ"
     if batchnorm:
@@ -224,7 +214,7 @@ def _why_refused(vector, sketches, ring, answers, totals, batchnorm: bool) -> st
         want = tuple(sums_digest(totals))
         if any(tuple(answers[n.name][7][SUMS]) != want for n, _, _ in ring):
             return "a worker took batch norm sums that are not the sums of every worker's parts"
-    differs, worst, allowed = sum_differs(vector, sketches)
+    differs, worst, allowed = sum_differs(vector, sketches, seed)
     if differs:
         return f"the sketches do not add up: {worst:.3g} apart, {allowed:.3g} allowed"
     return ""

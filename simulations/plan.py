@@ -198,6 +198,18 @@ def _data_parallel(cluster, network, batch, comp_s, shape, alone) -> list:
     return out
 
 
+def default_checks(alone_s: float, batch: int, workers: int):
+    """:func:`simulate_image_split`'s ``check`` for ``hetconv train``'s default spot checks
+    (the command printed sets none): the master recomputing at its alone step's pace
+    (``alone_s`` for ``batch`` images) a drawn range of ``workers``' ring."""
+    from hetconv.master.spotcheck import SpotCheckConfig
+    from hetconv.ringcheck import check_seconds
+
+    checks = SpotCheckConfig()
+    return lambda images, beside_s: check_seconds(checks, alone_s * images / batch, workers,
+                                                  beside_s)  # fmt: skip
+
+
 def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) -> list:
     """The whole network split by images (``--split images``), both exchanges; a network with
     batch norm only with the ring (its statistics summed among the workers)."""
@@ -211,8 +223,9 @@ def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) 
         ways = ways[1:]
     out = []
     for exchange, label, flags in ways:
+        check = default_checks(alone, batch, workers) if exchange == "ring" else None
         got = simulate_image_split(cluster, network, batch, comp_s, input_shape=shape,
-                                   exchange=exchange)  # fmt: skip
+                                   exchange=exchange, check=check)  # fmt: skip
         out.append(
             Candidate(
                 "hetconv",

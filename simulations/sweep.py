@@ -22,6 +22,7 @@ from hetconv.stages import UNFUSED
 from hetconv.workload import network_layers
 
 from .paper import bandwidth_check
+from .plan import default_checks
 from .scenario import Scenario
 
 
@@ -146,7 +147,12 @@ def image_split_rows(scenario: Scenario, point: dict, cluster, comp_s: float, ex
     rows = []
     for way in ways:
         algorithm = PARAMETER_SERVER if way == MASTER else RING
-        got = simulate_image_split(cluster, network, batch, comp_s, exchange=algorithm)
+        checks = None
+        if way == RING:  # train's default spot checks, as plan prices them
+            alone = local_step_seconds(cluster.master, network_layers(network, batch), comp_s)
+            checks = default_checks(alone, batch, len(cluster.workers))
+        got = simulate_image_split(cluster, network, batch, comp_s, exchange=algorithm,
+                                   check=checks)  # fmt: skip
         rows.append(_batch_row(point, f"images-{way}", got, split=IMAGES, overlap="-", head="-",
                                comp_basis=scenario.comp_basis, **check))  # fmt: skip
     return rows

@@ -7,6 +7,7 @@ the master, still as local training."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -81,6 +82,12 @@ def test_sketches_of_every_contribution_add_up_to_the_sums_and_a_changed_one_doe
     other = [sketch_answer(p, summed) for p in parts]
     other[2] = sketch_answer(parts[2] * np.float32(1.01), summed)
     assert sum_differs(summed, other)[0]
+    # the seed given (the master takes the sum's digest once) is the seed taken
+    seed = sketch_seed(summed)
+    for p in parts:
+        np.testing.assert_array_equal(sketch_answer(p, summed, seed), sketch_answer(p, summed))
+    assert sum_differs(summed, other, seed) == sum_differs(summed, other)
+    assert sum_differs(passed, [sketch_answer(p, passed) for p in parts], sketch_seed(passed))[0]
 
 
 def test_a_recomputation_agrees_within_round_off_and_a_wrong_gradient_does_not():
@@ -277,13 +284,60 @@ def test_the_master_exchanges_checks_count_whole_in_the_image_split_prediction()
     # predicted step takes the whole check one step in `every`; the ring's only what passes
     # the workers' step (above).
     from hetconv.costmodel import SimCluster, SimNode
+    from hetconv.imagecost import simulate_image_split
     from hetconv.master.records import image_split_steps
     from hetconv.model import reference_spec
+    from hetconv.ringcheck import check_pass_seconds
 
     node = dict(gflops=20.0, bytes_per_s=125e6, rtt_s=1e-4)
-    cluster = SimCluster(SimNode("master", **node), (SimNode("w0", **node),))
+    cluster = SimCluster(SimNode("master", **node), (SimNode("w0", **node),),
+                         master_compute=False)  # fmt: skip
     spec = reference_spec(50, 500)
     plain = image_split_steps(cluster, spec, 16, 0.0)
     checked = image_split_steps(cluster, spec, 16, 0.0, SpotCheckConfig(), alone_s=2.0)
     assert checked["master"] == pytest.approx(plain["master"] + 2.0 / 4)
-    assert checked["ring"] == pytest.approx(plain["ring"] + max(0.0, 2.0 - plain["ring"]) / 4)
+    # the ring's: every step the worker's sketch and the master's check of the sum (a pass
+    # over the gradient each), and the drawn range's recomputation beyond the workers' step
+    nbytes = simulate_image_split(cluster, spec, 16, 0.0, exchange="ring").gradient_bytes
+    passes = 2 * check_pass_seconds(nbytes)
+    assert passes > 0
+    assert checked["ring"] == pytest.approx(
+        plain["ring"] + passes + max(0.0, 2.0 - plain["ring"]) / 4
+    )
+
+
+def test_the_simulated_ring_weighs_the_checks_after_the_masters_range_as_the_master_does():
+    """Where the master may compute a range, the simulator prices each way with the checks
+    (:func:`hetconv.ring.master_range_pays`' ``check``): after its own range the drawn
+    ranges' recomputation runs beside the ring past the passes, and its own part takes a
+    pass more; a check that costs the master's range its gain leaves it out."""
+    from hetconv.costmodel import SimCluster, SimNode
+    from hetconv.imagecost import simulate_image_split
+    from hetconv.model import reference_spec
+    from hetconv.ringcheck import check_pass_seconds
+
+    node = dict(gflops=20.0, bytes_per_s=1e9, rtt_s=1e-4)
+    workers = tuple(SimNode(f"w{i}", **node) for i in range(4))
+    cluster = SimCluster(SimNode("master", **node), workers)
+    spec, batch = reference_spec(150, 800), 64
+    plain = simulate_image_split(cluster, spec, batch, 0.0, exchange="ring")
+    assert plain.batches[0] > 0  # fast links: the master's range pays unchecked
+    pass_s = check_pass_seconds(plain.gradient_bytes)
+    asked = []
+
+    def free(images, beside_s):
+        asked.append((images, beside_s))
+        return 0.0
+
+    got = simulate_image_split(cluster, spec, batch, 0.0, exchange="ring", check=free)
+    assert got.batches == plain.batches and got.step_s == pytest.approx(plain.step_s + 3 * pass_s)
+    assert (batch - plain.batches[0], plain.comm_s) in asked  # beside the ring past the passes
+
+    def dear_after_its_range(images, beside_s):
+        return 1.0 if images < batch else 0.0
+
+    got = simulate_image_split(cluster, spec, batch, 0.0, exchange="ring",
+                               check=dear_after_its_range)  # fmt: skip
+    alone = simulate_image_split(replace(cluster, master_compute=False), spec, batch, 0.0,
+                                 exchange="ring")  # fmt: skip
+    assert got.batches[0] == 0 and got.step_s == pytest.approx(alone.step_s + 2 * pass_s)
