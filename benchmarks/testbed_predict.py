@@ -217,10 +217,13 @@ def predict_alone(cal) -> float | None:
     at the batch, both at its cap before training). A trace without that figure: the probes
     plus the run's comp, which is not the master alone's (fused stages, a replicated block
     and a split head run much of its ReLU, LRN, pooling and fc inside the phases or on the
-    workers: 13-30 % low on the reference networks). None when the master computed nothing
-    (no probe of its own)."""
+    workers: 13-30 % low on the reference networks). A run split by images: its plan
+    record's figure where there is one (``--split auto`` probes the master before it
+    chooses), else None (no probe of its own)."""
     if isinstance(cal, ImagesCalibration):
-        return None  # no per-layer probe of the master: the master alone is measured
+        alone = _plan_prediction(cal.path, None).get("alone_s")
+        valid = isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0
+        return float(alone) if valid else None
     start = min(cal.step_numbers) if cal.step_numbers else None
     alone = _plan_prediction(cal.path, start).get("alone_s")
     if isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0:

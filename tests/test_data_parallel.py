@@ -435,3 +435,9 @@ def test_the_testbed_predicts_a_run_split_by_images_from_its_trace(tmp_path):
     assert result.batches == (8, 4, 4) and result.algorithm == PARAMETER_SERVER
     assert not result.overlap and result.step_s > result.compute_s == pytest.approx(0.8)
     assert testbed_predict.predict_alone(cal) is None
+    # a run that chose the split by images itself (--split auto) probed the master first:
+    # its plan record's figure
+    plan["prediction"] = {"step_s": 0.9, "alone_s": 2.5}
+    trace.write_text("".join(json.dumps(r) + "\n" for r in [plan, *records[1:]]))
+    _, cal = testbed_predict.predict(str(trace), "switched", 1000.0, 1e-4, 1.0)
+    assert testbed_predict.predict_alone(cal) == pytest.approx(2.5)
