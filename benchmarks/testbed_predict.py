@@ -146,7 +146,7 @@ def ring_check(plan: dict, seconds: list[float], workers: int):
     the testbed's nodes being alike)."""
     from types import SimpleNamespace
 
-    from hetconv.ringcheck import check_seconds
+    from hetconv.ringcheck import check_pricing
 
     checks = plan.get("spot_checks")
     if not checks or not checks.get("every"):
@@ -156,7 +156,7 @@ def ring_check(plan: dict, seconds: list[float], workers: int):
         return None
     per_image = seconds[0] if math.isfinite(seconds[0]) else statistics.median(finite)
     config = SimpleNamespace(every=checks["every"], ranges=checks.get("ranges", 1))
-    return lambda images, beside_s: check_seconds(config, per_image * images, workers, beside_s)
+    return check_pricing(config, per_image, workers)
 
 
 def predict_images(

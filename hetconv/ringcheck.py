@@ -70,6 +70,19 @@ def check_seconds(checks, alone_s: float, workers: int, step_s: float) -> float:
     return max(0.0, ranges - step_s) / checks.every
 
 
+def check_pricing(checks, seconds_per_image: float, workers: int):
+    """A ``check(images, beside_s)`` (:func:`hetconv.ring.master_range_pays`',
+    :func:`hetconv.imagecost.simulate_image_split`'s) for ``checks`` (their ``every`` and
+    ``ranges``; None: no checks, None returned): :func:`check_seconds` with the master
+    recomputing at ``seconds_per_image`` drawn ranges of ``workers``; by the checks' chance,
+    never a step's draw."""
+    if checks is None:
+        return None
+    return lambda images, beside_s: check_seconds(
+        checks, seconds_per_image * images, workers, beside_s
+    )
+
+
 def block_sums(vector: np.ndarray) -> np.ndarray:
     """float64 sums of ``vector``'s consecutive blocks of :data:`SKETCH_BLOCK` values (the
     last one short)."""
@@ -158,6 +171,7 @@ __all__ = [
     "answered_seed",
     "block_sums",
     "check_pass_seconds",
+    "check_pricing",
     "check_seconds",
     "sketch_answer",
     "sketch_comparison",

@@ -186,8 +186,7 @@ def image_split_steps(
     from hetconv.imagecost import simulate_image_split
     from hetconv.imagesplit import refuse_batchnorm
     from hetconv.ring import MASTER, RING
-
-    from .ringcheck import check_seconds
+    from hetconv.ringcheck import check_pricing, check_seconds
 
     exchanges = {MASTER: "ps", RING: "ring"}
     try:
@@ -195,14 +194,11 @@ def image_split_steps(
     except ValueError:  # its statistics are summed among the workers: the ring's alone
         del exchanges[MASTER]
     workers = len(model.workers)
-
-    def ring_check(images: int, beside_s: float) -> float:
-        return check_seconds(checks, alone_s * images / batch, workers, beside_s)
-
+    ring_check = check_pricing(checks, alone_s / batch, workers)
     out = {
         name: simulate_image_split(
             model, spec, batch, comp_alone_s, exchange=exchange,
-            check=ring_check if checks is not None and name == RING else None,
+            check=ring_check if name == RING else None,
         ).step_s
         for name, exchange in exchanges.items()
     }  # fmt: skip

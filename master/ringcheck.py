@@ -39,6 +39,7 @@ from hetconv.ringcheck import (
     sum_differs,
     sums_digest,
 )
+from hetconv.ringcheck import check_pricing as pricing
 
 from .spotcheck import (
     IMAGES_RTOL,
@@ -58,11 +59,7 @@ def check_pricing(checker, seconds_per_image: float, workers: int):
     checker, or None: no checks) add to a step on average (:func:`check_seconds`), the master
     recomputing at ``seconds_per_image`` ranges of ``workers``; by their chance, never a
     step's draw, so the ranges the choice cuts tell no worker which steps are checked."""
-    if checker is None:
-        return None
-    return lambda images, beside_s: check_seconds(
-        checker.config, seconds_per_image * images, workers, beside_s
-    )
+    return pricing(None if checker is None else checker.config, seconds_per_image, workers)
 
 
 def drawn_ranges(split, model, x, labels, step: int, ring) -> tuple:

@@ -203,11 +203,9 @@ def default_checks(alone_s: float, batch: int, workers: int):
     (the command printed sets none): the master recomputing at its alone step's pace
     (``alone_s`` for ``batch`` images) a drawn range of ``workers``' ring."""
     from hetconv.master.spotcheck import SpotCheckConfig
-    from hetconv.ringcheck import check_seconds
+    from hetconv.ringcheck import check_pricing
 
-    checks = SpotCheckConfig()
-    return lambda images, beside_s: check_seconds(checks, alone_s * images / batch, workers,
-                                                  beside_s)  # fmt: skip
+    return check_pricing(SpotCheckConfig(), alone_s / batch, workers)
 
 
 def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) -> list:
