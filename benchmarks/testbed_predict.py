@@ -8,7 +8,7 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from hetconv.master.resident import DEFAULT_SYNC_EVERY
 from hetconv.simulations.testbed import SWITCHED_LINK, tcp_goodput_mbps
@@ -78,6 +78,8 @@ def predict(
 
     if (plan := _images_plan(trace)) is not None:
         return predict_images(trace, plan, link, rate_mbps, rtt_s, cap, master_port_shaped)
+    if (alone := _master_only(trace)) is not None:
+        return alone
     cal = calibrate(trace)
     layers = cal.layers()
     if speeds == "probe":
@@ -113,6 +115,14 @@ class ImagesCalibration:
     image_seconds: list[float]
 
 
+@dataclass(frozen=True)
+class MasterOnlyCalibration:
+    """A cluster run whose plan put every kernel on the master (:func:`_master_only`)."""
+
+    path: str
+    shares: dict = field(default_factory=dict)
+
+
 def _plan_records(path: str):
     """The trace's plan records, in order (lines that are not JSON objects passed over)."""
     with open(path, encoding="utf-8") as trace:
@@ -137,6 +147,24 @@ def _images_plan(trace: str) -> dict | None:
     if steps and steps[-1].get("split") == "images":  # the trial's runner-up kept
         return {**first, "split": "images", "exchange": steps[-1].get("exchange")}
     return None
+
+
+def _master_only(trace: str):
+    """(the step, its calibration) for a cluster run whose plan put every kernel on the master
+    (the link-aware shares leaving the workers idle: resnet20 at batch 16): its steps have no
+    per-node record to calibrate from, and its plan record's prediction is the master's own
+    step (its probe of every layer plus its timing of the others, as :func:`predict_alone`
+    reads it). None for any other run."""
+    from types import SimpleNamespace
+
+    first = next(_plan_records(trace), None)
+    steps = read_steps(trace)
+    if first is None or not steps or any(record.get("nodes") for record in steps):
+        return None
+    predicted = (first.get("prediction") or {}).get("step_s")
+    if not isinstance(predicted, (int, float)) or isinstance(predicted, bool) or predicted <= 0:
+        return None
+    return SimpleNamespace(step_s=float(predicted)), MasterOnlyCalibration(trace)
 
 
 def ring_check(plan: dict, seconds: list[float], workers: int):
@@ -219,8 +247,9 @@ def predict_alone(cal) -> float | None:
     and a split head run much of its ReLU, LRN, pooling and fc inside the phases or on the
     workers: 13-30 % low on the reference networks). A run split by images: its plan
     record's figure where there is one (``--split auto`` probes the master before it
-    chooses), else None (no probe of its own)."""
-    if isinstance(cal, ImagesCalibration):
+    chooses), else None (no probe of its own); likewise a run with every kernel on the
+    master."""
+    if isinstance(cal, (ImagesCalibration, MasterOnlyCalibration)):
         alone = _plan_prediction(cal.path, None).get("alone_s")
         valid = isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0
         return float(alone) if valid else None

@@ -355,3 +355,20 @@ def test_a_run_whose_split_changed_says_its_settled_step(tmp_path):
     steady = tmp_path / "steady.jsonl"
     steady.write_text("".join(json.dumps({"step": i, "seconds": 1.0}) + "\n" for i in range(4)))
     assert bench.settled([str(steady)]) == ""
+
+
+def test_a_run_with_every_kernel_on_the_master_is_predicted_from_its_plan(tmp_path):
+    """The link-aware shares can leave every worker idle (resnet20 at batch 16 on the scaled
+    testbed): the steps have no per-node record to calibrate from, and the prediction is the
+    plan's, the master's own step; a trace with per-node records is not read so."""
+    plan = {"event": "plan", "start_step": 0, "shares": {"conv1": [16, 0, 0]},
+            "prediction": {"step_s": 0.176, "alone_s": 0.176, "speedup": 1.0}}  # fmt: skip
+    trace = tmp_path / "trace.jsonl"
+    steps = [{"step": i, "seconds": 0.19, "comm_seconds": 0.0} for i in range(4)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in [plan, *steps]))
+    result, cal = bench.predict(str(trace), "switched", 250.0, 0.001, 0.36)
+    assert result.step_s == pytest.approx(0.176)
+    assert bench.predict_alone(cal) == pytest.approx(0.176)
+    steps[1]["nodes"] = {"10.0.0.2:50051": {"seconds": 0.1}}
+    trace.write_text("".join(json.dumps(r) + "\n" for r in [plan, *steps]))
+    assert sys.modules["testbed_predict"]._master_only(str(trace)) is None
