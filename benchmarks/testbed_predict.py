@@ -161,10 +161,10 @@ def _master_only(trace: str):
     steps = read_steps(trace)
     if first is None or not steps or any(record.get("nodes") for record in steps):
         return None
-    predicted = (first.get("prediction") or {}).get("step_s")
-    if not isinstance(predicted, (int, float)) or isinstance(predicted, bool) or predicted <= 0:
+    predicted = _seconds((first.get("prediction") or {}).get("step_s"))
+    if predicted is None:
         return None
-    return SimpleNamespace(step_s=float(predicted)), MasterOnlyCalibration(trace)
+    return SimpleNamespace(step_s=predicted), MasterOnlyCalibration(trace)
 
 
 def ring_check(plan: dict, seconds: list[float], workers: int):
@@ -250,18 +250,22 @@ def predict_alone(cal) -> float | None:
     chooses), else None (no probe of its own); likewise a run with every kernel on the
     master."""
     if isinstance(cal, (ImagesCalibration, MasterOnlyCalibration)):
-        alone = _plan_prediction(cal.path, None).get("alone_s")
-        valid = isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0
-        return float(alone) if valid else None
+        return _seconds(_plan_prediction(cal.path, None).get("alone_s"))
     start = min(cal.step_numbers) if cal.step_numbers else None
-    alone = _plan_prediction(cal.path, start).get("alone_s")
-    if isinstance(alone, (int, float)) and not isinstance(alone, bool) and alone > 0:
-        return float(alone)
+    if (alone := _seconds(_plan_prediction(cal.path, start).get("alone_s"))) is not None:
+        return alone
     plan = read_plan(cal.path, start)
     probes = plan.nodes[0].probe_seconds
     if not probes or not all(name in probes for name in cal.shares):
         return None
     return sum(probes[name] for name in cal.shares) + cal.comp_per_image_s * cal.batch
+
+
+def _seconds(value) -> float | None:
+    """A plan record's figure of seconds as a float; None where it is not a positive
+    number."""
+    valid = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return float(value) if valid else None
 
 
 def _plan_prediction(path: str, step: int | None) -> dict:
