@@ -218,6 +218,15 @@ MODES: tuple[Mode, ...] = (
         over_base=False,
     ),
     Mode(
+        "kernels",
+        ("--split", "kernels"),
+        "`hetconv train` with no mode flag but `--split kernels`: the defaults' split by "
+        "kernels, whatever `--split auto` would choose (its prediction against the run)",
+        "--split",
+        in_all=False,
+        over_base=False,
+    ),
+    Mode(
         "images",
         ("--split", "images"),
         "the whole network split by images: every node trains the model on its share of the "
