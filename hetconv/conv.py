@@ -335,11 +335,15 @@ class ConvExecutor:
         """
         return None
 
-    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+    def predict_step(
+        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+    ) -> dict | None:
         """The step predicted for this executor against the master alone's (``step_s``,
         ``alone_s``, ``speedup``; ``data_parallel_s`` given the model's ``spec``), from the
-        master's other work per step alone (``comp_alone_s``) and beside it (``comp_s``);
-        None: nothing to predict (one process)."""
+        master's other work per step alone (``comp_alone_s``) and beside it (``comp_s``, not
+        counting ``block_chain_s``: a replicated block's layers after its convolution, which
+        the master runs inside the next layer's calls); None: nothing to predict (one
+        process)."""
         return None
 
     def begin_step(self, step: int) -> None:

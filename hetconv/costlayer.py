@@ -54,6 +54,8 @@ class _LayerCall:
     replica_head_s: float
     head: int
     sync_every: int
+    #: the replicated block's layers after its convolution, this phase, all its images
+    chain_s: float = 0.0
 
     def worker(self, node: SimNode, share: int, offset: int, block: ConvLayer | None):
         """``node``'s call for ``share`` kernels from ``offset``, its block (part) ``block``:
@@ -69,6 +71,7 @@ class _LayerCall:
         compute = own
         if block is not None:
             block_s = node.conv_seconds(block, block.kernels, block.passes(phase))
+            block_s += self.chain_s * block.shape.n / layer.shape.n
             if block.split_of is not None:  # and the others' parts, before the stage
                 block_s += _exchange_seconds(layer, block, node)
             compute += max(0.0, block_s - (self.replica_head_s if phase == FORWARD else 0.0))
@@ -106,6 +109,7 @@ def simulate_layer_phase(
     sync_every: int = 20,
     replica_tail_s: float = 0.0,
     split_replicas: Mapping[str, ConvLayer] | None = None,
+    replica_chain_s: float = 0.0,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`hetconv.master.cluster.Cluster.forward` / ``backward`` runs it, or fused
@@ -127,7 +131,10 @@ def simulate_layer_phase(
     which it runs in the phase after its own piece, as the workers compute.
     ``split_replicas``: the block split by images (:mod:`hetconv.split`): worker name -> its
     part (:func:`~hetconv.workload.split_part`), whose images its ReplicaForward moves and
-    whose block it computes, plus the exchange of the others' parts on its link."""
+    whose block it computes, plus the exchange of the others' parts on its link.
+    ``replica_chain_s``: the block's layers after its convolution, this phase, on all its
+    images: each worker's copy (or part) runs them too, as the master's (in
+    ``replica_head_s`` and ``replica_tail_s``)."""
     if head and not (fused and resident):
         raise ValueError(f"{layer.name}: a split head needs a fused stage with resident kernels")
     if fused and layer.stage is None:
@@ -143,7 +150,7 @@ def simulate_layer_phase(
         master_s += replica_tail_s
     each = _LayerCall(
         cluster, layer, phase, step, fused, resident, overlap_images, replica_head_s, head,
-        sync_every,
+        sync_every, replica_chain_s if replica is not None else 0.0,
     )  # fmt: skip
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):

@@ -343,27 +343,40 @@ def _block_parts(
 
 
 def _block_phases(
-    cluster: SimCluster, block: ConvLayer, consumer: ConvLayer, parts, left: bool = False
-):
+    cluster: SimCluster, block: ConvLayer, consumer: ConvLayer, parts, left: bool = False,
+    chain_s: float = 0.0,
+):  # fmt: skip
     """The replicated ``block``'s phases on the master (alone, every kernel; or its own
     images and the exchange, ``parts`` naming it; ``left``: none, the block left to the
     workers, where the master holds no kernel of the resident ``consumer``), and (its
     forward, which the workers' ReplicaForward runs beside; its backward, run inside the
-    consumer's backward phase)."""
+    consumer's backward phase). ``chain_s``: the block's layers after its convolution, all
+    images, both passes, shared between them as the convolution's passes are."""
     phases, early, tail = [], 0.0, 0.0
     for phase in PHASES:
+        chain = _chain_share(block, phase, chain_s)
         if left:
             seconds = 0.0
         elif cluster.master.name in parts:  # its own images, and the exchange
             seconds = _split_block_seconds(cluster, consumer, parts, phase)
+            seconds += chain * parts[cluster.master.name].shape.n / block.shape.n
         else:  # the master alone, every kernel
             seconds = cluster.master.conv_seconds(block, block.kernels, block.passes(phase))
+            seconds += chain
         if phase == FORWARD and cluster.master_compute:
             early = seconds
         if phase == BACKWARD and cluster.master_compute:
             tail, seconds = seconds, 0.0
         phases.append(PhaseResult(block.name, phase, seconds, seconds, 0.0, 0, ()))
     return phases, early, tail
+
+
+def _chain_share(block: ConvLayer | None, phase: str, chain_s: float) -> float:
+    """The part of a replicated ``block``'s layers after its convolution (``chain_s``, both
+    passes) that ``phase`` runs: as its convolution's passes are shared."""
+    if block is None or not chain_s:
+        return 0.0
+    return chain_s * block.passes(phase) / sum(block.passes(p) for p in PHASES)
 
 
 def _checked_shares(cluster: SimCluster, shares, layer: ConvLayer) -> tuple[int, ...]:
@@ -391,6 +404,7 @@ def simulate_step(
     sync_every: int = modetable.DEFAULT_SYNC_EVERY,
     split_images: Mapping[str, Sequence[int]] | None = None,
     split_master: Mapping[str, int] | None = None,
+    block_chain_s: float = 0.0,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work, in the
@@ -400,7 +414,10 @@ def simulate_step(
     assumed) has to say. ``split_images`` (block name -> each node's images, as a trace's
     ``replica_split`` records them; given, the block is split whatever ``replicate``) and
     ``split_master`` (block name -> the master's index in ``split_images``: a trace's block
-    split with the master one of the peers) say how a trace's block was split."""
+    split with the master one of the peers) say how a trace's block was split.
+    ``block_chain_s``: the master's seconds alone (forward and backward, all images) on a
+    replicated block's layers after its convolution, which it runs inside the next layer's
+    phases beside the workers (not part of ``comp_s``)."""
     for block, index in (split_master or {}).items():
         if index != 0:
             raise ValueError(f"{block}: the master is the split's first peer, not {index}")
@@ -421,7 +438,7 @@ def simulate_step(
                 not parts and not _split(shares, consumer)[0]
                 and modes.kernels[consumer.name] == RESIDENT
             )  # fmt: skip
-            done, early, tail = _block_phases(cluster, block, consumer, parts, left)
+            done, early, tail = _block_phases(cluster, block, consumer, parts, left, block_chain_s)
             phases += done
             continue
         replica, block = block, None
@@ -446,6 +463,7 @@ def simulate_step(
                     sync_every=sync_every,
                     replica_tail_s=tail if replica is not None else 0.0,
                     split_replicas=worker_parts,
+                    replica_chain_s=_chain_share(replica, phase, block_chain_s),
                 )  # fmt: skip
             )
         tail = early = 0.0

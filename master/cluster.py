@@ -418,11 +418,12 @@ class Cluster(ConvExecutor):
         """A table: per node, its device, link, and per layer its probe time and kernels."""
         return records.describe_shares(self)
 
-    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
-        """The cost model's step for the plan and modes chosen against the master alone's
-        (:func:`.records.predict_step`); under :data:`.records.KEEP_GAIN`, every kernel kept on
-        the master (:func:`.records.predict_or_keep`)."""
-        return records.predict_or_keep(self, comp_alone_s, comp_s, spec)
+    def predict_step(
+        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+    ) -> dict | None:
+        """The cost model's step for the plan and modes chosen against the master alone's; under
+        :data:`.records.KEEP_GAIN`, every kernel kept on the master (:mod:`.records`)."""
+        return records.predict_or_keep(self, comp_alone_s, comp_s, spec, block_chain_s)
 
     def plan_record(self) -> dict:
         """The plan as data for the trace's first record (:func:`.records.plan_record`)."""

@@ -514,7 +514,9 @@ class ImageSplit(Cluster):
                 }
         return out
 
-    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+    def predict_step(
+        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+    ) -> dict | None:
         """Nothing predicted yet (no layer is probed); the model's ``spec`` is taken here,
         before the run starts: a network with batch norm is refused now, and the plan says
         what each worker's call moves."""

@@ -274,8 +274,10 @@ class EmbeddedCluster(ConvExecutor):
     def plan_record(self) -> dict:
         return self.cluster.plan_record()
 
-    def predict_step(self, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
-        return self.cluster.predict_step(comp_alone_s, comp_s, spec)
+    def predict_step(
+        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+    ) -> dict | None:
+        return self.cluster.predict_step(comp_alone_s, comp_s, spec, block_chain_s)
 
     @property
     def wire_format(self) -> str:

@@ -113,22 +113,27 @@ def keep_on_master(cluster, prediction: dict | None) -> str | None:
     )
 
 
-def predict_or_keep(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+def predict_or_keep(
+    cluster, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+) -> dict | None:
     """:func:`predict_step`; where it is under :data:`KEEP_GAIN`, every kernel kept on the
     master (:func:`keep_on_master`) and the step as it then runs, saying why (``kept``)."""
-    prediction = predict_step(cluster, comp_alone_s, comp_s, spec)
+    prediction = predict_step(cluster, comp_alone_s, comp_s, spec, block_chain_s)
     kept = keep_on_master(cluster, prediction)
     if kept is None:
         return prediction
-    return {**predict_step(cluster, comp_alone_s, comp_s, spec), "kept": kept}
+    return {**predict_step(cluster, comp_alone_s, comp_s, spec, block_chain_s), "kept": kept}
 
 
-def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict | None:
+def predict_step(
+    cluster, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+) -> dict | None:
     """The cost model's step for the plan and modes chosen, on the nodes as probed and
     measured, against the master alone's (its own probe of every layer); ``comp_alone_s`` and
     ``comp_s``: the master's other work per step alone and in the cluster (fused stages take
-    theirs to the nodes). None when the master probed no layer (it does not compute): nothing
-    to compare with."""
+    theirs to the nodes; a replicated block's, ``block_chain_s``, runs inside the next
+    layer's calls). None when the master probed no layer (it does not compute): nothing to
+    compare with."""
     layers, nodes, master = cluster.planned_layers, cluster.nodes, cluster.nodes[0]
     if not layers or not all(ly.name in master.probe_seconds for ly in layers):
         return None
@@ -150,7 +155,7 @@ def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict
     }
     result = costmodel.simulate_step(
         model, modelled, shares, comp_s, stages, cluster.kernel_modes, replicate_mode(cluster),
-        cluster.overlap_images, heads, c.resident_sync_every,
+        cluster.overlap_images, heads, c.resident_sync_every, block_chain_s=block_chain_s,
     )  # fmt: skip
     alone = sum(master.probe_seconds[ly.name] for ly in layers) + comp_alone_s
     out = {
@@ -158,6 +163,9 @@ def predict_step(cluster, comp_alone_s: float, comp_s: float, spec=None) -> dict
         "alone_s": alone,
         "speedup": alone / result.step_s,
         "workers": len(active) - 1,  # reached: 0 predicts the master alone against itself
+        # the master's other work: between calls, and a replicated block's inside them
+        "comp_s": comp_s,
+        "block_chain_s": block_chain_s,
     }
     if spec is not None and model.workers:  # the peer: every node the whole model
         from hetconv.dataparallel import simulate_data_parallel

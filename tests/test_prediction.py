@@ -38,6 +38,7 @@ def test_train_predicts_its_step_then_measures_it(tmp_path):
     plan = json.loads(trace.read_text().splitlines()[0])
     prediction = plan["prediction"]
     assert prediction["speedup"] == prediction["alone_s"] / prediction["step_s"]
+    assert 0 <= prediction["comp_s"] < prediction["alone_s"]  # the master's other work
     assert float(predicted.group(1)) == round(prediction["speedup"], 2)
     assert f"predicted {prediction['speedup']:.2f}x" in text
     # and the peer on the same nodes, every node the whole model
@@ -58,6 +59,45 @@ def test_the_other_layers_are_timed_on_copies():
     assert all(t > 0 for t in seconds.values())
     for name, value in model.state().items():  # running statistics untouched
         np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_the_master_is_not_charged_the_layers_its_nodes_run():
+    """A fused stage's layers run on the nodes, the last stage's too (a HeadStage, which
+    wraps it), and with the head split the fc: the prediction's ``comp_s`` leaves them out."""
+    from hetconv.conv import LocalConv
+    from hetconv.replica import REPLICATED
+    from hetconv.stages import FUSED, UNFUSED
+    from hetconv.training.masterwork import layers_on_nodes, other_work, replicated_chain
+
+    class Staged(LocalConv):
+        supports_stages = supports_head = True
+
+        def __init__(self, fused, head):
+            super().__init__()
+            self.fused, self.head = fused, head
+
+        def stage_mode(self, layer):
+            return FUSED if layer in self.fused else UNFUSED
+
+        def head_split(self, layer):
+            return self.head
+
+    def on_nodes(fused, head):
+        return layers_on_nodes(Model(reference_spec(8, 16), executor=Staged(fused, head)))
+
+    assert on_nodes((), False) == set()
+    assert on_nodes(("conv2",), False) == {"relu2", "lrn2", "maxpool2"}  # the HeadStage's
+    both = {"relu1", "lrn1", "maxpool1", "relu2", "lrn2", "maxpool2", "fc"}
+    assert on_nodes(("conv1", "conv2"), True) == both
+    assert layers_on_nodes(Model(reference_spec(8, 16))) == set()  # no stages: all here
+    # a replicated first block's layers: inside the next layer's calls, not on the nodes
+    replicated = Staged(("conv2",), True)
+    replicated.stage_mode = lambda layer: REPLICATED if layer == "conv1" else FUSED
+    model = Model(reference_spec(8, 16), executor=replicated)
+    assert replicated_chain(model) == {"relu1", "lrn1", "maxpool1"}
+    assert layers_on_nodes(model) == {"relu2", "lrn2", "maxpool2", "fc"}
+    alone, between, inside = other_work(model, 2)
+    assert between == 0.0 and 0 < inside < alone  # the fc and conv2's stage on the nodes
 
 
 def test_a_local_run_predicts_nothing():

@@ -337,6 +337,37 @@ def test_the_masters_block_backward_runs_in_the_next_layers_phase():
     assert {(p.layer, p.phase): p for p in alone.phases}["conv1", "backward"].wall_s > 0.0
 
 
+def test_the_blocks_layers_after_its_convolution_run_inside_the_next_layers_phases():
+    """The cost model: a replicated block's chain (``block_chain_s``, the master's other work
+    that is not ``comp_s``) runs on the master in the block's forward and inside the next
+    layer's backward, and on every worker's copy beside it: on equal nodes the step grows by
+    the chain once (not once per node, nor between the calls), with its passes shared as the
+    convolution's are."""
+    layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
+    conv1, conv2 = layers["conv1"], layers["conv2"]
+    node = dict(gflops=20.0, bytes_per_s=125e6, rtt_s=1e-4)
+    cluster = SimCluster(
+        SimNode("master", **node), tuple(SimNode(f"w{i}", **node) for i in range(4))
+    )
+    shares = {"conv1": (150, 0, 0, 0, 0), "conv2": (160, 160, 160, 160, 160)}
+
+    def step(chain_s):
+        return simulate_step(
+            cluster, [conv1, conv2], shares, 0.0, stages="fused", kernels="resident",
+            replicate="first", block_chain_s=chain_s,
+        )  # fmt: skip
+
+    without, with_chain = step(0.0), step(0.3)
+    assert with_chain.step_s == pytest.approx(without.step_s + 0.3, abs=1e-6)
+    before = {(p.layer, p.phase): p.wall_s for p in without.phases}
+    after = {(p.layer, p.phase): p.wall_s for p in with_chain.phases}
+    # conv1 has no input gradient: one pass each way, the chain halved between them
+    assert after["conv1", "forward"] == pytest.approx(before["conv1", "forward"] + 0.15)
+    assert after["conv2", "backward"] == pytest.approx(before["conv2", "backward"] + 0.15)
+    assert after["conv2", "forward"] == pytest.approx(before["conv2", "forward"])
+    assert with_chain.comp_s == 0.0
+
+
 def test_a_nodes_block_is_scaled_by_the_next_layers_probe():
     """A node's whole block is the master's (its block probe x the measured factor) scaled by
     the node's speed on the next layer's long probe: a block probe twice as long on one of two

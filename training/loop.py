@@ -26,16 +26,16 @@ from hetconv.conv import ConvExecutor, LocalConv
 from hetconv.data import epoch_order
 from hetconv.description import Description
 from hetconv.layers import softmax_cross_entropy
-from hetconv.model import ConvStage, Model
+from hetconv.model import Model
 from hetconv.onnx_import import load_network
 from hetconv.optim import SGD
-from hetconv.stages import FUSED
 
 from .checkpoint import CheckpointDir, TrainingState, read_weights, resume_point
 from .config import TrainConfig, TrainResult, total_steps
 from .console import announce, summarize
 from .datasets import check_classes, evaluate, load_datasets
 from .fingerprint import compute_environment, order_digest, run_fingerprint
+from .masterwork import other_work
 from .rundir import MetricsLog
 from .stopping import StopAtStepBoundary, TrainingInterrupted
 from .trace import RunFileError, Trace, model_record, written
@@ -283,16 +283,10 @@ class _Run:
         (``predict_step``): the master's other work timed here, once."""
         if not self.executor.distributed:
             return None
-        seconds = self.model.other_seconds(batch)
-        # Fused stages run their layers on the nodes, not on the master.
-        fused = {
-            layer.name
-            for block in self.model.blocks
-            if isinstance(block, ConvStage) and self.executor.stage_mode(block.name) == FUSED
-            for layer in block.chain
-        }
-        comp = sum(t for name, t in seconds.items() if name not in fused)
-        return self.executor.predict_step(sum(seconds.values()), comp, self.spec)
+        # Fused stages (the last one with the fc, where the head is split) run their layers
+        # on the nodes, not on the master; a replicated block's, inside the next layer's calls.
+        alone, between, inside = other_work(self.model, batch)
+        return self.executor.predict_step(alone, between, self.spec, block_chain_s=inside)
 
     def _find_checkpoint(self) -> None:
         config = self.config
