@@ -336,14 +336,14 @@ class ConvExecutor:
         return None
 
     def predict_step(
-        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+        self, comp_alone_s: float, comp_s: float, spec=None, chains_s=None
     ) -> dict | None:
         """The step predicted for this executor against the master alone's (``step_s``,
         ``alone_s``, ``speedup``; ``data_parallel_s`` given the model's ``spec``), from the
-        master's other work per step alone (``comp_alone_s``) and beside it (``comp_s``, not
-        counting ``block_chain_s``: a replicated block's layers after its convolution, which
-        the master runs inside the next layer's calls); None: nothing to predict (one
-        process)."""
+        master's other work per step alone (``comp_alone_s``), between the calls
+        (``comp_s``) and inside them (``chains_s``: convolution name -> seconds of the layers
+        after it that its fused stage runs on the nodes, or a replicated block's on the master
+        beside the workers); None: nothing to predict (one process)."""
         return None
 
     def begin_step(self, step: int) -> None:

@@ -56,6 +56,8 @@ class _LayerCall:
     sync_every: int
     #: the replicated block's layers after its convolution, this phase, all its images
     chain_s: float = 0.0
+    #: a fused stage's layers after the convolution, this phase, every channel
+    stage_chain_s: float = 0.0
 
     def worker(self, node: SimNode, share: int, offset: int, block: ConvLayer | None):
         """``node``'s call for ``share`` kernels from ``offset``, its block (part) ``block``:
@@ -68,6 +70,7 @@ class _LayerCall:
         own = node.conv_seconds(
             layer, _computed(layer, share, offset, self.fused), layer.passes(phase)
         )
+        own += self.stage_chain_s * share / layer.kernels
         compute = own
         if block is not None:
             block_s = node.conv_seconds(block, block.kernels, block.passes(phase))
@@ -110,6 +113,7 @@ def simulate_layer_phase(
     replica_tail_s: float = 0.0,
     split_replicas: Mapping[str, ConvLayer] | None = None,
     replica_chain_s: float = 0.0,
+    stage_chain_s: float = 0.0,
 ) -> PhaseResult:
     """One distributed call of ``layer`` (``phase``) with ``shares`` kernels per node (master
     first), as :meth:`hetconv.master.cluster.Cluster.forward` / ``backward`` runs it, or fused
@@ -131,18 +135,20 @@ def simulate_layer_phase(
     which it runs in the phase after its own piece, as the workers compute.
     ``split_replicas``: the block split by images (:mod:`hetconv.split`): worker name -> its
     part (:func:`~hetconv.workload.split_part`), whose images its ReplicaForward moves and
-    whose block it computes, plus the exchange of the others' parts on its link.
-    ``replica_chain_s``: the block's layers after its convolution, this phase, on all its
-    images: each worker's copy (or part) runs them too, as the master's (in
-    ``replica_head_s`` and ``replica_tail_s``)."""
+    whose block it computes, plus the exchange of the others' parts on its link. The layers
+    after a convolution, this phase, all images and channels: ``replica_chain_s`` the block's,
+    which each worker's copy (or part) runs as the master's does; ``stage_chain_s`` (fused)
+    the layer's stage's, of which each node runs its kernels' share."""
     if head and not (fused and resident):
         raise ValueError(f"{layer.name}: a split head needs a fused stage with resident kernels")
     if fused and layer.stage is None:
         raise ValueError(f"{layer.name} has no channel-local layers after it to fuse")
+    stage_chain_s = stage_chain_s if fused else 0.0  # unfused: the master's, between calls
     master_s = (
         cluster.master.conv_seconds(
             layer, _computed(layer, shares[0], 0, fused), layer.passes(phase)
         )
+        + stage_chain_s * shares[0] / layer.kernels
         if cluster.master_compute
         else 0.0
     )
@@ -151,6 +157,7 @@ def simulate_layer_phase(
     each = _LayerCall(
         cluster, layer, phase, step, fused, resident, overlap_images, replica_head_s, head,
         sync_every, replica_chain_s if replica is not None else 0.0,
+        stage_chain_s,
     )  # fmt: skip
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):

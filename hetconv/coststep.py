@@ -344,17 +344,17 @@ def _block_parts(
 
 def _block_phases(
     cluster: SimCluster, block: ConvLayer, consumer: ConvLayer, parts, left: bool = False,
-    chain_s: float = 0.0,
+    chains: Mapping[str, float] | None = None,
 ):  # fmt: skip
     """The replicated ``block``'s phases on the master (alone, every kernel; or its own
     images and the exchange, ``parts`` naming it; ``left``: none, the block left to the
     workers, where the master holds no kernel of the resident ``consumer``), and (its
     forward, which the workers' ReplicaForward runs beside; its backward, run inside the
-    consumer's backward phase). ``chain_s``: the block's layers after its convolution, all
-    images, both passes, shared between them as the convolution's passes are."""
+    consumer's backward phase). ``chains``: the block's layers after its convolution (all
+    images, both passes), shared between them as the convolution's passes are."""
     phases, early, tail = [], 0.0, 0.0
     for phase in PHASES:
-        chain = _chain_share(block, phase, chain_s)
+        chain = _chain_share(block, phase, chains or {})
         if left:
             seconds = 0.0
         elif cluster.master.name in parts:  # its own images, and the exchange
@@ -371,12 +371,12 @@ def _block_phases(
     return phases, early, tail
 
 
-def _chain_share(block: ConvLayer | None, phase: str, chain_s: float) -> float:
-    """The part of a replicated ``block``'s layers after its convolution (``chain_s``, both
-    passes) that ``phase`` runs: as its convolution's passes are shared."""
-    if block is None or not chain_s:
+def _chain_share(layer: ConvLayer | None, phase: str, chains: Mapping[str, float]) -> float:
+    """The part of the layers after ``layer`` (``chains``' seconds for it, both passes) that
+    ``phase`` runs: as its convolution's passes are shared."""
+    if layer is None or not chains.get(layer.name):
         return 0.0
-    return chain_s * block.passes(phase) / sum(block.passes(p) for p in PHASES)
+    return chains[layer.name] * layer.passes(phase) / sum(layer.passes(p) for p in PHASES)
 
 
 def _checked_shares(cluster: SimCluster, shares, layer: ConvLayer) -> tuple[int, ...]:
@@ -404,20 +404,20 @@ def simulate_step(
     sync_every: int = modetable.DEFAULT_SYNC_EVERY,
     split_images: Mapping[str, Sequence[int]] | None = None,
     split_master: Mapping[str, int] | None = None,
-    block_chain_s: float = 0.0,
+    chains: Mapping[str, float] | None = None,
 ) -> StepResult:
     """One training step: forward and backward of every conv layer with ``shares`` (per layer
     name, kernels per node, master first), plus ``comp_s`` of the master's other work, in the
     modes :func:`step_modes` gives each layer (the arguments of the same names: see the
-    module's note on them). ``comp_s`` stays as given: fused stages move the channel-local
-    layers' work from the master to the workers, which the caller's ``comp_s`` (measured or
-    assumed) has to say. ``split_images`` (block name -> each node's images, as a trace's
-    ``replica_split`` records them; given, the block is split whatever ``replicate``) and
-    ``split_master`` (block name -> the master's index in ``split_images``: a trace's block
-    split with the master one of the peers) say how a trace's block was split.
-    ``block_chain_s``: the master's seconds alone (forward and backward, all images) on a
-    replicated block's layers after its convolution, which it runs inside the next layer's
-    phases beside the workers (not part of ``comp_s``)."""
+    module's note on them). ``comp_s`` stays as given, between the calls; ``chains`` (layer
+    name -> the master's seconds alone, both passes) are the layers after a convolution run
+    inside its calls: a fused stage's, every node on its own kernels' channels, a replicated
+    block's, the master's inside the next layer's phases beside the workers' copies.
+    ``split_images`` (block name -> each node's images, as a trace's ``replica_split``
+    records them; given, the block is split whatever ``replicate``) and ``split_master``
+    (block name -> the master's index in ``split_images``: a trace's block split with the
+    master one of the peers) say how a trace's block was split."""
+    chains = chains or {}
     for block, index in (split_master or {}).items():
         if index != 0:
             raise ValueError(f"{block}: the master is the split's first peer, not {index}")
@@ -438,7 +438,7 @@ def simulate_step(
                 not parts and not _split(shares, consumer)[0]
                 and modes.kernels[consumer.name] == RESIDENT
             )  # fmt: skip
-            done, early, tail = _block_phases(cluster, block, consumer, parts, left, block_chain_s)
+            done, early, tail = _block_phases(cluster, block, consumer, parts, left, chains)
             phases += done
             continue
         replica, block = block, None
@@ -448,24 +448,18 @@ def simulate_step(
             raise ValueError(f"{layer.name} takes a replicated block's output: it must be fused")
         worker_parts = {n: p for n, p in parts.items() if n != cluster.master.name}
         for phase in PHASES:
-            phases.append(
-                simulate_layer_phase(
-                    cluster,
-                    layer,
-                    phase,
-                    split,
-                    fused=mode == FUSED,
-                    resident=modes.kernels[layer.name] == RESIDENT,
-                    replica=replica,
-                    overlap_images=modes.overlap[layer.name],
-                    replica_head_s=early if replica is not None else 0.0,
-                    head=modes.heads.get(layer.name, 0),
-                    sync_every=sync_every,
-                    replica_tail_s=tail if replica is not None else 0.0,
-                    split_replicas=worker_parts,
-                    replica_chain_s=_chain_share(replica, phase, block_chain_s),
-                )  # fmt: skip
-            )
+            result = simulate_layer_phase(
+                cluster, layer, phase, split, fused=mode == FUSED,
+                resident=modes.kernels[layer.name] == RESIDENT, replica=replica,
+                overlap_images=modes.overlap[layer.name],
+                replica_head_s=early if replica is not None else 0.0,
+                head=modes.heads.get(layer.name, 0), sync_every=sync_every,
+                replica_tail_s=tail if replica is not None else 0.0,
+                split_replicas=worker_parts,
+                replica_chain_s=_chain_share(replica, phase, chains),  # its copies'
+                stage_chain_s=_chain_share(layer, phase, chains),
+            )  # fmt: skip
+            phases.append(result)
         tail = early = 0.0
         parts = {}
     return _step_result(cluster, layers, shares, comp_s, phases)

@@ -419,11 +419,11 @@ class Cluster(ConvExecutor):
         return records.describe_shares(self)
 
     def predict_step(
-        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+        self, comp_alone_s: float, comp_s: float, spec=None, chains_s=None
     ) -> dict | None:
         """The cost model's step for the plan and modes chosen against the master alone's; under
         :data:`.records.KEEP_GAIN`, every kernel kept on the master (:mod:`.records`)."""
-        return records.predict_or_keep(self, comp_alone_s, comp_s, spec, block_chain_s)
+        return records.predict_or_keep(self, comp_alone_s, comp_s, spec, chains_s)
 
     def plan_record(self) -> dict:
         """The plan as data for the trace's first record (:func:`.records.plan_record`)."""

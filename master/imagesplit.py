@@ -515,7 +515,7 @@ class ImageSplit(Cluster):
         return out
 
     def predict_step(
-        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+        self, comp_alone_s: float, comp_s: float, spec=None, chains_s=None
     ) -> dict | None:
         """Nothing predicted yet (no layer is probed); the model's ``spec`` is taken here,
         before the run starts: a network with batch norm is refused now, and the plan says

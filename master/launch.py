@@ -275,9 +275,9 @@ class EmbeddedCluster(ConvExecutor):
         return self.cluster.plan_record()
 
     def predict_step(
-        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+        self, comp_alone_s: float, comp_s: float, spec=None, chains_s=None
     ) -> dict | None:
-        return self.cluster.predict_step(comp_alone_s, comp_s, spec, block_chain_s)
+        return self.cluster.predict_step(comp_alone_s, comp_s, spec, chains_s)
 
     @property
     def wire_format(self) -> str:

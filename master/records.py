@@ -114,25 +114,26 @@ def keep_on_master(cluster, prediction: dict | None) -> str | None:
 
 
 def predict_or_keep(
-    cluster, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+    cluster, comp_alone_s: float, comp_s: float, spec=None, chains_s=None
 ) -> dict | None:
     """:func:`predict_step`; where it is under :data:`KEEP_GAIN`, every kernel kept on the
     master (:func:`keep_on_master`) and the step as it then runs, saying why (``kept``)."""
-    prediction = predict_step(cluster, comp_alone_s, comp_s, spec, block_chain_s)
+    prediction = predict_step(cluster, comp_alone_s, comp_s, spec, chains_s)
     kept = keep_on_master(cluster, prediction)
     if kept is None:
         return prediction
-    return {**predict_step(cluster, comp_alone_s, comp_s, spec, block_chain_s), "kept": kept}
+    return {**predict_step(cluster, comp_alone_s, comp_s, spec, chains_s), "kept": kept}
 
 
 def predict_step(
-    cluster, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+    cluster, comp_alone_s: float, comp_s: float, spec=None, chains_s=None
 ) -> dict | None:
     """The cost model's step for the plan and modes chosen, on the nodes as probed and
     measured, against the master alone's (its own probe of every layer); ``comp_alone_s`` and
-    ``comp_s``: the master's other work per step alone and in the cluster (fused stages take
-    theirs to the nodes; a replicated block's, ``block_chain_s``, runs inside the next
-    layer's calls). None when the master probed no layer (it does not compute): nothing to
+    ``comp_s``: the master's other work per step alone and between the calls in the cluster;
+    ``chains_s``: the layers after a convolution run inside its calls (fused stages on every
+    node, a replicated block's on the master and in the workers' copies; the cost model's
+    ``chains``). None when the master probed no layer (it does not compute): nothing to
     compare with."""
     layers, nodes, master = cluster.planned_layers, cluster.nodes, cluster.nodes[0]
     if not layers or not all(ly.name in master.probe_seconds for ly in layers):
@@ -155,7 +156,7 @@ def predict_step(
     }
     result = costmodel.simulate_step(
         model, modelled, shares, comp_s, stages, cluster.kernel_modes, replicate_mode(cluster),
-        cluster.overlap_images, heads, c.resident_sync_every, block_chain_s=block_chain_s,
+        cluster.overlap_images, heads, c.resident_sync_every, chains=chains_s,
     )  # fmt: skip
     alone = sum(master.probe_seconds[ly.name] for ly in layers) + comp_alone_s
     out = {
@@ -163,9 +164,9 @@ def predict_step(
         "alone_s": alone,
         "speedup": alone / result.step_s,
         "workers": len(active) - 1,  # reached: 0 predicts the master alone against itself
-        # the master's other work: between calls, and a replicated block's inside them
+        # the master's other work: between calls, and the layers run inside them
         "comp_s": comp_s,
-        "block_chain_s": block_chain_s,
+        "chains_s": dict(chains_s or {}),
     }
     if spec is not None and model.workers:  # the peer: every node the whole model
         from hetconv.dataparallel import simulate_data_parallel

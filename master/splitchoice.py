@@ -148,14 +148,14 @@ class SplitChoice:
         self._probes = {n.name: dict(n.probe_seconds) for n in self.inner.nodes}
 
     def predict_step(
-        self, comp_alone_s: float, comp_s: float, spec=None, block_chain_s: float = 0.0
+        self, comp_alone_s: float, comp_s: float, spec=None, chains_s=None
     ) -> dict | None:
         """The kernel split's prediction; with the model's ``spec``, the choice is made here
         (see the module's docstring) and the prediction is the chosen split's."""
-        kernels = self.inner.predict_step(comp_alone_s, comp_s, spec, block_chain_s)
+        kernels = self.inner.predict_step(comp_alone_s, comp_s, spec, chains_s)
         if spec is None or kernels is None or "image_split_s" not in kernels:
             return kernels  # no worker reached or no probe: the split by kernels stays
-        self._predict_args = (comp_alone_s, comp_s, spec, block_chain_s)
+        self._predict_args = (comp_alone_s, comp_s, spec, chains_s)
         allowed = allowed_exchanges(self.inner.config, self._exchange)
         # Where the split by kernels would train alone, a split by images predicted faster at
         # all is taken: the alone check measures it against the master alone and releases the

@@ -61,43 +61,44 @@ def test_the_other_layers_are_timed_on_copies():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
 
 
-def test_the_master_is_not_charged_the_layers_its_nodes_run():
+def test_the_master_is_not_charged_the_layers_run_inside_the_calls():
     """A fused stage's layers run on the nodes, the last stage's too (a HeadStage, which
-    wraps it), and with the head split the fc: the prediction's ``comp_s`` leaves them out."""
+    wraps it), and with the head split the fc; a replicated block's on the master inside the
+    next layer's calls: the prediction's ``comp_s`` leaves them out, ``chains_s`` has them."""
     from hetconv.conv import LocalConv
     from hetconv.replica import REPLICATED
     from hetconv.stages import FUSED, UNFUSED
-    from hetconv.training.masterwork import layers_on_nodes, other_work, replicated_chain
+    from hetconv.training.masterwork import other_work, stage_chains
 
     class Staged(LocalConv):
         supports_stages = supports_head = True
 
-        def __init__(self, fused, head):
+        def __init__(self, modes, head):
             super().__init__()
-            self.fused, self.head = fused, head
+            self.modes, self.head = modes, head
 
         def stage_mode(self, layer):
-            return FUSED if layer in self.fused else UNFUSED
+            return self.modes.get(layer, UNFUSED)
 
         def head_split(self, layer):
             return self.head
 
-    def on_nodes(fused, head):
-        return layers_on_nodes(Model(reference_spec(8, 16), executor=Staged(fused, head)))
+    def chains(modes, head=False):
+        return stage_chains(Model(reference_spec(8, 16), executor=Staged(modes, head)))
 
-    assert on_nodes((), False) == set()
-    assert on_nodes(("conv2",), False) == {"relu2", "lrn2", "maxpool2"}  # the HeadStage's
-    both = {"relu1", "lrn1", "maxpool1", "relu2", "lrn2", "maxpool2", "fc"}
-    assert on_nodes(("conv1", "conv2"), True) == both
-    assert layers_on_nodes(Model(reference_spec(8, 16))) == set()  # no stages: all here
-    # a replicated first block's layers: inside the next layer's calls, not on the nodes
-    replicated = Staged(("conv2",), True)
-    replicated.stage_mode = lambda layer: REPLICATED if layer == "conv1" else FUSED
-    model = Model(reference_spec(8, 16), executor=replicated)
-    assert replicated_chain(model) == {"relu1", "lrn1", "maxpool1"}
-    assert layers_on_nodes(model) == {"relu2", "lrn2", "maxpool2", "fc"}
+    assert chains({}) == {}
+    assert chains({"conv2": FUSED}) == {"conv2": ["relu2", "lrn2", "maxpool2"]}  # a HeadStage
+    assert chains({"conv1": FUSED, "conv2": FUSED}, head=True) == {
+        "conv1": ["relu1", "lrn1", "maxpool1"], "conv2": ["relu2", "lrn2", "maxpool2", "fc"],
+    }  # fmt: skip
+    assert chains({"conv1": REPLICATED, "conv2": FUSED}, head=True) == {
+        "conv1": ["relu1", "lrn1", "maxpool1"], "conv2": ["relu2", "lrn2", "maxpool2", "fc"],
+    }  # fmt: skip
+    assert stage_chains(Model(reference_spec(8, 16))) == {}  # no stages: all between calls
+    model = Model(reference_spec(8, 16), executor=Staged({"conv1": REPLICATED}, False))
     alone, between, inside = other_work(model, 2)
-    assert between == 0.0 and 0 < inside < alone  # the fc and conv2's stage on the nodes
+    assert set(inside) == {"conv1"} and 0 < inside["conv1"] < alone
+    assert between == pytest.approx(alone - inside["conv1"])  # conv2's stage and the fc
 
 
 def test_a_local_run_predicts_nothing():

@@ -338,11 +338,11 @@ def test_the_masters_block_backward_runs_in_the_next_layers_phase():
 
 
 def test_the_blocks_layers_after_its_convolution_run_inside_the_next_layers_phases():
-    """The cost model: a replicated block's chain (``block_chain_s``, the master's other work
-    that is not ``comp_s``) runs on the master in the block's forward and inside the next
+    """The cost model: a replicated block's chain (``chains``, the master's other work that
+    is not ``comp_s``) runs on the master in the block's forward and inside the next
     layer's backward, and on every worker's copy beside it: on equal nodes the step grows by
     the chain once (not once per node, nor between the calls), with its passes shared as the
-    convolution's are."""
+    convolution's are. A fused stage's layers: each node runs its kernels' share of them."""
     layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
     conv1, conv2 = layers["conv1"], layers["conv2"]
     node = dict(gflops=20.0, bytes_per_s=125e6, rtt_s=1e-4)
@@ -354,7 +354,7 @@ def test_the_blocks_layers_after_its_convolution_run_inside_the_next_layers_phas
     def step(chain_s):
         return simulate_step(
             cluster, [conv1, conv2], shares, 0.0, stages="fused", kernels="resident",
-            replicate="first", block_chain_s=chain_s,
+            replicate="first", chains={"conv1": chain_s},
         )  # fmt: skip
 
     without, with_chain = step(0.0), step(0.3)
@@ -366,6 +366,12 @@ def test_the_blocks_layers_after_its_convolution_run_inside_the_next_layers_phas
     assert after["conv2", "backward"] == pytest.approx(before["conv2", "backward"] + 0.15)
     assert after["conv2", "forward"] == pytest.approx(before["conv2", "forward"])
     assert with_chain.comp_s == 0.0
+    # a fused stage's layers: every node its kernels' share of them (a fifth each here)
+    fused = simulate_step(
+        cluster, [conv1, conv2], shares, 0.0, stages="fused", kernels="resident",
+        replicate="first", chains={"conv2": 0.5},
+    )  # fmt: skip
+    assert fused.step_s == pytest.approx(without.step_s + 0.1, abs=1e-6)
 
 
 def test_a_nodes_block_is_scaled_by_the_next_layers_probe():

@@ -284,9 +284,9 @@ class _Run:
         if not self.executor.distributed:
             return None
         # Fused stages (the last one with the fc, where the head is split) run their layers
-        # on the nodes, not on the master; a replicated block's, inside the next layer's calls.
-        alone, between, inside = other_work(self.model, batch)
-        return self.executor.predict_step(alone, between, self.spec, block_chain_s=inside)
+        # on the nodes, a replicated block's inside the next layer's calls: not between calls.
+        alone, between, chains = other_work(self.model, batch)
+        return self.executor.predict_step(alone, between, self.spec, chains_s=chains)
 
     def _find_checkpoint(self) -> None:
         config = self.config
