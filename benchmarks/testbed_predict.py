@@ -296,7 +296,15 @@ def _testbed_cluster(
         SimNode(name, per_layer.get(main) or statistics.mean(per_layer.values()), per_layer)
         for name, per_layer in zip(cal.node_names, gflops, strict=True)
     ]
-    wire = replace(load_scenario("this-machine").wire.at_share(cap), format=cal.wire.format)
+    base = load_scenario("this-machine").wire
+    wire = replace(
+        base,
+        bundle_call_s=base.bundle_call_s / cap,
+        stream_call_s=base.stream_call_s / cap,
+        software_bytes_per_s=base.software_bytes_per_s * cap,
+        sum_bytes_per_s=base.sum_bytes_per_s * cap,
+        format=cal.wire.format,
+    )
     master_compute = any(split[0] for split in cal.shares.values())
     if link == SWITCHED_LINK:
         port = rate if master_port_shaped else math.inf

@@ -7,7 +7,6 @@ the kernel gradient as much again and the input gradient (when the layer needs i
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,19 +60,6 @@ class WireCosts:
 
     def call_s(self, bundled: bool) -> float:
         return self.bundle_call_s if bundled else self.stream_call_s
-
-    def at_share(self, share: float) -> WireCosts:
-        """These costs for a master with ``share`` of a core (a CPU quota's): its software's
-        seconds over the share, its bytes per second times it."""
-        if not 0 < share <= 1:
-            raise ValueError(f"a share of a core must be in (0, 1], got {share}")
-        return dataclasses.replace(
-            self,
-            bundle_call_s=self.bundle_call_s / share,
-            stream_call_s=self.stream_call_s / share,
-            software_bytes_per_s=self.software_bytes_per_s * share,
-            sum_bytes_per_s=self.sum_bytes_per_s * share,
-        )
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from hetconv import costmodel
-from hetconv.cpushare import SHARE_FLOOR, process_quota_share
 from hetconv.replica import FIRST as REPLICATE_FIRST
 from hetconv.replica import OFF as REPLICATE_OFF
 from hetconv.replica import SPLIT as REPLICATE_SPLIT
@@ -141,13 +140,9 @@ def predict_step(
         return None
     active = [i for i, n in enumerate(nodes) if i == 0 or n.state == ACTIVE]
     c, planner = cluster.config, cluster.planner
-    wire = costmodel.WireCosts(format=c.wire_format)
-    share = process_quota_share()  # a master under a CPU quota: its software slower
-    if share is not None and share < SHARE_FLOOR:
-        wire = wire.at_share(share)
     model = step_model(
         [nodes[i] for i in active], layers, planner.network, planner.capacity,
-        c.master_compute, wire,
+        c.master_compute, costmodel.WireCosts(format=c.wire_format),
     )  # fmt: skip
     heads = cluster.heads
     modelled = [ly.modelled(heads.get(ly.name, 0)) for ly in layers]
@@ -172,7 +167,6 @@ def predict_step(
         # the master's other work: between calls, and the layers run inside them
         "comp_s": comp_s,
         "chains_s": dict(chains_s or {}),
-        "cpu_quota": share,  # the master's share of a core under a CPU quota, or None
     }
     if spec is not None and model.workers:  # the peer: every node the whole model
         from hetconv.dataparallel import simulate_data_parallel

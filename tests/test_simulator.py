@@ -599,18 +599,3 @@ def test_step_bytes_adds_every_call_of_a_step():
     }
     assert step_bytes(record) == 14
     assert step_bytes({"step": 1}) == 0
-
-
-def test_wire_costs_at_a_share_of_a_core():
-    """A master under a CPU quota (the testbed's caps; the in-run prediction reads its own):
-    its software's seconds over the share, its bytes per second times it."""
-    from hetconv.costmodel import WireCosts
-
-    base = WireCosts(bundle_call_s=1e-3, stream_call_s=2e-3, software_bytes_per_s=1e9)
-    half = base.at_share(0.5)
-    assert (half.bundle_call_s, half.stream_call_s) == (2e-3, 4e-3)
-    assert (half.software_bytes_per_s, half.sum_bytes_per_s) == (0.5e9, base.sum_bytes_per_s / 2)
-    assert half.format == base.format and base.at_share(1.0) == base
-    for bad in (0.0, 1.5, -0.2):
-        with pytest.raises(ValueError, match="share of a core"):
-            base.at_share(bad)
