@@ -310,9 +310,9 @@ def test_simulate_models_the_replicated_block(tmp_path, capsys):
     assert "--replicate first feeds the second layer" in capsys.readouterr().err
 
 
-def test_the_masters_block_backward_runs_in_the_next_layers_phase():
-    """The cost model: the master's backward of the replicated block falls in conv2's backward
-    phase (beside the workers), not after it."""
+def _five_equal_nodes():
+    """paper-150-800's layers at batch 16 on a master and 4 workers alike, conv1 on the
+    master, conv2's kernels a fifth each: (conv1, conv2, the cluster, the shares)."""
     layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
     conv1, conv2 = layers["conv1"], layers["conv2"]
     node = dict(gflops=20.0, bytes_per_s=125e6, rtt_s=1e-4)
@@ -320,6 +320,13 @@ def test_the_masters_block_backward_runs_in_the_next_layers_phase():
         SimNode("master", **node), tuple(SimNode(f"w{i}", **node) for i in range(4))
     )
     shares = {"conv1": (150, 0, 0, 0, 0), "conv2": (160, 160, 160, 160, 160)}
+    return conv1, conv2, cluster, shares
+
+
+def test_the_masters_block_backward_runs_in_the_next_layers_phase():
+    """The cost model: the master's backward of the replicated block falls in conv2's backward
+    phase (beside the workers), not after it."""
+    conv1, conv2, cluster, shares = _five_equal_nodes()
     step = simulate_step(
         cluster, [conv1, conv2], shares, 0.0, stages="fused", kernels="resident",
         replicate="first",
@@ -343,13 +350,7 @@ def test_the_blocks_layers_after_its_convolution_run_inside_the_next_layers_phas
     layer's backward, and on every worker's copy beside it: on equal nodes the step grows by
     the chain once (not once per node, nor between the calls), with its passes shared as the
     convolution's are. A fused stage's layers: each node runs its kernels' share of them."""
-    layers = {layer.name: layer for layer in conv_layers(reference_spec(150, 800), 16)}
-    conv1, conv2 = layers["conv1"], layers["conv2"]
-    node = dict(gflops=20.0, bytes_per_s=125e6, rtt_s=1e-4)
-    cluster = SimCluster(
-        SimNode("master", **node), tuple(SimNode(f"w{i}", **node) for i in range(4))
-    )
-    shares = {"conv1": (150, 0, 0, 0, 0), "conv2": (160, 160, 160, 160, 160)}
+    conv1, conv2, cluster, shares = _five_equal_nodes()
 
     def step(chain_s):
         return simulate_step(
