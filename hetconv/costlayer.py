@@ -156,8 +156,7 @@ def simulate_layer_phase(
         master_s += replica_tail_s
     each = _LayerCall(
         cluster, layer, phase, step, fused, resident, overlap_images, replica_head_s, head,
-        sync_every, replica_chain_s if replica is not None else 0.0,
-        stage_chain_s,
+        sync_every, replica_chain_s, stage_chain_s,
     )  # fmt: skip
     calls, computes, moved, offset = [], [master_s], 0, shares[0]
     for node, share in zip(cluster.workers, shares[1:], strict=True):

@@ -34,10 +34,9 @@ def other_work(model: Model, batch: int) -> tuple[float, float, dict[str, float]
     """Seconds a step of ``batch`` images of the master's other work
     (:meth:`~hetconv.model.Model.other_seconds`, timed here once): (alone; between the
     executor's calls; convolution name -> its :func:`stage_chains` layers, inside them)."""
-    seconds = model.other_seconds(batch)
-    chains = {conv: sum(seconds[name] for name in names)
-              for conv, names in stage_chains(model).items()}  # fmt: skip
-    inside = {name for names in stage_chains(model).values() for name in names}
+    seconds, named = model.other_seconds(batch), stage_chains(model)
+    chains = {conv: sum(seconds[name] for name in names) for conv, names in named.items()}
+    inside = {name for names in named.values() for name in names}
     between = sum(t for name, t in seconds.items() if name not in inside)
     return sum(seconds.values()), between, chains
 
