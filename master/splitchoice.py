@@ -279,6 +279,8 @@ class SplitChoice:
         model, x, labels, step = self._batch
         alone_s = time_alone(model, x, labels, step, self._backend, self._sgd or SGDConfig())
         record["alone_check"] = result = check.decide(alone_s)
+        if self.trial is not None and not splittrial.worth_trying(result["cluster_s"], self.trial):
+            record["alone_check"] = result = self._skip_trial(result, step)
         if self.trial is not None:  # the runner-up next; the decision after it
             record["alone_check"] = result = {**result, "released": False, "trial": True}
             self._say(describe_check(result, step))
@@ -295,6 +297,18 @@ class SplitChoice:
             print(line, file=log, flush=True)
 
     # -- the trial of the runner-up (:mod:`.splittrial`) --------------------------------
+
+    def _skip_trial(self, check: dict, step: int) -> dict:
+        """The split chosen ran (``check``, the alone check's) no slower than the runner-up is
+        predicted (:func:`~.splittrial.worth_trying`): the runner-up is not tried; the check's
+        record with what was not tried (``trial_skipped``)."""
+        trial, self.trial = self.trial, None
+        first = {"split": self.choice["split"], "exchange": self.choice["exchange"],
+                 "seconds": check["cluster_s"]}  # fmt: skip
+        self._say(splittrial.describe_skipped(trial, first, step))
+        self.choice = {**self.choice, "trial": {**trial, "skipped": True}}
+        skipped = {k: trial[k] for k in ("split", "exchange", "predicted_s")}
+        return {**check, "trial_skipped": skipped}
 
     def _start_trial(self, check: dict) -> None:
         """The split chosen timed (``check``, the alone check's): hand it over and open the

@@ -9,7 +9,8 @@ in another run of the same configuration, 1.29-1.41 s.
 
 So where the runner-up (:func:`runner_up`) is within the range, the split chosen runs first
 and is timed as the alone check times it (:mod:`.alonecheck`: the median of the steps after
-the first :data:`~.alonecheck.SKIPPED`); then the split is handed over (resident parameters and
+the first :data:`~.alonecheck.SKIPPED`); where the runner-up's prediction beats that
+(:func:`worth_trying`), the split is handed over (resident parameters and
 their momentum fetched into the model) and the runner-up opened over the same workers, timed
 alike; then the faster of the two is kept (the runner-up only where faster by
 :data:`TRIAL_MARGIN`: a tie goes to the prediction), or the master alone where both are slower
@@ -61,6 +62,21 @@ def runner_up(choice: dict, allowed: Sequence[str]) -> dict | None:
     return {"split": split, "exchange": exchange, "predicted_s": seconds}
 
 
+def worth_trying(first_s: float, trial: dict) -> bool:
+    """Whether the runner-up ``trial`` (:func:`runner_up`'s) is run once the split chosen has
+    been timed at ``first_s`` a step (the alone check's median): only where its predicted step
+    beats that by :data:`TRIAL_MARGIN`, as it must to be kept (:func:`decide`). The trial is
+    there for a prediction that was wrong; where the split chosen runs at least as fast as the
+    runner-up is predicted, only a runner-up faster than its own prediction could win, and
+    trying it costs two openings of a split (each a few seconds of placing and probing) and
+    its steps. Measured on the testbed (paper-150-800 at batch 64, 4 workers, switched), the
+    ring was never faster than predicted: chosen at 2.41 s, it ran 2.79-3.10 s and the kernel
+    split, predicted 2.78 s, won its trial (tried: 2.79 s is over 2.78 s); with the kernel
+    split chosen at 2.41 s and run at 2.26-2.75 s, the ring (predicted 2.53 s) ran 2.66 s and
+    more in its trial and lost it (not tried now)."""
+    return trial["predicted_s"] < first_s * (1.0 - TRIAL_MARGIN)
+
+
 def decide(first_s: float, trial_s: float, alone_s: float) -> str:
     """Which to keep (:data:`FIRST`, :data:`TRIED` or :data:`ALONE`) from the medians of the
     split run first and of the runner-up, and the master alone's step."""
@@ -96,6 +112,16 @@ def describe_start(trial: dict, step: int) -> str:
     )
 
 
+def describe_skipped(trial: dict, first: dict, step: int) -> str:
+    """The console's line where the runner-up is not tried (:func:`worth_trying`): ``first``
+    is ``{"split", "exchange", "seconds"}`` of the split chosen."""
+    return (
+        f"split trial after step {step}: {said(first['split'], first['exchange'])} ran "
+        f"{first['seconds']:.3g} s a step, no slower than {said(trial['split'], trial['exchange'])}"
+        f" is predicted ({trial['predicted_s']:.3g} s): it is not tried"
+    )
+
+
 def describe(record: dict, step: int) -> str:
     """The console's line for the trial's decision after ``step`` (``record``: the trace's
     ``split_trial``)."""
@@ -119,8 +145,10 @@ __all__ = [
     "decide",
     "describe",
     "describe_planned",
+    "describe_skipped",
     "describe_start",
     "runner_up",
     "said",
     "way_name",
+    "worth_trying",
 ]

@@ -27,17 +27,22 @@ def _records(trace):
     return [json.loads(line) for line in trace.read_text().splitlines()]
 
 
-def _close(monkeypatch, split: str, kept: str | None = None, other_s: float = 1.1):
-    """The choice ``split`` predicted 1 s a step with the other split ``other_s`` (the ring for
-    the split by images), the trial's decision ``kept`` (None: as measured), the master alone
-    slower than any, and the loopback workers taken for machines of their own."""
+def _close(
+    monkeypatch, split: str, kept: str | None = None, other_s: float = 1.1, unit: float = 1e-6
+):
+    """The choice ``split`` predicted 1 ``unit`` a step with the other split ``other_s`` units
+    (the ring for the split by images), the trial's decision ``kept`` (None: as measured), the
+    master alone slower than any, and the loopback workers taken for machines of their own.
+    The unit, a microsecond, is below any step measured here: the runner-up is worth trying
+    (:func:`~hetconv.master.splittrial.worth_trying`)."""
 
     def forced(kernels_s, images_s, allowed, ruled_out=None, **margin):
         images = split == "images"
         return {
             "split": split, "exchange": "ring" if images else None,
-            "predicted_s": {"kernels": other_s if images else 1.0, "images (master)": 5.0,
-                            "images (ring)": 1.0 if images else other_s},
+            "predicted_s": {"kernels": (other_s if images else 1.0) * unit,
+                            "images (master)": 5.0 * unit,
+                            "images (ring)": (1.0 if images else other_s) * unit},
             "why": "forced by the test",
         }  # fmt: skip
 
@@ -115,6 +120,32 @@ def test_no_trial_where_the_runner_up_is_predicted_far_slower(tmp_path, local, w
     assert "trial" not in _records(trace)[0]["split_choice"]
 
 
+def test_no_trial_where_the_split_chosen_already_ran_as_fast_as_the_runner_up_is_predicted(
+    tmp_path, local, workers, monkeypatch
+):
+    """The runner-up predicted within the range, so planned, but at 1.1 s a step, which the
+    kernel split measured at the alone check already beats: it is not tried, the check's record
+    and the console say so, and the kernel split runs on."""
+    _close(monkeypatch, "kernels", unit=1.0)
+    lines = []
+    monkeypatch.setattr(SplitChoice, "_say", lambda self, line: lines.append(line))
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(**FAST, **DEFAULT_MODES, spot_checks=SpotCheckConfig(every=0))
+    with SplitChoice(workers.addresses, config=config) as cluster:
+        train_strong_lrn(tmp_path, "skipped", cluster, trace=str(trace), steps=OPENED + 3)
+    assert set(_splits(trace)) == {"kernels"}
+    assert _records(trace)[0]["split_choice"]["trial"]["split"] == "images"  # planned
+    steps = [r for r in _records(trace) if "step" in r]
+    check = steps[OPENED]["alone_check"]
+    assert "trial" not in check and not check["released"]
+    assert check["trial_skipped"] == {"split": "images", "exchange": "ring", "predicted_s": 1.1}
+    assert check["cluster_s"] < 1.1
+    assert all("split_trial" not in r for r in steps)
+    said = "\n".join(lines)
+    assert "no slower than the split by images (ring among the workers) is predicted" in said
+    assert "it is not tried" in said and "the cluster stays" in said
+
+
 def test_the_runner_up_and_the_decision():
     kernels = {
         "split": "kernels",
@@ -133,6 +164,9 @@ def test_the_runner_up_and_the_decision():
     assert splittrial.runner_up(kernels, ["master"]) is None  # 2.3 s: over the range
     far = {**images, "predicted_s": {"kernels": 1.4 * 1.26, "images (ring)": 1.4}}
     assert splittrial.runner_up(far, ["ring"]) is None
+    worth = splittrial.worth_trying
+    assert worth(1.0, {"predicted_s": 0.9}) and not worth(1.0, {"predicted_s": 0.99})
+    assert not worth(1.0, {"predicted_s": 1.2})  # ran faster than the runner-up's prediction
     decide = splittrial.decide
     assert decide(1.0, 0.9, 2.0) == splittrial.TRIED
     assert decide(1.0, 0.99, 2.0) == splittrial.FIRST  # within the margin: the prediction
