@@ -137,15 +137,18 @@ def _plan_records(path: str):
 
 def _images_plan(trace: str) -> dict | None:
     """The trace's first plan record when its run split the network by images (from the
-    start, or at its end after a split trial: ``master/splittrial.py``), else None."""
+    start, or after a split trial that kept the split by images: ``master/splittrial.py``),
+    else None. A run that ends inside a trial (its last steps the runner-up's, undecided) is
+    the split it chose."""
     first = next(_plan_records(trace), None)
     if first is None:
         return None
     if first.get("split") == "images":
         return first
-    steps = read_steps(trace)
-    if steps and steps[-1].get("split") == "images":  # the trial's runner-up kept
-        return {**first, "split": "images", "exchange": steps[-1].get("exchange")}
+    decided = [r["split_trial"] for r in read_steps(trace) if "split_trial" in r]
+    tried = (decided[-1].get("trial") or {}) if decided else {}
+    if decided and decided[-1].get("kept") == "trial" and tried.get("split") == "images":
+        return {**first, "split": "images", "exchange": tried.get("exchange")}
     return None
 
 

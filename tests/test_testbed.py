@@ -357,6 +357,28 @@ def test_a_run_whose_split_changed_says_its_settled_step(tmp_path):
     assert bench.settled([str(steady)]) == ""
 
 
+def test_a_run_that_ends_inside_a_split_trial_is_predicted_as_the_split_it_chose(tmp_path):
+    """The kernel split chosen, the ring tried from step 6: a run that ends before the trial
+    decides is the kernel split's; one whose trial kept the ring is the ring's."""
+    images_plan = sys.modules["testbed_predict"]._images_plan
+    plan = {"event": "plan", "start_step": 0, "split": "kernels"}
+    steps = [{"step": i, "seconds": 2.0} for i in range(6)]
+    steps += [{"step": i, "seconds": 3.0, "split": "images", "exchange": "ring"}
+              for i in range(6, 9)]  # fmt: skip
+    inside = tmp_path / "inside.jsonl"
+    inside.write_text("".join(json.dumps(r) + "\n" for r in [plan, *steps]))
+    assert images_plan(str(inside)) is None
+    trial = {"split": "images", "exchange": "ring", "seconds": 1.5}
+    for kept, expected in (("trial", "images"), ("first", None)):
+        steps[-1]["split_trial"] = {"kept": kept, "trial": trial}
+        decided = tmp_path / f"{kept}.jsonl"
+        decided.write_text("".join(json.dumps(r) + "\n" for r in [plan, *steps]))
+        got = images_plan(str(decided))
+        assert (got and got["split"]) == expected
+        if got:
+            assert got["exchange"] == "ring"
+
+
 def test_a_run_with_every_kernel_on_the_master_is_predicted_from_its_plan(tmp_path):
     """The link-aware shares can leave every worker idle (resnet20 at batch 16 on the scaled
     testbed): the steps have no per-node record to calibrate from, and the prediction is the
