@@ -25,6 +25,7 @@ import numpy as np
 
 from .backends import Padding, PaddingSpec, conv_shape, onednn_layers
 from .backends.arrays import array_module, is_array
+from .backends.hostthreads import blas_threads, in_groups
 from .batchnorm import BatchNorm2d, batch_statistics
 from .conv import ConvExecutor, ConvSpec, LocalConv, StridePhases, kernel_pair
 from .graph import Add, Concat, Layer
@@ -334,6 +335,11 @@ class ImageChunks(Layer):
     The layers keep nothing: each chunk runs on shallow copies, which keep what that chunk's
     backward needs (:meth:`saved_arrays`). On a device (arrays not numpy's) the whole batch is
     one chunk: a GPU's caches are not what chunks are for, and each chunk costs launches.
+
+    With more than one BLAS thread (``--threads``; a worker's cores) the chunks run on that
+    many threads at once, in contiguous groups (:func:`~hetconv.backends.hostthreads.in_groups`),
+    each core on chunks in its own cache; a chunk computes what it computes alone, so the bits
+    are the same at any thread count (``benchmarks/chain_chunks.py --threads 2``).
     """
 
     def __init__(self, layers: Sequence[Layer], chunk_bytes: int = CHUNK_BYTES):
@@ -344,6 +350,7 @@ class ImageChunks(Layer):
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.layers, self.chunk_bytes = list(layers), int(chunk_bytes)
         self._runs: list[tuple[slice, list[Layer]]] = []
+        self._in_shape: tuple[int, ...] = ()
 
     def output_shape(self, input_shape):
         for layer in self.layers:
@@ -354,35 +361,47 @@ class ImageChunks(Layer):
         n = x.shape[0]
         xp = array_module(x)
         per = max(1, self.chunk_bytes // max(1, x[:1].nbytes)) if xp is np else n
-        self._runs, y = [], None
-        for start in range(0, n, per):
-            rows = slice(start, min(start + per, n))
+        chunks = [slice(start, min(start + per, n)) for start in range(0, n, per)]
+        y = xp.empty((n, *self.output_shape(x.shape[1:])), np.float32)
+        self._in_shape = x.shape
+
+        def chunk(rows: slice) -> list[Layer]:
             copies = [copy.copy(layer) for layer in self.layers]
             a = x[rows]
             for layer in copies:
                 a = layer.forward(a)
-            if y is None:
-                y = xp.empty((n, *a.shape[1:]), np.float32)
             y[rows] = a
-            self._runs.append((rows, copies))
+            return copies
+
+        ran = in_groups(chunk, chunks, _threads(xp, len(chunks)))
+        self._runs = list(zip(chunks, ran, strict=True))
         return y
 
     def backward(self, dy):
         if not self._runs:
             raise RuntimeError(f"{self.name}: backward before forward")
-        dx = None
-        for rows, copies in self._runs:
+        xp = array_module(dy)
+        dx = xp.empty(self._in_shape, np.float32)
+
+        def chunk(run: tuple[slice, list[Layer]]) -> None:
+            rows, copies = run
             g = dy[rows]
             for layer in reversed(copies):
                 g = layer.backward(g)
-            if dx is None:
-                dx = array_module(g).empty((dy.shape[0], *g.shape[1:]), np.float32)
             dx[rows] = g
+
+        in_groups(chunk, self._runs, _threads(xp, len(self._runs)))
         return dx
 
     def saved_arrays(self) -> list[np.ndarray]:
         """Every array the chunks keep for the backward."""
         return [a for _, copies in self._runs for layer in copies for a in saved_arrays(layer)]
+
+
+def _threads(xp, chunks: int) -> int:
+    """Threads an :class:`ImageChunks` pass runs its chunks on: the BLAS thread count, as the
+    engines take theirs (one on a device, whose batch is one chunk)."""
+    return min(blas_threads(), chunks) if xp is np and chunks > 1 else 1
 
 
 def saved_arrays(layer: Layer) -> list[np.ndarray]:

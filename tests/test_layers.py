@@ -608,9 +608,14 @@ def _image_local_chain():
     ]
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("chunk_bytes", [1, 3 * 6 * 9 * 9 * 4, 10**9])
-def test_image_chunks_are_bit_for_bit_the_layers_run_whole(rng, chunk_bytes):
-    # one image per chunk, uneven chunks (7 images, 3 per chunk) and one chunk for all
+def test_image_chunks_are_bit_for_bit_the_layers_run_whole(rng, chunk_bytes, threads, monkeypatch):
+    # one image per chunk, uneven chunks (7 images, 3 per chunk) and one chunk for all; the
+    # chunks on one, two or three threads at once
+    import hetconv.layers as layers
+
+    monkeypatch.setattr(layers, "blas_threads", lambda: threads)
     x = rng.standard_normal((7, 6, 9, 9)).astype(np.float32)
     whole = _image_local_chain()
     y = x
@@ -631,6 +636,45 @@ def test_image_chunks_are_bit_for_bit_the_layers_run_whole(rng, chunk_bytes):
     kept = sum(a.nbytes for a in chunks.saved_arrays())
     expected = sum(a.nbytes for layer in whole for a in saved_arrays(layer))
     assert kept == expected
+
+
+def test_image_chunks_run_on_the_blas_threads(rng):
+    """At two BLAS threads the chunks run on two threads at once, each group of chunks in
+    order on one; at one, every chunk on the calling thread."""
+    import threading
+
+    from threadpoolctl import threadpool_limits
+
+    class Where(ReLU):
+        def forward(self, x):
+            seen.append((threading.current_thread().name, x.shape[0]))
+            return super().forward(x)
+
+    x = rng.standard_normal((8, 4, 8, 8)).astype(np.float32)
+    for threads, names in ((1, 1), (2, 2)):
+        seen = []
+        with threadpool_limits(threads, user_api="blas"):
+            ImageChunks([Where("r"), MaxPool2d("p")], x[:1].nbytes).forward(x)
+        assert len(seen) == 8 and len({name for name, _ in seen}) == names, seen
+        if threads == 2:  # the first four images on the calling thread, the rest on another
+            here = threading.current_thread().name
+            assert [name == here for name, _ in seen].count(True) == 4
+
+
+def test_chain_chunks_bench_times_the_chunks_at_more_threads_and_checks_their_bits():
+    """``benchmarks/chain_chunks.py --threads 2``: a row with the chunks at two threads beside
+    one, each run's results checked equal to the chain's run whole."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "chain_chunks.py"
+    spec = importlib.util.spec_from_file_location("chain_chunks", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.measure(6, 8, 4, repeats=1, chunk_bytes=6 * 8 * 8 * 4, threads=2)
+    assert row["threads"] == 2 and row["threaded_s"] > 0
+    assert row["threaded_ratio"] == pytest.approx(row["chunks_s"] / row["threaded_s"])
+    assert "threaded_s" not in bench.measure(6, 8, 4, repeats=1, chunk_bytes=6 * 8 * 8 * 4)
 
 
 def test_image_chunks_gradient_is_numerically_right(rng):

@@ -52,6 +52,7 @@ from .base import (
 )
 from .checks import device_number
 from .cpu import CpuBackend
+from .hostthreads import blas_threads
 from .onednn_library import (  # the C API's names, as its header spells them
     _ARG_BIAS,
     _ARG_DIFF_BIAS,
@@ -396,7 +397,6 @@ class OneDnnBackend(CpuBackend):
         self._lib = library()
         self._convolutions: dict[tuple[ConvShape, int], _Convolution] = {}
         self._lock = threading.Lock()
-        self._blas = None
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -427,12 +427,7 @@ class OneDnnBackend(CpuBackend):
     def _threads(self) -> int:
         if self.threads is not None:
             return self.threads
-        if self._blas is None:
-            from threadpoolctl import ThreadpoolController
-
-            self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
-        counts = [c.num_threads for c in self._blas]
-        return max(1, min(counts)) if counts else (os.cpu_count() or 1)
+        return blas_threads()
 
     def implementations(self, shape: ConvShape) -> dict[str, str]:
         """The implementation oneDNN runs each operation of ``shape`` with (its name)."""
