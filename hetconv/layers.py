@@ -25,7 +25,7 @@ import numpy as np
 
 from .backends import Padding, PaddingSpec, conv_shape, onednn_layers
 from .backends.arrays import array_module, is_array
-from .backends.hostthreads import blas_threads, in_groups
+from .backends.hostthreads import blas_threads, groups, in_groups
 from .batchnorm import BatchNorm2d, batch_statistics
 from .conv import ConvExecutor, ConvSpec, LocalConv, StridePhases, kernel_pair
 from .graph import Add, Concat, Layer
@@ -226,9 +226,26 @@ class Conv2d(Layer):
         return (self.out_channels, *shape.out_hw)
 
 
+#: A host ReLU runs on several threads (ranges of its images, one a BLAS thread) where each
+#: range holds at least this many bytes. Forward and backward at two threads against one, on
+#: this project's 2-core EPYC: 16 MB 3.0-3.4 ms -> 2.1-2.2 ms; 4 MB in two ranges no faster
+#: (0.48-0.72 ms against 0.54-0.59: two cores share the memory such a pass waits on).
+RELU_PART_BYTES = 4 * 2**20
+
+
+def _image_ranges(a) -> list[slice]:
+    """``a``'s images in ranges to run an element-wise pass on at once: one a BLAS thread, each
+    at least :data:`RELU_PART_BYTES`; the whole batch in one (a device array: always)."""
+    if type(a) is not np.ndarray or a.nbytes < 2 * RELU_PART_BYTES or a.shape[0] < 2:
+        return [slice(None)]
+    parts = min(blas_threads(), a.shape[0], a.nbytes // RELU_PART_BYTES)
+    return [slice(i, j) for i, j in groups(a.shape[0], parts)] if parts > 1 else [slice(None)]
+
+
 class ReLU(Layer):
     """max(x, 0); the gradient at 0 is 0 and passes where x is NaN (a NaN stays NaN), as in
-    PyTorch.
+    PyTorch. A large host tensor's pass runs on the BLAS threads, a range of images each (an
+    element-wise pass: the same bits).
 
     .. note:: The zero is an array of one image's shape, broadcast along the batch: numpy's
        maximum with a scalar runs three times slower than with an array.
@@ -236,7 +253,14 @@ class ReLU(Layer):
 
     def forward(self, x):
         xp = array_module(x)
-        y = xp.maximum(x, xp.zeros((1, *x.shape[1:]), np.float32), dtype=np.float32)
+        zero = xp.zeros((1, *x.shape[1:]), np.float32)
+        ranges = _image_ranges(x)
+        if len(ranges) == 1:
+            y = xp.maximum(x, zero, dtype=np.float32)
+        else:
+            y = np.empty(x.shape, np.float32)
+            in_groups(lambda r: np.maximum(x[r], zero, out=y[r], dtype=np.float32), ranges,
+                      len(ranges))  # fmt: skip
         if onednn_layers.serves_relu(y):  # the backward in one pass from y (host float32)
             self._mask, self._y = None, y
         else:
@@ -244,9 +268,15 @@ class ReLU(Layer):
         return y
 
     def backward(self, dy):
-        if self._y is not None:
+        if self._y is None:
+            return dy * self._mask
+        ranges = _image_ranges(self._y)
+        if len(ranges) == 1 or dy.shape != self._y.shape:
             return onednn_layers.relu_backward(dy, self._y)
-        return dy * self._mask
+        dx = np.empty(self._y.shape, np.float32)
+        in_groups(lambda r: onednn_layers.relu_backward(dy[r], self._y[r], out=dx[r]), ranges,
+                  len(ranges))  # fmt: skip
+        return dx
 
 
 class LocalResponseNorm(Layer):

@@ -243,6 +243,44 @@ def test_relu_gradient_at_zero_is_zero(layer_path):
     np.testing.assert_array_equal(layer.backward(np.ones_like(x)), [[0.0, 0.0, 1.0]])
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_relu_on_several_threads_is_bit_for_bit_one_threads(rng, layer_path, threads,
+                                                            monkeypatch):  # fmt: skip
+    """A ReLU over more than a part's bytes runs a range of images on each thread: the same
+    output and gradient as on one, NaN kept and passed, zero's gradient 0; a non-contiguous
+    gradient too."""
+    import threading
+
+    import hetconv.layers as layers
+
+    x = rng.standard_normal((7, 3, 5, 5)).astype(np.float32)
+    x[0, 0, 0, 0], x[6, 2, 4, 4], x[3, 1, 2, 2] = np.nan, 0.0, -0.0
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    whole = ReLU("relu")
+    y, dx = whole.forward(x), whole.backward(dy)
+    odd = np.asfortranarray(dy)  # not C-contiguous: the numpy path, into the ranges' rows
+    dx_odd = ReLU("relu")
+    dx_odd.forward(x)
+    dx_odd = dx_odd.backward(odd)
+    seen = set()
+    real_maximum = np.maximum
+
+    def maximum(*args, **kwargs):
+        seen.add(threading.current_thread().name)
+        return real_maximum(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "RELU_PART_BYTES", x[:1].nbytes)
+    monkeypatch.setattr(layers, "blas_threads", lambda: threads)
+    monkeypatch.setattr(layers.np, "maximum", maximum)
+    parted = ReLU("relu")
+    got_y = parted.forward(x)
+    assert len(seen) >= 2  # ranges on the calling thread and the pool's
+    np.testing.assert_array_equal(got_y, y)  # NaN where NaN
+    np.testing.assert_array_equal(parted.backward(dy), dx)
+    np.testing.assert_array_equal(parted.backward(odd), dx_odd)
+    assert np.isnan(got_y[0, 0, 0, 0]) and dx[6, 2, 4, 4] == 0.0
+
+
 # -------------------------------------------------------------------------- LocalResponseNorm
 
 LRN_CASES = [

@@ -185,13 +185,15 @@ def serves_relu(y: np.ndarray) -> bool:
     return _served(y) and _library() is not None
 
 
-def relu_backward(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
+def relu_backward(dy: np.ndarray, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """The gradient of a ReLU's input from its output ``y``: 0 where ``y <= 0``, else ``dy``
-    (as PyTorch's: 0 at 0, passed where the input was NaN)."""
+    (as PyTorch's: 0 at 0, passed where the input was NaN); into ``out`` (float32, C-contiguous,
+    ``y``'s shape) where given."""
     lib = _library()
     if lib is None or dy.shape != y.shape or not _served(dy):  # numpy's way
-        return dy * ~(y <= 0)
-    dx = np.empty_like(y)
+        mask = ~(y <= 0)
+        return dy * mask if out is None else np.multiply(dy, mask, out=out)
+    dx = np.empty_like(y) if out is None else out
     _relu_backward_op(lib, y.size).run(y, dy, dx)
     return dx
 
