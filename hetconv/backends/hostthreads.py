@@ -32,10 +32,12 @@ def blas_threads() -> int:
     return max(1, min(counts)) if counts else (os.cpu_count() or 1)
 
 
-def groups(total: int, parts: int) -> list[tuple[int, int]]:
-    """``[0, total)`` in at most ``parts`` contiguous ranges, as even as can be; none empty."""
-    parts = max(1, min(parts, total))
-    cuts = [total * i // parts for i in range(parts + 1)]
+def groups(total: int, parts: int, block: int = 1) -> list[tuple[int, int]]:
+    """``[0, total)`` cut into at most ``parts`` contiguous ranges, as even as whole blocks of
+    ``block`` allow (the last block may be short); none empty."""
+    blocks = -(-total // block)
+    parts = max(1, min(parts, blocks))
+    cuts = [min(total, blocks * i // parts * block) for i in range(parts + 1)]
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
@@ -46,7 +48,7 @@ def in_groups(work: Callable[[Any], T], items: Sequence, threads: int) -> list[T
     if threads <= 1 or len(items) < 2:
         return [work(item) for item in items]
     ranges = groups(len(items), threads)
-    pool = _shared_pool()
+    pool = shared_pool()
     futures = [pool.submit(lambda a=a, b=b: [work(i) for i in items[a:b]]) for a, b in ranges[1:]]
     try:
         first = [work(item) for item in items[ranges[0][0] : ranges[0][1]]]
@@ -55,7 +57,9 @@ def in_groups(work: Callable[[Any], T], items: Sequence, threads: int) -> list[T
     return first + [result for future in futures for result in future.result()]
 
 
-def _shared_pool() -> ThreadPoolExecutor:
+def shared_pool() -> ThreadPoolExecutor:
+    """The module's thread pool (a thread a CPU), made on first use: the threads beside the
+    calling one that the engines' and the layers' parts run on."""
     global _pool
     if _pool is None:
         with _lock:
@@ -64,4 +68,4 @@ def _shared_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-__all__ = ["blas_threads", "groups", "in_groups"]
+__all__ = ["blas_threads", "groups", "in_groups", "shared_pool"]

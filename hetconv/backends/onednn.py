@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import replace
 from functools import partial
 
@@ -52,7 +51,8 @@ from .base import (
 )
 from .checks import device_number
 from .cpu import CpuBackend
-from .hostthreads import blas_threads
+from .hostthreads import blas_threads, shared_pool
+from .hostthreads import groups as _ranges  # [0, total) in contiguous ranges of whole blocks
 from .onednn_library import (  # the C API's names, as its header spells them
     _ARG_BIAS,
     _ARG_DIFF_BIAS,
@@ -143,23 +143,10 @@ def op_layouts(layout: str, shape: ConvShape) -> dict[str, str]:
     return {"forward": "blocked", "input": "plain" if few else "blocked", "kernels": "blocked"}
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
 def _worth(flops: int, threads: int) -> int:
     """The parts a call of ``flops`` is cut into on ``threads``: each at least
     :data:`MIN_PART_FLOPS`, one at the least."""
     return max(1, min(threads, flops // MIN_PART_FLOPS))
-
-
-def _ranges(total: int, parts: int, block: int = 1) -> list[tuple[int, int]]:
-    """``[0, total)`` cut into at most ``parts`` contiguous ranges, as even as whole blocks of
-    ``block`` allow (the last block may be short); none empty."""
-    blocks = -(-total // block)
-    parts = max(1, min(parts, blocks))
-    cuts = [min(total, blocks * i // parts * block) for i in range(parts + 1)]
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
 def _image_parts(shape: ConvShape) -> int:
@@ -210,19 +197,15 @@ def _one_thread(lib: _Library, tasks: list, scratch: _PartScratch) -> None:
 def _in_parallel(lib: _Library, tasks: list, threads: int, buffers: dict) -> None:
     """Run ``tasks`` (callables of a :class:`_PartScratch` over ``buffers``)
     on at most ``threads`` threads at once, in as many contiguous groups, each in order: the
-    first group on the calling thread, the others on the module's pool; each at one OpenMP
+    first group on the calling thread, the others on the shared pool; each at one OpenMP
     thread. Returns when all are done; raises the first failure."""
-    global _pool
     if threads == 1 or len(tasks) == 1:  # on the calling thread: no hand-off to wait for
         _one_thread(lib, tasks, _PartScratch(buffers, 0))
         return
     groups = [tasks[i:j] for i, j in _ranges(len(tasks), threads)]
-    if len(groups) > 1 and _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="onednn")
+    pool = shared_pool()
     futures = [
-        _pool.submit(_one_thread, lib, group, _PartScratch(buffers, g))
+        pool.submit(_one_thread, lib, group, _PartScratch(buffers, g))
         for g, group in enumerate(groups[1:], 1)
     ]
     try:
