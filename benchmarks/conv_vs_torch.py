@@ -137,8 +137,8 @@ def _normal(rng, shape) -> np.ndarray:
 
 def conv_pairs(layer, module, x: np.ndarray, dy: np.ndarray, backend):
     """(kind, ours, theirs) of a convolution's forward, input and kernel gradient."""
-    # as the engine runs it: a strided layer as its phases (stride 1), but the forward and
-    # kernel gradient of a 3x3 one strided on a backend that takes strides (Conv2d.runs_strided)
+    # as the engine runs it: a strided layer as its phases (stride 1), but a 3x3 one strided
+    # on a backend that takes strides (Conv2d.runs_strided)
     xe, we, padding = layer.executed(x)
     xs, ws, ps, stride = xe, we, padding, (1, 1)
     if backend.native_stride and layer.runs_strided(x):
@@ -170,7 +170,7 @@ def conv_pairs(layer, module, x: np.ndarray, dy: np.ndarray, backend):
         pairs.append(
             (
                 "conv input gradient",
-                lambda: backend.conv_grad_input(dye, we, xe.shape[2:], padding),
+                lambda: backend.conv_grad_input(dye, ws, xs.shape[2:], ps, stride),
                 theirs_backward([True, False, False]),
             )
         )

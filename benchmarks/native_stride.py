@@ -1,8 +1,8 @@
 """Strided layers run by oneDNN's strided convolutions against their phases, side by side.
 
-``hetconv train --local`` on the onednn engine hands a 3x3 stride-2 layer's forward and kernel
-gradient to oneDNN with the layer's own stride (``Conv2d.runs_strided``); every other executor
-and backend runs it as the stride-1 convolution of its phases (``StridePhases``: 1.78x the
+``hetconv train --local`` on the onednn engine hands a 3x3 stride-2 layer's forward, input and
+kernel gradient to oneDNN with the layer's own stride (``Conv2d.runs_strided``); every other
+executor and backend runs it as the stride-1 convolution of its phases (``StridePhases``: 1.78x the
 arithmetic). This times, in one process and interleaved, the same model's whole training step
 (forward, backward, SGD) both ways -- ``LocalConv("onednn")`` as it is, and the same executor
 with ``native_stride`` off -- and prints each network's and batch's step times and their ratio

@@ -55,8 +55,8 @@ class Conv2d(Layer):
        :attr:`~hetconv.conv.ConvExecutor.native_stride` (:class:`~hetconv.conv.LocalConv` on
        the onednn backend) is called with the layer's own input, kernels, padding and stride.
        On resnet20's 3x3 stride-2 layers oneDNN's strided forward and kernel gradient take
-       0.57-0.75x the phases' time; its 1x1 strided ones 1.2-1.4x (one thread, batch 16 and
-       64, ``benchmarks/conv_vs_torch.py``).
+       0.57-0.75x the phases' time, its input gradient 0.3-0.5x; its 1x1 strided ones 1.2-1.4x
+       (one thread, batch 16 and 64, ``benchmarks/conv_vs_torch.py``).
     """
 
     def __init__(
