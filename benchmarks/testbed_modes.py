@@ -244,6 +244,19 @@ MODES: tuple[Mode, ...] = (
         in_all=False,
         over_base=False,
     ),
+    *(
+        Mode(
+            f"cut_{layer}",
+            ("--split", f"{layer}=images"),
+            f"the network cut after {layer}'s block (vgg11's: `--split {layer}=images`): the "
+            "layers up to it split by images among the workers with the ring, the rest on the "
+            "master",
+            "--split",
+            in_all=False,
+            over_base=False,
+        )
+        for layer in ("conv4", "conv6")
+    ),
     Mode(
         "images_ring_unchecked",
         ("--split", "images", "--exchange", "ring", "--spot-check-every", "0"),

@@ -57,7 +57,12 @@ FLAGS = {
             "layer modes do not apply); auto = with workers named or discovered, whichever the "
             "cost model predicts faster for the links and speeds measured at start (images only "
             "when predicted 10 %% faster; `hetconv plan` ranks both), else kernels (the embedded "
-            "default, --deterministic, or a kernel-split flag given)",
+            "default, --deterministic, or a kernel-split flag given); LAYER=images = the "
+            "network cut after LAYER's block (a convolution with the batch norm, ReLU, LRN and "
+            "pooling after it): the layers up to it split by images among the workers, their "
+            "gradient summed by the ring, the rest of the network on the master, on the whole "
+            "batch (a network whose first layers hold little of its weights: vgg11 with "
+            "conv6=images)",
         ),
         ModeFlag(
             "--exchange",
@@ -213,6 +218,8 @@ def add_mode_flags(
             continue
         default = defaults[dest]
         offered = tuple(choices.get(dest, flag.choices))
+        if dest == "split" and "images" in offered:
+            offered = _WithCut(offered)
         note = notes.get(dest, "")  # the help formatter shows a default that is not None
         parser.add_argument(
             flag.flag,
@@ -220,6 +227,21 @@ def add_mode_flags(
             default=default,
             help=flag.help(offered) + (f". {note[0].upper()}{note[1:]}" if note else ""),
         )
+
+
+class _WithCut(tuple):
+    """``--split``'s choices, and LAYER=images (:func:`hetconv.cutsplit.cut_layer`; the layer
+    is checked against the network later)."""
+
+    def __contains__(self, value) -> bool:
+        if tuple.__contains__(self, value):
+            return True
+        from hetconv.cutsplit import cut_layer
+
+        try:
+            return isinstance(value, str) and cut_layer(value) is not None
+        except ValueError:
+            return False
 
 
 #: train's defaults: what runs fastest, chosen per layer.

@@ -155,6 +155,8 @@ def _check_where(args: argparse.Namespace, addresses: list[str]) -> None:
                          "--local only (a worker serves a GPU: --backend cuda)")  # fmt: skip
     if args.split == "images" and not args.local:
         _check_image_split(args)
+    elif "=" in args.split and not args.local:
+        _check_cut_split(args)
     elif args.split == "kernels" and args.exchange != "auto":
         raise ValueError("--exchange says how a split by images sums its gradients: with "
                          "--split kernels nothing is; drop --exchange")  # fmt: skip
@@ -188,6 +190,24 @@ def split_of(args: argparse.Namespace, addresses: list[str]) -> tuple[str, str]:
         if getattr(args, dest) != default:
             return "kernels", f"--{dest.replace('_', '-')} is the split by kernels'"
     return "auto", "the cost model's choice at start"
+
+
+def _check_cut_split(args: argparse.Namespace) -> None:
+    """Refuse what ``--split LAYER=images`` cannot do: a layer the network cannot be cut
+    after, the flags of a split by kernels, the exchange through the master, TLS."""
+    from hetconv.cutsplit import cut_after, cut_layer
+    from hetconv.onnx_import import load_network
+
+    layer = cut_layer(args.split)
+    for dest, default in _KERNEL_SPLIT_ONLY:
+        if getattr(args, dest) != default:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"--split {args.split} splits no layer by kernels: drop {flag}")
+    if args.exchange == "master" or args.tls_ca is not None:
+        raise ValueError(f"--split {args.split} sums the first part's gradient by the ring "
+                         "among the workers (plain gRPC): not with --exchange master or "
+                         "--tls-ca")  # fmt: skip
+    cut_after(load_network(args.preset).spec, layer)
 
 
 def _check_image_split(args: argparse.Namespace) -> None:
@@ -292,7 +312,14 @@ def _train(args: argparse.Namespace, config: TrainConfig, cluster_config, addres
     # --split images: the whole network on every node, each on its share of the images,
     # the gradients summed as --exchange says; auto: whichever the cost model predicts faster
     split, _ = split_of(args, addresses)
+    if "=" in split:  # --split LAYER=images
+        from hetconv.cutsplit import cut_layer
+        from hetconv.master.cutsplit import cut_split_class
+
+        layer = cut_layer(split)
+        split = "cut"
     cluster_class = {
+        "cut": lambda: cut_split_class(layer),
         "images": lambda: image_split_class(args.exchange),
         "auto": lambda: SplitChoice.with_exchange(args.exchange, args.alone_check == "on"),
         "kernels": lambda: Cluster,

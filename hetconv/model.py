@@ -517,10 +517,11 @@ class Model:
                 layer.step = step
         return graph_forward(self.blocks, self.block_inputs, x)
 
-    def backward(self, grad: np.ndarray) -> None:
+    def backward(self, grad: np.ndarray) -> np.ndarray | None:
         """Back-propagate the loss gradient w.r.t. the logits; fills every layer's ``grads``
-        (a tensor that feeds several steps gets the sum of their gradients)."""
-        graph_backward(self.blocks, self.block_inputs, grad, _backward_pending)
+        (a tensor that feeds several steps gets the sum of their gradients). Returns the
+        input's gradient where the layers reading it compute one (None otherwise)."""
+        return graph_backward(self.blocks, self.block_inputs, grad, _backward_pending)
 
 
 def _backward_pending(block: object) -> bool:

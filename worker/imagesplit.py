@@ -35,6 +35,7 @@ import numpy as np
 from hetconv.backends.arrays import to_host
 from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, images_step_names
 from hetconv.conv import LocalConv
+from hetconv.cutsplit import BACKWARD, FORWARD, WHOLE
 from hetconv.errors import InvalidCall, RequestTooLarge
 from hetconv.formats import FLOAT32
 from hetconv.imagesplit import (
@@ -67,6 +68,7 @@ from hetconv.ring import (
 from hetconv.ringcheck import SUMS, sketch_answer, sums_digest
 from hetconv.spec import check_spec, walk_spec
 from hetconv.wire import WireTensor
+from hetconv.worker import cutsplit
 from hetconv.worker.context import WorkerContext
 from hetconv.worker.ring import RingFailed
 
@@ -78,10 +80,12 @@ _KEY = ("images model", 0)
 
 
 @functools.lru_cache(maxsize=16)
-def _network(spec_json: str, input_shape: tuple[int, ...], batchnorm: bool = False):
-    """(spec, parameter shapes by name, output values per image, buffer shapes by name) of a
-    request's model; InvalidCall naming what is wrong with it. Batch norm only where
-    ``batchnorm`` (a ring: its statistics summed among the workers)."""
+def _network(spec_json: str, input_shape: tuple[int, ...], batchnorm: bool = False,
+             cut: bool = False):  # fmt: skip
+    """(spec, parameter shapes by name, output values per image, buffer shapes by name, output
+    shape) of a request's model; InvalidCall naming what is wrong with it. Batch norm only
+    where ``batchnorm`` (a ring: its statistics summed among the workers); an output other
+    than logits only where ``cut`` (a network's first part, :mod:`hetconv.cutsplit`)."""
     try:
         spec = json.loads(spec_json)
         if not isinstance(spec, list) or not all(isinstance(e, dict) for e in spec):
@@ -99,11 +103,11 @@ def _network(spec_json: str, input_shape: tuple[int, ...], batchnorm: bool = Fal
                                ("running_var", ly.input_shape[:1]), ("num_batches_tracked", ()))
         }  # fmt: skip
         output = layers[-1].output_shape if spec else input_shape
-        if len(output) != 1:
+        if len(output) != 1 and not cut:
             raise ValueError(f"the model's output is {output}, not logits (classes,)")
     except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
         raise InvalidCall(f"images step: {e}") from None
-    return spec, shapes, values, buffers
+    return spec, shapes, values, buffers, tuple(output)
 
 
 def _description(request: pb.ConvRequest):
@@ -135,7 +139,15 @@ def check_request(
     """
     d, shape = _description(request)
     ring = d.ring if d.HasField("ring") else None
-    _, shapes, values, buffers = _network(d.spec_json, shape, ring is not None)
+    if d.cut_phase and ring is None:
+        raise InvalidCall("a cut network's step needs a ring (its first part's gradient is "
+                          "summed among the workers)")  # fmt: skip
+    _, shapes, values, buffers, output = _network(d.spec_json, shape, ring is not None,
+                                                  d.cut_phase != WHOLE)  # fmt: skip
+    if d.cut_phase == BACKWARD:
+        return cutsplit.check_backward(request, tensors, output)
+    if d.cut_phase not in (WHOLE, FORWARD):
+        raise InvalidCall(f"cut_phase {d.cut_phase} is none of 0, 1, 2")
     names = [t.name for t in tensors]
     allowed = request_names(shapes, ring, list(buffers))
     if names not in allowed:
@@ -193,6 +205,7 @@ class _Kept:
     version: int | None = None
     momentum: dict[str, np.ndarray] | None = None
     sketch: np.ndarray | None = None  # the step's sketches of its own gradient, where asked
+    cut: object = None  # a cut network's FORWARD, kept for its BACKWARD (worker.cutsplit)
 
     @property
     def held_bytes(self) -> int:
@@ -228,7 +241,9 @@ class ImagesCalls:
         ctx = self.context
         request, arrays, receive = ctx.receive(messages, IMAGES_STEP)
         d, shape = _description(request)
-        spec = _network(d.spec_json, shape, d.HasField("ring"))[0]
+        spec = _network(d.spec_json, shape, d.HasField("ring"), d.cut_phase != WHOLE)[0]
+        if d.cut_phase:
+            return self._cut_step(request, spec, shape, arrays, receive)
         *parameters, x, labels = arrays
         if not all(np.isfinite(p).all() for p in parameters) or not np.isfinite(x).all():
             raise InvalidCall("a parameter or x holds NaN or Inf")
@@ -262,6 +277,30 @@ class ImagesCalls:
         tensors += [("losses", losses, FLOAT32), ("hits", hits.astype(np.float32), FLOAT32)]
         return tensors, time.perf_counter() - start, receive
 
+    def _cut_step(self, request: pb.ConvRequest, spec, shape, arrays, receive):
+        """A cut network's FORWARD or BACKWARD (:mod:`hetconv.worker.cutsplit`)."""
+        if not all(np.isfinite(a).all() for a in arrays):
+            raise InvalidCall("a parameter, x or dy holds NaN or Inf")
+        kept = self._kept(request, spec, shape)
+        if request.images.cut_phase == BACKWARD:
+            tensors, compute = cutsplit.backward(self, request, kept, arrays[0])
+        else:
+            *parameters, x, _ = arrays
+            sums = functools.partial(_BatchNormSums, self.context, request)
+            tensors, compute = cutsplit.forward(self, request, kept, parameters, x, sums)
+        return tensors, compute, receive
+
+    def place_or_check(self, request: pb.ConvRequest, kept: _Kept, parameters) -> None:
+        """Place the weights a ring request carries, or check the version held."""
+        ring = request.images.ring
+        if ring.place:
+            placed = [h.name for h in request.tensors[: len(parameters)]]
+            _place(kept, placed, parameters, self.context.backend)
+            kept.version = int(ring.version)
+        elif kept.version != ring.version:
+            raise InvalidCall(f"this worker holds weights of version {kept.version}, the step "
+                              f"needs {ring.version}: they must be placed")  # fmt: skip
+
     def _ring_step(self, request: pb.ConvRequest, kept: _Kept, parameters, x, labels, receive):
         """An ImagesStep with a ring (:mod:`hetconv.ring`): place the weights the request
         carries (or check the version held), compute this worker's gradient, sum it over the
@@ -273,13 +312,7 @@ class ImagesCalls:
         names = list(model.parameters())
         backend = ctx.backend
         ctx.ring.begin(request.session, int(request.step))
-        if ring.place:
-            placed = [h.name for h in request.tensors[: len(parameters)]]
-            _place(kept, placed, parameters, backend)
-            kept.version = int(ring.version)
-        elif kept.version != ring.version:
-            raise InvalidCall(f"this worker holds weights of version {kept.version}, the step "
-                              f"needs {ring.version}: they must be placed")  # fmt: skip
+        self.place_or_check(request, kept, parameters)
         start = time.perf_counter()
         seconds = dict.fromkeys(("batchnorm", "ring", "update", "digest"), 0.0)
         reduce = _BatchNormSums(ctx, request, seconds)

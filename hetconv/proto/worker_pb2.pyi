@@ -179,7 +179,7 @@ class TensorPart(_message.Message):
     def __init__(self, source: _Optional[int] = ..., gradient: _Optional[bool] = ..., round: _Optional[int] = ..., sample: _Optional[int] = ..., sample_seed: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class ImagesStep(_message.Message):
-    __slots__ = ("spec_json", "input_shape", "seed", "first", "batch", "scale", "ring")
+    __slots__ = ("spec_json", "input_shape", "seed", "first", "batch", "scale", "ring", "cut_phase")
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class ImagesStep(_message.Message):
     BATCH_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
+    CUT_PHASE_FIELD_NUMBER: _ClassVar[int]
     spec_json: str
     input_shape: _containers.RepeatedScalarFieldContainer[int]
     seed: int
@@ -194,7 +195,8 @@ class ImagesStep(_message.Message):
     batch: int
     scale: float
     ring: ImagesRing
-    def __init__(self, spec_json: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., first: _Optional[int] = ..., batch: _Optional[int] = ..., scale: _Optional[float] = ..., ring: _Optional[_Union[ImagesRing, _Mapping]] = ...) -> None: ...
+    cut_phase: int
+    def __init__(self, spec_json: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., first: _Optional[int] = ..., batch: _Optional[int] = ..., scale: _Optional[float] = ..., ring: _Optional[_Union[ImagesRing, _Mapping]] = ..., cut_phase: _Optional[int] = ...) -> None: ...
 
 class ImagesRing(_message.Message):
     __slots__ = ("peers", "rank", "version", "place", "lr", "momentum", "weight_decay", "master_part", "answer_sum", "wait_seconds", "round", "abort", "bucket_bytes", "digest_seed", "digest_share", "sum_slice", "segment", "segment_bytes", "sum_ports", "sketch")

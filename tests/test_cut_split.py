@@ -1,0 +1,187 @@
+"""A network cut in two (``--split LAYER=images``, :mod:`hetconv.cutsplit`): its first part
+split by images among real worker processes with the ring, the rest on the master; trains as
+local training does, step by step, a worker SIGKILLed mid-step too."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hetconv.cutsplit import cut_after, cut_layer, cut_spec
+from hetconv.spec import load_spec
+
+#: Two convolution blocks with batch norm, a third convolution, the head: cut after conv2's.
+CUT_NET = [
+    {"type": "conv", "name": "conv1", "out": 4, "kernel": 3, "padding": 1},
+    {"type": "batchnorm"},
+    {"type": "relu"},
+    {"type": "maxpool", "kernel": 2},
+    {"type": "conv", "name": "conv2", "out": 6, "kernel": 3, "padding": 1},
+    {"type": "batchnorm"},
+    {"type": "relu"},
+    {"type": "maxpool", "kernel": 2},
+    {"type": "conv", "name": "conv3", "out": 8, "kernel": 3, "padding": 1},
+    {"type": "batchnorm"},
+    {"type": "relu"},
+    {"type": "dropout", "p": 0.25},
+    {"type": "fc", "out": 10},
+]
+
+
+# -- where to cut ------------------------------------------------------------------------------
+
+
+def test_split_values_name_a_layer_or_none():
+    assert cut_layer("auto") is None and cut_layer("images") is None
+    assert cut_layer("conv4=images") == "conv4"
+    for bad in ("conv4=kernels", "=images", "conv4="):
+        with pytest.raises(ValueError, match="LAYER=images"):
+            cut_layer(bad)
+
+
+def test_vgg11_is_cut_after_a_convolutions_block_and_its_parts_keep_their_names():
+    spec = load_spec("vgg11")
+    last = cut_after(spec, "conv4")
+    assert spec[last]["type"] == "maxpool"  # conv4, bn4, relu4, maxpool3
+    first, rest = cut_spec(spec, last)
+    assert [e["name"] for e in first[-4:]] == ["conv4", "bn4", "relu4", "maxpool3"]
+    assert rest[0]["name"] == "conv5" and rest[-1]["name"] == "fc"
+    assert cut_after(spec, "conv3") == last - 4  # no pool after conv3: bn3, relu3
+
+
+@pytest.mark.parametrize(
+    "network, layer, says",
+    [
+        ("vgg11", "conv9", "has no layer 'conv9' (its convolutions: conv1, conv2"),
+        ("vgg11", "bn2", "'bn2' is a batchnorm, not a convolution"),
+        ("resnet20", "s1b0_conv1", "reads relu1, before it"),
+        ("resnet20", "conv1", "feeds more than one layer"),
+    ],
+)
+def test_a_cut_no_single_tensor_crosses_is_refused_by_name(network, layer, says):
+    with pytest.raises(ValueError, match="--split " + layer) as e:
+        cut_after(load_spec(network), layer)
+    assert says in str(e.value)
+
+
+# -- real worker processes ---------------------------------------------------------------------
+
+
+def _train(tmp_path, name, executor, steps=20):
+    from exactness import RUN
+
+    from hetconv.training import TrainConfig, train
+
+    spec = tmp_path / "cut-net.json"
+    spec.write_text(json.dumps(CUT_NET))
+    weights = tmp_path / f"{name}.npz"
+    config = TrainConfig(**{**RUN, "preset": str(spec), "save": str(weights), "steps": steps})
+    with executor:
+        losses = train(config, executor, log=io.StringIO()).losses
+    return losses, dict(np.load(weights))
+
+
+def _cut(addresses, layer="conv2", **config):
+    from hetconv.master.cluster import ClusterConfig
+    from hetconv.master.cutsplit import cut_split_class
+
+    class Recorded(cut_split_class(layer)):
+        def __init__(self):
+            super().__init__(addresses, config=ClusterConfig(deterministic=True, **config))
+            self.steps, self.actions = [], {}
+
+        def _calls(self, phase, *args):
+            calls = super()._calls(phase, *args)
+            if (self.step, phase) in self.actions:
+                self.actions.pop((self.step, phase))()
+            return calls
+
+        def end_step(self):
+            record = super().end_step()
+            self.steps.append(record)
+            return record
+
+    return Recorded()
+
+
+def test_a_cut_network_trains_as_local_training(tmp_path, workers):
+    from exactness import same_as_local
+
+    from hetconv.conv import LocalConv
+
+    local = _train(tmp_path, "local", LocalConv())
+    cluster = _cut(workers.addresses)
+    got = _train(tmp_path, "cut", cluster)
+    same_as_local(got, local)  # the running statistics too: the weight file holds them
+    assert all(r["exchange"] == "ring" and r["cut"] == "conv2" for r in cluster.steps)
+    assert all("master" not in r["images"] for r in cluster.steps)
+    assert all(
+        r["nodes"][name]["digest"] == r["digest"] for r in cluster.steps for name in r["nodes"]
+    )  # every worker's copy of the first part is the master's
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_worker_killed_mid_step_the_master_computes_the_first_part(tmp_path, phase):
+    """A worker stopped once step 3's FORWARD (or BACKWARD) calls are out and SIGKILLed 0.3 s
+    later: the survivor's batch norm sums (or the ring) fail, the master computes the first
+    part on the whole batch (the same step), and the next steps ring over the survivor."""
+    from exactness import FAST, same_as_local
+
+    from hetconv.conv import LocalConv
+    from hetconv.cutsplit import BACKWARD, FORWARD
+    from hetconv.master.launch import LocalWorkers
+
+    local = _train(tmp_path, "local", LocalConv(), steps=8)
+    with LocalWorkers(2) as started:
+        victim = started.processes[1]
+        cluster = _cut(started.addresses, **FAST)
+
+        def stop_then_kill() -> None:  # frozen where it is, its peer waiting on it; then gone
+            os.kill(victim.pid, signal.SIGSTOP)
+
+            def kill() -> None:
+                time.sleep(0.3)
+                victim.kill()
+                victim.wait()
+
+            threading.Thread(target=kill, daemon=True).start()
+
+        at = FORWARD if phase == "forward" else BACKWARD
+        cluster.actions[(3, at)] = stop_then_kill
+        got = _train(tmp_path, "killed", cluster, steps=8)
+    same_as_local(got, local)
+    assert cluster.steps[3]["exchange"] == "master"
+    assert cluster.steps[3]["nodes"][started.addresses[1]].get("covered_by") == "master"
+    assert all(r["exchange"] == "ring" for r in cluster.steps[5:])
+
+
+def test_train_says_the_cut_and_refuses_a_bad_one(tmp_path, capsys):
+    from hetconv.cli import main
+
+    spec = tmp_path / "cut-net.json"
+    spec.write_text(json.dumps(CUT_NET))
+    trace = tmp_path / "trace.jsonl"
+    argv = ["train", "--split", "conv2=images", "--model", str(spec), "--steps", "2",
+            "--batch", "4", "--train-size", "16", "--eval-size", "4", "--no-run-dir",
+            "--no-progress", "--trace", str(trace), "--deterministic",
+            "--local-workers", "2"]  # fmt: skip
+    assert main(argv) == 0
+    plan = json.loads(trace.read_text().splitlines()[0])
+    assert plan["cut"] == "conv2" and plan["exchange"] == "ring"
+    assert plan["cut_output"] == [6, 8, 8]
+    err = capsys.readouterr().err
+    assert "split at conv2's block: the workers run the network up to it" in err
+    bad = ["train", "--split", "conv7=images", "--model", str(spec), "--steps", "1",
+           "--no-run-dir"]  # fmt: skip
+    assert main(bad) == 2
+    assert "no layer 'conv7' (its convolutions: conv1, conv2, conv3)" in capsys.readouterr().err
+    master = [*bad[:2], "conv2=images", *bad[3:], "--exchange", "master"]
+    assert main(master) == 2
+    assert "not with --exchange master" in capsys.readouterr().err
