@@ -218,8 +218,8 @@ def add_mode_flags(
             continue
         default = defaults[dest]
         offered = tuple(choices.get(dest, flag.choices))
-        if dest == "split" and "images" in offered:
-            offered = _WithCut(offered)
+        if dest == "split" and dest not in choices:  # train's: LAYER=images too
+            offered = _WithCut((*offered, "LAYER=images"))
         note = notes.get(dest, "")  # the help formatter shows a default that is not None
         parser.add_argument(
             flag.flag,

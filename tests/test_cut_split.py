@@ -127,6 +127,21 @@ def test_a_cut_network_trains_as_local_training(tmp_path, workers):
     )  # every worker's copy of the first part is the master's
 
 
+def test_the_paper_network_cut_after_its_first_block_trains_as_local_training(tmp_path, workers):
+    """The tiny paper network (a strong LRN, no batch norm: the FORWARD sums nothing) cut
+    after conv1's ReLU, LRN and pooling."""
+    from exactness import same_as_local, train_strong_lrn
+
+    from hetconv.conv import LocalConv
+
+    local = train_strong_lrn(tmp_path, "local", LocalConv())
+    cluster = _cut(workers.addresses, layer="conv1")
+    with cluster:
+        got = train_strong_lrn(tmp_path, "cut", cluster)
+    same_as_local(got, local)
+    assert all(r["exchange"] == "ring" for r in cluster.steps)
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_worker_killed_mid_step_the_master_computes_the_first_part(tmp_path, phase):
     """A worker stopped once step 3's FORWARD (or BACKWARD) calls are out and SIGKILLed 0.3 s
