@@ -255,7 +255,7 @@ MODES: tuple[Mode, ...] = (
             in_all=False,
             over_base=False,
         )
-        for layer in ("conv4", "conv6")
+        for layer in ("conv4", "conv5", "conv6")
     ),
     Mode(
         "images_ring_unchecked",

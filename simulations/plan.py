@@ -160,6 +160,7 @@ def candidates(
                 )
             )
         out += _image_split(cluster, network, batch, comp_s, shape, alone, named, workers)
+        out += _cut(cluster, network, batch, comp_s, shape, alone, named, workers)
         out += _data_parallel(cluster, network, batch, comp_s, shape, alone)
     return sorted(out, key=lambda c: c.step_s)
 
@@ -237,6 +238,20 @@ def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) 
             )
         )
     return out
+
+
+def _cut(cluster, network, batch, comp_s, shape, alone, named, workers) -> list:
+    """The network cut in two where that is predicted fastest (``--split LAYER=images``,
+    :mod:`.cutplan`); none where it cannot be cut."""
+    from .cutplan import CUT_LABEL, best_cut
+
+    got = best_cut(cluster, network, batch, comp_s, shape)
+    if got is None:
+        return []
+    layer, step, nbytes = got
+    how = train_command(named, batch, workers, f"--split {layer}=images")
+    return [Candidate("hetconv", CUT_LABEL.format(layer=layer), step, alone / step,
+                      nbytes / 1e6, True, how, workers)]  # fmt: skip
 
 
 def _with_format(cluster: SimCluster, fmt) -> SimCluster:

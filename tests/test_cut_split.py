@@ -200,3 +200,36 @@ def test_train_says_the_cut_and_refuses_a_bad_one(tmp_path, capsys):
     master = [*bad[:2], "conv2=images", *bad[3:], "--exchange", "master"]
     assert main(master) == 2
     assert "not with --exchange master" in capsys.readouterr().err
+
+
+# -- in the plan -------------------------------------------------------------------------------
+
+
+def test_the_plan_predicts_each_cut_and_ranks_the_fastest():
+    """Each place vgg11 may be cut is predicted (the first part split by images, the rest on
+    the master, the activations at the cut both ways); the plan ranks the fastest with the
+    command that runs it; a network that cannot be cut gets no row."""
+    from hetconv.costcluster import MBIT, SimCluster, SimNode
+    from hetconv.coststep import local_step_seconds
+    from hetconv.simulations.cutplan import cut_points, cut_step
+    from hetconv.simulations.plan import candidates
+    from hetconv.workload import conv_layers
+
+    spec = load_spec("vgg11")
+    assert cut_points(spec) == [f"conv{i}" for i in range(1, 8)]
+    assert cut_points(load_spec("resnet20")) == []
+    link = MBIT * 940
+    workers = tuple(SimNode(f"w{i}", 60.0, bytes_per_s=link, rtt_s=0.003) for i in range(4))
+    cluster = SimCluster(SimNode("m", 60.0, bytes_per_s=link), workers, "switched")
+    shape = (3, 32, 32)
+    alone = local_step_seconds(cluster.master, conv_layers(spec, 64, shape), 0.25)
+    steps = {name: cut_step(cluster, spec, 64, 0.25, shape, name) for name in cut_points(spec)}
+    assert all(0 < s < 2 * alone and b > 0 for s, b in steps.values())
+    assert steps["conv4"][0] < alone < steps["conv1"][0] * 1.2  # a cut pays where it should
+    assert steps["conv7"][1] > steps["conv4"][1]  # more of the model's gradient in the ring
+    rows = [c for c in candidates(cluster, "vgg11", 64, 0.25) if c.label.startswith("cut after")]
+    assert len(rows) == 1
+    best = min(steps, key=lambda name: steps[name][0])
+    assert rows[0].label.startswith(f"cut after {best}:") and rows[0].exact
+    assert f"--split {best}=images" in rows[0].how
+    assert not [c for c in candidates(cluster, "resnet20", 64, 0.05) if "cut" in c.label]
