@@ -276,6 +276,8 @@ def _choose_split(
 
 
 def _way(exchange: str) -> str:
+    if exchange.startswith("cut:"):  # hetconv.cutcost.CUT_WAY
+        return f"network cut after {exchange[4:]}'s block, the rest on the master"
     return "gradients through the master" if exchange == MASTER else "ring among the workers"
 
 

@@ -183,7 +183,8 @@ def image_split_steps(
     model, spec, batch: int, comp_alone_s: float, checks=None, alone_s: float = 0.0
 ) -> dict[str, float]:
     """The step of hetconv's own split by images on the nodes as measured, per exchange
-    (``master``, ``ring``; a network with batch norm only ``ring``), from the master's other
+    (``master``, ``ring``; a network with batch norm only ``ring``; and ``cut:LAYER``, the
+    network cut after a layer's block, :mod:`hetconv.cutcost`), from the master's other
     work per step alone (:func:`hetconv.imagecost.simulate_image_split`); spot checks
     (``checks``) add what they cost a step on average (:func:`hetconv.ringcheck.check_seconds`,
     from the master alone's step ``alone_s``): the ring's as :func:`~hetconv.imagecost.
@@ -213,6 +214,10 @@ def image_split_steps(
     }  # fmt: skip
     if checks is not None and MASTER in out:  # after the answers: nothing hides them
         out[MASTER] += check_seconds(checks, alone_s, workers, 0.0)
+    if workers:  # the network cut in two, where it may be (hetconv.cutcost: no spot checks)
+        from hetconv.cutcost import cut_ways
+
+        out.update(cut_ways(model, spec, batch, comp_alone_s, None))
     return out
 
 

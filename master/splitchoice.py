@@ -10,7 +10,10 @@ with the master's other work timed), it compares, on those measurements:
 * the split by kernels, with the modes the cluster chose (:func:`.records.predict_step`);
 * the whole network split by images (:mod:`.imagesplit`), through the master and, where it
   may run (no TLS; :mod:`.ring`), by the ring among the workers
-  (:func:`.records.image_split_steps`); a network with batch norm only by the ring.
+  (:func:`.records.image_split_steps`); a network with batch norm only by the ring;
+* where the ring may run, the network cut in two after each block it may be cut after
+  (:mod:`.cutsplit`, :mod:`hetconv.cutcost`): its first part by images with the ring, the
+  rest on the master.
 
 Where the split by kernels stays and its plan keeps every kernel on the master (each worker not
 worth its link or its compute), the master trains alone, as ``--local`` (no calls, the engine's
@@ -36,6 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from hetconv.cutcost import CUT_WAY
 from hetconv.imagecost import SPLIT_MARGIN, choose_split, describe_choice
 from hetconv.imagesplit import IMAGES, KERNELS
 from hetconv.ring import AUTO, MASTER, RING
@@ -157,6 +161,8 @@ class SplitChoice:
             return kernels  # no worker reached or no probe: the split by kernels stays
         self._predict_args = (comp_alone_s, comp_s, spec, chains_s)
         allowed = allowed_exchanges(self.inner.config, self._exchange)
+        if RING in allowed:  # the network cut in two: its first part by the ring
+            allowed += [w for w in kernels["image_split_s"] if w.startswith(CUT_WAY)]
         # Where the split by kernels would train alone, a split by images predicted faster at
         # all is taken: the alone check measures it against the master alone and releases the
         # workers where it is not (resnet20 batch 64 on the testbed: the ring predicted 1.07x,
@@ -235,7 +241,12 @@ class SplitChoice:
                               sorted(getattr(membership, "_discovered", ())))  # fmt: skip
         followed, found = self._followed
         old.close()
-        way = image_split_class(exchange) if split == IMAGES else Cluster
+        if split == IMAGES and exchange.startswith(CUT_WAY):
+            from .cutsplit import cut_split_class
+
+            way = cut_split_class(exchange.removeprefix(CUT_WAY))
+        else:
+            way = image_split_class(exchange) if split == IMAGES else Cluster
         self.inner = way(self.addresses, self._backend, self._config)
         if split == KERNELS:  # the probes at start hold: not again
             self.inner.known_probes = self._probes

@@ -93,6 +93,8 @@ def said(split: str, exchange: str | None) -> str:
     """A split as the console names it: ``the split by images (ring among the workers)``."""
     if split == KERNELS:
         return "the split by kernels"
+    if exchange is not None and exchange.startswith("cut:"):  # hetconv.cutcost.CUT_WAY
+        return f"the network cut after {exchange[4:]}'s block"
     return f"the split by images ({EXCHANGE_WORDS.get(exchange, exchange)})"
 
 

@@ -242,8 +242,8 @@ def _image_split(cluster, network, batch, comp_s, shape, alone, named, workers) 
 
 def _cut(cluster, network, batch, comp_s, shape, alone, named, workers) -> list:
     """The network cut in two where that is predicted fastest (``--split LAYER=images``,
-    :mod:`.cutplan`); none where it cannot be cut."""
-    from .cutplan import CUT_LABEL, best_cut
+    :mod:`hetconv.cutcost`); none where it cannot be cut."""
+    from hetconv.cutcost import CUT_LABEL, best_cut
 
     got = best_cut(cluster, network, batch, comp_s, shape)
     if got is None:
@@ -292,25 +292,33 @@ def auto_split(ranked: Sequence[Candidate]) -> str:
     run on this cluster: the fastest exact kernel split against the splits by images
     (:func:`hetconv.imagecost.choose_split`). A kernel split's layer modes are chosen by
     train itself; the fastest listed stands for them."""
-    split = IMAGES.values()
+    from hetconv.cutcost import CUT_WAY
+
+    cuts = {CUT_WAY + c.label.split(":")[0].removeprefix("cut after "): c
+            for c in ranked if c.label.startswith("cut after ")}  # fmt: skip
+    split = [*IMAGES.values(), *(c.label for c in cuts.values())]
     kernels = [c for c in ranked if c.kind == "hetconv" and c.exact and c.label not in split]
     images = {exchange: c.step_s for c in ranked for exchange, label in IMAGES.items()
               if c.label == label}  # fmt: skip
+    images.update({way: c.step_s for way, c in cuts.items()})
     if not kernels or not images:
         return ""
-    chosen = choose_split(kernels[0].step_s, images, [MASTER, RING])
+    allowed = [MASTER, RING, *cuts]
+    chosen = choose_split(kernels[0].step_s, images, allowed)
     line = f"--split auto (train's default with workers named): {_split_named(chosen)}"
     from hetconv.master.splittrial import describe_planned, runner_up
 
-    trial = runner_up(chosen, [MASTER, RING])
+    trial = runner_up(chosen, allowed)
     return line + (f"; {describe_planned(trial)}" if trial is not None else "")
 
 
 def _split_named(choice: dict) -> str:
     if choice["split"] == KERNELS:
         return f"split by kernels ({choice['why']})"
-    label = IMAGES[choice["exchange"]]
-    return f"{label} ({choice['why']})"
+    exchange = choice["exchange"]
+    if exchange.startswith("cut:"):
+        return f"the network cut after {exchange[4:]}'s block ({choice['why']})"
+    return f"{IMAGES[exchange]} ({choice['why']})"
 
 
 def format_plan(ranked: Sequence[Candidate]) -> str:

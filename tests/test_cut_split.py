@@ -142,6 +142,31 @@ def test_the_paper_network_cut_after_its_first_block_trains_as_local_training(tm
     assert all(r["exchange"] == "ring" for r in cluster.steps)
 
 
+def test_split_auto_may_choose_the_cut_and_it_trains_as_local_training(tmp_path, workers,
+                                                                        monkeypatch):  # fmt: skip
+    """``--split auto`` predicts each cut beside the other ways (``cut:LAYER``); chosen, the
+    master opens the cut over the same workers and the run is local training's."""
+    from exactness import same_as_local, train_strong_lrn
+    from test_split_auto import _forced
+
+    from hetconv.conv import LocalConv
+    from hetconv.master.cluster import ClusterConfig
+    from hetconv.master.splitchoice import SplitChoice
+
+    local = train_strong_lrn(tmp_path, "local", LocalConv())
+    _forced(monkeypatch, "cut:conv1")
+    trace = tmp_path / "trace.jsonl"
+    config = ClusterConfig(deterministic=True)
+    with SplitChoice(workers.addresses, config=config, alone_check=False) as cluster:
+        got = train_strong_lrn(tmp_path, "auto-cut", cluster, trace=str(trace))
+    same_as_local(got, local)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    plan, steps = records[0], [r for r in records if "step" in r]
+    assert plan["cut"] == "conv1" and plan["split_choice"]["exchange"] == "cut:conv1"
+    assert plan["split_choice"]["predicted_s"]["images (cut:conv1)"] > 0
+    assert all(r["split"] == "images" and r["cut"] == "conv1" for r in steps)
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_worker_killed_mid_step_the_master_computes_the_first_part(tmp_path, phase):
     """A worker stopped once step 3's FORWARD (or BACKWARD) calls are out and SIGKILLed 0.3 s
@@ -211,7 +236,7 @@ def test_the_plan_predicts_each_cut_and_ranks_the_fastest():
     command that runs it; a network that cannot be cut gets no row."""
     from hetconv.costcluster import MBIT, SimCluster, SimNode
     from hetconv.coststep import local_step_seconds
-    from hetconv.simulations.cutplan import cut_points, cut_step
+    from hetconv.cutcost import cut_points, cut_step
     from hetconv.simulations.plan import candidates
     from hetconv.workload import conv_layers
 

@@ -1,5 +1,7 @@
-"""A network cut in two in the plan (``hetconv train --split LAYER=images``,
-:mod:`hetconv.cutsplit`): each place the network may be cut, predicted, and the fastest.
+"""The cost of a network cut in two (``hetconv train --split LAYER=images``,
+:mod:`hetconv.cutsplit`): each place the network may be cut, predicted, and the fastest. Asked
+by ``hetconv plan`` (on a described cluster) and by ``--split auto`` (on the nodes as probed,
+:func:`hetconv.master.records.image_split_steps`).
 
 The first part is predicted as the whole network split by images with the ring would be
 (:func:`hetconv.imagecost.simulate_image_split`, no spot checks: the cut has none) on that part
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from hetconv.coststep import local_step_seconds
 from hetconv.cutsplit import cut_after, cut_spec
 from hetconv.imagecost import simulate_image_split
+from hetconv.model import CIFAR_INPUT
 from hetconv.onnx_import import load_network
 from hetconv.spec import spec_graph, walk_spec
 from hetconv.workload import conv_layers
@@ -46,6 +49,7 @@ def cut_points(spec: Sequence[dict]) -> list[str]:
 def cut_step(cluster, network, batch: int, comp_s: float, shape, layer: str):
     """(the predicted step, the master's bytes a step) of ``network`` cut after ``layer``."""
     spec = load_network(network).spec if isinstance(network, str) else list(network)
+    shape = CIFAR_INPUT if shape is None else tuple(shape)
     last = cut_after(spec, layer)
     first, rest = cut_spec(spec, last)
     walked = list(walk_spec(spec, tuple(shape)))
@@ -73,6 +77,8 @@ def _gather_seconds(cluster, nbytes: float) -> float:
     """The seconds ``nbytes``, an equal share from each worker, take to cross to the master
     (or back): the master's link shared, each worker's own, one streamed call's cost."""
     workers = cluster.workers
+    if not workers:
+        return math.inf
     shared = cluster.shared_bytes_per_s()[1]
     own = max(nbytes / len(workers) / w.bytes_per_s for w in workers)
     rtt = max(w.rtt_s for w in workers)
@@ -88,4 +94,15 @@ def _other_share(walked, last: int) -> float:
     return sum(values[: last + 1]) / total if total else 0.0
 
 
-__all__ = ["CUT_LABEL", "best_cut", "cut_points", "cut_step"]
+#: ``--split auto``'s name of a cut after ``layer`` among the ways of a split by images (an
+#: "exchange" of :func:`hetconv.imagecost.choose_split`): ``cut:LAYER``.
+CUT_WAY = "cut:"
+
+
+def cut_ways(cluster, spec, batch: int, comp_s: float, shape) -> dict[str, float]:
+    """Every cut's predicted step, by its way's name (:data:`CUT_WAY`)."""
+    return {CUT_WAY + name: cut_step(cluster, spec, batch, comp_s, shape, name)[0]
+            for name in cut_points(spec)}  # fmt: skip
+
+
+__all__ = ["CUT_LABEL", "CUT_WAY", "best_cut", "cut_points", "cut_step", "cut_ways"]
