@@ -77,9 +77,10 @@ def predict(
     from hetconv.simulations.calibrate import calibrate
 
     if (plan := _images_plan(trace)) is not None:
-        if plan.get("cut"):
-            raise ValueError(f"a network cut after {plan['cut']}'s block: the cost model does "
-                             "not model it yet")  # fmt: skip
+        cut = plan.get("cut") or str(plan.get("exchange") or "").removeprefix("cut:")
+        if plan.get("cut") or str(plan.get("exchange") or "").startswith("cut:"):
+            raise ValueError(f"a network cut after {cut}'s block: the testbed's prediction does "
+                             "not model it yet (the run's own is in its plan record)")  # fmt: skip
         return predict_images(trace, plan, link, rate_mbps, rtt_s, cap, master_port_shaped)
     if (alone := _master_only(trace)) is not None:
         return alone
