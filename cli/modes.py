@@ -57,12 +57,13 @@ FLAGS = {
             "layer modes do not apply); auto = with workers named or discovered, whichever the "
             "cost model predicts faster for the links and speeds measured at start (images only "
             "when predicted 10 %% faster; `hetconv plan` ranks both), else kernels (the embedded "
-            "default, --deterministic, or a kernel-split flag given); LAYER=images = the "
-            "network cut after LAYER's block (a convolution with the batch norm, ReLU, LRN and "
-            "pooling after it): the layers up to it split by images among the workers, their "
-            "gradient summed by the ring, the rest of the network on the master, on the whole "
-            "batch (a network whose first layers hold little of its weights: vgg11 with "
-            "conv6=images)",
+            "default, --deterministic, or a kernel-split flag given; it may also cut the "
+            "network as LAYER=images does); LAYER=images = the network cut after LAYER's block "
+            "(a convolution with the batch norm, ReLU, LRN and pooling after it; between "
+            "residual blocks, a block's sum): the layers up to it split by images among the "
+            "workers, their gradient summed by the ring, the rest of the network on the "
+            "master, on the whole batch (a network whose first layers hold little of its "
+            "weights: vgg11 with conv4=images; `hetconv plan` names the fastest cut)",
         ),
         ModeFlag(
             "--exchange",

@@ -31,17 +31,16 @@ CUT_LABEL = "cut after {layer}: first part split by images (ring), the rest on t
 
 
 def cut_points(spec: Sequence[dict]) -> list[str]:
-    """The convolutions ``spec`` may be cut after (:func:`hetconv.cutsplit.cut_after`), in
-    order; not the last one's block where the fc alone would follow."""
-    out = []
-    for name, entry in zip(spec_graph(spec).names, spec, strict=True):
-        if entry["type"] != "conv":
-            continue
+    """The layers ``spec`` may be cut after (:func:`hetconv.cutsplit.cut_after`), one for each
+    place (the first layer that names it: a convolution for its block), in order."""
+    out, seen = [], set()
+    for name in spec_graph(spec).names:
         try:
             last = cut_after(spec, name)
         except ValueError:
             continue
-        if any(e["type"] != "fc" for e in spec[last + 1 :]):
+        if last not in seen:
+            seen.add(last)
             out.append(name)
     return out
 

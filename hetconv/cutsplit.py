@@ -57,12 +57,12 @@ def cut_layer(value: str) -> str | None:
 
 def cut_after(spec: Sequence[Mapping], layer: str) -> int:
     """The position of the last layer of the first part when ``spec`` is cut after ``layer``:
-    a convolution, with the channel-local layers that follow it in a chain.
+    the layer with the channel-local layers that follow it in a chain (a convolution's block:
+    its batch norm, ReLU, LRN and pooling).
 
     Raises:
-        ValueError: no such layer, not a convolution, a cut no single tensor crosses (a layer
-            after it reads a layer before it, a residual connection), or nothing after it but
-            the network's output.
+        ValueError: no such layer, a cut no single tensor crosses (a layer after it reads a
+            layer before it: inside a residual block), or nothing after it but the fc.
     """
     graph = spec_graph(spec)
     kinds = [entry["type"] for entry in spec]
@@ -70,9 +70,10 @@ def cut_after(spec: Sequence[Mapping], layer: str) -> int:
         raise ValueError(f"--split {layer}=images: the network has no layer {layer!r} "
                          f"(its convolutions: {_convs(graph, kinds)})")  # fmt: skip
     at = graph.names.index(layer)
-    if kinds[at] != "conv":
-        raise ValueError(f"--split {layer}=images: {layer!r} is a {kinds[at]}, not a "
-                         f"convolution (the network's: {_convs(graph, kinds)})")  # fmt: skip
+    if kinds[at] in ("fc", "dropout"):
+        convs = _convs(graph, kinds)
+        raise ValueError(f"--split {layer}=images: {layer!r} is a {kinds[at]}: cut after a "
+                         f"convolution's block (the network's: {convs})")  # fmt: skip
     chain = graph.chain(at, lambda j: kinds[j] in CHANNEL_LOCAL and kinds[j] != "gap")
     last = chain[-1] if chain else at
     for j in range(last + 1, len(spec)):
@@ -82,27 +83,33 @@ def cut_after(spec: Sequence[Mapping], layer: str) -> int:
                 raise ValueError(
                     f"--split {layer}=images: layer {graph.names[j]!r}, after the cut, reads "
                     f"{read}, before it: cut where one tensor alone crosses (not inside a "
-                    "residual block)"
+                    "residual block; after a block's last layer, its ReLU)"
                 )
-    consumers = graph.consumers[last]
-    if len(consumers) != 1 or any(source == last for j in range(consumers[0] + 1, len(spec))
-                                  for source in graph.inputs[j]):  # fmt: skip
-        raise ValueError(f"--split {layer}=images: {graph.names[last]!r}'s output feeds more "
-                         "than one layer: cut where one layer alone reads it")  # fmt: skip
-    if kinds[-1] != "fc" or last >= len(spec) - 1:
-        raise ValueError(f"--split {layer}=images: nothing after the cut but the output")
+    if kinds[-1] != "fc" or all(kind in ("fc", "dropout") for kind in kinds[last + 1 :]):
+        raise ValueError(f"--split {layer}=images: nothing after the cut but the fc")
     return last
 
 
 def cut_spec(spec: Sequence[Mapping], last: int) -> tuple[list[dict], list[dict]]:
     """(the first part's spec, the rest's) of ``spec`` cut after position ``last``
     (:func:`cut_after`), every layer named as in the whole network (so each part's parameters
-    and buffers have the whole network's names); the rest's first layer reads its input."""
-    names = spec_graph(spec).names
-    named = [dict(entry, name=name) for entry, name in zip(spec, names, strict=True)]
+    and buffers have the whole network's names). The rest reads its input where the layers
+    after the cut read the cut's layer; where more than one does (a residual block's
+    convolution and its sum), through an identity first (a 1x1 max pool of stride 1, named
+    after the cut's layer), which the rest's layers name instead."""
+    graph = spec_graph(spec)
+    named = [dict(entry, name=name) for entry, name in zip(spec, graph.names, strict=True)]
     first, rest = named[: last + 1], named[last + 1 :]
-    rest[0].pop("inputs", None)  # it read the cut's layer: now the rest's input
-    return first, rest
+    readers = graph.consumers[last]
+    cut = graph.names[last]
+    if len(readers) == 1 and readers[0] == last + 1:
+        rest[0].pop("inputs", None)  # it read the cut's layer: now the rest's input
+        return first, rest
+    identity = {"type": "maxpool", "name": f"{cut}_cut", "kernel": 1, "stride": 1}
+    for entry in rest:
+        if "inputs" in entry:
+            entry["inputs"] = [identity["name"] if n == cut else n for n in entry["inputs"]]
+    return first, [identity, *rest]
 
 
 def _convs(graph, kinds) -> str:

@@ -326,7 +326,9 @@ def _aliased(spec, input_shape, model, executor) -> Model:
     part = Model(spec, input_shape=tuple(input_shape), seed=model.seed, executor=executor)
     whole = {layer.name: layer for layer in model.layers}
     for layer in part.layers:
-        own = whole[layer.name]
+        own = whole.get(layer.name)
+        if own is None:  # the rest's identity before a residual block (cutsplit.cut_spec)
+            continue
         layer.params, layer.buffers = own.params, own.buffers
         if isinstance(layer, Conv2d):
             layer._zero_bias = own._zero_bias

@@ -60,9 +60,9 @@ def test_vgg11_is_cut_after_a_convolutions_block_and_its_parts_keep_their_names(
     "network, layer, says",
     [
         ("vgg11", "conv9", "has no layer 'conv9' (its convolutions: conv1, conv2"),
-        ("vgg11", "bn2", "'bn2' is a batchnorm, not a convolution"),
+            ("vgg11", "fc", "'fc' is a fc: cut after a convolution's block"),
         ("resnet20", "s1b0_conv1", "reads relu1, before it"),
-        ("resnet20", "conv1", "feeds more than one layer"),
+        ("resnet20", "s1b0_bn2", "reads relu1, before it"),
     ],
 )
 def test_a_cut_no_single_tensor_crosses_is_refused_by_name(network, layer, says):
@@ -74,15 +74,17 @@ def test_a_cut_no_single_tensor_crosses_is_refused_by_name(network, layer, says)
 # -- real worker processes ---------------------------------------------------------------------
 
 
-def _train(tmp_path, name, executor, steps=20):
+def _train(tmp_path, name, executor, steps=20, preset=None):
     from exactness import RUN
 
     from hetconv.training import TrainConfig, train
 
-    spec = tmp_path / "cut-net.json"
-    spec.write_text(json.dumps(CUT_NET))
+    if preset is None:
+        spec = tmp_path / "cut-net.json"
+        spec.write_text(json.dumps(CUT_NET))
+        preset = str(spec)
     weights = tmp_path / f"{name}.npz"
-    config = TrainConfig(**{**RUN, "preset": str(spec), "save": str(weights), "steps": steps})
+    config = TrainConfig(**{**RUN, "preset": preset, "save": str(weights), "steps": steps})
     with executor:
         losses = train(config, executor, log=io.StringIO()).losses
     return losses, dict(np.load(weights))
@@ -125,6 +127,24 @@ def test_a_cut_network_trains_as_local_training(tmp_path, workers):
     assert all(
         r["nodes"][name]["digest"] == r["digest"] for r in cluster.steps for name in r["nodes"]
     )  # every worker's copy of the first part is the master's
+
+
+def test_resnet20_cut_between_its_stages_trains_as_local_training(tmp_path, workers):
+    """resnet20 cut after its first stage (the block's output read by the next block's
+    convolution and by its sum: the rest reads it through an identity). One step, as
+    tests/test_image_syncbn.py trains resnet20 split by images: at batch 8 the second step's
+    batch holds a ReLU input within round-off of zero, which summing by images flips (3 steps
+    here: the weights 2.8e-5 apart, over the 1e-5 the check allows)."""
+    from exactness import same_as_local
+
+    from hetconv.conv import LocalConv
+
+    run = dict(steps=1, preset="resnet20")
+    local = _train(tmp_path, "local", LocalConv(), **run)
+    cluster = _cut(workers.addresses, layer="s1b2_add")
+    got = _train(tmp_path, "cut", cluster, **run)
+    same_as_local(got, local)
+    assert all(r["exchange"] == "ring" and r["cut"] == "s1b2_add" for r in cluster.steps)
 
 
 def test_the_paper_network_cut_after_its_first_block_trains_as_local_training(tmp_path, workers):
@@ -242,7 +262,7 @@ def test_the_plan_predicts_each_cut_and_ranks_the_fastest():
 
     spec = load_spec("vgg11")
     assert cut_points(spec) == [f"conv{i}" for i in range(1, 8)]
-    assert cut_points(load_spec("resnet20")) == []
+    assert cut_points(load_spec("resnet20"))[:3] == ["conv1", "s1b0_add", "s1b1_add"]
     link = MBIT * 940
     workers = tuple(SimNode(f"w{i}", 60.0, bytes_per_s=link, rtt_s=0.003) for i in range(4))
     cluster = SimCluster(SimNode("m", 60.0, bytes_per_s=link), workers, "switched")
@@ -257,4 +277,4 @@ def test_the_plan_predicts_each_cut_and_ranks_the_fastest():
     best = min(steps, key=lambda name: steps[name][0])
     assert rows[0].label.startswith(f"cut after {best}:") and rows[0].exact
     assert f"--split {best}=images" in rows[0].how
-    assert not [c for c in candidates(cluster, "resnet20", 64, 0.05) if "cut" in c.label]
+    assert len([c for c in candidates(cluster, "resnet20", 64, 0.05) if "cut" in c.label]) == 1
