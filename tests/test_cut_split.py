@@ -60,7 +60,7 @@ def test_vgg11_is_cut_after_a_convolutions_block_and_its_parts_keep_their_names(
     "network, layer, says",
     [
         ("vgg11", "conv9", "has no layer 'conv9' (its convolutions: conv1, conv2"),
-            ("vgg11", "fc", "'fc' is a fc: cut after a convolution's block"),
+        ("vgg11", "fc", "'fc' is a fc: cut after a convolution's block"),
         ("resnet20", "s1b0_conv1", "reads relu1, before it"),
         ("resnet20", "s1b0_bn2", "reads relu1, before it"),
     ],

@@ -146,7 +146,10 @@ def test_a_switch_to_images_trains_as_local_training(tmp_path, local, workers, m
     plan, steps = records[0], [r for r in records if "step" in r]
     assert plan["split"] == "images" and plan["split_choice"]["exchange"] == exchange
     assert set(plan["split_choice"]["predicted_s"]) == {
-        "kernels", "images (master)", "images (ring)", "images (cut:conv1)"
+        "kernels",
+        "images (master)",
+        "images (ring)",
+        "images (cut:conv1)",
     }  # the network cut after conv1's block too (hetconv.cutcost)
     assert all(r["split"] == "images" and r["workers_computed"] == 2 for r in steps)
 
