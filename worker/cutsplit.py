@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetconv.batchnorm import BatchNorm2d
 from hetconv.errors import InvalidCall, MissingForward
 from hetconv.formats import FLOAT32
-from hetconv.imagesplit import _take_rows, sync_batchnorm
+from hetconv.imagesplit import _Later, _leave_kernels, _take_rows, sync_batchnorm
 from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import DONE, OWN, RING_ANSWER_VALUES
 from hetconv.wire import WireTensor
@@ -42,6 +43,7 @@ class CutPass:
     reduce: object  # the step's batch norm sums (imagesplit._BatchNormSums)
     seconds: dict = field(default_factory=dict)
     failed: bool = False  # a sum of the FORWARD failed: no BACKWARD can follow
+    later: object = None  # the kernel gradients backward leaves for its sums' waits
 
 
 def forward(calls, request: pb.ConvRequest, kept, parameters, x, make_sums):
@@ -60,6 +62,13 @@ def forward(calls, request: pb.ConvRequest, kept, parameters, x, make_sums):
         model.train()
         _take_rows(model, cut.first, int(d.batch))
         sync_batchnorm(model, reduce, int(d.batch))
+        # backward's kernel gradients computed while its batch norm sums wait (as a ring
+        # step's are: hetconv.imagesplit._Later), the rest once its passes are done
+        later = _Later() if any(isinstance(v, BatchNorm2d) for v in model.layers) else None
+        if later is not None:
+            reduce.meanwhile = later.drain
+        _leave_kernels(model, later)
+        cut.later = later
         with backend.scope():
             y = model.forward(backend.to_device(x), step=int(request.step))
             y = backend.to_host(y) if backend.on_device else y
@@ -101,6 +110,8 @@ def backward(calls, request: pb.ConvRequest, kept, dy):
     def work():
         with backend.scope():
             model.backward(backend.to_device(np.ascontiguousarray(dy, np.float32)))
+            if cut.later is not None:
+                cut.later.drain()
             backend.synchronize()
         return dict(model.gradients())
 
@@ -141,9 +152,10 @@ def check_backward(request: pb.ConvRequest, tensors: list[WireTensor], output) -
 
 
 def _release(model, batch: int) -> None:
-    """The model's own layers again (no sums, no rows of a batch)."""
+    """The model's own layers again (no sums, no rows of a batch, kernel gradients at once)."""
     _take_rows(model, None, batch)
     sync_batchnorm(model, None, batch)
+    _leave_kernels(model, None)
 
 
 def _outcome_values(outcome: int, seconds: dict) -> np.ndarray:
