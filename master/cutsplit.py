@@ -55,7 +55,7 @@ from hetconv.spec import walk_spec
 from .call import Call
 from .client import WorkerClient, WorkerError
 from .membership import MASTER as MASTER_NODE
-from .ring import RingImageSplit, _sum_ports, abort_on_failure, abort_ring
+from .ring import RingImageSplit, _sum_ports, abort_on_failure
 from .ringparts import WAIT_FLOOR_S
 
 #: What FORWARD answers; what BACKWARD answers after the first part's gradients.
@@ -263,11 +263,7 @@ class CutSplit(RingImageSplit):
             try:
                 got, outcome, seconds, d, stats = calls[node.name].result()
             except WorkerError as e:
-                self.membership.lose(node, e)
-                self._placed.pop(node.name, None)
-                for other, _, _ in ring:
-                    if other is not node and not calls[other.name].done():
-                        abort_ring(other.client, self.session, step)
+                self._lost(node, e, calls, ring, step)
                 answers[node.name] = None
                 self._record.setdefault(node.name, {}).update(covered_by=MASTER_NODE,
                                                               seconds=0.0)  # fmt: skip

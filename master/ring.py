@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 
-from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS, RING_PART
+from hetconv.calls import IMAGES_STEP, IMAGES_TENSORS
 from hetconv.costmodel import SimCluster, SimNode
 from hetconv.dataparallel import CollectiveCosts
 from hetconv.formats import FLOAT32, PALETTE8
@@ -83,7 +82,14 @@ from .imagesplit import ImageSplit
 from .membership import MASTER as MASTER_NODE
 from .membership import Node
 from .ringcheck import check_pricing, check_ring, drawn_ranges, run_late
-from .ringparts import WAIT_FLOOR_S, master_sender, put_master, put_master_part
+from .ringparts import (
+    WAIT_FLOOR_S,
+    abort_on_failure,
+    abort_ring,
+    master_sender,
+    put_master,
+    put_master_part,
+)
 
 #: The share of the weights' blocks a step's digests cover (:func:`hetconv.ring.digest`): a
 #: sample drawn anew each step.
@@ -145,36 +151,6 @@ def joined_sum(model, ring, answers: dict, slices: bool) -> dict | None:
     if vector.size != sum(p.size for p in params.values()):
         return None
     return dict(zip(params, unflat(vector, [p.shape for p in params.values()]), strict=True))
-
-
-def abort_ring(client: WorkerClient, session: int, step: int) -> None:
-    """Tell a worker this step's ring failed (best effort)."""
-    request = pb.ConvRequest(
-        phase=RING_PART.phase, session=session, step=step,
-        images=pb.ImagesStep(ring=pb.ImagesRing(abort=True)),
-    )  # fmt: skip
-    try:
-        client._call(RING_PART, f"ring abort of step {step}", request, [], [], {}, 2.0, 0)
-    except WorkerError:
-        pass
-
-
-def abort_on_failure(calls: dict[str, Call], ring, session: int, step: int) -> None:
-    """Wait until every call has ended or one has failed; once one failed (its worker gone
-    mid-step), tell every other worker still computing that this step's ring failed: one
-    waiting for the lost worker's part (batch norm's sums, a round of the gradient's) stops
-    now instead of at its wait's end."""
-    ended = threading.Event()
-    for call in calls.values():
-        call.notify(ended)
-    while not any(call.failed() for call in calls.values()):
-        if all(call.done() for call in calls.values()):
-            return
-        ended.wait()
-        ended.clear()
-    for node, _, _ in ring:
-        if not calls[node.name].done():
-            abort_ring(node.client, session, step)
 
 
 def _sum_ports(ring) -> list[int]:
@@ -525,11 +501,7 @@ class RingImageSplit(ImageSplit):
             got = calls[node.name].result()
             grads, losses, hits, outcome, d, buffers, piece, stats, seconds, sketch, sums = got
         except WorkerError as e:
-            self.membership.lose(node, e)
-            self._placed.pop(node.name, None)
-            for other, _, _ in ring:
-                if other is not node and not calls[other.name].done():
-                    abort_ring(other.client, self.session, step)
+            self._lost(node, e, calls, ring, step)
             return None
         self._record[node.name].update(
             seconds=stats.compute_seconds, wall_seconds=stats.wall_seconds,
@@ -537,6 +509,14 @@ class RingImageSplit(ImageSplit):
             **{k: round(v, 4) for k, v in seconds.items()},
         )  # fmt: skip
         return grads, losses, hits, outcome, d, buffers, piece, sketch, sums
+
+    def _lost(self, node: Node, error: WorkerError, calls: dict, ring, step: int) -> None:
+        """``node``'s call failed: lost, and the others told the step's ring failed."""
+        self.membership.lose(node, error)
+        self._placed.pop(node.name, None)
+        for other, _, _ in ring:
+            if other is not node and not calls[other.name].done():
+                abort_ring(other.client, self.session, step)
 
     def _update(self, model, gradient: dict, answers: dict, exchange: str) -> None:
         """The master's copy updated as every worker's is; each worker's digest compared."""

@@ -24,6 +24,7 @@ from hetconv.calls import RING_PART
 from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import MASTER_ROUND, buckets, flat
 
+from .call import Call
 from .client import WorkerClient, WorkerError
 
 #: Seconds a worker waits for one part of the ring at least (and a put of the master's part
@@ -122,4 +123,42 @@ def put_master(split, model, grads: dict, rank0, step: int, sender: MasterBucket
     return vector.nbytes
 
 
-__all__ = ["WAIT_FLOOR_S", "MasterBuckets", "master_sender", "put_master", "put_master_part"]
+def abort_ring(client: WorkerClient, session: int, step: int) -> None:
+    """Tell a worker this step's ring failed (best effort)."""
+    request = pb.ConvRequest(
+        phase=RING_PART.phase, session=session, step=step,
+        images=pb.ImagesStep(ring=pb.ImagesRing(abort=True)),
+    )  # fmt: skip
+    try:
+        client._call(RING_PART, f"ring abort of step {step}", request, [], [], {}, 2.0, 0)
+    except WorkerError:
+        pass
+
+
+def abort_on_failure(calls: dict[str, Call], ring, session: int, step: int) -> None:
+    """Wait until every call has ended or one has failed; once one failed (its worker gone
+    mid-step), tell every other worker still computing that this step's ring failed: one
+    waiting for the lost worker's part (batch norm's sums, a round of the gradient's) stops
+    now instead of at its wait's end."""
+    ended = threading.Event()
+    for call in calls.values():
+        call.notify(ended)
+    while not any(call.failed() for call in calls.values()):
+        if all(call.done() for call in calls.values()):
+            return
+        ended.wait()
+        ended.clear()
+    for node, _, _ in ring:
+        if not calls[node.name].done():
+            abort_ring(node.client, session, step)
+
+
+__all__ = [
+    "abort_on_failure",
+    "abort_ring",
+    "WAIT_FLOOR_S",
+    "MasterBuckets",
+    "master_sender",
+    "put_master",
+    "put_master_part",
+]
