@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -278,3 +279,69 @@ def test_the_plan_predicts_each_cut_and_ranks_the_fastest():
     assert rows[0].label.startswith(f"cut after {best}:") and rows[0].exact
     assert f"--split {best}=images" in rows[0].how
     assert len([c for c in candidates(cluster, "resnet20", 64, 0.05) if "cut" in c.label]) == 1
+
+
+# -- the worker refuses what a cut's calls cannot be ------------------------------------------
+
+
+def _cut_request(first_spec, phase, ring=True, place=False, batch=4, peers=("x",)):
+    from hetconv.calls import IMAGES_STEP
+    from hetconv.proto import worker_pb2 as pb
+
+    images = pb.ImagesStep(spec_json=json.dumps(first_spec), input_shape=[3, 32, 32], seed=0,
+                           first=0, batch=batch, cut_phase=phase)  # fmt: skip
+    if ring:
+        images.ring.CopyFrom(pb.ImagesRing(peers=list(peers), rank=0, version=0, place=place,
+                                           lr=0.01, answer_sum=True, wait_seconds=5.0))  # fmt: skip
+    return pb.ConvRequest(phase=IMAGES_STEP.phase, session=9, step=0, images=images)
+
+
+def test_a_worker_refuses_bad_cut_calls_by_name_and_goes_on_serving(workers):
+    """No ring, an unknown phase, a gradient of the wrong shape, a BACKWARD with no FORWARD
+    kept: each refused naming it (the last FAILED_PRECONDITION, the others INVALID_ARGUMENT);
+    then a FORWARD and its BACKWARD on a ring of one are answered."""
+    import grpc
+
+    from hetconv.formats import FLOAT32
+    from hetconv.master.client import WorkerClient
+    from hetconv.master.cutsplit import cut_call
+    from hetconv.model import Model
+    from hetconv.ring import buffer_name
+
+    spec = load_spec("vgg11")
+    first, _ = cut_spec(spec, cut_after(spec, "conv1"))  # conv1, bn1, relu1, maxpool1
+    model = Model(first)
+    names = tuple(model.parameters())
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
+    dy = rng.standard_normal((4, 64, 16, 16)).astype(np.float32)
+    address = workers.addresses[0]
+    client = WorkerClient(address, 10.0)
+    forward_arrays = [("x", x), ("labels", np.zeros(4, np.float32))]
+
+    def call(request, arrays):
+        return cut_call(client, request, arrays, [FLOAT32] * len(arrays), 10.0, names, 10**8)
+
+    try:
+        for request, arrays, says, code in [
+            (_cut_request(first, 1, ring=False), forward_arrays, "needs a ring",
+             grpc.StatusCode.INVALID_ARGUMENT),
+            (_cut_request(first, 3, peers=[address]), forward_arrays, "cut_phase 3",
+             grpc.StatusCode.INVALID_ARGUMENT),
+            (_cut_request(first, 2, peers=[address]), [("dy", dy[:, :8])],
+             "expected float32 (count >= 1, 64, 16, 16)", grpc.StatusCode.INVALID_ARGUMENT),
+            (_cut_request(first, 2, peers=[address]), [("dy", dy)], "no forward of it kept",
+             grpc.StatusCode.FAILED_PRECONDITION),
+        ]:  # fmt: skip
+            with pytest.raises(Exception, match=re.escape(says)) as caught:
+                call(request, arrays)
+            assert getattr(caught.value, "code", None) == code, says
+        buffers = [(buffer_name(k), np.asarray(v, np.float32)) for k, v in model.buffers().items()]
+        placed = [*model.parameters().items(), *buffers]
+        got, outcome, _, _, _ = call(_cut_request(first, 1, place=True, peers=[address]),
+                                     [*placed, *forward_arrays])  # fmt: skip
+        assert got["y"].shape == (4, 64, 16, 16) and outcome == 2  # DONE
+        got, outcome, _, _, _ = call(_cut_request(first, 2, peers=[address]), [("dy", dy)])
+        assert outcome == 1 and all(got[n].shape == model.parameters()[n].shape for n in names)
+    finally:
+        client.close()
