@@ -35,7 +35,6 @@ from hetconv.formats import FLOAT32, PALETTE8
 from hetconv.imagesplit import parameter_shapes, spec_json
 from hetconv.layers import Conv2d, Dropout, softmax_cross_entropy
 from hetconv.model import Model
-from hetconv.optim import sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import (
     OWN,
@@ -56,7 +55,7 @@ from .call import Call
 from .client import WorkerClient, WorkerError
 from .membership import MASTER as MASTER_NODE
 from .ring import RingImageSplit, _sum_ports, abort_on_failure
-from .ringparts import WAIT_FLOOR_S
+from .ringparts import WAIT_FLOOR_S, compare_digests, update_copy
 
 #: What FORWARD answers; what BACKWARD answers after the first part's gradients.
 FORWARD_ANSWER, BACKWARD_ANSWER = ("y", "ring"), ("ring", "buffers", "slice")
@@ -283,26 +282,14 @@ class CutSplit(RingImageSplit):
         """The master's copy of the first part updated as every worker's is; each worker's
         digest compared with it."""
         params = model.parameters()
-        for name in self._first_names:
-            buf = sgd_update(params[name], gradient[name], self._momentum.get(name), self._sgd)
-            if buf is not None:
-                self._momentum[name] = buf
+        update_copy(params, self._first_names, gradient, self._momentum, self._sgd)
         self._version += 1
         state = model.buffers()
         values = [params[n] for n in self._first_names]
         mine = digest([*values, flat([np.asarray(state[n], np.float32)
                                       for n in self._buffer_names])])  # fmt: skip
         self._ring_record = {"exchange": exchange, "digest": mine.hex(), "cut": self.layer}
-        for name, got in answers.items():
-            self._placed.pop(name, None)
-            if got is None or exchange != RING or got[1] == OWN:
-                continue
-            self._record[name]["digest"] = got[2].hex()
-            if got[2] == mine:
-                self._placed[name] = self._version
-            else:
-                self._record[name]["weights_differ"] = True
-                self._events.emit("weights_differ", name, action="placed again next step")
+        compare_digests(self, answers, exchange, mine, lambda got: (got[1], got[2]))
 
     def plan_record(self) -> dict:
         record = super().plan_record()

@@ -50,7 +50,6 @@ from hetconv.costmodel import SimCluster, SimNode
 from hetconv.dataparallel import CollectiveCosts
 from hetconv.formats import FLOAT32, PALETTE8
 from hetconv.imagesplit import batch_loss, image_ranges, parameter_shapes, spec_json
-from hetconv.optim import sgd_update
 from hetconv.proto import worker_pb2 as pb
 from hetconv.ring import (
     AUTO,
@@ -86,9 +85,11 @@ from .ringparts import (
     WAIT_FLOOR_S,
     abort_on_failure,
     abort_ring,
+    compare_digests,
     master_sender,
     put_master,
     put_master_part,
+    update_copy,
 )
 
 #: The share of the weights' blocks a step's digests cover (:func:`hetconv.ring.digest`): a
@@ -521,10 +522,7 @@ class RingImageSplit(ImageSplit):
     def _update(self, model, gradient: dict, answers: dict, exchange: str) -> None:
         """The master's copy updated as every worker's is; each worker's digest compared."""
         params = model.parameters()
-        for name, p in params.items():
-            buf = sgd_update(p, gradient[name], self._momentum.get(name), self._sgd)
-            if buf is not None:
-                self._momentum[name] = buf
+        update_copy(params, params, gradient, self._momentum, self._sgd)
         self._version += 1
         state = [*params.values(), flat(list(model.buffers().values()))]
         mine = digest(state, self._digest_seed, self.digest_share)
@@ -533,16 +531,7 @@ class RingImageSplit(ImageSplit):
             "exchange": exchange, "digest": mine.hex(), "master_part_bytes": self._part_bytes,
             "master_update_seconds": round(after, 4), **getattr(self, "_master_choice", {}),
         }  # fmt: skip
-        for name, got in answers.items():
-            self._placed.pop(name, None)
-            if got is None or exchange != RING or got[3] == OWN:
-                continue  # not updated by the ring: placed again
-            self._record[name]["digest"] = got[4].hex()
-            if got[4] == mine:
-                self._placed[name] = self._version
-            else:  # a fault: its copy is not the master's
-                self._record[name]["weights_differ"] = True
-                self._events.emit("weights_differ", name, action="placed again next step")
+        compare_digests(self, answers, exchange, mine, lambda got: (got[3], got[4]))
 
     # -- records ---------------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ import threading
 import numpy as np
 
 from hetconv.calls import RING_PART
+from hetconv.optim import sgd_update
 from hetconv.proto import worker_pb2 as pb
-from hetconv.ring import MASTER_ROUND, buckets, flat
+from hetconv.ring import MASTER_ROUND, OWN, RING, buckets, flat
 
 from .call import Call
 from .client import WorkerClient, WorkerError
@@ -153,7 +154,37 @@ def abort_on_failure(calls: dict[str, Call], ring, session: int, step: int) -> N
             abort_ring(node.client, session, step)
 
 
+def update_copy(params: dict, names, gradient: dict, momentum: dict, sgd) -> None:
+    """The master's copy of the parameters ``names`` updated as every ring worker updates its
+    own (:func:`~hetconv.optim.sgd_update`, the momentum buffers kept in ``momentum``)."""
+    for name in names:
+        buf = sgd_update(params[name], gradient[name], momentum.get(name), sgd)
+        if buf is not None:
+            momentum[name] = buf
+
+
+def compare_digests(cluster, answers: dict, exchange: str, mine: bytes, outcome_digest) -> None:
+    """Each ring worker's digest of its weights (``outcome_digest(answer)``: its outcome and
+    digest) against the master's copy's (``mine``): where equal it holds the copy's version;
+    otherwise, or where the step did not update it by the ring, it is placed again."""
+    for name, got in answers.items():
+        cluster._placed.pop(name, None)
+        if got is None or exchange != RING:
+            continue  # not updated by the ring: placed again
+        outcome, theirs = outcome_digest(got)
+        if outcome == OWN:
+            continue
+        cluster._record[name]["digest"] = theirs.hex()
+        if theirs == mine:
+            cluster._placed[name] = cluster._version
+        else:  # a fault: its copy is not the master's
+            cluster._record[name]["weights_differ"] = True
+            cluster._events.emit("weights_differ", name, action="placed again next step")
+
+
 __all__ = [
+    "compare_digests",
+    "update_copy",
     "abort_on_failure",
     "abort_ring",
     "WAIT_FLOOR_S",
